@@ -1,0 +1,95 @@
+"""The engine-client interface: the one way the server, the CLI and the load scenarios talk to the engine.
+
+Torch-free types only. The serving core implements `EngineClient` (an engine thread stepping
+`Engine.step()` behind an asyncio facade); the server depends on this protocol, never on engine internals,
+so its tests can drive a real engine on CPU through exactly the surface production uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+
+from engine.switches import SwitchState
+from engine.telemetry import EventBus
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class RequestOutput:
+    """One increment of one request's output; the last one has `finished=True` and a finish reason.
+
+    `text` is the detokenized increment with stop strings already cut; `token_ids` are the new tokens.
+    Token counts are cumulative so any increment can fill in `usage`.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    ready: bool
+    reason: str  # "ready", "loading: ...", "dead: <the real error>"
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server needs from an engine. Implemented by `engine.async_engine.AsyncEngine`."""
+
+    model_name: str
+    context_tokens: int
+    bus: EventBus
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Admit (or queue) the request and yield its outputs. Raises RequestRejected / QueueFull /
+        EngineDead before the first yield when it cannot be taken. Cancelling the iterator aborts it."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def health(self) -> Health: ...
+
+    def state(self) -> dict[str, Any]:
+        """Snapshot for /strata/state: config, switches, slots, graph cache, VRAM breakdown, tier."""
+        ...
+
+    async def set_switch(self, name: str, enabled: bool) -> SwitchState: ...
+
+    async def set_vram_reserve(self, mib: int) -> int: ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,178 @@
+"""EngineConfig: every option of `strata-engine serve`, validated in one place. Torch-free.
+
+The TUI builds an EngineConfig from a profile's `[engine]` section, validates it with the same rules the
+engine uses, and turns it into argv with `to_argv()`; the engine's CLI parses argv back into one. So a
+profile that the TUI accepts is one the engine accepts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+from engine.errors import ConfigError
+
+BUILTIN_MODEL = "builtin:strata-tiny"
+KV_DTYPES = ("bf16", "int8")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_CONTEXT_TOKENS = 262144
+DEFAULT_VRAM_RESERVE_MIB = 1024
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_CUDA_RE = re.compile(r"^cuda(:\d+)?$")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's options. Field names are the CLI's long options with `-` as `_`."""
+
+    model: str = BUILTIN_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    batch: int = 4
+    batch_mtp: bool = False
+    mtp_depth: int = 1
+    kv: str = "bf16"
+    kv_resident: int | None = None  # tokens of each slot's KV kept on the GPU; None = all of it
+    context: int = 8192  # tokens per slot
+    vram_reserve_mib: int = DEFAULT_VRAM_RESERVE_MIB
+    peer_device: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    queue_max: int = 256
+    prefill_chunk_tokens: int = 2048
+    step_token_budget: int = 4096
+    graphs: bool = True  # CUDA graphs where the device has them; CPU always runs eagerly
+    tier_wait_polls: int = 20
+    tier_wait_interval_s: float = 0.08
+    switches: Mapping[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first parameter and value that cannot work."""
+        _positive("batch", self.batch, upper=256)
+        _positive("mtp_depth", self.mtp_depth, upper=8)
+        _positive("context", self.context, upper=MAX_CONTEXT_TOKENS)
+        _positive("queue_max", self.queue_max)
+        _positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
+        _positive("step_token_budget", self.step_token_budget)
+        _positive("tier_wait_polls", self.tier_wait_polls, lower=0)
+        if not self.model:
+            raise ConfigError("model", self.model, "a checkpoint directory or builtin:strata-tiny is required")
+        if not _DEVICE_RE.match(self.device):
+            raise ConfigError("device", self.device, "expected auto, cpu or cuda:N")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError("dtype", self.dtype, f"expected one of {', '.join(MODEL_DTYPES)}")
+        if self.kv not in KV_DTYPES:
+            raise ConfigError("kv", self.kv, f"expected one of {', '.join(KV_DTYPES)}")
+        if self.kv_resident is not None:
+            _positive("kv_resident", self.kv_resident, upper=self.context)
+        if self.vram_reserve_mib < 0 or self.vram_reserve_mib > 1 << 20:
+            raise ConfigError("vram_reserve_mib", self.vram_reserve_mib, "expected 0..1048576 MiB")
+        if self.peer_device is not None and not _CUDA_RE.match(self.peer_device):
+            raise ConfigError("peer_device", self.peer_device, "expected cuda:N")
+        if not (0 <= self.port <= 65535):
+            raise ConfigError("port", self.port, "expected 0..65535 (0 picks a free port)")
+        if not self.host:
+            raise ConfigError("host", self.host, "an address to bind is required")
+        if self.prefill_chunk_tokens > self.step_token_budget:
+            raise ConfigError(
+                "prefill_chunk_tokens",
+                self.prefill_chunk_tokens,
+                f"must not exceed step_token_budget ({self.step_token_budget})",
+            )
+        if self.tier_wait_interval_s < 0:
+            raise ConfigError("tier_wait_interval_s", self.tier_wait_interval_s, "must be >= 0")
+        from engine.switches import get_switch
+
+        for name in self.switches:
+            get_switch(name)  # raises UnknownSwitch naming the typo
+
+    # --- conversions -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        """Build from a dict (a profile's [engine] section); unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        for key in values:
+            if key.replace("-", "_") not in known:
+                raise ConfigError(key, values[key], f"unknown engine option; known: {', '.join(sorted(known))}")
+        clean = {k.replace("-", "_"): v for k, v in values.items()}
+        for f in fields(cls):
+            if f.name in clean:
+                clean[f.name] = _coerce(f.name, f.type, clean[f.name])
+        return cls(**clean)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["switches"] = dict(self.switches)
+        return data
+
+    def to_argv(self) -> list[str]:
+        """The `serve` options that differ from the defaults, as argv (switches go in the environment)."""
+        default = EngineConfig()
+        argv: list[str] = []
+        for f in fields(self):
+            if f.name == "switches":
+                continue
+            value = getattr(self, f.name)
+            if value == getattr(default, f.name) and f.name not in ("model",):
+                continue
+            opt = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                if f.name == "graphs":
+                    argv.append("--graphs" if value else "--no-graphs")
+                elif value:
+                    argv.append(opt)
+            elif value is not None:
+                argv += [opt, str(value)]
+        return argv
+
+    def switch_env(self) -> dict[str, str]:
+        """`STRATA_<NAME>` variables for the switches this config turns on or off explicitly."""
+        from engine.switches import get_switch
+
+        return {get_switch(n).env_var: "1" if on else "0" for n, on in self.switches.items()}
+
+
+def _positive(name: str, value: Any, upper: int | None = None, lower: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, value, "expected a whole number")
+    if value < lower or (upper is not None and value > upper):
+        bound = f"{lower}..{upper}" if upper is not None else f">= {lower}"
+        raise ConfigError(name, value, f"expected {bound}")
+
+
+def _coerce(name: str, type_hint: Any, value: Any) -> Any:
+    """Accept what TOML and argv give (ints, bools, strings) and turn mistakes into ConfigError."""
+    hint = str(type_hint)
+    if value is None:
+        return None
+    if hint.startswith("bool"):
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(name, value, "expected true or false")
+    if hint.startswith("int"):
+        if isinstance(value, bool):
+            raise ConfigError(name, value, "expected a whole number")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        raise ConfigError(name, value, "expected a whole number")
+    if hint.startswith("float"):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(name, value, "expected a number")
+    if hint.startswith("str"):
+        if isinstance(value, str):
+            return value or (None if "None" in hint else value)
+        raise ConfigError(name, value, "expected a string")
+    if hint.startswith("Mapping"):
+        if isinstance(value, Mapping):
+            return {str(k): bool(v) for k, v in value.items()}
+        raise ConfigError(name, value, "expected a table of NAME = true/false")
+    return value

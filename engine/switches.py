@@ -1,0 +1,167 @@
+"""The opt-in switch registry and its run-time state. Torch-free: the TUI and the server import it.
+
+A switch is an alternative code path that helps somewhere (measured in `docs/SWITCHES.md` and the
+benchmarks). It is off unless the environment variable `STRATA_<NAME>=1` is set at start. Switches marked
+`live` can also be toggled on a running engine through `POST /strata/switches/{NAME}`; the others are read
+at start only. A switch whose code path fails at run time is *degraded*: turned off for the rest of the run,
+with the reason kept, instead of the engine exiting (the seed report's failure).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from engine.errors import SwitchNeedsRestart, UnknownSwitch
+
+ENV_PREFIX = "STRATA_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One opt-in switch: what it is, whether it can change live, and what it was measured to do."""
+
+    name: str
+    description: str
+    live: bool
+    effect: str = "not yet measured"
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX + self.name
+
+
+SWITCHES: tuple[Switch, ...] = (
+    Switch(
+        "SPLIT_ATTN",
+        "split-KV (flash-decoding) attention for long-context decode; its scratch grows with context",
+        live=True,
+    ),
+    Switch(
+        "FUSED_PROJ",
+        "fuse the q/k/v and gate/up projections into one matmul each (weights concatenated at load)",
+        live=False,
+    ),
+    Switch(
+        "CAPTURE_ALL",
+        "capture every decode/verify/drafter graph bucket at start instead of lazily on first need",
+        live=False,
+    ),
+    Switch(
+        "PINNED_STAGING",
+        "stage step inputs through pinned host buffers and copy them to the device asynchronously",
+        live=False,
+    ),
+    Switch(
+        "COMPILE",
+        "torch.compile the step functions before graph capture (slower start, faster steps)",
+        live=False,
+    ),
+)
+
+_BY_NAME = {s.name: s for s in SWITCHES}
+
+
+def switch_names() -> list[str]:
+    return [s.name for s in SWITCHES]
+
+
+def get_switch(name: str) -> Switch:
+    """Look a switch up by its name (`SPLIT_ATTN`) or its variable (`STRATA_SPLIT_ATTN`)."""
+    key = name.upper()
+    if key.startswith(ENV_PREFIX):
+        key = key[len(ENV_PREFIX) :]
+    try:
+        return _BY_NAME[key]
+    except KeyError:
+        raise UnknownSwitch(name, switch_names()) from None
+
+
+def parse_flag(var: str, raw: str) -> bool:
+    """Read one `STRATA_*` value; anything but a clear yes/no is an error naming the variable."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    from engine.errors import ConfigError
+
+    raise ConfigError(var, raw, "expected 1/0, true/false, yes/no or on/off")
+
+
+def switches_from_env(environ: Mapping[str, str]) -> dict[str, bool]:
+    """Every registered switch's start value from an environment mapping."""
+    return {s.name: parse_flag(s.env_var, environ.get(s.env_var, "")) for s in SWITCHES}
+
+
+@dataclass
+class SwitchState:
+    """A switch's state on a running engine."""
+
+    name: str
+    enabled: bool
+    degraded: bool = False
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        sw = _BY_NAME[self.name]
+        return {
+            "name": self.name,
+            "env_var": sw.env_var,
+            "description": sw.description,
+            "live": sw.live,
+            "effect": sw.effect,
+            "enabled": self.enabled,
+            "degraded": self.degraded,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class SwitchBoard:
+    """Thread-safe run-time switch states. The engine thread reads; control routes write."""
+
+    states: dict[str, SwitchState] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, bool]) -> "SwitchBoard":
+        board = cls()
+        for s in SWITCHES:
+            board.states[s.name] = SwitchState(s.name, bool(values.get(s.name, False)))
+        return board
+
+    def enabled(self, name: str) -> bool:
+        return self.states[get_switch(name).name].enabled
+
+    def set_live(self, name: str, enabled: bool) -> SwitchState:
+        """Toggle a live switch. Raises SwitchNeedsRestart for start-only switches, UnknownSwitch for typos.
+
+        Re-enabling a degraded switch clears the degradation: the person at the terminal asked for it again.
+        """
+        sw = get_switch(name)
+        with self._lock:
+            state = self.states[sw.name]
+            if state.enabled == enabled:
+                return state
+            if not sw.live:
+                raise SwitchNeedsRestart(sw.name)
+            state.enabled = enabled
+            if enabled:
+                state.degraded, state.reason = False, ""
+            return state
+
+    def degrade(self, name: str, reason: str) -> SwitchState:
+        """Turn a switch off for the rest of the run because its code path failed; keeps the reason."""
+        sw = get_switch(name)
+        with self._lock:
+            state = self.states[sw.name]
+            state.enabled, state.degraded, state.reason = False, True, reason
+            return state
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [self.states[s.name].to_json() for s in SWITCHES]
