@@ -1,0 +1,46 @@
+"""`strata-engine serve | generate | bench`: argument parsing and dispatch only.
+
+Each subcommand lives in its own module (`cli_serve`, `cli_generate`, `cli_bench`) and is imported only when
+chosen, so `--help` is fast and a broken optional part cannot break the others. Expected failures
+(StrataError: bad option, bad checkpoint, ...) print one line on stderr and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from engine.errors import StrataError
+
+SUBCOMMANDS = {
+    "serve": ("engine.cli_serve", "run the OpenAI-compatible server"),
+    "generate": ("engine.cli_generate", "generate text for one prompt and print it"),
+    "bench": ("engine.cli_bench", "measure decode, prefill, MTP and graph figures; print a table, write JSON"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata-engine", description="Strata inference engine")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except StrataError as exc:
+        print(f"strata-engine {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
