@@ -59,3 +59,18 @@ class EagerExecutor:
 
     def snapshot(self) -> dict[str, Any]:
         return {"enabled": False, "graphs": [], "total_mib": 0.0}
+
+
+class GraphDegraded(RuntimeError):
+    """A step could not be captured even after the out-of-memory recovery path.
+
+    `switch` names the opt-in switch responsible (the caller degrades it), or None when the step belongs to
+    MTP drafting itself (the caller turns drafting off). `error` is the real error text.
+    """
+
+    def __init__(self, kind: str, key: object, switch: str | None, error: str) -> None:
+        self.kind = kind
+        self.key = key
+        self.switch = switch
+        self.error = error
+        super().__init__(f"{kind} graph {key!r} degraded ({switch or 'mtp'}): {error}")
