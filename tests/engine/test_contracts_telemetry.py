@@ -1,0 +1,59 @@
+"""Telemetry: JSON round trip for every event type, history for late subscribers, bounded slow subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.telemetry import EVENT_TYPES, SCHEMA_VERSION, EventBus, GraphEvent, SlotEvent, event_from_json
+
+
+@pytest.mark.parametrize("name", sorted(EVENT_TYPES))
+def test_every_event_round_trips_through_json(name: str) -> None:
+    bus = EventBus()
+    event = bus.publish(EVENT_TYPES[name]())
+    data = event.to_json()
+    assert data["type"] == name and data["v"] == SCHEMA_VERSION and data["seq"] == 1
+    assert event_from_json(data) == event
+
+
+def test_unknown_fields_are_ignored_and_unknown_types_rejected() -> None:
+    data = GraphEvent(action="fail", error="CUDA error: out of memory").to_json() | {"future_field": 1}
+    assert event_from_json(data).error == "CUDA error: out of memory"
+    with pytest.raises(ValueError, match="unknown telemetry event type"):
+        event_from_json({"type": "nope"})
+
+
+def test_late_subscriber_gets_history_after_a_sequence_number() -> None:
+    bus = EventBus(history=10)
+    for i in range(15):
+        bus.publish(SlotEvent(slot=i))
+    sub = bus.subscribe(after_seq=12)
+    assert [e.seq for e in sub.drain()] == [13, 14, 15]
+    assert [e.seq for e in bus.subscribe(after_seq=0).drain()] == list(range(6, 16))  # history is bounded
+    assert bus.subscribe(after_seq=None).drain() == []
+
+
+def test_slow_subscriber_drops_oldest_and_counts_without_blocking_the_publisher() -> None:
+    bus = EventBus()
+    sub = bus.subscribe(after_seq=None, max_queue=4)
+    for i in range(10):
+        bus.publish(SlotEvent(slot=i))
+    got = sub.drain()
+    assert [e.slot for e in got] == [6, 7, 8, 9]
+    assert sub.dropped == 6
+
+
+def test_threaded_publisher_wakes_an_async_subscriber() -> None:
+    async def main() -> list[int]:
+        bus = EventBus()
+        sub = bus.subscribe(after_seq=None, loop=asyncio.get_running_loop())
+        threading.Timer(0.05, lambda: bus.publish(SlotEvent(slot=7))).start()
+        events = await sub.aget(timeout_s=2.0)
+        sub.close()
+        bus.publish(SlotEvent(slot=8))  # a closed subscription receives nothing more
+        return [e.slot for e in events] + [e.slot for e in sub.drain()]
+
+    assert asyncio.run(main()) == [7]
