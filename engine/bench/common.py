@@ -1,0 +1,107 @@
+"""What every torch benchmark shares: the model it measures, the device, timing, and the environment record.
+
+`--model random:0.6b` (or `random:tiny`, optionally `random:0.6b+mtp`) writes a random-weight checkpoint of that
+shape once per (size, dtype, MTP) into a cache directory and reuses it, so every benchmark of one GPU run, and
+every peer in it, measures the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.bench.report import environment
+from engine.errors import ConfigError
+
+RANDOM_PREFIX = "random:"
+_CACHE_ENV = "STRATA_BENCH_CACHE"
+_DONE_MARK = ".complete"
+
+
+def device_of(name: str) -> torch.device:
+    """`auto` -> cuda:0 when available, else cpu; a CUDA device that is not there is a ConfigError."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError("device", name, "expected auto, cpu or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", name, "CUDA device requested but torch sees no CUDA device")
+    return dev
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds `fn()` took, with the device drained before and after (kernels are asynchronous)."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def checkpoint_dtype(model_dtype: str, device: torch.device) -> str:
+    """The dtype a random checkpoint is written in: what the engine will run it in."""
+    if model_dtype != "auto":
+        return model_dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def prepare_model(spec: str, device: torch.device, model_dtype: str = "auto") -> str:
+    """A `--model` value the engine and the peers can both load: `random:SIZE[+mtp]` becomes a directory."""
+    if not spec.startswith(RANDOM_PREFIX):
+        return spec
+    size, _, extra = spec[len(RANDOM_PREFIX):].partition("+")
+    if extra not in ("", "mtp"):
+        raise ConfigError("model", spec, "expected random:SIZE or random:SIZE+mtp")
+    from engine.model.random_checkpoint import SIZES, write_random_checkpoint
+
+    if size not in SIZES:
+        raise ConfigError("model", spec, f"unknown random size; known: {', '.join(SIZES)}")
+    dtype = checkpoint_dtype(model_dtype, device)
+    root = Path(os.environ.get(_CACHE_ENV) or Path(tempfile.gettempdir()) / "strata-bench-checkpoints")
+    directory = root / f"{size}-{dtype}-{extra or 'nomtp'}"
+    if not (directory / _DONE_MARK).exists():
+        write_random_checkpoint(directory, "qwen3", "deepseek" if extra else None, size=size, dtype=dtype)
+        (directory / _DONE_MARK).write_text("written by engine.bench.common.prepare_model\n")
+    return str(directory)
+
+
+def weight_bytes(path: str) -> int:
+    """Bytes of the weights as stored (the safetensors files): what one decode step must read."""
+    from engine.model.loader import resolve_model_path
+
+    return sum(f.stat().st_size for f in resolve_model_path(path).glob("*.safetensors"))
+
+
+def torch_env(device: torch.device) -> dict[str, Any]:
+    """The environment record with torch, the device's name and, when installed, transformers."""
+    extra: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        extra.update(device_name=props.name, device_total_mib=props.total_memory / 2**20,
+                     cuda=torch.version.cuda)
+    try:
+        import transformers
+
+        extra["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return environment(extra)
+
+
+def random_prompt(n_tokens: int, vocab_size: int, seed: int) -> list[int]:
+    """Token ids below the top sixteenth of the vocabulary (where Qwen-family special tokens live)."""
+    gen = torch.Generator().manual_seed(seed)
+    upper = max(2, vocab_size - vocab_size // 16)
+    return torch.randint(0, upper, (n_tokens,), generator=gen).tolist()

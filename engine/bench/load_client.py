@@ -1,0 +1,264 @@
+"""The HTTP side of the load scenarios: discover the server, stream one completion, time it. Torch-free.
+
+Kept apart from `engine/scenarios.py` (which says *what* to send) so the request timing can be read on its
+own. Every failure of a request (an HTTP error, a connection the engine dropped by dying) is recorded in its
+RequestResult rather than raised: a scenario's purpose is to show what the engine did under load.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from engine.errors import ConfigError
+
+_VOCAB_KEYS = ("vocab_size",)
+_CONTEXT_KEYS = ("context_tokens", "max_model_len", "context")
+
+
+@dataclass
+class RequestResult:
+    """One request's timing and counts. Times are seconds since the scenario started."""
+
+    label: str
+    kind: str  # short | long
+    prompt_tokens: int
+    max_tokens: int
+    start_s: float
+    first_token_s: float | None = None
+    end_s: float | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    # (time, tokens) per streamed increment; one increment may carry several tokens when MTP drafts land
+    increments: list[tuple[float, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.start_s
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first over the time after the first token."""
+        if self.first_token_s is None or self.end_s is None or self.completion_tokens < 2:
+            return None
+        span_s = self.end_s - self.first_token_s
+        return (self.completion_tokens - 1) / span_s if span_s > 0 else None
+
+    def summary(self) -> str:
+        ttft = f"{self.ttft_s:.2f} s" if self.ttft_s is not None else "-"
+        rate = f"{self.decode_tok_s:.1f} tok/s" if self.decode_tok_s is not None else "-"
+        return (f"{self.completion_tokens} tokens, ttft {ttft}, decode {rate}, cached {self.cached_tokens}, "
+                f"finish {self.finish_reason}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "start_s": round(self.start_s, 4),
+            "ttft_s": _round(self.ttft_s),
+            "end_s": _round(self.end_s),
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "decode_tok_s": _round(self.decode_tok_s),
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a scenario needs to know about the server before it sends anything."""
+
+    model: str
+    vocab_size: int
+    context_tokens: int | None
+    health: str
+
+
+class LoadClient:
+    """A thin async client over one server's OpenAI routes, with the auth header applied."""
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> None:
+        self.client = client
+        self.base_url = base_url.rstrip("/")
+        self.headers = headers
+        self.model = ""
+
+    async def get_json(self, path: str) -> tuple[int, Any]:
+        resp = await self.client.get(self.base_url + path, headers=self.headers)
+        try:
+            return resp.status_code, resp.json()
+        except ValueError:
+            return resp.status_code, resp.text
+
+    async def health(self) -> str:
+        """`"200 ready"`-style status of /health, or the connection error when the server is gone."""
+        try:
+            resp = await self.client.get(self.base_url + "/health", timeout=10.0)
+        except httpx.HTTPError as exc:
+            return f"unreachable: {_describe(exc)}"
+        return f"{resp.status_code} {_body_reason(resp.text)}".strip()
+
+    async def complete(self, result: RequestResult, prompt_ids: list[int], max_tokens: int, temperature: float,
+                       t0: float, on_first_token: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Stream one /v1/completions request and fill `result`; never raises for server-side failures."""
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            async with self.client.stream("POST", self.base_url + "/v1/completions", json=body,
+                                          headers=self.headers) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    result.error = f"HTTP {resp.status_code}: {_error_message(text)}"
+                    return
+                async for line in resp.aiter_lines():
+                    if await self._on_line(result, line, t0) and on_first_token is not None:
+                        await on_first_token()
+        except httpx.HTTPError as exc:
+            result.error = _describe(exc)
+        finally:
+            result.end_s = time.perf_counter() - t0
+        if result.error is None and result.finish_reason is None:
+            result.error = "stream ended without a finish_reason (the server closed it early)"
+
+    async def _on_line(self, result: RequestResult, line: str, t0: float) -> bool:
+        """Apply one SSE line; True when it carried the request's first token."""
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        if not data or data == "[DONE]":
+            return False
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            result.error = f"unparseable stream chunk: {data[:120]!r}"
+            return False
+        if "error" in chunk:
+            result.error = f"stream error: {_error_message(json.dumps(chunk))}"
+            return False
+        now_s = time.perf_counter() - t0
+        first = False
+        for choice in chunk.get("choices") or []:
+            n_tokens = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
+            if n_tokens:
+                first = result.first_token_s is None
+                if first:
+                    result.first_token_s = now_s
+                result.increments.append((now_s, n_tokens))
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+        usage = chunk.get("usage")
+        if usage:
+            result.completion_tokens = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            result.cached_tokens = int(details.get("cached_tokens") or 0)
+            _rescale_increments(result)
+        return first
+
+
+def _rescale_increments(result: RequestResult) -> None:
+    """Make per-increment counts sum to usage.completion_tokens when the chunks did not carry token ids.
+
+    A server may fold several MTP-accepted tokens into one text chunk; spreading the usage total over the
+    increments keeps windowed rates honest without a non-standard field.
+    """
+    counted = sum(n for _, n in result.increments)
+    if not result.increments or counted == result.completion_tokens or result.completion_tokens <= 0:
+        return
+    scale = result.completion_tokens / counted
+    result.increments = [(t, n * scale) for t, n in result.increments]  # type: ignore[misc]
+
+
+async def discover(load: LoadClient) -> ServerInfo:
+    """Model id, vocab size and context per slot from /v1/models and /strata/state; health from /health.
+
+    Raises ConfigError naming the URL when the server cannot be reached or reports no vocab size.
+    """
+    try:
+        health = await load.health()
+        status, models = await load.get_json("/v1/models")
+    except httpx.HTTPError as exc:  # pragma: no cover - health() already caught transport errors
+        raise ConfigError("url", load.base_url, f"server unreachable: {_describe(exc)}") from None
+    if health.startswith("unreachable"):
+        raise ConfigError("url", load.base_url, f"server {health}")
+    if status != 200 or not isinstance(models, dict) or not models.get("data"):
+        detail = _error_message(json.dumps(models)) if isinstance(models, dict) else str(models)[:200]
+        raise ConfigError("url", load.base_url, f"GET /v1/models answered {status}: {detail}")
+    card = models["data"][0]
+    load.model = str(card.get("id", ""))
+    found = [card]
+    try:
+        state_status, state = await load.get_json("/strata/state")
+        if state_status == 200:
+            found.append(state)
+    except httpx.HTTPError:
+        pass  # the state route is a bonus: /v1/models may already say everything
+    vocab = _find_number(found, _VOCAB_KEYS)
+    if vocab is None or vocab < 2:
+        raise ConfigError("url", load.base_url, "neither /v1/models nor /strata/state reports a vocab_size")
+    return ServerInfo(load.model, int(vocab), _find_number(found, _CONTEXT_KEYS), health)
+
+
+def _find_number(documents: list[Any], keys: tuple[str, ...]) -> int | None:
+    """The first whole number stored under one of `keys` (in key order), searching nested JSON breadth-first."""
+    for key in keys:
+        queue = list(documents)
+        while queue:
+            node = queue.pop(0)
+            if isinstance(node, dict):
+                value = node.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+                queue.extend(node.values())
+            elif isinstance(node, list):
+                queue.extend(node)
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    """Exception type and message; httpx transport errors often have an empty message."""
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def _error_message(text: str) -> str:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:300]
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message", err))[:300]
+    if isinstance(data, dict) and "detail" in data:
+        return str(data["detail"])[:300]
+    return text.strip()[:300]
+
+
+def _body_reason(text: str) -> str:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:200]
+    if isinstance(data, dict):
+        for key in ("reason", "status", "detail"):
+            if key in data:
+                return str(data[key])[:200]
+    return text.strip()[:200]

@@ -1,0 +1,143 @@
+"""`strata-engine bench WHAT`: argument parsing and dispatch for the benchmarks and the load scenarios.
+
+Each benchmark lives in `engine/bench/<what>.py` with `run(args) -> dict` (the JSON document) and is
+imported only when chosen, so `strata-engine --help` stays fast and torch-free. Every benchmark prints a
+table and writes its JSON to `--json` (default `strata-bench-<what>.json`). Sizes are flags, so CI can run
+each code path on CPU in seconds and the GPU driver (benchmarks/run_all_gpu.sh) at full size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from engine.cli_options import add_engine_options
+from engine.errors import ConfigError
+
+_K = 1024
+BENCHES = {
+    "scenario": ("engine.bench.scenario_cli", "play a named load scenario against a running server"),
+    "decode": ("engine.bench.decode", "decode tok/s of the real Engine per batch size, graphs on and off"),
+    "mtp": ("engine.bench.mtp", "MTP drafting on/off: acceptance per position, tokens per step, speedup"),
+    "ttft": ("engine.bench.ttft", "time to first token for fresh long prompts"),
+    "admission": ("engine.bench.admission", "decode rate of running slots while a fresh long prompt is admitted"),
+    "graphs": ("engine.bench.graphs", "graph capture time and MiB per graph kind (GraphCache snapshot)"),
+    "switches": ("engine.bench.switches", "each opt-in switch on vs off where it claims to help"),
+    "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
+}
+
+
+def int_list(text: str) -> list[int]:
+    """`1,6` or `32K,128K` -> [1, 6] / [32768, 131072]; a bad item is a ConfigError naming it."""
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        scale = _K if item[-1:] in ("k", "K") else 1
+        digits = item[:-1] if scale != 1 else item
+        if not digits.isdigit() or int(digits) <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a positive whole number (in {text!r})")
+        values.append(int(digits) * scale)
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
+    for name, (_, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", default=f"strata-bench-{name}.json", metavar="PATH", help="where to write the JSON")
+        _ADDERS[name](p)
+
+
+def _scenario(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="scenario name (seed, burst, reuse, ...)")
+    p.add_argument("--url", required=True, help="base URL of a running strata-engine serve")
+    p.add_argument("--api-key", default=None, help="Bearer key when the server was started with --api-key")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="scenario parameter (repeat)")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per-request read timeout")
+
+
+def _engine(p: argparse.ArgumentParser, model: str | None = None) -> None:
+    add_engine_options(p)
+    if model is not None:
+        p.set_defaults(model=model)
+    p.add_argument("--warmup-steps", type=int, default=4, help="engine steps run before timing starts")
+
+
+def _decode(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes (default 1,6)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--graph-modes", default="on,off", help="on,off | on | off (CUDA graphs; CPU is always eager)")
+
+
+def _mtp(p: argparse.ArgumentParser) -> None:
+    _engine(p)
+    p.add_argument("--batches", type=int_list, default=[1], help="batch sizes (default 1)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--prompt-source", choices=("text", "random"), default="text",
+                   help="text: a natural-language prompt through the tokenizer (acceptance means something); "
+                        "random: random ids")
+
+
+def _ttft(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.add_argument("--prompt-sizes", type=int_list, default=[32 * _K, 128 * _K, 176 * _K],
+                   help="fresh prompt lengths in tokens (default 32K,128K,176K)")
+
+
+def _admission(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.add_argument("--slots", type=int, default=6, help="short generations decoding when the long prompt arrives")
+    p.add_argument("--short-prompt-tokens", type=int, default=128, help="prompt tokens of each short generation")
+    p.add_argument("--long-tokens", type=int_list, default=[176 * _K], help="fresh long prompt length(s)")
+    p.add_argument("--baseline-steps", type=int, default=32, help="decode steps timed before the long prompt")
+
+
+def _graphs(p: argparse.ArgumentParser) -> None:
+    _engine(p)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (drives capture)")
+    p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes whose graphs get captured")
+
+
+def _switches(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.add_argument("--only", default="", help="comma-separated switch names (default: every registered switch)")
+    p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes (default 1,6)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--long-prompt-tokens", type=int, default=32 * _K,
+                   help="prompt length for switches that claim to help long-context decode")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+
+
+def _peers(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes (default 1,6)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--copy-mib", type=int, default=1024, help="size of the device-to-device copy for bandwidth")
+    p.add_argument("--peer-dtype", default="bfloat16", help="HF weights dtype (default bfloat16)")
+    p.add_argument("--static-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run HF generate with a static cache + torch.compile")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the static-cache path (off: static cache only, for CPU smoke tests)")
+    p.add_argument("--skip-strata", action="store_true", help="measure only the peers")
+
+
+_ADDERS = {
+    "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "admission": _admission,
+    "graphs": _graphs, "switches": _switches, "peers": _peers,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; it prints its table and writes its JSON. Returns the exit status."""
+    for name in ("warmup_steps", "prompt_tokens", "new_tokens", "slots", "short_prompt_tokens", "baseline_steps",
+                 "copy_mib"):
+        value = getattr(args, name, None)
+        if value is not None and (value < 0 or (value == 0 and name != "warmup_steps")):
+            raise ConfigError(name, value, "expected a positive whole number")
+    module = importlib.import_module(BENCHES[args.bench][0])
+    return int(module.run(args) or 0)

@@ -1,0 +1,120 @@
+"""MTP drafting: the MTP head's own KV (layers L..), one batched pass for all decoding slots, chained to depth K.
+
+The MTP layer at position p reads (h_p, token p+1) and predicts token p+2. Its KV at p must come from the
+main model's real h_p, so every forward of the main model is followed by an MTP pass over the same positions:
+
+- draft_prefill: over a prompt chunk (next ids = the prompt shifted by one; on the last chunk the final
+  next id is the first sampled token). On the last chunk it also yields the first draft.
+- draft_round: after a verify of [pending + K drafts] at positions n..n+K, over those K+1 positions with the
+  tokens the verify emitted; row b's draft comes from position n + accepted_b (picked with a gather, so the
+  whole batch is one static-shape forward). Positions past the accepted ones hold junk KV that the next round
+  overwrites before anything can read it (attention is causal by position).
+- draft_step j (1..K-1): chains the head on its own output (hidden g_j, draft d_j) one position further, the
+  way vLLM chains a one-layer MTP head; the depth-j layer is `j % num_mtp_layers`.
+
+Drafts are greedy (argmax); the sampler's rejection rule accounts for that (engine.sampler). New drafts go
+straight into the runner's device-side `draft_buf[slot]`, so no draft token crosses to the host before verify.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket
+
+
+class MtpDrafter:
+    """Proposes `depth` draft tokens per decoding slot with the checkpoint's MTP head."""
+
+    def __init__(self, runner: ModelRunner, depth: int) -> None:
+        if runner.model.mtp is None:
+            raise ValueError("MTP drafting needs a checkpoint with an MTP head")
+        self.runner = runner
+        self.depth = depth
+        self.model = runner.model
+        self.kv = runner.kv
+
+    # --- passes ----------------------------------------------------------------------------------------------
+
+    def prefill(self, slot: int, hidden: torch.Tensor, next_ids: list[int], start: int, is_last: bool) -> None:
+        """MTP KV for prompt positions [start, start+n); on the last chunk, draft the slot's first K tokens."""
+        r = self.runner
+        n = len(next_ids)
+        tb = hidden.shape[1]
+        assert tb == pow2_bucket(n, MIN_CHUNK_TOKENS), (tb, n)
+        span = r.span_bucket(start + n)
+        positions = [start + j for j in range(n)] + [r.context_tokens + j for j in range(tb - n)]
+        inputs = {"slots": r.stage([slot]), "hidden": hidden, "next_ids": r.stage([list(next_ids) + [0] * (tb - n)]),
+                  "positions": r.stage([positions]), "pick": r.stage([n - 1])}
+
+        def build(split: bool):
+            return ("t%d" % tb, "L%d" % span) + (("split",) if split else ()), self._mtp_fn(span, split, depth=0)
+
+        out = r.run("draft_prefill", build, inputs, owner="drafter")
+        if is_last:
+            rows = [Row(slot, next_ids[-1], start + n)]  # the pending (first sampled) token and its position
+            self._finish(rows, 1, out["draft"], out["h"])
+
+    def round(self, rows: list[Row], hidden: torch.Tensor, emitted: list[list[int]], base_positions: list[int]) -> None:
+        """After a verify: MTP over positions n..n+K of each row, drafting from position n + accepted.
+
+        `rows` carry each slot and its new pending token/position; `emitted[b]` the tokens verify emitted
+        (accepted drafts then one sampled token); `base_positions[b]` = n, the verified pending's position.
+        """
+        r = self.runner
+        k1 = hidden.shape[1]
+        bb = hidden.shape[0]
+        span = r.span_bucket(max(base_positions) + k1)
+        next_ids = [list(e) + [0] * (k1 - len(e)) for e in emitted] + [[0] * k1] * (bb - len(rows))
+        positions = [[n + j for j in range(k1)] for n in base_positions]
+        positions += [[r.context_tokens + j for j in range(k1)]] * (bb - len(rows))
+        slots = [row.slot for row in rows] + [0] * (bb - len(rows))
+        pick = [len(e) - 1 for e in emitted] + [0] * (bb - len(rows))
+        inputs = {"slots": r.stage(slots), "hidden": hidden, "next_ids": r.stage(next_ids),
+                  "positions": r.stage(positions), "pick": r.stage(pick)}
+
+        def build(split: bool):
+            key = ("b%d" % bb, "k%d" % (k1 - 1), "L%d" % span) + (("split",) if split else ())
+            return key, self._mtp_fn(span, split, depth=0)
+
+        out = r.run("draft_round", build, inputs, owner="drafter")
+        self._finish(rows, bb, out["draft"], out["h"])
+
+    def _finish(self, rows: list[Row], bb: int, first: torch.Tensor, h: torch.Tensor) -> None:
+        """Chain steps 1..K-1 from the first draft, then store all K drafts per slot in draft_buf."""
+        r = self.runner
+        drafts = [first]  # each [Bb]
+        slots = [row.slot for row in rows] + [0] * (bb - len(rows))
+        slots_t = r.stage(slots)
+        for j in range(1, self.depth):
+            # Chain step j sits at pending position + j - 1 (the round's pick was at pending - 1).
+            pos = [row.position + j - 1 for row in rows] + [r.context_tokens] * (bb - len(rows))
+            span = r.span_bucket(max(row.position for row in rows) + j)
+            inputs = {"slots": slots_t, "hidden": h, "next_ids": drafts[-1].view(bb, 1),
+                      "positions": r.stage([[p] for p in pos]), "pick": r.stage([0] * bb)}
+
+            def build(split: bool, j=j, span=span):
+                key = ("b%d" % bb, "j%d" % j, "L%d" % span) + (("split",) if split else ())
+                return key, self._mtp_fn(span, split, depth=j)
+
+            out = r.run("draft_step", build, inputs, owner="drafter")
+            drafts.append(out["draft"])
+            h = out["h"]
+        stacked = torch.stack(drafts, dim=1)[: len(rows)]  # [B, K]
+        index = r.stage([row.slot for row in rows])
+        r.draft_buf.index_copy_(0, index, stacked)
+
+    def _mtp_fn(self, span: int, split: bool, depth: int):
+        model, kv = self.model, self.kv
+
+        def mtp_fn(x):
+            kv.bind(x["slots"], span)
+            kv.set_split(split)
+            h_mtp = model.mtp(x["hidden"], x["next_ids"], x["positions"], kv, depth=depth)  # [Bb, T, H]
+            bb = h_mtp.shape[0]
+            idx = x["pick"].view(bb, 1, 1).expand(bb, 1, h_mtp.shape[-1])
+            h_pick = h_mtp.gather(1, idx)  # [Bb, 1, H]
+            logits = model.draft_logits(h_pick, depth)  # [Bb, 1, V]
+            return {"draft": logits.argmax(dim=-1).view(bb), "h": h_pick}
+
+        return mtp_fn

@@ -1,0 +1,311 @@
+"""Engine: add_request / step / abort over the scheduler, the runner, the MTP drafter and the adaptive tier.
+
+One step runs what the scheduler's StepPlan says: copy reused prefix blocks into newly admitted slots, one
+batched decode (or MTP verify + draft round) of every decoding slot, the plan's prefill chunks, then the
+cache fills. It returns the RequestOutput increments of that step (text detokenized, stop strings cut).
+
+Not thread-safe: one thread steps it (engine.async_engine.AsyncEngine runs it in its engine thread).
+Any exception inside a step is fatal for now: an ErrorEvent with the real message (walking __cause__ and
+__context__), health "dead: ...", and every request finished with the error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.api import Health, RequestOutput, SamplingParams
+from engine.config import EngineConfig
+from engine.engine_setup import EngineParts, build_parts
+from engine.errors import EngineDead
+from engine.request import Request
+from engine.runner import MtpUnavailable, Row
+from engine.sampler import make_generator, sample_with_drafts
+from engine.scheduler import Admission, PrefillChunk
+from engine.state import engine_state, slot_event
+from engine.telemetry import AdmissionEvent, EngineEvent, ErrorEvent, EventBus, SlotEvent, WarningEvent
+
+SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
+VRAM_EVENT_INTERVAL_S = 1.0
+
+
+def describe_exception(exc: BaseException) -> str:
+    """'Type: message' for the exception and each cause/context below it, so the real error is never lost."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        text = str(cur).strip() or "(no message)"
+        parts.append(f"{type(cur).__name__}: {text}")
+        cur = cur.__cause__ if cur.__cause__ is not None else cur.__context__
+    return " <- ".join(parts)
+
+
+@dataclass
+class _Track:
+    """Engine-side companions of a Request: its generator, detokenizer and stop-string state."""
+
+    request: Request
+    generator: torch.Generator
+    decoder: Any
+    text: str = ""
+    sent_chars: int = 0
+    last_event_s: float = 0.0
+    pending: list[int] = field(default_factory=list)  # token ids not yet sent
+
+
+class Engine:
+    """The serving core. `step()` returns this step's RequestOutput increments."""
+
+    def __init__(self, config: EngineConfig, bus: EventBus, *, executor: Any = None,
+                 tier_budget_mib: float | None = None, block_tokens: int | None = None) -> None:
+        self.config = config
+        self.bus = bus
+        self._dead_reason: str | None = None
+        bus.publish(EngineEvent(state="loading", detail=f"model {config.model}"))
+        parts: EngineParts = build_parts(config, bus, executor, tier_budget_mib, block_tokens)
+        self.lm, self.kv, self.tier, self.budget = parts.lm, parts.kv, parts.tier, parts.budget
+        self.sched, self.runner, self.drafter, self.board = parts.sched, parts.runner, parts.drafter, parts.board
+        self.executor = parts.executor
+        self.device = parts.device
+        self.model_name = config.model
+        self.tokenizer = self.lm.tokenizer
+        self.eos_token_ids = tuple(self.lm.eos_token_ids)
+        self.mtp_on = self.drafter is not None
+        self.mtp_off_reason: str | None = None
+        self.steps = 0
+        self._tracks: dict[str, _Track] = {}
+        self._last_vram_s = 0.0
+        self._publish_vram()
+
+    # --- queries -------------------------------------------------------------------------------------------
+
+    def health(self) -> Health:
+        if self._dead_reason is not None:
+            return Health(False, f"dead: {self._dead_reason}")
+        return Health(True, "ready")
+
+    @property
+    def has_work(self) -> bool:
+        return self.sched.has_work
+
+    def state(self) -> dict[str, Any]:
+        return engine_state(self)
+
+    # --- commands ------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; raises RequestRejected / PromptTooLong / MaxTokensTooLarge / QueueFull / EngineDead."""
+        if self._dead_reason is not None:
+            raise EngineDead(self._dead_reason)
+        req = Request(request_id, prompt_token_ids, params, arrival_s=time.monotonic())
+        self.sched.add(req)
+        decoder = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
+        self._tracks[request_id] = _Track(req, make_generator(params.seed), decoder)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a queued or running request; returns its final output, or None when it is not active."""
+        track = self._tracks.get(request_id)
+        if track is None:
+            return None
+        slot = track.request.slot
+        self.sched.finish(track.request, "abort")
+        return self._close(track, "abort", slot)
+
+    def set_vram_reserve(self, mib: int) -> int:
+        self.budget.set_reserve(mib)
+        self._publish_vram(force=True)
+        return int(self.budget.reserve_mib)
+
+    def set_switch(self, name: str, enabled: bool):
+        state = self.board.set_live(name, enabled)
+        self.runner.on_switch_changed(state.name)
+        return state
+
+    # --- the step ------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one planned step; returns the outputs it produced (empty when idle)."""
+        if self._dead_reason is not None:
+            return []
+        outputs: list[RequestOutput] = []
+        plan = self.sched.schedule()
+        now_s = time.monotonic()
+        try:
+            with torch.inference_mode():
+                for admission in plan.admitted:
+                    self._admit(admission, now_s)
+                if plan.decode:
+                    self._decode(plan.decode, outputs)
+                for chunk in plan.prefill:
+                    self._prefill(chunk, outputs)
+                for fill in plan.cache_fill:
+                    failed = self.tier.fill(fill.blocks, fill.slot)
+                    if failed:
+                        self.sched.prefix_index.discard(failed)
+        except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported, then fatal
+            outputs.extend(self._fail(exc))
+            return outputs
+        self.steps += 1
+        self._progress_events(time.monotonic())
+        return outputs
+
+    def _admit(self, admission: Admission, now_s: float) -> None:
+        req = admission.request
+        if admission.cached_blocks:
+            self.tier.load(admission.cached_blocks, admission.slot)
+            self.sched.release_prefix(req)
+        self.bus.publish(AdmissionEvent(request_id=req.request_id, slot=admission.slot, reuse=admission.reuse,
+                                        prompt_tokens=req.num_prompt_tokens, cached_tokens=admission.cached_tokens,
+                                        queued_s=round(req.queued_s or 0.0, 4)))
+        self._slot_event(req, admission.slot, "prefill", now_s)
+
+    def _decode(self, reqs: list[Request], outputs: list[RequestOutput]) -> None:
+        rows = [Row(req.slot, req.output_token_ids[-1], req.num_tokens - 1) for req in reqs]
+        tracks = [self._tracks[req.request_id] for req in reqs]
+        params = [req.params for req in reqs]
+        gens = [t.generator for t in tracks]
+        result = None
+        if self.mtp_on:
+            try:
+                out = self.runner.verify(rows)
+                result = sample_with_drafts(out.logits, out.drafts, params, gens)
+                k = self.runner.mtp_depth
+                for req, accepted in zip(reqs, result.accepted):
+                    req.record_drafts(k, accepted)
+                pending = [Row(r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens)]
+                self.drafter.round(pending, out.hidden, result.tokens, [r.position for r in rows])
+            except MtpUnavailable as exc:
+                self._mtp_off(exc)
+        if result is None:
+            out = self.runner.decode(rows)
+            result = sample_with_drafts(out.logits, None, params, gens)
+        now_s = time.monotonic()
+        for track, tokens in zip(tracks, result.tokens):
+            self._append(track, tokens, now_s, outputs)
+
+    def _prefill(self, chunk: PrefillChunk, outputs: list[RequestOutput]) -> None:
+        req = chunk.request
+        if req.is_finished:  # aborted between schedule() and now
+            return
+        prompt = req.prompt_token_ids
+        out = self.runner.prefill(chunk.slot, prompt[chunk.start:chunk.end], chunk.start)
+        first: int | None = None
+        track = self._tracks[req.request_id]
+        if chunk.is_last:
+            first = sample_with_drafts(out.logits, None, [req.params], [track.generator]).tokens[0][0]
+        if self.mtp_on:
+            nxt = prompt[chunk.start + 1:chunk.end] + ([first] if first is not None else [prompt[chunk.end]])
+            try:
+                self.drafter.prefill(chunk.slot, out.hidden, nxt, chunk.start, chunk.is_last)
+            except MtpUnavailable as exc:
+                self._mtp_off(exc)
+        if first is not None:
+            self._append(track, [first], time.monotonic(), outputs)
+            if not req.is_finished:
+                self._slot_event(req, chunk.slot, "decode", time.monotonic())
+
+    def _append(self, track: _Track, tokens: list[int], now_s: float, outputs: list[RequestOutput]) -> None:
+        req = track.request
+        result = req.append_output(tokens, now_s, self.eos_token_ids)
+        reason = result.finish_reason
+        track.pending.extend(result.kept_token_ids)
+        if track.decoder is not None and result.kept_token_ids:
+            track.text += track.decoder.push(result.kept_token_ids)
+        stop_at = _find_stop(track.text, req.params.stop, track.sent_chars)
+        if stop_at is not None:
+            track.text = track.text[:stop_at]
+            reason = "stop"
+        if reason is not None:
+            slot = req.slot
+            self.sched.finish(req, reason)
+            outputs.append(self._close(track, reason, slot))
+            return
+        hold = max((len(s) for s in req.params.stop), default=1) - 1  # a stop string may be forming
+        upto = max(track.sent_chars, len(track.text) - hold)
+        if track.pending or upto > track.sent_chars:
+            outputs.append(self._output(track, track.text[track.sent_chars:upto]))
+            track.sent_chars = upto
+
+    def _output(self, track: _Track, text: str, finished: bool = False, reason=None, error=None) -> RequestOutput:
+        req = track.request
+        ids, track.pending = track.pending, []
+        return RequestOutput(req.request_id, ids, text, finished, reason, prompt_tokens=req.num_prompt_tokens,
+                             cached_tokens=req.num_cached_tokens, completion_tokens=req.num_output_tokens, error=error)
+
+    def _close(self, track: _Track, reason, slot: int | None, error: str | None = None) -> RequestOutput:
+        """The final output of a finished request; frees its engine-side state."""
+        self._tracks.pop(track.request.request_id, None)
+        if track.decoder is not None and reason != "stop" and reason != "error":
+            track.text += track.decoder.flush()
+        if slot is not None:
+            state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
+            self._slot_event(track.request, slot, state, time.monotonic())
+            self.bus.publish(SlotEvent(slot=slot, state="idle"))
+        return self._output(track, track.text[track.sent_chars:], True, reason, error)
+
+    # --- failure paths -------------------------------------------------------------------------------------
+
+    def _mtp_off(self, exc: BaseException) -> None:
+        message = describe_exception(exc)
+        self.mtp_on = False
+        self.mtp_off_reason = message
+        self.sched.set_draft_tokens(0)
+        self.bus.publish(WarningEvent(where="engine.mtp",
+                                      message=f"MTP drafting turned off for the rest of the run: {message}"))
+
+    def _fail(self, exc: BaseException) -> list[RequestOutput]:
+        message = describe_exception(exc)
+        self._dead_reason = message
+        free_mib = self.budget.breakdown().free_mib if self.device.type == "cuda" else None
+        self.bus.publish(ErrorEvent(where="engine.step", exc_type=type(exc).__name__, message=message,
+                                    vram_free_mib=free_mib, fatal=True))
+        self.bus.publish(EngineEvent(state="dead", detail=message))
+        outputs = []
+        for track in list(self._tracks.values()):
+            slot = track.request.slot
+            self.sched.finish(track.request, "error")
+            outputs.append(self._close(track, "error", slot, error=message))
+        return outputs
+
+    # --- telemetry -----------------------------------------------------------------------------------------
+
+    def _slot_event(self, req: Request, slot: int, state: str | None, now_s: float) -> None:
+        self.bus.publish(slot_event(req, slot, state, now_s))
+        track = self._tracks.get(req.request_id)
+        if track is not None:
+            track.last_event_s = now_s
+
+    def _progress_events(self, now_s: float) -> None:
+        for track in self._tracks.values():
+            req = track.request
+            if req.slot is not None and now_s - track.last_event_s >= SLOT_EVENT_INTERVAL_S:
+                self._slot_event(req, req.slot, None, now_s)
+        self._publish_vram()
+
+    def _publish_vram(self, force: bool = False) -> None:
+        now_s = time.monotonic()
+        if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
+            return
+        self._last_vram_s = now_s
+        snap = self.executor.snapshot() if hasattr(self.executor, "snapshot") else {}
+        self.budget.graphs_mib = float(snap.get("total_mib", 0.0))
+        self.budget.rebalance("periodic")
+        self.bus.publish(self.budget.breakdown())
+
+
+def _find_stop(text: str, stops: tuple[str, ...], sent_chars: int) -> int | None:
+    """Index where the earliest stop string starts in text not yet sent (plus a lookback), or None."""
+    best: int | None = None
+    for stop in stops:
+        if not stop:
+            continue
+        at = text.find(stop, max(0, sent_chars - len(stop) + 1))
+        if at != -1 and (best is None or at < best):
+            best = at
+    return best

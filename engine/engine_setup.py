@@ -1,0 +1,93 @@
+"""Building an Engine's parts from an EngineConfig: model, KV cache sized against the VRAM budget, tier,
+scheduler, runner and drafter. Separate from engine.py so the step loop reads on its own.
+
+Memory is never silently overcommitted: the KV cache is sized from `--batch`, `--context` and `--kv`, and a
+config whose KV does not fit next to the weights and the reserve raises ConfigError naming the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.executor import EagerExecutor
+from engine.kv_cache import KVGeometry, SlotKVCache
+from engine.prefix_index import PrefixIndex
+from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket
+from engine.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
+from engine.switches import SwitchBoard
+from engine.telemetry import EventBus, SwitchEvent, WarningEvent
+from engine.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
+
+
+@dataclass
+class EngineParts:
+    lm: Any
+    kv: SlotKVCache
+    tier: AdaptiveTier
+    budget: VramBudget
+    sched: Scheduler
+    runner: ModelRunner
+    drafter: Any
+    board: SwitchBoard
+    executor: Any
+    device: torch.device
+
+
+def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
+                block_tokens: int | None) -> EngineParts:
+    """Load the model and build everything around it (see the module docstring)."""
+    from engine.model import load_checkpoint
+
+    board = SwitchBoard.from_values(config.switches)
+    for name, on in config.switches.items():
+        if on:
+            bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
+    lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device)
+    device = lm.device
+    model = lm.model
+    if board.enabled("FUSED_PROJ"):
+        model.fuse_projections()
+    mcfg = lm.config
+    depth = 0
+    if config.batch_mtp:
+        if model.mtp is None:
+            raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
+        depth = config.mtp_depth
+    if config.kv_resident is not None:
+        bus.publish(WarningEvent(where="engine.kv", message=(
+            f"--kv-resident {config.kv_resident} is accepted but not yet implemented: every slot keeps its "
+            f"whole {config.context}-token KV on {device}")))
+    num_layers = mcfg.num_hidden_layers + (model.mtp_depth_layers if depth else 0)
+    margin = max(pow2_bucket(config.prefill_chunk_tokens, MIN_CHUNK_TOKENS), 2 * depth + 2)
+    geometry = KVGeometry(num_layers, config.batch, mcfg.num_key_value_heads, mcfg.head_dim, config.context, margin)
+    compute_dtype = lm.dtype
+    weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+    kv_mib = geometry.total_bytes(config.kv, compute_dtype) / MIB
+    _, free_mib = device_memory_mib(device)
+    check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "context", config.context)
+    kv = SlotKVCache(geometry, config.kv, compute_dtype, device)
+    bt = block_tokens or DEFAULT_BLOCK_TOKENS
+    index = PrefixIndex(bt, 0)
+    budget = VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)
+    if tier_budget_mib is None:
+        _, free_after_mib = device_memory_mib(device)
+        if device.type == "cuda":
+            tier_budget_mib = max(0.0, free_after_mib - config.vram_reserve_mib)
+        else:
+            tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_after_mib / 8)
+    tier = AdaptiveTier(index, kv, bus, device, tier_budget_mib, preallocate=device.type == "cuda")
+    budget.tier = tier
+    sched = Scheduler.from_config(config, index, draft_tokens=depth)
+    executor = executor if executor is not None else EagerExecutor()
+    runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
+    drafter = None
+    if depth:
+        from engine.drafter import MtpDrafter
+
+        drafter = MtpDrafter(runner, depth)
+    return EngineParts(lm, kv, tier, budget, sched, runner, drafter, board, executor, device)

@@ -1,0 +1,298 @@
+"""The serving KV cache: per-layer slot buffers, bf16/int8 storage, and the attention the model calls.
+
+Layout per layer: `k[layer]`, `v[layer]` are `[slots, Hkv, context + margin, D]`. The `margin` columns past
+`context` are scratch: padded batch rows (a batch padded up to its bucket, a prefill chunk padded up to its
+length bucket) write there, so every forward has static shapes and no padded row ever touches a real token.
+Validity needs no length tensor: a query at position p sees keys 0..p of its slot, so KV left behind by a
+rejected draft or an earlier request is simply never visible and is overwritten when its position is reused.
+
+`--kv int8` stores keys and values as int8 with one float32 scale per (token, head), written at quantization
+time; reads dequantize block by block. `--kv bf16` stores unquantized KV in the model's compute dtype (bf16 on
+GPU; fp32 when a CPU run keeps fp32 weights, so the lossless tests compare like with like).
+
+Three attention paths, all pure tensor code of static shapes (capturable):
+- decode/verify (few queries): plain masked SDPA over the slot's length bucket;
+- SPLIT_ATTN decode: flash-decoding split-KV: partial softmaxes per KV split, combined; scratch grows with L;
+- long prefill chunks: a loop over KV blocks with an online softmax, so [chunk x context] scores for all
+  heads are never materialized at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KV_STORAGE = ("bf16", "int8")
+# Scores scratch one blocked-attention step may use (B x Hq x T x block x 4 bytes).
+_BLOCK_SCORES_BYTES = 256 << 20
+_MIN_BLOCK_TOKENS = 256
+_SPLIT_TOKENS = 1024  # keys per split in the split-KV decode path
+_INT8_MAX = 127.0
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What a KV cache holds: layers (main + MTP), slots, heads, head size, tokens per slot."""
+
+    num_layers: int
+    num_slots: int
+    num_kv_heads: int
+    head_dim: int
+    context_tokens: int
+    margin_tokens: int
+
+    @property
+    def columns(self) -> int:
+        return self.context_tokens + self.margin_tokens
+
+    def bytes_per_token(self, storage: str, compute_dtype: torch.dtype) -> int:
+        """KV bytes one token costs across all layers (keys + values, scales included for int8)."""
+        elem = 1 if storage == "int8" else torch.empty((), dtype=compute_dtype).element_size()
+        per_head = self.head_dim * elem + (4 if storage == "int8" else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    def total_bytes(self, storage: str, compute_dtype: torch.dtype) -> int:
+        return self.bytes_per_token(storage, compute_dtype) * self.num_slots * self.columns
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(token, head) symmetric int8: x [..., D] -> (int8 [..., D], float32 scale [...])."""
+    scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / _INT8_MAX
+    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+class SlotKVCache:
+    """KV for `num_slots` sequences of up to `context_tokens` each; implements the model's `kv.attend`.
+
+    Before each forward the step function calls `bind(slots)` with a [B] long tensor naming the slot of each
+    batch row, and `set_split(on)` for the SPLIT_ATTN path. Positions arrive with each `attend` call.
+    """
+
+    def __init__(self, geometry: KVGeometry, storage: str, compute_dtype: torch.dtype, device: torch.device | str) -> None:
+        if storage not in KV_STORAGE:
+            raise ValueError(f"kv storage {storage!r}: expected one of {KV_STORAGE}")
+        self.geometry = geometry
+        self.storage = storage
+        self.compute_dtype = compute_dtype
+        self.device = torch.device(device)
+        g = geometry
+        shape = (g.num_slots, g.num_kv_heads, g.columns, g.head_dim)
+        data_dtype = torch.int8 if storage == "int8" else compute_dtype
+        self.k = [torch.zeros(shape, dtype=data_dtype, device=self.device) for _ in range(g.num_layers)]
+        self.v = [torch.zeros(shape, dtype=data_dtype, device=self.device) for _ in range(g.num_layers)]
+        if storage == "int8":
+            sshape = shape[:-1]
+            self.k_scale = [torch.ones(sshape, dtype=torch.float32, device=self.device) for _ in range(g.num_layers)]
+            self.v_scale = [torch.ones(sshape, dtype=torch.float32, device=self.device) for _ in range(g.num_layers)]
+        else:
+            self.k_scale = self.v_scale = []
+        self._slots: torch.Tensor | None = None
+        self._span = geometry.context_tokens
+        self.split_attn = False
+        # Tunable so tests reach the blocked and split paths at small sizes.
+        self.block_scores_bytes = _BLOCK_SCORES_BYTES
+        self.split_tokens = _SPLIT_TOKENS
+
+    # --- accounting ----------------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.k + self.v + list(self.k_scale) + list(self.v_scale)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def mib(self) -> float:
+        return self.nbytes / (1 << 20)
+
+    # --- the model-facing seam -----------------------------------------------------------------------------
+
+    def bind(self, slots: torch.Tensor, span_tokens: int | None = None) -> None:
+        """Name each batch row's slot ([B] long tensor) and the key span (length bucket) to read.
+
+        The span is a static int (part of the executor key); None reads every column that can be valid.
+        """
+        self._slots = slots
+        self._span = self.geometry.context_tokens if span_tokens is None else int(span_tokens)
+
+    def set_split(self, enabled: bool) -> None:
+        self.split_attn = bool(enabled)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Write k, v at `positions` of each row's slot, then attend causally. q [B,Hq,T,D] -> [B,Hq,T,D]."""
+        assert self._slots is not None, "SlotKVCache.bind(slots) must precede the forward"
+        slots = self._slots
+        self._write(layer_idx, slots, k, v, positions)
+        span = self._span
+        t = q.shape[2]
+        if t > 8 and _scores_bytes(q, span) > self.block_scores_bytes:
+            return self._blocked(layer_idx, q, slots, positions, span)
+        kk, vv = self._read(layer_idx, slots, 0, span)
+        if self.split_attn and span > self.split_tokens:
+            return split_kv_attention(q, kk, vv, positions, self.split_tokens)
+        return masked_sdpa(q, kk, vv, positions)
+
+    # --- storage -------------------------------------------------------------------------------------------
+
+    def _write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        b, _, t, _ = k.shape
+        rows = slots.view(b, 1).expand(b, t)
+        k_tok = k.transpose(1, 2)  # [B, T, Hkv, D]: advanced indices (rows, positions) come first
+        v_tok = v.transpose(1, 2)
+        if self.storage == "int8":
+            kq, ks = quantize_int8(k_tok)
+            vq, vs = quantize_int8(v_tok)
+            self.k[layer][rows, :, positions] = kq
+            self.v[layer][rows, :, positions] = vq
+            self.k_scale[layer][rows, :, positions] = ks
+            self.v_scale[layer][rows, :, positions] = vs
+        else:
+            self.k[layer][rows, :, positions] = k_tok.to(self.compute_dtype)
+            self.v[layer][rows, :, positions] = v_tok.to(self.compute_dtype)
+
+    def _read(self, layer: int, slots: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, end-start, D] of each row's slot, dequantized to the compute dtype."""
+        kk = self.k[layer][:, :, start:end].index_select(0, slots)
+        vv = self.v[layer][:, :, start:end].index_select(0, slots)
+        if self.storage == "int8":
+            ks = self.k_scale[layer][:, :, start:end].index_select(0, slots)
+            vs = self.v_scale[layer][:, :, start:end].index_select(0, slots)
+            return dequantize_int8(kk, ks, self.compute_dtype), dequantize_int8(vv, vs, self.compute_dtype)
+        return kk, vv
+
+    def _blocked(self, layer: int, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        b, hq, t, d = q.shape
+        block = max(_MIN_BLOCK_TOKENS, self.block_scores_bytes // max(1, b * hq * t * 4))
+        state = OnlineSoftmax.start(q, self.geometry.num_kv_heads, positions)
+        for start in range(0, span, block):
+            end = min(span, start + block)
+            kk, vv = self._read(layer, slots, start, end)
+            state.update(kk, vv, start)
+        return state.finish()
+
+    # --- whole-slot copies: prefix blocks in and out of the tier -------------------------------------------
+
+    def read_span(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All layers' KV of one slot's tokens [start, end): data [layers, 2, Hkv, n, D], int8 scales or None."""
+        data = torch.stack([torch.stack([self.k[i][slot, :, start:end], self.v[i][slot, :, start:end]])
+                            for i in range(self.geometry.num_layers)])
+        if self.storage != "int8":
+            return data, None
+        scales = torch.stack([torch.stack([self.k_scale[i][slot, :, start:end], self.v_scale[i][slot, :, start:end]])
+                              for i in range(self.geometry.num_layers)])
+        return data, scales
+
+    def write_span(self, slot: int, start: int, data: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """The inverse of read_span: put a [layers, 2, Hkv, n, D] span at tokens [start, start+n) of `slot`."""
+        n = data.shape[3]
+        for i in range(self.geometry.num_layers):
+            self.k[i][slot, :, start:start + n].copy_(data[i, 0], non_blocking=True)
+            self.v[i][slot, :, start:start + n].copy_(data[i, 1], non_blocking=True)
+            if scales is not None:
+                self.k_scale[i][slot, :, start:start + n].copy_(scales[i, 0], non_blocking=True)
+                self.v_scale[i][slot, :, start:start + n].copy_(scales[i, 1], non_blocking=True)
+
+
+def _scores_bytes(q: torch.Tensor, span: int) -> int:
+    b, hq, t, _ = q.shape
+    return b * hq * t * span * 4
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Plain SDPA over keys [0, L) with the causal-by-position mask.
+
+    GQA by folding each KV head's query group into the query axis ([B, Hkv, G*T, D]): keys are never repeated,
+    and SDPA's own enable_gqa is avoided (on CPU it falls back to a much slower path).
+    """
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * t, d)
+    pos = positions.view(b, 1, t).expand(b, g, t).reshape(b, 1, g * t)
+    keys = torch.arange(k.shape[2], device=q.device)
+    mask = keys.view(1, 1, 1, -1) <= pos.unsqueeze(-1)  # [B, 1, G*T, L]
+    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+    return out.reshape(b, hq, t, d)
+
+
+class OnlineSoftmax:
+    """Running (max, sum, accumulator) of softmax attention over KV blocks seen so far, per query row.
+
+    Queries are grouped by KV head ([B, Hkv, G*T, D]) so keys are never repeated for GQA.
+    """
+
+    def __init__(self, q: torch.Tensor, pos: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
+        self.q, self.pos, self.shape = q.float(), pos, shape
+        self.out_dtype = q.dtype
+        b, hkv, gt, d = q.shape
+        self.m = torch.full((b, hkv, gt), float("-inf"), dtype=torch.float32, device=q.device)
+        self.l = torch.zeros((b, hkv, gt), dtype=torch.float32, device=q.device)
+        self.acc = torch.zeros((b, hkv, gt, d), dtype=torch.float32, device=q.device)
+        self.scale = 1.0 / math.sqrt(d)
+
+    @classmethod
+    def start(cls, q: torch.Tensor, num_kv_heads: int, positions: torch.Tensor) -> "OnlineSoftmax":
+        b, hq, t, d = q.shape
+        g = hq // num_kv_heads
+        qg = q.reshape(b, num_kv_heads, g * t, d)  # heads h*g..h*g+g-1 share KV head h
+        pos = positions.view(b, 1, 1, t).expand(b, 1, g, t).reshape(b, 1, g * t)
+        return cls(qg, pos, (b, hq, t, d))
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        s = torch.matmul(self.q, k.float().transpose(-1, -2)) * self.scale  # [B, Hkv, GT, n]
+        keys = torch.arange(start, start + k.shape[2], device=k.device)
+        s = s.masked_fill(keys.view(1, 1, 1, -1) > self.pos.unsqueeze(-1), float("-inf"))
+        m_new = torch.maximum(self.m, s.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(self.m - m_safe)  # exp(-inf) = 0 while nothing was visible yet
+        p = torch.exp(s - m_safe.unsqueeze(-1))
+        self.l = self.l * alpha + p.sum(dim=-1)
+        self.acc = self.acc * alpha.unsqueeze(-1) + torch.matmul(p, v.float())
+        self.m = m_new
+
+    def finish(self) -> torch.Tensor:
+        b, hq, t, d = self.shape
+        out = self.acc / self.l.clamp(min=1e-30).unsqueeze(-1)
+        return out.reshape(b, hq, t, d).to(self.out_dtype)
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                       split_tokens: int) -> torch.Tensor:
+    """Flash-decoding: attend each KV split in parallel, then combine the partial softmaxes.
+
+    Its scratch (partial max/sum/accumulator per split) grows with the key span: that is the switch's cost.
+    """
+    b, hq, t, d = q.shape
+    hkv, span = k.shape[1], k.shape[2]
+    g = hq // hkv
+    n_split = -(-span // split_tokens)
+    pad = n_split * split_tokens - span
+    if pad:
+        k = F.pad(k, (0, 0, 0, pad))
+        v = F.pad(v, (0, 0, 0, pad))
+    qg = q.reshape(b, hkv, 1, g * t, d).float()
+    ks = k.reshape(b, hkv, n_split, split_tokens, d).float()
+    vs = v.reshape(b, hkv, n_split, split_tokens, d).float()
+    s = torch.matmul(qg, ks.transpose(-1, -2)) / math.sqrt(d)  # [B, Hkv, S, GT, split]
+    keys = torch.arange(n_split * split_tokens, device=q.device).view(1, 1, n_split, 1, split_tokens)
+    pos = positions.view(b, 1, 1, t).expand(b, 1, g, t).reshape(b, 1, 1, g * t, 1)
+    s = s.masked_fill(keys > pos, float("-inf"))
+    m = s.amax(dim=-1)  # [B, Hkv, S, GT]
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m_safe.unsqueeze(-1))
+    l_part = p.sum(dim=-1)
+    acc_part = torch.matmul(p, vs)  # [B, Hkv, S, GT, D]
+    m_all = m.amax(dim=2, keepdim=True)
+    w = torch.exp(m - m_all)  # splits with no visible key get weight 0
+    w = torch.where(torch.isnan(w), torch.zeros_like(w), w)
+    l_all = (l_part * w).sum(dim=2)
+    acc = (acc_part * w.unsqueeze(-1)).sum(dim=2)
+    out = acc / l_all.clamp(min=1e-30).unsqueeze(-1)
+    return out.reshape(b, hq, t, d).to(q.dtype)

@@ -1,0 +1,261 @@
+"""ModelConfig: the architecture read from a Hugging Face config.json (Qwen3, Llama, Qwen2, with MTP).
+
+One parser for the three families: they differ only in flags (q/k norm, qkv bias, tied head), so the model
+code has one path with switches instead of three classes. Anything we cannot run faithfully is refused here
+with a CheckpointError naming config.json and the key, never silently approximated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine.errors import CheckpointError
+
+ARCHS = ("qwen3", "llama", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+MTP_LAYOUTS = ("deepseek", "qwen3_next")
+
+_ARCH_BY_MODEL_TYPE = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+_ARCH_BY_CLASS = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "llama",
+}
+_MTP_KEYS = (
+    ("num_nextn_predict_layers", "deepseek"),
+    ("num_mtp_layers", "qwen3_next"),
+    ("mtp_num_hidden_layers", "qwen3_next"),
+)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `type` is one of ROPE_TYPES."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = derived from factor/mscale
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """The multi-token-prediction head: how many layers and which tensor-name layout they load from."""
+
+    num_layers: int = 1
+    layout: str = "deepseek"  # deepseek | qwen3_next
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The sizes and flags of one Qwen3 / Llama / Qwen2 checkpoint."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = True
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    mtp: MTPConfig | None = None
+    torch_dtype: str | None = None  # the dtype the checkpoint was saved in, as config.json says
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that own KV: the main stack plus the MTP layers (indexed L..L+n-1)."""
+        return self.num_hidden_layers + (self.mtp.num_layers if self.mtp else 0)
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Parse a Hugging Face config dict; raise CheckpointError naming `source` and the offending key."""
+        return _parse(raw, source)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        """Read and parse a config.json file."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(str(path.parent), "no config.json: not a Hugging Face checkpoint directory") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(str(path), f"cannot read JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(str(path), "expected a JSON object")
+        return _parse(raw, str(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json this config was (or would be) read from, in the pre-v5 HF format."""
+        arch_class = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        out: dict[str, Any] = {
+            "architectures": [arch_class[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "rope_theta": self.rope.theta,
+            "rope_scaling": _rope_to_hf(self.rope),
+        }
+        if self.arch != "qwen2":
+            out["attention_bias"] = self.attention_bias
+        if self.arch == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        if self.torch_dtype:
+            out["torch_dtype"] = self.torch_dtype
+        if self.mtp is not None:
+            key = "num_nextn_predict_layers" if self.mtp.layout == "deepseek" else "mtp_num_hidden_layers"
+            out[key] = self.mtp.num_layers
+        return out
+
+
+def _rope_to_hf(rope: RopeConfig) -> dict[str, Any] | None:
+    if rope.type == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": rope.type, "factor": rope.factor}
+    if rope.original_max_position_embeddings is not None:
+        out["original_max_position_embeddings"] = rope.original_max_position_embeddings
+    if rope.type == "llama3":
+        out.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
+    if rope.type == "yarn":
+        out.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate)
+        for name in ("attention_factor", "mscale", "mscale_all_dim"):
+            if getattr(rope, name) is not None:
+                out[name] = getattr(rope, name)
+    return out
+
+
+def _arch_of(raw: Mapping[str, Any], source: str) -> str:
+    model_type = raw.get("model_type")
+    if model_type in _ARCH_BY_MODEL_TYPE:
+        return _ARCH_BY_MODEL_TYPE[model_type]
+    for cls_name in raw.get("architectures") or ():
+        if cls_name in _ARCH_BY_CLASS:
+            return _ARCH_BY_CLASS[cls_name]
+    named = model_type or raw.get("architectures")
+    raise CheckpointError(
+        source,
+        f"unsupported architecture {named!r}: expected model_type qwen3, llama or qwen2 "
+        "(or architectures Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)",
+    )
+
+
+def _req(raw: Mapping[str, Any], key: str, source: str, kind: type = int) -> Any:
+    if key not in raw or raw[key] is None:
+        raise CheckpointError(source, f"missing required key {key!r}")
+    value = raw[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise CheckpointError(source, f"{key}={value!r}: expected a positive whole number")
+    return value
+
+
+def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
+    arch = _arch_of(raw, source)
+    hidden = _req(raw, "hidden_size", source)
+    heads = _req(raw, "num_attention_heads", source)
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise CheckpointError(source, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    head_dim = raw.get("head_dim") or hidden // heads
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(source, f"hidden_act={act!r}: only silu (SwiGLU) is supported")
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(source, "use_sliding_window=true: sliding-window attention is not supported")
+    max_pos = int(raw.get("max_position_embeddings") or 32768)
+    return ModelConfig(
+        arch=arch,
+        vocab_size=_req(raw, "vocab_size", source),
+        hidden_size=hidden,
+        intermediate_size=_req(raw, "intermediate_size", source),
+        num_hidden_layers=_req(raw, "num_hidden_layers", source),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v bias (and no config key for it); Qwen3 and Llama declare it
+        attention_bias=True if arch == "qwen2" else bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)) if arch == "llama" else False,
+        qk_norm=arch == "qwen3",
+        rope=_parse_rope(raw, source),
+        mtp=_parse_mtp(raw, source),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def _parse_rope(raw: Mapping[str, Any], source: str) -> RopeConfig:
+    # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes one rope_parameters dict
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(
+            source, f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type != "default" and "factor" not in merged and rope_type != "yarn":
+        raise CheckpointError(source, f"rope_scaling type {rope_type!r} needs a 'factor'")
+    original = merged.get("original_max_position_embeddings")
+    if rope_type in ("llama3", "yarn") and original is None:
+        original = raw.get("max_position_embeddings")
+    if rope_type == "llama3" and original is None:
+        raise CheckpointError(source, "rope_scaling type 'llama3' needs original_max_position_embeddings")
+    return RopeConfig(
+        theta=theta,
+        type=rope_type,
+        factor=float(merged.get("factor") or 1.0),
+        original_max_position_embeddings=int(original) if original is not None else None,
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        attention_factor=merged.get("attention_factor"),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _parse_mtp(raw: Mapping[str, Any], source: str) -> MTPConfig | None:
+    for key, layout in _MTP_KEYS:
+        value = raw.get(key)
+        if value in (None, 0):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(source, f"{key}={value!r}: expected a whole number of MTP layers")
+        return MTPConfig(num_layers=value, layout=layout)
+    return None

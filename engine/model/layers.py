@@ -1,0 +1,144 @@
+"""The building blocks of one decoder layer: RMSNorm, attention (GQA, optional q/k norm and qkv bias), SwiGLU.
+
+Attention owns no KV storage: it hands q, k, v (after q/k norm and RoPE) to the `kv` object it is given
+(`kv.attend(layer_idx, q, k, v, positions)`), or, with `kv=None`, attends causally over the T given tokens
+(the training / full-forward path, plain differentiable ops).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in fp32 and cast back before the weight, as HF checkpoints expect."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over the T given tokens: q [B, Hq, T, D], k/v [B, Hkv, T, D] -> [B, Hq, T, D]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of `linears`' outputs (weights concatenated on dim 0)."""
+    first = linears[0]
+    has_bias = first.bias is not None
+    out_features = sum(lin.out_features for lin in linears)
+    fused = nn.Linear(first.in_features, out_features, bias=has_bias, device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears], dim=0))
+        if has_bias:
+            fused.bias.copy_(torch.cat([lin.bias for lin in linears], dim=0))
+    return fused
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped KV heads; Qwen3's per-head q/k RMSNorm; Qwen2's qkv bias."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=bias)
+        # Qwen2 has bias on q/k/v only; Qwen3's and Llama's attention_bias covers o_proj too
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=bias and config.arch != "qwen2")
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replace q/k/v projections by one concatenated Linear (same outputs, one matmul)."""
+        if self.qkv_proj is not None:
+            return
+        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]; writes/reads KV through `kv` (or none when kv is None)."""
+        B, T, _ = x.shape
+        q, k, v = self._project(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        if kv is None:
+            out = causal_attention(q, k, v)
+        else:
+            out = kv.attend(layer_idx, q, k, v, positions)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        bias = config.mlp_bias
+        self.intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replace gate/up by one concatenated Linear."""
+        if self.gate_up_proj is not None:
+            return
+        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
+
+    def forward(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))

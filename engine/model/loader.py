@@ -1,0 +1,174 @@
+"""Load a Hugging Face checkpoint directory (or builtin:NAME) into a CausalLM, with tokenizer and eos ids.
+
+The model is built on the meta device and each parameter is read from safetensors straight into its final
+dtype and device, so a checkpoint is never held twice in memory. Every failure names the file or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import CheckpointError, ConfigError
+from engine.model.config import ModelConfig
+from engine.model.names import hf_name, optional_mtp_tensors
+from engine.model.qwen3 import CausalLM
+from engine.model.tensors import TensorSource
+from engine.model.tokenizer import Tokenizer
+
+BUILTIN_PREFIX = "builtin:"
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """What load_checkpoint returns: the model (eval mode, on device) and what goes with it."""
+
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A checkpoint directory, or `builtin:NAME` -> the packaged engine/models/NAME directory."""
+    text = str(model)
+    if text.startswith(BUILTIN_PREFIX):
+        name = text[len(BUILTIN_PREFIX):]
+        path = MODELS_DIR / name
+        if not name or "/" in name or not (path / "config.json").is_file():
+            raise CheckpointError(text, f"the embedded model is not installed (expected a checkpoint in {path})")
+        return path
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise CheckpointError(text, "no such directory")
+    if not path.is_dir():
+        raise CheckpointError(text, "not a directory: expected a Hugging Face checkpoint directory")
+    return path
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`auto` -> cuda:0 when CUDA is available, else cpu."""
+    if str(device) == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError("device", str(device), "expected auto, cpu or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", str(device), "CUDA device requested but torch sees no CUDA device")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` -> bfloat16 on CUDA, float32 on CPU; otherwise one of float32 | bfloat16 | float16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ConfigError("dtype", dtype, "expected auto, float32, bfloat16 or float16") from None
+
+
+def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Build the model on meta and fill every parameter from the checkpoint's safetensors."""
+    with TensorSource(path) as source:
+        with torch.device("meta"):
+            model = CausalLM(config)
+        _attach_optional_mtp_modules(model, config, source)
+        for name, param in list(model.named_parameters()):
+            _set_parameter(model, name, _read_tensor(source, hf_name(name, config), tuple(param.shape), dtype, device))
+        _drop_duplicate_mtp_modules(model)
+    model.rotary.reset_parameters(device)
+    model.requires_grad_(False)  # inference by default; a trainer calls model.requires_grad_(True)
+    return model.eval()
+
+
+def _read_tensor(source: TensorSource, name: str, expected: tuple[int, ...], dtype, device) -> torch.Tensor:
+    if name not in source:
+        raise CheckpointError(source.where, f"missing tensor {name} (expected shape {list(expected)})")
+    shape = source.shape(name)
+    if shape != expected:
+        raise CheckpointError(
+            source.path_of(name), f"tensor {name} has shape {list(shape)}, expected {list(expected)} from config.json"
+        )
+    return source.get(name).to(device=device, dtype=dtype)
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+def _attach_optional_mtp_modules(model: CausalLM, config: ModelConfig, source: TensorSource) -> None:
+    """DeepSeek MTP layers may carry their own embed_tokens / shared_head.head: give them modules to load into."""
+    if model.mtp is None:
+        return
+    for i, layer in enumerate(model.mtp.layers):
+        optional = optional_mtp_tensors(config, i)
+        if optional.get("embed") in source:
+            layer.embed = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
+        if optional.get("head") in source:
+            layer.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+
+
+def _drop_duplicate_mtp_modules(model: CausalLM) -> None:
+    """DeepSeek checkpoints repeat the shared embedding/head in each MTP layer: keep one copy in memory."""
+    if model.mtp is None:
+        return
+    for layer in model.mtp.layers:
+        if layer.embed is not None and torch.equal(layer.embed.weight, model.embed_tokens.weight):
+            layer.embed = None
+        if layer.head is not None and torch.equal(layer.head.weight, model.head_weight):
+            layer.head = None
+
+
+def read_eos_token_ids(path: Path, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """eos ids from generation_config.json, then config.json, then the tokenizer's eos token."""
+    for file_name in ("generation_config.json", "config.json"):
+        file_path = path / file_name
+        if not file_path.is_file():
+            continue
+        try:
+            value = json.loads(file_path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CheckpointError(str(file_path), f"cannot read JSON: {exc}") from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return (value,)
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            return tuple(value)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (tokenizer.eos_token_id,)
+    return ()
+
+
+def load_checkpoint(
+    path_or_builtin: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    tokenizer: bool = True,
+) -> LoadedModel:
+    """Load model, config, tokenizer (tokenizer.json; skipped with tokenizer=False) and eos ids.
+
+    Raises CheckpointError naming the file or tensor that is missing or does not fit."""
+    path = resolve_model_path(path_or_builtin)
+    config = ModelConfig.from_file(path / "config.json")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model = load_model(path, config, torch_dtype, dev)
+    tok = Tokenizer.from_dir(path) if tokenizer else None
+    return LoadedModel(model, config, tok, read_eos_token_ids(path, tok), path, torch_dtype, dev)

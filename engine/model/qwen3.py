@@ -1,0 +1,86 @@
+"""CausalLM: one implementation of the Qwen3 architecture that also runs Llama and Qwen2 checkpoints.
+
+    hidden = model(input_ids, positions, kv)   # [B, T] long, [B, T] long -> [B, T, H], after the final norm
+    logits = model.logits(hidden)              # [B, T, V]
+
+`kv=None` is plain causal attention over the T given tokens (training, full forward); otherwise every
+attention layer calls `kv.attend(layer_idx, q, k, v, positions)` (see engine.model.kv.DenseKVCache).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.layers import DecoderLayer, RMSNorm
+from engine.model.mtp import MTPHead
+from engine.model.rope import RotaryEmbedding
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, LM head (tied or not), and the optional MTP head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # _weight skips nn.Embedding's own init, whose normal_ on the meta device imports torch._dynamo (~2 s)
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTPHead(config, self.embed_tokens, self.rotary) if config.mtp is not None else None
+        self.fused = False
+        if weight.device.type != "meta":
+            self.init_weights()
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Fresh-training init as transformers does it: N(0, std) for Linear and Embedding, zero biases."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    module.weight.normal_(0.0, std)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.zero_()
+
+    @property
+    def mtp_depth_layers(self) -> int:
+        """How many MTP layers the checkpoint has (0 without a head)."""
+        return self.mtp.num_layers if self.mtp is not None else 0
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None) -> torch.Tensor:
+        """input_ids, positions [B, T] long -> hidden [B, T, H] after the final norm."""
+        if input_ids.shape != positions.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ")
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, kv, i)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] -> logits [B, T, V] through the (tied or untied) head."""
+        return F.linear(hidden, self.head_weight)
+
+    def draft_logits(self, h_mtp: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Logits of an MTP output: the MTP layer's own head when the checkpoint has one, else the main head."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP head")
+        head = self.mtp.layers[self.mtp.layer_index(depth)].head
+        return head(h_mtp) if head is not None else self.logits(h_mtp)
+
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v and gate/up into one Linear each (the FUSED_PROJ switch). Same logits."""
+        for layer in self.layers:
+            layer.fuse()
+        if self.mtp is not None:
+            for mtp_layer in self.mtp.layers:
+                mtp_layer.block.fuse()
+        self.fused = True

@@ -1,0 +1,227 @@
+"""ModelRunner: the one place where the model, the KV cache, the step executor and the switches meet.
+
+Every forward is a *step function* of static-shape inputs handed to `executor.run(kind, key, fn, inputs)`:
+batches are padded to a batch bucket (1, 2, 4, 8, ...), prompt chunks to a token bucket, and the keys a
+forward reads to a length bucket (the "span"). Padded rows write only scratch columns past the context
+(see engine.kv_cache), so they never disturb a real slot. Nothing inside a step function reads a tensor
+value on the host: the graph cache can capture any of them.
+
+When the executor raises GraphDegraded for a step that used an opt-in switch, the switch is degraded (with a
+SwitchEvent and a WARNING) and the step is retried on the path without it. A GraphDegraded that names no switch
+from a drafting step raises MtpUnavailable, which the engine turns into "MTP off for the rest of the run".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+
+from engine.executor import GraphDegraded, StepExecutor
+from engine.kv_cache import SlotKVCache
+from engine.switches import SwitchBoard
+from engine.telemetry import EventBus, SwitchEvent, WarningEvent
+
+MIN_SPAN_TOKENS = 256
+MIN_CHUNK_TOKENS = 16
+SPLIT_SWITCH = "SPLIT_ATTN"
+
+
+def switch_for_key(kind: str, key: Hashable) -> str | None:
+    """The opt-in switch a step's graph depends on (for engine.graphs.GraphCache's degrade path)."""
+    return SPLIT_SWITCH if isinstance(key, tuple) and "split" in key else None
+
+
+class MtpUnavailable(RuntimeError):
+    """A drafting step could not run (its graph degraded with no switch to blame): turn MTP off."""
+
+
+def pow2_bucket(n: int, lower: int = 1) -> int:
+    """Smallest power of two >= max(n, lower)."""
+    b = lower
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass(frozen=True)
+class Row:
+    """One decoding slot in a batch: its slot, the token to feed, and that token's position."""
+
+    slot: int
+    token: int
+    position: int
+
+
+@dataclass
+class StepOutput:
+    """What a decode/verify/prefill forward gives back (device tensors, rows padded to the bucket)."""
+
+    logits: torch.Tensor  # [Bb, T, V] (prefill: [1, 1, V], the last real position)
+    hidden: torch.Tensor  # [Bb, T, H] after the final norm
+    drafts: torch.Tensor | None = None  # verify: [Bb, K] the drafts that were checked
+    span_tokens: int = 0
+
+
+StepBuilder = Callable[[bool], tuple[Hashable, Callable]]
+
+
+class ModelRunner:
+    """Runs prefill chunks, batched decode and MTP verify forwards over the slot KV cache."""
+
+    def __init__(self, model: torch.nn.Module, kv: SlotKVCache, executor: StepExecutor, board: SwitchBoard,
+                 bus: EventBus, device: torch.device, num_slots: int, mtp_depth: int = 0) -> None:
+        self.model = model
+        self.kv = kv
+        self.executor = executor
+        self.board = board
+        self.bus = bus
+        self.device = device
+        self.num_slots = num_slots
+        self.context_tokens = kv.geometry.context_tokens
+        self.mtp_depth = mtp_depth
+        # Drafts waiting for verification, one row per slot plus a scratch row for padded batch rows.
+        self.draft_buf = torch.zeros(num_slots + 1, max(1, mtp_depth), dtype=torch.long, device=device)
+        self.pad_row = num_slots
+        self.forwards = 0
+
+    # --- buckets and staging -------------------------------------------------------------------------------
+
+    def batch_bucket(self, n: int) -> int:
+        return pow2_bucket(n)
+
+    def span_bucket(self, end_tokens: int) -> int:
+        """The length bucket for keys [0, end_tokens): a power of two, capped at the context."""
+        return min(pow2_bucket(end_tokens, MIN_SPAN_TOKENS), self.context_tokens)
+
+    def stage(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """Host values -> device tensor; through a pinned buffer and a non-blocking copy with PINNED_STAGING."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        if self.board.enabled("PINNED_STAGING"):
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+    def split_enabled(self) -> bool:
+        return self.board.enabled(SPLIT_SWITCH)
+
+    # --- the executor seam ---------------------------------------------------------------------------------
+
+    def run(self, kind: str, build: StepBuilder, inputs: dict, owner: str | None = None) -> dict:
+        """Run one step through the executor; degrade a failing switch and retry, or raise MtpUnavailable."""
+        split = self.split_enabled()
+        key, fn = build(split)
+        try:
+            out = self.executor.run(kind, key, fn, inputs, owner)
+        except GraphDegraded as exc:
+            if exc.switch is not None:
+                self._degrade(exc.switch, exc)
+                key, fn = build(self.split_enabled())
+                out = self.executor.run(kind, key, fn, inputs, owner)
+            elif owner == "drafter" or kind in ("verify", "draft_prefill", "draft_round", "draft_step"):
+                raise MtpUnavailable(exc.error) from exc
+            else:
+                # A plain forward lost its graph with no switch to blame: run it eagerly this time.
+                self.bus.publish(WarningEvent(where=f"runner.{kind}", message=f"{exc}; running this step eagerly"))
+                out = fn(inputs)
+        self.forwards += 1
+        return out
+
+    def _degrade(self, name: str, exc: GraphDegraded) -> None:
+        reason = f"{exc.kind} graph {exc.key!r}: {exc.error}"
+        self.board.degrade(name, reason)
+        if name == SPLIT_SWITCH:
+            self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and "split" in key)
+        self.bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
+        self.bus.publish(WarningEvent(where=f"runner.{exc.kind}",
+                                      message=f"switch {name} degraded for the rest of the run: {reason}"))
+
+    def on_switch_changed(self, name: str) -> None:
+        """A live switch changed: drop the graphs whose code path it alters."""
+        if name == SPLIT_SWITCH:
+            self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and "split" in key)
+
+    # --- forwards ------------------------------------------------------------------------------------------
+
+    def _pad_rows(self, rows: list[Row], t: int) -> tuple[list[int], list[list[int]]]:
+        """Slots and positions [Bb, t] of a batch; padded rows write scratch columns past the context."""
+        bb = self.batch_bucket(len(rows))
+        slots = [r.slot for r in rows] + [0] * (bb - len(rows))
+        positions = [[r.position + j for j in range(t)] for r in rows]
+        positions += [[self.context_tokens + j for j in range(t)]] * (bb - len(rows))
+        return slots, positions
+
+    def decode(self, rows: list[Row]) -> StepOutput:
+        """One token for each row: logits [Bb, 1, V] and hidden [Bb, 1, H]."""
+        slots, positions = self._pad_rows(rows, 1)
+        bb = len(slots)
+        span = self.span_bucket(max(r.position for r in rows) + 1)
+        tokens = [[r.token] for r in rows] + [[0]] * (bb - len(rows))
+        inputs = {"slots": self.stage(slots), "tokens": self.stage(tokens), "positions": self.stage(positions)}
+
+        def build(split: bool):
+            key = ("b%d" % bb, "L%d" % span) + (("split",) if split else ())
+            return key, self._forward_fn(span, split)
+
+        out = self.run("decode", build, inputs)
+        return StepOutput(out["logits"], out["hidden"], span_tokens=span)
+
+    def verify(self, rows: list[Row]) -> StepOutput:
+        """Each row's pending token plus its K drafts (from draft_buf) in one forward: logits [Bb, K+1, V]."""
+        k = self.mtp_depth
+        slots, positions = self._pad_rows(rows, k + 1)
+        bb = len(slots)
+        span = self.span_bucket(max(r.position for r in rows) + k + 1)
+        draft_rows = [r.slot for r in rows] + [self.pad_row] * (bb - len(rows))
+        pending = [[r.token] for r in rows] + [[0]] * (bb - len(rows))
+        inputs = {"slots": self.stage(slots), "pending": self.stage(pending), "draft_rows": self.stage(draft_rows),
+                  "positions": self.stage(positions)}
+        draft_buf = self.draft_buf
+
+        def build(split: bool):
+            forward = self._forward_fn(span, split)
+
+            def verify_fn(x):
+                drafts = draft_buf.index_select(0, x["draft_rows"])[:, :k]  # [Bb, K]
+                out = forward({"slots": x["slots"], "tokens": torch.cat([x["pending"], drafts], 1),
+                               "positions": x["positions"]})
+                out["drafts"] = drafts
+                return out
+
+            key = ("b%d" % bb, "k%d" % k, "L%d" % span) + (("split",) if split else ())
+            return key, verify_fn
+
+        out = self.run("verify", build, inputs)
+        return StepOutput(out["logits"], out["hidden"], out["drafts"], span_tokens=span)
+
+    def prefill(self, slot: int, token_ids: list[int], start: int) -> StepOutput:
+        """Prompt tokens at positions [start, start+n) of one slot: last position's logits, all hidden states."""
+        n = len(token_ids)
+        tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
+        span = self.span_bucket(start + n)
+        positions = [start + j for j in range(n)] + [self.context_tokens + j for j in range(tb - n)]
+        inputs = {"slots": self.stage([slot]), "tokens": self.stage([list(token_ids) + [0] * (tb - n)]),
+                  "positions": self.stage([positions]), "last": self.stage([n - 1])}
+
+        def build(split: bool):
+            key = ("t%d" % tb, "L%d" % span) + (("split",) if split else ())
+            return key, self._forward_fn(span, split, last_only=True)
+
+        out = self.run("prefill", build, inputs)
+        return StepOutput(out["logits"], out["hidden"], span_tokens=span)
+
+    def _forward_fn(self, span: int, split: bool, last_only: bool = False) -> Callable:
+        model, kv = self.model, self.kv
+
+        def forward_fn(x):
+            kv.bind(x["slots"], span)
+            kv.set_split(split)
+            hidden = model(x["tokens"], x["positions"], kv)  # [Bb, T, H]
+            if last_only:
+                h_last = hidden.index_select(1, x["last"])  # [1, 1, H]
+                return {"logits": model.logits(h_last), "hidden": hidden}
+            return {"logits": model.logits(hidden), "hidden": hidden}
+
+        return forward_fn

@@ -1,0 +1,111 @@
+"""Sampling: temperature, top-p, per-request seeded generators, and speculative acceptance of MTP drafts.
+
+One function serves plain decode and MTP verify: `sample_with_drafts(logits [B, T, V], drafts [B, T-1])`.
+Drafts are proposed greedily (argmax of the MTP head), i.e. from a one-hot draft distribution q, so standard
+speculative rejection sampling reduces to: accept draft d at position j with probability p_j(d); at the first
+rejection sample from p_j with d removed (the residual max(0, p - q), renormalized); if all K are accepted,
+sample the bonus token from p_K. Greedy rows use p = one-hot(argmax), which turns the same rule into "accept
+while the draft equals the argmax" -- so the output is token-for-token what plain greedy decoding gives.
+
+Random numbers come from per-request CPU generators (seeded: reproducible on any device); only the small
+uniform draws travel to the device, and only [B, T] token ids come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.api import SamplingParams
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator for one request: seeded when the request gave a seed, otherwise from entropy."""
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return gen
+
+
+@dataclass
+class SampleResult:
+    """Per row: how many drafts were accepted and the tokens to emit (accepted drafts, then one more)."""
+
+    accepted: list[int]
+    tokens: list[list[int]]
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Sampling distribution per row and position: logits [B, T, V] -> probs [B, T, V] (float32).
+
+    temperature 0 gives one-hot(argmax); top_p < 1 keeps the smallest set whose mass reaches top_p.
+    """
+    logits = logits.float()
+    greedy = (temperature <= 0).view(-1, 1, 1)
+    safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(-1, 1, 1)
+    probs = torch.softmax(logits / safe_t, dim=-1)
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+        keep = before < top_p.view(-1, 1, 1)
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, probs)
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [B, V], u [B] in [0, 1) -> token ids [B]."""
+    cdf = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).contiguous()).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def sample_with_drafts(
+    logits: torch.Tensor,
+    drafts: torch.Tensor | None,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> SampleResult:
+    """Sample the next token(s) of B rows. logits [B, T, V]; drafts [B, T-1] long on the same device, or None.
+
+    Rows beyond len(params) are batch padding and are ignored.
+    """
+    rows = len(params)
+    logits = logits[:rows]
+    b, t, _ = logits.shape
+    k = t - 1
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    probs = target_probs(logits, temperature, top_p)  # [B, T, V]
+    # Two uniforms per position: one to accept the draft, one to sample a token there.
+    u = torch.stack([torch.rand(2 * t, generator=g) for g in generators]).to(device)
+    u_accept, u_sample = u[:, :t], u[:, t:]
+    if k > 0 and drafts is not None:
+        drafts = drafts[:rows]
+        p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, K]
+        ok = (u_accept[:, :k] < p_draft).long()
+        accepted = ok.cumprod(dim=-1).sum(dim=-1)  # [B]: leading accepted drafts
+        at = accepted.view(b, 1, 1).expand(b, 1, probs.shape[-1])
+        p_at = probs.gather(1, at).squeeze(1)  # [B, V]: the distribution at the first rejection (or bonus)
+        rejected = accepted < k
+        d_at = drafts.gather(1, accepted.clamp(max=k - 1).view(b, 1)).squeeze(1)
+        residual = p_at.scatter(-1, d_at.view(b, 1), 0.0)
+        # A one-hot p_at that rejected its own draft cannot happen (p(d)=1 always accepts); guard the sum anyway.
+        residual_ok = (residual.sum(-1, keepdim=True) > 0) & rejected.view(b, 1)
+        p_final = torch.where(residual_ok, residual, p_at)
+        final = _draw(p_final, u_sample.gather(1, accepted.view(b, 1)).squeeze(1))
+        j = torch.arange(t, device=device).view(1, t)
+        padded = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
+        tokens = torch.where(j < accepted.view(b, 1), padded, final.view(b, 1))
+    else:
+        accepted = torch.zeros(b, dtype=torch.long, device=device)
+        tokens = _draw(probs[:, 0], u_sample[:, 0]).view(b, 1)
+    acc_host = accepted.tolist()
+    tok_host = tokens.tolist()
+    return SampleResult(acc_host, [row[: a + 1] for row, a in zip(tok_host, acc_host)])

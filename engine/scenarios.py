@@ -1,0 +1,377 @@
+"""Named load scenarios and an async runner over HTTP. Torch-free: `strata-engine bench scenario` and the
+TUI's load action share it.
+
+A scenario drives a running `strata-engine serve` through `/v1/completions` with prompts given as token ids
+(the OpenAI spec allows arrays of ints), so a 150K-token prompt costs no client-side tokenizing. The vocab
+size and the context per slot are read from `/v1/models` and `/strata/state`.
+
+    result = await run_scenario("seed", "http://127.0.0.1:8000", on_progress=print, long_tokens=32000)
+    result.ok, result.metrics["decode_ratio"], result.to_json()
+
+Scenarios:
+- `seed`: the user report (shared/seed): N concurrent short generations, then after `delay_s` one fresh long
+  prompt (a random nonce at its start, so it is never cached) while they decode.
+- `burst`: N concurrent short requests at once.
+- `reuse`: the same long prompt twice, one after the other: the second should report cached prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from engine.bench.load_client import LoadClient, RequestResult, ServerInfo, discover
+from engine.errors import ConfigError
+
+ProgressCallback = Callable[["ScenarioProgress"], Any]
+
+# Qwen-family vocabularies keep their special tokens at the top of the id range; random prompts stay below.
+_SPECIAL_ID_FRACTION = 16
+_NONCE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ScenarioParam:
+    """One tunable number of a scenario (CLI: `--set NAME=VALUE`; TUI: a form field)."""
+
+    name: str
+    default: int | float
+    help: str
+
+    def coerce(self, scenario: str, value: Any) -> int | float:
+        """Turn a CLI/TUI value into this parameter's type; errors name the parameter and the value."""
+        want_int = isinstance(self.default, int)
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = int(value) if want_int and not isinstance(value, float) else float(value)
+        except (TypeError, ValueError):
+            kind = "a whole number" if want_int else "a number"
+            raise ConfigError(self.name, value, f"scenario {scenario!r} expects {kind}") from None
+        if number < 0:
+            raise ConfigError(self.name, value, f"scenario {scenario!r} expects a value >= 0")
+        return number
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A named load pattern: its parameters and the coroutine that plays it."""
+
+    name: str
+    description: str
+    params: tuple[ScenarioParam, ...]
+    play: Callable[["_Run", dict[str, Any]], Awaitable[None]] = field(repr=False)
+
+    def resolve(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """Defaults with `overrides` applied; an unknown name is a ConfigError listing the known ones."""
+        by_name = {p.name: p for p in self.params}
+        values: dict[str, Any] = {p.name: p.default for p in self.params}
+        for key, value in overrides.items():
+            if key not in by_name:
+                known = ", ".join(by_name)
+                raise ConfigError(key, value, f"not a parameter of scenario {self.name!r}; known: {known}")
+            values[key] = by_name[key].coerce(self.name, value)
+        return values
+
+
+@dataclass(frozen=True)
+class ScenarioProgress:
+    """One step of a running scenario, for a progress line or a log pane.
+
+    `event`: start, sent, first_token, finished, failed, note, done.
+    """
+
+    scenario: str
+    event: str
+    message: str
+    elapsed_s: float
+    label: str | None = None
+    requests_done: int = 0
+    requests_total: int = 0
+
+
+@dataclass
+class ScenarioResult:
+    """What a scenario did: every request's figures, the server's health before and after, derived metrics."""
+
+    name: str
+    base_url: str
+    model: str
+    params: dict[str, Any]
+    started_at: float
+    wall_s: float = 0.0
+    requests: list[RequestResult] = field(default_factory=list)
+    health_before: str = ""
+    health_after: str = ""
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[str]:
+        return [f"{r.label}: {r.error}" for r in self.requests if r.error]
+
+    @property
+    def ok(self) -> bool:
+        """Every request completed and the server still answers /health with 200."""
+        return not self.errors and self.health_after.startswith("200")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.name,
+            "base_url": self.base_url,
+            "model": self.model,
+            "params": dict(self.params),
+            "started_at": self.started_at,
+            "wall_s": round(self.wall_s, 4),
+            "ok": self.ok,
+            "errors": self.errors,
+            "health_before": self.health_before,
+            "health_after": self.health_after,
+            "metrics": dict(self.metrics),
+            "notes": list(self.notes),
+            "requests": [r.to_json() for r in self.requests],
+        }
+
+
+class _Run:
+    """One scenario in flight: makes prompts, sends requests, reports progress."""
+
+    def __init__(self, scenario: Scenario, client: LoadClient, info: ServerInfo, params: dict[str, Any],
+                 on_progress: ProgressCallback | None) -> None:
+        self.scenario = scenario
+        self.client = client
+        self.info = info
+        self.params = params
+        self.on_progress = on_progress
+        self.t0 = time.perf_counter()
+        self.rng = random.Random(int(params.get("seed", 0)))
+        self.results: list[RequestResult] = []
+        self.total = 0
+        self.notes: list[str] = []
+        self.metrics: dict[str, float | None] = {}
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def report(self, event: str, message: str, label: str | None = None) -> None:
+        if self.on_progress is None:
+            return
+        done = sum(1 for r in self.results if r.end_s is not None)
+        progress = ScenarioProgress(self.scenario.name, event, message, self.elapsed_s(), label, done, self.total)
+        outcome = self.on_progress(progress)
+        if inspect.isawaitable(outcome):
+            await outcome
+
+    def prompt(self, n_tokens: int, fresh: bool = True) -> list[int]:
+        """`n_tokens` ids below the special-token range; `fresh` puts a random nonce first so no cache matches."""
+        upper = max(2, self.info.vocab_size - self.info.vocab_size // _SPECIAL_ID_FRACTION)
+        ids = [self.rng.randrange(upper) for _ in range(n_tokens)]
+        if fresh:
+            nonce = random.Random(secrets.randbits(64))
+            for i in range(min(_NONCE_TOKENS, n_tokens)):
+                ids[i] = nonce.randrange(upper)
+        return ids
+
+    def check_fits(self, param: str, prompt_tokens: int, max_tokens: int) -> None:
+        context = self.info.context_tokens
+        if context is not None and prompt_tokens + max_tokens > context:
+            raise ConfigError(param, prompt_tokens,
+                              f"with max_tokens={max_tokens} this needs {prompt_tokens + max_tokens} tokens but the "
+                              f"engine's context is {context} tokens per slot; start it with --context "
+                              f"{prompt_tokens + max_tokens} or more, or lower {param}")
+
+    async def send(self, label: str, kind: str, prompt_ids: list[int], max_tokens: int) -> RequestResult:
+        result = RequestResult(label=label, kind=kind, prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
+                               start_s=self.elapsed_s())
+        self.results.append(result)
+        await self.report("sent", f"{label}: {len(prompt_ids)} prompt tokens, max_tokens={max_tokens}", label)
+
+        async def first_token() -> None:
+            await self.report("first_token", f"{label}: first token after {result.ttft_s:.2f} s", label)
+
+        await self.client.complete(result, prompt_ids, max_tokens, float(self.params.get("temperature", 0.0)),
+                                   self.t0, on_first_token=first_token)
+        if result.error:
+            await self.report("failed", f"{label}: {result.error}", label)
+        else:
+            await self.report("finished", f"{label}: {result.summary()}", label)
+        return result
+
+
+# --- the scenarios ----------------------------------------------------------------------------------------
+
+
+async def _play_seed(run: _Run, p: dict[str, Any]) -> None:
+    n_short = int(p["concurrency"])
+    run.check_fits("long_tokens", int(p["long_tokens"]), int(p["long_max_tokens"]))
+    run.total = n_short + 1
+    shorts = [
+        asyncio.create_task(run.send(f"short-{i}", "short", run.prompt(int(p["short_prompt_tokens"])),
+                                     int(p["short_max_tokens"])))
+        for i in range(n_short)
+    ]
+    await asyncio.sleep(float(p["delay_s"]))
+    long_prompt = run.prompt(int(p["long_tokens"]), fresh=True)
+    long = asyncio.create_task(run.send("long", "long", long_prompt, int(p["long_max_tokens"])))
+    await asyncio.gather(*shorts, long)
+    _seed_metrics(run, long.result(), [t.result() for t in shorts])
+
+
+def _seed_metrics(run: _Run, long: RequestResult, shorts: list[RequestResult]) -> None:
+    """The short slots' decode rate while the long prompt was admitted, relative to their rate before it."""
+    firsts = [r.first_token_s for r in shorts if r.first_token_s is not None]
+    before_start = max(firsts) if firsts else None
+    during_end = long.first_token_s if long.first_token_s is not None else long.end_s
+    before = _window_rate(shorts, before_start, long.start_s)
+    during = _window_rate(shorts, long.start_s, during_end)
+    run.metrics.update({
+        "long_ttft_s": long.ttft_s,
+        "short_decode_tok_s_before": before,
+        "short_decode_tok_s_during_long_prefill": during,
+        "decode_ratio": (during / before) if before and during is not None else None,
+    })
+    if during is None:
+        run.notes.append("the short generations were not decoding while the long prompt was admitted; "
+                         "raise short_max_tokens to measure the decode rate during its prefill")
+
+
+def _window_rate(requests: list[RequestResult], start_s: float | None, end_s: float | None) -> float | None:
+    """Summed tok/s of the requests that were decoding in [start_s, end_s], each over its own active span."""
+    if start_s is None or end_s is None or end_s <= start_s:
+        return None
+    total = 0.0
+    active = 0
+    for r in requests:
+        if r.first_token_s is None:
+            continue
+        span_start = max(start_s, r.first_token_s)
+        span_end = min(end_s, r.end_s if r.end_s is not None else end_s)
+        if span_end - span_start <= 1e-3:
+            continue
+        tokens = sum(n for t, n in r.increments if span_start < t <= span_end)
+        total += tokens / (span_end - span_start)
+        active += 1
+    return total if active else None
+
+
+async def _play_burst(run: _Run, p: dict[str, Any]) -> None:
+    n = int(p["requests"])
+    run.total = n
+    results = await asyncio.gather(*(
+        run.send(f"burst-{i}", "short", run.prompt(int(p["prompt_tokens"])), int(p["max_tokens"])) for i in range(n)
+    ))
+    done = [r for r in results if not r.error]
+    if done:
+        tokens = sum(r.completion_tokens for r in done)
+        span_s = max(r.end_s or 0.0 for r in done) - min(r.start_s for r in done)
+        ttfts = sorted(r.ttft_s for r in done if r.ttft_s is not None)
+        run.metrics.update({
+            "aggregate_tok_s": tokens / span_s if span_s > 0 else None,
+            "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
+            "ttft_max_s": ttfts[-1] if ttfts else None,
+        })
+
+
+async def _play_reuse(run: _Run, p: dict[str, Any]) -> None:
+    run.check_fits("long_tokens", int(p["long_tokens"]), int(p["max_tokens"]))
+    run.total = 2
+    prompt = run.prompt(int(p["long_tokens"]), fresh=True)
+    first = await run.send("first", "long", prompt, int(p["max_tokens"]))
+    second = await run.send("second", "long", prompt, int(p["max_tokens"]))
+    run.metrics.update({
+        "first_ttft_s": first.ttft_s,
+        "second_ttft_s": second.ttft_s,
+        "second_cached_tokens": float(second.cached_tokens),
+        "ttft_speedup": (first.ttft_s / second.ttft_s) if first.ttft_s and second.ttft_s else None,
+    })
+    if not second.error and second.cached_tokens == 0:
+        run.notes.append("the second request reported no cached prompt tokens: no prefix-cache hit")
+
+
+_COMMON = (
+    ScenarioParam("temperature", 0.0, "sampling temperature of every request (0: greedy)"),
+    ScenarioParam("seed", 0, "seed of the random prompt filler (the long prompt's nonce is always fresh)"),
+)
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("seed", "the user report: N short generations decode, then a fresh long prompt arrives", (
+            ScenarioParam("concurrency", 6, "concurrent short generations"),
+            ScenarioParam("short_prompt_tokens", 64, "prompt tokens of each short generation"),
+            ScenarioParam("short_max_tokens", 512, "tokens each short generation produces"),
+            ScenarioParam("delay_s", 3.0, "seconds between the short generations and the long prompt"),
+            ScenarioParam("long_tokens", 150_000, "prompt tokens of the fresh long prompt"),
+            ScenarioParam("long_max_tokens", 16, "tokens the long prompt generates"),
+        ) + _COMMON, _play_seed),
+        Scenario("burst", "N concurrent short requests sent at once", (
+            ScenarioParam("requests", 16, "concurrent requests"),
+            ScenarioParam("prompt_tokens", 64, "prompt tokens of each request"),
+            ScenarioParam("max_tokens", 128, "tokens each request produces"),
+        ) + _COMMON, _play_burst),
+        Scenario("reuse", "the same long prompt twice: the second should hit the prompt cache", (
+            ScenarioParam("long_tokens", 32_000, "prompt tokens of the long prompt"),
+            ScenarioParam("max_tokens", 16, "tokens each request produces"),
+        ) + _COMMON, _play_reuse),
+    )
+}
+
+
+def scenario_names() -> list[str]:
+    return list(SCENARIOS)
+
+
+def get_scenario(name: str) -> Scenario:
+    """Look a scenario up by name; an unknown name is a ConfigError listing the known ones."""
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ConfigError("scenario", name, f"unknown scenario; known: {', '.join(SCENARIOS)}") from None
+
+
+async def run_scenario(
+    name: str,
+    base_url: str,
+    api_key: str | None = None,
+    *,
+    on_progress: ProgressCallback | None = None,
+    http_client: httpx.AsyncClient | None = None,
+    timeout_s: float = 1800.0,
+    **params: Any,
+) -> ScenarioResult:
+    """Play scenario `name` against the server at `base_url` and return what happened.
+
+    `params` override the scenario's parameters (see `get_scenario(name).params`); `on_progress` (sync or
+    async) receives a ScenarioProgress per step. Request failures (HTTP errors, a dropped connection when the
+    engine dies) are recorded in the result, not raised; a bad parameter, an unreachable server or a prompt
+    that cannot fit the engine's context raise ConfigError before anything is sent.
+    """
+    scenario = get_scenario(name)
+    values = scenario.resolve(params)
+    own_client = http_client is None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    client = http_client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+    try:
+        load = LoadClient(client, base_url, headers)
+        info = await discover(load)
+        result = ScenarioResult(name, load.base_url, info.model, values, time.time(), health_before=info.health)
+        run = _Run(scenario, load, info, values, on_progress)
+        await run.report("start", f"{name} against {load.base_url} ({info.model}, vocab {info.vocab_size}, "
+                                  f"context {info.context_tokens or 'unknown'})")
+        await scenario.play(run, values)
+        result.wall_s = run.elapsed_s()
+        result.requests, result.metrics, result.notes = run.results, run.metrics, run.notes
+        result.health_after = await load.health()
+        status = "ok" if result.ok else f"{len(result.errors)} error(s), health after: {result.health_after}"
+        await run.report("done", f"{name} done in {result.wall_s:.1f} s: {status}")
+        return result
+    finally:
+        if own_client:
+            await client.aclose()

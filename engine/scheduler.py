@@ -1,0 +1,419 @@
+"""Slots, admission and chunked-prefill planning. Pure Python: moves Request objects, counts tokens and blocks.
+
+Every `schedule()` returns one StepPlan, the whole of what the runner does in that step:
+
+1. The previous step ends (`end_step`, if the engine has not called it): the pins that kept the blocks
+   it copied from and filled in the tier are released.
+2. Free slots take waiting requests in FIFO order; each admission looks up the longest cached prefix of its
+   prompt (never the last token, whose logits must be computed) and pins those blocks.
+3. Every decoding slot decodes, costing `1 + draft_tokens` tokens of the step budget.
+4. What is left of `step_token_budget` goes to prefill chunks (at most `prefill_chunk_tokens` each, one per
+   request) in admission order. So a 176K-token admission advances a chunk at a time between the decode
+   steps of the running slots instead of stalling them.
+
+The plan is a commitment: `schedule()` advances each request's prefill cursor as it plans the chunk, and a
+request whose last prompt chunk is planned decodes from the next step on. If a step fails, the engine ends
+the requests in it with `finish(req, "error")`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from engine.api import FinishReason
+from engine.errors import ConfigError, QueueFull, RequestRejected
+from engine.prefix_index import BlockRef, PrefixIndex, block_digests
+from engine.request import Request, RequestState
+
+DEFAULT_BLOCK_TOKENS = 256
+# Finish reasons after which a request's planned work may not have run (see `_discard_unfilled`).
+_WORK_LOST_REASONS = ("abort", "error")
+_RETRY_AFTER_MIN_S = 0.1
+_RETRY_AFTER_MAX_S = 60.0
+_RETRY_AFTER_UNKNOWN_S = 1.0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request that got a slot this step. The runner copies `cached_blocks` (tier -> slot positions
+    [0, cached_tokens)) before running the request's first chunk."""
+
+    request: Request
+    slot: int
+    cached_tokens: int
+    cached_blocks: list[BlockRef]
+
+    @property
+    def reuse(self) -> Literal["fresh", "reused"]:
+        return "reused" if self.cached_tokens else "fresh"
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [start, end) of `request` to run in `slot` this step. On the last chunk the runner samples
+    the first output token from the logits of position end - 1."""
+
+    request: Request
+    slot: int
+    start: int
+    end: int
+    is_last: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class CacheFill:
+    """Full prompt blocks that became computed with this step's chunk: after the forward, the runner copies
+    slot positions [ref.index * block_tokens, +block_tokens) into tier block `ref.block_id` for each ref
+    (or calls `PrefixIndex.discard` on the ids it could not fill)."""
+
+    request: Request
+    slot: int
+    blocks: list[BlockRef]
+
+    @property
+    def should_fill(self) -> bool:
+        """False once the request was aborted or failed: its blocks were discarded, skip the copy."""
+        return self.request.finish_reason not in _WORK_LOST_REASONS
+
+
+@dataclass
+class StepPlan:
+    """Everything one step runs. `decode` lists slots that decode one token (or verify drafts)."""
+
+    admitted: list[Admission] = field(default_factory=list)
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    cache_fill: list[CacheFill] = field(default_factory=list)
+    draft_tokens: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode) * (1 + self.draft_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this step computes: the quantity `step_token_budget` bounds."""
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill or self.decode)
+
+
+class Scheduler:
+    """Slots behind a bounded FIFO queue, with continuous batching and chunked prefill."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        queue_max: int,
+        prefill_chunk_tokens: int,
+        step_token_budget: int,
+        prefix_index: PrefixIndex | None = None,
+        block_tokens: int | None = None,
+        *,
+        context_tokens: int,
+        draft_tokens: int = 0,
+        vocab_size: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
+                            ("prefill_chunk_tokens", prefill_chunk_tokens),
+                            ("step_token_budget", step_token_budget), ("context_tokens", context_tokens)):
+            _require_positive(name, value)
+        if prefill_chunk_tokens > step_token_budget:
+            raise ConfigError("prefill_chunk_tokens", prefill_chunk_tokens,
+                              f"must not exceed step_token_budget ({step_token_budget})")
+        if prefix_index is not None:
+            if block_tokens is not None and block_tokens != prefix_index.block_tokens:
+                raise ConfigError("block_tokens", block_tokens,
+                                  f"differs from the prefix index's block_tokens ({prefix_index.block_tokens})")
+            block_tokens = prefix_index.block_tokens
+        self.block_tokens = block_tokens if block_tokens is not None else DEFAULT_BLOCK_TOKENS
+        _require_positive("block_tokens", self.block_tokens)
+        self.num_slots = num_slots
+        self.queue_max = queue_max
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.step_token_budget = step_token_budget
+        self.context_tokens = context_tokens
+        if vocab_size is not None:
+            _require_positive("vocab_size", vocab_size)
+        self.vocab_size = vocab_size
+        self.prefix_index = prefix_index
+        self._clock = clock
+        self._draft_tokens = 0
+        self.set_draft_tokens(draft_tokens)
+        self._waiting: deque[Request] = deque()
+        self._slots: list[Request | None] = [None] * num_slots
+        self._free_slots: list[int] = list(range(num_slots))
+        self._prefilling: list[Request] = []  # admission order: the FIFO order of prefill chunks
+        self._requests: dict[str, Request] = {}
+        self._awaiting_copy: list[Request] = []  # admitted last step: their prefix pins drop next step
+        # Tier blocks handed out for filling last step, by request: unpinned next step or when it finishes.
+        self._fill_pins: dict[str, list[int]] = {}
+        self._finish_times_s: deque[float] = deque(maxlen=32)
+        self._next_fill_block: dict[str, int] = {}
+        # Each running request's hash chain, computed once at admission: chunks extend the cached prefix
+        # block by block, and rehashing a 176K-token prompt for every chunk would be quadratic.
+        self._digests: dict[str, list[bytes]] = {}
+
+    @classmethod
+    def from_config(cls, config: Any, prefix_index: PrefixIndex | None = None, **kwargs: Any) -> "Scheduler":
+        """Build from an EngineConfig: batch, queue_max, prefill_chunk_tokens, step_token_budget, context."""
+        return cls(config.batch, config.queue_max, config.prefill_chunk_tokens, config.step_token_budget,
+                   prefix_index, context_tokens=config.context, **kwargs)
+
+    # --- queries -----------------------------------------------------------------------------------------
+
+    @property
+    def draft_tokens(self) -> int:
+        return self._draft_tokens
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return self.num_slots - len(self._free_slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def has_work(self) -> bool:
+        """True while anything is queued or holds a slot: the engine keeps stepping."""
+        return bool(self._waiting) or self.num_running > 0
+
+    def waiting(self) -> list[Request]:
+        """Queued requests, oldest first."""
+        return list(self._waiting)
+
+    def running(self) -> list[Request]:
+        """Requests holding slots, by slot."""
+        return [req for req in self._slots if req is not None]
+
+    def slot_request(self, slot: int) -> Request | None:
+        return self._slots[slot]
+
+    def pinned_block_ids(self) -> set[int]:
+        """Tier blocks this scheduler holds pinned now (reused blocks being copied, new blocks being filled)."""
+        pinned = {ref.block_id for req in self._awaiting_copy if req.blocks_pinned for ref in req.cached_blocks}
+        for block_ids in self._fill_pins.values():
+            pinned.update(block_ids)
+        return pinned
+
+    def get(self, request_id: str) -> Request | None:
+        """A queued or running request by id (finished ones are forgotten)."""
+        return self._requests.get(request_id)
+
+    def retry_after_s(self) -> float:
+        """How long until a queue place is likely to free: one finish's time at the recent finish rate."""
+        times = self._finish_times_s
+        if len(times) < 2 or times[-1] <= times[0]:
+            return _RETRY_AFTER_UNKNOWN_S
+        per_finish_s = (times[-1] - times[0]) / (len(times) - 1)
+        return min(max(per_finish_s, _RETRY_AFTER_MIN_S), _RETRY_AFTER_MAX_S)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for /strata/state: queue depth and one entry per slot."""
+        slots = []
+        for slot, req in enumerate(self._slots):
+            if req is None:
+                slots.append({"slot": slot, "state": "idle", "request_id": None})
+                continue
+            slots.append({
+                "slot": slot,
+                "state": req.state.value,
+                "request_id": req.request_id,
+                "prompt_tokens": req.num_prompt_tokens,
+                "cached_tokens": req.num_cached_tokens,
+                "computed_tokens": req.num_computed_tokens,
+                "generated_tokens": req.num_output_tokens,
+                "max_tokens": req.max_tokens,
+            })
+        return {"waiting": self.num_waiting, "queue_max": self.queue_max, "slots": slots,
+                "draft_tokens": self._draft_tokens, "step_token_budget": self.step_token_budget}
+
+    # --- commands ----------------------------------------------------------------------------------------
+
+    def validate(self, req: Request) -> None:
+        """Raise RequestRejected (PromptTooLong, MaxTokensTooLarge) when `req` could never be served here."""
+        req.check_servable(self.context_tokens, self.vocab_size)
+        if req.request_id in self._requests:
+            raise RequestRejected(f"request_id={req.request_id!r} is already queued or running",
+                                  param="request_id")
+
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises RequestRejected for one that can never be served, QueueFull when full."""
+        self.validate(req)
+        if req.state is not RequestState.WAITING:
+            raise RequestRejected(f"request {req.request_id!r} is {req.state.value}, not new", param="request_id")
+        if len(self._waiting) >= self.queue_max:
+            raise QueueFull(len(self._waiting), self.queue_max, self.retry_after_s())
+        self._waiting.append(req)
+        self._requests[req.request_id] = req
+
+    def set_draft_tokens(self, draft_tokens: int) -> None:
+        """Drafts each decoding slot verifies per step (0 when MTP is off or degraded)."""
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
+            raise ConfigError("draft_tokens", draft_tokens, "expected a whole number >= 0")
+        self._draft_tokens = draft_tokens
+
+    def schedule(self) -> StepPlan:
+        """Plan one step: end the last one (`end_step`), admit, decode every decoding slot, then prefill."""
+        self.end_step()
+        plan = StepPlan(draft_tokens=self._draft_tokens)
+        while self._free_slots and self._waiting:
+            plan.admitted.append(self._admit(self._waiting.popleft()))
+        plan.decode = [req for req in self._slots if req is not None and req.state is RequestState.DECODE]
+        budget_tokens = self.step_token_budget - plan.num_decode_tokens
+        for req in list(self._prefilling):
+            if budget_tokens <= 0:
+                break
+            chunk = self._plan_chunk(req, budget_tokens)
+            plan.prefill.append(chunk)
+            budget_tokens -= chunk.num_tokens
+            fill = self._plan_cache_fill(req, chunk)
+            if fill is not None:
+                plan.cache_fill.append(fill)
+        return plan
+
+    def finish(self, req: Request, reason: FinishReason) -> bool:
+        """End a request in any state: frees its queue place or slot and its prefix pins.
+        Returns False when it had already finished."""
+        if req.is_finished:
+            return False
+        if req.state is RequestState.WAITING:
+            try:
+                self._waiting.remove(req)
+            except ValueError:
+                pass  # never added: finishing it is still well-defined
+        if req.slot is not None:
+            self._slots[req.slot] = None
+            heapq.heappush(self._free_slots, req.slot)
+            req.slot = None
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        self._release_copy_pins(req)
+        if reason in _WORK_LOST_REASONS:
+            self._discard_unfilled(req)
+        self._requests.pop(req.request_id, None)
+        self._next_fill_block.pop(req.request_id, None)
+        self._digests.pop(req.request_id, None)
+        now_s = self._clock()
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.finished_s = now_s
+        self._finish_times_s.append(now_s)
+        return True
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a queued or running request by id; returns it, or None when no such request is active."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, "abort")
+        return req
+
+    def release_prefix(self, req: Request) -> None:
+        """The runner has copied `req`'s cached blocks into its slot: unpin them now instead of at `end_step`."""
+        self._release_copy_pins(req)
+
+    def end_step(self) -> None:
+        """The runner has run the last plan, its copies and its cache fills: drop the pins that protected
+        them. `schedule()` does this first if the engine has not; calling it after each step lets an idle
+        engine's tier shrink freely."""
+        for req in self._awaiting_copy:
+            self._release_copy_pins(req)
+        self._awaiting_copy.clear()
+        if self.prefix_index is not None:
+            for block_ids in self._fill_pins.values():
+                self.prefix_index.unpin(block_ids)
+        self._fill_pins.clear()
+
+    # --- internals ---------------------------------------------------------------------------------------
+
+    def _admit(self, req: Request) -> Admission:
+        slot = heapq.heappop(self._free_slots)
+        blocks: list[BlockRef] = []
+        if self.prefix_index is not None:
+            digests = block_digests(req.prompt_token_ids, self.block_tokens)
+            self._digests[req.request_id] = digests
+            # All but the last prompt token: its logits are needed, so its KV is always computed.
+            blocks = self.prefix_index.match_digests(digests[:(req.num_prompt_tokens) // self.block_tokens])
+            self.prefix_index.pin(ref.block_id for ref in blocks)
+            self._awaiting_copy.append(req)
+        req.slot = slot
+        req.state = RequestState.PREFILL
+        req.cached_blocks = blocks
+        req.blocks_pinned = bool(blocks)
+        req.num_cached_tokens = len(blocks) * self.block_tokens
+        req.num_prefilled_tokens = 0
+        req.admitted_s = self._clock()
+        self._slots[slot] = req
+        self._prefilling.append(req)
+        self._next_fill_block[req.request_id] = len(blocks)
+        return Admission(req, slot, req.num_cached_tokens, blocks)
+
+    def _plan_chunk(self, req: Request, budget_tokens: int) -> PrefillChunk:
+        assert req.slot is not None
+        start = req.num_computed_tokens
+        end = start + min(self.prefill_chunk_tokens, req.remaining_prompt_tokens, budget_tokens)
+        req.num_prefilled_tokens += end - start
+        is_last = req.is_prefill_done
+        if is_last:
+            self._prefilling.remove(req)
+            req.state = RequestState.DECODE
+        return PrefillChunk(req, req.slot, start, end, is_last)
+
+    def _plan_cache_fill(self, req: Request, chunk: PrefillChunk) -> CacheFill | None:
+        if self.prefix_index is None:
+            return None
+        first_new_block = self._next_fill_block.get(req.request_id, 0)
+        full_blocks = chunk.end // self.block_tokens
+        if full_blocks <= first_new_block:
+            return None
+        digests = self._digests[req.request_id]
+        refs = self.prefix_index.insert_digests(digests[:full_blocks], first_new_block)
+        self._next_fill_block[req.request_id] = full_blocks
+        if chunk.is_last:
+            del self._digests[req.request_id]  # no block of this prompt is left to insert
+        if not refs:
+            return None
+        # Until the runner has filled them: a tier shrink during the step must not hand these ids back.
+        fill_ids = [ref.block_id for ref in refs]
+        self.prefix_index.pin(fill_ids)
+        self._fill_pins[req.request_id] = fill_ids
+        return CacheFill(req, chunk.slot, refs)
+
+    def _release_copy_pins(self, req: Request) -> None:
+        if req.blocks_pinned and self.prefix_index is not None:
+            self.prefix_index.unpin(ref.block_id for ref in req.cached_blocks)
+        req.blocks_pinned = False
+
+    def _discard_unfilled(self, req: Request) -> None:
+        # Aborted or failed inside the step: the chunk behind this step's cache fill may never have run, so
+        # those blocks would hold garbage KV. Forget them; a fill the runner still makes lands in a free id,
+        # which is written again before any later match can return it.
+        block_ids = self._fill_pins.pop(req.request_id, [])
+        if block_ids and self.prefix_index is not None:
+            self.prefix_index.discard(block_ids)
+
+
+def _require_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, value, "expected a whole number >= 1")

@@ -1,0 +1,177 @@
+"""The FastAPI app: thin routes over `Serving`, the telemetry bus and the engine client.
+
+`create_app(client, config)` builds one app per engine client (tests build several in one process: each
+has its own metrics registry). Routes parse the body, call one method and turn `ApiError` into the
+OpenAI error shape; everything else lives in serving.py, sse.py, metrics.py and auth.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.api import EngineClient
+from engine.config import EngineConfig
+from engine.errors import StrataError
+from engine.server import sse
+from engine.server.auth import check_bearer
+from engine.server.errors import ApiError, from_exception, invalid_param
+from engine.server.handle import ClientGone
+from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SwitchRequest,
+    VramReserveRequest,
+    parse_body,
+)
+from engine.server.serving import Serving
+from engine.switches import get_switch
+
+log = logging.getLogger("strata.server")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = sse.DEFAULT_KEEPALIVE_S) -> FastAPI:
+    """The HTTP app for one engine client. The caller owns the client (and shuts it down)."""
+    metrics = ServerMetrics(client)
+    serving = Serving(client, metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        consumer = asyncio.create_task(metrics.consume_events(serving.stopping))
+        try:
+            yield
+        finally:
+            await serving.begin_shutdown()
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+
+    app = FastAPI(title="strata-engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.client = client
+    _install_error_handlers(app)
+
+    def authorize(request: Request) -> None:
+        check_bearer(request.headers.get("authorization"), config.api_key)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        h = client.health()
+        status = "ready" if h.ready else h.reason.split(":", 1)[0].strip() or "unavailable"
+        return JSONResponse({"status": status, "reason": h.reason}, status_code=200 if h.ready else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse(serving.models().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        req = parse_body(CompletionRequest, await request.body())
+        return _respond(await serving.completion(req, _disconnect_waiter(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        req = parse_body(ChatCompletionRequest, await request.body())
+        return _respond(await serving.chat(req, _disconnect_waiter(request)))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/strata/state")
+    async def state() -> JSONResponse:
+        return JSONResponse(jsonable_encoder(client.state()))
+
+    @app.get("/strata/events")
+    async def events(request: Request, last_event_id: str | None = None) -> StreamingResponse:
+        raw = request.headers.get("last-event-id") or last_event_id
+        resume = sse.parse_last_event_id(raw)
+        if raw is not None and resume is None:
+            raise invalid_param("Last-Event-ID", raw, "expected a non-negative event sequence number")
+        stream = sse.event_stream(client.bus, resume, serving.stopping, keepalive_s=keepalive_s)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @app.post("/strata/switches/{name}")
+    async def set_switch(name: str, request: Request) -> JSONResponse:
+        authorize(request)
+        switch = get_switch(name)  # UnknownSwitch -> 404 before the body is even looked at
+        body = parse_body(SwitchRequest, await request.body())
+        result = await client.set_switch(switch.name, body.enabled)
+        return JSONResponse({"switch": result.to_json()})
+
+    @app.post("/strata/vram-reserve")
+    async def set_vram_reserve(request: Request) -> JSONResponse:
+        authorize(request)
+        body = parse_body(VramReserveRequest, await request.body())
+        mib = await client.set_vram_reserve(body.mib)
+        return JSONResponse({"vram_reserve_mib": mib})
+
+    return app
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+def _disconnect_waiter(request: Request):
+    """A coroutine function that returns once the client has gone (the body was already read)."""
+
+    async def wait() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    return wait
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def answer(err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return answer(exc)
+
+    @app.exception_handler(StrataError)
+    async def strata_error(_request: Request, exc: StrataError) -> JSONResponse:
+        return answer(from_exception(exc))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody is listening; the request was already aborted
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+        return answer(invalid_param(loc or "request", err.get("input"), err.get("msg", "invalid")))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return answer(ApiError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        err = from_exception(exc)
+        if err.status >= 500:
+            log.exception("request failed: %s", err.message)
+        return answer(err)

@@ -1,0 +1,188 @@
+"""Request and response schemas of the HTTP API (OpenAI-compatible /v1, Strata control routes).
+
+Pydantic models only: what a body may contain and how each field is bounded. What the server does with a
+valid request lives in `serving.py`; which parameters the engine cannot honour (n > 1, logprobs, ...) is
+decided there too, so every refusal names its parameter the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+from engine.server.errors import from_validation_error, malformed_json
+
+TokenId = Annotated[int, Field(ge=0)]
+MAX_STOP_STRINGS = 4
+
+
+class _Body(BaseModel):
+    # OpenAI clients send fields this server does not know (user, metadata, ...): ignore, do not fail.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extensions: benchmarks need exact output lengths, chat formats need extra stop tokens.
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt` is text or token ids (one prompt; a batch of several is refused)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class SwitchRequest(BaseModel):
+    """POST /strata/switches/{NAME}."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: StrictBool
+
+
+class VramReserveRequest(BaseModel):
+    """POST /strata/vram-reserve."""
+
+    model_config = ConfigDict(extra="forbid")
+    mib: Annotated[StrictInt, Field(ge=0, le=1 << 20)]
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "Usage":
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "strata"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- parsing -----------------------------------------------------------------------------------------------
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
+    """Parse a JSON body into `model`; malformed JSON and invalid fields raise ApiError (400)."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise malformed_json(str(exc)) from None
+    if not isinstance(data, dict):
+        raise malformed_json(f"expected a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None

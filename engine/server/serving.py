@@ -1,0 +1,299 @@
+"""The serving logic of the OpenAI routes, over an `EngineClient` only.
+
+A request goes: parsed body (protocol.py) -> refusals of what this engine does not do, each naming its
+parameter -> prompt token ids (text, token ids, or a chat template) -> context and max_tokens checks with
+the numbers -> `RequestHandle` (engine generation tied to the connection) -> a response or an SSE stream.
+Routes (app.py) only parse, call one method here and turn ApiError into a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import anyio
+
+from engine.api import EngineClient, GenerationRequest, RequestOutput, SamplingParams
+from engine.errors import EngineDead, MaxTokensTooLarge, PromptTooLong
+from engine.server import streams
+from engine.server.streams import usage_of
+from engine.server.chat import chat_prompt_ids
+from engine.server.errors import ApiError, from_exception, invalid_param, unsupported_param
+from engine.server.handle import ClientGone, RequestHandle, WaitDisconnect
+from engine.server.metrics import ServerMetrics
+from engine.server.protocol import (
+    MAX_STOP_STRINGS,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+log = logging.getLogger("strata.server")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to what is left
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to hand to the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+class Serving:
+    """OpenAI completions and chat completions over one engine client."""
+
+    def __init__(self, client: EngineClient, metrics: ServerMetrics | None = None) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.stopping = asyncio.Event()
+        self._inflight: dict[str, RequestHandle] = {}
+
+    # --- models and lifecycle ------------------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.client.model_name, max_model_len=self.client.context_tokens)])
+
+    @property
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
+    async def begin_shutdown(self) -> None:
+        """Refuse new requests, abort the running ones and end the event streams, so connections close."""
+        self.stopping.set()
+        for handle in list(self._inflight.values()):
+            await handle.abort()
+
+    # --- the two generation routes -------------------------------------------------------------------------
+
+    async def completion(self, req: CompletionRequest, wait_disconnect: WaitDisconnect | None
+                         ) -> CompletionResponse | AsyncIterator[str]:
+        self._check_common(req)
+        _refuse_completion_extras(req)
+        prompt_ids = await self._completion_prompt(req)
+        prep = self._prepare("cmpl", req, prompt_ids, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        handle, first = await self._open(prep, wait_disconnect)
+        if prep.stream:
+            return self._tracked_stream(handle, streams.completion_chunks(
+                self._outputs(handle, first), prep.request_id, self.client.model_name, prep.include_usage,
+                len(prompt_ids)))
+        text, last = await self._collect(handle, first)
+        return CompletionResponse(
+            id=prep.request_id,
+            model=self.client.model_name,
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+            usage=usage_of(last, len(prompt_ids)),
+        )
+
+    async def chat(self, req: ChatCompletionRequest, wait_disconnect: WaitDisconnect | None
+                   ) -> ChatCompletionResponse | AsyncIterator[str]:
+        self._check_common(req)
+        _refuse_chat_extras(req)
+        prompt_ids = await self._chat_prompt(req)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        prep = self._prepare("chatcmpl", req, prompt_ids, requested, None)
+        handle, first = await self._open(prep, wait_disconnect)
+        if prep.stream:
+            return self._tracked_stream(handle, streams.chat_chunks(
+                self._outputs(handle, first), prep.request_id, self.client.model_name, prep.include_usage,
+                len(prompt_ids)))
+        text, last = await self._collect(handle, first)
+        return ChatCompletionResponse(
+            id=prep.request_id,
+            model=self.client.model_name,
+            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)],
+            usage=usage_of(last, len(prompt_ids)),
+        )
+
+    # --- validation ----------------------------------------------------------------------------------------
+
+    def _check_common(self, req: Any) -> None:
+        if self.stopping.is_set():
+            raise ApiError(503, "server is shutting down", type="server_unavailable", code="shutting_down")
+        health = self.client.health()
+        if not health.ready and health.reason.startswith("dead"):
+            raise from_exception(EngineDead(health.reason.partition(":")[2].strip() or health.reason))
+        if not health.ready:
+            raise ApiError(503, f"engine is not ready: {health.reason}", type="server_unavailable",
+                           code="engine_not_ready")
+        if req.model != self.client.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{self.client.model_name!r}", param="model", code="model_not_found")
+        if req.n != 1:
+            raise unsupported_param("n", req.n, "this server returns one choice per request; "
+                                                "send n requests (with different seeds) instead")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) != 0:
+                raise unsupported_param(name, getattr(req, name), "penalties are not supported; use 0")
+        if req.logit_bias:
+            raise unsupported_param("logit_bias", req.logit_bias, "logit_bias is not supported")
+
+    async def _completion_prompt(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise unsupported_param("prompt", f"<{len(prompt)} prompts>",
+                                        "one prompt per request; send a batch as separate requests")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise invalid_param("prompt", prompt, "the prompt is empty")
+            return await asyncio.to_thread(self.client.encode, prompt)
+        ids = list(prompt)
+        if not ids:
+            raise invalid_param("prompt", ids, "the prompt is empty")
+        vocab = getattr(self.client, "vocab_size", None)
+        if vocab is not None:
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise invalid_param("prompt", bad[:8], f"token ids must be below the vocabulary size {vocab}")
+        return ids
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        return await chat_prompt_ids(self.client, req.messages)
+
+    def _prepare(self, prefix: str, req: Any, prompt_ids: list[int], requested: int | None,
+                 default_max: int | None) -> Prepared:
+        context = self.client.context_tokens
+        prompt_tokens = len(prompt_ids)
+        if prompt_tokens >= context:
+            raise PromptTooLong(prompt_tokens, context)
+        left = context - prompt_tokens
+        if requested is None:
+            max_tokens = left if default_max is None else min(default_max, left)
+        elif requested > left:
+            raise MaxTokensTooLarge(requested, prompt_tokens, context)
+        else:
+            max_tokens = requested
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=_stop_strings(req.stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+        if req.stream_options is not None and not req.stream:
+            raise invalid_param("stream_options", req.stream_options.model_dump(), "only allowed with stream=true")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.stream, include_usage)
+
+    # --- running -------------------------------------------------------------------------------------------
+
+    async def _open(self, prep: Prepared, wait_disconnect: WaitDisconnect | None
+                    ) -> tuple[RequestHandle, RequestOutput | None]:
+        """Submit and wait for the first output, so admission errors still get their own status code."""
+        gen = GenerationRequest(prep.request_id, prep.prompt_token_ids, prep.params)
+        handle = RequestHandle(self.client, gen, wait_disconnect)
+        self._inflight[prep.request_id] = handle
+        if self.metrics is not None:
+            self.metrics.request_started(prep.request_id)
+        try:
+            first = await handle.next()
+        except BaseException as exc:
+            await self._finish(handle)
+            if isinstance(exc, ClientGone):
+                raise
+            if isinstance(exc, Exception):
+                raise from_exception(exc) from exc
+            raise
+        self._observe(handle, first)
+        return handle, first
+
+    async def _outputs(self, handle: RequestHandle, first: RequestOutput | None) -> AsyncIterator[RequestOutput]:
+        out = first
+        while out is not None:
+            yield out
+            if out.finished:
+                return
+            out = await handle.next()
+            self._observe(handle, out)
+
+    async def _collect(self, handle: RequestHandle, first: RequestOutput | None) -> tuple[str, RequestOutput]:
+        pieces: list[str] = []
+        try:
+            async for out in self._outputs(handle, first):
+                pieces.append(out.text)
+        except ClientGone:
+            raise
+        except Exception as exc:
+            raise from_exception(exc) from exc
+        finally:
+            await self._finish(handle)
+        last = handle.last
+        if last is None:
+            raise ApiError(500, "the engine ended the request without any output", type="server_error")
+        if last.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {last.error or 'unknown error'}", type="server_error")
+        if handle.aborted and self.stopping.is_set():
+            raise ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
+                           code="shutting_down")
+        return "".join(pieces), last
+
+    async def _tracked_stream(self, handle: RequestHandle, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await self._finish(handle)
+
+    def _observe(self, handle: RequestHandle, out: RequestOutput | None) -> None:
+        if self.metrics is not None and out is not None:
+            self.metrics.request_output(handle.request_id, out)
+
+    async def _finish(self, handle: RequestHandle) -> None:
+        # Shielded: a stream cancelled by its disconnecting client must still abort its engine request.
+        with anyio.CancelScope(shield=True):
+            await handle.close()
+        if self._inflight.pop(handle.request_id, None) is not None and self.metrics is not None:
+            self.metrics.request_finished(handle.request_id, handle.last)
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid_param("stop", items, f"at most {MAX_STOP_STRINGS} stop strings")
+    for i, s in enumerate(items):
+        if not s:
+            raise invalid_param(f"stop[{i}]" if not isinstance(stop, str) else "stop", s, "a stop string is empty")
+    return tuple(items)
+
+
+def _refuse_completion_extras(req: CompletionRequest) -> None:
+    if req.echo:
+        raise unsupported_param("echo", req.echo, "echo is not supported")
+    if req.suffix:
+        raise unsupported_param("suffix", req.suffix, "suffix (fill-in-the-middle) is not supported")
+    if req.logprobs is not None:
+        raise unsupported_param("logprobs", req.logprobs, "logprobs are not supported")
+    if req.best_of is not None and req.best_of != 1:
+        raise unsupported_param("best_of", req.best_of, "best_of is not supported")
+
+
+def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
+    if req.logprobs:
+        raise unsupported_param("logprobs", req.logprobs, "logprobs are not supported")
+    if req.top_logprobs:
+        raise unsupported_param("top_logprobs", req.top_logprobs, "logprobs are not supported")
+    if req.tools:
+        raise unsupported_param("tools", f"<{len(req.tools)} tools>", "tool calling is not supported")
+    if req.tool_choice not in (None, "none"):
+        raise unsupported_param("tool_choice", req.tool_choice, "tool calling is not supported")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise unsupported_param("response_format", req.response_format, "only {'type': 'text'} is supported")

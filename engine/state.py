@@ -1,0 +1,74 @@
+"""Read-side views of a running engine: slot progress (for SlotEvents) and the /strata/state snapshot.
+
+Both are built from the scheduler's Request objects, so the TUI's slot table and the telemetry stream show
+the same numbers. Everything here only reads engine state; it may run on the server thread while the engine
+thread steps (a snapshot can be one step stale, never torn inside one field).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine.request import Request, RequestState
+from engine.telemetry import SlotEvent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.engine import Engine
+
+
+def slot_event(req: Request, slot: int, state: str | None = None, now_s: float | None = None) -> SlotEvent:
+    """One slot's progress: prefilled tokens and rate with an ETA while prefilling; generated tokens, decode
+    rate and MTP acceptance while decoding."""
+    now_s = time.monotonic() if now_s is None else now_s
+    prefill_tok_s = 0.0
+    eta_s = None
+    if req.admitted_s is not None:
+        end_s = req.first_token_s if req.first_token_s is not None else now_s
+        elapsed_s = end_s - req.admitted_s
+        computed = min(req.num_prefilled_tokens, req.num_prompt_tokens - req.num_cached_tokens)
+        if elapsed_s > 0 and computed > 0:
+            prefill_tok_s = computed / elapsed_s
+        if req.first_token_s is None and prefill_tok_s > 0:
+            eta_s = round(req.remaining_prompt_tokens / prefill_tok_s, 3)
+    if state is None:
+        state = {RequestState.PREFILL: "prefill", RequestState.DECODE: "decode"}.get(req.state, "finished")
+        if state == "decode" and not req.output_token_ids:
+            state = "prefill"  # its last chunk is planned but not yet run
+    return SlotEvent(
+        slot=slot, state=state, request_id=req.request_id, prompt_tokens=req.num_prompt_tokens,
+        cached_tokens=req.num_cached_tokens, prefilled_tokens=req.num_computed_tokens,
+        generated_tokens=req.num_output_tokens, max_tokens=req.max_tokens,
+        prefill_tok_s=round(prefill_tok_s, 2), decode_tok_s=round(req.decode_tok_s(now_s) or 0.0, 2),
+        acceptance=None if req.acceptance is None else round(req.acceptance, 4), eta_s=eta_s,
+    )
+
+
+def engine_state(engine: "Engine") -> dict[str, Any]:
+    """Snapshot for /strata/state: config, switches, slots, graph cache, VRAM breakdown, tier, MTP."""
+    now_s = time.monotonic()
+    slots = []
+    for slot in range(engine.config.batch):
+        req = engine.sched.slot_request(slot)
+        if req is None:
+            slots.append({"slot": slot, "state": "idle", "request_id": None})
+        else:
+            slots.append(slot_event(req, slot, now_s=now_s).to_json())
+    executor = engine.executor
+    graphs = executor.snapshot() if hasattr(executor, "snapshot") else {"enabled": False, "graphs": [], "total_mib": 0.0}
+    return {
+        "model": engine.model_name,
+        "config": engine.config.to_dict(),
+        "health": {"ready": engine.health().ready, "reason": engine.health().reason},
+        "switches": engine.board.snapshot(),
+        "queue": {"waiting": engine.sched.num_waiting, "queue_max": engine.sched.queue_max},
+        "slots": slots,
+        "graphs": graphs,
+        "vram": [engine.budget.breakdown().to_json()],
+        "tier": engine.tier.snapshot(),
+        "kv": {"storage": engine.kv.storage, "mib": round(engine.kv.mib, 2),
+               "context_tokens": engine.kv.geometry.context_tokens, "slots": engine.kv.geometry.num_slots},
+        "mtp": {"enabled": engine.mtp_on, "depth": engine.config.mtp_depth if engine.config.batch_mtp else 0,
+                "disabled_reason": engine.mtp_off_reason},
+        "steps": engine.steps,
+    }

@@ -1,0 +1,43 @@
+"""`strata-tui`: parse the command line, build the app with `create_app`, run it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from strata_tui import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata-tui", description="Launch strata-engine from a saved profile and watch it live.")
+    parser.add_argument("--profile", metavar="NAME", help="profile to open (default: the last used, else 'default')")
+    parser.add_argument("--attach", metavar="URL", help="monitor an engine already running at URL; launch nothing")
+    parser.add_argument("--config-dir", metavar="DIR", type=Path,
+                        help="profiles directory root (default: $STRATA_TUI_CONFIG_DIR or the platform's)")
+    parser.add_argument("--no-launch", action="store_true", help="open the monitor without starting the engine")
+    parser.add_argument("--version", action="version", version=f"strata-tui {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.attach and not args.attach.startswith(("http://", "https://")):
+        print(f"strata-tui: error: --attach {args.attach!r}: expected an http:// or https:// URL", file=sys.stderr)
+        return 2
+    from engine.errors import StrataError
+    from strata_tui.app import create_app
+
+    try:
+        app = create_app(config_dir=args.config_dir, profile=args.profile, attach_url=args.attach,
+                         launch=not args.no_launch)
+    except StrataError as exc:
+        print(f"strata-tui: error: {exc}", file=sys.stderr)
+        return 2
+    app.run()
+    return int(app.return_code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

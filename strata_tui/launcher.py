@@ -1,0 +1,177 @@
+"""Launching `strata-engine serve` as a child process: argv (never a shell), switches in the environment.
+
+The engine runs in its own process group (start_new_session=True) so a stop reaches every process it
+started; stop is SIGTERM to the group, then SIGKILL after a timeout. stdin is closed. stdout and stderr are
+read in chunks and split on \\r and \\n by `LineSplitter`, so a progress bar that redraws with \\r becomes
+lines and a huge line cannot hit a reader's line-length limit. The ready line
+`strata-engine: ready at http://HOST:PORT` is recognised here and reported through `on_ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.config import EngineConfig
+
+READY_RE = re.compile(r"^strata-engine: ready at (https?://\S+)\s*$")
+_READ_CHUNK_BYTES = 64 * 1024
+_LINE_END = re.compile(r"\r\n|\r|\n")
+_MAX_LINE_CHARS = 16 * 1024  # a longer line is cut into pieces of this size so the log stays bounded
+
+
+def engine_argv(config: EngineConfig, program: list[str] | None = None) -> list[str]:
+    """The serve command for `config`: `python -m engine.cli serve ...` unless another program is given."""
+    base = program if program is not None else [sys.executable, "-m", "engine.cli"]
+    return [*base, "serve", *config.to_argv()]
+
+
+def engine_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: ours, minus inherited STRATA_* switches, plus the profile's switches."""
+    env = dict(os.environ if base is None else base)
+    for key in [k for k in env if k.startswith("STRATA_") and k != "STRATA_API_KEY"]:
+        del env[key]
+    env.update(config.switch_env())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class LineSplitter:
+    """Turn byte chunks into text lines split on \\r\\n, \\n or \\r; undecodable bytes become U+FFFD."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buffer = ""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        text = self._buffer + self._decoder.decode(chunk)
+        # A trailing \r may be the first half of a \r\n split across chunks: keep it for the next one.
+        hold = ""
+        if text.endswith("\r"):
+            text, hold = text[:-1], "\r"
+        lines = _LINE_END.split(text)
+        self._buffer = lines.pop() + hold
+        while len(self._buffer) > _MAX_LINE_CHARS:
+            lines.append(self._buffer[:_MAX_LINE_CHARS])
+            self._buffer = self._buffer[_MAX_LINE_CHARS:]
+        if any(len(line) > _MAX_LINE_CHARS for line in lines):
+            lines = [line[i:i + _MAX_LINE_CHARS] for line in lines for i in range(0, len(line) or 1, _MAX_LINE_CHARS)]
+        return lines
+
+    def flush(self) -> list[str]:
+        """The last, unterminated line (at end of stream)."""
+        tail = (self._buffer + self._decoder.decode(b"", final=True)).rstrip("\r")
+        self._buffer = ""
+        return [tail] if tail else []
+
+
+@dataclass
+class ExitInfo:
+    """How the engine ended: its return code and whether we asked it to stop."""
+
+    returncode: int
+    requested: bool
+
+
+class EngineProcess:
+    """One run of the engine. Start it, read its output, notice readiness, stop it. Not restartable:
+    a restart is a new EngineProcess (fresh pipes, fresh process group)."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        on_output: Callable[[str, list[str]], None],
+        on_ready: Callable[[str], None],
+        cwd: str | None = None,
+    ) -> None:
+        self.argv = argv
+        self.env = env
+        self.cwd = cwd
+        self._on_output = on_output
+        self._on_ready = on_ready
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stop_requested = False
+        self.ready_url: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def run(self) -> ExitInfo:
+        """Start the engine, pump its output until both pipes close, and return how it exited."""
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+        )
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        try:
+            await asyncio.gather(self._pump(self._proc.stdout, "stdout"), self._pump(self._proc.stderr, "stderr"))
+            returncode = await self._proc.wait()
+        except asyncio.CancelledError:
+            await self.stop()
+            raise
+        return ExitInfo(returncode, self._stop_requested)
+
+    async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:
+        splitter = LineSplitter()
+        while True:
+            chunk = await stream.read(_READ_CHUNK_BYTES)
+            lines = splitter.feed(chunk) if chunk else splitter.flush()
+            if lines:
+                self._on_output(name, lines)
+            if name == "stdout" and self.ready_url is None:
+                for line in lines:
+                    match = READY_RE.match(line)
+                    if match:
+                        self.ready_url = match.group(1)
+                        self._on_ready(self.ready_url)
+                        break
+            if not chunk:
+                return
+
+    async def stop(self, timeout_s: float = 5.0) -> int | None:
+        """SIGTERM the process group, wait up to `timeout_s`, then SIGKILL it. Returns the exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        self._stop_requested = True
+        if proc.returncode is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                _signal_group(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        else:
+            # The leader is gone; children it left in the group may not be.
+            _signal_group(proc.pid, signal.SIGKILL)
+        return proc.returncode
+
+    def kill_now(self) -> None:
+        """SIGKILL the group without waiting (used when the app is exiting and cannot await)."""
+        if self._proc is not None:
+            self._stop_requested = True
+            _signal_group(self._proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

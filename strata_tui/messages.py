@@ -1,0 +1,86 @@
+"""Messages the workers post up to the app. Dataclasses, one file (as Toolong does).
+
+High-rate messages that carry a whole picture (GPU readings, connection status) define `can_replace`, so
+a burst queued behind a slow frame collapses to the newest. Telemetry batches and log lines carry
+distinct content and are never collapsed; they are folded into state and drawn on the next refresh tick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from engine.telemetry import Event
+from strata_tui.gpu import GpuSample
+
+
+@dataclass
+class TelemetryBatch(Message):
+    """Events from one read of the SSE stream."""
+
+    events: list[Event]
+
+
+@dataclass
+class StateSnapshot(Message):
+    """The `/strata/state` snapshot, fetched on (re)connect."""
+
+    snapshot: dict
+
+
+@dataclass
+class TelemetryStatus(Message):
+    """The event stream connected or dropped (with why)."""
+
+    connected: bool
+    reason: str
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, TelemetryStatus)
+
+
+@dataclass
+class GpuSampled(Message):
+    """One NVML reading of every GPU (or why there is none)."""
+
+    samples: list[GpuSample]
+    unavailable: str | None = None
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, GpuSampled)
+
+
+@dataclass
+class EngineOutput(Message):
+    """Lines the engine wrote: (stream, line) pairs."""
+
+    lines: list[tuple[str, str]]
+    run: int = 0
+
+
+@dataclass
+class EngineReady(Message):
+    """The engine printed its ready line."""
+
+    url: str
+    run: int = 0  # which launch this belongs to (a restart must not take an old run's news)
+
+
+@dataclass
+class EngineExited(Message):
+    """The engine process ended (or could not start)."""
+
+    returncode: int
+    requested: bool
+    error: str | None = None
+    run: int = 0
+
+
+@dataclass
+class LoadProgress(Message):
+    """A load scenario said something (progress or its result)."""
+
+    text: str
+    done: bool = False
+    failed: bool = False

@@ -1,0 +1,176 @@
+"""What the monitor knows about the engine, built from telemetry events. Pure Python, no Textual.
+
+The telemetry worker feeds events in (`apply`), the `/strata/state` snapshot seeds it (`apply_snapshot`),
+and the monitor screen reads it on each refresh tick and pushes the parts down into its widgets. Keeping
+this apart from the widgets makes the event-to-meaning step testable in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable
+
+from engine.switches import SWITCHES
+from engine.telemetry import (
+    AdmissionEvent,
+    EngineEvent,
+    ErrorEvent,
+    Event,
+    GraphEvent,
+    SlotEvent,
+    SwitchEvent,
+    TierEvent,
+    VramEvent,
+    WarningEvent,
+)
+
+GRAPH_SEVERITY = {"capture": 0, "release": 0, "evict": 1, "retry": 1, "wait": 1, "fail": 2, "degrade": 2}
+SEVERITY_NAMES = ("info", "warning", "error")
+GRAPH_HISTORY = 500
+RECENT_EVENTS = 40
+
+
+def graph_severity(event: GraphEvent) -> int:
+    """0 info, 1 warning, 2 error; an event that carries an error string is at least a warning."""
+    level = GRAPH_SEVERITY.get(event.action, 1)
+    return max(level, 1) if event.error else level
+
+
+@dataclass
+class SwitchView:
+    """A switch as the monitor shows it: what the profile asks for and what the engine runs with."""
+
+    name: str
+    live: bool
+    wanted: bool  # the profile's value
+    running: bool | None = None  # the engine's value; None before the engine has said
+    degraded: bool = False
+    reason: str = ""
+    note: str = ""  # the last control answer (e.g. why a restart is needed)
+
+    @property
+    def needs_restart(self) -> bool:
+        return self.running is not None and self.running != self.wanted and not self.degraded
+
+
+@dataclass
+class MonitorState:
+    """The engine as seen through its events. `version` increases on every change (cheap dirty check)."""
+
+    engine_state: str = "not started"
+    engine_detail: str = ""
+    exit_code: int | None = None
+    slots: dict[int, SlotEvent] = field(default_factory=dict)
+    vram: dict[str, VramEvent] = field(default_factory=dict)
+    tier: TierEvent | None = None
+    graph_events: deque[GraphEvent] = field(default_factory=lambda: deque(maxlen=GRAPH_HISTORY))
+    recent: deque[Event] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
+    last_error: ErrorEvent | None = None
+    last_warning: WarningEvent | None = None
+    last_admission: AdmissionEvent | None = None
+    switches: dict[str, SwitchView] = field(default_factory=dict)
+    vram_reserve_mib: int | None = None
+    last_seq: int = 0
+    version: int = 0
+
+    @classmethod
+    def for_profile(cls, wanted: dict[str, bool], vram_reserve_mib: int) -> "MonitorState":
+        state = cls(vram_reserve_mib=vram_reserve_mib)
+        for sw in SWITCHES:
+            state.switches[sw.name] = SwitchView(sw.name, sw.live, bool(wanted.get(sw.name, False)))
+        return state
+
+    def reset_for_launch(self) -> None:
+        """A new engine run: forget the old run's slots and numbers, keep switches' wanted values."""
+        self.engine_state, self.engine_detail, self.exit_code = "starting", "", None
+        self.slots.clear()
+        self.vram.clear()
+        self.tier, self.last_error, self.last_warning, self.last_admission = None, None, None, None
+        self.last_seq = 0
+        for view in self.switches.values():
+            view.running, view.degraded, view.reason, view.note = None, False, "", ""
+        self.version += 1
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def apply(self, event: Event) -> None:
+        """Fold one event in."""
+        self.last_seq = max(self.last_seq, event.seq)
+        self.version += 1
+        if not isinstance(event, (SlotEvent, VramEvent)):
+            self.recent.append(event)
+        if isinstance(event, SlotEvent):
+            self.slots[event.slot] = event
+        elif isinstance(event, VramEvent):
+            self.vram[event.device or "?"] = event
+            self.vram_reserve_mib = int(round(event.reserve_mib))
+        elif isinstance(event, GraphEvent):
+            self.graph_events.append(event)
+        elif isinstance(event, TierEvent):
+            self.tier = event
+        elif isinstance(event, AdmissionEvent):
+            self.last_admission = event
+        elif isinstance(event, SwitchEvent):
+            self._apply_switch(event.name, event.state == "on", event.state == "degraded", event.reason)
+        elif isinstance(event, EngineEvent):
+            self.engine_state, self.engine_detail = event.state, event.detail
+            if event.exit_code is not None:
+                self.exit_code = event.exit_code
+        elif isinstance(event, ErrorEvent):
+            self.last_error = event
+        elif isinstance(event, WarningEvent):
+            self.last_warning = event
+
+    def _apply_switch(self, name: str, enabled: bool, degraded: bool, reason: str) -> None:
+        view = self.switches.get(name.upper().removeprefix("STRATA_"))
+        if view is None:
+            return
+        view.running, view.degraded, view.reason = enabled, degraded, reason
+        if degraded:
+            view.note = ""
+
+    def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Seed from `/strata/state`. Tolerant: reads the parts it recognises, ignores the rest."""
+        self.version += 1
+        for item in _as_list(snapshot.get("switches")):
+            if isinstance(item, dict) and "name" in item:
+                self._apply_switch(str(item["name"]), bool(item.get("enabled")), bool(item.get("degraded")),
+                                   str(item.get("reason", "")))
+        for item in _as_list(snapshot.get("slots")):
+            if isinstance(item, dict) and "slot" in item:
+                self.slots[int(item["slot"])] = _build(SlotEvent, item)
+        vram = snapshot.get("vram")
+        for key, item in (vram.items() if isinstance(vram, dict) else enumerate(_as_list(vram))):
+            if isinstance(item, dict):
+                event = _build(VramEvent, {"device": str(key), **item})
+                self.vram[event.device or str(key)] = event
+                self.vram_reserve_mib = int(round(event.reserve_mib))
+        config = snapshot.get("config")
+        if isinstance(config, dict) and isinstance(config.get("vram_reserve_mib"), int):
+            self.vram_reserve_mib = config["vram_reserve_mib"]
+        if isinstance(snapshot.get("vram_reserve_mib"), int):
+            self.vram_reserve_mib = snapshot["vram_reserve_mib"]
+
+    def note_exit(self, returncode: int) -> None:
+        """The launcher saw the process end."""
+        self.engine_state, self.exit_code = "exited", returncode
+        self.version += 1
+
+    def filtered_graph_events(self, min_severity: int) -> list[GraphEvent]:
+        return [e for e in self.graph_events if graph_severity(e) >= min_severity]
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, list):
+        return value
+    if isinstance(value, dict):
+        return list(value.values())
+    return []
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})

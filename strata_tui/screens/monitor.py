@@ -1,0 +1,140 @@
+"""The monitor screen: composes the live widgets and redraws them from the app's state on a timer.
+
+Redrawing on a tick (the profile's `[tui] refresh_s`) rather than per event bounds the app's CPU use when
+the engine publishes hundreds of events a second; the tick skips all work when nothing changed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Header
+
+from engine.switches import SWITCHES
+from strata_tui.widgets.crash_panel import CrashPanel
+from strata_tui.widgets.engine_log import EngineLog
+from strata_tui.widgets.gpu_panel import GpuPanel
+from strata_tui.widgets.graph_events import GraphEventsTable
+from strata_tui.widgets.slots_table import SlotsTable
+from strata_tui.widgets.status_bar import StatusBar
+from strata_tui.widgets.switches_panel import SwitchesPanel
+
+if TYPE_CHECKING:
+    from strata_tui.app import StrataApp
+
+
+def _switch_bindings() -> list[Binding]:
+    return [
+        Binding(str(i + 1), f"app.toggle_switch({i + 1})", f"Toggle {sw.name}", show=False)
+        for i, sw in enumerate(SWITCHES[:9])
+    ]
+
+
+class MonitorScreen(Screen):
+    """GPUs, slots, graph-cache events, switches and reserve, the engine log, and the crash panel."""
+
+    BINDINGS = [
+        Binding("l", "app.run_load", "Load"),
+        Binding("r", "app.restart_engine", "Restart"),
+        Binding("s", "app.stop_engine", "Stop"),
+        Binding("f", "cycle_filter", "Filter"),
+        Binding("p", "app.show_profiles", "Profiles"),
+        Binding("plus,equals_sign", "app.reserve(1, False)", "Reserve +"),
+        Binding("minus", "app.reserve(-1, False)", "Reserve -"),
+        Binding("right_square_bracket", "app.reserve(1, True)", "Reserve ++", show=False),
+        Binding("left_square_bracket", "app.reserve(-1, True)", "Reserve --", show=False),
+        *_switch_bindings(),
+    ]
+
+    DEFAULT_CSS = """
+    MonitorScreen > Vertical > * { border: round $primary-darken-2; border-title-color: $text-accent; }
+    MonitorScreen #lower { height: 1fr; border: none; }
+    MonitorScreen #lower > * { border: round $primary-darken-2; border-title-color: $text-accent; }
+    MonitorScreen GraphEventsTable { width: 3fr; }
+    MonitorScreen SwitchesPanel { width: 2fr; height: 100%; }
+    MonitorScreen StatusBar { border: none; }
+    MonitorScreen CrashPanel { border: heavy $error; }
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._drawn_version = -1
+        self._log_written = 0
+        self.draws = 0
+        self.last_draw_s = 0.0  # wall time of the last redraw that changed something (latency bench)
+
+    @property
+    def strata(self) -> "StrataApp":
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=True)
+        with Vertical():
+            yield StatusBar(id="status")
+            yield CrashPanel(id="crash")
+            yield GpuPanel(id="gpus")
+            yield SlotsTable(id="slots")
+            with Horizontal(id="lower"):
+                yield GraphEventsTable(id="graph")
+                yield SwitchesPanel(id="switches")
+            yield EngineLog(id="log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(GpuPanel).border_title = "GPUs"
+        self.query_one(SlotsTable).border_title = "Slots"
+        self.query_one(SwitchesPanel).border_title = "Switches"
+        self.query_one(EngineLog).border_title = "Engine log"
+        self.query_one(CrashPanel).border_title = "Engine stopped"
+        self._set_graph_title()
+        self.set_interval(self.strata.profile_settings.refresh_s, self.redraw)
+        self.redraw()
+
+    def _set_graph_title(self) -> None:
+        table = self.query_one(GraphEventsTable)
+        table.border_title = f"Graph cache · showing {table.filter_name} · f: filter"
+
+    def action_cycle_filter(self) -> None:
+        table = self.query_one(GraphEventsTable)
+        table.min_severity = (table.min_severity + 1) % 3
+        self._set_graph_title()
+
+    def redraw(self, force: bool = False) -> None:
+        """Push the app's current state down into the widgets, if anything changed since the last draw."""
+        app = self.strata
+        if app.view_version == self._drawn_version and not force:
+            return
+        self._drawn_version = app.view_version
+        state = app.monitor
+        self.query_one(StatusBar).show(app.profile_name, app.mode_label, state.engine_state, app.engine_url,
+                                       app.telemetry_connected, app.status_note)
+        self.query_one(GpuPanel).show(app.gpu_history, app.gpu_unavailable, state.vram, state.tier)
+        self.query_one(SlotsTable).show(state.slots)
+        self.query_one(GraphEventsTable).show(list(state.graph_events))
+        views = [state.switches[sw.name] for sw in SWITCHES if sw.name in state.switches]
+        settings = app.profile_settings
+        self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib,
+                                           (settings.reserve_step_mib, settings.reserve_big_step_mib),
+                                           app.reserve_note)
+        self._write_log()
+        crash = self.query_one(CrashPanel)
+        if app.crash is not None:
+            crash.show(app.crash.returncode, app.crash.error, app.crash.recent, app.crash.requested)
+        elif crash.visible_now:
+            crash.hide()
+        self.draws += 1
+        self.last_draw_s = time.time()
+
+    def _write_log(self) -> None:
+        app = self.strata
+        new = app.log_total - self._log_written
+        if new <= 0:
+            return
+        lines = list(app.log_lines)[-min(new, len(app.log_lines)):]
+        self.query_one(EngineLog).add_lines(lines)
+        self._log_written = app.log_total

@@ -1,0 +1,157 @@
+"""The app's HTTP client for one engine: state snapshot, the SSE event stream, and the control routes.
+
+`events()` streams `/strata/events` with httpx, parses SSE incrementally, and reconnects after a dropped
+connection with `Last-Event-ID` set to the last sequence number it saw, so the engine's history ring fills
+the gap. It yields batches (every event completed by one network read), which keeps message traffic into
+the UI proportional to reads, not to events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import httpx
+
+from engine.telemetry import Event, event_from_json
+from strata_tui.sse import SSEParser
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """What a control route answered: applied or not, and the engine's own words when not."""
+
+    ok: bool
+    status: int
+    message: str
+    body: dict[str, Any] | None = None
+
+
+class TelemetryClient:
+    """HTTP + SSE client for `strata-engine serve` at `base_url`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        reconnect_s: float = 0.5,
+        max_reconnect_s: float = 5.0,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        # No read timeout: the event stream is idle whenever the engine is.
+        timeout = httpx.Timeout(10.0, read=None)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
+        self.reconnect_s = reconnect_s
+        self.max_reconnect_s = max_reconnect_s
+        self.last_seq = 0
+        self.skipped_events = 0  # events of a type this build does not know (a newer engine)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def state(self) -> dict[str, Any]:
+        """GET /strata/state."""
+        response = await self._http.get("/strata/state")
+        response.raise_for_status()
+        return response.json()
+
+    async def health(self) -> tuple[bool, str]:
+        response = await self._http.get("/health")
+        try:
+            reason = response.json().get("reason", response.text)
+        except (ValueError, AttributeError):
+            reason = response.text
+        return response.status_code == 200, str(reason)
+
+    async def set_switch(self, name: str, enabled: bool) -> ControlResult:
+        """POST /strata/switches/{NAME}; a 409 means the switch is read at start only."""
+        return await self._post(f"/strata/switches/{name}", {"enabled": enabled})
+
+    async def set_vram_reserve(self, mib: int) -> ControlResult:
+        return await self._post("/strata/vram-reserve", {"mib": mib})
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> ControlResult:
+        try:
+            response = await self._http.post(path, json=payload)
+        except httpx.HTTPError as exc:
+            return ControlResult(False, 0, f"{type(exc).__name__}: {exc}")
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        return ControlResult(response.is_success, response.status_code, _message_of(body, response.text), body)
+
+    async def events(
+        self, on_status: Callable[[bool, str], None] | None = None
+    ) -> AsyncIterator[list[Event]]:
+        """Yield batches of events forever, reconnecting with Last-Event-ID; cancel the iterator to stop."""
+        delay_s = self.reconnect_s
+        while True:
+            headers = {"Accept": "text/event-stream"}
+            if self.last_seq:
+                headers["Last-Event-ID"] = str(self.last_seq)
+            try:
+                async with self._http.stream("GET", "/strata/events", headers=headers) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise httpx.HTTPStatusError(
+                            f"{response.status_code} {_message_of(_json_or_none(response), response.text)}",
+                            request=response.request, response=response)
+                    if on_status:
+                        on_status(True, "connected")
+                    delay_s = self.reconnect_s
+                    parser = SSEParser()
+                    async for chunk in response.aiter_text():
+                        batch = self._parse(parser.feed(chunk))
+                        if batch:
+                            yield batch
+                reason = "event stream ended"
+            except (httpx.HTTPError, OSError) as exc:
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if on_status:
+                on_status(False, reason)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self.max_reconnect_s)
+
+    def _parse(self, messages: list) -> list[Event]:
+        batch: list[Event] = []
+        for message in messages:
+            try:
+                event = event_from_json(json.loads(message.data))
+            except (ValueError, TypeError):
+                self.skipped_events += 1
+                continue
+            if event.seq and event.seq <= self.last_seq:
+                continue  # already seen before a reconnect
+            self.last_seq = max(self.last_seq, event.seq)
+            batch.append(event)
+        return batch
+
+
+def _json_or_none(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
+
+
+def _message_of(body: Any, fallback: str) -> str:
+    """The human part of an error body: OpenAI-style {"error": {"message"}}, FastAPI {"detail"}, or text."""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        detail = body.get("detail")
+        if isinstance(detail, str):
+            return detail
+        if isinstance(detail, dict) and detail.get("message"):
+            return str(detail["message"])
+        if body.get("message"):
+            return str(body["message"])
+    return fallback.strip()[:300]

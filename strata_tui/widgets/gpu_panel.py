@@ -1,0 +1,104 @@
+"""GPU panel: every GPU NVML sees (name, memory bar, util, temperature, power, a minute of history) and,
+beside it, the engine's own VRAM breakdown for that device (weights, KV, graphs, tier, reserve, free)."""
+
+from __future__ import annotations
+
+import re
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from engine.telemetry import TierEvent, VramEvent
+from strata_tui.gpu import GpuHistory, GpuSample
+from strata_tui.widgets.format import NA, bar, mib, num, sparkline
+
+BREAKDOWN = (("weights", "weights_mib", "blue"), ("KV", "kv_mib", "green"), ("graphs", "graphs_mib", "magenta"),
+             ("tier", "tier_mib", "cyan"), ("reserve", "reserve_mib", "yellow"))
+_CUDA_INDEX = re.compile(r"^cuda:(\d+)$")
+
+
+def breakdown_bar(vram: VramEvent, width: int) -> Text:
+    """One bar split into the engine's categories, in proportion to the device's total."""
+    total = vram.total_mib or sum(getattr(vram, f) for _, f, _ in BREAKDOWN) + vram.free_mib
+    text = Text()
+    used_cells = 0
+    for _, attr, style in BREAKDOWN:
+        cells = int(round(getattr(vram, attr) / total * width)) if total else 0
+        cells = min(cells, width - used_cells)
+        text.append("█" * cells, style=style)
+        used_cells += cells
+    text.append("░" * (width - used_cells), style="dim")
+    return text
+
+
+def breakdown_text(vram: VramEvent) -> Text:
+    text = Text()
+    for label, attr, style in BREAKDOWN:
+        text.append(f"{label} ", style="dim")
+        text.append(mib(getattr(vram, attr)) + "  ", style=style)
+    text.append("free ", style="dim")
+    text.append(mib(vram.free_mib), style="bold" if vram.free_mib < 256 else "")
+    return text
+
+
+class GpuPanel(Static):
+    """Draws GPU readings and the engine's VRAM breakdown; fed by `show()`, owns no I/O."""
+
+    DEFAULT_CSS = """
+    GpuPanel { height: auto; padding: 0 1; }
+    """
+
+    def show(
+        self,
+        history: GpuHistory,
+        unavailable: str | None,
+        vram: dict[str, VramEvent],
+        tier: TierEvent | None = None,
+    ) -> None:
+        """Redraw from the latest readings (`history.latest`) and the engine's VramEvents by device."""
+        parts: list = []
+        shown_devices: set[str] = set()
+        if unavailable:
+            parts.append(Text(unavailable, style="yellow"))
+        for gpu in history.latest:
+            device = f"cuda:{gpu.index}"
+            shown_devices.add(device)
+            parts.append(self._gpu_table(gpu, history))
+            if device in vram:
+                parts.append(self._engine_row(vram[device]))
+        for device, event in sorted(vram.items()):
+            if device not in shown_devices:  # CPU runs, or NVML unavailable: the engine's view alone
+                parts.append(Text.assemble((f"{device or '?'} ", "bold"), ("(engine's view)", "dim")))
+                parts.append(self._engine_row(event))
+        if tier is not None:
+            parts.append(Text.assemble(("tier ", "dim"), (f"{tier.action} {mib(tier.mib)} → {mib(tier.total_mib)}",
+                                                           "cyan"), (f"  {tier.reason}", "dim")))
+        if not parts:
+            parts.append(Text("no GPU readings yet", style="dim"))
+        self.update(Group(*parts))
+
+    @staticmethod
+    def _gpu_table(gpu: GpuSample, history: GpuHistory) -> Table:
+        table = Table.grid(padding=(0, 1))
+        fraction = gpu.used_mib / gpu.total_mib if gpu.used_mib is not None and gpu.total_mib else None
+        style = "red" if fraction is not None and fraction > 0.95 else "green"
+        memory = f"{num(gpu.used_mib)}/{num(gpu.total_mib)} MiB"
+        table.add_row(
+            Text(f"GPU{gpu.index}", style="bold"),
+            Text((gpu.name or NA)[:24].ljust(24)),
+            bar(fraction, 20, style),
+            Text(memory.rjust(17)),
+            Text(f"util {num(gpu.util_pct, unit='%')}".ljust(9)),
+            Text(num(gpu.temp_c, unit="°C").rjust(5)),
+            Text(num(gpu.power_w, unit=" W").rjust(6)),
+            sparkline(history.used_mib.get(gpu.index, ()), 30, upper=gpu.total_mib),
+        )
+        return table
+
+    @staticmethod
+    def _engine_row(vram: VramEvent) -> Table:
+        table = Table.grid(padding=(0, 1))
+        table.add_row(Text("  engine", style="dim"), breakdown_bar(vram, 20), breakdown_text(vram))
+        return table

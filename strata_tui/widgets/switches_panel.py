@@ -1,0 +1,46 @@
+"""Switches and VRAM reserve: one line per opt-in switch (its key, on/off, live or restart, degraded and
+why), and the reserve with its keys."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+from textual.widgets import Static
+
+from strata_tui.monitor_state import SwitchView
+
+
+def switch_line(key: str, view: SwitchView) -> Text:
+    on = view.running if view.running is not None else view.wanted
+    text = Text.assemble((f" {key} ", "reverse"), " ", ("●" if on else "○", "green" if on else "dim"),
+                         f" {view.name:<15}")
+    if view.degraded:
+        text.append(f" degraded: {view.reason}", style="bold red")
+    elif view.needs_restart:
+        text.append(f" {'on' if view.wanted else 'off'} in profile: restart to apply", style="yellow")
+    elif view.running is None:
+        text.append(" (profile)" if view.live else " (profile, start only)", style="dim")
+    else:
+        text.append(" live" if view.live else " start only", style="dim")
+    if view.note and not view.degraded:
+        text.append(f"  {view.note}", style="dim italic")
+    return text
+
+
+class SwitchesPanel(Static):
+    """Draws the switch list and the reserve; the app binds keys 1-9 and the reserve steps."""
+
+    DEFAULT_CSS = """
+    SwitchesPanel { height: auto; padding: 0 1; }
+    """
+
+    def show(self, views: list[SwitchView], reserve_mib: int | None, steps_mib: tuple[int, int],
+             reserve_note: str = "") -> None:
+        lines = [switch_line(str(i + 1), v) for i, v in enumerate(views)]
+        small, large = steps_mib
+        reserve = Text.assemble(("VRAM reserve ", "bold"),
+                                (f"{reserve_mib} MiB" if reserve_mib is not None else "N/A", "yellow"),
+                                (f"   +/- {small} MiB   ]/[ {large} MiB", "dim"))
+        if reserve_note:
+            reserve.append(f"  {reserve_note}", style="dim italic")
+        self.update(Group(*lines, reserve))

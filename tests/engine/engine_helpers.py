@@ -1,0 +1,84 @@
+"""Test models and drivers for the engine tests (Engine, AsyncEngine, MTP, tier).
+
+A random checkpoint with the default init (std 0.02) greedily repeats its last token forever, which would make
+generation tests pass trivially. `lively_checkpoint` scales the projection weights so greedy output varies,
+and sets the MTP head's projection to pass the next token's embedding through: the head then drafts "the
+next token repeats", which the main model sometimes does, so MTP verification sees both accepted and
+rejected drafts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.api import RequestOutput, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.telemetry import EventBus
+
+WEIGHT_SCALE = 6.0
+
+
+def lively_checkpoint(directory: Path, seed: int = 0, size: str = "tiny", **overrides) -> Path:
+    """A random tiny Qwen3 + DeepSeek-MTP checkpoint whose greedy output is varied (see module docstring)."""
+    from engine.model import load_checkpoint, save_checkpoint
+    from engine.model.random_checkpoint import write_random_checkpoint
+
+    if (directory / "config.json").exists():
+        return directory
+    write_random_checkpoint(directory, mtp_layout="deepseek", size=size, seed=seed, **overrides)
+    lm = load_checkpoint(directory, dtype="float32", device="cpu")
+    model = lm.model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name and not name.startswith("mtp."):
+                p.mul_(WEIGHT_SCALE)
+        for layer in model.mtp.layers:
+            h = layer.eh_proj.weight.shape[0]
+            layer.eh_proj.weight.zero_()
+            layer.eh_proj.weight[:, :h] = torch.eye(h)  # [embedding | hidden]: keep the embedding
+    save_checkpoint(model, directory, lm.eos_token_ids)
+    return directory
+
+
+def small_config(model: Path, **kw) -> EngineConfig:
+    """A CPU config with small chunks so tests exercise chunked prefill."""
+    base = dict(model=str(model), device="cpu", dtype="float32", batch=4, context=1024,
+                prefill_chunk_tokens=64, step_token_budget=128)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def random_prompts(n: int, seed: int, lengths: tuple[int, int] = (20, 200), vocab: int = 500) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1], (n,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (size,), generator=gen).tolist() for size in sizes]
+
+
+def run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams, prefix: str = "r",
+            max_steps: int = 100000) -> dict[str, list[RequestOutput]]:
+    """Add every prompt, step until idle, and collect each request's outputs."""
+    outs: dict[str, list[RequestOutput]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", prompt, params)
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert not engine.has_work, "engine did not finish its requests"
+    return outs
+
+
+def tokens_of(outs: dict[str, list[RequestOutput]]) -> dict[str, list[int]]:
+    return {rid: [t for o in seq for t in o.token_ids] for rid, seq in outs.items()}
+
+
+def make_engine(model: Path, bus: EventBus | None = None, **kw) -> Engine:
+    executor = kw.pop("executor", None)
+    tier_mib = kw.pop("tier_budget_mib", 64.0)
+    block_tokens = kw.pop("block_tokens", 16)
+    return Engine(small_config(model, **kw), bus or EventBus(), executor=executor, tier_budget_mib=tier_mib,
+                  block_tokens=block_tokens)

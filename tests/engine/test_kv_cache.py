@@ -1,0 +1,116 @@
+"""SlotKVCache: every attention path (SDPA, blocked online softmax, split-KV) against plain dense attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVGeometry, SlotKVCache, dequantize_int8, quantize_int8
+
+
+def _reference(q, ks, vs, positions):
+    """Dense causal attention per row: q [B,Hq,T,D], ks/vs lists of [Hkv, L, D] per row."""
+    outs = []
+    for b in range(q.shape[0]):
+        hq, hkv = q.shape[1], ks[b].shape[0]
+        k = ks[b].repeat_interleave(hq // hkv, 0)
+        v = vs[b].repeat_interleave(hq // hkv, 0)
+        s = q[b] @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # [Hq, T, L]
+        keys = torch.arange(k.shape[1])
+        s = s.masked_fill(keys.view(1, 1, -1) > positions[b].view(1, -1, 1), float("-inf"))
+        outs.append(torch.softmax(s, -1) @ v)
+    return torch.stack(outs)
+
+
+def _cache(storage="bf16", slots=3, context=600, hkv=2, d=16):
+    geo = KVGeometry(num_layers=2, num_slots=slots, num_kv_heads=hkv, head_dim=d, context_tokens=context, margin_tokens=32)
+    return SlotKVCache(geo, storage, torch.float32, "cpu")
+
+
+def _fill(cache, slot, layer, length, gen):
+    """Write `length` tokens into a slot through attend (prefill), return the k, v written."""
+    k = torch.randn(1, 2, length, 16, generator=gen)
+    v = torch.randn(1, 2, length, 16, generator=gen)
+    q = torch.randn(1, 4, length, 16, generator=gen)
+    cache.bind(torch.tensor([slot]), span_tokens=length)
+    cache.attend(layer, q, k, v, torch.arange(length).view(1, -1))
+    return k[0], v[0]
+
+
+@pytest.mark.parametrize("path", ["sdpa", "split", "blocked"])
+def test_attention_paths_match_dense_reference(path):
+    gen = torch.Generator().manual_seed(0)
+    cache = _cache()
+    lengths = {0: 530, 2: 97}
+    written = {s: _fill(cache, s, 1, n, gen) for s, n in lengths.items()}
+    if path == "split":
+        cache.set_split(True)
+        cache.split_tokens = 128
+    if path == "blocked":
+        cache.block_scores_bytes = 1  # every multi-token forward takes the block loop
+    t = 12 if path == "blocked" else 2
+    q = torch.randn(2, 4, t, 16, generator=gen)
+    k_new = torch.randn(2, 2, t, 16, generator=gen)
+    v_new = torch.randn(2, 2, t, 16, generator=gen)
+    positions = torch.stack([torch.arange(530, 530 + t), torch.arange(97, 97 + t)])
+    cache.bind(torch.tensor([0, 2]), span_tokens=560)
+    out = cache.attend(1, q, k_new, v_new, positions)
+    ks = [torch.cat([written[0][0], k_new[0]], 1), torch.cat([written[2][0], k_new[1]], 1)]
+    vs = [torch.cat([written[0][1], v_new[0]], 1), torch.cat([written[2][1], v_new[1]], 1)]
+    ref = _reference(q, ks, vs, positions)
+    assert torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max()
+
+
+def test_stale_kv_past_a_rolled_back_position_is_invisible():
+    gen = torch.Generator().manual_seed(1)
+    cache = _cache()
+    k, v = _fill(cache, 1, 0, 40, gen)
+    q = torch.randn(1, 4, 1, 16, generator=gen)
+    cache.bind(torch.tensor([1]), span_tokens=64)
+    # Re-writing position 20 (as after a rejected draft) must hide the old tokens 21..39.
+    out = cache.attend(0, q, k[:, 20:21].unsqueeze(0), v[:, 20:21].unsqueeze(0), torch.tensor([[20]]))
+    ref = _reference(q, [k[:, :21]], [v[:, :21]], torch.tensor([[20]]))
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_int8_roundtrip_error_is_within_half_a_step_per_token_and_head():
+    x = torch.randn(3, 5, 7, 64) * torch.rand(3, 5, 7, 1) * 10
+    q, scale = quantize_int8(x)
+    assert q.dtype == torch.int8 and scale.shape == x.shape[:-1]
+    err = (dequantize_int8(q, scale, torch.float32) - x).abs()
+    assert bool((err <= scale.unsqueeze(-1) * 0.5 + 1e-6).all())
+
+
+def test_int8_cache_attention_is_close_to_bf16_cache():
+    gen = torch.Generator().manual_seed(2)
+    a, b = _cache("bf16"), _cache("int8")
+    k = torch.randn(1, 2, 50, 16, generator=gen)
+    v = torch.randn(1, 2, 50, 16, generator=gen)
+    q = torch.randn(1, 4, 50, 16, generator=gen)
+    outs = []
+    for cache in (a, b):
+        cache.bind(torch.tensor([0]), span_tokens=64)
+        outs.append(cache.attend(0, q, k, v, torch.arange(50).view(1, -1)))
+    assert 0 < (outs[0] - outs[1]).abs().max() < 0.05
+
+
+def test_span_roundtrip_moves_one_slots_tokens_to_another():
+    gen = torch.Generator().manual_seed(3)
+    for storage in ("bf16", "int8"):
+        cache = _cache(storage)
+        _fill(cache, 0, 0, 64, gen)
+        _fill(cache, 0, 1, 64, gen)
+        data, scales = cache.read_span(0, 16, 48)
+        assert data.shape == (2, 2, 2, 32, 16)
+        cache.write_span(2, 16, data, scales)
+        again, again_scales = cache.read_span(2, 16, 48)
+        assert torch.equal(again, data)
+        assert (scales is None) == (storage == "bf16")
+
+
+def test_geometry_accounts_int8_scales():
+    geo = KVGeometry(num_layers=4, num_slots=2, num_kv_heads=8, head_dim=128, context_tokens=1000, margin_tokens=24)
+    assert geo.bytes_per_token("bf16", torch.bfloat16) == 2 * 4 * 8 * 128 * 2
+    assert geo.bytes_per_token("int8", torch.bfloat16) == 2 * 4 * 8 * (128 + 4)
+    cache = SlotKVCache(KVGeometry(2, 2, 2, 16, 100, 4), "int8", torch.float32, "cpu")
+    assert cache.nbytes == cache.geometry.total_bytes("int8", torch.float32)

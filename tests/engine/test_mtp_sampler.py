@@ -1,0 +1,58 @@
+"""The sampler: greedy, seeded sampling, top-p, and speculative acceptance that keeps the target distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.api import SamplingParams
+from engine.sampler import make_generator, sample_with_drafts, target_probs
+
+
+def test_greedy_accepts_drafts_while_they_equal_the_argmax():
+    logits = torch.full((2, 4, 10), -5.0)
+    argmaxes = [[3, 7, 1, 4], [2, 2, 9, 0]]
+    for b, row in enumerate(argmaxes):
+        for j, tok in enumerate(row):
+            logits[b, j, tok] = 5.0
+    drafts = torch.tensor([[3, 7, 5], [6, 2, 9]])  # row 0: two accepted, then 5 != 1; row 1: rejected at once
+    params = [SamplingParams(temperature=0.0)] * 2
+    res = sample_with_drafts(logits, drafts, params, [make_generator(0), make_generator(1)])
+    assert res.accepted == [2, 0]
+    assert res.tokens == [[3, 7, 1], [2]]
+
+
+def test_all_drafts_accepted_adds_the_bonus_token():
+    logits = torch.full((1, 3, 6), 0.0)
+    logits[0, 0, 1] = logits[0, 1, 2] = logits[0, 2, 5] = 9.0
+    res = sample_with_drafts(logits, torch.tensor([[1, 2]]), [SamplingParams(temperature=0.0)], [make_generator(0)])
+    assert res.accepted == [2] and res.tokens == [[1, 2, 5]]
+
+
+def test_seeded_requests_reproduce_and_seeds_differ():
+    logits = torch.randn(1, 1, 50)
+    p = [SamplingParams(temperature=1.0)]
+    draws = [sample_with_drafts(logits, None, p, [make_generator(s)]).tokens[0][0] for s in (7, 7)]
+    assert draws[0] == draws[1]
+    many = {sample_with_drafts(logits, None, p, [make_generator(s)]).tokens[0][0] for s in range(40)}
+    assert len(many) > 3
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    probs = target_probs(logits, torch.tensor([1.0]), torch.tensor([0.7]))
+    assert torch.allclose(probs[0, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_speculative_rejection_sampling_preserves_the_target_distribution():
+    """First emitted token's frequency over many rows matches softmax(logits), whatever the draft was."""
+    n = 6000
+    target = torch.tensor([0.1, 0.6, 0.25, 0.05])
+    logits = torch.log(target).view(1, 1, 4).expand(n, 2, 4).clone()
+    drafts = torch.full((n, 1), 2)  # a draft that is often wrong
+    params = [SamplingParams(temperature=1.0)] * n
+    gens = [make_generator(i) for i in range(n)]
+    res = sample_with_drafts(logits, drafts, params, gens)
+    first = torch.tensor([row[0] for row in res.tokens])
+    freq = torch.bincount(first, minlength=4).float() / n
+    assert torch.allclose(freq, target, atol=0.025), freq
+    assert 0.2 < sum(res.accepted) / n < 0.3  # accepted with probability p(draft) = 0.25

@@ -1,0 +1,153 @@
+"""The graph out-of-memory path under real VRAM pressure, and leak-free capture/release (GPU only).
+
+Run all GPU tests of the graph layer with:
+    pytest -q -s -m gpu tests/engine/test_graphs_runner.py tests/engine/test_oom_gpu.py
+Each test prints its key figures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.executor import GraphDegraded
+from engine.fault_injection import FaultPlan
+from engine.graphs import GraphCache
+from engine.switches import SwitchBoard
+from engine.telemetry import EventBus
+
+pytestmark = pytest.mark.gpu
+MIB = 1 << 20
+RESERVE_MIB = 300  # what the "engine" leaves free, as --vram-reserve-mib would
+LEAK_TOLERANCE_MIB = 32
+
+
+class FillerTier:
+    """Stands in for the adaptive tier's VRAM: real device tensors it can give back on request."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.chunks: list[torch.Tensor] = []
+        self.frozen = False  # a tier with nothing it may give back
+        self.calls: list[tuple[float, str]] = []
+
+    def fill_to_reserve(self, reserve_mib: float) -> float:
+        """Allocate until the device is full, then hand back just enough to leave `reserve_mib` free."""
+        for chunk_mib in (1024, 64, 4):
+            while True:
+                try:
+                    self.chunks.append(torch.empty(chunk_mib * MIB, dtype=torch.uint8, device=self.device))
+                except torch.OutOfMemoryError:
+                    break
+        torch.cuda.empty_cache()
+        while self.chunks and _free_mib(self.device) < reserve_mib:
+            self.chunks.pop()
+            torch.cuda.empty_cache()
+        return _free_mib(self.device)
+
+    def release(self, mib: float, reason: str) -> float:
+        self.calls.append((mib, reason))
+        given = 0.0
+        while not self.frozen and self.chunks and given < mib:
+            given += self.chunks.pop().numel() / MIB
+        torch.cuda.empty_cache()
+        return given
+
+    def drop_all(self) -> None:
+        self.chunks.clear()
+        torch.cuda.empty_cache()
+
+
+def _free_mib(device: torch.device) -> float:
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0] / MIB
+
+
+def _step(intermediate_mib: int):
+    """A step whose captured graph needs `intermediate_mib` of pool memory for one intermediate."""
+    n = intermediate_mib * MIB // 4
+
+    def step(ins):
+        big = ins["x"].repeat(n // ins["x"].numel())  # [n] float32, lives only inside the step
+        return {"y": big.sum().view(1) + ins["x"][:1]}
+
+    return step
+
+
+def _print_events(bus: EventBus) -> None:
+    for e in bus.history():
+        if e.type == "graph":
+            print(f"  graph {e.action:8s} {e.kind:12s} {e.key:10s} {e.mib:9.1f} MiB {e.ms:8.1f} ms  {e.error or ''}")
+
+
+def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() -> None:
+    device = torch.device("cuda:0")
+    bus, board, tier = EventBus(), SwitchBoard.from_values({}), FillerTier(device)
+    cache = GraphCache(device, bus, board, tier.release, wait_polls=5, wait_interval_s=0.02, fault_plan=FaultPlan(),
+                       switch_for_key=lambda kind, key: "SPLIT_ATTN" if kind == "verify" else None)
+    x = torch.randn(1024, device=device)
+    try:
+        cache.run("draft_round", "r1", _step(512), {"x": x}, owner="drafter")
+        cache.run("draft_step", "s1", _step(512), {"x": x}, owner="drafter")
+        cache.run("decode", "b1", _step(256), {"x": x})
+        free_mib = tier.fill_to_reserve(RESERVE_MIB)
+        print(f"\nfilled: {free_mib:.0f} MiB free, tier holds {len(tier.chunks)} chunks")
+
+        # A fresh 1 GiB drafter graph: evicting the drafter's own graphs is not enough, the tier must give.
+        out = cache.run("draft_round", "r2", _step(1024), {"x": x}, owner="drafter")
+        assert torch.allclose(out["y"], _step(1024)({"x": x})["y"])
+        actions = [e.action for e in bus.history() if e.type == "graph"][3:]
+        assert actions[:4] == ["evict", "evict", "retry", "wait"] and actions[-1] == "capture", actions
+        first_error = next(e.error for e in bus.history() if e.type == "graph" and e.error)
+        assert "out of memory" in first_error.lower() and "vram free" in first_error
+        assert "no error" not in first_error.lower()
+
+        # A tier with nothing to give: the verify graph degrades SPLIT_ATTN with the real error.
+        tier.frozen = True
+        tier.fill_to_reserve(RESERVE_MIB)
+        with pytest.raises(GraphDegraded) as err:
+            cache.run("verify", "v1", _step(2048), {"x": x})
+        assert err.value.switch == "SPLIT_ATTN" and "out of memory" in err.value.error.lower()
+        print(f"degraded with: {err.value.error}")
+
+        # Still serving: the captured drafter graph replays, the degraded step runs eagerly.
+        y = x + 1.0
+        assert torch.allclose(cache.run("draft_round", "r2", _step(1024), {"x": y}, owner="drafter")["y"],
+                              _step(1024)({"x": y})["y"])
+        assert not torch.cuda.is_current_stream_capturing()
+    finally:
+        _print_events(bus)
+        tier.drop_all()
+        cache.release()
+
+
+def test_100_capture_release_cycles_with_failures_leave_free_vram_where_it_was() -> None:
+    device = torch.device("cuda:0")
+    bus, board = EventBus(), SwitchBoard.from_values({})
+    plan = FaultPlan.parse("capture:draft_step:*:invalidated,instantiate:verify:*:driver_oom")
+    cache = GraphCache(device, bus, board, lambda mib, reason: 0.0, wait_polls=1, wait_interval_s=0.0,
+                       fault_plan=plan)
+    x = torch.randn(1024, device=device)
+
+    def cycle(i: int) -> None:
+        cache.run("decode", ("b", i % 3), _step(64), {"x": x})
+        cache.run("draft_round", "r", _step(32), {"x": x}, owner="drafter")
+        for kind, owner in (("draft_step", "drafter"), ("verify", None)):
+            with pytest.raises(GraphDegraded):
+                cache.run(kind, ("fail", i), _step(16), {"x": x}, owner=owner)
+        cache.release()
+
+    cycle(-1)  # first-use allocations (cuBLAS, the side stream) happen once
+    torch.cuda.empty_cache()
+    free_before, reserved_before = _free_mib(device), torch.cuda.memory_reserved(device) / MIB
+    for i in range(100):
+        cycle(i)
+    torch.cuda.empty_cache()
+    free_after, reserved_after = _free_mib(device), torch.cuda.memory_reserved(device) / MIB
+    captures = sum(1 for e in bus.history() if e.type == "graph" and e.action == "capture")
+    print(f"\n100 cycles, {len(plan.fired)} injected failures, {captures} captures (last {len(bus.history())} events): "
+          f"free {free_before:.0f} -> {free_after:.0f} MiB, reserved {reserved_before:.0f} -> {reserved_after:.0f} MiB")
+    assert abs(free_after - free_before) <= LEAK_TOLERANCE_MIB
+    assert abs(reserved_after - reserved_before) <= LEAK_TOLERANCE_MIB
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.allclose((x * 2).sum(), x.sum() * 2)  # the device still computes

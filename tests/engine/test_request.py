@@ -1,0 +1,140 @@
+"""Request state: derived counters, output appending with stop rules, draft statistics, timing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.api import GenerationRequest, SamplingParams
+from engine.request import Request, RequestState
+
+
+def _req(prompt_tokens: int = 10, **params: object) -> Request:
+    return Request("r", list(range(prompt_tokens)), SamplingParams(**params), arrival_s=100.0)
+
+
+def test_new_request_is_waiting_with_nothing_computed() -> None:
+    req = _req(10)
+    assert req.state is RequestState.WAITING
+    assert req.slot is None
+    assert req.num_prompt_tokens == 10
+    assert req.num_computed_tokens == 0
+    assert req.remaining_prompt_tokens == 10
+    assert not req.is_finished and not req.is_prefill_done and not req.reused
+    assert req.finish_reason is None
+    assert req.first_token_s is None and req.queued_s is None
+
+
+def test_computed_tokens_are_cached_plus_prefilled() -> None:
+    req = _req(100)
+    req.num_cached_tokens = 64
+    req.num_prefilled_tokens = 20
+    assert req.num_computed_tokens == 84
+    assert req.remaining_prompt_tokens == 16
+    assert req.prefill_progress == pytest.approx(0.84)
+    assert req.reused
+    req.num_prefilled_tokens = 36
+    assert req.is_prefill_done and req.prefill_progress == 1.0
+
+
+def test_append_output_counts_tokens_and_stamps_first_token_once() -> None:
+    req = _req(5, max_tokens=10)
+    result = req.append_output([7, 8], now_s=101.0)
+    assert result.kept_token_ids == [7, 8] and result.finish_reason is None
+    req.append_output([9], now_s=102.0)
+    assert req.output_token_ids == [7, 8, 9]
+    assert req.num_output_tokens == 3 and req.num_tokens == 8
+    assert req.first_token_s == 101.0
+
+
+def test_append_output_stops_at_max_tokens_and_drops_the_excess() -> None:
+    req = _req(5, max_tokens=3)
+    result = req.append_output([1, 2, 3, 4, 5], now_s=1.0)  # e.g. accepted MTP drafts overshoot
+    assert result.kept_token_ids == [1, 2, 3]
+    assert result.finish_reason == "length"
+    assert req.output_token_ids == [1, 2, 3]
+
+
+def test_append_output_keeps_the_stop_token_and_drops_what_follows() -> None:
+    req = _req(5, max_tokens=10, stop_token_ids=(42,))
+    result = req.append_output([1, 42, 3], now_s=1.0)
+    assert result.kept_token_ids == [1, 42]
+    assert result.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignore_eos() -> None:
+    stopped = _req(5, max_tokens=10).append_output([1, 2, 0, 4], now_s=1.0, eos_token_ids=(0,))
+    assert stopped.finish_reason == "stop" and stopped.kept_token_ids == [1, 2, 0]
+    ignored = _req(5, max_tokens=10, ignore_eos=True).append_output([1, 0, 4], now_s=1.0, eos_token_ids=(0,))
+    assert ignored.finish_reason is None and ignored.kept_token_ids == [1, 0, 4]
+
+
+def test_append_to_a_finished_request_names_it() -> None:
+    req = _req(5)
+    req.state = RequestState.FINISHED
+    req.finish_reason = "abort"
+    with pytest.raises(ValueError, match="'r' is finished \\(abort\\)"):
+        req.append_output([1], now_s=1.0)
+
+
+def test_prefill_eta_follows_the_rate_so_far() -> None:
+    req = _req(1000)
+    req.admitted_s = 10.0
+    req.num_prefilled_tokens = 250
+    assert req.prefill_eta_s(now_s=15.0) == pytest.approx(750 / 50.0)
+
+
+def test_draft_statistics_are_per_position() -> None:
+    req = _req(5)
+    assert req.acceptance is None and req.acceptance_at(0) is None
+    req.record_drafts(proposed=3, accepted=1)
+    req.record_drafts(proposed=3, accepted=3)
+    req.record_drafts(proposed=2, accepted=0)
+    assert req.draft_proposed == [3, 3, 2]
+    assert req.draft_accepted == [2, 1, 1]
+    assert req.acceptance_at(0) == pytest.approx(2 / 3)
+    assert req.acceptance_at(2) == pytest.approx(1 / 2)
+    assert req.acceptance_at(5) is None
+    assert req.acceptance == pytest.approx(4 / 8)
+
+
+@pytest.mark.parametrize("proposed, accepted", [(2, 3), (2, -1)])
+def test_record_drafts_rejects_impossible_counts(proposed: int, accepted: int) -> None:
+    with pytest.raises(ValueError, match=f"accepted={accepted}, proposed={proposed}"):
+        _req(5).record_drafts(proposed, accepted)
+
+
+def test_rates_come_from_the_timestamps() -> None:
+    req = _req(1000, max_tokens=100)
+    req.num_cached_tokens = 200
+    req.num_prefilled_tokens = 800
+    req.admitted_s = 101.0
+    assert req.queued_s == pytest.approx(1.0)
+    assert req.prefill_tok_s() is None and req.prefill_tok_s(now_s=101.0) is None  # no time has passed
+    assert req.prefill_tok_s(now_s=103.0) == pytest.approx(800 / 2.0)  # cached tokens are not counted
+    assert req.prefill_eta_s(now_s=103.0) == 0.0  # all 1000 computed
+    req.append_output([1], now_s=103.0)
+    assert req.prefill_tok_s(now_s=500.0) == pytest.approx(800 / 2.0)  # frozen at the first token
+    assert req.decode_tok_s(now_s=103.0) is None
+    req.append_output([2, 3, 4, 5], now_s=104.0)
+    assert req.decode_tok_s(now_s=105.0) == pytest.approx(4 / 2.0)
+    req.finished_s = 107.0
+    assert req.decode_tok_s(now_s=999.0) == pytest.approx(4 / 4.0)  # a finished request's rate is frozen
+
+
+def test_from_generation_keeps_the_client_request() -> None:
+    gen = GenerationRequest("g1", [5, 6, 7], SamplingParams(max_tokens=9))
+    req = Request.from_generation(gen, arrival_s=3.5)
+    assert (req.request_id, req.prompt_token_ids, req.max_tokens, req.arrival_s) == ("g1", [5, 6, 7], 9, 3.5)
+    gen.prompt_token_ids.append(8)  # the engine's copy does not move with the caller's list
+    assert req.num_prompt_tokens == 3
+
+
+def test_the_serving_core_imports_no_torch() -> None:
+    code = "import sys, engine.request, engine.scheduler, engine.prefix_index; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False"

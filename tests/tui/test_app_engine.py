@@ -1,0 +1,149 @@
+"""Pilot tests of the actions that drive an engine process: launch and ready, live switches (200 and 409),
+live reserve, load, stop, restart, crash panel and restart from it, quit, attach. The engine here is
+tests/tui/fake_engine.py: a real child process with a real HTTP server speaking the map's protocol."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from strata_tui.profiles import Profile, ProfileStore
+from strata_tui.widgets.crash_panel import CrashPanel
+from strata_tui.widgets.slots_table import SlotsTable
+from tests.tui.conftest import FAKE_ENGINE, FIXTURES, create_app, fake_engine_app, wait_for
+
+SIZE = (160, 50)
+
+
+def _log_has(app, text: str) -> bool:
+    return any(text in line for _, line in app.log_lines)
+
+
+async def test_launch_ready_telemetry_and_slots_on_screen(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).row_count == 8, what="slot rows")
+        assert app.engine_url.startswith("http://127.0.0.1:")
+        assert _log_has(app, "serve --model builtin:strata-tiny") and _log_has(app, "loading 60%")
+        assert not any("\x1b" in str(line) for line in app.screen.query_one("#log").lines)
+
+
+async def test_live_switch_applies_and_start_only_needs_restart(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await pilot.press("1", "2")
+        split, fused = app.monitor.switches["SPLIT_ATTN"], app.monitor.switches["FUSED_PROJ"]
+        await wait_for(pilot, lambda: split.note == "applied live" and fused.note == "restart to apply",
+                       what="control answers")
+        assert split.running is True and fused.needs_restart
+        saved = app.store.load("default").engine.switches
+        assert saved == {"SPLIT_ATTN": True, "FUSED_PROJ": True}
+        assert _log_has(app, "POST /strata/switches/SPLIT_ATTN enabled=True")
+        # restart applies the start-only switch from the environment
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.run_id == 2 and app.telemetry_connected, what="restart")
+        await wait_for(pilot, lambda: _log_has(app, "switches=SPLIT_ATTN,FUSED_PROJ"), what="env switches")
+
+
+async def test_reserve_applies_live(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await pilot.press("right_square_bracket")
+        await wait_for(pilot, lambda: app.reserve_note == "applied live", what="reserve answer")
+        assert _log_has(app, "POST /strata/vram-reserve mib=1536")
+        assert app.store.load("default").engine.vram_reserve_mib == 1536
+
+
+async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        assert app.load_params("seed") == {"long_tokens": 8192 - 16}
+        await pilot.press("l")
+        await wait_for(pilot, lambda: "done in" in app.status_note, timeout_s=60, what="scenario")
+        assert "ok" in app.status_note
+        assert app.monitor.last_seq > 20, "the scenario's requests must show up as slot events"
+
+
+async def test_stop_then_restart(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        first_pid = app.process.pid
+        await pilot.press("s")
+        await wait_for(pilot, lambda: app.crash is not None, what="exit")
+        assert app.crash.requested and app.monitor.engine_state == "exited"
+        panel = app.screen.query_one(CrashPanel)
+        await wait_for(pilot, lambda: panel.visible_now, what="panel")
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.telemetry_connected and app.crash is None, what="restart")
+        assert app.process.pid != first_pid
+        await wait_for(pilot, lambda: not panel.visible_now, what="panel hidden")
+
+
+async def test_crash_shows_exit_code_real_error_and_restarts(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, mode="crash")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.crash is not None, what="crash")
+        assert app.crash.returncode == 1 and not app.crash.requested
+        assert "illegal memory access" in app.crash.error
+        panel = app.screen.query_one(CrashPanel)
+        await wait_for(pilot, lambda: panel.visible_now, what="panel")
+        assert "exit code 1" in str(panel.render()) and "press r to restart" in str(panel.render())
+        monkeypatch.setenv("FAKE_ENGINE_MODE", "serve")
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.telemetry_connected, what="restarted engine")
+        assert app.crash is None
+
+
+async def test_engine_that_cannot_start_is_reported(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, mode="fail-start")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.crash is not None, what="exit")
+        assert app.crash.returncode == 2 and "not a checkpoint directory" in app.crash.error
+
+
+async def test_missing_engine_program_is_reported(config_dir: Path) -> None:
+    app = create_app(config_dir=config_dir, engine_program=["/nonexistent/strata-engine"], sampler_factory=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.crash is not None, what="exit")
+        assert "could not start" in app.crash.error
+
+
+async def test_quit_stops_the_engine(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        process = app.process
+        await pilot.press("q")
+    assert not process.running
+
+
+@pytest.fixture
+def running_engine(monkeypatch):
+    env = {"FAKE_ENGINE_EVENTS": str(FIXTURES / "seed_run.jsonl"), "FAKE_ENGINE_MODE": "serve"}
+    import os
+    proc = subprocess.Popen([*FAKE_ENGINE, "serve"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env={**os.environ, **env}, text=True)
+    url = next(line.split(" at ")[1].strip() for line in proc.stdout if line.startswith("strata-engine: ready"))
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+async def test_attach_monitors_without_launching(config_dir: Path, running_engine: str) -> None:
+    ProfileStore(config_dir).save(Profile("default"))
+    app = create_app(config_dir=config_dir, attach_url=running_engine, sampler_factory=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).row_count == 8, what="slots")
+        assert app.process is None and app.mode_label == "attached"
+        await pilot.press("s")
+        await pilot.pause()
+        assert any("did not start" in n.message for n in app._notifications)
+        await pilot.press("1")
+        await wait_for(pilot, lambda: app.monitor.switches["SPLIT_ATTN"].note == "applied live", what="live")

@@ -1,0 +1,202 @@
+"""Pilot tests of the actions that need no engine: switches and reserve saved to the profile, the graph
+filter, help, the profiles screen (new, duplicate, rename, delete, edit with validation, use), broken files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.widgets import DataTable, Input, Static
+
+from strata_tui.messages import TelemetryBatch
+from strata_tui.profiles import ProfileStore
+from strata_tui.screens.help import HelpScreen
+from strata_tui.screens.monitor import MonitorScreen
+from strata_tui.screens.profile_editor import ProfileEditor
+from strata_tui.screens.profiles import ProfilesScreen
+from strata_tui.widgets.graph_events import GraphEventsTable
+from strata_tui.widgets.slots_table import SlotsTable
+from tests.tui.conftest import offline_app, recorded
+
+SIZE = (160, 50)
+
+
+async def test_recorded_events_reach_the_slots_table(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
+        await pilot.pause(0.6)
+        table = app.screen.query_one(SlotsTable)
+        assert table.row_count == 8
+        assert "prefill" in str(table.get_cell("6", "state")) and "ETA" in str(table.get_cell("6", "progress"))
+        before = table.cell_updates
+        app.post_message(TelemetryBatch(recorded("seed_run.jsonl")[-2:]))  # same values again
+        await pilot.pause(0.6)
+        assert table.cell_updates == before, "unchanged rows must not be rewritten"
+
+
+async def test_switch_key_saves_to_profile_when_no_engine(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("1")
+        await pilot.pause()
+        assert app.store.load("default").engine.switches == {"SPLIT_ATTN": True}
+        assert "next start" in app.monitor.switches["SPLIT_ATTN"].note
+        await pilot.press("1", "5")
+        await pilot.pause()
+        assert app.store.load("default").engine.switches == {"SPLIT_ATTN": False, "COMPILE": True}
+
+
+async def test_reserve_keys_small_and_large_steps_saved(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        start = app.profile.engine.vram_reserve_mib
+        await pilot.press("plus", "plus", "right_square_bracket", "minus")
+        await pilot.pause()
+        assert app.monitor.vram_reserve_mib == start + 64 + 512
+        assert app.store.load("default").engine.vram_reserve_mib == start + 64 + 512
+        for _ in range(5):
+            await pilot.press("left_square_bracket")
+        await pilot.pause()
+        assert app.store.load("default").engine.vram_reserve_mib == 0, "the reserve never goes negative"
+
+
+async def test_filter_cycles_graph_events(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
+        await pilot.pause(0.6)
+        table = app.screen.query_one(GraphEventsTable)
+        counts = [table.shown_count]
+        for _ in range(3):
+            await pilot.press("f")
+            await pilot.pause()
+            counts.append(table.shown_count)
+        assert counts[0] > counts[1] > counts[2] > 0 and counts[3] == counts[0]
+        assert "all" in table.border_title
+
+
+async def test_help_opens_and_closes(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert isinstance(app.screen, MonitorScreen)
+
+
+async def test_load_without_engine_says_why(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("l")
+        await pilot.pause()
+        assert any("not ready" in n.message for n in app._notifications)
+
+
+async def _open_profiles(pilot) -> ProfilesScreen:
+    await pilot.press("p")
+    await pilot.pause()
+    assert isinstance(pilot.app.screen, ProfilesScreen)
+    return pilot.app.screen
+
+
+async def _type_name(pilot, name: str) -> None:
+    field = pilot.app.screen.query_one(Input)
+    field.value = ""
+    await pilot.press(*name, "enter")
+    await pilot.pause()
+
+
+async def test_profiles_new_duplicate_rename_delete(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _open_profiles(pilot)
+        await pilot.press("n")
+        await pilot.pause()
+        await _type_name(pilot, "bad name")
+        assert "name=" in str(app.screen.query_one("#error").render())  # refused, dialog still open
+        await _type_name(pilot, "fast")
+        assert app.store.names() == ["default", "fast"] and screen.selected_name == "fast"
+        await pilot.press("d")
+        await pilot.pause()
+        await _type_name(pilot, "fast2")
+        assert app.store.names() == ["default", "fast", "fast2"]
+        await pilot.press("r")
+        await pilot.pause()
+        await _type_name(pilot, "slow")
+        assert app.store.names() == ["default", "fast", "slow"] and screen.selected_name == "slow"
+        await pilot.press("x")
+        await pilot.pause()
+        await pilot.press("y")
+        await pilot.pause()
+        assert app.store.names() == ["default", "fast"]
+        await pilot.press("escape")
+        assert isinstance(app.screen, MonitorScreen)
+
+
+async def test_edit_rejects_bad_value_naming_it_then_saves(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await _open_profiles(pilot)
+        await pilot.press("e")
+        await pilot.pause()
+        editor = app.screen
+        assert isinstance(editor, ProfileEditor)
+        editor.query_one("#f-batch", Input).value = "lots"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        error = str(editor.query_one("#error", Static).render())
+        assert "batch" in error and "lots" in error and "whole number" in error
+        assert editor.query_one("#f-batch").has_class("-invalid-value")
+        editor.query_one("#f-batch", Input).value = "6"
+        editor.query_one("#f-kv_resident", Input).value = "4096"
+        editor.query_one("#f-device", Input).value = "cpu"
+        editor.query_one("#s-SPLIT_ATTN").value = True
+        await pilot.press("ctrl+s")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, ProfilesScreen)
+        saved = app.store.load("default").engine
+        assert (saved.batch, saved.kv_resident, saved.device, saved.switches["SPLIT_ATTN"]) == (6, 4096, "cpu", True)
+        assert app.monitor.switches["SPLIT_ATTN"].wanted
+
+
+async def test_use_profile_makes_it_current_and_last_used(config_dir: Path) -> None:
+    store = ProfileStore(config_dir)
+    store.open_initial()
+    store.create("other")
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await _open_profiles(pilot)
+        table = screen.query_one(DataTable)
+        table.move_cursor(row=table.get_row_index("other"))
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.profile.name == "other" and ProfileStore(config_dir).last_used() == "other"
+
+
+async def test_broken_profile_at_start_shows_path_and_line_and_is_kept(config_dir: Path) -> None:
+    profiles = config_dir / "profiles"
+    profiles.mkdir(parents=True)
+    broken = '[engine]\nbatch = "six"\n'
+    (profiles / "default.toml").write_text(broken)
+    app = offline_app(config_dir, launch=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert isinstance(app.screen, ProfilesScreen)
+        detail = str(app.screen.query_one("#detail", Static).render())
+        assert "default.toml, line 2" in detail and "engine.batch" in detail
+        assert app.process is None, "a broken profile must not launch anything"
+        await pilot.press("escape", "1", "plus")
+        await pilot.pause()
+    assert (profiles / "default.toml").read_text() == broken
+
+
+async def test_command_palette_runs_an_action(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Toggle COMPILE")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert app.store.load("default").engine.switches.get("COMPILE") is True

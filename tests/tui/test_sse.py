@@ -1,0 +1,39 @@
+"""The incremental SSE parser: chunk boundaries anywhere, every line ending, comments, ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata_tui.sse import SSEParser
+
+STREAM = ": hello\r\nid: 7\r\nevent: slot\r\ndata: {\"a\": 1}\r\n\r\nid: 8\nevent: graph\ndata: line1\ndata: line2\n\n"
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 5, 17, len(STREAM)])
+def test_any_chunking_gives_the_same_events(chunk_size: int) -> None:
+    parser = SSEParser()
+    out = []
+    for i in range(0, len(STREAM), chunk_size):
+        out += parser.feed(STREAM[i:i + chunk_size])
+    assert [(m.id, m.event, m.data) for m in out] == [("7", "slot", '{"a": 1}'), ("8", "graph", "line1\nline2")]
+    assert parser.last_event_id == "8"
+
+
+def test_lone_cr_line_endings_and_retry() -> None:
+    parser = SSEParser()
+    # The last \r could be half of a \r\n, so the event completes when the next byte arrives.
+    assert parser.feed("retry: 1500\rdata: x\r\r") == []
+    out = parser.feed(": keep-alive\n")
+    assert [m.data for m in out] == ["x"] and parser.retry_ms == 1500
+
+
+def test_incomplete_event_waits_for_blank_line() -> None:
+    parser = SSEParser()
+    assert parser.feed("id: 1\ndata: {}\n") == []
+    assert [m.id for m in parser.feed("\n")] == ["1"]
+
+
+def test_event_without_data_is_not_dispatched_but_keeps_id() -> None:
+    parser = SSEParser()
+    assert parser.feed("id: 5\n\n") == []
+    assert parser.last_event_id == "5"
