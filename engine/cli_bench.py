@@ -118,11 +118,11 @@ def _peers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the device-to-device copy for bandwidth")
-    p.add_argument("--peer-dtype", default="bfloat16", help="HF weights dtype (default bfloat16)")
-    p.add_argument("--static-compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run HF generate with a static cache + torch.compile")
+    p.add_argument("--peer-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="HF weights dtype (default bfloat16)")
+    p.add_argument("--peers", default="eager,static", help="HF peers to run: eager, static (default both)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile the static-cache path (off: static cache only, for CPU smoke tests)")
+                   help="torch.compile the static-cache peer (CUDA only; off: static cache alone)")
     p.add_argument("--skip-strata", action="store_true", help="measure only the peers")
 
 

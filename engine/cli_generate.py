@@ -16,6 +16,7 @@ from engine.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shared model options plus --prompt, --max-tokens, --temperature, --top-p, --seed."""
     add_engine_options(parser)
     g = parser.add_argument_group("generation")
     g.add_argument("--prompt", required=True, help="the prompt text")
@@ -95,6 +96,7 @@ def generate_ids(lm, prompt_ids: list[int], max_tokens: int, temperature: float,
 
 
 def run(args: argparse.Namespace) -> int:
+    """Load, generate, print the text and one stats line. StrataErrors propagate to engine.cli (exit 2)."""
     _validate(args)
     config = config_from_args(args)
     from engine.model import load_checkpoint

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import logging
-import signal
 import socket
 import sys
 from typing import Any, Callable
@@ -26,10 +24,11 @@ from engine.errors import ConfigError
 log = logging.getLogger("strata.serve")
 READY_PREFIX = "strata-engine: ready at"
 EXIT_ENGINE_DEAD = 1
+EXIT_START_FAILED = 2  # what engine.cli returns for every other StrataError at start
 DEAD_GRACE_S = 1.0  # time for in-flight requests to receive their 503 before the process exits
 HEALTH_POLL_S = 0.25
 
-ClientFactory = Callable[[EngineConfig], Any]
+ClientFactory = Callable[[EngineConfig], EngineClient]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,34 +84,31 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
     import uvicorn
 
     from engine.server.app import create_app
+    from engine.server.uvicorn_server import DrainingServer
 
-    client = client_factory(config)
-    if inspect.isawaitable(client):
-        client = await client
-    start = getattr(client, "start", None)
-    if start is not None:
-        result = start()
-        if inspect.isawaitable(result):
-            await result
+    client = client_factory(config)  # AsyncEngine loads in its own thread; health() says "loading" meanwhile
     app = create_app(client, config)
     serving = app.state.serving
     uv_config = uvicorn.Config(app, log_config=None, log_level=logging.getLogger().level,
                                timeout_graceful_shutdown=5, lifespan="on")
-    server = _Server(uv_config, on_signal=lambda: _spawn(serving.begin_shutdown()))
+    server = DrainingServer(uv_config, on_signal=lambda: _spawn(serving.shutdown(client.shutdown)))
     exit_code = 0
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        if await _wait_ready(server, client, serve_task):
+        failure = await _wait_ready(server, client, serve_task)
+        if failure is None:
             print(f"{READY_PREFIX} {ready_url(config.host, sock)}", flush=True)
             dead_reason = await _watch_health(client, serve_task)
             if dead_reason is not None:
                 log.error("engine is dead (%s); answering 503 for %.1f s, then exiting", dead_reason, DEAD_GRACE_S)
                 await asyncio.sleep(DEAD_GRACE_S)
                 exit_code = EXIT_ENGINE_DEAD
-                await serving.begin_shutdown()
+                await serving.shutdown(client.shutdown)
                 server.should_exit = True
         else:
-            exit_code = EXIT_ENGINE_DEAD
+            # Same shape as every other start-up error of the CLI: one line, exit 2.
+            print(f"strata-engine serve: error: {failure}", file=sys.stderr, flush=True)
+            exit_code = EXIT_START_FAILED
             server.should_exit = True
         await serve_task
     finally:
@@ -125,21 +121,20 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
     return exit_code
 
 
-async def _wait_ready(server: Any, client: EngineClient, serve_task: asyncio.Task) -> bool:
-    """True once uvicorn listens and the engine is ready; False when either gives up first."""
+async def _wait_ready(server: Any, client: EngineClient, serve_task: asyncio.Task) -> str | None:
+    """None once uvicorn listens and the engine is ready; else why it never will."""
     while not server.started:
         if serve_task.done():
-            return False
+            return "the HTTP server stopped during start-up"
         await asyncio.sleep(0.02)
     while True:
         health = client.health()
         if health.ready:
-            return True
+            return None
         if health.reason.startswith("dead"):
-            log.error("engine failed to start: %s", health.reason)
-            return False
+            return health.reason.partition(":")[2].strip() or health.reason
         if serve_task.done():
-            return False
+            return "the HTTP server stopped during start-up"
         await asyncio.sleep(0.05)
 
 
@@ -160,32 +155,6 @@ def _spawn(coro: Any) -> None:
 
 
 _BACKGROUND: set[asyncio.Task] = set()
-
-
-def _server_class() -> type:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, plus: a signal also starts our drain (abort requests, end event streams), and a
-        graceful stop exits 0 instead of re-raising the signal after shutdown."""
-
-        def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
-            super().__init__(config)
-            self._on_signal = on_signal
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            first = not self.should_exit
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()
-            if first:
-                log.info("received %s: stopping", signal.Signals(sig).name)
-                asyncio.get_event_loop().call_soon_threadsafe(self._on_signal)
-
-    return Server
-
-
-def _Server(config: Any, on_signal: Callable[[], None]) -> Any:
-    return _server_class()(config, on_signal)
 
 
 def _setup_logging(level: str) -> None:

@@ -17,7 +17,7 @@ from engine.errors import ConfigError
 from engine.executor import EagerExecutor
 from engine.kv_cache import KVGeometry, SlotKVCache
 from engine.prefix_index import PrefixIndex
-from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket
+from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, SwitchEvent, WarningEvent
@@ -83,7 +83,8 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
     tier = AdaptiveTier(index, kv, bus, device, tier_budget_mib, preallocate=device.type == "cuda")
     budget.tier = tier
     sched = Scheduler.from_config(config, index, draft_tokens=depth)
-    executor = executor if executor is not None else EagerExecutor()
+    if executor is None:
+        executor = _default_executor(config, bus, board, tier, device)
     runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
     drafter = None
     if depth:
@@ -91,3 +92,14 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
 
         drafter = MtpDrafter(runner, depth)
     return EngineParts(lm, kv, tier, budget, sched, runner, drafter, board, executor, device)
+
+
+def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, tier: AdaptiveTier,
+                      device: torch.device) -> Any:
+    """The graph cache on CUDA with --graphs (its OOM path shrinks the tier through tier.release); else eager."""
+    if device.type != "cuda" or not config.graphs:
+        return EagerExecutor()
+    from engine.graphs import GraphCache
+
+    return GraphCache(device, bus, board, release_tier=tier.release, wait_polls=config.tier_wait_polls,
+                      wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key)

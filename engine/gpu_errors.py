@@ -26,6 +26,8 @@ _BOILERPLATE = (
     "device-side assertions",
     "search for `cudaerror",
 )
+# The caching allocator's OOM text ends with generic tuning advice; the figures before it are the news.
+_ALLOCATOR_ADVICE = "If reserved but unallocated memory is large"
 _OOM_PATTERNS = re.compile(
     r"out of memory|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED"
     r"|CUDA_ERROR_OUT_OF_MEMORY|memory allocation failed",
@@ -83,7 +85,9 @@ def _clean_text(exc: BaseException) -> str:
     text = str(exc)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     keep = [ln for ln in lines if not any(b in ln.lower() for b in _BOILERPLATE)]
-    return " ".join(keep)
+    joined = " ".join(keep)
+    advice = joined.find(_ALLOCATOR_ADVICE)
+    return joined[:advice].rstrip() if advice > 0 else joined
 
 
 def _usable(text: str) -> bool:

@@ -162,7 +162,7 @@ class CudaGraphBackend:
     the static outputs, and the captured step copies into them, so the pool holds only intermediates.
     """
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, lean_free_mib: float = 4096.0) -> None:
         import torch
 
         self._torch = torch
@@ -172,15 +172,19 @@ class CudaGraphBackend:
         if self._dev.index is None:
             self._dev = torch.device("cuda", torch.cuda.current_device())
         self.device = str(self._dev)
+        self.lean_free_mib = lean_free_mib
         self._stream = torch.cuda.Stream(self._dev)
         self._pools: dict[str | None, Any] = {}
+        self._separate_instantiate = True
 
     def capture(self, fn: Callable, static_inputs: Mapping[str, Any], owner: str | None, stage: StageHook,
                 on_failure: FailureHook) -> CapturedGraph:
         torch = self._torch
         with torch.cuda.device(self._dev):
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-            pool = self._pools.setdefault(owner, torch.cuda.graph_pool_handle())
+            graph = self._new_graph()
+            if owner not in self._pools:
+                self._pools[owner] = torch.cuda.graph_pool_handle()
+            pool = self._pools[owner]
             began = ended = False
             try:
                 outputs, constants = self._warm_up(fn, static_inputs)
@@ -195,13 +199,25 @@ class CudaGraphBackend:
                     graph.capture_end()
                     ended = True
                 stage("instantiate")
-                graph.instantiate()
+                if self._separate_instantiate:
+                    graph.instantiate()
             except BaseException as exc:
                 self._abort(graph, pool, began, ended)
                 on_failure(exc)
                 self._release(graph)
                 raise
         return CapturedGraph(handle=graph, owner=owner, outputs=outputs, constants=constants)
+
+    def _new_graph(self) -> Any:
+        # keep_graph=True splits instantiate from capture_end, so an instantiate OOM is named as such.
+        # Older PyTorch lacks it: capture_end then instantiates, and its failures count as end of capture.
+        try:
+            graph = self._torch.cuda.CUDAGraph(keep_graph=True)
+            self._separate_instantiate = True
+        except TypeError:
+            graph = self._torch.cuda.CUDAGraph()
+            self._separate_instantiate = False
+        return graph
 
     def _warm_up(self, fn: Callable, static_inputs: Mapping[str, Any]) -> tuple[dict, dict]:
         # Lazy initialisation (cuBLAS workspaces, torch.compile, autotuning) must happen outside capture.
@@ -211,7 +227,17 @@ class CudaGraphBackend:
         with torch.cuda.stream(self._stream):
             warm = fn(static_inputs)
         current.wait_stream(self._stream)
-        return split_outputs(warm, "cuda graph warm-up")
+        outputs = split_outputs(warm, "cuda graph warm-up")
+        del warm
+        for tensor in outputs[0].values():
+            # Allocated on the side stream, written by replays on this one: free them only after both.
+            tensor.record_stream(current)
+        free = self.free_mib()
+        if free is not None and free < self.lean_free_mib:
+            # The warm-up's intermediates sit in the general cache, which the graph's private pool cannot
+            # use; when VRAM is short, hand them back so the capture can have the same memory.
+            self.empty_cache()
+        return outputs
 
     def _abort(self, graph: Any, pool: Any, began: bool, ended: bool) -> None:
         """Leave capture mode and give the pool's use back, whatever state the failure left behind."""
@@ -225,9 +251,11 @@ class CudaGraphBackend:
                 cleanly = True
             except Exception:
                 pass
-        if not cleanly:
+        if not cleanly and self._separate_instantiate:
             # capture_end raised before telling the allocator the capture is over and before marking the
             # capture ended, so reset() would keep the pool alive and route this stream's allocations to it.
+            # (Without keep_graph, capture_end can fail after marking it ended; releasing twice would corrupt
+            # the pool's use count, so an older PyTorch gets reset() only.)
             index = self._dev.index
             for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
                 try:

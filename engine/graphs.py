@@ -190,8 +190,9 @@ class GraphCache:
         static_inputs, scalars = _stage_inputs(inputs)
         step = self.compiler.prepare(fn)
         result = self._attempt(kind, key, step, static_inputs, scalars, owner)
-        if isinstance(result, _Failure) and step is not fn and result.category != "sticky" \
-                and (result.stage == "warmup" or result.category == "other"):
+        if isinstance(result, _Failure) and step is not fn and result.category == "other":
+            # Dynamo/Inductor failures surface at the first call (the warm-up) or while capturing compiled
+            # kernels; memory shortages are not the compiler's fault and take the normal path below.
             self.compiler.degrade(result.message, where=f"graph {kind} {key_text(key)}")
             step = fn
             result = self._attempt(kind, key, step, static_inputs, scalars, owner)

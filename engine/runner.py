@@ -64,6 +64,37 @@ class StepOutput:
     span_tokens: int = 0
 
 
+class PinnedStager:
+    """Reusable pinned host buffers per (shape, dtype) for non-blocking host-to-device input copies.
+
+    A buffer is reused only after the copy that last read it has completed (a CUDA event per buffer), so a
+    host write can never race an in-flight copy.
+    """
+
+    RING = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._rings: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self._turn: dict[tuple, int] = {}
+
+    def stage(self, host: torch.Tensor) -> torch.Tensor:
+        key = (tuple(host.shape), host.dtype)
+        ring = self._rings.setdefault(key, [])
+        turn = self._turn.get(key, 0)
+        self._turn[key] = turn + 1
+        if len(ring) < self.RING:
+            ring.append((torch.empty(host.shape, dtype=host.dtype).pin_memory(), torch.cuda.Event()))
+            buf, done = ring[-1]
+        else:
+            buf, done = ring[turn % self.RING]
+            done.synchronize()
+        buf.copy_(host)
+        out = buf.to(self.device, non_blocking=True)
+        done.record()
+        return out
+
+
 StepBuilder = Callable[[bool], tuple[Hashable, Callable]]
 
 
@@ -85,6 +116,7 @@ class ModelRunner:
         self.draft_buf = torch.zeros(num_slots + 1, max(1, mtp_depth), dtype=torch.long, device=device)
         self.pad_row = num_slots
         self.forwards = 0
+        self._stager: PinnedStager | None = None
 
     # --- buckets and staging -------------------------------------------------------------------------------
 
@@ -101,7 +133,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             return host
         if self.board.enabled("PINNED_STAGING"):
-            return host.pin_memory().to(self.device, non_blocking=True)
+            if self._stager is None:
+                self._stager = PinnedStager(self.device)
+            return self._stager.stage(host)
         return host.to(self.device)
 
     def split_enabled(self) -> bool:

@@ -228,26 +228,6 @@ class Scheduler:
         per_finish_s = (times[-1] - times[0]) / (len(times) - 1)
         return min(max(per_finish_s, _RETRY_AFTER_MIN_S), _RETRY_AFTER_MAX_S)
 
-    def snapshot(self) -> dict[str, Any]:
-        """Plain data for /strata/state: queue depth and one entry per slot."""
-        slots = []
-        for slot, req in enumerate(self._slots):
-            if req is None:
-                slots.append({"slot": slot, "state": "idle", "request_id": None})
-                continue
-            slots.append({
-                "slot": slot,
-                "state": req.state.value,
-                "request_id": req.request_id,
-                "prompt_tokens": req.num_prompt_tokens,
-                "cached_tokens": req.num_cached_tokens,
-                "computed_tokens": req.num_computed_tokens,
-                "generated_tokens": req.num_output_tokens,
-                "max_tokens": req.max_tokens,
-            })
-        return {"waiting": self.num_waiting, "queue_max": self.queue_max, "slots": slots,
-                "draft_tokens": self._draft_tokens, "step_token_budget": self.step_token_budget}
-
     # --- commands ----------------------------------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
@@ -354,7 +334,7 @@ class Scheduler:
             digests = block_digests(req.prompt_token_ids, self.block_tokens)
             self._digests[req.request_id] = digests
             # All but the last prompt token: its logits are needed, so its KV is always computed.
-            blocks = self.prefix_index.match_digests(digests[:(req.num_prompt_tokens) // self.block_tokens])
+            blocks = self.prefix_index.match_digests(digests[:(req.num_prompt_tokens - 1) // self.block_tokens])
             self.prefix_index.pin(ref.block_id for ref in blocks)
             self._awaiting_copy.append(req)
         req.slot = slot

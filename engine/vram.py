@@ -25,6 +25,8 @@ from engine.telemetry import EventBus, TierEvent, VramEvent
 MIB = float(1 << 20)
 # When the tier regrows: only for room worth at least this many blocks (avoids grow/shrink flapping).
 _GROW_MIN_BLOCKS = 4
+# Upper bound on tier blocks: a tiny model on a large GPU would otherwise mean millions of block tensors.
+MAX_TIER_BLOCKS = 65536
 # CPU runs: the tier's budget when none is configured (capped by a fraction of available RAM).
 CPU_TIER_DEFAULT_MIB = 512.0
 _CPU_TIER_RAM_FRACTION = 0.125
@@ -85,7 +87,7 @@ class AdaptiveTier:
     # --- queries -------------------------------------------------------------------------------------------
 
     def blocks_for(self, mib: float) -> int:
-        return max(0, int(mib // self.block_mib)) if self.block_mib > 0 else 0
+        return min(MAX_TIER_BLOCKS, max(0, int(mib // self.block_mib))) if self.block_mib > 0 else 0
 
     @property
     def capacity_blocks(self) -> int:
@@ -140,15 +142,22 @@ class AdaptiveTier:
     def release(self, mib: float, reason: str) -> float:
         """Give back at least `mib` MiB of held memory if the tier has it; returns the MiB actually freed.
 
-        Free capacity goes first, then least recently used unpinned blocks. Pinned blocks (being copied into
-        a slot this step) stay. On CUDA the freed memory is returned to the device (empty_cache).
+        A preallocated (GPU) tier lowers its capacity: free blocks go first, then least recently used unpinned
+        ones, and the memory returns to the device (empty_cache); it regrows when `VramBudget.rebalance` finds
+        room again. A host tier evicts least recently used unpinned blocks and keeps its budget. Pinned blocks
+        (being copied into a slot this step) always stay.
         """
-        if mib <= 0:
+        if mib <= 0 or self.block_mib <= 0:
             return 0.0
         before = self.mib
-        want_blocks = math.ceil(mib / self.block_mib) if self.block_mib > 0 else 0
-        target = max(0, min(self.capacity_blocks, len(self._blocks)) - want_blocks)
-        self._resize_to(target, reason)
+        want_blocks = math.ceil(mib / self.block_mib)
+        if self.preallocate:
+            self._resize_to(max(0, self.capacity_blocks - want_blocks), reason)
+        else:
+            for block_id in self.index.evict(want_blocks):
+                self._blocks.pop(block_id, None)
+            if self.mib < before:
+                self._publish("shrink", before - self.mib, reason)
         freed = before - self.mib
         if freed > 0 and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -174,10 +183,16 @@ class AdaptiveTier:
         after_cap = self.capacity_blocks
         if after_cap == before_cap and self.mib == before_mib:
             return
-        grew = after_cap > before_cap
-        delta = (after_cap - before_cap) * self.block_mib if not self.preallocate else self.mib - before_mib
-        self.bus.publish(TierEvent(action="grow" if grew else "shrink", mib=round(abs(delta), 3),
-                                   total_mib=round(self.capacity_mib, 3), reason=reason, device=str(self.device)))
+        if self.preallocate:
+            delta = self.mib - before_mib
+        else:
+            delta = (after_cap - before_cap) * self.block_mib
+        self._publish("grow" if delta > 0 else "shrink", abs(delta), reason)
+
+    def _publish(self, action: str, mib: float, reason: str) -> None:
+        """TierEvent: `mib` changed by, `total_mib` the budget afterwards (preallocated: the memory held)."""
+        self.bus.publish(TierEvent(action=action, mib=round(mib, 4), total_mib=round(self.capacity_mib, 4),
+                                   reason=reason, device=str(self.device)))
 
     def _block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         block = self._blocks.get(block_id)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.config import EngineConfig
+from engine.switches import SWITCHES
 
 READY_RE = re.compile(r"^strata-engine: ready at (https?://\S+)\s*$")
 _READ_CHUNK_BYTES = 64 * 1024
@@ -33,10 +34,13 @@ def engine_argv(config: EngineConfig, program: list[str] | None = None) -> list[
 
 
 def engine_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The child's environment: ours, minus inherited STRATA_* switches, plus the profile's switches."""
+    """The child's environment: ours, minus inherited switch variables, plus the profile's switches.
+
+    Only registered switch variables are dropped: the profile decides those. Other STRATA_* settings
+    (an API key, test-only fault injection) pass through untouched."""
     env = dict(os.environ if base is None else base)
-    for key in [k for k in env if k.startswith("STRATA_") and k != "STRATA_API_KEY"]:
-        del env[key]
+    for switch in SWITCHES:
+        env.pop(switch.env_var, None)
     env.update(config.switch_env())
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -126,6 +130,12 @@ class EngineProcess:
         except asyncio.CancelledError:
             await self.stop()
             raise
+        finally:
+            # Close the transport while the loop still runs; left to the garbage collector it complains
+            # ("Event loop is closed") when the app's loop is already gone.
+            transport = getattr(self._proc, "_transport", None)
+            if transport is not None and self._proc.returncode is not None:
+                transport.close()
         return ExitInfo(returncode, self._stop_requested)
 
     async def _pump(self, stream: asyncio.StreamReader, name: str) -> None:

@@ -105,3 +105,29 @@ def random_prompt(n_tokens: int, vocab_size: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     upper = max(2, vocab_size - vocab_size // 16)
     return torch.randint(0, upper, (n_tokens,), generator=gen).tolist()
+
+
+def emit(args: Any, bench: str, rows: list[dict[str, Any]], summary: dict[str, Any], device: torch.device,
+         columns: tuple[str, ...] | None = None, env_extra: dict[str, Any] | None = None,
+         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Print the table and summary, write the JSON to `args.json` (with `extra` top-level fields), return it."""
+    from engine.bench.report import document, print_report, write_json
+
+    params = {k: v for k, v in vars(args).items() if not callable(v)}
+    env = torch_env(device)
+    env.update(env_extra or {})
+    doc = document(bench, rows, summary, env, params)
+    doc.update(extra or {})
+    print_report(doc, columns)
+    print(f"wrote {write_json(args.json, doc)}")
+    return doc
+
+
+def save_partial(args: Any, bench: str, rows: list[dict[str, Any]], device: torch.device) -> None:
+    """Write the rows so far (`"partial": true`): a benchmark killed by its time limit still leaves figures."""
+    from engine.bench.report import document, write_json
+
+    params = {k: v for k, v in vars(args).items() if not callable(v)}
+    doc = document(bench, rows, {}, {"device": str(device), "torch": torch.__version__}, params)
+    doc["partial"] = True
+    write_json(args.json, doc)

@@ -82,6 +82,7 @@ class ModelConfig:
 
     @property
     def num_kv_groups(self) -> int:
+        """Query heads per KV head."""
         return self.num_attention_heads // self.num_key_value_heads
 
     @property

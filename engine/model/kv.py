@@ -51,9 +51,11 @@ class DenseKVCache:
 
     @property
     def num_layers(self) -> int:
+        """Layers with K/V buffers (main + MTP)."""
         return len(self.k)
 
     def nbytes(self) -> int:
+        """Bytes held by all K and V buffers."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def attend(

@@ -45,7 +45,7 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
         fused.weight.copy_(torch.cat([lin.weight for lin in linears], dim=0))
         if has_bias:
             fused.bias.copy_(torch.cat([lin.bias for lin in linears], dim=0))
-    return fused
+    return fused.requires_grad_(first.weight.requires_grad)
 
 
 class Attention(nn.Module):
@@ -136,6 +136,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def fuse(self) -> None:
+        """Fuse this layer's q/k/v and gate/up projections."""
         self.self_attn.fuse()
         self.mlp.fuse()
 

@@ -55,6 +55,7 @@ class MTPHead(nn.Module):
 
     @property
     def num_layers(self) -> int:
+        """MTP layers in the checkpoint (config.mtp.num_layers)."""
         return len(self.layers)
 
     def layer_index(self, depth: int) -> int:

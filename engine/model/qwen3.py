@@ -53,6 +53,7 @@ class CausalLM(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
+        """The [V, H] output projection: lm_head's weight, or the embedding when tied."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None) -> torch.Tensor:

@@ -55,12 +55,15 @@ class TensorSource:
         return name in self.file_of
 
     def path_of(self, name: str) -> str:
+        """The file that holds tensor `name`."""
         return str(self.directory / self.file_of[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape, read from the header without loading the data."""
         return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor, in its stored dtype, on the CPU."""
         return self._handle(self.file_of[name]).get_tensor(name)
 
     @property
@@ -70,6 +73,7 @@ class TensorSource:
         return str(index if index.is_file() else self.directory / SINGLE_FILE)
 
     def close(self) -> None:
+        """Close every open file."""
         self._stack.close()
         self._handles.clear()
 

@@ -65,9 +65,11 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included (may be below the model's vocab_size)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of one token string, or None."""
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -75,6 +77,7 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Ids -> text; ids the tokenizer does not know are dropped."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -93,7 +96,11 @@ class Tokenizer:
         )
 
     def incremental_decoder(self) -> "IncrementalDecoder":
+        """A fresh IncrementalDecoder for one stream of generated ids."""
         return IncrementalDecoder(self)
+
+
+_MAX_PARTIAL_IDS = 3
 
 
 def _raise_template_error(message: str) -> None:
@@ -118,7 +125,11 @@ class IncrementalDecoder:
         self.ids.extend(new_ids)
         prefix_text = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset])
         full_text = self.tokenizer.decode(self.ids[self._prefix_offset:])
-        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+        # An unfinished UTF-8 character spans at most 3 bytes, so at most 3 ids: more pending ids than that
+        # means the bytes are simply invalid (a random model), and holding them back would never end.
+        pending_ids = len(self.ids) - self._read_offset
+        complete = not full_text.endswith("\ufffd") or pending_ids > _MAX_PARTIAL_IDS
+        if len(full_text) > len(prefix_text) and complete:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.ids)
             return full_text[len(prefix_text):]

@@ -36,6 +36,7 @@ adds up to p, then samples among them. A seed makes the sampling repeatable.
 
 
 def corpus_lines() -> list[str]:
+    """The embedded training text, as lines (repeated so merges see enough pairs)."""
     return [line for line in _CORPUS.strip().splitlines() if line.strip()] * 4
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -48,11 +48,11 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        consumer = asyncio.create_task(metrics.consume_events(serving.stopping))
+        consumer = asyncio.create_task(metrics.consume_events(serving.events_closed))
         try:
             yield
         finally:
-            await serving.begin_shutdown()
+            await serving.shutdown()
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
@@ -66,12 +66,13 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
     def authorize(request: Request) -> None:
         check_bearer(request.headers.get("authorization"), config.api_key)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        h = client.health()
-        status = "ready" if h.ready else h.reason.split(":", 1)[0].strip() or "unavailable"
-        return JSONResponse({"status": status, "reason": h.reason}, status_code=200 if h.ready else 503)
+    _openai_routes(app, serving, authorize)
+    _strata_routes(app, client, serving, authorize, keepalive_s)
+    _monitoring_routes(app, client, metrics)
+    return app
 
+
+def _openai_routes(app: FastAPI, serving: Serving, authorize: Callable[[Request], None]) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         authorize(request)
@@ -89,6 +90,14 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
         req = parse_body(ChatCompletionRequest, await request.body())
         return _respond(await serving.chat(req, _disconnect_waiter(request)))
 
+
+def _monitoring_routes(app: FastAPI, client: EngineClient, metrics: ServerMetrics) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        h = client.health()
+        status = "ready" if h.ready else h.reason.split(":", 1)[0].strip() or "unavailable"
+        return JSONResponse({"status": status, "reason": h.reason}, status_code=200 if h.ready else 503)
+
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -97,13 +106,16 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
     async def state() -> JSONResponse:
         return JSONResponse(jsonable_encoder(client.state()))
 
+
+def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, authorize: Callable[[Request], None],
+                   keepalive_s: float) -> None:
     @app.get("/strata/events")
     async def events(request: Request, last_event_id: str | None = None) -> StreamingResponse:
         raw = request.headers.get("last-event-id") or last_event_id
         resume = sse.parse_last_event_id(raw)
         if raw is not None and resume is None:
             raise invalid_param("Last-Event-ID", raw, "expected a non-negative event sequence number")
-        stream = sse.event_stream(client.bus, resume, serving.stopping, keepalive_s=keepalive_s)
+        stream = sse.event_stream(client.bus, resume, serving.events_closed, keepalive_s=keepalive_s)
         return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
 
     @app.post("/strata/switches/{name}")
@@ -120,8 +132,6 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
         body = parse_body(VramReserveRequest, await request.body())
         mib = await client.set_vram_reserve(body.mib)
         return JSONResponse({"vram_reserve_mib": mib})
-
-    return app
 
 
 def _respond(result: Any) -> Response:

@@ -25,8 +25,10 @@ class ClientGone(Exception):
 class RequestHandle:
     """Iterate one request's outputs with `next()`; `close()` aborts it unless it finished."""
 
-    def __init__(self, client: EngineClient, request: GenerationRequest, wait_disconnect: WaitDisconnect | None) -> None:
+    def __init__(self, client: EngineClient, request: GenerationRequest, wait_disconnect: WaitDisconnect | None,
+                 on_gone: Callable[["RequestHandle"], None] | None = None) -> None:
         self.client = client
+        self._on_gone = on_gone
         self.request = request
         self.request_id = request.request_id
         self.finished = False
@@ -42,6 +44,10 @@ class RequestHandle:
         if not self.finished:
             log.info("client of %s disconnected; aborting it", self.request_id)
             await self.abort()
+            # Nobody may ever iterate this request again (a stream whose client left before it started):
+            # let the owner forget it now instead of waiting for a close() that might not come.
+            if self._on_gone is not None:
+                self._on_gone(self)
 
     async def abort(self) -> None:
         """Abort in the engine (idempotent); the iterator then ends or raises, and `next()` reports ClientGone."""

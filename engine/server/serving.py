@@ -12,18 +12,18 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 
 from engine.api import EngineClient, GenerationRequest, RequestOutput, SamplingParams
 from engine.errors import EngineDead, MaxTokensTooLarge, PromptTooLong
 from engine.server import streams
-from engine.server.streams import usage_of
 from engine.server.chat import chat_prompt_ids
 from engine.server.errors import ApiError, from_exception, invalid_param, unsupported_param
 from engine.server.handle import ClientGone, RequestHandle, WaitDisconnect
 from engine.server.metrics import ServerMetrics
+from engine.server.streams import usage_of
 from engine.server.protocol import (
     MAX_STOP_STRINGS,
     ChatChoice,
@@ -35,7 +35,6 @@ from engine.server.protocol import (
     CompletionResponse,
     ModelCard,
     ModelList,
-    Usage,
 )
 
 log = logging.getLogger("strata.server")
@@ -59,7 +58,8 @@ class Serving:
     def __init__(self, client: EngineClient, metrics: ServerMetrics | None = None) -> None:
         self.client = client
         self.metrics = metrics
-        self.stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # set: new requests are refused
+        self.events_closed = asyncio.Event()  # set: telemetry streams flush and end
         self._inflight: dict[str, RequestHandle] = {}
 
     # --- models and lifecycle ------------------------------------------------------------------------------
@@ -72,10 +72,20 @@ class Serving:
         return len(self._inflight)
 
     async def begin_shutdown(self) -> None:
-        """Refuse new requests, abort the running ones and end the event streams, so connections close."""
+        """Refuse new requests and abort the running ones (their streams end with finish_reason abort)."""
         self.stopping.set()
         for handle in list(self._inflight.values()):
             await handle.abort()
+
+    async def shutdown(self, stop_engine: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Drain, stop the engine (its stopping/exit events still reach the event streams), then end the
+        event streams so every connection can close."""
+        await self.begin_shutdown()
+        try:
+            if stop_engine is not None:
+                await stop_engine()
+        finally:
+            self.events_closed.set()
 
     # --- the two generation routes -------------------------------------------------------------------------
 
@@ -88,8 +98,7 @@ class Serving:
         handle, first = await self._open(prep, wait_disconnect)
         if prep.stream:
             return self._tracked_stream(handle, streams.completion_chunks(
-                self._outputs(handle, first), prep.request_id, self.client.model_name, prep.include_usage,
-                len(prompt_ids)))
+                self.client, self._outputs(handle, first), prep.request_id, prep.include_usage, len(prompt_ids)))
         text, last = await self._collect(handle, first)
         return CompletionResponse(
             id=prep.request_id,
@@ -108,8 +117,7 @@ class Serving:
         handle, first = await self._open(prep, wait_disconnect)
         if prep.stream:
             return self._tracked_stream(handle, streams.chat_chunks(
-                self._outputs(handle, first), prep.request_id, self.client.model_name, prep.include_usage,
-                len(prompt_ids)))
+                self.client, self._outputs(handle, first), prep.request_id, prep.include_usage, len(prompt_ids)))
         text, last = await self._collect(handle, first)
         return ChatCompletionResponse(
             id=prep.request_id,
@@ -169,15 +177,17 @@ class Serving:
                  default_max: int | None) -> Prepared:
         context = self.client.context_tokens
         prompt_tokens = len(prompt_ids)
-        if prompt_tokens >= context:
+        # The same rules as the engine's own admission check (Request.check_servable), answered before
+        # tokenized work reaches the engine thread.
+        if prompt_tokens > context:
             raise PromptTooLong(prompt_tokens, context)
         left = context - prompt_tokens
         if requested is None:
             max_tokens = left if default_max is None else min(default_max, left)
-        elif requested > left:
-            raise MaxTokensTooLarge(requested, prompt_tokens, context)
         else:
             max_tokens = requested
+        if max_tokens < 1 or max_tokens > left:
+            raise MaxTokensTooLarge(max(max_tokens, 1), prompt_tokens, context)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -198,7 +208,7 @@ class Serving:
                     ) -> tuple[RequestHandle, RequestOutput | None]:
         """Submit and wait for the first output, so admission errors still get their own status code."""
         gen = GenerationRequest(prep.request_id, prep.prompt_token_ids, prep.params)
-        handle = RequestHandle(self.client, gen, wait_disconnect)
+        handle = RequestHandle(self.client, gen, wait_disconnect, on_gone=self._forget)
         self._inflight[prep.request_id] = handle
         if self.metrics is not None:
             self.metrics.request_started(prep.request_id)
@@ -238,7 +248,7 @@ class Serving:
         if last is None:
             raise ApiError(500, "the engine ended the request without any output", type="server_error")
         if last.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {last.error or 'unknown error'}", type="server_error")
+            raise streams.generation_error(self.client, last)
         if handle.aborted and self.stopping.is_set():
             raise ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
                            code="shutting_down")
@@ -259,6 +269,9 @@ class Serving:
         # Shielded: a stream cancelled by its disconnecting client must still abort its engine request.
         with anyio.CancelScope(shield=True):
             await handle.close()
+        self._forget(handle)
+
+    def _forget(self, handle: RequestHandle) -> None:
         if self._inflight.pop(handle.request_id, None) is not None and self.metrics is not None:
             self.metrics.request_finished(handle.request_id, handle.last)
 

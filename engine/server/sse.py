@@ -51,7 +51,8 @@ async def event_stream(
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
     max_queue: int = DEFAULT_SUBSCRIBER_QUEUE,
 ) -> AsyncIterator[str]:
-    """Telemetry events as SSE until `stopping` is set or the client goes away (the task is cancelled)."""
+    """Telemetry events as SSE until `stopping` is set (then what is queued is flushed) or the client goes
+    away (the task is cancelled)."""
     after_seq = 0 if last_event_id is None else last_event_id
     sub = bus.subscribe(after_seq=after_seq, max_queue=max_queue, loop=asyncio.get_running_loop())
     reported_dropped = 0
@@ -71,6 +72,9 @@ async def event_stream(
                     yield sse_comment("keep-alive")
                 continue
             yield "".join(sse_event(e.seq, e.type, e.to_json()) for e in events)
+        rest = sub.drain()
+        if rest:
+            yield "".join(sse_event(e.seq, e.type, e.to_json()) for e in rest)
     finally:
         sub.close()
 

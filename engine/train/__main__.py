@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     started_s = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - started_s:7.1f} s] {msg}", flush=True)  # noqa: E731
     _seed_everything(args.seed)
-    device = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     roots = [sysconfig.get_paths()["stdlib"]] if args.stdlib_only else args.roots
     data_settings = pipeline.DataSettings(roots=roots, max_corpus_mib=args.max_corpus_mib,
                                           heldout_per_mille=args.heldout_per_mille,
@@ -88,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         data_settings.eval_windows, data_settings.full_eval_max_windows = 8, 32
     data = pipeline.prepare_data(data_settings, log)
+    # CUDA is first touched only now: the data preparation above forks worker processes
+    device = torch.device(("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     settings = _settings(args, started_s)
     model, result = pipeline.train(data, arch, settings, data_settings.eval_windows, device, log)
     pipeline.write_outputs(args.out, model, data, data_settings, log)

@@ -142,7 +142,7 @@ def is_heldout(sha256: str, heldout_per_mille: int) -> bool:
 
 def collect(
     roots: list[str] | None = None,
-    max_total_bytes: int = 600 * 1024 * 1024,
+    max_total_bytes: int = 1000 * 1024 * 1024,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     heldout_per_mille: int = 25,
 ) -> Corpus:

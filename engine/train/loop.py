@@ -7,7 +7,6 @@ the model card record the step count, and `--steps N` repeats the run exactly.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,7 +36,7 @@ class TrainSettings:
     beta2: float = 0.95
     grad_clip: float = 1.0
     mtp_weight: float = 0.5
-    mtp_distill: float = 0.0  # share of the MTP loss taken against the main model's own t+2 distribution
+    mtp_distill: float = 0.5  # share of the MTP loss taken against the main model's own t+2 distribution
     steps: int | None = None
     time_budget_s: float | None = None
     eval_every_steps: int = 250
@@ -154,66 +153,78 @@ class Trainer:
         left_s = self.settings.time_budget_s - (time.perf_counter() - started_s)
         return done + max(1, int(left_s / per_step_s))
 
+    def _checkpoint(self, step: int, train_loss: float, started_s: float, total_steps: int) -> bool:
+        """Evaluate, keep the weights if they are the best so far; True when patience has run out."""
+        figures = self._evaluate()
+        elapsed_s = time.perf_counter() - started_s
+        tokens = step * self.settings.batch_seqs * self.settings.seq_tokens
+        self.history.append({"step": step, "elapsed_s": elapsed_s, "train_loss": train_loss, **figures.as_dict()})
+        self.log(
+            f"step {step}/{total_steps} train {train_loss:.4f} | held-out loss {figures.loss:.4f} "
+            f"acc {figures.next_token_accuracy:.4f} agree {figures.mtp_agreement:.4f} | "
+            f"{tokens / elapsed_s:,.0f} tok/s, {elapsed_s:.0f} s"
+        )
+        if self.best is None or figures.loss < self.best.loss:
+            self.best, self.best_step, self.bad_evals = figures, step, 0
+            self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            return False
+        self.bad_evals += 1
+        return self.bad_evals >= self.settings.patience_evals
+
+    def _calibrate(self, step: int, t0: float, started_s: float, step_times: list[float], total_steps: int) -> int:
+        """Time the first steps; at the last calibration step, fix the step count from their median."""
+        if self.settings.steps is not None or step > _CALIBRATION_STEPS:
+            return total_steps
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if step > _CALIBRATION_SKIP:
+            step_times.append(time.perf_counter() - t0)
+        if step < _CALIBRATION_STEPS:
+            return total_steps
+        planned = self._plan_steps(started_s, step_times, step)
+        median_s = sorted(step_times)[len(step_times) // 2]
+        step_tokens = self.settings.batch_seqs * self.settings.seq_tokens
+        self.log(f"calibrated: {median_s * 1000:.1f} ms/step ({step_tokens / median_s:,.0f} tok/s in steps alone); "
+                 f"{planned} steps fit the {self.settings.time_budget_s:.0f} s budget")
+        return planned
+
     def run(self) -> TrainResult:
         s = self.settings
         torch.manual_seed(s.seed)
         self.model.train()
         started_s = time.perf_counter()
         total_steps = s.steps if s.steps is not None else 10**9
-        best: EvalFigures | None = None
-        best_state: dict[str, torch.Tensor] | None = None
-        best_step, bad_evals, step, stop_reason = 0, 0, 0, "steps done"
-        history: list[dict[str, float]] = []
-        step_times: list[float] = []
+        self.best, self.best_state, self.best_step, self.bad_evals = None, None, 0, 0
+        self.history: list[dict[str, float]] = []
+        step, stop_reason, step_times = 0, "steps done", []
         while step < total_steps:
             t0 = time.perf_counter()
-            main, mtp = self._step(step, total_steps)
+            main, _ = self._step(step, total_steps)
             step += 1
-            if step <= _CALIBRATION_STEPS and s.steps is None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                if step > _CALIBRATION_SKIP:
-                    step_times.append(time.perf_counter() - t0)
-                if step == _CALIBRATION_STEPS:
-                    total_steps = self._plan_steps(started_s, step_times, step)
-                    self.log(f"calibrated: {total_steps} steps fit the {s.time_budget_s:.0f} s budget")
-            if step % s.eval_every_steps == 0 or step == total_steps:
-                figures = self._evaluate()
-                elapsed_s = time.perf_counter() - started_s
-                tokens = step * s.batch_seqs * s.seq_tokens
-                history.append({"step": step, "elapsed_s": elapsed_s, "train_loss": main.item(), **figures.as_dict()})
-                self.log(
-                    f"step {step}/{total_steps} train {main.item():.4f} mtp {mtp.item():.4f} | held-out loss "
-                    f"{figures.loss:.4f} acc {figures.next_token_accuracy:.4f} agree {figures.mtp_agreement:.4f} | "
-                    f"{tokens / elapsed_s:,.0f} tok/s, {elapsed_s:.0f} s"
-                )
-                if best is None or figures.loss < best.loss:
-                    best, best_step, bad_evals = figures, step, 0
-                    best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-                else:
-                    bad_evals += 1
-                    if bad_evals >= s.patience_evals:
-                        stop_reason = f"held-out loss did not improve for {bad_evals} evaluations"
-                        break
-            if s.time_budget_s is not None and time.perf_counter() - started_s > s.time_budget_s * 1.05:
+            total_steps = self._calibrate(step, t0, started_s, step_times, total_steps)
+            over_budget = s.time_budget_s is not None and time.perf_counter() - started_s > s.time_budget_s * 1.05
+            if step % s.eval_every_steps == 0 or step == total_steps or over_budget:
+                if self._checkpoint(step, main.item(), started_s, total_steps):
+                    stop_reason = f"held-out loss did not improve for {self.bad_evals} evaluations"
+                    break
+            if over_budget:
                 stop_reason = "time budget spent"
                 break
-        if best is None:  # stopped before the first evaluation
-            best, best_step = self._evaluate(), step
-            best_state = copy.deepcopy(self.model.state_dict())
-        self.model.load_state_dict(best_state)
+        if total_steps == 10**9:  # stopped before calibration finished
+            total_steps = step
+        self.model.load_state_dict(self.best_state)
         wall_s = time.perf_counter() - started_s
         tokens_seen = step * s.batch_seqs * s.seq_tokens
         return TrainResult(
             steps_run=step,
             planned_steps=total_steps,
-            best_step=best_step,
-            best=best,
+            best_step=self.best_step,
+            best=self.best,
             wall_s=wall_s,
             tokens_seen=tokens_seen,
             tokens_per_s=tokens_seen / wall_s,
             stop_reason=stop_reason,
-            history=history,
+            history=self.history,
         )
 
 

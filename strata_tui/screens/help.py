@@ -39,7 +39,7 @@ def help_markdown() -> str:
 |---|---|
 | `enter` | use the selected profile (relaunch with it) |
 | `e` | edit every engine option |
-| `n` / `d` / `R` / `x` | new, duplicate, rename, delete |
+| `n` / `d` / `r` / `x` | new, duplicate, rename, delete |
 | `escape` | back to the monitor |
 
 ## Switches

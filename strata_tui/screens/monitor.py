@@ -55,8 +55,8 @@ class MonitorScreen(Screen):
     MonitorScreen > Vertical > * { border: round $primary-darken-2; border-title-color: $text-accent; }
     MonitorScreen #lower { height: 1fr; border: none; }
     MonitorScreen #lower > * { border: round $primary-darken-2; border-title-color: $text-accent; }
-    MonitorScreen GraphEventsTable { width: 3fr; }
-    MonitorScreen SwitchesPanel { width: 2fr; height: 100%; }
+    MonitorScreen GraphEventsTable { width: 1fr; }
+    MonitorScreen SwitchesPanel { width: 58; height: 100%; }
     MonitorScreen StatusBar { border: none; }
     MonitorScreen CrashPanel { border: heavy $error; }
     """
@@ -73,7 +73,7 @@ class MonitorScreen(Screen):
         return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
-        yield Header(show_clock=True)
+        yield Header()
         with Vertical():
             yield StatusBar(id="status")
             yield CrashPanel(id="crash")

@@ -14,14 +14,14 @@ from strata_tui.monitor_state import graph_severity
 
 SEVERITY_STYLE = ("", "yellow", "bold red")
 COLUMNS = (("time", "time"), ("action", "action"), ("kind", "kind"), ("key", "key"), ("MiB", "mib"),
-           ("ms", "ms"), ("device", "device"), ("error", "error"))
+           ("ms", "ms"), ("error", "error"), ("device", "device"))
 
 
 def graph_cells(event: GraphEvent) -> list[Text]:
     style = SEVERITY_STYLE[graph_severity(event)]
     clock = time.strftime("%H:%M:%S", time.localtime(event.ts)) if event.ts else ""
     values = (clock, event.action, event.kind, event.key[:20], f"{event.mib:.1f}", f"{event.ms:.1f}",
-              event.device, event.error or "")
+              event.error or "", event.device)
     return [Text(v, style=style) for v in values]
 
 

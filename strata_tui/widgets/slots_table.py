@@ -8,9 +8,11 @@ from textual.widgets import DataTable
 from engine.telemetry import SlotEvent
 from strata_tui.widgets.format import bar
 
-COLUMNS = (("slot", "slot"), ("state", "state"), ("request", "request"), ("prompt", "prompt"),
-           ("cached", "cached"), ("progress", "progress"), ("gen", "generated"), ("tok/s", "tok_s"),
-           ("MTP acc", "acceptance"))
+# (label, key, width): fixed widths, because rows change in place and DataTable sizes auto-width columns
+# only from the rows present when they are added (an idle first row would squeeze every later value).
+COLUMNS = (("slot", "slot", 4), ("state", "state", 8), ("request", "request", 20), ("prompt", "prompt", 9),
+           ("cached", "cached", 9), ("progress", "progress", 32), ("gen", "generated", 7), ("tok/s", "tok_s", 9),
+           ("MTP acc", "acceptance", 7))
 _STATE_STYLE = {"prefill": "yellow", "decode": "green", "idle": "dim", "finished": "blue",
                 "aborted": "magenta", "error": "bold red"}
 
@@ -41,7 +43,7 @@ def slot_cells(slot: SlotEvent) -> dict[str, Text | str]:
     return {
         "slot": str(slot.slot),
         "state": Text(slot.state, style=_STATE_STYLE.get(slot.state, "")),
-        "request": (slot.request_id or "")[:18],
+        "request": (slot.request_id or "")[:20],
         "prompt": f"{slot.prompt_tokens:,}" if slot.request_id else "",
         "cached": f"{slot.cached_tokens:,}" if slot.request_id else "",
         "progress": progress,
@@ -64,8 +66,8 @@ class SlotsTable(DataTable):
         self.cell_updates = 0  # counted for tests and the benchmark: diffing keeps this small
 
     def on_mount(self) -> None:
-        for label, key in COLUMNS:
-            self.add_column(label, key=key)
+        for label, key, width in COLUMNS:
+            self.add_column(label, key=key, width=width)
 
     def show(self, slots: dict[int, SlotEvent]) -> None:
         """Make the table match `slots` (slot number -> latest SlotEvent)."""
@@ -76,7 +78,7 @@ class SlotsTable(DataTable):
         for key, cells in wanted.items():
             old = self._cells.get(key)
             if old is None:
-                self.add_row(*(cells[c] for _, c in COLUMNS), key=key)
+                self.add_row(*(cells[c] for _, c, _ in COLUMNS), key=key)
                 self.cell_updates += len(cells)
             else:
                 for column, value in cells.items():

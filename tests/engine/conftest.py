@@ -7,9 +7,14 @@ once per test session; `make_checkpoint(**kwargs)` writes (and caches) any other
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
+
+HF_SMALL = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+)
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +37,33 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def tiny_checkpoint(make_checkpoint: Callable[..., Path]) -> Path:
     """A tiny Qwen3 checkpoint (fp32, tied head, 1 DeepSeek MTP layer, toy BPE tokenizer)."""
     return make_checkpoint(arch="qwen3", mtp_layout="deepseek", size="tiny")
+
+
+def _hf_model(arch: str, seed: int = 0, **overrides: Any):
+    import torch
+    import transformers
+
+    classes = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**HF_SMALL, **overrides})).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # transformers initialises norms to 1 and biases to 0: perturb them so a missed one shows
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[..., Any]:
+    """Factory: hf_model(arch, seed=0, **config overrides) -> a small random transformers CausalLM (the parity
+    reference) with non-trivial norms and biases. Skips the test when transformers is not installed."""
+    pytest.importorskip("transformers")
+    return _hf_model

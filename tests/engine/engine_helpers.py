@@ -9,6 +9,7 @@ rejected drafts.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.telemetry import EventBus
 
-WEIGHT_SCALE = 6.0
+WEIGHT_SCALE = 4.0
 
 
 def lively_checkpoint(directory: Path, seed: int = 0, size: str = "tiny", **overrides) -> Path:
@@ -41,6 +42,29 @@ def lively_checkpoint(directory: Path, seed: int = 0, size: str = "tiny", **over
             layer.eh_proj.weight[:, :h] = torch.eye(h)  # [embedding | hidden]: keep the embedding
     save_checkpoint(model, directory, lm.eos_token_ids)
     return directory
+
+
+_CACHE: dict[tuple, Path] = {}
+
+
+def shared_lively_checkpoint(tmp_path_factory, seed: int = 0, **overrides) -> Path:
+    """lively_checkpoint written once per test session (and per seed/overrides)."""
+    key = (seed, tuple(sorted(overrides.items())))
+    if key not in _CACHE:
+        _CACHE[key] = lively_checkpoint(tmp_path_factory.mktemp("lively"), seed=seed, **overrides)
+    return _CACHE[key]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one intra-op thread: on a shared 2-core CI box, two spinning threads per test process
+    make tiny ops hundreds of times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def small_config(model: Path, **kw) -> EngineConfig:

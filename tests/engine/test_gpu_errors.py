@@ -104,3 +104,11 @@ def test_sticky_error_becomes_a_fatal_error_event_with_the_real_message() -> Non
     plain = error_event(ValueError("bad slot 9"), "engine step")
     assert not plain.fatal and plain.message == "ValueError: bad slot 9"
     assert error_event(exc, "engine step").fatal
+
+
+def test_allocator_advice_is_cut_but_its_figures_stay() -> None:
+    text = ("CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+            "290.00 MiB is free. Of the allocated memory 120.00 GiB is allocated by PyTorch. If reserved but "
+            "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    msg = real_message(torch.OutOfMemoryError(text))
+    assert msg.endswith("120.00 GiB is allocated by PyTorch.") and "290.00 MiB is free" in msg

@@ -65,10 +65,11 @@ def _sequence(runner: ModelRunner, drafter: MtpDrafter) -> list[tuple[str, torch
 
 def _compare(lm: Any, make_backend: Callable[[], Any], atol: float) -> GraphCache:
     board, bus = SwitchBoard.from_values({}), EventBus()
-    eager = _sequence(*_runner(lm, EagerExecutor(), board, bus))
     cache = GraphCache(lm.device, bus, board, lambda mib, reason: 0.0, fault_plan=FaultPlan(),
                        switch_for_key=switch_for_key, backend=make_backend())
-    graphed = _sequence(*_runner(lm, cache, board, bus))
+    with torch.inference_mode():  # as Engine.step runs them
+        eager = _sequence(*_runner(lm, EagerExecutor(), board, bus))
+        graphed = _sequence(*_runner(lm, cache, board, bus))
     for (what, e), (_, g) in zip(eager, graphed, strict=True):
         assert e.shape == g.shape, what
         assert torch.allclose(e.float(), g.float(), atol=atol, rtol=0), f"{what}: max diff {(e - g).abs().max()}"

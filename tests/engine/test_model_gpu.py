@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from engine.model import DenseKVCache, load_checkpoint
-from tests.engine.hf_reference import hf_model
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda:0"
@@ -29,7 +28,7 @@ def _ours(lm, ids, positions, prefill_tokens: int | None = None):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
-def test_gpu_bf16_parity_with_transformers(tmp_path, arch):
+def test_gpu_bf16_parity_with_transformers(hf_model, tmp_path, arch):
     ref = hf_model(arch)
     ref.save_pretrained(tmp_path)
     ids, positions = _prompt()
@@ -46,7 +45,7 @@ def test_gpu_bf16_parity_with_transformers(tmp_path, arch):
         assert err <= 2 * hf_err + 1e-2, (arch, prefill, err, hf_err)
 
 
-def test_gpu_fp32_parity_with_transformers(tmp_path):
+def test_gpu_fp32_parity_with_transformers(hf_model, tmp_path):
     ref = hf_model("qwen3")
     ref.save_pretrained(tmp_path)
     ids, positions = _prompt()

@@ -8,9 +8,6 @@ import pytest
 import torch
 
 from engine.model import CausalLM, DenseKVCache, RopeConfig, load_checkpoint
-from tests.engine.hf_reference import hf_model
-
-pytest.importorskip("transformers")
 
 PROMPT_TOKENS = 64
 TOL = 1e-4  # fp32 with the same op order: we measure ~1e-7; 1e-4 leaves room for BLAS differences
@@ -21,7 +18,7 @@ def _prompt(batch: int = 2, vocab: int = 256) -> tuple[torch.Tensor, torch.Tenso
     return ids, torch.arange(PROMPT_TOKENS)[None].expand(batch, -1)
 
 
-def _load(tmp_path, arch: str, **overrides):
+def _load(hf_model, tmp_path, arch: str, **overrides):
     ref = hf_model(arch, **overrides)
     ref.save_pretrained(tmp_path)
     return ref, load_checkpoint(tmp_path, dtype="float32", device="cpu", tokenizer=False)
@@ -45,8 +42,8 @@ ARCH_CASES = [
 
 
 @pytest.mark.parametrize("arch,overrides", ARCH_CASES, ids=["qwen3", "qwen3-tied", "llama", "llama-bias", "qwen2"])
-def test_parity_full_forward_and_incremental_decode(tmp_path, arch, overrides):
-    ref, lm = _load(tmp_path, arch, **overrides)
+def test_parity_full_forward_and_incremental_decode(hf_model, tmp_path, arch, overrides):
+    ref, lm = _load(hf_model, tmp_path, arch, **overrides)
     ids, positions = _prompt()
     with torch.no_grad():
         expected = ref(ids).logits
@@ -66,9 +63,9 @@ ROPE_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(ROPE_CASES))
-def test_parity_rope_scaling(tmp_path, name):
+def test_parity_rope_scaling(hf_model, tmp_path, name):
     arch, rope = ROPE_CASES[name]
-    ref, lm = _load(tmp_path, arch, rope_parameters=rope)
+    ref, lm = _load(hf_model, tmp_path, arch, rope_parameters=rope)
     ids, positions = _prompt()
     with torch.no_grad():
         expected = ref(ids).logits
@@ -84,11 +81,11 @@ def test_parity_rope_scaling(tmp_path, name):
     assert (unscaled - expected).abs().max().item() > 1e-3
 
 
-def test_parity_dynamic_rope_full_forward(tmp_path):
+def test_parity_dynamic_rope_full_forward(hf_model, tmp_path):
     # Dynamic NTK rescales by the longest position seen, so only the full forward is comparable
     # (transformers' own incremental decode drifts from its full forward the same way).
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    ref, lm = _load(tmp_path, "qwen3", rope_parameters=rope, max_position_embeddings=32)
+    ref, lm = _load(hf_model, tmp_path, "qwen3", rope_parameters=rope, max_position_embeddings=32)
     ids, positions = _prompt()
     with torch.no_grad():
         expected = ref(ids).logits
@@ -96,8 +93,8 @@ def test_parity_dynamic_rope_full_forward(tmp_path):
     assert (full - expected).abs().max().item() <= TOL
 
 
-def test_parity_fused_projections_same_logits(tmp_path):
-    _, lm = _load(tmp_path, "qwen2")  # qwen2: the fused path must carry the q/k/v biases too
+def test_parity_fused_projections_same_logits(hf_model, tmp_path):
+    _, lm = _load(hf_model, tmp_path, "qwen2")  # qwen2: the fused path must carry the q/k/v biases too
     ids, positions = _prompt()
     with torch.no_grad():
         before = lm.model.logits(lm.model(ids, positions))

@@ -39,3 +39,12 @@ def test_missing_tokenizer_json_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="tokenizer.json") as info:
         Tokenizer.from_dir(tmp_path)
     assert info.value.path == str(tmp_path / "tokenizer.json")
+
+
+def test_incremental_decoder_does_not_hold_invalid_bytes_forever(tok):
+    decoder = tok.incremental_decoder()
+    # UTF-8 continuation bytes 0xA1..0xA6 never form a character; byte-level BPE spells them as chr(byte)
+    byte_ids = [tok.token_to_id(chr(b)) for b in range(0xA1, 0xA7)]
+    assert None not in byte_ids and tok.decode(byte_ids) == "\ufffd" * 6
+    pieces = [decoder.push([i]) for i in byte_ids]
+    assert "".join(pieces) != ""  # emitted before the end, not only at flush

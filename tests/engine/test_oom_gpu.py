@@ -110,11 +110,12 @@ def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() ->
         assert err.value.switch == "SPLIT_ATTN" and "out of memory" in err.value.error.lower()
         print(f"degraded with: {err.value.error}")
 
-        # Still serving: the captured drafter graph replays, the degraded step runs eagerly.
+        # Still serving under the same pressure: the captured drafter graph replays (it needs no new memory).
         y = x + 1.0
-        assert torch.allclose(cache.run("draft_round", "r2", _step(1024), {"x": y}, owner="drafter")["y"],
-                              _step(1024)({"x": y})["y"])
+        replayed = cache.run("draft_round", "r2", _step(1024), {"x": y}, owner="drafter")["y"].clone()
         assert not torch.cuda.is_current_stream_capturing()
+        tier.drop_all()
+        assert torch.allclose(replayed, _step(1024)({"x": y})["y"], rtol=1e-4)
     finally:
         _print_events(bus)
         tier.drop_all()

@@ -80,7 +80,7 @@ def _check_reuse(plan: StepPlan, filled: dict[int, tuple[int, ...]]) -> None:
             assert filled.get(ref.block_id) == want, "a reused block was never filled with these tokens"
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(OPS)
 def test_random_workloads_keep_the_invariants_and_finish_everything(ops: list[tuple[str, int, int, int]]) -> None:
     index = PrefixIndex(BT, capacity_blocks=16)

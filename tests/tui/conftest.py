@@ -72,3 +72,16 @@ async def wait_for(pilot, condition, timeout_s: float = 10.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await pilot.pause(0.05)
+
+
+def screen_text(app) -> str:
+    """What the terminal shows now, as plain text (rendered the way export_screenshot renders it)."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True, record=True,
+                      legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()

@@ -8,6 +8,8 @@ object. It loads no model. Behaviour comes from the environment:
   FAKE_ENGINE_EVENTS  a .jsonl of recorded events to preload into the history ring
   FAKE_ENGINE_MODE    serve (default) | crash (exit 1 with a real-looking error after ready)
                       | fail-start (exit 2 at once) | ignore-term (ignore SIGTERM: tests the SIGKILL path)
+  FAKE_ENGINE_BUSY    "SLOTS:HZ": keep SLOTS slots decoding, each publishing HZ slot events a second,
+                      plus a VRAM event a second (the TUI benchmark's steady load)
 """
 
 from __future__ import annotations
@@ -147,6 +149,25 @@ class Handler(BaseHTTPRequestHandler):
         BUS.publish(SlotEvent(slot=slot, state="idle"))
 
 
+def busy(slots: int, hz: float) -> None:
+    """Publish decode progress for `slots` slots at `hz` updates per slot per second, forever."""
+    generated = [0] * slots
+    period_s = 1.0 / hz
+    next_vram_s = time.monotonic()
+    while True:
+        started = time.monotonic()
+        for slot in range(slots):
+            generated[slot] += 1
+            BUS.publish(SlotEvent(slot=slot, state="decode", request_id=f"busy-{slot}", prompt_tokens=512,
+                                  prefilled_tokens=512, generated_tokens=generated[slot], max_tokens=1 << 20,
+                                  decode_tok_s=hz + slot * 0.1, acceptance=0.7))
+        if started >= next_vram_s:
+            BUS.publish(VramEvent(device="cuda:0", total_mib=143771, weights_mib=16384, kv_mib=9000.0 + generated[0],
+                                  graphs_mib=247, tier_mib=100000, reserve_mib=RESERVE["mib"], free_mib=17000))
+            next_vram_s = started + 1.0
+        time.sleep(max(0.0, period_s - (time.monotonic() - started)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("command")
@@ -175,6 +196,10 @@ def main() -> int:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     log(f"strata-engine: ready at http://{args.host}:{server.server_address[1]}")
+    busy_spec = os.environ.get("FAKE_ENGINE_BUSY")
+    if busy_spec:
+        slots, hz = busy_spec.split(":")
+        threading.Thread(target=busy, args=(int(slots), float(hz)), daemon=True).start()
     if mode == "crash":
         time.sleep(0.5)
         print("mtp: round capture: CUDA error: an illegal memory access was encountered", file=sys.stderr,

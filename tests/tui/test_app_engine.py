@@ -12,7 +12,7 @@ import pytest
 from strata_tui.profiles import Profile, ProfileStore
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.slots_table import SlotsTable
-from tests.tui.conftest import FAKE_ENGINE, FIXTURES, create_app, fake_engine_app, wait_for
+from tests.tui.conftest import FAKE_ENGINE, FIXTURES, create_app, fake_engine_app, screen_text, wait_for
 
 SIZE = (160, 50)
 
@@ -94,7 +94,8 @@ async def test_crash_shows_exit_code_real_error_and_restarts(config_dir: Path, m
         assert "illegal memory access" in app.crash.error
         panel = app.screen.query_one(CrashPanel)
         await wait_for(pilot, lambda: panel.visible_now, what="panel")
-        assert "exit code 1" in str(panel.render()) and "press r to restart" in str(panel.render())
+        shown = screen_text(app)
+        assert "exit code 1" in shown and "press r to restart" in shown and "illegal memory access" in shown
         monkeypatch.setenv("FAKE_ENGINE_MODE", "serve")
         await pilot.press("r")
         await wait_for(pilot, lambda: app.telemetry_connected, what="restarted engine")

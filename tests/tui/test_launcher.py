@@ -20,10 +20,12 @@ def test_argv_is_a_list_from_to_argv_and_env_carries_switches() -> None:
     argv = engine_argv(config)
     assert argv[:4] == [sys.executable, "-m", "engine.cli", "serve"]
     assert argv[4:] == config.to_argv() and "--batch-mtp" in argv
-    env = engine_env(config, base={"PATH": "/bin", "STRATA_FUSED_PROJ": "1", "STRATA_API_KEY": "k"})
+    env = engine_env(config, base={"PATH": "/bin", "STRATA_FUSED_PROJ": "1", "STRATA_API_KEY": "k",
+                                   "STRATA_FAULT_INJECT": "capture:*:1:oom"})
     assert env["STRATA_SPLIT_ATTN"] == "1" and env["STRATA_COMPILE"] == "0"
     assert "STRATA_FUSED_PROJ" not in env, "an inherited switch must not leak past the profile"
     assert env["STRATA_API_KEY"] == "k" and env["PATH"] == "/bin"
+    assert env["STRATA_FAULT_INJECT"] == "capture:*:1:oom", "non-switch settings pass through"
 
 
 def test_splitter_handles_cr_crlf_across_chunks_and_utf8_splits() -> None:

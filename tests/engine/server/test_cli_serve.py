@@ -22,12 +22,11 @@ from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 _SCRIPT = """
-import sys, threading
-from engine.cli import build_parser
+import argparse, sys, threading
 from engine.cli_serve import add_arguments, run
 from tests.engine.server.fake_engine import FakeEngine
-import argparse
-parser = argparse.ArgumentParser(); add_arguments(parser)
+parser = argparse.ArgumentParser()
+add_arguments(parser)
 args = parser.parse_args(sys.argv[2:])
 die_after_s = float(sys.argv[1])
 def factory(config):
@@ -41,7 +40,7 @@ sys.exit(run(args, client_factory=factory))
 
 def _start(die_after_s: float = 0.0, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-c", _SCRIPT.replace("from engine.cli import build_parser\n", ""), str(die_after_s),
+        [sys.executable, "-c", _SCRIPT, str(die_after_s),
          "--port", "0", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -51,6 +51,7 @@ def test_client_disconnect_mid_generation_aborts_the_request(stream: bool) -> No
         sock.close()
         assert _wait_for(lambda: not fake.active), "the engine request kept running after the client left"
         assert len(fake.aborted) == 1
+        assert _wait_for(lambda: server.app.state.serving.inflight_count == 0)
         # The server is unharmed: the next request is served in full.
         ok = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2},
                         timeout=10)
@@ -146,7 +147,7 @@ def test_shutdown_aborts_running_streams_and_ends_event_streams() -> None:
             t.start()
         assert _wait_for(lambda: len(fake.active) == 1)
         serving = server.app.state.serving
-        asyncio.run_coroutine_threadsafe(serving.begin_shutdown(), server.loop).result(5)
+        asyncio.run_coroutine_threadsafe(serving.shutdown(), server.loop).result(5)
         for t in threads:
             t.join(10)
             assert not t.is_alive(), "a stream kept its connection open through shutdown"

@@ -1,0 +1,231 @@
+"""AsyncEngine: engine.api.EngineClient over an Engine stepped by one engine thread.
+
+The engine thread owns the Engine: it loads the model (health "loading: ..."), then loops: run queued
+commands (add, abort, switch, reserve), step while there is work, otherwise sleep until a command arrives.
+Outputs go back to each request's asyncio queue on the loop that called `generate`, so any number of event
+loops (the server's, a test's) can use one engine.
+
+`generate()` raises RequestRejected / QueueFull / EngineDead before its first yield (the add runs in the
+engine thread and its exception is re-raised in the caller). Closing or cancelling the iterator aborts the
+request at the engine's next loop turn, i.e. within one step. Use `contextlib.aclosing` (or exhaust the
+iterator): an `async for` that breaks out early leaves closing to the garbage collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections import deque
+from typing import Any, AsyncIterator, Callable
+
+from engine.api import GenerationRequest, Health, RequestOutput
+from engine.config import EngineConfig
+from engine.errors import EngineDead
+from engine.switches import SwitchState
+from engine.telemetry import EngineEvent, EventBus, SwitchEvent
+
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncEngine:
+    """The EngineClient the server uses. Construct, then `await ready()` (or poll `health()`)."""
+
+    def __init__(self, config: EngineConfig, bus: EventBus | None = None, *,
+                 engine_factory: Callable[[EngineConfig, EventBus], Any] | None = None) -> None:
+        self.config = config
+        self.bus = bus if bus is not None else EventBus()
+        self.model_name = config.model
+        self.context_tokens = config.context
+        self.engine: Any = None
+        self._factory = engine_factory
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._load_error: str | None = None
+        self._loaded = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.bus.publish(EngineEvent(state="starting", detail=f"model {config.model}"))
+        self._thread = threading.Thread(target=self._main, name="strata-engine", daemon=True)
+        self._thread.start()
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    async def ready(self, timeout_s: float | None = None) -> Health:
+        """Wait until the model is loaded (or failed to load); returns the health then."""
+        await asyncio.get_running_loop().run_in_executor(None, self._loaded.wait, timeout_s)
+        return self.health()
+
+    async def start(self) -> Health:
+        """The server's start hook: wait for the load (a failed load shows in health(), not as an exception)."""
+        return await self.ready()
+
+    def health(self) -> Health:
+        if self._load_error is not None:
+            return Health(False, f"dead: {self._load_error}")
+        if self.engine is None:
+            return Health(False, f"loading: {self.config.model}")
+        return self.engine.health()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; requests still running finish with an abort."""
+        if self._stopping:
+            return
+        self.bus.publish(EngineEvent(state="stopping"))
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.bus.publish(EngineEvent(state="exit", exit_code=0))
+
+    # --- tokenizer -----------------------------------------------------------------------------------------
+
+    def _tokenizer(self):
+        if self.engine is None:
+            raise EngineDead(self.health().reason)
+        if self.engine.tokenizer is None:
+            raise EngineDead(f"the checkpoint {self.config.model} has no tokenizer")
+        return self.engine.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer().encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer().decode(token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        tok = self._tokenizer()
+        return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+    # --- requests ------------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output increments; the last has finished=True."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+
+        def add() -> None:
+            self._require_engine().add_request(rid, list(request.prompt_token_ids), request.params)
+            self._queues[rid] = (loop, queue)
+
+        await self._call(add)
+        finished = False
+        try:
+            while True:
+                out: RequestOutput = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort_now(rid))
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(lambda: self._abort_now(request_id))
+
+    def state(self) -> dict[str, Any]:
+        if self.engine is None:
+            return {"model": self.model_name, "config": self.config.to_dict(),
+                    "health": {"ready": False, "reason": self.health().reason}}
+        return self.engine.state()
+
+    async def set_switch(self, name: str, enabled: bool) -> SwitchState:
+        def toggle() -> SwitchState:
+            state = self._require_engine().set_switch(name, enabled)
+            self.bus.publish(SwitchEvent(name=state.name, state="on" if state.enabled else "off", reason="live toggle"))
+            return state
+
+        return await self._call(toggle)
+
+    async def set_vram_reserve(self, mib: int) -> int:
+        from engine.errors import ConfigError
+
+        if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= 1 << 20:
+            raise ConfigError("vram_reserve_mib", mib, "expected 0..1048576 MiB")
+        return await self._call(lambda: self._require_engine().set_vram_reserve(mib))
+
+    # --- engine thread -------------------------------------------------------------------------------------
+
+    def _require_engine(self):
+        if self.engine is None:
+            raise EngineDead(self.health().reason)
+        return self.engine
+
+    def _abort_now(self, request_id: str) -> None:
+        if self.engine is not None:
+            out = self.engine.abort(request_id)
+            if out is not None:
+                self._deliver([out])
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self._stopping:
+                fut.set_exception(EngineDead("the engine is shutting down"))
+                return fut
+            self._commands.append((fn, fut))
+            self._wake.notify_all()
+        return fut
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _main(self) -> None:
+        try:
+            self.engine = (self._factory or _default_factory)(self.config, self.bus)
+        except BaseException as exc:  # noqa: BLE001 - a failed load is reported through health, not lost
+            from engine.engine import describe_exception
+
+            self._load_error = describe_exception(exc)
+            self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
+        finally:
+            self._loaded.set()
+        if self.engine is not None:
+            self.bus.publish(EngineEvent(state="ready", detail=f"model {self.config.model}"))
+        while True:
+            with self._wake:
+                if self._stopping:
+                    break
+                if not self._commands and not (self.engine is not None and self.engine.has_work):
+                    self._wake.wait(_IDLE_WAIT_S)
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, fut in commands:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                    fut.set_exception(exc)
+            if self.engine is not None and self.engine.has_work:
+                self._deliver(self.engine.step())
+        self._drain_on_stop()
+
+    def _drain_on_stop(self) -> None:
+        for fn, fut in list(self._commands):
+            fut.set_exception(EngineDead("the engine is shutting down"))
+        self._commands.clear()
+        if self.engine is not None:
+            for rid in list(self._queues):
+                self._abort_now(rid)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._queues.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                self._queues.pop(out.request_id, None)
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # that loop is closed: its consumer is gone
+                self._queues.pop(out.request_id, None)
+
+
+def _default_factory(config: EngineConfig, bus: EventBus):
+    from engine.engine import Engine
+
+    return Engine(config, bus)

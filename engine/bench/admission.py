@@ -1,0 +1,88 @@
+"""`strata-engine bench admission`: the seed report's moment, measured. N slots decode; a fresh long prompt
+arrives; how fast do the N slots keep decoding while it is prefilled, relative to before it came?
+
+One engine with N + 1 slots and a context that fits the long prompt. The N short generations start, run
+`warmup_steps` steps (graph captures), then `baseline_steps` timed steps give the baseline rate. The long prompt
+(new random ids: nothing cached) is then added and the engine steps until its first token; the short slots'
+tokens over that time give the rate during admission. `decode_ratio` = during / baseline (target >= 0.5).
+`max_step_ms` is the longest single step during admission: the worst stall a decoding user saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from engine.bench.common import device_of, emit, random_prompt, save_partial
+from engine.bench.engine_driver import BenchEngine, build_engine
+
+TARGET_RATIO = 0.5
+_CONTEXT_MARGIN_TOKENS = 64
+
+
+def _short_tokens(shorts: list[Any]) -> int:
+    return sum(r.num_output_tokens for r in shorts)
+
+
+def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any) -> tuple[float, int, int, float]:
+    """Step until `until()`; returns (seconds, short tokens gained, steps, longest step in seconds)."""
+    tokens0, steps, longest_s = _short_tokens(shorts), 0, 0.0
+    start = time.perf_counter()
+    while not until(steps):
+        t0 = time.perf_counter()
+        bench.step()
+        longest_s = max(longest_s, time.perf_counter() - t0)
+        steps += 1
+    return time.perf_counter() - start, _short_tokens(shorts) - tokens0, steps, longest_s
+
+
+def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, seed: int) -> dict[str, Any]:
+    vocab = bench.engine.lm.config.vocab_size
+    context = bench.config.context
+    max_tokens = context - args.short_prompt_tokens
+    shorts = [bench.add(random_prompt(args.short_prompt_tokens, vocab, seed=seed + i), max_tokens)
+              for i in range(args.slots)]
+    try:
+        _timed_steps(bench, shorts, lambda n: all(r.num_output_tokens for r in shorts) and n >= args.warmup_steps)
+        base_s, base_tokens, base_steps, base_longest_s = _timed_steps(bench, shorts,
+                                                                       lambda n: n >= args.baseline_steps)
+        long = bench.add(random_prompt(long_tokens, vocab, seed=seed + 999), 1)
+        during_s, during_tokens, during_steps, longest_s = _timed_steps(bench, shorts,
+                                                                        lambda n: long.num_output_tokens > 0)
+        finished_early = sum(1 for r in shorts if r.is_finished)
+    finally:
+        for r in shorts:
+            if not r.is_finished:
+                bench.engine.abort(r.request_id)
+    baseline = base_tokens / base_s
+    during = during_tokens / during_s if during_s > 0 else None
+    return {
+        "slots": args.slots, "long_tokens": long_tokens, "baseline_tok_s": baseline,
+        "during_tok_s": during, "decode_ratio": during / baseline if during is not None and baseline else None,
+        "long_ttft_s": during_s, "during_steps": during_steps, "max_step_ms": longest_s * 1e3,
+        "baseline_step_ms": base_s / max(1, base_steps) * 1e3, "baseline_max_step_ms": base_longest_s * 1e3,
+        "shorts_finished_early": finished_early,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    device = device_of(args.device)
+    longest = max(args.long_tokens)
+    bench = build_engine(args, batch=args.slots + 1, context=longest + _CONTEXT_MARGIN_TOKENS)
+    rows = []
+    try:
+        for i, long_tokens in enumerate(args.long_tokens):
+            rows.append({**measure_one(bench, args, long_tokens, seed=10_000 * (i + 1)),
+                         "graphs_active": bench.graphs_active, "kv": bench.config.kv})
+            save_partial(args, "admission", rows, device)
+    finally:
+        bench.close()
+    worst = min((r["decode_ratio"] for r in rows if r["decode_ratio"] is not None), default=None)
+    summary: dict[str, Any] = {"worst_decode_ratio": worst}
+    if worst is not None:
+        summary["meets_target"] = worst >= TARGET_RATIO
+    emit(args, "admission", rows, summary, device,
+         ("slots", "long_tokens", "baseline_tok_s", "during_tok_s", "decode_ratio", "long_ttft_s", "during_steps",
+          "max_step_ms", "baseline_step_ms", "kv"))
+    return 0

@@ -1,0 +1,166 @@
+"""Drive the real Engine in-process for the benchmarks: build it from the bench's options, feed it prompts,
+step it to completion and time what happened.
+
+No server and no AsyncEngine: the GPU image has no fastapi/httpx, and stepping the Engine on this thread
+measures the engine itself. Timing is host wall time around `Engine.step()`, which returns only after the
+step's tokens are on the host, so every step boundary is a device sync already.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.api import SamplingParams
+from engine.bench.common import device_of, prepare_model
+from engine.cli_options import config_from_args
+from engine.config import EngineConfig
+from engine.executor import EagerExecutor
+from engine.request import Request
+from engine.telemetry import EventBus
+
+
+@dataclass
+class GenerateStats:
+    """One batch of requests run to completion."""
+
+    wall_s: float
+    tokens: int  # completion tokens of all requests
+    steps: int
+    ttft_s: list[float]  # per request, from add_request to its first token
+    decode_s: float  # from the moment every request had its first token to the end
+    decode_tokens: int  # tokens produced in that span
+    decode_steps: int  # engine steps in that span
+    batch: int
+    proposed: list[int] = field(default_factory=list)  # MTP drafts proposed per draft position, all requests
+    accepted: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)  # what each request generated
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens each decoding slot gained per decode step (1 without MTP; slots that finished early make
+        the last steps' batches smaller, so this is a lower bound for uneven finishes)."""
+        slot_steps = self.decode_steps * self.batch
+        return None if not slot_steps else self.decode_tokens / slot_steps
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        return [a / p if p else None for p, a in zip(self.proposed, self.accepted)]
+
+
+class BenchEngine:
+    """An Engine plus its bus, built for a benchmark; `executor_wiring` says who set up the graph cache."""
+
+    def __init__(self, config: EngineConfig, graph_cache_on_cpu: bool = False) -> None:
+        from engine.engine import Engine
+
+        self.config = config
+        self.bus = EventBus(history=4096)
+        self.engine = Engine(config, self.bus)
+        self.executor_wiring = "engine"
+        wants_graphs = config.graphs and (self.engine.device.type == "cuda" or graph_cache_on_cpu)
+        if wants_graphs and isinstance(self.engine.executor, EagerExecutor):
+            self._wire_graph_cache()
+        self._ids = 0
+
+    def _wire_graph_cache(self) -> None:
+        """Give a CPU engine the graph cache (its CPU backend) the way engine_setup wires it on CUDA, so the
+        graph benchmark's code path runs in CI."""
+        from engine.graphs import GraphCache
+        from engine.runner import switch_for_key
+
+        eng = self.engine
+        cache = GraphCache(eng.device, self.bus, eng.board, release_tier=eng.tier.release,
+                           wait_polls=self.config.tier_wait_polls, wait_interval_s=self.config.tier_wait_interval_s,
+                           switch_for_key=switch_for_key)
+        eng.executor = cache
+        eng.runner.executor = cache
+        self.executor_wiring = "bench"
+
+    @property
+    def graphs_active(self) -> bool:
+        return not isinstance(self.engine.executor, EagerExecutor)
+
+    def graph_snapshot(self) -> dict[str, Any]:
+        executor = self.engine.executor
+        return executor.snapshot() if hasattr(executor, "snapshot") else {"graphs": [], "total_mib": 0.0}
+
+    def add(self, prompt: list[int], max_tokens: int) -> Request:
+        self._ids += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return self.engine.add_request(f"bench-{self._ids}", prompt, params)
+
+    def step(self) -> list[Any]:
+        outputs = self.engine.step()
+        health = self.engine.health()
+        if not health.ready:
+            raise RuntimeError(f"engine died during the benchmark: {health.reason}")
+        return outputs
+
+    def close(self) -> None:
+        """Drop graphs and tensors so the next configuration of one run starts from a clean device."""
+        import gc
+
+        import torch
+
+        release = getattr(self.engine.executor, "release", None)
+        if release is not None:
+            release()
+        device = self.engine.device
+        del self.engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def build_engine(args: argparse.Namespace, graph_cache_on_cpu: bool = False, **overrides: Any) -> BenchEngine:
+    """An engine from the bench's model options (switches from the environment), with `overrides` applied."""
+    config = config_from_args(args)
+    device = device_of(config.device)
+    model = overrides.pop("model", None) or prepare_model(config.model, device, config.dtype)
+    switches = {**config.switches, **overrides.pop("switches", {})}
+    config = dataclasses.replace(config, model=model, device=str(device), switches=switches, **overrides)
+    return BenchEngine(config, graph_cache_on_cpu=graph_cache_on_cpu)
+
+
+def generate_all(bench: BenchEngine, prompts: list[list[int]], max_tokens: int) -> GenerateStats:
+    """Add every prompt at once, step until all finish; time-to-first-token and steady decode are split."""
+    start = time.perf_counter()
+    reqs = [bench.add(p, max_tokens) for p in prompts]
+    steps = 0
+    first_token_s: dict[str, float] = {}
+    all_first_s: float | None = None
+    tokens_at_all_first = 0
+    steps_at_all_first = 0
+    while any(not r.is_finished for r in reqs):
+        bench.step()
+        steps += 1
+        now = time.perf_counter()
+        for r in reqs:
+            if r.request_id not in first_token_s and r.num_output_tokens:
+                first_token_s[r.request_id] = now - start
+        if all_first_s is None and len(first_token_s) == len(reqs):
+            all_first_s = now
+            tokens_at_all_first = sum(r.num_output_tokens for r in reqs)
+            steps_at_all_first = steps
+    end = time.perf_counter()
+    tokens = sum(r.num_output_tokens for r in reqs)
+    depth = max((len(r.draft_proposed) for r in reqs), default=0)
+    proposed = [sum(r.draft_proposed[i] for r in reqs if i < len(r.draft_proposed)) for i in range(depth)]
+    accepted = [sum(r.draft_accepted[i] for r in reqs if i < len(r.draft_accepted)) for i in range(depth)]
+    decode_steps = steps - steps_at_all_first
+    return GenerateStats(
+        wall_s=end - start, tokens=tokens, steps=steps, ttft_s=[first_token_s[r.request_id] for r in reqs],
+        decode_s=end - (all_first_s or end), decode_tokens=tokens - tokens_at_all_first,
+        decode_steps=decode_steps, batch=len(reqs), proposed=proposed, accepted=accepted,
+        errors=[f"{r.request_id}: {r.finish_reason}" for r in reqs if r.finish_reason not in ("length", "stop")],
+        token_ids=[list(r.output_token_ids) for r in reqs],
+    )

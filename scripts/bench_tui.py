@@ -1,0 +1,144 @@
+"""Measure strata-tui's own CPU use and its event-to-screen latency with busy slots.
+
+The app runs headless (Textual's pilot: the full compose/render pipeline, output to no terminal) and
+launches an engine: by default tests/tui/fake_engine.py publishing a steady decode load (SLOTS slots x HZ
+slot events per second), so the figure does not depend on how fast this machine's engine is; with
+`--real-engine` the real strata-engine on CPU serving SLOTS concurrent long generations.
+
+CPU: the TUI process's CPU time (time.process_time: every thread of this process, not the engine child)
+over the measuring window, as a percentage of one core. Latency: for each redraw that applied new events,
+the time from the newest event's publish stamp (`ts`, set by the engine's bus) to the end of the screen
+refresh that painted it (call_after_refresh), on the same clock (both processes on this machine).
+
+    .venv/bin/python scripts/bench_tui.py                       # 6 slots x 30 Hz, default refresh
+    .venv/bin/python scripts/bench_tui.py --slots 6 --hz 60 --seconds 20
+    .venv/bin/python scripts/bench_tui.py --real-engine --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from strata_tui.app import create_app  # noqa: E402
+from strata_tui.profiles import Profile, ProfileStore  # noqa: E402
+from strata_tui.screens.monitor import MonitorScreen  # noqa: E402
+
+FAKE_ENGINE = [sys.executable, str(ROOT / "tests" / "tui" / "fake_engine.py")]
+
+
+def instrument(latencies_s: list[float]) -> None:
+    """Wrap MonitorScreen.redraw: after a redraw that applied new events, time the paint that follows."""
+    original = MonitorScreen.redraw
+
+    def redraw(self: MonitorScreen, force: bool = False) -> None:
+        before = self._drawn_version
+        original(self, force)
+        if self._drawn_version == before:
+            return
+        slots = self.strata.monitor.slots.values()
+        newest_ts = max((s.ts for s in slots if s.ts), default=0.0)
+        if newest_ts:
+            self.call_after_refresh(lambda: latencies_s.append(time.time() - newest_ts))
+
+    MonitorScreen.redraw = redraw
+
+
+async def send_load(url: str, slots: int, max_tokens: int) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def one(i: int) -> None:
+            body = {"model": "any", "prompt": [7 + i] * 32, "max_tokens": max_tokens, "temperature": 0.0}
+            await client.post("/v1/completions", json=body)
+        await asyncio.gather(*(one(i) for i in range(slots)))
+
+
+async def run(args: argparse.Namespace) -> dict:
+    config_dir = Path(tempfile.mkdtemp(prefix="strata-tui-bench-"))
+    import os
+
+    if args.real_engine:
+        from engine.model.random_checkpoint import write_random_checkpoint
+
+        model = args.model or str(write_random_checkpoint(config_dir / "ckpt", mtp_layout="deepseek"))
+        profile = Profile("bench").with_engine(model=model, device="cpu", batch=args.slots, context=4096)
+        program = None
+    else:
+        os.environ["FAKE_ENGINE_BUSY"] = f"{args.slots}:{args.hz}"
+        os.environ.pop("FAKE_ENGINE_EVENTS", None)
+        profile = Profile("bench")
+        program = FAKE_ENGINE
+    if args.refresh_s:
+        from dataclasses import replace
+
+        profile = replace(profile, tui=replace(profile.tui, refresh_s=args.refresh_s))
+    ProfileStore(config_dir).save(profile)
+    latencies_s: list[float] = []
+    instrument(latencies_s)
+    app = create_app(config_dir=config_dir, profile="bench", engine_program=program, engine_cwd=str(ROOT),
+                     sampler_factory=None)
+    async with app.run_test(size=(160, 48)) as pilot:
+        deadline = time.monotonic() + 300
+        while not app.telemetry_connected:
+            if app.crash is not None or time.monotonic() > deadline:
+                raise SystemExit(f"engine did not come up: {app.crash.error if app.crash else 'timeout'}")
+            await pilot.pause(0.1)
+        load = asyncio.create_task(send_load(app.engine_url, args.slots, 100000)) if args.real_engine else None
+        while sum(1 for s in app.monitor.slots.values() if s.state == "decode") < args.slots:
+            await pilot.pause(0.1)
+        await pilot.pause(args.warmup_s)
+        latencies_s.clear()
+        events_before = app.monitor.last_seq
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        await asyncio.sleep(args.seconds)
+        cpu_s, wall_s = time.process_time() - cpu0, time.monotonic() - wall0
+        events = app.monitor.last_seq - events_before
+        busy = sum(1 for s in app.monitor.slots.values() if s.state == "decode")
+        if load is not None:
+            load.cancel()
+        await pilot.press("q")
+    ordered = sorted(latencies_s)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000 if ordered else float("nan")
+
+    return {
+        "source": "real engine (CPU)" if args.real_engine else f"fake engine {args.slots} slots x {args.hz} Hz",
+        "refresh_s": profile.tui.refresh_s,
+        "busy_slots": busy,
+        "window_s": round(wall_s, 2),
+        "events_per_s": round(events / wall_s, 1),
+        "tui_cpu_pct_of_one_core": round(100 * cpu_s / wall_s, 1),
+        "redraws_measured": len(ordered),
+        "latency_ms_p50": round(pct(0.50), 1),
+        "latency_ms_p95": round(pct(0.95), 1),
+        "latency_ms_max": round(ordered[-1] * 1000, 1) if ordered else None,
+        "latency_ms_mean": round(statistics.fmean(ordered) * 1000, 1) if ordered else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--slots", type=int, default=6)
+    parser.add_argument("--hz", type=float, default=30.0, help="slot events per slot per second (fake engine)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="measuring window")
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--refresh-s", type=float, default=None, help="override the profile's refresh interval")
+    parser.add_argument("--real-engine", action="store_true", help="launch the real strata-engine on CPU")
+    parser.add_argument("--model", help="checkpoint for --real-engine (default: a random tiny one)")
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

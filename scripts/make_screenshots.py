@@ -1,0 +1,113 @@
+"""Make the README's screenshots from a real run: the app launches the real strata-engine (CPU unless a
+GPU is there), and the pictures are taken with App.save_screenshot while it runs.
+
+  screenshots/monitor-long-prompt.svg  the monitor while the seed scenario's fresh long prompt is admitted
+                                       (six short generations decoding, one slot prefilling with its ETA)
+  screenshots/profiles.svg             the profiles screen, with one broken profile reported by path and line
+  screenshots/crash.svg                the crash panel after the engine exits on a real error (a checkpoint
+                                       whose weights file is cut short)
+
+    .venv/bin/python scripts/make_screenshots.py [--model PATH|builtin:strata-tiny] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from strata_tui.app import StrataApp, create_app  # noqa: E402
+from strata_tui.profiles import Profile, ProfileStore  # noqa: E402
+
+OUT = ROOT / "screenshots"
+SIZE = (160, 48)
+
+
+def make_checkpoint(workdir: Path) -> str:
+    """A small random Qwen3 checkpoint with an MTP head (the engine's own writer)."""
+    from engine.model.random_checkpoint import write_random_checkpoint
+
+    return str(write_random_checkpoint(workdir / "tiny-mtp", mtp_layout="deepseek", seed=0))
+
+
+def broken_copy(model_dir: str, workdir: Path) -> str:
+    """The same checkpoint with its weights file cut in half: the engine fails to load it with a real error."""
+    broken = workdir / "truncated-checkpoint"
+    shutil.copytree(model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    return str(broken)
+
+
+async def wait_until(pilot, condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"make_screenshots: timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def long_prefill_visible(app: StrataApp) -> bool:
+    slots = app.monitor.slots.values()
+    decoding = sum(1 for s in slots if s.state == "decode")
+    prefilling = [s for s in slots if s.state == "prefill" and s.prompt_tokens >= 1024
+                  and 0 < s.prefilled_tokens < s.prompt_tokens]
+    return bool(prefilling) and decoding >= 1
+
+
+async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
+    config_dir = workdir / "config"
+    store = ProfileStore(config_dir)
+    model = args.model or make_checkpoint(workdir)
+    seed = Profile("seed-repro").with_engine(model=model, device=args.device, batch=8, batch_mtp=True,
+                                             context=args.context, prefill_chunk_tokens=args.chunk_tokens,
+                                             step_token_budget=max(4096, args.chunk_tokens))
+    store.save(seed)
+    store.save(Profile("crashy").with_engine(model=broken_copy(model, workdir), device=args.device))
+    (store.profiles_dir / "typo.toml").write_text('[engine]\nmodel = "builtin:strata-tiny"\nkv = "fp8"\n')
+    OUT.mkdir(exist_ok=True)
+    written: list[Path] = []
+    app = create_app(config_dir=config_dir, profile="seed-repro", engine_cwd=str(ROOT))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: bool(app.telemetry_connected), 300, "the engine to be ready")
+        app.action_run_load("seed")  # the app's own load action: six short generations, then a fresh long prompt
+        await wait_until(pilot, lambda: long_prefill_visible(app), 600, "the long prompt's prefill")
+        await pilot.pause(app.profile_settings.refresh_s * 2)  # let the refresh tick draw it
+        written.append(Path(app.save_screenshot(str(OUT / "monitor-long-prompt.svg"))))
+        await pilot.press("p")
+        await pilot.pause(0.3)
+        await pilot.press("down", "down")
+        await pilot.pause(0.3)
+        written.append(Path(app.save_screenshot(str(OUT / "profiles.svg"))))
+        await pilot.press("escape")
+        app.use_profile(store.load("crashy"))  # relaunches with the broken checkpoint
+        await wait_until(pilot, lambda: app.crash is not None and app.run_id >= 2, 300, "the engine to exit")
+        await pilot.pause(app.profile_settings.refresh_s * 3)
+        written.append(Path(app.save_screenshot(str(OUT / "crash.svg"))))
+        await pilot.press("q")
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint (default: a random tiny Qwen3 with an MTP head)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--context", type=int, default=32768, help="tokens per slot (the long prompt fills it)")
+    parser.add_argument("--chunk-tokens", type=int, default=512,
+                        help="prefill chunk: small on CPU so the long prompt's admission lasts long enough to see")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="strata-shots-") as tmp:
+        for path in asyncio.run(shoot(args, Path(tmp))):
+            print("wrote", path.relative_to(ROOT))
+
+
+if __name__ == "__main__":
+    main()

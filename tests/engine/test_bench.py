@@ -1,0 +1,144 @@
+"""The engine benchmarks at tiny sizes on CPU: every code path runs and its JSON has sane fields.
+
+No timing assertions: speed claims come from the benchmarks themselves (docs/BENCHMARKS.md). What is checked
+is what could be wrong without being slow: counts of tokens, steps, rows and graphs, and the error paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import cli_bench
+from engine.errors import ConfigError, UnknownSwitch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model", "random:tiny", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _checkpoint_cache_and_one_thread(tmp_path_factory: pytest.TempPathFactory):
+    """One random checkpoint per shape for the whole module (the benches write it on first use), and one
+    intra-op thread: on a shared 2-core CI box, spinning torch threads make tiny matmuls 10x slower."""
+    import torch
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STRATA_BENCH_CACHE", str(tmp_path_factory.mktemp("checkpoints")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+def bench(tmp_path: Path, argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    cli_bench.add_arguments(parser)
+    out = tmp_path / f"{argv[0]}.json"
+    assert cli_bench.run(parser.parse_args([*argv, "--json", str(out)])) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == argv[0] and "partial" not in doc
+    assert doc["env"]["torch"] and doc["env"]["device"] == "cpu"
+    return doc
+
+
+def test_decode_counts_every_token_and_reports_rates(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["decode", *TINY, "--batches", "1,3", "--prompt-tokens", "16", "--new-tokens", "9",
+                           "--graph-modes", "off"])
+    assert [(r["graphs"], r["batch"]) for r in doc["rows"]] == [("off", 1), ("off", 3)]
+    for row in doc["rows"]:
+        assert row["tokens"] == 9 * row["batch"]
+        assert row["steps"] == 9  # one prefill step yields the first token, then one decode step per token
+        assert row["decode_tok_s"] > 0 and row["tok_s"] > 0 and row["graphs_active"] is False
+        assert math.isclose(row["per_slot_tok_s"] * row["batch"], row["decode_tok_s"])
+    assert doc["summary"]["b1_decode_tok_s"] == doc["rows"][0]["decode_tok_s"]
+    assert doc["params"]["new_tokens"] == 9
+
+
+def test_ttft_prefills_in_chunks_and_each_prompt_is_fresh(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["ttft", *TINY, "--prompt-sizes", "200,100", "--prefill-chunk-tokens", "64",
+                           "--step-token-budget", "64"])
+    assert [r["prompt_tokens"] for r in doc["rows"]] == [100, 200]
+    assert [r["steps"] for r in doc["rows"]] == [math.ceil(100 / 64), math.ceil(200 / 64)]
+    for row in doc["rows"]:
+        assert row["ttft_s"] > 0 and math.isclose(row["prefill_tok_s"], row["prompt_tokens"] / row["ttft_s"])
+    assert set(doc["summary"]) == {"ttft_s_100", "ttft_s_200"}
+
+
+def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["admission", *TINY, "--slots", "2", "--long-tokens", "256", "--short-prompt-tokens", "8",
+                           "--baseline-steps", "3", "--warmup-steps", "1", "--prefill-chunk-tokens", "64",
+                           "--step-token-budget", "128"])
+    (row,) = doc["rows"]
+    assert row["slots"] == 2 and row["long_tokens"] == 256 and row["shorts_finished_early"] == 0
+    assert row["during_steps"] == math.ceil(256 / 64)  # every step decodes both shorts and prefills one chunk
+    assert row["baseline_tok_s"] > 0 and row["during_tok_s"] > 0
+    assert math.isclose(row["decode_ratio"], row["during_tok_s"] / row["baseline_tok_s"])
+    assert doc["summary"]["worst_decode_ratio"] == row["decode_ratio"]
+
+
+def test_graphs_reports_each_kind_from_the_cache_snapshot(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["graphs", *TINY, "--batches", "1,2", "--prompt-tokens", "16", "--new-tokens", "6"])
+    kinds = {r["kind"]: r for r in doc["rows"]}
+    assert "decode" in kinds and "prefill" in kinds
+    snapshot_graphs = doc["snapshot"]["graphs"]
+    assert doc["summary"]["graphs"] == len(snapshot_graphs) == sum(r["graphs"] for r in doc["rows"])
+    assert kinds["decode"]["graphs"] >= 2  # batch buckets 1 and 2 are different graphs
+    assert all(r["capture_ms"] > 0 and r["replays"] >= 0 for r in doc["rows"])
+    assert doc["summary"]["degraded"] == 0
+
+
+def test_switches_runs_each_chosen_switch_off_then_on(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["switches", *TINY, "--only", "FUSED_PROJ,split_attn", "--batches", "1",
+                           "--prompt-tokens", "16", "--long-prompt-tokens", "40", "--new-tokens", "4"])
+    assert [(r["switch"], r["state"]) for r in doc["rows"]] == [
+        ("FUSED_PROJ", "off"), ("FUSED_PROJ", "on"), ("SPLIT_ATTN", "off"), ("SPLIT_ATTN", "on")]
+    assert [r["prompt_tokens"] for r in doc["rows"]] == [16, 16, 40, 40]
+    assert all(r["decode_tok_s"] > 0 and r["cold_s"] > 0 and r["degraded"] is False for r in doc["rows"])
+    assert {"FUSED_PROJ_decode_speedup_b1", "SPLIT_ATTN_decode_speedup_b1"} <= set(doc["summary"])
+
+
+def test_mtp_on_and_off_with_acceptance_per_position(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["mtp", "--model", "random:tiny+mtp", "--device", "cpu", "--batches", "1",
+                           "--prompt-tokens", "12", "--new-tokens", "10", "--mtp-depth", "2"])
+    off, on = doc["rows"]
+    assert (off["mtp"], on["mtp"]) == ("off", "on")
+    assert off["acceptance"] == [] and off["tokens_per_step"] == 1.0
+    assert on["mtp_active"] is True and len(on["acceptance"]) == 2
+    assert all(a is None or 0.0 <= a <= 1.0 for a in on["acceptance"])
+    assert 1.0 <= on["tokens_per_step"] <= 3.0  # at most the sampled token plus both drafts
+    assert doc["summary"]["speedup_b1"] > 0 and "same_tokens_b1" in doc["summary"]
+
+
+def test_bad_options_name_what_was_wrong(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    cli_bench.add_arguments(parser)
+    out = str(tmp_path / "x.json")
+    with pytest.raises(ConfigError, match="model='random:huge'.*unknown random size"):
+        cli_bench.run(parser.parse_args(["decode", "--model", "random:huge", "--device", "cpu", "--json", out]))
+    with pytest.raises(ConfigError, match="graph_modes='sometimes'"):
+        cli_bench.run(parser.parse_args(["decode", *TINY, "--graph-modes", "sometimes", "--json", out]))
+    with pytest.raises(ConfigError, match="new_tokens=0"):
+        cli_bench.run(parser.parse_args(["decode", *TINY, "--new-tokens", "0", "--json", out]))
+    with pytest.raises(UnknownSwitch, match="'NOPE'"):
+        cli_bench.run(parser.parse_args(["switches", *TINY, "--only", "NOPE", "--json", out]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["decode", "--batches", "1,0"])
+    assert not Path(out).exists()
+
+
+def test_module_entry_point_lists_every_benchmark_without_torch() -> None:
+    code = ("import sys, runpy\nsys.argv = ['x', '--help']\n"
+            "try:\n    runpy.run_module('engine.bench', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    for name in cli_bench.BENCHES:
+        assert name in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "False"

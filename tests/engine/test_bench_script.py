@@ -1,0 +1,78 @@
+"""benchmarks/run_all_gpu.sh (the one GPU call the lead makes) and benchmarks/collect_results.py, on CPU.
+
+The script is run end to end with tiny sizes, so a broken flag or a benchmark that crashes shows up here and
+not in the single H200 run. No figure is asserted: only that every benchmark wrote its JSON and the
+collector read them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import collect_results  # noqa: E402
+
+EXPECTED = ("decode", "peers", "mtp", "admission", "ttft", "graphs", "graphs_mtp", "switches", "peers_compile")
+
+
+def _doc(rows: list[dict], partial: bool = False) -> dict:
+    doc = {"bench": "x", "env": {}, "params": {}, "rows": rows, "summary": {}}
+    if partial:
+        doc["partial"] = True
+    return doc
+
+
+def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
+    files = {
+        "decode": _doc([{"graphs": "on", "batch": 1, "decode_tok_s": 1800.0},
+                        {"graphs": "off", "batch": 1, "decode_tok_s": 300.0}]),
+        "peers": _doc([{"engine": "floor", "batch": 1, "tok_s": 4000.0},
+                       {"engine": "strata", "batch": 1, "tok_s": 1500.0, "decode_tok_s": 1700.0},
+                       {"engine": "hf_eager", "batch": 1, "tok_s": 30.0, "error": None}], partial=True),
+        "peers_compile": _doc([{"engine": "hf_static_compile", "batch": 1, "tok_s": None,
+                                "error": "RuntimeError: boom"}]),
+        "mtp": _doc([{"mtp": "off", "batch": 1, "decode_tok_s": 100.0},
+                     {"mtp": "on", "batch": 1, "decode_tok_s": 140.0, "acceptance": [0.6, 0.3]}]),
+        "admission": _doc([{"decode_ratio": 0.7}, {"decode_ratio": 0.45}]),
+    }
+    for name, doc in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    (tmp_path / "broken.json").write_text("{not json")
+    assert collect_results.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    met = {t["target"].split(" (")[0]: t["met"] for t in summary["targets"]}
+    assert summary["figures"]["decode_b1"] == 1800.0 and met["batch-1 decode tok/s"] is True
+    assert summary["figures"]["vs_hf_eager_b1"] == 50.0 and met["Strata / HF eager, batch 1"] is False
+    assert summary["figures"]["fraction_of_floor"] == 1700.0 / 4000.0
+    assert summary["figures"]["mtp_speedup_b1"] == 1.4 and met["MTP speedup, batch 1"] is False
+    assert summary["figures"]["admission_ratio"] == 0.45
+    assert summary["figures"]["hf_static_compile_b1_error"] == "RuntimeError: boom"
+    assert summary["partial"] == ["peers"] and "ttft" in summary["missing"]
+    assert summary["unreadable"][0].startswith("broken.json")
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_every_benchmark_on_cpu_at_tiny_sizes(tmp_path: Path) -> None:
+    env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE="cpu", MODEL="random:tiny",
+               MTP_MODEL="random:tiny+mtp", PROMPT="16", NEW="6", LONG="200", TTFT_SIZES="64,128",
+               SWITCH_LONG="40", COPY_MIB="4", OMP_NUM_THREADS="1", PYTHON=sys.executable,
+               STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), BUDGET_S="400")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=420)
+    log = (tmp_path / "out" / "run_all_gpu.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    for name in EXPECTED:
+        assert f"END {name} rc=0" in log, log[-3000:]
+        doc = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+        assert doc["rows"] and "partial" not in doc
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["missing"] == [] and summary["partial"] == []
+    assert all(t["measured"] is not None for t in summary["targets"])

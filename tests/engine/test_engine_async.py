@@ -1,0 +1,126 @@
+"""AsyncEngine: the EngineClient the server uses, driven on CPU through exactly that surface."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from engine.api import EngineClient, GenerationRequest, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine
+from engine.errors import EngineDead, PromptTooLong, QueueFull
+from engine.telemetry import EventBus
+from tests.engine.engine_helpers import one_thread, random_prompts, shared_lively_checkpoint, small_config
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return shared_lively_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+def _factory(cfg, bus):
+    return Engine(cfg, bus, tier_budget_mib=32.0, block_tokens=16)
+
+
+@contextlib.asynccontextmanager
+async def running(ckpt, **kw):
+    engine = AsyncEngine(small_config(ckpt, **kw), EventBus(), engine_factory=_factory)
+    health = await engine.ready(timeout_s=60)
+    assert health.ready, health.reason
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+async def _collect(engine, rid, prompt, params):
+    outs = []
+    async with contextlib.aclosing(engine.generate(GenerationRequest(rid, prompt, params))) as gen:
+        async for out in gen:
+            outs.append(out)
+    return outs
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_generate_streams_increments_for_concurrent_requests(ckpt):
+    async with running(ckpt, batch=2) as engine:
+        assert isinstance(engine, EngineClient)
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        prompts = random_prompts(3, seed=20)
+        results = await asyncio.gather(*[_collect(engine, f"q{i}", p, params) for i, p in enumerate(prompts)])
+        for outs in results:
+            assert outs[-1].finished and outs[-1].finish_reason == "length"
+            ids = [t for o in outs for t in o.token_ids]
+            assert len(ids) == 10
+            assert "".join(o.text for o in outs) == engine.decode(ids)
+        assert engine.health().ready
+        assert engine.state()["slots"][0]["state"] == "idle"
+
+
+async def test_rejections_are_raised_before_the_first_yield(ckpt):
+    async with running(ckpt, batch=1, context=128, prefill_chunk_tokens=64, queue_max=1) as engine:
+        with pytest.raises(PromptTooLong):
+            await _collect(engine, "long", [7] * 200, SamplingParams(max_tokens=4))
+        slow = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        first = asyncio.create_task(_collect(engine, "a", [7] * 10, slow))
+        await _until(lambda: engine.state()["slots"][0]["state"] != "idle")
+        second = asyncio.create_task(_collect(engine, "b", [7] * 10, slow))
+        await _until(lambda: engine.state()["queue"]["waiting"] == 1)  # "a" holds the slot, "b" the queue place
+        with pytest.raises(QueueFull):
+            await _collect(engine, "c", [7] * 10, slow)
+        first.cancel()
+        second.cancel()
+
+
+async def test_cancelling_the_iterator_aborts_the_request_within_a_step(ckpt):
+    async with running(ckpt, batch=1) as engine:
+        params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        seen = asyncio.Event()
+
+        async def consume():
+            async for out in engine.generate(GenerationRequest("c", random_prompts(1, seed=21)[0], params)):
+                seen.set()
+
+        task = asyncio.create_task(consume())
+        await seen.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: engine.state()["slots"][0]["state"] == "idle")
+        # The slot serves the next request at once.
+        outs = await _collect(engine, "next", [9] * 12, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert outs[-1].completion_tokens == 3
+
+
+async def test_live_controls_reserve_and_switch(ckpt):
+    async with running(ckpt, batch=1) as engine:
+        assert await engine.set_vram_reserve(2048) == 2048
+        state = await engine.set_switch("SPLIT_ATTN", True)
+        assert state.enabled
+        assert any(s["name"] == "SPLIT_ATTN" and s["enabled"] for s in engine.state()["switches"])
+        outs = await _collect(engine, "s", [11] * 30, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert outs[-1].completion_tokens == 4
+
+
+async def test_a_failed_load_reports_dead_with_the_reason(tmp_path):
+    engine = AsyncEngine(small_config(tmp_path), EventBus())
+    health = await engine.ready(timeout_s=30)
+    assert not health.ready and health.reason.startswith("dead:") and "config.json" in health.reason
+    with pytest.raises(EngineDead):
+        await _collect(engine, "x", [1, 2], SamplingParams())
+    await engine.shutdown()

@@ -1,0 +1,79 @@
+"""GPU runs of the engine (skipped without CUDA): graphs, the preallocated tier, and the seed scenario.
+
+The seed report's scenario: six slots decoding with --batch-mtp and SPLIT_ATTN, VRAM near-full by design (the
+tier took it), then a fresh long prompt arrives. The engine must not exit: graph captures that run out of
+memory get room from the tier (or degrade the switch with a WARNING), and every request completes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.api import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.telemetry import EventBus
+from tests.engine.engine_helpers import random_prompts, run_all, shared_lively_checkpoint, tokens_of
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return shared_lively_checkpoint(tmp_path_factory)
+
+
+def _engine(ckpt, bus=None, **kw) -> Engine:
+    base = dict(model=str(ckpt), device="cuda:0", dtype="float32", batch=6, context=4096,
+                prefill_chunk_tokens=256, step_token_budget=512)
+    base.update(kw)
+    return Engine(EngineConfig(**base), bus or EventBus(history=100000), block_tokens=16)
+
+
+def test_gpu_greedy_with_graphs_matches_eager_and_mtp_is_lossless(ckpt):
+    prompts = random_prompts(12, seed=90, lengths=(10, 300))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = tokens_of(run_all(_engine(ckpt, graphs=False), prompts, params))
+    graphs = _engine(ckpt, graphs=True)
+    assert type(graphs.executor).__name__ == "GraphCache"
+    assert tokens_of(run_all(graphs, prompts, params)) == eager
+    mtp = _engine(ckpt, graphs=True, batch_mtp=True, mtp_depth=2)
+    assert tokens_of(run_all(mtp, prompts, params)) == eager
+    assert mtp.mtp_on
+
+
+def test_gpu_tier_takes_free_vram_and_release_gives_it_back(ckpt):
+    engine = _engine(ckpt)
+    tier = engine.tier
+    assert tier.preallocate and tier.capacity_blocks > 0
+    free_before = torch.cuda.mem_get_info()[0]
+    freed_mib = tier.release(64 * tier.block_mib, "test")
+    assert freed_mib >= 64 * tier.block_mib - 1e-6
+    assert torch.cuda.mem_get_info()[0] > free_before
+
+
+def test_gpu_seed_scenario_fresh_long_prompt_while_six_slots_decode_with_split_attn(tmp_path_factory):
+    """0.6b-shaped random model, int8 KV, 6 slots + MTP + SPLIT_ATTN, VRAM near-full by the tier."""
+    ckpt = shared_lively_checkpoint(tmp_path_factory, size="0.6b")
+    bus = EventBus(history=200000)
+    engine = _engine(ckpt, bus=bus, dtype="bfloat16", batch=7, context=40960, kv="int8", batch_mtp=True,
+                     mtp_depth=2, prefill_chunk_tokens=2048, step_token_budget=4096,
+                     switches={"SPLIT_ATTN": True})
+    short = random_prompts(6, seed=91, lengths=(50, 200), vocab=500)
+    for i, prompt in enumerate(short):
+        engine.add_request(f"s{i}", prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    long_prompt = random_prompts(1, seed=92, lengths=(36000, 36001), vocab=500)[0]
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    finals = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert engine.health().ready, engine.health().reason
+    assert {rid: o.finish_reason for rid, o in finals.items()} == {**{f"s{i}": "length" for i in range(6)},
+                                                                    "long": "length"}
+    errors = [e for e in bus.history() if e.type == "error"]
+    assert not errors, errors[-1].message

@@ -1,0 +1,72 @@
+"""ModelRunner: buckets, padded rows that never touch a real slot, static-shape executor keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.executor import EagerExecutor
+from engine.runner import Row, pow2_bucket, switch_for_key
+from tests.engine.engine_helpers import make_engine, one_thread, shared_lively_checkpoint
+
+
+class RecordingExecutor(EagerExecutor):
+    """Eager, and remembers each step's kind, key and input shapes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def run(self, kind, key, fn, inputs, owner=None):
+        self.calls.append((kind, key, {k: tuple(v.shape) for k, v in inputs.items() if hasattr(v, "shape")}))
+        return fn(inputs)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return shared_lively_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    with one_thread():
+        yield
+
+
+def test_buckets():
+    assert [pow2_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert pow2_bucket(3, lower=16) == 16
+    assert switch_for_key("draft_round", ("b8", "k2", "L4096", "split")) == "SPLIT_ATTN"
+    assert switch_for_key("decode", ("b8", "L4096")) is None
+
+
+def test_padded_rows_write_only_scratch_columns(ckpt):
+    executor = RecordingExecutor()
+    engine = make_engine(ckpt, batch=4, context=512, executor=executor)
+    runner, kv = engine.runner, engine.kv
+    with torch.inference_mode():
+        runner.prefill(0, list(range(10, 40)), 0)
+        before = [t[:, :, :512].clone() for t in kv.k]
+        out = runner.decode([Row(0, 5, 30), Row(1, 6, 0), Row(2, 7, 0)])  # 3 rows -> bucket 4
+    assert out.logits.shape[0] == 4
+    kind, key, shapes = executor.calls[-1]
+    assert kind == "decode" and key == ("b4", "L256") and shapes["tokens"] == (4, 1)
+    for layer, old in enumerate(before):
+        new = kv.k[layer][:, :, :512]
+        changed = (new != old).any(dim=-1).any(dim=1).nonzero().tolist()  # [slot, position] pairs
+        assert sorted(changed) == [[0, 30], [1, 0], [2, 0]]  # slot 3 and the real history untouched
+
+
+def test_span_bucket_follows_the_longest_row_and_caps_at_the_context(ckpt):
+    engine = make_engine(ckpt, batch=2, context=600)
+    r = engine.runner
+    assert r.span_bucket(1) == 256 and r.span_bucket(257) == 512 and r.span_bucket(599) == 600
+
+
+def test_chunk_keys_are_static_per_bucket(ckpt):
+    executor = RecordingExecutor()
+    engine = make_engine(ckpt, batch=1, executor=executor, prefill_chunk_tokens=64)
+    with torch.inference_mode():
+        engine.runner.prefill(0, list(range(3, 40)), 0)
+        engine.runner.prefill(0, list(range(3, 53)), 37)
+    keys = [(kind, key) for kind, key, _ in executor.calls]
+    assert keys == [("prefill", ("t64", "L256")), ("prefill", ("t64", "L256"))]

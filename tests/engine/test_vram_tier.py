@@ -1,0 +1,110 @@
+"""The adaptive tier and the VRAM budget: grow, release (one call, MiB actually freed), pins, fit checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.errors import ConfigError
+from engine.kv_cache import KVGeometry, SlotKVCache
+from engine.prefix_index import PrefixIndex
+from engine.telemetry import EventBus
+from engine.vram import AdaptiveTier, VramBudget, check_kv_fits
+
+
+def _tier(preallocate: bool, budget_blocks: int = 10, storage: str = "bf16"):
+    kv = SlotKVCache(KVGeometry(2, 2, 2, 8, 128, 16), storage, torch.float32, "cpu")
+    index = PrefixIndex(16, 0)
+    bus = EventBus()
+    block_mib = kv.geometry.bytes_per_token(storage, torch.float32) * 16 / (1 << 20)
+    tier = AdaptiveTier(index, kv, bus, torch.device("cpu"), budget_blocks * block_mib + 1e-9, preallocate)
+    return tier, index, kv, bus
+
+
+def _cache_prompt(index: PrefixIndex, tier: AdaptiveTier, tokens: list[int], slot: int = 0) -> list:
+    refs = index.insert(tokens, 0)
+    assert tier.fill(refs, slot) == []
+    return refs
+
+
+def test_preallocated_tier_takes_its_budget_up_front_and_release_returns_what_it_freed():
+    tier, index, _, bus = _tier(preallocate=True, budget_blocks=10)
+    assert tier.capacity_blocks == 10 and tier.mib == pytest.approx(10 * tier.block_mib)
+    assert bus.history()[-1].action == "grow"
+    _cache_prompt(index, tier, list(range(64)))  # 4 blocks used, 6 free
+    freed = tier.release(7 * tier.block_mib, "graph capture")
+    assert freed == pytest.approx(7 * tier.block_mib)
+    assert tier.capacity_blocks == 3 and index.used_blocks == 3  # 6 free ids went first, then 1 LRU block
+    ev = bus.history()[-1]
+    assert (ev.action, ev.reason) == ("shrink", "graph capture") and ev.mib == pytest.approx(freed, abs=1e-3)
+
+
+def test_release_never_takes_pinned_blocks():
+    tier, index, _, _ = _tier(preallocate=True, budget_blocks=4)
+    refs = _cache_prompt(index, tier, list(range(64)))
+    index.pin(r.block_id for r in refs)
+    assert tier.release(100 * tier.block_mib, "admission") == 0.0
+    assert index.used_blocks == 4
+    index.unpin(r.block_id for r in refs)
+    assert tier.release(100 * tier.block_mib, "admission") == pytest.approx(4 * tier.block_mib)
+
+
+def test_host_tier_allocates_on_fill_and_keeps_its_budget_after_release():
+    tier, index, _, bus = _tier(preallocate=False, budget_blocks=10)
+    assert tier.mib == 0 and tier.capacity_blocks == 10
+    _cache_prompt(index, tier, list(range(48)))
+    assert tier.mib == pytest.approx(3 * tier.block_mib)
+    assert tier.release(tier.block_mib, "test") == pytest.approx(tier.block_mib)
+    assert tier.capacity_blocks == 10 and index.used_blocks == 2
+
+
+def test_set_budget_grows_and_shrinks_with_events():
+    tier, _, _, bus = _tier(preallocate=True, budget_blocks=2)
+    tier.set_budget(6 * tier.block_mib + 1e-9, "room")
+    assert tier.capacity_blocks == 6 and bus.history()[-1].action == "grow"
+    tier.set_budget(1 * tier.block_mib + 1e-9, "reserve")
+    assert tier.capacity_blocks == 1 and bus.history()[-1].action == "shrink"
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_blocks_round_trip_between_slots_through_the_tier(storage):
+    tier, index, kv, _ = _tier(preallocate=False, storage=storage)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 32, 8, generator=gen)
+    kv.bind(torch.tensor([0]), 32)
+    kv.attend(0, torch.randn(1, 4, 32, 8, generator=gen), k, k, torch.arange(32).view(1, -1))
+    refs = _cache_prompt(index, tier, list(range(32)), slot=0)
+    tier.load(refs, 1)
+    assert torch.equal(kv.read_span(1, 0, 32)[0], kv.read_span(0, 0, 32)[0])
+
+
+def test_kv_fit_check_names_needed_and_available_mib():
+    with pytest.raises(ConfigError) as info:
+        check_kv_fits(kv_mib=30000, weights_mib=9000, reserve_mib=1024, free_mib=20000, what="context", value=262144)
+    msg = str(info.value)
+    assert "30000 MiB" in msg and "18976 MiB" in msg and "1024 MiB reserve" in msg and info.value.param == "context"
+    check_kv_fits(kv_mib=100, weights_mib=9000, reserve_mib=1024, free_mib=20000, what="context", value=8192)
+
+
+def test_budget_breakdown_reports_each_part():
+    tier, _, kv, _ = _tier(preallocate=True, budget_blocks=3)
+    budget = VramBudget(torch.device("cpu"), reserve_mib=512, weights_mib=12.5, kv_mib=kv.mib, tier=tier)
+    ev = budget.breakdown()
+    assert ev.device == "cpu" and ev.weights_mib == 12.5 and ev.reserve_mib == 512
+    assert ev.tier_mib == pytest.approx(tier.mib, abs=0.1) and ev.total_mib > 0 and ev.free_mib > 0
+    budget.set_reserve(2048)
+    assert budget.breakdown().reserve_mib == 2048
+
+
+@pytest.mark.gpu
+def test_gpu_tier_grows_into_free_vram_and_shrinks_for_the_reserve():
+    kv = SlotKVCache(KVGeometry(4, 2, 8, 128, 4096, 64), "bf16", torch.bfloat16, "cuda")
+    index = PrefixIndex(256, 0)
+    tier = AdaptiveTier(index, kv, EventBus(), torch.device("cuda"), 256.0, preallocate=True)
+    budget = VramBudget(torch.device("cuda"), reserve_mib=1024, weights_mib=0, kv_mib=kv.mib, tier=tier)
+    budget.rebalance("test")
+    assert budget.tier_room_mib() < 4 * tier.block_mib + 1
+    before = tier.mib
+    budget.set_reserve(int(budget.reserve_mib + 2048))
+    assert tier.mib <= before - 2048 + tier.block_mib
+    assert budget.tier_room_mib() >= -tier.block_mib

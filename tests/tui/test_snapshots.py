@@ -1,0 +1,87 @@
+"""SVG snapshots of the monitor, profiles and crash views, fed by recorded telemetry (tests/tui/fixtures).
+
+Update after an intended change: pytest tests/tui/test_snapshots.py --snapshot-update
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from strata_tui.gpu import GpuSample
+from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
+from strata_tui.profiles import Profile, ProfileStore
+from tests.tui.conftest import offline_app, recorded
+
+SIZE = (160, 48)
+# A fixed directory: the profiles screen shows its path, and a tmp path would change every run.
+SNAP_CONFIG = Path("/tmp/strata-tui-snapshot-config")
+
+LOG = [("stdout", "strata-engine: loading builtin:strata-tiny on cuda:0"),
+       ("stdout", "strata-engine: ready at http://127.0.0.1:8765"),
+       ("stderr", "\x1b[33mWARNING\x1b[0m graphs: draft_round b7 captured after freeing own graphs and waiting 240 ms"),
+       ("stderr", "WARNING switches: SPLIT_ATTN degraded: CUDA error: out of memory")]
+
+
+@pytest.fixture
+def snap_dir(utc) -> Path:
+    shutil.rmtree(SNAP_CONFIG, ignore_errors=True)
+    yield SNAP_CONFIG
+    shutil.rmtree(SNAP_CONFIG, ignore_errors=True)
+
+
+def _gpu_minute(app) -> None:
+    for second in range(60):
+        used = 120_000.0 + 300 * second
+        app.gpu_history.add([
+            GpuSample(0, "NVIDIA H200", used, 143771.0, 60.0 + second % 30, 58.0 + second % 5, 480.0),
+            GpuSample(1, "NVIDIA H200", 9000.0, 143771.0, None, 41.0, None),
+        ])
+    app.gpu_unavailable = None
+
+
+def test_monitor_during_long_prompt_admission(snap_compare, snap_dir: Path) -> None:
+    ProfileStore(snap_dir).save(Profile("seed").with_switch("SPLIT_ATTN", True))
+    app = offline_app(snap_dir, profile="seed")
+
+    async def run_before(pilot) -> None:
+        _gpu_minute(app)
+        app.post_message(EngineOutput(LOG))
+        app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
+        await pilot.pause(0.6)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_profiles_with_a_broken_file(snap_compare, snap_dir: Path) -> None:
+    store = ProfileStore(snap_dir)
+    store.open_initial()
+    store.save(Profile("seed-6slots").with_engine(batch=6, batch_mtp=True, kv="int8", kv_resident=16384,
+                                                  context=262144, vram_reserve_mib=1280)
+               .with_switch("SPLIT_ATTN", True))
+    (store.profiles_dir / "typo.toml").write_text('[engine]\nmodel = "builtin:strata-tiny"\nkv = "fp8"\n')
+    app = offline_app(snap_dir)
+
+    async def run_before(pilot) -> None:
+        await pilot.press("p")
+        await pilot.pause()
+        await pilot.press("down", "down")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_crash_panel(snap_compare, snap_dir: Path) -> None:
+    app = offline_app(snap_dir)
+
+    async def run_before(pilot) -> None:
+        app.post_message(EngineOutput(LOG + [("stderr", "runner.decode: RuntimeError: CUDA error: an illegal "
+                                                        "memory access was encountered")]))
+        app.post_message(TelemetryBatch(recorded("crash_run.jsonl")))
+        await pilot.pause(0.3)
+        app.post_message(EngineExited(1, False, None, app.run_id))
+        await pilot.pause(0.6)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
