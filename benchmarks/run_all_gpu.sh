@@ -9,14 +9,14 @@
 # first. A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that
 # no longer fit the whole budget are skipped and logged. Environment overrides: BUDGET_S (total seconds,
 # default 465), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
-# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, COPY_MIB (tests/engine/test_bench_script.py runs the
-# whole script on CPU with tiny ones).
+# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB
+# (tests/engine/test_bench_script.py runs the whole script on CPU with tiny ones).
 set -uo pipefail
 
 OUT=${OUT:?set OUT to the folder for the results}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 MODEL=${MODEL:-random:0.6b}
 MTP_MODEL=${MTP_MODEL:-builtin:strata-tiny}
 DEVICE=${DEVICE:-cuda:0}
@@ -27,6 +27,8 @@ LONG=${LONG:-176K}
 TTFT_SIZES=${TTFT_SIZES:-32K,128K,176K}
 SWITCH_LONG=${SWITCH_LONG:-16K}
 COPY_MIB=${COPY_MIB:-2048}
+GRAPH_NEW=${GRAPH_NEW:-64}
+SWITCH_NEW=${SWITCH_NEW:-128}
 LOG="$OUT/run_all_gpu.log"
 export STRATA_BENCH_CACHE=${STRATA_BENCH_CACHE:-/tmp/strata-bench-checkpoints}
 export PYTHONUNBUFFERED=1
@@ -53,7 +55,8 @@ run() {
 
 log "strata benchmarks on $(hostname); budget ${BUDGET_S}s"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,driver_version --format=csv >>"$LOG" 2>&1
-"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" >>"$LOG" 2>&1
+"$PY" -c "import torch, transformers as t; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', t.__version__)" >>"$LOG" 2>&1
 
 log "START checkpoint: $MODEL (random weights written once, shared by every benchmark)"
 timeout 90 "$PY" -c "
@@ -65,19 +68,21 @@ log "END checkpoint rc=$?"
 COMMON=(--model "$MODEL" --device "$DEVICE")
 # The headline figures first: decode, then the peers (eager + floor) on the same weights.
 run decode 50 decode "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on,off
-run peers 70 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" --copy-mib "$COPY_MIB" --peers eager
-run mtp 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" --mtp-depth 2
+run peers 70 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
+    --copy-mib "$COPY_MIB" --peers eager
+run mtp 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
+    --new-tokens "$NEW" --mtp-depth 2
 # The seed report's moment: 6 slots decoding while a fresh 176K prompt is admitted (int8 KV, as in the report:
 # 7 slots x 176K of bf16 KV would not fit next to anything else).
 run admission 100 admission "${COMMON[@]}" --slots 6 --long-tokens "$LONG" --kv int8 --baseline-steps 64
 run ttft 115 ttft "${COMMON[@]}" --prompt-sizes "$TTFT_SIZES"
-run graphs 25 graphs "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens 64
+run graphs 25 graphs "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
 run graphs_mtp 20 graphs --model "$MTP_MODEL" --device "$DEVICE" --batch-mtp --mtp-depth 2 --batches 1,6 \
-    --prompt-tokens "$PROMPT" --new-tokens 64
+    --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
 # Least important last: each switch on/off (COMPILE, the slowest to start, at the end), then the
 # static-cache + torch.compile peer, which may spend minutes compiling.
 run switches 60 switches "${COMMON[@]}" --only SPLIT_ATTN,FUSED_PROJ,PINNED_STAGING,CAPTURE_ALL,COMPILE \
-    --batches 1,6 --prompt-tokens "$PROMPT" --long-prompt-tokens "$SWITCH_LONG" --new-tokens 128
+    --batches 1,6 --prompt-tokens "$PROMPT" --long-prompt-tokens "$SWITCH_LONG" --new-tokens "$SWITCH_NEW"
 run peers_compile 120 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
     --skip-strata --peers static --copy-mib "$COPY_MIB"
 

@@ -218,6 +218,9 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
     executor = _graph_cache(args, config, bus, holder)
     engine = Engine(config, bus, executor=executor)
     holder["engine"] = engine
+    if executor is not None:
+        executor.board = executor.compiler.board = engine.board
+    executor = engine.executor
     vocab = engine.lm.config.vocab_size
     rng = random.Random(index)
     done: dict[str, Any] = {}
@@ -251,32 +254,30 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
                   wall_s=round(time.monotonic() - start, 2))
     events = [e.to_json() for e in bus.history()]
     record.update(judge_events(events), events=len(events))
-    record["graphs"] = executor.snapshot() if executor is not None else None
+    record["graphs"] = executor.snapshot() if hasattr(executor, "snapshot") else None
     record["passed"] = (health.ready and len(ok) == 7 and not record["bad_messages"]
                         and not any(e.get("fatal") for e in record["error_events"]))
     return record
 
 
 def _graph_cache(args: argparse.Namespace, config: Any, bus: Any, holder: dict) -> Any:
-    """A GraphCache for the in-process engine (CUDA, or the CPU backend with --cpu-graphs), else None."""
+    """--cpu-graphs: a GraphCache on the CPU backend (on CUDA the engine builds its own GraphCache)."""
     from engine.graph_backends import CpuGraphBackend
     from engine.graphs import GraphCache
     from engine.runner import switch_for_key
     from engine.switches import SwitchBoard
 
-    cuda = config.device.startswith("cuda") or (config.device == "auto" and _cuda_available())
-    if not (config.graphs and (cuda or args.cpu_graphs)):
+    if not (args.cpu_graphs and config.graphs) or config.device.startswith("cuda") or (
+            config.device == "auto" and _cuda_available()):
         return None
-    device = (config.device if config.device != "auto" else "cuda:0") if cuda else "cpu"
 
     def release_tier(mib: float, reason: str) -> float:
         engine = holder.get("engine")
         return engine.tier.release(mib, reason) if engine is not None else 0.0
 
-    # The engine builds its own SwitchBoard from the same config, so degrades land there via GraphDegraded.
-    return GraphCache(device, bus, SwitchBoard.from_values(config.switches), release_tier, config.tier_wait_polls,
-                      config.tier_wait_interval_s, switch_for_key=switch_for_key,
-                      backend=None if cuda else CpuGraphBackend())
+    # in_process_run points the cache at the engine's own SwitchBoard once the engine exists.
+    return GraphCache("cpu", bus, SwitchBoard.from_values(config.switches), release_tier, config.tier_wait_polls,
+                      config.tier_wait_interval_s, switch_for_key=switch_for_key, backend=CpuGraphBackend())
 
 
 def _cuda_available() -> bool:

@@ -21,6 +21,7 @@ from engine.api import Health, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts
 from engine.errors import CheckpointError, EngineDead
+from engine.gpu_errors import StickyCudaError, real_message
 from engine.request import Request
 from engine.runner import MtpUnavailable, Row
 from engine.sampler import make_generator, sample_with_drafts
@@ -33,16 +34,11 @@ VRAM_EVENT_INTERVAL_S = 1.0
 
 
 def describe_exception(exc: BaseException) -> str:
-    """'Type: message' for the exception and each cause/context below it, so the real error is never lost."""
-    parts: list[str] = []
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        text = str(cur).strip() or "(no message)"
-        parts.append(f"{type(cur).__name__}: {text}")
-        cur = cur.__cause__ if cur.__cause__ is not None else cur.__context__
-    return " <- ".join(parts)
+    """The real error text: 'Type: message' of each usable link of the __cause__/__context__ chain.
+
+    Links that say "no error" (a status read from another call, the seed report's first bug) are skipped.
+    """
+    return real_message(exc)
 
 
 @dataclass
@@ -68,7 +64,8 @@ class Engine:
         self._dead_reason: str | None = None
         bus.publish(EngineEvent(state="loading", detail=f"model {config.model}"))
         parts: EngineParts = build_parts(config, bus, executor, tier_budget_mib, block_tokens)
-        self.lm, self.kv, self.tier, self.budget = parts.lm, parts.kv, parts.tier, parts.budget
+        self.lm, self.kv, self.tier, self.budgets = parts.lm, parts.kv, parts.tier, parts.budgets
+        self.budget = self.budgets[0]
         self.sched, self.runner, self.drafter, self.board = parts.sched, parts.runner, parts.drafter, parts.board
         self.executor = parts.executor
         self.device = parts.device
@@ -118,7 +115,8 @@ class Engine:
         return self._close(track, "abort", slot)
 
     def set_vram_reserve(self, mib: int) -> int:
-        self.budget.set_reserve(mib)
+        for budget in self.budgets:
+            budget.set_reserve(mib)
         self._publish_vram(force=True)
         return int(self.budget.reserve_mib)
 
@@ -260,11 +258,16 @@ class Engine:
                                       message=f"MTP drafting turned off for the rest of the run: {message}"))
 
     def _fail(self, exc: BaseException) -> list[RequestOutput]:
+        """A step failed: report the real error, mark the engine dead, end every request with the error."""
         message = describe_exception(exc)
         self._dead_reason = message
-        free_mib = self.budget.breakdown().free_mib if self.device.type == "cuda" else None
-        self.bus.publish(ErrorEvent(where="engine.step", exc_type=type(exc).__name__, message=message,
-                                    vram_free_mib=free_mib, fatal=True))
+        if isinstance(exc, StickyCudaError):
+            event = exc.to_event()
+        else:
+            free_mib = self.budget.breakdown().free_mib if self.device.type == "cuda" else None
+            event = ErrorEvent(where="engine.step", exc_type=type(exc).__name__, message=message,
+                               vram_free_mib=free_mib, fatal=True)
+        self.bus.publish(event)
         self.bus.publish(EngineEvent(state="dead", detail=message))
         outputs = []
         for track in list(self._tracks.values()):
@@ -295,8 +298,9 @@ class Engine:
         self._last_vram_s = now_s
         snap = self.executor.snapshot() if hasattr(self.executor, "snapshot") else {}
         self.budget.graphs_mib = float(snap.get("total_mib", 0.0))
-        self.budget.rebalance("periodic")
-        self.bus.publish(self.budget.breakdown())
+        for budget in self.budgets:
+            budget.rebalance("periodic")
+            self.bus.publish(budget.breakdown())
 
 
 def _find_stop(text: str, stops: tuple[str, ...], sent_chars: int) -> int | None:

@@ -29,7 +29,7 @@ class EngineParts:
     lm: Any
     kv: SlotKVCache
     tier: AdaptiveTier
-    budget: VramBudget
+    budgets: list[VramBudget]  # the compute device first; the --peer-device holding the tier second
     sched: Scheduler
     runner: ModelRunner
     drafter: Any
@@ -41,12 +41,13 @@ class EngineParts:
 def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
                 block_tokens: int | None) -> EngineParts:
     """Load the model and build everything around it (see the module docstring)."""
-    from engine.model import load_checkpoint
+    from engine.model import load_checkpoint, resolve_device
 
     board = SwitchBoard.from_values(config.switches)
     for name, on in config.switches.items():
         if on:
             bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
+    tier_device = _tier_device(config, resolve_device(config.device))  # a bad --peer-device fails before the load
     lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device)
     device = lm.device
     model = lm.model
@@ -74,32 +75,55 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
     bt = block_tokens or DEFAULT_BLOCK_TOKENS
     index = PrefixIndex(bt, 0)
     budget = VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)
+    budgets = [budget]
+    if tier_device != device:  # --peer-device: the prefix-cache tier lives on the second GPU
+        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), 0.0, 0.0))
     if tier_budget_mib is None:
-        _, free_after_mib = device_memory_mib(device)
-        if device.type == "cuda":
+        _, free_after_mib = device_memory_mib(tier_device)
+        if tier_device.type == "cuda":
             tier_budget_mib = max(0.0, free_after_mib - config.vram_reserve_mib)
         else:
             tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_after_mib / 8)
-    tier = AdaptiveTier(index, kv, bus, device, tier_budget_mib, preallocate=device.type == "cuda")
-    budget.tier = tier
+    tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=tier_device.type == "cuda")
+    budgets[-1].tier = tier
+    # Only a tier on the compute device can make room there (graph captures, an out-of-memory step).
+    release = tier.release if tier_device == device else _release_nothing
     sched = Scheduler.from_config(config, index, draft_tokens=depth)
     if executor is None:
-        executor = _default_executor(config, bus, board, tier, device)
+        executor = _default_executor(config, bus, board, release, device)
     runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
+    runner.release_memory = release
+    runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
     drafter = None
     if depth:
         from engine.drafter import MtpDrafter
 
         drafter = MtpDrafter(runner, depth)
-    return EngineParts(lm, kv, tier, budget, sched, runner, drafter, board, executor, device)
+    return EngineParts(lm, kv, tier, budgets, sched, runner, drafter, board, executor, device)
 
 
-def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, tier: AdaptiveTier,
+def _release_nothing(mib: float, reason: str) -> float:
+    return 0.0
+
+
+def _tier_device(config: EngineConfig, device: torch.device) -> torch.device:
+    """The compute device, or --peer-device (validated against the CUDA devices torch sees)."""
+    if config.peer_device is None:
+        return device
+    peer = torch.device(config.peer_device)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type != "cuda" or peer.index is None or peer.index >= count or peer == device:
+        raise ConfigError("peer_device", config.peer_device,
+                          f"needs a second CUDA device besides the compute device {device}; torch sees {count}")
+    return peer
+
+
+def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, release: Any,
                       device: torch.device) -> Any:
     """The graph cache on CUDA with --graphs (its OOM path shrinks the tier through tier.release); else eager."""
     if device.type != "cuda" or not config.graphs:
         return EagerExecutor()
     from engine.graphs import GraphCache
 
-    return GraphCache(device, bus, board, release_tier=tier.release, wait_polls=config.tier_wait_polls,
+    return GraphCache(device, bus, board, release_tier=release, wait_polls=config.tier_wait_polls,
                       wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key)

@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 import torch
 
 from engine.executor import GraphDegraded, StepExecutor
+from engine.gpu_errors import is_oom, is_sticky, real_message
 from engine.kv_cache import SlotKVCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, SwitchEvent, WarningEvent
@@ -117,6 +118,9 @@ class ModelRunner:
         self.pad_row = num_slots
         self.forwards = 0
         self._stager: PinnedStager | None = None
+        # Where an out-of-memory step gets room before its one retry (the tier's release), and how much.
+        self.release_memory: Callable[[float, str], float] | None = None
+        self.oom_release_mib = 1024.0
 
     # --- buckets and staging -------------------------------------------------------------------------------
 
@@ -148,12 +152,12 @@ class ModelRunner:
         split = self.split_enabled()
         key, fn = build(split)
         try:
-            out = self.executor.run(kind, key, fn, inputs, owner)
+            out = self._run_with_room(kind, key, fn, inputs, owner)
         except GraphDegraded as exc:
             if exc.switch is not None:
                 self._degrade(exc.switch, exc)
                 key, fn = build(self.split_enabled())
-                out = self.executor.run(kind, key, fn, inputs, owner)
+                out = self._run_with_room(kind, key, fn, inputs, owner)
             elif owner == "drafter" or kind in ("verify", "draft_prefill", "draft_round", "draft_step"):
                 raise MtpUnavailable(exc.error) from exc
             else:
@@ -162,6 +166,25 @@ class ModelRunner:
                 out = fn(inputs)
         self.forwards += 1
         return out
+
+    def _run_with_room(self, kind: str, key: Hashable, fn: Callable, inputs: dict, owner: str | None) -> dict:
+        """executor.run; on an out-of-memory (not a sticky error), ask the tier for room and retry once.
+
+        Safe to repeat: a step function only writes KV at its own positions and returns fresh outputs.
+        """
+        try:
+            return self.executor.run(kind, key, fn, inputs, owner)
+        except GraphDegraded:
+            raise
+        except Exception as exc:
+            if self.release_memory is None or not is_oom(exc) or is_sticky(exc):
+                raise
+            freed_mib = self.release_memory(self.oom_release_mib, f"{kind} step out of memory")
+            self.bus.publish(WarningEvent(where=f"runner.{kind}", message=(
+                f"{real_message(exc)}; the tier gave back {freed_mib:.0f} MiB, retrying the step once")))
+            if freed_mib <= 0:
+                raise
+            return self.executor.run(kind, key, fn, inputs, owner)
 
     def _degrade(self, name: str, exc: GraphDegraded) -> None:
         reason = f"{exc.kind} graph {exc.key!r}: {exc.error}"

@@ -363,6 +363,7 @@ async def run_scenario(
         info = await discover(load)
         result = ScenarioResult(name, load.base_url, info.model, values, time.time(), health_before=info.health)
         run = _Run(scenario, load, info, values, on_progress)
+        run.notes.extend(info.notes)
         await run.report("start", f"{name} against {load.base_url} ({info.model}, vocab {info.vocab_size}, "
                                   f"context {info.context_tokens or 'unknown'})")
         await scenario.play(run, values)

@@ -64,7 +64,7 @@ def engine_state(engine: "Engine") -> dict[str, Any]:
         "queue": {"waiting": engine.sched.num_waiting, "queue_max": engine.sched.queue_max},
         "slots": slots,
         "graphs": graphs,
-        "vram": [engine.budget.breakdown().to_json()],
+        "vram": [budget.breakdown().to_json() for budget in engine.budgets],
         "tier": engine.tier.snapshot(),
         "kv": {"storage": engine.kv.storage, "mib": round(engine.kv.mib, 2),
                "context_tokens": engine.kv.geometry.context_tokens, "slots": engine.kv.geometry.num_slots},

@@ -48,10 +48,18 @@ def broken_copy(model_dir: str, workdir: Path) -> str:
 
 
 async def wait_until(pilot, condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    next_report = started + 10
     while not condition():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > started + timeout_s:
             raise SystemExit(f"make_screenshots: timed out waiting for {what}")
+        if now > next_report:
+            app = pilot.app
+            slots = ", ".join(f"{n}:{s.state}" for n, s in sorted(app.monitor.slots.items()))
+            print(f"  waiting for {what} ({now - started:.0f} s): engine {app.monitor.engine_state}; "
+                  f"slots {slots or 'none'}; {app.status_note}", file=sys.stderr, flush=True)
+            next_report = now + 10
         await pilot.pause(0.05)
 
 

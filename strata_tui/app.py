@@ -7,6 +7,7 @@ telemetry, NVML, load) post messages up; the handlers here fold them into `monit
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,19 @@ from strata_tui.workers import engine_callbacks, run_engine, sample_gpus, stream
 
 LOG_LINES = 2000
 STDERR_TAIL = 40
+# Log records below ERROR: their logger name may contain "error" (uvicorn.error) without being one.
+_QUIET_RECORD = re.compile(r"\b(DEBUG|INFO|WARNING)\b")
+_ERROR_LINE = re.compile(r"(\berror\b[:\s]|^\w*(Error|Exception)\b|\bCUDA error\b|\bFATAL\b|\bCRITICAL\b)",
+                         re.IGNORECASE)
+
+
+def pick_error_line(lines: Iterable[str]) -> str | None:
+    """The engine's last stderr line that states an error; else its last stderr line; None without any."""
+    tail = [line.strip() for line in lines if line.strip()]
+    for line in reversed(tail):
+        if _ERROR_LINE.search(line) and not _QUIET_RECORD.search(line):
+            return line
+    return tail[-1] if tail else None
 
 
 @dataclass
@@ -174,6 +188,7 @@ class StrataApp(controls.ControlActions, App):
         self.monitor.reset_for_launch()
         self.crash, self.engine_url, self.telemetry_connected = None, None, None
         self.stderr_tail.clear()
+        self.status_note = ""
         self._append_log([("tui", "$ " + " ".join(argv))])
         self.run_worker(run_engine(self, self.process, self.run_id), group="engine", exclusive=True,
                         exit_on_error=False)
@@ -232,10 +247,7 @@ class StrataApp(controls.ControlActions, App):
             kind = f"{event.exc_type}: " if event.exc_type else ""
             free = f" (VRAM free {event.vram_free_mib:.0f} MiB)" if event.vram_free_mib is not None else ""
             return f"{where}{kind}{event.message}{free}"
-        for line in reversed(self.stderr_tail):
-            if "error" in line.lower():
-                return line.strip()
-        return self.stderr_tail[-1].strip() if self.stderr_tail else None
+        return pick_error_line(self.stderr_tail)
 
     # --- telemetry and GPU ---------------------------------------------------------------------------
 

@@ -25,11 +25,14 @@ def _short_tokens(shorts: list[Any]) -> int:
     return sum(r.num_output_tokens for r in shorts)
 
 
-def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any) -> tuple[float, int, int, float]:
-    """Step until `until()`; returns (seconds, short tokens gained, steps, longest step in seconds)."""
+def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any,
+                 max_steps: int) -> tuple[float, int, int, float]:
+    """Step until `until(steps)`; returns (seconds, short tokens gained, steps, longest step in seconds)."""
     tokens0, steps, longest_s = _short_tokens(shorts), 0, 0.0
     start = time.perf_counter()
     while not until(steps):
+        if steps >= max_steps:
+            raise RuntimeError(f"the engine made no progress in {steps} steps (admission benchmark)")
         t0 = time.perf_counter()
         bench.step()
         longest_s = max(longest_s, time.perf_counter() - t0)
@@ -44,12 +47,14 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
     shorts = [bench.add(random_prompt(args.short_prompt_tokens, vocab, seed=seed + i), max_tokens)
               for i in range(args.slots)]
     try:
-        _timed_steps(bench, shorts, lambda n: all(r.num_output_tokens for r in shorts) and n >= args.warmup_steps)
-        base_s, base_tokens, base_steps, base_longest_s = _timed_steps(bench, shorts,
-                                                                       lambda n: n >= args.baseline_steps)
+        warm_bound = args.slots * args.short_prompt_tokens + args.warmup_steps + 100
+        _timed_steps(bench, shorts, lambda n: all(r.num_output_tokens for r in shorts) and n >= args.warmup_steps,
+                     warm_bound)
+        base_s, base_tokens, base_steps, base_longest_s = _timed_steps(
+            bench, shorts, lambda n: n >= args.baseline_steps, args.baseline_steps)
         long = bench.add(random_prompt(long_tokens, vocab, seed=seed + 999), 1)
-        during_s, during_tokens, during_steps, longest_s = _timed_steps(bench, shorts,
-                                                                        lambda n: long.num_output_tokens > 0)
+        during_s, during_tokens, during_steps, longest_s = _timed_steps(
+            bench, shorts, lambda n: long.num_output_tokens > 0, long_tokens + 100)
         finished_early = sum(1 for r in shorts if r.is_finished)
     finally:
         for r in shorts:

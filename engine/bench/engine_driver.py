@@ -140,9 +140,14 @@ def generate_all(bench: BenchEngine, prompts: list[list[int]], max_tokens: int) 
     all_first_s: float | None = None
     tokens_at_all_first = 0
     steps_at_all_first = 0
+    # Every step computes at least one prompt or output token of some request; more steps than that is a hang.
+    max_steps = sum(len(p) for p in prompts) + max_tokens * len(prompts) + 100
     while any(not r.is_finished for r in reqs):
         bench.step()
         steps += 1
+        if steps > max_steps:
+            raise RuntimeError(f"the engine made no progress: {steps} steps for {len(prompts)} requests "
+                               f"of {max_tokens} tokens")
         now = time.perf_counter()
         for r in reqs:
             if r.request_id not in first_token_s and r.num_output_tokens:

@@ -17,6 +17,7 @@ import httpx
 from engine.errors import ConfigError
 
 _VOCAB_KEYS = ("vocab_size",)
+FALLBACK_VOCAB_SIZE = 256
 _CONTEXT_KEYS = ("context_tokens", "max_model_len", "context")
 
 
@@ -85,6 +86,7 @@ class ServerInfo:
     vocab_size: int
     context_tokens: int | None
     health: str
+    notes: tuple[str, ...] = ()
 
 
 class LoadClient:
@@ -190,7 +192,8 @@ def _rescale_increments(result: RequestResult) -> None:
 async def discover(load: LoadClient) -> ServerInfo:
     """Model id, vocab size and context per slot from /v1/models and /strata/state; health from /health.
 
-    Raises ConfigError naming the URL when the server cannot be reached or reports no vocab size.
+    Raises ConfigError naming the URL when the server cannot be reached or /v1/models fails. Without a
+    reported vocab size, prompts fall back to ids below 256 (with a note in the result).
     """
     try:
         health = await load.health()
@@ -212,9 +215,13 @@ async def discover(load: LoadClient) -> ServerInfo:
     except httpx.HTTPError:
         pass  # the state route is a bonus: /v1/models may already say everything
     vocab = _find_number(found, _VOCAB_KEYS)
+    notes: tuple[str, ...] = ()
     if vocab is None or vocab < 2:
-        raise ConfigError("url", load.base_url, "neither /v1/models nor /strata/state reports a vocab_size")
-    return ServerInfo(load.model, int(vocab), _find_number(found, _CONTEXT_KEYS), health)
+        # Every tokenizer we serve has at least the 256 byte tokens, so ids below that are always valid.
+        vocab = FALLBACK_VOCAB_SIZE
+        notes = (f"neither /v1/models nor /strata/state reports a vocab_size: prompts use ids below "
+                 f"{FALLBACK_VOCAB_SIZE}",)
+    return ServerInfo(load.model, int(vocab), _find_number(found, _CONTEXT_KEYS), health, notes)
 
 
 def _find_number(documents: list[Any], keys: tuple[str, ...]) -> int | None:

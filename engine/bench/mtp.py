@@ -3,12 +3,15 @@
 Per batch size: decode tok/s without drafting and with `--batch-mtp --mtp-depth K`, the acceptance rate of
 each draft position, and the tokens each slot gains per decode step. Greedy sampling, so both runs emit the
 same tokens (`same_tokens` checks it) and the speedup is the drafting's alone. Acceptance only means something
-on trained weights: the default model is the built-in strata-tiny; text prompts go through its tokenizer.
+on trained weights and in-distribution text: the default model is the built-in strata-tiny (trained on Python
+source) and the prompts are windows of its shipped held-out sample, through its tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
+import textwrap
+from pathlib import Path
 from typing import Any
 
 from engine.bench.common import device_of, emit, random_prompt
@@ -16,24 +19,29 @@ from engine.bench.engine_driver import BenchEngine, build_engine, generate_all
 
 TARGET_SPEEDUP_B1 = 1.5
 _CONTEXT_MARGIN_TOKENS = 64
-_TEXT = ("The history of the lighthouse begins with fires kept burning on hilltops to guide ships home. "
-         "Later, towers of stone carried lanterns, and keepers trimmed the wicks through the night. "
-         "In the nineteenth century, lenses made the light visible far out at sea, and each lighthouse "
-         "was given its own pattern of flashes so that sailors could tell one coast from another. ")
+# strata-tiny ships a held-out sample of its training distribution (Python source); acceptance is measured on it.
+_HELDOUT_FILE = "heldout_sample.txt"
+
+
+def prompt_text(model_dir: Path) -> str:
+    """The model's held-out sample when it ships one, else Python source from the standard library."""
+    sample = model_dir / _HELDOUT_FILE
+    if sample.is_file():
+        return sample.read_text(encoding="utf-8", errors="replace")
+    return Path(textwrap.__file__).read_text(encoding="utf-8")
 
 
 def prompts_for(bench: BenchEngine, source: str, batch: int, n_tokens: int) -> list[list[int]]:
-    """`batch` prompts of exactly `n_tokens`: natural text through the tokenizer, or random ids."""
+    """`batch` prompts of exactly `n_tokens`: windows of real text through the tokenizer, or random ids."""
     vocab = bench.engine.lm.config.vocab_size
     tokenizer = bench.engine.tokenizer
     if source == "random" or tokenizer is None:
         return [random_prompt(n_tokens, vocab, seed=i) for i in range(batch)]
-    base = tokenizer.encode(_TEXT)
-    prompts = []
-    for i in range(batch):
-        ids = tokenizer.encode(f"Story {i}. ") + base * (n_tokens // max(1, len(base)) + 1)
-        prompts.append(ids[:n_tokens])
-    return prompts
+    ids = tokenizer.encode(prompt_text(Path(bench.engine.lm.path)))
+    stride = max(1, (len(ids) - n_tokens) // max(1, batch))
+    while len(ids) < n_tokens + stride * batch:  # a short text is repeated rather than padded
+        ids = ids + ids
+    return [ids[i * stride: i * stride + n_tokens] for i in range(batch)]
 
 
 def measure(args: argparse.Namespace, mtp: bool) -> tuple[list[dict[str, Any]], dict[int, list[list[int]]]]:

@@ -2,9 +2,10 @@
 
 The events stream sends each telemetry event as `id: <seq>`, `event: <type>`, `data: <event.to_json()>`.
 A late subscriber first gets the bus's recent history (or, with `Last-Event-ID`, only what came after that
-id), then live events. A subscriber that reads too slowly has a bounded queue: the bus drops its oldest
-events and this stream reports how many as a `: dropped N` comment (comments are ignored by SSE parsers, so
-older clients keep working). An idle stream sends a `: keep-alive` comment every `keepalive_s`.
+id; an id ahead of the bus means the engine restarted, so it gets all of the new history), then live
+events. A subscriber that reads too slowly has a bounded queue: the bus drops its oldest events and this
+stream reports how many as a `: dropped N` comment (comments are ignored by SSE parsers, so older clients
+keep working). An idle stream sends a `: keep-alive` comment every `keepalive_s`.
 """
 
 from __future__ import annotations
@@ -53,13 +54,18 @@ async def event_stream(
 ) -> AsyncIterator[str]:
     """Telemetry events as SSE until `stopping` is set (then what is queued is flushed) or the client goes
     away (the task is cancelled)."""
-    after_seq = 0 if last_event_id is None else last_event_id
+    restarted = last_event_id is not None and last_event_id > bus.last_seq
+    # An id ahead of this bus comes from an earlier engine process (seq restarts at 1): replay all we have.
+    after_seq = 0 if last_event_id is None or restarted else last_event_id
     sub = bus.subscribe(after_seq=after_seq, max_queue=max_queue, loop=asyncio.get_running_loop())
     reported_dropped = 0
     try:
         yield sse_comment(f"strata telemetry; last seq {bus.last_seq}")
+        if restarted:
+            yield sse_comment(f"Last-Event-ID {last_event_id} is ahead of this engine's last seq {bus.last_seq} "
+                              f"(the engine restarted): replaying its history")
         history = bus.history(after_seq)
-        if last_event_id is not None and history and history[0].seq > last_event_id + 1:
+        if not restarted and last_event_id is not None and history and history[0].seq > last_event_id + 1:
             # The ring no longer holds what the client missed: say so instead of pretending it resumed.
             yield sse_comment(f"gap: events {last_event_id + 1}..{history[0].seq - 1} are no longer kept")
         while not stopping.is_set():

@@ -33,6 +33,8 @@ def write_checkpoint(model: CausalLM, tokenizer: Tokenizer, out_dir: Path) -> No
     config.update({"bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "bfloat16", "use_cache": True})
     _write_json(out_dir / "config.json", config)
     write_tensors(out_dir, ((name, t.to("cpu", torch.bfloat16)) for name, t in checkpoint_tensors(model)))
+    # safetensors creates the file owner-only; a packaged model must be readable by whoever runs the engine
+    (out_dir / "model.safetensors").chmod(0o644)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(
         out_dir / "tokenizer_config.json",

@@ -38,14 +38,15 @@ def _checkpoint_cache_and_one_thread(tmp_path_factory: pytest.TempPathFactory):
     mp.undo()
 
 
-def bench(tmp_path: Path, argv: list[str]) -> dict[str, Any]:
+def bench(tmp_path: Path, argv: list[str], device: str = "cpu") -> dict[str, Any]:
+    """Run one benchmark through the CLI's parser; return its JSON after checking the common fields."""
     parser = argparse.ArgumentParser()
     cli_bench.add_arguments(parser)
     out = tmp_path / f"{argv[0]}.json"
     assert cli_bench.run(parser.parse_args([*argv, "--json", str(out)])) == 0
     doc = json.loads(out.read_text())
     assert doc["bench"] == argv[0] and "partial" not in doc
-    assert doc["env"]["torch"] and doc["env"]["device"] == "cpu"
+    assert doc["env"]["torch"] and doc["env"]["device"] == device
     return doc
 
 

@@ -63,8 +63,8 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
 def test_gpu_script_runs_every_benchmark_on_cpu_at_tiny_sizes(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE="cpu", MODEL="random:tiny",
                MTP_MODEL="random:tiny+mtp", PROMPT="16", NEW="6", LONG="200", TTFT_SIZES="64,128",
-               SWITCH_LONG="40", COPY_MIB="4", OMP_NUM_THREADS="1", PYTHON=sys.executable,
-               STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), BUDGET_S="400")
+               SWITCH_LONG="40", SWITCH_NEW="6", GRAPH_NEW="6", COPY_MIB="4", OMP_NUM_THREADS="1",
+               PYTHON=sys.executable, STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), BUDGET_S="400")
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=420)
     log = (tmp_path / "out" / "run_all_gpu.log").read_text()

@@ -77,3 +77,17 @@ def test_gpu_seed_scenario_fresh_long_prompt_while_six_slots_decode_with_split_a
                                                                     "long": "length"}
     errors = [e for e in bus.history() if e.type == "error"]
     assert not errors, errors[-1].message
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_peer_device_holds_the_tier_and_prefix_reuse_works_across_devices(ckpt):
+    bus = EventBus(history=100000)
+    engine = _engine(ckpt, bus=bus, peer_device="cuda:1")
+    assert engine.tier.device == torch.device("cuda:1")
+    prompt = random_prompts(1, seed=93, lengths=(200, 201))[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = tokens_of(run_all(engine, [prompt], params, prefix="a"))["a0"]
+    second = tokens_of(run_all(engine, [prompt], params, prefix="b"))["b0"]
+    assert first == second
+    assert [e.reuse for e in bus.history() if e.type == "admission"] == ["fresh", "reused"]
+    assert {v["device"] for v in engine.state()["vram"]} == {"cuda:0", "cuda:1"}

@@ -91,3 +91,11 @@ def test_kv_resident_is_accepted_with_a_warning(ckpt):
     make_engine(ckpt, bus=bus, batch=1, kv_resident=256)
     warnings = [e.message for e in bus.history() if e.type == "warning"]
     assert any("--kv-resident 256" in m and "not yet implemented" in m for m in warnings)
+
+
+def test_a_peer_device_without_a_second_gpu_is_a_config_error(ckpt):
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="second CUDA device") as info:
+        make_engine(ckpt, batch=1, peer_device="cuda:1")
+    assert info.value.param == "peer_device"

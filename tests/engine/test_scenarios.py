@@ -132,7 +132,7 @@ async def test_http_errors_keep_the_server_message_and_api_key_is_sent() -> None
     assert progress.count("failed") == 2
 
 
-async def test_missing_vocab_and_wrong_key_are_clear_errors() -> None:
+async def test_wrong_key_is_a_clear_error_and_a_missing_vocab_falls_back() -> None:
     server = FakeOpenAIServer(api_key="right")
     async with server.client() as http:
         with pytest.raises(ConfigError, match="url='http://fake'.*401.*invalid api key"):
@@ -140,7 +140,12 @@ async def test_missing_vocab_and_wrong_key_are_clear_errors() -> None:
     server = FakeOpenAIServer(models_has_vocab=False)
     async with server.client() as http:
         result_vocab = await run_scenario("burst", "http://fake", http_client=http, requests=1, max_tokens=1)
-    assert result_vocab.ok  # /strata/state supplied the vocab size
+    assert result_vocab.ok and not result_vocab.notes  # /strata/state supplied the vocab size
+    server = FakeOpenAIServer(models_has_vocab=False, state_has_vocab=False)
+    async with server.client() as http:
+        result = await run_scenario("burst", "http://fake", http_client=http, requests=3, max_tokens=1)
+    assert result.ok and "vocab_size" in result.notes[0]
+    assert max(t for body in server.bodies for t in body["prompt"]) < 256
 
 
 async def test_unreachable_server_names_the_url() -> None:

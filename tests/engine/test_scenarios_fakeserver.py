@@ -22,7 +22,8 @@ class FakeOpenAIServer:
 
     def __init__(self, vocab_size: int = 1000, context_tokens: int = 100_000, token_interval_s: float = 0.004,
                  prefill_s_per_1k_tokens: float = 0.05, long_prompt_tokens: int = 1000, slowdown: float = 3.0,
-                 die_on_long: bool = False, api_key: str | None = None, models_has_vocab: bool = True) -> None:
+                 die_on_long: bool = False, api_key: str | None = None, models_has_vocab: bool = True,
+                 state_has_vocab: bool = True) -> None:
         self.vocab_size = vocab_size
         self.context_tokens = context_tokens
         self.token_interval_s = token_interval_s
@@ -32,6 +33,7 @@ class FakeOpenAIServer:
         self.die_on_long = die_on_long
         self.api_key = api_key
         self.models_has_vocab = models_has_vocab
+        self.state_has_vocab = state_has_vocab
         self.accept_ids_below = vocab_size  # a test may make it disagree with the advertised vocab
         self.prefilling = 0
         self.dead_reason: str | None = None
@@ -57,8 +59,8 @@ class FakeOpenAIServer:
                 card["vocab_size"] = self.vocab_size
             return httpx.Response(200, json={"object": "list", "data": [card]})
         if path == "/strata/state":
-            return httpx.Response(200, json={"config": {"context": self.context_tokens},
-                                             "model": {"vocab_size": self.vocab_size}})
+            model = {"vocab_size": self.vocab_size} if self.state_has_vocab else {}
+            return httpx.Response(200, json={"config": {"context": self.context_tokens}, "model": model})
         if path == "/v1/completions":
             return self._complete(json.loads(request.content))
         return httpx.Response(404, json={"detail": "not found"})
@@ -102,7 +104,8 @@ class FakeOpenAIServer:
             if self.dead_reason:
                 raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
             finish = "length" if i == max_tokens - 1 else None
-            yield _sse({"object": "text_completion", "choices": [{"index": 0, "text": f" t{i}", "finish_reason": finish}]})
+            choice = {"index": 0, "text": f" t{i}", "finish_reason": finish}
+            yield _sse({"object": "text_completion", "choices": [choice]})
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
                  "total_tokens": prompt_tokens + max_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
         yield _sse({"object": "text_completion", "choices": [], "usage": usage})

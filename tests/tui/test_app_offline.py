@@ -200,3 +200,15 @@ async def test_command_palette_runs_an_action(config_dir: Path) -> None:
         await pilot.press("enter")
         await pilot.pause(0.3)
         assert app.store.load("default").engine.switches.get("COMPILE") is True
+
+
+def test_pick_error_line_skips_logger_names_and_info_records() -> None:
+    from strata_tui.app import pick_error_line
+
+    lines = ["strata-engine serve: error: CheckpointError: /m/model.safetensors: cannot open as safetensors",
+             "2026-11-29 18:55:03,678 INFO uvicorn.error: Shutting down",
+             "2026-11-29 18:55:03,782 INFO uvicorn.error: Finished server process [26765]"]
+    assert pick_error_line(lines) == lines[0]
+    assert pick_error_line(["Traceback (most recent call last):", "  File x", "RuntimeError: CUDA error: boom"]) \
+        == "RuntimeError: CUDA error: boom"
+    assert pick_error_line(["just a line"]) == "just a line" and pick_error_line([]) is None

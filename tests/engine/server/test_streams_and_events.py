@@ -155,3 +155,15 @@ def test_shutdown_aborts_running_streams_and_ends_event_streams() -> None:
         assert results["gen"][-2:] == ["data: [DONE]", ""] or results["gen"][-1] == "data: [DONE]"
         refused = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+
+
+async def test_resume_id_from_a_previous_engine_process_replays_the_new_history() -> None:
+    bus = EventBus()
+    for i in range(3):
+        bus.publish(WarningEvent(message=str(i)))
+    stream = sse.event_stream(bus, 5000, asyncio.Event(), keepalive_s=5)
+    await anext(stream)
+    assert "restarted" in await anext(stream)
+    batch = await anext(stream)
+    assert [int(line[4:]) for line in batch.splitlines() if line.startswith("id: ")] == [1, 2, 3]
+    await stream.aclose()

@@ -1,0 +1,86 @@
+"""The load scenarios against a real `strata-engine serve` on CPU (a tiny random checkpoint)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from engine.scenarios import run_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+READY_PREFIX = "strata-engine: ready at "
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from engine.model.random_checkpoint import write_random_checkpoint
+
+    model = write_random_checkpoint(tmp_path_factory.mktemp("tiny"), size="tiny")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # stderr to a file: a pipe nobody drains would block the server once its access log fills it
+    err_path = tmp_path_factory.mktemp("serve") / "stderr.log"
+    err_file = err_path.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", str(model), "--device", "cpu", "--batch", "4",
+         "--context", "4096", "--port", "0"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err_file, text=True)
+    url: list[str] = []
+
+    def read_ready() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(READY_PREFIX):
+                url.append(line[len(READY_PREFIX):].strip())
+                return
+
+    reader = threading.Thread(target=read_ready, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    try:
+        if not url:
+            proc.kill()
+            proc.wait(timeout=10)
+            pytest.fail(f"strata-engine serve did not become ready: {err_path.read_text()[-2000:]}")
+        yield url[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        err_file.close()
+
+
+async def test_reuse_against_the_real_engine_reports_a_cache_hit(server_url: str) -> None:
+    result = await run_scenario("reuse", server_url, long_tokens=1500, max_tokens=4)
+    assert result.ok, result.errors
+    first, second = result.requests
+    assert first.prompt_tokens == second.prompt_tokens == 1500
+    assert first.cached_tokens == 0 and second.cached_tokens > 0
+    assert first.completion_tokens == second.completion_tokens == 4
+
+
+async def test_seed_against_the_real_engine_completes_and_stays_healthy(server_url: str) -> None:
+    events: list[str] = []
+    result = await run_scenario("seed", server_url, on_progress=lambda p: events.append(p.event), concurrency=3,
+                                short_prompt_tokens=16, short_max_tokens=300, delay_s=0.2, long_tokens=2500,
+                                long_max_tokens=2)
+    assert result.ok, result.errors
+    assert result.health_after.startswith("200")
+    long = result.requests[-1]
+    assert long.label == "long" and long.prompt_tokens == 2500 and long.cached_tokens == 0
+    assert all(r.completion_tokens == 300 for r in result.requests[:-1])
+    assert events[-1] == "done" and events.count("finished") == 4
+
+
+async def test_a_long_prompt_past_the_real_context_is_refused_up_front(server_url: str) -> None:
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="long_tokens=5000.*context is 4096 tokens"):
+        await run_scenario("seed", server_url, long_tokens=5000, delay_s=0)
