@@ -67,6 +67,7 @@ class EngineClient(Protocol):
 
     model_name: str
     context_tokens: int
+    vocab_size: int | None  # token ids in a prompt must be below it (checked before the engine thread sees them)
     bus: EventBus
 
     def encode(self, text: str) -> list[int]: ...

@@ -37,6 +37,7 @@ class AsyncEngine:
         self.bus = bus if bus is not None else EventBus()
         self.model_name = config.model
         self.context_tokens = config.context
+        self.vocab_size: int | None = None  # known once the model is loaded
         self.engine: Any = None
         self._factory = engine_factory
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -64,8 +65,11 @@ class AsyncEngine:
         if self._load_error is not None:
             return Health(False, f"dead: {self._load_error}")
         if self.engine is None:
-            return Health(False, f"loading: {self.config.model}")
-        return self.engine.health()
+            return Health(False, "stopped" if self._stopping else f"loading: {self.config.model}")
+        health = self.engine.health()
+        if health.ready and self._stopping:
+            return Health(False, "stopped")
+        return health
 
     async def shutdown(self) -> None:
         """Stop the engine thread; requests still running finish with an abort."""
@@ -180,10 +184,10 @@ class AsyncEngine:
 
             self._load_error = describe_exception(exc)
             self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
+        else:
+            self.vocab_size = self.engine.vocab_size
         finally:
             self._loaded.set()
-        if self.engine is not None:
-            self.bus.publish(EngineEvent(state="ready", detail=f"model {self.config.model}"))
         while True:
             with self._wake:
                 if self._stopping:
@@ -200,16 +204,30 @@ class AsyncEngine:
                 except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                     fut.set_exception(exc)
             if self.engine is not None and self.engine.has_work:
-                self._deliver(self.engine.step())
+                try:
+                    self._deliver(self.engine.step())
+                except Exception as exc:  # noqa: BLE001 - Engine.step reports its own failures; this is a bug
+                    from engine.engine import describe_exception
+
+                    self._load_error = f"engine thread: {describe_exception(exc)}"
+                    self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
+                    break
         self._drain_on_stop()
 
     def _drain_on_stop(self) -> None:
-        for fn, fut in list(self._commands):
-            fut.set_exception(EngineDead("the engine is shutting down"))
-        self._commands.clear()
-        if self.engine is not None:
+        with self._wake:
+            self._stopping = True  # no command can be queued behind a thread that is leaving
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDead(self._load_error or "the engine is shutting down"))
+        if self.engine is not None and self._load_error is None:
             for rid in list(self._queues):
                 self._abort_now(rid)
+        else:  # the thread crashed: nobody will step again, so end every stream with the reason
+            self._deliver([RequestOutput(rid, [], "", True, "error", error=self._load_error)
+                           for rid in list(self._queues)])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -41,6 +41,7 @@ def int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One sub-parser per benchmark under `bench`, each with its sizes and `--json`."""
     sub = parser.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
     for name, (_, help_text) in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

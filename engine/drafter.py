@@ -48,6 +48,7 @@ class MtpDrafter:
                   "positions": r.stage([positions]), "pick": r.stage([n - 1])}
 
         def build(split: bool):
+            # Capturable per (chunk bucket, span): positions travel as tensors, so no chunk start in the key.
             return ("t%d" % tb, "L%d" % span) + (("split",) if split else ()), self._mtp_fn(span, split, depth=0)
 
         out = r.run("draft_prefill", build, inputs, owner="drafter")

@@ -20,7 +20,7 @@ import torch
 from engine.api import Health, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts
-from engine.errors import CheckpointError, EngineDead
+from engine.errors import CheckpointError, EngineDead, RequestRejected
 from engine.gpu_errors import StickyCudaError, real_message
 from engine.request import Request
 from engine.runner import MtpUnavailable, Row
@@ -52,6 +52,7 @@ class _Track:
     sent_chars: int = 0
     last_event_s: float = 0.0
     pending: list[int] = field(default_factory=list)  # token ids not yet sent
+    cut_by_stop_string: bool = False
 
 
 class Engine:
@@ -72,12 +73,14 @@ class Engine:
         self.model_name = config.model
         self.tokenizer = self.lm.tokenizer
         self.eos_token_ids = tuple(self.lm.eos_token_ids)
+        self.vocab_size = int(self.lm.config.vocab_size)
         self.mtp_on = self.drafter is not None
         self.mtp_off_reason: str | None = None
         self.steps = 0
         self._tracks: dict[str, _Track] = {}
         self._last_vram_s = 0.0
         self._publish_vram()
+        bus.publish(EngineEvent(state="ready", detail=f"model {config.model} on {self.device}"))
 
     # --- queries -------------------------------------------------------------------------------------------
 
@@ -99,6 +102,10 @@ class Engine:
         """Queue a request; raises RequestRejected / PromptTooLong / MaxTokensTooLarge / QueueFull / EngineDead."""
         if self._dead_reason is not None:
             raise EngineDead(self._dead_reason)
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # an out-of-range id would fail inside the embedding and take the step down
+            raise RequestRejected(f"prompt token id {bad} is outside this model's vocabulary (0..{self.vocab_size - 1})",
+                                  param="prompt")
         req = Request(request_id, prompt_token_ids, params, arrival_s=time.monotonic())
         self.sched.add(req)
         decoder = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
@@ -132,9 +139,9 @@ class Engine:
         if self._dead_reason is not None:
             return []
         outputs: list[RequestOutput] = []
-        plan = self.sched.schedule()
-        now_s = time.monotonic()
         try:
+            plan = self.sched.schedule()
+            now_s = time.monotonic()
             with torch.inference_mode():
                 for admission in plan.admitted:
                     self._admit(admission, now_s)
@@ -146,11 +153,10 @@ class Engine:
                     failed = self.tier.fill(fill.blocks, fill.slot)
                     if failed:
                         self.sched.prefix_index.discard(failed)
+            self.steps += 1
+            self._progress_events(time.monotonic())
         except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported, then fatal
             outputs.extend(self._fail(exc))
-            return outputs
-        self.steps += 1
-        self._progress_events(time.monotonic())
         return outputs
 
     def _admit(self, admission: Admission, now_s: float) -> None:
@@ -218,6 +224,7 @@ class Engine:
         stop_at = _find_stop(track.text, req.params.stop, track.sent_chars)
         if stop_at is not None:
             track.text = track.text[:stop_at]
+            track.cut_by_stop_string = True
             reason = "stop"
         if reason is not None:
             slot = req.slot
@@ -239,7 +246,7 @@ class Engine:
     def _close(self, track: _Track, reason, slot: int | None, error: str | None = None) -> RequestOutput:
         """The final output of a finished request; frees its engine-side state."""
         self._tracks.pop(track.request.request_id, None)
-        if track.decoder is not None and reason != "stop" and reason != "error":
+        if track.decoder is not None and not track.cut_by_stop_string and reason != "error":
             track.text += track.decoder.flush()
         if slot is not None:
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")

@@ -53,7 +53,6 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
     model = lm.model
     if board.enabled("FUSED_PROJ"):
         model.fuse_projections()
-    mcfg = lm.config
     depth = 0
     if config.batch_mtp:
         if model.mtp is None:
@@ -63,29 +62,9 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
         bus.publish(WarningEvent(where="engine.kv", message=(
             f"--kv-resident {config.kv_resident} is accepted but not yet implemented: every slot keeps its "
             f"whole {config.context}-token KV on {device}")))
-    num_layers = mcfg.num_hidden_layers + (model.mtp_depth_layers if depth else 0)
-    margin = max(pow2_bucket(config.prefill_chunk_tokens, MIN_CHUNK_TOKENS), 2 * depth + 2)
-    geometry = KVGeometry(num_layers, config.batch, mcfg.num_key_value_heads, mcfg.head_dim, config.context, margin)
-    compute_dtype = lm.dtype
-    weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
-    kv_mib = geometry.total_bytes(config.kv, compute_dtype) / MIB
-    _, free_mib = device_memory_mib(device)
-    check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "context", config.context)
-    kv = SlotKVCache(geometry, config.kv, compute_dtype, device)
-    bt = block_tokens or DEFAULT_BLOCK_TOKENS
-    index = PrefixIndex(bt, 0)
-    budget = VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)
-    budgets = [budget]
-    if tier_device != device:  # --peer-device: the prefix-cache tier lives on the second GPU
-        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), 0.0, 0.0))
-    if tier_budget_mib is None:
-        _, free_after_mib = device_memory_mib(tier_device)
-        if tier_device.type == "cuda":
-            tier_budget_mib = max(0.0, free_after_mib - config.vram_reserve_mib)
-        else:
-            tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_after_mib / 8)
-    tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=tier_device.type == "cuda")
-    budgets[-1].tier = tier
+    kv, weights_mib = _sized_kv_cache(config, lm, depth)
+    index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
+    tier, budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, tier_device, tier_budget_mib)
     # Only a tier on the compute device can make room there (graph captures, an out-of-memory step).
     release = tier.release if tier_device == device else _release_nothing
     sched = Scheduler.from_config(config, index, draft_tokens=depth)
@@ -100,6 +79,37 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
 
         drafter = MtpDrafter(runner, depth)
     return EngineParts(lm, kv, tier, budgets, sched, runner, drafter, board, executor, device)
+
+
+def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:
+    """The slot KV cache for every slot's whole context (+ MTP layers), after the fit check; and weights MiB."""
+    mcfg, model = lm.config, lm.model
+    num_layers = mcfg.num_hidden_layers + (model.mtp_depth_layers if depth else 0)
+    margin = max(pow2_bucket(config.prefill_chunk_tokens, MIN_CHUNK_TOKENS), 2 * depth + 2)
+    geometry = KVGeometry(num_layers, config.batch, mcfg.num_key_value_heads, mcfg.head_dim, config.context, margin)
+    weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+    kv_mib = geometry.total_bytes(config.kv, lm.dtype) / MIB
+    _, free_mib = device_memory_mib(lm.device)
+    check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "context", config.context)
+    return SlotKVCache(geometry, config.kv, lm.dtype, lm.device), weights_mib
+
+
+def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,
+                      device: torch.device, tier_device: torch.device,
+                      tier_budget_mib: float | None) -> tuple[AdaptiveTier, list[VramBudget]]:
+    """The adaptive tier (on the compute device or --peer-device) and the per-device books."""
+    budgets = [VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)]
+    if tier_device != device:  # --peer-device: the prefix-cache tier lives on the second GPU
+        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), 0.0, 0.0))
+    if tier_budget_mib is None:
+        _, free_mib = device_memory_mib(tier_device)
+        if tier_device.type == "cuda":
+            tier_budget_mib = max(0.0, free_mib - config.vram_reserve_mib)  # all of it, up front
+        else:
+            tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_mib / 8)
+    tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=tier_device.type == "cuda")
+    budgets[-1].tier = tier
+    return tier, budgets
 
 
 def _release_nothing(mib: float, reason: str) -> float:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 KV_STORAGE = ("bf16", "int8")
 # Scores scratch one blocked-attention step may use (B x Hq x T x block x 4 bytes).
@@ -100,6 +101,8 @@ class SlotKVCache:
         # Tunable so tests reach the blocked and split paths at small sizes.
         self.block_scores_bytes = _BLOCK_SCORES_BYTES
         self.split_tokens = _SPLIT_TOKENS
+        self.fused_prefill: bool | None = None  # None: decide per device (flash on CUDA), see _fused_prefill_ok
+        self._causal_keys: int | None = None
 
     # --- accounting ----------------------------------------------------------------------------------------
 
@@ -114,13 +117,25 @@ class SlotKVCache:
 
     # --- the model-facing seam -----------------------------------------------------------------------------
 
-    def bind(self, slots: torch.Tensor, span_tokens: int | None = None) -> None:
+    def bind(self, slots: torch.Tensor, span_tokens: int | None = None, causal_keys: int | None = None) -> None:
         """Name each batch row's slot ([B] long tensor) and the key span (length bucket) to read.
 
         The span is a static int (part of the executor key); None reads every column that can be valid.
         """
         self._slots = slots
         self._span = self.geometry.context_tokens if span_tokens is None else int(span_tokens)
+        self._causal_keys = causal_keys
+
+    def bind_chunk(self, slots: torch.Tensor, span_tokens: int, start: int, chunk_bucket: int) -> None:
+        """bind() for one prompt chunk padded at its end: positions [start, start + chunk_bucket).
+
+        Lets long chunks use fused causal attention aligned to the bottom right: over keys [0, start +
+        chunk_bucket), query row i sees keys <= start + i, which is exactly its causal set (the pad rows at
+        the end see stale keys, and their outputs are never used). `start` is baked into the step, so the
+        runner puts it in the executor key.
+        """
+        self.bind(slots, span_tokens)
+        self._causal_keys = int(start) + int(chunk_bucket)
 
     def set_split(self, enabled: bool) -> None:
         self.split_attn = bool(enabled)
@@ -132,12 +147,27 @@ class SlotKVCache:
         self._write(layer_idx, slots, k, v, positions)
         span = self._span
         t = q.shape[2]
+        if t > 8 and self._causal_keys is not None and self._fused_prefill_ok(layer_idx, q):
+            kk, vv = self._read(layer_idx, slots, 0, self._causal_keys)
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(t, kk.shape[2]),
+                                                  enable_gqa=q.shape[1] != kk.shape[1])
         if t > 8 and _scores_bytes(q, span) > self.block_scores_bytes:
             return self._blocked(layer_idx, q, slots, positions, span)
         kk, vv = self._read(layer_idx, slots, 0, span)
         if self.split_attn and span > self.split_tokens:
             return split_kv_attention(q, kk, vv, positions, self.split_tokens)
         return masked_sdpa(q, kk, vv, positions)
+
+    def _fused_prefill_ok(self, layer: int, q: torch.Tensor) -> bool:
+        """Whether a chunk may use fused (flash) causal attention: on CUDA when the flash kernel accepts these
+        shapes and dtypes (otherwise torch would materialize the whole mask: the blocked path is used).
+        `fused_prefill` True forces it (tests on CPU), False disables it."""
+        if self.fused_prefill is not None:
+            return self.fused_prefill
+        if q.device.type != "cuda":
+            return False
+        probe = self.k[layer][:1, :, :1].to(q.dtype)
+        return _flash_accepts(q, probe)
 
     # --- storage -------------------------------------------------------------------------------------------
 
@@ -200,6 +230,15 @@ class SlotKVCache:
                 self.v_scale[i][slot, :, start:start + n].copy_(scales[i, 1], non_blocking=True)
 
 
+def _flash_accepts(q: torch.Tensor, k: torch.Tensor) -> bool:
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        return bool(can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, False, q.shape[1] != k.shape[1])))
+    except Exception:  # noqa: BLE001 - an API difference means "not sure": take the blocked path
+        return False
+
+
 def _scores_bytes(q: torch.Tensor, span: int) -> int:
     b, hq, t, _ = q.shape
     return b * hq * t * span * 4
@@ -229,7 +268,8 @@ class OnlineSoftmax:
     """
 
     def __init__(self, q: torch.Tensor, pos: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
-        self.q, self.pos, self.shape = q.float(), pos, shape
+        # Matmuls stay in the compute dtype (tensor cores on GPU, fp32 accumulation); softmax state is fp32.
+        self.q, self.pos, self.shape = q, pos, shape
         self.out_dtype = q.dtype
         b, hkv, gt, d = q.shape
         self.m = torch.full((b, hkv, gt), float("-inf"), dtype=torch.float32, device=q.device)
@@ -246,7 +286,7 @@ class OnlineSoftmax:
         return cls(qg, pos, (b, hq, t, d))
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        s = torch.matmul(self.q, k.float().transpose(-1, -2)) * self.scale  # [B, Hkv, GT, n]
+        s = torch.matmul(self.q, k.to(self.q.dtype).transpose(-1, -2)).float() * self.scale  # [B, Hkv, GT, n]
         keys = torch.arange(start, start + k.shape[2], device=k.device)
         s = s.masked_fill(keys.view(1, 1, 1, -1) > self.pos.unsqueeze(-1), float("-inf"))
         m_new = torch.maximum(self.m, s.amax(dim=-1))
@@ -254,7 +294,7 @@ class OnlineSoftmax:
         alpha = torch.exp(self.m - m_safe)  # exp(-inf) = 0 while nothing was visible yet
         p = torch.exp(s - m_safe.unsqueeze(-1))
         self.l = self.l * alpha + p.sum(dim=-1)
-        self.acc = self.acc * alpha.unsqueeze(-1) + torch.matmul(p, v.float())
+        self.acc = self.acc * alpha.unsqueeze(-1) + torch.matmul(p.to(self.q.dtype), v.to(self.q.dtype)).float()
         self.m = m_new
 
     def finish(self) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from engine.executor import GraphDegraded, StepExecutor
+from engine.executor import EagerExecutor, GraphDegraded, StepExecutor
 from engine.gpu_errors import is_oom, is_sticky, real_message
 from engine.kv_cache import SlotKVCache
 from engine.switches import SwitchBoard
@@ -27,6 +27,7 @@ from engine.telemetry import EventBus, SwitchEvent, WarningEvent
 MIN_SPAN_TOKENS = 256
 MIN_CHUNK_TOKENS = 16
 SPLIT_SWITCH = "SPLIT_ATTN"
+_DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step")
 
 
 def switch_for_key(kind: str, key: Hashable) -> str | None:
@@ -118,6 +119,9 @@ class ModelRunner:
         self.pad_row = num_slots
         self.forwards = 0
         self._stager: PinnedStager | None = None
+        # Main-model prefill chunks run eagerly: a chunk's compute dwarfs launch overhead, and the fused chunk
+        # attention bakes the chunk's start into the step (so a graph of it would never be replayed).
+        self._eager = EagerExecutor()
         # Where an out-of-memory step gets room before its one retry (the tier's release), and how much.
         self.release_memory: Callable[[float, str], float] | None = None
         self.oom_release_mib = 1024.0
@@ -147,33 +151,35 @@ class ModelRunner:
 
     # --- the executor seam ---------------------------------------------------------------------------------
 
-    def run(self, kind: str, build: StepBuilder, inputs: dict, owner: str | None = None) -> dict:
+    def run(self, kind: str, build: StepBuilder, inputs: dict, owner: str | None = None,
+            executor: StepExecutor | None = None) -> dict:
         """Run one step through the executor; degrade a failing switch and retry, or raise MtpUnavailable."""
-        split = self.split_enabled()
-        key, fn = build(split)
-        try:
-            out = self._run_with_room(kind, key, fn, inputs, owner)
-        except GraphDegraded as exc:
-            if exc.switch is not None:
-                self._degrade(exc.switch, exc)
-                key, fn = build(self.split_enabled())
-                out = self._run_with_room(kind, key, fn, inputs, owner)
-            elif owner == "drafter" or kind in ("verify", "draft_prefill", "draft_round", "draft_step"):
-                raise MtpUnavailable(exc.error) from exc
-            else:
+        while True:
+            key, fn = build(self.split_enabled())
+            try:
+                out = self._run_with_room(kind, key, fn, inputs, owner, executor or self.executor)
+                break
+            except GraphDegraded as exc:
+                if exc.switch is not None and self.board.enabled(exc.switch):
+                    self._degrade(exc.switch, exc)
+                    continue  # the same step on the path without that switch (each switch degrades once)
+                if owner == "drafter" or kind in _DRAFTING_KINDS:
+                    raise MtpUnavailable(exc.error) from exc
                 # A plain forward lost its graph with no switch to blame: run it eagerly this time.
                 self.bus.publish(WarningEvent(where=f"runner.{kind}", message=f"{exc}; running this step eagerly"))
                 out = fn(inputs)
+                break
         self.forwards += 1
         return out
 
-    def _run_with_room(self, kind: str, key: Hashable, fn: Callable, inputs: dict, owner: str | None) -> dict:
+    def _run_with_room(self, kind: str, key: Hashable, fn: Callable, inputs: dict, owner: str | None,
+                       executor: StepExecutor) -> dict:
         """executor.run; on an out-of-memory (not a sticky error), ask the tier for room and retry once.
 
         Safe to repeat: a step function only writes KV at its own positions and returns fresh outputs.
         """
         try:
-            return self.executor.run(kind, key, fn, inputs, owner)
+            return executor.run(kind, key, fn, inputs, owner)
         except GraphDegraded:
             raise
         except Exception as exc:
@@ -184,7 +190,7 @@ class ModelRunner:
                 f"{real_message(exc)}; the tier gave back {freed_mib:.0f} MiB, retrying the step once")))
             if freed_mib <= 0:
                 raise
-            return self.executor.run(kind, key, fn, inputs, owner)
+            return executor.run(kind, key, fn, inputs, owner)
 
     def _degrade(self, name: str, exc: GraphDegraded) -> None:
         reason = f"{exc.kind} graph {exc.key!r}: {exc.error}"
@@ -215,8 +221,10 @@ class ModelRunner:
         slots, positions = self._pad_rows(rows, 1)
         bb = len(slots)
         span = self.span_bucket(max(r.position for r in rows) + 1)
-        tokens = [[r.token] for r in rows] + [[0]] * (bb - len(rows))
-        inputs = {"slots": self.stage(slots), "tokens": self.stage(tokens), "positions": self.stage(positions)}
+        tokens = [r.token for r in rows] + [0] * (bb - len(rows))
+        # One host-to-device copy for all inputs: [3, Bb] split into views.
+        packed = self.stage([slots, tokens, [p[0] for p in positions]])
+        inputs = {"slots": packed[0], "tokens": packed[1].view(bb, 1), "positions": packed[2].view(bb, 1)}
 
         def build(split: bool):
             key = ("b%d" % bb, "L%d" % span) + (("split",) if split else ())
@@ -232,9 +240,10 @@ class ModelRunner:
         bb = len(slots)
         span = self.span_bucket(max(r.position for r in rows) + k + 1)
         draft_rows = [r.slot for r in rows] + [self.pad_row] * (bb - len(rows))
-        pending = [[r.token] for r in rows] + [[0]] * (bb - len(rows))
-        inputs = {"slots": self.stage(slots), "pending": self.stage(pending), "draft_rows": self.stage(draft_rows),
-                  "positions": self.stage(positions)}
+        pending = [r.token for r in rows] + [0] * (bb - len(rows))
+        packed = self.stage([[s, d, p] + pos for s, d, p, pos in zip(slots, draft_rows, pending, positions)])
+        inputs = {"slots": packed[:, 0], "draft_rows": packed[:, 1], "pending": packed[:, 2:3],
+                  "positions": packed[:, 3:]}
         draft_buf = self.draft_buf
 
         def build(split: bool):
@@ -263,17 +272,22 @@ class ModelRunner:
                   "positions": self.stage([positions]), "last": self.stage([n - 1])}
 
         def build(split: bool):
-            key = ("t%d" % tb, "L%d" % span) + (("split",) if split else ())
-            return key, self._forward_fn(span, split, last_only=True)
+            # `start` is in the key: the fused chunk attention bakes it in (see SlotKVCache.bind_chunk).
+            key = ("t%d" % tb, "L%d" % span, "s%d" % start) + (("split",) if split else ())
+            return key, self._forward_fn(span, split, last_only=True, chunk=(start, tb))
 
-        out = self.run("prefill", build, inputs)
+        out = self.run("prefill", build, inputs, executor=self._eager)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)
 
-    def _forward_fn(self, span: int, split: bool, last_only: bool = False) -> Callable:
+    def _forward_fn(self, span: int, split: bool, last_only: bool = False,
+                    chunk: tuple[int, int] | None = None) -> Callable:
         model, kv = self.model, self.kv
 
         def forward_fn(x):
-            kv.bind(x["slots"], span)
+            if chunk is None:
+                kv.bind(x["slots"], span)
+            else:
+                kv.bind_chunk(x["slots"], span, *chunk)
             kv.set_split(split)
             hidden = model(x["tokens"], x["positions"], kv)  # [Bb, T, H]
             if last_only:

@@ -77,6 +77,8 @@ def sample_with_drafts(
     """
     rows = len(params)
     logits = logits[:rows]
+    if all(p.temperature <= 0 for p in params):
+        return _greedy(logits, None if drafts is None else drafts[:rows])
     b, t, _ = logits.shape
     k = t - 1
     device = logits.device
@@ -106,6 +108,22 @@ def sample_with_drafts(
     else:
         accepted = torch.zeros(b, dtype=torch.long, device=device)
         tokens = _draw(probs[:, 0], u_sample[:, 0]).view(b, 1)
-    acc_host = accepted.tolist()
-    tok_host = tokens.tolist()
-    return SampleResult(acc_host, [row[: a + 1] for row, a in zip(tok_host, acc_host)])
+    return _to_host(accepted, tokens)
+
+
+def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None) -> SampleResult:
+    """All rows greedy: the argmax at each position; drafts are accepted while they equal it. Same result as
+    the general path with one-hot distributions, in a handful of kernels (the common serving case)."""
+    best = logits.argmax(dim=-1)  # [B, T]
+    k = best.shape[1] - 1
+    if k > 0 and drafts is not None:
+        accepted = (best[:, :k] == drafts).long().cumprod(dim=-1).sum(dim=-1)
+    else:
+        accepted = torch.zeros(best.shape[0], dtype=torch.long, device=best.device)
+    return _to_host(accepted, best)  # accepted drafts equal the argmax, so the row is the emitted tokens
+
+
+def _to_host(accepted: torch.Tensor, tokens: torch.Tensor) -> SampleResult:
+    """One device-to-host copy for both: [B, 1 + T] -> per-row accepted count and emitted tokens."""
+    host = torch.cat([accepted.view(-1, 1), tokens], dim=1).tolist()
+    return SampleResult([row[0] for row in host], [row[1: row[0] + 2] for row in host])

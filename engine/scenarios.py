@@ -10,7 +10,8 @@ size and the context per slot are read from `/v1/models` and `/strata/state`.
 
 Scenarios:
 - `seed`: the user report (shared/seed): N concurrent short generations, then after `delay_s` one fresh long
-  prompt (a random nonce at its start, so it is never cached) while they decode.
+  prompt (a random nonce at its start, so it is never cached) while they decode; by default the shorts decode
+  until the long prompt is done and are then stopped (finish_reason "cancelled").
 - `burst`: N concurrent short requests at once.
 - `reuse`: the same long prompt twice, one after the other: the second should report cached prompt tokens.
 """
@@ -35,6 +36,7 @@ ProgressCallback = Callable[["ScenarioProgress"], Any]
 # Qwen-family vocabularies keep their special tokens at the top of the id range; random prompts stay below.
 _SPECIAL_ID_FRACTION = 16
 _NONCE_TOKENS = 16
+_UNTIL_DONE_MAX_TOKENS = 8192  # a short's max_tokens when it runs until the long prompt is done, context unknown
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ class _Run:
         return ids
 
     def check_fits(self, param: str, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ConfigError before anything is sent when a prompt cannot fit the engine's context."""
         context = self.info.context_tokens
         if context is not None and prompt_tokens + max_tokens > context:
             raise ConfigError(param, prompt_tokens,
@@ -188,6 +191,7 @@ class _Run:
                               f"{prompt_tokens + max_tokens} or more, or lower {param}")
 
     async def send(self, label: str, kind: str, prompt_ids: list[int], max_tokens: int) -> RequestResult:
+        """Stream one request, record it in the results and report each step of it."""
         result = RequestResult(label=label, kind=kind, prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
                                start_s=self.elapsed_s())
         self.results.append(result)
@@ -196,8 +200,15 @@ class _Run:
         async def first_token() -> None:
             await self.report("first_token", f"{label}: first token after {result.ttft_s:.2f} s", label)
 
-        await self.client.complete(result, prompt_ids, max_tokens, float(self.params.get("temperature", 0.0)),
-                                   self.t0, on_first_token=first_token)
+        try:
+            await self.client.complete(result, prompt_ids, max_tokens, float(self.params.get("temperature", 0.0)),
+                                       self.t0, on_first_token=first_token)
+        except asyncio.CancelledError:
+            # The scenario stopped it on purpose (closing the stream makes the server abort the request).
+            result.finish_reason = result.finish_reason or "cancelled"
+            result.completion_tokens = result.completion_tokens or round(sum(n for _, n in result.increments))
+            await self.report("finished", f"{label}: stopped by the scenario: {result.summary()}", label)
+            raise
         if result.error:
             await self.report("failed", f"{label}: {result.error}", label)
         else:
@@ -210,18 +221,24 @@ class _Run:
 
 async def _play_seed(run: _Run, p: dict[str, Any]) -> None:
     n_short = int(p["concurrency"])
+    short_prompt = int(p["short_prompt_tokens"])
     run.check_fits("long_tokens", int(p["long_tokens"]), int(p["long_max_tokens"]))
+    # 0: the shorts decode until the long prompt is done, however fast the engine is, then are stopped
+    until_long_done = int(p["short_max_tokens"]) == 0
+    short_max = (run.info.context_tokens or _UNTIL_DONE_MAX_TOKENS) - short_prompt if until_long_done \
+        else int(p["short_max_tokens"])
+    run.check_fits("short_max_tokens", short_prompt, short_max)
     run.total = n_short + 1
-    shorts = [
-        asyncio.create_task(run.send(f"short-{i}", "short", run.prompt(int(p["short_prompt_tokens"])),
-                                     int(p["short_max_tokens"])))
-        for i in range(n_short)
-    ]
+    shorts = [asyncio.create_task(run.send(f"short-{i}", "short", run.prompt(short_prompt), short_max))
+              for i in range(n_short)]
     await asyncio.sleep(float(p["delay_s"]))
     long_prompt = run.prompt(int(p["long_tokens"]), fresh=True)
-    long = asyncio.create_task(run.send("long", "long", long_prompt, int(p["long_max_tokens"])))
-    await asyncio.gather(*shorts, long)
-    _seed_metrics(run, long.result(), [t.result() for t in shorts])
+    long = await run.send("long", "long", long_prompt, int(p["long_max_tokens"]))
+    if until_long_done:
+        for task in shorts:
+            task.cancel()
+    await asyncio.gather(*shorts, return_exceptions=True)
+    _seed_metrics(run, long, [r for r in run.results if r.kind == "short"])
 
 
 def _seed_metrics(run: _Run, long: RequestResult, shorts: list[RequestResult]) -> None:
@@ -263,6 +280,7 @@ def _window_rate(requests: list[RequestResult], start_s: float | None, end_s: fl
 
 async def _play_burst(run: _Run, p: dict[str, Any]) -> None:
     n = int(p["requests"])
+    run.check_fits("prompt_tokens", int(p["prompt_tokens"]), int(p["max_tokens"]))
     run.total = n
     results = await asyncio.gather(*(
         run.send(f"burst-{i}", "short", run.prompt(int(p["prompt_tokens"])), int(p["max_tokens"])) for i in range(n)
@@ -306,7 +324,8 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("seed", "the user report: N short generations decode, then a fresh long prompt arrives", (
             ScenarioParam("concurrency", 6, "concurrent short generations"),
             ScenarioParam("short_prompt_tokens", 64, "prompt tokens of each short generation"),
-            ScenarioParam("short_max_tokens", 512, "tokens each short generation produces"),
+            ScenarioParam("short_max_tokens", 0, "tokens each short generation produces "
+                                                 "(0: decode until the long prompt is done, then stop)"),
             ScenarioParam("delay_s", 3.0, "seconds between the short generations and the long prompt"),
             ScenarioParam("long_tokens", 150_000, "prompt tokens of the fresh long prompt"),
             ScenarioParam("long_max_tokens", 16, "tokens the long prompt generates"),
@@ -325,6 +344,7 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def scenario_names() -> list[str]:
+    """The registered scenario names, in registry order (for menus and --help)."""
     return list(SCENARIOS)
 
 

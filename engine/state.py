@@ -53,7 +53,9 @@ def engine_state(engine: "Engine") -> dict[str, Any]:
         if req is None:
             slots.append({"slot": slot, "state": "idle", "request_id": None})
         else:
-            slots.append(slot_event(req, slot, now_s=now_s).to_json())
+            entry = slot_event(req, slot, now_s=now_s).to_json()
+            entry["acceptance_per_position"] = [req.acceptance_at(i) for i in range(len(req.draft_proposed))]
+            slots.append(entry)
     executor = engine.executor
     graphs = executor.snapshot() if hasattr(executor, "snapshot") else {"enabled": False, "graphs": [], "total_mib": 0.0}
     return {

@@ -128,13 +128,17 @@ class EngineProcess:
             await asyncio.gather(self._pump(self._proc.stdout, "stdout"), self._pump(self._proc.stderr, "stderr"))
             returncode = await self._proc.wait()
         except asyncio.CancelledError:
-            await self.stop()
+            try:
+                await self.stop()
+            finally:
+                if self._proc.returncode is None:  # a second cancel cut the graceful stop short
+                    self.kill_now()
             raise
         finally:
             # Close the transport while the loop still runs; left to the garbage collector it complains
             # ("Event loop is closed") when the app's loop is already gone.
             transport = getattr(self._proc, "_transport", None)
-            if transport is not None and self._proc.returncode is not None:
+            if transport is not None:
                 transport.close()
         return ExitInfo(returncode, self._stop_requested)
 

@@ -14,6 +14,7 @@ from engine.errors import StrataError
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse `WHAT ...`, run that benchmark; a StrataError is one line on stderr and exit 2."""
     parser = argparse.ArgumentParser(prog="python -m engine.bench", description=cli_bench.__doc__.splitlines()[0])
     cli_bench.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from engine.bench.common import device_of, emit, random_prompt, save_partial
-from engine.bench.engine_driver import BenchEngine, build_engine
+from engine.bench.engine_driver import BenchEngine, EngineDied, build_engine
 
 TARGET_RATIO = 0.5
 _CONTEXT_MARGIN_TOKENS = 64
@@ -32,7 +32,7 @@ def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any,
     start = time.perf_counter()
     while not until(steps):
         if steps >= max_steps:
-            raise RuntimeError(f"the engine made no progress in {steps} steps (admission benchmark)")
+            raise EngineDied(f"no progress in {steps} steps (admission benchmark)")
         t0 = time.perf_counter()
         bench.step()
         longest_s = max(longest_s, time.perf_counter() - t0)
@@ -41,6 +41,7 @@ def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any,
 
 
 def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, seed: int) -> dict[str, Any]:
+    """One admission: baseline rate of the short slots, then their rate while `long_tokens` are prefilled."""
     vocab = bench.engine.lm.config.vocab_size
     context = bench.config.context
     max_tokens = context - args.short_prompt_tokens
@@ -72,6 +73,7 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure each long prompt length on one engine; print the table, write the JSON."""
     device = device_of(args.device)
     longest = max(args.long_tokens)
     bench = build_engine(args, batch=args.slots + 1, context=longest + _CONTEXT_MARGIN_TOKENS)

@@ -37,6 +37,7 @@ def device_of(name: str) -> torch.device:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for queued kernels (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

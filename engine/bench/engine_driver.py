@@ -18,9 +18,18 @@ from engine.api import SamplingParams
 from engine.bench.common import device_of, prepare_model
 from engine.cli_options import config_from_args
 from engine.config import EngineConfig
+from engine.errors import StrataError
 from engine.executor import EagerExecutor
 from engine.request import Request
 from engine.telemetry import EventBus
+
+
+class EngineDied(StrataError):
+    """The engine stopped during a benchmark; carries its own health reason (the real error)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"the engine died during the benchmark: {reason}")
 
 
 @dataclass
@@ -94,15 +103,17 @@ class BenchEngine:
         return executor.snapshot() if hasattr(executor, "snapshot") else {"graphs": [], "total_mib": 0.0}
 
     def add(self, prompt: list[int], max_tokens: int) -> Request:
+        """Queue one greedy request that generates exactly `max_tokens` (EOS ignored)."""
         self._ids += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return self.engine.add_request(f"bench-{self._ids}", prompt, params)
 
     def step(self) -> list[Any]:
+        """One engine step; raises EngineDied (with the engine's reason) if the step killed it."""
         outputs = self.engine.step()
         health = self.engine.health()
         if not health.ready:
-            raise RuntimeError(f"engine died during the benchmark: {health.reason}")
+            raise EngineDied(health.reason)
         return outputs
 
     def close(self) -> None:
@@ -146,8 +157,7 @@ def generate_all(bench: BenchEngine, prompts: list[list[int]], max_tokens: int) 
         bench.step()
         steps += 1
         if steps > max_steps:
-            raise RuntimeError(f"the engine made no progress: {steps} steps for {len(prompts)} requests "
-                               f"of {max_tokens} tokens")
+            raise EngineDied(f"no progress: {steps} steps for {len(prompts)} requests of {max_tokens} tokens")
         now = time.perf_counter()
         for r in reqs:
             if r.request_id not in first_token_s and r.num_output_tokens:

@@ -33,6 +33,7 @@ def per_kind(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run each batch through a graph-cache engine, then summarize its snapshot per kind."""
     device = device_of(args.device)
     bench = build_engine(args, graph_cache_on_cpu=True, graphs=True, batch=max(args.batches),
                          context=args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS)

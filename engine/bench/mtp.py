@@ -45,6 +45,7 @@ def prompts_for(bench: BenchEngine, source: str, batch: int, n_tokens: int) -> l
 
 
 def measure(args: argparse.Namespace, mtp: bool) -> tuple[list[dict[str, Any]], dict[int, list[list[int]]]]:
+    """Rows (and the generated tokens per batch size) for MTP drafting off or on."""
     bench = build_engine(args, batch_mtp=mtp, batch=max(args.batches),
                          context=args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS)
     rows, outputs = [], {}
@@ -67,6 +68,7 @@ def measure(args: argparse.Namespace, mtp: bool) -> tuple[list[dict[str, Any]], 
 
 
 def run(args: argparse.Namespace) -> int:
+    """MTP off, then on; speedups, tokens per step and the same-tokens check; print, write the JSON."""
     device = device_of(args.device)
     off_rows, off_out = measure(args, mtp=False)
     on_rows, on_out = measure(args, mtp=True)

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 
 
 def format_value(value: Any) -> str:
+    """A value as a table cell: None as '-', floats to ~4 significant digits."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -57,6 +58,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    """`key  value` lines, keys aligned."""
     width = max((len(k) for k in summary), default=0)
     return "\n".join(f"{k.ljust(width)}  {format_value(v)}" for k, v in summary.items())
 
@@ -70,6 +72,7 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def document(bench: str, rows: list[dict[str, Any]], summary: dict[str, Any], env: dict[str, Any],
              params: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document every benchmark writes."""
     return {"bench": bench, "env": env, "params": params, "rows": rows, "summary": summary}
 
 

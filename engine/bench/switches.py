@@ -28,6 +28,7 @@ def chosen(only: str) -> list[str]:
 
 
 def measure(args: argparse.Namespace, name: str, on: bool) -> list[dict[str, Any]]:
+    """Rows for one switch in one state, on a fresh engine."""
     prompt_tokens = args.long_prompt_tokens if name in LONG_CONTEXT_SWITCHES else args.prompt_tokens
     bench = build_engine(args, switches={name: on}, batch=max(args.batches),
                          context=prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS)
@@ -48,6 +49,7 @@ def measure(args: argparse.Namespace, name: str, on: bool) -> list[dict[str, Any
 
 
 def run(args: argparse.Namespace) -> int:
+    """Each chosen switch off then on; speedups in the summary; print, write the JSON."""
     device = device_of(args.device)
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}

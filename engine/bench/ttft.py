@@ -23,6 +23,7 @@ def _graph_count(bench: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """TTFT of each prompt size, smallest first, on one engine; print the table, write the JSON."""
     device = device_of(args.device)
     sizes = sorted(args.prompt_sizes)
     bench = build_engine(args, batch=1, context=sizes[-1] + _CONTEXT_MARGIN_TOKENS)

@@ -85,8 +85,11 @@ class Tokenizer:
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # The same environment Hugging Face renders chat templates in, so their templates work unchanged.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
         return self._template.render(
             messages=messages,
@@ -101,6 +104,19 @@ class Tokenizer:
 
 
 _MAX_PARTIAL_IDS = 3
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _raise_template_error(message: str) -> None:

@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import collect_results  # noqa: E402
 
-EXPECTED = ("decode", "peers", "mtp", "admission", "ttft", "graphs", "graphs_mtp", "switches", "peers_compile")
+EXPECTED = ("decode", "peers", "mtp", "mtp_depth2", "admission", "ttft", "graphs", "graphs_mtp", "switches",
+            "peers_compile")
 
 
 def _doc(rows: list[dict], partial: bool = False) -> dict:
@@ -53,6 +54,7 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
     assert summary["figures"]["vs_hf_eager_b1"] == 50.0 and met["Strata / HF eager, batch 1"] is False
     assert summary["figures"]["fraction_of_floor"] == 1700.0 / 4000.0
     assert summary["figures"]["mtp_speedup_b1"] == 1.4 and met["MTP speedup, batch 1"] is False
+    assert summary["figures"]["mtp_acceptance_b1"] == [0.6, 0.3]
     assert summary["figures"]["admission_ratio"] == 0.45
     assert summary["figures"]["hf_static_compile_b1_error"] == "RuntimeError: boom"
     assert summary["partial"] == ["peers"] and "ttft" in summary["missing"]

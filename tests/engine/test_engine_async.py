@@ -60,6 +60,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 async def test_generate_streams_increments_for_concurrent_requests(ckpt):
     async with running(ckpt, batch=2) as engine:
         assert isinstance(engine, EngineClient)
+        assert engine.vocab_size == 512 and engine.context_tokens == 1024
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         prompts = random_prompts(3, seed=20)
         results = await asyncio.gather(*[_collect(engine, f"q{i}", p, params) for i, p in enumerate(prompts)])
@@ -110,6 +111,7 @@ async def test_cancelling_the_iterator_aborts_the_request_within_a_step(ckpt):
 async def test_live_controls_reserve_and_switch(ckpt):
     async with running(ckpt, batch=1) as engine:
         assert await engine.set_vram_reserve(2048) == 2048
+        assert engine.state()["vram"][0]["reserve_mib"] == 2048
         state = await engine.set_switch("SPLIT_ATTN", True)
         assert state.enabled
         assert any(s["name"] == "SPLIT_ATTN" and s["enabled"] for s in engine.state()["switches"])
@@ -124,3 +126,27 @@ async def test_a_failed_load_reports_dead_with_the_reason(tmp_path):
     with pytest.raises(EngineDead):
         await _collect(engine, "x", [1, 2], SamplingParams())
     await engine.shutdown()
+
+
+async def test_a_step_failure_ends_the_stream_with_the_error_and_health_goes_dead(ckpt):
+    from engine.executor import EagerExecutor
+
+    class Broken(EagerExecutor):
+        def run(self, kind, key, fn, inputs, owner=None):
+            if kind == "decode":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return fn(inputs)
+
+    def factory(cfg, bus):
+        return Engine(cfg, bus, executor=Broken(), tier_budget_mib=8.0, block_tokens=16)
+
+    engine = AsyncEngine(small_config(ckpt, batch=1), EventBus(), engine_factory=factory)
+    assert (await engine.ready(timeout_s=60)).ready
+    outs = await _collect(engine, "x", [5] * 20, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert outs[-1].finished and outs[-1].finish_reason == "error" and "illegal memory access" in outs[-1].error
+    health = engine.health()
+    assert not health.ready and "illegal memory access" in health.reason
+    with pytest.raises(EngineDead):
+        await _collect(engine, "y", [5] * 20, SamplingParams(max_tokens=2))
+    await engine.shutdown()
+    assert engine.health().reason.startswith("dead:")  # a dead engine stays dead after shutdown

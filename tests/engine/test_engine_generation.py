@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
-from engine.errors import ConfigError, MaxTokensTooLarge, PromptTooLong
+from engine.errors import ConfigError, MaxTokensTooLarge, PromptTooLong, RequestRejected
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, one_thread, small_config as small_config_for, random_prompts, run_all, shared_lively_checkpoint, tokens_of
 
@@ -140,6 +140,10 @@ def test_requests_that_cannot_fit_are_rejected_with_the_numbers(ckpt):
         engine.add_request("x", [5] * 257, GREEDY)
     with pytest.raises(MaxTokensTooLarge):
         engine.add_request("y", [5] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestRejected, match="token id 512 is outside") as info:
+        engine.add_request("z", [5, 512], SamplingParams(max_tokens=4))
+    assert info.value.param == "prompt"
+    assert not engine.has_work
 
 
 def test_a_kv_cache_that_cannot_fit_is_a_config_error_naming_mib(ckpt):
@@ -156,3 +160,19 @@ def test_generate_text_returns_text_and_stats(ckpt):
                                                                                      ignore_eos=True))
     assert stats["completion_tokens"] == 6 and stats["finish_reason"] == "length"
     assert stats["prompt_tokens"] > 0 and isinstance(text, str) and text
+
+
+def test_batch_mtp_on_a_checkpoint_without_an_mtp_head_is_a_config_error(make_checkpoint):
+    plain = make_checkpoint(arch="qwen3")
+    with pytest.raises(ConfigError, match="no MTP head") as info:
+        make_engine(plain, batch=1, batch_mtp=True)
+    assert info.value.param == "batch_mtp"
+
+
+def test_fused_chunk_attention_gives_the_same_tokens_as_the_default_path(ckpt):
+    """The CUDA prefill path (bottom-right-aligned fused causal attention over the chunk), forced on CPU."""
+    prompts = random_prompts(3, seed=12, lengths=(70, 200))
+    plain = tokens_of(run_all(make_engine(ckpt, batch=3), prompts, GREEDY))
+    fused = make_engine(ckpt, batch=3, batch_mtp=True, mtp_depth=2)
+    fused.kv.fused_prefill = True
+    assert tokens_of(run_all(fused, prompts, GREEDY)) == plain

@@ -37,7 +37,7 @@ def _fill(cache, slot, layer, length, gen):
     return k[0], v[0]
 
 
-@pytest.mark.parametrize("path", ["sdpa", "split", "blocked"])
+@pytest.mark.parametrize("path", ["sdpa", "split", "blocked", "fused_chunk"])
 def test_attention_paths_match_dense_reference(path):
     gen = torch.Generator().manual_seed(0)
     cache = _cache()
@@ -48,6 +48,10 @@ def test_attention_paths_match_dense_reference(path):
         cache.split_tokens = 128
     if path == "blocked":
         cache.block_scores_bytes = 1  # every multi-token forward takes the block loop
+    if path == "fused_chunk":
+        cache.fused_prefill = True  # the CUDA flash path; on CPU torch runs the same math unfused
+        _check_chunk(cache, written[0], gen)
+        return
     t = 12 if path == "blocked" else 2
     q = torch.randn(2, 4, t, 16, generator=gen)
     k_new = torch.randn(2, 2, t, 16, generator=gen)
@@ -59,6 +63,21 @@ def test_attention_paths_match_dense_reference(path):
     vs = [torch.cat([written[0][1], v_new[0]], 1), torch.cat([written[2][1], v_new[1]], 1)]
     ref = _reference(q, ks, vs, positions)
     assert torch.allclose(out, ref, atol=1e-4), (out - ref).abs().max()
+
+
+def _check_chunk(cache, written, gen):
+    """A 12-token chunk at position 530 padded to 16 rows: the real rows match dense attention."""
+    n, tb, start = 12, 16, 530
+    q = torch.randn(1, 4, tb, 16, generator=gen)
+    k_new = torch.randn(1, 2, tb, 16, generator=gen)
+    v_new = torch.randn(1, 2, tb, 16, generator=gen)
+    positions = torch.cat([torch.arange(start, start + n), torch.arange(600, 600 + tb - n)]).view(1, -1)  # pads: scratch
+    cache.bind_chunk(torch.tensor([0]), 560, start, tb)
+    out = cache.attend(1, q, k_new, v_new, positions)
+    ks = [torch.cat([written[0], k_new[0, :, :n]], 1)]
+    vs = [torch.cat([written[1], v_new[0, :, :n]], 1)]
+    ref = _reference(q[:, :, :n], ks, vs, positions[:, :n])
+    assert torch.allclose(out[:, :, :n], ref, atol=1e-4), (out[:, :, :n] - ref).abs().max()
 
 
 def test_stale_kv_past_a_rolled_back_position_is_invisible():

@@ -58,3 +58,36 @@ def test_mtp_sampling_with_temperature_completes_and_tracks_acceptance_per_posit
         assert len(req.draft_proposed) == 3
         # Acceptance is a prefix: a later draft position is never accepted more often than an earlier one.
         assert req.draft_accepted[0] >= req.draft_accepted[1] >= req.draft_accepted[2]
+
+
+@pytest.fixture(scope="module")
+def text_prompts():
+    from engine.model import resolve_model_path
+    from engine.model.tokenizer import Tokenizer
+
+    path = resolve_model_path("builtin:strata-tiny")
+    if not (path / "heldout_sample.txt").exists():
+        pytest.skip("strata-tiny has no held-out sample")
+    tok = Tokenizer.from_dir(path)
+    words = (path / "heldout_sample.txt").read_text().split()
+    return [tok.encode(" ".join(words[i * 37: i * 37 + 25])) for i in range(20)]
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_mtp_is_lossless_on_the_trained_strata_tiny(text_prompts, batch):
+    """The embedded model's trained MTP head: most drafts are accepted, output unchanged."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    def run(mtp: bool):
+        cfg = EngineConfig(model="builtin:strata-tiny", device="cpu", dtype="float32", batch=batch, context=512,
+                           prefill_chunk_tokens=64, step_token_budget=128, batch_mtp=mtp, mtp_depth=2)
+        bus = EventBus(history=100000)
+        engine = Engine(cfg, bus, tier_budget_mib=16.0, block_tokens=16)
+        return tokens_of(run_all(engine, text_prompts, GREEDY)), engine, bus
+
+    plain, _, _ = run(False)
+    with_mtp, engine, bus = run(True)
+    assert engine.mtp_on
+    assert with_mtp == plain
+    assert _accepted_drafts(engine, bus) > 0.5

@@ -56,3 +56,16 @@ def test_speculative_rejection_sampling_preserves_the_target_distribution():
     freq = torch.bincount(first, minlength=4).float() / n
     assert torch.allclose(freq, target, atol=0.025), freq
     assert 0.2 < sum(res.accepted) / n < 0.3  # accepted with probability p(draft) = 0.25
+
+
+def test_greedy_rows_give_the_same_result_on_the_general_path_in_a_mixed_batch():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 30, generator=gen)
+    best = logits.argmax(-1)
+    drafts = torch.stack([best[0, :3].clone(), best[1, :3].clone()])
+    drafts[0, 2] = (drafts[0, 2] + 1) % 30  # row 0: third draft wrong
+    fast = sample_with_drafts(logits[:1], drafts[:1], [SamplingParams(temperature=0.0)], [make_generator(0)])
+    mixed = sample_with_drafts(logits, drafts, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
+                               [make_generator(0), make_generator(1)])
+    assert fast.accepted[0] == mixed.accepted[0] == 2
+    assert fast.tokens[0] == mixed.tokens[0] == best[0, :3].tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.api import SamplingParams
 from engine.executor import EagerExecutor
 from engine.runner import Row, pow2_bucket, switch_for_key
 from tests.engine.engine_helpers import make_engine, one_thread, shared_lively_checkpoint
@@ -62,11 +63,13 @@ def test_span_bucket_follows_the_longest_row_and_caps_at_the_context(ckpt):
     assert r.span_bucket(1) == 256 and r.span_bucket(257) == 512 and r.span_bucket(599) == 600
 
 
-def test_chunk_keys_are_static_per_bucket(ckpt):
+def test_prompt_chunks_run_eagerly_and_drafter_keys_are_static_per_bucket(ckpt):
     executor = RecordingExecutor()
-    engine = make_engine(ckpt, batch=1, executor=executor, prefill_chunk_tokens=64)
-    with torch.inference_mode():
-        engine.runner.prefill(0, list(range(3, 40)), 0)
-        engine.runner.prefill(0, list(range(3, 53)), 37)
-    keys = [(kind, key) for kind, key, _ in executor.calls]
-    assert keys == [("prefill", ("t64", "L256")), ("prefill", ("t64", "L256"))]
+    engine = make_engine(ckpt, batch=1, executor=executor, prefill_chunk_tokens=64, batch_mtp=True, mtp_depth=2)
+    engine.add_request("p", list(range(3, 103)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+    kinds = [kind for kind, _, _ in executor.calls]
+    assert "prefill" not in kinds  # main-model chunks bypass the graph cache
+    assert [key for kind, key, _ in executor.calls if kind == "draft_prefill"] == [("t64", "L256")] * 2
+    assert {"verify", "draft_round", "draft_step"} <= set(kinds)

@@ -63,6 +63,21 @@ async def test_seed_runs_shorts_then_a_fresh_long_prompt_and_measures_the_slowdo
     assert {"model": "fake-model", "stream": True} == {k: server.bodies[0][k] for k in ("model", "stream")}
 
 
+async def test_seed_by_default_keeps_the_shorts_decoding_until_the_long_prompt_is_done() -> None:
+    server = FakeOpenAIServer(context_tokens=50_000, token_interval_s=0.002)
+    params = dict(SMALL_SEED)
+    del params["short_max_tokens"]  # default 0: until the long prompt is done
+    async with server.client() as http:
+        result = await run_scenario("seed", "http://fake", http_client=http, **params)
+    assert result.ok, result.errors
+    shorts = [r for r in result.requests if r.kind == "short"]
+    long = result.requests[-1]
+    assert all(b["max_tokens"] == 50_000 - 32 for b in server.bodies if len(b["prompt"]) == 32)
+    assert all(r.finish_reason == "cancelled" and r.error is None and r.completion_tokens > 0 for r in shorts)
+    assert all(r.end_s >= long.end_s for r in shorts), "stopped only after the long prompt finished"
+    assert result.metrics["decode_ratio"] is not None and not result.notes
+
+
 async def test_long_prompt_ids_stay_in_range_and_start_with_a_fresh_nonce() -> None:
     server = FakeOpenAIServer(vocab_size=1000)
     params = dict(SMALL_SEED, concurrency=1, short_max_tokens=2, delay_s=0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import pytest
 
 from engine.scenarios import run_scenario
@@ -69,14 +71,22 @@ async def test_reuse_against_the_real_engine_reports_a_cache_hit(server_url: str
 async def test_seed_against_the_real_engine_completes_and_stays_healthy(server_url: str) -> None:
     events: list[str] = []
     result = await run_scenario("seed", server_url, on_progress=lambda p: events.append(p.event), concurrency=3,
-                                short_prompt_tokens=16, short_max_tokens=300, delay_s=0.2, long_tokens=2500,
-                                long_max_tokens=2)
+                                short_prompt_tokens=16, delay_s=0.2, long_tokens=2500, long_max_tokens=2)
     assert result.ok, result.errors
     assert result.health_after.startswith("200")
     long = result.requests[-1]
     assert long.label == "long" and long.prompt_tokens == 2500 and long.cached_tokens == 0
-    assert all(r.completion_tokens == 300 for r in result.requests[:-1])
+    shorts = result.requests[:-1]
+    assert all(r.finish_reason == "cancelled" and 0 < r.completion_tokens < 4096 - 16 for r in shorts)
     assert events[-1] == "done" and events.count("finished") == 4
+    # Stopping the shorts closed their streams: the server must have aborted them and freed their slots.
+    async with httpx.AsyncClient() as http:
+        for _ in range(50):
+            slots = (await http.get(server_url + "/strata/state")).json()["slots"]
+            if all(s["state"] == "idle" for s in slots):
+                break
+            await asyncio.sleep(0.1)
+    assert all(s["state"] == "idle" for s in slots), slots
 
 
 async def test_a_long_prompt_past_the_real_context_is_refused_up_front(server_url: str) -> None:

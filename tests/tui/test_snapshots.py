@@ -32,6 +32,13 @@ def snap_dir(utc) -> Path:
     shutil.rmtree(SNAP_CONFIG, ignore_errors=True)
 
 
+async def _settle(pilot) -> None:
+    """Handle every queued message, then draw now instead of waiting for the refresh tick (no timing races)."""
+    await pilot.pause()
+    pilot.app.screen.redraw(force=True)
+    await pilot.pause()
+
+
 def _gpu_minute(app) -> None:
     for second in range(60):
         used = 120_000.0 + 300 * second
@@ -50,7 +57,7 @@ def test_monitor_during_long_prompt_admission(snap_compare, snap_dir: Path) -> N
         _gpu_minute(app)
         app.post_message(EngineOutput(LOG))
         app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
-        await pilot.pause(0.6)
+        await _settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
@@ -82,6 +89,6 @@ def test_crash_panel(snap_compare, snap_dir: Path) -> None:
         app.post_message(TelemetryBatch(recorded("crash_run.jsonl")))
         await pilot.pause(0.3)
         app.post_message(EngineExited(1, False, None, app.run_id))
-        await pilot.pause(0.6)
+        await _settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
