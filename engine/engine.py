@@ -170,6 +170,12 @@ class Engine:
         self._slot_event(req, admission.slot, "prefill", now_s)
 
     def _decode(self, reqs: list[Request], outputs: list[RequestOutput]) -> None:
+        """Decode (or verify) every decoding slot: one batched forward per group of similar lengths."""
+        extra = self.runner.mtp_depth + 1 if self.mtp_on else 1
+        for group in self.runner.span_groups([req.num_tokens - 1 + extra for req in reqs]):
+            self._decode_group([reqs[i] for i in group], outputs)
+
+    def _decode_group(self, reqs: list[Request], outputs: list[RequestOutput]) -> None:
         rows = [Row(req.slot, req.output_token_ids[-1], req.num_tokens - 1) for req in reqs]
         tracks = [self._tracks[req.request_id] for req in reqs]
         params = [req.params for req in reqs]

@@ -67,11 +67,12 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
     tier, budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, tier_device, tier_budget_mib)
     # Only a tier on the compute device can make room there (graph captures, an out-of-memory step).
     release = tier.release if tier_device == device else _release_nothing
+    make_room = budgets[0].make_room if tier_device == device else _release_nothing
     sched = Scheduler.from_config(config, index, draft_tokens=depth)
     if executor is None:
         executor = _default_executor(config, bus, board, release, device)
     runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
-    runner.release_memory = release
+    runner.release_memory = make_room
     runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
     drafter = None
     if depth:

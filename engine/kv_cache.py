@@ -29,6 +29,8 @@ from torch.nn.attention.bias import causal_lower_right
 KV_STORAGE = ("bf16", "int8")
 # Scores scratch one blocked-attention step may use (B x Hq x T x block x 4 bytes).
 _BLOCK_SCORES_BYTES = 256 << 20
+# Keys + values one read may copy (gathered by slot, dequantized): longer spans are read block by block.
+_BLOCK_KV_BYTES = 128 << 20
 _MIN_BLOCK_TOKENS = 256
 _SPLIT_TOKENS = 1024  # keys per split in the split-KV decode path
 _INT8_MAX = 127.0
@@ -100,6 +102,7 @@ class SlotKVCache:
         self.split_attn = False
         # Tunable so tests reach the blocked and split paths at small sizes.
         self.block_scores_bytes = _BLOCK_SCORES_BYTES
+        self.block_kv_bytes = _BLOCK_KV_BYTES
         self.split_tokens = _SPLIT_TOKENS
         self.fused_prefill: bool | None = None  # None: decide per device (flash on CUDA), see _fused_prefill_ok
         self._causal_keys: int | None = None
@@ -151,12 +154,17 @@ class SlotKVCache:
             kk, vv = self._read(layer_idx, slots, 0, self._causal_keys)
             return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(t, kk.shape[2]),
                                                   enable_gqa=q.shape[1] != kk.shape[1])
-        if t > 8 and _scores_bytes(q, span) > self.block_scores_bytes:
+        if self.split_attn and t <= 8 and span > self.split_tokens:
+            kk, vv = self._read(layer_idx, slots, 0, span)  # the switch's cost: scratch that grows with context
+            return split_kv_attention(q, kk, vv, positions, self.split_tokens)
+        if (t > 8 and _scores_bytes(q, span) > self.block_scores_bytes) or self._gather_bytes(q, span) > self.block_kv_bytes:
             return self._blocked(layer_idx, q, slots, positions, span)
         kk, vv = self._read(layer_idx, slots, 0, span)
-        if self.split_attn and span > self.split_tokens:
-            return split_kv_attention(q, kk, vv, positions, self.split_tokens)
         return masked_sdpa(q, kk, vv, positions)
+
+    def _gather_bytes(self, q: torch.Tensor, n_keys: int) -> int:
+        """Bytes of the dequantized key + value copy one read of `n_keys` keys for this batch makes."""
+        return 2 * q.shape[0] * self.geometry.num_kv_heads * n_keys * self.geometry.head_dim * q.element_size()
 
     def _fused_prefill_ok(self, layer: int, q: torch.Tensor) -> bool:
         """Whether a chunk may use fused (flash) causal attention: on CUDA when the flash kernel accepts these
@@ -199,7 +207,9 @@ class SlotKVCache:
 
     def _blocked(self, layer: int, q: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         b, hq, t, d = q.shape
-        block = max(_MIN_BLOCK_TOKENS, self.block_scores_bytes // max(1, b * hq * t * 4))
+        by_scores = self.block_scores_bytes // max(1, b * hq * t * 4)
+        by_copy = self.block_kv_bytes // max(1, self._gather_bytes(q, 1))
+        block = max(_MIN_BLOCK_TOKENS, min(by_scores, by_copy))
         state = OnlineSoftmax.start(q, self.geometry.num_kv_heads, positions)
         for start in range(0, span, block):
             end = min(span, start + block)

@@ -25,6 +25,7 @@ from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, SwitchEvent, WarningEvent
 
 MIN_SPAN_TOKENS = 256
+GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
 MIN_CHUNK_TOKENS = 16
 SPLIT_SWITCH = "SPLIT_ATTN"
 _DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step")
@@ -134,6 +135,21 @@ class ModelRunner:
     def span_bucket(self, end_tokens: int) -> int:
         """The length bucket for keys [0, end_tokens): a power of two, capped at the context."""
         return min(pow2_bucket(end_tokens, MIN_SPAN_TOKENS), self.context_tokens)
+
+    def span_groups(self, end_tokens: list[int]) -> list[list[int]]:
+        """Indices of rows to batch together: rows whose length buckets are within GROUP_SPAN_RATIO of the
+        group's shortest. One long slot then costs its own forward (one more read of the weights) instead of
+        every short slot reading (and copying) keys up to the long slot's bucket."""
+        order = sorted(range(len(end_tokens)), key=lambda i: end_tokens[i])
+        groups: list[list[int]] = []
+        first_span = 0
+        for i in order:
+            span = self.span_bucket(end_tokens[i])
+            if not groups or span > GROUP_SPAN_RATIO * first_span:
+                groups.append([])
+                first_span = span
+            groups[-1].append(i)
+        return groups
 
     def stage(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """Host values -> device tensor; through a pinned buffer and a non-blocking copy with PINNED_STAGING."""

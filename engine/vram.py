@@ -214,6 +214,9 @@ class VramBudget:
     kv_mib: float
     tier: AdaptiveTier | None = None
     graphs_mib: float = 0.0
+    # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
+    # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
+    headroom_mib: float = 0.0
 
     def breakdown(self) -> VramEvent:
         total, free = device_memory_mib(self.device)
@@ -225,7 +228,16 @@ class VramBudget:
     def tier_room_mib(self) -> float:
         """How far the tier may grow (positive) or must shrink (negative) to keep the reserve free (CUDA)."""
         _, free = device_memory_mib(self.device)
-        return free - self.reserve_mib
+        return free - self.reserve_mib - self.headroom_mib
+
+    def make_room(self, mib: float, reason: str) -> float:
+        """Free `mib` from the tier for a step that ran out of memory, and keep that much free from now on
+        (bounded by 4x the reserve) so the tier does not regrow into it. Returns the MiB freed."""
+        if self.tier is None:
+            return 0.0
+        freed = self.tier.release(mib, reason)
+        self.headroom_mib = min(self.headroom_mib + freed, 4 * max(self.reserve_mib, 256.0))
+        return freed
 
     def rebalance(self, reason: str = "rebalance") -> None:
         """On CUDA: shrink the tier when the reserve is not free, grow it into room worth a few blocks."""

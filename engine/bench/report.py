@@ -82,18 +82,22 @@ def write_json(path: str | os.PathLike[str], doc: dict[str, Any]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name, dir=target.parent)
     with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=2, default=_jsonable)
+        json.dump(_clean(doc), fh, indent=2, default=str, allow_nan=False)
         fh.write("\n")
+    os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; results are meant to be read by whoever collects them
     os.replace(tmp, target)
     return target
 
 
-def _jsonable(value: Any) -> Any:
+def _clean(value: Any) -> Any:
+    """Strict JSON: NaN/inf (a rate over zero time) become null; tuples and sets become lists."""
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return None
-    if isinstance(value, (set, tuple)):
-        return list(value)
-    return str(value)
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_clean(v) for v in value]
+    return value
 
 
 def print_report(doc: dict[str, Any], columns: Iterable[str] | None = None, out: Any = None) -> None:

@@ -162,6 +162,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "strata"
     max_model_len: int
+    vocab_size: int | None = None  # token-id prompts must stay below it (the load scenarios read it)
 
 
 class ModelList(BaseModel):

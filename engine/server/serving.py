@@ -65,7 +65,9 @@ class Serving:
     # --- models and lifecycle ------------------------------------------------------------------------------
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.client.model_name, max_model_len=self.client.context_tokens)])
+        vocab = getattr(self.client, "vocab_size", None)
+        card = ModelCard(id=self.client.model_name, max_model_len=self.client.context_tokens, vocab_size=vocab)
+        return ModelList(data=[card])
 
     @property
     def inflight_count(self) -> int:

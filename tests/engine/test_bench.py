@@ -88,12 +88,21 @@ def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: 
 def test_graphs_reports_each_kind_from_the_cache_snapshot(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["graphs", *TINY, "--batches", "1,2", "--prompt-tokens", "16", "--new-tokens", "6"])
     kinds = {r["kind"]: r for r in doc["rows"]}
-    assert "decode" in kinds and "prefill" in kinds
+    assert "decode" in kinds
+    assert set(kinds) <= {"decode", "verify", "prefill", "draft_prefill", "draft_round", "draft_step"}
     snapshot_graphs = doc["snapshot"]["graphs"]
     assert doc["summary"]["graphs"] == len(snapshot_graphs) == sum(r["graphs"] for r in doc["rows"])
     assert kinds["decode"]["graphs"] >= 2  # batch buckets 1 and 2 are different graphs
     assert all(r["capture_ms"] > 0 and r["replays"] >= 0 for r in doc["rows"])
     assert doc["summary"]["degraded"] == 0
+
+
+def test_graphs_with_mtp_drafting_reports_the_drafter_kinds(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["graphs", "--model", "random:tiny+mtp", "--device", "cpu", "--batch-mtp", "--mtp-depth",
+                           "2", "--batches", "1", "--prompt-tokens", "16", "--new-tokens", "6"])
+    kinds = {r["kind"] for r in doc["rows"]}
+    assert {"verify", "draft_round", "draft_step"} <= kinds  # depth 2: a round, then one chained step
+    assert doc["summary"]["mtp_active"] is True
 
 
 def test_switches_runs_each_chosen_switch_off_then_on(tmp_path: Path) -> None:
@@ -157,3 +166,15 @@ def test_an_engine_that_dies_mid_benchmark_is_one_clear_error(tmp_path: Path, mo
                               "--json", str(tmp_path / "g.json")])
     with pytest.raises(EngineDied, match="died during the benchmark: .*illegal memory access"):
         cli_bench.run(args)
+
+
+def test_report_table_and_json_writing(tmp_path: Path) -> None:
+    from engine.bench.report import format_table, write_json
+
+    table = format_table([{"a": 1, "b": 1234.5678}, {"a": None, "c": 0.000123}])
+    header, rule, first, second = table.splitlines()
+    assert header.split() == ["a", "b", "c"] and set(rule) <= {"-", " "}
+    assert first.split() == ["1", "1,235", "-"] and second.split() == ["-", "-", "1.23e-04"]
+    path = write_json(tmp_path / "deep" / "r.json", {"x": float("nan"), "t": (1, 2)})
+    assert json.loads(path.read_text()) == {"x": None, "t": [1, 2]}
+    assert list(path.parent.iterdir()) == [path]  # no temp file left behind

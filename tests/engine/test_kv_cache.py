@@ -37,7 +37,7 @@ def _fill(cache, slot, layer, length, gen):
     return k[0], v[0]
 
 
-@pytest.mark.parametrize("path", ["sdpa", "split", "blocked", "fused_chunk"])
+@pytest.mark.parametrize("path", ["sdpa", "split", "blocked", "blocked_decode", "fused_chunk"])
 def test_attention_paths_match_dense_reference(path):
     gen = torch.Generator().manual_seed(0)
     cache = _cache()
@@ -48,6 +48,8 @@ def test_attention_paths_match_dense_reference(path):
         cache.split_tokens = 128
     if path == "blocked":
         cache.block_scores_bytes = 1  # every multi-token forward takes the block loop
+    if path == "blocked_decode":
+        cache.block_kv_bytes = 1  # a decode whose key copy would be too big reads block by block
     if path == "fused_chunk":
         cache.fused_prefill = True  # the CUDA flash path; on CPU torch runs the same math unfused
         _check_chunk(cache, written[0], gen)

@@ -73,3 +73,28 @@ def test_prompt_chunks_run_eagerly_and_drafter_keys_are_static_per_bucket(ckpt):
     assert "prefill" not in kinds  # main-model chunks bypass the graph cache
     assert [key for kind, key, _ in executor.calls if kind == "draft_prefill"] == [("t64", "L256")] * 2
     assert {"verify", "draft_round", "draft_step"} <= set(kinds)
+
+
+def test_rows_of_very_different_lengths_decode_in_separate_forwards(ckpt):
+    engine = make_engine(ckpt, batch=2, context=8192)
+    r = engine.runner
+    assert r.span_groups([10, 300, 2000]) == [[0, 1, 2]]  # 256..2048: within 8x
+    assert r.span_groups([5000, 10, 1500]) == [[1, 2], [0]]  # 8192 is 32x the 256 bucket
+    assert r.span_groups([]) == []
+
+
+def test_a_long_and_a_short_slot_decode_correctly_in_separate_groups(ckpt):
+    from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+
+    executor = RecordingExecutor()
+    prompts = [random_prompts(1, seed=70, lengths=(2100, 2101))[0], random_prompts(1, seed=71, lengths=(10, 11))[0]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    grouped = make_engine(ckpt, batch=2, context=4096, prefill_chunk_tokens=512, step_token_budget=1024,
+                          executor=executor)
+    got = tokens_of(run_all(grouped, prompts, params))
+    alone = {f"r{i}": tokens_of(run_all(make_engine(ckpt, batch=1, context=4096, prefill_chunk_tokens=512,
+                                                    step_token_budget=1024), [p], params))["r0"]
+             for i, p in enumerate(prompts)}
+    assert got == alone
+    decode_keys = {key for kind, key, _ in executor.calls if kind == "decode"}
+    assert ("b1", "L256") in decode_keys and ("b1", "L4096") in decode_keys

@@ -108,3 +108,13 @@ def test_gpu_tier_grows_into_free_vram_and_shrinks_for_the_reserve():
     budget.set_reserve(int(budget.reserve_mib + 2048))
     assert tier.mib <= before - 2048 + tier.block_mib
     assert budget.tier_room_mib() >= -tier.block_mib
+
+
+def test_make_room_frees_tier_memory_and_keeps_it_as_headroom():
+    tier, index, kv, _ = _tier(preallocate=True, budget_blocks=8)
+    budget = VramBudget(torch.device("cpu"), reserve_mib=1.0, weights_mib=0, kv_mib=kv.mib, tier=tier)
+    freed = budget.make_room(3 * tier.block_mib, "prefill step out of memory")
+    assert freed == pytest.approx(3 * tier.block_mib) and tier.capacity_blocks == 5
+    assert budget.headroom_mib == pytest.approx(freed)
+    budget.make_room(1000 * tier.block_mib, "again")
+    assert budget.headroom_mib <= 4 * 256.0  # bounded: one bad step cannot starve the tier for good
