@@ -113,7 +113,11 @@ class AsyncEngine:
             self._require_engine().add_request(rid, list(request.prompt_token_ids), request.params)
             self._queues[rid] = (loop, queue)
 
-        await self._call(add)
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            self._submit(lambda: self._abort_now(rid))  # the add may still run: take it back
+            raise
         finished = False
         try:
             while True:
@@ -203,6 +207,8 @@ class AsyncEngine:
                     fut.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                     fut.set_exception(exc)
+            if self.engine is not None and not self.engine.has_work and not commands:
+                self.engine.idle_tick()
             if self.engine is not None and self.engine.has_work:
                 try:
                     self._deliver(self.engine.step())

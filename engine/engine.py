@@ -5,8 +5,10 @@ batched decode (or MTP verify + draft round) of every decoding slot, the plan's 
 cache fills. It returns the RequestOutput increments of that step (text detokenized, stop strings cut).
 
 Not thread-safe: one thread steps it (engine.async_engine.AsyncEngine runs it in its engine thread).
-Any exception inside a step is fatal for now: an ErrorEvent with the real message (walking __cause__ and
-__context__), health "dead: ...", and every request finished with the error.
+Failures, from mild to fatal: a graph that cannot be captured degrades its switch or turns MTP off (runner);
+an eager out-of-memory gets room from the tier and is retried once (runner); anything else inside a step is
+fatal: an ErrorEvent with the real message (the __cause__/__context__ chain, "no error" links skipped),
+health "dead: ...", and every request finished with the error.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.runner import MtpUnavailable, Row
 from engine.sampler import make_generator, sample_with_drafts
 from engine.scheduler import Admission, PrefillChunk
 from engine.state import engine_state, slot_event
+from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, ErrorEvent, EventBus, SlotEvent, WarningEvent
 
 SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
@@ -122,15 +125,22 @@ class Engine:
         return self._close(track, "abort", slot)
 
     def set_vram_reserve(self, mib: int) -> int:
+        """Retune the reserve on every device live (the tier shrinks at once if the reserve is not free)."""
         for budget in self.budgets:
             budget.set_reserve(mib)
         self._publish_vram(force=True)
         return int(self.budget.reserve_mib)
 
-    def set_switch(self, name: str, enabled: bool):
+    def set_switch(self, name: str, enabled: bool) -> SwitchState:
+        """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""
         state = self.board.set_live(name, enabled)
         self.runner.on_switch_changed(state.name)
         return state
+
+    def idle_tick(self) -> None:
+        """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
+        if self._dead_reason is None:
+            self._publish_vram()
 
     # --- the step ------------------------------------------------------------------------------------------
 
@@ -350,7 +360,9 @@ def generate_text(config: EngineConfig, prompt: str, params: SamplingParams,
     stats = {
         "prompt_tokens": req.num_prompt_tokens, "completion_tokens": req.num_output_tokens,
         "cached_tokens": req.num_cached_tokens, "finish_reason": req.finish_reason,
-        "prefill_tok_s": req.prefill_tok_s, "decode_tok_s": req.decode_tok_s(),
+        "prefill_tok_s": req.prefill_tok_s(), "decode_tok_s": req.decode_tok_s(),
+        "acceptance_per_position": [req.acceptance_at(i) for i in range(len(req.draft_proposed))],
         "acceptance": req.acceptance, "mtp": engine.mtp_on, "elapsed_s": time.monotonic() - start_s,
+        "device": str(engine.device),
     }
     return "".join(pieces), stats

@@ -104,8 +104,9 @@ class SlotKVCache:
         self.block_scores_bytes = _BLOCK_SCORES_BYTES
         self.block_kv_bytes = _BLOCK_KV_BYTES
         self.split_tokens = _SPLIT_TOKENS
-        self.fused_prefill: bool | None = None  # None: decide per device (flash on CUDA), see _fused_prefill_ok
+        self.fused_prefill: bool | None = None  # None: decide per device (flash on CUDA), see chunk_fusable
         self._causal_keys: int | None = None
+        self._fusable: dict[tuple[int, int], bool] = {}
 
     # --- accounting ----------------------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class SlotKVCache:
         self._write(layer_idx, slots, k, v, positions)
         span = self._span
         t = q.shape[2]
-        if t > 8 and self._causal_keys is not None and self._fused_prefill_ok(layer_idx, q):
+        if self._causal_keys is not None:  # bound by bind_chunk, when chunk_fusable said yes
             kk, vv = self._read(layer_idx, slots, 0, self._causal_keys)
             return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(t, kk.shape[2]),
                                                   enable_gqa=q.shape[1] != kk.shape[1])
@@ -166,16 +167,21 @@ class SlotKVCache:
         """Bytes of the dequantized key + value copy one read of `n_keys` keys for this batch makes."""
         return 2 * q.shape[0] * self.geometry.num_kv_heads * n_keys * self.geometry.head_dim * q.element_size()
 
-    def _fused_prefill_ok(self, layer: int, q: torch.Tensor) -> bool:
-        """Whether a chunk may use fused (flash) causal attention: on CUDA when the flash kernel accepts these
-        shapes and dtypes (otherwise torch would materialize the whole mask: the blocked path is used).
-        `fused_prefill` True forces it (tests on CPU), False disables it."""
+    def chunk_fusable(self, num_heads: int, chunk_tokens: int) -> bool:
+        """Whether a prompt chunk may use fused (flash) causal attention through `bind_chunk`: on CUDA when the
+        flash kernel accepts the shapes and dtype (otherwise torch would materialize the whole mask, so the
+        blocked path is used instead). `fused_prefill` True forces it (tests on CPU), False disables it."""
         if self.fused_prefill is not None:
             return self.fused_prefill
-        if q.device.type != "cuda":
+        if self.device.type != "cuda" or chunk_tokens <= 8:
             return False
-        probe = self.k[layer][:1, :, :1].to(q.dtype)
-        return _flash_accepts(q, probe)
+        key = (num_heads, chunk_tokens)
+        if key not in self._fusable:
+            g = self.geometry
+            q = torch.zeros(1, num_heads, chunk_tokens, g.head_dim, dtype=self.compute_dtype, device=self.device)
+            k = torch.zeros(1, g.num_kv_heads, 1, g.head_dim, dtype=self.compute_dtype, device=self.device)
+            self._fusable[key] = _flash_accepts(q, k)
+        return self._fusable[key]
 
     # --- storage -------------------------------------------------------------------------------------------
 

@@ -120,8 +120,8 @@ class ModelRunner:
         self.pad_row = num_slots
         self.forwards = 0
         self._stager: PinnedStager | None = None
-        # Main-model prefill chunks run eagerly: a chunk's compute dwarfs launch overhead, and the fused chunk
-        # attention bakes the chunk's start into the step (so a graph of it would never be replayed).
+        # Prompt chunks that take the fused (flash) chunk attention run eagerly: it bakes the chunk's start
+        # into the step, so a graph of it would never be replayed (and a chunk's compute dwarfs launch cost).
         self._eager = EagerExecutor()
         # Where an out-of-memory step gets room before its one retry (the tier's release), and how much.
         self.release_memory: Callable[[float, str], float] | None = None
@@ -287,12 +287,15 @@ class ModelRunner:
         inputs = {"slots": self.stage([slot]), "tokens": self.stage([list(token_ids) + [0] * (tb - n)]),
                   "positions": self.stage([positions]), "last": self.stage([n - 1])}
 
-        def build(split: bool):
-            # `start` is in the key: the fused chunk attention bakes it in (see SlotKVCache.bind_chunk).
-            key = ("t%d" % tb, "L%d" % span, "s%d" % start) + (("split",) if split else ())
-            return key, self._forward_fn(span, split, last_only=True, chunk=(start, tb))
+        fused = self.kv.chunk_fusable(self.model.config.num_attention_heads, tb)
 
-        out = self.run("prefill", build, inputs, executor=self._eager)
+        def build(split: bool):
+            if fused:  # the fused chunk attention bakes `start` in (SlotKVCache.bind_chunk): eager, keyed by it
+                key = ("t%d" % tb, "L%d" % span, "s%d" % start) + (("split",) if split else ())
+                return key, self._forward_fn(span, split, last_only=True, chunk=(start, tb))
+            return ("t%d" % tb, "L%d" % span) + (("split",) if split else ()), self._forward_fn(span, split, True)
+
+        out = self.run("prefill", build, inputs, executor=self._eager if fused else None)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)
 
     def _forward_fn(self, span: int, split: bool, last_only: bool = False,

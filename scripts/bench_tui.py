@@ -74,9 +74,13 @@ async def send_load(url: str, slots: int, max_tokens: int) -> None:
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
         async def one(i: int) -> None:
-            body = {"model": "any", "prompt": [7 + i] * 32, "max_tokens": max_tokens, "temperature": 0.0}
-            await client.post("/v1/completions", json=body)
+            body = {"model": model, "prompt": [7 + i] * 32, "max_tokens": max_tokens, "temperature": 0.0}
+            response = await client.post("/v1/completions", json=body)
+            if response.status_code != 200:
+                print(f"request {i}: HTTP {response.status_code}: {response.text[:200]}", file=sys.stderr)
         await asyncio.gather(*(one(i) for i in range(slots)))
 
 
@@ -110,8 +114,14 @@ async def run(args: argparse.Namespace) -> dict:
             if app.crash is not None or time.monotonic() > deadline:
                 raise SystemExit(f"engine did not come up: {app.crash.error if app.crash else 'timeout'}")
             await pilot.pause(0.1)
-        load = asyncio.create_task(send_load(app.engine_url, args.slots, 100000)) if args.real_engine else None
+        # Long generations (the context minus the 32-token prompt) keep every slot decoding through the window.
+        max_tokens = profile.engine.context - 64
+        load = asyncio.create_task(send_load(app.engine_url, args.slots, max_tokens)) if args.real_engine else None
+        deadline = time.monotonic() + 120
         while sum(1 for s in app.monitor.slots.values() if s.state == "decode") < args.slots:
+            if time.monotonic() > deadline or (load is not None and load.done()):
+                states = {n: s.state for n, s in app.monitor.slots.items()}
+                raise SystemExit(f"the slots never all decoded: {states}; load: {load}")
             await pilot.pause(0.1)
         await pilot.pause(args.warmup_s)
         latencies_s.clear()

@@ -1,5 +1,5 @@
 """Make the README's screenshots from a real run: the app launches the real strata-engine (CPU unless a
-GPU is there), and the pictures are taken with App.save_screenshot while it runs.
+GPU is there) on the embedded model, and the pictures are taken with App.save_screenshot while it runs.
 
   screenshots/monitor-long-prompt.svg  the monitor while the seed scenario's fresh long prompt is admitted
                                        (six short generations decoding, one slot prefilling with its ETA)
@@ -30,14 +30,22 @@ OUT = ROOT / "screenshots"
 SIZE = (160, 48)
 
 
-def make_checkpoint(workdir: Path) -> str:
-    """A small random Qwen3 checkpoint with an MTP head (the engine's own writer)."""
+def default_checkpoint(workdir: Path) -> tuple[str, Path]:
+    """The embedded model when it is installed, else a small random Qwen3 with an MTP head.
+
+    Returns (the profile's model value, the checkpoint directory)."""
+    import engine
+
+    embedded = Path(engine.__file__).parent / "models" / "strata-tiny"
+    if (embedded / "config.json").exists():
+        return "builtin:strata-tiny", embedded
     from engine.model.random_checkpoint import write_random_checkpoint
 
-    return str(write_random_checkpoint(workdir / "tiny-mtp", mtp_layout="deepseek", seed=0))
+    path = write_random_checkpoint(workdir / "tiny-mtp", mtp_layout="deepseek", seed=0)
+    return str(path), path
 
 
-def broken_copy(model_dir: str, workdir: Path) -> str:
+def broken_copy(model_dir: Path, workdir: Path) -> str:
     """The same checkpoint with its weights file cut in half: the engine fails to load it with a real error."""
     broken = workdir / "truncated-checkpoint"
     shutil.copytree(model_dir, broken)
@@ -64,22 +72,23 @@ async def wait_until(pilot, condition, timeout_s: float, what: str) -> None:
 
 
 def long_prefill_visible(app: StrataApp) -> bool:
+    """The seed report's moment: short generations decoding while a fresh long prompt is part-way in."""
     slots = app.monitor.slots.values()
-    decoding = sum(1 for s in slots if s.state == "decode")
-    prefilling = [s for s in slots if s.state == "prefill" and s.prompt_tokens >= 1024
-                  and 0 < s.prefilled_tokens < s.prompt_tokens]
-    return bool(prefilling) and decoding >= 1
+    decoding = [s for s in slots if s.state == "decode" and s.generated_tokens >= 4]
+    prefilling = [s for s in slots if s.state == "prefill" and s.prompt_tokens >= 1024 and s.eta_s
+                  and 0.15 <= (s.prefilled_tokens + s.cached_tokens) / s.prompt_tokens <= 0.85]
+    return bool(prefilling) and len(decoding) >= 3
 
 
 async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
     config_dir = workdir / "config"
     store = ProfileStore(config_dir)
-    model = args.model or make_checkpoint(workdir)
+    model, model_dir = (args.model, Path(args.model)) if args.model else default_checkpoint(workdir)
     seed = Profile("seed-repro").with_engine(model=model, device=args.device, batch=8, batch_mtp=True,
                                              context=args.context, prefill_chunk_tokens=args.chunk_tokens,
                                              step_token_budget=max(4096, args.chunk_tokens))
     store.save(seed)
-    store.save(Profile("crashy").with_engine(model=broken_copy(model, workdir), device=args.device))
+    store.save(Profile("crashy").with_engine(model=broken_copy(model_dir, workdir), device=args.device))
     (store.profiles_dir / "typo.toml").write_text('[engine]\nmodel = "builtin:strata-tiny"\nkv = "fp8"\n')
     OUT.mkdir(exist_ok=True)
     written: list[Path] = []
@@ -106,7 +115,8 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="checkpoint (default: a random tiny Qwen3 with an MTP head)")
+    parser.add_argument("--model", help="checkpoint directory (default: builtin:strata-tiny if installed, else a "
+                                        "random tiny Qwen3 with an MTP head)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--context", type=int, default=32768, help="tokens per slot (the long prompt fills it)")
     parser.add_argument("--chunk-tokens", type=int, default=512,

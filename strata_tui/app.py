@@ -7,7 +7,9 @@ telemetry, NVML, load) post messages up; the handlers here fold them into `monit
 
 from __future__ import annotations
 
+import asyncio
 import re
+import signal
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,7 @@ class StrataApp(controls.ControlActions, App):
         sampler_factory: Callable[[], NvmlSampler] | None = NvmlSampler,
         gpu_interval_s: float = 1.0,
         stop_timeout_s: float = 5.0,
+        handle_signals: bool = False,
     ) -> None:
         super().__init__()
         self.store = store
@@ -100,6 +103,7 @@ class StrataApp(controls.ControlActions, App):
         self.sampler_factory = sampler_factory
         self.gpu_interval_s = gpu_interval_s
         self.stop_timeout_s = stop_timeout_s
+        self.handle_signals = handle_signals
         self.profile: Profile | None = None
         self.profile_error: ProfileError | None = None
         self.monitor = MonitorState.for_profile({}, 0)
@@ -147,6 +151,12 @@ class StrataApp(controls.ControlActions, App):
     # --- start-up ------------------------------------------------------------------------------------
 
     def on_mount(self) -> None:
+        if self.handle_signals:
+            # The engine runs in its own session, so a SIGTERM/SIGHUP to us would not reach it: quit the
+            # same way `q` does (stop the engine first).
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, lambda: self.run_worker(self.action_quit(), group="quit"))
         opened = self.store.open_initial(self.requested_profile)
         if isinstance(opened, ProfileError):
             self.profile_error = opened
@@ -181,6 +191,7 @@ class StrataApp(controls.ControlActions, App):
             self.notify("no usable profile: pick or fix one in Profiles (p)", severity="error")
             return
         self.run_id += 1
+        self.workers.cancel_group(self, "telemetry")  # the previous run's stream must not outlive it
         config = self.profile.engine
         argv = engine_argv(config, self.engine_program)
         self.process = EngineProcess(argv, engine_env(config), cwd=self.engine_cwd,

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         app = create_app(config_dir=args.config_dir, profile=args.profile, attach_url=args.attach,
-                         launch=not args.no_launch)
+                         launch=not args.no_launch, handle_signals=True)
     except StrataError as exc:
         print(f"strata-tui: error: {exc}", file=sys.stderr)
         return 2

@@ -16,8 +16,10 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
+import engine
 from engine.config import EngineConfig
 from engine.switches import SWITCHES
 
@@ -43,6 +45,12 @@ def engine_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict
         env.pop(switch.env_var, None)
     env.update(config.switch_env())
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # `python -m engine.cli` must find the same engine this app imports, from whatever directory the app
+    # was started in (a source checkout is not on the child's path by itself).
+    source_root = str(Path(engine.__file__).resolve().parents[1])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if source_root not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([*paths, source_root])
     return env
 
 

@@ -16,6 +16,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from engine.switches import SWITCHES
+from engine.telemetry import AdmissionEvent
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.engine_log import EngineLog
 from strata_tui.widgets.gpu_panel import GpuPanel
@@ -26,6 +27,15 @@ from strata_tui.widgets.switches_panel import SwitchesPanel
 
 if TYPE_CHECKING:
     from strata_tui.app import StrataApp
+
+
+def admission_line(event: AdmissionEvent | None) -> str:
+    """The latest admission, the moment the seed report is about: fresh or reused, and how long."""
+    if event is None:
+        return ""
+    cached = f", {event.cached_tokens:,} cached" if event.cached_tokens else ""
+    return (f"last admission: {event.request_id[:20]} → slot {event.slot}, {event.reuse}, "
+            f"{event.prompt_tokens:,} prompt tokens{cached}")
 
 
 def _switch_bindings() -> list[Binding]:
@@ -114,8 +124,13 @@ class MonitorScreen(Screen):
         self.query_one(StatusBar).show(app.profile_name, app.mode_label, state.engine_state, app.engine_url,
                                        app.telemetry_connected, app.status_note)
         self.query_one(GpuPanel).show(app.gpu_history, app.gpu_unavailable, state.vram, state.tier)
-        self.query_one(SlotsTable).show(state.slots)
-        self.query_one(GraphEventsTable).show(list(state.graph_events))
+        slots = self.query_one(SlotsTable)
+        slots.show(state.slots)
+        slots.border_subtitle = admission_line(state.last_admission)
+        graph = self.query_one(GraphEventsTable)
+        graph.show(list(state.graph_events))
+        warning = state.last_warning
+        graph.border_subtitle = f"last warning: {warning.where}: {warning.message}"[:90] if warning else ""
         views = [state.switches[sw.name] for sw in SWITCHES if sw.name in state.switches]
         settings = app.profile_settings
         self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib,

@@ -71,7 +71,10 @@ class SlotsTable(DataTable):
 
     def show(self, slots: dict[int, SlotEvent]) -> None:
         """Make the table match `slots` (slot number -> latest SlotEvent)."""
-        wanted = {str(n): slot_cells(slots[n]) for n in sorted(slots)}
+        with self.app.batch_update():  # one repaint for all the cell changes
+            self._apply({str(n): slot_cells(slots[n]) for n in sorted(slots)})
+
+    def _apply(self, wanted: dict[str, dict[str, Text | str]]) -> None:
         for key in [k for k in self._cells if k not in wanted]:
             self.remove_row(key)
             del self._cells[key]

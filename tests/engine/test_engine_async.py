@@ -150,3 +150,11 @@ async def test_a_step_failure_ends_the_stream_with_the_error_and_health_goes_dea
         await _collect(engine, "y", [5] * 20, SamplingParams(max_tokens=2))
     await engine.shutdown()
     assert engine.health().reason.startswith("dead:")  # a dead engine stays dead after shutdown
+
+
+async def test_an_idle_engine_keeps_publishing_vram_about_once_a_second(ckpt):
+    async with running(ckpt, batch=1) as engine:
+        before = len([e for e in engine.bus.history() if e.type == "vram"])
+        await asyncio.sleep(2.3)
+        after = len([e for e in engine.bus.history() if e.type == "vram"])
+        assert 1 <= after - before <= 4

@@ -99,3 +99,22 @@ def test_a_peer_device_without_a_second_gpu_is_a_config_error(ckpt):
     with pytest.raises(ConfigError, match="second CUDA device") as info:
         make_engine(ckpt, batch=1, peer_device="cuda:1")
     assert info.value.param == "peer_device"
+
+
+def test_a_long_prefill_reports_progress_rate_and_eta(ckpt, monkeypatch):
+    import engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "SLOT_EVENT_INTERVAL_S", 0.0)  # every step, so this short run shows progress
+    bus = EventBus(history=100000)
+    engine = make_engine(ckpt, bus=bus, batch=1, prefill_chunk_tokens=32, step_token_budget=32)
+    engine.add_request("long", random_prompts(1, seed=54, lengths=(400, 401))[0],
+                       SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+    progress = [e for e in bus.history() if e.type == "slot" and e.request_id == "long" and e.state == "prefill"]
+    prefilled = [e.prefilled_tokens for e in progress]
+    assert prefilled == sorted(prefilled) and len(set(prefilled)) >= 10
+    final = [e for e in bus.history() if e.type == "slot" and e.request_id == "long"][-1]
+    assert final.state == "finished" and final.prefilled_tokens == 400 and final.prefill_tok_s > 0
+    mid = [e for e in progress if 0 < e.prefilled_tokens < 400 and e.prefill_tok_s > 0]
+    assert mid and all(e.eta_s is not None and e.eta_s >= 0 for e in mid)

@@ -63,16 +63,25 @@ def test_span_bucket_follows_the_longest_row_and_caps_at_the_context(ckpt):
     assert r.span_bucket(1) == 256 and r.span_bucket(257) == 512 and r.span_bucket(599) == 600
 
 
-def test_prompt_chunks_run_eagerly_and_drafter_keys_are_static_per_bucket(ckpt):
+def test_prompt_chunk_keys_are_static_per_bucket_unless_the_fused_chunk_path_runs_them_eagerly(ckpt):
     executor = RecordingExecutor()
     engine = make_engine(ckpt, batch=1, executor=executor, prefill_chunk_tokens=64, batch_mtp=True, mtp_depth=2)
-    engine.add_request("p", list(range(3, 103)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    prompt = list(range(3, 103))  # two chunks: 64 + 36 tokens, both in the 64-token bucket
+    engine.add_request("p", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     while engine.has_work:
         engine.step()
-    kinds = [kind for kind, _, _ in executor.calls]
-    assert "prefill" not in kinds  # main-model chunks bypass the graph cache
-    assert [key for kind, key, _ in executor.calls if kind == "draft_prefill"] == [("t64", "L256")] * 2
-    assert {"verify", "draft_round", "draft_step"} <= set(kinds)
+    keys = [(kind, key) for kind, key, _ in executor.calls]
+    assert [k for k in keys if k[0] == "prefill"] == [("prefill", ("t64", "L256"))] * 2
+    assert [k for k in keys if k[0] == "draft_prefill"] == [("draft_prefill", ("t64", "L256"))] * 2
+    assert {"verify", "draft_round", "draft_step"} <= {kind for kind, _ in keys}
+
+    fused_exec = RecordingExecutor()
+    fused = make_engine(ckpt, batch=1, executor=fused_exec, prefill_chunk_tokens=64)
+    fused.kv.fused_prefill = True  # what CUDA + flash decides
+    fused.add_request("p", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while fused.has_work:
+        fused.step()
+    assert "prefill" not in {kind for kind, _, _ in fused_exec.calls}  # eager, keyed by ("t64", "L256", "s<start>")
 
 
 def test_rows_of_very_different_lengths_decode_in_separate_forwards(ckpt):

@@ -148,3 +148,16 @@ async def test_attach_monitors_without_launching(config_dir: Path, running_engin
         assert any("did not start" in n.message for n in app._notifications)
         await pilot.press("1")
         await wait_for(pilot, lambda: app.monitor.switches["SPLIT_ATTN"].note == "applied live", what="live")
+
+
+async def test_restart_ends_the_previous_runs_telemetry(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        monkeypatch.setenv("FAKE_ENGINE_MODE", "fail-start")  # the new run never becomes ready
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.run_id == 2 and app.crash is not None, what="second run's exit")
+        await pilot.pause(1.5)
+        streams = [w for w in app.workers if w.group == "telemetry" and not w.is_finished]
+        assert streams == [], "the first run's event stream must end with it"
+        assert "ConnectError" not in app.status_note

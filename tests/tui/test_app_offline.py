@@ -212,3 +212,26 @@ def test_pick_error_line_skips_logger_names_and_info_records() -> None:
     assert pick_error_line(["Traceback (most recent call last):", "  File x", "RuntimeError: CUDA error: boom"]) \
         == "RuntimeError: CUDA error: boom"
     assert pick_error_line(["just a line"]) == "just a line" and pick_error_line([]) is None
+
+
+async def test_edit_cancel_leaves_the_file_alone(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        before = app.store.path("default").read_text()
+        await _open_profiles(pilot)
+        await pilot.press("e")
+        await pilot.pause()
+        app.screen.query_one("#f-batch", Input).value = "7"
+        await pilot.press("escape")
+        await pilot.pause()
+        assert isinstance(app.screen, ProfilesScreen)
+        assert app.store.path("default").read_text() == before
+
+
+async def test_attached_engine_exit_event_opens_the_crash_panel(config_dir: Path) -> None:
+    app = offline_app(config_dir, attach_url="http://127.0.0.1:9")
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(TelemetryBatch(recorded("crash_run.jsonl")))
+        await pilot.pause(0.6)
+        assert app.crash is not None and app.crash.returncode == 1
+        assert "illegal memory access" in app.crash.error and "VRAM free 1 MiB" in app.crash.error

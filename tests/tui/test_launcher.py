@@ -26,6 +26,7 @@ def test_argv_is_a_list_from_to_argv_and_env_carries_switches() -> None:
     assert "STRATA_FUSED_PROJ" not in env, "an inherited switch must not leak past the profile"
     assert env["STRATA_API_KEY"] == "k" and env["PATH"] == "/bin"
     assert env["STRATA_FAULT_INJECT"] == "capture:*:1:oom", "non-switch settings pass through"
+    assert str(Path(__file__).resolve().parents[2]) in env["PYTHONPATH"].split(os.pathsep)
 
 
 def test_splitter_handles_cr_crlf_across_chunks_and_utf8_splits() -> None:

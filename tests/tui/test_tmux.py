@@ -3,6 +3,7 @@ appear, the first-run default profile is written, and `q` quits cleanly."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -31,12 +32,23 @@ def _wait_for(session: str, needles: list[str], timeout_s: float) -> str:
     raise AssertionError(f"never saw {needles} on screen; last capture:\n{screen}")
 
 
+def _new_session(session: str, command: str) -> None:
+    """A 160x48 tmux window with a shell, then the command typed into it (as a person would). Starting the
+    command with the session can race the server's first resize and leave the app at 80x24."""
+    # COLUMNS/LINES may be set in this process (Textual's test harness sets them) and a tmux server started
+    # from here would pass them on, overriding the real terminal size: the app would draw at 80x24.
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48", "sh"], check=True, env=env)
+    subprocess.run(["tmux", "resize-window", "-t", session, "-x", "160", "-y", "48"], capture_output=True)
+    subprocess.run(["tmux", "send-keys", "-t", session, f"unset COLUMNS LINES; {command}", "Enter"], check=True)
+
+
 def test_strata_tui_in_tmux(tmp_path: Path) -> None:
     session = f"strata-tui-test-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "config"
     command = (f"cd {ROOT} && STRATA_TUI_CONFIG_DIR={config} TERM=xterm-256color {sys.executable} "
                f"-m strata_tui.cli; echo STRATA-TUI-EXITED $?; sleep 30")
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48", command], check=True)
+    _new_session(session, command)
     try:
         screen = _wait_for(session, ["Strata", "GPUs", "Slots", "Graph cache", "Switches", "Engine log",
                                      "profile default"], timeout_s=30)
@@ -44,5 +56,48 @@ def test_strata_tui_in_tmux(tmp_path: Path) -> None:
         assert (config / "profiles" / "default.toml").exists()
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
         _wait_for(session, ["STRATA-TUI-EXITED 0"], timeout_s=20)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def test_sigterm_to_the_tui_stops_the_engine_it_launched(tmp_path: Path) -> None:
+    """The engine has its own session; killing the app politely must not leave it running."""
+    import os
+    import signal
+
+    config = tmp_path / "config"
+    profiles = config / "profiles"
+    profiles.mkdir(parents=True)
+    marker = tmp_path / "engine.pid"
+    # The "engine" is a python that records its pid and sleeps (the serve arguments after -c are ignored).
+    (profiles / "default.toml").write_text('[engine]\nmodel = "builtin:strata-tiny"\ndevice = "cpu"\n')
+    session = f"strata-tui-test-{uuid.uuid4().hex[:8]}"
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from strata_tui.app import create_app\n"
+        "prog = [sys.executable, '-c', 'import os, sys, time; "
+        f"open(sys.argv[1], \"w\").write(str(os.getpid())); time.sleep(600)', {str(marker)!r}]\n"
+        "create_app(engine_program=prog, handle_signals=True, sampler_factory=None).run()\n")
+    _new_session(session, f"STRATA_TUI_CONFIG_DIR={config} {sys.executable} {script}; sleep 30")
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline, "the stand-in engine never started"
+            time.sleep(0.1)
+        engine_pid = int(marker.read_text())
+        tui_pid = int(subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()[0])
+        os.kill(tui_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(engine_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.killpg(engine_pid, signal.SIGKILL)
+            raise AssertionError("the engine outlived the TUI")
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

@@ -1,0 +1,53 @@
+"""What the widgets draw from given values (no app): progress and ETA, VRAM bars, switch lines."""
+
+from __future__ import annotations
+
+from engine.telemetry import AdmissionEvent, SlotEvent, VramEvent
+from strata_tui.monitor_state import SwitchView
+from strata_tui.screens.monitor import admission_line
+from strata_tui.widgets.crash_panel import event_line
+from strata_tui.widgets.gpu_panel import breakdown_bar
+from strata_tui.widgets.slots_table import format_eta, slot_cells
+from strata_tui.widgets.switches_panel import switch_line
+
+
+def test_prefill_progress_counts_cached_tokens_and_shows_eta() -> None:
+    cells = slot_cells(SlotEvent(slot=1, state="prefill", request_id="r", prompt_tokens=1000, cached_tokens=250,
+                                 prefilled_tokens=250, prefill_tok_s=500.0, eta_s=1.0))
+    assert "50%" in cells["progress"].plain and "ETA 1.0s" in cells["progress"].plain
+    assert cells["tok_s"] == "500.0" and cells["cached"] == "250"
+
+
+def test_decode_row_shows_rate_and_acceptance_and_idle_row_is_blank() -> None:
+    cells = slot_cells(SlotEvent(slot=0, state="decode", request_id="r", generated_tokens=30, max_tokens=120,
+                                 decode_tok_s=31.25, acceptance=0.714))
+    assert "25%" in cells["progress"].plain and cells["tok_s"] == "31.2" and cells["acceptance"] == "71%"
+    idle = slot_cells(SlotEvent(slot=0, state="idle"))
+    assert idle["progress"].plain == "" and idle["prompt"] == "" and idle["acceptance"] == ""
+
+
+def test_format_eta() -> None:
+    assert format_eta(None) == "" and format_eta(3.25) == "3.2s" and format_eta(42) == "42s"
+    assert format_eta(125) == "2m05s"
+
+
+def test_breakdown_bar_is_proportional_and_exact_width() -> None:
+    vram = VramEvent(device="cuda:0", total_mib=1000, weights_mib=500, kv_mib=250, reserve_mib=0, free_mib=250)
+    bar = breakdown_bar(vram, 20)
+    assert len(bar.plain) == 20 and bar.plain.count("█") == 15
+
+
+def test_switch_lines_say_degraded_restart_or_live() -> None:
+    degraded = SwitchView("SPLIT_ATTN", live=True, wanted=True, running=False, degraded=True, reason="oom at 150K")
+    assert "degraded: oom at 150K" in switch_line("1", degraded).plain
+    pending = SwitchView("COMPILE", live=False, wanted=True, running=False)
+    assert "restart to apply" in switch_line("5", pending).plain
+    live = SwitchView("SPLIT_ATTN", live=True, wanted=True, running=True)
+    assert switch_line("1", live).plain.rstrip().endswith("live")
+
+
+def test_admission_and_event_lines() -> None:
+    line = admission_line(AdmissionEvent(request_id="cmpl-long", slot=6, reuse="fresh", prompt_tokens=150000))
+    assert "slot 6" in line and "fresh" in line and "150,000" in line
+    assert admission_line(None) == ""
+    assert event_line(SlotEvent(slot=2, state="decode", seq=9)).startswith("#9 slot: slot=2, state=decode")
