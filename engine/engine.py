@@ -25,9 +25,10 @@ from engine.engine_setup import EngineParts, build_parts
 from engine.errors import CheckpointError, EngineDead, RequestRejected
 from engine.gpu_errors import StickyCudaError, real_message
 from engine.request import Request
+from engine.prefill_pacer import ChunkTiming, StepTiming
 from engine.runner import MtpUnavailable, Row
 from engine.sampler import make_generator, sample_with_drafts
-from engine.scheduler import Admission, PrefillChunk
+from engine.scheduler import Admission, PrefillChunk, StepPlan
 from engine.state import engine_state, slot_event
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, ErrorEvent, EventBus, SlotEvent, WarningEvent
@@ -155,19 +156,45 @@ class Engine:
             with torch.inference_mode():
                 for admission in plan.admitted:
                     self._admit(admission, now_s)
-                if plan.decode:
-                    self._decode(plan.decode, outputs)
-                for chunk in plan.prefill:
-                    self._prefill(chunk, outputs)
-                for fill in plan.cache_fill:
-                    failed = self.tier.fill(fill.blocks, fill.slot)
-                    if failed:
-                        self.sched.prefix_index.discard(failed)
+                timing = self._run_timed(plan, outputs)
+            self.sched.record_step(timing)
             self.steps += 1
             self._progress_events(time.monotonic())
         except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported, then fatal
             outputs.extend(self._fail(exc))
         return outputs
+
+    def _run_timed(self, plan: StepPlan, outputs: list[RequestOutput]) -> StepTiming:
+        """Decode, prefill and fill the plan, timing each part for the scheduler's prefill pacing.
+
+        Each part ends on a device sync: a chunk's kernels would otherwise still be running when the next
+        part's clock starts, and its cost would be billed to decode.
+        """
+        decode_s = None
+        t0_s = self._synced_clock()
+        if plan.decode:
+            self._decode(plan.decode, outputs)
+            decode_s = self._synced_clock() - t0_s
+        chunks: list[ChunkTiming] = []
+        for chunk in plan.prefill:
+            if chunk.request.is_finished:  # aborted between schedule() and now: nothing runs, nothing to time
+                continue
+            t0_s = self._synced_clock()
+            self._prefill(chunk, outputs)
+            chunks.append(ChunkTiming(chunk.start, chunk.num_tokens, self._synced_clock() - t0_s))
+        t0_s = self._synced_clock()
+        for fill in plan.cache_fill:
+            failed = self.tier.fill(fill.blocks, fill.slot)
+            if failed:
+                self.sched.prefix_index.discard(failed)
+        fill_s = self._synced_clock() - t0_s if plan.cache_fill else 0.0
+        return StepTiming(decode_s, len(plan.decode), chunks, fill_s)
+
+    def _synced_clock(self) -> float:
+        """perf_counter after the device has finished the work queued so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _admit(self, admission: Admission, now_s: float) -> None:
         req = admission.request

@@ -10,6 +10,9 @@ Every `schedule()` returns one StepPlan, the whole of what the runner does in th
 4. What is left of `step_token_budget` goes to prefill chunks (at most `prefill_chunk_tokens` each, one per
    request) in admission order. So a 176K-token admission advances a chunk at a time between the decode
    steps of the running slots instead of stalling them.
+5. While slots decode, chunks are also sized by measured cost (`engine.prefill_pacer`): the engine reports
+   each step's timings (`record_step`), and the prefill part of a step is kept within `prefill_step_share` of
+   it, because at 176K context a chunk's attention over the prefix costs far more than its token count says.
 
 The plan is a commitment: `schedule()` advances each request's prefill cursor as it plans the chunk, and a
 request whose last prompt chunk is planned decodes from the next step on. If a step fails, the engine ends
@@ -21,95 +24,21 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from engine.api import FinishReason
 from engine.errors import ConfigError, QueueFull, RequestRejected
+from engine.prefill_pacer import DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
 from engine.prefix_index import BlockRef, PrefixIndex, block_digests
 from engine.request import Request, RequestState
+from engine.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan
+
+__all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepTiming"]
 
 DEFAULT_BLOCK_TOKENS = 256
-# Finish reasons after which a request's planned work may not have run (see `_discard_unfilled`).
-_WORK_LOST_REASONS = ("abort", "error")
 _RETRY_AFTER_MIN_S = 0.1
 _RETRY_AFTER_MAX_S = 60.0
 _RETRY_AFTER_UNKNOWN_S = 1.0
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A request that got a slot this step. The runner copies `cached_blocks` (tier -> slot positions
-    [0, cached_tokens)) before running the request's first chunk."""
-
-    request: Request
-    slot: int
-    cached_tokens: int
-    cached_blocks: list[BlockRef]
-
-    @property
-    def reuse(self) -> Literal["fresh", "reused"]:
-        return "reused" if self.cached_tokens else "fresh"
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Prompt tokens [start, end) of `request` to run in `slot` this step. On the last chunk the runner samples
-    the first output token from the logits of position end - 1."""
-
-    request: Request
-    slot: int
-    start: int
-    end: int
-    is_last: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class CacheFill:
-    """Full prompt blocks that became computed with this step's chunk: after the forward, the runner copies
-    slot positions [ref.index * block_tokens, +block_tokens) into tier block `ref.block_id` for each ref
-    (or calls `PrefixIndex.discard` on the ids it could not fill)."""
-
-    request: Request
-    slot: int
-    blocks: list[BlockRef]
-
-    @property
-    def should_fill(self) -> bool:
-        """False once the request was aborted or failed: its blocks were discarded, skip the copy."""
-        return self.request.finish_reason not in _WORK_LOST_REASONS
-
-
-@dataclass
-class StepPlan:
-    """Everything one step runs. `decode` lists slots that decode one token (or verify drafts)."""
-
-    admitted: list[Admission] = field(default_factory=list)
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    decode: list[Request] = field(default_factory=list)
-    cache_fill: list[CacheFill] = field(default_factory=list)
-    draft_tokens: int = 0
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.prefill)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return len(self.decode) * (1 + self.draft_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens this step computes: the quantity `step_token_budget` bounds."""
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.prefill or self.decode)
 
 
 class Scheduler:
@@ -128,7 +57,13 @@ class Scheduler:
         draft_tokens: int = 0,
         vocab_size: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        prefill_step_share: float = DEFAULT_PREFILL_STEP_SHARE,
+        chunk_granule_tokens: int | None = None,
+        min_chunk_tokens: int | None = None,
     ) -> None:
+        """`prefill_step_share` (default 0.5): the most of a step's time prefill may take while slots decode
+        (0.5: decode keeps >= 50 % of its rate; 1: no time limit). Paced chunks end on multiples of
+        `chunk_granule_tokens` (default: block_tokens) and are at least `min_chunk_tokens` (default: one granule)."""
         for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
                             ("prefill_chunk_tokens", prefill_chunk_tokens),
                             ("step_token_budget", step_token_budget), ("context_tokens", context_tokens)):
@@ -153,6 +88,8 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.prefix_index = prefix_index
         self._clock = clock
+        granule = chunk_granule_tokens if chunk_granule_tokens is not None else self.block_tokens
+        self.pacer = PrefillPacer(prefill_step_share, granule, min_chunk_tokens)
         self._draft_tokens = 0
         self.set_draft_tokens(draft_tokens)
         self._waiting: deque[Request] = deque()
@@ -261,16 +198,27 @@ class Scheduler:
             plan.admitted.append(self._admit(self._waiting.popleft()))
         plan.decode = [req for req in self._slots if req is not None and req.state is RequestState.DECODE]
         budget_tokens = self.step_token_budget - plan.num_decode_tokens
+        paced = self.pacer.open_step(len(plan.decode), bool(self._prefilling))
         for req in list(self._prefilling):
             if budget_tokens <= 0:
                 break
-            chunk = self._plan_chunk(req, budget_tokens)
+            tokens = min(self.prefill_chunk_tokens, req.remaining_prompt_tokens, budget_tokens)
+            if paced:
+                tokens = self.pacer.take(req.num_computed_tokens, tokens, req.remaining_prompt_tokens)
+                if tokens == 0:
+                    break  # decode only this step: the chunk's cost is being saved up for
+            chunk = self._plan_chunk(req, tokens)
             plan.prefill.append(chunk)
             budget_tokens -= chunk.num_tokens
             fill = self._plan_cache_fill(req, chunk)
             if fill is not None:
                 plan.cache_fill.append(fill)
+        self.pacer.close_step()
         return plan
+
+    def record_step(self, timing: StepTiming) -> None:
+        """What the last plan took to run (the engine measures it): feeds the prefill pacing."""
+        self.pacer.record_step(timing)
 
     def finish(self, req: Request, reason: FinishReason) -> bool:
         """End a request in any state: frees its queue place or slot and its prefix pins.
@@ -289,7 +237,7 @@ class Scheduler:
         if req in self._prefilling:
             self._prefilling.remove(req)
         self._release_copy_pins(req)
-        if reason in _WORK_LOST_REASONS:
+        if reason in WORK_LOST_REASONS:
             self._discard_unfilled(req)
         self._requests.pop(req.request_id, None)
         self._next_fill_block.pop(req.request_id, None)
@@ -349,10 +297,10 @@ class Scheduler:
         self._next_fill_block[req.request_id] = len(blocks)
         return Admission(req, slot, req.num_cached_tokens, blocks)
 
-    def _plan_chunk(self, req: Request, budget_tokens: int) -> PrefillChunk:
+    def _plan_chunk(self, req: Request, tokens: int) -> PrefillChunk:
         assert req.slot is not None
         start = req.num_computed_tokens
-        end = start + min(self.prefill_chunk_tokens, req.remaining_prompt_tokens, budget_tokens)
+        end = start + tokens
         req.num_prefilled_tokens += end - start
         is_last = req.is_prefill_done
         if is_last:

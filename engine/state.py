@@ -21,16 +21,10 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
     """One slot's progress: prefilled tokens and rate with an ETA while prefilling; generated tokens, decode
     rate and MTP acceptance while decoding."""
     now_s = time.monotonic() if now_s is None else now_s
-    prefill_tok_s = 0.0
+    prefill_tok_s = req.prefill_tok_s(now_s) or 0.0
     eta_s = None
-    if req.admitted_s is not None:
-        end_s = req.first_token_s if req.first_token_s is not None else now_s
-        elapsed_s = end_s - req.admitted_s
-        computed = min(req.num_prefilled_tokens, req.num_prompt_tokens - req.num_cached_tokens)
-        if elapsed_s > 0 and computed > 0:
-            prefill_tok_s = computed / elapsed_s
-        if req.first_token_s is None and prefill_tok_s > 0:
-            eta_s = round(req.remaining_prompt_tokens / prefill_tok_s, 3)
+    if req.first_token_s is None and prefill_tok_s > 0:
+        eta_s = round(req.remaining_prompt_tokens / prefill_tok_s, 3)
     if state is None:
         state = {RequestState.PREFILL: "prefill", RequestState.DECODE: "decode"}.get(req.state, "finished")
         if state == "decode" and not req.output_token_ids:
@@ -41,6 +35,8 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
         generated_tokens=req.num_output_tokens, max_tokens=req.max_tokens,
         prefill_tok_s=round(prefill_tok_s, 2), decode_tok_s=round(req.decode_tok_s(now_s) or 0.0, 2),
         acceptance=None if req.acceptance is None else round(req.acceptance, 4), eta_s=eta_s,
+        acceptance_per_position=[None if a is None else round(a, 4)
+                                 for a in (req.acceptance_at(i) for i in range(len(req.draft_proposed)))],
     )
 
 

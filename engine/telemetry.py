@@ -63,6 +63,7 @@ class SlotEvent(Event):
     decode_tok_s: float = 0.0
     acceptance: float | None = None  # accepted / proposed MTP drafts for this request so far
     eta_s: float | None = None  # while prefilling: time left at the current prefill rate
+    acceptance_per_position: list[float | None] = field(default_factory=list)  # per draft position
 
 
 @dataclass

@@ -44,6 +44,7 @@ from strata_tui.workers import engine_callbacks, run_engine, sample_gpus, stream
 
 LOG_LINES = 2000
 STDERR_TAIL = 40
+TELEMETRY_DRAIN_S = 1.0
 # Log records below ERROR: their logger name may contain "error" (uvicorn.error) without being one.
 _QUIET_RECORD = re.compile(r"\b(DEBUG|INFO|WARNING)\b")
 _ERROR_LINE = re.compile(r"(\berror\b[:\s]|^\w*(Error|Exception)\b|\bCUDA error\b|\bFATAL\b|\bCRITICAL\b)",
@@ -240,7 +241,9 @@ class StrataApp(controls.ControlActions, App):
     def on_engine_exited(self, message: EngineExited) -> None:
         if message.run != self.run_id:
             return
-        self.workers.cancel_group(self, "telemetry")
+        # The stream may still hold the engine's last events (its fatal ErrorEvent): let it drain briefly.
+        run = self.run_id
+        self.set_timer(TELEMETRY_DRAIN_S, lambda: self._end_telemetry(run))
         self.telemetry_connected = None
         self.monitor.note_exit(message.returncode)
         self.monitor.slots.clear()
@@ -249,6 +252,10 @@ class StrataApp(controls.ControlActions, App):
         if message.error:
             self._append_log([("tui", message.error)])
         self.changed()
+
+    def _end_telemetry(self, run: int) -> None:
+        if run == self.run_id and not self.engine_running:
+            self.workers.cancel_group(self, "telemetry")
 
     def last_error_text(self) -> str | None:
         """The real error: the engine's last ErrorEvent, else its last stderr line that says error."""
@@ -264,6 +271,10 @@ class StrataApp(controls.ControlActions, App):
 
     def on_telemetry_batch(self, message: TelemetryBatch) -> None:
         self.monitor.apply_all(message.events)
+        if self.crash is not None and not self.attach_url:
+            # Late events of a run that already exited: they may carry the real error.
+            self.crash.error = self.last_error_text() or self.crash.error
+            self.crash.recent = list(self.monitor.recent)
         if self.attach_url:
             for event in message.events:
                 if isinstance(event, EngineEvent) and event.state == "exit":
@@ -280,6 +291,8 @@ class StrataApp(controls.ControlActions, App):
             self.monitor.engine_state = "ready"
 
     def on_telemetry_status(self, message: TelemetryStatus) -> None:
+        if self.crash is not None and not self.attach_url:
+            return  # the engine is gone: its stream failing to reconnect is not news
         self.telemetry_connected = message.connected
         self.status_note = "" if message.connected else message.reason[:80]
         self.changed()

@@ -45,9 +45,9 @@ class ProfileEditor(Screen[Profile | None]):
     DEFAULT_CSS = """
     ProfileEditor VerticalScroll { padding: 0 2; }
     ProfileEditor .row { height: auto; }
-    ProfileEditor .row Label { width: 46; padding: 1 1 0 0; }
+    ProfileEditor .row Label { width: 46; padding: 0 1 0 0; }
     ProfileEditor .row Input, ProfileEditor .row Select { width: 1fr; }
-    ProfileEditor Input.-invalid-value { border: tall $error; }
+    ProfileEditor Input.-invalid-value { background: $error 40%; }
     ProfileEditor #error { color: $error; height: auto; padding: 0 2; }
     ProfileEditor .section { text-style: bold; padding: 1 0 0 0; }
     """
@@ -67,20 +67,21 @@ class ProfileEditor(Screen[Profile | None]):
                 with Horizontal(classes="row"):
                     yield Label(label)
                     if kind == "bool":
-                        yield Checkbox("", value=bool(value), id=f"f-{name}")
+                        yield Checkbox("on", value=bool(value), id=f"f-{name}", compact=True)
                     elif kind == "kv":
-                        yield Select([(k, k) for k in KV_DTYPES], value=value, allow_blank=False, id=f"f-{name}")
+                        yield Select([(k, k) for k in KV_DTYPES], value=value, allow_blank=False, id=f"f-{name}",
+                                     compact=True)
                     else:
                         yield Input("" if value is None else str(value), id=f"f-{name}",
-                                    password=kind == "secret")
+                                    password=kind == "secret", compact=True)
             yield Label("switches (read at start; live ones can also be toggled on the monitor)", classes="section")
             for sw in SWITCHES:
                 yield Checkbox(f"{sw.env_var}: {sw.description}", value=bool(engine.switches.get(sw.name, False)),
-                               id=f"s-{sw.name}")
+                               id=f"s-{sw.name}", compact=True)
             yield Label("app", classes="section")
             with Horizontal(classes="row"):
                 yield Label("refresh interval (s)")
-                yield Input(str(self.profile.tui.refresh_s), id="t-refresh_s")
+                yield Input(str(self.profile.tui.refresh_s), id="t-refresh_s", compact=True)
         yield Footer()
 
     def form_values(self) -> dict[str, Any]:

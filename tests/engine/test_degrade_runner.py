@@ -23,8 +23,6 @@ from engine.telemetry import EventBus
 from tests.engine.test_graphs_runner import _runner
 
 
-@pytest.mark.xfail(reason="engine/runner.py ModelRunner.run does not catch GraphDegraded raised by its retry "
-                          "after degrading a switch (reported to the lead); passes once it does", strict=False)
 def test_persistent_drafter_oom_turns_split_attn_then_mtp_off(tiny_checkpoint: Path) -> None:
     lm = load_checkpoint(tiny_checkpoint, dtype="float32", device="cpu")
     bus, board = EventBus(), SwitchBoard.from_values({"SPLIT_ATTN": True})

@@ -235,3 +235,18 @@ async def test_attached_engine_exit_event_opens_the_crash_panel(config_dir: Path
         await pilot.pause(0.6)
         assert app.crash is not None and app.crash.returncode == 1
         assert "illegal memory access" in app.crash.error and "VRAM free 1 MiB" in app.crash.error
+
+
+async def test_error_event_arriving_after_the_exit_still_reaches_the_crash_panel(config_dir: Path) -> None:
+    from strata_tui.messages import EngineExited, EngineOutput
+
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(EngineOutput([("stderr", "2026-11-29 INFO uvicorn.error: Shutting down")]))
+        app.post_message(EngineExited(1, False, None, app.run_id))
+        await pilot.pause()
+        assert "illegal memory access" not in (app.crash.error or "")
+        app.post_message(TelemetryBatch(recorded("crash_run.jsonl")))
+        await pilot.pause(0.6)
+        assert "illegal memory access" in app.crash.error
+        assert app.crash.recent[-1].type == "engine"

@@ -1,0 +1,282 @@
+"""Prefill pacing: how many prompt tokens a step may prefill so that the decoding slots keep their rate.
+Pure Python.
+
+At 176K context one 2048-token chunk costs far more than one decode step (every query attends to the whole
+prefix), so a token budget alone lets a long admission stall the decoding slots. The engine reports what each
+step took (`StepTiming`); the pacer fits the chunk cost model
+
+    cost_s(tokens, start) = a + b * tokens + c * tokens * (start + (tokens + 1) / 2)
+
+(a fixed cost, the per-token layers, attention over the keys a query sees: start + (tokens + 1) / 2 on average)
+to the recent chunks, and sizes the next chunk so that, while slots decode, the prefill part of a step stays
+within `prefill_step_share` of the step: prefill_s <= decode_s * share / (1 - share). With the default 0.5,
+prefill takes no longer than decode, so decode keeps >= 50 % of its rate.
+
+Time is kept as credit. Each step with decoding slots and a prompt to prefill earns that allowance; a chunk
+spends its predicted cost, and the measured time corrects the prediction when the step is recorded. When even
+the minimum chunk costs more than one step earns (a big model deep into a 176K prompt), steps decode only until
+the credit covers it: the prompt still progresses, and decode keeps its share on average. Unspent allowance is
+not carried past a step that ran a chunk, so a stretch where the token budget bound never turns into a burst.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.errors import ConfigError
+
+DEFAULT_PREFILL_STEP_SHARE = 0.5
+_DECODE_WINDOW_STEPS = 5  # median of the last few decode steps: one graph capture does not move it
+_COST_WINDOW_CHUNKS = 32
+_PRIOR_WEIGHT = 0.1  # the prior counts as a tenth of one measured chunk, per coefficient
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """Coefficients of cost_s = fixed_s + per_token_s * tokens + per_token_key_s * tokens * mean_keys."""
+
+    fixed_s: float
+    per_token_s: float
+    per_token_key_s: float
+
+    def terms_s(self, tokens: int, start: int) -> tuple[float, float, float]:
+        """The three terms of the cost of prompt positions [start, start + tokens), in seconds."""
+        mean_keys = start + (tokens + 1) / 2
+        return self.fixed_s, self.per_token_s * tokens, self.per_token_key_s * tokens * mean_keys
+
+    def predict_s(self, tokens: int, start: int) -> float:
+        return sum(self.terms_s(tokens, start))
+
+
+# A slow device on purpose (the prior is conservative: it overestimates, so the first chunks are small):
+# 5 ms per chunk, 20K tokens/s, attention as costly as the other layers at 8K keys. The first measured chunk
+# rescales it; its shape only matters where the measurements cannot tell the terms apart.
+DEFAULT_CHUNK_COST_PRIOR = ChunkCost(fixed_s=5e-3, per_token_s=50e-6, per_token_key_s=50e-6 / 8192)
+
+
+@dataclass(frozen=True)
+class ChunkTiming:
+    """One prefill chunk as it ran: prompt positions [start, start + num_tokens) took `seconds`."""
+
+    start: int
+    num_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What one executed StepPlan took, measured by the engine (device-synchronized wall time).
+
+    `decode_s`: the decode (or MTP verify + draft) part for `num_decode_rows` slots, None when none decoded.
+    `prefill`: each chunk that ran. `other_prefill_s`: the rest of the step's prefill work (cache fills).
+    """
+
+    decode_s: float | None
+    num_decode_rows: int
+    prefill: list[ChunkTiming] = field(default_factory=list)
+    other_prefill_s: float = 0.0
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(c.seconds for c in self.prefill) + self.other_prefill_s
+
+
+class ChunkCostModel:
+    """`ChunkCost` fitted to the last chunks: least squares on relative error, pulled toward the prior.
+
+    The prior is first rescaled to the measurements (the median of measured / prior cost), then each coefficient
+    is fitted as a multiple of its rescaled prior value, with a ridge pull toward 1. Relative error weighs a
+    0.5 ms chunk like a 500 ms one, and a slow outlier (a graph capture) moves the fit by at most one row's worth.
+    """
+
+    def __init__(self, prior: ChunkCost = DEFAULT_CHUNK_COST_PRIOR, window_chunks: int = _COST_WINDOW_CHUNKS,
+                 prior_weight: float = _PRIOR_WEIGHT) -> None:
+        for name, value in (("fixed_s", prior.fixed_s), ("per_token_s", prior.per_token_s),
+                            ("per_token_key_s", prior.per_token_key_s)):
+            if not value > 0:
+                raise ConfigError(f"chunk_cost_prior.{name}", value, "expected a number > 0")
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self._samples: deque[ChunkTiming] = deque(maxlen=window_chunks)
+        self._fitted: ChunkCost | None = prior
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def record(self, timing: ChunkTiming) -> None:
+        """Add a measured chunk (non-positive times and empty chunks carry no information and are skipped)."""
+        if timing.num_tokens > 0 and timing.seconds > 0:
+            self._samples.append(timing)
+            self._fitted = None
+
+    def coefficients(self) -> ChunkCost:
+        if self._fitted is None:
+            self._fitted = self._fit()
+        return self._fitted
+
+    def predict_s(self, tokens: int, start: int) -> float:
+        return self.coefficients().predict_s(tokens, start)
+
+    def _fit(self) -> ChunkCost:
+        rows = [(self.prior.terms_s(s.num_tokens, s.start), s.seconds) for s in self._samples]
+        if not rows:
+            return self.prior
+        scale = statistics.median(y / sum(terms) for terms, y in rows)
+        lam = self.prior_weight
+        normal = [[lam if i == j else 0.0 for j in range(3)] for i in range(3)]
+        rhs = [lam] * 3
+        for terms, y in rows:
+            r = [t * scale / y for t in terms]  # unknown multipliers of the rescaled prior terms; target 1
+            for i in range(3):
+                rhs[i] += r[i]
+                for j in range(3):
+                    normal[i][j] += r[i] * r[j]
+        mult = [max(0.0, m) for m in _solve3(normal, rhs)]
+        if not any(mult):
+            mult = [1.0, 1.0, 1.0]
+        p = self.prior
+        return ChunkCost(p.fixed_s * scale * mult[0], p.per_token_s * scale * mult[1],
+                         p.per_token_key_s * scale * mult[2])
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve the 3x3 system a x = b by Gaussian elimination with partial pivoting (a is positive definite)."""
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    n = 3
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+class PrefillPacer:
+    """Sizes prefill chunks by measured cost while slots decode (see the module docstring).
+
+    The scheduler calls `open_step`, then `take` once per prefilling request, then `close_step`; the engine's
+    `StepTiming` arrives through `record_step`. A pacer that has never been given a timing does not pace: the
+    scheduler then plans by tokens alone, as it does when no slot decodes.
+    """
+
+    def __init__(self, prefill_step_share: float = DEFAULT_PREFILL_STEP_SHARE, granule_tokens: int = 256,
+                 min_chunk_tokens: int | None = None, cost_model: ChunkCostModel | None = None) -> None:
+        if isinstance(prefill_step_share, bool) or not isinstance(prefill_step_share, (int, float)) \
+                or not 0 < prefill_step_share <= 1:
+            raise ConfigError("prefill_step_share", prefill_step_share, "expected a fraction in (0, 1]")
+        _require_whole("granule_tokens", granule_tokens)
+        min_chunk_tokens = granule_tokens if min_chunk_tokens is None else min_chunk_tokens
+        _require_whole("min_chunk_tokens", min_chunk_tokens)
+        self.prefill_step_share = float(prefill_step_share)
+        self.granule_tokens = granule_tokens
+        self.min_chunk_tokens = min_chunk_tokens
+        self.cost = cost_model if cost_model is not None else ChunkCostModel()
+        self._decode_s: deque[float] = deque(maxlen=_DECODE_WINDOW_STEPS)
+        self._armed = False  # the engine has reported a step: measured pacing is possible
+        self.credit_s = 0.0
+        self._pacing = False
+        self._no_decode_time = False
+        self._planned_s = 0.0
+        self._planned_chunks = 0
+        self._unsettled_s: float | None = None  # predicted prefill of the last paced step, until recorded
+        self.waited_steps = 0  # steps that decoded only, saving up for a chunk (a count for telemetry/tests)
+
+    # --- what the engine measured --------------------------------------------------------------------------
+
+    def record_step(self, timing: StepTiming) -> None:
+        """The engine's measurement of the step it just ran (the last plan)."""
+        self._armed = True
+        if timing.decode_s is not None and timing.decode_s > 0:
+            self._decode_s.append(timing.decode_s)
+        for chunk in timing.prefill:
+            self.cost.record(chunk)
+        if self._unsettled_s is not None:
+            # The chunk spent its prediction; what it really took settles the difference.
+            self.credit_s -= timing.prefill_s - self._unsettled_s
+            self._unsettled_s = None
+
+    @property
+    def decode_s(self) -> float | None:
+        """Recent decode step time (median of the last few), None before any."""
+        return statistics.median(self._decode_s) if self._decode_s else None
+
+    def allowance_s(self) -> float | None:
+        """Prefill seconds one decoding step earns; None when unknown or unlimited (share 1)."""
+        decode_s = self.decode_s
+        if decode_s is None or self.prefill_step_share >= 1:
+            return None
+        return decode_s * self.prefill_step_share / (1 - self.prefill_step_share)
+
+    # --- planning ------------------------------------------------------------------------------------------
+
+    def open_step(self, num_decoding: int, has_prefill: bool) -> bool:
+        """Start planning a step; True when its prefill is paced by time (slots decode, a prompt waits)."""
+        self._unsettled_s = None  # a plan that was never recorded (a failed step) settles nothing
+        self._planned_s, self._planned_chunks = 0.0, 0
+        self._pacing = self._armed and num_decoding > 0 and has_prefill and self.prefill_step_share < 1
+        if not self._pacing:
+            self.credit_s = 0.0
+            return False
+        allowance = self.allowance_s()
+        # Decoding but no decode time yet: earn nothing, so only a chunk the prior calls free could run;
+        # `take` then falls back to the minimum chunk (never a stall) once per step.
+        self.credit_s += allowance if allowance is not None else 0.0
+        self._no_decode_time = allowance is None
+        return True
+
+    def take(self, start: int, max_tokens: int, remaining_tokens: int) -> int:
+        """Tokens of the next chunk from prompt position `start` (0: decode only this step, saving credit).
+
+        `max_tokens` is what the token budget allows (already <= remaining_tokens). The chunk ends on a
+        multiple of the granule (or at the prompt's end) and is at least the minimum chunk unless the token
+        budget or the prompt is shorter.
+        """
+        if self._no_decode_time:
+            n = 0 if self._planned_chunks else self._aligned_min(start, max_tokens, remaining_tokens)
+            return self._spend(n, start)
+        if self.cost.predict_s(max_tokens, start) <= self.credit_s:
+            return self._spend(max_tokens, start)  # the token budget binds, not time
+        best, n = 0, self._aligned_min(start, max_tokens, remaining_tokens)
+        while n < max_tokens and self.cost.predict_s(n, start) <= self.credit_s:
+            best = n
+            n = ((start + n) // self.granule_tokens + 1) * self.granule_tokens - start
+        return self._spend(best, start)
+
+    def close_step(self) -> None:
+        """End planning: the prediction waits for `record_step`; unspent allowance carries only past a wait."""
+        if not self._pacing:
+            return
+        if self._planned_chunks:
+            self.credit_s = min(self.credit_s, 0.0)
+            self._unsettled_s = self._planned_s
+        else:
+            self.waited_steps += 1
+
+    # --- internals -----------------------------------------------------------------------------------------
+
+    def _aligned_min(self, start: int, max_tokens: int, remaining_tokens: int) -> int:
+        """The smallest chunk allowed: to the first granule boundary at least `min_chunk_tokens` on."""
+        g = self.granule_tokens
+        end = -(-(start + self.min_chunk_tokens) // g) * g
+        return min(end - start, max_tokens, remaining_tokens)
+
+    def _spend(self, tokens: int, start: int) -> int:
+        if tokens > 0:
+            cost_s = self.cost.predict_s(tokens, start)
+            self.credit_s -= cost_s
+            self._planned_s += cost_s
+            self._planned_chunks += 1
+        return tokens
+
+
+def _require_whole(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, value, "expected a whole number >= 1")
