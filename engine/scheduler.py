@@ -61,8 +61,8 @@ class Scheduler:
         chunk_granule_tokens: int | None = None,
         min_chunk_tokens: int | None = None,
     ) -> None:
-        """`prefill_step_share` (default 0.5): the most of a step's time prefill may take while slots decode
-        (0.5: decode keeps >= 50 % of its rate; 1: no time limit). Paced chunks end on multiples of
+        """`prefill_step_share` (default 0.45): the most of a step's time prefill may take while slots decode
+        (0.45: decode keeps >= 55 % of its rate, a margin over the 50 % target; 1: no time limit). Paced chunks end on multiples of
         `chunk_granule_tokens` (default: block_tokens) and are at least `min_chunk_tokens` (default: one granule)."""
         for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
                             ("prefill_chunk_tokens", prefill_chunk_tokens),

@@ -1,0 +1,287 @@
+"""Prefill pacing by measured cost: the chunk cost fit, and the scheduler keeping decode at its share while a
+fresh long prompt is admitted. A simulated device turns each plan into deterministic timings (a known cost
+function, optionally with seeded noise), which are fed back through `Scheduler.record_step` as the engine does;
+the scheduler and the pacer under test are the real ones."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.errors import ConfigError
+from engine.prefill_pacer import ChunkCost, ChunkCostModel, ChunkTiming, PrefillPacer, StepTiming
+from engine.prefix_index import PrefixIndex
+from engine.request import Request, RequestState
+from engine.scheduler import Scheduler, StepPlan
+
+# An H200-like 8B model: 5 ms per chunk, 40K tokens/s through the layers, attention as costly at 27K keys.
+TRUE_COST = ChunkCost(fixed_s=5e-3, per_token_s=25e-6, per_token_key_s=25e-6 / 27_000)
+LONG_TOKENS = 176_000
+
+
+@dataclass
+class SimDevice:
+    """Runs a plan in simulated time: decode costs `decode_s` per step, a chunk what `cost` says, and each
+    step with prefill `fill_s` more for its cache fills; `noise` scales every figure by 1 +- noise."""
+
+    decode_s: float = 0.025
+    cost: ChunkCost = TRUE_COST
+    fill_s: float = 0.0
+    noise: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def _jitter(self, seconds: float) -> float:
+        return seconds * (1 + self._rng.uniform(-self.noise, self.noise))
+
+    def run(self, plan: StepPlan) -> StepTiming:
+        decode_s = self._jitter(self.decode_s) if plan.decode else None
+        chunks = [ChunkTiming(c.start, c.num_tokens, self._jitter(self.cost.predict_s(c.num_tokens, c.start)))
+                  for c in plan.prefill]
+        return StepTiming(decode_s, len(plan.decode), chunks, self.fill_s if chunks else 0.0)
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens)
+
+
+def advance(plan: StepPlan) -> None:
+    """The runner's part for tokens: one sampled token per decode and per last chunk."""
+    for r in plan.decode + [c.request for c in plan.prefill if c.is_last]:
+        r.append_output([1], 0.0)
+
+
+@dataclass
+class Admitted:
+    plans: list[StepPlan]
+    timings: list[StepTiming]
+
+    @property
+    def decode_s(self) -> float:
+        return sum(t.decode_s or 0.0 for t in self.timings)
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(t.prefill_s for t in self.timings)
+
+    @property
+    def decode_ratio(self) -> float:
+        """Decode rate during the admission relative to decode alone (decode tokens per step are constant)."""
+        return self.decode_s / (self.decode_s + self.prefill_s)
+
+
+def admit_long_prompt(device: SimDevice, decoding: int = 6, long_tokens: int = LONG_TOKENS,
+                      warm_steps: int = 3, **sched_kwargs: object) -> tuple[Scheduler, Admitted]:
+    """`decoding` slots decode; then a fresh `long_tokens` prompt arrives. Steps until its first token."""
+    kwargs = dict(context_tokens=262_144, draft_tokens=1, block_tokens=256)
+    kwargs.update(sched_kwargs)
+    sched = Scheduler(decoding + 1, 16, 2048, 4096, None, **kwargs)
+    for i in range(decoding):
+        sched.add(Request(f"d{i}", list(range(i, i + 64)), params(100_000)))
+    for _ in range(warm_steps):
+        plan = sched.schedule()
+        advance(plan)
+        sched.record_step(device.run(plan))
+    sched.add(Request("long", [7] * long_tokens, params(4)))
+    plans, timings = [], []
+    long = sched.get("long")
+    while not long.output_token_ids:
+        assert len(plans) < 20 * long_tokens, "the long prompt stopped making progress"
+        plan = sched.schedule()
+        advance(plan)
+        timing = device.run(plan)
+        sched.record_step(timing)
+        plans.append(plan)
+        timings.append(timing)
+    return sched, Admitted(plans, timings)
+
+
+# --- the cost model ------------------------------------------------------------------------------------------
+
+
+def test_the_cost_fit_recovers_the_three_terms_from_measured_chunks() -> None:
+    model = ChunkCostModel()
+    for tokens, start in [(256, 0), (2048, 0), (1024, 40_000), (512, 90_000), (2048, 120_000), (256, 170_000),
+                          (768, 150_000), (1536, 10_000)]:
+        model.record(ChunkTiming(start, tokens, TRUE_COST.predict_s(tokens, start)))
+    for tokens, start in [(256, 175_000), (2048, 2_000), (1024, 100_000)]:
+        truth = TRUE_COST.predict_s(tokens, start)
+        assert model.predict_s(tokens, start) == pytest.approx(truth, rel=0.03), (tokens, start)
+
+
+def test_before_any_chunk_the_prior_predicts_and_one_chunk_rescales_it_to_the_measurement() -> None:
+    prior = ChunkCost(1e-3, 1e-5, 1e-9)
+    model = ChunkCostModel(prior)
+    assert model.predict_s(512, 1000) == prior.predict_s(512, 1000)
+    model.record(ChunkTiming(1000, 512, 0.25))
+    assert model.predict_s(512, 1000) == pytest.approx(0.25, rel=1e-3)
+    # Its shape is still the prior's until other chunks tell the terms apart.
+    ratio = model.predict_s(256, 0) / model.predict_s(512, 1000)
+    assert ratio == pytest.approx(prior.predict_s(256, 0) / prior.predict_s(512, 1000), rel=1e-3)
+
+
+def test_one_slow_outlier_moves_the_fit_little() -> None:
+    model = ChunkCostModel()
+    for i in range(16):
+        start = i * 10_000
+        model.record(ChunkTiming(start, 512, TRUE_COST.predict_s(512, start)))
+    model.record(ChunkTiming(80_000, 512, 20 * TRUE_COST.predict_s(512, 80_000)))  # a graph capture, say
+    assert model.predict_s(512, 100_000) == pytest.approx(TRUE_COST.predict_s(512, 100_000), rel=0.15)
+
+
+def test_empty_or_timeless_chunks_are_ignored() -> None:
+    model = ChunkCostModel()
+    model.record(ChunkTiming(0, 0, 0.1))
+    model.record(ChunkTiming(0, 64, 0.0))
+    assert model.num_samples == 0
+
+
+# --- the scheduler under a simulated device -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_decode_keeps_half_its_rate_while_a_fresh_176k_prompt_is_admitted(seed: int) -> None:
+    _, run = admit_long_prompt(SimDevice(noise=0.2, seed=seed), prefill_step_share=0.5)
+    assert all(len(p.decode) == 6 for p in run.plans)  # every slot decodes in every step
+    # Measured time settles each prediction, so the share holds on average through +-20 % noise, and no
+    # more than the share is given away: the prompt still gets prefill's half.
+    assert 0.49 <= run.decode_ratio <= 0.52
+    assert run.plans[-1].prefill[-1].is_last  # the admission completed
+    # The chunks shrink as the prefix grows: the first ones are far bigger than those deep in the prompt.
+    sizes = [c.num_tokens for p in run.plans for c in p.prefill]
+    assert max(sizes[:5]) >= 4 * min(sizes[-20:])
+    # Deep in the prompt even a 256-token chunk costs more than a decode step: some steps decode only.
+    assert sum(1 for p in run.plans if not p.prefill) > 100
+
+
+def test_the_default_share_keeps_a_margin_over_half() -> None:
+    _, run = admit_long_prompt(SimDevice(noise=0.2, seed=3), long_tokens=60_000)
+    assert 0.54 <= run.decode_ratio <= 0.57
+
+
+def test_the_token_budget_alone_would_have_stalled_decode() -> None:
+    """The same admission without time pacing (share 1): what the pacing is for."""
+    _, run = admit_long_prompt(SimDevice(), prefill_step_share=1.0)
+    assert run.decode_ratio < 0.2
+    assert all(p.num_prefill_tokens == 2048 for p in run.plans[:-1])
+
+
+def test_a_larger_share_gives_prefill_more_of_each_step() -> None:
+    _, half = admit_long_prompt(SimDevice(), long_tokens=40_000, prefill_step_share=0.5)
+    _, most = admit_long_prompt(SimDevice(), long_tokens=40_000, prefill_step_share=0.8)
+    assert 0.19 <= most.decode_ratio < half.decode_ratio
+    assert len(most.plans) < len(half.plans)
+
+
+def test_measured_cache_fill_time_is_paid_for_too() -> None:
+    _, run = admit_long_prompt(SimDevice(fill_s=0.01, noise=0.1, seed=2), long_tokens=60_000,
+                               prefill_step_share=0.5)
+    assert run.decode_ratio >= 0.49
+
+
+def test_paced_chunks_end_on_the_granule_and_are_never_below_the_minimum() -> None:
+    _, run = admit_long_prompt(SimDevice(), long_tokens=50_001, chunk_granule_tokens=512, min_chunk_tokens=1024)
+    chunks = [c for p in run.plans for c in p.prefill]
+    assert chunks[-1].end == 50_001
+    assert all(c.end % 512 == 0 for c in chunks[:-1])
+    assert all(c.num_tokens >= 1024 for c in chunks[:-1])
+    assert [(a.end, b.start) for a, b in zip(chunks, chunks[1:]) if a.end != b.start] == []
+
+
+def test_an_unaligned_start_realigns_to_the_granule() -> None:
+    sched = Scheduler(2, 4, 2048, 4096, PrefixIndex(16, 64), context_tokens=8192, chunk_granule_tokens=256)
+    shared = list(range(48))
+    first = Request("first", shared + [1], params(50))
+    sched.add(first)
+    plan = sched.schedule()
+    advance(plan)
+    sched.end_step()  # fills blocks 0..2 (48 tokens) into the tier
+    sched.record_step(StepTiming(None, 0, [ChunkTiming(0, 49, 0.002)]))
+    for _ in range(2):  # now "first" decodes; teach the pacer a decode time
+        plan = sched.schedule()
+        advance(plan)
+        sched.record_step(StepTiming(0.02, 1))
+    sched.add(Request("second", shared + [5] * 4000, params(1)))
+    chunks = []
+    while not sched.get("second").output_token_ids:
+        plan = sched.schedule()
+        advance(plan)
+        chunks += plan.prefill
+        sched.record_step(SimDevice(decode_s=0.02).run(plan))
+    assert chunks[0].start == 48
+    assert all(c.end % 256 == 0 for c in chunks[:-1])
+
+
+def test_with_no_slot_decoding_prefill_gets_the_whole_token_budget() -> None:
+    sched = Scheduler(2, 4, 1024, 1024, None, context_tokens=65_536)
+    sched.record_step(StepTiming(0.5, 1))  # a very slow decode was measured once: irrelevant with none decoding
+    sched.add(Request("alone", [3] * 5000, params(1)))
+    sizes = []
+    while not sched.get("alone").output_token_ids:
+        plan = sched.schedule()
+        advance(plan)
+        sizes.append(plan.num_prefill_tokens)
+        sched.record_step(SimDevice(decode_s=0.5, cost=ChunkCost(1.0, 1.0, 1.0)).run(plan))
+    assert sizes == [1024] * 4 + [5000 - 4096]
+
+
+def test_a_scheduler_never_given_a_timing_plans_by_tokens() -> None:
+    sched = Scheduler(3, 4, 64, 128, None, context_tokens=4096)
+    sched.add(Request("d", [1] * 8, params(100)))
+    advance(sched.schedule())
+    sched.add(Request("p", [2] * 500, params(1)))
+    plan = sched.schedule()
+    assert len(plan.decode) == 1 and plan.num_prefill_tokens == 64
+
+
+def test_decoding_without_a_decode_time_runs_one_minimum_chunk_per_step() -> None:
+    pacer = PrefillPacer(granule_tokens=256)
+    pacer.record_step(StepTiming(None, 0, [ChunkTiming(0, 2048, 0.05)]))  # armed, but no decode measured
+    assert pacer.open_step(num_decoding=4, has_prefill=True)
+    assert pacer.take(4096, 2048, 100_000) == 256
+    assert pacer.take(0, 2048, 100_000) == 0  # a second request waits for the next step
+    pacer.close_step()
+
+
+def test_a_plan_that_never_ran_settles_nothing() -> None:
+    pacer = PrefillPacer(granule_tokens=256)
+    pacer.record_step(StepTiming(0.02, 4))
+    pacer.open_step(4, True)
+    pacer.take(0, 2048, 100_000)
+    pacer.close_step()
+    credit_s = pacer.credit_s
+    pacer.open_step(4, True)  # the step failed: no record_step came for the last plan
+    assert pacer.credit_s == pytest.approx(credit_s + pacer.allowance_s())
+    assert pacer.allowance_s() == pytest.approx(0.02 * 0.45 / 0.55)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(prefill_step_share=0), "prefill_step_share"),
+    (dict(prefill_step_share=1.5), "prefill_step_share"),
+    (dict(prefill_step_share=True), "prefill_step_share"),
+    (dict(chunk_granule_tokens=0), "granule_tokens"),
+    (dict(min_chunk_tokens=-256), "min_chunk_tokens"),
+])
+def test_bad_pacing_options_are_config_errors(kwargs: dict[str, object], param: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Scheduler(2, 4, 64, 128, None, context_tokens=4096, **kwargs)
+    assert info.value.param == param
+
+
+def test_a_bad_cost_prior_names_the_coefficient() -> None:
+    with pytest.raises(ConfigError) as info:
+        ChunkCostModel(ChunkCost(1e-3, 0.0, 1e-9))
+    assert info.value.param == "chunk_cost_prior.per_token_s"
+
+
+def test_the_long_prompt_moves_to_decode_and_the_credit_resets() -> None:
+    sched, run = admit_long_prompt(SimDevice(), long_tokens=20_000)
+    assert sched.get("long").state is RequestState.DECODE
+    plan = sched.schedule()
+    assert len(plan.decode) == 7 and not plan.prefill
+    assert sched.pacer.credit_s == 0.0
