@@ -242,6 +242,7 @@ class Engine:
             return
         prompt = req.prompt_token_ids
         out = self.runner.prefill(chunk.slot, prompt[chunk.start:chunk.end], chunk.start)
+        req.chunk_ran(chunk.end - chunk.start)
         first: int | None = None
         track = self._tracks[req.request_id]
         if chunk.is_last:

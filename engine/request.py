@@ -52,7 +52,8 @@ class Request:
         self.state = RequestState.WAITING
         self.slot: int | None = None
         self.num_cached_tokens = 0
-        self.num_prefilled_tokens = 0
+        self.num_prefilled_tokens = 0  # planned: counted when the scheduler plans a chunk
+        self.num_prefill_ran_tokens = 0  # run: counted once the chunk's forward finished (rates use this)
         self.cached_blocks: list[BlockRef] = []  # prefix blocks copied in at admission
         self.blocks_pinned = False  # cached_blocks are pinned in the prefix index until copied
         self.output_token_ids: list[int] = []
@@ -134,7 +135,13 @@ class Request:
         end_s = self.first_token_s if self.first_token_s is not None else now_s
         if self.admitted_s is None or end_s is None or end_s <= self.admitted_s:
             return None
-        return self.num_prefilled_tokens / (end_s - self.admitted_s)
+        # Tokens of chunks that have run, not merely been planned: a just-planned first chunk over a few
+        # microseconds since admission would otherwise read as millions of tokens per second.
+        return self.num_prefill_ran_tokens / (end_s - self.admitted_s)
+
+    def chunk_ran(self, tokens: int) -> None:
+        """Record that a planned prefill chunk of `tokens` finished."""
+        self.num_prefill_ran_tokens += tokens
 
     def prefill_eta_s(self, now_s: float) -> float | None:
         """Seconds of prefill left at the rate so far; 0 once the prompt is computed, None before any rate."""
@@ -143,7 +150,7 @@ class Request:
         rate_tok_s = self.prefill_tok_s(now_s)
         if not rate_tok_s:
             return None
-        return self.remaining_prompt_tokens / rate_tok_s
+        return (self.num_prompt_tokens - self.num_cached_tokens - self.num_prefill_ran_tokens) / rate_tok_s
 
     def decode_tok_s(self, now_s: float | None = None) -> float | None:
         """Tokens generated per second after the first one, up to `now_s` (or the finish)."""

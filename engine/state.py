@@ -22,9 +22,8 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
     rate and MTP acceptance while decoding."""
     now_s = time.monotonic() if now_s is None else now_s
     prefill_tok_s = req.prefill_tok_s(now_s) or 0.0
-    eta_s = None
-    if req.first_token_s is None and prefill_tok_s > 0:
-        eta_s = round(req.remaining_prompt_tokens / prefill_tok_s, 3)
+    eta_s = req.prefill_eta_s(now_s) if req.first_token_s is None else None
+    eta_s = None if eta_s is None else round(eta_s, 3)
     if state is None:
         state = {RequestState.PREFILL: "prefill", RequestState.DECODE: "decode"}.get(req.state, "finished")
         if state == "decode" and not req.output_token_ids:
