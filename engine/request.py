@@ -133,7 +133,7 @@ class Request:
         """Prompt tokens computed per second since admission (cached ones excluded), up to the first token
         or, while prefilling, `now_s`."""
         end_s = self.first_token_s if self.first_token_s is not None else now_s
-        if self.admitted_s is None or end_s is None or end_s <= self.admitted_s:
+        if self.admitted_s is None or end_s is None or end_s <= self.admitted_s or not self.num_prefill_ran_tokens:
             return None
         # Tokens of chunks that have run, not merely been planned: a just-planned first chunk over a few
         # microseconds since admission would otherwise read as millions of tokens per second.

@@ -83,7 +83,8 @@ def test_append_to_a_finished_request_names_it() -> None:
 def test_prefill_eta_follows_the_rate_so_far() -> None:
     req = _req(1000)
     req.admitted_s = 10.0
-    req.num_prefilled_tokens = 250
+    req.num_prefilled_tokens = 500  # planned: 250 of them are still running
+    req.chunk_ran(250)
     assert req.prefill_eta_s(now_s=15.0) == pytest.approx(750 / 50.0)
 
 
@@ -112,6 +113,8 @@ def test_rates_come_from_the_timestamps() -> None:
     req.num_cached_tokens = 200
     req.num_prefilled_tokens = 800
     req.admitted_s = 101.0
+    assert req.prefill_tok_s(now_s=103.0) is None  # planned but no chunk has run yet: no rate
+    req.chunk_ran(800)
     assert req.queued_s == pytest.approx(1.0)
     assert req.prefill_tok_s() is None and req.prefill_tok_s(now_s=101.0) is None  # no time has passed
     assert req.prefill_tok_s(now_s=103.0) == pytest.approx(800 / 2.0)  # cached tokens are not counted
