@@ -7,8 +7,9 @@ into the same static output buffers, so the whole recovery flow, its events and 
 without CUDA; it can also model a device capacity, so an instantiate that does not fit fails with the
 driver's real message and evicting graphs really makes room.
 
-Both backends call `stage("capture")` once the stream is recording and `stage("instantiate")` just before
-instantiation: the cache uses it to name the failing stage, and fault injection raises there.
+Both backends call `stage("begin")` just before capture begins, `stage("capture")` once the stream is
+recording and `stage("instantiate")` just before instantiation: the cache uses them to name the failing stage,
+and fault injection raises at the last two.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class CpuGraphBackend:
         try:
             warm = fn(static_inputs)
             outputs, constants = split_outputs(warm, "cpu graph")
+            stage("begin")
             stage("capture")
             copy_outputs(outputs, fn(static_inputs), "cpu graph")
             stage("instantiate")
@@ -176,6 +178,7 @@ class CudaGraphBackend:
         self._stream = torch.cuda.Stream(self._dev)
         self._pools: dict[str | None, Any] = {}
         self._separate_instantiate = True
+        self.stale_recordings_cleared = 0  # a health figure: should stay 0
 
     def capture(self, fn: Callable, static_inputs: Mapping[str, Any], owner: str | None, stage: StageHook,
                 on_failure: FailureHook) -> CapturedGraph:
@@ -188,9 +191,17 @@ class CudaGraphBackend:
             began = ended = False
             try:
                 outputs, constants = self._warm_up(fn, static_inputs)
+                stage("begin")
+                self._end_stale_recording(pool)
                 with torch.cuda.stream(self._stream):
                     # thread_local: a server thread asking cudaMemGetInfo must not invalidate this capture.
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    except BaseException:
+                        self._pool_call("endAllocateToPool", pool)  # begin may have registered the pool
+                        self._pool_call("releasePool", pool)
+                        self._pools.pop(owner, None)  # never reuse an id the allocator may still hold
+                        raise
                     began = True
                     stage("capture")
                     fresh = fn(static_inputs)
@@ -203,6 +214,7 @@ class CudaGraphBackend:
                     graph.instantiate()
             except BaseException as exc:
                 self._abort(graph, pool, began, ended)
+                self._end_stale_recording(pool)  # counts what _abort missed: its filter would dangle
                 on_failure(exc)
                 self._release(graph)
                 raise
@@ -251,17 +263,31 @@ class CudaGraphBackend:
                 cleanly = True
             except Exception:
                 pass
-        if not cleanly and self._separate_instantiate:
-            # capture_end raised before telling the allocator the capture is over and before marking the
-            # capture ended, so reset() would keep the pool alive and route this stream's allocations to it.
-            # (Without keep_graph, capture_end can fail after marking it ended; releasing twice would corrupt
-            # the pool's use count, so an older PyTorch gets reset() only.)
-            index = self._dev.index
-            for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
-                try:
-                    getattr(torch._C, name)(index, pool)
-                except Exception:
-                    pass
+        if not cleanly:
+            # capture_end raised at cudaStreamEndCapture, before telling the allocator the capture is over
+            # (a later capture_begin on this pool then fails "already recording to mempool_id") and before
+            # marking the capture ended, so reset() would not release the pool either.
+            self._pool_call("endAllocateToPool", pool)
+            if self._separate_instantiate:
+                # Without keep_graph, capture_end can fail after marking the capture ended; releasing twice
+                # would corrupt the pool's use count, so an older PyTorch gets reset() only.
+                self._pool_call("releasePool", pool)
+
+    def _end_stale_recording(self, pool: Any) -> None:
+        """Clear a recording some earlier failed capture left registered on this pool, if any."""
+        if self._pool_call("endAllocateToPool", pool):
+            self.stale_recordings_cleared += 1
+
+    def _pool_call(self, name: str, pool: Any) -> bool:
+        """torch._C._cuda_<name>(device, pool); False when it refused (the normal case for a stale check)."""
+        fn = getattr(self._torch._C, f"_cuda_{name}", None)
+        if fn is None:
+            return False
+        try:
+            fn(self._dev.index, pool)
+            return True
+        except Exception:
+            return False
 
     def _release(self, graph: Any) -> None:
         try:

@@ -260,8 +260,9 @@ class GraphCache:
         failure: list[_Failure] = []
 
         def on_stage(name: str) -> None:
-            stage[0] = name
-            if self.fault_plan is not None:
+            # "begin" (just before capture begins) only names the stage: faults fire while capturing.
+            stage[0] = "capture" if name == "begin" else name
+            if self.fault_plan is not None and name != "begin":
                 self.fault_plan.check(name, kind)
 
         def on_failure(exc: BaseException) -> None:
@@ -283,6 +284,10 @@ class GraphCache:
             if not (failure[0].category == "other" and failure[0].stage == "warmup"):
                 _drop_tracebacks(exc)  # the step's own bug keeps its traceback: it is re-raised as is
             del exc
+            with self._lock:
+                owner_has_graphs = any(e.owner == owner for e in self._entries.values())
+            if not owner_has_graphs:
+                self.backend.owner_empty(owner)  # the next attempt records into a fresh pool id
             self.backend.empty_cache()
             return failure[0]
         capture_ms = (time.perf_counter() - t0) * 1e3

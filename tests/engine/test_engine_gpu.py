@@ -96,5 +96,4 @@ def test_gpu_peer_device_holds_the_tier_and_prefix_reuse_works_across_devices(ck
 def test_gpu_prefill_chunks_take_the_flash_kernel_in_bf16(ckpt):
     engine = _engine(ckpt, dtype="bfloat16")
     cfg = engine.lm.config
-    q = torch.randn(1, cfg.num_attention_heads, 64, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-    assert engine.kv._fused_prefill_ok(0, q)
+    assert engine.kv.chunk_fusable(cfg.num_attention_heads, 64)
