@@ -305,8 +305,11 @@ class Engine:
         self.mtp_on = False
         self.mtp_off_reason = message
         self.sched.set_draft_tokens(0)
+        # The drafter's graphs will never replay again: give their pool back (the tier can grow into it).
+        freed_mib = self.executor.release("drafter") if self.executor is not None else 0.0
         self.bus.publish(WarningEvent(where="engine.mtp",
-                                      message=f"MTP drafting turned off for the rest of the run: {message}"))
+                                      message=f"MTP drafting turned off for the rest of the run "
+                                              f"(freed {freed_mib:.0f} MiB of drafter graphs): {message}"))
 
     def _fail(self, exc: BaseException) -> list[RequestOutput]:
         """A step failed: report the real error, mark the engine dead, end every request with the error."""
