@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/validate.log"
 
 log "GPU tests"
-GPU_FILES=$(grep -rl "mark.gpu" tests | sort | tr '\n' ' ')
+GPU_FILES=${GPU_TESTS:-$(grep -rl "mark.gpu" tests | sort | tr '\n' ' ')}
 timeout "${TESTS_LIMIT_S:-240}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider $GPU_FILES \
     >"$OUT/gpu_tests.log" 2>&1
 log "GPU tests rc=$? ($(tail -1 "$OUT/gpu_tests.log"))"
@@ -31,3 +31,15 @@ timeout "${SEED_LIMIT_S:-300}" python3 benchmarks/seed_scenario.py --runs "${SEE
     --prompt-tokens "${SEED_PROMPT_TOKENS:-150000}" "${SW[@]}" --out "$OUT/seed.json" >"$OUT/seed.log" 2>&1
 log "seed scenario rc=$?"
 tail -25 "$OUT/seed.log" | tee -a "$OUT/validate.log"
+
+# Optional short benchmarks when BENCH=1 (the full set is benchmarks/run_all_gpu.sh).
+if [ "${BENCH:-0}" = 1 ]; then
+    log "bench mtp (strata-tiny, batch 1 and 6)"
+    timeout 60 python3 -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1,6 \
+        --prompt-tokens 128 --new-tokens 256 --mtp-depth 1 --json "$OUT/mtp.json" >"$OUT/bench.log" 2>&1
+    log "bench mtp rc=$?"
+    timeout 75 python3 -m engine.bench decode --model random:0.6b --device cuda:0 --batches 1,6 \
+        --prompt-tokens 128 --new-tokens 256 --graph-modes on,off --json "$OUT/decode.json" >>"$OUT/bench.log" 2>&1
+    log "bench decode rc=$?"
+    tail -40 "$OUT/bench.log" | tee -a "$OUT/validate.log"
+fi
