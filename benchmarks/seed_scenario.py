@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv", default="int8", choices=("bf16", "int8"))
     p.add_argument("--vram-reserve-mib", type=int, default=None)
     p.add_argument("--prompt-tokens", type=int, default=150_000, help="tokens of the fresh long prompt")
-    p.add_argument("--short-max-tokens", type=int, default=256)
+    p.add_argument("--short-max-tokens", type=int, default=0,
+                   help="tokens per short generation; 0 (default): decode until the long prompt is done, so the "
+                        "shorts are still running when it is admitted, as in the seed report")
     p.add_argument("--delay-s", type=float, default=3.0)
     p.add_argument("--switches", default=",".join(s.name for s in SWITCHES),
                    help="switches to turn on (default: all; SPLIT_ATTN is the seed's)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.graphs import GraphSpec
 from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket
 
 
@@ -47,11 +48,7 @@ class MtpDrafter:
         inputs = {"slots": r.stage([slot]), "hidden": hidden, "next_ids": r.stage([list(next_ids) + [0] * (tb - n)]),
                   "positions": r.stage([positions]), "pick": r.stage([n - 1])}
 
-        def build(split: bool):
-            # Capturable per (chunk bucket, span): positions travel as tensors, so no chunk start in the key.
-            return ("t%d" % tb, "L%d" % span) + (("split",) if split else ()), self._mtp_fn(span, split, depth=0)
-
-        out = r.run("draft_prefill", build, inputs, owner="drafter")
+        out = r.run("draft_prefill", self._prefill_build(tb, span), inputs, owner="drafter")
         if is_last:
             rows = [Row(slot, next_ids[-1], start + n)]  # the pending (first sampled) token and its position
             self._finish(rows, 1, out["draft"], out["h"])
@@ -74,11 +71,7 @@ class MtpDrafter:
         inputs = {"slots": r.stage(slots), "hidden": hidden, "next_ids": r.stage(next_ids),
                   "positions": r.stage(positions), "pick": r.stage(pick)}
 
-        def build(split: bool):
-            key = ("b%d" % bb, "k%d" % (k1 - 1), "L%d" % span) + (("split",) if split else ())
-            return key, self._mtp_fn(span, split, depth=0)
-
-        out = r.run("draft_round", build, inputs, owner="drafter")
+        out = r.run("draft_round", self._round_build(bb, k1, span), inputs, owner="drafter")
         self._finish(rows, bb, out["draft"], out["h"])
 
     def _finish(self, rows: list[Row], bb: int, first: torch.Tensor, h: torch.Tensor) -> None:
@@ -93,17 +86,73 @@ class MtpDrafter:
             span = r.span_bucket(max(row.position for row in rows) + j)
             inputs = {"slots": slots_t, "hidden": h, "next_ids": drafts[-1].view(bb, 1),
                       "positions": r.stage([[p] for p in pos]), "pick": r.stage([0] * bb)}
-
-            def build(split: bool, j=j, span=span):
-                key = ("b%d" % bb, "j%d" % j, "L%d" % span) + (("split",) if split else ())
-                return key, self._mtp_fn(span, split, depth=j)
-
-            out = r.run("draft_step", build, inputs, owner="drafter")
+            out = r.run("draft_step", self._step_build(bb, j, span), inputs, owner="drafter")
             drafts.append(out["draft"])
             h = out["h"]
         stacked = torch.stack(drafts, dim=1)[: len(rows)]  # [B, K]
         index = r.stage([row.slot for row in rows])
         r.draft_buf.index_copy_(0, index, stacked)
+
+    # --- CAPTURE_ALL ---------------------------------------------------------------------------------------
+
+    def graph_specs(self, max_chunk_tokens: int) -> list[GraphSpec]:
+        """CAPTURE_ALL: a GraphSpec for every drafter bucket on the current SPLIT_ATTN path.
+
+        draft_prefill: each chunk bucket (16 .. the bucket of `max_chunk_tokens`) with each length bucket a
+        chunk of that size can reach; draft_round (1 + depth tokens) and draft_step j = 1..depth-1: each batch
+        bucket with each length bucket. Inputs are padding rows only (slot 0's scratch columns, zero hidden
+        states), so the warm-up a capture executes writes no real KV.
+        """
+        r = self.runner
+        split = r.split_enabled()
+        dtype = next(self.model.parameters()).dtype
+        hidden_size = self.model.config.hidden_size
+        spans = r.span_buckets()
+        specs = []
+        tb = MIN_CHUNK_TOKENS
+        while tb <= pow2_bucket(max_chunk_tokens, MIN_CHUNK_TOKENS):
+            inputs = {"slots": r.stage([0]), "hidden": torch.zeros(1, tb, hidden_size, dtype=dtype, device=r.device),
+                      "next_ids": r.stage([[0] * tb]), "positions": r.stage(r.pad_positions(1, tb)),
+                      "pick": r.stage([0])}
+            # A chunk of this bucket holds more than tb / 2 tokens, so it ends past them.
+            for span in (s for s in spans if s >= r.span_bucket(tb // 2 + 1)):
+                key, fn = self._prefill_build(tb, span)(split)
+                specs.append(GraphSpec("draft_prefill", key, fn, inputs, owner="drafter"))
+            tb *= 2
+        for bb in r.batch_buckets():
+            for j in range(self.depth):
+                t = self.depth + 1 if j == 0 else 1  # a round reads the verify's K+1 positions; a step one
+                inputs = {"slots": r.stage([0] * bb),
+                          "hidden": torch.zeros(bb, t, hidden_size, dtype=dtype, device=r.device),
+                          "next_ids": r.stage([[0] * t] * bb), "positions": r.stage(r.pad_positions(bb, t)),
+                          "pick": r.stage([0] * bb)}
+                for span in spans:
+                    build = self._round_build(bb, t, span) if j == 0 else self._step_build(bb, j, span)
+                    key, fn = build(split)
+                    specs.append(GraphSpec("draft_round" if j == 0 else "draft_step", key, fn, inputs,
+                                           owner="drafter"))
+        return specs
+
+    def _prefill_build(self, tb: int, span: int):
+        def build(split: bool):
+            # Capturable per (chunk bucket, span): positions travel as tensors, so no chunk start in the key.
+            return ("t%d" % tb, "L%d" % span) + (("split",) if split else ()), self._mtp_fn(span, split, depth=0)
+
+        return build
+
+    def _round_build(self, bb: int, k1: int, span: int):
+        def build(split: bool):
+            key = ("b%d" % bb, "k%d" % (k1 - 1), "L%d" % span) + (("split",) if split else ())
+            return key, self._mtp_fn(span, split, depth=0)
+
+        return build
+
+    def _step_build(self, bb: int, j: int, span: int):
+        def build(split: bool):
+            key = ("b%d" % bb, "j%d" % j, "L%d" % span) + (("split",) if split else ())
+            return key, self._mtp_fn(span, split, depth=j)
+
+        return build
 
     def _mtp_fn(self, span: int, split: bool, depth: int):
         model, kv = self.model, self.kv

@@ -7,12 +7,14 @@ cache fills. It returns the RequestOutput increments of that step (text detokeni
 Not thread-safe: one thread steps it (engine.async_engine.AsyncEngine runs it in its engine thread).
 Failures, from mild to fatal: a graph that cannot be captured degrades its switch or turns MTP off (runner);
 an eager out-of-memory gets room from the tier and is retried once (runner); anything else inside a step is
-fatal: an ErrorEvent with the real message (the __cause__/__context__ chain, "no error" links skipped),
-health "dead: ...", and every request finished with the error.
+an ErrorEvent with the real message (the __cause__/__context__ chain, "no error" links skipped) that ends the
+requests holding a slot; a sticky CUDA error, or a failure that repeats step after step, is fatal: health
+"dead: ...", and every request finished with the error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +25,7 @@ from engine.api import Health, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts
 from engine.errors import CheckpointError, EngineDead, RequestRejected
-from engine.gpu_errors import StickyCudaError, real_message
+from engine.gpu_errors import error_event, real_message
 from engine.request import Request
 from engine.prefill_pacer import ChunkTiming, StepTiming
 from engine.runner import MtpUnavailable, Row
@@ -35,6 +37,7 @@ from engine.telemetry import AdmissionEvent, EngineEvent, ErrorEvent, EventBus, 
 
 SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
 VRAM_EVENT_INTERVAL_S = 1.0
+MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in between: then the engine gives up
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -81,6 +84,7 @@ class Engine:
         self.mtp_on = self.drafter is not None
         self.mtp_off_reason: str | None = None
         self.steps = 0
+        self._failed_steps = 0  # since a request last finished normally
         self._tracks: dict[str, _Track] = {}
         self._last_vram_s = 0.0
         self._publish_vram()
@@ -159,8 +163,10 @@ class Engine:
                 timing = self._run_timed(plan, outputs)
             self.sched.record_step(timing)
             self.steps += 1
+            if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
+                self._failed_steps = 0  # a request made it to its end: whatever failed before is not every step
             self._progress_events(time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported, then fatal
+        except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported; _fail decides how bad
             outputs.extend(self._fail(exc))
         return outputs
 
@@ -312,22 +318,28 @@ class Engine:
                                               f"(freed {freed_mib:.0f} MiB of drafter graphs): {message}"))
 
     def _fail(self, exc: BaseException) -> list[RequestOutput]:
-        """A step failed: report the real error, mark the engine dead, end every request with the error."""
-        message = describe_exception(exc)
-        self._dead_reason = message
-        if isinstance(exc, StickyCudaError):
-            event = exc.to_event()
-        else:
-            free_mib = self.budget.breakdown().free_mib if self.device.type == "cuda" else None
-            event = ErrorEvent(where="engine.step", exc_type=type(exc).__name__, message=message,
-                               vram_free_mib=free_mib, fatal=True)
+        """A step failed: report the real error (gpu_errors.error_event) and end the requests it touched.
+
+        A sticky CUDA error (or MAX_FAILED_STEPS failed steps with no request finishing normally in between: a
+        fault that repeats is not going away) is fatal: the engine is marked dead and every request ends with the error. Anything else
+        ends only the requests holding a slot, whose KV the step may have left half-written (the scheduler
+        discards their unfilled prefix blocks); queued requests keep their place and the engine serves on.
+        """
+        event = error_event(exc, "engine.step", self.device)
+        self._failed_steps += 1
+        if not event.fatal and self._failed_steps >= MAX_FAILED_STEPS:
+            event = dataclasses.replace(event, fatal=True, message=(
+                f"{event.message} ({self._failed_steps} failed steps, no request finished in between)"))
         self.bus.publish(event)
-        self.bus.publish(EngineEvent(state="dead", detail=message))
+        if event.fatal:
+            self._dead_reason = event.message
+            self.bus.publish(EngineEvent(state="dead", detail=event.message))
         outputs = []
         for track in list(self._tracks.values()):
             slot = track.request.slot
-            self.sched.finish(track.request, "error")
-            outputs.append(self._close(track, "error", slot, error=message))
+            if event.fatal or slot is not None:
+                self.sched.finish(track.request, "error")
+                outputs.append(self._close(track, "error", slot, error=event.message))
         return outputs
 
     # --- telemetry -----------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.executor import EagerExecutor
+from engine.gpu_errors import is_sticky, real_message
 from engine.kv_cache import KVGeometry, SlotKVCache
 from engine.prefix_index import PrefixIndex
 from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.switches import SwitchBoard
-from engine.telemetry import EventBus, SwitchEvent, WarningEvent
+from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
 from engine.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
 
 
@@ -79,7 +80,49 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
         from engine.drafter import MtpDrafter
 
         drafter = MtpDrafter(runner, depth)
+    if board.enabled("CAPTURE_ALL"):
+        precapture_all(config, bus, board, executor, runner, drafter)
     return EngineParts(lm, kv, tier, budgets, sched, runner, drafter, board, executor, device)
+
+
+def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, executor: Any, runner: ModelRunner,
+                   drafter: Any) -> None:
+    """CAPTURE_ALL: capture every decode/verify/drafter bucket before the first request.
+
+    The buckets are the runner's and the drafter's `graph_specs()` (see there). A bucket that cannot be
+    captured degrades CAPTURE_ALL (the rest are then captured lazily, as without the switch), never the
+    engine; only a sticky CUDA error, which leaves the device unusable, propagates.
+    """
+    precapture = getattr(executor, "precapture", None)
+    if precapture is None:
+        bus.publish(WarningEvent(where="engine.graphs", message=(
+            f"CAPTURE_ALL is on but {type(executor).__name__} captures no graphs (CPU or --no-graphs): "
+            "every step runs eagerly")))
+        return
+    try:
+        with torch.inference_mode():
+            specs = runner.graph_specs()
+            if drafter is not None:
+                specs += drafter.graph_specs(config.prefill_chunk_tokens)
+            summary = precapture(specs)
+    except Exception as exc:  # noqa: BLE001 - a failed warm-up costs the switch, not the engine
+        if is_sticky(exc):
+            raise
+        _degrade(bus, board, "CAPTURE_ALL", f"precapture: {real_message(exc)}")
+        return
+    # An executor handed in from outside may keep its own switch board: the engine's must show the degrade.
+    theirs = getattr(executor, "board", board)
+    if theirs is not board and theirs.states["CAPTURE_ALL"].degraded and board.enabled("CAPTURE_ALL"):
+        board.degrade("CAPTURE_ALL", theirs.states["CAPTURE_ALL"].reason)
+    bus.publish(EngineEvent(state="loading", detail=(
+        f"CAPTURE_ALL: {summary['captured']} of {len(specs)} graphs captured, {summary['total_mib']:.0f} MiB, "
+        f"{summary['ms']:.0f} ms")))
+
+
+def _degrade(bus: EventBus, board: SwitchBoard, name: str, reason: str) -> None:
+    board.degrade(name, reason)
+    bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
+    bus.publish(WarningEvent(where="engine.graphs", message=f"switch {name} degraded: {reason}"))
 
 
 def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:

@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 import torch
 
 from engine.executor import EagerExecutor, GraphDegraded, StepExecutor
+from engine.graphs import GraphSpec
 from engine.gpu_errors import is_oom, is_sticky, real_message
 from engine.kv_cache import SlotKVCache
 from engine.switches import SwitchBoard
@@ -222,6 +223,45 @@ class ModelRunner:
         if name == SPLIT_SWITCH:
             self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and "split" in key)
 
+    # --- CAPTURE_ALL ---------------------------------------------------------------------------------------
+
+    def batch_buckets(self) -> list[int]:
+        """Every batch bucket a decode/verify can take: 1, 2, 4, ... up to the bucket of all slots."""
+        return _pow2_range(1, self.batch_bucket(self.num_slots))
+
+    def span_buckets(self) -> list[int]:
+        """Every length bucket a step can take: powers of two from MIN_SPAN_TOKENS, the last capped at the
+        context. Logarithmic in the context (11 buckets for 256K), so capturing all of them stays bounded."""
+        spans = [MIN_SPAN_TOKENS]
+        while spans[-1] < self.context_tokens:
+            spans.append(spans[-1] * 2)
+        return sorted({self.span_bucket(s) for s in spans})
+
+    def pad_positions(self, bb: int, t: int) -> list[list[int]]:
+        """Positions [bb, t] of rows that are all padding: scratch columns past the context, never a token."""
+        return [[self.context_tokens + j for j in range(t)] for _ in range(bb)]
+
+    def graph_specs(self) -> list[GraphSpec]:
+        """CAPTURE_ALL: a GraphSpec for every decode bucket (batch x length), or every verify bucket (with
+        1 + depth tokens per row) when MTP drafts, on the current SPLIT_ATTN path. The inputs are all padding
+        rows (slot 0's scratch columns, the draft buffer's scratch row), so the warm-up a capture executes
+        writes no real KV."""
+        specs = []
+        split = self.split_enabled()
+        for bb in self.batch_buckets():
+            slots, zeros = [0] * bb, [0] * bb
+            for span in self.span_buckets():
+                if self.mtp_depth:
+                    inputs = self._verify_inputs(slots, [self.pad_row] * bb, zeros,
+                                                 self.pad_positions(bb, self.mtp_depth + 1))
+                    key, fn = self._verify_build(bb, span)(split)
+                    specs.append(GraphSpec("verify", key, fn, inputs))
+                else:
+                    inputs = self._decode_inputs(slots, zeros, self.pad_positions(bb, 1))
+                    key, fn = self._decode_build(bb, span)(split)
+                    specs.append(GraphSpec("decode", key, fn, inputs))
+        return specs
+
     # --- forwards ------------------------------------------------------------------------------------------
 
     def _pad_rows(self, rows: list[Row], t: int) -> tuple[list[int], list[list[int]]]:
@@ -238,16 +278,21 @@ class ModelRunner:
         bb = len(slots)
         span = self.span_bucket(max(r.position for r in rows) + 1)
         tokens = [r.token for r in rows] + [0] * (bb - len(rows))
+        out = self.run("decode", self._decode_build(bb, span), self._decode_inputs(slots, tokens, positions))
+        return StepOutput(out["logits"], out["hidden"], span_tokens=span)
+
+    def _decode_inputs(self, slots: list[int], tokens: list[int], positions: list[list[int]]) -> dict:
+        bb = len(slots)
         # One host-to-device copy for all inputs: [3, Bb] split into views.
         packed = self.stage([slots, tokens, [p[0] for p in positions]])
-        inputs = {"slots": packed[0], "tokens": packed[1].view(bb, 1), "positions": packed[2].view(bb, 1)}
+        return {"slots": packed[0], "tokens": packed[1].view(bb, 1), "positions": packed[2].view(bb, 1)}
 
+    def _decode_build(self, bb: int, span: int) -> StepBuilder:
         def build(split: bool):
             key = ("b%d" % bb, "L%d" % span) + (("split",) if split else ())
             return key, self._forward_fn(span, split)
 
-        out = self.run("decode", build, inputs)
-        return StepOutput(out["logits"], out["hidden"], span_tokens=span)
+        return build
 
     def verify(self, rows: list[Row]) -> StepOutput:
         """Each row's pending token plus its K drafts (from draft_buf) in one forward: logits [Bb, K+1, V]."""
@@ -257,10 +302,18 @@ class ModelRunner:
         span = self.span_bucket(max(r.position for r in rows) + k + 1)
         draft_rows = [r.slot for r in rows] + [self.pad_row] * (bb - len(rows))
         pending = [r.token for r in rows] + [0] * (bb - len(rows))
+        inputs = self._verify_inputs(slots, draft_rows, pending, positions)
+        out = self.run("verify", self._verify_build(bb, span), inputs)
+        return StepOutput(out["logits"], out["hidden"], out["drafts"], span_tokens=span)
+
+    def _verify_inputs(self, slots: list[int], draft_rows: list[int], pending: list[int],
+                       positions: list[list[int]]) -> dict:
         packed = self.stage([[s, d, p] + pos for s, d, p, pos in zip(slots, draft_rows, pending, positions)])
-        inputs = {"slots": packed[:, 0], "draft_rows": packed[:, 1], "pending": packed[:, 2:3],
-                  "positions": packed[:, 3:]}
-        draft_buf = self.draft_buf
+        return {"slots": packed[:, 0], "draft_rows": packed[:, 1], "pending": packed[:, 2:3],
+                "positions": packed[:, 3:]}
+
+    def _verify_build(self, bb: int, span: int) -> StepBuilder:
+        k, draft_buf = self.mtp_depth, self.draft_buf
 
         def build(split: bool):
             forward = self._forward_fn(span, split)
@@ -275,8 +328,7 @@ class ModelRunner:
             key = ("b%d" % bb, "k%d" % k, "L%d" % span) + (("split",) if split else ())
             return key, verify_fn
 
-        out = self.run("verify", build, inputs)
-        return StepOutput(out["logits"], out["hidden"], out["drafts"], span_tokens=span)
+        return build
 
     def prefill(self, slot: int, token_ids: list[int], start: int) -> StepOutput:
         """Prompt tokens at positions [start, start+n) of one slot: last position's logits, all hidden states."""
@@ -315,3 +367,12 @@ class ModelRunner:
             return {"logits": model.logits(hidden), "hidden": hidden}
 
         return forward_fn
+
+
+def _pow2_range(lower: int, upper: int) -> list[int]:
+    """Powers of two times `lower`, from `lower` up to and including `upper`."""
+    out, b = [], lower
+    while b <= upper:
+        out.append(b)
+        b *= 2
+    return out
