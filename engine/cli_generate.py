@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from engine.api import SamplingParams
-    from engine.engine import generate_text
+    from engine.generate import generate_text
 
     config = replace(config, batch=1)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

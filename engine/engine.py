@@ -24,7 +24,7 @@ import torch
 from engine.api import Health, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts
-from engine.errors import CheckpointError, EngineDead, RequestRejected
+from engine.errors import EngineDead, RequestRejected
 from engine.gpu_errors import error_event, real_message
 from engine.request import Request
 from engine.prefill_pacer import ChunkTiming, StepTiming
@@ -33,7 +33,7 @@ from engine.sampler import make_generator, sample_with_drafts
 from engine.scheduler import Admission, PrefillChunk, StepPlan
 from engine.state import engine_state, slot_event
 from engine.switches import SwitchState
-from engine.telemetry import AdmissionEvent, EngineEvent, ErrorEvent, EventBus, SlotEvent, WarningEvent
+from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent
 
 SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
 VRAM_EVENT_INTERVAL_S = 1.0
@@ -379,33 +379,3 @@ def _find_stop(text: str, stops: tuple[str, ...], sent_chars: int) -> int | None
         if at != -1 and (best is None or at < best):
             best = at
     return best
-
-
-def generate_text(config: EngineConfig, prompt: str, params: SamplingParams,
-                  bus: EventBus | None = None) -> tuple[str, dict[str, Any]]:
-    """Load an engine, generate for one prompt, and return (text, stats): the `generate` subcommand's core.
-
-    stats: prompt/completion/cached tokens, finish reason, prefill and decode tok/s, MTP acceptance, seconds.
-    """
-    engine = Engine(config, bus if bus is not None else EventBus())
-    if engine.tokenizer is None:
-        raise CheckpointError(config.model, "no tokenizer.json: cannot encode a text prompt")
-    start_s = time.monotonic()
-    req = engine.add_request("generate-0", engine.tokenizer.encode(prompt), params)
-    pieces: list[str] = []
-    last = None
-    while engine.has_work:
-        for out in engine.step():
-            pieces.append(out.text)
-            last = out
-    if last is not None and last.error:
-        raise EngineDead(last.error)
-    stats = {
-        "prompt_tokens": req.num_prompt_tokens, "completion_tokens": req.num_output_tokens,
-        "cached_tokens": req.num_cached_tokens, "finish_reason": req.finish_reason,
-        "prefill_tok_s": req.prefill_tok_s(), "decode_tok_s": req.decode_tok_s(),
-        "acceptance_per_position": [req.acceptance_at(i) for i in range(len(req.draft_proposed))],
-        "acceptance": req.acceptance, "mtp": engine.mtp_on, "elapsed_s": time.monotonic() - start_s,
-        "device": str(engine.device),
-    }
-    return "".join(pieces), stats

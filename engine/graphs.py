@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping
 from engine.compile import StepCompiler
 from engine.executor import GraphDegraded, StepFn
 from engine.fault_injection import FaultPlan
-from engine.gpu_errors import classify, real_message, sticky_from
+from engine.gpu_errors import classify, exception_chain, real_message, sticky_from
 from engine.graph_backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent, SwitchEvent, WarningEvent
@@ -372,12 +372,5 @@ def _stage_inputs(inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 def _drop_tracebacks(exc: BaseException) -> None:
     """Break exception -> frame references so tensors allocated in a failed capture can be freed."""
-    seen: set[int] = set()
-    stack = [exc]
-    while stack:
-        cur = stack.pop()
-        if id(cur) in seen:
-            continue
-        seen.add(id(cur))
+    for cur in exception_chain(exc):
         cur.__traceback__ = None
-        stack.extend(x for x in (cur.__cause__, cur.__context__) if x is not None)
