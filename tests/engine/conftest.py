@@ -67,3 +67,20 @@ def hf_model() -> Callable[..., Any]:
     reference) with non-trivial norms and biases. Skips the test when transformers is not installed."""
     pytest.importorskip("transformers")
     return _hf_model
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random checkpoint whose greedy output varies (default random weights repeat one token forever)."""
+    from tests.engine.engine_helpers import shared_lively_checkpoint
+
+    return shared_lively_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture
+def one_torch_thread() -> Any:
+    """One torch thread: on a shared 2-core box, spinning intra-op threads make tiny engine steps far slower."""
+    from tests.engine.engine_helpers import one_thread
+
+    with one_thread():
+        yield

@@ -16,22 +16,13 @@ from engine.graphs import GraphCache
 from engine.runner import switch_for_key
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = random_prompts(5, seed=31, lengths=(5, 150))
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PRECAPTURED_KINDS = {"decode", "verify", "draft_prefill", "draft_round", "draft_step"}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 def _cache(bus: EventBus, switches: dict[str, bool], plan: str = "") -> GraphCache:

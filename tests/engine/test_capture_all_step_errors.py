@@ -11,22 +11,13 @@ import pytest
 from engine.api import SamplingParams
 from engine.engine import MAX_FAILED_STEPS
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 from tests.engine.test_engine_faults import FailingExecutor
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = random_prompts(6, seed=5, lengths=(5, 60))
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 def _errors(bus: EventBus) -> list:

@@ -12,18 +12,9 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.errors import EngineDead, PromptTooLong, QueueFull
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import one_thread, random_prompts, shared_lively_checkpoint, small_config
+from tests.engine.engine_helpers import random_prompts, small_config
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _factory(cfg, bus):

@@ -11,7 +11,9 @@ import pytest
 from engine.api import SamplingParams
 from engine.executor import EagerExecutor, GraphDegraded
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = random_prompts(6, seed=77, lengths=(5, 90))
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -39,17 +41,6 @@ class FailingExecutor(EagerExecutor):
 
     def invalidate(self, predicate) -> None:
         self.invalidated.extend(k for k in self.seen if predicate(*k))
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,11 @@ import torch
 from engine.api import SamplingParams
 from engine.errors import ConfigError, MaxTokensTooLarge, PromptTooLong, RequestRejected
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, small_config as small_config_for, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, small_config as small_config_for, random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 def _dense_greedy(ckpt, prompt: list[int], n: int) -> list[int]:

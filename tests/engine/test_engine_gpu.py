@@ -19,11 +19,6 @@ from tests.engine.engine_helpers import random_prompts, run_all, shared_lively_c
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
 def _engine(ckpt, bus=None, **kw) -> Engine:
     base = dict(model=str(ckpt), device="cuda:0", dtype="float32", batch=6, context=4096,
                 prefill_chunk_tokens=256, step_token_budget=512)

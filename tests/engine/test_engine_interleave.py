@@ -11,22 +11,13 @@ from engine.api import SamplingParams
 from engine.prefill_pacer import PrefillPacer
 from engine.engine import Engine
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, shared_lively_checkpoint, small_config
+from tests.engine.engine_helpers import make_engine, random_prompts, small_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SHORT = random_prompts(4, seed=80, lengths=(20, 40))
 LONG = random_prompts(1, seed=81, lengths=(2500, 2501))[0]
 BLOCK_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

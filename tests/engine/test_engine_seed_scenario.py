@@ -16,21 +16,12 @@ from engine.fault_injection import FaultPlan
 from engine.graphs import GraphCache
 from engine.runner import switch_for_key
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SHORT = random_prompts(6, seed=60, lengths=(20, 60))
 LONG = random_prompts(1, seed=61, lengths=(1500, 1501))[0]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 def _run(engine, short_tokens: int = 40):

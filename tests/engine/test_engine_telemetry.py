@@ -9,18 +9,9 @@ import pytest
 from engine.api import SamplingParams
 from engine.engine import SLOT_EVENT_INTERVAL_S
 from engine.telemetry import EventBus, event_from_json
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_a_run_emits_the_maps_events_with_real_numbers(ckpt):

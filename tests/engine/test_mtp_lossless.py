@@ -7,21 +7,12 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = random_prompts(20, seed=42, lengths=(3, 120))
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

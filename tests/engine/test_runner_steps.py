@@ -8,7 +8,9 @@ import torch
 from engine.api import SamplingParams
 from engine.executor import EagerExecutor
 from engine.runner import Row, pow2_bucket, switch_for_key
-from tests.engine.engine_helpers import make_engine, one_thread, shared_lively_checkpoint
+from tests.engine.engine_helpers import make_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class RecordingExecutor(EagerExecutor):
@@ -20,17 +22,6 @@ class RecordingExecutor(EagerExecutor):
     def run(self, kind, key, fn, inputs, owner=None):
         self.calls.append((kind, key, {k: tuple(v.shape) for k, v in inputs.items() if hasattr(v, "shape")}))
         return fn(inputs)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    with one_thread():
-        yield
 
 
 def test_buckets():
