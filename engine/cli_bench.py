@@ -24,6 +24,7 @@ BENCHES = {
     "graphs": ("engine.bench.graphs", "graph capture time and MiB per graph kind (GraphCache snapshot)"),
     "switches": ("engine.bench.switches", "each opt-in switch on vs off where it claims to help"),
     "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
+    "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
 }
 
 
@@ -127,16 +128,24 @@ def _peers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-strata", action="store_true", help="measure only the peers")
 
 
+def _profile(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.set_defaults(batch=1)  # the engine's --batch: here both its slots and the decoding requests
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=64, help="steps per pass (wall, cProfile, torch.profiler)")
+    p.add_argument("--top", type=int, default=25, help="host functions and kernels listed")
+
+
 _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "admission": _admission,
-    "graphs": _graphs, "switches": _switches, "peers": _peers,
+    "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile,
 }
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark; it prints its table and writes its JSON. Returns the exit status."""
     for name in ("warmup_steps", "prompt_tokens", "new_tokens", "slots", "short_prompt_tokens", "baseline_steps",
-                 "copy_mib"):
+                 "copy_mib", "steps", "top"):
         value = getattr(args, name, None)
         if value is not None and (value < 0 or (value == 0 and name != "warmup_steps")):
             raise ConfigError(name, value, "expected a positive whole number")

@@ -106,6 +106,7 @@ class SlotKVCache:
         self.split_tokens = _SPLIT_TOKENS
         self.fused_prefill: bool | None = None  # None: decide per device (flash on CUDA), see chunk_fusable
         self._causal_keys: int | None = None
+        self._mask: tuple | None = None  # (positions, shape, span, group, mask) of the forward bound last
         self._fusable: dict[tuple[int, int], bool] = {}
 
     # --- accounting ----------------------------------------------------------------------------------------
@@ -129,6 +130,7 @@ class SlotKVCache:
         self._slots = slots
         self._span = self.geometry.context_tokens if span_tokens is None else int(span_tokens)
         self._causal_keys = causal_keys
+        self._mask = None
 
     def bind_chunk(self, slots: torch.Tensor, span_tokens: int, start: int, chunk_bucket: int) -> None:
         """bind() for one prompt chunk padded at its end: positions [start, start + chunk_bucket).
@@ -161,7 +163,15 @@ class SlotKVCache:
         if (t > 8 and _scores_bytes(q, span) > self.block_scores_bytes) or self._gather_bytes(q, span) > self.block_kv_bytes:
             return self._blocked(layer_idx, q, slots, positions, span)
         kk, vv = self._read(layer_idx, slots, 0, span)
-        return masked_sdpa(q, kk, vv, positions)
+        return masked_sdpa(q, kk, vv, positions, self._mask_for(q, positions, span))
+
+    def _mask_for(self, q: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """masked_sdpa's causal-by-position mask, built by the first layer of a forward and reused by the rest
+        (every layer of one forward has the same positions and span: two kernels saved per layer)."""
+        key = (positions, positions.shape, span, q.shape[1] // self.geometry.num_kv_heads)
+        if self._mask is None or self._mask[0] is not positions or self._mask[1:-1] != key[1:]:
+            self._mask = (*key, causal_mask(positions, key[3], span))
+        return self._mask[-1]
 
     def _gather_bytes(self, q: torch.Tensor, n_keys: int) -> int:
         """Bytes of the dequantized key + value copy one read of `n_keys` keys for this batch makes."""
@@ -260,8 +270,17 @@ def _scores_bytes(q: torch.Tensor, span: int) -> int:
     return b * hq * t * span * 4
 
 
-def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Plain SDPA over keys [0, L) with the causal-by-position mask.
+def causal_mask(positions: torch.Tensor, group: int, span: int) -> torch.Tensor:
+    """[B, 1, G*T, L] bool: query row (g, t) may see key j when j <= positions[b, t] (masked_sdpa's layout)."""
+    b, t = positions.shape
+    pos = positions.view(b, 1, t).expand(b, group, t).reshape(b, 1, group * t)
+    keys = torch.arange(span, device=positions.device)
+    return keys.view(1, 1, 1, -1) <= pos.unsqueeze(-1)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain SDPA over keys [0, L) with the causal-by-position mask (`causal_mask`, built here when not given).
 
     GQA by folding each KV head's query group into the query axis ([B, Hkv, G*T, D]): keys are never repeated,
     and SDPA's own enable_gqa is avoided (on CPU it falls back to a much slower path).
@@ -270,9 +289,8 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
     hkv = k.shape[1]
     g = hq // hkv
     qg = q.reshape(b, hkv, g * t, d)
-    pos = positions.view(b, 1, t).expand(b, g, t).reshape(b, 1, g * t)
-    keys = torch.arange(k.shape[2], device=q.device)
-    mask = keys.view(1, 1, 1, -1) <= pos.unsqueeze(-1)  # [B, 1, G*T, L]
+    if mask is None:
+        mask = causal_mask(positions, g, k.shape[2])
     out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
     return out.reshape(b, hq, t, d)
 
