@@ -51,7 +51,7 @@ class MtpDrafter:
         out = r.run("draft_prefill", self._prefill_build(tb, span), inputs, owner="drafter")
         if is_last:
             rows = [Row(slot, next_ids[-1], start + n)]  # the pending (first sampled) token and its position
-            self._finish(rows, 1, out["draft"], out["h"])
+            self._finish(rows, 1, out["draft"], out["h"], inputs["slots"])
 
     def round(self, rows: list[Row], hidden: torch.Tensor, emitted: list[list[int]], base_positions: list[int]) -> None:
         """After a verify: MTP over positions n..n+K of each row, drafting from position n + accepted.
@@ -68,18 +68,22 @@ class MtpDrafter:
         positions += [[r.context_tokens + j for j in range(k1)]] * (bb - len(rows))
         slots = [row.slot for row in rows] + [0] * (bb - len(rows))
         pick = [len(e) - 1 for e in emitted] + [0] * (bb - len(rows))
-        inputs = {"slots": r.stage(slots), "hidden": hidden, "next_ids": r.stage(next_ids),
-                  "positions": r.stage(positions), "pick": r.stage(pick)}
+        # One host-to-device copy for every input ([Bb, 2 + 2 * k1] split into views): a round runs every
+        # decode step, and each separate copy costs host time comparable to a small model's kernels.
+        packed = r.stage([[sl, pk] + ids + pos for sl, pk, ids, pos in zip(slots, pick, next_ids, positions)])
+        inputs = {"slots": packed[:, 0], "hidden": hidden, "next_ids": packed[:, 2:2 + k1],
+                  "positions": packed[:, 2 + k1:], "pick": packed[:, 1]}
 
         out = r.run("draft_round", self._round_build(bb, k1, span), inputs, owner="drafter")
-        self._finish(rows, bb, out["draft"], out["h"])
+        self._finish(rows, bb, out["draft"], out["h"], inputs["slots"])
 
-    def _finish(self, rows: list[Row], bb: int, first: torch.Tensor, h: torch.Tensor) -> None:
-        """Chain steps 1..K-1 from the first draft, then store all K drafts per slot in draft_buf."""
+    def _finish(self, rows: list[Row], bb: int, first: torch.Tensor, h: torch.Tensor, slots_t: torch.Tensor) -> None:
+        """Chain steps 1..K-1 from the first draft, then store all K drafts per slot in draft_buf.
+
+        `slots_t` [Bb] is the slots on the device (the real rows first), as the round or prefill staged them.
+        """
         r = self.runner
         drafts = [first]  # each [Bb]
-        slots = [row.slot for row in rows] + [0] * (bb - len(rows))
-        slots_t = r.stage(slots)
         for j in range(1, self.depth):
             # Chain step j sits at pending position + j - 1 (the round's pick was at pending - 1).
             pos = [row.position + j - 1 for row in rows] + [r.context_tokens] * (bb - len(rows))
@@ -90,8 +94,7 @@ class MtpDrafter:
             drafts.append(out["draft"])
             h = out["h"]
         stacked = torch.stack(drafts, dim=1)[: len(rows)]  # [B, K]
-        index = r.stage([row.slot for row in rows])
-        r.draft_buf.index_copy_(0, index, stacked)
+        r.draft_buf.index_copy_(0, slots_t[: len(rows)], stacked)
 
     # --- CAPTURE_ALL ---------------------------------------------------------------------------------------
 

@@ -168,9 +168,12 @@ class SlotKVCache:
     def _mask_for(self, q: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """masked_sdpa's causal-by-position mask, built by the first layer of a forward and reused by the rest
         (every layer of one forward has the same positions and span: two kernels saved per layer)."""
-        key = (positions, positions.shape, span, q.shape[1] // self.geometry.num_kv_heads)
+        key = (positions, positions.shape, span, q.shape[1] // self.geometry.num_kv_heads, q.dtype)
         if self._mask is None or self._mask[0] is not positions or self._mask[1:-1] != key[1:]:
-            self._mask = (*key, causal_mask(positions, key[3], span))
+            # Additive (0 / -inf) in the compute dtype: SDPA would otherwise convert a bool mask in every layer.
+            visible = causal_mask(positions, key[3], span)
+            additive = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+            self._mask = (*key, additive)
         return self._mask[-1]
 
     def _gather_bytes(self, q: torch.Tensor, n_keys: int) -> int:
@@ -271,7 +274,8 @@ def _scores_bytes(q: torch.Tensor, span: int) -> int:
 
 
 def causal_mask(positions: torch.Tensor, group: int, span: int) -> torch.Tensor:
-    """[B, 1, G*T, L] bool: query row (g, t) may see key j when j <= positions[b, t] (masked_sdpa's layout)."""
+    """[B, 1, G*T, L] bool: query row (g, t) may see key j when j <= positions[b, t] (masked_sdpa's layout).
+    Every row sees key 0 (positions are >= 0), so no row of the mask is all False."""
     b, t = positions.shape
     pos = positions.view(b, 1, t).expand(b, group, t).reshape(b, 1, group * t)
     keys = torch.arange(span, device=positions.device)

@@ -24,9 +24,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps), one fused kernel on CUDA instead of five (decode steps are
-        # bound by kernel count); in fp32 it equals the written-out formula, then the cast and the weight as HF.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, computed in fp32 and rounded once to x's dtype (as HF does
+    before its weight multiply). F.rms_norm does exactly that, in one fused kernel on CUDA where the written-out
+    formula launches seven: a decode step is bound by its kernel count."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -82,14 +87,22 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]; writes/reads KV through `kv` (or none when kv is None)."""
         B, T, _ = x.shape
-        q, k, v = self._project(x)
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:  # q and k are adjacent in the fused output: one view holds both
+            qkv = self.qkv_proj(x).view(B, T, hq + 2 * hkv, d)
+            qk, v = qkv[:, :, :hq + hkv], qkv[:, :, hq + hkv:]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qk = torch.cat([q.view(B, T, hq, d), k.view(B, T, hkv, d)], dim=2)
+            v = v.view(B, T, hkv, d)
+        # q and k heads side by side [B, T, Hq+Hkv, D]: one norm and one rotation for both (the same per-head
+        # arithmetic as two separate passes, in half the kernels).
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+            weight = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])
+            qk = weight * rms_normalize(qk, self.q_norm.eps)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, Hq+Hkv, T, D]
+        q, k = qk[:, :hq], qk[:, hq:]
+        v = v.transpose(1, 2)  # [B, Hkv, T, D]
         if kv is None:
             out = causal_attention(q, k, v)
         else:
