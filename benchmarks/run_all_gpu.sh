@@ -9,7 +9,8 @@
 # first. A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that
 # no longer fit the whole budget are skipped and logged. Environment overrides: BUDGET_S (total seconds,
 # default 450), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
-# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB
+# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB; DECODE_COMPILE=0 skips the
+# compiled decode run
 # (tests/engine/test_bench_script.py runs the whole script on CPU with tiny ones).
 set -uo pipefail
 
@@ -20,7 +21,7 @@ PY=${PYTHON:-$(command -v python3 || command -v python)}
 MODEL=${MODEL:-random:0.6b}
 MTP_MODEL=${MTP_MODEL:-builtin:strata-tiny}
 DEVICE=${DEVICE:-cuda:0}
-BUDGET_S=${BUDGET_S:-450}
+BUDGET_S=${BUDGET_S:-540}
 PROMPT=${PROMPT:-128}
 NEW=${NEW:-256}
 LONG=${LONG:-176K}
@@ -39,7 +40,7 @@ log() { echo "[$(($(date +%s) - START_S))s] $*" | tee -a "$LOG"; }
 
 # run NAME LIMIT_S ARGS...: one benchmark under min(LIMIT_S, what is left of the budget).
 run() {
-    local name=$1 limit=$2
+    local name=$1 limit=$2  # switches for one run come as environment variables: STRATA_X=1 run ...
     shift 2
     local left=$((BUDGET_S - ($(date +%s) - START_S)))
     if [ "$left" -lt 15 ]; then
@@ -72,6 +73,8 @@ run peers 70 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-
     --copy-mib "$COPY_MIB" --peers eager
 run mtp 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
     --new-tokens "$NEW" --mtp-depth 1
+run mtp_depth2 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
+    --new-tokens "$NEW" --mtp-depth 2
 # The seed report's moment: 6 slots decoding while a fresh 176K prompt is admitted (int8 KV, as in the report:
 # 7 slots x 176K of bf16 KV would not fit next to anything else).
 run admission 100 admission "${COMMON[@]}" --slots 6 --long-tokens "$LONG" --kv int8 --baseline-steps 64
@@ -79,12 +82,13 @@ run ttft 115 ttft "${COMMON[@]}" --prompt-sizes "$TTFT_SIZES"
 run graphs 25 graphs "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
 run graphs_mtp 20 graphs --model "$MTP_MODEL" --device "$DEVICE" --batch-mtp --mtp-depth 2 --batches 1,6 \
     --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
-run mtp_depth2 30 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
-    --new-tokens "$NEW" --mtp-depth 2
 # Least important last: each switch on/off (COMPILE, the slowest to start, at the end), then the
 # static-cache + torch.compile peer, which may spend minutes compiling.
-run switches 60 switches "${COMMON[@]}" --only SPLIT_ATTN,FUSED_PROJ,PINNED_STAGING,CAPTURE_ALL,COMPILE \
+run switches 60 switches "${COMMON[@]}" --only SPLIT_ATTN,FUSED_PROJ,PINNED_STAGING,CAPTURE_ALL \
     --batches 1,6 --prompt-tokens "$PROMPT" --long-prompt-tokens "$SWITCH_LONG" --new-tokens "$SWITCH_NEW"
+# The fastest decode this engine has: FUSED_PROJ and COMPILE on (COMPILE compiles each graph bucket first).
+[ "${DECODE_COMPILE:-1}" = 1 ] && STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run decode_compile 150 decode "${COMMON[@]}" --batches 1,6 \
+    --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on
 run peers_compile 120 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
     --skip-strata --peers static --copy-mib "$COPY_MIB"
 

@@ -20,20 +20,84 @@ from __future__ import annotations
 
 import torch
 
+from engine.executor import EagerExecutor
 from engine.graphs import GraphSpec
 from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket
+
+FUSED_KIND = "verify_draft"
 
 
 class MtpDrafter:
     """Proposes `depth` draft tokens per decoding slot with the checkpoint's MTP head."""
 
-    def __init__(self, runner: ModelRunner, depth: int) -> None:
+    def __init__(self, runner: ModelRunner, depth: int, fused: bool | None = None) -> None:
         if runner.model.mtp is None:
             raise ValueError("MTP drafting needs a checkpoint with an MTP head")
         self.runner = runner
         self.depth = depth
         self.model = runner.model
         self.kv = runner.kv
+        # `verify_and_draft` for all-greedy batches: on by default where steps are captured graphs on CUDA
+        # (one replay and one device-to-host copy per step instead of two replays, a host round trip and
+        # the round's input copies); the separate kinds stay for sampled rows, and for CPU unless forced.
+        if fused is None:
+            fused = runner.device.type == "cuda" and not isinstance(runner.executor, EagerExecutor)
+        self.fused = fused
+
+    # --- the fused greedy step -----------------------------------------------------------------------------
+
+    def verify_and_draft(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy rows: verify, acceptance and the next round's drafts in one step function (kind verify_draft).
+
+        Greedy acceptance needs no host: the argmax at each position, drafts accepted while they equal it. So
+        the draft round (and its chain steps) can follow on the device, reading the emitted tokens and the
+        accepted count where `round()` gets them from the host. Returns (accepted [Bb], best [Bb, K+1]) on the
+        device; the drafts are in draft_buf. Same tokens and drafts as verify + sample_with_drafts + round.
+        """
+        r, k = self.runner, self.depth
+        slots, positions = r._pad_rows(rows, k + 1)
+        bb = len(slots)
+        # Chain step j writes MTP KV at n + accepted + j <= n + 2K - 1: the span covers the chain too.
+        span = r.span_bucket(max(row.position for row in rows) + 2 * k)
+        draft_rows = [row.slot for row in rows] + [r.pad_row] * (bb - len(rows))
+        pending = [row.token for row in rows] + [0] * (bb - len(rows))
+        inputs = r._verify_inputs(slots, draft_rows, pending, positions)
+        out = r.run(FUSED_KIND, self._fused_build(bb, span), inputs, owner="drafter")
+        return out["accepted"], out["best"]
+
+    def _fused_build(self, bb: int, span: int):
+        k, draft_buf = self.depth, self.runner.draft_buf
+        verify_build = self.runner._verify_build(bb, span)
+
+        def build(split: bool):
+            _, verify_fn = verify_build(split)
+            round_fn = self._mtp_fn(span, split, depth=0)
+            step_fns = [self._mtp_fn(span, split, depth=j) for j in range(1, k)]
+
+            def fused_fn(x):
+                out = verify_fn(x)
+                best = out["logits"].argmax(dim=-1)  # [Bb, K+1]
+                accepted = (best[:, :k] == out["drafts"]).long().cumprod(dim=-1).sum(dim=-1)  # [Bb]
+                # The round over the verified positions n..n+K with the emitted tokens as next ids; past the
+                # accepted ones they are junk that the next round overwrites before anything reads it.
+                d = round_fn({"slots": x["slots"], "hidden": out["hidden"], "next_ids": best,
+                              "positions": x["positions"], "pick": accepted})
+                drafts, h = [d["draft"]], d["h"]
+                zero = torch.zeros_like(accepted)
+                for j, step_fn in enumerate(step_fns, start=1):
+                    pos = x["positions"][:, :1] + accepted.view(bb, 1) + j  # n + accepted + j
+                    d = step_fn({"slots": x["slots"], "hidden": h, "next_ids": drafts[-1].view(bb, 1),
+                                 "positions": pos, "pick": zero})
+                    drafts.append(d["draft"])
+                    h = d["h"]
+                # Padded rows write the scratch row of draft_buf, never a real slot's drafts.
+                draft_buf.index_copy_(0, x["draft_rows"], torch.stack(drafts, dim=1))
+                return {"accepted": accepted, "best": best}
+
+            key = ("b%d" % bb, "k%d" % k, "L%d" % span) + (("split",) if split else ())
+            return key, fused_fn
+
+        return build
 
     # --- passes ----------------------------------------------------------------------------------------------
 
@@ -123,6 +187,11 @@ class MtpDrafter:
                 specs.append(GraphSpec("draft_prefill", key, fn, inputs, owner="drafter"))
             tb *= 2
         for bb in r.batch_buckets():
+            if self.fused:  # greedy batches take verify_draft instead of verify + draft_round (+ steps)
+                inputs = r._verify_inputs([0] * bb, [r.pad_row] * bb, [0] * bb, r.pad_positions(bb, self.depth + 1))
+                for span in spans:
+                    key, fn = self._fused_build(bb, span)(split)
+                    specs.append(GraphSpec(FUSED_KIND, key, fn, inputs, owner="drafter"))
             for j in range(self.depth):
                 t = self.depth + 1 if j == 0 else 1  # a round reads the verify's K+1 positions; a step one
                 inputs = {"slots": r.stage([0] * bb),

@@ -29,7 +29,7 @@ from engine.gpu_errors import error_event, real_message
 from engine.request import Request
 from engine.prefill_pacer import ChunkTiming, StepTiming
 from engine.runner import MtpUnavailable, Row
-from engine.sampler import make_generator, sample_with_drafts
+from engine.sampler import greedy_result, make_generator, sample_with_drafts
 from engine.scheduler import Admission, PrefillChunk, StepPlan
 from engine.state import engine_state, slot_event
 from engine.switches import SwitchState
@@ -231,14 +231,16 @@ class Engine:
         result = None
         if self.mtp_on:
             try:
-                out = self.runner.verify(rows)
-                result = sample_with_drafts(out.logits, out.drafts, params, gens)
-                k = self.runner.mtp_depth
-                for req, accepted in zip(reqs, result.accepted):
-                    req.record_drafts(k, accepted)
-                pending = [Row(r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens)]
-                self.drafter.round(pending, out.hidden, result.tokens, [r.position for r in rows])
-            except MtpUnavailable as exc:
+                if self.drafter.fused and all(p.temperature <= 0 for p in params):
+                    result = greedy_result(*self.drafter.verify_and_draft(rows), len(rows))
+                    self._record_drafts(reqs, result.accepted)
+                else:
+                    out = self.runner.verify(rows)
+                    result = sample_with_drafts(out.logits, out.drafts, params, gens)
+                    self._record_drafts(reqs, result.accepted)
+                    pending = [Row(r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens)]
+                    self.drafter.round(pending, out.hidden, result.tokens, [r.position for r in rows])
+            except MtpUnavailable as exc:  # a verify that failed emitted nothing: result None, plain decode
                 self._mtp_off(exc)
         if result is None:
             out = self.runner.decode(rows)
@@ -246,6 +248,10 @@ class Engine:
         now_s = time.monotonic()
         for track, tokens in zip(tracks, result.tokens):
             self._append(track, tokens, now_s, outputs)
+
+    def _record_drafts(self, reqs: list[Request], accepted: list[int]) -> None:
+        for req, n in zip(reqs, accepted):
+            req.record_drafts(self.runner.mtp_depth, n)
 
     def _prefill(self, chunk: PrefillChunk, outputs: list[RequestOutput]) -> None:
         req = chunk.request

@@ -29,7 +29,7 @@ MIN_SPAN_TOKENS = 256
 GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
 MIN_CHUNK_TOKENS = 16
 SPLIT_SWITCH = "SPLIT_ATTN"
-_DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step")
+_DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step", "verify_draft")
 
 
 def switch_for_key(kind: str, key: Hashable) -> str | None:

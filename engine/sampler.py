@@ -118,9 +118,15 @@ def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None) -> SampleResult:
     k = best.shape[1] - 1
     if k > 0 and drafts is not None:
         accepted = (best[:, :k] == drafts).long().cumprod(dim=-1).sum(dim=-1)
-    else:
-        accepted = torch.zeros(best.shape[0], dtype=torch.long, device=best.device)
-    return _to_host(accepted, best)  # accepted drafts equal the argmax, so the row is the emitted tokens
+        return _to_host(accepted, best)  # accepted drafts equal the argmax, so the row is the emitted tokens
+    # Plain decode: no acceptance to count, and no kernels spent on one (every launch shows on a small model).
+    rows = best[:, :1].tolist()
+    return SampleResult([0] * len(rows), rows)
+
+
+def greedy_result(accepted: torch.Tensor, best: torch.Tensor, rows: int) -> SampleResult:
+    """The first `rows` rows of a greedy verify done on the device (MtpDrafter.verify_and_draft)."""
+    return _to_host(accepted[:rows], best[:rows])
 
 
 def _to_host(accepted: torch.Tensor, tokens: torch.Tensor) -> SampleResult:

@@ -43,6 +43,7 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
         "mtp": _doc([{"mtp": "off", "batch": 1, "decode_tok_s": 100.0},
                      {"mtp": "on", "batch": 1, "decode_tok_s": 140.0, "acceptance": [0.6, 0.3]}]),
         "admission": _doc([{"decode_ratio": 0.7}, {"decode_ratio": 0.45}]),
+        "decode_compile": _doc([{"graphs": "on", "batch": 1, "decode_tok_s": 2100.0}]),
     }
     for name, doc in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
@@ -51,6 +52,7 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     met = {t["target"].split(" (")[0]: t["met"] for t in summary["targets"]}
     assert summary["figures"]["decode_b1"] == 1800.0 and met["batch-1 decode tok/s"] is True
+    assert summary["figures"]["decode_b1_compile"] == 2100.0 and summary["figures"]["decode_b1_best"] == 2100.0
     assert summary["figures"]["vs_hf_eager_b1"] == 50.0 and met["Strata / HF eager, batch 1"] is False
     assert summary["figures"]["fraction_of_floor"] == 1700.0 / 4000.0
     assert summary["figures"]["mtp_speedup_b1"] == 1.4 and met["MTP speedup, batch 1"] is False
@@ -65,7 +67,7 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
 def test_gpu_script_runs_every_benchmark_on_cpu_at_tiny_sizes(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE="cpu", MODEL="random:tiny",
                MTP_MODEL="random:tiny+mtp", PROMPT="16", NEW="6", LONG="200", TTFT_SIZES="64,128",
-               SWITCH_LONG="40", SWITCH_NEW="6", GRAPH_NEW="6", COPY_MIB="4", OMP_NUM_THREADS="1",
+               SWITCH_LONG="40", SWITCH_NEW="6", GRAPH_NEW="6", COPY_MIB="4", OMP_NUM_THREADS="1", DECODE_COMPILE="0",
                PYTHON=sys.executable, STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), BUDGET_S="400")
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=420)

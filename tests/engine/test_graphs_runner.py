@@ -25,7 +25,7 @@ from engine.runner import ModelRunner, Row, switch_for_key
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 
-KINDS = {"prefill", "decode", "verify", "draft_prefill", "draft_round", "draft_step"}
+KINDS = {"prefill", "decode", "verify", "draft_prefill", "draft_round", "draft_step", "verify_draft"}
 DEPTH = 2
 SLOTS = 2
 CONTEXT = 512
@@ -37,7 +37,7 @@ def _runner(lm: Any, executor: Any, board: SwitchBoard, bus: EventBus) -> tuple[
     kv = SlotKVCache(KVGeometry(layers, SLOTS, cfg.num_key_value_heads, cfg.head_dim, CONTEXT, 64), "bf16",
                      lm.dtype, lm.device)
     runner = ModelRunner(lm.model, kv, executor, board, bus, lm.device, SLOTS, DEPTH)
-    return runner, MtpDrafter(runner, DEPTH)
+    return runner, MtpDrafter(runner, DEPTH, fused=True)
 
 
 def _sequence(runner: ModelRunner, drafter: MtpDrafter) -> list[tuple[str, torch.Tensor]]:
@@ -60,6 +60,12 @@ def _sequence(runner: ModelRunner, drafter: MtpDrafter) -> list[tuple[str, torch
         drafter.round([Row(0, emitted[-1], pos + 1)], ver.hidden, [emitted], [pos])
         got.append(("draft_round+step", runner.draft_buf.clone()))
         pos += 1
+    for _ in range(2):  # the fused greedy step (verify, acceptance, round and chain in one graph), replayed
+        accepted, best = drafter.verify_and_draft([Row(0, first, pos)])
+        got.append(("verify_draft best", best.clone()))
+        got.append(("verify_draft accepted", accepted.clone()))
+        got.append(("verify_draft drafts", runner.draft_buf.clone()))
+        pos += 1 + int(accepted[0])
     return got
 
 
