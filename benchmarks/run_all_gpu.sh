@@ -77,7 +77,7 @@ run mtp_depth2 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --pr
     --new-tokens "$NEW" --mtp-depth 2
 # The seed report's moment: 6 slots decoding while a fresh 176K prompt is admitted (int8 KV, as in the report:
 # 7 slots x 176K of bf16 KV would not fit next to anything else).
-run admission 100 admission "${COMMON[@]}" --slots 6 --long-tokens "$LONG" --kv int8 --baseline-steps 64
+run admission 200 admission "${COMMON[@]}" --slots 6 --long-tokens "$LONG" --kv int8 --baseline-steps 64
 run ttft 115 ttft "${COMMON[@]}" --prompt-sizes "$TTFT_SIZES"
 run graphs 25 graphs "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
 run graphs_mtp 20 graphs --model "$MTP_MODEL" --device "$DEVICE" --batch-mtp --mtp-depth 2 --batches 1,6 \

@@ -41,6 +41,14 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def token_count(text: str) -> int:
+    """`16K` or `16384` -> 16384 (one value of int_list's form)."""
+    values = int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one number")
+    return values[0]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One sub-parser per benchmark under `bench`, each with its sizes and `--json`."""
     sub = parser.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
@@ -109,7 +117,7 @@ def _switches(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="", help="comma-separated switch names (default: every registered switch)")
     p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes (default 1,6)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--long-prompt-tokens", type=int, default=32 * _K,
+    p.add_argument("--long-prompt-tokens", type=token_count, default=32 * _K,
                    help="prompt length for switches that claim to help long-context decode")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
 

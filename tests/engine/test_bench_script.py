@@ -78,5 +78,5 @@ def test_gpu_script_runs_every_benchmark_on_cpu_at_tiny_sizes(tmp_path: Path) ->
         doc = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert doc["rows"] and "partial" not in doc
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["missing"] == [] and summary["partial"] == []
+    assert summary["missing"] == ["decode_compile"] and summary["partial"] == []  # DECODE_COMPILE=0 here
     assert all(t["measured"] is not None for t in summary["targets"])
