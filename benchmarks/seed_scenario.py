@@ -175,7 +175,11 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
     events: list[dict] = []
     record: dict[str, Any] = {"run": index, "command": cmd}
     try:
+        started_s = time.monotonic()
         url = engine.wait_ready(args.ready_timeout_s)
+        record["ready_s"] = round(time.monotonic() - started_s, 2)
+        # Printed at once: a run cut short by an outer time limit still says how far it got.
+        print(f"run {index}: engine ready in {record['ready_s']} s at {url}", flush=True)
         stop = asyncio.Event()
         collector = asyncio.create_task(collect_events(url, events, stop))
         result = await asyncio.wait_for(run_scenario(
@@ -292,7 +296,7 @@ def print_run(r: dict[str, Any]) -> None:
     verdict = "PASS" if r["passed"] else "FAIL"
     print(f"run {r['run']}: {verdict}  completed {r.get('completed')}/{r.get('requests')}  "
           f"engine exited during run: {r.get('exited_during_run') is not None}  "
-          f"exit after SIGTERM: {r.get('exit_code_after_sigterm')}  wall {r.get('wall_s', '-')} s")
+          f"exit after SIGTERM: {r.get('exit_code_after_sigterm')}  wall {r.get('wall_s', '-')} s", flush=True)
     print(f"  graph events: {r['graph_actions'] or 'none'}; OOMs reported: {len(r['oom_messages'])}; "
           f"empty/'no error' messages: {len(r['bad_messages'])}")
     for text in r["oom_messages"][:5]:

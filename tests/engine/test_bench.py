@@ -80,8 +80,11 @@ def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: 
     (row,) = doc["rows"]
     assert row["slots"] == 2 and row["long_tokens"] == 256 and row["shorts_finished_early"] == 0
     assert row["during_steps"] >= math.ceil(256 / 64)  # pacing may add decode-only steps  # every step decodes both shorts and prefills one chunk
-    assert row["baseline_tok_s"] > 0 and row["during_tok_s"] > 0
-    assert math.isclose(row["decode_ratio"], row["during_tok_s"] / row["baseline_tok_s"])
+    assert row["baseline_tok_s"] > 0 and row["during_tok_s"] > 0 and row["after_tok_s"] > 0
+    assert math.isclose(row["decode_ratio_vs_before"], row["during_tok_s"] / row["baseline_tok_s"])
+    # The ratio against the mean per-token time of before and after (the shorts' context grew meanwhile).
+    alone = (1 / row["baseline_tok_s"] + 1 / row["after_tok_s"]) / 2
+    assert math.isclose(row["decode_ratio"], row["during_tok_s"] * alone)
     assert doc["summary"]["worst_decode_ratio"] == row["decode_ratio"]
 
 
@@ -89,7 +92,7 @@ def test_graphs_reports_each_kind_from_the_cache_snapshot(tmp_path: Path) -> Non
     doc = bench(tmp_path, ["graphs", *TINY, "--batches", "1,2", "--prompt-tokens", "16", "--new-tokens", "6"])
     kinds = {r["kind"]: r for r in doc["rows"]}
     assert "decode" in kinds
-    assert set(kinds) <= {"decode", "verify", "prefill", "draft_prefill", "draft_round", "draft_step"}
+    assert set(kinds) <= {"decode", "verify", "prefill", "draft_prefill", "draft_round", "draft_step", "verify_draft"}
     snapshot_graphs = doc["snapshot"]["graphs"]
     assert doc["summary"]["graphs"] == len(snapshot_graphs) == sum(r["graphs"] for r in doc["rows"])
     assert kinds["decode"]["graphs"] >= 2  # batch buckets 1 and 2 are different graphs
@@ -178,3 +181,18 @@ def test_report_table_and_json_writing(tmp_path: Path) -> None:
     path = write_json(tmp_path / "deep" / "r.json", {"x": float("nan"), "t": (1, 2)})
     assert json.loads(path.read_text()) == {"x": None, "t": [1, 2]}
     assert list(path.parent.iterdir()) == [path]  # no temp file left behind
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_profile_names_host_functions_and_ops_of_a_steady_step(tmp_path: Path, mtp: bool) -> None:
+    extra = ["--model", "random:tiny+mtp", "--batch-mtp", "--mtp-depth", "2"] if mtp else []
+    doc = bench(tmp_path, ["profile", *TINY, *extra, "--prompt-tokens", "40", "--steps", "6", "--top", "5",
+                           "--batch", "2"])
+    summary = doc["summary"]
+    assert summary["batch"] == 2 and summary["mtp"] is mtp and summary["step_ms_p50"] > 0
+    assert summary["top_level_ops_per_step"] > 10 and summary["cpu_op_ms"] > 0  # CPU: torch ops, not kernels
+    host = [r for r in doc["rows"] if r["section"] == "host"]
+    ops = [r for r in doc["rows"] if r["section"] == "cpu_ops"]
+    assert len(host) == 5 and len(ops) == 5
+    assert host == sorted(host, key=lambda r: r["own_us_per_step"], reverse=True)
+    assert any(r["name"].startswith("aten::") for r in ops)
