@@ -69,7 +69,7 @@ log "END checkpoint rc=$?"
 COMMON=(--model "$MODEL" --device "$DEVICE")
 # The headline figures first: decode, then the peers (eager + floor) on the same weights.
 run decode 50 decode "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on,off
-run peers 70 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
+run peers 110 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
     --copy-mib "$COPY_MIB" --peers eager
 run mtp 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
     --new-tokens "$NEW" --mtp-depth 1
