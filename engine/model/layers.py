@@ -78,12 +78,6 @@ class Attention(nn.Module):
         self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is not None:
-            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
     def forward(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]; writes/reads KV through `kv` (or none when kv is None)."""
         B, T, _ = x.shape
