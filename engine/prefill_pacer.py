@@ -5,10 +5,12 @@ At 176K context one 2048-token chunk costs far more than one decode step (every 
 prefix), so a token budget alone lets a long admission stall the decoding slots. The engine reports what each
 step took (`StepTiming`); the pacer fits the chunk cost model
 
-    cost_s(tokens, start) = a + b * tokens + c * tokens * (start + (tokens + 1) / 2)
+    cost_s(tokens, start) = a + b * tokens + c * tokens * (start + (tokens + 1) / 2) + d * (start + tokens)
 
-(a fixed cost, the per-token layers, attention over the keys a query sees: start + (tokens + 1) / 2 on average)
-to the recent chunks, and sizes the next chunk so that, while slots decode, the prefill part of a step stays
+(a fixed cost, the per-token layers, attention over the keys a query sees: start + (tokens + 1) / 2 on average,
+and the keys a chunk reads once whatever its size: on a GPU the flash kernel streams the whole span per query
+block, and int8 KV is dequantized over it) to the recent chunks, and sizes the next chunk so that, while slots
+decode, the prefill part of a step stays
 within `prefill_step_share` of the step: prefill_s <= decode_s * share / (1 - share). At 0.5 prefill takes no
 longer than decode, so decode keeps 50 % of its rate; the default 0.45 keeps 55 %, a margin over issue 8's 50 %
 target for the step time no timing sees (planning, events, the admission's hashing).
@@ -19,6 +21,13 @@ the minimum chunk costs more than one step earns (a big model deep into a 176K p
 the credit covers it: the prompt still progresses, and decode keeps its share on average. After a step that ran
 a chunk, at most one step's allowance carries over (what the granule left unspent), so a stretch where the token
 budget bound instead of time never turns into a burst.
+
+When steps must save up anyway, the size saved up for is the one with the lowest predicted cost per token
+(within `max_chunk_stall_s`, the longest a single chunk may stall the decoding slots): decode keeps the same share
+either way, so the chunk that buys the most prompt per second of credit gives the earliest first token. Deep in
+a long prompt on a GPU that is a big chunk (what every chunk pays for the span is spread over more tokens); on a
+CPU, where attention's cost per token grows with the chunk, a small one. Every fourth such chunk is half that
+size, so the fit keeps seeing two sizes at one depth and can tell the per-key term from attention.
 """
 
 from __future__ import annotations
@@ -30,32 +39,39 @@ from dataclasses import dataclass, field
 from engine.errors import ConfigError
 
 DEFAULT_PREFILL_STEP_SHARE = 0.45
+DEFAULT_MAX_CHUNK_STALL_S = 0.2  # the longest one saved-up chunk may hold the decoding slots
+_EXPLORE_EVERY_CHUNKS = 4
 _DECODE_WINDOW_STEPS = 5  # median of the last few decode steps: one graph capture does not move it
 _COST_WINDOW_CHUNKS = 32
-_PRIOR_WEIGHT = 1e-3  # per coefficient, in measured chunks: enough to settle what the chunks cannot tell apart
+_PRIOR_WEIGHT = 1e-5  # per coefficient, in measured chunks: settles only what the chunks cannot tell apart at all
+# (1e-3 biased the four-term fit by 40 % on exact data: the terms are close to collinear in relative error)
 
 
 @dataclass(frozen=True)
 class ChunkCost:
-    """Coefficients of cost_s = fixed_s + per_token_s * tokens + per_token_key_s * tokens * mean_keys."""
+    """Coefficients of cost_s = fixed_s + per_token_s * tokens + per_token_key_s * tokens * mean_keys
+    + per_key_s * (start + tokens)."""
 
     fixed_s: float
     per_token_s: float
     per_token_key_s: float
+    per_key_s: float = 0.0
 
-    def terms_s(self, tokens: int, start: int) -> tuple[float, float, float]:
-        """The three terms of the cost of prompt positions [start, start + tokens), in seconds."""
+    def terms_s(self, tokens: int, start: int) -> tuple[float, float, float, float]:
+        """The four terms of the cost of prompt positions [start, start + tokens), in seconds."""
         mean_keys = start + (tokens + 1) / 2
-        return self.fixed_s, self.per_token_s * tokens, self.per_token_key_s * tokens * mean_keys
+        return (self.fixed_s, self.per_token_s * tokens, self.per_token_key_s * tokens * mean_keys,
+                self.per_key_s * (start + tokens))
 
     def predict_s(self, tokens: int, start: int) -> float:
         return sum(self.terms_s(tokens, start))
 
 
 # A slow device on purpose (the prior is conservative: it overestimates, so the first chunks are small):
-# 5 ms per chunk, 20K tokens/s, attention as costly as the other layers at 8K keys. The first measured chunk
-# rescales it; its shape only matters where the measurements cannot tell the terms apart.
-DEFAULT_CHUNK_COST_PRIOR = ChunkCost(fixed_s=5e-3, per_token_s=50e-6, per_token_key_s=50e-6 / 8192)
+# 5 ms per chunk, 20K tokens/s, attention as costly as the other layers at 8K keys, 50 ns per key of the span
+# read once per chunk. The first measured chunk rescales it; its shape only matters where the measurements
+# cannot tell the terms apart.
+DEFAULT_CHUNK_COST_PRIOR = ChunkCost(fixed_s=5e-3, per_token_s=50e-6, per_token_key_s=50e-6 / 8192, per_key_s=50e-9)
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,8 @@ class ChunkCostModel:
                             ("per_token_key_s", prior.per_token_key_s)):
             if not value > 0:
                 raise ConfigError(f"chunk_cost_prior.{name}", value, "expected a number > 0")
+        if not prior.per_key_s >= 0:  # 0: a model without the per-key term (it is then never fitted)
+            raise ConfigError("chunk_cost_prior.per_key_s", prior.per_key_s, "expected a number >= 0")
         self.prior = prior
         self.prior_weight = prior_weight
         self._samples: deque[ChunkTiming] = deque(maxlen=window_chunks)
@@ -128,26 +146,27 @@ class ChunkCostModel:
             return self.prior
         scale = statistics.median(y / sum(terms) for terms, y in rows)
         lam = self.prior_weight
-        normal = [[lam if i == j else 0.0 for j in range(3)] for i in range(3)]
-        rhs = [lam] * 3
+        n = 4
+        normal = [[lam if i == j else 0.0 for j in range(n)] for i in range(n)]
+        rhs = [lam] * n
         for terms, y in rows:
             r = [t * scale / y for t in terms]  # unknown multipliers of the rescaled prior terms; target 1
-            for i in range(3):
+            for i in range(n):
                 rhs[i] += r[i]
-                for j in range(3):
+                for j in range(n):
                     normal[i][j] += r[i] * r[j]
-        mult = [max(0.0, m) for m in _solve3(normal, rhs)]
+        mult = [max(0.0, m) for m in _solve(normal, rhs)]
         if not any(mult):
-            mult = [1.0, 1.0, 1.0]
+            mult = [1.0] * n
         p = self.prior
         return ChunkCost(p.fixed_s * scale * mult[0], p.per_token_s * scale * mult[1],
-                         p.per_token_key_s * scale * mult[2])
+                         p.per_token_key_s * scale * mult[2], p.per_key_s * scale * mult[3])
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """Solve the 3x3 system a x = b by Gaussian elimination with partial pivoting (a is positive definite)."""
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve the n x n system a x = b by Gaussian elimination with partial pivoting (a is positive definite)."""
     m = [row[:] + [rhs] for row, rhs in zip(a, b)]
-    n = 3
+    n = len(b)
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
@@ -170,17 +189,23 @@ class PrefillPacer:
     """
 
     def __init__(self, prefill_step_share: float = DEFAULT_PREFILL_STEP_SHARE, granule_tokens: int = 256,
-                 min_chunk_tokens: int | None = None, cost_model: ChunkCostModel | None = None) -> None:
+                 min_chunk_tokens: int | None = None, cost_model: ChunkCostModel | None = None,
+                 max_chunk_stall_s: float = DEFAULT_MAX_CHUNK_STALL_S) -> None:
         if isinstance(prefill_step_share, bool) or not isinstance(prefill_step_share, (int, float)) \
                 or not 0 < prefill_step_share <= 1:
             raise ConfigError("prefill_step_share", prefill_step_share, "expected a fraction in (0, 1]")
+        if isinstance(max_chunk_stall_s, bool) or not isinstance(max_chunk_stall_s, (int, float)) \
+                or not max_chunk_stall_s >= 0:
+            raise ConfigError("max_chunk_stall_s", max_chunk_stall_s, "expected seconds >= 0")
         _require_whole("granule_tokens", granule_tokens)
         min_chunk_tokens = granule_tokens if min_chunk_tokens is None else min_chunk_tokens
         _require_whole("min_chunk_tokens", min_chunk_tokens)
         self.prefill_step_share = float(prefill_step_share)
         self.granule_tokens = granule_tokens
         self.min_chunk_tokens = min_chunk_tokens
+        self.max_chunk_stall_s = float(max_chunk_stall_s)
         self.cost = cost_model if cost_model is not None else ChunkCostModel()
+        self._saved_chunks = 0  # chunks taken after saving up (every _EXPLORE_EVERY_CHUNKS-th is half size)
         self._decode_s: deque[float] = deque(maxlen=_DECODE_WINDOW_STEPS)
         self._armed = False  # the engine has reported a step: measured pacing is possible
         self.credit_s = 0.0
@@ -248,10 +273,19 @@ class PrefillPacer:
             return self._spend(n, start)
         if self.cost.predict_s(max_tokens, start) <= self.credit_s:
             return self._spend(max_tokens, start)  # the token budget binds, not time
-        best, n = 0, self._aligned_min(start, max_tokens, remaining_tokens)
+        smallest = self._aligned_min(start, max_tokens, remaining_tokens)
+        if self.cost.predict_s(smallest, start) > self._carry_cap_s:
+            # One step earns less than the smallest chunk costs: steps save up in any case, so save up for
+            # the chunk that buys the most prompt per second (decode keeps the same share either way).
+            target = self._saved_up_target(start, smallest, max_tokens)
+            if self.cost.predict_s(target, start) > self.credit_s:
+                return self._spend(0, start)
+            self._saved_chunks += 1
+            return self._spend(target, start)
+        best, n = 0, smallest
         while n < max_tokens and self.cost.predict_s(n, start) <= self.credit_s:
             best = n
-            n = ((start + n) // self.granule_tokens + 1) * self.granule_tokens - start
+            n = self._next_size(start, n)
         return self._spend(best, start)
 
     def close_step(self) -> None:
@@ -265,6 +299,27 @@ class PrefillPacer:
             self.waited_steps += 1
 
     # --- internals -----------------------------------------------------------------------------------------
+
+    def _next_size(self, start: int, tokens: int) -> int:
+        """The next chunk size up that ends on a granule boundary."""
+        return ((start + tokens) // self.granule_tokens + 1) * self.granule_tokens - start
+
+    def _saved_up_target(self, start: int, smallest: int, max_tokens: int) -> int:
+        """The granule-aligned size in [smallest, max_tokens] with the lowest predicted cost per token whose
+        cost stays within max_chunk_stall_s (the smallest when none does); every fourth time, half of it."""
+        best, best_per_token = smallest, self.cost.predict_s(smallest, start) / smallest
+        n = smallest
+        while n < max_tokens:
+            n = min(self._next_size(start, n), max_tokens)
+            cost_s = self.cost.predict_s(n, start)
+            if cost_s > self.max_chunk_stall_s:
+                break  # cost grows with size: no larger chunk fits the stall either
+            if cost_s / n < best_per_token:
+                best, best_per_token = n, cost_s / n
+        if best > smallest and (self._saved_chunks + 1) % _EXPLORE_EVERY_CHUNKS == 0:
+            half = (start + best // 2) // self.granule_tokens * self.granule_tokens - start
+            best = max(smallest, half)
+        return best
 
     def _aligned_min(self, start: int, max_tokens: int, remaining_tokens: int) -> int:
         """The smallest chunk allowed: to the first granule boundary at least `min_chunk_tokens` on."""

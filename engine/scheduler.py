@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from engine.api import FinishReason
 from engine.errors import ConfigError, QueueFull, RequestRejected
-from engine.prefill_pacer import DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
+from engine.prefill_pacer import DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
 from engine.prefix_index import BlockRef, PrefixIndex, block_digests
 from engine.request import Request, RequestState
 from engine.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan
@@ -60,10 +60,12 @@ class Scheduler:
         prefill_step_share: float = DEFAULT_PREFILL_STEP_SHARE,
         chunk_granule_tokens: int | None = None,
         min_chunk_tokens: int | None = None,
+        max_chunk_stall_s: float = DEFAULT_MAX_CHUNK_STALL_S,
     ) -> None:
         """`prefill_step_share` (default 0.45): the most of a step's time prefill may take while slots decode
         (0.45: decode keeps >= 55 % of its rate, a margin over the 50 % target; 1: no time limit). Paced chunks end on multiples of
-        `chunk_granule_tokens` (default: block_tokens) and are at least `min_chunk_tokens` (default: one granule)."""
+        `chunk_granule_tokens` (default: block_tokens) and are at least `min_chunk_tokens` (default: one granule).
+        `max_chunk_stall_s` (default 0.2): the longest a chunk that steps saved up for may take (engine.prefill_pacer)."""
         for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
                             ("prefill_chunk_tokens", prefill_chunk_tokens),
                             ("step_token_budget", step_token_budget), ("context_tokens", context_tokens)):
@@ -89,7 +91,7 @@ class Scheduler:
         self.prefix_index = prefix_index
         self._clock = clock
         granule = chunk_granule_tokens if chunk_granule_tokens is not None else self.block_tokens
-        self.pacer = PrefillPacer(prefill_step_share, granule, min_chunk_tokens)
+        self.pacer = PrefillPacer(prefill_step_share, granule, min_chunk_tokens, max_chunk_stall_s=max_chunk_stall_s)
         self._draft_tokens = 0
         self.set_draft_tokens(draft_tokens)
         self._waiting: deque[Request] = deque()

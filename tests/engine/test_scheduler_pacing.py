@@ -125,6 +125,22 @@ def test_before_any_chunk_the_prior_predicts_and_one_chunk_rescales_it_to_the_me
     assert ratio == pytest.approx(prior.predict_s(256, 0) / prior.predict_s(512, 1000), rel=1e-3)
 
 
+# A GPU-like device deep in a long prompt: each chunk also reads (and dequantizes) every key of the span once,
+# whatever its size, so small chunks pay that again and again.
+SPAN_READ_COST = ChunkCost(fixed_s=2e-3, per_token_s=10e-6, per_token_key_s=1e-10, per_key_s=0.3e-6)
+
+
+def test_the_cost_fit_recovers_the_per_key_term_from_two_sizes_at_each_depth() -> None:
+    model = ChunkCostModel()
+    for start in range(0, 160_000, 16_000):
+        for tokens in (256, 512, 1024):
+            model.record(ChunkTiming(start, tokens, SPAN_READ_COST.predict_s(tokens, start)))
+    fitted = model.coefficients()
+    assert fitted.per_key_s == pytest.approx(SPAN_READ_COST.per_key_s, rel=0.05)
+    for tokens, start in [(256, 170_000), (2048, 150_000)]:
+        assert model.predict_s(tokens, start) == pytest.approx(SPAN_READ_COST.predict_s(tokens, start), rel=0.03)
+
+
 def test_one_slow_outlier_moves_the_fit_little() -> None:
     model = ChunkCostModel()
     for i in range(16):
@@ -157,6 +173,22 @@ def test_decode_keeps_half_its_rate_while_a_fresh_176k_prompt_is_admitted(seed: 
     assert max(sizes[:5]) >= 4 * min(sizes[-20:])
     # Deep in the prompt even a 256-token chunk costs more than a decode step: some steps decode only.
     assert sum(1 for p in run.plans if not p.prefill) > 100
+
+
+def test_saving_up_for_chunks_that_amortize_the_span_read_brings_the_first_token_sooner() -> None:
+    """Same device, same decode share: waiting for the chunk with the lowest cost per token (the default)
+    against waiting for the smallest chunk (max_chunk_stall_s=0, what the pacer did before)."""
+    device = dict(decode_s=0.0066, cost=SPAN_READ_COST, noise=0.1, seed=4)
+    _, smallest = admit_long_prompt(SimDevice(**device), prefill_step_share=0.5, max_chunk_stall_s=0.0)
+    _, amortized = admit_long_prompt(SimDevice(**device), prefill_step_share=0.5)
+    ttft_smallest_s = smallest.decode_s + smallest.prefill_s
+    ttft_amortized_s = amortized.decode_s + amortized.prefill_s
+    assert ttft_amortized_s < 0.5 * ttft_smallest_s
+    assert amortized.decode_ratio >= 0.49 and smallest.decode_ratio >= 0.49  # decode keeps its share either way
+    deep = [c for p in amortized.plans for c in p.prefill if c.start > 100_000]
+    assert max(c.num_tokens for c in deep) > 256 and all(c.num_tokens >= 256 for c in deep)
+    # No saved-up chunk stalls the decoding slots much longer than the cap (the prediction is +-10 % off).
+    assert max(t.prefill_s for t in amortized.timings) <= 0.2 * 1.15
 
 
 def test_the_default_share_keeps_a_margin_over_half() -> None:
