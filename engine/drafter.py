@@ -23,6 +23,7 @@ import torch
 from engine.executor import EagerExecutor
 from engine.graphs import GraphSpec
 from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket
+from engine.sampler import sample_on_device, sampling_inputs
 
 FUSED_KIND = "verify_draft"
 
@@ -37,22 +38,26 @@ class MtpDrafter:
         self.depth = depth
         self.model = runner.model
         self.kv = runner.kv
-        # `verify_and_draft` for all-greedy batches: on by default where steps are captured graphs on CUDA
-        # (one replay and one device-to-host copy per step instead of two replays, a host round trip and
-        # the round's input copies); the separate kinds stay for sampled rows, and for CPU unless forced.
+        # `verify_and_draft`: on by default where steps are captured graphs on CUDA (one replay and one
+        # device-to-host copy per step instead of two replays, a host round trip and the round's input
+        # copies); the separate kinds stay for CPU unless forced.
         if fused is None:
             fused = runner.device.type == "cuda" and not isinstance(runner.executor, EagerExecutor)
         self.fused = fused
 
     # --- the fused greedy step -----------------------------------------------------------------------------
 
-    def verify_and_draft(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy rows: verify, acceptance and the next round's drafts in one step function (kind verify_draft).
+    def verify_and_draft(self, rows: list[Row], params: list | None = None,
+                         generators: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify, acceptance and the next round's drafts in one step function (kind verify_draft).
 
-        Greedy acceptance needs no host: the argmax at each position, drafts accepted while they equal it. So
-        the draft round (and its chain steps) can follow on the device, reading the emitted tokens and the
-        accepted count where `round()` gets them from the host. Returns (accepted [Bb], best [Bb, K+1]) on the
-        device; the drafts are in draft_buf. Same tokens and drafts as verify + sample_with_drafts + round.
+        Acceptance needs no host: greedy rows accept drafts while they equal the argmax; sampled rows run the
+        rejection sampler on the device (engine.sampler.sample_on_device) with uniforms drawn on the host from
+        each request's own generator, exactly as the separate path draws them. So the draft round (and its
+        chain steps) can follow on the device, reading the emitted tokens and the accepted count where
+        `round()` gets them from the host. `params` None (or all greedy): the argmax-only variant. Returns
+        (accepted [Bb], tokens [Bb, K+1]) on the device, a row emitting tokens[:accepted + 1]; the drafts are in
+        draft_buf. Same tokens and drafts as verify + sample_with_drafts + round.
         """
         r, k = self.runner, self.depth
         slots, positions = r._pad_rows(rows, k + 1)
@@ -62,11 +67,20 @@ class MtpDrafter:
         draft_rows = [row.slot for row in rows] + [r.pad_row] * (bb - len(rows))
         pending = [row.token for row in rows] + [0] * (bb - len(rows))
         inputs = r._verify_inputs(slots, draft_rows, pending, positions)
-        out = r.run(FUSED_KIND, self._fused_build(bb, span), inputs, owner="drafter")
-        return out["accepted"], out["best"]
+        mode = "greedy"
+        if params is not None and any(p.temperature > 0 for p in params):
+            sampling = sampling_inputs(params, generators, k + 1, r.device, rows=bb)
+            inputs.update(temperature=sampling.temperature, top_p=sampling.top_p, uniforms=sampling.uniforms)
+            mode = "top_p" if sampling.use_top_p else "sampled"
+        out = r.run(FUSED_KIND, self._fused_build(bb, span, mode), inputs, owner="drafter")
+        # Stored after the step, not inside it: a step that reads draft_buf must not write it, or a second
+        # execution (a capture retried after an out-of-memory, a degraded switch's rerun) would verify the
+        # drafts the first one made. Padded rows write the buffer's scratch row.
+        r.draft_buf.index_copy_(0, inputs["draft_rows"], out["drafts"])
+        return out["accepted"], out["tokens"]
 
-    def _fused_build(self, bb: int, span: int):
-        k, draft_buf = self.depth, self.runner.draft_buf
+    def _fused_build(self, bb: int, span: int, mode: str = "greedy"):
+        k = self.depth
         verify_build = self.runner._verify_build(bb, span)
 
         def build(split: bool):
@@ -76,11 +90,15 @@ class MtpDrafter:
 
             def fused_fn(x):
                 out = verify_fn(x)
-                best = out["logits"].argmax(dim=-1)  # [Bb, K+1]
-                accepted = (best[:, :k] == out["drafts"]).long().cumprod(dim=-1).sum(dim=-1)  # [Bb]
+                if mode == "greedy":
+                    tokens = out["logits"].argmax(dim=-1)  # [Bb, K+1]: accepted drafts equal it
+                    accepted = (tokens[:, :k] == out["drafts"]).long().cumprod(dim=-1).sum(dim=-1)  # [Bb]
+                else:
+                    accepted, tokens = sample_on_device(out["logits"], out["drafts"], x["temperature"], x["top_p"],
+                                                        x["uniforms"], use_top_p=mode == "top_p")
                 # The round over the verified positions n..n+K with the emitted tokens as next ids; past the
                 # accepted ones they are junk that the next round overwrites before anything reads it.
-                d = round_fn({"slots": x["slots"], "hidden": out["hidden"], "next_ids": best,
+                d = round_fn({"slots": x["slots"], "hidden": out["hidden"], "next_ids": tokens,
                               "positions": x["positions"], "pick": accepted})
                 drafts, h = [d["draft"]], d["h"]
                 zero = torch.zeros_like(accepted)
@@ -90,11 +108,11 @@ class MtpDrafter:
                                  "positions": pos, "pick": zero})
                     drafts.append(d["draft"])
                     h = d["h"]
-                # Padded rows write the scratch row of draft_buf, never a real slot's drafts.
-                draft_buf.index_copy_(0, x["draft_rows"], torch.stack(drafts, dim=1))
-                return {"accepted": accepted, "best": best}
+                return {"accepted": accepted, "tokens": tokens, "drafts": torch.stack(drafts, dim=1)}
 
-            key = ("b%d" % bb, "k%d" % k, "L%d" % span) + (("split",) if split else ())
+            # Greedy keeps the verify-like key; the sampled variants (other inputs, other kernels) say so.
+            key = ("b%d" % bb, "k%d" % k, "L%d" % span) + (() if mode == "greedy" else (mode,)) \
+                + (("split",) if split else ())
             return key, fused_fn
 
         return build

@@ -29,7 +29,7 @@ from engine.gpu_errors import error_event, real_message
 from engine.request import Request
 from engine.prefill_pacer import ChunkTiming, StepTiming
 from engine.runner import MtpUnavailable, Row
-from engine.sampler import greedy_result, make_generator, sample_with_drafts
+from engine.sampler import device_result, make_generator, sample_with_drafts
 from engine.scheduler import Admission, PrefillChunk, StepPlan
 from engine.state import engine_state, slot_event
 from engine.switches import SwitchState
@@ -231,8 +231,8 @@ class Engine:
         result = None
         if self.mtp_on:
             try:
-                if self.drafter.fused and all(p.temperature <= 0 for p in params):
-                    result = greedy_result(*self.drafter.verify_and_draft(rows), len(rows))
+                if self.drafter.fused:
+                    result = device_result(*self.drafter.verify_and_draft(rows, params, gens), len(rows))
                     self._record_drafts(reqs, result.accepted)
                 else:
                     out = self.runner.verify(rows)

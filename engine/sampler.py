@@ -38,16 +38,20 @@ class SampleResult:
     tokens: list[list[int]]
 
 
-def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                 use_top_p: bool | None = None) -> torch.Tensor:
     """Sampling distribution per row and position: logits [B, T, V] -> probs [B, T, V] (float32).
 
-    temperature 0 gives one-hot(argmax); top_p < 1 keeps the smallest set whose mass reaches top_p.
+    temperature 0 gives one-hot(argmax); top_p < 1 keeps the smallest set whose mass reaches top_p. `use_top_p`
+    None reads whether any row truncates from top_p (a host sync); device code passes it.
     """
     logits = logits.float()
     greedy = (temperature <= 0).view(-1, 1, 1)
     safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(-1, 1, 1)
     probs = torch.softmax(logits / safe_t, dim=-1)
-    if bool((top_p < 1.0).any()):
+    if use_top_p is None:
+        use_top_p = bool((top_p < 1.0).any())
+    if use_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
         keep = before < top_p.view(-1, 1, 1)
@@ -65,31 +69,44 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
-def sample_with_drafts(
-    logits: torch.Tensor,
-    drafts: torch.Tensor | None,
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> SampleResult:
-    """Sample the next token(s) of B rows. logits [B, T, V]; drafts [B, T-1] long on the same device, or None.
+@dataclass
+class SamplingInputs:
+    """What sampling B rows needs besides logits, as device tensors: per-row temperature and top-p, and the
+    uniforms drawn from each request's own generator (two per position: accept, then sample). `use_top_p` is a
+    static flag (whether any row truncates), so device code that takes these never reads a value on the host."""
 
-    Rows beyond len(params) are batch padding and are ignored.
-    """
-    rows = len(params)
-    logits = logits[:rows]
-    if all(p.temperature <= 0 for p in params):
-        return _greedy(logits, None if drafts is None else drafts[:rows])
+    temperature: torch.Tensor  # [B] float32
+    top_p: torch.Tensor  # [B] float32
+    uniforms: torch.Tensor  # [B, 2T] float32
+    use_top_p: bool
+
+
+def sampling_inputs(params: list[SamplingParams], generators: list[torch.Generator], positions: int,
+                    device: torch.device | str, rows: int | None = None) -> SamplingInputs:
+    """Draw each request's uniforms (in request order, from its own generator) and pack the per-row parameters.
+
+    `rows` pads to a batch bucket (padding rows: greedy, no draws)."""
+    rows = len(params) if rows is None else rows
+    pad = rows - len(params)
+    temperature = [p.temperature for p in params] + [0.0] * pad
+    top_p = [p.top_p for p in params] + [1.0] * pad
+    u = torch.stack([torch.rand(2 * positions, generator=g) for g in generators]
+                    + [torch.zeros(2 * positions)] * pad)
+    host = torch.cat([torch.tensor([temperature, top_p], dtype=torch.float32).T, u], dim=1)  # one copy over
+    packed = host.to(device)
+    return SamplingInputs(packed[:, 0], packed[:, 1], packed[:, 2:], any(p.top_p < 1.0 for p in params))
+
+
+def sample_on_device(logits: torch.Tensor, drafts: torch.Tensor | None, temperature: torch.Tensor,
+                     top_p: torch.Tensor, uniforms: torch.Tensor, use_top_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling math on the device: logits [B, T, V], drafts [B, T-1] or None -> (accepted [B], tokens
+    [B, T]); a row emits tokens[:accepted + 1]. No host reads: it runs inside a captured graph too."""
     b, t, _ = logits.shape
     k = t - 1
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    probs = target_probs(logits, temperature, top_p)  # [B, T, V]
-    # Two uniforms per position: one to accept the draft, one to sample a token there.
-    u = torch.stack([torch.rand(2 * t, generator=g) for g in generators]).to(device)
-    u_accept, u_sample = u[:, :t], u[:, t:]
+    probs = target_probs(logits, temperature, top_p, use_top_p)  # [B, T, V]
+    u_accept, u_sample = uniforms[:, :t], uniforms[:, t:]
     if k > 0 and drafts is not None:
-        drafts = drafts[:rows]
         p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, K]
         ok = (u_accept[:, :k] < p_draft).long()
         accepted = ok.cumprod(dim=-1).sum(dim=-1)  # [B]: leading accepted drafts
@@ -108,6 +125,26 @@ def sample_with_drafts(
     else:
         accepted = torch.zeros(b, dtype=torch.long, device=device)
         tokens = _draw(probs[:, 0], u_sample[:, 0]).view(b, 1)
+    return accepted, tokens
+
+
+def sample_with_drafts(
+    logits: torch.Tensor,
+    drafts: torch.Tensor | None,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> SampleResult:
+    """Sample the next token(s) of B rows. logits [B, T, V]; drafts [B, T-1] long on the same device, or None.
+
+    Rows beyond len(params) are batch padding and are ignored.
+    """
+    rows = len(params)
+    logits = logits[:rows]
+    if all(p.temperature <= 0 for p in params):
+        return _greedy(logits, None if drafts is None else drafts[:rows])
+    inputs = sampling_inputs(params, generators, logits.shape[1], logits.device)
+    accepted, tokens = sample_on_device(logits, None if drafts is None else drafts[:rows], inputs.temperature,
+                                        inputs.top_p, inputs.uniforms, inputs.use_top_p)
     return _to_host(accepted, tokens)
 
 
@@ -124,9 +161,9 @@ def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None) -> SampleResult:
     return SampleResult([0] * len(rows), rows)
 
 
-def greedy_result(accepted: torch.Tensor, best: torch.Tensor, rows: int) -> SampleResult:
-    """The first `rows` rows of a greedy verify done on the device (MtpDrafter.verify_and_draft)."""
-    return _to_host(accepted[:rows], best[:rows])
+def device_result(accepted: torch.Tensor, tokens: torch.Tensor, rows: int) -> SampleResult:
+    """The first `rows` rows of a verify sampled on the device (MtpDrafter.verify_and_draft)."""
+    return _to_host(accepted[:rows], tokens[:rows])
 
 
 def _to_host(accepted: torch.Tensor, tokens: torch.Tensor) -> SampleResult:

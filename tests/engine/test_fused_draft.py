@@ -52,17 +52,29 @@ def test_fused_greedy_step_equals_the_separate_path(ckpt, batch, depth):
     assert FUSED_KIND in kinds and "draft_round" not in kinds and "verify" not in kinds
 
 
-def test_a_sampled_row_takes_the_separate_path(ckpt):
-    executor = FailingExecutor(lambda kind, key: False, nth=0, error=None)
-    engine = make_engine(ckpt, batch=2, batch_mtp=True, mtp_depth=2, executor=executor)
-    engine.drafter.fused = True
-    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
-    engine.add_request("greedy", PROMPTS[0], GREEDY)
-    engine.add_request("sampled", PROMPTS[1], sampled)
+def _run_mixed(ckpt, fused: bool, executor=None):
+    """Three rows: greedy, sampled, sampled with top-p, each seeded: the same draws on either path."""
+    engine = make_engine(ckpt, batch=3, batch_mtp=True, mtp_depth=2, executor=executor)
+    engine.drafter.fused = fused
+    kinds = [GREEDY,
+             SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=4, ignore_eos=True)]
+    reqs = [engine.add_request(f"m{i}", PROMPTS[i], p) for i, p in enumerate(kinds)]
     while engine.has_work:
         engine.step()
-    kinds = [kind for kind, _ in executor.seen]
-    assert "verify" in kinds and "draft_round" in kinds  # the batch held a sampled row
+    return ([list(r.output_token_ids) for r in reqs],
+            [(list(r.draft_proposed), list(r.draft_accepted)) for r in reqs])
+
+
+def test_sampled_rows_take_the_fused_step_with_the_same_draws(ckpt):
+    plain_tokens, plain_drafts = _run_mixed(ckpt, fused=False)
+    executor = FailingExecutor(lambda kind, key: False, nth=0, error=None)
+    tokens, drafts = _run_mixed(ckpt, fused=True, executor=executor)
+    assert tokens == plain_tokens  # seeded rejection sampling on the device = the same on the host path
+    assert drafts == plain_drafts
+    fused_keys = [key for kind, key in executor.seen if kind == FUSED_KIND]
+    assert fused_keys and any("top_p" in key for key in fused_keys)  # the batch holds a top-p row
+    assert not {"verify", "draft_round"} & {kind for kind, _ in executor.seen}
 
 
 def test_fused_step_failure_turns_drafting_off_and_no_request_is_lost(ckpt):

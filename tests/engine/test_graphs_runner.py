@@ -14,6 +14,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from engine.api import SamplingParams
 from engine.drafter import MtpDrafter
 from engine.executor import EagerExecutor
 from engine.fault_injection import FaultPlan
@@ -22,6 +23,7 @@ from engine.graphs import GraphCache
 from engine.kv_cache import KVGeometry, SlotKVCache
 from engine.model import load_checkpoint
 from engine.runner import ModelRunner, Row, switch_for_key
+from engine.sampler import make_generator
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 
@@ -65,6 +67,14 @@ def _sequence(runner: ModelRunner, drafter: MtpDrafter) -> list[tuple[str, torch
         got.append(("verify_draft best", best.clone()))
         got.append(("verify_draft accepted", accepted.clone()))
         got.append(("verify_draft drafts", runner.draft_buf.clone()))
+        pos += 1 + int(accepted[0])
+    # The sampled variant (rejection sampling on the device, top-p), with the same seeded draws each time.
+    sampled, gens = [SamplingParams(temperature=0.9, top_p=0.95, seed=11)], [make_generator(11)]
+    for _ in range(2):
+        accepted, tokens = drafter.verify_and_draft([Row(0, first, pos)], sampled, gens)
+        got.append(("verify_draft sampled tokens", tokens.clone()))
+        got.append(("verify_draft sampled accepted", accepted.clone()))
+        got.append(("verify_draft sampled drafts", runner.draft_buf.clone()))
         pos += 1 + int(accepted[0])
     return got
 
