@@ -45,7 +45,7 @@ class MtpDrafter:
             fused = runner.device.type == "cuda" and not isinstance(runner.executor, EagerExecutor)
         self.fused = fused
 
-    # --- the fused greedy step -----------------------------------------------------------------------------
+    # --- the fused step ---------------------------------------------------------------------------------------
 
     def verify_and_draft(self, rows: list[Row], params: list | None = None,
                          generators: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
