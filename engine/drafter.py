@@ -185,8 +185,10 @@ class MtpDrafter:
 
         draft_prefill: each chunk bucket (16 .. the bucket of `max_chunk_tokens`) with each length bucket a
         chunk of that size can reach; draft_round (1 + depth tokens) and draft_step j = 1..depth-1: each batch
-        bucket with each length bucket. Inputs are padding rows only (slot 0's scratch columns, zero hidden
-        states), so the warm-up a capture executes writes no real KV.
+        bucket with each length bucket. With the fused step on, its greedy variant takes draft_round's place
+        (and the runner's verify), and draft_step is needed only at batch 1, for a prompt's first drafts; its
+        sampled variants are captured on first need. Inputs are padding rows only (slot 0's scratch columns,
+        zero hidden states), so the warm-up a capture executes writes no real KV.
         """
         r = self.runner
         split = r.split_enabled()
@@ -211,6 +213,8 @@ class MtpDrafter:
                     key, fn = self._fused_build(bb, span)(split)
                     specs.append(GraphSpec(FUSED_KIND, key, fn, inputs, owner="drafter"))
             for j in range(self.depth):
+                if self.fused and (j == 0 or bb > 1):  # rounds are fused; chain steps follow a prompt alone
+                    continue
                 t = self.depth + 1 if j == 0 else 1  # a round reads the verify's K+1 positions; a step one
                 inputs = {"slots": r.stage([0] * bb),
                           "hidden": torch.zeros(bb, t, hidden_size, dtype=dtype, device=r.device),

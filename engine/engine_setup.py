@@ -101,7 +101,7 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
         return
     try:
         with torch.inference_mode():
-            specs = runner.graph_specs()
+            specs = runner.graph_specs(verify=drafter is None or not drafter.fused)
             if drafter is not None:
                 specs += drafter.graph_specs(config.prefill_chunk_tokens)
             summary = precapture(specs)

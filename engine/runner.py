@@ -241,13 +241,15 @@ class ModelRunner:
         """Positions [bb, t] of rows that are all padding: scratch columns past the context, never a token."""
         return [[self.context_tokens + j for j in range(t)] for _ in range(bb)]
 
-    def graph_specs(self) -> list[GraphSpec]:
+    def graph_specs(self, verify: bool = True) -> list[GraphSpec]:
         """CAPTURE_ALL: a GraphSpec for every decode bucket (batch x length), or every verify bucket (with
-        1 + depth tokens per row) when MTP drafts, on the current SPLIT_ATTN path. The inputs are all padding
-        rows (slot 0's scratch columns, the draft buffer's scratch row), so the warm-up a capture executes
-        writes no real KV."""
+        1 + depth tokens per row) when MTP drafts and `verify` (False: the drafter's fused step verifies), on
+        the current SPLIT_ATTN path. The inputs are all padding rows (slot 0's scratch columns, the draft
+        buffer's scratch row), so the warm-up a capture executes writes no real KV."""
         specs = []
         split = self.split_enabled()
+        if self.mtp_depth and not verify:
+            return specs
         for bb in self.batch_buckets():
             slots, zeros = [0] * bb, [0] * bb
             for span in self.span_buckets():

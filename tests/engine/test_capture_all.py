@@ -75,6 +75,24 @@ def test_every_spec_is_captured_at_start_and_generation_captures_nothing_new(ckp
     assert {k for k, _ in replayed} >= {"verify", "draft_round", "draft_step"}  # the captured graphs were used
 
 
+def test_with_the_fused_step_the_buckets_it_replaces_are_not_captured(ckpt, reference_mtp):
+    bus = EventBus(history=100000)
+    engine, cache = _engine(ckpt, bus, False, batch_mtp=True, mtp_depth=2)
+    engine.drafter.fused = True  # the CUDA default, forced on the CPU backend
+    specs = engine.runner.graph_specs(verify=False) + engine.drafter.graph_specs(engine.config.prefill_chunk_tokens)
+    kinds = {s.kind for s in specs}
+    assert kinds == {"verify_draft", "draft_prefill", "draft_step"}
+    assert {key_text(s.key).split(",")[0] for s in specs if s.kind == "draft_step"} == {"(b1"}
+    assert len([s for s in specs if s.kind == "verify_draft"]) == 3 * 3  # batch buckets x spans
+    summary = cache.precapture(specs)
+    assert summary["captured"] == len(specs)
+    at_start = len(_captures(bus))
+    got = tokens_of(run_all(engine, PROMPTS, GREEDY))
+    assert got == reference_mtp
+    later = [c for c in _captures(bus)[at_start:] if c[0] in PRECAPTURED_KINDS | {"verify_draft"}]
+    assert later == []  # greedy decoding needed nothing that was not captured at start
+
+
 def test_without_mtp_the_decode_buckets_are_captured_and_outputs_match(ckpt, reference_plain):
     bus = EventBus(history=100000)
     engine, cache = _engine(ckpt, bus, True)
