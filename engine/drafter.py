@@ -60,13 +60,13 @@ class MtpDrafter:
         draft_buf. Same tokens and drafts as verify + sample_with_drafts + round.
         """
         r, k = self.runner, self.depth
-        slots, positions = r._pad_rows(rows, k + 1)
+        slots, positions = r.pad_rows(rows, k + 1)
         bb = len(slots)
         # Chain step j writes MTP KV at n + accepted + j <= n + 2K - 1: the span covers the chain too.
         span = r.span_bucket(max(row.position for row in rows) + 2 * k)
         draft_rows = [row.slot for row in rows] + [r.pad_row] * (bb - len(rows))
         pending = [row.token for row in rows] + [0] * (bb - len(rows))
-        inputs = r._verify_inputs(slots, draft_rows, pending, positions)
+        inputs = r.verify_inputs(slots, draft_rows, pending, positions)
         mode = "greedy"
         if params is not None and any(p.temperature > 0 for p in params):
             sampling = sampling_inputs(params, generators, k + 1, r.device, rows=bb)
@@ -81,7 +81,7 @@ class MtpDrafter:
 
     def _fused_build(self, bb: int, span: int, mode: str = "greedy"):
         k = self.depth
-        verify_build = self.runner._verify_build(bb, span)
+        verify_build = self.runner.verify_build(bb, span)
 
         def build(split: bool):
             _, verify_fn = verify_build(split)
@@ -208,7 +208,7 @@ class MtpDrafter:
             tb *= 2
         for bb in r.batch_buckets():
             if self.fused:  # greedy batches take verify_draft instead of verify + draft_round (+ steps)
-                inputs = r._verify_inputs([0] * bb, [r.pad_row] * bb, [0] * bb, r.pad_positions(bb, self.depth + 1))
+                inputs = r.verify_inputs([0] * bb, [r.pad_row] * bb, [0] * bb, r.pad_positions(bb, self.depth + 1))
                 for span in spans:
                     key, fn = self._fused_build(bb, span)(split)
                     specs.append(GraphSpec(FUSED_KIND, key, fn, inputs, owner="drafter"))

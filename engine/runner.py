@@ -254,9 +254,9 @@ class ModelRunner:
             slots, zeros = [0] * bb, [0] * bb
             for span in self.span_buckets():
                 if self.mtp_depth:
-                    inputs = self._verify_inputs(slots, [self.pad_row] * bb, zeros,
+                    inputs = self.verify_inputs(slots, [self.pad_row] * bb, zeros,
                                                  self.pad_positions(bb, self.mtp_depth + 1))
-                    key, fn = self._verify_build(bb, span)(split)
+                    key, fn = self.verify_build(bb, span)(split)
                     specs.append(GraphSpec("verify", key, fn, inputs))
                 else:
                     inputs = self._decode_inputs(slots, zeros, self.pad_positions(bb, 1))
@@ -266,7 +266,7 @@ class ModelRunner:
 
     # --- forwards ------------------------------------------------------------------------------------------
 
-    def _pad_rows(self, rows: list[Row], t: int) -> tuple[list[int], list[list[int]]]:
+    def pad_rows(self, rows: list[Row], t: int) -> tuple[list[int], list[list[int]]]:
         """Slots and positions [Bb, t] of a batch; padded rows write scratch columns past the context."""
         bb = self.batch_bucket(len(rows))
         slots = [r.slot for r in rows] + [0] * (bb - len(rows))
@@ -276,7 +276,7 @@ class ModelRunner:
 
     def decode(self, rows: list[Row]) -> StepOutput:
         """One token for each row: logits [Bb, 1, V] and hidden [Bb, 1, H]."""
-        slots, positions = self._pad_rows(rows, 1)
+        slots, positions = self.pad_rows(rows, 1)
         bb = len(slots)
         span = self.span_bucket(max(r.position for r in rows) + 1)
         tokens = [r.token for r in rows] + [0] * (bb - len(rows))
@@ -299,22 +299,22 @@ class ModelRunner:
     def verify(self, rows: list[Row]) -> StepOutput:
         """Each row's pending token plus its K drafts (from draft_buf) in one forward: logits [Bb, K+1, V]."""
         k = self.mtp_depth
-        slots, positions = self._pad_rows(rows, k + 1)
+        slots, positions = self.pad_rows(rows, k + 1)
         bb = len(slots)
         span = self.span_bucket(max(r.position for r in rows) + k + 1)
         draft_rows = [r.slot for r in rows] + [self.pad_row] * (bb - len(rows))
         pending = [r.token for r in rows] + [0] * (bb - len(rows))
-        inputs = self._verify_inputs(slots, draft_rows, pending, positions)
-        out = self.run("verify", self._verify_build(bb, span), inputs)
+        inputs = self.verify_inputs(slots, draft_rows, pending, positions)
+        out = self.run("verify", self.verify_build(bb, span), inputs)
         return StepOutput(out["logits"], out["hidden"], out["drafts"], span_tokens=span)
 
-    def _verify_inputs(self, slots: list[int], draft_rows: list[int], pending: list[int],
+    def verify_inputs(self, slots: list[int], draft_rows: list[int], pending: list[int],
                        positions: list[list[int]]) -> dict:
         packed = self.stage([[s, d, p] + pos for s, d, p, pos in zip(slots, draft_rows, pending, positions)])
         return {"slots": packed[:, 0], "draft_rows": packed[:, 1], "pending": packed[:, 2:3],
                 "positions": packed[:, 3:]}
 
-    def _verify_build(self, bb: int, span: int) -> StepBuilder:
+    def verify_build(self, bb: int, span: int) -> StepBuilder:
         k, draft_buf = self.mtp_depth, self.draft_buf
 
         def build(split: bool):
