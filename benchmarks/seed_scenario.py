@@ -148,6 +148,24 @@ async def collect_events(base_url: str, sink: list[dict], stop: asyncio.Event) -
             return  # the engine went away: what was collected stands
 
 
+async def vram_books(base_url: str) -> list[dict] | str:
+    """The engine's VRAM books per device (/strata/state `vram`: total, weights, KV, graphs, tier, reserve and
+    free MiB), or why they could not be read: shows the tier holding the VRAM near-full, as in the seed."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            return (await client.get(f"{base_url}/strata/state")).json()["vram"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def vram_text(books: list[dict] | str) -> str:
+    if isinstance(books, str):
+        return f"VRAM books unreadable ({books})"
+    return "; ".join(f"{b.get('device')}: free {b.get('free_mib')} of {b.get('total_mib')} MiB (tier "
+                     f"{b.get('tier_mib')}, KV {b.get('kv_mib')}, graphs {b.get('graphs_mib')}, reserve "
+                     f"{b.get('reserve_mib')} MiB)" for b in books)
+
+
 def judge_events(events: list[dict]) -> dict[str, Any]:
     """Graph actions counted, every OOM's text, and whether any reported error is empty or says 'no error'."""
     actions: dict[str, int] = {}
@@ -178,20 +196,23 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         started_s = time.monotonic()
         url = engine.wait_ready(args.ready_timeout_s)
         record["ready_s"] = round(time.monotonic() - started_s, 2)
+        record["vram_at_ready"] = await vram_books(url)
         # Printed at once: a run cut short by an outer time limit still says how far it got.
-        print(f"run {index}: engine ready in {record['ready_s']} s at {url}", flush=True)
+        print(f"run {index}: engine ready in {record['ready_s']} s at {url}; {vram_text(record['vram_at_ready'])}",
+              flush=True)
         stop = asyncio.Event()
         collector = asyncio.create_task(collect_events(url, events, stop))
         result = await asyncio.wait_for(run_scenario(
             "seed", url, concurrency=6, delay_s=args.delay_s, long_tokens=args.prompt_tokens,
             short_max_tokens=args.short_max_tokens), args.run_timeout_s)
         exited_during = engine.proc.poll()
+        record["vram_after"] = await vram_books(url)
         await asyncio.sleep(0.5)  # let the last events arrive
         stop.set()
         collector.cancel()
         record.update(completed=sum(1 for r in result.requests if r.error is None and r.end_s is not None),
                       requests=len(result.requests), request_errors=result.errors, health_after=result.health_after,
-                      metrics=result.metrics, wall_s=round(result.wall_s, 2), exited_during_run=exited_during)
+                      metrics=result.metrics, notes=list(result.notes), wall_s=round(result.wall_s, 2), exited_during_run=exited_during)
     except Exception as exc:  # noqa: BLE001 - a failed run is reported, the next one still runs
         record.update(failure=f"{type(exc).__name__}: {exc}", completed=0, requests=0, exited_during_run=engine.proc.poll())
     finally:
@@ -236,23 +257,29 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         prompt = [rng.randrange(16, vocab - 16) for _ in range(n_tokens)]
         engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
+    until_long_done = args.short_max_tokens == 0  # as the HTTP scenario: decode until the long one is done
+    short_max = config.context - 64 if until_long_done else args.short_max_tokens
     for i in range(6):
-        add(f"short-{i}", 64, args.short_max_tokens)
+        add(f"short-{i}", 64, short_max)
     long_sent = False
     record: dict[str, Any] = {"run": index, "command": cmd, "in_process": True}
     try:
         while len(done) < 7 and time.monotonic() - start < args.run_timeout_s:
             if not long_sent and time.monotonic() - start >= args.delay_s:
+                if until_long_done and config.batch <= 6:
+                    _stop(engine, done, [f"short-{i}" for i in range(6 - config.batch + 1)])  # frees its slot
                 add("long", args.prompt_tokens, 16)
                 long_sent = True
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
+            if until_long_done and "long" in done:
+                _stop(engine, done, [f"short-{i}" for i in range(6)])
             if not engine.health().ready:
                 break
     except Exception as exc:  # noqa: BLE001 - reported as the run's failure
         record["failure"] = f"{type(exc).__name__}: {exc}"
-    ok = [o for o in done.values() if o.finish_reason in ("length", "stop")]
+    ok = [o for o in done.values() if o.finish_reason in ("length", "stop", "abort")]
     health = engine.health()
     record.update(completed=len(ok), requests=7, request_errors=[o.error for o in done.values() if o.error],
                   health_after=("200 " if health.ready else "503 ") + health.reason,
@@ -264,6 +291,15 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
     record["passed"] = (health.ready and len(ok) == 7 and not record["bad_messages"]
                         and not any(e.get("fatal") for e in record["error_events"]))
     return record
+
+
+def _stop(engine: Any, done: dict[str, Any], request_ids: list[str]) -> None:
+    """Abort the given requests that are still running; each counts as completed (stopped by the scenario)."""
+    for rid in request_ids:
+        if rid not in done:
+            out = engine.abort(rid)
+            if out is not None:
+                done[rid] = out
 
 
 def _graph_cache(args: argparse.Namespace, config: Any, bus: Any, holder: dict) -> Any:
@@ -299,6 +335,13 @@ def print_run(r: dict[str, Any]) -> None:
           f"exit after SIGTERM: {r.get('exit_code_after_sigterm')}  wall {r.get('wall_s', '-')} s", flush=True)
     print(f"  graph events: {r['graph_actions'] or 'none'}; OOMs reported: {len(r['oom_messages'])}; "
           f"empty/'no error' messages: {len(r['bad_messages'])}")
+    metrics = r.get("metrics") or {}
+    if metrics.get("long_ttft_s") is not None:
+        ratio = metrics.get("decode_ratio")
+        print(f"  long prompt TTFT {metrics['long_ttft_s']:.2f} s; short decode ratio during its prefill "
+              f"{'-' if ratio is None else f'{ratio:.3f}'}")
+    if "vram_after" in r:
+        print(f"  after: {vram_text(r['vram_after'])}")
     for text in r["oom_messages"][:5]:
         print(f"    OOM: {text}")
     for w in r["warnings"][:5]:

@@ -228,21 +228,47 @@ async def _play_seed(run: _Run, p: dict[str, Any]) -> None:
     short_max = (run.info.context_tokens or _UNTIL_DONE_MAX_TOKENS) - short_prompt if until_long_done \
         else int(p["short_max_tokens"])
     run.check_fits("short_max_tokens", short_prompt, short_max)
+    make_room = _shorts_to_stop(run, n_short, until_long_done)
     run.total = n_short + 1
     shorts = [asyncio.create_task(run.send(f"short-{i}", "short", run.prompt(short_prompt), short_max))
               for i in range(n_short)]
     await asyncio.sleep(float(p["delay_s"]))
+    for task in shorts[:make_room]:
+        # Every slot holds a short that would decode until its context is full: the long prompt would wait
+        # for that, not be admitted while the others decode. Stopping one frees the slot it takes.
+        task.cancel()
     long_prompt = run.prompt(int(p["long_tokens"]), fresh=True)
     long = await run.send("long", "long", long_prompt, int(p["long_max_tokens"]))
     if until_long_done:
         for task in shorts:
             task.cancel()
     await asyncio.gather(*shorts, return_exceptions=True)
-    _seed_metrics(run, long, [r for r in run.results if r.kind == "short"])
+    kept = [r for r in run.results if r.kind == "short"][make_room:]
+    _seed_metrics(run, long, kept)
+
+
+def _shorts_to_stop(run: _Run, n_short: int, until_long_done: bool) -> int:
+    """How many shorts to stop when the long prompt is sent, so that it gets a slot while the rest decode."""
+    if not until_long_done:
+        return 0  # they end on their own
+    slots = run.info.slots
+    if slots is None:
+        run.notes.append("the server does not report its slot count: if the short generations hold every slot, "
+                         "the long prompt waits until one of them fills its context")
+        return 0
+    make_room = max(0, n_short - slots + 1)
+    if make_room >= n_short:
+        raise ConfigError("concurrency", n_short, f"the server has {slots} slot(s): with short_max_tokens=0 "
+                          "no short generation could decode while the long prompt is admitted")
+    if make_room:
+        run.notes.append(f"{n_short} short generations fill the server's {slots} slots: {make_room} stopped when "
+                         f"the long prompt was sent, so it is admitted while {n_short - make_room} decode")
+    return make_room
 
 
 def _seed_metrics(run: _Run, long: RequestResult, shorts: list[RequestResult]) -> None:
-    """The short slots' decode rate while the long prompt was admitted, relative to their rate before it."""
+    """The decode rate of the shorts that kept decoding while the long prompt was admitted, relative to their
+    rate before it."""
     firsts = [r.first_token_s for r in shorts if r.first_token_s is not None]
     before_start = max(firsts) if firsts else None
     during_end = long.first_token_s if long.first_token_s is not None else long.end_s

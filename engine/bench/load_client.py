@@ -19,6 +19,7 @@ from engine.errors import ConfigError
 _VOCAB_KEYS = ("vocab_size",)
 FALLBACK_VOCAB_SIZE = 256
 _CONTEXT_KEYS = ("context_tokens", "max_model_len", "context")
+_SLOTS_KEYS = ("max_num_seqs", "batch", "slots")  # vLLM's name, then Strata's config and KV books
 
 
 @dataclass
@@ -87,6 +88,7 @@ class ServerInfo:
     context_tokens: int | None
     health: str
     notes: tuple[str, ...] = ()
+    slots: int | None = None  # requests the server runs at once (None: it does not say)
 
 
 class LoadClient:
@@ -190,7 +192,8 @@ def _rescale_increments(result: RequestResult) -> None:
 
 
 async def discover(load: LoadClient) -> ServerInfo:
-    """Model id, vocab size and context per slot from /v1/models and /strata/state; health from /health.
+    """Model id, vocab size, context per slot and slot count from /v1/models and /strata/state; health from
+    /health.
 
     Raises ConfigError naming the URL when the server cannot be reached or /v1/models fails. Without a
     reported vocab size, prompts fall back to ids below 256 (with a note in the result).
@@ -221,7 +224,8 @@ async def discover(load: LoadClient) -> ServerInfo:
         vocab = FALLBACK_VOCAB_SIZE
         notes = (f"neither /v1/models nor /strata/state reports a vocab_size: prompts use ids below "
                  f"{FALLBACK_VOCAB_SIZE}",)
-    return ServerInfo(load.model, int(vocab), _find_number(found, _CONTEXT_KEYS), health, notes)
+    return ServerInfo(load.model, int(vocab), _find_number(found, _CONTEXT_KEYS), health, notes,
+                      slots=_find_number(found, _SLOTS_KEYS))
 
 
 def _find_number(documents: list[Any], keys: tuple[str, ...]) -> int | None:

@@ -75,7 +75,34 @@ async def test_seed_by_default_keeps_the_shorts_decoding_until_the_long_prompt_i
     assert all(b["max_tokens"] == 50_000 - 32 for b in server.bodies if len(b["prompt"]) == 32)
     assert all(r.finish_reason == "cancelled" and r.error is None and r.completion_tokens > 0 for r in shorts)
     assert all(r.end_s >= long.end_s for r in shorts), "stopped only after the long prompt finished"
-    assert result.metrics["decode_ratio"] is not None and not result.notes
+    assert result.metrics["decode_ratio"] is not None
+    # This server does not say how many slots it has: the result warns that the long prompt may have waited.
+    assert [n for n in result.notes if "slot count" in n] == result.notes and len(result.notes) == 1
+
+
+async def test_seed_stops_as_many_shorts_as_it_takes_to_free_a_slot_for_the_long_prompt() -> None:
+    server = FakeOpenAIServer(context_tokens=50_000, token_interval_s=0.002, slots=2)
+    params = dict(SMALL_SEED)
+    del params["short_max_tokens"]
+    async with server.client() as http:
+        result = await run_scenario("seed", "http://fake", http_client=http, **params)
+    assert result.ok, result.errors
+    shorts, long = result.requests[:3], result.requests[-1]
+    # 3 shorts on 2 slots: 2 stopped when the long prompt was sent, the third decodes through its prefill.
+    assert all(r.end_s <= long.start_s + 0.05 for r in shorts[:2])
+    assert shorts[2].end_s >= long.end_s
+    assert any("2 stopped" in note for note in result.notes), result.notes
+    assert result.metrics["decode_ratio"] is not None
+
+
+async def test_seed_refuses_a_one_slot_server_before_sending_anything() -> None:
+    server = FakeOpenAIServer(slots=1)
+    params = dict(SMALL_SEED)
+    del params["short_max_tokens"]
+    async with server.client() as http:
+        with pytest.raises(ConfigError, match="concurrency=3.*1 slot"):
+            await run_scenario("seed", "http://fake", http_client=http, **params)
+    assert server.bodies == []
 
 
 async def test_long_prompt_ids_stay_in_range_and_start_with_a_fresh_nonce() -> None:

@@ -23,8 +23,9 @@ class FakeOpenAIServer:
     def __init__(self, vocab_size: int = 1000, context_tokens: int = 100_000, token_interval_s: float = 0.004,
                  prefill_s_per_1k_tokens: float = 0.05, long_prompt_tokens: int = 1000, slowdown: float = 3.0,
                  die_on_long: bool = False, api_key: str | None = None, models_has_vocab: bool = True,
-                 state_has_vocab: bool = True) -> None:
+                 state_has_vocab: bool = True, slots: int | None = None) -> None:
         self.vocab_size = vocab_size
+        self.slots = slots  # reported as config.batch when set (the fake itself runs any number at once)
         self.context_tokens = context_tokens
         self.token_interval_s = token_interval_s
         self.prefill_s_per_1k_tokens = prefill_s_per_1k_tokens
@@ -60,7 +61,8 @@ class FakeOpenAIServer:
             return httpx.Response(200, json={"object": "list", "data": [card]})
         if path == "/strata/state":
             model = {"vocab_size": self.vocab_size} if self.state_has_vocab else {}
-            return httpx.Response(200, json={"config": {"context": self.context_tokens}, "model": model})
+            config = {"context": self.context_tokens} | ({"batch": self.slots} if self.slots else {})
+            return httpx.Response(200, json={"config": config, "model": model})
         if path == "/v1/completions":
             return self._complete(json.loads(request.content))
         return httpx.Response(404, json={"detail": "not found"})

@@ -89,6 +89,19 @@ async def test_seed_against_the_real_engine_completes_and_stays_healthy(server_u
     assert all(s["state"] == "idle" for s in slots), slots
 
 
+async def test_seed_with_every_slot_taken_frees_one_for_the_long_prompt(server_url: str) -> None:
+    # 4 shorts on the server's 4 slots, decoding until the long prompt is done: without a freed slot the long
+    # prompt would wait until a short filled its 4096-token context.
+    result = await run_scenario("seed", server_url, concurrency=4, short_prompt_tokens=16, delay_s=0.2,
+                                long_tokens=2500, long_max_tokens=2)
+    assert result.ok, result.errors
+    first, kept, long = result.requests[0], result.requests[1:4], result.requests[-1]
+    assert long.first_token_s is not None and first.end_s <= long.first_token_s
+    assert all(r.end_s >= long.end_s and r.completion_tokens < 4096 - 16 for r in kept)
+    assert any("1 stopped" in note for note in result.notes), result.notes
+    assert result.metrics["short_decode_tok_s_during_long_prefill"] > 0
+
+
 async def test_a_long_prompt_past_the_real_context_is_refused_up_front(server_url: str) -> None:
     from engine.errors import ConfigError
 
