@@ -20,7 +20,7 @@ TARGETS = (
     ("batch-1 decode tok/s (0.6B, graphs on, best configuration)", "decode_b1_best", ">=", 1500.0),
     ("Strata / HF eager, batch 1 (end to end)", "vs_hf_eager_b1", ">=", 100.0),
     ("batch-1 decode / weight-bandwidth floor", "fraction_of_floor", ">=", 0.40),
-    ("MTP speedup, batch 1 (strata-tiny)", "mtp_speedup_b1", ">=", 1.5),
+    ("MTP speedup, batch 1 (strata-tiny)", "mtp_best_speedup_b1", ">=", 1.5),
     ("6-slot decode rate during a fresh 176K admission", "admission_ratio", ">=", 0.50),
 )
 
@@ -69,7 +69,8 @@ def figures(docs: dict[str, dict]) -> dict[str, Any]:
             speedup = on["decode_tok_s"] / off["decode_tok_s"]
             out[f"{name}_speedup_b1"] = speedup
             out[f"{name}_acceptance_b1"] = on.get("acceptance")
-            out["mtp_speedup_b1"] = max(speedup, out.get("mtp_speedup_b1", 0.0))  # the best depth counts
+            # The best depth counts for the target; its own key, so it never overwrites depth 1's figure.
+            out["mtp_best_speedup_b1"] = max(speedup, out.get("mtp_best_speedup_b1", 0.0))
     ratios = [r["decode_ratio"] for r in _rows(docs, "admission") if r.get("decode_ratio") is not None]
     if ratios:
         out["admission_ratio"] = min(ratios)

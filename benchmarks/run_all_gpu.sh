@@ -10,7 +10,7 @@
 # no longer fit the whole budget are skipped and logged. Environment overrides: BUDGET_S (total seconds,
 # default 450), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
 # sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB; DECODE_COMPILE=0 skips the
-# compiled decode run
+# compiled decode run; STEPS=name,name runs only those benchmarks (e.g. STEPS=admission,switches)
 # (tests/engine/test_bench_script.py runs the whole script on CPU with tiny ones).
 set -uo pipefail
 
@@ -42,6 +42,9 @@ log() { echo "[$(($(date +%s) - START_S))s] $*" | tee -a "$LOG"; }
 run() {
     local name=$1 limit=$2  # switches for one run come as environment variables: STRATA_X=1 run ...
     shift 2
+    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then
+        return  # not asked for in STEPS
+    fi
     local left=$((BUDGET_S - ($(date +%s) - START_S)))
     if [ "$left" -lt 15 ]; then
         log "SKIP $name: only ${left}s of the ${BUDGET_S}s budget left"

@@ -42,6 +42,8 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
                                 "error": "RuntimeError: boom"}]),
         "mtp": _doc([{"mtp": "off", "batch": 1, "decode_tok_s": 100.0},
                      {"mtp": "on", "batch": 1, "decode_tok_s": 140.0, "acceptance": [0.6, 0.3]}]),
+        "mtp_depth2": _doc([{"mtp": "off", "batch": 1, "decode_tok_s": 100.0},
+                            {"mtp": "on", "batch": 1, "decode_tok_s": 145.0, "acceptance": [0.6, 0.3]}]),
         "admission": _doc([{"decode_ratio": 0.7}, {"decode_ratio": 0.45}]),
         "decode_compile": _doc([{"graphs": "on", "batch": 1, "decode_tok_s": 2100.0}]),
     }
@@ -55,7 +57,8 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
     assert summary["figures"]["decode_b1_compile"] == 2100.0 and summary["figures"]["decode_b1_best"] == 2100.0
     assert summary["figures"]["vs_hf_eager_b1"] == 50.0 and met["Strata / HF eager, batch 1"] is False
     assert summary["figures"]["fraction_of_floor"] == 1700.0 / 4000.0
-    assert summary["figures"]["mtp_speedup_b1"] == 1.4 and met["MTP speedup, batch 1"] is False
+    assert summary["figures"]["mtp_speedup_b1"] == 1.4 and summary["figures"]["mtp_depth2_speedup_b1"] == 1.45
+    assert summary["figures"]["mtp_best_speedup_b1"] == 1.45 and met["MTP speedup, batch 1"] is False
     assert summary["figures"]["mtp_acceptance_b1"] == [0.6, 0.3]
     assert summary["figures"]["admission_ratio"] == 0.45
     assert summary["figures"]["hf_static_compile_b1_error"] == "RuntimeError: boom"
