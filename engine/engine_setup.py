@@ -8,14 +8,15 @@ config whose KV does not fit next to the weights and the reserve raises ConfigEr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, StrataError
 from engine.executor import EagerExecutor
-from engine.gpu_errors import is_sticky, real_message
+from engine.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.kv_cache import KVGeometry, SlotKVCache
 from engine.prefix_index import PrefixIndex
 from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
@@ -23,6 +24,33 @@ from engine.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.switches import SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
 from engine.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
+
+
+class StartupError(StrataError):
+    """The engine could not be built: the stage, the real error, where in the engine it was raised, VRAM free."""
+
+    def __init__(self, stage: str, exc: BaseException, vram_free: float | None) -> None:
+        self.stage = stage
+        self.where = innermost_engine_frame(exc)
+        self.vram_free_mib = vram_free
+        free = "" if vram_free is None else f"; vram free {vram_free:.0f} MiB"
+        where = f" at {self.where}" if self.where else ""
+        super().__init__(f"while {stage}: {real_message(exc)}{where}{free}")
+
+
+def innermost_engine_frame(exc: BaseException) -> str | None:
+    """`engine/file.py:line in function` of the deepest traceback frame inside this package, if any."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename).resolve()
+        if _PACKAGE_DIR in path.parents:
+            found = f"{path.relative_to(_PACKAGE_DIR.parent)}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return found
+
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -41,7 +69,26 @@ class EngineParts:
 
 def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
                 block_tokens: int | None) -> EngineParts:
-    """Load the model and build everything around it (see the module docstring)."""
+    """Load the model and build everything around it (see the module docstring).
+
+    A failure that is not already a StrataError (those name the option or file) is raised as StartupError
+    naming the stage, the innermost engine frame and the VRAM free: a bare "CUDA error: out of memory" at
+    start-up says none of that.
+    """
+    stage = ["starting"]
+    try:
+        return _build_parts(config, bus, executor, tier_budget_mib, block_tokens, stage)
+    except StrataError:
+        raise
+    except Exception as exc:
+        if is_sticky(exc):
+            raise
+        raise StartupError(stage[0], exc, vram_free_mib(config.device if config.device != "auto" else None)) \
+            from exc
+
+
+def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
+                 block_tokens: int | None, stage: list[str]) -> EngineParts:
     from engine.model import load_checkpoint, resolve_device
 
     board = SwitchBoard.from_values(config.switches)
@@ -49,6 +96,7 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
         if on:
             bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
     tier_device = _tier_device(config, resolve_device(config.device))  # a bad --peer-device fails before the load
+    stage[0] = f"loading the model {config.model}"
     lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device)
     device = lm.device
     model = lm.model
@@ -63,13 +111,22 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
         bus.publish(WarningEvent(where="engine.kv", message=(
             f"--kv-resident {config.kv_resident} is accepted but not yet implemented: every slot keeps its "
             f"whole {config.context}-token KV on {device}")))
+    stage[0] = "allocating the KV cache"
     kv, weights_mib = _sized_kv_cache(config, lm, depth)
     index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
-    tier, budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, tier_device, tier_budget_mib)
-    # Only a tier on the compute device can make room there (graph captures, an out-of-memory step).
-    release = tier.release if tier_device == device else _release_nothing
-    make_room = budgets[0].make_room if tier_device == device else _release_nothing
+    # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
+    # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).
+    stage[0] = "building the scheduler, runner and drafter"
     sched = Scheduler.from_config(config, index, draft_tokens=depth)
+    parts: dict[str, Any] = {}  # the tier and its books, made after the runner but called only later
+
+    def release(mib: float, reason: str) -> float:
+        # Only a tier on the compute device can make room there (graph captures, an out-of-memory step).
+        return parts["tier"].release(mib, reason) if tier_device == device else 0.0
+
+    def make_room(mib: float, reason: str) -> float:
+        return parts["budgets"][0].make_room(mib, reason) if tier_device == device else 0.0
+
     if executor is None:
         executor = _default_executor(config, bus, board, release, device)
     runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
@@ -80,7 +137,11 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
         from engine.drafter import MtpDrafter
 
         drafter = MtpDrafter(runner, depth)
+    stage[0] = "allocating the adaptive tier"
+    tier, budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, tier_device, tier_budget_mib)
+    parts.update(tier=tier, budgets=budgets)
     if board.enabled("CAPTURE_ALL"):
+        stage[0] = "capturing every graph bucket (CAPTURE_ALL)"
         precapture_all(config, bus, board, executor, runner, drafter)
     return EngineParts(lm, kv, tier, budgets, sched, runner, drafter, board, executor, device)
 
@@ -151,13 +212,11 @@ def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, inde
             tier_budget_mib = max(0.0, free_mib - config.vram_reserve_mib)  # all of it, up front
         else:
             tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_mib / 8)
-    tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=tier_device.type == "cuda")
+    on_gpu = tier_device.type == "cuda"
+    tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=on_gpu,
+                        room_mib=budgets[-1].driver_room_mib if on_gpu else None)
     budgets[-1].tier = tier
     return tier, budgets
-
-
-def _release_nothing(mib: float, reason: str) -> float:
-    return 0.0
 
 
 def _tier_device(config: EngineConfig, device: torch.device) -> torch.device:

@@ -130,7 +130,7 @@ def real_message(exc: BaseException) -> str:
         text = _clean_text(link)
         if _usable(text):
             entry = f"{type(link).__name__}: {text}"
-            if entry not in parts:
+            if not any(entry in p for p in parts):  # a wrapper that quotes its cause already says it
                 parts.append(entry)
     if not parts:
         shown = _NO_ERROR.sub("a success status", repr(exc)) or type(exc).__name__

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,8 +26,12 @@ from engine.telemetry import EventBus, TierEvent, VramEvent
 MIB = float(1 << 20)
 # When the tier regrows: only for room worth at least this many blocks (avoids grow/shrink flapping).
 _GROW_MIN_BLOCKS = 4
-# Upper bound on tier blocks: a tiny model on a large GPU would otherwise mean millions of block tensors.
-MAX_TIER_BLOCKS = 65536
+# Upper bound on tier blocks: a tiny model on a large GPU would otherwise mean millions of block tensors. High
+# enough that the tier still fills an H200 with the embedded tiny model (~0.6 MiB per block: ~238K blocks), so
+# VRAM is near-full by design there too (at 65536 it held 39 GiB and left ~99 GiB free).
+MAX_TIER_BLOCKS = 1 << 18
+# A growing preallocated tier measures the room left after every this many MiB of blocks.
+_ROOM_CHECK_MIB = 64.0
 # CPU runs: the tier's budget when none is configured (capped by a fraction of available RAM).
 CPU_TIER_DEFAULT_MIB = 512.0
 _CPU_TIER_RAM_FRACTION = 0.125
@@ -68,8 +73,15 @@ class AdaptiveTier:
     """Prefix-cache KV blocks in device (or host) memory, sized by a budget that can move both ways."""
 
     def __init__(self, index: PrefixIndex, kv: SlotKVCache, bus: EventBus, device: torch.device,
-                 budget_mib: float, preallocate: bool) -> None:
+                 budget_mib: float, preallocate: bool, room_mib: Callable[[], float] | None = None,
+                 room_check_mib: float = _ROOM_CHECK_MIB) -> None:
         self.index = index
+        # How much more memory the tier may take right now, measured (on CUDA: the driver's free memory minus
+        # what must stay free). A preallocating tier checks it while it grows: a block's bytes understate what
+        # the allocator really takes for it (small blocks share 2 MiB segments with slack: +11 % for the
+        # embedded tiny model), and a budget computed from block bytes alone once left the reserve at 0 MiB.
+        self.room_mib = room_mib
+        self.room_check_mib = room_check_mib
         self.kv = kv
         self.bus = bus
         self.device = device
@@ -173,12 +185,9 @@ class AdaptiveTier:
         result = self.index.resize(blocks)
         for block_id in result.released_block_ids:
             self._blocks.pop(block_id, None)
-        if self.preallocate:
-            try:
-                for block_id in result.added_block_ids:
-                    self._block(block_id)
-            except torch.OutOfMemoryError:
-                # Room vanished while growing: keep what was allocated, hand the rest of the ids back.
+        if self.preallocate and result.added_block_ids:
+            if self._allocate(result.added_block_ids) < len(result.added_block_ids):
+                # The room ran out while growing: keep what was allocated, hand the rest of the ids back.
                 self.index.resize(len(self._blocks))
         after_cap = self.capacity_blocks
         if after_cap == before_cap and self.mib == before_mib:
@@ -188,6 +197,20 @@ class AdaptiveTier:
         else:
             delta = (after_cap - before_cap) * self.block_mib
         self._publish("grow" if delta > 0 else "shrink", abs(delta), reason)
+
+    def _allocate(self, block_ids: list[int]) -> int:
+        """Back `block_ids` with memory in order, checking the measured room every `room_check_mib`; returns how
+        many were allocated (fewer when the room or the device ran out)."""
+        group = max(1, int(self.room_check_mib // self.block_mib)) if self.block_mib > 0 else len(block_ids)
+        for done, block_id in enumerate(block_ids):
+            if self.room_mib is not None and done % group == 0:
+                if self.room_mib() < min(group, len(block_ids) - done) * self.block_mib:
+                    return done
+            try:
+                self._block(block_id)
+            except torch.OutOfMemoryError:
+                return done
+        return len(block_ids)
 
     def _publish(self, action: str, mib: float, reason: str) -> None:
         """TierEvent: `mib` changed by, `total_mib` the budget afterwards (preallocated: the memory held)."""
@@ -224,6 +247,12 @@ class VramBudget:
                          kv_mib=round(self.kv_mib, 1), graphs_mib=round(self.graphs_mib, 1),
                          tier_mib=round(self.tier.mib if self.tier else 0.0, 1),
                          reserve_mib=round(self.reserve_mib, 1), free_mib=round(free, 1))
+
+    def driver_room_mib(self) -> float:
+        """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps
+        cached, which fragments can leave unusable) minus the reserve and the learned headroom."""
+        free_b, _ = torch.cuda.mem_get_info(self.device)
+        return free_b / MIB - self.reserve_mib - self.headroom_mib
 
     def tier_room_mib(self) -> float:
         """How far the tier may grow (positive) or must shrink (negative) to keep the reserve free (CUDA)."""

@@ -110,6 +110,27 @@ def test_gpu_tier_grows_into_free_vram_and_shrinks_for_the_reserve():
     assert budget.tier_room_mib() >= -tier.block_mib
 
 
+def test_growth_stops_where_the_measured_room_ends_not_where_block_bytes_say():
+    # A device where each block really takes 12 % more than its bytes (allocator segments), with 20 blocks'
+    # worth of bytes free above what must stay free: a budget of 40 blocks must stop at ~17, not take 20 or 40.
+    kv = SlotKVCache(KVGeometry(2, 2, 2, 8, 128, 16), "bf16", torch.float32, "cpu")
+    index, bus = PrefixIndex(16, 0), EventBus()
+    block_mib = kv.geometry.bytes_per_token("bf16", torch.float32) * 16 / (1 << 20)
+    holder: dict = {}
+
+    def room_mib() -> float:
+        tier = holder.get("tier")
+        held = len(tier._blocks) if tier is not None else 0
+        return 20 * block_mib - held * 1.12 * block_mib
+
+    tier = AdaptiveTier(index, kv, bus, torch.device("cpu"), 0.0, True, room_mib=room_mib, room_check_mib=block_mib)
+    holder["tier"] = tier
+    tier.set_budget(40 * block_mib + 1e-9, "grow")
+    assert tier.capacity_blocks == len(tier._blocks) == 17  # 17 * 1.12 = 19.04 <= 20; an 18th would exceed it
+    assert room_mib() >= 0 and index.stats().capacity_blocks == 17
+    assert bus.history()[-1].action == "grow" and bus.history()[-1].total_mib == pytest.approx(17 * block_mib, abs=1e-4)
+
+
 def test_make_room_frees_tier_memory_and_keeps_it_as_headroom():
     tier, index, kv, _ = _tier(preallocate=True, budget_blocks=8)
     budget = VramBudget(torch.device("cpu"), reserve_mib=1.0, weights_mib=0, kv_mib=kv.mib, tier=tier)
