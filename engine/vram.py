@@ -276,7 +276,12 @@ class VramBudget:
         room = self.tier_room_mib()
         if room < 0:
             tier.release(-room, reason)
-        elif room >= _GROW_MIN_BLOCKS * tier.block_mib:
+            return
+        if room >= _GROW_MIN_BLOCKS * tier.block_mib and tier.room_mib is not None:
+            # Memory torch keeps cached counts as free above, but a block can only grow into what the driver
+            # has; asking first spares a resize of the whole block pool every second that would allocate nothing.
+            room = min(room, tier.room_mib())
+        if room >= _GROW_MIN_BLOCKS * tier.block_mib:
             tier.set_budget(tier.capacity_mib + room, reason)
 
     def set_reserve(self, mib: float) -> None:

@@ -131,6 +131,24 @@ def test_growth_stops_where_the_measured_room_ends_not_where_block_bytes_say():
     assert bus.history()[-1].action == "grow" and bus.history()[-1].total_mib == pytest.approx(17 * block_mib, abs=1e-4)
 
 
+def test_rebalance_does_not_grow_into_room_the_driver_does_not_have(monkeypatch):
+    kv = SlotKVCache(KVGeometry(2, 2, 2, 8, 128, 16), "bf16", torch.float32, "cpu")
+    index, bus = PrefixIndex(16, 0), EventBus()
+    block_mib = kv.geometry.bytes_per_token("bf16", torch.float32) * 16 / (1 << 20)
+    driver_room = {"mib": 0.5 * block_mib}
+    tier = AdaptiveTier(index, kv, bus, torch.device("cpu"), 0.0, True, room_mib=lambda: driver_room["mib"])
+    budget = VramBudget(torch.device("cuda"), reserve_mib=1.0, weights_mib=0, kv_mib=0, tier=tier)
+    # The books (free + cached) say 100 blocks fit; the driver has half a block: no resize, no event.
+    monkeypatch.setattr(VramBudget, "tier_room_mib", lambda self: 100 * block_mib)
+    resizes = []
+    monkeypatch.setattr(index, "resize", lambda n, _orig=index.resize: resizes.append(n) or _orig(n))
+    budget.rebalance("tick")
+    assert resizes == [] and tier.capacity_blocks == 0 and bus.history() == []
+    driver_room["mib"] = 10 * block_mib + 1e-9
+    budget.rebalance("tick")
+    assert tier.capacity_blocks == 10 and bus.history()[-1].action == "grow"
+
+
 def test_make_room_frees_tier_memory_and_keeps_it_as_headroom():
     tier, index, kv, _ = _tier(preallocate=True, budget_blocks=8)
     budget = VramBudget(torch.device("cpu"), reserve_mib=1.0, weights_mib=0, kv_mib=kv.mib, tier=tier)
