@@ -120,15 +120,16 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
     sched = Scheduler.from_config(config, index, draft_tokens=depth)
     parts: dict[str, Any] = {}  # the tier and its books, made after the runner but called only later
 
-    def release(mib: float, reason: str) -> float:
-        # Only a tier on the compute device can make room there (graph captures, an out-of-memory step).
-        return parts["tier"].release(mib, reason) if tier_device == device else 0.0
-
     def make_room(mib: float, reason: str) -> float:
-        return parts["budgets"][0].make_room(mib, reason) if tier_device == device else 0.0
+        # Only a tier on the compute device can make room there (a graph capture, an out-of-memory step), and
+        # only once it exists (CAPTURE_ALL captures before it). Through the books, so what was freed stays
+        # free as headroom: a tier that regrew into it would make the next capture run out of memory again.
+        if tier_device != device or "budgets" not in parts:
+            return 0.0
+        return parts["budgets"][0].make_room(mib, reason)
 
     if executor is None:
-        executor = _default_executor(config, bus, board, release, device)
+        executor = _default_executor(config, bus, board, make_room, device)
     runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
     runner.release_memory = make_room
     runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
@@ -137,12 +138,14 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
         from engine.drafter import MtpDrafter
 
         drafter = MtpDrafter(runner, depth)
+    if board.enabled("CAPTURE_ALL"):
+        # Before the tier: the graphs take their pools from free memory, and the tier then takes the rest,
+        # instead of every capture running out of memory against a full tier and evicting its siblings.
+        stage[0] = "capturing every graph bucket (CAPTURE_ALL)"
+        precapture_all(config, bus, board, executor, runner, drafter)
     stage[0] = "allocating the adaptive tier"
     tier, budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, tier_device, tier_budget_mib)
     parts.update(tier=tier, budgets=budgets)
-    if board.enabled("CAPTURE_ALL"):
-        stage[0] = "capturing every graph bucket (CAPTURE_ALL)"
-        precapture_all(config, bus, board, executor, runner, drafter)
     return EngineParts(lm, kv, tier, budgets, sched, runner, drafter, board, executor, device)
 
 
@@ -233,7 +236,8 @@ def _tier_device(config: EngineConfig, device: torch.device) -> torch.device:
 
 def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, release: Any,
                       device: torch.device) -> Any:
-    """The graph cache on CUDA with --graphs (its OOM path shrinks the tier through tier.release); else eager."""
+    """The graph cache on CUDA with --graphs (its OOM path shrinks the tier through `release`, i.e.
+    VramBudget.make_room: what it frees stays free as headroom); else eager."""
     if device.type != "cuda" or not config.graphs:
         return EagerExecutor()
     from engine.graphs import GraphCache

@@ -111,6 +111,16 @@ def test_switch_off_captures_nothing_at_start(ckpt, reference_plain):
     assert _captures(bus)  # lazily, on first need
 
 
+def test_graphs_are_captured_before_the_tier_takes_the_memory_left(ckpt):
+    """The tier is sized from what is free after the graphs, so a full tier never meets the start-up captures."""
+    bus = EventBus(history=100000)
+    _engine(ckpt, bus, True, batch_mtp=True, mtp_depth=1)
+    kinds = [e.type for e in bus.history()]
+    last_capture = max(i for i, e in enumerate(bus.history()) if e.type == "graph" and e.action == "capture")
+    first_tier = kinds.index("tier")
+    assert last_capture < first_tier
+
+
 def test_precapture_does_not_disturb_real_slots(ckpt):
     """The warm-ups write only scratch columns: every slot's real KV columns stay untouched."""
     bus = EventBus()
