@@ -59,15 +59,21 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
                      warm_bound)
         base_s, base_tokens, base_steps, base_longest_s = _timed_steps(
             bench, shorts, lambda n: n >= args.baseline_steps, args.baseline_steps)
+        # Graph and tier events of each phase: a bucket captured, evicted or degraded to eager for want of
+        # memory (the tier has taken the GPU) changes the decode rate as much as the pacing does.
+        events = bench.bus.subscribe(after_seq=None, max_queue=1_000_000)
         long = bench.add(random_prompt(long_tokens, vocab, seed=seed + 999), 1)
         during_s, during_tokens, during_steps, longest_s = _timed_steps(
             bench, shorts, lambda n: long.num_output_tokens > 0, long_tokens + 100)
+        during_events = events.drain()
         # The shorts kept growing while the prompt was prefilled (thousands of tokens at 176K), and a decode
         # step costs more at a longer context: the same steps again, now without the long prompt, say what
         # their rate would have been at the end of the admission.
         after_s, after_tokens, after_steps, _ = _timed_steps(
             bench, shorts, lambda n: n >= args.baseline_steps, args.baseline_steps)
         finished_early = sum(1 for r in shorts if r.is_finished)
+        after_events = events.drain()
+        events.close()
     finally:
         for r in shorts:
             if not r.is_finished:
@@ -88,7 +94,20 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
         "long_ttft_s": during_s, "during_steps": during_steps, "max_step_ms": longest_s * 1e3,
         "baseline_step_ms": base_s / max(1, base_steps) * 1e3, "baseline_max_step_ms": base_longest_s * 1e3,
         "shorts_finished_early": finished_early,
+        "events_during": event_counts(during_events), "events_after": event_counts(after_events),
+        "graph_errors": [e.error for e in during_events + after_events if e.type == "graph" and e.error][:3],
+        "degraded_graphs": bench.graph_snapshot().get("degraded", []),
     }
+
+
+def event_counts(events: list[Any]) -> dict[str, int]:
+    """`graph capture`, `graph degrade`, `tier shrink`, ... -> how many of each."""
+    counts: dict[str, int] = {}
+    for e in events:
+        if e.type in ("graph", "tier"):
+            name = f"{e.type} {e.action}"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def run(args: argparse.Namespace) -> int:

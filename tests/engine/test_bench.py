@@ -86,6 +86,18 @@ def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: 
     alone = (1 / row["baseline_tok_s"] + 1 / row["after_tok_s"]) / 2
     assert math.isclose(row["decode_ratio"], row["during_tok_s"] * alone)
     assert doc["summary"]["worst_decode_ratio"] == row["decode_ratio"]
+    # Graph and tier events per phase (none on an eager CPU engine with a host tier) and the degraded buckets.
+    assert row["events_during"] == row["events_after"] == {} and row["degraded_graphs"] == []
+    assert row["graph_errors"] == []
+
+
+def test_admission_event_counts_name_each_graph_and_tier_action() -> None:
+    from engine.bench.admission import event_counts
+    from engine.telemetry import GraphEvent, SlotEvent, TierEvent
+
+    events = [GraphEvent(action="capture", kind="decode", key="b8 L4096"), TierEvent(action="shrink", mib=64.0),
+              GraphEvent(action="capture", kind="decode", key="b8 L8192"), SlotEvent(slot=0, state="decode")]
+    assert event_counts(events) == {"graph capture": 2, "tier shrink": 1}
 
 
 def test_graphs_reports_each_kind_from_the_cache_snapshot(tmp_path: Path) -> None:
