@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     values = figures(docs)
     table = check(values)
     expected = ("decode", "peers", "mtp", "mtp_depth2", "admission", "ttft", "graphs", "graphs_mtp", "switches",
-                "decode_compile", "peers_compile")
+                "switches_long", "decode_compile", "peers_compile")
     summary = {"figures": values, "targets": table, "partial": sorted(n for n, d in docs.items() if d.get("partial")),
                "missing": [n for n in expected if n not in docs], "unreadable": broken,
                "env": next((d.get("env") for d in docs.values() if d.get("env", {}).get("device_name")), None)}

@@ -9,7 +9,7 @@
 # first. A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that
 # no longer fit the whole budget are skipped and logged. Environment overrides: BUDGET_S (total seconds,
 # default 450), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
-# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB; DECODE_COMPILE=0 skips the
+# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB; DECODE_COMPILE=0 skips the
 # compiled decode run; STEPS=name,name runs only those benchmarks (e.g. STEPS=admission,switches)
 # (tests/engine/test_bench_script.py runs the whole script on CPU with tiny ones).
 set -uo pipefail
@@ -27,6 +27,7 @@ NEW=${NEW:-256}
 LONG=${LONG:-176K}
 TTFT_SIZES=${TTFT_SIZES:-32K,128K,176K}
 SWITCH_LONG=${SWITCH_LONG:-16K}
+SPLIT_LONG=${SPLIT_LONG:-128K}
 COPY_MIB=${COPY_MIB:-2048}
 GRAPH_NEW=${GRAPH_NEW:-64}
 SWITCH_NEW=${SWITCH_NEW:-128}
@@ -89,6 +90,9 @@ run graphs_mtp 20 graphs --model "$MTP_MODEL" --device "$DEVICE" --batch-mtp --m
 # static-cache + torch.compile peer, which may spend minutes compiling.
 run switches 60 switches "${COMMON[@]}" --only SPLIT_ATTN,FUSED_PROJ,PINNED_STAGING,CAPTURE_ALL \
     --batches 1,6 --prompt-tokens "$PROMPT" --long-prompt-tokens "$SWITCH_LONG" --new-tokens "$SWITCH_NEW"
+# SPLIT_ATTN where it claims to help: decode deep into a long context (batch 1, so the long prefill is one prompt).
+run switches_long 90 switches "${COMMON[@]}" --only SPLIT_ATTN --batches 1 --prompt-tokens "$PROMPT" \
+    --long-prompt-tokens "$SPLIT_LONG" --new-tokens "$GRAPH_NEW"
 # The fastest decode this engine has: FUSED_PROJ and COMPILE on (COMPILE compiles each graph bucket first).
 [ "${DECODE_COMPILE:-1}" = 1 ] && STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run decode_compile 150 decode "${COMMON[@]}" --batches 1,6 \
     --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on

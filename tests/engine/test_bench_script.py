@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import collect_results  # noqa: E402
 
 EXPECTED = ("decode", "peers", "mtp", "mtp_depth2", "admission", "ttft", "graphs", "graphs_mtp", "switches",
-            "peers_compile")
+            "switches_long", "peers_compile")
 
 
 def _doc(rows: list[dict], partial: bool = False) -> dict:
@@ -70,7 +70,8 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
 def test_gpu_script_runs_every_benchmark_on_cpu_at_tiny_sizes(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path / "out"), DEVICE="cpu", MODEL="random:tiny",
                MTP_MODEL="random:tiny+mtp", PROMPT="16", NEW="6", LONG="200", TTFT_SIZES="64,128",
-               SWITCH_LONG="40", SWITCH_NEW="6", GRAPH_NEW="6", COPY_MIB="4", OMP_NUM_THREADS="1", DECODE_COMPILE="0",
+               SWITCH_LONG="40", SPLIT_LONG="48", SWITCH_NEW="6", GRAPH_NEW="6", COPY_MIB="4", OMP_NUM_THREADS="1",
+               DECODE_COMPILE="0",
                PYTHON=sys.executable, STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), BUDGET_S="400")
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=420)
