@@ -8,9 +8,9 @@
 # is its own process (a CUDA failure in one cannot poison the next) under `timeout`; the most important run
 # first. A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that
 # no longer fit the whole budget are skipped and logged. Environment overrides: BUDGET_S (total seconds,
-# default 450), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
-# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB; DECODE_COMPILE=0 skips the
-# compiled decode run; STEPS=name,name runs only those benchmarks (e.g. STEPS=admission,switches)
+# default 540), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
+# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB; DECODE_COMPILE=0
+# skips the compiled decode run; STEPS=name,name runs only those benchmarks (e.g. STEPS=admission,switches)
 # (tests/engine/test_bench_script.py runs the whole script on CPU with tiny ones).
 set -uo pipefail
 

@@ -212,7 +212,8 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         collector.cancel()
         record.update(completed=sum(1 for r in result.requests if r.error is None and r.end_s is not None),
                       requests=len(result.requests), request_errors=result.errors, health_after=result.health_after,
-                      metrics=result.metrics, notes=list(result.notes), wall_s=round(result.wall_s, 2), exited_during_run=exited_during)
+                      metrics=result.metrics, notes=list(result.notes), wall_s=round(result.wall_s, 2),
+                      exited_during_run=exited_during)
     except Exception as exc:  # noqa: BLE001 - a failed run is reported, the next one still runs
         record.update(failure=f"{type(exc).__name__}: {exc}", completed=0, requests=0, exited_during_run=engine.proc.poll())
     finally:
