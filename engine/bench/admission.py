@@ -17,6 +17,7 @@ figure that charges the context growth to the admission.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -32,18 +33,21 @@ def _short_tokens(shorts: list[Any]) -> int:
 
 
 def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any,
-                 max_steps: int) -> tuple[float, int, int, float]:
-    """Step until `until(steps)`; returns (seconds, short tokens gained, steps, longest step in seconds)."""
-    tokens0, steps, longest_s = _short_tokens(shorts), 0, 0.0
+                 max_steps: int) -> tuple[float, int, list[float]]:
+    """Step until `until(steps)`; returns (seconds, short tokens gained, each step's seconds)."""
+    tokens0, step_s = _short_tokens(shorts), []
     start = time.perf_counter()
-    while not until(steps):
-        if steps >= max_steps:
-            raise EngineDied(f"no progress in {steps} steps (admission benchmark)")
+    while not until(len(step_s)):
+        if len(step_s) >= max_steps:
+            raise EngineDied(f"no progress in {len(step_s)} steps (admission benchmark)")
         t0 = time.perf_counter()
         bench.step()
-        longest_s = max(longest_s, time.perf_counter() - t0)
-        steps += 1
-    return time.perf_counter() - start, _short_tokens(shorts) - tokens0, steps, longest_s
+        step_s.append(time.perf_counter() - t0)
+    return time.perf_counter() - start, _short_tokens(shorts) - tokens0, step_s
+
+
+def _ms(step_s: list[float], how: Any) -> float | None:
+    return how(step_s) * 1e3 if step_s else None
 
 
 def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, seed: int) -> dict[str, Any]:
@@ -57,19 +61,19 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
         warm_bound = args.slots * args.short_prompt_tokens + args.warmup_steps + 100
         _timed_steps(bench, shorts, lambda n: all(r.num_output_tokens for r in shorts) and n >= args.warmup_steps,
                      warm_bound)
-        base_s, base_tokens, base_steps, base_longest_s = _timed_steps(
+        base_s, base_tokens, base_step_s = _timed_steps(
             bench, shorts, lambda n: n >= args.baseline_steps, args.baseline_steps)
         # Graph and tier events of each phase: a bucket captured, evicted or degraded to eager for want of
         # memory (the tier has taken the GPU) changes the decode rate as much as the pacing does.
         events = bench.bus.subscribe(after_seq=None, max_queue=1_000_000)
         long = bench.add(random_prompt(long_tokens, vocab, seed=seed + 999), 1)
-        during_s, during_tokens, during_steps, longest_s = _timed_steps(
+        during_s, during_tokens, during_step_s = _timed_steps(
             bench, shorts, lambda n: long.num_output_tokens > 0, long_tokens + 100)
         during_events = events.drain()
         # The shorts kept growing while the prompt was prefilled (thousands of tokens at 176K), and a decode
         # step costs more at a longer context: the same steps again, now without the long prompt, say what
         # their rate would have been at the end of the admission.
-        after_s, after_tokens, after_steps, _ = _timed_steps(
+        after_s, after_tokens, after_step_s = _timed_steps(
             bench, shorts, lambda n: n >= args.baseline_steps, args.baseline_steps)
         finished_early = sum(1 for r in shorts if r.is_finished)
         after_events = events.drain()
@@ -91,8 +95,11 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
         "slots": args.slots, "long_tokens": long_tokens, "baseline_tok_s": baseline, "after_tok_s": after,
         "during_tok_s": during, "decode_ratio": ratio,
         "decode_ratio_vs_before": during / baseline if during is not None and baseline else None,
-        "long_ttft_s": during_s, "during_steps": during_steps, "max_step_ms": longest_s * 1e3,
-        "baseline_step_ms": base_s / max(1, base_steps) * 1e3, "baseline_max_step_ms": base_longest_s * 1e3,
+        "long_ttft_s": during_s, "during_steps": len(during_step_s), "max_step_ms": _ms(during_step_s, max),
+        "baseline_step_ms": base_s / max(1, len(base_step_s)) * 1e3, "baseline_max_step_ms": _ms(base_step_s, max),
+        # The median and the longest step of the after phase tell a slower step (longer context, an eager
+        # bucket) from a few long ones (a cache fill, a capture) inflating the mean.
+        "after_step_ms_p50": _ms(after_step_s, statistics.median), "after_max_step_ms": _ms(after_step_s, max),
         "shorts_finished_early": finished_early,
         "events_during": event_counts(during_events), "events_after": event_counts(after_events),
         "graph_errors": [e.error for e in during_events + after_events if e.type == "graph" and e.error][:3],

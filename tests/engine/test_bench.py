@@ -89,6 +89,8 @@ def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: 
     # Graph and tier events per phase (none on an eager CPU engine with a host tier) and the degraded buckets.
     assert row["events_during"] == row["events_after"] == {} and row["degraded_graphs"] == []
     assert row["graph_errors"] == []
+    assert 0 < row["after_step_ms_p50"] <= row["after_max_step_ms"]
+    assert row["baseline_step_ms"] <= row["baseline_max_step_ms"] and row["max_step_ms"] > 0
 
 
 def test_admission_event_counts_name_each_graph_and_tier_action() -> None:
