@@ -9,8 +9,9 @@
 # first. A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that
 # no longer fit the whole budget are skipped and logged. Environment overrides: BUDGET_S (total seconds,
 # default 540), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
-# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB; DECODE_COMPILE=0
-# skips the compiled decode run; STEPS=name,name runs only those benchmarks (e.g. STEPS=admission,switches)
+# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB;
+# DECODE_COMPILE=0 skips the compiled decode run; STEPS=name,name runs only those benchmarks
+# (e.g. STEPS=admission,switches)
 # (tests/engine/test_bench_script.py runs the whole script on CPU with tiny ones).
 set -uo pipefail
 
@@ -70,33 +71,41 @@ from engine.bench.common import prepare_model
 print(prepare_model(sys.argv[1], torch.device(sys.argv[2])))" "$MODEL" "$DEVICE" >>"$LOG" 2>&1
 log "END checkpoint rc=$?"
 
+# The speed benchmarks (decode, peers, MTP, TTFT, graphs, switches) keep SPEED_RESERVE_MIB free. serve's default
+# tier takes all VRAM but the reserve: ~140 GiB of ~0.6 MiB blocks on an H200, seconds more at every engine start
+# (decode and mtp ran past their limits on 2026-12-01 once it did), the same decode step. admission and
+# switches_long keep serve's default: they are about long prompts with VRAM full. 0 = serve's default (always
+# on the CPU, where a host reserve that large would not fit).
+SPEED_RESERVE_MIB=${SPEED_RESERVE_MIB:-$([[ "$DEVICE" == cuda* ]] && echo 98304 || echo 0)}
+SPEED=()
+[ "$SPEED_RESERVE_MIB" -gt 0 ] && SPEED=(--vram-reserve-mib "$SPEED_RESERVE_MIB")
 COMMON=(--model "$MODEL" --device "$DEVICE")
 # The headline figures first: decode, then the peers (eager + floor) on the same weights.
-run decode 50 decode "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on,off
-run peers 110 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
+run decode 50 decode "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on,off
+run peers 110 peers "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
     --copy-mib "$COPY_MIB" --peers eager
-run mtp 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
+run mtp 35 mtp "${SPEED[@]}" --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
     --new-tokens "$NEW" --mtp-depth 1
-run mtp_depth2 35 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
+run mtp_depth2 35 mtp "${SPEED[@]}" --model "$MTP_MODEL" --device "$DEVICE" --batches 1,6 --prompt-tokens "$PROMPT" \
     --new-tokens "$NEW" --mtp-depth 2
 # The seed report's moment: 6 slots decoding while a fresh 176K prompt is admitted (int8 KV, as in the report:
 # 7 slots x 176K of bf16 KV would not fit next to anything else).
 run admission 200 admission "${COMMON[@]}" --slots 6 --long-tokens "$LONG" --kv int8 --baseline-steps 64
-run ttft 115 ttft "${COMMON[@]}" --prompt-sizes "$TTFT_SIZES"
-run graphs 25 graphs "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
-run graphs_mtp 20 graphs --model "$MTP_MODEL" --device "$DEVICE" --batch-mtp --mtp-depth 2 --batches 1,6 \
+run ttft 115 ttft "${COMMON[@]}" "${SPEED[@]}" --prompt-sizes "$TTFT_SIZES"
+run graphs 25 graphs "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
+run graphs_mtp 20 graphs "${SPEED[@]}" --model "$MTP_MODEL" --device "$DEVICE" --batch-mtp --mtp-depth 2 --batches 1,6 \
     --prompt-tokens "$PROMPT" --new-tokens "$GRAPH_NEW"
 # Least important last: each switch on/off (COMPILE, the slowest to start, at the end), then the
 # static-cache + torch.compile peer, which may spend minutes compiling.
-run switches 60 switches "${COMMON[@]}" --only SPLIT_ATTN,FUSED_PROJ,PINNED_STAGING,CAPTURE_ALL \
+run switches 60 switches "${COMMON[@]}" "${SPEED[@]}" --only SPLIT_ATTN,FUSED_PROJ,PINNED_STAGING,CAPTURE_ALL \
     --batches 1,6 --prompt-tokens "$PROMPT" --long-prompt-tokens "$SWITCH_LONG" --new-tokens "$SWITCH_NEW"
 # SPLIT_ATTN where it claims to help: decode deep into a long context (batch 1, so the long prefill is one prompt).
 run switches_long 90 switches "${COMMON[@]}" --only SPLIT_ATTN --batches 1 --prompt-tokens "$PROMPT" \
     --long-prompt-tokens "$SPLIT_LONG" --new-tokens "$GRAPH_NEW"
 # The fastest decode this engine has: FUSED_PROJ and COMPILE on (COMPILE compiles each graph bucket first).
-[ "${DECODE_COMPILE:-1}" = 1 ] && STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run decode_compile 150 decode "${COMMON[@]}" --batches 1,6 \
+[ "${DECODE_COMPILE:-1}" = 1 ] && STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run decode_compile 150 decode "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 \
     --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on
-run peers_compile 120 peers "${COMMON[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
+run peers_compile 120 peers "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
     --skip-strata --peers static --copy-mib "$COPY_MIB"
 
 "$PY" benchmarks/collect_results.py "$OUT" 2>&1 | tee -a "$LOG"

@@ -36,6 +36,7 @@ import httpx  # noqa: E402
 
 from engine.scenarios import run_scenario  # noqa: E402
 from engine.switches import SWITCHES, get_switch  # noqa: E402
+from strata_tui.gpu import NvmlSampler  # noqa: E402
 
 READY = re.compile(r"strata-engine: ready at (http://\S+)")
 OOM_TEXT = re.compile(r"out of memory|cudaErrorMemoryAllocation|ALLOC_FAILED", re.IGNORECASE)
@@ -166,6 +167,26 @@ def vram_text(books: list[dict] | str) -> str:
                      f"{b.get('reserve_mib')} MiB)" for b in books)
 
 
+def nvml_used() -> list[dict] | str:
+    """Each GPU's used/total MiB as NVML (nvidia-smi, nvitop) sees it: the driver's view, in which memory
+    torch keeps cached counts as used; the engine's books count it as free (torch can reuse it)."""
+    sampler = NvmlSampler()
+    why = sampler.open()
+    if why is not None:
+        return why
+    try:
+        return [{"index": s.index, "used_mib": s.used_mib, "total_mib": s.total_mib} for s in sampler.sample()]
+    finally:
+        sampler.close()
+
+
+def nvml_text(used: list[dict] | str) -> str:
+    if isinstance(used, str):
+        return used
+    return "; ".join(f"NVML gpu{g['index']}: used {g['used_mib']:.0f} of {g['total_mib']:.0f} MiB" for g in used
+                     if g["used_mib"] is not None and g["total_mib"] is not None)
+
+
 def judge_events(events: list[dict]) -> dict[str, Any]:
     """Graph actions counted, every OOM's text, and whether any reported error is empty or says 'no error'."""
     actions: dict[str, int] = {}
@@ -197,9 +218,10 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         url = engine.wait_ready(args.ready_timeout_s)
         record["ready_s"] = round(time.monotonic() - started_s, 2)
         record["vram_at_ready"] = await vram_books(url)
+        record["nvml_at_ready"] = nvml_used()
         # Printed at once: a run cut short by an outer time limit still says how far it got.
-        print(f"run {index}: engine ready in {record['ready_s']} s at {url}; {vram_text(record['vram_at_ready'])}",
-              flush=True)
+        print(f"run {index}: engine ready in {record['ready_s']} s at {url}; {vram_text(record['vram_at_ready'])}; "
+              f"{nvml_text(record['nvml_at_ready'])}", flush=True)
         stop = asyncio.Event()
         collector = asyncio.create_task(collect_events(url, events, stop))
         result = await asyncio.wait_for(run_scenario(
@@ -207,6 +229,7 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
             short_max_tokens=args.short_max_tokens), args.run_timeout_s)
         exited_during = engine.proc.poll()
         record["vram_after"] = await vram_books(url)
+        record["nvml_after"] = nvml_used()
         await asyncio.sleep(0.5)  # let the last events arrive
         stop.set()
         collector.cancel()
@@ -342,7 +365,7 @@ def print_run(r: dict[str, Any]) -> None:
         print(f"  long prompt TTFT {metrics['long_ttft_s']:.2f} s; short decode ratio during its prefill "
               f"{'-' if ratio is None else f'{ratio:.3f}'}")
     if "vram_after" in r:
-        print(f"  after: {vram_text(r['vram_after'])}")
+        print(f"  after: {vram_text(r['vram_after'])}; {nvml_text(r.get('nvml_after', ''))}")
     for text in r["oom_messages"][:5]:
         print(f"    OOM: {text}")
     for w in r["warnings"][:5]:

@@ -23,7 +23,7 @@ import torch
 
 from engine.api import Health, RequestOutput, SamplingParams
 from engine.config import EngineConfig
-from engine.engine_setup import EngineParts, build_parts
+from engine.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, RequestRejected
 from engine.gpu_errors import error_event, real_message
 from engine.request import Request
@@ -141,6 +141,12 @@ class Engine:
         state = self.board.set_live(name, enabled)
         self.runner.on_switch_changed(state.name)
         return state
+
+    def close(self) -> None:
+        """Give the device memory back now (graphs, tier, KV cache, weights), for an in-process caller that
+        builds another engine next; it cannot serve afterwards. A server process simply exits instead."""
+        self._dead_reason = self._dead_reason or "closed"
+        release_device_memory(self.executor, self.tier, self.kv, self.lm.model, self.device)
 
     def idle_tick(self) -> None:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""

@@ -223,9 +223,7 @@ class GraphCache:
             failure = result
         if self.wait_polls == 0:
             return failure
-        need_mib = self._need_mib(kind, failure.message)
-        released = float(self.release_tier(need_mib, f"graph {kind} {key_text(key)} out of memory") or 0.0)
-        self._emit("wait", kind, key, mib=released, error=failure.message)
+        released = self._ask_tier(kind, key, failure)
         last_free = failure.vram_free_mib
         for poll in range(self.wait_polls):
             if poll:
@@ -239,7 +237,19 @@ class GraphCache:
             if not isinstance(result, _Failure) or result.category != "oom":
                 return result
             failure, last_free = result, result.vram_free_mib
+            if released > 0 and not final:
+                # The tier gave memory and the step still ran short: a warm-up allocates many buffers, and
+                # the failed one named only its own size (on the H200 a 128K split-KV decode graph asked for
+                # 516 MiB, got it, failed again and degraded with ~100 GiB still in the tier). Ask again.
+                released = self._ask_tier(kind, key, failure)
         return failure
+
+    def _ask_tier(self, kind: str, key: Hashable, failure: _Failure) -> float:
+        """Ask the tier for what `failure` lacked; a `wait` event says how much it gave."""
+        need_mib = self._need_mib(kind, failure.message)
+        released = float(self.release_tier(need_mib, f"graph {kind} {key_text(key)} out of memory") or 0.0)
+        self._emit("wait", kind, key, mib=released, error=failure.message)
+        return released
 
     def _give_up(self, kind: str, key: Hashable, failure: _Failure, started: float) -> GraphEntry:
         if failure.category == "sticky":

@@ -143,6 +143,11 @@ class SlotKVCache:
         self.bind(slots, span_tokens)
         self._causal_keys = int(start) + int(chunk_bucket)
 
+    def free(self) -> None:
+        """Drop every K/V buffer (Engine.close); the cache cannot be used afterwards."""
+        self.k, self.v, self.k_scale, self.v_scale = [], [], [], []
+        self._slots = self._mask = None
+
     def set_split(self, enabled: bool) -> None:
         self.split_attn = bool(enabled)
 

@@ -40,7 +40,8 @@ SWITCHES: tuple[Switch, ...] = (
         "split-KV (flash-decoding) attention for long-context decode; its scratch grows with context",
         live=True,
         effect="H200, 0.6B shape, 16K context: slower (53.2 -> 48.7 tok/s at batch 1, 89.9 -> 49.0 at batch 6); "
-               "a context where it pays off is not measured yet",
+               "at 128K with VRAM full its graph could not be captured and it degraded (14.7 off, 14.6 after the "
+               "degrade); a context where it pays off is not measured yet",
     ),
     Switch(
         "FUSED_PROJ",

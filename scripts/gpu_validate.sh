@@ -20,7 +20,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 log "GPU tests"
 GPU_FILES=${GPU_TESTS:-$(grep -rl "mark.gpu" tests | sort | tr '\n' ' ')}
-timeout "${TESTS_LIMIT_S:-240}" python3 -m pytest -m gpu -q -rA -p no:cacheprovider $GPU_FILES \
+timeout "${TESTS_LIMIT_S:-240}" python3 -m pytest -m gpu -v -s -rA --durations=0 -p no:cacheprovider $GPU_FILES \
     >"$OUT/gpu_tests.log" 2>&1
 log "GPU tests rc=$? ($(tail -1 "$OUT/gpu_tests.log"))"
 

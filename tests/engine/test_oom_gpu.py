@@ -7,6 +7,8 @@ Each test prints its key figures.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -143,8 +145,11 @@ def test_100_capture_release_cycles_with_failures_leave_free_vram_where_it_was()
     cycle(-1)  # first-use allocations (cuBLAS, the side stream) happen once
     torch.cuda.empty_cache()
     free_before, reserved_before = _free_mib(device), torch.cuda.memory_reserved(device) / MIB
+    started_s = time.perf_counter()
     for i in range(100):
         cycle(i)
+        if i % 10 == 9:  # progress as it goes: a slow machine cut off by an outer limit still shows how far
+            print(f"  {i + 1} cycles in {time.perf_counter() - started_s:.1f} s", flush=True)
     torch.cuda.empty_cache()
     free_after, reserved_after = _free_mib(device), torch.cuda.memory_reserved(device) / MIB
     captures = sum(1 for e in bus.history() if e.type == "graph" and e.action == "capture")
