@@ -39,6 +39,19 @@ def _raw_request(port: int, body: dict) -> socket.socket:
     return sock
 
 
+def _read_until(sock: socket.socket, marker: bytes, timeout_s: float = 5.0) -> bytes:
+    """What the socket sent until `marker` (or the timeout): the headers and the first chunk may come in
+    separate segments, so one recv is not enough (it once returned the headers alone, in CI)."""
+    got = b""
+    deadline = time.monotonic() + timeout_s
+    while marker not in got and time.monotonic() < deadline:
+        data = sock.recv(4096)
+        if not data:
+            break
+        got += data
+    return got
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_mid_generation_aborts_the_request(stream: bool) -> None:
     fake = FakeEngine(context_tokens=4096, token_delay_s=0.05)
@@ -47,7 +60,7 @@ def test_client_disconnect_mid_generation_aborts_the_request(stream: bool) -> No
         sock = _raw_request(server.port, {"model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": stream})
         assert _wait_for(lambda: len(fake.active) == 1)
         if stream:
-            assert b"data: " in sock.recv(4096)  # headers and a first chunk arrived: we are mid-stream
+            assert b"data: " in _read_until(sock, b"data: ")  # a first chunk arrived: we are mid-stream
         sock.close()
         assert _wait_for(lambda: not fake.active), "the engine request kept running after the client left"
         assert len(fake.aborted) == 1
