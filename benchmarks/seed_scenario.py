@@ -36,7 +36,7 @@ import httpx  # noqa: E402
 
 from engine.scenarios import run_scenario  # noqa: E402
 from engine.switches import SWITCHES, get_switch  # noqa: E402
-from strata_tui.gpu import NvmlSampler  # noqa: E402
+from seed_vram import nvml_text, nvml_used, vram_books, vram_text  # noqa: E402  (beside this script)
 
 READY = re.compile(r"strata-engine: ready at (http://\S+)")
 OOM_TEXT = re.compile(r"out of memory|cudaErrorMemoryAllocation|ALLOC_FAILED", re.IGNORECASE)
@@ -147,44 +147,6 @@ async def collect_events(base_url: str, sink: list[dict], stop: asyncio.Event) -
                         return
         except httpx.HTTPError:
             return  # the engine went away: what was collected stands
-
-
-async def vram_books(base_url: str) -> list[dict] | str:
-    """The engine's VRAM books per device (/strata/state `vram`: total, weights, KV, graphs, tier, reserve and
-    free MiB), or why they could not be read: shows the tier holding the VRAM near-full, as in the seed."""
-    try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
-            return (await client.get(f"{base_url}/strata/state")).json()["vram"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def vram_text(books: list[dict] | str) -> str:
-    if isinstance(books, str):
-        return f"VRAM books unreadable ({books})"
-    return "; ".join(f"{b.get('device')}: free {b.get('free_mib')} of {b.get('total_mib')} MiB (tier "
-                     f"{b.get('tier_mib')}, KV {b.get('kv_mib')}, graphs {b.get('graphs_mib')}, reserve "
-                     f"{b.get('reserve_mib')} MiB)" for b in books)
-
-
-def nvml_used() -> list[dict] | str:
-    """Each GPU's used/total MiB as NVML (nvidia-smi, nvitop) sees it: the driver's view, in which memory
-    torch keeps cached counts as used; the engine's books count it as free (torch can reuse it)."""
-    sampler = NvmlSampler()
-    why = sampler.open()
-    if why is not None:
-        return why
-    try:
-        return [{"index": s.index, "used_mib": s.used_mib, "total_mib": s.total_mib} for s in sampler.sample()]
-    finally:
-        sampler.close()
-
-
-def nvml_text(used: list[dict] | str) -> str:
-    if isinstance(used, str):
-        return used
-    return "; ".join(f"NVML gpu{g['index']}: used {g['used_mib']:.0f} of {g['total_mib']:.0f} MiB" for g in used
-                     if g["used_mib"] is not None and g["total_mib"] is not None)
 
 
 def judge_events(events: list[dict]) -> dict[str, Any]:

@@ -1,0 +1,26 @@
+"""benchmarks/seed_scenario.py end to end on CPU: a real `serve` subprocess, one run, the JSON report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_seed_script_one_cpu_run_passes_and_records_both_views_of_memory(tmp_path: Path) -> None:
+    out = tmp_path / "seed.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "seed_scenario.py"), "--runs", "1",
+                           "--device", "cpu", "--random-model", "tiny", "--prompt-tokens", "2000", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["passed"] and run["completed"] == run["requests"] == 7
+    books = run["vram_at_ready"]
+    assert books[0]["device"] == "cpu" and books[0]["free_mib"] > 0 and books[0]["reserve_mib"] == 1024.0
+    # NVML: the driver's view where there is one, else the reason it could not be read (never silently absent).
+    for nvml in (run["nvml_at_ready"], run["nvml_after"]):
+        assert (isinstance(nvml, list) and nvml[0]["total_mib"] > 0) or nvml.startswith("NVML")
+    assert "NVML" in proc.stdout and "1/1 runs passed" in proc.stdout
