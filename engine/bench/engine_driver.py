@@ -125,11 +125,10 @@ class BenchEngine:
         import torch
 
         device = self.engine.device
-        self.engine.close()
+        self.engine.close()  # frees the graphs, tier, KV and weights and empties the CUDA cache
         del self.engine
-        gc.collect()
+        gc.collect()  # what else the engine held (runner buffers) goes with it
         if device.type == "cuda":
-            torch.cuda.empty_cache()
             self.mib_left_after_close = torch.cuda.memory_allocated(device) / float(1 << 20)
 
 
