@@ -10,7 +10,7 @@ reported with its real message (never empty, never "no error"), collected from /
     python benchmarks/seed_scenario.py --runs 1 --device cpu --prompt-tokens 4000       # CPU smoke test
     python benchmarks/seed_scenario.py ... --fault-inject "instantiate:draft_round:1-40:oom"
 
---fault-inject forces the out-of-memory path (engine/fault_injection.py) where the real VRAM pressure does not
+--fault-inject forces the out-of-memory path (engine/exec/fault_injection.py) where the real VRAM pressure does not
 happen to hit a capture. Writes a JSON report with --out; exits 0 only when every run passed.
 """
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from engine.scenarios import run_scenario  # noqa: E402
+from engine.loadgen.scenarios import run_scenario  # noqa: E402
 from engine.switches import SWITCHES, get_switch  # noqa: E402
 from seed_vram import nvml_text, nvml_used, vram_books, vram_text  # noqa: E402  (beside this script)
 
@@ -217,8 +217,8 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
     import random
 
     from engine.api import SamplingParams
-    from engine.cli_options import config_from_args
-    from engine.cli_serve import add_arguments
+    from engine.cli.options import config_from_args
+    from engine.cli.serve import add_arguments
     from engine.engine import Engine
     from engine.telemetry import EventBus
 
@@ -290,9 +290,9 @@ def _stop(engine: Any, done: dict[str, Any], request_ids: list[str]) -> None:
 
 def _graph_cache(args: argparse.Namespace, config: Any, bus: Any, holder: dict) -> Any:
     """--cpu-graphs: a GraphCache on the CPU backend (on CUDA the engine builds its own GraphCache)."""
-    from engine.graph_backends import CpuGraphBackend
-    from engine.graphs import GraphCache
-    from engine.runner import switch_for_key
+    from engine.exec.graph_backends import CpuGraphBackend
+    from engine.exec.graphs import GraphCache
+    from engine.exec.runner import switch_for_key
     from engine.switches import SwitchBoard
 
     if not (args.cpu_graphs and config.graphs) or config.device.startswith("cuda") or (

@@ -25,12 +25,12 @@ from engine.api import Health, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, RequestRejected
-from engine.gpu_errors import error_event, real_message
-from engine.request import Request
-from engine.prefill_pacer import ChunkTiming, StepTiming
-from engine.runner import MtpUnavailable, Row
-from engine.sampler import device_result, make_generator, sample_with_drafts
-from engine.scheduler import Admission, PrefillChunk, StepPlan
+from engine.exec.gpu_errors import error_event, real_message
+from engine.core.request import Request
+from engine.core.prefill_pacer import ChunkTiming, StepTiming
+from engine.exec.runner import MtpUnavailable, Row
+from engine.exec.sampler import device_result, make_generator, sample_with_drafts
+from engine.core.scheduler import Admission, PrefillChunk, StepPlan
 from engine.state import engine_state, slot_event
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent

@@ -16,15 +16,15 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError, StrataError
-from engine.executor import EagerExecutor
-from engine.gpu_errors import is_sticky, real_message, vram_free_mib
-from engine.kv_cache import KVGeometry, SlotKVCache
-from engine.prefix_index import PrefixIndex
-from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
-from engine.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
+from engine.exec.executor import EagerExecutor
+from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
+from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.core.prefix_index import PrefixIndex
+from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
+from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.switches import SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
-from engine.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
+from engine.exec.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
 
 
 class StartupError(StrataError):
@@ -136,7 +136,7 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
     runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
     drafter = None
     if depth:
-        from engine.drafter import MtpDrafter
+        from engine.exec.drafter import MtpDrafter
 
         drafter = MtpDrafter(runner, depth)
     if board.enabled("CAPTURE_ALL"):
@@ -176,7 +176,7 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     """
     precapture = getattr(executor, "precapture", None)
     if precapture is None:
-        bus.publish(WarningEvent(where="engine.graphs", message=(
+        bus.publish(WarningEvent(where="engine.exec.graphs", message=(
             f"CAPTURE_ALL is on but {type(executor).__name__} captures no graphs (CPU or --no-graphs): "
             "every step runs eagerly")))
         return
@@ -203,7 +203,7 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
 def _degrade(bus: EventBus, board: SwitchBoard, name: str, reason: str) -> None:
     board.degrade(name, reason)
     bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
-    bus.publish(WarningEvent(where="engine.graphs", message=f"switch {name} degraded: {reason}"))
+    bus.publish(WarningEvent(where="engine.exec.graphs", message=f"switch {name} degraded: {reason}"))
 
 
 def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:
@@ -257,7 +257,7 @@ def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, r
     VramBudget.make_room: what it frees stays free as headroom); else eager."""
     if device.type != "cuda" or not config.graphs:
         return EagerExecutor()
-    from engine.graphs import GraphCache
+    from engine.exec.graphs import GraphCache
 
     return GraphCache(device, bus, board, release_tier=release, wait_polls=config.tier_wait_polls,
                       wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key)

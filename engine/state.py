@@ -8,13 +8,10 @@ thread steps (a snapshot can be one step stale, never torn inside one field).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine.request import Request, RequestState
+from engine.core.request import Request, RequestState
 from engine.telemetry import SlotEvent
-
-if TYPE_CHECKING:  # pragma: no cover
-    from engine.engine import Engine
 
 
 def slot_event(req: Request, slot: int, state: str | None = None, now_s: float | None = None) -> SlotEvent:
@@ -39,7 +36,7 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
     )
 
 
-def engine_state(engine: "Engine") -> dict[str, Any]:
+def engine_state(engine: Any) -> dict[str, Any]:
     """Snapshot for /strata/state: config, switches, slots, graph cache, VRAM breakdown, tier, MTP."""
     now_s = time.monotonic()
     slots = []

@@ -329,7 +329,7 @@ class StrataApp(controls.ControlActions, App):
             label = f"VRAM reserve {'up' if step > 0 else 'down'}{' (large step)' if large else ''}"
             yield SystemCommand(label, "Retune the reserve live and save it to the profile",
                                 lambda s=step, big=large: self.action_reserve(s, big))
-        from engine.scenarios import SCENARIOS
+        from engine.loadgen.scenarios import SCENARIOS
 
         for name, scenario in SCENARIOS.items():
             yield SystemCommand(f"Load: {name}", scenario.description, lambda n=name: self.action_run_load(n))

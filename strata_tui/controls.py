@@ -139,7 +139,7 @@ class ControlActions(_Base):
     # --- load ----------------------------------------------------------------------------------------
 
     def action_run_load(self, name: str = DEFAULT_SCENARIO) -> None:
-        """Play a named scenario from engine.scenarios against the running engine."""
+        """Play a named scenario from engine.loadgen.scenarios against the running engine."""
         if self.engine_url is None or self.monitor.engine_state not in ("ready", "running"):
             self.notify("the engine is not ready: no load sent", severity="warning")
             return
@@ -156,7 +156,7 @@ class ControlActions(_Base):
         """Fit a scenario's long prompt to this engine's context (the seed's 150K needs --context >= 150K)."""
         if self.profile is None or name not in ("seed", "reuse"):
             return {}
-        from engine.scenarios import get_scenario
+        from engine.loadgen.scenarios import get_scenario
 
         defaults = {p.name: p.default for p in get_scenario(name).params}
         max_tokens = int(defaults.get("long_max_tokens", defaults.get("max_tokens", 16)))

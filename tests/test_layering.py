@@ -10,7 +10,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_FREE_ENGINE = ("engine.telemetry", "engine.switches", "engine.config", "engine.errors", "engine.api")
+CONTRACT = ("engine.telemetry", "engine.switches", "engine.config", "engine.errors", "engine.api")
+LOADGEN = ("engine.loadgen.scenarios", "engine.loadgen.scenario_types", "engine.loadgen.load_client")
+TORCH_FREE_ENGINE = CONTRACT + LOADGEN + tuple(
+    f"engine.core.{p.stem}" for p in sorted((ROOT / "engine" / "core").glob("*.py")) if p.stem != "__init__")
+# Layers, top to bottom (docs/ARCHITECTURE.md): a module may import its own layer and the layers below it.
+LAYERS = {
+    "engine.cli": 6, "engine.bench": 6, "engine.train": 6,
+    "engine.server": 5,
+    "engine.engine": 4, "engine.engine_setup": 4, "engine.async_engine": 4, "engine.state": 4, "engine.generate": 4,
+    "engine.exec": 3, "engine.core": 3, "engine.loadgen": 3,
+    "engine.model": 2,
+    **{m: 1 for m in CONTRACT},
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -32,7 +44,7 @@ def test_torch_free_engine_modules_import_without_torch(module: str) -> None:
 
 
 def test_strata_tui_never_imports_torch_or_engine_internals() -> None:
-    allowed_engine = set(TORCH_FREE_ENGINE) | {"engine", "engine.scenarios"}
+    allowed_engine = set(CONTRACT) | set(LOADGEN) | {"engine"}
     for path in sorted((ROOT / "strata_tui").rglob("*.py")):
         for name in _imports(path):
             assert name.split(".")[0] != "torch", f"{path} imports torch"
@@ -66,9 +78,70 @@ def test_engine_model_imports_torch_and_itself_only() -> None:
             assert name.startswith("engine.model") or name == "engine.errors", f"{path} imports {name}"
 
 
-def test_scheduler_and_request_are_pure_python() -> None:
-    for mod in ("scheduler", "request", "prefix_index", "prefill_pacer", "step_plan"):
-        path = ROOT / "engine" / f"{mod}.py"
-        if not path.exists():
-            pytest.skip(f"engine/{mod}.py not written yet")
-        assert all(n.split(".")[0] != "torch" for n in _imports(path)), f"{path} imports torch"
+def test_the_serving_core_is_pure_python() -> None:
+    paths = sorted((ROOT / "engine" / "core").glob("*.py"))
+    assert {p.stem for p in paths} >= {"scheduler", "request", "prefix_index", "prefill_pacer", "step_plan"}
+    for path in paths:
+        for name in _imports(path):
+            assert name.split(".")[0] not in ("torch", "numpy"), f"{path} imports {name}"
+            if name.startswith("engine."):
+                assert name.startswith("engine.core") or name in CONTRACT, f"{path} imports {name}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _engine_graph() -> dict[str, set[str]]:
+    """engine module -> the engine modules it imports (TYPE_CHECKING imports included: a circle there is one too)."""
+    modules = {_module_name(p): p for p in (ROOT / "engine").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+        graph[name] = {d for d in deps if d in modules and d != name and d != "engine"}
+    return graph
+
+
+def _layer(module: str) -> int | None:
+    best = max((prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")), key=len, default=None)
+    return None if best is None else LAYERS[best]
+
+
+def test_the_engine_import_graph_has_no_circles() -> None:
+    graph = _engine_graph()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        for dep in sorted(graph[module]):
+            visit(dep, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_imports_point_down_the_layers() -> None:
+    for module, deps in sorted(_engine_graph().items()):
+        own = _layer(module)
+        assert own is not None or module == "engine", f"{module} is in no layer: add it to LAYERS"
+        for dep in deps:
+            below = _layer(dep)
+            assert own is None or below is None or below <= own, f"{module} (layer {own}) imports {dep} (layer {below})"
+
+
+def test_the_core_and_exec_layers_do_not_import_each_other_upwards() -> None:
+    graph = _engine_graph()
+    for module, deps in graph.items():
+        if module.startswith("engine.core"):
+            assert not any(d.startswith(("engine.exec", "engine.model")) for d in deps), f"{module} imports torch layers"

@@ -16,11 +16,11 @@ from typing import Any
 
 from engine.api import SamplingParams
 from engine.bench.common import device_of, prepare_model
-from engine.cli_options import config_from_args
+from engine.cli.options import config_from_args
 from engine.config import EngineConfig
 from engine.errors import StrataError
-from engine.executor import EagerExecutor
-from engine.request import Request
+from engine.exec.executor import EagerExecutor
+from engine.core.request import Request
 from engine.telemetry import EventBus
 
 
@@ -84,8 +84,8 @@ class BenchEngine:
     def _wire_graph_cache(self) -> None:
         """Give a CPU engine the graph cache (its CPU backend) the way engine_setup wires it on CUDA, so the
         graph benchmark's code path runs in CI."""
-        from engine.graphs import GraphCache
-        from engine.runner import switch_for_key
+        from engine.exec.graphs import GraphCache
+        from engine.exec.runner import switch_for_key
 
         eng = self.engine
         cache = GraphCache(eng.device, self.bus, eng.board, release_tier=eng.tier.release,

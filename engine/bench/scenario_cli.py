@@ -11,7 +11,7 @@ import sys
 
 from engine.bench.report import document, environment, print_report, write_json
 from engine.errors import ConfigError
-from engine.scenarios import ScenarioProgress, run_scenario
+from engine.loadgen.scenarios import ScenarioProgress, run_scenario
 
 _COLUMNS = ("label", "kind", "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "decode_tok_s",
             "end_s", "finish_reason", "error")

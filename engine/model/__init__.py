@@ -7,7 +7,7 @@ from engine.model.config import MTPConfig, ModelConfig, RopeConfig
 from engine.model.kv import DenseKVCache
 from engine.model.loader import LoadedModel, load_checkpoint, resolve_device, resolve_dtype, resolve_model_path
 from engine.model.mtp import MTPHead
-from engine.model.qwen3 import CausalLM
+from engine.model.causal_lm import CausalLM
 from engine.model.saver import save_checkpoint
 from engine.model.tokenizer import IncrementalDecoder, Tokenizer
 

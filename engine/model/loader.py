@@ -16,7 +16,7 @@ from torch import nn
 from engine.errors import CheckpointError, ConfigError
 from engine.model.config import ModelConfig
 from engine.model.names import hf_name, optional_mtp_tensors
-from engine.model.qwen3 import CausalLM
+from engine.model.causal_lm import CausalLM
 from engine.model.tensors import TensorSource
 from engine.model.tokenizer import Tokenizer
 

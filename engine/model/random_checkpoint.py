@@ -17,7 +17,7 @@ import torch
 from engine.model.config import ARCHS, MTP_LAYOUTS, MTPConfig, ModelConfig, RopeConfig
 from engine.model.loader import resolve_dtype
 from engine.model.names import hf_name
-from engine.model.qwen3 import CausalLM
+from engine.model.causal_lm import CausalLM
 from engine.model.saver import write_config_files, write_tensors
 from engine.model.tokenizer import CHATML_TEMPLATE
 from engine.model.toy_tokenizer import SPECIAL_TOKENS, toy_tokenizer_json

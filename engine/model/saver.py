@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from engine.model.config import ModelConfig
 from engine.model.names import hf_name
-from engine.model.qwen3 import CausalLM
+from engine.model.causal_lm import CausalLM
 
 DEFAULT_SHARD_MIB = 2048
 

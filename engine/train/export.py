@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine.model.qwen3 import CausalLM
+from engine.model.causal_lm import CausalLM
 from engine.model.saver import checkpoint_tensors, write_tensors
 from engine.train.tokenizer_train import EOT_TOKEN, eot_id
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.model.config import MTPConfig, ModelConfig, RopeConfig
-from engine.model.qwen3 import CausalLM
+from engine.model.causal_lm import CausalLM
 
 # Served contexts may be this long; training windows are far shorter and RoPE carries the rest.
 SERVED_CONTEXT_TOKENS = 262144

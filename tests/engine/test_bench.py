@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from engine import cli_bench
+from engine.cli import bench as cli_bench
 from engine.errors import ConfigError, UnknownSwitch
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from engine.api import SamplingParams
-from engine.fault_injection import FaultPlan
-from engine.graph_backends import CpuGraphBackend, key_text
-from engine.graphs import GraphCache
-from engine.runner import switch_for_key
+from engine.exec.fault_injection import FaultPlan
+from engine.exec.graph_backends import CpuGraphBackend, key_text
+from engine.exec.graphs import GraphCache
+from engine.exec.runner import switch_for_key
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.fault_injection import FaultPlan
-from engine.graph_backends import CpuGraphBackend
-from engine.graphs import GraphCache
+from engine.exec.fault_injection import FaultPlan
+from engine.exec.graph_backends import CpuGraphBackend
+from engine.exec.graphs import GraphCache
 from engine.model import load_checkpoint
-from engine.runner import MtpUnavailable, Row, switch_for_key
+from engine.exec.runner import MtpUnavailable, Row, switch_for_key
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.compile import StepCompiler
-from engine.fault_injection import FaultPlan
-from engine.graph_backends import CpuGraphBackend
-from engine.graphs import GraphCache, GraphSpec
+from engine.exec.compile import StepCompiler
+from engine.exec.fault_injection import FaultPlan
+from engine.exec.graph_backends import CpuGraphBackend
+from engine.exec.graphs import GraphCache, GraphSpec
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

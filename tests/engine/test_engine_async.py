@@ -120,7 +120,7 @@ async def test_a_failed_load_reports_dead_with_the_reason(tmp_path):
 
 
 async def test_a_step_failure_ends_the_stream_with_the_error_and_health_goes_dead(ckpt):
-    from engine.executor import EagerExecutor
+    from engine.exec.executor import EagerExecutor
 
     class Broken(EagerExecutor):
         def run(self, kind, key, fn, inputs, owner=None):

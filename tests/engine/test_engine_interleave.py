@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import SamplingParams
-from engine.prefill_pacer import PrefillPacer
+from engine.core.prefill_pacer import PrefillPacer
 from engine.engine import Engine
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, small_config

@@ -7,7 +7,7 @@ import pytest
 
 from engine.engine_setup import StartupError
 from engine.errors import ConfigError
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 from tests.engine.engine_helpers import make_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,7 +28,7 @@ def test_a_failure_while_building_names_the_stage_the_real_error_and_the_engine_
     assert info.value.where.endswith("in _build_parts") and f"at {info.value.where}" in text
     assert isinstance(info.value.__cause__, RuntimeError)
     # What /health and the serve's one-line error show: the cause once, not repeated after the wrapper.
-    from engine.gpu_errors import real_message
+    from engine.exec.gpu_errors import real_message
 
     assert real_message(info.value).count("CUDA error: out of memory") == 1
 

@@ -1,4 +1,4 @@
-"""The fault-injection plan (engine/fault_injection.py): grammar, counting, real error types."""
+"""The fault-injection plan (engine/exec/fault_injection.py): grammar, counting, real error types."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.fault_injection import ENV_VAR, FaultPlan
+from engine.exec.fault_injection import ENV_VAR, FaultPlan
 
 
 def _fires(plan: FaultPlan, stage: str, kind: str) -> BaseException | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from engine.api import SamplingParams
-from engine.drafter import FUSED_KIND
-from engine.executor import GraphDegraded
+from engine.exec.drafter import FUSED_KIND
+from engine.exec.executor import GraphDegraded
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 from tests.engine.test_engine_faults import OOM, FailingExecutor

@@ -1,12 +1,12 @@
-"""Error classification and real-message extraction (engine/gpu_errors.py)."""
+"""Error classification and real-message extraction (engine/exec/gpu_errors.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.fault_injection import ERRORS
-from engine.gpu_errors import (StickyCudaError, classify, error_event, exception_chain, is_oom, is_sticky,
+from engine.exec.fault_injection import ERRORS
+from engine.exec.gpu_errors import (StickyCudaError, classify, error_event, exception_chain, is_oom, is_sticky,
                                real_message, sticky_from, vram_free_mib)
 
 BOILERPLATE = ("\nCUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace "

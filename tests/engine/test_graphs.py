@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.fault_injection import ENV_VAR, FaultPlan
-from engine.graph_backends import CpuGraphBackend, default_backend
-from engine.graphs import GraphCache, GraphSpec
+from engine.exec.fault_injection import ENV_VAR, FaultPlan
+from engine.exec.graph_backends import CpuGraphBackend, default_backend
+from engine.exec.graphs import GraphCache, GraphSpec
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

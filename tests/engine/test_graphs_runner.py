@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
-from engine.drafter import MtpDrafter
-from engine.executor import EagerExecutor
-from engine.fault_injection import FaultPlan
-from engine.graph_backends import CpuGraphBackend, default_backend
-from engine.graphs import GraphCache
-from engine.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.drafter import MtpDrafter
+from engine.exec.executor import EagerExecutor
+from engine.exec.fault_injection import FaultPlan
+from engine.exec.graph_backends import CpuGraphBackend, default_backend
+from engine.exec.graphs import GraphCache
+from engine.exec.kv_cache import KVGeometry, SlotKVCache
 from engine.model import load_checkpoint
-from engine.runner import ModelRunner, Row, switch_for_key
-from engine.sampler import make_generator
+from engine.exec.runner import ModelRunner, Row, switch_for_key
+from engine.exec.sampler import make_generator
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.api import SamplingParams
-from engine.sampler import make_generator, sample_with_drafts, target_probs
+from engine.exec.sampler import make_generator, sample_with_drafts, target_probs
 
 
 def test_greedy_accepts_drafts_while_they_equal_the_argmax():

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from engine.executor import GraphDegraded
-from engine.fault_injection import FaultPlan
-from engine.graphs import GraphCache
+from engine.exec.executor import GraphDegraded
+from engine.exec.fault_injection import FaultPlan
+from engine.exec.graphs import GraphCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

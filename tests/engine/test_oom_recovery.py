@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.executor import GraphDegraded
-from engine.fault_injection import FaultPlan
-from engine.gpu_errors import StickyCudaError
-from engine.graph_backends import CpuGraphBackend
-from engine.graphs import GraphCache
+from engine.exec.executor import GraphDegraded
+from engine.exec.fault_injection import FaultPlan
+from engine.exec.gpu_errors import StickyCudaError
+from engine.exec.graph_backends import CpuGraphBackend
+from engine.exec.graphs import GraphCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ConfigError
-from engine.prefix_index import PrefixIndex, block_digests
+from engine.core.prefix_index import PrefixIndex, block_digests
 
 ROOT = Path(__file__).resolve().parents[2]
 BT = 4  # block_tokens: small so prompts stay readable
@@ -32,7 +32,7 @@ def test_digests_cover_full_blocks_only_and_chain_the_prefix() -> None:
 
 
 def test_digests_do_not_depend_on_the_process_hash_seed() -> None:
-    code = "from engine.prefix_index import block_digests; print(block_digests(list(range(8)), 4)[1].hex())"
+    code = "from engine.core.prefix_index import block_digests; print(block_digests(list(range(8)), 4)[1].hex())"
     outs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        env={"PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}).stdout.strip()

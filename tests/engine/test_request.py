@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.api import GenerationRequest, SamplingParams
-from engine.request import Request, RequestState
+from engine.core.request import Request, RequestState
 
 
 def _req(prompt_tokens: int = 10, **params: object) -> Request:
@@ -137,7 +137,7 @@ def test_from_generation_keeps_the_client_request() -> None:
 
 
 def test_the_serving_core_imports_no_torch() -> None:
-    code = "import sys, engine.request, engine.scheduler, engine.prefix_index; print('torch' in sys.modules)"
+    code = "import sys, engine.core.request, engine.core.scheduler, engine.core.prefix_index; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "False"

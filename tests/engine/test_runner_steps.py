@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
-from engine.executor import EagerExecutor
-from engine.runner import Row, pow2_bucket, switch_for_key
+from engine.exec.executor import EagerExecutor
+from engine.exec.runner import Row, pow2_bucket, switch_for_key
 from tests.engine.engine_helpers import make_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""The load scenarios (engine/scenarios.py) against an in-process OpenAI-shaped server. Torch-free."""
+"""The load scenarios (engine/loadgen/scenarios.py) against an in-process OpenAI-shaped server. Torch-free."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ConfigError
-from engine.scenarios import SCENARIOS, ScenarioProgress, get_scenario, run_scenario, scenario_names
+from engine.loadgen.scenarios import SCENARIOS, ScenarioProgress, get_scenario, run_scenario, scenario_names
 from tests.engine.test_scenarios_fakeserver import FakeOpenAIServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,6 +199,6 @@ async def test_unreachable_server_names_the_url() -> None:
 
 
 def test_scenarios_module_is_torch_free() -> None:
-    code = "import sys, engine.scenarios; print('torch' in sys.modules)"
+    code = "import sys, engine.loadgen.scenarios; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"

@@ -13,7 +13,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from engine.scenarios import run_scenario
+from engine.loadgen.scenarios import run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_PREFIX = "strata-engine: ready at "

@@ -9,9 +9,9 @@ import pytest
 from engine.api import SamplingParams
 from engine.config import EngineConfig
 from engine.errors import ConfigError, MaxTokensTooLarge, PromptTooLong, QueueFull, RequestRejected
-from engine.prefix_index import PrefixIndex
-from engine.request import Request, RequestState
-from engine.scheduler import Scheduler, StepPlan
+from engine.core.prefix_index import PrefixIndex
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import Scheduler, StepPlan
 
 BT = 16  # block_tokens
 

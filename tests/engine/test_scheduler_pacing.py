@@ -12,10 +12,10 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.errors import ConfigError
-from engine.prefill_pacer import ChunkCost, ChunkCostModel, ChunkTiming, PrefillPacer, StepTiming
-from engine.prefix_index import PrefixIndex
-from engine.request import Request, RequestState
-from engine.scheduler import Scheduler, StepPlan
+from engine.core.prefill_pacer import ChunkCost, ChunkCostModel, ChunkTiming, PrefillPacer, StepTiming
+from engine.core.prefix_index import PrefixIndex
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import Scheduler, StepPlan
 
 # An H200-like 8B model: 5 ms per chunk, 40K tokens/s through the layers, attention as costly at 27K keys.
 TRUE_COST = ChunkCost(fixed_s=5e-3, per_token_s=25e-6, per_token_key_s=25e-6 / 27_000)

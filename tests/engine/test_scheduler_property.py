@@ -7,9 +7,9 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.errors import QueueFull
-from engine.prefix_index import PrefixIndex
-from engine.request import Request, RequestState
-from engine.scheduler import Scheduler, StepPlan
+from engine.core.prefix_index import PrefixIndex
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import Scheduler, StepPlan
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.kv_cache import KVGeometry, SlotKVCache
-from engine.prefix_index import PrefixIndex
+from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.core.prefix_index import PrefixIndex
 from engine.telemetry import EventBus
-from engine.vram import AdaptiveTier, VramBudget, check_kv_fits
+from engine.exec.vram import AdaptiveTier, VramBudget, check_kv_fits
 
 
 def _tier(preallocate: bool, budget_blocks: int = 10, storage: str = "bf16"):

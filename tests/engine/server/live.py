@@ -9,7 +9,7 @@ from typing import Any
 
 import uvicorn
 
-from engine.cli_serve import bind_socket
+from engine.cli.serve import bind_socket
 
 
 class LiveServer:

@@ -1,6 +1,6 @@
 """`strata-engine serve` process behaviour: one ready line, signals, a dead engine, binding and warnings.
 
-These run the real `engine.cli_serve.run` in a subprocess with a scripted engine client (so they take a
+These run the real `engine.cli.serve.run` in a subprocess with a scripted engine client (so they take a
 second each); test_real_engine.py runs the actual `strata-engine serve` command on a real checkpoint.
 """
 
@@ -16,14 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli_serve import READY_PREFIX, bind_socket, ready_url, warn_if_exposed
+from engine.cli.serve import READY_PREFIX, bind_socket, ready_url, warn_if_exposed
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 _SCRIPT = """
 import argparse, sys, threading
-from engine.cli_serve import add_arguments, run
+from engine.cli.serve import add_arguments, run
 from tests.engine.server.fake_engine import FakeEngine
 parser = argparse.ArgumentParser()
 add_arguments(parser)

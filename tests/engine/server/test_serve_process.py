@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli_serve import READY_PREFIX
+from engine.cli.serve import READY_PREFIX
 from tests.engine.server.real import random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -12,7 +12,7 @@ main model's real h_p, so every forward of the main model is followed by an MTP 
 - draft_step j (1..K-1): chains the head on its own output (hidden g_j, draft d_j) one position further, the
   way vLLM chains a one-layer MTP head; the depth-j layer is `j % num_mtp_layers`.
 
-Drafts are greedy (argmax); the sampler's rejection rule accounts for that (engine.sampler). New drafts go
+Drafts are greedy (argmax); the sampler's rejection rule accounts for that (engine.exec.sampler). New drafts go
 straight into the runner's device-side `draft_buf[slot]`, so no draft token crosses to the host before verify.
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.executor import EagerExecutor
-from engine.graphs import GraphSpec
-from engine.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket
-from engine.sampler import sample_on_device, sampling_inputs
+from engine.exec.executor import EagerExecutor
+from engine.exec.graphs import GraphSpec
+from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket
+from engine.exec.sampler import sample_on_device, sampling_inputs
 
 FUSED_KIND = "verify_draft"
 
@@ -52,7 +52,7 @@ class MtpDrafter:
         """Verify, acceptance and the next round's drafts in one step function (kind verify_draft).
 
         Acceptance needs no host: greedy rows accept drafts while they equal the argmax; sampled rows run the
-        rejection sampler on the device (engine.sampler.sample_on_device) with uniforms drawn on the host from
+        rejection sampler on the device (engine.exec.sampler.sample_on_device) with uniforms drawn on the host from
         each request's own generator, exactly as the separate path draws them. So the draft round (and its
         chain steps) can follow on the device, reading the emitted tokens and the accepted count where
         `round()` gets them from the host. `params` None (or all greedy): the argmax-only variant. Returns

@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 
 from engine.errors import ConfigError
-from engine.kv_cache import SlotKVCache
-from engine.prefix_index import BlockRef, PrefixIndex
+from engine.exec.kv_cache import SlotKVCache
+from engine.core.prefix_index import BlockRef, PrefixIndex
 from engine.telemetry import EventBus, TierEvent, VramEvent
 
 MIB = float(1 << 20)

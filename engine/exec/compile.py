@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from engine.gpu_errors import real_message
+from engine.exec.gpu_errors import real_message
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, SwitchEvent, WarningEvent
 

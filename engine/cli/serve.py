@@ -17,7 +17,7 @@ import sys
 from typing import Any, Callable
 
 from engine.api import EngineClient
-from engine.cli_options import add_engine_options, config_from_args
+from engine.cli.options import add_engine_options, config_from_args
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 

@@ -14,9 +14,9 @@ import sys
 from engine.errors import StrataError
 
 SUBCOMMANDS = {
-    "serve": ("engine.cli_serve", "run the OpenAI-compatible server"),
-    "generate": ("engine.cli_generate", "generate text for one prompt and print it"),
-    "bench": ("engine.cli_bench", "measure decode, prefill, MTP and graph figures; print a table, write JSON"),
+    "serve": ("engine.cli.serve", "run the OpenAI-compatible server"),
+    "generate": ("engine.cli.generate", "generate text for one prompt and print it"),
+    "bench": ("engine.cli.bench", "measure decode, prefill, MTP and graph figures; print a table, write JSON"),
 }
 
 
@@ -41,6 +41,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ Every `schedule()` returns one StepPlan, the whole of what the runner does in th
 4. What is left of `step_token_budget` goes to prefill chunks (at most `prefill_chunk_tokens` each, one per
    request) in admission order. So a 176K-token admission advances a chunk at a time between the decode
    steps of the running slots instead of stalling them.
-5. While slots decode, chunks are also sized by measured cost (`engine.prefill_pacer`): the engine reports
+5. While slots decode, chunks are also sized by measured cost (`engine.core.prefill_pacer`): the engine reports
    each step's timings (`record_step`), and the prefill part of a step is kept within `prefill_step_share` of
    it, because at 176K context a chunk's attention over the prefix costs far more than its token count says.
 
@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 from engine.api import FinishReason
 from engine.errors import ConfigError, QueueFull, RequestRejected
-from engine.prefill_pacer import DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
-from engine.prefix_index import BlockRef, PrefixIndex, block_digests
-from engine.request import Request, RequestState
-from engine.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan
+from engine.core.prefill_pacer import DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
+from engine.core.prefix_index import BlockRef, PrefixIndex, block_digests
+from engine.core.request import Request, RequestState
+from engine.core.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan
 
 __all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepTiming"]
 

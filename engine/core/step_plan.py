@@ -1,6 +1,6 @@
 """What one scheduler step plans: admissions, prefill chunks, decodes and prefix-cache fills. Pure Python.
 
-The runner executes a StepPlan as docs/SCHEDULING.md describes; `engine.scheduler` builds them.
+The runner executes a StepPlan as docs/SCHEDULING.md describes; `engine.core.scheduler` builds them.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.prefix_index import BlockRef
-from engine.request import Request
+from engine.core.prefix_index import BlockRef
+from engine.core.request import Request
 
 # Finish reasons after which a request's planned work may not have run (see `Scheduler._discard_unfilled`).
 WORK_LOST_REASONS = ("abort", "error")

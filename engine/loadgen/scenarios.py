@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import httpx
 
-from engine.bench.load_client import LoadClient, RequestResult, ServerInfo, discover
+from engine.loadgen.load_client import LoadClient, RequestResult, ServerInfo, discover
 from engine.errors import ConfigError
-from engine.scenario_types import Scenario, ScenarioParam, ScenarioProgress, ScenarioResult
+from engine.loadgen.scenario_types import Scenario, ScenarioParam, ScenarioProgress, ScenarioResult
 
 __all__ = ["SCENARIOS", "Scenario", "ScenarioParam", "ScenarioProgress", "ScenarioResult", "get_scenario",
            "run_scenario", "scenario_names"]

@@ -1,7 +1,7 @@
 """The graph cache: capture each step once, replay it after, and survive running out of memory doing so.
 
-`GraphCache` implements `engine.executor.StepExecutor`. On the first `run(kind, key, ...)` it stages static
-input buffers, captures the step through a backend (`engine.graph_backends`: CUDA graphs on a GPU, recorded
+`GraphCache` implements `engine.exec.executor.StepExecutor`. On the first `run(kind, key, ...)` it stages static
+input buffers, captures the step through a backend (`engine.exec.graph_backends`: CUDA graphs on a GPU, recorded
 closures on CPU), records the graph's measured MiB and capture ms and emits `GraphEvent(capture)`; later
 calls copy inputs in and replay.
 
@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping
 
-from engine.compile import StepCompiler
-from engine.executor import GraphDegraded, StepFn
-from engine.fault_injection import FaultPlan
-from engine.gpu_errors import classify, exception_chain, real_message, sticky_from
-from engine.graph_backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
+from engine.exec.compile import StepCompiler
+from engine.exec.executor import GraphDegraded, StepFn
+from engine.exec.fault_injection import FaultPlan
+from engine.exec.gpu_errors import classify, exception_chain, real_message, sticky_from
+from engine.exec.graph_backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent, SwitchEvent, WarningEvent
 

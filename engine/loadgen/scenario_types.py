@@ -1,4 +1,4 @@
-"""The shapes of the load scenarios (engine/scenarios.py): a scenario and its parameters, the progress it
+"""The shapes of the load scenarios (engine/loadgen/scenarios.py): a scenario and its parameters, the progress it
 reports and the result it returns. Torch-free, like the scenarios."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from engine.bench.load_client import RequestResult
+from engine.loadgen.load_client import RequestResult
 from engine.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """The HTTP side of the load scenarios: discover the server, stream one completion, time it. Torch-free.
 
-Kept apart from `engine/scenarios.py` (which says *what* to send) so the request timing can be read on its
+Kept apart from `engine/loadgen/scenarios.py` (which says *what* to send) so the request timing can be read on its
 own. Every failure of a request (an HTTP error, a connection the engine dropped by dying) is recorded in its
 RequestResult rather than raised: a scenario's purpose is to show what the engine did under load.
 """

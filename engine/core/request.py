@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 from engine.api import FinishReason, GenerationRequest, SamplingParams
 from engine.errors import MaxTokensTooLarge, PromptTooLong, RequestRejected
-from engine.prefix_index import BlockRef
+from engine.core.prefix_index import BlockRef
 
 
 class RequestState(enum.Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli_options import add_engine_options, config_from_args
+from engine.cli.options import add_engine_options, config_from_args
 from engine.errors import ConfigError
 
 
