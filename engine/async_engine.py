@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from engine.api import GenerationRequest, Health, RequestOutput
 from engine.config import EngineConfig
 from engine.errors import EngineDead
+from engine.exec.gpu_errors import real_message
 from engine.switches import SwitchState
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent
 
@@ -184,9 +185,7 @@ class AsyncEngine:
         try:
             self.engine = (self._factory or _default_factory)(self.config, self.bus)
         except BaseException as exc:  # noqa: BLE001 - a failed load is reported through health, not lost
-            from engine.engine import describe_exception
-
-            self._load_error = describe_exception(exc)
+            self._load_error = real_message(exc)
             self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
         else:
             self.vocab_size = self.engine.vocab_size
@@ -213,9 +212,7 @@ class AsyncEngine:
                 try:
                     self._deliver(self.engine.step())
                 except Exception as exc:  # noqa: BLE001 - Engine.step reports its own failures; this is a bug
-                    from engine.engine import describe_exception
-
-                    self._load_error = f"engine thread: {describe_exception(exc)}"
+                    self._load_error = f"engine thread: {real_message(exc)}"
                     self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
                     break
         self._drain_on_stop()
