@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.api import Health, RequestOutput, SamplingParams
+from engine.api import Health, HealthStatus, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, RequestRejected
@@ -31,12 +31,14 @@ from engine.core.prefill_pacer import ChunkTiming, StepTiming
 from engine.exec.runner import MtpUnavailable, Row
 from engine.exec.sampler import device_result, make_generator, sample_with_drafts
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
-from engine.state import engine_state, slot_event
+from engine.snapshot import EngineSnapshot, MtpSnapshot
+from engine.state import build_snapshot, slot_event
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent
 
 SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
 VRAM_EVENT_INTERVAL_S = 1.0
+SNAPSHOT_INTERVAL_S = 0.05  # /strata/state is at most this stale while steps run; commands publish at once
 MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in between: then the engine gives up
 
 
@@ -65,23 +67,46 @@ class Engine:
         self._failed_steps = 0  # since a request last finished normally
         self.output = OutputProcessor(self.eos_token_ids)
         self._generators: dict[str, torch.Generator] = {}  # per request: its seeded sampling draws
+        depth = self.runner.mtp_depth if self.mtp_on else 0
+        self._draft_proposed = [0] * depth  # per draft position, since start (the metrics' counters)
+        self._draft_accepted = [0] * depth
         self._last_vram_s = 0.0
+        self._last_snapshot_s = 0.0
+        self.snapshot = EngineSnapshot()
         self._publish_vram()
+        self.publish_snapshot(force=True)
         bus.publish(EngineEvent(state="ready", detail=f"model {config.model} on {self.device}"))
 
     # --- queries -------------------------------------------------------------------------------------------
 
     def health(self) -> Health:
         if self._dead_reason is not None:
-            return Health(False, f"dead: {self._dead_reason}")
-        return Health(True, "ready")
+            return Health(HealthStatus.DEAD, self._dead_reason)
+        return Health(HealthStatus.READY)
 
     @property
     def has_work(self) -> bool:
         return self.sched.has_work
 
     def state(self) -> dict[str, Any]:
-        return engine_state(self)
+        """/strata/state now (engine thread): a fresh snapshot, published, in its JSON form."""
+        self.publish_snapshot(force=True)
+        return self.snapshot.to_json()
+
+    def publish_snapshot(self, force: bool = False) -> None:
+        """Build the snapshot on the engine thread and publish it by swapping one reference: readers on other
+        threads (AsyncEngine.state, the metrics scrape) see a whole snapshot and never touch live state."""
+        now_s = time.monotonic()
+        if not force and now_s - self._last_snapshot_s < SNAPSHOT_INTERVAL_S:
+            return
+        self._last_snapshot_s = now_s
+        mtp = MtpSnapshot(enabled=self.mtp_on, depth=self.config.mtp_depth if self.config.batch_mtp else 0,
+                          disabled_reason=self.mtp_off_reason, draft_proposed=list(self._draft_proposed),
+                          draft_accepted=list(self._draft_accepted))
+        self.snapshot = build_snapshot(
+            model=self.model_name, config=self.config, health=self.health(), board=self.board, sched=self.sched,
+            executor=self.executor, budgets=self.budgets, tier=self.tier, kv=self.kv, mtp=mtp, steps=self.steps,
+            now_s=now_s)
 
     # --- commands ------------------------------------------------------------------------------------------
 
@@ -114,12 +139,14 @@ class Engine:
         for budget in self.budgets:
             budget.set_reserve(mib)
         self._publish_vram(force=True)
+        self.publish_snapshot(force=True)
         return int(self.budget.reserve_mib)
 
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
         """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""
         state = self.board.set_live(name, enabled)
         self.runner.on_switch_changed(state.name)
+        self.publish_snapshot(force=True)
         return state
 
     def close(self) -> None:
@@ -132,6 +159,7 @@ class Engine:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
         if self._dead_reason is None:
             self._publish_vram()
+        self.publish_snapshot()
 
     # --- the step ------------------------------------------------------------------------------------------
 
@@ -152,8 +180,11 @@ class Engine:
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
                 self._failed_steps = 0  # a request made it to its end: whatever failed before is not every step
             self._progress_events(time.monotonic())
+            # slots taken or freed are published at once; progress alone at most every SNAPSHOT_INTERVAL_S
+            self.publish_snapshot(force=bool(plan.admitted) or any(o.finished for o in outputs))
         except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported; _fail decides how bad
             outputs.extend(self._fail(exc))
+            self.publish_snapshot(force=True)
         return outputs
 
     def _run_timed(self, plan: StepPlan, outputs: list[RequestOutput]) -> StepTiming:
@@ -235,8 +266,12 @@ class Engine:
             self._append(req, tokens, now_s, outputs)
 
     def _record_drafts(self, reqs: list[Request], accepted: list[int]) -> None:
+        depth = self.runner.mtp_depth
         for req, n in zip(reqs, accepted):
-            req.record_drafts(self.runner.mtp_depth, n)
+            req.record_drafts(depth, n)
+            for position in range(depth):
+                self._draft_proposed[position] += 1
+                self._draft_accepted[position] += position < n
 
     def _prefill(self, chunk: PrefillChunk, outputs: list[RequestOutput]) -> None:
         req = chunk.request
@@ -339,8 +374,7 @@ class Engine:
         if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
             return
         self._last_vram_s = now_s
-        snap = self.executor.snapshot() if hasattr(self.executor, "snapshot") else {}
-        self.budget.graphs_mib = float(snap.get("total_mib", 0.0))
+        self.budget.graphs_mib = float(self.executor.snapshot().get("total_mib", 0.0))
         for budget in self.budgets:
             budget.rebalance("periodic")
             self.bus.publish(budget.breakdown())

@@ -166,9 +166,7 @@ def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, mo
     """Free an engine's graphs, tier blocks, KV buffers and weights explicitly rather than by dropping the engine:
     on the H200 a dropped benchmark engine's ~140 GiB (its tier fills the GPU) was still held when the next engine
     of the same process checked its KV fit, which then saw 1 GiB free."""
-    release = getattr(executor, "release", None)
-    if release is not None:
-        release()
+    executor.release()
     tier.set_budget(0.0, "engine closed")
     kv.free()
     model.to("meta")  # in place: the parameters' storage goes even where something still holds the module
@@ -185,22 +183,21 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     captured degrades CAPTURE_ALL (the rest are then captured lazily, as without the switch), never the
     engine; only a sticky CUDA error, which leaves the device unusable, propagates.
     """
-    precapture = getattr(executor, "precapture", None)
-    if precapture is None:
-        bus.publish(WarningEvent(where="engine.exec.graphs", message=(
-            f"CAPTURE_ALL is on but {type(executor).__name__} captures no graphs (CPU or --no-graphs): "
-            "every step runs eagerly")))
-        return
     try:
         with torch.inference_mode():
             specs = runner.graph_specs(verify=drafter is None or not drafter.fused)
             if drafter is not None:
                 specs += drafter.graph_specs(config.prefill_chunk_tokens)
-            summary = precapture(specs)
+            summary = executor.precapture(specs)
     except Exception as exc:  # noqa: BLE001 - a failed warm-up costs the switch, not the engine
         if is_sticky(exc):
             raise
         _degrade(bus, board, "CAPTURE_ALL", f"precapture: {real_message(exc)}")
+        return
+    if summary is None:
+        bus.publish(WarningEvent(where="engine.exec.graphs", message=(
+            f"CAPTURE_ALL is on but {type(executor).__name__} captures no graphs (CPU or --no-graphs): "
+            "every step runs eagerly")))
         return
     # An executor handed in from outside may keep its own switch board: the engine's must show the degrade.
     theirs = getattr(executor, "board", board)
