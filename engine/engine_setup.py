@@ -192,7 +192,7 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     except Exception as exc:  # noqa: BLE001 - a failed warm-up costs the switch, not the engine
         if is_sticky(exc):
             raise
-        _degrade(bus, board, "CAPTURE_ALL", f"precapture: {real_message(exc)}")
+        board.degrade("CAPTURE_ALL", f"precapture: {real_message(exc)}", bus, where="engine.exec.graphs")
         return
     if summary is None:
         bus.publish(WarningEvent(where="engine.exec.graphs", message=(
@@ -206,12 +206,6 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     bus.publish(EngineEvent(state="loading", detail=(
         f"CAPTURE_ALL: {summary['captured']} of {len(specs)} graphs captured, {summary['total_mib']:.0f} MiB, "
         f"{summary['ms']:.0f} ms")))
-
-
-def _degrade(bus: EventBus, board: SwitchBoard, name: str, reason: str) -> None:
-    board.degrade(name, reason)
-    bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
-    bus.publish(WarningEvent(where="engine.exec.graphs", message=f"switch {name} degraded: {reason}"))
 
 
 def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:

@@ -156,10 +156,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
 }
 
 
-def event_to_json(event: Event) -> dict[str, Any]:
-    return event.to_json()
-
-
 def event_from_json(data: dict[str, Any]) -> Event:
     """Parse one event's JSON form; unknown fields are ignored, an unknown type raises ValueError."""
     kind = data.get("type")

@@ -27,8 +27,8 @@ MIB = float(1 << 20)
 # When the tier regrows: only for room worth at least this many blocks (avoids grow/shrink flapping).
 _GROW_MIN_BLOCKS = 4
 # Upper bound on tier blocks: a tiny model on a large GPU would otherwise mean millions of block tensors. High
-# enough that the tier still fills an H200 with the embedded tiny model (~0.6 MiB per block: ~238K blocks), so
-# VRAM is near-full by design there too (at 65536 it held 39 GiB and left ~99 GiB free).
+# enough that the tier still fills a 141 GiB card with the embedded tiny model's small blocks, so VRAM is
+# near-full by design there too (docs/VRAM.md).
 MAX_TIER_BLOCKS = 1 << 18
 # A growing preallocated tier measures the room left after every this many MiB of blocks.
 _ROOM_CHECK_MIB = 64.0
