@@ -20,6 +20,7 @@ BENCHES = {
     "decode": ("engine.bench.decode", "decode tok/s of the real Engine per batch size, graphs on and off"),
     "mtp": ("engine.bench.mtp", "MTP drafting on/off: acceptance per position, tokens per step, speedup"),
     "ttft": ("engine.bench.ttft", "time to first token for fresh long prompts"),
+    "reuse": ("engine.bench.reuse", "time to first token of a prompt seen before (tier on the GPU or --peer-device)"),
     "admission": ("engine.bench.admission", "decode rate of running slots while a fresh long prompt is admitted"),
     "graphs": ("engine.bench.graphs", "graph capture time and MiB per graph kind (GraphCache snapshot)"),
     "switches": ("engine.bench.switches", "each opt-in switch on vs off where it claims to help"),
@@ -97,6 +98,12 @@ def _ttft(p: argparse.ArgumentParser) -> None:
                    help="fresh prompt lengths in tokens (default 32K,128K,176K)")
 
 
+def _reuse(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.add_argument("--prompt-sizes", type=int_list, default=[32 * _K],
+                   help="prompt lengths in tokens, each sent fresh then again (default 32K)")
+
+
 def _admission(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.add_argument("--slots", type=int, default=6, help="short generations decoding when the long prompt arrives")
@@ -147,7 +154,7 @@ def _profile(p: argparse.ArgumentParser) -> None:
 
 
 _ADDERS = {
-    "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "admission": _admission,
+    "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile,
 }
 
