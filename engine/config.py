@@ -36,6 +36,7 @@ class EngineConfig:
     kv_resident: int | None = None  # tokens of each slot's KV kept on the GPU; None = all of it
     context: int = 8192  # tokens per slot
     vram_reserve_mib: int = DEFAULT_VRAM_RESERVE_MIB
+    expert_cache_mib: int | str | None = None  # MoE: MiB of device expert slots, "auto", or None = every expert
     peer_device: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
@@ -49,6 +50,8 @@ class EngineConfig:
     switches: Mapping[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.expert_cache_mib, str) and self.expert_cache_mib.strip().isdigit():
+            object.__setattr__(self, "expert_cache_mib", int(self.expert_cache_mib))  # argv / TOML text
         self.validate()
 
     def validate(self) -> None:
@@ -72,6 +75,11 @@ class EngineConfig:
             _positive("kv_resident", self.kv_resident, upper=self.context)
         if self.vram_reserve_mib < 0 or self.vram_reserve_mib > 1 << 20:
             raise ConfigError("vram_reserve_mib", self.vram_reserve_mib, "expected 0..1048576 MiB")
+        if self.expert_cache_mib is not None and self.expert_cache_mib != "auto":
+            value = self.expert_cache_mib
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 24:
+                raise ConfigError("expert_cache_mib", value,
+                                  "expected a whole number of MiB (1..16777216) or auto (what the VRAM books leave)")
         if self.peer_device is not None and not _CUDA_RE.match(self.peer_device):
             raise ConfigError("peer_device", self.peer_device, "expected cuda:N")
         if not (0 <= self.port <= 65535):
@@ -151,6 +159,8 @@ def _coerce(name: str, type_hint: Any, value: Any) -> Any:
     hint = str(type_hint)
     if value is None:
         return None
+    if hint.startswith("int | str"):  # a number or a word (expert_cache_mib: N or auto): validate() decides
+        return value
     if hint.startswith("bool"):
         if isinstance(value, bool):
             return value

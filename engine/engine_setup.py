@@ -98,11 +98,13 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
             bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
     tier_device = _tier_device(config, resolve_device(config.device))  # a bad --peer-device fails before the load
     stage[0] = f"loading the model {config.model}"
-    lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device)
+    # MoE: routed experts load to host memory; the expert cache gives them their device slots
+    lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device, expert_device="cpu")
     device = lm.device
     model = lm.model
     if board.enabled("FUSED_PROJ"):
         model.fuse_projections()
+    experts = _expert_cache(config, lm, bus, stage)
     depth = 0
     if config.batch_mtp:
         if model.mtp is None:
@@ -125,12 +127,19 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
         # Only a tier on the compute device can make room there (a graph capture, an out-of-memory step), and
         # only once it exists (CAPTURE_ALL captures before it). Through the books, so what was freed stays
         # free as headroom: a tier that regrew into it would make the next capture run out of memory again.
+        # The expert cache (MoE) is on the compute device from the start: it can answer before the tier exists.
         if tier_device != device or "budgets" not in parts:
-            return 0.0
+            return experts.release(mib, reason) if experts is not None else 0.0
         return parts["budgets"][0].make_room(mib, reason)
 
     if executor is None:
         executor = _default_executor(config, bus, board, make_room, device)
+    if experts is not None:
+        from engine.exec.expert_steps import ExpertStepExecutor
+
+        inner = executor
+        experts.on_resize = lambda: inner.invalidate(lambda kind, key: True)  # graphs read the old pools
+        executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens)
     runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
     runner.release_memory = make_room
     runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
@@ -139,6 +148,10 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
         from engine.exec.drafter import MtpDrafter
 
         drafter = MtpDrafter(runner, depth)
+    if experts is not None:
+        from engine.exec.expert_setup import grow_auto
+
+        grow_auto(experts, config.expert_cache_mib, device_memory_mib(device)[1], config.vram_reserve_mib)
     if board.enabled("CAPTURE_ALL"):
         # Before the tier: the graphs take their pools from free memory, and the tier then takes the rest,
         # instead of every capture running out of memory against a full tier and evicting its siblings.
@@ -146,6 +159,7 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
         precapture_all(config, bus, board, executor, runner, drafter)
     stage[0] = "allocating the adaptive tier"
     tier, budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, tier_device, tier_budget_mib)
+    budgets[0].experts = experts
     parts.update(tier=tier, budgets=budgets)
     return EngineParts(lm, kv, tier, budgets, sched, runner, drafter, board, executor, device)
 
@@ -160,6 +174,9 @@ def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, mo
         release()
     tier.set_budget(0.0, "engine closed")
     kv.free()
+    experts = getattr(model, "expert_provider", None)  # an MoE model's expert cache: pools and host store
+    if experts is not None:
+        experts.close()
     model.to("meta")  # in place: the parameters' storage goes even where something still holds the module
     gc.collect()
     if device.type == "cuda":
@@ -204,6 +221,20 @@ def _degrade(bus: EventBus, board: SwitchBoard, name: str, reason: str) -> None:
     board.degrade(name, reason)
     bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
     bus.publish(WarningEvent(where="engine.exec.graphs", message=f"switch {name} degraded: {reason}"))
+
+
+def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, stage: list[str]) -> Any:
+    """An MoE model's expert cache at its start-up size (engine.exec.expert_setup); None for a dense model."""
+    if lm.config.moe is None:
+        if config.expert_cache_mib is not None:
+            raise ConfigError("expert_cache_mib", config.expert_cache_mib,
+                              f"the checkpoint {config.model} has no MoE layers: there are no experts to cache")
+        return None
+    from engine.exec.expert_setup import start_expert_cache
+
+    stage[0] = "building the expert cache"
+    _, free_mib = device_memory_mib(lm.device)
+    return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib)
 
 
 def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:

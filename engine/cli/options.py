@@ -23,6 +23,9 @@ def add_engine_options(parser: argparse.ArgumentParser, serving: bool = False) -
     g.add_argument("--kv-resident", type=int, default=None, metavar="TOKENS", help="tokens of each slot's KV kept on the GPU")
     g.add_argument("--context", type=int, default=d.context, metavar="TOKENS", help=f"context per slot (default {d.context})")
     g.add_argument("--vram-reserve-mib", type=int, default=d.vram_reserve_mib, metavar="MIB", help="VRAM the engine never takes")
+    g.add_argument("--expert-cache-mib", default=None, metavar="MIB|auto",
+                   help="MoE models: MiB of GPU slots for routed experts (the rest in pinned host memory), or auto "
+                        "(what the VRAM books leave); default: every expert on the GPU")
     g.add_argument("--peer-device", default=None, metavar="cuda:N", help="second GPU for the prefix-cache tier")
     g.add_argument("--queue-max", type=int, default=d.queue_max, help="bounded request queue length")
     g.add_argument("--prefill-chunk-tokens", type=int, default=d.prefill_chunk_tokens, help="prompt tokens per prefill chunk")
