@@ -60,9 +60,16 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "graphs": graphs,
         "vram": [budget.breakdown().to_json() for budget in engine.budgets],
         "tier": engine.tier.snapshot(),
+        "experts": _experts(engine),
         "kv": {"storage": engine.kv.storage, "mib": round(engine.kv.mib, 2),
                "context_tokens": engine.kv.geometry.context_tokens, "slots": engine.kv.geometry.num_slots},
         "mtp": {"enabled": engine.mtp_on, "depth": engine.config.mtp_depth if engine.config.batch_mtp else 0,
                 "disabled_reason": engine.mtp_off_reason},
         "steps": engine.steps,
     }
+
+
+def _experts(engine: Any) -> dict[str, Any] | None:
+    """The MoE expert cache's snapshot (engine.exec.expert_cache), or None for a dense model."""
+    cache = getattr(engine.lm.model, "expert_provider", None)
+    return cache.snapshot() if cache is not None else None

@@ -225,7 +225,8 @@ class ExpertCache:
             src.record_stream(self.copy_stream) if src.is_cuda else None
 
     def close(self) -> None:
-        """Free the pools and the host store (Engine.close)."""
+        """Free the pools and the host store (Engine.close), after publishing the last load / evict sums."""
+        self.stats.publish_due(self.mib, self.slots, force=True)
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.host_gate_up = pool.host_down = torch.empty(0)

@@ -39,7 +39,7 @@ class ExpertStats:
         self.trace: deque[Access] = deque(maxlen=trace_max)
         self._pending_events: list[tuple[Any, Any]] = []  # CUDA (start, end) of copies not yet timed
         self._window = {"experts": 0, "mib": 0.0, "ms": 0.0, "evicted": 0}
-        self._last_publish_s = time.monotonic()
+        self._last_publish_s = float("-inf")  # the first loads are published at once
 
     # --- recording (the cache calls these) ----------------------------------------------------------------
 

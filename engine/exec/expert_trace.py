@@ -191,3 +191,28 @@ def _accesses(path: Path, lines: list[str]) -> Iterator[Access]:
                          str(d.get("kind", "")))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{n}: not a trace access line: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.exec.expert_trace TRACE --slots 4,8,16`: hit rates of LRU and Belady per budget."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m engine.exec.expert_trace", description=main.__doc__)
+    parser.add_argument("trace", help="a strata-expert-trace JSON-lines file")
+    parser.add_argument("--slots", default="4,8,16", help="slots per layer to replay with (comma-separated)")
+    args = parser.parse_args(argv)
+    try:
+        header, accesses = read_trace(args.trace)
+        slot_counts = [int(s) for s in args.slots.split(",")]
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    print(f"{len(accesses)} accesses, {header.get('num_layers')} layers x {header.get('num_experts')} experts")
+    for n in slot_counts:
+        lru, opt = hit_rate(replay(accesses, n, "lru")), hit_rate(replay(accesses, n, "belady"))
+        print(f"slots {n:5d}: lru {lru if lru is None else round(lru, 4)}  belady {opt if opt is None else round(opt, 4)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

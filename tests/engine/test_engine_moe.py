@@ -40,3 +40,120 @@ def test_moe_greedy_mtp_on_is_identical_to_off(moe_ckpt, prompts, plain_tokens):
             engine.close()
     assert drafted == plain_tokens
     assert len({tuple(t) for t in plain_tokens.values()}) == 3  # varied output, not one repeated token
+
+
+def _run(moe_ckpt, prompts, **kw):
+    with one_thread():
+        engine = make_engine(moe_ckpt, batch=3, **kw)
+        try:
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            return tokens, engine.lm.model.expert_provider.snapshot(), engine
+        finally:
+            engine.close()
+
+
+def test_all_resident_by_default_never_misses(moe_ckpt, prompts, plain_tokens):
+    tokens, snap, _ = _run(moe_ckpt, prompts)
+    assert tokens == plain_tokens
+    assert snap["slots"] == snap["num_experts"] == 16 and snap["misses"] == 0 and snap["hits"] > 0
+
+
+def test_small_expert_cache_misses_and_gives_the_all_resident_tokens(moe_ckpt, prompts, plain_tokens):
+    tokens, snap, _ = _run(moe_ckpt, prompts, expert_cache_mib=1)
+    assert snap["slots"] == 6  # 1 MiB / (3 sparse layers x 48 KiB), less each layer's miss slot
+    assert snap["misses"] > 0 and snap["evictions"] > 0 and snap["loaded_mib"] > snap["all_experts_mib"]
+    assert tokens == plain_tokens
+    # the live LRU counts are what replaying the recorded trace through the same policy gives
+    assert snap["lru_replay_hit_rate"] == snap["hit_rate"]
+    assert snap["hit_rate"] <= snap["oracle_hit_rate"] < 1.0
+    assert all(layer["hits"] + layer["misses"] > 0 for layer in snap["layers"][:2])
+
+
+def test_small_expert_cache_with_mtp_is_lossless(moe_ckpt, prompts, plain_tokens):
+    tokens, snap, _ = _run(moe_ckpt, prompts, expert_cache_mib=1, batch_mtp=True, mtp_depth=2)
+    assert tokens == plain_tokens
+    assert snap["layers"][2]["hits"] + snap["layers"][2]["misses"] > 0  # the MTP block's experts are cached too
+
+
+def test_captured_path_misses_are_rerun_between_steps(moe_ckpt, prompts, plain_tokens):
+    # The graph-safe path (device slot table, miss counters) run eagerly on CPU: every step takes it, a miss
+    # is detected between steps and the step runs again on the eager path, which loads what was missing.
+    with one_thread():
+        engine = make_engine(moe_ckpt, batch=3, expert_cache_mib=1)
+        cache = engine.lm.model.expert_provider
+        cache.capturing = lambda x: True
+        try:
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            snap = cache.snapshot()
+        finally:
+            engine.close()
+    assert tokens == plain_tokens
+    assert snap["reruns"] > 0 and snap["hits"] > 0
+    assert snap["reruns"] < snap["steps"]  # some steps hit everywhere and kept the captured result
+
+
+def test_books_shrink_the_cache_on_request_and_it_regrows(moe_ckpt, prompts, plain_tokens):
+    from engine.telemetry import EventBus
+
+    bus = EventBus()
+    with one_thread():
+        engine = make_engine(moe_ckpt, bus=bus, batch=3, tier_budget_mib=0.0)
+        cache = engine.lm.model.expert_provider
+        try:
+            before = cache.mib
+            freed = engine.budget.make_room(1.0, "graph decode out of memory")  # the tier has nothing to give
+            assert freed >= 1.0 and cache.mib == before - freed and cache.slots < 16
+            assert engine.budget.breakdown().experts_mib == round(cache.mib, 1)
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            assert cache.grow(100.0, "room again") > 0 and cache.slots == 16
+        finally:
+            engine.close()
+    assert tokens == plain_tokens
+    events = [e for e in bus.history() if e.type == "expert"]
+    shrink = next(e for e in events if e.action == "shrink")
+    assert shrink.reason == "graph decode out of memory" and shrink.mib == round(freed, 3)
+    assert any(e.action == "grow" and e.reason == "room again" for e in events)
+    assert any(e.action == "load" and e.experts > 0 and e.mib > 0 for e in events)
+
+
+def test_expert_cache_option_errors_name_the_option(moe_ckpt, make_checkpoint):
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="expert_cache_mib='lots'.*auto"):
+        make_engine(moe_ckpt, expert_cache_mib="lots")
+    dense = make_checkpoint(size="tiny")
+    with pytest.raises(ConfigError, match="expert_cache_mib=64.*no MoE layers"):
+        make_engine(dense, expert_cache_mib=64)
+
+
+def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from engine.exec.expert_trace import read_trace, replay
+    from engine.server.expert_metrics import expert_metric_families
+
+    with one_thread():
+        engine = make_engine(moe_ckpt, batch=3, expert_cache_mib=1)
+        try:
+            run_all(engine, prompts, GREEDY)
+            state = engine.state()
+            cache = engine.lm.model.expert_provider
+            cache.stats.write_trace(str(tmp_path / "trace.jsonl"), {"top_k": cache.top_k, "model": str(moe_ckpt)})
+        finally:
+            engine.close()
+    snap = state["experts"]
+    header, accesses = read_trace(tmp_path / "trace.jsonl")
+    assert header["num_experts"] == 16 and len(accesses) == snap["trace_accesses"] > 0
+    replayed = replay(accesses, snap["slots"], "lru")  # offline, the same policy: the live counts exactly
+    assert [list(replayed.get(i, (0, 0))) for i in range(3)] == [[layer["hits"], layer["misses"]] for layer in snap["layers"]]
+
+    class _State:
+        def collect(self):
+            return expert_metric_families(state)
+
+    registry = CollectorRegistry()
+    registry.register(_State())
+    text = generate_latest(registry).decode()
+    assert f'strata_expert_misses_total{{layer="0"}} {float(snap["layers"][0]["misses"])}' in text
+    assert 'strata_expert_hit_rate{kind="oracle"}' in text and "strata_expert_cache_slots 6.0" in text
+    assert list(expert_metric_families({"experts": None})) == []
