@@ -40,6 +40,11 @@ SIZES: dict[str, dict[str, Any]] = {
         moe=MoEConfig(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                       mlp_only_layers=(1,)),
     ),
+    "moe-small": dict(  # the benchmark's code path in CI: 4 layers x 32 experts, 24 MiB of experts in fp32
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+        moe=MoEConfig(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True),
+    ),
     "moe-bench": dict(
         vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=24,
         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
