@@ -80,11 +80,15 @@ class ExpertStats:
         if not force and now - self._last_publish_s < EVENT_INTERVAL_S:
             return
         self._last_publish_s = now
-        for start, end in self._pending_events:  # the step has ended on a sync: the events have completed
+        pending = []
+        for start, end in self._pending_events:  # copies still running are timed at a later publish
+            if not end.query():
+                pending.append((start, end))
+                continue
             ms = start.elapsed_time(end)
             self.load_ms += ms
             self._window["ms"] += ms
-        self._pending_events.clear()
+        self._pending_events = pending
         w = self._window
         if w["experts"]:
             self.bus.publish(ExpertEvent(action="load", experts=w["experts"], mib=round(w["mib"], 3),

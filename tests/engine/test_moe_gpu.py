@@ -61,6 +61,9 @@ def test_gpu_graph_capture_oom_shrinks_the_expert_cache(moe_ckpt, monkeypatch):
     monkeypatch.setenv("STRATA_FAULT_INJECT", "capture:decode:1-2:oom")
     bus = EventBus()
     tokens, snap = _engine_tokens(moe_ckpt, bus=bus, tier_budget_mib=0.0)
-    shrinks = [e for e in bus.history() if e.type == "expert" and e.action == "shrink"]
-    assert shrinks and "out of memory" in shrinks[0].reason and snap["slots"] < 16
-    assert tokens == resident
+    events = [e for e in bus.history() if e.type == "expert"]
+    print("expert events:", [(e.action, e.slots, e.reason) for e in events if e.action in ("shrink", "grow")])
+    shrinks = [e for e in events if e.action == "shrink"]
+    assert shrinks and "out of memory" in shrinks[0].reason and shrinks[0].slots < 16
+    assert any(e.type == "graph" and e.action == "wait" for e in bus.history())
+    assert tokens == resident  # shrunk (and regrown by the periodic rebalance once room showed), same tokens
