@@ -157,3 +157,30 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
     assert f'strata_expert_misses_total{{layer="0"}} {float(snap["layers"][0]["misses"])}' in text
     assert 'strata_expert_hit_rate{kind="oracle"}' in text and "strata_expert_cache_slots 6.0" in text
     assert list(expert_metric_families({"experts": None})) == []
+
+
+def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, prompts, plain_tokens):
+    # The graph cache's CPU backend with an injected capture OOM: recovery asks the VRAM books for room; the
+    # tier (empty) has none, so the expert cache shrinks, the capture is retried, and the tokens do not change.
+    from engine.exec.fault_injection import FaultPlan
+    from engine.exec.graph_backends import CpuGraphBackend
+    from engine.exec.graphs import GraphCache
+    from engine.switches import SwitchBoard
+    from engine.telemetry import EventBus
+
+    bus, holder = EventBus(), {}
+    graphs = GraphCache("cpu", bus, SwitchBoard.from_values({}), wait_interval_s=0.0, backend=CpuGraphBackend(),
+                        release_tier=lambda mib, reason: holder["engine"].budget.make_room(mib, reason),
+                        fault_plan=FaultPlan.parse("capture:decode:1-2:oom"))
+    with one_thread():
+        engine = holder["engine"] = make_engine(moe_ckpt, bus=bus, batch=3, executor=graphs, tier_budget_mib=0.0)
+        try:
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+        finally:
+            engine.close()
+    events = [(e.type, e.action) for e in bus.history() if e.type in ("graph", "expert")]
+    shrink = next(e for e in bus.history() if e.type == "expert" and e.action == "shrink")
+    assert "out of memory" in shrink.reason and shrink.slots < 16
+    assert events.index(("expert", "shrink")) < events.index(("graph", "wait"))  # asked while waiting for room
+    assert ("graph", "degrade") not in events
+    assert tokens == plain_tokens
