@@ -5,7 +5,7 @@ per sparse layer (rounded to whole slots, at least one); 100 % is the all-reside
 row every other one is compared with. One engine per budget, the same prompts: a warm-up generation (it also
 captures the graph buckets), then the timed one. Greedy, so every budget must emit the all-resident tokens
 (`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
-a cold cache), and for the timed run: misses, captured steps re-run after a miss, MiB copied in. `--hf` adds transformers' Qwen3MoeForCausalLM
+a cold cache), and for the timed run: misses, extra graph replays and eager re-runs after a miss, MiB copied. `--hf` adds transformers' Qwen3MoeForCausalLM
 `generate` (eager) on the same weights and prompts.
 
 Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
@@ -26,7 +26,7 @@ from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
 COLUMNS = ("engine", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate",
-           "oracle_hit_rate", "misses", "reruns", "loaded_mib", "same_tokens", "error")
+           "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "same_tokens", "error")
 
 
 def budget_list(text: str) -> list[int]:
@@ -55,14 +55,14 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
     try:
         cache = bench.engine.lm.model.expert_provider
         generate_all(bench, warmup, args.new_tokens)
-        m0, r0, l0 = sum(cache.stats.misses), cache.stats.reruns, cache.stats.loaded_mib
+        m0, r0, l0, p0 = sum(cache.stats.misses), cache.stats.reruns, cache.stats.loaded_mib, cache.stats.replays
         stats = generate_all(bench, prompts, args.new_tokens)
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
         row = {"engine": "strata", "budget_pct": pct, "slots": cache.slots, "expert_cache_mib": round(cache.mib, 1),
                "decode_tok_s": stats.decode_tok_s, "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
                "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],
-               "misses": misses, "reruns": cache.stats.reruns - r0, "loaded_mib": round(cache.stats.loaded_mib - l0, 1),
+               "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0, "loaded_mib": round(cache.stats.loaded_mib - l0, 1),
                "graphs_active": bench.graphs_active, "token_ids": stats.token_ids, "error": None}
         return row, cache
     finally:

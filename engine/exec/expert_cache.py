@@ -12,7 +12,8 @@ Two forward paths, chosen by whether the stream is being captured into a CUDA gr
 - captured (decode / verify under CUDA graphs): no host sync. `slots = table[ids]`, the experts' weights are
   gathered from the pool, and a miss (a real row routed to the miss slot) is counted on the device. Between
   steps, ExpertStepExecutor (engine.exec.expert_steps) reads the counts: no miss, the replay stands and the
-  routed experts are touched; a miss, the step is run again eagerly, which loads what it needs.
+  routed experts are touched; a miss, the first missed layer's experts are loaded and the graph replayed
+  again (a few times at most), or the step is run again eagerly, which loads what it needs.
 
 The cache is a claimant in the VRAM books (engine.exec.vram.VramBudget): `release(mib, reason)` shrinks every
 pool (graph-capture out-of-memory recovery asks it after the tier), `set_budget` / `grow` regrow it, and each
@@ -130,6 +131,7 @@ class ExpertCache:
         # point this at `lambda x: True` to run the captured path's logic eagerly; `force_eager` is the re-run.
         self.capturing: Callable[[torch.Tensor], bool] = _stream_capturing
         self.force_eager = False
+        self.served_this_step: set[int] = set()  # layers loaded between this step's replays (expert_steps)
         for block in self.blocks:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
@@ -248,8 +250,15 @@ class ExpertCache:
         rows = self._rows(x.shape[0])
         routed = ids if rows is None else ids[rows]
         experts = sorted(set(routed.flatten().tolist()))  # the one host sync of this layer
-        self.stats.record_access(i, experts, int(routed.shape[0]))
         out = torch.zeros_like(x)
+        if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
+            # loaded between this step's replays and recorded then: compute only (a second serve would
+            # reorder the LRU and count the access twice)
+            for e in experts:
+                slot = pool.policy.where[e]
+                add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
+            return out
+        self.stats.record_access(i, experts, int(routed.shape[0]))
         for group in groups_of(experts, pool.slots):
             result = pool.policy.serve(group)
             self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
@@ -303,11 +312,23 @@ class ExpertCache:
             out += (expert_mlp(x, pool.gate_up[s], pool.down[s]) * w).to(x.dtype)
         return out
 
+    def serve_captured_layer(self, i: int, experts: list[int], tokens: int) -> None:
+        """Load what a captured step's *first* missed layer routed to (its routing is right: every layer before
+        it hit), so the step can be replayed again; len(experts) <= slots. Recorded as that layer's access."""
+        pool = self.pools[i]
+        self.stats.record_access(i, experts, tokens)
+        result = pool.policy.serve(experts)
+        self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
+        if result.loads:
+            self._load(pool, result.loads, result.evicted)
+        self.served_this_step.add(i)
+
     def touch_captured(self, counts: list[list[float]]) -> None:
-        """A captured step that hit everywhere: record its accesses and refresh the LRU order."""
+        """A captured step that hit everywhere: record its accesses and refresh the LRU order (layers served
+        between its replays are recorded already)."""
         for i, row in enumerate(counts):
             experts = [e for e, c in enumerate(row) if c > 0]
-            if not experts:
+            if not experts or i in self.served_this_step:
                 continue
             pool = self.pools[i]
             self.stats.record_access(i, experts, int(sum(row)) // self.top_k)

@@ -34,6 +34,7 @@ class ExpertStats:
         self.loaded_mib = 0.0
         self.load_ms = 0.0
         self.reruns = 0  # captured steps run again eagerly because an expert was missing
+        self.replays = 0  # extra graph replays after loading a captured step's first missed layer
         self.steps = 0
         self.step_kind = ""
         self.trace: deque[Access] = deque(maxlen=trace_max)
@@ -66,11 +67,6 @@ class ExpertStats:
         else:
             self.load_ms += host_s * 1e3
             self._window["ms"] += host_s * 1e3
-
-    def forget_step(self, step_accesses: int) -> None:
-        """Drop the last step's accesses from the trace (a captured step that is run again eagerly)."""
-        for _ in range(min(step_accesses, len(self.trace))):
-            self.trace.pop()
 
     # --- events ----------------------------------------------------------------------------------------------
 
@@ -123,6 +119,7 @@ class ExpertStats:
                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                "evictions": sum(self.evictions), "loaded_experts": self.loaded_experts,
                "loaded_mib": round(self.loaded_mib, 3), "load_ms": round(self.load_ms, 3), "reruns": self.reruns,
+               "replays": self.replays,
                "steps": self.steps, "trace_accesses": len(self.trace), "layers": layers}
         out.update({k: None if v is None else round(v, 4) for k, v in self.oracle(int(sizes["slots"])).items()})
         return out

@@ -7,7 +7,7 @@ A small collector function kept apart from metrics.py so the server's owner can 
     strata_expert_cache_budget_slots / _slots       slots per layer: the target, and held now
     strata_expert_host_mib{device}                  the host (pinned) store: every expert once
     strata_expert_hits_total{layer} / _misses_total{layer} / _evictions_total{layer}
-    strata_expert_loaded_mib_total, strata_expert_load_seconds_total, strata_expert_reruns_total
+    strata_expert_loaded_mib_total, strata_expert_load_seconds_total, strata_expert_reruns_total, strata_expert_replays_total
     strata_expert_hit_rate{kind="live"|"oracle"|"lru_replay"}
 """
 
@@ -47,6 +47,8 @@ def expert_metric_families(state: Mapping[str, Any]) -> Iterator[Metric]:
                               value=float(snap["load_ms"]) / 1e3)
     yield CounterMetricFamily("strata_expert_reruns", "Captured steps run again eagerly after a miss",
                               value=float(snap["reruns"]))
+    yield CounterMetricFamily("strata_expert_replays", "Extra graph replays after loading a missed layer",
+                              value=float(snap.get("replays", 0)))
     rate = GaugeMetricFamily("strata_expert_hit_rate", "Expert hit rate: live, Belady oracle and LRU replay "
                              "of the recorded routing trace at the current budget", labels=["kind"])
     for kind, key in (("live", "hit_rate"), ("oracle", "oracle_hit_rate"), ("lru_replay", "lru_replay_hit_rate")):

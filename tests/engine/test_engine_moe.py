@@ -88,8 +88,9 @@ def test_captured_path_misses_are_rerun_between_steps(moe_ckpt, prompts, plain_t
         finally:
             engine.close()
     assert tokens == plain_tokens
-    assert snap["reruns"] > 0 and snap["hits"] > 0
-    assert snap["reruns"] < snap["steps"]  # some steps hit everywhere and kept the captured result
+    assert snap["replays"] > 0 and snap["reruns"] > 0  # missed layers loaded and replayed; streaming layers re-run
+    assert snap["reruns"] < snap["steps"]  # some steps hit everywhere, or were fixed by replays
+    assert snap["lru_replay_hit_rate"] == snap["hit_rate"]  # the offline replay still gives the live counts
 
 
 def test_books_shrink_the_cache_on_request_and_it_regrows(moe_ckpt, prompts, plain_tokens):
