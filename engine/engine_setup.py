@@ -141,6 +141,10 @@ def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget
         experts.on_resize = lambda: inner.invalidate(lambda kind, key: True)  # graphs read the old pools
         executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens)
     runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
+    if experts is not None and getattr(runner, "_eager", None) is not None:
+        # prompt chunks with the fused chunk attention run on the runner's own eager executor: wrap it too, so
+        # their padding rows load no expert and their accesses are counted as prefill steps
+        runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
     runner.release_memory = make_room
     runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
     drafter = None

@@ -144,6 +144,10 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
             engine.close()
     snap = state["experts"]
     header, accesses = read_trace(tmp_path / "trace.jsonl")
+    # padded rows of a prompt chunk's bucket route too but load nothing and are not counted
+    prefill_tokens = sum(a.tokens for a in accesses if a.kind == "prefill" and a.layer == 0)
+    assert prefill_tokens == sum(len(p) for p in prompts)  # not the chunk buckets
+    assert {a.kind for a in accesses} == {"prefill", "decode"}
     assert header["num_experts"] == 16 and len(accesses) == snap["trace_accesses"] > 0
     replayed = replay(accesses, snap["slots"], "lru")  # offline, the same policy: the live counts exactly
     assert [list(replayed.get(i, (0, 0))) for i in range(3)] == [[layer["hits"], layer["misses"]] for layer in snap["layers"]]
