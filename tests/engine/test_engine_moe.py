@@ -135,6 +135,7 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
 
     with one_thread():
         engine = make_engine(moe_ckpt, batch=3, expert_cache_mib=1)
+        engine.kv.fused_prefill = True  # prompt chunks take the runner's own eager executor, as on CUDA
         try:
             run_all(engine, prompts, GREEDY)
             state = engine.state()
@@ -189,3 +190,24 @@ def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, pro
     assert events.index(("expert", "shrink")) < events.index(("graph", "wait"))  # asked while waiting for room
     assert ("graph", "degrade") not in events
     assert tokens == plain_tokens
+
+
+def test_auto_budget_takes_what_the_books_leave_and_the_cli_accepts_it(moe_ckpt):
+    import argparse
+
+    from engine.cli.options import add_engine_options, config_from_args
+    from engine.telemetry import EventBus
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert config_from_args(parser.parse_args(["--expert-cache-mib", "auto"])).expert_cache_mib == "auto"
+    assert config_from_args(parser.parse_args(["--expert-cache-mib", "300"])).expert_cache_mib == 300
+    bus = EventBus()
+    with one_thread():
+        engine = make_engine(moe_ckpt, bus=bus, expert_cache_mib="auto")
+        try:
+            cache = engine.lm.model.expert_provider
+            assert cache.slots == cache.target_slots == 16  # host RAM on CPU: room for every expert
+        finally:
+            engine.close()
+    assert any(e.type == "expert" and e.action == "grow" and e.reason.startswith("auto") for e in bus.history())
