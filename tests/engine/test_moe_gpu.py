@@ -50,9 +50,9 @@ def test_gpu_expert_cache_under_cuda_graphs(moe_ckpt):
     resident, snap_all = _engine_tokens(moe_ckpt)
     small, snap = _engine_tokens(moe_ckpt, expert_cache_mib=1)
     print(f"all resident: {snap_all['hits']} hits; 1 MiB: slots {snap['slots']}, hit rate {snap['hit_rate']}, "
-          f"oracle {snap['oracle_hit_rate']}, reruns {snap['reruns']} of {snap['steps']} steps")
+          f"oracle {snap['oracle_hit_rate']}, replays {snap['replays']}, reruns {snap['reruns']} of {snap['steps']} steps")
     assert snap_all["misses"] == 0 and snap_all["reruns"] == 0
-    assert snap["misses"] > 0 and 0 < snap["reruns"] < snap["steps"]
+    assert snap["misses"] > 0 and snap["replays"] + snap["reruns"] > 0 and snap["reruns"] < snap["steps"]
     assert small == resident
 
 
