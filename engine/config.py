@@ -50,6 +50,9 @@ class EngineConfig:
     context: int = field(default=8192, metadata=_opt("context per slot", metavar="TOKENS"))
     vram_reserve_mib: int = field(default=DEFAULT_VRAM_RESERVE_MIB, metadata=_opt("VRAM the engine never takes",
                                                                                   metavar="MIB"))
+    expert_cache_mib: int | str | None = field(default=None, metadata=_opt(
+        "MoE models: MiB of GPU slots for routed experts (the rest in pinned host memory), or auto (what the VRAM "
+        "books leave); default: every expert on the GPU", metavar="MIB|auto"))
     peer_device: str | None = field(default=None, metadata=_opt("second GPU for the prefix-cache tier",
                                                                 metavar="cuda:N"))
     host: str = field(default="127.0.0.1", metadata=_opt("address to bind", group="server"))
@@ -67,6 +70,8 @@ class EngineConfig:
     switches: Mapping[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.expert_cache_mib, str) and self.expert_cache_mib.strip().isdigit():
+            object.__setattr__(self, "expert_cache_mib", int(self.expert_cache_mib))  # argv / TOML text
         self.validate()
 
     def validate(self) -> None:
@@ -89,6 +94,11 @@ class EngineConfig:
         if self.kv_resident is not None:
             _positive("kv_resident", self.kv_resident, upper=self.context)
         check_vram_reserve_mib(self.vram_reserve_mib)
+        if self.expert_cache_mib is not None and self.expert_cache_mib != "auto":
+            value = self.expert_cache_mib
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 24:
+                raise ConfigError("expert_cache_mib", value,
+                                  "expected a whole number of MiB (1..16777216) or auto (what the VRAM books leave)")
         if self.peer_device is not None and not _CUDA_RE.match(self.peer_device):
             raise ConfigError("peer_device", self.peer_device, "expected cuda:N")
         if not (0 <= self.port <= 65535):
@@ -173,6 +183,8 @@ def _coerce(name: str, type_hint: Any, value: Any) -> Any:
     hint = str(type_hint)
     if value is None:
         return None
+    if hint.startswith("int | str"):  # a number or a word (expert_cache_mib: N or auto): validate() decides
+        return value
     if hint.startswith("bool"):
         if isinstance(value, bool):
             return value

@@ -10,7 +10,8 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.switches import switches_from_env
 
-_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
+          "int | str | None": str}  # a number or a word (expert_cache_mib: N or auto): EngineConfig decides
 
 
 def add_engine_options(parser: argparse.ArgumentParser, serving: bool = False) -> None:
