@@ -25,6 +25,7 @@ BENCHES = {
     "switches": ("engine.bench.switches", "each opt-in switch on vs off where it claims to help"),
     "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
+    "attention": ("engine.bench.attention", "one layer's decode attention per backend: gather+SDPA, Triton paged, Flex"),
 }
 
 
@@ -146,9 +147,20 @@ def _profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=25, help="host functions and kernels listed")
 
 
+def _attention(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cuda:N, cpu or auto")
+    p.add_argument("--contexts", type=int_list, default=[4 * _K, 32 * _K, 128 * _K], help="context tokens (4K,32K)")
+    p.add_argument("--batches", type=int_list, default=[1, 8], help="rows per read")
+    p.add_argument("--q-lens", type=int_list, default=[1, 4], help="queries per row (1 decode, K+1 verify)")
+    p.add_argument("--kv-storage", default="bf16,int8", help="KV storage kinds: bf16, int8")
+    p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16)")
+    p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
+
+
 _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile,
+    "attention": _attention,
 }
 
 

@@ -29,12 +29,20 @@ MIN_SPAN_TOKENS = 256
 GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
 MIN_CHUNK_TOKENS = 16
 SPLIT_SWITCH = "SPLIT_ATTN"
+PAGED_SWITCH = "PAGED_ATTN"
+# The key element a step's graph carries when it was built on a switch's path (degrade and live toggles drop
+# exactly those graphs). PAGED_ATTN comes first: when a graph with both fails, the kernel path is blamed.
+PATH_TAGS = {PAGED_SWITCH: "paged", SPLIT_SWITCH: "split"}
 _DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step", "verify_draft")
 
 
 def switch_for_key(kind: str, key: Hashable) -> str | None:
-    """The opt-in switch a step's graph depends on (for engine.exec.graphs.GraphCache's degrade path)."""
-    return SPLIT_SWITCH if isinstance(key, tuple) and "split" in key else None
+    """The switch a step's graph depends on (for engine.exec.graphs.GraphCache's degrade path)."""
+    if isinstance(key, tuple):
+        for name, tag in PATH_TAGS.items():
+            if tag in key:
+                return name
+    return None
 
 
 class MtpUnavailable(RuntimeError):
@@ -166,13 +174,28 @@ class ModelRunner:
     def split_enabled(self) -> bool:
         return self.board.enabled(SPLIT_SWITCH)
 
+    def paged_enabled(self) -> bool:
+        """PAGED_ATTN on and its kernels can run here (engine.model.attention.backends.kernel_backend)."""
+        return self.kv.kernel is not None and self.board.enabled(PAGED_SWITCH)
+
+    def on_path(self, key: Hashable, fn: Callable) -> tuple[Hashable, Callable]:
+        """A built step on the current PAGED_ATTN path: the key says so, and the step tells the cache which
+        backend to use before its forward (so a replayed graph and an eager run take the same path)."""
+        paged, kv = self.paged_enabled(), self.kv
+
+        def step(x):
+            kv.set_path(kv.split_attn, paged)
+            return fn(x)
+
+        return (key + ("paged",) if paged else key), step
+
     # --- the executor seam ---------------------------------------------------------------------------------
 
     def run(self, kind: str, build: StepBuilder, inputs: dict, owner: str | None = None,
             executor: StepExecutor | None = None) -> dict:
         """Run one step through the executor; degrade a failing switch and retry, or raise MtpUnavailable."""
         while True:
-            key, fn = build(self.split_enabled())
+            key, fn = self.on_path(*build(self.split_enabled()))
             try:
                 out = self._run_with_room(kind, key, fn, inputs, owner, executor or self.executor)
                 break
@@ -212,16 +235,16 @@ class ModelRunner:
     def _degrade(self, name: str, exc: GraphDegraded) -> None:
         reason = f"{exc.kind} graph {exc.key!r}: {exc.error}"
         self.board.degrade(name, reason)
-        if name == SPLIT_SWITCH:
-            self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and "split" in key)
+        self.on_switch_changed(name)
         self.bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
         self.bus.publish(WarningEvent(where=f"runner.{exc.kind}",
                                       message=f"switch {name} degraded for the rest of the run: {reason}"))
 
     def on_switch_changed(self, name: str) -> None:
         """A live switch changed: drop the graphs whose code path it alters."""
-        if name == SPLIT_SWITCH:
-            self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and "split" in key)
+        tag = PATH_TAGS.get(name)
+        if tag is not None:
+            self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and tag in key)
 
     # --- CAPTURE_ALL ---------------------------------------------------------------------------------------
 
@@ -256,11 +279,11 @@ class ModelRunner:
                 if self.mtp_depth:
                     inputs = self.verify_inputs(slots, [self.pad_row] * bb, zeros,
                                                  self.pad_positions(bb, self.mtp_depth + 1))
-                    key, fn = self.verify_build(bb, span)(split)
+                    key, fn = self.on_path(*self.verify_build(bb, span)(split))
                     specs.append(GraphSpec("verify", key, fn, inputs))
                 else:
                     inputs = self._decode_inputs(slots, zeros, self.pad_positions(bb, 1))
-                    key, fn = self._decode_build(bb, span)(split)
+                    key, fn = self.on_path(*self._decode_build(bb, span)(split))
                     specs.append(GraphSpec("decode", key, fn, inputs))
         return specs
 
@@ -361,7 +384,7 @@ class ModelRunner:
                 kv.bind(x["slots"], span)
             else:
                 kv.bind_chunk(x["slots"], span, *chunk)
-            kv.set_split(split)
+            kv.set_path(split, kv.paged)
             hidden = model(x["tokens"], x["positions"], kv)  # [Bb, T, H]
             if last_only:
                 h_last = hidden.index_select(1, x["last"])  # [1, 1, H]
