@@ -11,7 +11,8 @@ attention read through
   block mask only adds to it.
 Each is captured in a CUDA graph of `--iters` calls and replayed, so launch overhead is not what is timed.
 `kv_tb_s` is the KV bytes one read must touch (keys + values, int8 scales included) over the time, against
-the device's ~4.3 TB/s. `max_err` is the largest difference from the reference's output.
+the device's ~4.3 TB/s. `max_err` is the largest difference from the reference's output. `--tune` times the
+kernel at other launch shapes (`TILExWARPSxSTAGES`, see KernelConfig) in the same run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from engine.bench.common import device_of, emit
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.model.attention.triton_paged_config import KernelConfig
 
 HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
 
@@ -87,8 +89,16 @@ def _flex(q: torch.Tensor, cache: SlotKVCache, positions: torch.Tensor, context:
     return lambda: compiled(q, k, v, block_mask=mask, enable_gqa=True)
 
 
+def _tuned(cache: SlotKVCache, q: torch.Tensor, positions: torch.Tensor, config: KernelConfig) -> Callable[[], Any]:
+    from engine.model.attention.triton_paged import paged_decode_attention
+
+    scales = (cache.k_scale[0], cache.v_scale[0]) if cache.storage == "int8" else (None, None)
+    return lambda: paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, cache.slots,
+                                          positions, cache.span_tokens, cache.geometry.context_tokens, config)
+
+
 def _case(context: int, batch: int, t: int, storage: str, device: torch.device, iters: int,
-          backends: list[str]) -> dict[str, Any]:
+          backends: list[str], tune: list[KernelConfig]) -> dict[str, Any]:
     dtype = torch.bfloat16
     cache = _cache(context, batch, storage, dtype, device)
     slots = torch.arange(batch, device=device)
@@ -115,6 +125,12 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
             row[f"{name}_max_err"] = round(err, 5)
         except Exception as exc:  # noqa: BLE001 - one backend failing is a figure to report, not a crash
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for config in tune if cache.kernel is not None else []:
+        name = f"tile{config.tile_tokens}_w{config.num_warps}_s{config.num_stages}"
+        try:
+            row[f"{name}_ms"] = round(_graph_ms(_tuned(cache, q, positions, config), iters), 4)
+        except Exception as exc:  # noqa: BLE001 - a launch shape that does not fit is a result too
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     if "triton_ms" in row and "torch_ms" in row:
         row["triton_speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
     del cache
@@ -126,13 +142,14 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
 def run(args: argparse.Namespace) -> int:
     device = device_of(args.device)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    tune = [KernelConfig(*(int(x) for x in spec.split("x"))) for spec in args.tune.split(",") if spec.strip()]
     rows = []
     for context in args.contexts:
         for batch in args.batches:
             for t in args.q_lens:
                 for storage in args.kv_storage.split(","):
                     t0 = time.perf_counter()
-                    row = _case(context, batch, t, storage.strip(), device, args.iters, backends)
+                    row = _case(context, batch, t, storage.strip(), device, args.iters, backends, tune)
                     row["bench_s"] = round(time.perf_counter() - t0, 1)
                     print({k: v for k, v in row.items()}, flush=True)
                     rows.append(row)

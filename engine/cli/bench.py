@@ -155,6 +155,7 @@ def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-storage", default="bf16,int8", help="KV storage kinds: bf16, int8")
     p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16)")
     p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
+    p.add_argument("--tune", default="", help="kernel launch shapes to time too: TILExWARPSxSTAGES,... (128x8x2)")
 
 
 _ADDERS = {

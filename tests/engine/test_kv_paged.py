@@ -95,3 +95,47 @@ def test_no_kernel_backend_on_cpu_so_paged_runs_the_reference():
     assert kernel_backend(torch.device("cpu")) is None and cache.kernel is None
     cache.set_path(False, True)
     assert cache.backend is cache.reference
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+@pytest.mark.parametrize("tile_tokens", [8, 16, 32])  # tiles inside a block, one block, across blocks
+def test_the_kernel_in_the_triton_interpreter_matches_the_reference(storage, tile_tokens):
+    """Where Triton is installed (not in CI: its wheel is ~180 MiB), its interpreter runs the real kernel on
+    CPU in fp32: a shuffled block table, GQA 5:1, 3 queries per row, a padding row, one split and several.
+    In a fresh process: TRITON_INTERPRET must be set before Triton (or torch, which may import it) loads."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = f"from tests.engine.test_kv_paged import interpreter_check; interpreter_check({storage!r}, {tile_tokens})"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def interpreter_check(storage: str, tile_tokens: int) -> None:
+    from engine.model.attention.triton_paged import paged_decode_attention
+    from engine.model.attention.triton_paged_config import KernelConfig
+
+    cache = _cache(storage, block_tokens=16)
+    _shuffle_table(cache, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    geo = cache.geometry
+    for slot in range(geo.num_slots):
+        k, v = (torch.randn(1, 2, geo.columns, 16, generator=gen) for _ in range(2))
+        cache.bind(torch.tensor([slot]))
+        cache._write(0, k, v, torch.arange(geo.columns).view(1, -1))
+    for t, hq, ends, span in ((1, 4, [150, 17], 200), (3, 10, [199, 90, 5], 200), (2, 2, [40], 64)):
+        q = torch.randn(len(ends) + 1, hq, t, 16, generator=gen)
+        slots = torch.tensor([i % geo.num_slots for i in range(len(ends) + 1)])
+        positions = torch.tensor([[e - t + j for j in range(t)] for e in ends] + [[200 + j for j in range(t)]])
+        cache.bind(slots, span)
+        reference = cache.reference.attend(cache, 0, q, positions)
+        scales = (cache.k_scale[0], cache.v_scale[0]) if storage == "int8" else (None, None)
+        out = paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
+                                     span, geo.context_tokens, KernelConfig(tile_tokens=tile_tokens))
+        assert torch.allclose(out[:-1], reference[:-1], atol=1e-5), (out[:-1] - reference[:-1]).abs().max()
+        assert not out[-1].any()  # the padding row read nothing

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.model.attention.triton_paged_config import KernelConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -31,8 +32,10 @@ def _cache(storage: str, dtype: torch.dtype, hkv: int, d: int = 128, seed: int =
     return cache
 
 
-def _both(cache: SlotKVCache, hq: int, t: int, ends: list[int], span: int, pad_rows: int = 0):
-    """(kernel, reference) outputs of one bound forward; rows end at `ends`, plus `pad_rows` padding rows."""
+def _both(cache: SlotKVCache, hq: int, t: int, ends: list[int], span: int, config: KernelConfig, pad_rows: int = 1):
+    """(kernel, reference, padding rows' kernel output) of one bound forward; rows end at `ends`."""
+    from engine.model.attention.triton_paged import paged_decode_attention
+
     b = len(ends) + pad_rows
     gen = torch.Generator(device="cuda").manual_seed(len(ends) * 7 + t)
     q = torch.randn(b, hq, t, cache.geometry.head_dim, device="cuda", generator=gen, dtype=cache.compute_dtype)
@@ -40,24 +43,32 @@ def _both(cache: SlotKVCache, hq: int, t: int, ends: list[int], span: int, pad_r
     pos = [[e - t + j for j in range(t)] for e in ends] + [[CONTEXT + j for j in range(t)]] * pad_rows
     positions = torch.tensor(pos, device="cuda")
     cache.bind(slots, span)
-    kernel = cache.kernel.attend(cache, 0, q, positions)
-    cache.bind(slots, span)
+    scales = (cache.k_scale[0], cache.v_scale[0]) if cache.storage == "int8" else (None, None)
+    kernel = paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions, span,
+                                    CONTEXT, config)
     reference = cache.reference.attend(cache, 0, q, positions)
     return kernel[:len(ends)], reference[:len(ends)], kernel[len(ends):]
 
 
-@pytest.mark.parametrize("storage,dtype", [("bf16", torch.bfloat16), ("int8", torch.bfloat16),
-                                           ("bf16", torch.float32), ("int8", torch.float32)])
-@pytest.mark.parametrize("hq,hkv", [(16, 8), (40, 8), (4, 4)])
-@pytest.mark.parametrize("t", [1, 3, 8])
-def test_kernel_matches_the_reference(storage, dtype, hq, hkv, t):
+BF16, FP32 = torch.bfloat16, torch.float32
+DEFAULT, WIDE, NARROW = KernelConfig(), KernelConfig(128, 8, 2), KernelConfig(32, 4, 2)
+CASES = [  # storage, compute dtype, Hq, Hkv, queries per row, launch shape
+    ("bf16", BF16, 16, 8, 1, DEFAULT), ("bf16", BF16, 16, 8, 3, DEFAULT), ("int8", BF16, 16, 8, 1, DEFAULT),
+    ("int8", BF16, 16, 8, 3, DEFAULT), ("bf16", BF16, 40, 8, 8, DEFAULT), ("int8", BF16, 40, 8, 2, DEFAULT),
+    ("bf16", BF16, 4, 4, 1, DEFAULT), ("bf16", FP32, 16, 8, 3, DEFAULT), ("int8", FP32, 40, 8, 8, DEFAULT),
+    ("bf16", BF16, 16, 8, 1, WIDE), ("int8", BF16, 16, 8, 3, WIDE), ("int8", BF16, 16, 8, 1, NARROW),
+]
+
+
+@pytest.mark.parametrize("storage,dtype,hq,hkv,t,config", CASES)
+def test_kernel_matches_the_reference(storage, dtype, hq, hkv, t, config):
     cache = _cache(storage, dtype, hkv)
     assert cache.kernel is not None
     for ends, span in (([200, 17], 256), ([2900, 1000, 64], 3000)):  # one split; many splits
-        kernel, reference, pads = _both(cache, hq, t, ends, span, pad_rows=1)
+        kernel, reference, pads = _both(cache, hq, t, ends, span, config)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         err = (kernel.float() - reference.float()).abs().max().item()
-        assert err <= tol, (storage, dtype, hq, hkv, t, ends, err)
+        assert err <= tol, (storage, dtype, hq, hkv, t, config, ends, err)
         assert torch.isfinite(pads).all() and not pads.any()  # padding rows read nothing
 
 

@@ -26,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.attention.triton_paged_config import DEFAULT_CONFIG, KernelConfig
+
 _TARGET_PROGRAMS = 264  # ~2 per SM on an H100/H200 (132 SMs): enough splits to fill the device
-_MIN_SPLIT_BLOCKS = 4  # a split streams at least this many blocks
+_MIN_SPLIT_TILES = 4  # a split streams at least this many tiles
 
 
 @triton.jit
@@ -38,9 +40,9 @@ def _paged_decode_kernel(
     stride_sh, stride_sb,
     stride_tab,
     stride_ob, stride_oh, stride_ot,
-    sm_scale, span_tokens, context_tokens, split_blocks, num_splits,
+    sm_scale, span_tokens, context_tokens, split_tiles, num_splits,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -58,24 +60,26 @@ def _paged_decode_kernel(
     pos = tl.where(pos < context_tokens, pos, -1)  # padding rows see no key
     kv_len = tl.minimum(tl.max(pos, axis=0) + 1, span_tokens)
     slot = tl.load(slots_ptr + b)
-    first_block = split * split_blocks
-    last_block = tl.minimum(first_block + split_blocks, tl.cdiv(kv_len, BLOCK_N))
+    first_tile = split * split_tiles
+    last_tile = tl.minimum(first_tile + split_tiles, tl.cdiv(kv_len, BLOCK_N))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for blk in range(first_block, last_block):
-        phys = tl.load(table_ptr + slot * stride_tab + blk).to(tl.int64)
-        k_off = h * stride_kh + phys * stride_kb + n[:, None] * D + d[None, :]
+    for tile in range(first_tile, last_tile):
+        keys = tile * BLOCK_N + n
+        # A tile of BLOCK_N keys may span several pool blocks (or part of one): each key finds its own block.
+        # Keys past the row's length read block 0's memory (in bounds) and are masked out below.
+        phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
+        k_off = h * stride_kh + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
         v = tl.load(v_ptr + k_off, mask=d_ok[None, :], other=0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if INT8:
-            ks = tl.load(ks_ptr + h * stride_sh + phys * stride_sb + n)
+            ks = tl.load(ks_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
             s = s * ks[None, :]
         s = s * sm_scale
-        keys = blk * BLOCK_N + n
         visible = keys[None, :] <= pos[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -84,7 +88,7 @@ def _paged_decode_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if INT8:
-            vs = tl.load(vs_ptr + h * stride_sh + phys * stride_sb + n)
+            vs = tl.load(vs_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
             p = p * vs[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
@@ -127,21 +131,23 @@ def _combine_splits_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def split_plan(batch: int, num_kv_heads: int, span_tokens: int, block_tokens: int) -> tuple[int, int]:
-    """(splits, blocks per split) for a static span: enough programs to fill the device, each streaming at
-    least _MIN_SPLIT_BLOCKS blocks. Depends only on static shapes, so a captured graph keeps it."""
-    blocks = -(-span_tokens // block_tokens)
+
+
+def split_plan(batch: int, num_kv_heads: int, span_tokens: int, tile_tokens: int) -> tuple[int, int]:
+    """(splits, tiles per split) for a static span: enough programs to fill the device, each streaming at
+    least _MIN_SPLIT_TILES tiles. Depends only on static shapes, so a captured graph keeps it."""
+    tiles = -(-span_tokens // tile_tokens)
     want = max(1, -(-_TARGET_PROGRAMS // (batch * num_kv_heads)))
-    splits = max(1, min(want, blocks // _MIN_SPLIT_BLOCKS))
-    per_split = -(-blocks // splits)
-    return -(-blocks // per_split), per_split
+    splits = max(1, min(want, tiles // _MIN_SPLIT_TILES))
+    per_split = -(-tiles // splits)
+    return -(-tiles // per_split), per_split
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
-                           slots: torch.Tensor, positions: torch.Tensor, span_tokens: int,
-                           context_tokens: int) -> torch.Tensor:
-    """q [B, Hq, T, D] (bf16/fp16, or fp32 with exact fp32 dots), positions [B, T] long -> out [B, Hq, T, D] in q's dtype."""
+                           slots: torch.Tensor, positions: torch.Tensor, span_tokens: int, context_tokens: int,
+                           config: KernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """q [B, Hq, T, D] (bf16/fp16, or fp32 with exact fp32 dots), positions [B, T] long -> [B, Hq, T, D]."""
     b, hq, t, d = q.shape
     hkv, _, block_tokens, _ = k_pool.shape
     g = hq // hkv
@@ -149,7 +155,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     assert q.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous(), "contiguous head dim expected"
     block_m = max(16, triton.next_power_of_2(g * t))
     block_d = max(16, triton.next_power_of_2(d))
-    splits, per_split = split_plan(b, hkv, span_tokens, block_tokens)
+    tile = config.tile_tokens
+    assert tile % block_tokens == 0 or block_tokens % tile == 0, (tile, block_tokens)
+    splits, per_split = split_plan(b, hkv, span_tokens, tile)
     out = torch.empty_like(q)
     int8 = k_pool.dtype == torch.int8
     if int8:
@@ -171,8 +179,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         1.0 / math.sqrt(d), span_tokens, context_tokens, per_split, splits,
-        T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_tokens, SINGLE=splits == 1, INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=tile, PAGE=block_tokens, SINGLE=splits == 1,
+        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(b, hkv, g * t)](
