@@ -38,14 +38,6 @@ class Switch:
 
 SWITCHES: tuple[Switch, ...] = (
     Switch(
-        "PAGED_ATTN",
-        "decode, verify and drafting attention read the paged KV pool in place (Triton kernels, CUDA only; "
-        "elsewhere the PyTorch reference gathers the keys first)",
-        live=True,
-        effect="not yet measured",
-        default=True,
-    ),
-    Switch(
         "SPLIT_ATTN",
         "split-KV (flash-decoding) attention for long-context decode; its scratch grows with context",
         live=True,
@@ -78,6 +70,16 @@ SWITCHES: tuple[Switch, ...] = (
         live=False,
         effect="H200, 0.6B shape, with FUSED_PROJ: 1.67x batch-1 decode (302.5 -> 503.9 tok/s), 2.11x at "
                "batch 6; start-up 128 s against 46 s",
+    ),
+    Switch(
+        "PAGED_ATTN",
+        "decode, verify and drafting attention read the paged KV pool in place (Triton kernels, CUDA only; "
+        "elsewhere the PyTorch reference gathers the keys first)",
+        live=True,
+        effect="H200, 0.6B shape, on by default: one layer's decode attention 7.3-19x faster than gather + SDPA "
+               "(4K-128K, batch 1/8); a batch-1 decode step at 128K context 68.4 -> 6.8 ms (bf16 KV); end to end "
+               "324.6 / 1,786 tok/s at batch 1 / 6 = 1.08x / 1.16x HF static cache + compile",
+        default=True,
     ),
 )
 

@@ -10,7 +10,7 @@ class KernelConfig:
     """Launch shape of the decode kernel: keys per tile (any multiple or divisor of the pool's block size),
     warps and pipeline stages. `bench attention --tune` times the alternatives."""
 
-    tile_tokens: int = 64
+    tile_tokens: int = 128
     num_warps: int = 4
     num_stages: int = 2
 
