@@ -30,19 +30,18 @@ GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this f
 MIN_CHUNK_TOKENS = 16
 SPLIT_SWITCH = "SPLIT_ATTN"
 PAGED_SWITCH = "PAGED_ATTN"
-# The key element a step's graph carries when it was built on a switch's path (degrade and live toggles drop
-# exactly those graphs). PAGED_ATTN comes first: when a graph with both fails, the kernel path is blamed.
+# The key element a step's graph carries when it was built on a switch's path (live toggles and degrades drop
+# exactly those graphs).
 PATH_TAGS = {PAGED_SWITCH: "paged", SPLIT_SWITCH: "split"}
 _DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step", "verify_draft")
 
 
 def switch_for_key(kind: str, key: Hashable) -> str | None:
-    """The switch a step's graph depends on (for engine.exec.graphs.GraphCache's degrade path)."""
-    if isinstance(key, tuple):
-        for name, tag in PATH_TAGS.items():
-            if tag in key:
-                return name
-    return None
+    """The opt-in switch to blame when a step's graph cannot be captured (engine.exec.graphs.GraphCache's degrade
+    path). Only SPLIT_ATTN: its scratch grows with the context. PAGED_ATTN is never blamed: its kernels need less
+    memory than the gathering path they replace, so degrading it would make an out-of-memory capture worse; its
+    steps fail over like any plain step (run eagerly, or MTP off)."""
+    return SPLIT_SWITCH if isinstance(key, tuple) and PATH_TAGS[SPLIT_SWITCH] in key else None
 
 
 class MtpUnavailable(RuntimeError):

@@ -29,8 +29,9 @@ def test_buckets():
     assert pow2_bucket(3, lower=16) == 16
     assert switch_for_key("draft_round", ("b8", "k2", "L4096", "split")) == "SPLIT_ATTN"
     assert switch_for_key("decode", ("b8", "L4096")) is None
-    assert switch_for_key("decode", ("b8", "L4096", "paged")) == "PAGED_ATTN"
-    assert switch_for_key("verify", ("b8", "k2", "L4096", "split", "paged")) == "PAGED_ATTN"  # the kernel first
+    # The kernel path needs less memory than the gathering one: a failed capture never turns it off.
+    assert switch_for_key("decode", ("b8", "L4096", "paged")) is None
+    assert switch_for_key("verify", ("b8", "k2", "L4096", "split", "paged")) == "SPLIT_ATTN"
 
 
 def test_paged_attn_is_degraded_quietly_where_its_kernels_cannot_run(ckpt):
