@@ -145,6 +145,8 @@ class Engine:
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
         """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""
         state = self.board.set_live(name, enabled)
+        if state.name == "PAGED_ATTN" and state.enabled and self.kv.kernel is None:
+            state = self.board.degrade(state.name, f"the paged kernels need a CUDA device with Triton ({self.device})")
         self.runner.on_switch_changed(state.name)
         self.publish_snapshot(force=True)
         return state

@@ -115,9 +115,6 @@ class _PartsBuilder:
 
         config, bus = self.config, self.bus
         board = SwitchBoard.from_values(config.switches)
-        for name, on in config.switches.items():
-            if on:
-                bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
         # a bad --peer-device fails before the load
         self.tier_device = _tier_device(config, resolve_device(config.device))
         self.stage = f"loading the model {config.model}"
@@ -140,6 +137,11 @@ class _PartsBuilder:
                 f"whole {config.context}-token KV on {device}")))
         self.stage = "allocating the KV cache"
         kv, weights_mib = _sized_kv_cache(config, lm, depth)
+        if kv.kernel is None and board.enabled("PAGED_ATTN"):  # quietly: the reference path is what runs here
+            board.degrade("PAGED_ATTN", f"the paged kernels need a CUDA device with Triton (running on {device})")
+        for name, on in config.switches.items():
+            if on and board.enabled(name):
+                bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
         index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
         # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
         # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).

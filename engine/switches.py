@@ -1,7 +1,8 @@
 """The opt-in switch registry and its run-time state. Torch-free: the TUI and the server import it.
 
 A switch is an alternative code path that helps somewhere (measured in `docs/SWITCHES.md` and the
-benchmarks). It is off unless the environment variable `STRATA_<NAME>=1` is set at start. Switches marked
+benchmarks). It is off unless the environment variable `STRATA_<NAME>=1` is set at start, except a switch whose
+`default` is on (a measured winner): `STRATA_<NAME>=0` turns that one off. Switches marked
 `live` can also be toggled on a running engine through `POST /strata/switches/{NAME}`; the others are read
 at start only. A switch whose code path fails at run time is *degraded*: turned off for the rest of the run,
 with the reason kept, instead of the engine exiting (the seed report's failure).
@@ -29,6 +30,7 @@ class Switch:
     description: str
     live: bool
     effect: str = "not yet measured"  # in words; the figures live in docs/SWITCHES.md
+    default: bool = False  # the state when its variable is not set (a measured winner is on by default)
 
     @property
     def env_var(self) -> str:
@@ -66,6 +68,15 @@ SWITCHES: tuple[Switch, ...] = (
         live=False,
         effect="faster decode with FUSED_PROJ; a much slower start-up (docs/SWITCHES.md)",
     ),
+    Switch(
+        "PAGED_ATTN",
+        "decode, verify and drafting attention read the paged KV pool in place (Triton kernels, CUDA only; "
+        "elsewhere the PyTorch reference gathers the keys first)",
+        live=True,
+        effect="on by default: decode attention several times faster than gather + SDPA at every context measured "
+               "on the H200, most at long context (docs/SWITCHES.md)",
+        default=True,
+    ),
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}
@@ -99,8 +110,9 @@ def parse_flag(var: str, raw: str) -> bool:
 
 
 def switches_from_env(environ: Mapping[str, str]) -> dict[str, bool]:
-    """Every registered switch's start value from an environment mapping."""
-    return {s.name: parse_flag(s.env_var, environ.get(s.env_var, "")) for s in SWITCHES}
+    """Every registered switch's start value from an environment mapping (its default when the variable is unset)."""
+    return {s.name: parse_flag(s.env_var, environ[s.env_var]) if s.env_var in environ else s.default
+            for s in SWITCHES}
 
 
 @dataclass
@@ -137,7 +149,7 @@ class SwitchBoard:
     def from_values(cls, values: Mapping[str, bool]) -> "SwitchBoard":
         board = cls()
         for s in SWITCHES:
-            board.states[s.name] = SwitchState(s.name, bool(values.get(s.name, False)))
+            board.states[s.name] = SwitchState(s.name, bool(values.get(s.name, s.default)))
         return board
 
     def enabled(self, name: str) -> bool:

@@ -2,9 +2,9 @@
 
 Every switch gets the same two figures on a fresh engine per state: `cold_s` (the first request batch, graph
 captures and compilation included: where CAPTURE_ALL and COMPILE pay or save) and `decode_tok_s` (a second,
-warm run: where FUSED_PROJ, PINNED_STAGING and COMPILE claim to help). SPLIT_ATTN claims long-context decode,
-so it is measured with `--long-prompt-tokens` prompts. A switch that degraded during its run says so
-(`degraded`): its "on" figures are then the fallback path's.
+warm run: where FUSED_PROJ, PINNED_STAGING and COMPILE claim to help). SPLIT_ATTN and PAGED_ATTN claim
+long-context decode, so they are measured with `--long-prompt-tokens` prompts. A switch that degraded during
+its run says so (`degraded`): its "on" figures are then the fallback path's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine.bench.common import device_of, emit, random_prompt, save_partial
 from engine.bench.engine_driver import build_engine, generate_all
 from engine.switches import get_switch, switch_names
 
-LONG_CONTEXT_SWITCHES = ("SPLIT_ATTN",)
+LONG_CONTEXT_SWITCHES = ("SPLIT_ATTN", "PAGED_ATTN")  # their effect is on long spans
 _CONTEXT_MARGIN_TOKENS = 64
 
 

@@ -27,6 +27,7 @@ BENCHES = {
     "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
     "experts": ("engine.bench.experts", "MoE decode tok/s and expert hit rate per expert-cache budget"),
+    "attention": ("engine.bench.attention", "one layer's decode attention per backend: gather+SDPA, Triton paged, Flex"),
 }
 
 
@@ -165,9 +166,21 @@ def _experts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-out", default=None, metavar="PATH", help="write the smallest budget's routing trace")
 
 
+def _attention(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cuda:N, cpu or auto")
+    p.add_argument("--contexts", type=int_list, default=[4 * _K, 32 * _K, 128 * _K], help="context tokens (4K,32K)")
+    p.add_argument("--batches", type=int_list, default=[1, 8], help="rows per read")
+    p.add_argument("--q-lens", type=int_list, default=[1, 4], help="queries per row (1 decode, K+1 verify)")
+    p.add_argument("--kv-storage", default="bf16,int8", help="KV storage kinds: bf16, int8")
+    p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16)")
+    p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
+    p.add_argument("--tune", default="", help="kernel launch shapes to time too: TILExWARPSxSTAGES,... (128x8x2)")
+
+
 _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile, "experts": _experts,
+    "attention": _attention,
 }
 
 

@@ -204,14 +204,14 @@ class MtpDrafter:
                       "pick": r.stage([0])}
             # A chunk of this bucket holds more than tb / 2 tokens, so it ends past them.
             for span in (s for s in spans if s >= r.span_bucket(tb // 2 + 1)):
-                key, fn = self._prefill_build(tb, span)(split)
+                key, fn = r.on_path(*self._prefill_build(tb, span)(split))
                 specs.append(GraphSpec("draft_prefill", key, fn, inputs, owner="drafter"))
             tb *= 2
         for bb in r.batch_buckets():
             if self.fused:  # greedy batches take verify_draft instead of verify + draft_round (+ steps)
                 inputs = r.verify_inputs([0] * bb, [r.pad_row] * bb, [0] * bb, r.pad_positions(bb, self.depth + 1))
                 for span in spans:
-                    key, fn = self._fused_build(bb, span)(split)
+                    key, fn = r.on_path(*self._fused_build(bb, span)(split))
                     specs.append(GraphSpec(FUSED_KIND, key, fn, inputs, owner="drafter"))
             for j in range(self.depth):
                 if self.fused and (j == 0 or bb > 1):  # rounds are fused; chain steps follow a prompt alone
@@ -223,7 +223,7 @@ class MtpDrafter:
                           "pick": r.stage([0] * bb)}
                 for span in spans:
                     build = self._round_build(bb, t, span) if j == 0 else self._step_build(bb, j, span)
-                    key, fn = build(split)
+                    key, fn = r.on_path(*build(split))
                     specs.append(GraphSpec("draft_round" if j == 0 else "draft_step", key, fn, inputs,
                                            owner="drafter"))
         return specs
@@ -254,7 +254,7 @@ class MtpDrafter:
 
         def mtp_fn(x):
             kv.bind(x["slots"], span)
-            kv.set_split(split)
+            kv.set_path(split, kv.paged)
             h_mtp = model.mtp(x["hidden"], x["next_ids"], x["positions"], kv, depth=depth)  # [Bb, T, H]
             bb = h_mtp.shape[0]
             idx = x["pick"].view(bb, 1, 1).expand(bb, 1, h_mtp.shape[-1])

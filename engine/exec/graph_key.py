@@ -23,10 +23,14 @@ class GraphKey:
     def depends_on(self, switch: str) -> bool:
         return switch in self.switches
 
-    def responsible_switch(self) -> str | None:
-        """The switch to degrade when this graph cannot be captured (the first by name when there are several:
-        degrading it drops this key, and the next capture tries without it)."""
-        return min(self.switches) if self.switches else None
+    def with_switch(self, switch: str) -> "GraphKey":
+        return GraphKey(self.shape, self.switches | {switch})
+
+    def responsible_switch(self, never: frozenset[str] = frozenset()) -> str | None:
+        """The switch to degrade when this graph cannot be captured, leaving out those in `never` (the first by
+        name when there are several: degrading it drops this key, and the next capture tries without it)."""
+        blamable = self.switches - never
+        return min(blamable) if blamable else None
 
     def __str__(self) -> str:
         return "(" + ", ".join(self.shape + tuple(s.lower() for s in sorted(self.switches))) + ")"

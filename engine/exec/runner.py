@@ -30,12 +30,18 @@ MIN_SPAN_TOKENS = 256
 GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
 MIN_CHUNK_TOKENS = 16
 SPLIT_SWITCH = "SPLIT_ATTN"
+PAGED_SWITCH = "PAGED_ATTN"
+# Never blamed for a graph that cannot be captured: PAGED_ATTN's kernels need less memory than the gathering path
+# they replace, so degrading it would make an out-of-memory capture worse; its steps fail over like any plain step
+# (run eagerly, or MTP off). SPLIT_ATTN is blamed: its scratch grows with the context.
+NEVER_BLAMED = frozenset({PAGED_SWITCH})
 _DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step", "verify_draft")
 
 
 def switch_for_key(kind: str, key: Hashable) -> str | None:
-    """The opt-in switch a step's graph depends on (for engine.exec.graphs.GraphCache's degrade path)."""
-    return key.responsible_switch() if isinstance(key, GraphKey) else None
+    """The opt-in switch to blame when a step's graph cannot be captured (engine.exec.graphs.GraphCache's degrade
+    path): one the key depends on, never one of NEVER_BLAMED."""
+    return key.responsible_switch(never=NEVER_BLAMED) if isinstance(key, GraphKey) else None
 
 
 def split_switches(split: bool) -> tuple[str, ...]:
@@ -171,13 +177,28 @@ class ModelRunner:
     def split_enabled(self) -> bool:
         return self.board.enabled(SPLIT_SWITCH)
 
+    def paged_enabled(self) -> bool:
+        """PAGED_ATTN on and its kernels can run here (engine.model.attention.backends.kernel_backend)."""
+        return self.kv.kernel is not None and self.board.enabled(PAGED_SWITCH)
+
+    def on_path(self, key: Hashable, fn: Callable) -> tuple[Hashable, Callable]:
+        """A built step on the current PAGED_ATTN path: the key says so, and the step tells the cache which
+        backend to use before its forward (so a replayed graph and an eager run take the same path)."""
+        paged, kv = self.paged_enabled(), self.kv
+
+        def step(x):
+            kv.set_path(kv.split_attn, paged)
+            return fn(x)
+
+        return (key.with_switch(PAGED_SWITCH) if paged else key), step
+
     # --- the executor seam ---------------------------------------------------------------------------------
 
     def run(self, kind: str, build: StepBuilder, inputs: dict, owner: str | None = None,
             executor: StepExecutor | None = None) -> dict:
         """Run one step through the executor; degrade a failing switch and retry, or raise MtpUnavailable."""
         while True:
-            key, fn = build(self.split_enabled())
+            key, fn = self.on_path(*build(self.split_enabled()))
             try:
                 out = self._run_with_room(kind, key, fn, inputs, owner, executor or self.executor)
                 break
@@ -254,11 +275,11 @@ class ModelRunner:
                 if self.mtp_depth:
                     inputs = self.verify_inputs(slots, [self.pad_row] * bb, zeros,
                                                  self.pad_positions(bb, self.mtp_depth + 1))
-                    key, fn = self.verify_build(bb, span)(split)
+                    key, fn = self.on_path(*self.verify_build(bb, span)(split))
                     specs.append(GraphSpec("verify", key, fn, inputs))
                 else:
                     inputs = self._decode_inputs(slots, zeros, self.pad_positions(bb, 1))
-                    key, fn = self._decode_build(bb, span)(split)
+                    key, fn = self.on_path(*self._decode_build(bb, span)(split))
                     specs.append(GraphSpec("decode", key, fn, inputs))
         return specs
 
@@ -360,7 +381,7 @@ class ModelRunner:
                 kv.bind(x["slots"], span)
             else:
                 kv.bind_chunk(x["slots"], span, *chunk)
-            kv.set_split(split)
+            kv.set_path(split, kv.paged)
             hidden = model(x["tokens"], x["positions"], kv)  # [Bb, T, H]
             if last_only:
                 h_last = hidden.index_select(1, x["last"])  # [1, 1, H]

@@ -40,3 +40,10 @@ def test_live_toggle_restart_only_and_degrade() -> None:
     assert board.set_live("FUSED_PROJ", False).enabled is False  # no change asked: no error
     snap = {s["name"]: s for s in board.snapshot()}
     assert snap["FUSED_PROJ"]["live"] is False and snap["SPLIT_ATTN"]["enabled"] is True
+
+
+def test_a_measured_winner_is_on_by_default_and_its_variable_turns_it_off() -> None:
+    assert get_switch("PAGED_ATTN").default is True
+    assert switches_from_env({})["PAGED_ATTN"] is True and switches_from_env({})["SPLIT_ATTN"] is False
+    assert switches_from_env({"STRATA_PAGED_ATTN": "0"})["PAGED_ATTN"] is False
+    assert SwitchBoard.from_values({}).enabled("PAGED_ATTN")

@@ -220,3 +220,13 @@ def test_profile_names_host_functions_and_ops_of_a_steady_step(tmp_path: Path, m
     assert len(host) == 5 and len(ops) == 5
     assert host == sorted(host, key=lambda r: r["own_us_per_step"], reverse=True)
     assert any(r["name"].startswith("aten::") for r in ops)
+
+
+def test_attention_bench_times_the_reference_per_case_and_checks_its_output(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["attention", "--device", "cpu", "--contexts", "300", "--batches", "1,2", "--q-lens", "1,3",
+                           "--iters", "2"])
+    rows = doc["rows"]
+    assert [(r["batch"], r["q_len"], r["kv"]) for r in rows] == [
+        (b, t, kv) for b in (1, 2) for t in (1, 3) for kv in ("bf16", "int8")]
+    assert all(r["torch_ms"] > 0 and r["torch_max_err"] == 0 and "triton_ms" not in r for r in rows)  # no kernel on CPU
+    assert doc["summary"]["cases"] == 4 * 2 and doc["summary"]["min_triton_speedup"] is None

@@ -126,8 +126,8 @@ def test_precapture_does_not_disturb_real_slots(ckpt):
     bus = EventBus()
     engine, _ = _engine(ckpt, bus, True, batch_mtp=True, mtp_depth=2)
     context = engine.kv.geometry.context_tokens
-    assert all(not k[:, :, :context].any() for k in engine.kv.k)
-    assert all(not v[:, :, :context].any() for v in engine.kv.v)
+    assert all(not engine.kv.slot_keys(i)[:, :, :context].any() for i in range(len(engine.kv.k)))
+    assert all(not engine.kv.slot_keys(i, values=True)[:, :, :context].any() for i in range(len(engine.kv.v)))
     assert not engine.runner.draft_buf[: engine.runner.num_slots].any()
 
 

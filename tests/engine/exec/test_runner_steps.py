@@ -31,6 +31,19 @@ def test_buckets():
     assert switch_for_key("draft_round", GraphKey.of("b8", "k2", "L4096", switches=["SPLIT_ATTN"])) == "SPLIT_ATTN"
     assert switch_for_key("decode", GraphKey.of("b8", "L4096")) is None
     assert str(GraphKey.of("b8", "L4096", switches=["SPLIT_ATTN"])) == "(b8, L4096, split_attn)"
+    # The kernel path needs less memory than the gathering one: a failed capture never turns it off.
+    assert switch_for_key("decode", GraphKey.of("b8", "L4096", switches=["PAGED_ATTN"])) is None
+    assert switch_for_key("verify", GraphKey.of("b8", "k2", "L4096", switches=["SPLIT_ATTN", "PAGED_ATTN"])) \
+        == "SPLIT_ATTN"
+
+
+def test_paged_attn_is_degraded_quietly_where_its_kernels_cannot_run(ckpt):
+    engine = make_engine(ckpt, batch=2)
+    state = {s["name"]: s for s in engine.board.snapshot()}["PAGED_ATTN"]
+    assert engine.kv.kernel is None and not state["enabled"] and state["degraded"]
+    assert "CUDA" in state["reason"]
+    key = GraphKey.of("b1", "L256")
+    assert engine.runner.on_path(key, lambda x: x)[0] == key  # CPU keys unchanged
 
 
 def test_padded_rows_write_only_scratch_columns(ckpt):
@@ -39,13 +52,13 @@ def test_padded_rows_write_only_scratch_columns(ckpt):
     runner, kv = engine.runner, engine.kv
     with torch.inference_mode():
         runner.prefill(0, list(range(10, 40)), 0)
-        before = [t[:, :, :512].clone() for t in kv.k]
+        before = [kv.slot_keys(i)[:, :, :512].clone() for i in range(len(kv.k))]
         out = runner.decode([Row(0, 5, 30), Row(1, 6, 0), Row(2, 7, 0)])  # 3 rows -> bucket 4
     assert out.logits.shape[0] == 4
     kind, key, shapes = executor.calls[-1]
     assert kind == "decode" and key == GraphKey.of("b4", "L256") and shapes["tokens"] == (4, 1)
     for layer, old in enumerate(before):
-        new = kv.k[layer][:, :, :512]
+        new = kv.slot_keys(layer)[:, :, :512]
         changed = (new != old).any(dim=-1).any(dim=1).nonzero().tolist()  # [slot, position] pairs
         assert sorted(changed) == [[0, 30], [1, 0], [2, 0]]  # slot 3 and the real history untouched
 

@@ -1,0 +1,160 @@
+"""`strata-engine bench attention`: one layer's decode attention over the serving KV cache, backend by backend.
+
+For each context x batch x queries per row x KV storage: a one-layer SlotKVCache of `batch` slots filled to
+the context, every row's queries at its last positions (the span bucket = the context), then the time of one
+attention read through
+- `torch`: the reference backend as the engine runs it without PAGED_ATTN (keys gathered through the block
+  table, then masked SDPA, or the blocked online softmax when the copy would pass 128 MiB);
+- `triton`: the paged kernels reading the pool in place (engine.model.attention.triton_paged);
+- `flex`: torch's FlexAttention (compiled) over a contiguous per-row copy of the same keys, bf16 and one query
+  per row only (it takes no int8 KV; each shape compiles anew); contiguous is its best case: paging through a
+  block mask only adds to it.
+Each is captured in a CUDA graph of `--iters` calls and replayed, so launch overhead is not what is timed.
+`kv_tb_s` is the KV bytes one read must touch (keys + values, int8 scales included) over the time, against
+the device's ~4.3 TB/s. `max_err` is the largest difference from the reference's output. `--tune` times the
+kernel at other launch shapes (`TILExWARPSxSTAGES`, see KernelConfig) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+import torch
+
+from engine.bench.common import device_of, emit
+from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.model.attention.triton_paged_config import KernelConfig
+
+HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
+
+
+def _graph_ms(fn: Callable[[], Any], iters: int) -> float:
+    """Milliseconds per call of `fn`, replayed from a CUDA graph of `iters` calls (CPU: timed eagerly)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / (3 * iters)
+    del graph
+    return ms
+
+
+def _cache(context: int, batch: int, storage: str, dtype: torch.dtype, device: torch.device) -> SlotKVCache:
+    geo = KVGeometry(1, batch, HKV, HEAD_DIM, context, 64)
+    cache = SlotKVCache(geo, storage, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for pool in (cache.k[0], cache.v[0]):
+        if storage == "int8":
+            pool.copy_(torch.randint(-127, 128, pool.shape, generator=gen, device=device, dtype=torch.int8))
+        else:
+            pool.normal_(generator=gen)
+    for scale in (*cache.k_scale, *cache.v_scale):
+        scale.uniform_(0.005, 0.02, generator=gen)
+    return cache
+
+
+def _flex(q: torch.Tensor, cache: SlotKVCache, positions: torch.Tensor, context: int) -> Callable[[], Any]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b = q.shape[0]
+    slots = torch.arange(b, device=q.device)
+    k, v = cache.read(0, slots, 0, context)
+    k, v = k.contiguous(), v.contiguous()
+
+    def visible(bi, h, qi, ki):
+        return ki <= positions[bi, qi]
+
+    mask = create_block_mask(visible, b, None, q.shape[2], context, device=q.device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda: compiled(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+def _tuned(cache: SlotKVCache, q: torch.Tensor, positions: torch.Tensor, config: KernelConfig) -> Callable[[], Any]:
+    from engine.model.attention.triton_paged import paged_decode_attention
+
+    scales = (cache.k_scale[0], cache.v_scale[0]) if cache.storage == "int8" else (None, None)
+    return lambda: paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, cache.slots,
+                                          positions, cache.span_tokens, cache.geometry.context_tokens, config)
+
+
+def _case(context: int, batch: int, t: int, storage: str, device: torch.device, iters: int,
+          backends: list[str], tune: list[KernelConfig]) -> dict[str, Any]:
+    dtype = torch.bfloat16
+    cache = _cache(context, batch, storage, dtype, device)
+    slots = torch.arange(batch, device=device)
+    positions = torch.arange(context - t, context, device=device).repeat(batch, 1)
+    q = torch.randn(batch, HQ, t, HEAD_DIM, device=device, dtype=dtype)
+    bytes_per_key = 2 * HKV * (HEAD_DIM * (1 if storage == "int8" else 2) + (4 if storage == "int8" else 0))
+    kv_bytes = batch * context * bytes_per_key
+    row: dict[str, Any] = {"context": context, "batch": batch, "q_len": t, "kv": storage}
+    cache.bind(slots, context)
+    reference = cache.reference.attend(cache, 0, q, positions)
+    runs: dict[str, Callable[[], Any]] = {"torch": lambda: cache.reference.attend(cache, 0, q, positions)}
+    if cache.kernel is not None:
+        runs["triton"] = lambda: cache.kernel.attend(cache, 0, q, positions)
+    for name in backends:
+        # Flex: bf16 only (no int8 KV), one compile per shape: measured at one query per row to bound its cost.
+        if name not in runs and not (name == "flex" and storage == "bf16" and device.type == "cuda" and t == 1):
+            continue
+        try:
+            fn = _flex(q, cache, positions, context) if name == "flex" else runs[name]
+            err = (fn().float() - reference.float()).abs().max().item()
+            ms = _graph_ms(fn, iters)
+            row[f"{name}_ms"] = round(ms, 4)
+            row[f"{name}_kv_tb_s"] = round(kv_bytes / ms / 1e9, 3)
+            row[f"{name}_max_err"] = round(err, 5)
+        except Exception as exc:  # noqa: BLE001 - one backend failing is a figure to report, not a crash
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for config in tune if cache.kernel is not None else []:
+        name = f"tile{config.tile_tokens}_w{config.num_warps}_s{config.num_stages}"
+        try:
+            row[f"{name}_ms"] = round(_graph_ms(_tuned(cache, q, positions, config), iters), 4)
+        except Exception as exc:  # noqa: BLE001 - a launch shape that does not fit is a result too
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if "triton_ms" in row and "torch_ms" in row:
+        row["triton_speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
+    del cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    device = device_of(args.device)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    tune = [KernelConfig(*(int(x) for x in spec.split("x"))) for spec in args.tune.split(",") if spec.strip()]
+    rows = []
+    for context in args.contexts:
+        for batch in args.batches:
+            for t in args.q_lens:
+                for storage in args.kv_storage.split(","):
+                    t0 = time.perf_counter()
+                    row = _case(context, batch, t, storage.strip(), device, args.iters, backends, tune)
+                    row["bench_s"] = round(time.perf_counter() - t0, 1)
+                    print({k: v for k, v in row.items()}, flush=True)
+                    rows.append(row)
+    best = [r for r in rows if "triton_speedup" in r]
+    summary = {"cases": len(rows), "triton_faster_everywhere": bool(best) and all(r["triton_speedup"] > 1 for r in best),
+               "min_triton_speedup": min((r["triton_speedup"] for r in best), default=None)}
+    emit(args, "attention", rows, summary, device)
+    return 0

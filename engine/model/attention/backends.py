@@ -1,0 +1,109 @@
+"""Attention backends: how the model's attention reads the serving KV cache.
+
+The cache (engine.exec.kv_cache.SlotKVCache) is storage: a block pool per layer, a block table per slot, and
+the binding of one forward (`slots`, `span_tokens`, `causal_keys`, `split_attn`). A backend turns the bound
+cache and the queries into the attention output:
+
+- `TorchAttention`: the reference. Reads each row's keys through the block table into a contiguous copy
+  (`kv.read`), then masked SDPA, the split-KV (flash-decoding) path, the blocked online softmax for long reads,
+  or fused causal SDPA for prompt chunks. Runs everywhere; CPU results and the tests' oracle.
+- `TritonPagedAttention`: decode, MTP verify and drafting steps (at most `MAX_KERNEL_QUERIES` tokens per row)
+  read the pool in place through the block table (engine.model.attention.triton_paged); anything else falls
+  back to the reference. fp32 runs with exact (IEEE) fp32 dots. CUDA with Triton only (`kernel_backend()`
+  says whether it can run).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from engine.model.attention.reference import OnlineSoftmax, causal_mask, masked_sdpa, scores_bytes, split_kv_attention
+
+MAX_KERNEL_QUERIES = 8
+_MIN_BLOCK_TOKENS = 256
+
+
+class TorchAttention:
+    """Gather + SDPA (and its blocked / split variants): the reference backend."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._mask: tuple | None = None  # (positions, shape, span, group, dtype, mask) of the forward bound last
+
+    def reset(self) -> None:
+        """A new forward was bound: forget the mask of the last one."""
+        self._mask = None
+
+    def attend(self, kv: Any, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, T, D] over the keys `kv` holds for its bound slots -> [B, Hq, T, D]."""
+        slots, span, t = kv.slots, kv.span_tokens, q.shape[2]
+        if kv.causal_keys is not None:  # bound by bind_chunk, when chunk_fusable said yes
+            kk, vv = kv.read(layer, slots, 0, kv.causal_keys)
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal_lower_right(t, kk.shape[2]),
+                                                  enable_gqa=q.shape[1] != kk.shape[1])
+        if kv.split_attn and t <= MAX_KERNEL_QUERIES and span > kv.split_tokens:
+            kk, vv = kv.read(layer, slots, 0, span)  # the switch's cost: scratch that grows with context
+            return split_kv_attention(q, kk, vv, positions, kv.split_tokens)
+        if ((t > MAX_KERNEL_QUERIES and scores_bytes(q, span) > kv.block_scores_bytes)
+                or kv.gather_bytes(q, span) > kv.block_kv_bytes):
+            return self._blocked(kv, layer, q, positions, span)
+        kk, vv = kv.read(layer, slots, 0, span)
+        return masked_sdpa(q, kk, vv, positions, self._mask_for(kv, q, positions, span))
+
+    def _mask_for(self, kv: Any, q: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """masked_sdpa's causal-by-position mask, built by the first layer of a forward and reused by the rest
+        (every layer of one forward has the same positions and span: two kernels saved per layer)."""
+        key = (positions, positions.shape, span, q.shape[1] // kv.geometry.num_kv_heads, q.dtype)
+        if self._mask is None or self._mask[0] is not positions or self._mask[1:-1] != key[1:]:
+            # Additive (0 / -inf) in the compute dtype: SDPA would otherwise convert a bool mask in every layer.
+            visible = causal_mask(positions, key[3], span)
+            additive = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+            self._mask = (*key, additive)
+        return self._mask[-1]
+
+    def _blocked(self, kv: Any, layer: int, q: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        b, hq, t, d = q.shape
+        by_scores = kv.block_scores_bytes // max(1, b * hq * t * 4)
+        by_copy = kv.block_kv_bytes // max(1, kv.gather_bytes(q, 1))
+        block = max(_MIN_BLOCK_TOKENS, min(by_scores, by_copy))
+        state = OnlineSoftmax.start(q, kv.geometry.num_kv_heads, positions)
+        for start in range(0, span, block):
+            end = min(span, start + block)
+            kk, vv = kv.read(layer, kv.slots, start, end)
+            state.update(kk, vv, start)
+        return state.finish()
+
+
+class TritonPagedAttention(TorchAttention):
+    """Few-query steps through the in-place paged kernel; prompt chunks through the reference."""
+
+    name = "triton"
+
+    def takes(self, kv: Any, q: torch.Tensor) -> bool:
+        """Whether the kernel serves this read (else the reference does)."""
+        return q.shape[2] <= MAX_KERNEL_QUERIES and kv.causal_keys is None and q.is_cuda
+
+    def attend(self, kv: Any, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.takes(kv, q):
+            return super().attend(kv, layer, q, positions)
+        from engine.model.attention.triton_paged import paged_decode_attention
+
+        scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.storage == "int8" else (None, None)
+        return paged_decode_attention(q, kv.k[layer], kv.v[layer], *scales, kv.block_table, kv.slots, positions,
+                                      kv.span_tokens, kv.geometry.context_tokens)
+
+
+def kernel_backend(device: torch.device) -> TritonPagedAttention | None:
+    """The paged-kernel backend where it can run (a CUDA device and an importable Triton), else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    return TritonPagedAttention()

@@ -1,0 +1,192 @@
+"""Paged decode / verify attention in Triton: few queries per sequence, keys read in place through a block table.
+
+    out = paged_decode_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, slots, positions,
+                                 span_tokens, context_tokens)
+
+Storage (engine.exec.kv_cache): per layer a pool `[Hkv, num_blocks, block_tokens, D]` (bf16, or int8 with
+float32 scales `[Hkv, num_blocks, block_tokens]`, one per token and head) and a block table
+`[num_slots, blocks_per_slot]` (int32) that maps a slot's logical block to a physical block of the pool.
+
+One program per (batch row, KV head, split): the row's T queries times the head's G query heads are packed into
+the rows of one tile (GQA of any ratio; keys are read once per KV head). Each split streams its share of the
+keys with an online softmax; a second kernel combines the splits (flash-decoding). int8 keys and values are
+converted in registers: the key scale multiplies the scores, the value scale multiplies P before P.V.
+
+Graph-capturable: the grid depends only on the batch and the static span bucket; lengths (positions) and the
+block table are read on the device. Rows whose positions are at or past `context_tokens` are padding (scratch
+columns): they read nothing and produce zeros. Query row (g, t) of KV head h is query head h*G + g at token t
+and sees keys 0..positions[b, t] (the reference path's causal-by-position rule).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.attention.triton_paged_config import DEFAULT_CONFIG, KernelConfig
+
+_TARGET_PROGRAMS = 264  # ~2 per SM on an H100/H200 (132 SMs): enough splits to fill the device
+_MIN_SPLIT_TILES = 4  # a split streams at least this many tiles
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qb, stride_qh, stride_qt,
+    stride_kh, stride_kb,
+    stride_sh, stride_sb,
+    stride_tab,
+    stride_ob, stride_oh, stride_ot,
+    sm_scale, span_tokens, context_tokens, split_tiles, num_splits,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+    g = rows // T
+    t = rows % T
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    head = h * G + g
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1).to(tl.int32)
+    pos = tl.where(pos < context_tokens, pos, -1)  # padding rows see no key
+    kv_len = tl.minimum(tl.max(pos, axis=0) + 1, span_tokens)
+    slot = tl.load(slots_ptr + b)
+    first_tile = split * split_tiles
+    last_tile = tl.minimum(first_tile + split_tiles, tl.cdiv(kv_len, BLOCK_N))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(first_tile, last_tile):
+        keys = tile * BLOCK_N + n
+        # A tile of BLOCK_N keys may span several pool blocks (or part of one): each key finds its own block.
+        # Keys past the row's length read block 0's memory (in bounds) and are masked out below.
+        phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
+        k_off = h * stride_kh + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
+        k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
+        v = tl.load(v_ptr + k_off, mask=d_ok[None, :], other=0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        if INT8:
+            ks = tl.load(ks_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
+            s = s * ks[None, :]
+        s = s * sm_scale
+        visible = keys[None, :] <= pos[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if INT8:
+            vs = tl.load(vs_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
+            p = p * vs[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    if SINGLE:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = b * stride_ob + head[:, None] * stride_oh + t[:, None] * stride_ot + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        base = (b * tl.num_programs(1) + h) * num_splits + split
+        tl.store(mid_lse_ptr + base * BLOCK_M + rows, lse)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(mid_o_ptr + (base * BLOCK_M + rows[:, None]) * BLOCK_D + d[None, :], o)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, stride_ot, num_splits,
+    T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2)  # one query row (g, t) of this KV head
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    base = (b * tl.num_programs(1) + h) * num_splits + s  # [BLOCK_S]
+    lse = tl.load(mid_lse_ptr + base * BLOCK_M + r, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # splits that saw no key weigh 0
+    o = tl.load(mid_o_ptr + (base[:, None] * BLOCK_M + r) * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    g = r // T
+    t = r % T
+    o_off = b * stride_ob + (h * G + g) * stride_oh + t * stride_ot + d
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+
+
+def split_plan(batch: int, num_kv_heads: int, span_tokens: int, tile_tokens: int) -> tuple[int, int]:
+    """(splits, tiles per split) for a static span: enough programs to fill the device, each streaming at
+    least _MIN_SPLIT_TILES tiles. Depends only on static shapes, so a captured graph keeps it."""
+    tiles = -(-span_tokens // tile_tokens)
+    want = max(1, -(-_TARGET_PROGRAMS // (batch * num_kv_heads)))
+    splits = max(1, min(want, tiles // _MIN_SPLIT_TILES))
+    per_split = -(-tiles // splits)
+    return -(-tiles // per_split), per_split
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
+                           slots: torch.Tensor, positions: torch.Tensor, span_tokens: int, context_tokens: int,
+                           config: KernelConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """q [B, Hq, T, D] (bf16/fp16, or fp32 with exact fp32 dots), positions [B, T] long -> [B, Hq, T, D]."""
+    b, hq, t, d = q.shape
+    hkv, _, block_tokens, _ = k_pool.shape
+    g = hq // hkv
+    assert hq == g * hkv and t * g <= 128, (hq, hkv, t)
+    assert q.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous(), "contiguous head dim expected"
+    block_m = max(16, triton.next_power_of_2(g * t))
+    block_d = max(16, triton.next_power_of_2(d))
+    tile = config.tile_tokens
+    assert tile % block_tokens == 0 or block_tokens % tile == 0, (tile, block_tokens)
+    splits, per_split = split_plan(b, hkv, span_tokens, tile)
+    out = torch.empty_like(q)
+    int8 = k_pool.dtype == torch.int8
+    if int8:
+        assert k_scale is not None and v_scale is not None
+        ks, vs = k_scale, v_scale
+    else:
+        ks = vs = k_pool  # never read
+    if splits > 1:
+        mid_o = torch.empty(b, hkv, splits, block_m, block_d, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(b, hkv, splits, block_m, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # never written
+    positions, slots = positions.contiguous(), slots.contiguous()  # verify's inputs are strided views
+    _paged_decode_kernel[(b, hkv, splits)](
+        q, k_pool, v_pool, ks, vs, block_table, slots, positions, out, mid_o, mid_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1),
+        ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
+        block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        1.0 / math.sqrt(d), span_tokens, context_tokens, per_split, splits,
+        T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=tile, PAGE=block_tokens, SINGLE=splits == 1,
+        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(b, hkv, g * t)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), out.stride(2), splits,
+            T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,141 @@
+"""The block pool and block table: every read and write goes through the table, so a slot may map any blocks.
+
+CPU tests drive the reference backend (the Triton interpreter is not a usable oracle on CPU, KERNELS.md); the
+kernel itself is checked against the reference on the GPU in test_kv_paged_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.model.attention.backends import kernel_backend
+
+PATHS = ["sdpa", "split", "blocked", "chunk"]
+
+
+def _cache(storage: str, block_tokens: int = 16) -> SlotKVCache:
+    geo = KVGeometry(num_layers=2, num_slots=3, num_kv_heads=2, head_dim=16, context_tokens=200, margin_tokens=16,
+                     block_tokens=block_tokens)
+    return SlotKVCache(geo, storage, torch.float32, "cpu")
+
+
+def _shuffle_table(cache: SlotKVCache, seed: int) -> None:
+    """Map every slot's logical blocks to a random permutation of the pool's physical blocks."""
+    perm = torch.randperm(cache.geometry.num_blocks, generator=torch.Generator().manual_seed(seed))
+    cache.block_table.copy_(perm.view_as(cache.block_table).to(torch.int32))
+
+
+def _run(cache: SlotKVCache, path: str, seed: int) -> list[torch.Tensor]:
+    """Prefill two slots, then one step of the path; every attention output, in order."""
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for slot, n in ((0, 150), (2, 37)):
+        q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h in (4, 2, 2))
+        cache.bind(torch.tensor([slot]), span_tokens=200)
+        outs.append(cache.attend(1, q, k, v, torch.arange(n).view(1, -1)))
+    if path == "split":
+        cache.set_path(True, False)
+        cache.split_tokens = 32
+    if path == "blocked":
+        cache.block_kv_bytes = 1
+    t = 12 if path == "chunk" else 3
+    q, k, v = (torch.randn(2, h, t, 16, generator=gen) for h in (4, 2, 2))
+    positions = torch.stack([torch.arange(150, 150 + t), torch.arange(37, 37 + t)])
+    if path == "chunk":
+        cache.bind_chunk(torch.tensor([0]), 200, 150, t)
+        outs.append(cache.attend(1, q[:1], k[:1], v[:1], positions[:1]))
+    else:
+        cache.bind(torch.tensor([0, 2]), span_tokens=200)
+        outs.append(cache.attend(1, q, k, v, positions))
+    return outs
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+@pytest.mark.parametrize("path", PATHS)
+def test_any_block_table_gives_the_same_attention(storage, path):
+    plain, shuffled = _cache(storage), _cache(storage)
+    _shuffle_table(shuffled, seed=5)
+    assert not torch.equal(plain.block_table, shuffled.block_table)
+    for a, b in zip(_run(plain, path, 1), _run(shuffled, path, 1)):
+        assert torch.equal(a, b)
+    # ...because the tokens really sit elsewhere in the pool, and read back the same through the table
+    assert not torch.equal(plain.k[1], shuffled.k[1])
+    assert torch.equal(plain.slot_keys(1), shuffled.slot_keys(1))
+
+
+def test_block_size_does_not_change_the_output():
+    outs = [_run(_cache("bf16", block_tokens=bt), "sdpa", 2) for bt in (8, 64)]
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_tier_spans_move_through_the_block_table():
+    src, dst = _cache("int8"), _cache("int8")
+    _shuffle_table(dst, seed=9)
+    _run(src, "sdpa", 3)
+    data, scales = src.read_span(0, 32, 96)
+    dst.write_span(1, 64, data, scales)
+    again, again_scales = dst.read_span(1, 64, 128)
+    assert torch.equal(again, data) and torch.equal(again_scales, scales)
+    assert torch.equal(dst.slot_keys(0)[1, :, 64:128].float(), src.slot_keys(0)[0, :, 32:96].float())
+
+
+def test_columns_round_up_to_whole_blocks_and_the_pool_is_accounted():
+    geo = KVGeometry(2, 3, 2, 16, 200, 16, block_tokens=64)
+    assert geo.blocks_per_slot == 4 and geo.columns == 256 and geo.num_blocks == 12
+    cache = SlotKVCache(geo, "int8", torch.float32, "cpu")
+    assert cache.k[0].shape == (2, 12, 64, 16) and cache.k_scale[0].shape == (2, 12, 64)
+    assert cache.nbytes == geo.total_bytes("int8", torch.float32)
+
+
+def test_no_kernel_backend_on_cpu_so_paged_runs_the_reference():
+    cache = _cache("bf16")
+    assert kernel_backend(torch.device("cpu")) is None and cache.kernel is None
+    cache.set_path(False, True)
+    assert cache.backend is cache.reference
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+@pytest.mark.parametrize("tile_tokens", [8, 16, 32])  # tiles inside a block, one block, across blocks
+def test_the_kernel_in_the_triton_interpreter_matches_the_reference(storage, tile_tokens):
+    """Where Triton is installed (not in CI: its wheel is ~180 MiB), its interpreter runs the real kernel on
+    CPU in fp32: a shuffled block table, GQA 5:1, 3 queries per row, a padding row, one split and several.
+    In a fresh process: TRITON_INTERPRET must be set before Triton (or torch, which may import it) loads."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = f"from tests.engine.exec.test_kv_paged import interpreter_check; interpreter_check({storage!r}, {tile_tokens})"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def interpreter_check(storage: str, tile_tokens: int) -> None:
+    from engine.model.attention.triton_paged import paged_decode_attention
+    from engine.model.attention.triton_paged_config import KernelConfig
+
+    cache = _cache(storage, block_tokens=16)
+    _shuffle_table(cache, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    geo = cache.geometry
+    for slot in range(geo.num_slots):
+        k, v = (torch.randn(1, 2, geo.columns, 16, generator=gen) for _ in range(2))
+        cache.bind(torch.tensor([slot]))
+        cache._write(0, k, v, torch.arange(geo.columns).view(1, -1))
+    for t, hq, ends, span in ((1, 4, [150, 17], 200), (3, 10, [199, 90, 5], 200), (2, 2, [40], 64)):
+        q = torch.randn(len(ends) + 1, hq, t, 16, generator=gen)
+        slots = torch.tensor([i % geo.num_slots for i in range(len(ends) + 1)])
+        positions = torch.tensor([[e - t + j for j in range(t)] for e in ends] + [[200 + j for j in range(t)]])
+        cache.bind(slots, span)
+        reference = cache.reference.attend(cache, 0, q, positions)
+        scales = (cache.k_scale[0], cache.v_scale[0]) if storage == "int8" else (None, None)
+        out = paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
+                                     span, geo.context_tokens, KernelConfig(tile_tokens=tile_tokens))
+        assert torch.allclose(out[:-1], reference[:-1], atol=1e-5), (out[:-1] - reference[:-1]).abs().max()
+        assert not out[-1].any()  # the padding row read nothing
