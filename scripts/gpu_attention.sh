@@ -26,7 +26,7 @@ step() {  # step NAME LIMIT_S COMMAND...
     grep -v USDT "$OUT/$name.log" | tail -"${TAIL:-40}"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-step kernel_tests 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/test_kv_paged_gpu.py
+step kernel_tests 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/exec/test_kv_paged_gpu.py
 step attention 170 "$PY" -m engine.bench attention --device cuda:0 --iters 10 --json "$OUT/attention.json"
 step profile128k 110 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k.json"
