@@ -12,7 +12,7 @@
 # sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB;
 # DECODE_COMPILE=0 skips the compiled decode run; STEPS=name,name runs only those benchmarks
 # (e.g. STEPS=admission,switches)
-# (tests/engine/test_bench_script.py runs the whole script on CPU with tiny ones).
+# (tests/engine/bench/test_bench_script.py runs the whole script on CPU with tiny ones).
 set -uo pipefail
 
 OUT=${OUT:?set OUT to the folder for the results}

@@ -30,7 +30,7 @@ step kernel_tests 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/exe
 step attention 170 "$PY" -m engine.bench attention --device cuda:0 --iters 10 --json "$OUT/attention.json"
 step profile128k 110 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k.json"
-step engine_gpu 90 "$PY" -m pytest -q -p no:cacheprovider tests/engine/test_graphs_runner.py \
+step engine_gpu 90 "$PY" -m pytest -q -p no:cacheprovider tests/engine/exec/test_graphs_runner.py \
     tests/engine/test_engine_gpu.py -k "not seed_scenario and not peer_device"
 step peers 160 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 --batches 1,6 --peers static \
     --json "$OUT/peers.json"
