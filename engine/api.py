@@ -14,11 +14,13 @@ from engine.switches import SwitchState
 from engine.telemetry import EventBus
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Temperatures below this are greedy: logits / 1e-45 overflow float32 to inf and softmax gives NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. temperature 0 is greedy."""
+    """How to sample one request. temperature 0 (or below GREEDY_BELOW_TEMPERATURE) is greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -27,6 +29,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # one rule for every sampler: see the constant
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.config import BUILTIN_MODEL, KV_DTYPES, MODEL_DTYPES, EngineConfig
+from engine.config import API_KEY_ENV, BUILTIN_MODEL, KV_DTYPES, MODEL_DTYPES, EngineConfig
 from engine.errors import ConfigError
 from engine.switches import switches_from_env
 
@@ -34,7 +34,11 @@ def add_engine_options(parser: argparse.ArgumentParser, serving: bool = False) -
         s = parser.add_argument_group("server")
         s.add_argument("--host", default=d.host, help="address to bind (default 127.0.0.1)")
         s.add_argument("--port", type=int, default=d.port, help="port (0 picks a free one)")
-        s.add_argument("--api-key", default=os.environ.get("STRATA_API_KEY"), help="require Authorization: Bearer KEY")
+        s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                       help=f"require Authorization: Bearer KEY on every route but /health (or set {API_KEY_ENV}: "
+                            f"unlike argv, the environment is not shown in the process list)")
+        s.add_argument("--max-body-mib", type=int, default=d.max_body_mib, metavar="MIB",
+                       help=f"request bodies above this get 413 before they are parsed (default {d.max_body_mib})")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.api import SamplingParams
+from engine.api import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -46,8 +46,10 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     None reads whether any row truncates from top_p (a host sync); device code passes it.
     """
     logits = logits.float()
-    greedy = (temperature <= 0).view(-1, 1, 1)
-    safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(-1, 1, 1)
+    # Below GREEDY_BELOW_TEMPERATURE logits / t overflows to inf (NaN probabilities): such rows are greedy.
+    sampled = temperature >= GREEDY_BELOW_TEMPERATURE
+    greedy = (~sampled).view(-1, 1, 1)
+    safe_t = torch.where(sampled, temperature, torch.ones_like(temperature)).view(-1, 1, 1)
     probs = torch.softmax(logits / safe_t, dim=-1)
     if use_top_p is None:
         use_top_p = bool((top_p < 1.0).any())

@@ -13,15 +13,19 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from engine.server.errors import from_validation_error, malformed_json
+from engine.errors import PromptTooLong
+from engine.server.errors import from_exception, from_validation_error, invalid_param, malformed_json
 
 TokenId = Annotated[int, Field(ge=0)]
 MAX_STOP_STRINGS = 4
+# torch.Generator.manual_seed takes -2**63 .. 2**64 - 1; anything outside is refused here, naming `seed`.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 class _Body(BaseModel):
     # OpenAI clients send fields this server does not know (user, metadata, ...): ignore, do not fail.
-    model_config = ConfigDict(extra="ignore")
+    # Strict: `true` is not an integer and "1" is not a boolean (OpenAI refuses both too).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -39,7 +43,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, float] | None = None
@@ -175,15 +179,52 @@ class ModelList(BaseModel):
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
-    """Parse a JSON body into `model`; malformed JSON and invalid fields raise ApiError (400)."""
+def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None) -> BodyT:
+    """Parse a JSON body into `model`; malformed JSON and invalid fields raise ApiError (400).
+
+    CPU-heavy for a large body: the routes call it in a worker thread. `max_prompt_ids` (the context) refuses
+    a token-id prompt that cannot fit before the validator walks it (a validator holds the GIL throughout)."""
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise malformed_json("nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise malformed_json(str(exc)) from None
     if not isinstance(data, dict):
         raise malformed_json(f"expected a JSON object, got {type(data).__name__}")
+    _check_unicode(data)
+    prompt = data.get("prompt")
+    if max_prompt_ids is not None and isinstance(prompt, list) and len(prompt) > max_prompt_ids:
+        if all(type(t) is int for t in prompt[:16]):  # ids, not a batch of prompts (refused by name later)
+            raise from_exception(PromptTooLong(len(prompt), max_prompt_ids))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _check_unicode(data: Any) -> None:
+    """400 naming the field when a string holds a lone surrogate (`"\\ud800"` is valid JSON but no text:
+    a tokenizer cannot encode it). One C-speed pass; the field is looked for only when it fails."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        path, value = _find_surrogate(data, "")
+        raise invalid_param(path or "body", value, "a lone UTF-16 surrogate is not valid Unicode text") from None
+
+
+def _find_surrogate(node: Any, path: str) -> tuple[str, str]:
+    stack = [(node, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where, item
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+            stack.extend((k, where or "body") for k in item if isinstance(k, str))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return "", ""

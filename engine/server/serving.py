@@ -65,9 +65,18 @@ class Serving:
     # --- models and lifecycle ------------------------------------------------------------------------------
 
     def models(self) -> ModelList:
+        return ModelList(data=[self._card()])
+
+    def model_card(self, model_id: str) -> ModelCard:
+        """GET /v1/models/{id} (the OpenAI SDK's models.retrieve): the served model, else 404."""
+        if model_id != self.client.model_name:
+            raise ApiError(404, f"model {model_id!r} does not exist; this server serves {self.client.model_name!r}",
+                           param="model", code="model_not_found")
+        return self._card()
+
+    def _card(self) -> ModelCard:
         vocab = getattr(self.client, "vocab_size", None)
-        card = ModelCard(id=self.client.model_name, max_model_len=self.client.context_tokens, vocab_size=vocab)
-        return ModelList(data=[card])
+        return ModelCard(id=self.client.model_name, max_model_len=self.client.context_tokens, vocab_size=vocab)
 
     @property
     def inflight_count(self) -> int:

@@ -210,7 +210,7 @@ def test_streaming_completion_ends_with_done_and_usage(url: str) -> None:
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
-def test_auth_guards_v1_and_control_posts_only() -> None:
+def test_auth_guards_every_route_but_health() -> None:
     fake = FakeEngine()
     with LiveServer(create_app(fake, EngineConfig(device="cpu", api_key="s3cret"))) as url:
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
@@ -220,7 +220,7 @@ def test_auth_guards_v1_and_control_posts_only() -> None:
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
         assert _post(url, "/strata/switches/SPLIT_ATTN", {"enabled": True}).status_code == 401
         assert _post(url, "/strata/vram-reserve", {"mib": 5}).status_code == 401
-        assert httpx.get(url + "/strata/state", timeout=10).status_code == 200
+        assert httpx.get(url + "/strata/state", timeout=10).status_code == 401
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         assert fake.requests == []
 

@@ -217,7 +217,7 @@ def _raw_stream_request(url: str, body: dict):
     payload = json.dumps(body).encode()
     parsed = urlparse(url)
     sock = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return sock
 

@@ -34,7 +34,7 @@ def _raw_request(port: int, body: dict) -> socket.socket:
     """Send a request on a raw socket, so the test can drop the connection whenever it wants."""
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return sock
 
