@@ -120,7 +120,7 @@ def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepali
         raw = request.headers.get("last-event-id") or last_event_id
         resume = sse.parse_last_event_id(raw)
         if raw is not None and resume is None:
-            raise invalid_param("Last-Event-ID", raw, "expected a non-negative event sequence number")
+            raise invalid_param("Last-Event-ID", raw, "expected EPOCH-SEQ (an event id) or a sequence number")
         stream = sse.event_stream(client.bus, resume, serving.events_closed, keepalive_s=keepalive_s)
         return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
 
