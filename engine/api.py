@@ -8,6 +8,7 @@ so its tests can drive a real engine on CPU through exactly the surface producti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
 from engine.switches import SwitchState
@@ -61,10 +62,39 @@ class RequestOutput:
     error: str | None = None
 
 
+class HealthStatus(str, Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DEAD = "dead"  # the engine cannot serve again: a failed load, a sticky CUDA error, repeated failed steps
+    STOPPED = "stopped"
+
+    @classmethod
+    def parse(cls, raw: Any) -> "HealthStatus":
+        """From the wire: a status value, or an older engine's reason text ("dead: ...")."""
+        text = str(raw or "")
+        for status in cls:
+            if text == status.value or text.startswith(status.value + ":"):
+                return status
+        return cls.LOADING
+
+
 @dataclass(frozen=True)
 class Health:
-    ready: bool
-    reason: str  # "ready", "loading: ...", "dead: <the real error>"
+    status: HealthStatus
+    detail: str = ""  # loading: what; dead: the real error
+
+    @property
+    def ready(self) -> bool:
+        return self.status is HealthStatus.READY
+
+    @property
+    def dead(self) -> bool:
+        return self.status is HealthStatus.DEAD
+
+    @property
+    def reason(self) -> str:
+        """The wire text: "ready", "stopped", "loading: <what>", "dead: <the real error>"."""
+        return f"{self.status.value}: {self.detail}" if self.detail else self.status.value
 
 
 @runtime_checkable

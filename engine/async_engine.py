@@ -19,9 +19,11 @@ import threading
 from collections import deque
 from typing import Any, AsyncIterator, Callable
 
-from engine.api import GenerationRequest, Health, RequestOutput
+from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
 from engine.config import EngineConfig
 from engine.errors import EngineDead
+from engine.exec.gpu_errors import real_message
+from engine.snapshot import EngineSnapshot, HealthSnapshot
 from engine.switches import SwitchState
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent
 
@@ -63,12 +65,12 @@ class AsyncEngine:
 
     def health(self) -> Health:
         if self._load_error is not None:
-            return Health(False, f"dead: {self._load_error}")
+            return Health(HealthStatus.DEAD, self._load_error)
         if self.engine is None:
-            return Health(False, "stopped" if self._stopping else f"loading: {self.config.model}")
+            return Health(HealthStatus.STOPPED) if self._stopping else Health(HealthStatus.LOADING, self.config.model)
         health = self.engine.health()
         if health.ready and self._stopping:
-            return Health(False, "stopped")
+            return Health(HealthStatus.STOPPED)
         return health
 
     async def shutdown(self) -> None:
@@ -134,10 +136,15 @@ class AsyncEngine:
         await self._call(lambda: self._abort_now(request_id))
 
     def state(self) -> dict[str, Any]:
+        """The snapshot the engine thread published last (never built here: this runs on the server's thread)."""
+        health = self.health()
         if self.engine is None:
-            return {"model": self.model_name, "config": self.config.to_dict(),
-                    "health": {"ready": False, "reason": self.health().reason}}
-        return self.engine.state()
+            snap = EngineSnapshot(model=self.model_name, config=self.config.to_dict(),
+                                  health=HealthSnapshot(ready=False, reason=health.reason, status=health.status))
+            return snap.to_json()
+        data = self.engine.snapshot.to_json()
+        data["health"] = HealthSnapshot(ready=health.ready, reason=health.reason, status=health.status).to_json()
+        return data
 
     async def set_switch(self, name: str, enabled: bool) -> SwitchState:
         def toggle() -> SwitchState:
@@ -184,9 +191,7 @@ class AsyncEngine:
         try:
             self.engine = (self._factory or _default_factory)(self.config, self.bus)
         except BaseException as exc:  # noqa: BLE001 - a failed load is reported through health, not lost
-            from engine.engine import describe_exception
-
-            self._load_error = describe_exception(exc)
+            self._load_error = real_message(exc)
             self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
         else:
             self.vocab_size = self.engine.vocab_size
@@ -204,18 +209,20 @@ class AsyncEngine:
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    fut.set_result(fn())
+                    result = fn()
+                    if self.engine is not None:  # what the command changed is in /strata/state when it returns
+                        self.engine.publish_snapshot(force=True)
                 except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                     fut.set_exception(exc)
+                else:
+                    fut.set_result(result)
             if self.engine is not None and not self.engine.has_work and not commands:
                 self.engine.idle_tick()
             if self.engine is not None and self.engine.has_work:
                 try:
                     self._deliver(self.engine.step())
                 except Exception as exc:  # noqa: BLE001 - Engine.step reports its own failures; this is a bug
-                    from engine.engine import describe_exception
-
-                    self._load_error = f"engine thread: {describe_exception(exc)}"
+                    self._load_error = f"engine thread: {real_message(exc)}"
                     self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
                     break
         self._drain_on_stop()

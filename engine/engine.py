@@ -16,50 +16,30 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.api import Health, RequestOutput, SamplingParams
+from engine.api import Health, HealthStatus, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, RequestRejected
+from engine.core.output import OutputProcessor, Track
 from engine.exec.gpu_errors import error_event, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
 from engine.exec.runner import MtpUnavailable, Row
 from engine.exec.sampler import device_result, make_generator, sample_with_drafts
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
-from engine.state import engine_state, slot_event
+from engine.snapshot import EngineSnapshot, MtpSnapshot
+from engine.state import build_snapshot, slot_event
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent
 
 SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
 VRAM_EVENT_INTERVAL_S = 1.0
+SNAPSHOT_INTERVAL_S = 0.05  # /strata/state is at most this stale while steps run; commands publish at once
 MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in between: then the engine gives up
-
-
-def describe_exception(exc: BaseException) -> str:
-    """The real error text: 'Type: message' of each usable link of the __cause__/__context__ chain.
-
-    Links that say "no error" (a status read from another call, the seed report's first bug) are skipped.
-    """
-    return real_message(exc)
-
-
-@dataclass
-class _Track:
-    """Engine-side companions of a Request: its generator, detokenizer and stop-string state."""
-
-    request: Request
-    generator: torch.Generator
-    decoder: Any
-    text: str = ""
-    sent_chars: int = 0
-    last_event_s: float = 0.0
-    pending: list[int] = field(default_factory=list)  # token ids not yet sent
-    cut_by_stop_string: bool = False
 
 
 class Engine:
@@ -85,24 +65,48 @@ class Engine:
         self.mtp_off_reason: str | None = None
         self.steps = 0
         self._failed_steps = 0  # since a request last finished normally
-        self._tracks: dict[str, _Track] = {}
+        self.output = OutputProcessor(self.eos_token_ids)
+        self._generators: dict[str, torch.Generator] = {}  # per request: its seeded sampling draws
+        depth = self.runner.mtp_depth if self.mtp_on else 0
+        self._draft_proposed = [0] * depth  # per draft position, since start (the metrics' counters)
+        self._draft_accepted = [0] * depth
         self._last_vram_s = 0.0
+        self._last_snapshot_s = 0.0
+        self.snapshot = EngineSnapshot()
         self._publish_vram()
+        self.publish_snapshot(force=True)
         bus.publish(EngineEvent(state="ready", detail=f"model {config.model} on {self.device}"))
 
     # --- queries -------------------------------------------------------------------------------------------
 
     def health(self) -> Health:
         if self._dead_reason is not None:
-            return Health(False, f"dead: {self._dead_reason}")
-        return Health(True, "ready")
+            return Health(HealthStatus.DEAD, self._dead_reason)
+        return Health(HealthStatus.READY)
 
     @property
     def has_work(self) -> bool:
         return self.sched.has_work
 
     def state(self) -> dict[str, Any]:
-        return engine_state(self)
+        """/strata/state now (engine thread): a fresh snapshot, published, in its JSON form."""
+        self.publish_snapshot(force=True)
+        return self.snapshot.to_json()
+
+    def publish_snapshot(self, force: bool = False) -> None:
+        """Build the snapshot on the engine thread and publish it by swapping one reference: readers on other
+        threads (AsyncEngine.state, the metrics scrape) see a whole snapshot and never touch live state."""
+        now_s = time.monotonic()
+        if not force and now_s - self._last_snapshot_s < SNAPSHOT_INTERVAL_S:
+            return
+        self._last_snapshot_s = now_s
+        mtp = MtpSnapshot(enabled=self.mtp_on, depth=self.config.mtp_depth if self.config.batch_mtp else 0,
+                          disabled_reason=self.mtp_off_reason, draft_proposed=list(self._draft_proposed),
+                          draft_accepted=list(self._draft_accepted))
+        self.snapshot = build_snapshot(
+            model=self.model_name, config=self.config, health=self.health(), board=self.board, sched=self.sched,
+            executor=self.executor, budgets=self.budgets, tier=self.tier, kv=self.kv, mtp=mtp, steps=self.steps,
+            now_s=now_s)
 
     # --- commands ------------------------------------------------------------------------------------------
 
@@ -117,12 +121,13 @@ class Engine:
         req = Request(request_id, prompt_token_ids, params, arrival_s=time.monotonic())
         self.sched.add(req)
         decoder = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
-        self._tracks[request_id] = _Track(req, make_generator(params.seed), decoder)
+        self.output.add(req, decoder)
+        self._generators[request_id] = make_generator(params.seed)
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a queued or running request; returns its final output, or None when it is not active."""
-        track = self._tracks.get(request_id)
+        track = self.output.get(request_id)
         if track is None:
             return None
         slot = track.request.slot
@@ -134,12 +139,14 @@ class Engine:
         for budget in self.budgets:
             budget.set_reserve(mib)
         self._publish_vram(force=True)
+        self.publish_snapshot(force=True)
         return int(self.budget.reserve_mib)
 
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
         """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""
         state = self.board.set_live(name, enabled)
         self.runner.on_switch_changed(state.name)
+        self.publish_snapshot(force=True)
         return state
 
     def close(self) -> None:
@@ -152,6 +159,7 @@ class Engine:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
         if self._dead_reason is None:
             self._publish_vram()
+        self.publish_snapshot()
 
     # --- the step ------------------------------------------------------------------------------------------
 
@@ -172,8 +180,11 @@ class Engine:
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
                 self._failed_steps = 0  # a request made it to its end: whatever failed before is not every step
             self._progress_events(time.monotonic())
+            # slots taken or freed are published at once; progress alone at most every SNAPSHOT_INTERVAL_S
+            self.publish_snapshot(force=bool(plan.admitted) or any(o.finished for o in outputs))
         except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported; _fail decides how bad
             outputs.extend(self._fail(exc))
+            self.publish_snapshot(force=True)
         return outputs
 
     def _run_timed(self, plan: StepPlan, outputs: list[RequestOutput]) -> StepTiming:
@@ -231,9 +242,8 @@ class Engine:
 
     def _decode_group(self, reqs: list[Request], outputs: list[RequestOutput]) -> None:
         rows = [Row(req.slot, req.output_token_ids[-1], req.num_tokens - 1) for req in reqs]
-        tracks = [self._tracks[req.request_id] for req in reqs]
         params = [req.params for req in reqs]
-        gens = [t.generator for t in tracks]
+        gens = [self._generators[req.request_id] for req in reqs]
         result = None
         if self.mtp_on:
             try:
@@ -252,12 +262,16 @@ class Engine:
             out = self.runner.decode(rows)
             result = sample_with_drafts(out.logits, None, params, gens)
         now_s = time.monotonic()
-        for track, tokens in zip(tracks, result.tokens):
-            self._append(track, tokens, now_s, outputs)
+        for req, tokens in zip(reqs, result.tokens):
+            self._append(req, tokens, now_s, outputs)
 
     def _record_drafts(self, reqs: list[Request], accepted: list[int]) -> None:
+        depth = self.runner.mtp_depth
         for req, n in zip(reqs, accepted):
-            req.record_drafts(self.runner.mtp_depth, n)
+            req.record_drafts(depth, n)
+            for position in range(depth):
+                self._draft_proposed[position] += 1
+                self._draft_accepted[position] += position < n
 
     def _prefill(self, chunk: PrefillChunk, outputs: list[RequestOutput]) -> None:
         req = chunk.request
@@ -267,9 +281,9 @@ class Engine:
         out = self.runner.prefill(chunk.slot, prompt[chunk.start:chunk.end], chunk.start)
         req.chunk_ran(chunk.end - chunk.start)
         first: int | None = None
-        track = self._tracks[req.request_id]
         if chunk.is_last:
-            first = sample_with_drafts(out.logits, None, [req.params], [track.generator]).tokens[0][0]
+            generator = self._generators[req.request_id]
+            first = sample_with_drafts(out.logits, None, [req.params], [generator]).tokens[0][0]
         if self.mtp_on:
             nxt = prompt[chunk.start + 1:chunk.end] + ([first] if first is not None else [prompt[chunk.end]])
             try:
@@ -277,54 +291,35 @@ class Engine:
             except MtpUnavailable as exc:
                 self._mtp_off(exc)
         if first is not None:
-            self._append(track, [first], time.monotonic(), outputs)
+            self._append(req, [first], time.monotonic(), outputs)
             if not req.is_finished:
                 self._slot_event(req, chunk.slot, "decode", time.monotonic())
 
-    def _append(self, track: _Track, tokens: list[int], now_s: float, outputs: list[RequestOutput]) -> None:
-        req = track.request
-        result = req.append_output(tokens, now_s, self.eos_token_ids)
-        reason = result.finish_reason
-        track.pending.extend(result.kept_token_ids)
-        if track.decoder is not None and result.kept_token_ids:
-            track.text += track.decoder.push(result.kept_token_ids)
-        stop_at = _find_stop(track.text, req.params.stop, track.sent_chars)
-        if stop_at is not None:
-            track.text = track.text[:stop_at]
-            track.cut_by_stop_string = True
-            reason = "stop"
+    def _append(self, req: Request, tokens: list[int], now_s: float, outputs: list[RequestOutput]) -> None:
+        """Hand a request's new tokens to output processing; finish it in the scheduler when they end it."""
+        track = self.output.get(req.request_id)
+        out, reason = self.output.append(track, tokens, now_s)
         if reason is not None:
             slot = req.slot
             self.sched.finish(req, reason)
             outputs.append(self._close(track, reason, slot))
-            return
-        hold = max((len(s) for s in req.params.stop), default=1) - 1  # a stop string may be forming
-        upto = max(track.sent_chars, len(track.text) - hold)
-        if track.pending or upto > track.sent_chars:
-            outputs.append(self._output(track, track.text[track.sent_chars:upto]))
-            track.sent_chars = upto
+        elif out is not None:
+            outputs.append(out)
 
-    def _output(self, track: _Track, text: str, finished: bool = False, reason=None, error=None) -> RequestOutput:
-        req = track.request
-        ids, track.pending = track.pending, []
-        return RequestOutput(req.request_id, ids, text, finished, reason, prompt_tokens=req.num_prompt_tokens,
-                             cached_tokens=req.num_cached_tokens, completion_tokens=req.num_output_tokens, error=error)
-
-    def _close(self, track: _Track, reason, slot: int | None, error: str | None = None) -> RequestOutput:
-        """The final output of a finished request; frees its engine-side state."""
-        self._tracks.pop(track.request.request_id, None)
-        if track.decoder is not None and not track.cut_by_stop_string and reason != "error":
-            track.text += track.decoder.flush()
+    def _close(self, track: Track, reason, slot: int | None, error: str | None = None) -> RequestOutput:
+        """The final output of a finished request; frees its engine-side state and tells its slot's watchers."""
+        self._generators.pop(track.request.request_id, None)
+        final = self.output.close(track, reason, error)
         if slot is not None:
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
             self._slot_event(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))
-        return self._output(track, track.text[track.sent_chars:], True, reason, error)
+        return final
 
     # --- failure paths -------------------------------------------------------------------------------------
 
     def _mtp_off(self, exc: BaseException) -> None:
-        message = describe_exception(exc)
+        message = real_message(exc)
         self.mtp_on = False
         self.mtp_off_reason = message
         self.sched.set_draft_tokens(0)
@@ -352,7 +347,7 @@ class Engine:
             self._dead_reason = event.message
             self.bus.publish(EngineEvent(state="dead", detail=event.message))
         outputs = []
-        for track in list(self._tracks.values()):
+        for track in self.output:
             slot = track.request.slot
             if event.fatal or slot is not None:
                 self.sched.finish(track.request, "error")
@@ -363,12 +358,12 @@ class Engine:
 
     def _slot_event(self, req: Request, slot: int, state: str | None, now_s: float) -> None:
         self.bus.publish(slot_event(req, slot, state, now_s))
-        track = self._tracks.get(req.request_id)
+        track = self.output.get(req.request_id)
         if track is not None:
             track.last_event_s = now_s
 
     def _progress_events(self, now_s: float) -> None:
-        for track in self._tracks.values():
+        for track in self.output:
             req = track.request
             if req.slot is not None and now_s - track.last_event_s >= SLOT_EVENT_INTERVAL_S:
                 self._slot_event(req, req.slot, None, now_s)
@@ -379,20 +374,8 @@ class Engine:
         if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
             return
         self._last_vram_s = now_s
-        snap = self.executor.snapshot() if hasattr(self.executor, "snapshot") else {}
-        self.budget.graphs_mib = float(snap.get("total_mib", 0.0))
+        self.budget.graphs_mib = float(self.executor.snapshot().get("total_mib", 0.0))
         for budget in self.budgets:
             budget.rebalance("periodic")
             self.bus.publish(budget.breakdown())
 
-
-def _find_stop(text: str, stops: tuple[str, ...], sent_chars: int) -> int | None:
-    """Index where the earliest stop string starts in text not yet sent (plus a lookback), or None."""
-    best: int | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        at = text.find(stop, max(0, sent_chars - len(stop) + 1))
-        if at != -1 and (best is None or at < best):
-            best = at
-    return best

@@ -76,78 +76,89 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
     naming the stage, the innermost engine frame and the VRAM free: a bare "CUDA error: out of memory" at
     start-up says none of that.
     """
-    stage = ["starting"]
+    builder = _PartsBuilder(config, bus)
     try:
-        return _build_parts(config, bus, executor, tier_budget_mib, block_tokens, stage)
+        return builder.build(executor, tier_budget_mib, block_tokens)
     except StrataError:
         raise
     except Exception as exc:
         if is_sticky(exc):
             raise
-        raise StartupError(stage[0], exc, vram_free_mib(config.device if config.device != "auto" else None)) \
+        raise StartupError(builder.stage, exc, vram_free_mib(config.device if config.device != "auto" else None)) \
             from exc
 
 
-def _build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
-                 block_tokens: int | None, stage: list[str]) -> EngineParts:
-    from engine.model import load_checkpoint, resolve_device
+class _PartsBuilder:
+    """Builds the parts in order, remembering the stage it is in (for StartupError) and the books once they
+    exist (a graph capture's out-of-memory path asks them for room, but only after the tier is made)."""
 
-    board = SwitchBoard.from_values(config.switches)
-    for name, on in config.switches.items():
-        if on:
-            bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
-    tier_device = _tier_device(config, resolve_device(config.device))  # a bad --peer-device fails before the load
-    stage[0] = f"loading the model {config.model}"
-    lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device)
-    device = lm.device
-    model = lm.model
-    if board.enabled("FUSED_PROJ"):
-        model.fuse_projections()
-    depth = 0
-    if config.batch_mtp:
-        if model.mtp is None:
-            raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
-        depth = config.mtp_depth
-    if config.kv_resident is not None:
-        bus.publish(WarningEvent(where="engine.kv", message=(
-            f"--kv-resident {config.kv_resident} is accepted but not yet implemented: every slot keeps its "
-            f"whole {config.context}-token KV on {device}")))
-    stage[0] = "allocating the KV cache"
-    kv, weights_mib = _sized_kv_cache(config, lm, depth)
-    index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
-    # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
-    # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).
-    stage[0] = "building the scheduler, runner and drafter"
-    sched = Scheduler.from_config(config, index, draft_tokens=depth)
-    parts: dict[str, Any] = {}  # the tier and its books, made after the runner but called only later
+    def __init__(self, config: EngineConfig, bus: EventBus) -> None:
+        self.config = config
+        self.bus = bus
+        self.stage = "starting"
+        self.budgets: list[VramBudget] | None = None
+        self.device: torch.device | None = None
+        self.tier_device: torch.device | None = None
 
-    def make_room(mib: float, reason: str) -> float:
-        # Only a tier on the compute device can make room there (a graph capture, an out-of-memory step), and
-        # only once it exists (CAPTURE_ALL captures before it). Through the books, so what was freed stays
-        # free as headroom: a tier that regrew into it would make the next capture run out of memory again.
-        if tier_device != device or "budgets" not in parts:
+    def make_room(self, mib: float, reason: str) -> float:
+        """Room on the compute device from the tier, through the books, so what was freed stays free as
+        headroom: a tier that regrew into it would make the next capture run out of memory again. Only a tier
+        on the compute device can, and only once it exists (CAPTURE_ALL captures before it)."""
+        if self.budgets is None or self.tier_device != self.device:
             return 0.0
-        return parts["budgets"][0].make_room(mib, reason)
+        return self.budgets[0].make_room(mib, reason)
 
-    if executor is None:
-        executor = _default_executor(config, bus, board, make_room, device)
-    runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
-    runner.release_memory = make_room
-    runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
-    drafter = None
-    if depth:
-        from engine.exec.drafter import MtpDrafter
+    def build(self, executor: Any, tier_budget_mib: float | None, block_tokens: int | None) -> EngineParts:
+        from engine.model import load_checkpoint, resolve_device
 
-        drafter = MtpDrafter(runner, depth)
-    if board.enabled("CAPTURE_ALL"):
-        # Before the tier: the graphs take their pools from free memory, and the tier then takes the rest,
-        # instead of every capture running out of memory against a full tier and evicting its siblings.
-        stage[0] = "capturing every graph bucket (CAPTURE_ALL)"
-        precapture_all(config, bus, board, executor, runner, drafter)
-    stage[0] = "allocating the adaptive tier"
-    tier, budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, tier_device, tier_budget_mib)
-    parts.update(tier=tier, budgets=budgets)
-    return EngineParts(lm, kv, tier, budgets, sched, runner, drafter, board, executor, device)
+        config, bus = self.config, self.bus
+        board = SwitchBoard.from_values(config.switches)
+        for name, on in config.switches.items():
+            if on:
+                bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
+        # a bad --peer-device fails before the load
+        self.tier_device = _tier_device(config, resolve_device(config.device))
+        self.stage = f"loading the model {config.model}"
+        lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device)
+        device = self.device = lm.device
+        model = lm.model
+        if board.enabled("FUSED_PROJ"):
+            model.fuse_projections()
+        depth = 0
+        if config.batch_mtp:
+            if model.mtp is None:
+                raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
+            depth = config.mtp_depth
+        if config.kv_resident is not None:
+            bus.publish(WarningEvent(where="engine.kv", message=(
+                f"--kv-resident {config.kv_resident} is accepted but not yet implemented: every slot keeps its "
+                f"whole {config.context}-token KV on {device}")))
+        self.stage = "allocating the KV cache"
+        kv, weights_mib = _sized_kv_cache(config, lm, depth)
+        index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
+        # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
+        # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).
+        self.stage = "building the scheduler, runner and drafter"
+        sched = Scheduler.from_config(config, index, draft_tokens=depth)
+        if executor is None:
+            executor = _default_executor(config, bus, board, self.make_room, device)
+        runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
+        runner.release_memory = self.make_room
+        runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
+        drafter = None
+        if depth:
+            from engine.exec.drafter import MtpDrafter
+
+            drafter = MtpDrafter(runner, depth)
+        if board.enabled("CAPTURE_ALL"):
+            # Before the tier: the graphs take their pools from free memory, and the tier then takes the rest,
+            # instead of every capture running out of memory against a full tier and evicting its siblings.
+            self.stage = "capturing every graph bucket (CAPTURE_ALL)"
+            precapture_all(config, bus, board, executor, runner, drafter)
+        self.stage = "allocating the adaptive tier"
+        tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
+                                               tier_budget_mib)
+        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device)
 
 
 def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, model: torch.nn.Module,
@@ -155,9 +166,7 @@ def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, mo
     """Free an engine's graphs, tier blocks, KV buffers and weights explicitly rather than by dropping the engine:
     on the H200 a dropped benchmark engine's ~140 GiB (its tier fills the GPU) was still held when the next engine
     of the same process checked its KV fit, which then saw 1 GiB free."""
-    release = getattr(executor, "release", None)
-    if release is not None:
-        release()
+    executor.release()
     tier.set_budget(0.0, "engine closed")
     kv.free()
     model.to("meta")  # in place: the parameters' storage goes even where something still holds the module
@@ -174,22 +183,21 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     captured degrades CAPTURE_ALL (the rest are then captured lazily, as without the switch), never the
     engine; only a sticky CUDA error, which leaves the device unusable, propagates.
     """
-    precapture = getattr(executor, "precapture", None)
-    if precapture is None:
-        bus.publish(WarningEvent(where="engine.exec.graphs", message=(
-            f"CAPTURE_ALL is on but {type(executor).__name__} captures no graphs (CPU or --no-graphs): "
-            "every step runs eagerly")))
-        return
     try:
         with torch.inference_mode():
             specs = runner.graph_specs(verify=drafter is None or not drafter.fused)
             if drafter is not None:
                 specs += drafter.graph_specs(config.prefill_chunk_tokens)
-            summary = precapture(specs)
+            summary = executor.precapture(specs)
     except Exception as exc:  # noqa: BLE001 - a failed warm-up costs the switch, not the engine
         if is_sticky(exc):
             raise
         _degrade(bus, board, "CAPTURE_ALL", f"precapture: {real_message(exc)}")
+        return
+    if summary is None:
+        bus.publish(WarningEvent(where="engine.exec.graphs", message=(
+            f"CAPTURE_ALL is on but {type(executor).__name__} captures no graphs (CPU or --no-graphs): "
+            "every step runs eagerly")))
         return
     # An executor handed in from outside may keep its own switch board: the engine's must show the degrade.
     theirs = getattr(executor, "board", board)

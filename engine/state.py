@@ -1,16 +1,23 @@
 """Read-side views of a running engine: slot progress (for SlotEvents) and the /strata/state snapshot.
 
 Both are built from the scheduler's Request objects, so the TUI's slot table and the telemetry stream show
-the same numbers. Everything here only reads engine state; it may run on the server thread while the engine
-thread steps (a snapshot can be one step stale, never torn inside one field).
+the same numbers. Both run on the engine thread; the snapshot is then published whole (engine.snapshot).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from engine.api import Health
+from engine.config import EngineConfig
 from engine.core.request import Request, RequestState
+from engine.core.scheduler import Scheduler
+from engine.exec.executor import StepExecutor
+from engine.exec.kv_cache import SlotKVCache
+from engine.exec.vram import AdaptiveTier, VramBudget
+from engine.snapshot import (EngineSnapshot, GraphsSnapshot, HealthSnapshot, KvSnapshot, MtpSnapshot, QueueSnapshot,
+                             SwitchSnapshot, TierSnapshot)
+from engine.switches import SwitchBoard
 from engine.telemetry import SlotEvent
 
 
@@ -36,33 +43,29 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
     )
 
 
-def engine_state(engine: Any) -> dict[str, Any]:
-    """Snapshot for /strata/state: config, switches, slots, graph cache, VRAM breakdown, tier, MTP."""
-    now_s = time.monotonic()
+def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: SwitchBoard, sched: Scheduler,
+                   executor: StepExecutor, budgets: list[VramBudget], tier: AdaptiveTier, kv: SlotKVCache,
+                   mtp: MtpSnapshot, steps: int, now_s: float | None = None) -> EngineSnapshot:
+    """The /strata/state snapshot of this moment. Runs on the engine thread only (it reads the scheduler, the
+    tier and the driver's free memory, which that thread changes)."""
+    now_s = time.monotonic() if now_s is None else now_s
     slots = []
-    for slot in range(engine.config.batch):
-        req = engine.sched.slot_request(slot)
+    for slot in range(config.batch):
+        req = sched.slot_request(slot)
         if req is None:
-            slots.append({"slot": slot, "state": "idle", "request_id": None})
+            slots.append(SlotEvent(slot=slot, state="idle"))
         else:
-            entry = slot_event(req, slot, now_s=now_s).to_json()
-            entry["acceptance_per_position"] = [req.acceptance_at(i) for i in range(len(req.draft_proposed))]
-            slots.append(entry)
-    executor = engine.executor
-    graphs = executor.snapshot() if hasattr(executor, "snapshot") else {"enabled": False, "graphs": [], "total_mib": 0.0}
-    return {
-        "model": engine.model_name,
-        "config": engine.config.to_dict(),
-        "health": {"ready": engine.health().ready, "reason": engine.health().reason},
-        "switches": engine.board.snapshot(),
-        "queue": {"waiting": engine.sched.num_waiting, "queue_max": engine.sched.queue_max},
-        "slots": slots,
-        "graphs": graphs,
-        "vram": [budget.breakdown().to_json() for budget in engine.budgets],
-        "tier": engine.tier.snapshot(),
-        "kv": {"storage": engine.kv.storage, "mib": round(engine.kv.mib, 2),
-               "context_tokens": engine.kv.geometry.context_tokens, "slots": engine.kv.geometry.num_slots},
-        "mtp": {"enabled": engine.mtp_on, "depth": engine.config.mtp_depth if engine.config.batch_mtp else 0,
-                "disabled_reason": engine.mtp_off_reason},
-        "steps": engine.steps,
-    }
+            event = slot_event(req, slot, now_s=now_s)
+            event.acceptance_per_position = [req.acceptance_at(i) for i in range(len(req.draft_proposed))]
+            slots.append(event)
+    return EngineSnapshot(
+        model=model, config=config.to_dict(),
+        health=HealthSnapshot(ready=health.ready, reason=health.reason, status=health.status),
+        switches=[SwitchSnapshot.from_json(s) for s in board.snapshot()],
+        queue=QueueSnapshot(waiting=sched.num_waiting, queue_max=sched.queue_max,
+                            prefill_tokens=sched.prefill_tokens_waiting()),
+        slots=slots, graphs=GraphsSnapshot.from_json(executor.snapshot()),
+        vram=[budget.breakdown() for budget in budgets], tier=TierSnapshot.from_json(tier.snapshot()),
+        kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,
+                      slots=kv.geometry.num_slots),
+        mtp=mtp, steps=steps)

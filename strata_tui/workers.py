@@ -97,7 +97,7 @@ def sample_gpus(app: "StrataApp", interval_s: float, sampler: NvmlSampler) -> No
 
 async def run_load(app: "StrataApp", name: str, base_url: str, api_key: str | None, params: dict[str, Any]) -> None:
     """Play a named scenario from engine.loadgen.scenarios against the running engine, reporting progress."""
-    from engine import scenarios  # torch-free; imported here so a missing bench part only disables this
+    from engine.loadgen import scenarios  # torch-free; imported here so a missing bench part only disables this
 
     def progress(step: Any) -> None:
         app.post_message(LoadProgress(f"{step.scenario}: {step.message}"))

@@ -101,7 +101,7 @@ class BenchEngine:
 
     def graph_snapshot(self) -> dict[str, Any]:
         executor = self.engine.executor
-        return executor.snapshot() if hasattr(executor, "snapshot") else {"graphs": [], "total_mib": 0.0}
+        return executor.snapshot()
 
     def add(self, prompt: list[int], max_tokens: int) -> Request:
         """Queue one greedy request that generates exactly `max_tokens` (EOS ignored)."""

@@ -135,7 +135,7 @@ async def _wait_ready(server: Any, client: EngineClient, serve_task: asyncio.Tas
         health = client.health()
         if health.ready:
             return None
-        if health.reason.startswith("dead"):
+        if health.dead:
             return health.reason.partition(":")[2].strip() or health.reason
         if serve_task.done():
             return "the HTTP server stopped during start-up"
@@ -146,7 +146,7 @@ async def _watch_health(client: EngineClient, serve_task: asyncio.Task) -> str |
     """Until the server stops: the reason string as soon as the engine is dead, else None."""
     while not serve_task.done():
         health = client.health()
-        if not health.ready and health.reason.startswith("dead"):
+        if health.dead:
             return health.reason
         await asyncio.sleep(HEALTH_POLL_S)
     return None

@@ -128,6 +128,12 @@ class Scheduler:
     def num_running(self) -> int:
         return self.num_slots - len(self._free_slots)
 
+    def prefill_tokens_waiting(self) -> int:
+        """Prompt tokens still to prefill: whole prompts in the queue and what is left of those in a slot."""
+        queued = sum(req.num_prompt_tokens for req in self._waiting)
+        running = (self.slot_request(slot) for slot in range(self.num_slots))
+        return queued + sum(req.remaining_prompt_tokens for req in running if req is not None)
+
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)

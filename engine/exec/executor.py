@@ -14,7 +14,7 @@ graph's static buffers: consume (or clone) them before the next `run` of the sam
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Mapping, Protocol
+from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol
 
 StepFn = Callable[[Mapping[str, Any]], dict[str, Any]]
 
@@ -44,6 +44,14 @@ class StepExecutor(Protocol):
         """Drop graphs whose (kind, key) match, e.g. after a live switch change alters the code path."""
         ...
 
+    def snapshot(self) -> dict[str, Any]:
+        """For /strata/state: {"enabled", "graphs": [...], "total_mib", ...} (engine.snapshot.GraphsSnapshot)."""
+        ...
+
+    def precapture(self, specs: Iterable[Any]) -> dict[str, Any] | None:
+        """CAPTURE_ALL: capture these buckets now; None from an executor that captures nothing."""
+        ...
+
 
 class EagerExecutor:
     """Runs every step eagerly. The CPU path, and the GPU path with `--no-graphs`."""
@@ -59,6 +67,9 @@ class EagerExecutor:
 
     def snapshot(self) -> dict[str, Any]:
         return {"enabled": False, "graphs": [], "total_mib": 0.0}
+
+    def precapture(self, specs: Iterable[Any]) -> dict[str, Any] | None:
+        return None
 
 
 class GraphDegraded(RuntimeError):

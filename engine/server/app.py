@@ -102,8 +102,7 @@ def _monitoring_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
     @app.get("/health")
     async def health() -> JSONResponse:
         h = client.health()
-        status = "ready" if h.ready else h.reason.split(":", 1)[0].strip() or "unavailable"
-        return JSONResponse({"status": status, "reason": h.reason}, status_code=200 if h.ready else 503)
+        return JSONResponse({"status": h.status.value, "reason": h.reason}, status_code=200 if h.ready else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

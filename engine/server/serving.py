@@ -143,7 +143,7 @@ class Serving:
         if self.stopping.is_set():
             raise ApiError(503, "server is shutting down", type="server_unavailable", code="shutting_down")
         health = self.client.health()
-        if not health.ready and health.reason.startswith("dead"):
+        if health.dead:
             raise from_exception(EngineDead(health.reason.partition(":")[2].strip() or health.reason))
         if not health.ready:
             raise ApiError(503, f"engine is not ready: {health.reason}", type="server_unavailable",

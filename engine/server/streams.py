@@ -93,7 +93,7 @@ def generation_error(client: EngineClient, out: RequestOutput) -> ApiError:
     """The error for a request the engine ended with finish_reason "error": 503 with the reason when the
     engine died of it (a sticky CUDA error ends every running request), else 500 with the message."""
     health = client.health()
-    if not health.ready and health.reason.startswith("dead"):
+    if health.dead:
         return from_exception(EngineDead(health.reason.partition(":")[2].strip() or health.reason))
     return ApiError(500, f"generation failed: {out.error or 'unknown error'}", type="server_error")
 

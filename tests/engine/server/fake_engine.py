@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from engine.api import GenerationRequest, Health, RequestOutput
+from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
 from engine.errors import EngineDead, PromptTooLong, QueueFull
 from engine.switches import SwitchBoard, SwitchState
 from engine.telemetry import AdmissionEvent, EventBus, SlotEvent, SwitchEvent
@@ -90,8 +90,8 @@ class FakeEngine:
 
     def health(self) -> Health:
         if self.dead_reason is not None:
-            return Health(False, f"dead: {self.dead_reason}")
-        return Health(True, "ready") if self.ready else Health(False, "loading: weights 3/7")
+            return Health(HealthStatus.DEAD, self.dead_reason)
+        return Health(HealthStatus.READY) if self.ready else Health(HealthStatus.LOADING, "weights 3/7")
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model_name, "active": sorted(self.active), "switches": self.switches.snapshot(),

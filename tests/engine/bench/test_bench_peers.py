@@ -10,7 +10,7 @@ import torch
 
 from engine.bench.common import device_of, prepare_model, weight_bytes
 from engine.bench.peers import copy_bandwidth_gb_s, hf_generate_tok_s
-from tests.engine.test_bench import TINY, _checkpoint_cache_and_one_thread, bench  # noqa: F401 (fixture)
+from tests.engine.bench.test_bench import TINY, _checkpoint_cache_and_one_thread, bench  # noqa: F401 (fixture)
 
 
 def test_peers_measures_every_engine_on_the_same_weights(tmp_path: Path) -> None:

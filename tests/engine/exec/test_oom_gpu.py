@@ -1,7 +1,7 @@
 """The graph out-of-memory path under real VRAM pressure, and leak-free capture/release (GPU only).
 
 Run all GPU tests of the graph layer with:
-    pytest -q -s -m gpu tests/engine/test_graphs_runner.py tests/engine/test_oom_gpu.py
+    pytest -q -s -m gpu tests/engine/exec/test_graphs_runner.py tests/engine/exec/test_oom_gpu.py
 Each test prints its key figures.
 """
 

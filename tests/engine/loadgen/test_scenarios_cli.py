@@ -14,7 +14,7 @@ import uvicorn
 
 from engine.cli import bench as cli_bench
 from engine.errors import ConfigError
-from tests.engine.test_scenarios_fakeserver import AsgiAdapter, FakeOpenAIServer
+from tests.engine.loadgen.test_scenarios_fakeserver import AsgiAdapter, FakeOpenAIServer
 
 
 def _serve(server: FakeOpenAIServer) -> Iterator[str]:

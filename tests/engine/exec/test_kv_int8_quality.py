@@ -2,7 +2,7 @@
 every attention read after the first chunk goes through stored, quantized KV).
 
 Run as a script for the figure recorded in docs/KV.md:
-    .venv/bin/python -m tests.engine.test_kv_int8_quality [CHECKPOINT] [--tokens N] [--dtype float32|bfloat16]
+    .venv/bin/python -m tests.engine.exec.test_kv_int8_quality [CHECKPOINT] [--tokens N] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.loadgen.scenarios import SCENARIOS, ScenarioProgress, get_scenario, run_scenario, scenario_names
-from tests.engine.test_scenarios_fakeserver import FakeOpenAIServer
+from tests.engine.loadgen.test_scenarios_fakeserver import FakeOpenAIServer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMALL_SEED = dict(concurrency=3, short_prompt_tokens=32, short_max_tokens=60, delay_s=0.1, long_tokens=2000,
                   long_max_tokens=4)
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_seed_script_one_cpu_run_passes_and_records_both_views_of_memory(tmp_path: Path) -> None:

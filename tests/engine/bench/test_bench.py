@@ -19,7 +19,7 @@ import pytest
 from engine.cli import bench as cli_bench
 from engine.errors import ConfigError, UnknownSwitch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--model", "random:tiny", "--device", "cpu"]
 
 

@@ -11,7 +11,7 @@ import pytest
 from engine.errors import ConfigError
 from engine.core.prefix_index import PrefixIndex, block_digests
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BT = 4  # block_tokens: small so prompts stay readable
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from engine.loadgen.scenarios import run_scenario
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 READY_PREFIX = "strata-engine: ready at "
 
 

@@ -20,7 +20,7 @@ from engine.exec.runner import MtpUnavailable, Row, switch_for_key
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 
-from tests.engine.test_graphs_runner import _runner
+from tests.engine.exec.test_graphs_runner import _runner
 
 
 def test_persistent_drafter_oom_turns_split_attn_then_mtp_off(tiny_checkpoint: Path) -> None:

@@ -139,5 +139,5 @@ def test_from_generation_keeps_the_client_request() -> None:
 def test_the_serving_core_imports_no_torch() -> None:
     code = "import sys, engine.core.request, engine.core.scheduler, engine.core.prefix_index; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+                         cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "False"

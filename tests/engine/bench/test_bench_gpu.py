@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.test_bench import _checkpoint_cache_and_one_thread, bench  # noqa: F401 (fixture)
+from tests.engine.bench.test_bench import _checkpoint_cache_and_one_thread, bench  # noqa: F401 (fixture)
 
 CUDA_TINY = ["--model", "random:tiny", "--device", "cuda:0"]
 

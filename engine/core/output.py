@@ -1,0 +1,104 @@
+"""Output processing: sampled token ids in, RequestOutput increments out (vLLM v1's OutputProcessor).
+
+The engine's step loop hands each request's new tokens here; this module detokenizes them incrementally,
+cuts stop strings (holding back text while a stop string may still be forming), and builds the increments
+and the final output. Pure Python: the detokenizer is whatever `tokenizer.incremental_decoder()` returns,
+and finishing a request in the scheduler stays with the caller, which owns the slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from engine.api import FinishReason, RequestOutput
+from engine.core.request import Request
+
+
+@dataclass
+class Track:
+    """What output processing keeps per active request: its detokenizer and stop-string state."""
+
+    request: Request
+    decoder: Any  # None for a model without a tokenizer: outputs then carry token ids only
+    text: str = ""
+    sent_chars: int = 0
+    last_event_s: float = 0.0  # when its last slot event went out (the engine paces them)
+    pending: list[int] = field(default_factory=list)  # token ids not yet sent
+    cut_by_stop_string: bool = False
+
+
+class OutputProcessor:
+    """The active requests' output state; `append` turns new tokens into increments."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+        self.eos_token_ids = eos_token_ids
+        self._tracks: dict[str, Track] = {}
+
+    def add(self, request: Request, decoder: Any) -> Track:
+        track = Track(request, decoder)
+        self._tracks[request.request_id] = track
+        return track
+
+    def get(self, request_id: str) -> Track | None:
+        return self._tracks.get(request_id)
+
+    def __iter__(self) -> Iterator[Track]:
+        return iter(list(self._tracks.values()))
+
+    def __len__(self) -> int:
+        return len(self._tracks)
+
+    def append(self, track: Track, tokens: list[int], now_s: float) -> tuple[RequestOutput | None, FinishReason | None]:
+        """Take a request's new tokens: (the increment to send now or None, the finish reason or None).
+
+        With a finish reason the caller finishes the request in the scheduler and calls `close`; the
+        increment is then None (close sends everything that is left).
+        """
+        req = track.request
+        result = req.append_output(tokens, now_s, self.eos_token_ids)
+        reason = result.finish_reason
+        track.pending.extend(result.kept_token_ids)
+        if track.decoder is not None and result.kept_token_ids:
+            track.text += track.decoder.push(result.kept_token_ids)
+        stop_at = find_stop(track.text, req.params.stop, track.sent_chars)
+        if stop_at is not None:
+            track.text = track.text[:stop_at]
+            track.cut_by_stop_string = True
+            reason = "stop"
+        if reason is not None:
+            return None, reason
+        hold = max((len(s) for s in req.params.stop), default=1) - 1  # a stop string may be forming
+        upto = max(track.sent_chars, len(track.text) - hold)
+        if not track.pending and upto <= track.sent_chars:
+            return None, None
+        out = self._output(track, track.text[track.sent_chars:upto])
+        track.sent_chars = upto
+        return out, None
+
+    def close(self, track: Track, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        """The final output of a finished request (the rest of its text); forgets the request."""
+        self._tracks.pop(track.request.request_id, None)
+        if track.decoder is not None and not track.cut_by_stop_string and reason != "error":
+            track.text += track.decoder.flush()
+        return self._output(track, track.text[track.sent_chars:], True, reason, error)
+
+    @staticmethod
+    def _output(track: Track, text: str, finished: bool = False, reason: FinishReason | None = None,
+                error: str | None = None) -> RequestOutput:
+        req = track.request
+        ids, track.pending = track.pending, []
+        return RequestOutput(req.request_id, ids, text, finished, reason, prompt_tokens=req.num_prompt_tokens,
+                             cached_tokens=req.num_cached_tokens, completion_tokens=req.num_output_tokens, error=error)
+
+
+def find_stop(text: str, stops: tuple[str, ...], sent_chars: int) -> int | None:
+    """Index where the earliest stop string starts in text not yet sent (plus a lookback), or None."""
+    best: int | None = None
+    for stop in stops:
+        if not stop:
+            continue
+        at = text.find(stop, max(0, sent_chars - len(stop) + 1))
+        if at != -1 and (best is None or at < best):
+            best = at
+    return best

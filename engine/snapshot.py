@@ -1,0 +1,191 @@
+"""The /strata/state snapshot as types: one definition the engine builds, the server sends and the TUI and the
+metrics read back (before this, an untyped dict was parsed three ways). Torch-free contract.
+
+The engine thread builds an EngineSnapshot between steps and publishes it by swapping one reference, so a
+reader on another thread (the server, a Prometheus scrape) sees a whole snapshot of one moment and never
+touches the scheduler, the tier or the device while the engine thread changes them.
+
+Wire form: `to_json()` is the JSON the route has always sent (same keys; fields were only added), plus
+`"v": SNAPSHOT_VERSION`. `from_json` ignores keys it does not know and defaults the ones it misses, so a TUI
+and an engine of neighbouring versions still read each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.api import HealthStatus
+from engine.telemetry import SlotEvent, VramEvent, event_from_json
+
+SNAPSHOT_VERSION = 2
+
+T = TypeVar("T")
+
+
+def _from_json(cls: type[T], data: Any) -> T:
+    """A dataclass from its JSON form: nested dataclasses and lists of them are parsed by their annotations."""
+    if not isinstance(data, dict):
+        return cls()
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in data:
+            continue
+        kwargs[f.name] = _value(hints[f.name], data[f.name])
+    return cls(**kwargs)
+
+
+def _value(hint: Any, raw: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return None if raw is None else _value(inner[0], raw)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return [_value(item, x) for x in raw] if isinstance(raw, list) else []
+    if isinstance(hint, type) and issubclass(hint, SlotEvent):
+        return event_from_json({**raw, "type": "slot"})
+    if isinstance(hint, type) and issubclass(hint, VramEvent):
+        return event_from_json({**raw, "type": "vram"})
+    if isinstance(hint, type) and issubclass(hint, HealthStatus):
+        return HealthStatus.parse(raw)
+    if isinstance(hint, type) and issubclass(hint, _Json):
+        return hint.from_json(raw)
+    return raw
+
+
+class _Json:
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls: type[T], data: Any) -> T:
+        return _from_json(cls, data)
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, HealthStatus):
+        return value.value
+    if isinstance(value, (SlotEvent, VramEvent)):
+        return {k: v for k, v in value.to_json().items() if k not in ("type", "v", "seq", "ts")}
+    if isinstance(value, _Json):
+        return value.to_json()
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class HealthSnapshot(_Json):
+    ready: bool = False
+    reason: str = ""
+    status: HealthStatus = HealthStatus.LOADING
+
+    @classmethod
+    def from_json(cls, data: Any) -> "HealthSnapshot":
+        parsed = _from_json(cls, data)
+        if isinstance(data, dict) and "status" not in data:  # an engine before SNAPSHOT_VERSION 2: reason text
+            status = HealthStatus.READY if parsed.ready else HealthStatus.parse(parsed.reason)
+            parsed = dataclasses.replace(parsed, status=status)
+        return parsed
+
+
+@dataclass(frozen=True)
+class QueueSnapshot(_Json):
+    waiting: int = 0
+    queue_max: int = 0
+    prefill_tokens: int = 0  # prompt tokens still to prefill: queued requests' and those in a slot
+
+
+@dataclass(frozen=True)
+class GraphEntry(_Json):
+    kind: str = ""
+    key: str = ""
+    owner: str = ""
+    mib: float = 0.0
+    capture_ms: float = 0.0
+    replays: int = 0
+
+
+@dataclass(frozen=True)
+class DegradedGraph(_Json):
+    kind: str = ""
+    key: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class GraphsSnapshot(_Json):
+    enabled: bool = False
+    device: str | None = None
+    graphs: list[GraphEntry] = field(default_factory=list)
+    total_mib: float = 0.0
+    degraded: list[DegradedGraph] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TierSnapshot(_Json):
+    device: str = ""
+    mib: float = 0.0
+    capacity_mib: float = 0.0
+    block_tokens: int = 0
+    block_mib: float = 0.0
+    capacity_blocks: int = 0
+    used_blocks: int = 0
+    pinned_blocks: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    evicted_blocks: int = 0
+    preallocated: bool = False
+
+
+@dataclass(frozen=True)
+class KvSnapshot(_Json):
+    storage: str = ""
+    mib: float = 0.0
+    context_tokens: int = 0
+    slots: int = 0
+
+
+@dataclass(frozen=True)
+class MtpSnapshot(_Json):
+    enabled: bool = False
+    depth: int = 0
+    disabled_reason: str | None = None
+    draft_proposed: list[int] = field(default_factory=list)  # per draft position, since start
+    draft_accepted: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SwitchSnapshot(_Json):
+    name: str = ""
+    env_var: str = ""
+    description: str = ""
+    live: bool = False
+    effect: str = ""
+    enabled: bool = False
+    degraded: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot(_Json):
+    """What /strata/state answers. A loading or dead engine fills model, config and health only."""
+
+    v: int = SNAPSHOT_VERSION
+    model: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    health: HealthSnapshot = field(default_factory=HealthSnapshot)
+    switches: list[SwitchSnapshot] = field(default_factory=list)
+    queue: QueueSnapshot = field(default_factory=QueueSnapshot)
+    slots: list[SlotEvent] = field(default_factory=list)
+    graphs: GraphsSnapshot = field(default_factory=GraphsSnapshot)
+    vram: list[VramEvent] = field(default_factory=list)
+    tier: TierSnapshot | None = None
+    kv: KvSnapshot | None = None
+    mtp: MtpSnapshot = field(default_factory=MtpSnapshot)
+    steps: int = 0

@@ -1,0 +1,55 @@
+"""The typed /strata/state snapshot: what a real engine publishes, and its JSON round trip (engine.snapshot)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.api import HealthStatus, SamplingParams
+from engine.snapshot import EngineSnapshot
+from tests.engine.engine_helpers import make_engine, random_prompts, run_all
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_a_real_engine_publishes_a_snapshot_with_draft_totals_per_position(ckpt):
+    engine = make_engine(ckpt, batch=2, batch_mtp=True, mtp_depth=2)
+    run_all(engine, random_prompts(2, seed=8, lengths=(40, 60)),
+            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    data = engine.state()
+    snap = EngineSnapshot.from_json(data)
+    assert snap.to_json() == data  # the wire form survives a parse by a reader (the TUI, the metrics)
+    assert snap.health.status is HealthStatus.READY and snap.mtp.enabled and snap.mtp.depth == 2
+    assert len(snap.mtp.draft_proposed) == 2 and snap.mtp.draft_proposed[0] > 0
+    assert snap.mtp.draft_proposed[0] >= snap.mtp.draft_accepted[0] >= snap.mtp.draft_accepted[1]
+    assert [s.state for s in snap.slots] == ["idle", "idle"] and snap.queue.prefill_tokens == 0
+    assert snap.kv is not None and snap.kv.mib > 0 and snap.vram[0].weights_mib > 0
+
+
+def test_the_queue_reports_prompt_tokens_still_to_prefill(ckpt):
+    engine = make_engine(ckpt, batch=1, prefill_chunk_tokens=64, step_token_budget=64)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5] * 200, params)
+    engine.add_request("b", [6] * 30, params)
+    assert engine.state()["queue"]["prefill_tokens"] == 230
+    engine.step()  # "a" takes the slot and prefills its first chunk
+    snap = EngineSnapshot.from_json(engine.state())
+    assert snap.queue.waiting == 1 and snap.queue.prefill_tokens == 230 - snap.slots[0].prefilled_tokens
+
+
+def test_readers_on_other_threads_get_the_published_snapshot_not_live_state(ckpt):
+    engine = make_engine(ckpt, batch=1)
+    published = engine.snapshot
+    seen: list[EngineSnapshot] = []
+    reader = threading.Thread(target=lambda: seen.append(engine.snapshot))
+    engine.add_request("a", [5] * 20, SamplingParams(max_tokens=2, temperature=0.0))  # not yet published
+    reader.start()
+    reader.join()
+    assert seen[0] is published and seen[0].queue.waiting == 0
+
+
+def test_an_older_engines_health_text_still_parses():
+    old = {"model": "m", "health": {"ready": False, "reason": "dead: CUDA error: an illegal memory access"}}
+    assert EngineSnapshot.from_json(old).health.status is HealthStatus.DEAD
+    assert EngineSnapshot.from_json({"health": {"status": "ready"}}).health.status is HealthStatus.READY
