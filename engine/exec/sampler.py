@@ -19,7 +19,7 @@ uniform draws travel to the device, and only [B, T] token ids come back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -273,3 +273,42 @@ def _to_host(accepted: torch.Tensor, tokens: torch.Tensor) -> SampleResult:
     """One device-to-host copy for both: [B, 1 + T] -> per-row accepted count and emitted tokens."""
     host = torch.cat([accepted.view(-1, 1), tokens], dim=1).tolist()
     return SampleResult([row[0] for row in host], [row[1: row[0] + 2] for row in host])
+
+
+def sample_isolating_rows(
+    logits: torch.Tensor,
+    drafts: torch.Tensor | None,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    histories: list[History] | None,
+    is_fatal: Callable[[BaseException], bool],
+) -> tuple[SampleResult, dict[int, BaseException]]:
+    """`sample_with_drafts`, but a failure caused by one row's parameters or history fails that row only.
+
+    When the batch fails (and `is_fatal` says the device is fine), every row is sampled alone; a row that
+    fails alone is returned in the dict (row index -> its error) with greedy stand-in tokens, so a draft
+    round can still run over the whole batch. The caller ends those requests.
+    """
+    try:
+        return sample_with_drafts(logits, drafts, params, generators, histories), {}
+    except Exception as exc:  # noqa: BLE001 - sorted out row by row below
+        if is_fatal(exc):
+            raise
+    result = SampleResult([], [], [])
+    failed: dict[int, BaseException] = {}
+    for i, p in enumerate(params):
+        row_drafts = None if drafts is None else drafts[i:i + 1]
+        try:
+            one = sample_with_drafts(logits[i:i + 1], row_drafts, [p], [generators[i]],
+                                     None if histories is None else [histories[i]])
+        except Exception as exc:  # noqa: BLE001 - this row's own fault
+            if is_fatal(exc):
+                raise
+            failed[i] = exc
+            one = sample_with_drafts(logits[i:i + 1], row_drafts, [SamplingParams(temperature=0.0)], [generators[i]])
+        result.accepted += one.accepted
+        result.tokens += one.tokens
+        result.logprobs.append(one.logprobs[0] if one.logprobs else None)
+    if not any(result.logprobs):
+        result.logprobs = None
+    return result, failed
