@@ -22,32 +22,59 @@ MAX_STOP_STRINGS = 4
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default limit; OpenAI's is 20 for chat)
+MAX_CHOICES = 16  # n: each choice is one engine request
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+
+
 class _Body(BaseModel):
-    # OpenAI clients send fields this server does not know (user, metadata, ...): ignore, do not fail.
-    # Strict: `true` is not an integer and "1" is not a boolean (OpenAI refuses both too).
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Unknown fields are refused by name: a field this server does not know may change results (vLLM's
+    # min_tokens, guided_json, ...), and answering as if it had been honoured would be a silent lie. Fields
+    # that cannot change results are declared in IGNORED and accepted. Strict: `true` is not an integer
+    # and "1" is not a boolean (OpenAI refuses both too).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Ignored(_Body):
+    """Accepted and ignored: they cannot change what is generated (listed in docs/API.md)."""
+
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
+    skip_special_tokens: Literal[True] | None = None  # what this server does anyway; false is refused
+
+
+IGNORED = tuple(_Ignored.model_fields)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Ignored):
     """Fields shared by completions and chat completions."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's sampling extensions.
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     # vLLM-style extensions: benchmarks need exact output lengths, chat formats need extra stop tokens.
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -59,16 +86,20 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     suffix: str | None = None
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
 
 class ContentPart(_Body):
+    model_config = ConfigDict(extra="ignore", strict=True)  # image_url & co: refused by `type` (chat.py)
     type: str
     text: str | None = None
 
 
 class ChatMessage(_Body):
+    # A message copied from a response carries refusal/annotations/audio/tool_calls as nulls: those are
+    # fine; chat.py refuses any extra field that holds something, naming it.
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -80,7 +111,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -126,7 +157,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
     finish_reason: str | None = None
 
 
@@ -147,7 +178,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {content: [{token, logprob, bytes, top_logprobs}]}
     finish_reason: str | None = None
 
 

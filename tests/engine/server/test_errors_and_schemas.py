@@ -102,8 +102,12 @@ def test_missing_field_is_named(url: str) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"),
-     ({"presence_penalty": 0.5}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"),
+    [({"n": 17}, "n"), ({"echo": True}, "echo"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"),
+     ({"presence_penalty": 2.5}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"),
+     ({"min_tokens": 3}, "min_tokens"), ({"guided_json": {"type": "object"}}, "guided_json"),
+     ({"use_beam_search": True}, "use_beam_search"), ({"skip_special_tokens": False}, "skip_special_tokens"),
+     ({"logit_bias": {"hello": 5}}, "logit_bias.hello"), ({"logit_bias": {"999": 5}}, "logit_bias.999"),
+     ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
      ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": [300]}, "prompt")],
 )
 def test_unsupported_or_bad_values_are_400_naming_them(url: str, extra: dict, param: str) -> None:
