@@ -18,7 +18,7 @@ import anyio
 
 from engine.api import EngineClient, GenerationRequest, RequestOutput, SamplingParams
 from engine.errors import EngineDead, MaxTokensTooLarge, PromptTooLong
-from engine.server import streams
+from engine.server import choices, streams
 from engine.server.chat import chat_prompt_ids
 from engine.server.errors import ApiError, from_exception, invalid_param, unsupported_param
 from engine.server.handle import ClientGone, RequestHandle, WaitDisconnect
@@ -251,7 +251,10 @@ class Serving:
         """Submit every choice and wait for each first output, so admission errors still get their own status
         code; when one is refused, the others are aborted."""
         handles = []
-        for gen in prep.choice_requests():
+        requests = prep.choice_requests()
+        if wait_disconnect is not None and len(requests) > 1:
+            wait_disconnect = choices.shared_waiter(wait_disconnect)  # one reader of the connection for n choices
+        for gen in requests:
             handle = RequestHandle(self.client, gen, wait_disconnect, on_gone=self._forget)
             self._inflight[gen.request_id] = handle
             if self.metrics is not None:
@@ -278,38 +281,10 @@ class Serving:
             out = await handle.next()
             self._observe(handle, out)
 
-    async def _merged(self, opened: list[tuple[RequestHandle, RequestOutput | None]]
-                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def _merged(self, opened: list[tuple[RequestHandle, RequestOutput | None]]
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The outputs of every choice as they come, tagged with the choice index."""
-        if len(opened) == 1:
-            async for out in self._outputs(*opened[0]):
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, handle: RequestHandle, first: RequestOutput | None) -> None:
-            try:
-                async for out in self._outputs(handle, first):
-                    await queue.put((index, out, None))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-                await queue.put((index, None, exc))
-            finally:
-                await queue.put((index, None, None))
-
-        tasks = [asyncio.create_task(pump(i, h, f)) for i, (h, f) in enumerate(opened)]
-        try:
-            running = len(tasks)
-            while running:
-                index, out, exc = await queue.get()
-                if exc is not None:
-                    raise exc
-                if out is None:
-                    running -= 1
-                    continue
-                yield index, out
-        finally:
-            for task in tasks:
-                task.cancel()
+        return choices.merged([self._outputs(handle, first) for handle, first in opened])
 
     async def _collect_choices(self, opened: list[tuple[RequestHandle, RequestOutput | None]]
                                ) -> list[tuple[str, RequestOutput, list]]:

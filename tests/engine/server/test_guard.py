@@ -39,6 +39,15 @@ def test_config_serialized_form_argv_and_repr_never_show_the_key() -> None:
     assert config.to_dict(reveal_secrets=True)["api_key"] == KEY  # what a saved profile keeps
 
 
+def test_the_real_engine_state_never_shows_the_key(tmp_path) -> None:
+    from tests.engine.server.real import random_checkpoint, real_server
+
+    with real_server(str(random_checkpoint(tmp_path)), batch=1, context=256, api_key=KEY) as (url, _, _):
+        state = httpx.get(url + "/strata/state", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert state.status_code == 200 and state.json()["config"]["api_key"] == "<redacted>"
+        assert KEY not in state.text
+
+
 def test_every_route_but_health_needs_the_key() -> None:
     with _serve(api_key=KEY) as url:
         for path in ("/strata/state", "/strata/events", "/metrics", "/v1/models", f"/v1/models/{MODEL}"):

@@ -71,6 +71,22 @@ def test_client_disconnect_mid_generation_aborts_the_request(stream: bool) -> No
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_every_choice_of_an_n_request(stream: bool) -> None:
+    fake = FakeEngine(context_tokens=4096, token_delay_s=0.05)
+    server = LiveServer(create_app(fake, EngineConfig(device="cpu")))
+    with server:
+        sock = _raw_request(server.port, {"model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": stream,
+                                          "n": 3})
+        assert _wait_for(lambda: len(fake.active) == 3)
+        if stream:
+            assert b"data: " in _read_until(sock, b"data: ")
+        sock.close()
+        assert _wait_for(lambda: not fake.active), "a choice kept running after the client left"
+        assert len(fake.aborted) == 3
+        assert _wait_for(lambda: server.app.state.serving.inflight_count == 0)
+
+
 def test_events_stream_gives_history_then_live_then_resumes() -> None:
     fake = FakeEngine()
     for i in range(3):
