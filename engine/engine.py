@@ -29,7 +29,7 @@ from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
 from engine.exec.runner import MtpUnavailable, Row
-from engine.exec.sampler import device_result, make_generator, sample_isolating_rows, sample_with_drafts
+from engine.exec.sampler import device_result, request_generator, sample_isolating_rows, sample_with_drafts
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
 from engine.snapshot import EngineSnapshot, MtpSnapshot
 from engine.state import build_snapshot, slot_event
@@ -118,19 +118,11 @@ class Engine:
         in the scheduler with no generator, and the next three steps failed)."""
         if self._dead_reason is not None:
             raise EngineDead(self._dead_reason)
-        vocab = self.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:  # an out-of-range id would fail inside the embedding and take the step down
-            raise RequestRejected(f"prompt token id {bad} is outside this model's vocabulary (0..{vocab - 1})",
-                                  param="prompt")
-        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"logit_bias token id {bad} is outside this model's vocabulary (0..{vocab - 1})",
-                                  param="logit_bias")
-        try:
-            generator = make_generator(params.seed)
-        except (ValueError, OverflowError, TypeError, RuntimeError) as exc:
-            raise RequestRejected(f"seed={params.seed}: {exc}", param="seed") from None
+            raise RequestRejected(f"prompt token id {bad} is outside this model's vocabulary "
+                                  f"(0..{self.vocab_size - 1})", param="prompt")
+        generator = request_generator(params, self.vocab_size)  # RequestRejected naming seed or logit_bias
         req = Request(request_id, prompt_token_ids, params, arrival_s=time.monotonic())
         decoder = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
         self.sched.add(req)  # the commit point: it validates before it queues, so a refusal leaves nothing

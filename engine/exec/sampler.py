@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from engine.api import GREEDY_BELOW_TEMPERATURE, SamplingParams, TokenLogprob
+from engine.errors import RequestRejected
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids so far) of one row
 
@@ -36,6 +37,19 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         gen.manual_seed(int(seed))
     return gen
+
+
+def request_generator(params: SamplingParams, vocab_size: int) -> torch.Generator:
+    """Check what sampling one request needs and make its generator; RequestRejected names the parameter
+    (a seed torch refuses, a logit_bias id outside the vocabulary) before any engine state is touched."""
+    bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestRejected(f"logit_bias token id {bad} is outside this model's vocabulary (0..{vocab_size - 1})",
+                              param="logit_bias")
+    try:
+        return make_generator(params.seed)
+    except (ValueError, OverflowError, TypeError, RuntimeError) as exc:
+        raise RequestRejected(f"seed={params.seed}: {exc}", param="seed") from None
 
 
 @dataclass

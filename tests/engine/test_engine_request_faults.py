@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-import engine.engine as engine_module
 import engine.exec.sampler as sampler_module
 from engine.api import SamplingParams
 from engine.errors import QueueFull, RequestRejected
@@ -50,7 +49,7 @@ def test_a_seed_torch_refuses_is_rejected_and_leaves_nothing_behind(ckpt, refere
 def test_a_failure_while_adding_a_request_leaves_the_engine_as_it_was(ckpt, reference, stage, monkeypatch) -> None:
     engine = make_engine(ckpt, batch=4)
     if stage == "generator":
-        monkeypatch.setattr(engine_module, "make_generator", _raise_for_seed(666, engine_module.make_generator))
+        monkeypatch.setattr(sampler_module, "make_generator", _raise_for_seed(666, sampler_module.make_generator))
     elif stage == "decoder":
         monkeypatch.setattr(engine.tokenizer, "incremental_decoder", _raising("no decoder"), raising=False)
     else:
