@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any, AsyncIterator, Callable
 
 from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_vram_reserve_mib
 from engine.errors import EngineDead
 from engine.exec.gpu_errors import real_message
 from engine.snapshot import EngineSnapshot, HealthSnapshot
@@ -155,10 +155,7 @@ class AsyncEngine:
         return await self._call(toggle)
 
     async def set_vram_reserve(self, mib: int) -> int:
-        from engine.errors import ConfigError
-
-        if isinstance(mib, bool) or not isinstance(mib, int) or not 0 <= mib <= 1 << 20:
-            raise ConfigError("vram_reserve_mib", mib, "expected 0..1048576 MiB")
+        check_vram_reserve_mib(mib)
         return await self._call(lambda: self._require_engine().set_vram_reserve(mib))
 
     # --- engine thread -------------------------------------------------------------------------------------

@@ -27,34 +27,59 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _CUDA_RE = re.compile(r"^cuda(:\d+)?$")
 
 
+VRAM_RESERVE_MAX_MIB = 1 << 20  # the reserve's range is 0..this, wherever it is set (CLI, profile, live route)
+
+
+def _opt(help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None, group: str = "engine",
+         flag: str | None = None) -> dict[str, Any]:
+    """An option's one description (field metadata): the CLI's argparse options and strata-tui's profile
+    editor are both generated from it. group: "engine" (serve, generate, bench) or "server" (serve only)."""
+    return {"help": help, "metavar": metavar, "choices": choices, "group": group, "flag": flag}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's options. Field names are the CLI's long options with `-` as `_`."""
 
-    model: str = BUILTIN_MODEL
-    device: str = "auto"
-    dtype: str = "auto"
-    batch: int = 4
-    batch_mtp: bool = False
-    mtp_depth: int = 1
-    kv: str = "bf16"
-    kv_resident: int | None = None  # tokens of each slot's KV kept on the GPU; None = all of it
-    context: int = 8192  # tokens per slot
-    vram_reserve_mib: int = DEFAULT_VRAM_RESERVE_MIB
-    peer_device: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 0
-    api_key: str | None = field(default=None, repr=False)  # a secret: see to_dict, to_argv
-    max_body_mib: int = DEFAULT_MAX_BODY_MIB  # request bodies above it get 413 before they are parsed
-    queue_max: int = 256
-    prefill_chunk_tokens: int = 2048
-    step_token_budget: int = 4096
-    graphs: bool = True  # CUDA graphs where the device has them; CPU always runs eagerly
-    tier_wait_polls: int = 20
-    tier_wait_interval_s: float = 0.08
+    model: str = field(default=BUILTIN_MODEL, metadata=_opt(f"checkpoint directory or {BUILTIN_MODEL}", metavar="PATH"))
+    device: str = field(default="auto", metadata=_opt("auto | cpu | cuda:N", metavar="DEVICE"))
+    dtype: str = field(default="auto", metadata=_opt("weights dtype (auto: bf16 on CUDA, fp32 on CPU)",
+                                                      choices=MODEL_DTYPES))
+    batch: int = field(default=4, metadata=_opt("concurrent request slots", metavar="N"))
+    batch_mtp: bool = field(default=False, metadata=_opt("batched MTP speculative drafting for all decoding slots"))
+    mtp_depth: int = field(default=1, metadata=_opt("draft tokens per MTP round", metavar="K"))
+    kv: str = field(default="bf16", metadata=_opt("KV cache dtype", choices=KV_DTYPES))
+    # tokens of each slot's KV kept on the GPU; None = all of it
+    kv_resident: int | None = field(default=None, metadata=_opt("tokens of each slot's KV kept on the GPU",
+                                                                metavar="TOKENS"))
+    context: int = field(default=8192, metadata=_opt("context per slot", metavar="TOKENS"))
+    vram_reserve_mib: int = field(default=DEFAULT_VRAM_RESERVE_MIB, metadata=_opt("VRAM the engine never takes",
+                                                                                  metavar="MIB"))
+    expert_cache_mib: int | str | None = field(default=None, metadata=_opt(
+        "MoE models: MiB of GPU slots for routed experts (the rest in pinned host memory), or auto (what the VRAM "
+        "books leave); default: every expert on the GPU", metavar="MIB|auto"))
+    peer_device: str | None = field(default=None, metadata=_opt("second GPU for the prefix-cache tier",
+                                                                metavar="cuda:N"))
+    host: str = field(default="127.0.0.1", metadata=_opt("address to bind", group="server"))
+    port: int = field(default=0, metadata=_opt("port (0 picks a free one)", group="server"))
+    # A secret: not in repr, redacted by to_dict, never in to_argv (secret_env carries it).
+    api_key: str | None = field(default=None, repr=False, metadata=_opt(
+        "require Authorization: Bearer KEY on every route but /health (default: $STRATA_API_KEY, which keeps it "
+        "off the process list)", metavar="KEY", group="server"))
+    max_body_mib: int = field(default=DEFAULT_MAX_BODY_MIB, metadata=_opt(
+        "request bodies above this get 413 before they are parsed", metavar="MIB", group="server"))
+    queue_max: int = field(default=256, metadata=_opt("bounded request queue length", metavar="N"))
+    prefill_chunk_tokens: int = field(default=2048, metadata=_opt("prompt tokens per prefill chunk", metavar="TOKENS"))
+    step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
+    # CUDA graphs where the device has them; CPU always runs eagerly
+    graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))
+    tier_wait_polls: int = field(default=20, metadata=_opt("polls for tier room after a graph OOM", metavar="N"))
+    tier_wait_interval_s: float = field(default=0.08, metadata=_opt("seconds between those polls", metavar="S"))
     switches: Mapping[str, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.expert_cache_mib, str) and self.expert_cache_mib.strip().isdigit():
+            object.__setattr__(self, "expert_cache_mib", int(self.expert_cache_mib))  # argv / TOML text
         self.validate()
 
     def validate(self) -> None:
@@ -82,8 +107,12 @@ class EngineConfig:
             raise ConfigError("kv", self.kv, f"expected one of {', '.join(KV_DTYPES)}")
         if self.kv_resident is not None:
             _positive("kv_resident", self.kv_resident, upper=self.context)
-        if self.vram_reserve_mib < 0 or self.vram_reserve_mib > 1 << 20:
-            raise ConfigError("vram_reserve_mib", self.vram_reserve_mib, "expected 0..1048576 MiB")
+        check_vram_reserve_mib(self.vram_reserve_mib)
+        if self.expert_cache_mib is not None and self.expert_cache_mib != "auto":
+            value = self.expert_cache_mib
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 24:
+                raise ConfigError("expert_cache_mib", value,
+                                  "expected a whole number of MiB (1..16777216) or auto (what the VRAM books leave)")
         if self.peer_device is not None and not _CUDA_RE.match(self.peer_device):
             raise ConfigError("peer_device", self.peer_device, "expected cuda:N")
         if not (0 <= self.port <= 65535):
@@ -102,6 +131,11 @@ class EngineConfig:
 
         for name in self.switches:
             get_switch(name)  # raises UnknownSwitch naming the typo
+
+    @staticmethod
+    def options() -> list[Any]:
+        """Every option's field (name, type, default, metadata["help"/"metavar"/"choices"/"group"/"flag"])."""
+        return [f for f in fields(EngineConfig) if f.metadata]
 
     # --- conversions -------------------------------------------------------------------------------------
 
@@ -172,6 +206,8 @@ def _coerce(name: str, type_hint: Any, value: Any) -> Any:
     hint = str(type_hint)
     if value is None:
         return None
+    if hint.startswith("int | str"):  # a number or a word (expert_cache_mib: N or auto): validate() decides
+        return value
     if hint.startswith("bool"):
         if isinstance(value, bool):
             return value
@@ -196,4 +232,11 @@ def _coerce(name: str, type_hint: Any, value: Any) -> Any:
         if isinstance(value, Mapping):
             return {str(k): bool(v) for k, v in value.items()}
         raise ConfigError(name, value, "expected a table of NAME = true/false")
+    return value
+
+
+def check_vram_reserve_mib(value: Any) -> int:
+    """The reserve's one range check (the CLI, a profile and the live route all go through it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= VRAM_RESERVE_MAX_MIB:
+        raise ConfigError("vram_reserve_mib", value, f"expected a whole number of MiB, 0..{VRAM_RESERVE_MAX_MIB}")
     return value

@@ -106,7 +106,7 @@ class Engine:
         self.snapshot = build_snapshot(
             model=self.model_name, config=self.config, health=self.health(), board=self.board, sched=self.sched,
             executor=self.executor, budgets=self.budgets, tier=self.tier, kv=self.kv, mtp=mtp, steps=self.steps,
-            now_s=now_s)
+            experts=self.lm.model.expert_provider, now_s=now_s)
 
     # --- commands ------------------------------------------------------------------------------------------
 

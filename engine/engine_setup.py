@@ -97,15 +97,17 @@ class _PartsBuilder:
         self.bus = bus
         self.stage = "starting"
         self.budgets: list[VramBudget] | None = None
+        self.experts: Any = None  # an MoE model's expert cache (engine.exec.expert_cache), built after the load
         self.device: torch.device | None = None
         self.tier_device: torch.device | None = None
 
     def make_room(self, mib: float, reason: str) -> float:
         """Room on the compute device from the tier, through the books, so what was freed stays free as
         headroom: a tier that regrew into it would make the next capture run out of memory again. Only a tier
-        on the compute device can, and only once it exists (CAPTURE_ALL captures before it)."""
+        on the compute device can, and only once it exists (CAPTURE_ALL captures before it); the expert cache
+        (MoE) is on the compute device from the start, so it can answer before the tier exists."""
         if self.budgets is None or self.tier_device != self.device:
-            return 0.0
+            return self.experts.release(mib, reason) if self.experts is not None else 0.0
         return self.budgets[0].make_room(mib, reason)
 
     def build(self, executor: Any, tier_budget_mib: float | None, block_tokens: int | None) -> EngineParts:
@@ -119,11 +121,14 @@ class _PartsBuilder:
         # a bad --peer-device fails before the load
         self.tier_device = _tier_device(config, resolve_device(config.device))
         self.stage = f"loading the model {config.model}"
-        lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device)
+        # MoE: routed experts load to host memory; the expert cache gives them their device slots
+        lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device, expert_device="cpu")
         device = self.device = lm.device
         model = lm.model
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
+        self.stage = "building the expert cache"
+        experts = self.experts = _expert_cache(config, lm, bus)
         depth = 0
         if config.batch_mtp:
             if model.mtp is None:
@@ -142,7 +147,17 @@ class _PartsBuilder:
         sched = Scheduler.from_config(config, index, draft_tokens=depth)
         if executor is None:
             executor = _default_executor(config, bus, board, self.make_room, device)
+        if experts is not None:
+            from engine.exec.expert_steps import ExpertStepExecutor
+
+            inner = executor
+            experts.on_resize = lambda: inner.invalidate(lambda kind, key: True)  # graphs read the old pools
+            executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens)
         runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
+        if experts is not None:
+            # prompt chunks with the fused chunk attention run on the runner's own eager executor: wrap it too, so
+            # their padding rows load no expert and their accesses are counted as prefill steps
+            runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
         runner.release_memory = self.make_room
         runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
         drafter = None
@@ -150,6 +165,10 @@ class _PartsBuilder:
             from engine.exec.drafter import MtpDrafter
 
             drafter = MtpDrafter(runner, depth)
+        if experts is not None:
+            from engine.exec.expert_setup import grow_auto
+
+            grow_auto(experts, config.expert_cache_mib, device_memory_mib(device)[1], config.vram_reserve_mib)
         if board.enabled("CAPTURE_ALL"):
             # Before the tier: the graphs take their pools from free memory, and the tier then takes the rest,
             # instead of every capture running out of memory against a full tier and evicting its siblings.
@@ -158,6 +177,7 @@ class _PartsBuilder:
         self.stage = "allocating the adaptive tier"
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
                                                tier_budget_mib)
+        self.budgets[0].experts = experts
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device)
 
 
@@ -169,6 +189,9 @@ def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, mo
     executor.release()
     tier.set_budget(0.0, "engine closed")
     kv.free()
+    experts = model.expert_provider  # an MoE model's expert cache: pools and host store
+    if experts is not None:
+        experts.close()
     model.to("meta")  # in place: the parameters' storage goes even where something still holds the module
     gc.collect()
     if device.type == "cuda":
@@ -192,7 +215,7 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     except Exception as exc:  # noqa: BLE001 - a failed warm-up costs the switch, not the engine
         if is_sticky(exc):
             raise
-        _degrade(bus, board, "CAPTURE_ALL", f"precapture: {real_message(exc)}")
+        board.degrade("CAPTURE_ALL", f"precapture: {real_message(exc)}", bus, where="engine.exec.graphs")
         return
     if summary is None:
         bus.publish(WarningEvent(where="engine.exec.graphs", message=(
@@ -208,10 +231,17 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
         f"{summary['ms']:.0f} ms")))
 
 
-def _degrade(bus: EventBus, board: SwitchBoard, name: str, reason: str) -> None:
-    board.degrade(name, reason)
-    bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
-    bus.publish(WarningEvent(where="engine.exec.graphs", message=f"switch {name} degraded: {reason}"))
+def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus) -> Any:
+    """An MoE model's expert cache at its start-up size (engine.exec.expert_setup); None for a dense model."""
+    if lm.config.moe is None:
+        if config.expert_cache_mib is not None:
+            raise ConfigError("expert_cache_mib", config.expert_cache_mib,
+                              f"the checkpoint {config.model} has no MoE layers: there are no experts to cache")
+        return None
+    from engine.exec.expert_setup import start_expert_cache
+
+    _, free_mib = device_memory_mib(lm.device)
+    return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib)
 
 
 def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:

@@ -7,6 +7,7 @@ the same numbers. Both run on the engine thread; the snapshot is then published 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from engine.api import Health
 from engine.config import EngineConfig
@@ -45,7 +46,7 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
 
 def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: SwitchBoard, sched: Scheduler,
                    executor: StepExecutor, budgets: list[VramBudget], tier: AdaptiveTier, kv: SlotKVCache,
-                   mtp: MtpSnapshot, steps: int, now_s: float | None = None) -> EngineSnapshot:
+                   mtp: MtpSnapshot, steps: int, experts: Any = None, now_s: float | None = None) -> EngineSnapshot:
     """The /strata/state snapshot of this moment. Runs on the engine thread only (it reads the scheduler, the
     tier and the driver's free memory, which that thread changes)."""
     now_s = time.monotonic() if now_s is None else now_s
@@ -68,4 +69,4 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         vram=[budget.breakdown() for budget in budgets], tier=TierSnapshot.from_json(tier.snapshot()),
         kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,
                       slots=kv.geometry.num_slots),
-        mtp=mtp, steps=steps)
+        experts=experts.snapshot() if experts is not None else None, mtp=mtp, steps=steps)

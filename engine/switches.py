@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from engine.errors import SwitchNeedsRestart, UnknownSwitch
+from engine.telemetry import EventBus, SwitchEvent, WarningEvent
 
 ENV_PREFIX = "STRATA_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -27,7 +28,7 @@ class Switch:
     name: str
     description: str
     live: bool
-    effect: str = "not yet measured"
+    effect: str = "not yet measured"  # in words; the figures live in docs/SWITCHES.md
 
     @property
     def env_var(self) -> str:
@@ -39,35 +40,31 @@ SWITCHES: tuple[Switch, ...] = (
         "SPLIT_ATTN",
         "split-KV (flash-decoding) attention for long-context decode; its scratch grows with context",
         live=True,
-        effect="H200, 0.6B shape, 16K context: slower (53.2 -> 48.7 tok/s at batch 1, 89.9 -> 49.0 at batch 6); "
-               "at 128K with VRAM full its graph could not be captured and it degraded (14.7 off, 14.6 after the "
-               "degrade); a context where it pays off is not measured yet",
+        effect="slower at 16K context on the H200; where it pays off is not measured yet (docs/SWITCHES.md)",
     ),
     Switch(
         "FUSED_PROJ",
         "fuse the q/k/v and gate/up projections into one matmul each (weights concatenated at load)",
         live=False,
-        effect="H200: 1.14x per batch-1 decode step on the 0.6B shape (3.19 -> 2.80 ms), 1.17x on strata-tiny",
+        effect="faster batch-1 and batch-6 decode steps on the H200 (docs/SWITCHES.md)",
     ),
     Switch(
         "CAPTURE_ALL",
         "capture every decode/verify/drafter graph bucket at start instead of lazily on first need",
         live=False,
-        effect="H200, 0.6B shape: first request batch 1.35x faster at batch 1 (0.570 -> 0.422 s), 1.26x at "
-               "batch 6 (no capture stall); steady decode unchanged (1.00x); the captures move to start-up",
+        effect="no capture stall on the first request of a bucket; the captures move to start-up (docs/SWITCHES.md)",
     ),
     Switch(
         "PINNED_STAGING",
         "stage step inputs through pinned host buffers and copy them to the device asynchronously",
         live=False,
-        effect="H200, 0.6B shape: no measurable effect (decode 1.00x at batch 1, 0.99x at batch 6)",
+        effect="no measurable effect on the H200 (docs/SWITCHES.md)",
     ),
     Switch(
         "COMPILE",
         "torch.compile the step functions before graph capture (slower start, faster steps)",
         live=False,
-        effect="H200, 0.6B shape, with FUSED_PROJ: 1.67x batch-1 decode (302.5 -> 503.9 tok/s), 2.11x at "
-               "batch 6; start-up 128 s against 46 s",
+        effect="faster decode with FUSED_PROJ; a much slower start-up (docs/SWITCHES.md)",
     ),
 )
 
@@ -163,13 +160,23 @@ class SwitchBoard:
                 state.degraded, state.reason = False, ""
             return state
 
-    def degrade(self, name: str, reason: str) -> SwitchState:
-        """Turn a switch off for the rest of the run because its code path failed; keeps the reason."""
+    def degrade(self, name: str, reason: str, bus: EventBus | None = None, where: str = "engine",
+                what: str = "") -> SwitchState:
+        """Turn a switch off for the rest of the run because its code path failed; keeps the reason.
+
+        With a bus, the one place that tells about it: a SwitchEvent (degraded) and a WarningEvent
+        "switch NAME degraded for the rest of the run[, what]: reason" (the log and the TUI show that line).
+        """
         sw = get_switch(name)
         with self._lock:
             state = self.states[sw.name]
             state.enabled, state.degraded, state.reason = False, True, reason
-            return state
+        if bus is not None:
+            bus.publish(SwitchEvent(name=sw.name, state="degraded", reason=reason))
+            detail = f", {what}" if what else ""
+            bus.publish(WarningEvent(where=where, message=(
+                f"switch {sw.name} degraded for the rest of the run{detail}: {reason}")))
+        return state
 
     def snapshot(self) -> list[dict]:
         with self._lock:

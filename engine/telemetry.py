@@ -106,6 +106,22 @@ class TierEvent(Event):
 
 
 @dataclass
+class ExpertEvent(Event):
+    """The MoE expert cache: its pools grew or shrank (a budget change, a VRAM-books request), or, summed
+    over about a second, experts were loaded into slots (misses) and evicted to make room."""
+
+    type: ClassVar[str] = "expert"
+    action: str = "load"  # load | evict | shrink | grow
+    experts: int = 0  # load / evict: how many
+    mib: float = 0.0  # load: bytes copied in; shrink / grow: the change
+    total_mib: float = 0.0  # the pools' device memory afterwards
+    slots: int = 0  # slots per layer afterwards
+    ms: float = 0.0  # load: copy time; shrink / grow: the resize
+    reason: str = ""
+    device: str = ""
+
+
+@dataclass
 class VramEvent(Event):
     """The engine's VRAM breakdown for one device."""
 
@@ -118,6 +134,7 @@ class VramEvent(Event):
     tier_mib: float = 0.0
     reserve_mib: float = 0.0
     free_mib: float = 0.0
+    experts_mib: float = 0.0  # the MoE expert cache's pools (0 for a dense model)
 
 
 @dataclass
@@ -151,13 +168,9 @@ class ErrorEvent(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.type: cls
-    for cls in (EngineEvent, SlotEvent, AdmissionEvent, GraphEvent, TierEvent, VramEvent, SwitchEvent,
+    for cls in (EngineEvent, SlotEvent, AdmissionEvent, GraphEvent, TierEvent, ExpertEvent, VramEvent, SwitchEvent,
                 WarningEvent, ErrorEvent)
 }
-
-
-def event_to_json(event: Event) -> dict[str, Any]:
-    return event.to_json()
 
 
 def event_from_json(data: dict[str, Any]) -> Event:

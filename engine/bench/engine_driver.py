@@ -48,6 +48,7 @@ class GenerateStats:
     accepted: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)  # what each request generated
+    cached_tokens: list[int] = field(default_factory=list)  # per request: prompt tokens whose KV came from the tier
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -177,5 +178,5 @@ def generate_all(bench: BenchEngine, prompts: list[list[int]], max_tokens: int) 
         decode_s=end - (all_first_s or end), decode_tokens=tokens - tokens_at_all_first,
         decode_steps=decode_steps, batch=len(reqs), proposed=proposed, accepted=accepted,
         errors=[f"{r.request_id}: {r.finish_reason}" for r in reqs if r.finish_reason not in ("length", "stop")],
-        token_ids=[list(r.output_token_ids) for r in reqs],
+        token_ids=[list(r.output_token_ids) for r in reqs], cached_tokens=[r.num_cached_tokens for r in reqs],
     )

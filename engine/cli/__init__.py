@@ -1,7 +1,8 @@
 """`strata-engine serve | generate | bench`: argument parsing and dispatch only.
 
-Each subcommand lives in its own module (`cli_serve`, `cli_generate`, `cli_bench`) and is imported only when
-chosen, so `--help` is fast and a broken optional part cannot break the others. Expected failures
+Each subcommand lives in its own module (`engine.cli.serve`, `.generate`, `.bench`); all three are imported to
+build the parser, and none imports torch at module level (the model, the engine and each benchmark are imported
+inside `run`), so `--help` stays fast and torch-free. Expected failures
 (StrataError: bad option, bad checkpoint, ...) print one line on stderr and exit 2, never a traceback.
 """
 

@@ -20,11 +20,13 @@ BENCHES = {
     "decode": ("engine.bench.decode", "decode tok/s of the real Engine per batch size, graphs on and off"),
     "mtp": ("engine.bench.mtp", "MTP drafting on/off: acceptance per position, tokens per step, speedup"),
     "ttft": ("engine.bench.ttft", "time to first token for fresh long prompts"),
+    "reuse": ("engine.bench.reuse", "time to first token of a prompt seen before (tier on the GPU or --peer-device)"),
     "admission": ("engine.bench.admission", "decode rate of running slots while a fresh long prompt is admitted"),
     "graphs": ("engine.bench.graphs", "graph capture time and MiB per graph kind (GraphCache snapshot)"),
     "switches": ("engine.bench.switches", "each opt-in switch on vs off where it claims to help"),
     "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
+    "experts": ("engine.bench.experts", "MoE decode tok/s and expert hit rate per expert-cache budget"),
 }
 
 
@@ -97,6 +99,12 @@ def _ttft(p: argparse.ArgumentParser) -> None:
                    help="fresh prompt lengths in tokens (default 32K,128K,176K)")
 
 
+def _reuse(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")
+    p.add_argument("--prompt-sizes", type=int_list, default=[32 * _K],
+                   help="prompt lengths in tokens, each sent fresh then again (default 32K)")
+
+
 def _admission(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.add_argument("--slots", type=int, default=6, help="short generations decoding when the long prompt arrives")
@@ -146,9 +154,20 @@ def _profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=25, help="host functions and kernels listed")
 
 
+def _experts(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:moe-bench")
+    p.set_defaults(batch=1)  # the engine's --batch: here both its slots and the decoding requests
+    p.add_argument("--budgets", default="5,15,30,50,100", help="percent of the routed experts' bytes (100: all)")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time transformers' eager generate on the same weights")
+    p.add_argument("--trace-out", default=None, metavar="PATH", help="write the smallest budget's routing trace")
+
+
 _ADDERS = {
-    "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "admission": _admission,
-    "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile,
+    "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
+    "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile, "experts": _experts,
 }
 
 

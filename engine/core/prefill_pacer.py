@@ -215,7 +215,6 @@ class PrefillPacer:
         self._planned_s = 0.0
         self._planned_chunks = 0
         self._unsettled_s: float | None = None  # predicted prefill of the last paced step, until recorded
-        self.waited_steps = 0  # steps that decoded only, saving up for a chunk (a count for telemetry/tests)
 
     # --- what the engine measured --------------------------------------------------------------------------
 
@@ -295,8 +294,6 @@ class PrefillPacer:
         if self._planned_chunks:
             self.credit_s = min(self.credit_s, self._carry_cap_s)
             self._unsettled_s = self._planned_s
-        else:
-            self.waited_steps += 1
 
     # --- internals -----------------------------------------------------------------------------------------
 

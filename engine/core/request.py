@@ -91,10 +91,6 @@ class Request:
         return self.num_prompt_tokens - self.num_computed_tokens
 
     @property
-    def num_cached_blocks(self) -> int:
-        return len(self.cached_blocks)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

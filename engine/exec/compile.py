@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from engine.exec.gpu_errors import real_message
 from engine.switches import SwitchBoard
-from engine.telemetry import EventBus, SwitchEvent, WarningEvent
+from engine.telemetry import EventBus
 
 SWITCH = "COMPILE"
 DEFAULT_MODE = "default"
@@ -62,7 +62,5 @@ class StepCompiler:
         with self._lock:
             if not self.active:
                 return
-            self.board.degrade(SWITCH, reason)
             self.failures.append(reason)
-        self.bus.publish(SwitchEvent(name=SWITCH, state="degraded", reason=reason))
-        self.bus.publish(WarningEvent(where=where, message=f"torch.compile failed, COMPILE turned off: {reason}"))
+        self.board.degrade(SWITCH, reason, self.bus, where=where, what="torch.compile failed, COMPILE turned off")

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from engine.exec.executor import EagerExecutor
+from engine.exec.graph_key import GraphKey
 from engine.exec.graphs import GraphSpec
-from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket
+from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket, split_switches
 from engine.exec.sampler import sample_on_device, sampling_inputs
 
 FUSED_KIND = "verify_draft"
@@ -111,8 +112,8 @@ class MtpDrafter:
                 return {"accepted": accepted, "tokens": tokens, "drafts": torch.stack(drafts, dim=1)}
 
             # Greedy keeps the verify-like key; the sampled variants (other inputs, other kernels) say so.
-            key = ("b%d" % bb, "k%d" % k, "L%d" % span) + (() if mode == "greedy" else (mode,)) \
-                + (("split",) if split else ())
+            mode_tag = () if mode == "greedy" else (mode,)
+            key = GraphKey.of(f"b{bb}", f"k{k}", f"L{span}", *mode_tag, switches=split_switches(split))
             return key, fused_fn
 
         return build
@@ -230,20 +231,20 @@ class MtpDrafter:
     def _prefill_build(self, tb: int, span: int):
         def build(split: bool):
             # Capturable per (chunk bucket, span): positions travel as tensors, so no chunk start in the key.
-            return ("t%d" % tb, "L%d" % span) + (("split",) if split else ()), self._mtp_fn(span, split, depth=0)
+            return GraphKey.of(f"t{tb}", f"L{span}", switches=split_switches(split)), self._mtp_fn(span, split, depth=0)
 
         return build
 
     def _round_build(self, bb: int, k1: int, span: int):
         def build(split: bool):
-            key = ("b%d" % bb, "k%d" % (k1 - 1), "L%d" % span) + (("split",) if split else ())
+            key = GraphKey.of(f"b{bb}", f"k{k1 - 1}", f"L{span}", switches=split_switches(split))
             return key, self._mtp_fn(span, split, depth=0)
 
         return build
 
     def _step_build(self, bb: int, j: int, span: int):
         def build(split: bool):
-            key = ("b%d" % bb, "j%d" % j, "L%d" % span) + (("split",) if split else ())
+            key = GraphKey.of(f"b{bb}", f"j{j}", f"L{span}", switches=split_switches(split))
             return key, self._mtp_fn(span, split, depth=j)
 
         return build

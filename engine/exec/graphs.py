@@ -31,7 +31,7 @@ from engine.exec.fault_injection import FaultPlan
 from engine.exec.gpu_errors import classify, exception_chain, real_message, sticky_from
 from engine.exec.graph_backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
 from engine.switches import SwitchBoard
-from engine.telemetry import EventBus, GraphEvent, SwitchEvent, WarningEvent
+from engine.telemetry import EventBus, GraphEvent
 
 __all__ = ["GraphCache", "GraphDegraded", "GraphSpec"]
 
@@ -239,8 +239,8 @@ class GraphCache:
             failure, last_free = result, result.vram_free_mib
             if released > 0 and not final:
                 # The tier gave memory and the step still ran short: a warm-up allocates many buffers, and
-                # the failed one named only its own size (on the H200 a 128K split-KV decode graph asked for
-                # 516 MiB, got it, failed again and degraded with ~100 GiB still in the tier). Ask again.
+                # the failed one named only its own size (docs/GRAPHS.md: a 128K split-KV graph on the H200
+                # degraded with most of the tier still held until this asked again). Ask again.
                 released = self._ask_tier(kind, key, failure)
         return failure
 
@@ -364,9 +364,7 @@ class GraphCache:
                                     ms=round(ms, 3), error=error, device=self.device))
 
     def _degrade_switch(self, name: str, reason: str) -> None:
-        self.board.degrade(name, reason)
-        self.bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
-        self.bus.publish(WarningEvent(where="graphs", message=f"switch {name} degraded: {reason}"))
+        self.board.degrade(name, reason, self.bus, where="graphs")
 
 
 def _stage_inputs(inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

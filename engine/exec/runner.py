@@ -19,11 +19,12 @@ from typing import Callable, Hashable
 import torch
 
 from engine.exec.executor import EagerExecutor, GraphDegraded, StepExecutor
+from engine.exec.graph_key import GraphKey
 from engine.exec.graphs import GraphSpec
 from engine.exec.gpu_errors import is_oom, is_sticky, real_message
 from engine.exec.kv_cache import SlotKVCache
 from engine.switches import SwitchBoard
-from engine.telemetry import EventBus, SwitchEvent, WarningEvent
+from engine.telemetry import EventBus, WarningEvent
 
 MIN_SPAN_TOKENS = 256
 GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
@@ -34,7 +35,12 @@ _DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step", "veri
 
 def switch_for_key(kind: str, key: Hashable) -> str | None:
     """The opt-in switch a step's graph depends on (for engine.exec.graphs.GraphCache's degrade path)."""
-    return SPLIT_SWITCH if isinstance(key, tuple) and "split" in key else None
+    return key.responsible_switch() if isinstance(key, GraphKey) else None
+
+
+def split_switches(split: bool) -> tuple[str, ...]:
+    """The live switches a step built with or without split-KV attention depends on."""
+    return (SPLIT_SWITCH,) if split else ()
 
 
 class MtpUnavailable(RuntimeError):
@@ -119,7 +125,6 @@ class ModelRunner:
         # Drafts waiting for verification, one row per slot plus a scratch row for padded batch rows.
         self.draft_buf = torch.zeros(num_slots + 1, max(1, mtp_depth), dtype=torch.long, device=device)
         self.pad_row = num_slots
-        self.forwards = 0
         self._stager: PinnedStager | None = None
         # Prompt chunks that take the fused (flash) chunk attention run eagerly: it bakes the chunk's start
         # into the step, so a graph of it would never be replayed (and a chunk's compute dwarfs launch cost).
@@ -186,7 +191,6 @@ class ModelRunner:
                 self.bus.publish(WarningEvent(where=f"runner.{kind}", message=f"{exc}; running this step eagerly"))
                 out = fn(inputs)
                 break
-        self.forwards += 1
         return out
 
     def _run_with_room(self, kind: str, key: Hashable, fn: Callable, inputs: dict, owner: str | None,
@@ -210,18 +214,12 @@ class ModelRunner:
             return executor.run(kind, key, fn, inputs, owner)
 
     def _degrade(self, name: str, exc: GraphDegraded) -> None:
-        reason = f"{exc.kind} graph {exc.key!r}: {exc.error}"
-        self.board.degrade(name, reason)
-        if name == SPLIT_SWITCH:
-            self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and "split" in key)
-        self.bus.publish(SwitchEvent(name=name, state="degraded", reason=reason))
-        self.bus.publish(WarningEvent(where=f"runner.{exc.kind}",
-                                      message=f"switch {name} degraded for the rest of the run: {reason}"))
+        self.board.degrade(name, f"{exc.kind} graph {exc.key}: {exc.error}", self.bus, where=f"runner.{exc.kind}")
+        self.on_switch_changed(name)
 
     def on_switch_changed(self, name: str) -> None:
-        """A live switch changed: drop the graphs whose code path it alters."""
-        if name == SPLIT_SWITCH:
-            self.executor.invalidate(lambda kind, key: isinstance(key, tuple) and "split" in key)
+        """A live switch changed: drop the graphs whose captured code depends on it."""
+        self.executor.invalidate(lambda kind, key: isinstance(key, GraphKey) and key.depends_on(name))
 
     # --- CAPTURE_ALL ---------------------------------------------------------------------------------------
 
@@ -291,7 +289,7 @@ class ModelRunner:
 
     def _decode_build(self, bb: int, span: int) -> StepBuilder:
         def build(split: bool):
-            key = ("b%d" % bb, "L%d" % span) + (("split",) if split else ())
+            key = GraphKey.of(f"b{bb}", f"L{span}", switches=split_switches(split))
             return key, self._forward_fn(span, split)
 
         return build
@@ -327,7 +325,7 @@ class ModelRunner:
                 out["drafts"] = drafts
                 return out
 
-            key = ("b%d" % bb, "k%d" % k, "L%d" % span) + (("split",) if split else ())
+            key = GraphKey.of(f"b{bb}", f"k{k}", f"L{span}", switches=split_switches(split))
             return key, verify_fn
 
         return build
@@ -345,9 +343,10 @@ class ModelRunner:
 
         def build(split: bool):
             if fused:  # the fused chunk attention bakes `start` in (SlotKVCache.bind_chunk): eager, keyed by it
-                key = ("t%d" % tb, "L%d" % span, "s%d" % start) + (("split",) if split else ())
+                key = GraphKey.of(f"t{tb}", f"L{span}", f"s{start}", switches=split_switches(split))
                 return key, self._forward_fn(span, split, last_only=True, chunk=(start, tb))
-            return ("t%d" % tb, "L%d" % span) + (("split",) if split else ()), self._forward_fn(span, split, True)
+            key = GraphKey.of(f"t{tb}", f"L{span}", switches=split_switches(split))
+            return key, self._forward_fn(span, split, True)
 
         out = self.run("prefill", build, inputs, executor=self._eager if fused else None)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)

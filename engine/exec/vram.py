@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -27,8 +27,8 @@ MIB = float(1 << 20)
 # When the tier regrows: only for room worth at least this many blocks (avoids grow/shrink flapping).
 _GROW_MIN_BLOCKS = 4
 # Upper bound on tier blocks: a tiny model on a large GPU would otherwise mean millions of block tensors. High
-# enough that the tier still fills an H200 with the embedded tiny model (~0.6 MiB per block: ~238K blocks), so
-# VRAM is near-full by design there too (at 65536 it held 39 GiB and left ~99 GiB free).
+# enough that the tier still fills a 141 GiB card with the embedded tiny model's small blocks, so VRAM is
+# near-full by design there too (docs/VRAM.md).
 MAX_TIER_BLOCKS = 1 << 18
 # A growing preallocated tier measures the room left after every this many MiB of blocks.
 _ROOM_CHECK_MIB = 64.0
@@ -237,6 +237,9 @@ class VramBudget:
     kv_mib: float
     tier: AdaptiveTier | None = None
     graphs_mib: float = 0.0
+    # The MoE expert cache (engine.exec.expert_cache.ExpertCache) when the model has one: a second claimant
+    # that shrinks on request (after the tier) and regrows towards its budget (before the tier).
+    experts: Any = None
     # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
     # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
     headroom_mib: float = 0.0
@@ -246,7 +249,8 @@ class VramBudget:
         return VramEvent(device=str(self.device), total_mib=round(total, 1), weights_mib=round(self.weights_mib, 1),
                          kv_mib=round(self.kv_mib, 1), graphs_mib=round(self.graphs_mib, 1),
                          tier_mib=round(self.tier.mib if self.tier else 0.0, 1),
-                         reserve_mib=round(self.reserve_mib, 1), free_mib=round(free, 1))
+                         reserve_mib=round(self.reserve_mib, 1), free_mib=round(free, 1),
+                         experts_mib=round(self.experts.mib if self.experts is not None else 0.0, 1))
 
     def driver_room_mib(self) -> float:
         """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps
@@ -262,16 +266,22 @@ class VramBudget:
     def make_room(self, mib: float, reason: str) -> float:
         """Free `mib` from the tier for a step that ran out of memory, and keep that much free from now on
         (bounded by 4x the reserve) so the tier does not regrow into it. Returns the MiB freed."""
-        if self.tier is None:
-            return 0.0
-        freed = self.tier.release(mib, reason)
+        freed = self.tier.release(mib, reason) if self.tier is not None else 0.0
+        if freed < mib and self.experts is not None:
+            freed += self.experts.release(mib - freed, reason)
         self.headroom_mib = min(self.headroom_mib + freed, 4 * max(self.reserve_mib, 256.0))
         return freed
 
     def rebalance(self, reason: str = "rebalance") -> None:
         """On CUDA: shrink the tier when the reserve is not free, grow it into room worth a few blocks."""
+        if self.device.type != "cuda":
+            return
+        if self.experts is not None and self.experts.slots < self.experts.target_slots:
+            room = self.tier_room_mib()
+            if room > 0:
+                self.experts.grow(min(room, self.driver_room_mib()), reason)
         tier = self.tier
-        if tier is None or self.device.type != "cuda":
+        if tier is None:
             return
         room = self.tier_room_mib()
         if room < 0:

@@ -9,6 +9,8 @@ attention layer calls `kv.attend(layer_idx, q, k, v, positions)` (see engine.mod
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,13 +24,16 @@ from engine.model.rope import RotaryEmbedding
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm, LM head (tied or not), and the optional MTP head."""
 
+    # An MoE model's expert cache (engine.exec.expert_cache) sets itself here; a dense model has none.
+    expert_provider: Any = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         # _weight skips nn.Embedding's own init, whose normal_ on the meta device imports torch._dynamo (~2 s)
         weight = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

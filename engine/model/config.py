@@ -18,9 +18,10 @@ ARCHS = ("qwen3", "llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 MTP_LAYOUTS = ("deepseek", "qwen3_next")
 
-_ARCH_BY_MODEL_TYPE = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+_ARCH_BY_MODEL_TYPE = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "mistral": "llama", "qwen3_moe": "qwen3"}
 _ARCH_BY_CLASS = {
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "llama",
@@ -59,6 +60,25 @@ class MTPConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Qwen3-MoE's sparse MLP: which layers route, and how (engine/model/moe.py; docs/MODEL.md, "MoE")."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer_idx: int, num_hidden_layers: int) -> bool:
+        """Transformers' rule for main layers; MTP layers (index >= num_hidden_layers) are sparse, as in
+        DeepSeek-V3 and Qwen3-Next, whose MTP blocks are MoE blocks."""
+        if layer_idx >= num_hidden_layers:
+            return True
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The sizes and flags of one Qwen3 / Llama / Qwen2 checkpoint."""
 
@@ -79,6 +99,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     mtp: MTPConfig | None = None
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in, as config.json says
+    moe: MoEConfig | None = None  # Qwen3-MoE (model_type qwen3_moe); None: every MLP is dense
 
     @property
     def num_kv_groups(self) -> int:
@@ -113,8 +134,8 @@ class ModelConfig:
         """The config.json this config was (or would be) read from, in the pre-v5 HF format."""
         arch_class = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
         out: dict[str, Any] = {
-            "architectures": [arch_class[self.arch]],
-            "model_type": self.arch,
+            "architectures": ["Qwen3MoeForCausalLM" if self.moe else arch_class[self.arch]],
+            "model_type": "qwen3_moe" if self.moe else self.arch,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -135,6 +156,10 @@ class ModelConfig:
             out["mlp_bias"] = self.mlp_bias
         if self.torch_dtype:
             out["torch_dtype"] = self.torch_dtype
+        if self.moe is not None:
+            out.update(num_experts=self.moe.num_experts, num_experts_per_tok=self.moe.num_experts_per_tok,
+                       moe_intermediate_size=self.moe.moe_intermediate_size, norm_topk_prob=self.moe.norm_topk_prob,
+                       decoder_sparse_step=self.moe.decoder_sparse_step, mlp_only_layers=list(self.moe.mlp_only_layers))
         if self.mtp is not None:
             key = "num_nextn_predict_layers" if self.mtp.layout == "deepseek" else "mtp_num_hidden_layers"
             out[key] = self.mtp.num_layers
@@ -167,8 +192,8 @@ def _arch_of(raw: Mapping[str, Any], source: str) -> str:
     named = model_type or raw.get("architectures")
     raise CheckpointError(
         source,
-        f"unsupported architecture {named!r}: expected model_type qwen3, llama or qwen2 "
-        "(or architectures Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)",
+        f"unsupported architecture {named!r}: expected model_type qwen3, qwen3_moe, llama or qwen2 "
+        "(or architectures Qwen3ForCausalLM, Qwen3MoeForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM)",
     )
 
 
@@ -214,6 +239,29 @@ def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
         rope=_parse_rope(raw, source),
         mtp=_parse_mtp(raw, source),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        moe=_parse_moe(raw, source),
+    )
+
+
+def _parse_moe(raw: Mapping[str, Any], source: str) -> MoEConfig | None:
+    is_moe = raw.get("model_type") == "qwen3_moe" or "Qwen3MoeForCausalLM" in (raw.get("architectures") or ())
+    if not is_moe:
+        return None
+    # transformers 5 writes num_local_experts, the Hub's Qwen3-MoE configs num_experts
+    key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    experts = _req(raw, key, source)
+    top_k = _req(raw, "num_experts_per_tok", source)
+    if top_k > experts:
+        raise CheckpointError(source, f"num_experts_per_tok={top_k} exceeds {key}={experts}")
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise CheckpointError(source, f"mlp_only_layers={only!r}: expected a list of layer indices")
+    return MoEConfig(
+        num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=_req(raw, "moe_intermediate_size", source),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        decoder_sparse_step=_req(raw, "decoder_sparse_step", source) if "decoder_sparse_step" in raw else 1,
+        mlp_only_layers=tuple(only),
     )
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.moe import SparseMoE, moe_index_of
 from engine.model.rope import apply_rope
 
 
@@ -134,12 +135,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        moe_index = moe_index_of(config, layer_idx)  # Qwen3-MoE: a routed MLP where the config says so
+        self.mlp = MLP(config) if moe_index is None else SparseMoE(config, moe_index)
 
     def fuse(self) -> None:
         """Fuse this layer's q/k/v and gate/up projections."""

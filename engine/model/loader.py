@@ -84,14 +84,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ConfigError("dtype", dtype, "expected auto, float32, bfloat16 or float16") from None
 
 
-def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the model on meta and fill every parameter from the checkpoint's safetensors."""
+def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               expert_device: torch.device | None = None) -> CausalLM:
+    """Build the model on meta and fill every parameter from the checkpoint's safetensors; routed experts
+    (MoE) go to `expert_device` when given (the expert cache then places them)."""
     with TensorSource(path) as source:
         with torch.device("meta"):
             model = CausalLM(config)
         _attach_optional_mtp_modules(model, config, source)
         for name, param in list(model.named_parameters()):
-            _set_parameter(model, name, _read_tensor(source, hf_name(name, config), tuple(param.shape), dtype, device))
+            where = expert_device if expert_device is not None and ".mlp.experts." in name else device
+            _set_parameter(model, name, _read_tensor(source, hf_name(name, config), tuple(param.shape), dtype, where))
         _drop_duplicate_mtp_modules(model)
     model.rotary.reset_parameters(device)
     model.requires_grad_(False)  # inference by default; a trainer calls model.requires_grad_(True)
@@ -161,14 +164,17 @@ def load_checkpoint(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     tokenizer: bool = True,
+    expert_device: str | torch.device | None = None,
 ) -> LoadedModel:
     """Load model, config, tokenizer (tokenizer.json; skipped with tokenizer=False) and eos ids.
 
+    `expert_device` ("cpu"): where an MoE checkpoint's routed experts are loaded (the engine's expert cache
+    moves them into pinned host memory and device slots); by default with the rest.
     Raises CheckpointError naming the file or tensor that is missing or does not fit."""
     path = resolve_model_path(path_or_builtin)
     config = ModelConfig.from_file(path / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    model = load_model(path, config, torch_dtype, dev)
+    model = load_model(path, config, torch_dtype, dev, torch.device(expert_device) if expert_device else None)
     tok = Tokenizer.from_dir(path) if tokenizer else None
     return LoadedModel(model, config, tok, read_eos_token_ids(path, tok), path, torch_dtype, dev)

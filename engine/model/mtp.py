@@ -24,13 +24,13 @@ from engine.model.rope import RotaryEmbedding
 class MTPLayer(nn.Module):
     """One MTP depth: the two input norms, the 2H -> H projection, one decoder block and the output norm."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         H = config.hidden_size
         self.enorm = RMSNorm(H, config.rms_norm_eps)
         self.hnorm = RMSNorm(H, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = DecoderLayer(config)
+        self.block = DecoderLayer(config, config.num_hidden_layers + index)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         # Optional per-layer copies; None means "share the main model's" (the usual case).
         self.embed: nn.Embedding | None = None
@@ -45,7 +45,7 @@ class MTPHead(nn.Module):
         assert config.mtp is not None
         self.config = config
         self.layout = config.mtp.layout
-        self.layers = nn.ModuleList(MTPLayer(config) for _ in range(config.mtp.num_layers))
+        self.layers = nn.ModuleList(MTPLayer(config, i) for i in range(config.mtp.num_layers))
         if self.layout == "qwen3_next":
             first = self.layers[0]
             for layer in list(self.layers)[1:]:

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.model.config import ARCHS, MTP_LAYOUTS, MTPConfig, ModelConfig, RopeConfig
+from engine.model.config import ARCHS, MTP_LAYOUTS, MoEConfig, MTPConfig, ModelConfig, RopeConfig
 from engine.model.loader import resolve_dtype
 from engine.model.names import hf_name
 from engine.model.causal_lm import CausalLM
@@ -30,6 +30,25 @@ SIZES: dict[str, dict[str, Any]] = {
     "0.6b": dict(
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    # Qwen3-MoE shapes (model_type qwen3_moe). moe-tiny: tests (16 experts of 48 KiB in fp32, top-2, one dense
+    # layer so both MLP kinds load; a 1 MiB expert cache holds 6 of 16 per layer); moe-bench: the expert-cache benchmark, 24 layers x 64 experts (top-8), ~1.1 GiB of experts
+    # in bf16, small enough to write and load inside a short GPU session.
+    "moe-tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        moe=MoEConfig(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                      mlp_only_layers=(1,)),
+    ),
+    "moe-small": dict(  # the benchmark's code path in CI: 4 layers x 32 experts, 24 MiB of experts in fp32
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+        moe=MoEConfig(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True),
+    ),
+    "moe-bench": dict(
+        vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+        moe=MoEConfig(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, norm_topk_prob=True),
     ),
 }
 _TOKENIZER_VOCAB = 512

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from engine.config import VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
 from engine.server.errors import from_exception, from_validation_error, invalid_param, malformed_json
 
@@ -128,7 +129,7 @@ class VramReserveRequest(BaseModel):
     """POST /strata/vram-reserve."""
 
     model_config = ConfigDict(extra="forbid")
-    mib: Annotated[StrictInt, Field(ge=0, le=1 << 20)]
+    mib: Annotated[StrictInt, Field(ge=0, le=VRAM_RESERVE_MAX_MIB)]
 
 
 # --- responses ---------------------------------------------------------------------------------------------

@@ -73,6 +73,16 @@ def test_ttft_prefills_in_chunks_and_each_prompt_is_fresh(tmp_path: Path) -> Non
     assert set(doc["summary"]) == {"ttft_s_100", "ttft_s_200"}
 
 
+def test_reuse_serves_a_repeated_prompt_from_the_tier(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["reuse", *TINY, "--prompt-sizes", "600", "--prefill-chunk-tokens", "64",
+                           "--step-token-budget", "64"])
+    (row,) = doc["rows"]  # no --peer-device: the tier on the compute device only
+    assert row["tier_device"] == "cpu" and row["prompt_tokens"] == 600
+    assert 0 < row["cached_tokens"] < 600  # whole blocks from the tier; the tail is prefilled again
+    assert row["reused_ttft_s"] < row["fresh_ttft_s"]
+    assert math.isclose(row["reused_over_fresh"], row["reused_ttft_s"] / row["fresh_ttft_s"])
+
+
 def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["admission", *TINY, "--slots", "2", "--long-tokens", "256", "--short-prompt-tokens", "8",
                            "--baseline-steps", "3", "--warmup-steps", "1", "--prefill-chunk-tokens", "64",

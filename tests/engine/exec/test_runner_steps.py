@@ -7,6 +7,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.exec.executor import EagerExecutor
+from engine.exec.graph_key import GraphKey
 from engine.exec.runner import Row, pow2_bucket, switch_for_key
 from tests.engine.engine_helpers import make_engine
 
@@ -27,8 +28,9 @@ class RecordingExecutor(EagerExecutor):
 def test_buckets():
     assert [pow2_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert pow2_bucket(3, lower=16) == 16
-    assert switch_for_key("draft_round", ("b8", "k2", "L4096", "split")) == "SPLIT_ATTN"
-    assert switch_for_key("decode", ("b8", "L4096")) is None
+    assert switch_for_key("draft_round", GraphKey.of("b8", "k2", "L4096", switches=["SPLIT_ATTN"])) == "SPLIT_ATTN"
+    assert switch_for_key("decode", GraphKey.of("b8", "L4096")) is None
+    assert str(GraphKey.of("b8", "L4096", switches=["SPLIT_ATTN"])) == "(b8, L4096, split_attn)"
 
 
 def test_padded_rows_write_only_scratch_columns(ckpt):
@@ -41,7 +43,7 @@ def test_padded_rows_write_only_scratch_columns(ckpt):
         out = runner.decode([Row(0, 5, 30), Row(1, 6, 0), Row(2, 7, 0)])  # 3 rows -> bucket 4
     assert out.logits.shape[0] == 4
     kind, key, shapes = executor.calls[-1]
-    assert kind == "decode" and key == ("b4", "L256") and shapes["tokens"] == (4, 1)
+    assert kind == "decode" and key == GraphKey.of("b4", "L256") and shapes["tokens"] == (4, 1)
     for layer, old in enumerate(before):
         new = kv.k[layer][:, :, :512]
         changed = (new != old).any(dim=-1).any(dim=1).nonzero().tolist()  # [slot, position] pairs
@@ -62,8 +64,8 @@ def test_prompt_chunk_keys_are_static_per_bucket_unless_the_fused_chunk_path_run
     while engine.has_work:
         engine.step()
     keys = [(kind, key) for kind, key, _ in executor.calls]
-    assert [k for k in keys if k[0] == "prefill"] == [("prefill", ("t64", "L256"))] * 2
-    assert [k for k in keys if k[0] == "draft_prefill"] == [("draft_prefill", ("t64", "L256"))] * 2
+    assert [k for k in keys if k[0] == "prefill"] == [("prefill", GraphKey.of("t64", "L256"))] * 2
+    assert [k for k in keys if k[0] == "draft_prefill"] == [("draft_prefill", GraphKey.of("t64", "L256"))] * 2
     assert {"verify", "draft_round", "draft_step"} <= {kind for kind, _ in keys}
 
     fused_exec = RecordingExecutor()
@@ -97,4 +99,4 @@ def test_a_long_and_a_short_slot_decode_correctly_in_separate_groups(ckpt):
              for i, p in enumerate(prompts)}
     assert got == alone
     decode_keys = {key for kind, key, _ in executor.calls if kind == "decode"}
-    assert ("b1", "L256") in decode_keys and ("b1", "L4096") in decode_keys
+    assert GraphKey.of("b1", "L256") in decode_keys and GraphKey.of("b1", "L4096") in decode_keys

@@ -1,0 +1,136 @@
+"""`strata-engine bench experts`: decode tok/s and expert hit rate of a Qwen3-MoE model per expert-cache budget.
+
+Budgets are percentages of the routed experts' bytes: each becomes `--expert-cache-mib` for that many slots
+per sparse layer (rounded to whole slots, at least one); 100 % is the all-resident run (no budget given), the
+row every other one is compared with. One engine per budget, the same prompts: a warm-up generation (it also
+captures the graph buckets), then the timed one. Greedy, so every budget must emit the all-resident tokens
+(`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
+a cold cache), and for the timed run: misses, extra graph replays and eager re-runs after a miss, MiB copied. `--hf` adds transformers' Qwen3MoeForCausalLM
+`generate` (eager) on the same weights and prompts.
+
+Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
+budget of p % is close to p % and says little about trained models, whose routing is skewed (much higher hit
+rates at small budgets). `--trace-out` records the smallest budget's routing trace (engine.exec.expert_trace)
+so a real model's trace can be replayed against the policy offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from engine.bench.common import checkpoint_dtype, device_of, emit, prepare_model, random_prompt, save_partial
+from engine.bench.engine_driver import build_engine, generate_all
+from engine.errors import ConfigError
+
+_CONTEXT_MARGIN_TOKENS = 64
+COLUMNS = ("engine", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate",
+           "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "same_tokens", "error")
+
+
+def budget_list(text: str) -> list[int]:
+    """`5,15,30,50,100` -> [5, 15, 30, 50, 100]; each must be 1..100."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError("budgets", text, "expected comma-separated whole percentages 1..100") from None
+    if not values or any(not 0 < v <= 100 for v in values):
+        raise ConfigError("budgets", text, "expected comma-separated whole percentages 1..100")
+    return sorted(set(values), reverse=True)
+
+
+def slots_for_pct(pct: int, num_experts: int) -> int:
+    return max(1, min(num_experts, round(num_experts * pct / 100)))
+
+
+def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[list[int]],
+                   warmup: list[list[int]], layer_mib: float, num_experts: int) -> tuple[dict[str, Any], Any]:
+    """One engine at `pct` % of the expert bytes: its row and the cache (for the trace)."""
+    slots = slots_for_pct(pct, num_experts)
+    # +1 slot: each layer's miss slot; ceil keeps the MiB whole without adding a slot (a slot is >> 1 MiB/L)
+    mib = None if slots >= num_experts else math.ceil((slots + 1) * layer_mib)
+    bench = build_engine(args, model=path, batch=len(prompts), expert_cache_mib=mib,
+                         context=args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS)
+    try:
+        cache = bench.engine.lm.model.expert_provider
+        generate_all(bench, warmup, args.new_tokens)
+        m0, r0, l0, p0 = sum(cache.stats.misses), cache.stats.reruns, cache.stats.loaded_mib, cache.stats.replays
+        stats = generate_all(bench, prompts, args.new_tokens)
+        snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
+        misses = sum(cache.stats.misses) - m0
+        row = {"engine": "strata", "budget_pct": pct, "slots": cache.slots, "expert_cache_mib": round(cache.mib, 1),
+               "decode_tok_s": stats.decode_tok_s, "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
+               "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],
+               "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0, "loaded_mib": round(cache.stats.loaded_mib - l0, 1),
+               "graphs_active": bench.graphs_active, "token_ids": stats.token_ids, "error": None}
+        return row, cache
+    finally:
+        bench.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every budget (largest first: the all-resident row is the reference), then the transformers peer."""
+    device = device_of(args.device)
+    path = prepare_model(args.model, device, args.dtype)
+    from engine.model import ModelConfig
+    from engine.model.loader import resolve_model_path
+
+    config = ModelConfig.from_file(resolve_model_path(path) / "config.json")
+    if config.moe is None:
+        raise ConfigError("model", args.model, "not a mixture-of-experts checkpoint (model_type qwen3_moe)")
+    budgets = budget_list(args.budgets)
+    if 100 not in budgets:
+        budgets.insert(0, 100)
+    elem = 4 if checkpoint_dtype(args.dtype, device) == "float32" else 2
+    moe = config.moe
+    expert_mib = 3 * config.hidden_size * moe.moe_intermediate_size * elem / 2**20
+    sparse_layers = sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_hidden_layers))
+    layer_mib = sparse_layers * expert_mib  # one slot in every sparse layer
+    prompts = [random_prompt(args.prompt_tokens, config.vocab_size, seed=i) for i in range(args.batch)]
+    warmup = [random_prompt(args.prompt_tokens, config.vocab_size, seed=100 + i) for i in range(args.batch)]
+    rows: list[dict[str, Any]] = []
+    reference_tokens = None
+    for pct in budgets:
+        row, cache = measure_budget(args, path, pct, prompts, warmup, layer_mib, moe.num_experts)
+        tokens = row.pop("token_ids")
+        reference_tokens = tokens if reference_tokens is None else reference_tokens  # the all-resident run's
+        row["same_tokens"] = tokens == reference_tokens
+        rows.append(row)
+        if args.trace_out and pct == budgets[-1]:
+            cache.stats.write_trace(args.trace_out, {"top_k": moe.num_experts_per_tok, "model": args.model,
+                                                    "expert_mib": expert_mib, "slots": row["slots"]})
+        save_partial(args, "experts", rows, device)
+    _relative(rows)
+    if args.hf:
+        rows.append(_hf_row(path, device, prompts, args))
+    emit(args, "experts", rows, _summary(rows, expert_mib, sparse_layers, moe.num_experts), device, COLUMNS)
+    return 0
+
+
+def _relative(rows: list[dict[str, Any]]) -> None:
+    base = next((r["decode_tok_s"] for r in rows if r["budget_pct"] == 100), None)
+    for r in rows:
+        r["vs_all_resident"] = r["decode_tok_s"] / base if base and r["decode_tok_s"] else None
+
+
+def _hf_row(path: str, device: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from engine.bench.peers import hf_generate_tok_s
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    result = hf_generate_tok_s(path, device, dtype, prompts, args.new_tokens, static=False, compile_=False)
+    return {"engine": "hf_eager", "budget_pct": 100, "decode_tok_s": None, "tok_s": result["tok_s"],
+            "error": result["error"]}
+
+
+def _summary(rows: list[dict[str, Any]], expert_mib: float, sparse_layers: int, num_experts: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"expert_mib": expert_mib, "sparse_layers": sparse_layers, "num_experts": num_experts,
+                           "all_experts_mib": expert_mib * sparse_layers * num_experts,
+                           "all_same_tokens": all(r.get("same_tokens", True) for r in rows if r["engine"] == "strata")}
+    strata = next((r for r in rows if r["engine"] == "strata" and r["budget_pct"] == 100), None)
+    hf = next((r for r in rows if r["engine"] == "hf_eager"), None)
+    if strata and hf and hf.get("tok_s"):
+        out["all_resident_vs_hf_eager_tok_s"] = strata["tok_s"] / hf["tok_s"]
+    return out

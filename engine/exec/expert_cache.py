@@ -1,0 +1,343 @@
+"""ExpertCache: routed experts in a per-layer pool of device slots, every expert in (pinned) host memory.
+
+Each sparse layer (engine.model.moe.SparseMoE, `moe_index` i) owns a pool of `slots` experts on the device,
+`gate_up [slots + 1, 2I, H]` and `down [slots + 1, H, I]`, whose last row is a zero *miss slot*, and a device
+table `table[i] [E]` (expert -> its slot, or the miss slot). The host store holds every expert once
+(`[E, 2I, H]`, `[E, H, I]`, pinned on CUDA), so a miss is one slice copy each way, on a side stream.
+
+Two forward paths, chosen by whether the stream is being captured into a CUDA graph:
+- eager (CPU, prefill, graphs off, graph warm-ups): the routed ids come to the host, the layer's access is
+  served group by group through the `SlotPolicy` (LRU; engine.exec.expert_trace), misses are copied in, and
+  the experts run one by one in ascending order (so any budget gives the same sums as the all-resident run);
+- captured (decode / verify under CUDA graphs): no host sync. `slots = table[ids]`, the experts' weights are
+  gathered from the pool, and a miss (a real row routed to the miss slot) is counted on the device. Between
+  steps, ExpertStepExecutor (engine.exec.expert_steps) reads the counts: no miss, the replay stands and the
+  routed experts are touched; a miss, the first missed layer's experts are loaded and the graph replayed
+  again (a few times at most), or the step is run again eagerly, which loads what it needs.
+
+The cache is a claimant in the VRAM books (engine.exec.vram.VramBudget): `release(mib, reason)` shrinks every
+pool (graph-capture out-of-memory recovery asks it after the tier), `set_budget` / `grow` regrow it, and each
+change publishes an ExpertEvent. A resize reallocates the pools, so `on_resize` drops the captured graphs
+that read the old ones. Telemetry bookkeeping (stats, events, oracle) lives in engine.exec.expert_stats.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from engine.exec.expert_stats import ExpertStats
+from engine.exec.expert_trace import SlotPolicy, groups_of
+from engine.model.moe import SparseMoE, add_expert, expert_mlp, sparse_blocks
+from engine.telemetry import EventBus, ExpertEvent
+
+MIB = float(1 << 20)
+MAX_STEP_ROWS = 1 << 16  # tokens one step may route (chunk buckets, verify rows): the valid-row mask's size
+# A captured step gathers each routed expert's weights per token up to this many (token, expert) routes (a
+# decode or verify batch); beyond it (a captured prompt chunk) it loops over the pool's slots instead.
+_GATHER_MAX_ROUTES = 256
+
+
+def _stream_capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class ExpertPool:
+    """One sparse layer's slots on the device, its host store and its slot policy."""
+
+    def __init__(self, block: SparseMoE, device: torch.device, pin: bool) -> None:
+        E, I = block.num_experts, block.intermediate_size
+        w0 = block.experts[0].gate_proj.weight
+        H, dtype = w0.shape[1], w0.dtype
+        self.num_experts = E
+        self.host_gate_up = torch.empty(E, 2 * I, H, dtype=dtype, pin_memory=pin)
+        self.host_down = torch.empty(E, H, I, dtype=dtype, pin_memory=pin)
+        with torch.no_grad():
+            for e, expert in enumerate(block.experts):
+                self.host_gate_up[e, :I].copy_(expert.gate_proj.weight)
+                self.host_gate_up[e, I:].copy_(expert.up_proj.weight)
+                self.host_down[e].copy_(expert.down_proj.weight)
+        self.device = device
+        self.policy = SlotPolicy(0)
+        self.gate_up = self.down = self.table = torch.empty(0)
+        self._table_host = [0] * E
+
+    @property
+    def slots(self) -> int:
+        return self.policy.slots
+
+    def allocate(self, slots: int, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """(Re)allocate `slots` slots plus the miss slot, keeping the most recently used experts."""
+        old_gate_up, old_down = self.gate_up, self.down
+        kept = self.policy.resize(slots)
+        E, I2, H = self.host_gate_up.shape
+        self.gate_up = self.down = None  # type: ignore[assignment]  # the old pool may go before the new one is made
+        gate_up = torch.empty(slots + 1, I2, H, dtype=self.host_gate_up.dtype, device=self.device)
+        down = torch.empty(slots + 1, H, I2 // 2, dtype=self.host_down.dtype, device=self.device)
+        gate_up[slots].zero_()
+        down[slots].zero_()
+        for e, old_slot in kept.items():
+            new_slot = self.policy.where[e]
+            copy(gate_up[new_slot], old_gate_up[old_slot])
+            copy(down[new_slot], old_down[old_slot])
+        self.gate_up, self.down = gate_up, down
+        self._table_host = [slots] * E
+        for e, s in self.policy.where.items():
+            self._table_host[e] = s
+        self.table = torch.tensor(self._table_host, dtype=torch.long, device=self.device)
+
+    def set_table(self, changes: list[tuple[int, int]]) -> None:
+        """Point `expert -> slot` for each change (slot = self.slots: not resident)."""
+        if not changes:
+            return
+        for e, s in changes:
+            self._table_host[e] = s
+        idx = torch.tensor([e for e, _ in changes], dtype=torch.long)
+        val = torch.tensor([s for _, s in changes], dtype=torch.long)
+        self.table.index_copy_(0, idx.to(self.device), val.to(self.device))
+
+
+class ExpertCache:
+    """Per-layer expert pools behind the ExpertProvider seam of engine.model.moe (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, bus: EventBus, slots: int,
+                 min_slots: int = 1) -> None:
+        self.blocks = sparse_blocks(model)
+        if not self.blocks:
+            raise ValueError("the model has no sparse MoE layers")
+        self.device = device
+        self.bus = bus
+        on_cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if on_cuda else None
+        self.pools = [ExpertPool(b, device, pin=on_cuda) for b in self.blocks]
+        first = self.pools[0]
+        self.num_experts = first.num_experts
+        self.top_k = self.blocks[0].top_k
+        self.expert_mib = (first.host_gate_up[0].numel() + first.host_down[0].numel()) \
+            * first.host_gate_up.element_size() / MIB
+        self.min_slots = max(1, min_slots)
+        self.target_slots = self.num_experts  # what regrowth aims for (the configured budget)
+        self.on_resize: Callable[[], None] = lambda: None
+        self.stats = ExpertStats(len(self.pools), self.num_experts, bus, str(device))
+        n = len(self.pools)
+        # Written by captured steps (engine.exec.expert_steps reads them between steps).
+        self.dev_counts = torch.zeros(n, self.num_experts, dtype=torch.float32, device=device)
+        self.dev_misses = torch.zeros(n, dtype=torch.float32, device=device)
+        self.row_valid = torch.ones(MAX_STEP_ROWS, dtype=torch.bool, device=device)
+        self.valid_rows: int | None = None  # rows covered by row_valid this step (None: all rows are real)
+        # Which path a forward takes: the graph-safe one while a CUDA graph is being captured. Tests on CPU
+        # point this at `lambda x: True` to run the captured path's logic eagerly; `force_eager` is the re-run.
+        self.capturing: Callable[[torch.Tensor], bool] = _stream_capturing
+        self.force_eager = False
+        self.served_this_step: set[int] = set()  # layers loaded between this step's replays (expert_steps)
+        for block in self.blocks:
+            block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
+            block.attach_provider(self)
+        model.expert_provider = self  # engine_setup.release_device_memory closes it
+        self._resize(self.clamp_slots(slots), "start")
+
+    # --- sizes -------------------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pools)
+
+    @property
+    def slots(self) -> int:
+        return self.pools[0].slots
+
+    def mib_for(self, slots: int) -> float:
+        """Device MiB of `slots` slots per layer (plus each layer's miss slot)."""
+        return self.num_layers * (slots + 1) * self.expert_mib
+
+    def slots_for(self, mib: float) -> int:
+        """Slots per layer that `mib` MiB hold (uncapped)."""
+        return max(0, int(mib // (self.num_layers * self.expert_mib)) - 1)
+
+    def clamp_slots(self, slots: int) -> int:
+        return max(self.min_slots, min(self.num_experts, slots))
+
+    @property
+    def mib(self) -> float:
+        """Device memory the pools hold now."""
+        return self.mib_for(self.slots)
+
+    @property
+    def all_experts_mib(self) -> float:
+        return self.num_layers * self.num_experts * self.expert_mib
+
+    @property
+    def host_mib(self) -> float:
+        return self.all_experts_mib
+
+    # --- the claimant: shrink, grow ----------------------------------------------------------------------
+
+    def release(self, mib: float, reason: str) -> float:
+        """Give back at least `mib` MiB if the pools have it (never below `min_slots`); returns MiB freed."""
+        if mib <= 0 or self.slots <= self.min_slots:
+            return 0.0
+        per_slot = self.num_layers * self.expert_mib
+        want = self.clamp_slots(self.slots - max(1, int(-(-mib // per_slot))))
+        before = self.mib
+        self._resize(want, reason)
+        return before - self.mib
+
+    def set_budget(self, mib: float, reason: str) -> None:
+        """Make `mib` the target and resize to it (whole slots, capped at every expert)."""
+        self.target_slots = self.clamp_slots(self.slots_for(mib))
+        self._resize(self.target_slots, reason)
+
+    def grow(self, room_mib: float, reason: str) -> float:
+        """Regrow towards the target into `room_mib` of measured room; returns MiB added."""
+        per_slot = self.num_layers * self.expert_mib
+        slots = min(self.target_slots, self.slots + int(room_mib // per_slot))
+        if slots <= self.slots:
+            return 0.0
+        before = self.mib
+        self._resize(slots, reason)
+        return self.mib - before
+
+    def _resize(self, slots: int, reason: str) -> None:
+        before, t0 = self.mib, time.perf_counter()
+        if self.pools[0].gate_up.numel() and slots == self.slots:
+            return
+        for pool in self.pools:  # layer by layer: the peak is one layer's old and new pool, not the whole cache
+            pool.allocate(slots, self._copy)
+            if slots >= self.num_experts:  # every expert fits: load them all now, so none ever misses
+                missing = [e for e in range(self.num_experts) if not pool.policy.resident(e)]
+                self._load(pool, missing and pool.policy.serve(missing).loads or [], [])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            torch.cuda.empty_cache()
+        self.on_resize()
+        self.bus.publish(ExpertEvent(action="grow" if self.mib >= before else "shrink",
+                                     mib=round(abs(self.mib - before), 3), total_mib=round(self.mib, 3), slots=slots,
+                                     ms=round((time.perf_counter() - t0) * 1e3, 3), reason=reason,
+                                     device=str(self.device)))
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.copy_stream is None:
+            dst.copy_(src)
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # dst's memory may be in use
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self.copy_stream) if src.is_cuda else None
+
+    def close(self) -> None:
+        """Free the pools and the host store (Engine.close), after publishing the last load / evict sums."""
+        self.stats.publish_due(self.mib, self.slots, force=True)
+        for pool in self.pools:
+            pool.gate_up = pool.down = pool.table = torch.empty(0)
+            pool.host_gate_up = pool.host_down = torch.empty(0)
+
+    # --- the provider seam ---------------------------------------------------------------------------------
+
+    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids / weights [N, k] -> [N, H] (see the module docstring for the two paths)."""
+        if not self.force_eager and self.capturing(x):
+            return self._captured_forward(moe_index, x, ids, weights)
+        return self._eager_forward(moe_index, x, ids, weights)
+
+    def _rows(self, n: int) -> torch.Tensor | None:
+        """The real-row mask of a step's N tokens (padding rows route too, but need no expert), or None."""
+        return self.row_valid[:n] if self.valid_rows == n else None
+
+    def _eager_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        pool = self.pools[i]
+        rows = self._rows(x.shape[0])
+        routed = ids if rows is None else ids[rows]
+        experts = sorted(set(routed.flatten().tolist()))  # the one host sync of this layer
+        out = torch.zeros_like(x)
+        if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
+            # loaded between this step's replays and recorded then: compute only (a second serve would
+            # reorder the LRU and count the access twice)
+            for e in experts:
+                slot = pool.policy.where[e]
+                add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
+            return out
+        self.stats.record_access(i, experts, int(routed.shape[0]))
+        for group in groups_of(experts, pool.slots):
+            result = pool.policy.serve(group)
+            self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
+            if result.loads:
+                self._load(pool, result.loads, result.evicted)
+            for e in group:
+                slot = pool.policy.where[e]
+                add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
+        return out
+
+    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int]) -> None:
+        start = end = None
+        if self.copy_stream is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the evicted slots' last readers
+            start.record(self.copy_stream)
+        t0 = time.perf_counter()
+        for e, slot in loads:
+            self._copy(pool.gate_up[slot], pool.host_gate_up[e])
+            self._copy(pool.down[slot], pool.host_down[e])
+        pool.set_table([(e, pool.slots) for e in evicted] + list(loads))
+        if self.copy_stream is not None:
+            end.record(self.copy_stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self.stats.record_loads(len(loads), len(loads) * self.expert_mib, (start, end), time.perf_counter() - t0)
+
+    def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Graph-safe: no host sync, static shapes. Misses read the zero slot and are counted for a re-run."""
+        pool = self.pools[i]
+        N, k = ids.shape
+        slots = pool.table[ids]  # [N, k]
+        rows = self._rows(N)
+        real = torch.ones_like(ids, dtype=torch.bool) if rows is None else rows[:, None].expand(N, k)
+        self.dev_misses[i:i + 1] += ((slots == pool.slots) & real).sum().to(torch.float32)
+        self.dev_counts[i].index_add_(0, ids.flatten(), real.flatten().to(torch.float32))
+        if N * k > _GATHER_MAX_ROUTES:
+            return self._captured_slot_loop(pool, x, slots, weights)
+        gate_up = pool.gate_up[slots]  # [N, k, 2I, H]
+        h = torch.matmul(gate_up, x[:, None, :, None]).squeeze(-1)  # [N, k, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.matmul(pool.down[slots], (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)  # [N, k, H]
+        return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def _captured_slot_loop(self, pool: ExpertPool, x: torch.Tensor, slots: torch.Tensor,
+                            weights: torch.Tensor) -> torch.Tensor:
+        """Many tokens (a captured prompt chunk): every slot runs over all tokens with its routing weight (zero
+        where not routed), instead of gathering N x k copies of expert weights."""
+        out = torch.zeros_like(x)
+        for s in range(pool.slots):
+            w = (weights * (slots == s)).sum(dim=1, keepdim=True)  # [N, 1]
+            out += (expert_mlp(x, pool.gate_up[s], pool.down[s]) * w).to(x.dtype)
+        return out
+
+    def serve_captured_layer(self, i: int, experts: list[int], tokens: int) -> None:
+        """Load what a captured step's *first* missed layer routed to (its routing is right: every layer before
+        it hit), so the step can be replayed again; len(experts) <= slots. Recorded as that layer's access."""
+        pool = self.pools[i]
+        self.stats.record_access(i, experts, tokens)
+        result = pool.policy.serve(experts)
+        self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
+        if result.loads:
+            self._load(pool, result.loads, result.evicted)
+        self.served_this_step.add(i)
+
+    def touch_captured(self, counts: list[list[float]]) -> None:
+        """A captured step that hit everywhere: record its accesses and refresh the LRU order (layers served
+        between its replays are recorded already)."""
+        for i, row in enumerate(counts):
+            experts = [e for e, c in enumerate(row) if c > 0]
+            if not experts or i in self.served_this_step:
+                continue
+            pool = self.pools[i]
+            self.stats.record_access(i, experts, int(sum(row)) // self.top_k)
+            for group in groups_of(experts, pool.slots):
+                result = pool.policy.serve(group)  # all resident: hits only, nothing moves
+                self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
+
+    def snapshot(self) -> dict:
+        """For /strata/state, the `expert` Prometheus series and the TUI panel."""
+        return self.stats.snapshot(slots=self.slots, target_slots=self.target_slots, mib=self.mib,
+                                   host_mib=self.host_mib, expert_mib=self.expert_mib,
+                                   all_experts_mib=self.all_experts_mib, top_k=self.top_k)

@@ -1,0 +1,53 @@
+"""Sizing the expert cache at start from `--expert-cache-mib` (EngineConfig.expert_cache_mib).
+
+- not given: every routed expert resident (the pools hold all of them; shrinking on request still works);
+- N: N MiB of pools (whole slots per layer, at least one slot per layer, at most every expert);
+- auto: one slot per layer at start, then, once the KV cache and the runner's buffers are allocated,
+  everything the books leave (free memory minus the reserve), up to every expert. The prefix tier comes after
+  it and takes what is left, so with auto the experts fill the card by design.
+A budget that cannot fit is a ConfigError naming the numbers, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.errors import ConfigError
+from engine.exec.expert_cache import ExpertCache
+from engine.telemetry import EventBus
+
+AUTO = "auto"
+
+
+def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device: torch.device, bus: EventBus,
+                       free_mib: float, reserve_mib: float) -> ExpertCache:
+    """The cache with its start-up size (see the module docstring); `free_mib` is the device's free memory."""
+    cache = ExpertCache(model, device, bus, slots=1)
+    if budget == AUTO:
+        return cache
+    want_mib = cache.all_experts_mib + cache.mib_for(0) if budget is None else float(budget)
+    slots = cache.clamp_slots(cache.slots_for(want_mib))
+    min_mib = cache.mib_for(cache.min_slots)
+    if budget is not None and float(budget) < min_mib:
+        raise ConfigError("expert_cache_mib", budget,
+                          f"below the minimum of {min_mib:.1f} MiB (one slot of {cache.expert_mib:.3f} MiB per "
+                          f"sparse layer x {cache.num_layers} layers, plus each layer's miss slot)")
+    available = free_mib + cache.mib - reserve_mib
+    if device.type == "cuda" and cache.mib_for(slots) > available:
+        what = "every expert needs" if budget is None else "the expert cache needs"
+        raise ConfigError("expert_cache_mib", budget if budget is not None else "all experts",
+                          f"{what} {cache.mib_for(slots):.0f} MiB but only {available:.0f} MiB are available "
+                          f"(free after the other weights, minus the {reserve_mib:.0f} MiB reserve); "
+                          "use --expert-cache-mib auto or a smaller --expert-cache-mib")
+    cache.set_budget(cache.mib_for(slots), "start")
+    return cache
+
+
+def grow_auto(cache: ExpertCache, budget: Any, free_mib: float, reserve_mib: float) -> None:
+    """auto: take what the books leave now (after KV and the runner's buffers), up to every expert."""
+    if budget != AUTO:
+        return
+    room = free_mib - reserve_mib + cache.mib
+    cache.set_budget(max(room, cache.mib_for(cache.min_slots)), "auto: what the VRAM books leave")

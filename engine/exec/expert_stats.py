@@ -1,0 +1,125 @@
+"""ExpertStats: the expert cache's counters, its routing trace, the summed load / evict events, and the oracle.
+
+Per layer: hits and misses (one per expert of an access, engine.exec.expert_trace), evictions; overall:
+experts loaded, MiB copied, copy ms. The trace keeps the newest `trace_max` accesses; `snapshot` replays it
+with Belady's furthest-next-use rule at the current slot count (the *oracle* hit rate: what a perfect
+policy with this budget would have hit on the same routing) and with LRU (equal to the live rate while the
+budget did not move), so a user can tell whether a bigger budget or a better policy would help.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from engine.exec.expert_trace import Access, hit_rate, replay, write_trace
+from engine.telemetry import EventBus, ExpertEvent
+
+EVENT_INTERVAL_S = 1.0  # load / evict events are summed over about this long
+TRACE_MAX_ACCESSES = 200_000
+
+
+class ExpertStats:
+    def __init__(self, num_layers: int, num_experts: int, bus: EventBus, device: str,
+                 trace_max: int = TRACE_MAX_ACCESSES) -> None:
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.bus = bus
+        self.device = device
+        self.hits = [0] * num_layers
+        self.misses = [0] * num_layers
+        self.evictions = [0] * num_layers
+        self.loaded_experts = 0
+        self.loaded_mib = 0.0
+        self.load_ms = 0.0
+        self.reruns = 0  # captured steps run again eagerly because an expert was missing
+        self.replays = 0  # extra graph replays after loading a captured step's first missed layer
+        self.steps = 0
+        self.step_kind = ""
+        self.trace: deque[Access] = deque(maxlen=trace_max)
+        self._pending_events: list[tuple[Any, Any]] = []  # CUDA (start, end) of copies not yet timed
+        self._window = {"experts": 0, "mib": 0.0, "ms": 0.0, "evicted": 0}
+        self._last_publish_s = float("-inf")  # the first loads are published at once
+
+    # --- recording (the cache calls these) ----------------------------------------------------------------
+
+    def begin_step(self, kind: str) -> None:
+        self.steps += 1
+        self.step_kind = kind
+
+    def record_access(self, layer: int, experts: list[int], tokens: int) -> None:
+        self.trace.append(Access(self.steps, layer, tuple(experts), tokens, self.step_kind))
+
+    def record_group(self, layer: int, hits: int, misses: int, evicted: int) -> None:
+        self.hits[layer] += hits
+        self.misses[layer] += misses
+        self.evictions[layer] += evicted
+        self._window["evicted"] += evicted
+
+    def record_loads(self, experts: int, mib: float, cuda_events: tuple[Any, Any], host_s: float) -> None:
+        self.loaded_experts += experts
+        self.loaded_mib += mib
+        self._window["experts"] += experts
+        self._window["mib"] += mib
+        if cuda_events[0] is not None:
+            self._pending_events.append(cuda_events)
+        else:
+            self.load_ms += host_s * 1e3
+            self._window["ms"] += host_s * 1e3
+
+    # --- events ----------------------------------------------------------------------------------------------
+
+    def publish_due(self, total_mib: float, slots: int, force: bool = False) -> None:
+        """Publish the summed load / evict events of the last ~second (between steps, after a sync)."""
+        now = time.monotonic()
+        if not force and now - self._last_publish_s < EVENT_INTERVAL_S:
+            return
+        self._last_publish_s = now
+        pending = []
+        for start, end in self._pending_events:  # copies still running are timed at a later publish
+            if not end.query():
+                pending.append((start, end))
+                continue
+            ms = start.elapsed_time(end)
+            self.load_ms += ms
+            self._window["ms"] += ms
+        self._pending_events = pending
+        w = self._window
+        if w["experts"]:
+            self.bus.publish(ExpertEvent(action="load", experts=w["experts"], mib=round(w["mib"], 3),
+                                         total_mib=round(total_mib, 3), slots=slots, ms=round(w["ms"], 3),
+                                         reason="miss", device=self.device))
+        if w["evicted"]:
+            self.bus.publish(ExpertEvent(action="evict", experts=w["evicted"], total_mib=round(total_mib, 3),
+                                         slots=slots, reason="lru", device=self.device))
+        self._window = {"experts": 0, "mib": 0.0, "ms": 0.0, "evicted": 0}
+
+    # --- views -----------------------------------------------------------------------------------------------
+
+    def oracle(self, slots: int) -> dict[str, float | None]:
+        """Hit rates of the recorded trace replayed at `slots` per layer: Belady (oracle) and LRU."""
+        if slots >= self.num_experts:  # every expert preloaded: nothing can miss
+            return {"oracle_hit_rate": 1.0, "lru_replay_hit_rate": 1.0}
+        trace = list(self.trace)
+        return {"oracle_hit_rate": hit_rate(replay(trace, slots, "belady")),
+                "lru_replay_hit_rate": hit_rate(replay(trace, slots, "lru"))}
+
+    def write_trace(self, path: str, header: dict) -> None:
+        write_trace(path, {"num_layers": self.num_layers, "num_experts": self.num_experts, **header}, self.trace)
+
+    def snapshot(self, **sizes: Any) -> dict[str, Any]:
+        hits, misses = sum(self.hits), sum(self.misses)
+        layers = [{"layer": i, "hits": h, "misses": m, "evictions": ev,
+                   "hit_rate": round(h / (h + m), 4) if h + m else None}
+                  for i, (h, m, ev) in enumerate(zip(self.hits, self.misses, self.evictions))]
+        out = {**{k: round(v, 4) if isinstance(v, float) else v for k, v in sizes.items()},
+               "num_layers": self.num_layers, "num_experts": self.num_experts, "policy": "lru",
+               "device": self.device, "hits": hits, "misses": misses,
+               "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+               "evictions": sum(self.evictions), "loaded_experts": self.loaded_experts,
+               "loaded_mib": round(self.loaded_mib, 3), "load_ms": round(self.load_ms, 3), "reruns": self.reruns,
+               "replays": self.replays,
+               "steps": self.steps, "trace_accesses": len(self.trace), "layers": layers}
+        out.update({k: None if v is None else round(v, 4) for k, v in self.oracle(int(sizes["slots"])).items()})
+        return out

@@ -1,0 +1,93 @@
+"""ExpertStepExecutor: the step-executor seam with the expert cache's between-steps work around it.
+
+It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and, for every step:
+1. marks the step's real rows (positions inside the context; padded batch rows sit past it), so neither path
+   loads an expert only a padding row wants;
+2. runs the step through the inner executor (a graph replay, a capture, or eagerly);
+3. after a replay, reads the device's per-layer route counts and miss counts (one small copy, after the step's
+   own sync point):
+   - no miss: the replay stands and the routed experts count as hits (LRU order refreshed);
+   - a miss: every layer before the first missed one hit, so that layer's routing is right. Its experts are
+     loaded (when they fit its pool) and the graph is replayed again, up to MAX_EXTRA_REPLAYS times; after
+     that, or when the layer's access is larger than its pool, the step runs again eagerly, which serves every
+     layer itself. A step only writes KV at its own positions, so running it again is safe;
+4. publishes the summed load / evict events about once a second.
+Everything else (release, invalidate, snapshot, precapture, ...) is the inner executor's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping
+
+import torch
+
+from engine.exec.executor import StepFn
+from engine.exec.expert_cache import MAX_STEP_ROWS, ExpertCache
+
+# A replay costs about one decode step; an eager re-run of a 24-layer step cost 15-20 of them on the H200
+# (docs/BENCHMARKS.md), so a few replays that each fix one layer are worth trying first.
+MAX_EXTRA_REPLAYS = 3
+
+
+class ExpertStepExecutor:
+    """Runs steps through `inner`, resolving expert-cache misses between steps (see the module docstring)."""
+
+    def __init__(self, inner: Any, cache: ExpertCache, context_tokens: int) -> None:
+        self.inner = inner
+        self.cache = cache
+        self.context_tokens = context_tokens
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def run(self, kind: str, key: Hashable, fn: StepFn, inputs: Mapping[str, Any],
+            owner: str | None = None) -> dict[str, Any]:
+        cache = self.cache
+        cache.stats.begin_step(kind)
+        cache.served_this_step = set()
+        self._mark_rows(inputs)
+        try:
+            out = self.inner.run(kind, key, fn, inputs, owner)
+            for extra in range(MAX_EXTRA_REPLAYS + 1):
+                counters = self._take_counters()
+                if counters is None:  # nothing captured ran (eager, or this call captured the graph)
+                    break
+                misses, counts = counters
+                first = next((i for i, m in enumerate(misses) if m > 0), None)
+                if first is None:
+                    cache.touch_captured(counts)
+                    break
+                experts = [e for e, c in enumerate(counts[first]) if c > 0]
+                if extra == MAX_EXTRA_REPLAYS or len(experts) > cache.pools[first].slots:
+                    cache.stats.reruns += 1
+                    cache.force_eager = True
+                    out = fn(inputs)  # eager: serves every layer not served yet, loading what is missing
+                    break
+                cache.serve_captured_layer(first, experts, int(sum(counts[first])) // cache.top_k)
+                cache.stats.replays += 1
+                out = self.inner.run(kind, key, fn, inputs, owner)
+        finally:
+            cache.valid_rows = None
+            cache.force_eager = False
+            cache.served_this_step = set()
+        cache.stats.publish_due(cache.mib, cache.slots)
+        return out
+
+    def _mark_rows(self, inputs: Mapping[str, Any]) -> None:
+        positions = inputs.get("positions")
+        if not isinstance(positions, torch.Tensor) or positions.numel() > MAX_STEP_ROWS:
+            return
+        n = positions.numel()
+        self.cache.row_valid[:n].copy_((positions < self.context_tokens).flatten())
+        self.cache.valid_rows = n
+
+    def _take_counters(self) -> tuple[list[float], list[list[float]]] | None:
+        """Read and clear what captured layers counted: (misses per layer, route counts [layer][expert]),
+        or None when no captured layer ran since the last read."""
+        cache = self.cache
+        packed = torch.cat([cache.dev_misses[:, None], cache.dev_counts], dim=1).cpu()  # [L, 1 + E]
+        if not bool(packed.any()):
+            return None
+        cache.dev_misses.zero_()
+        cache.dev_counts.zero_()
+        return packed[:, 0].tolist(), packed[:, 1:].tolist()

@@ -1,0 +1,123 @@
+"""Qwen3-MoE's sparse MLP: a top-k softmax router over `num_experts` SwiGLU experts.
+
+    weights, ids = route(x)                          # x [N, H] -> [N, k] each (softmax, top-k, optional renorm)
+    y = sum_j weights[:, j] * expert[ids[:, j]](x)   # [N, H]
+
+The parameters keep the checkpoint's names (`gate.weight`, `experts.E.{gate,up,down}_proj.weight`), so loading,
+saving and parity need no renaming. Where the expert weights live at serve time is not this module's business:
+an *expert provider* (engine.exec.expert_cache.ExpertCache, attached with `attach_provider`) receives the routed
+ids and computes the experts from its own per-layer pool of device slots; without one the block computes from
+its own parameters, one expert at a time, in ascending expert order (the reference path).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+
+
+class ExpertProvider(Protocol):
+    """Who computes a sparse block's experts once the router has chosen them."""
+
+    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids [N, k] long, weights [N, k] (x's dtype) -> [N, H]."""
+        ...
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert (Qwen3-MoE: no bias)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+
+def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """x [n, H], w_gate_up [2I, H] (gate rows first), w_down [H, I] -> [n, H]."""
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def add_expert(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: int,
+               w_gate_up: torch.Tensor, w_down: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """out[t] += weights[t, j] * expert(x[t]) for every (t, j) routed to `expert` (rows: only those tokens)."""
+    hit = ids == expert
+    if rows is not None:
+        hit &= rows[:, None]
+    token_idx, pos = torch.where(hit)
+    if token_idx.numel() == 0:
+        return
+    y = expert_mlp(x[token_idx], w_gate_up, w_down) * weights[token_idx, pos, None]
+    out.index_add_(0, token_idx, y.to(out.dtype))
+
+
+class SparseMoE(nn.Module):
+    """Router + experts. `moe_index` numbers the sparse blocks of a model (main layers first, then MTP)."""
+
+    def __init__(self, config: ModelConfig, moe_index: int) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.moe_index = moe_index
+        self.num_experts = moe.num_experts
+        self.top_k = moe.num_experts_per_tok
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.intermediate_size = moe.moe_intermediate_size
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.moe_intermediate_size)
+                                     for _ in range(moe.num_experts))
+        self._provider: tuple[ExpertProvider, ...] = ()  # a tuple: not a submodule, never saved
+
+    def fuse(self) -> None:
+        """Nothing to fuse here: an expert provider keeps gate/up concatenated in its own pool."""
+
+    def attach_provider(self, provider: ExpertProvider | None) -> None:
+        self._provider = (provider,) if provider is not None else ()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, k] in x's dtype, ids [N, k] long): softmax in fp32, top-k, optional
+        renormalisation, as transformers' Qwen3MoeTopKRouter."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert from this block's own parameters."""
+        e = self.experts[expert]
+        return torch.cat([e.gate_proj.weight, e.up_proj.weight]), e.down_proj.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)
+        weights, ids = self.route(flat)
+        if self._provider:
+            out = self._provider[0].moe_forward(self.moe_index, flat, ids, weights)
+        else:
+            out = torch.zeros_like(flat)
+            for expert in sorted(set(ids.flatten().tolist())):
+                add_expert(out, flat, ids, weights, expert, *self.expert_weights(expert))
+        return out.view(B, T, H)
+
+
+def sparse_blocks(model: nn.Module) -> list[SparseMoE]:
+    """Every SparseMoE of a model, in moe_index order."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    return sorted(blocks, key=lambda b: b.moe_index)
+
+
+def moe_index_of(config: ModelConfig, layer_idx: int) -> int | None:
+    """The moe_index of decoder layer `layer_idx` (MTP layers: num_hidden_layers + i), or None if it is dense."""
+    moe = config.moe
+    if moe is None or not moe.is_sparse(layer_idx, config.num_hidden_layers):
+        return None
+    return sum(1 for i in range(layer_idx) if moe.is_sparse(i, config.num_hidden_layers))

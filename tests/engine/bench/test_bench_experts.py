@@ -1,0 +1,34 @@
+"""`strata-engine bench experts` end to end on CPU (a tiny random MoE): every budget row, the same greedy tokens,
+hit rates that fall with the budget, the trace file, and a dense model refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main
+
+
+def test_bench_experts_runs_every_budget(tmp_path, monkeypatch, one_torch_thread):
+    monkeypatch.setenv("STRATA_BENCH_CACHE", str(tmp_path / "ckpts"))
+    out, trace = tmp_path / "experts.json", tmp_path / "trace.jsonl"
+    code = main(["bench", "experts", "--model", "random:moe-small", "--device", "cpu", "--budgets", "10,50",
+                 "--prompt-tokens", "16", "--new-tokens", "12", "--no-hf", "--json", str(out), "--trace-out", str(trace)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    rows = {r["budget_pct"]: r for r in doc["rows"]}
+    assert sorted(rows) == [10, 50, 100]
+    assert rows[100]["slots"] == 32 and rows[100]["misses"] == 0 and rows[100]["hit_rate"] == 1.0
+    assert rows[50]["slots"] == 16 and rows[10]["slots"] == 3
+    assert all(r["same_tokens"] for r in doc["rows"])
+    assert rows[10]["hit_rate"] < rows[50]["hit_rate"] < 1.0 and rows[10]["misses"] > 0
+    assert rows[10]["hit_rate"] <= rows[10]["oracle_hit_rate"]
+    assert json.loads(trace.read_text().splitlines()[0])["slots"] == 3
+
+
+def test_bench_experts_refuses_a_dense_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STRATA_BENCH_CACHE", str(tmp_path / "ckpts"))
+    code = main(["bench", "experts", "--model", "random:tiny", "--device", "cpu", "--json", str(tmp_path / "x.json")])
+    assert code == 2
+    assert "not a mixture-of-experts checkpoint" in capsys.readouterr().err

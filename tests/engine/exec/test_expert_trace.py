@@ -1,0 +1,60 @@
+"""Routing traces and slot policies (pure Python): LRU and Belady by hand, groups, the file format, replay."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.exec.expert_trace import Access, SlotPolicy, groups_of, hit_rate, main, read_trace, replay, write_trace
+
+
+def _seq(*groups):
+    return [Access(step=i, layer=0, experts=tuple(g)) for i, g in enumerate(groups)]
+
+
+def test_lru_and_belady_by_hand():
+    seq = _seq([0, 1], [2], [0])
+    assert replay(seq, 2, "lru") == {0: (0, 4)}  # 2 evicts 0 (least recent), 0 then evicts 1
+    assert replay(seq, 2, "belady") == {0: (1, 3)}  # 2 evicts 1 (never used again), 0 hits
+
+
+def test_an_access_larger_than_the_pool_streams_in_groups():
+    assert groups_of([5, 1, 3, 1, 9], 2) == [[1, 3], [5, 9]]
+    policy = SlotPolicy(2)
+    first = policy.serve([1, 3])
+    second = policy.serve([5, 9])
+    assert first.loads == [(1, 0), (3, 1)] and second.evicted == [1, 3] and set(policy.where) == {5, 9}
+    with pytest.raises(AssertionError, match="group of 3 experts for 2 slots"):
+        policy.serve([1, 2, 3])
+
+
+def test_resize_keeps_the_most_recently_used():
+    policy = SlotPolicy(4)
+    for g in ([0], [1], [2], [3], [1]):
+        policy.serve(g)
+    kept = policy.resize(2)
+    assert set(kept) == {3, 1} and sorted(policy.where.values()) == [0, 1]
+    assert policy.serve([7]).evicted == [3]  # 3 is now the least recently used
+
+
+def test_belady_is_never_worse_than_lru_on_random_traces():
+    rng = random.Random(0)
+    for _ in range(20):
+        seq = [Access(t, rng.randrange(2), tuple(rng.sample(range(12), 3))) for t in range(200)]
+        for slots in (2, 3, 6):
+            assert hit_rate(replay(seq, slots, "belady")) >= hit_rate(replay(seq, slots, "lru"))
+
+
+def test_trace_file_round_trip_and_replay_cli(tmp_path, capsys):
+    seq = _seq([0, 1], [2], [0])
+    path = write_trace(tmp_path / "t.jsonl", {"num_layers": 1, "num_experts": 3, "top_k": 2}, seq)
+    header, back = read_trace(path)
+    assert header["format"] == "strata-expert-trace" and header["num_experts"] == 3
+    assert back == [Access(a.step, a.layer, a.experts, 0, "") for a in seq]
+    assert main([str(path), "--slots", "2"]) == 0
+    assert "slots     2: lru 0.0  belady 0.25" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text(path.read_text() + '{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:5: not a trace access line"):
+        read_trace(tmp_path / "bad.jsonl")
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
