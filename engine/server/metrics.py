@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.api import EngineClient, RequestOutput
+from engine.server.expert_metrics import expert_metric_families
 from engine.telemetry import AdmissionEvent, ErrorEvent, Event, GraphEvent, SwitchEvent, TierEvent, VramEvent
 
 log = logging.getLogger("strata.server")
@@ -194,6 +195,7 @@ class _StateCollector(Collector):
             for device, part, mib in rows:
                 fam.add_metric([device, part], mib)
             yield fam
+        yield from expert_metric_families(state)
 
 
 class _HealthCollector(Collector):
