@@ -32,12 +32,11 @@ from engine.exec.runner import MtpUnavailable, Row
 from engine.exec.sampler import device_result, request_generator, sample_isolating_rows, sample_with_drafts
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
 from engine.snapshot import EngineSnapshot, MtpSnapshot
-from engine.state import build_snapshot, slot_event
+from engine.reporting import Reporter
+from engine.state import build_snapshot
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent
 
-SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
-VRAM_EVENT_INTERVAL_S = 1.0
 SNAPSHOT_INTERVAL_S = 0.05  # /strata/state is at most this stale while steps run; commands publish at once
 MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in between: then the engine gives up
 
@@ -70,10 +69,10 @@ class Engine:
         depth = self.runner.mtp_depth if self.mtp_on else 0
         self._draft_proposed = [0] * depth  # per draft position, since start (the metrics' counters)
         self._draft_accepted = [0] * depth
-        self._last_vram_s = 0.0
+        self.report = Reporter(bus, self.budgets, self.executor, self.output)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
-        self._publish_vram()
+        self.report.vram()
         self.publish_snapshot(force=True)
         bus.publish(EngineEvent(state="ready", detail=f"model {config.model} on {self.device}"))
 
@@ -143,7 +142,7 @@ class Engine:
         """Retune the reserve on every device live (the tier shrinks at once if the reserve is not free)."""
         for budget in self.budgets:
             budget.set_reserve(mib)
-        self._publish_vram(force=True)
+        self.report.vram(force=True)
         self.publish_snapshot(force=True)
         return int(self.budget.reserve_mib)
 
@@ -165,7 +164,7 @@ class Engine:
     def idle_tick(self) -> None:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
         if self._dead_reason is None:
-            self._publish_vram()
+            self.report.vram()
         self.publish_snapshot()
 
     # --- the step ------------------------------------------------------------------------------------------
@@ -186,7 +185,7 @@ class Engine:
             self.steps += 1
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
                 self._failed_steps = 0  # a request made it to its end: whatever failed before is not every step
-            self._progress_events(time.monotonic())
+            self.report.progress(time.monotonic())
             # slots taken or freed are published at once; progress alone at most every SNAPSHOT_INTERVAL_S
             self.publish_snapshot(force=bool(plan.admitted) or any(o.finished for o in outputs))
         except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported; _fail decides how bad
@@ -239,7 +238,7 @@ class Engine:
         self.bus.publish(AdmissionEvent(request_id=req.request_id, slot=admission.slot, reuse=admission.reuse,
                                         prompt_tokens=req.num_prompt_tokens, cached_tokens=admission.cached_tokens,
                                         queued_s=round(req.queued_s or 0.0, 4)))
-        self._slot_event(req, admission.slot, "prefill", now_s)
+        self.report.slot(req, admission.slot, "prefill", now_s)
 
     def _decode(self, reqs: list[Request], outputs: list[RequestOutput]) -> None:
         """Decode (or verify) every decoding slot: one batched forward per group of similar lengths."""
@@ -313,7 +312,7 @@ class Engine:
         if first is not None:
             self._append(req, [first], time.monotonic(), outputs, first_logprobs)
             if not req.is_finished:
-                self._slot_event(req, chunk.slot, "decode", time.monotonic())
+                self.report.slot(req, chunk.slot, "decode", time.monotonic())
 
     def _append(self, req: Request, tokens: list[int], now_s: float, outputs: list[RequestOutput],
                 logprobs: list | None = None) -> None:
@@ -333,7 +332,7 @@ class Engine:
         final = self.output.close(track, reason, error)
         if slot is not None:
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
-            self._slot_event(track.request, slot, state, time.monotonic())
+            self.report.slot(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))
         return final
 
@@ -397,29 +396,3 @@ class Engine:
                 self.sched.finish(track.request, "error")
                 outputs.append(self._close(track, "error", slot, error=event.message))
         return outputs
-
-    # --- telemetry -----------------------------------------------------------------------------------------
-
-    def _slot_event(self, req: Request, slot: int, state: str | None, now_s: float) -> None:
-        self.bus.publish(slot_event(req, slot, state, now_s))
-        track = self.output.get(req.request_id)
-        if track is not None:
-            track.last_event_s = now_s
-
-    def _progress_events(self, now_s: float) -> None:
-        for track in self.output:
-            req = track.request
-            if req.slot is not None and now_s - track.last_event_s >= SLOT_EVENT_INTERVAL_S:
-                self._slot_event(req, req.slot, None, now_s)
-        self._publish_vram()
-
-    def _publish_vram(self, force: bool = False) -> None:
-        now_s = time.monotonic()
-        if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
-            return
-        self._last_vram_s = now_s
-        self.budget.graphs_mib = float(self.executor.snapshot().get("total_mib", 0.0))
-        for budget in self.budgets:
-            budget.rebalance("periodic")
-            self.bus.publish(budget.breakdown())
-
