@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,14 @@ from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profiles import ProfilesScreen
 from strata_tui.telemetry_client import TelemetryClient
+from strata_tui.terminal import HangupAwareDriver, TerminalLost, hard_exit
 from strata_tui.workers import engine_callbacks, run_engine, sample_gpus, stream_telemetry
 
+# How long each way of ending may take: the engine's graceful stop (SIGTERM, then SIGKILL), and the hard
+# deadline after which the watchdog thread kills the engine's group and leaves whatever the loop is doing.
+QUIT_STOP_S = 2.0            # `q`: returns within 3 s even when the engine ignores SIGTERM
+SIGNAL_STOP_S, SIGNAL_DEADLINE_S = 2.0, 2.8
+HANGUP_STOP_S, HANGUP_DEADLINE_S = 0.8, 1.5   # the terminal closed: gone within 2 s
 LOG_LINES = 2000
 STDERR_TAIL = 40
 TELEMETRY_DRAIN_S = 1.0
@@ -121,6 +128,7 @@ class StrataApp(controls.ControlActions, App):
         self.process: EngineProcess | None = None
         self.run_id = 0
         self._changes = 0
+        self._quitting: str | None = None  # why the app is ending, once it is
 
     # --- what the screens read -----------------------------------------------------------------------
 
@@ -151,13 +159,20 @@ class StrataApp(controls.ControlActions, App):
 
     # --- start-up ------------------------------------------------------------------------------------
 
+    def get_driver_class(self):
+        driver = super().get_driver_class()
+        # Only the real terminal driver is replaced (tests run headless; TEXTUAL_DRIVER still wins).
+        return HangupAwareDriver if driver.__name__ == "LinuxDriver" else driver
+
     def on_mount(self) -> None:
         if self.handle_signals:
-            # The engine runs in its own session, so a SIGTERM/SIGHUP to us would not reach it: quit the
-            # same way `q` does (stop the engine first).
+            # The engine runs in its own session, so a signal to us does not reach it: end the way `q`
+            # does (stop the engine first), within a deadline. A second SIGTERM/SIGINT ends it at once.
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                loop.add_signal_handler(sig, lambda: self.run_worker(self.action_quit(), group="quit"))
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, lambda s=sig: self.request_quit(
+                    s.name, SIGNAL_STOP_S, 128 + s, deadline_s=SIGNAL_DEADLINE_S, force_if_repeated=True))
+            loop.add_signal_handler(signal.SIGHUP, self._hang_up)
         opened = self.store.open_initial(self.requested_profile)
         if isinstance(opened, ProfileError):
             self.profile_error = opened
@@ -206,11 +221,11 @@ class StrataApp(controls.ControlActions, App):
                         exit_on_error=False)
         self.changed()
 
-    async def stop_process(self) -> None:
+    async def stop_process(self, timeout_s: float | None = None) -> None:
         if self.process is not None and self.process.running:
             self.monitor.engine_state = "stopping"
             self.changed()
-            await self.process.stop(self.stop_timeout_s)
+            await self.process.stop(self.stop_timeout_s if timeout_s is None else timeout_s)
 
     def connect_telemetry(self, url: str) -> None:
         api_key = self.profile.engine.api_key if self.profile else None
@@ -338,8 +353,48 @@ class StrataApp(controls.ControlActions, App):
                                 lambda i=index + 1: self.action_toggle_switch(i))
 
     async def action_quit(self) -> None:
-        await self.stop_process()
-        self.exit()
+        self.request_quit("quit", QUIT_STOP_S, 0, deadline_s=QUIT_STOP_S + 0.8)
+
+    def on_terminal_lost(self, _message: TerminalLost) -> None:
+        self._hang_up()
+
+    def _hang_up(self) -> None:
+        self.request_quit("SIGHUP", HANGUP_STOP_S, 128 + signal.SIGHUP, deadline_s=HANGUP_DEADLINE_S)
+
+    def request_quit(self, why: str, stop_s: float, return_code: int, deadline_s: float | None = None,
+                     force_if_repeated: bool = False) -> None:
+        """End the app: say so at once, stop the engine (SIGTERM, SIGKILL after `stop_s`), exit. With
+        signal handling on (the CLI), a watchdog thread makes sure the process is gone after `deadline_s`
+        even if the event loop is stuck; a repeated SIGTERM/SIGINT ends it at once."""
+        if self._quitting is not None:
+            if force_if_repeated:
+                self._hard_exit(return_code)
+            return
+        self._quitting = why
+        if self.handle_signals and deadline_s is not None:
+            timer = threading.Timer(deadline_s, self._hard_exit, args=(return_code,))
+            timer.daemon = True
+            timer.start()
+        if self.engine_running:
+            self.monitor.engine_state = "stopping"
+            self.status_note = "stopping engine…"
+            self.changed()
+            if isinstance(self.screen, MonitorScreen):
+                self.screen.redraw()
+        self.workers.cancel_group(self, "load")  # its open streams would hold up the engine's shutdown
+        self.run_worker(self._quit(stop_s, return_code), group="quit", exit_on_error=False)
+
+    async def _quit(self, stop_s: float, return_code: int) -> None:
+        try:
+            await self.stop_process(stop_s)
+        finally:
+            self.exit(return_code=return_code)
+
+    def _hard_exit(self, return_code: int) -> None:
+        if self.process is not None:
+            self.process.kill_now()
+        driver = self._driver
+        hard_exit(return_code, getattr(driver, "attrs_before", None))
 
     def on_unmount(self) -> None:
         if self.process is not None and self.process.running:
