@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from strata_tui.app import StrataApp, create_app  # noqa: E402
-from strata_tui.profiles import Profile, ProfileStore  # noqa: E402
+from strata_tui.profile_store import ProfileStore  # noqa: E402
+from strata_tui.profiles import Profile  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)
@@ -64,16 +65,16 @@ async def wait_until(pilot, condition, timeout_s: float, what: str) -> None:
             raise SystemExit(f"make_screenshots: timed out waiting for {what}")
         if now > next_report:
             app = pilot.app
-            slots = ", ".join(f"{n}:{s.state}" for n, s in sorted(app.monitor.slots.items()))
-            print(f"  waiting for {what} ({now - started:.0f} s): engine {app.monitor.engine_state}; "
-                  f"slots {slots or 'none'}; {app.status_note}", file=sys.stderr, flush=True)
+            slots = ", ".join(f"{n}:{s.state}" for n, s in sorted(app.view.monitor.slots.items()))
+            print(f"  waiting for {what} ({now - started:.0f} s): engine {app.view.monitor.engine_state}; "
+                  f"slots {slots or 'none'}; {app.view.status_note}", file=sys.stderr, flush=True)
             next_report = now + 10
         await pilot.pause(0.05)
 
 
 def long_prefill_visible(app: StrataApp) -> bool:
     """The seed report's moment: short generations decoding while a fresh long prompt is part-way in."""
-    slots = app.monitor.slots.values()
+    slots = app.view.monitor.slots.values()
     decoding = [s for s in slots if s.state == "decode" and s.generated_tokens >= 4]
     prefilling = [s for s in slots if s.state == "prefill" and s.prompt_tokens >= 1024 and s.eta_s
                   and 0.15 <= (s.prefilled_tokens + s.cached_tokens) / s.prompt_tokens <= 0.85]
@@ -94,10 +95,10 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
     written: list[Path] = []
     app = create_app(config_dir=config_dir, profile="seed-repro", engine_cwd=str(ROOT))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: bool(app.telemetry_connected), 300, "the engine to be ready")
+        await wait_until(pilot, lambda: bool(app.view.telemetry_connected), 300, "the engine to be ready")
         app.action_run_load("seed")  # the app's own load action: six short generations, then a fresh long prompt
         await wait_until(pilot, lambda: long_prefill_visible(app), 600, "the long prompt's prefill")
-        await pilot.pause(app.profile_settings.refresh_s * 2)  # let the refresh tick draw it
+        await pilot.pause(app.view.settings.refresh_s * 2)  # let the refresh tick draw it
         written.append(Path(app.save_screenshot(str(OUT / "monitor-long-prompt.svg"))))
         await pilot.press("p")
         await pilot.pause(0.3)
@@ -106,8 +107,8 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
         written.append(Path(app.save_screenshot(str(OUT / "profiles.svg"))))
         await pilot.press("escape")
         app.use_profile(store.load("crashy"))  # relaunches with the broken checkpoint
-        await wait_until(pilot, lambda: app.crash is not None and app.run_id >= 2, 300, "the engine to exit")
-        await pilot.pause(app.profile_settings.refresh_s * 3)
+        await wait_until(pilot, lambda: app.view.crash is not None and app.run_id >= 2, 300, "the engine to exit")
+        await pilot.pause(app.view.settings.refresh_s * 3)
         written.append(Path(app.save_screenshot(str(OUT / "crash.svg"))))
         await pilot.press("q")
     return written

@@ -92,6 +92,16 @@ class MonitorState:
             view.running, view.degraded, view.reason, view.note = None, False, "", ""
         self.version += 1
 
+    def forget_engine(self) -> None:
+        """Another engine answers now (restarted elsewhere): nothing the old one said still holds."""
+        self.slots.clear()
+        self.vram.clear()
+        self.tier, self.last_admission = None, None
+        self.last_seq = 0
+        for view in self.switches.values():
+            view.running, view.degraded, view.reason, view.note = None, False, "", ""
+        self.version += 1
+
     def apply_all(self, events: Iterable[Event]) -> None:
         for event in events:
             self.apply(event)
@@ -139,18 +149,25 @@ class MonitorState:
             if isinstance(item, dict) and "name" in item:
                 self._apply_switch(str(item["name"]), bool(item.get("enabled")), bool(item.get("degraded")),
                                    str(item.get("reason", "")))
-        for item in _as_list(snapshot.get("slots")):
-            if isinstance(item, dict) and "slot" in item:
-                self.slots[int(item["slot"])] = _build(SlotEvent, item)
+        if "slots" in snapshot:  # the engine's slots now: rows of slots it no longer has go
+            slots = {}
+            for item in _as_list(snapshot.get("slots")):
+                if isinstance(item, dict) and "slot" in item:
+                    slots[int(item["slot"])] = _build(SlotEvent, item)
+            self.slots = slots
+        # The reserve in force: a top-level value, else the live VRAM books, else the configured start value
+        # (config is what the engine started with; a live change since shows only in the books).
+        config = snapshot.get("config")
+        if isinstance(config, dict) and isinstance(config.get("vram_reserve_mib"), int):
+            self.vram_reserve_mib = config["vram_reserve_mib"]
         vram = snapshot.get("vram")
+        if vram is not None:
+            self.vram.clear()
         for key, item in (vram.items() if isinstance(vram, dict) else enumerate(_as_list(vram))):
             if isinstance(item, dict):
                 event = _build(VramEvent, {"device": str(key), **item})
                 self.vram[event.device or str(key)] = event
                 self.vram_reserve_mib = int(round(event.reserve_mib))
-        config = snapshot.get("config")
-        if isinstance(config, dict) and isinstance(config.get("vram_reserve_mib"), int):
-            self.vram_reserve_mib = config["vram_reserve_mib"]
         if isinstance(snapshot.get("vram_reserve_mib"), int):
             self.vram_reserve_mib = snapshot["vram_reserve_mib"]
 

@@ -18,6 +18,7 @@ from textual.widgets import Footer, Header
 from engine.switches import SWITCHES
 from engine.telemetry import AdmissionEvent
 from strata_tui.widgets.crash_panel import CrashPanel
+from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.engine_log import EngineLog
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
@@ -53,6 +54,7 @@ class MonitorScreen(Screen):
         Binding("r", "app.restart_engine", "Restart"),
         Binding("s", "app.stop_engine", "Stop"),
         Binding("f", "cycle_filter", "Filter"),
+        Binding("escape", "close_result", "Close result", show=False),
         Binding("p", "app.show_profiles", "Profiles"),
         Binding("plus,equals_sign", "app.reserve(1, False)", "Reserve +"),
         Binding("minus", "app.reserve(-1, False)", "Reserve -"),
@@ -92,6 +94,7 @@ class MonitorScreen(Screen):
             with Horizontal(id="lower"):
                 yield GraphEventsTable(id="graph")
                 yield SwitchesPanel(id="switches")
+            yield LoadResultPanel(id="load-result")
             yield EngineLog(id="log")
         yield Footer()
 
@@ -102,12 +105,19 @@ class MonitorScreen(Screen):
         self.query_one(EngineLog).border_title = "Engine log"
         self.query_one(CrashPanel).border_title = "Engine stopped"
         self._set_graph_title()
-        self.set_interval(self.strata.profile_settings.refresh_s, self.redraw)
+        self.set_interval(self.strata.view.settings.refresh_s, self.redraw)
         self.redraw()
 
     def _set_graph_title(self) -> None:
         table = self.query_one(GraphEventsTable)
         table.border_title = f"Graph cache · showing {table.filter_name} · f: filter"
+
+    def action_close_result(self) -> None:
+        view = self.strata.view
+        if view.load_result is not None:
+            view.load_result = None
+            view.changed()
+            self.redraw()
 
     def action_cycle_filter(self) -> None:
         table = self.query_one(GraphEventsTable)
@@ -115,15 +125,14 @@ class MonitorScreen(Screen):
         self._set_graph_title()
 
     def redraw(self, force: bool = False) -> None:
-        """Push the app's current state down into the widgets, if anything changed since the last draw."""
-        app = self.strata
-        if app.view_version == self._drawn_version and not force:
+        """Push the view state down into the widgets, if anything changed since the last draw."""
+        view = self.strata.view
+        if view.version == self._drawn_version and not force:
             return
-        self._drawn_version = app.view_version
-        state = app.monitor
-        self.query_one(StatusBar).show(app.profile_name, app.mode_label, state.engine_state, app.engine_url,
-                                       app.telemetry_connected, app.status_note)
-        self.query_one(GpuPanel).show(app.gpu_history, app.gpu_unavailable, state.vram, state.tier)
+        self._drawn_version = view.version
+        state = view.monitor
+        self.query_one(StatusBar).show(view)
+        self.query_one(GpuPanel).show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
         slots = self.query_one(SlotsTable)
         slots.show(state.slots)
         slots.border_subtitle = admission_line(state.last_admission)
@@ -132,24 +141,27 @@ class MonitorScreen(Screen):
         warning = state.last_warning
         graph.border_subtitle = f"last warning: {warning.where}: {warning.message}"[:90] if warning else ""
         views = [state.switches[sw.name] for sw in SWITCHES if sw.name in state.switches]
-        settings = app.profile_settings
+        settings = view.settings
         self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib,
                                            (settings.reserve_step_mib, settings.reserve_big_step_mib),
-                                           app.reserve_note)
+                                           view.reserve_note)
+        for widget in (slots, self.query_one(GpuPanel), self.query_one(SwitchesPanel)):
+            widget.set_class(view.stale, "-stale")
         self._write_log()
         crash = self.query_one(CrashPanel)
-        if app.crash is not None:
-            crash.show(app.crash.returncode, app.crash.error, app.crash.recent, app.crash.requested)
+        if view.crash is not None:
+            crash.show(view.crash)
         elif crash.visible_now:
             crash.hide()
+        self.query_one(LoadResultPanel).show(view.load_result)
         self.draws += 1
         self.last_draw_s = time.time()
 
     def _write_log(self) -> None:
-        app = self.strata
-        new = app.log_total - self._log_written
+        view = self.strata.view
+        new = view.log_total - self._log_written
         if new <= 0:
             return
-        lines = list(app.log_lines)[-min(new, len(app.log_lines)):]
+        lines = list(view.log_lines)[-min(new, len(view.log_lines)):]
         self.query_one(EngineLog).add_lines(lines)
-        self._log_written = app.log_total
+        self._log_written = view.log_total

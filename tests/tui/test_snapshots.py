@@ -12,7 +12,8 @@ import pytest
 
 from strata_tui.gpu import GpuSample
 from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
-from strata_tui.profiles import Profile, ProfileStore
+from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
 from tests.tui.conftest import offline_app, recorded
 
 SIZE = (160, 48)
@@ -42,11 +43,11 @@ async def _settle(pilot) -> None:
 def _gpu_minute(app) -> None:
     for second in range(60):
         used = 120_000.0 + 300 * second
-        app.gpu_history.add([
+        app.view.gpu_history.add([
             GpuSample(0, "NVIDIA H200", used, 143771.0, 60.0 + second % 30, 58.0 + second % 5, 480.0),
             GpuSample(1, "NVIDIA H200", 9000.0, 143771.0, None, 41.0, None),
         ])
-    app.gpu_unavailable = None
+    app.view.gpu_unavailable = None
 
 
 def test_monitor_during_long_prompt_admission(snap_compare, snap_dir: Path) -> None:
