@@ -227,6 +227,8 @@ async def test_edit_cancel_leaves_the_file_alone(config_dir: Path) -> None:
         app.screen.query_one("#f-batch", Input).value = "7"
         await pilot.press("escape")
         await pilot.pause()
+        await pilot.press("y")  # discard the unsaved change
+        await pilot.pause()
         assert isinstance(app.screen, ProfilesScreen)
         assert app.store.path("default").read_text() == before
 
