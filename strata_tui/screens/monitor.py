@@ -22,7 +22,8 @@ from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.engine_log import EngineLog
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
-from strata_tui.widgets.slots_table import SlotsTable
+from strata_tui.prefill_eta import PrefillTrack
+from strata_tui.widgets.slots_table import SlotsTable, first_token_text
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
 
@@ -30,13 +31,15 @@ if TYPE_CHECKING:
     from strata_tui.app import StrataApp
 
 
-def admission_line(event: AdmissionEvent | None) -> str:
-    """The latest admission, the moment the seed report is about: fresh or reused, and how long."""
+def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = None) -> str:
+    """The latest admission, the moment the seed report is about: fresh or reused, and, once its first
+    token came, how long that took and at what prompt rate."""
     if event is None:
         return ""
     cached = f", {event.cached_tokens:,} cached" if event.cached_tokens else ""
+    first = first_token_text(track)
     return (f"last admission: {event.request_id[:20]} → slot {event.slot}, {event.reuse}, "
-            f"{event.prompt_tokens:,} prompt tokens{cached}")
+            f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
 
 
 def _switch_bindings() -> list[Binding]:
@@ -112,6 +115,9 @@ class MonitorScreen(Screen):
         table = self.query_one(GraphEventsTable)
         table.border_title = f"Graph cache · showing {table.filter_name} · f: filter"
 
+    def on_resize(self) -> None:
+        self.redraw(force=True)
+
     def action_close_result(self) -> None:
         view = self.strata.view
         if view.load_result is not None:
@@ -127,15 +133,18 @@ class MonitorScreen(Screen):
     def redraw(self, force: bool = False) -> None:
         """Push the view state down into the widgets, if anything changed since the last draw."""
         view = self.strata.view
-        if view.version == self._drawn_version and not force:
+        # A prefilling slot's ETA counts down every tick, even with no new events.
+        if view.version == self._drawn_version and not force and not view.monitor.any_prefilling:
             return
         self._drawn_version = view.version
         state = view.monitor
         self.query_one(StatusBar).show(view)
         self.query_one(GpuPanel).show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
         slots = self.query_one(SlotsTable)
-        slots.show(state.slots)
-        slots.border_subtitle = admission_line(state.last_admission)
+        slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, time.monotonic())
+        admission = state.last_admission
+        slots.border_subtitle = admission_line(admission, state.prefills.get(admission.request_id)
+                                               if admission else None)
         graph = self.query_one(GraphEventsTable)
         graph.show(list(state.graph_events))
         warning = state.last_warning

@@ -28,10 +28,12 @@ async def test_recorded_events_reach_the_slots_table(config_dir: Path) -> None:
         table = app.screen.query_one(SlotsTable)
         assert table.row_count == 8
         assert "prefill" in str(table.get_cell("6", "state")) and "ETA" in str(table.get_cell("6", "progress"))
-        before = table.cell_updates
+        before = dict(table.updated)
         app.post_message(TelemetryBatch(recorded("seed_run.jsonl")[-2:]))  # same values again
         await pilot.pause(0.6)
-        assert table.cell_updates == before, "unchanged rows must not be rewritten"
+        changed = {cell for cell, n in table.updated.items() if n != before.get(cell, 0)}
+        # only the prefilling slot's ETA moves (it counts down every refresh); nothing else is rewritten
+        assert changed <= {("6", "progress")}, changed
 
 
 async def test_switch_key_saves_to_profile_when_no_engine(config_dir: Path) -> None:
