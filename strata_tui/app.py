@@ -90,6 +90,7 @@ class StrataApp(App):
         self.process: EngineProcess | None = None
         self.client: TelemetryClient | None = None  # one per engine run (or attachment)
         self.run_id = 0
+        self.clock = time.monotonic  # local time for ETAs counting down (tests freeze it)
 
     # --- what the screens and controls read ----------------------------------------------------------
 
@@ -237,7 +238,7 @@ class StrataApp(App):
 
     def on_telemetry_batch(self, message: TelemetryBatch) -> None:
         view = self.view
-        view.monitor.apply_all(message.events)
+        view.monitor.apply_all(message.events, self.clock())
         if view.crash is not None and not self.attach_url:
             # Late events of a run that already exited: they may carry the real error.
             view.crash.error = view.last_error_text() or view.crash.error

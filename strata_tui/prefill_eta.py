@@ -51,10 +51,16 @@ class PrefillTrack:
     def done(self) -> bool:
         return self.first_token_ts is not None
 
-    def add(self, engine_ts: float, computed_tokens: int, received_s: float, engine_eta_s: float | None = None
-            ) -> None:
-        """A progress report. Repeats (no new tokens) only refresh the engine's estimate."""
+    def add(self, engine_ts: float, computed_tokens: int, received_s: float, engine_eta_s: float | None = None,
+            chunk_ran: bool = True) -> None:
+        """A progress report. Repeats (no new tokens) only refresh the engine's estimate. `chunk_ran`
+        False: the report was made when the first chunk was planned, before it ran (the engine counts
+        planned tokens as computed then), so it says nothing about cost yet."""
         self.engine_eta_s = engine_eta_s
+        if not chunk_ran:
+            if self.admitted_ts is None:
+                self.admitted_ts = engine_ts
+            return
         if self.samples and computed_tokens <= self.samples[-1][1]:
             return
         if not self.samples and self.admitted_ts is not None and computed_tokens > self.cached_tokens:

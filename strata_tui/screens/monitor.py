@@ -66,13 +66,16 @@ class MonitorScreen(Screen):
         *_switch_bindings(),
     ]
 
+    # The top panels take what they need (the slots at most 16 rows); the rest goes to the lower area:
+    # graph-cache events over the engine log on the left (each 1fr: they shrink first on a short terminal)
+    # and the switches with the reserve on the right, which never shrinks below its content.
     DEFAULT_CSS = """
-    MonitorScreen > Vertical > * { border: round $primary-darken-2; border-title-color: $text-accent; }
-    MonitorScreen #lower { height: 1fr; border: none; }
-    MonitorScreen #lower > * { border: round $primary-darken-2; border-title-color: $text-accent; }
-    MonitorScreen GraphEventsTable { width: 1fr; }
-    MonitorScreen SwitchesPanel { width: 58; height: 100%; }
-    MonitorScreen StatusBar { border: none; }
+    MonitorScreen .panel { border: round $primary-darken-2; border-title-color: $text-accent; }
+    MonitorScreen #lower { height: 1fr; min-height: 8; }
+    MonitorScreen #left { width: 1fr; }
+    MonitorScreen GraphEventsTable { height: 1fr; min-height: 3; }
+    MonitorScreen EngineLog { height: 1fr; min-height: 3; }
+    MonitorScreen SwitchesPanel { width: 46%; max-width: 60; min-width: 44; height: 100%; }
     MonitorScreen CrashPanel { border: heavy $error; }
     """
 
@@ -92,13 +95,14 @@ class MonitorScreen(Screen):
         with Vertical():
             yield StatusBar(id="status")
             yield CrashPanel(id="crash")
-            yield GpuPanel(id="gpus")
-            yield SlotsTable(id="slots")
+            yield GpuPanel(id="gpus", classes="panel")
+            yield SlotsTable(id="slots", classes="panel")
             with Horizontal(id="lower"):
-                yield GraphEventsTable(id="graph")
-                yield SwitchesPanel(id="switches")
-            yield LoadResultPanel(id="load-result")
-            yield EngineLog(id="log")
+                with Vertical(id="left"):
+                    yield LoadResultPanel(id="load-result")
+                    yield GraphEventsTable(id="graph", classes="panel")
+                    yield EngineLog(id="log", classes="panel")
+                yield SwitchesPanel(id="switches", classes="panel")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -113,7 +117,7 @@ class MonitorScreen(Screen):
 
     def _set_graph_title(self) -> None:
         table = self.query_one(GraphEventsTable)
-        table.border_title = f"Graph cache · showing {table.filter_name} · f: filter"
+        table.border_title = f"Graph cache · {table.filter_name} · f"
 
     def on_resize(self) -> None:
         self.redraw(force=True)
@@ -141,7 +145,7 @@ class MonitorScreen(Screen):
         self.query_one(StatusBar).show(view)
         self.query_one(GpuPanel).show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
         slots = self.query_one(SlotsTable)
-        slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, time.monotonic())
+        slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self.strata.clock())
         admission = state.last_admission
         slots.border_subtitle = admission_line(admission, state.prefills.get(admission.request_id)
                                                if admission else None)

@@ -59,8 +59,12 @@ class CrashPanel(Static):
         lines.append(Text.assemble(("last error: ", "bold"),
                                    (crash.error or "none reported", "red" if crash.error else "dim")))
         if crash.recent:
+            shown = 8 if self.app.size.height >= 40 else 3  # a short terminal keeps the switches in view
             lines.append(Text("last events:", style="bold"))
-            lines.extend(Text("  " + event_line(e), style="dim") for e in crash.recent[-8:])
+            for event in crash.recent[-shown:]:
+                line = Text("  " + event_line(event), style="dim")
+                line.no_wrap, line.overflow = True, "ellipsis"
+                lines.append(line)
         self.update(Group(*lines))
         self.add_class("-visible")
 

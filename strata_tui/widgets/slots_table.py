@@ -35,7 +35,7 @@ def columns_for(width: int) -> tuple[tuple[str, str, int], ...]:
         return fixed[:5] + (("progress", "progress", progress),) + fixed[5:]
     fixed = (("slot", "slot", 4), ("state", "state", 8), ("prompt", "prompt", 9), ("cached", "cached", 9),
              ("gen", "generated", 8), ("tok/s", "tok_s", 8), ("MTP acc", "acceptance", 7),
-             ("first token", "first_token", 22))
+             ("first token", "first_token", 26))
     room = width - 4 - sum(w + 2 for _, _, w in fixed) - 4
     request = min(36, max(20, room // 3))
     progress = min(60, max(30, room - request))
@@ -102,7 +102,7 @@ def slot_cells(slot: SlotEvent, track: PrefillTrack | None = None, now_s: float 
         "cached": f"{slot.cached_tokens:,}" if slot.request_id else "",
         "progress": progress_cell(slot, track, now_s, widths.get("progress", 30), wide),
         "generated": f"{slot.generated_tokens:,}" if slot.request_id else "",
-        "tok_s": f"{rate:,.1f}" if rate else "",
+        "tok_s": (f"{rate:,.0f}" if rate >= 1000 else f"{rate:.1f}") if rate else "",
         "acceptance": f"{slot.acceptance * 100:.0f}%" if slot.acceptance is not None else "",
         "first_token": first_token_text(track) if slot.request_id else "",
     }

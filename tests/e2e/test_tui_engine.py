@@ -69,5 +69,8 @@ async def test_tui_launches_engine_and_shows_slots_changing(tmp_path: Path, chec
         assert any(len(h) >= 2 for _, h in busy), f"no slot row changed on screen: {seen}"
         assert "engine ready" in screen_text(app)
         process = app.process
-        await pilot.press("q")
+        await pilot.press("q")  # the quit stops the engine in a worker (SIGKILL after 2 s), then exits
+        deadline = time.monotonic() + 5
+        while process.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
     assert not process.running

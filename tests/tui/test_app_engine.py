@@ -4,7 +4,9 @@ tests/tui/fake_engine.py: a real child process with a real HTTP server speaking 
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -125,7 +127,10 @@ async def test_quit_stops_the_engine(config_dir: Path, monkeypatch) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         process = app.process
-        await pilot.press("q")
+        await pilot.press("q")  # the quit stops the engine in a worker (SIGKILL after 2 s), then exits
+        deadline = time.monotonic() + 5
+        while process.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
     assert not process.running
 
 

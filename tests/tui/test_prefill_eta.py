@@ -45,6 +45,20 @@ def test_eta_at_halfway_is_within_a_few_percent_where_a_constant_rate_is_far_off
     assert abs(constant_rate_s - truth_s) / truth_s > 0.25, "the scenario must tell the two models apart"
 
 
+def test_the_report_made_when_the_first_chunk_is_planned_is_not_a_cost_sample() -> None:
+    state = MonitorState.for_profile({}, 0)
+    state.apply(AdmissionEvent(request_id="r", slot=0, prompt_tokens=8192, ts=100.0), received_s=0.0)
+    planned = SlotEvent(slot=0, state="prefill", request_id="r", prompt_tokens=8192, prefilled_tokens=2048, ts=100.0)
+    state.apply(planned, received_s=0.0)  # the engine counts the planned chunk as computed: it has not run
+    for i, ts in enumerate((100.5, 101.5), start=1):
+        state.apply(SlotEvent(slot=0, state="prefill", request_id="r", prompt_tokens=8192,
+                              prefilled_tokens=2048 * (i + 0), prefill_tok_s=4000.0, ts=ts), received_s=ts - 100)
+    state.apply(SlotEvent(slot=0, state="prefill", request_id="r", prompt_tokens=8192, prefilled_tokens=4096,
+                          prefill_tok_s=2700.0, ts=101.5), received_s=1.5)
+    eta = state.track_of(planned).eta_s(1.5)
+    assert eta is not None and eta > 1.0, eta  # 0.5 s then 1 s per chunk: the rest takes seconds, not 0
+
+
 def test_eta_counts_down_between_events() -> None:
     track = PrefillTrack("r", 10_000, admitted_ts=0.0)
     track.add(1.0, 2000, received_s=50.0)
@@ -78,9 +92,9 @@ async def test_the_eta_on_screen_moves_every_refresh_without_new_events(config_d
         app.post_message(TelemetryBatch([
             AdmissionEvent(request_id="long", slot=0, prompt_tokens=100_000, ts=10.0, seq=1),
             SlotEvent(slot=0, state="prefill", request_id="long", prompt_tokens=100_000, prefilled_tokens=10_000,
-                      ts=12.0, seq=2),
+                      prefill_tok_s=5000.0, ts=12.0, seq=2),
             SlotEvent(slot=0, state="prefill", request_id="long", prompt_tokens=100_000, prefilled_tokens=20_000,
-                      ts=14.5, seq=3)]))
+                      prefill_tok_s=4400.0, ts=14.5, seq=3)]))
         table = app.screen.query_one(SlotsTable)
         await wait_for(pilot, lambda: "0" in table.rows and "ETA" in table.get_cell("0", "progress").plain,
                        what="an ETA")
