@@ -118,10 +118,12 @@ class PrefillTrack:
 def _fit_nonnegative(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     """Least squares for dt = a·dx + b·d(x²/2) with a, b >= 0 (two unknowns: solved in closed form).
 
-    Rows are weighted by 1/dt² (relative error): a long chunk's seconds should not drown the short ones."""
+    Unweighted (absolute seconds): the latest, longest chunks count most, and they are the ones the rest
+    of the prompt resembles (weighting by relative error let the cheap first chunks set the slope, and the
+    ETA came out a third short on a CPU engine)."""
     s11 = s12 = s22 = r1 = r2 = 0.0
     for u, v, dt in rows:
-        w = 1.0 / max(dt, 1e-3) ** 2
+        w = 1.0
         s11 += w * u * u
         s12 += w * u * v
         s22 += w * v * v
@@ -136,6 +138,6 @@ def _fit_nonnegative(rows: list[tuple[float, float, float]]) -> tuple[float, flo
     # One term only: whichever fits better (b = 0 is the constant-rate model).
     a_only = r1 / s11 if s11 else 0.0
     b_only = r2 / s22 if s22 else 0.0
-    err_a = sum((dt - a_only * u) ** 2 / max(dt, 1e-3) ** 2 for u, _, dt in rows)
-    err_b = sum((dt - b_only * v) ** 2 / max(dt, 1e-3) ** 2 for _, v, dt in rows)
+    err_a = sum((dt - a_only * u) ** 2 for u, _, dt in rows)
+    err_b = sum((dt - b_only * v) ** 2 for _, v, dt in rows)
     return (max(a_only, 0.0), 0.0) if err_a <= err_b else (0.0, max(b_only, 0.0))
