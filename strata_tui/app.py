@@ -254,9 +254,12 @@ class StrataApp(App):
 
     def on_state_snapshot(self, message: StateSnapshot) -> None:
         view = self.view
+        reserve_before = view.monitor.vram_reserve_mib
         if message.fresh_engine:
             view.monitor.forget_engine()
         view.monitor.apply_snapshot(message.snapshot)
+        if view.monitor.vram_reserve_mib != reserve_before:
+            view.reserve_note = ""  # "applied live" was about a value this engine does not have
         view.unreachable_since = None
         if self.attach_url and view.monitor.engine_state in ("attaching", "exited"):
             view.monitor.engine_state = "ready"
@@ -277,7 +280,12 @@ class StrataApp(App):
         elif view.unreachable_since is None and not (view.crash is not None and not self.attach_url):
             view.unreachable_since = time.time()
             view.status_note = message.reason[:80]
+        else:
+            return
         view.changed()
+        redraw = getattr(self.screen, "redraw", None)
+        if redraw is not None:  # news of this kind is shown now, not on the next tick
+            redraw()
 
     def on_gpu_sampled(self, message: GpuSampled) -> None:
         self.view.gpu_history.add(message.samples)
@@ -287,12 +295,12 @@ class StrataApp(App):
     def on_load_progress(self, message: LoadProgress) -> None:
         view = self.view
         if message.done:
-            view.load_running, view.load_result = None, message.text
+            view.load_running, view.load_result, view.load_progress = None, message.text, ""
             view.status_note = "load failed: see the result panel" if message.failed else "load done: see below"
             self.notify(message.text.splitlines()[0], title="load",
                         severity="error" if message.failed else "information", timeout=10)
         else:
-            view.status_note = message.text[:120]
+            view.load_progress = message.text[:120]
         view.changed()
 
     # --- actions -------------------------------------------------------------------------------------

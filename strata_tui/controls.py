@@ -144,13 +144,15 @@ class Controls:
             self._notify("the engine is not ready: no load sent", severity="warning")
             return
         if self.view.load_running is not None:
-            self._notify(f"load {self.view.load_running} is still running: wait for its result "
-                         f"(nothing new was started)", severity="warning")
+            self.view.status_note = (f"load {self.view.load_running} is still running: wait for its result "
+                                     f"(nothing new was started)")
+            self.view.changed()
+            self._notify(self.view.status_note, severity="warning")
             return
         from strata_tui.workers import run_load
 
         api_key = self.view.profile.engine.api_key if self.view.profile else None
-        self.view.load_running, self.view.status_note = name, f"load {name}: starting"
+        self.view.load_running, self.view.load_progress = name, f"load {name}: starting"
         self.view.changed()
         self._run_worker(run_load(self._post, name, self.view.engine_url, api_key, self.load_params(name)),
                          group="load", exit_on_error=False)

@@ -170,10 +170,12 @@ class MonitorState:
     def any_prefilling(self) -> bool:
         return any(s.state == "prefill" for s in self.slots.values())
 
-    def _apply_switch(self, name: str, enabled: bool, degraded: bool, reason: str) -> None:
+    def _apply_switch(self, name: str, enabled: bool, degraded: bool, reason: str, snapshot: bool = False) -> None:
         view = self.switches.get(name.upper().removeprefix("STRATA_"))
         if view is None:
             return
+        if snapshot and view.running is not None and view.running != enabled:
+            view.note = ""  # an answer about the value before ("applied live") no longer describes it
         view.running, view.degraded, view.reason = enabled, degraded, reason
         if degraded:
             view.note = ""
@@ -184,7 +186,7 @@ class MonitorState:
         for item in _as_list(snapshot.get("switches")):
             if isinstance(item, dict) and "name" in item:
                 self._apply_switch(str(item["name"]), bool(item.get("enabled")), bool(item.get("degraded")),
-                                   str(item.get("reason", "")))
+                                   str(item.get("reason", "")), snapshot=True)
         if "slots" in snapshot:  # the engine's slots now: rows of slots it no longer has go
             slots = {}
             for item in _as_list(snapshot.get("slots")):

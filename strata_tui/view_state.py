@@ -24,6 +24,8 @@ STDERR_TAIL = 40
 _LEVEL = re.compile(r"\b(DEBUG|INFO|NOTICE|WARNING|WARN|ERROR|CRITICAL|FATAL)\b")
 _SERIOUS_LEVELS = {"WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"}
 # A line with no level that still states an error: a traceback's last line, a CUDA error, "error: ...".
+# An access-log line for one of this app's own polls (uvicorn's format: `"GET /health HTTP/1.1" 200`).
+_OWN_POLLING = re.compile(r'"GET /(health|strata/state|strata/events)[^"]*" \d{3}')
 _ERROR_TEXT = re.compile(r"(\berror\b[:\s]|^\w*(Error|Exception)\b|\bCUDA error\b)", re.IGNORECASE)
 
 
@@ -65,6 +67,7 @@ class ViewState:
     gpu_unavailable: str | None = None
     log_lines: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
     log_total: int = 0
+    own_polling_lines: int = 0  # access-log lines of this app's own polling, kept out of the log view
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL))
     engine_url: str | None = None
     telemetry_connected: bool | None = None
@@ -72,6 +75,7 @@ class ViewState:
     status_note: str = ""
     reserve_note: str = ""
     load_running: str | None = None  # the scenario being played
+    load_progress: str = ""  # its latest step
     load_result: str | None = None  # the last scenario's result, for its panel
     crash: CrashInfo | None = None
     _changes: int = 0
@@ -104,6 +108,9 @@ class ViewState:
 
     def append_log(self, lines: Iterable[tuple[str, str]]) -> None:
         for stream, line in lines:
+            if _OWN_POLLING.search(line):
+                self.own_polling_lines += 1  # the engine logging our own /health and /strata polls
+                continue
             self.log_lines.append((stream, line))
             self.log_total += 1
             if stream == "stderr" and line.strip():

@@ -28,7 +28,8 @@ from strata_tui.messages import (
 from strata_tui.telemetry_client import TelemetryClient
 
 Post = Callable[[Any], Any]
-LIVENESS_INTERVAL_S = 0.4
+LIVENESS_INTERVAL_S = 0.25
+LIVENESS_TIMEOUT_S = 0.6  # an engine busy with a long chunk still answers in this; a stopped one never
 
 
 async def run_engine(post: Post, process: EngineProcess, run: int) -> None:
@@ -76,15 +77,16 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
         post(TelemetryBatch(batch))
 
 
-async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float = LIVENESS_INTERVAL_S) -> None:
-    """Ask /health every `interval_s` (timeout as long): an engine that stops answering, even with its
-    connections open (stopped, swapping, wedged), is reported within a second. Its event stream can stay
-    silent for many seconds when idle, so the stream alone cannot tell."""
+async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float = LIVENESS_INTERVAL_S,
+                         timeout_s: float = LIVENESS_TIMEOUT_S) -> None:
+    """Ask /health every `interval_s`: an engine that stops answering, even with its connections open
+    (stopped, swapping, wedged), is reported within a second. Its event stream can stay silent for many
+    seconds when idle, so the stream alone cannot tell."""
     answering: bool | None = None
     while True:
         started = time.monotonic()
         try:
-            await client.health(timeout_s=interval_s)
+            await client.health(timeout_s=timeout_s)
             now = True
             reason = "answering"
         except (httpx.HTTPError, OSError) as exc:

@@ -32,6 +32,8 @@ def status_text(view: ViewState) -> Text:
     elif view.telemetry_connected is not None:
         parts.append(Text.assemble(("telemetry ", "dim"), ("live", "green") if view.telemetry_connected
                                    else ("reconnecting", "yellow")))
+    if view.load_running and view.load_progress:
+        parts.append(Text(view.load_progress, style="cyan"))
     if view.status_note:
         parts.append(Text(view.status_note, style="italic"))
     return Text(" · ", style="dim").join(parts)
