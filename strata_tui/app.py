@@ -121,7 +121,7 @@ class StrataApp(App):
 
     def on_mount(self) -> None:
         self.shutdown.install_signal_handlers()
-        opened = self.store.open_initial(self.requested_profile)
+        opened = self.store.open_initial(self.requested_profile, write=not self.attach_url)
         if isinstance(opened, ProfileError):
             self.view.profile_error = opened
         else:

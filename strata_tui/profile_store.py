@@ -209,8 +209,15 @@ class ProfileStore:
     def set_last_used(self, name: str) -> None:
         _write_atomic(self.config_dir / _STATE_FILE, tomlkit.dumps({"last_profile": check_name(name)}))
 
-    def open_initial(self, requested: str | None = None) -> Profile | ProfileError:
-        """The profile to open: `requested`, else the last used, else `default` (written on first run)."""
+    def open_initial(self, requested: str | None = None, write: bool = True) -> Profile | ProfileError:
+        """The profile to open: `requested`, else the last used, else `default` (written on first run).
+        `write=False` (attached to an engine elsewhere) only reads: no default file, no last-used change."""
+        if not write:
+            name = requested or self.last_used() or DEFAULT_PROFILE
+            try:
+                return self.load(name) if self.path(name).exists() else Profile(name=name)
+            except ProfileError as exc:
+                return exc
         self.remove_stale_temp_files()
         name = requested or self.last_used() or DEFAULT_PROFILE
         if name == DEFAULT_PROFILE and not self.path(name).exists():

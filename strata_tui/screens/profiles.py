@@ -153,9 +153,6 @@ class ProfilesScreen(Screen):
         edited = await self.app.push_screen_wait(ProfileEditor(entry))
         if edited is None:
             return
-        if self.strata.attach_url:
-            self.notify("attached: profiles are not written in attach mode", severity="warning")
-            return
         try:  # only the keys the editor changed, on top of the file as it is now; fsync off the loop
             saved = await asyncio.to_thread(self.strata.store.apply_edits, entry, edited)
         except StrataError as exc:

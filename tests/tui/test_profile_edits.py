@@ -219,6 +219,14 @@ async def test_restart_launches_what_is_on_disk_now(config_dir: Path, monkeypatc
         await pilot.press("q")
 
 
+async def test_attach_mode_on_a_first_run_creates_no_files(tmp_path: Path) -> None:
+    app = offline_app(tmp_path / "fresh", attach_url="http://127.0.0.1:9")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("plus", "1")
+        await pilot.pause(0.3)
+    assert not (tmp_path / "fresh").exists()
+
+
 async def test_attach_mode_writes_nothing_locally_and_says_attached(config_dir: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_ENGINE_MODE", "serve")
@@ -242,6 +250,7 @@ async def test_attach_mode_writes_nothing_locally_and_says_attached(config_dir: 
             status = str(app.screen.query_one("#status").render())
             assert "attached" in status and "default" not in status, status
         assert path.read_text() == before
+        assert sorted(p.name for p in store.profiles_dir.iterdir()) == ["default.toml"]
     finally:
         engine.kill()
         engine.wait()
