@@ -93,19 +93,22 @@ class PrefillTrack:
         return _fit_nonnegative(rows)
 
     def eta_s(self, now_received_s: float) -> float | None:
-        """Seconds left, counted down from the last report on the local clock; None without an estimate."""
+        """Seconds left, counted down from the last report on the local clock; None without an estimate.
+
+        A chunk that runs longer than predicted does not drive the count below what the chunks after it
+        will take: the estimate waits there for the next report instead of showing 0."""
         if self.done or not self.samples:
             return None
         _, x, received_s = self.samples[-1]
-        remaining_s = self.remaining_at_last_sample_s()
+        remaining_s = self._remaining_from(x)
         if remaining_s is None:
             return None
-        return max(0.0, remaining_s - (now_received_s - received_s))
+        step = x - self.samples[-2][1] if len(self.samples) > 1 else 0
+        after_current_s = self._remaining_from(min(self.prompt_tokens, x + step)) if step else 0.0
+        return max(after_current_s or 0.0, remaining_s - (now_received_s - received_s))
 
-    def remaining_at_last_sample_s(self) -> float | None:
-        if not self.samples:
-            return None
-        x, total = self.samples[-1][1], self.prompt_tokens
+    def _remaining_from(self, x: int) -> float | None:
+        total = self.prompt_tokens
         if x >= total:
             return 0.0
         model = self.cost_model()

@@ -65,7 +65,9 @@ def test_eta_counts_down_between_events() -> None:
     track.add(2.0, 4000, received_s=51.0)
     first = track.eta_s(51.0)
     assert first is not None and first > 2.0
-    assert abs(track.eta_s(52.5) - (first - 1.5)) < 1e-9 and track.eta_s(1e6) == 0.0
+    assert abs(track.eta_s(51.5) - (first - 0.5)) < 1e-9, "counts down on the local clock"
+    # an overrunning chunk stops the count at what the chunks after it take (6000..10000: 2 s), never 0
+    assert abs(track.eta_s(1e6) - 2.0) < 1e-9
 
 
 def test_ttft_and_prompt_rate_after_the_first_token() -> None:
