@@ -71,6 +71,7 @@ async def measure(args: argparse.Namespace) -> dict:
             request = asyncio.create_task(http.post("/v1/completions", json={
                 "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}))
             half = None
+            last_track = None
             shown: list[tuple[float, str]] = []
             while not request.done():
                 await asyncio.sleep(args.refresh_s)
@@ -81,6 +82,7 @@ async def measure(args: argparse.Namespace) -> dict:
                     continue
                 eta = track.eta_s(now_s)
                 shown.append((now_s, format_eta(eta)))
+                last_track = track
                 if half is None and track.progress >= 0.5 and eta is not None:
                     half = {"at_s": now_s, "progress": track.progress, "tui_eta_s": eta,
                             "engine_eta_s": slot.eta_s, "computed_tokens": track.computed_tokens}
@@ -105,6 +107,9 @@ async def measure(args: argparse.Namespace) -> dict:
         "engine_error_pct": None if half["engine_eta_s"] is None
         else round(100 * (half["engine_eta_s"] - truth_s) / truth_s, 1),
         "longest_unchanged_eta_s": round(_longest_unchanged(shown), 2),
+        # (tokens with KV, engine seconds since admission) after each chunk: the cost curve, for replaying
+        "chunks": [[x, round(t - last_track.admitted_ts, 3)] for t, x, _ in last_track.samples]
+        if last_track is not None and last_track.admitted_ts else [],
     }
 
 

@@ -17,8 +17,8 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from engine.switches import SWITCHES
 from engine.telemetry import EngineEvent, ErrorEvent
+from strata_tui.commands import palette_commands
 from strata_tui.controls import DEFAULT_SCENARIO, Controls
 from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
@@ -384,22 +384,7 @@ class StrataApp(App):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Restart engine", "Stop the engine and launch it again from the profile",
-                            self.action_restart_engine)
-        yield SystemCommand("Stop engine", "SIGTERM the engine's process group", self.action_stop_engine)
-        yield SystemCommand("Profiles", "List, create, edit, rename, delete profiles", self.action_show_profiles)
-        yield SystemCommand("Help", "Keys and switches", self.action_show_help)
-        for step, large in ((1, False), (-1, False), (1, True), (-1, True)):
-            label = f"VRAM reserve {'up' if step > 0 else 'down'}{' (large step)' if large else ''}"
-            yield SystemCommand(label, "Retune the reserve live and save it to the profile",
-                                lambda s=step, big=large: self.action_reserve(s, big))
-        from engine.scenarios import SCENARIOS
-
-        for name, scenario in SCENARIOS.items():
-            yield SystemCommand(f"Load: {name}", scenario.description, lambda n=name: self.action_run_load(n))
-        for index, sw in enumerate(SWITCHES[:9]):
-            yield SystemCommand(f"Toggle {sw.name}", sw.description,
-                                lambda i=index + 1: self.action_toggle_switch(i))
+        yield from palette_commands(self)
 
 
 def create_app(
