@@ -134,8 +134,9 @@ def scenario_report(result: Any) -> str:
     numbers with separators (never 1.2e+04), times and rates with two decimals."""
     summary = "ok" if result.ok else "; ".join(result.errors[:3]) or f"health after: {result.health_after}"
     lines = [f"load {result.name} done in {result.wall_s:.1f} s: {summary}"]
+    width = max((len(key) for key in result.metrics), default=0)
     for key, value in result.metrics.items():
-        lines.append(f"  {key:<28} {format_metric(key, value)}")
+        lines.append(f"  {key:<{width}}  {format_metric(key, value)}")
     lines.extend(f"  note: {note}" for note in getattr(result, "notes", [])[:5])
     return "\n".join(lines)
 
