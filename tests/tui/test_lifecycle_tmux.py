@@ -143,6 +143,14 @@ def test_sigterm_and_sigint_end_it_with_a_dialog_open(session_factory, sig: sign
     _wait_for(session.name, ["STRATA-TUI-EXITED"], timeout_s=3)
 
 
+def test_sigterm_ends_it_on_the_crash_screen(session_factory) -> None:
+    session = session_factory(mode="fail-start", busy=None)
+    tui, _ = _started(session, ["exit code 2"])
+    os.kill(tui[0], signal.SIGTERM)
+    assert _gone_within(tui, timeout_s=3.0) is not None, "SIGTERM did not end strata-tui on the crash screen"
+    _wait_for(session.name, ["STRATA-TUI-EXITED"], timeout_s=3)
+
+
 def test_q_says_stopping_at_once_and_returns_within_3_s_even_when_the_engine_ignores_sigterm(
         session_factory) -> None:
     session = session_factory(mode="ignore-term")
