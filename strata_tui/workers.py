@@ -66,8 +66,16 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
     def on_status(connected: bool, reason: str) -> None:
         post(TelemetryStatus(connected, reason))
 
+    seen_instance: list[Any] = []
+
     async def on_connect() -> None:
-        post(StateSnapshot(await client.state()))
+        snapshot = await client.state()
+        # An engine that names its instance (a start time or id: not every build does) is recognised at once.
+        instance = snapshot.get("instance_id", snapshot.get("started_at")) if isinstance(snapshot, dict) else None
+        fresh = instance is not None and bool(seen_instance) and seen_instance[-1] != instance
+        if instance is not None:
+            seen_instance.append(instance)
+        post(StateSnapshot(snapshot, fresh_engine=fresh))
 
     restarts = client.engine_restarts
     async for batch in client.events(on_status, on_connect):

@@ -100,3 +100,28 @@ def test_the_apps_own_polling_stays_out_of_the_engine_log() -> None:
                      ("stderr", 'INFO:     127.0.0.1:50414 - "POST /v1/completions HTTP/1.1" 200 OK')])
     assert [line for _, line in view.log_lines] == ['INFO:     127.0.0.1:50414 - "POST /v1/completions HTTP/1.1" 200 OK']
     assert view.own_polling_lines == 2
+
+
+async def test_an_engine_that_names_its_instance_is_recognised_as_new_on_reconnect() -> None:
+    from strata_tui.messages import StateSnapshot
+    from strata_tui.workers import stream_telemetry
+
+    class TwoConnections:
+        """The worker's collaborator: connects twice, the second time to another engine instance."""
+
+        engine_restarts = 0
+
+        def __init__(self) -> None:
+            self.states = [{"instance_id": "a", "slots": []}, {"instance_id": "b", "slots": []}]
+
+        async def state(self) -> dict:
+            return self.states.pop(0)
+
+        async def events(self, on_status, on_connect):
+            for _ in range(2):
+                await on_connect()
+                yield []
+
+    posted: list = []
+    await stream_telemetry(posted.append, TwoConnections())
+    assert [m.fresh_engine for m in posted if isinstance(m, StateSnapshot)] == [False, True]
