@@ -61,9 +61,9 @@ async def test_l_while_a_scenario_runs_is_refused_and_the_first_result_arrives(c
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         await pilot.press("l")
         await wait_for(pilot, lambda: app.view.load_running == "seed", what="scenario running")
-        await pilot.press("l")
-        await pilot.pause(0.2)
-        assert "still running" in screen_text(app)
+        app.controls.run_load()  # what a second `l` runs, with no await in between: the first is still running
+        assert "still running" in app.view.status_note and app.view.load_running == "seed"  # refused, said so
+        await wait_for(pilot, lambda: "still running" in screen_text(app), timeout_s=3, what="the refusal on screen")
         await wait_for(pilot, lambda: app.view.load_result is not None, timeout_s=60, what="the first result")
         assert "load seed done" in app.view.load_result
 
