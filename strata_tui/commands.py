@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from textual.app import SystemCommand
 
-from engine.switches import SWITCHES
+from strata_tui.monitor_state import KEYED_SWITCHES
 
 if TYPE_CHECKING:
     from strata_tui.app import StrataApp
@@ -26,6 +26,6 @@ def palette_commands(app: "StrataApp") -> Iterable[SystemCommand]:
 
     for name, scenario in SCENARIOS.items():
         yield SystemCommand(f"Load: {name}", scenario.description, lambda n=name: app.action_run_load(n))
-    for index, sw in enumerate(SWITCHES[:9]):
+    for index, sw in enumerate(KEYED_SWITCHES):
         yield SystemCommand(f"Toggle {sw.name}", sw.description,
                             lambda i=index + 1: app.action_toggle_switch(i))

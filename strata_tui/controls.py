@@ -13,11 +13,11 @@ import asyncio
 from typing import Any, Callable
 
 from engine.errors import StrataError
-from engine.switches import SWITCHES
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
 from strata_tui.telemetry_client import TelemetryClient
 from strata_tui.view_state import ViewState
+from strata_tui.monitor_state import KEYED_SWITCHES
 
 DEFAULT_SCENARIO = "seed"
 
@@ -51,9 +51,9 @@ class Controls:
 
     def toggle_switch(self, number: int) -> None:
         """Flip switch `number` (1-based, registry order): acknowledge, save the one key, apply it live."""
-        if not 1 <= number <= min(9, len(SWITCHES)):
+        if not 1 <= number <= len(KEYED_SWITCHES):
             return
-        switch = SWITCHES[number - 1]
+        switch = KEYED_SWITCHES[number - 1]
         view = self.view.monitor.switches[switch.name]
         if self.view.attached:
             current = view.running if view.running is not None else view.wanted

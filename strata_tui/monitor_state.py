@@ -28,7 +28,8 @@ from engine.telemetry import (
 from strata_tui.prefill_eta import PrefillTrack
 
 GRAPH_SEVERITY = {"capture": 0, "release": 0, "evict": 1, "retry": 1, "wait": 1, "fail": 2, "degrade": 2}
-SEVERITY_NAMES = ("info", "warning", "error")
+# The number keys 1-9 toggle the registry's first nine switches, in its order (new switches go last).
+KEYED_SWITCHES = SWITCHES[:9]
 GRAPH_HISTORY = 500
 RECENT_EVENTS = 40
 PREFILL_TRACKS = 64  # requests whose prefill (and its TTFT) is remembered

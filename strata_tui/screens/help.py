@@ -8,13 +8,14 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
-from engine.switches import SWITCHES
+from strata_tui.monitor_state import KEYED_SWITCHES
+
 
 
 def help_markdown() -> str:
     switches = "\n".join(
         f"| `{i + 1}` | `{sw.env_var}` | {'live' if sw.live else 'restart'} | {sw.description} |"
-        for i, sw in enumerate(SWITCHES[:9])
+        for i, sw in enumerate(KEYED_SWITCHES)
     )
     return f"""\
 # Strata TUI

@@ -26,6 +26,7 @@ from strata_tui.prefill_eta import PrefillTrack
 from strata_tui.widgets.slots_table import SlotsTable, first_token_text
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
+from strata_tui.monitor_state import KEYED_SWITCHES
 
 if TYPE_CHECKING:
     from strata_tui.app import StrataApp
@@ -45,7 +46,7 @@ def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = No
 def _switch_bindings() -> list[Binding]:
     return [
         Binding(str(i + 1), f"app.toggle_switch({i + 1})", f"Toggle {sw.name}", show=False)
-        for i, sw in enumerate(SWITCHES[:9])
+        for i, sw in enumerate(KEYED_SWITCHES)
     ]
 
 
