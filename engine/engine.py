@@ -174,6 +174,7 @@ class Engine:
             plan = self.sched.schedule()
             now_s = time.monotonic()
             with torch.inference_mode():
+                self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
                 for admission in plan.admitted:
                     self._admit(admission, now_s)
                 timing = self._run_timed(plan, outputs)
@@ -313,6 +314,7 @@ class Engine:
         self._generators.pop(track.request.request_id, None)
         final = self.output.close(track, reason, error)
         if slot is not None:
+            self.kv.retire_slot(slot)
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
             self._slot_event(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))
@@ -359,7 +361,7 @@ class Engine:
     # --- telemetry -----------------------------------------------------------------------------------------
 
     def _slot_event(self, req: Request, slot: int, state: str | None, now_s: float) -> None:
-        self.bus.publish(slot_event(req, slot, state, now_s))
+        self.bus.publish(slot_event(req, slot, state, now_s, self.kv))
         track = self.output.get(req.request_id)
         if track is not None:
             track.last_event_s = now_s

@@ -57,15 +57,17 @@ def device_memory_mib(device: torch.device) -> tuple[float, float]:
     return total, avail
 
 
-def check_kv_fits(kv_mib: float, weights_mib: float, reserve_mib: float, free_mib: float, what: str, value: object) -> None:
+def check_kv_fits(kv_mib: float, weights_mib: float, reserve_mib: float, free_mib: float, what: str, value: object,
+                  needs: str = "the KV cache needs",
+                  hint: str = "lower --context or --batch, use --kv int8, or lower --vram-reserve-mib") -> None:
     """Raise ConfigError naming the numbers when the KV cache cannot fit next to the reserve."""
     available = free_mib - reserve_mib
     if kv_mib > available:
         raise ConfigError(
             what, value,
-            f"the KV cache needs {kv_mib:.0f} MiB but only {available:.0f} MiB are available "
+            f"{needs} {kv_mib:.0f} MiB but only {available:.0f} MiB are available "
             f"({free_mib:.0f} MiB free after {weights_mib:.0f} MiB of weights, minus the "
-            f"{reserve_mib:.0f} MiB reserve); lower --context or --batch, use --kv int8, or lower --vram-reserve-mib",
+            f"{reserve_mib:.0f} MiB reserve); {hint}",
         )
 
 
