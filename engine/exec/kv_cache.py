@@ -135,7 +135,7 @@ class SlotKVCache:
         self.paging: KVPaging | None = None
         if layout is not None:
             self.paging = KVPaging(self, layout, pool_blocks, int(resident_tokens))
-            self.block_table = self.paging._table.to(self.device)
+            self.block_table = self.paging._table.to(self.device, copy=True)  # the device table: synced in place
         self.slots: torch.Tensor | None = None
         self.span_tokens = geometry.context_tokens
         self.causal_keys: int | None = None

@@ -5,6 +5,7 @@ slot's whole context; the start-up fit check counts the resident KV and names it
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.api import SamplingParams
 from engine.errors import ConfigError
@@ -120,3 +121,34 @@ def test_a_context_too_large_for_the_device_starts_with_a_small_resident_window(
     assert info.value.param == "context"
     engine = make_engine(ckpt, batch=4, context=8192, kv_resident=256, vram_reserve_mib=1024)
     assert engine.kv.mib < 8.0 and engine.budget.kv_mib == pytest.approx(engine.kv.mib)
+
+
+def test_captured_steps_replay_correctly_while_their_blocks_move(ckpt):
+    """The graph cache's CPU backend (a "graph" re-runs its recorded step into static buffers): slot 0's decode
+    step is captured and replayed, slot 1's prefill spills slot 0's blocks, and the replay after the fetch
+    gives the same logits. The same sequence runs with real CUDA graphs in test_kv_resident_gpu.py."""
+    from engine.exec.graph_backends import CpuGraphBackend
+    from engine.exec.graphs import GraphCache
+    from engine.exec.runner import Row
+    from engine.switches import SwitchBoard
+
+    bus = EventBus(history=10000)
+    graphs = GraphCache("cpu", bus, SwitchBoard.from_values({}), release_tier=lambda mib, reason: 0.0,
+                        wait_interval_s=0.0, backend=CpuGraphBackend())
+    engine = make_engine(ckpt, bus=bus, batch=2, context=1024, kv_resident=64, executor=graphs, tier_budget_mib=0.0)
+    runner, kv = engine.runner, engine.kv
+    prompt = random_prompts(2, seed=5, lengths=(700, 701))
+
+    with torch.inference_mode():
+        for start in range(0, 640, 64):
+            runner.prefill(0, prompt[0][start:start + 64], start)
+        first = runner.decode([Row(0, 11, 640)]).logits.clone()
+        second = runner.decode([Row(0, 11, 640)]).logits.clone()
+        for start in range(0, 700, 64):
+            runner.prefill(1, prompt[1][start:start + 64], start)
+        assert kv.paging.placement_tokens(0, 640)[2] > 0, "slot 0 has nothing on the host"
+        again = runner.decode([Row(0, 11, 640)]).logits.clone()
+    assert kv.paging.stats.fetched_blocks > 0
+    assert sum(g["replays"] for g in graphs.snapshot()["graphs"]) >= 2
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
