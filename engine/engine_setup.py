@@ -275,6 +275,7 @@ def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budg
     captured graphs (they read the old pool tensors) and updates the books' KV figure."""
     paging = kv.paging
     paging.bus = bus
+    budget.kv_paging = paging
     if tier is not None:
         paging.take_memory = tier.release
 

@@ -157,6 +157,7 @@ class VramEvent(Event):
     reserve_mib: float = 0.0
     free_mib: float = 0.0
     experts_mib: float = 0.0  # the MoE expert cache's pools (0 for a dense model)
+    host_kv_mib: float = 0.0  # --kv-resident: KV spilled to host memory (not VRAM; shown beside the books)
 
 
 @dataclass

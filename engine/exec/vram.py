@@ -245,6 +245,8 @@ class VramBudget:
     # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
     # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
     headroom_mib: float = 0.0
+    # --kv-resident paging (engine.exec.kv_paging.KVPaging): its host-held KV is reported beside the books.
+    kv_paging: Any = None
 
     def breakdown(self) -> VramEvent:
         total, free = device_memory_mib(self.device)
@@ -252,7 +254,8 @@ class VramBudget:
                          kv_mib=round(self.kv_mib, 1), graphs_mib=round(self.graphs_mib, 1),
                          tier_mib=round(self.tier.mib if self.tier else 0.0, 1),
                          reserve_mib=round(self.reserve_mib, 1), free_mib=round(free, 1),
-                         experts_mib=round(self.experts.mib if self.experts is not None else 0.0, 1))
+                         experts_mib=round(self.experts.mib if self.experts is not None else 0.0, 1),
+                         host_kv_mib=round(self.kv_paging.host_mib if self.kv_paging is not None else 0.0, 1))
 
     def driver_room_mib(self) -> float:
         """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps

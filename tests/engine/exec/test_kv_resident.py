@@ -61,14 +61,17 @@ def test_slot_events_and_the_snapshot_say_where_each_slots_kv_lies(ckpt):
     engine = make_engine(ckpt, bus=bus, kv_resident=128, **SMALL)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
-    seen_host = False
+    seen_host = seen_books = False
     while engine.has_work:
         engine.step()
-        slots = [s for s in engine.state()["slots"] if s["state"] in ("prefill", "decode")]
+        state = engine.state()
+        slots = [s for s in state["slots"] if s["state"] in ("prefill", "decode")]
         for s in slots:
             assert s["kv_resident_tokens"] <= 128
             seen_host |= s["kv_host_tokens"] > 0
-    assert seen_host
+        seen_books |= state["vram"][0]["host_kv_mib"] > 0
+        assert state["vram"][0]["host_kv_mib"] == round(engine.kv.paging.host_mib, 1)
+    assert seen_host and seen_books
     events = [e for e in bus.history() if e.type == "slot" and e.state == "decode"]
     assert events and all(e.kv_resident_tokens + e.kv_pooled_tokens + e.kv_host_tokens > 128 for e in events)
     assert engine.state()["kv"]["paging"]["host_mib"] >= 0
@@ -152,3 +155,15 @@ def test_captured_steps_replay_correctly_while_their_blocks_move(ckpt):
     assert sum(g["replays"] for g in graphs.snapshot()["graphs"]) >= 2
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_help_says_what_kv_resident_guarantees():
+    import argparse
+
+    from engine.cli.options import add_engine_options
+
+    parser = argparse.ArgumentParser(prog="strata-engine serve")
+    add_engine_options(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--kv-resident TOKENS" in text
+    assert "guaranteed in VRAM" in text and "shared pool" in text and "host memory" in text
