@@ -94,6 +94,10 @@ class BlockLedger:
         self._free_pool: list[int] = []
         self._free_host: list[int] = []
         self._owned: list[dict[int, tuple[Where, int]]] = [{} for _ in range(layout.num_slots)]
+        # A slot's mapped blocks are always [resident_blocks, top): plan maps a window whole, and only release
+        # unmaps. With its host-held ones, that makes "nothing to do" (every decode step) O(1) per slot.
+        self._top = [layout.resident_blocks] * layout.num_slots
+        self._on_host: list[set[int]] = [set() for _ in range(layout.num_slots)]
         self._last_use = [0] * layout.num_slots
         self._clock = 0
         self._retired: set[int] = set()
@@ -111,9 +115,7 @@ class BlockLedger:
 
     def shortfall(self, wants: dict[int, int]) -> int:
         """Pool blocks `plan(wants)` would have to take from other slots (0: the free pool covers it)."""
-        missing = sum(1 for slot, end in wants.items() for j in self._window(slot, end)
-                      if self._owned[slot].get(j, (Where.HOST,))[0] is not Where.DEVICE)
-        return max(0, missing - len(self._free_pool))
+        return max(0, sum(len(self._missing(slot, end)) for slot, end in wants.items()) - len(self._free_pool))
 
     def table_row(self, slot: int) -> list[int]:
         """Physical block of each of the slot's logical blocks (scratch where unmapped or on the host)."""
@@ -154,8 +156,7 @@ class BlockLedger:
         for slot in wants:
             self._last_use[slot] = self._clock
         plan = Plan()
-        needed = [(slot, j) for slot, end in wants.items() for j in self._window(slot, end)
-                  if self._owned[slot].get(j, (Where.HOST,))[0] is not Where.DEVICE]
+        needed = [(slot, j) for slot, end in wants.items() for j in self._missing(slot, end)]
         short = len(needed) - len(self._free_pool)
         if short > 0:
             victims = self._victims(wants)
@@ -166,6 +167,7 @@ class BlockLedger:
                 _, pid = self._owned[slot][j]
                 hid = self._take_host()
                 self._owned[slot][j] = (Where.HOST, hid)
+                self._on_host[slot].add(j)
                 self._free_pool.append(pid)
                 plan.spills.append(Move(slot, j, pid, hid))
                 plan.changed_slots.add(slot)
@@ -175,7 +177,9 @@ class BlockLedger:
             if held is not None:  # on the host: bring it back
                 plan.fetches.append(Move(slot, j, held[1], pid))
                 self._free_host.append(held[1])
+                self._on_host[slot].discard(j)
             self._owned[slot][j] = (Where.DEVICE, pid)
+            self._top[slot] = max(self._top[slot], j + 1)
             plan.changed_slots.add(slot)
         return plan
 
@@ -185,6 +189,8 @@ class BlockLedger:
         for where, idx in owned.values():
             (self._free_pool if where is Where.DEVICE else self._free_host).append(idx)
         self._owned[slot] = {}
+        self._top[slot] = self.layout.resident_blocks
+        self._on_host[slot] = set()
         self._retired.discard(slot)
         return bool(owned)
 
@@ -202,8 +208,11 @@ class BlockLedger:
 
     # --- internals -----------------------------------------------------------------------------------------
 
-    def _window(self, slot: int, end: int) -> range:
-        return range(self.layout.resident_blocks, max(self.layout.resident_blocks, self.layout.blocks_for(end)))
+    def _missing(self, slot: int, end: int) -> list[int]:
+        """Logical blocks below `end` tokens that are not on the device: host-held ones, then unmapped ones."""
+        top = self.layout.blocks_for(end)
+        held = sorted(j for j in self._on_host[slot] if j < top) if self._on_host[slot] else []
+        return held + list(range(self._top[slot], top))
 
     def _victims(self, wants: dict[int, int]) -> list[tuple[int, int]]:
         """Device pool blocks a plan may spill: other slots' (least recently used slot first, lowest block
