@@ -15,11 +15,13 @@ from engine.switches import SwitchState
 from engine.telemetry import EventBus
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Temperatures below this are greedy: logits / 1e-45 overflow float32 to inf and softmax gives NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. temperature 0 is greedy."""
+    """How to sample one request. temperature 0 (or below GREEDY_BELOW_TEMPERATURE) is greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -28,6 +30,28 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability; 0 keeps all
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output (vLLM's rule)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds (OpenAI's rule)
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: none; N >= 0: the chosen token's logprob and the N most likely
+
+    def __post_init__(self) -> None:
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # one rule for every sampler: see the constant
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logits are changed before sampling (penalties or a bias): the sampler needs the history."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the distribution is cut (top_p, top_k or min_p)."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
 @dataclass
@@ -54,6 +78,17 @@ class RequestOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: list["TokenLogprob"] | None = None  # one per token id, when the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability under the model (before temperature, penalties and truncation, as
+    vLLM reports by default) and the `top` most likely tokens there, as (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class HealthStatus(str, Enum):

@@ -18,6 +18,11 @@ KV_DTYPES = ("bf16", "int8")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_CONTEXT_TOKENS = 262144
 DEFAULT_VRAM_RESERVE_MIB = 1024
+# A 262,144-token prompt as JSON: token ids take at most 7 bytes each (1.8 MiB); text about 4 bytes a token,
+# up to 6 a character when escaped (\uXXXX). 8 MiB holds either; a bigger body is refused before parsing.
+DEFAULT_MAX_BODY_MIB = 8
+API_KEY_ENV = "STRATA_API_KEY"
+REDACTED = "<redacted>"  # what the config's serialized form shows instead of a secret
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _CUDA_RE = re.compile(r"^cuda(:\d+)?$")
 
@@ -59,9 +64,12 @@ class EngineConfig:
                                                                 metavar="cuda:N"))
     host: str = field(default="127.0.0.1", metadata=_opt("address to bind", group="server"))
     port: int = field(default=0, metadata=_opt("port (0 picks a free one)", group="server"))
-    api_key: str | None = field(default=None, metadata=_opt(
-        "require Authorization: Bearer KEY (default: $STRATA_API_KEY, which keeps it off the process list)",
-        metavar="KEY", group="server"))
+    # A secret: not in repr, redacted by to_dict, never in to_argv (secret_env carries it).
+    api_key: str | None = field(default=None, repr=False, metadata=_opt(
+        "require Authorization: Bearer KEY on every route but /health (default: $STRATA_API_KEY, which keeps it "
+        "off the process list)", metavar="KEY", group="server"))
+    max_body_mib: int = field(default=DEFAULT_MAX_BODY_MIB, metadata=_opt(
+        "request bodies above this get 413 before they are parsed", metavar="MIB", group="server"))
     queue_max: int = field(default=256, metadata=_opt("bounded request queue length", metavar="N"))
     prefill_chunk_tokens: int = field(default=2048, metadata=_opt("prompt tokens per prefill chunk", metavar="TOKENS"))
     step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
@@ -85,6 +93,12 @@ class EngineConfig:
         _positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
         _positive("step_token_budget", self.step_token_budget)
         _positive("tier_wait_polls", self.tier_wait_polls, lower=0)
+        _positive("max_body_mib", self.max_body_mib, upper=1024)
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
+                                             and self.api_key.strip() == self.api_key):
+            # HTTP headers carry ASCII: a client could never send this key. The value itself is never echoed.
+            raise ConfigError("api_key", REDACTED, "expected printable ASCII without surrounding spaces "
+                                                   "(an HTTP header cannot carry anything else)")
         if not self.model:
             raise ConfigError("model", self.model, "a checkpoint directory or builtin:strata-tiny is required")
         if not _DEVICE_RE.match(self.device):
@@ -140,17 +154,22 @@ class EngineConfig:
                 clean[f.name] = _coerce(f.name, f.type, clean[f.name])
         return cls(**clean)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, reveal_secrets: bool = False) -> dict[str, Any]:
+        """Every option as a dict. The API key shows as REDACTED unless `reveal_secrets` (a profile file that
+        a person saves needs the key; /strata/state, logs and events never do)."""
         data = asdict(self)
         data["switches"] = dict(self.switches)
+        if self.api_key is not None and not reveal_secrets:
+            data["api_key"] = REDACTED
         return data
 
     def to_argv(self) -> list[str]:
-        """The `serve` options that differ from the defaults, as argv (switches go in the environment)."""
+        """The `serve` options that differ from the defaults, as argv (switches and the API key go in the
+        environment: a process list shows argv to every user of the machine)."""
         default = EngineConfig()
         argv: list[str] = []
         for f in fields(self):
-            if f.name == "switches":
+            if f.name in ("switches", "api_key"):
                 continue
             value = getattr(self, f.name)
             if value == getattr(default, f.name) and f.name not in ("model",):
@@ -170,6 +189,10 @@ class EngineConfig:
         from engine.switches import get_switch
 
         return {get_switch(n).env_var: "1" if on else "0" for n, on in self.switches.items()}
+
+    def secret_env(self) -> dict[str, str]:
+        """`STRATA_API_KEY` when a key is set: how a launcher hands the key to `serve` without argv."""
+        return {API_KEY_ENV: self.api_key} if self.api_key else {}
 
 
 def _positive(name: str, value: Any, upper: int | None = None, lower: int = 1) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -25,19 +25,18 @@ from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, RequestRejected
 from engine.core.output import OutputProcessor, Track
-from engine.exec.gpu_errors import error_event, real_message
+from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
 from engine.exec.runner import MtpUnavailable, Row
-from engine.exec.sampler import device_result, make_generator, sample_with_drafts
+from engine.exec.sampler import device_result, request_generator, sample_isolating_rows, sample_with_drafts
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
 from engine.snapshot import EngineSnapshot, MtpSnapshot
-from engine.state import build_snapshot, slot_event
+from engine.reporting import Reporter
+from engine.state import build_snapshot
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent
 
-SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
-VRAM_EVENT_INTERVAL_S = 1.0
 SNAPSHOT_INTERVAL_S = 0.05  # /strata/state is at most this stale while steps run; commands publish at once
 MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in between: then the engine gives up
 
@@ -70,10 +69,10 @@ class Engine:
         depth = self.runner.mtp_depth if self.mtp_on else 0
         self._draft_proposed = [0] * depth  # per draft position, since start (the metrics' counters)
         self._draft_accepted = [0] * depth
-        self._last_vram_s = 0.0
+        self.report = Reporter(bus, self.budgets, self.executor, self.output, kv=self.kv)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
-        self._publish_vram()
+        self.report.vram()
         self.publish_snapshot(force=True)
         bus.publish(EngineEvent(state="ready", detail=f"model {config.model} on {self.device}"))
 
@@ -111,18 +110,23 @@ class Engine:
     # --- commands ------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; raises RequestRejected / PromptTooLong / MaxTokensTooLarge / QueueFull / EngineDead."""
+        """Queue a request; raises RequestRejected / PromptTooLong / MaxTokensTooLarge / QueueFull / EngineDead.
+
+        Atomic: everything the request needs is validated and built first and the scheduler takes it last, so
+        a failure at any stage leaves the engine exactly as it was (a seed torch refused once left a request
+        in the scheduler with no generator, and the next three steps failed)."""
         if self._dead_reason is not None:
             raise EngineDead(self._dead_reason)
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:  # an out-of-range id would fail inside the embedding and take the step down
-            raise RequestRejected(f"prompt token id {bad} is outside this model's vocabulary (0..{self.vocab_size - 1})",
-                                  param="prompt")
+            raise RequestRejected(f"prompt token id {bad} is outside this model's vocabulary "
+                                  f"(0..{self.vocab_size - 1})", param="prompt")
+        generator = request_generator(params, self.vocab_size)  # RequestRejected naming seed or logit_bias
         req = Request(request_id, prompt_token_ids, params, arrival_s=time.monotonic())
-        self.sched.add(req)
         decoder = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
+        self.sched.add(req)  # the commit point: it validates before it queues, so a refusal leaves nothing
         self.output.add(req, decoder)
-        self._generators[request_id] = make_generator(params.seed)
+        self._generators[request_id] = generator
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -138,7 +142,7 @@ class Engine:
         """Retune the reserve on every device live (the tier shrinks at once if the reserve is not free)."""
         for budget in self.budgets:
             budget.set_reserve(mib)
-        self._publish_vram(force=True)
+        self.report.vram(force=True)
         self.publish_snapshot(force=True)
         return int(self.budget.reserve_mib)
 
@@ -160,7 +164,7 @@ class Engine:
     def idle_tick(self) -> None:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
         if self._dead_reason is None:
-            self._publish_vram()
+            self.report.vram()
         self.publish_snapshot()
 
     # --- the step ------------------------------------------------------------------------------------------
@@ -176,13 +180,13 @@ class Engine:
             with torch.inference_mode():
                 self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
                 for admission in plan.admitted:
-                    self._admit(admission, now_s)
+                    self._isolated(admission.request, outputs, self._admit, admission, now_s)
                 timing = self._run_timed(plan, outputs)
             self.sched.record_step(timing)
             self.steps += 1
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
                 self._failed_steps = 0  # a request made it to its end: whatever failed before is not every step
-            self._progress_events(time.monotonic())
+            self.report.progress(time.monotonic())
             # slots taken or freed are published at once; progress alone at most every SNAPSHOT_INTERVAL_S
             self.publish_snapshot(force=bool(plan.admitted) or any(o.finished for o in outputs))
         except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported; _fail decides how bad
@@ -209,7 +213,7 @@ class Engine:
             if chunk.request.is_finished:  # aborted between schedule() and now: nothing runs, nothing to time
                 continue
             t0_s = self._synced_clock()
-            self._prefill(chunk, outputs)
+            self._isolated(chunk.request, outputs, self._prefill, chunk, outputs)
             chunks.append(ChunkTiming(chunk.start, chunk.num_tokens, self._synced_clock() - t0_s))
         fill_s = 0.0
         if plan.cache_fill:
@@ -235,7 +239,7 @@ class Engine:
         self.bus.publish(AdmissionEvent(request_id=req.request_id, slot=admission.slot, reuse=admission.reuse,
                                         prompt_tokens=req.num_prompt_tokens, cached_tokens=admission.cached_tokens,
                                         queued_s=round(req.queued_s or 0.0, 4)))
-        self._slot_event(req, admission.slot, "prefill", now_s)
+        self.report.slot(req, admission.slot, "prefill", now_s)
 
     def _decode(self, reqs: list[Request], outputs: list[RequestOutput]) -> None:
         """Decode (or verify) every decoding slot: one batched forward per group of similar lengths."""
@@ -247,15 +251,20 @@ class Engine:
         rows = [Row(req.slot, req.output_token_ids[-1], req.num_tokens - 1) for req in reqs]
         params = [req.params for req in reqs]
         gens = [self._generators[req.request_id] for req in reqs]
+        histories = [(req.prompt_token_ids, req.output_token_ids) for req in reqs]
         result = None
+        failed: dict[int, BaseException] = {}
+        # The fused step samples on the device with temperature and top_p only: anything more takes the
+        # separate verify + sample + round path (same tokens, two graph kinds instead of one).
+        on_device = not any(p.penalized or p.top_k or p.min_p or p.logprobs is not None for p in params)
         if self.mtp_on:
             try:
-                if self.drafter.fused:
+                if self.drafter.fused and on_device:
                     result = device_result(*self.drafter.verify_and_draft(rows, params, gens), len(rows))
                     self._record_drafts(reqs, result.accepted)
                 else:
                     out = self.runner.verify(rows)
-                    result = sample_with_drafts(out.logits, out.drafts, params, gens)
+                    result, failed = sample_isolating_rows(out.logits, out.drafts, params, gens, histories, is_sticky)
                     self._record_drafts(reqs, result.accepted)
                     pending = [Row(r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens)]
                     self.drafter.round(pending, out.hidden, result.tokens, [r.position for r in rows])
@@ -263,10 +272,14 @@ class Engine:
                 self._mtp_off(exc)
         if result is None:
             out = self.runner.decode(rows)
-            result = sample_with_drafts(out.logits, None, params, gens)
+            result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky)
         now_s = time.monotonic()
-        for req, tokens in zip(reqs, result.tokens):
-            self._append(req, tokens, now_s, outputs)
+        logprobs = result.logprobs or [None] * len(reqs)
+        for i, (req, tokens) in enumerate(zip(reqs, result.tokens)):
+            if i in failed:
+                self._fail_request(req, failed[i], outputs)
+            else:
+                self._isolated(req, outputs, self._append, req, tokens, now_s, outputs, logprobs[i])
 
     def _record_drafts(self, reqs: list[Request], accepted: list[int]) -> None:
         depth = self.runner.mtp_depth
@@ -284,9 +297,13 @@ class Engine:
         out = self.runner.prefill(chunk.slot, prompt[chunk.start:chunk.end], chunk.start)
         req.chunk_ran(chunk.end - chunk.start)
         first: int | None = None
+        first_logprobs = None
         if chunk.is_last:
             generator = self._generators[req.request_id]
-            first = sample_with_drafts(out.logits, None, [req.params], [generator]).tokens[0][0]
+            sampled = sample_with_drafts(out.logits, None, [req.params], [generator],
+                                         [(req.prompt_token_ids, req.output_token_ids)])
+            first = sampled.tokens[0][0]
+            first_logprobs = sampled.logprobs[0] if sampled.logprobs else None
         if self.mtp_on:
             nxt = prompt[chunk.start + 1:chunk.end] + ([first] if first is not None else [prompt[chunk.end]])
             try:
@@ -294,14 +311,15 @@ class Engine:
             except MtpUnavailable as exc:
                 self._mtp_off(exc)
         if first is not None:
-            self._append(req, [first], time.monotonic(), outputs)
+            self._append(req, [first], time.monotonic(), outputs, first_logprobs)
             if not req.is_finished:
-                self._slot_event(req, chunk.slot, "decode", time.monotonic())
+                self.report.slot(req, chunk.slot, "decode", time.monotonic())
 
-    def _append(self, req: Request, tokens: list[int], now_s: float, outputs: list[RequestOutput]) -> None:
+    def _append(self, req: Request, tokens: list[int], now_s: float, outputs: list[RequestOutput],
+                logprobs: list | None = None) -> None:
         """Hand a request's new tokens to output processing; finish it in the scheduler when they end it."""
         track = self.output.get(req.request_id)
-        out, reason = self.output.append(track, tokens, now_s)
+        out, reason = self.output.append(track, tokens, now_s, logprobs)
         if reason is not None:
             slot = req.slot
             self.sched.finish(req, reason)
@@ -316,11 +334,34 @@ class Engine:
         if slot is not None:
             self.kv.retire_slot(slot)
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
-            self._slot_event(track.request, slot, state, time.monotonic())
+            self.report.slot(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))
         return final
 
     # --- failure paths -------------------------------------------------------------------------------------
+
+    def _isolated(self, req: Request, outputs: list[RequestOutput], fn: Callable[..., None], *args: Any) -> None:
+        """Run one request's own part of a step (admission, a prefill chunk, output processing): a failure
+        there ends that request only. A sticky CUDA error still goes up to `_fail`: nothing on the device
+        can be trusted after one."""
+        try:
+            fn(*args)
+        except MtpUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - attributable to this request: it alone fails
+            if is_sticky(exc):
+                raise
+            self._fail_request(req, exc, outputs)
+
+    def _fail_request(self, req: Request, exc: BaseException, outputs: list[RequestOutput]) -> None:
+        event = error_event(exc, f"engine.request {req.request_id}", self.device)
+        self.bus.publish(event)
+        track = self.output.get(req.request_id)
+        if track is None or req.is_finished:
+            return
+        slot = req.slot
+        self.sched.finish(req, "error")
+        outputs.append(self._close(track, "error", slot, error=event.message))
 
     def _mtp_off(self, exc: BaseException) -> None:
         message = real_message(exc)
@@ -357,29 +398,3 @@ class Engine:
                 self.sched.finish(track.request, "error")
                 outputs.append(self._close(track, "error", slot, error=event.message))
         return outputs
-
-    # --- telemetry -----------------------------------------------------------------------------------------
-
-    def _slot_event(self, req: Request, slot: int, state: str | None, now_s: float) -> None:
-        self.bus.publish(slot_event(req, slot, state, now_s, self.kv))
-        track = self.output.get(req.request_id)
-        if track is not None:
-            track.last_event_s = now_s
-
-    def _progress_events(self, now_s: float) -> None:
-        for track in self.output:
-            req = track.request
-            if req.slot is not None and now_s - track.last_event_s >= SLOT_EVENT_INTERVAL_S:
-                self._slot_event(req, req.slot, None, now_s)
-        self._publish_vram()
-
-    def _publish_vram(self, force: bool = False) -> None:
-        now_s = time.monotonic()
-        if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
-            return
-        self._last_vram_s = now_s
-        self.budget.graphs_mib = float(self.executor.snapshot().get("total_mib", 0.0))
-        for budget in self.budgets:
-            budget.rebalance("periodic")
-            self.bus.publish(budget.breakdown())
-

@@ -273,6 +273,10 @@ class EventBus:
     """Thread-safe publish/subscribe with a history ring for late subscribers."""
 
     def __init__(self, history: int = 2048) -> None:
+        # Which bus (engine process) a seq belongs to: seq restarts at 1 with every process, so a resuming
+        # reader needs both (SSE ids are "EPOCH-SEQ"). Start time in microseconds: readable, and distinct
+        # for two buses of one process.
+        self.epoch = str(time.time_ns() // 1000)
         self._lock = threading.Lock()
         self._history: deque[Event] = deque(maxlen=history)
         self._subs: list[Subscription] = []

@@ -44,6 +44,7 @@ def engine_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict
     for switch in SWITCHES:
         env.pop(switch.env_var, None)
     env.update(config.switch_env())
+    env.update(config.secret_env())  # the key travels in the environment, never in argv
     env.setdefault("PYTHONUNBUFFERED", "1")
     # `python -m engine.cli` must find the same engine this app imports, from whatever directory the app
     # was started in (a source checkout is not on the child's path by itself).

@@ -90,7 +90,7 @@ class Profile:
 
     def to_toml(self) -> dict[str, Any]:
         """The TOML document: every engine option that has a value, switches by variable, tui settings."""
-        engine = {k: v for k, v in self.engine.to_dict().items() if k != "switches" and v is not None}
+        engine = {k: v for k, v in self.engine.to_dict(reveal_secrets=True).items() if k != "switches" and v is not None}
         switches = {get_switch(n).env_var: bool(v) for n, v in sorted(self.engine.switches.items())}
         tui = {"refresh_s": self.tui.refresh_s, "reserve_step_mib": self.tui.reserve_step_mib,
                "reserve_big_step_mib": self.tui.reserve_big_step_mib}

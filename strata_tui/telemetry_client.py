@@ -48,6 +48,8 @@ class TelemetryClient:
         self.reconnect_s = reconnect_s
         self.max_reconnect_s = max_reconnect_s
         self.last_seq = 0
+        self.last_event_id: str | None = None  # "EPOCH-SEQ": the engine resumes us, or replays after a restart
+        self.epoch: str | None = None
         self.skipped_events = 0  # events of a type this build does not know (a newer engine)
 
     async def aclose(self) -> None:
@@ -92,8 +94,8 @@ class TelemetryClient:
         delay_s = self.reconnect_s
         while True:
             headers = {"Accept": "text/event-stream"}
-            if self.last_seq:
-                headers["Last-Event-ID"] = str(self.last_seq)
+            if self.last_event_id is not None:
+                headers["Last-Event-ID"] = self.last_event_id
             try:
                 async with self._http.stream("GET", "/strata/events", headers=headers) as response:
                     if response.status_code != 200:
@@ -120,6 +122,12 @@ class TelemetryClient:
     def _parse(self, messages: list) -> list[Event]:
         batch: list[Event] = []
         for message in messages:
+            epoch = message.id.rpartition("-")[0] if message.id else ""
+            if epoch and epoch != self.epoch:
+                # Another engine process (it restarted): its seq starts at 1 again, nothing of it is seen yet.
+                self.epoch, self.last_seq = epoch, 0
+            if message.id:
+                self.last_event_id = message.id
             try:
                 event = event_from_json(json.loads(message.data))
             except (ValueError, TypeError):

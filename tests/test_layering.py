@@ -19,6 +19,7 @@ LAYERS = {
     "engine.cli": 6, "engine.bench": 6, "engine.train": 6,
     "engine.server": 5,
     "engine.engine": 4, "engine.engine_setup": 4, "engine.async_engine": 4, "engine.state": 4, "engine.generate": 4,
+    "engine.reporting": 4,
     "engine.exec": 3, "engine.core": 3, "engine.loadgen": 3,
     "engine.model": 2,
     **{m: 1 for m in CONTRACT},

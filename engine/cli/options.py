@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.config import EngineConfig
+from engine.config import API_KEY_ENV, EngineConfig
 from engine.errors import ConfigError
 from engine.switches import switches_from_env
 
@@ -26,7 +26,7 @@ def add_engine_options(parser: argparse.ArgumentParser, serving: bool = False) -
             continue
         default = getattr(defaults, f.name)
         if f.name == "api_key":
-            default = os.environ.get("STRATA_API_KEY")  # a key on argv would show in every process list
+            default = os.environ.get(API_KEY_ENV)  # a key on argv would show in every process list
         shown = "" if default in (None, False) or meta["flag"] else f" (default {default})"
         opt = "--" + f.name.replace("_", "-")
         if f.type == "bool":

@@ -84,9 +84,12 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
     import uvicorn
 
     from engine.server.app import create_app
+    from engine.server.logs import EventLogger, quiet_monitoring_access
     from engine.server.uvicorn_server import DrainingServer
 
     client = client_factory(config)  # AsyncEngine loads in its own thread; health() says "loading" meanwhile
+    event_log = EventLogger(client.bus).start()  # warnings and errors reach stderr, not only /strata/events
+    quiet_monitoring_access()
     app = create_app(client, config)
     serving = app.state.serving
     uv_config = uvicorn.Config(app, log_config=None, log_level=logging.getLogger().level,
@@ -116,6 +119,7 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
             server.should_exit = True
             await serve_task
         await client.shutdown()
+        event_log.stop()
     if serve_task.exception() is not None and exit_code == 0:
         exit_code = 1
     return exit_code

@@ -25,6 +25,7 @@ class Track:
     sent_chars: int = 0
     last_event_s: float = 0.0  # when its last slot event went out (the engine paces them)
     pending: list[int] = field(default_factory=list)  # token ids not yet sent
+    pending_logprobs: list[Any] = field(default_factory=list)  # their TokenLogprobs, when the request asked
     cut_by_stop_string: bool = False
 
 
@@ -49,7 +50,8 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._tracks)
 
-    def append(self, track: Track, tokens: list[int], now_s: float) -> tuple[RequestOutput | None, FinishReason | None]:
+    def append(self, track: Track, tokens: list[int], now_s: float, logprobs: list[Any] | None = None
+               ) -> tuple[RequestOutput | None, FinishReason | None]:
         """Take a request's new tokens: (the increment to send now or None, the finish reason or None).
 
         With a finish reason the caller finishes the request in the scheduler and calls `close`; the
@@ -59,6 +61,8 @@ class OutputProcessor:
         result = req.append_output(tokens, now_s, self.eos_token_ids)
         reason = result.finish_reason
         track.pending.extend(result.kept_token_ids)
+        if logprobs is not None:  # one per sampled token: keep those of the kept ones (a prefix)
+            track.pending_logprobs.extend(logprobs[:len(result.kept_token_ids)])
         if track.decoder is not None and result.kept_token_ids:
             track.text += track.decoder.push(result.kept_token_ids)
         stop_at = find_stop(track.text, req.params.stop, track.sent_chars)
@@ -88,8 +92,10 @@ class OutputProcessor:
                 error: str | None = None) -> RequestOutput:
         req = track.request
         ids, track.pending = track.pending, []
+        logprobs, track.pending_logprobs = track.pending_logprobs, []
         return RequestOutput(req.request_id, ids, text, finished, reason, prompt_tokens=req.num_prompt_tokens,
-                             cached_tokens=req.num_cached_tokens, completion_tokens=req.num_output_tokens, error=error)
+                             cached_tokens=req.num_cached_tokens, completion_tokens=req.num_output_tokens, error=error,
+                             logprobs=logprobs if req.params.logprobs is not None else None)
 
 
 def find_stop(text: str, stops: tuple[str, ...], sent_chars: int) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -23,7 +23,7 @@ from engine.api import EngineClient
 from engine.config import EngineConfig
 from engine.errors import StrataError
 from engine.server import sse
-from engine.server.auth import check_bearer
+from engine.server.guard import RequestGuard
 from engine.server.errors import ApiError, from_exception, invalid_param
 from engine.server.handle import ClientGone
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -31,6 +31,7 @@ from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SwitchRequest,
+    BodyT,
     VramReserveRequest,
     parse_body,
 )
@@ -62,32 +63,38 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
     app.state.metrics = metrics
     app.state.client = client
     _install_error_handlers(app)
-
-    def authorize(request: Request) -> None:
-        check_bearer(request.headers.get("authorization"), config.api_key)
-
-    _openai_routes(app, serving, authorize)
-    _strata_routes(app, client, serving, authorize, keepalive_s)
+    # Host, API key, Origin, Content-Type and body size are checked before any route runs (guard.py).
+    app.add_middleware(RequestGuard, config=config)
+    _openai_routes(app, serving)
+    _strata_routes(app, client, serving, keepalive_s)
     _monitoring_routes(app, client, metrics)
     return app
 
 
-def _openai_routes(app: FastAPI, serving: Serving, authorize: Callable[[Request], None]) -> None:
+async def _parsed(model: type[BodyT], request: Request) -> BodyT:
+    """Read the body on the loop, parse and validate it in a worker thread: a large or hostile body costs
+    that thread its time, never the event loop (which keeps answering /health)."""
+    context_tokens = getattr(request.app.state.client, "context_tokens", None)
+    return await asyncio.to_thread(parse_body, model, await request.body(), context_tokens)
+
+
+def _openai_routes(app: FastAPI, serving: Serving) -> None:
     @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        authorize(request)
+    async def models() -> JSONResponse:
         return JSONResponse(serving.models().model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        return JSONResponse(serving.model_card(model_id).model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        authorize(request)
-        req = parse_body(CompletionRequest, await request.body())
+        req = await _parsed(CompletionRequest, request)
         return _respond(await serving.completion(req, _disconnect_waiter(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
-        req = parse_body(ChatCompletionRequest, await request.body())
+        req = await _parsed(ChatCompletionRequest, request)
         return _respond(await serving.chat(req, _disconnect_waiter(request)))
 
 
@@ -106,29 +113,26 @@ def _monitoring_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
         return JSONResponse(jsonable_encoder(client.state()))
 
 
-def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, authorize: Callable[[Request], None],
-                   keepalive_s: float) -> None:
+def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepalive_s: float) -> None:
     @app.get("/strata/events")
     async def events(request: Request, last_event_id: str | None = None) -> StreamingResponse:
         raw = request.headers.get("last-event-id") or last_event_id
         resume = sse.parse_last_event_id(raw)
         if raw is not None and resume is None:
-            raise invalid_param("Last-Event-ID", raw, "expected a non-negative event sequence number")
+            raise invalid_param("Last-Event-ID", raw, "expected EPOCH-SEQ (an event id) or a sequence number")
         stream = sse.event_stream(client.bus, resume, serving.events_closed, keepalive_s=keepalive_s)
         return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
 
     @app.post("/strata/switches/{name}")
     async def set_switch(name: str, request: Request) -> JSONResponse:
-        authorize(request)
         switch = get_switch(name)  # UnknownSwitch -> 404 before the body is even looked at
-        body = parse_body(SwitchRequest, await request.body())
+        body = await _parsed(SwitchRequest, request)
         result = await client.set_switch(switch.name, body.enabled)
         return JSONResponse({"switch": result.to_json()})
 
     @app.post("/strata/vram-reserve")
     async def set_vram_reserve(request: Request) -> JSONResponse:
-        authorize(request)
-        body = parse_body(VramReserveRequest, await request.body())
+        body = await _parsed(VramReserveRequest, request)
         mib = await client.set_vram_reserve(body.mib)
         return JSONResponse({"vram_reserve_mib": mib})
 

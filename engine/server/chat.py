@@ -37,6 +37,10 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
                                             "only text content parts are supported")
                 pieces.append(part.text)
             text = "\n".join(pieces)
+        for key, value in (msg.model_extra or {}).items():
+            if value not in (None, [], {}, ""):
+                raise unsupported_param(f"messages[{i}].{key}", value, "this server renders role, content and "
+                                                                      "name only")
         entry: dict[str, Any] = {"role": msg.role, "content": text}
         if msg.name:
             entry["name"] = msg.name

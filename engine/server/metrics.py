@@ -4,8 +4,8 @@ Three sources, each used for what only it knows:
 - the serving layer (per request: running/waiting, token counts, TTFT, inter-token latency),
 - the telemetry bus, read by a background task (graph captures/evictions/failures, tier and VRAM MiB,
   errors and switch changes),
-- `client.state()` at scrape time (MTP draft tokens proposed/accepted per position, and the VRAM
-  breakdown when the snapshot carries one).
+- `client.state()` at scrape time (MTP draft tokens proposed/accepted and acceptance per position, the
+  prompt tokens waiting to prefill, and the VRAM breakdown when the snapshot carries one).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.api import EngineClient, RequestOutput
+from engine.server.expert_metrics import expert_metric_families
 from engine.telemetry import AdmissionEvent, ErrorEvent, Event, GraphEvent, SwitchEvent, TierEvent, VramEvent
 
 log = logging.getLogger("strata.server")
@@ -170,11 +171,23 @@ class _StateCollector(Collector):
                                         labels=["position"])
             fam_a = CounterMetricFamily("strata_draft_tokens_accepted", "MTP draft tokens accepted per position",
                                         labels=["position"])
+            fam_r = GaugeMetricFamily("strata_draft_acceptance_ratio", "MTP drafts accepted / proposed per "
+                                      "position, since start", labels=["position"])
             for pos, n in enumerate(proposed):
+                took = accepted[pos] if pos < len(accepted) else 0
                 fam_p.add_metric([str(pos)], float(n))
-                fam_a.add_metric([str(pos)], float(accepted[pos] if pos < len(accepted) else 0))
+                fam_a.add_metric([str(pos)], float(took))
+                if n:
+                    fam_r.add_metric([str(pos)], took / n)
             yield fam_p
             yield fam_a
+            yield fam_r
+        prefill_tokens = prefill_queue_tokens(state)
+        if prefill_tokens is not None:
+            fam = GaugeMetricFamily("strata_prefill_queue_tokens", "Prompt tokens waiting to be prefilled "
+                                    "(queued requests and slots still prefilling)")
+            fam.add_metric([], float(prefill_tokens))
+            yield fam
         rows = vram_rows(state)
         if rows:
             fam = GaugeMetricFamily("strata_state_vram_mib", "VRAM by part from the engine snapshot",
@@ -182,6 +195,7 @@ class _StateCollector(Collector):
             for device, part, mib in rows:
                 fam.add_metric([device, part], mib)
             yield fam
+        yield from expert_metric_families(state)
 
 
 class _HealthCollector(Collector):
@@ -205,6 +219,13 @@ def request_counts(state: dict[str, Any]) -> tuple[int, int] | None:
         return None
     running = sum(1 for s in slots if isinstance(s, dict) and s.get("state") not in (None, "idle", "finished"))
     return running, int(queue["waiting"])
+
+
+def prefill_queue_tokens(state: dict[str, Any]) -> int | None:
+    """`state["queue"]["prefill_tokens"]`, or None when the snapshot has no such field."""
+    queue = state.get("queue") if isinstance(state, dict) else None
+    value = queue.get("prefill_tokens") if isinstance(queue, dict) else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def draft_counts(state: dict[str, Any]) -> tuple[list[int], list[int]]:

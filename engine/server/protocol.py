@@ -14,37 +14,68 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from engine.config import VRAM_RESERVE_MAX_MIB
-from engine.server.errors import from_validation_error, malformed_json
+from engine.errors import PromptTooLong
+from engine.server.errors import from_exception, from_validation_error, invalid_param, malformed_json
 
 TokenId = Annotated[int, Field(ge=0)]
 MAX_STOP_STRINGS = 4
+# torch.Generator.manual_seed takes -2**63 .. 2**64 - 1; anything outside is refused here, naming `seed`.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default limit; OpenAI's is 20 for chat)
+MAX_CHOICES = 16  # n: each choice is one engine request
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 
 
 class _Body(BaseModel):
-    # OpenAI clients send fields this server does not know (user, metadata, ...): ignore, do not fail.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are refused by name: a field this server does not know may change results (vLLM's
+    # min_tokens, guided_json, ...), and answering as if it had been honoured would be a silent lie. Fields
+    # that cannot change results are declared in IGNORED and accepted. Strict: `true` is not an integer
+    # and "1" is not a boolean (OpenAI refuses both too).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Ignored(_Body):
+    """Accepted and ignored: they cannot change what is generated (listed in docs/API.md)."""
+
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
+    skip_special_tokens: Literal[True] | None = None  # what this server does anyway; false is refused
+
+
+IGNORED = tuple(_Ignored.model_fields)
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Ignored):
     """Fields shared by completions and chat completions."""
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # vLLM's sampling extensions.
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     # vLLM-style extensions: benchmarks need exact output lengths, chat formats need extra stop tokens.
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -56,16 +87,20 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     suffix: str | None = None
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
 
 
 class ContentPart(_Body):
+    model_config = ConfigDict(extra="ignore", strict=True)  # image_url & co: refused by `type` (chat.py)
     type: str
     text: str | None = None
 
 
 class ChatMessage(_Body):
+    # A message copied from a response carries refusal/annotations/audio/tool_calls as nulls: those are
+    # fine; chat.py refuses any extra field that holds something, naming it.
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -77,7 +112,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -123,7 +158,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
     finish_reason: str | None = None
 
 
@@ -144,7 +179,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {content: [{token, logprob, bytes, top_logprobs}]}
     finish_reason: str | None = None
 
 
@@ -176,15 +211,52 @@ class ModelList(BaseModel):
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-def parse_body(model: type[BodyT], raw: bytes) -> BodyT:
-    """Parse a JSON body into `model`; malformed JSON and invalid fields raise ApiError (400)."""
+def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None) -> BodyT:
+    """Parse a JSON body into `model`; malformed JSON and invalid fields raise ApiError (400).
+
+    CPU-heavy for a large body: the routes call it in a worker thread. `max_prompt_ids` (the context) refuses
+    a token-id prompt that cannot fit before the validator walks it (a validator holds the GIL throughout)."""
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise malformed_json("nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise malformed_json(str(exc)) from None
     if not isinstance(data, dict):
         raise malformed_json(f"expected a JSON object, got {type(data).__name__}")
+    _check_unicode(data)
+    prompt = data.get("prompt")
+    if max_prompt_ids is not None and isinstance(prompt, list) and len(prompt) > max_prompt_ids:
+        if all(type(t) is int for t in prompt[:16]):  # ids, not a batch of prompts (refused by name later)
+            raise from_exception(PromptTooLong(len(prompt), max_prompt_ids))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _check_unicode(data: Any) -> None:
+    """400 naming the field when a string holds a lone surrogate (`"\\ud800"` is valid JSON but no text:
+    a tokenizer cannot encode it). One C-speed pass; the field is looked for only when it fails."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        path, value = _find_surrogate(data, "")
+        raise invalid_param(path or "body", value, "a lone UTF-16 surrogate is not valid Unicode text") from None
+
+
+def _find_surrogate(node: Any, path: str) -> tuple[str, str]:
+    stack = [(node, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where, item
+        elif isinstance(item, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in item.items())
+            stack.extend((k, where or "body") for k in item if isinstance(k, str))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return "", ""

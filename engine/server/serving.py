@@ -11,19 +11,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 
 from engine.api import EngineClient, GenerationRequest, RequestOutput, SamplingParams
 from engine.errors import EngineDead, MaxTokensTooLarge, PromptTooLong
-from engine.server import streams
+from engine.server import choices, streams
 from engine.server.chat import chat_prompt_ids
 from engine.server.errors import ApiError, from_exception, invalid_param, unsupported_param
 from engine.server.handle import ClientGone, RequestHandle, WaitDisconnect
 from engine.server.metrics import ServerMetrics
-from engine.server.streams import usage_of
+from engine.server.logprobs import CompletionLogprobs, chat_logprobs
+from engine.server.streams import usage_of_choices
 from engine.server.protocol import (
     MAX_STOP_STRINGS,
     ChatChoice,
@@ -50,6 +51,18 @@ class Prepared:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: one engine request each
+    logprobs_top: int | None = None  # None: no logprobs; else top logprobs per token
+
+    def choice_requests(self) -> list[GenerationRequest]:
+        """One engine request per choice. With a seed, choice i samples from seed XOR i: reproducible, and
+        the choices differ (same seed for all would give n copies)."""
+        if self.n == 1:
+            return [GenerationRequest(self.request_id, self.prompt_token_ids, self.params)]
+        seed = self.params.seed
+        return [GenerationRequest(f"{self.request_id}-{i}", self.prompt_token_ids,
+                                  self.params if seed is None else replace(self.params, seed=seed ^ i))
+                for i in range(self.n)]
 
 
 class Serving:
@@ -65,9 +78,18 @@ class Serving:
     # --- models and lifecycle ------------------------------------------------------------------------------
 
     def models(self) -> ModelList:
+        return ModelList(data=[self._card()])
+
+    def model_card(self, model_id: str) -> ModelCard:
+        """GET /v1/models/{id} (the OpenAI SDK's models.retrieve): the served model, else 404."""
+        if model_id != self.client.model_name:
+            raise ApiError(404, f"model {model_id!r} does not exist; this server serves {self.client.model_name!r}",
+                           param="model", code="model_not_found")
+        return self._card()
+
+    def _card(self) -> ModelCard:
         vocab = getattr(self.client, "vocab_size", None)
-        card = ModelCard(id=self.client.model_name, max_model_len=self.client.context_tokens, vocab_size=vocab)
-        return ModelList(data=[card])
+        return ModelCard(id=self.client.model_name, max_model_len=self.client.context_tokens, vocab_size=vocab)
 
     @property
     def inflight_count(self) -> int:
@@ -96,18 +118,21 @@ class Serving:
         self._check_common(req)
         _refuse_completion_extras(req)
         prompt_ids = await self._completion_prompt(req)
-        prep = self._prepare("cmpl", req, prompt_ids, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-        handle, first = await self._open(prep, wait_disconnect)
+        prep = self._prepare("cmpl", req, prompt_ids, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
+        opened = await self._open_choices(prep, wait_disconnect)
         if prep.stream:
-            return self._tracked_stream(handle, streams.completion_chunks(
-                self.client, self._outputs(handle, first), prep.request_id, prep.include_usage, len(prompt_ids)))
-        text, last = await self._collect(handle, first)
-        return CompletionResponse(
-            id=prep.request_id,
-            model=self.client.model_name,
-            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
-            usage=usage_of(last, len(prompt_ids)),
-        )
+            return self._tracked_stream([h for h, _ in opened], streams.completion_chunks(
+                self.client, self._merged(opened), prep.request_id, prep.include_usage, len(prompt_ids),
+                prep.logprobs_top))
+        results = await self._collect_choices(opened)
+        choices = []
+        for i, (text, last, logprobs) in enumerate(results):
+            formatted = None
+            if prep.logprobs_top is not None:
+                formatted = CompletionLogprobs(self.client.decode, prep.logprobs_top).part(logprobs)
+            choices.append(CompletionChoice(index=i, text=text, logprobs=formatted, finish_reason=last.finish_reason))
+        return CompletionResponse(id=prep.request_id, model=self.client.model_name, choices=choices,
+                                  usage=usage_of_choices([last for _, last, _ in results], len(prompt_ids)))
 
     async def chat(self, req: ChatCompletionRequest, wait_disconnect: WaitDisconnect | None
                    ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -115,18 +140,20 @@ class Serving:
         _refuse_chat_extras(req)
         prompt_ids = await self._chat_prompt(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        prep = self._prepare("chatcmpl", req, prompt_ids, requested, None)
-        handle, first = await self._open(prep, wait_disconnect)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        prep = self._prepare("chatcmpl", req, prompt_ids, requested, None, top)
+        opened = await self._open_choices(prep, wait_disconnect)
         if prep.stream:
-            return self._tracked_stream(handle, streams.chat_chunks(
-                self.client, self._outputs(handle, first), prep.request_id, prep.include_usage, len(prompt_ids)))
-        text, last = await self._collect(handle, first)
-        return ChatCompletionResponse(
-            id=prep.request_id,
-            model=self.client.model_name,
-            choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=last.finish_reason)],
-            usage=usage_of(last, len(prompt_ids)),
-        )
+            return self._tracked_stream([h for h, _ in opened], streams.chat_chunks(
+                self.client, self._merged(opened), prep.request_id, prep.include_usage, len(prompt_ids),
+                prep.logprobs_top))
+        results = await self._collect_choices(opened)
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=last.finish_reason,
+                              logprobs=None if prep.logprobs_top is None else
+                              chat_logprobs(self.client.decode, logprobs, prep.logprobs_top))
+                   for i, (text, last, logprobs) in enumerate(results)]
+        return ChatCompletionResponse(id=prep.request_id, model=self.client.model_name, choices=choices,
+                                      usage=usage_of_choices([last for _, last, _ in results], len(prompt_ids)))
 
     # --- validation ----------------------------------------------------------------------------------------
 
@@ -142,14 +169,6 @@ class Serving:
         if req.model != self.client.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{self.client.model_name!r}", param="model", code="model_not_found")
-        if req.n != 1:
-            raise unsupported_param("n", req.n, "this server returns one choice per request; "
-                                                "send n requests (with different seeds) instead")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) != 0:
-                raise unsupported_param(name, getattr(req, name), "penalties are not supported; use 0")
-        if req.logit_bias:
-            raise unsupported_param("logit_bias", req.logit_bias, "logit_bias is not supported")
 
     async def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -176,7 +195,7 @@ class Serving:
         return await chat_prompt_ids(self.client, req.messages)
 
     def _prepare(self, prefix: str, req: Any, prompt_ids: list[int], requested: int | None,
-                 default_max: int | None) -> Prepared:
+                 default_max: int | None, logprobs_top: int | None) -> Prepared:
         context = self.client.context_tokens
         prompt_tokens = len(prompt_ids)
         # The same rules as the engine's own admission check (Request.check_servable), answered before
@@ -198,33 +217,60 @@ class Serving:
             stop=_stop_strings(req.stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            top_k=max(req.top_k or 0, 0),
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=self._logit_bias(req.logit_bias),
+            logprobs=logprobs_top,
         )
         if req.stream_options is not None and not req.stream:
             raise invalid_param("stream_options", req.stream_options.model_dump(), "only allowed with stream=true")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.stream, include_usage)
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.stream, include_usage, req.n,
+                        logprobs_top)
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's `{"token id": bias}` as (id, bias) pairs; keys that are not ids of this model are 400."""
+        if not bias:
+            return ()
+        vocab = getattr(self.client, "vocab_size", None)
+        pairs = []
+        for key, value in bias.items():
+            if not key.isdigit() or (vocab is not None and int(key) >= vocab):
+                limit = f" below {vocab}" if vocab is not None else ""
+                raise invalid_param(f"logit_bias.{key}", key, f"keys must be token ids{limit}")
+            pairs.append((int(key), float(value)))
+        return tuple(sorted(pairs))
 
     # --- running -------------------------------------------------------------------------------------------
 
-    async def _open(self, prep: Prepared, wait_disconnect: WaitDisconnect | None
-                    ) -> tuple[RequestHandle, RequestOutput | None]:
-        """Submit and wait for the first output, so admission errors still get their own status code."""
-        gen = GenerationRequest(prep.request_id, prep.prompt_token_ids, prep.params)
-        handle = RequestHandle(self.client, gen, wait_disconnect, on_gone=self._forget)
-        self._inflight[prep.request_id] = handle
-        if self.metrics is not None:
-            self.metrics.request_started(prep.request_id)
-        try:
-            first = await handle.next()
-        except BaseException as exc:
-            await self._finish(handle)
-            if isinstance(exc, ClientGone):
-                raise
-            if isinstance(exc, Exception):
-                raise from_exception(exc) from exc
-            raise
-        self._observe(handle, first)
-        return handle, first
+    async def _open_choices(self, prep: Prepared, wait_disconnect: WaitDisconnect | None
+                            ) -> list[tuple[RequestHandle, RequestOutput | None]]:
+        """Submit every choice and wait for each first output, so admission errors still get their own status
+        code; when one is refused, the others are aborted."""
+        handles = []
+        requests = prep.choice_requests()
+        if wait_disconnect is not None and len(requests) > 1:
+            wait_disconnect = choices.shared_waiter(wait_disconnect)  # one reader of the connection for n choices
+        for gen in requests:
+            handle = RequestHandle(self.client, gen, wait_disconnect, on_gone=self._forget)
+            self._inflight[gen.request_id] = handle
+            if self.metrics is not None:
+                self.metrics.request_started(gen.request_id)
+            handles.append(handle)
+        firsts = await asyncio.gather(*(h.next() for h in handles), return_exceptions=True)
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None:
+            for handle in handles:
+                await self._finish(handle)
+            if isinstance(failure, ClientGone) or not isinstance(failure, Exception):
+                raise failure
+            raise from_exception(failure) from failure
+        for handle, first in zip(handles, firsts):
+            self._observe(handle, first)
+        return list(zip(handles, firsts))
 
     async def _outputs(self, handle: RequestHandle, first: RequestOutput | None) -> AsyncIterator[RequestOutput]:
         out = first
@@ -235,11 +281,28 @@ class Serving:
             out = await handle.next()
             self._observe(handle, out)
 
-    async def _collect(self, handle: RequestHandle, first: RequestOutput | None) -> tuple[str, RequestOutput]:
+    def _merged(self, opened: list[tuple[RequestHandle, RequestOutput | None]]
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of every choice as they come, tagged with the choice index."""
+        return choices.merged([self._outputs(handle, first) for handle, first in opened])
+
+    async def _collect_choices(self, opened: list[tuple[RequestHandle, RequestOutput | None]]
+                               ) -> list[tuple[str, RequestOutput, list]]:
+        """(text, last output, token logprobs) per choice; aborts them all if one fails."""
+        try:
+            return list(await asyncio.gather(*(self._collect(h, f) for h, f in opened)))
+        finally:
+            for handle, _ in opened:
+                await self._finish(handle)
+
+    async def _collect(self, handle: RequestHandle, first: RequestOutput | None
+                       ) -> tuple[str, RequestOutput, list]:
         pieces: list[str] = []
+        logprobs: list = []
         try:
             async for out in self._outputs(handle, first):
                 pieces.append(out.text)
+                logprobs.extend(out.logprobs or ())
         except ClientGone:
             raise
         except Exception as exc:
@@ -254,14 +317,15 @@ class Serving:
         if handle.aborted and self.stopping.is_set():
             raise ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
                            code="shutting_down")
-        return "".join(pieces), last
+        return "".join(pieces), last, logprobs
 
-    async def _tracked_stream(self, handle: RequestHandle, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _tracked_stream(self, handles: list[RequestHandle], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
-            await self._finish(handle)
+            for handle in handles:
+                await self._finish(handle)
 
     def _observe(self, handle: RequestHandle, out: RequestOutput | None) -> None:
         if self.metrics is not None and out is not None:
@@ -295,17 +359,14 @@ def _refuse_completion_extras(req: CompletionRequest) -> None:
         raise unsupported_param("echo", req.echo, "echo is not supported")
     if req.suffix:
         raise unsupported_param("suffix", req.suffix, "suffix (fill-in-the-middle) is not supported")
-    if req.logprobs is not None:
-        raise unsupported_param("logprobs", req.logprobs, "logprobs are not supported")
-    if req.best_of is not None and req.best_of != 1:
-        raise unsupported_param("best_of", req.best_of, "best_of is not supported")
+    if req.best_of is not None and req.best_of not in (1, req.n):
+        raise unsupported_param("best_of", req.best_of, "best_of other than n is not supported (it would rank "
+                                                        "choices by logprob); send n choices and rank them")
 
 
 def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
-    if req.logprobs:
-        raise unsupported_param("logprobs", req.logprobs, "logprobs are not supported")
-    if req.top_logprobs:
-        raise unsupported_param("top_logprobs", req.top_logprobs, "logprobs are not supported")
+    if req.top_logprobs and not req.logprobs:
+        raise invalid_param("top_logprobs", req.top_logprobs, "needs logprobs=true")
     if req.tools:
         raise unsupported_param("tools", f"<{len(req.tools)} tools>", "tool calling is not supported")
     if req.tool_choice not in (None, "none"):

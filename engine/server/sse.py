@@ -1,9 +1,10 @@
 """Server-sent events: the wire format, and the /strata/events stream over the telemetry bus.
 
-The events stream sends each telemetry event as `id: <seq>`, `event: <type>`, `data: <event.to_json()>`.
-A late subscriber first gets the bus's recent history (or, with `Last-Event-ID`, only what came after that
-id; an id ahead of the bus means the engine restarted, so it gets all of the new history), then live
-events. A subscriber that reads too slowly has a bounded queue: the bus drops its oldest events and this
+The events stream sends each telemetry event as `id: <epoch>-<seq>`, `event: <type>`,
+`data: <event.to_json()>`; the epoch names the engine process (its bus), because seq restarts at 1 with
+each. A late subscriber first gets the bus's recent history (or, with `Last-Event-ID`, only what came after
+that id; an id of another epoch, or ahead of the bus, means the engine restarted, so it gets all of the new
+history after a comment saying so), then live events. A subscriber that reads too slowly has a bounded queue: the bus drops its oldest events and this
 stream reports how many as a `: dropped N` comment (comments are ignored by SSE parsers, so older clients
 keep working). An idle stream sends a `: keep-alive` comment every `keepalive_s`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from engine.telemetry import EventBus
@@ -26,48 +28,59 @@ def sse_data(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def sse_event(seq: int, event_type: str, payload: dict[str, Any]) -> str:
-    return f"id: {seq}\nevent: {event_type}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def sse_event(epoch: str, seq: int, event_type: str, payload: dict[str, Any]) -> str:
+    return f"id: {epoch}-{seq}\nevent: {event_type}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+@dataclass(frozen=True)
+class EventId:
+    """A parsed Last-Event-ID: the bus epoch (None for a bare seq from an older client) and the seq."""
+
+    epoch: str | None
+    seq: int
 
 
 def sse_comment(text: str) -> str:
     return f": {text}\n\n"
 
 
-def parse_last_event_id(raw: str | None) -> int | None:
-    """The sequence number a reconnecting client has seen, or None (absent or not a number: send history)."""
+def parse_last_event_id(raw: str | None) -> EventId | None:
+    """What a reconnecting client has seen: `EPOCH-SEQ` or a bare `SEQ`; None when absent or malformed."""
     if raw is None:
         return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
+    epoch, _, seq = raw.strip().rpartition("-")
+    if not seq.isdigit() or (epoch and not epoch.isdigit()):
         return None
-    return value if value >= 0 else None
+    return EventId(epoch or None, int(seq))
 
 
 async def event_stream(
     bus: EventBus,
-    last_event_id: int | None,
+    last_event_id: EventId | None,
     stopping: asyncio.Event,
     keepalive_s: float = DEFAULT_KEEPALIVE_S,
     max_queue: int = DEFAULT_SUBSCRIBER_QUEUE,
 ) -> AsyncIterator[str]:
     """Telemetry events as SSE until `stopping` is set (then what is queued is flushed) or the client goes
     away (the task is cancelled)."""
-    restarted = last_event_id is not None and last_event_id > bus.last_seq
-    # An id ahead of this bus comes from an earlier engine process (seq restarts at 1): replay all we have.
-    after_seq = 0 if last_event_id is None or restarted else last_event_id
+    seen = last_event_id
+    # An id of another epoch comes from an earlier engine process; a bare seq ahead of this bus does too
+    # (an older client that sends no epoch): either way, replay all this engine has.
+    restarted = seen is not None and (seen.epoch not in (None, bus.epoch) or seen.seq > bus.last_seq)
+    after_seq = 0 if seen is None or restarted else seen.seq
     sub = bus.subscribe(after_seq=after_seq, max_queue=max_queue, loop=asyncio.get_running_loop())
     reported_dropped = 0
+    epoch = bus.epoch
     try:
-        yield sse_comment(f"strata telemetry; last seq {bus.last_seq}")
+        yield sse_comment(f"strata telemetry; epoch {epoch}; last seq {bus.last_seq}")
         if restarted:
-            yield sse_comment(f"Last-Event-ID {last_event_id} is ahead of this engine's last seq {bus.last_seq} "
-                              f"(the engine restarted): replaying its history")
+            yield sse_comment(f"Last-Event-ID {seen.epoch or ''}{'-' if seen.epoch else ''}{seen.seq} is from "
+                              f"another engine process (this is epoch {epoch}, last seq {bus.last_seq}; the "
+                              f"engine restarted): replaying its history")
         history = bus.history(after_seq)
-        if not restarted and last_event_id is not None and history and history[0].seq > last_event_id + 1:
+        if not restarted and seen is not None and history and history[0].seq > seen.seq + 1:
             # The ring no longer holds what the client missed: say so instead of pretending it resumed.
-            yield sse_comment(f"gap: events {last_event_id + 1}..{history[0].seq - 1} are no longer kept")
+            yield sse_comment(f"gap: events {seen.seq + 1}..{history[0].seq - 1} are no longer kept")
         while not stopping.is_set():
             events = await _next_batch(sub, stopping, keepalive_s)
             if sub.dropped > reported_dropped:
@@ -77,10 +90,10 @@ async def event_stream(
                 if not stopping.is_set():
                     yield sse_comment("keep-alive")
                 continue
-            yield "".join(sse_event(e.seq, e.type, e.to_json()) for e in events)
+            yield "".join(sse_event(epoch, e.seq, e.type, e.to_json()) for e in events)
         rest = sub.drain()
         if rest:
-            yield "".join(sse_event(e.seq, e.type, e.to_json()) for e in rest)
+            yield "".join(sse_event(epoch, e.seq, e.type, e.to_json()) for e in rest)
     finally:
         sub.close()
 

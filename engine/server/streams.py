@@ -14,48 +14,58 @@ from engine.api import EngineClient, RequestOutput
 from engine.errors import EngineDead
 from engine.server.errors import ApiError, from_exception
 from engine.server.handle import ClientGone
+from engine.server.logprobs import CompletionLogprobs, chat_logprobs
 from engine.server.protocol import Usage
 from engine.server.sse import DONE, sse_data
 
 
-async def completion_chunks(client: EngineClient, outputs: AsyncIterator[RequestOutput], request_id: str,
-                            include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
-    """`text_completion` chunks."""
+Choices = AsyncIterator[tuple[int, RequestOutput]]  # (choice index, an output of that choice), merged
+
+
+async def completion_chunks(client: EngineClient, outputs: Choices, request_id: str, include_usage: bool,
+                            prompt_tokens: int, logprobs_top: int | None = None) -> AsyncIterator[str]:
+    """`text_completion` chunks, one choice per chunk (its `index` says which)."""
     created = int(time.time())
     model = client.model_name
+    formatters: dict[int, CompletionLogprobs] = {}
 
-    def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(index: int, out: RequestOutput) -> dict[str, Any]:
+        logprobs = None
+        if logprobs_top is not None and out.logprobs is not None:
+            logprobs = formatters.setdefault(index, CompletionLogprobs(client.decode, logprobs_top)).part(out.logprobs)
         body: dict[str, Any] = {
             "id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
         }
         if include_usage:
             body["usage"] = None
         return body
 
     async for piece in _framed(client, outputs, include_usage, prompt_tokens, request_id, created,
-                               "text_completion", lambda out: chunk(out.text, out.finish_reason)):
+                               "text_completion", chunk):
         yield piece
 
 
-async def chat_chunks(client: EngineClient, outputs: AsyncIterator[RequestOutput], request_id: str,
-                      include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
-    """`chat.completion.chunk` chunks: the first carries the role, the last the finish reason."""
+async def chat_chunks(client: EngineClient, outputs: Choices, request_id: str, include_usage: bool,
+                      prompt_tokens: int, logprobs_top: int | None = None) -> AsyncIterator[str]:
+    """`chat.completion.chunk` chunks: each choice's first carries the role, its last the finish reason."""
     created = int(time.time())
     model = client.model_name
-    sent_role = False
+    sent_role: set[int] = set()
 
-    def chunk(out: RequestOutput) -> dict[str, Any]:
-        nonlocal sent_role
+    def chunk(index: int, out: RequestOutput) -> dict[str, Any]:
         delta: dict[str, Any] = {}
-        if not sent_role:
+        if index not in sent_role:
             delta["role"] = "assistant"
-            sent_role = True
+            sent_role.add(index)
         if out.text or not out.finished:
             delta["content"] = out.text
+        logprobs = None
+        if logprobs_top is not None and out.logprobs is not None:
+            logprobs = chat_logprobs(client.decode, out.logprobs, logprobs_top)
         body: dict[str, Any] = {
             "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}],
         }
         if include_usage:
             body["usage"] = None
@@ -66,18 +76,17 @@ async def chat_chunks(client: EngineClient, outputs: AsyncIterator[RequestOutput
         yield piece
 
 
-async def _framed(client: EngineClient, outputs: AsyncIterator[RequestOutput], include_usage: bool,
-                  prompt_tokens: int, request_id: str, created: int, obj: str, make_chunk: Any
-                  ) -> AsyncIterator[str]:
-    last: RequestOutput | None = None
+async def _framed(client: EngineClient, outputs: Choices, include_usage: bool, prompt_tokens: int,
+                  request_id: str, created: int, obj: str, make_chunk: Any) -> AsyncIterator[str]:
+    last: dict[int, RequestOutput] = {}
     try:
-        async for out in outputs:
-            last = out
+        async for index, out in outputs:
+            last[index] = out
             if out.finished and out.finish_reason == "error":
                 yield sse_data(generation_error(client, out).body())
                 break
-            if out.text or out.finished:
-                yield sse_data(make_chunk(out))
+            if out.text or out.finished or out.logprobs:
+                yield sse_data(make_chunk(index, out))
     except ClientGone:
         return
     except Exception as exc:  # after the headers: report in-band, then end the stream cleanly
@@ -85,7 +94,7 @@ async def _framed(client: EngineClient, outputs: AsyncIterator[RequestOutput], i
     if include_usage:
         yield sse_data({"id": request_id, "object": obj, "created": created, "model": client.model_name,
                         "choices": [],
-                        "usage": usage_of(last, prompt_tokens).model_dump()})
+                        "usage": usage_of_choices(list(last.values()), prompt_tokens).model_dump()})
     yield DONE
 
 
@@ -96,6 +105,15 @@ def generation_error(client: EngineClient, out: RequestOutput) -> ApiError:
     if health.dead:
         return from_exception(EngineDead(health.reason.partition(":")[2].strip() or health.reason))
     return ApiError(500, f"generation failed: {out.error or 'unknown error'}", type="server_error")
+
+
+def usage_of_choices(lasts: list[RequestOutput], prompt_tokens: int) -> Usage:
+    """Usage of n choices of one prompt: the prompt counted once, the completions summed (OpenAI's rule)."""
+    if not lasts:
+        return Usage.of(prompt_tokens, 0, 0)
+    first = lasts[0]
+    return Usage.of(first.prompt_tokens or prompt_tokens, sum(o.completion_tokens for o in lasts),
+                    first.cached_tokens)
 
 
 def usage_of(last: RequestOutput | None, prompt_tokens: int) -> Usage:

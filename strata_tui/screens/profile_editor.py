@@ -104,7 +104,7 @@ class ProfileEditor(Screen[Profile | None]):
 
     def build_profile(self) -> Profile:
         """Validate the form into a Profile; raises ConfigError naming the first bad field."""
-        keep = {k: v for k, v in self.profile.engine.to_dict().items() if k not in dict.fromkeys(
+        keep = {k: v for k, v in self.profile.engine.to_dict(reveal_secrets=True).items() if k not in dict.fromkeys(
             [f[0] for f in FIELDS] + ["switches"])}
         engine = EngineConfig.from_mapping({**keep, **self.form_values()})
         refresh_text = self.query_one("#t-refresh_s", Input).value.strip()

@@ -46,17 +46,20 @@ def test_from_mapping_coerces_and_rejects_unknown_keys() -> None:
     assert info.value.param == "batch_mtp"
 
 
-def test_argv_round_trips_through_the_cli_parser() -> None:
+def test_argv_round_trips_through_the_cli_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
     from engine.cli.options import add_engine_options, config_from_args
 
     cfg = EngineConfig(batch=6, batch_mtp=True, mtp_depth=2, kv="int8", context=16384, vram_reserve_mib=1280,
-                       graphs=False, port=8080, host="0.0.0.0", api_key="k")
+                       graphs=False, port=8080, host="0.0.0.0", api_key="k", max_body_mib=3)
+    assert "k" not in cfg.to_argv()  # the key travels in the environment, never in a process list
+    for name, value in cfg.secret_env().items():
+        monkeypatch.setenv(name, value)
     parser = argparse.ArgumentParser()
     add_engine_options(parser, serving=True)
     back = config_from_args(parser.parse_args(cfg.to_argv()))
-    assert back.to_dict() | {"switches": {}} == cfg.to_dict() | {"switches": {}}
+    assert back.to_dict(reveal_secrets=True) | {"switches": {}} == cfg.to_dict(reveal_secrets=True) | {"switches": {}}
 
 
 def test_switch_env_uses_strata_prefix() -> None:

@@ -128,10 +128,10 @@ def test_expert_cache_option_errors_name_the_option(moe_ckpt, make_checkpoint):
 
 
 def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
-    from prometheus_client import CollectorRegistry, generate_latest
-
+    from engine.api import Health, HealthStatus
     from engine.exec.expert_trace import read_trace, replay
     from engine.server.expert_metrics import expert_metric_families
+    from engine.server.metrics import ServerMetrics
 
     with one_thread():
         engine = make_engine(moe_ckpt, batch=3, expert_cache_mib=1)
@@ -153,13 +153,14 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
     replayed = replay(accesses, snap["slots"], "lru")  # offline, the same policy: the live counts exactly
     assert [list(replayed.get(i, (0, 0))) for i in range(3)] == [[layer["hits"], layer["misses"]] for layer in snap["layers"]]
 
-    class _State:
-        def collect(self):
-            return expert_metric_families(state)
+    class _Published:  # the server reads the engine's published snapshot; this one was taken above
+        def state(self):
+            return state
 
-    registry = CollectorRegistry()
-    registry.register(_State())
-    text = generate_latest(registry).decode()
+        def health(self):
+            return Health(HealthStatus.READY)
+
+    text = ServerMetrics(_Published()).render().decode()  # what GET /metrics answers
     assert f'strata_expert_misses_total{{layer="0"}} {float(snap["layers"][0]["misses"])}' in text
     assert 'strata_expert_hit_rate{kind="oracle"}' in text and "strata_expert_cache_slots 6.0" in text
     assert list(expert_metric_families({"experts": None})) == []

@@ -29,6 +29,12 @@ def test_argv_is_a_list_from_to_argv_and_env_carries_switches() -> None:
     assert str(Path(__file__).resolve().parents[2]) in env["PYTHONPATH"].split(os.pathsep)
 
 
+def test_the_profile_api_key_goes_to_the_environment_never_to_argv() -> None:
+    config = EngineConfig(api_key="profile-secret", host="0.0.0.0")
+    assert not any("profile-secret" in arg for arg in engine_argv(config))  # argv is in every process list
+    assert engine_env(config, base={"PATH": "/bin"})["STRATA_API_KEY"] == "profile-secret"
+
+
 def test_splitter_handles_cr_crlf_across_chunks_and_utf8_splits() -> None:
     splitter = LineSplitter()
     data = "a\r\nb\rc\nprogress 10%\rprogress 20%\rdone\r\n€uro\n".encode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import asyncio
 import os
 import subprocess
@@ -109,3 +110,19 @@ def test_unknown_event_types_are_skipped_not_fatal() -> None:
                            SSEMessage("2", "switch", '{"type": "switch", "seq": 2, "name": "SPLIT_ATTN"}'),
                            SSEMessage("3", "x", "not json")])
     assert [type(e) for e in batch] == [SwitchEvent] and client.skipped_events == 2
+
+
+def test_events_of_a_restarted_engine_are_not_taken_for_seen_ones() -> None:
+    """After a restart the engine's seq starts at 1 again: the new epoch in the event ids says so."""
+    from strata_tui.sse import SSEMessage
+
+    client = TelemetryClient("http://127.0.0.1:9")
+
+    def message(epoch: str, seq: int) -> SSEMessage:
+        return SSEMessage(id=f"{epoch}-{seq}", event="warning",
+                          data=json.dumps({"type": "warning", "seq": seq, "message": f"{epoch}/{seq}"}))
+
+    assert [e.seq for e in client._parse([message("100", s) for s in (1, 2, 3, 4)])] == [1, 2, 3, 4]
+    assert client.last_event_id == "100-4"
+    assert [e.message for e in client._parse([message("200", s) for s in (1, 2)])] == ["200/1", "200/2"]
+    assert client.last_event_id == "200-2" and client.last_seq == 2

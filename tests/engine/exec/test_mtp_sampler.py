@@ -69,3 +69,19 @@ def test_greedy_rows_give_the_same_result_on_the_general_path_in_a_mixed_batch()
                                [make_generator(0), make_generator(1)])
     assert fast.accepted[0] == mixed.accepted[0] == 2
     assert fast.tokens[0] == mixed.tokens[0] == best[0, :3].tolist()
+
+
+def test_temperatures_below_the_epsilon_are_greedy_and_never_nan():
+    """1e-45..1e-38 used to pass validation and give NaN probabilities (token vocab-1 repeated)."""
+    from engine.api import GREEDY_BELOW_TEMPERATURE
+
+    logits = torch.randn(3, 1, 40)
+    tiny = torch.tensor([1e-45, 1e-38, GREEDY_BELOW_TEMPERATURE / 2])
+    probs = target_probs(logits.expand(3, 1, 40), tiny, torch.ones(3))
+    assert not probs.isnan().any()
+    assert probs.argmax(-1).flatten().tolist() == [int(logits[i, 0].argmax()) for i in range(3)]
+    sampled = SamplingParams(temperature=1e-40)
+    assert sampled.temperature == 0.0  # greedy by contract, for every sampler
+    mixed = [sampled, SamplingParams(temperature=1.0)]
+    res = sample_with_drafts(logits[:2], None, mixed, [make_generator(0), make_generator(1)])
+    assert res.tokens[0] == [int(logits[0, 0].argmax())]

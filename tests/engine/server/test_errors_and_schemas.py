@@ -102,8 +102,12 @@ def test_missing_field_is_named(url: str) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"),
-     ({"presence_penalty": 0.5}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"),
+    [({"n": 17}, "n"), ({"echo": True}, "echo"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"),
+     ({"presence_penalty": 2.5}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"),
+     ({"min_tokens": 3}, "min_tokens"), ({"guided_json": {"type": "object"}}, "guided_json"),
+     ({"use_beam_search": True}, "use_beam_search"), ({"skip_special_tokens": False}, "skip_special_tokens"),
+     ({"logit_bias": {"hello": 5}}, "logit_bias.hello"), ({"logit_bias": {"999": 5}}, "logit_bias.999"),
+     ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
      ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": [300]}, "prompt")],
 )
 def test_unsupported_or_bad_values_are_400_naming_them(url: str, extra: dict, param: str) -> None:
@@ -210,7 +214,7 @@ def test_streaming_completion_ends_with_done_and_usage(url: str) -> None:
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
-def test_auth_guards_v1_and_control_posts_only() -> None:
+def test_auth_guards_every_route_but_health() -> None:
     fake = FakeEngine()
     with LiveServer(create_app(fake, EngineConfig(device="cpu", api_key="s3cret"))) as url:
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
@@ -220,7 +224,7 @@ def test_auth_guards_v1_and_control_posts_only() -> None:
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
         assert _post(url, "/strata/switches/SPLIT_ATTN", {"enabled": True}).status_code == 401
         assert _post(url, "/strata/vram-reserve", {"mib": 5}).status_code == 401
-        assert httpx.get(url + "/strata/state", timeout=10).status_code == 200
+        assert httpx.get(url + "/strata/state", timeout=10).status_code == 401
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         assert fake.requests == []
 

@@ -132,7 +132,7 @@ def test_errors_in_openai_shape_and_the_engine_stays_up(oai: openai.OpenAI, mode
         oai.completions.create(model=model, prompt="x", temperature=7)
     assert hot.value.body["param"] == "temperature" and "7" in hot.value.body["message"]
     with pytest.raises(openai.BadRequestError) as many:
-        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=3)
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=17)
     assert many.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as missing:
         oai.completions.create(model="no-such-model", prompt="x")
@@ -217,7 +217,7 @@ def _raw_stream_request(url: str, body: dict):
     payload = json.dumps(body).encode()
     parsed = urlparse(url)
     sock = socket.create_connection((parsed.hostname, parsed.port), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return sock
 

@@ -34,7 +34,7 @@ def _raw_request(port: int, body: dict) -> socket.socket:
     """Send a request on a raw socket, so the test can drop the connection whenever it wants."""
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return sock
 
@@ -71,6 +71,22 @@ def test_client_disconnect_mid_generation_aborts_the_request(stream: bool) -> No
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_every_choice_of_an_n_request(stream: bool) -> None:
+    fake = FakeEngine(context_tokens=4096, token_delay_s=0.05)
+    server = LiveServer(create_app(fake, EngineConfig(device="cpu")))
+    with server:
+        sock = _raw_request(server.port, {"model": MODEL, "prompt": "hi", "max_tokens": 200, "stream": stream,
+                                          "n": 3})
+        assert _wait_for(lambda: len(fake.active) == 3)
+        if stream:
+            assert b"data: " in _read_until(sock, b"data: ")
+        sock.close()
+        assert _wait_for(lambda: not fake.active), "a choice kept running after the client left"
+        assert len(fake.aborted) == 3
+        assert _wait_for(lambda: server.app.state.serving.inflight_count == 0)
+
+
 def test_events_stream_gives_history_then_live_then_resumes() -> None:
     fake = FakeEngine()
     for i in range(3):
@@ -89,7 +105,7 @@ def test_events_stream_gives_history_then_live_then_resumes() -> None:
                         fake.bus.publish(SlotEvent(slot=2, state="decode", request_id="r1"))
                 elif line == "":
                     if fields:
-                        seen.append((int(fields["id"]), fields["event"], json.loads(fields["data"])))
+                        seen.append((_seq(fields["id"], fake), fields["event"], json.loads(fields["data"])))
                         fields = {}
                         if len(seen) == 4:
                             break
@@ -100,11 +116,12 @@ def test_events_stream_gives_history_then_live_then_resumes() -> None:
         assert [s[1] for s in seen] == ["warning"] * 3 + ["slot"]
         assert seen[3][2]["request_id"] == "r1" and seen[3][2]["seq"] == 4
         assert any("keep-alive" in c for c in comments)
-        with httpx.stream("GET", url + "/strata/events", headers={"Last-Event-ID": "2"}, timeout=10) as resp:
+        with httpx.stream("GET", url + "/strata/events", headers={"Last-Event-ID": f"{fake.bus.epoch}-2"},
+                          timeout=10) as resp:
             ids = []
             for line in resp.iter_lines():
                 if line.startswith("id: "):
-                    ids.append(int(line[4:]))
+                    ids.append(_seq(line[4:], fake))
                 if len(ids) == 2:
                     break
         assert ids == [3, 4]
@@ -124,7 +141,7 @@ async def test_slow_subscriber_loses_oldest_events_with_a_count_and_never_blocks
     first = await anext(stream)
     assert first.startswith(": dropped 96"), first
     batch = await anext(stream)
-    assert [int(line[4:]) for line in batch.splitlines() if line.startswith("id: ")] == [97, 98, 99, 100]
+    assert _ids(batch) == [f"{bus.epoch}-{n}" for n in (97, 98, 99, 100)]
     stopping.set()
     assert [piece async for piece in stream] == []
 
@@ -133,7 +150,7 @@ async def test_resume_past_the_history_ring_reports_the_gap() -> None:
     bus = EventBus(history=4)
     for i in range(10):
         bus.publish(WarningEvent(message=str(i)))
-    stream = sse.event_stream(bus, 2, asyncio.Event(), keepalive_s=5)
+    stream = sse.event_stream(bus, sse.EventId(bus.epoch, 2), asyncio.Event(), keepalive_s=5)
     await anext(stream)
     gap = await anext(stream)
     assert gap == ": gap: events 3..6 are no longer kept\n\n"
@@ -170,13 +187,54 @@ def test_shutdown_aborts_running_streams_and_ends_event_streams() -> None:
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
 
 
-async def test_resume_id_from_a_previous_engine_process_replays_the_new_history() -> None:
+async def test_a_bare_seq_ahead_of_the_engine_replays_the_new_history() -> None:
     bus = EventBus()
     for i in range(3):
         bus.publish(WarningEvent(message=str(i)))
-    stream = sse.event_stream(bus, 5000, asyncio.Event(), keepalive_s=5)
+    stream = sse.event_stream(bus, sse.parse_last_event_id("5000"), asyncio.Event(), keepalive_s=5)
     await anext(stream)
     assert "restarted" in await anext(stream)
     batch = await anext(stream)
-    assert [int(line[4:]) for line in batch.splitlines() if line.startswith("id: ")] == [1, 2, 3]
+    assert _ids(batch) == [f"{bus.epoch}-{n}" for n in (1, 2, 3)]
     await stream.aclose()
+
+
+def test_resume_across_an_engine_restart_is_detected_and_replayed() -> None:
+    """The silent case: the new process has already published more events than the client had seen, so a
+    bare seq would look like a plain resume and skip the new engine's first events. The epoch tells."""
+    first = FakeEngine()
+    for i in range(3):
+        first.bus.publish(WarningEvent(message=f"old {i}"))
+    with LiveServer(create_app(first, EngineConfig(device="cpu"))) as url:
+        with httpx.stream("GET", url + "/strata/events", timeout=10) as resp:
+            ids = []
+            for line in resp.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(line[4:])
+                if len(ids) == 3:
+                    break
+    last_id = ids[-1]
+    assert last_id == f"{first.bus.epoch}-3"
+    restarted = FakeEngine()  # the engine process after a restart: seq starts at 1 again
+    for i in range(6):
+        restarted.bus.publish(WarningEvent(message=f"new {i}"))
+    with LiveServer(create_app(restarted, EngineConfig(device="cpu"))) as url:
+        lines = []
+        with httpx.stream("GET", url + "/strata/events", headers={"Last-Event-ID": last_id}, timeout=10) as resp:
+            for line in resp.iter_lines():
+                lines.append(line)
+                if line.startswith("data: ") and '"new 5"' in line:
+                    break
+    assert any(line.startswith(": ") and "restarted" in line for line in lines), lines
+    replayed = [json.loads(line[6:])["message"] for line in lines if line.startswith("data: ")]
+    assert replayed == [f"new {i}" for i in range(6)]  # nothing of the new engine skipped
+
+
+def _ids(batch: str) -> list[str]:
+    return [line[4:] for line in batch.splitlines() if line.startswith("id: ")]
+
+
+def _seq(event_id: str, fake: FakeEngine) -> int:
+    epoch, _, seq = event_id.rpartition("-")
+    assert epoch == fake.bus.epoch
+    return int(seq)

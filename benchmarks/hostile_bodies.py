@@ -1,0 +1,95 @@
+"""/health latency while hostile request bodies are being handled (issue 15, item 3).
+
+Starts `strata-engine serve` (builtin:strata-tiny on CPU, its real tokenizer) in its own process, sends
+CONCURRENT large bodies at once (token ids, text, chat text, deep nesting, one over the body limit) from
+threads, and polls /health from this process until they are all answered. Prints one JSON line:
+p50/p99/max /health latency in ms, the statuses the bodies got and how long each took.
+
+    python benchmarks/hostile_bodies.py [--body-mib 7] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_PREFIX = "strata-engine: ready at"
+
+
+def bodies(model: str, body_mib: float) -> dict[str, bytes]:
+    n_bytes = int(body_mib * (1 << 20))
+    words = "word " * (n_bytes // 5)
+    return {
+        "token_ids": json.dumps({"model": model, "prompt": [12] * (n_bytes // 4)}).encode(),
+        "text": json.dumps({"model": model, "prompt": words}).encode(),
+        "chat_text": json.dumps({"model": model, "messages": [{"role": "user", "content": words}]}).encode(),
+        "nested": b'{"a":' * (n_bytes // 5),
+        "over_limit": json.dumps({"model": model, "prompt": "x" * (9 << 20)}).encode(),
+    }
+
+
+def measure(url: str, model: str, body_mib: float) -> dict:
+    results: dict[str, tuple[int, float]] = {}
+
+    def send(name: str, body: bytes) -> None:
+        path = "/v1/chat/completions" if name.startswith("chat") else "/v1/completions"
+        t0 = time.perf_counter()
+        try:
+            status = httpx.post(url + path, content=body, headers={"content-type": "application/json"},
+                                timeout=300).status_code
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        results[name] = (status, round(time.perf_counter() - t0, 3))
+
+    threads = [threading.Thread(target=send, args=item) for item in bodies(model, body_mib).items()]
+    latencies_ms: list[float] = []
+    for t in threads:
+        t.start()
+    with httpx.Client(timeout=30) as health:
+        while any(t.is_alive() for t in threads):
+            t0 = time.perf_counter()
+            health.get(url + "/health").raise_for_status()
+            latencies_ms.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.01)
+    for t in threads:
+        t.join()
+    latencies_ms.sort()
+    pick = lambda q: round(latencies_ms[min(len(latencies_ms) - 1, int(q * len(latencies_ms)))], 1)  # noqa: E731
+    return {"health_polls": len(latencies_ms), "health_p50_ms": pick(0.5), "health_p99_ms": pick(0.99),
+            "health_max_ms": round(latencies_ms[-1], 1), "bodies": results}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--body-mib", type=float, default=7.0, help="size of each hostile body (default 7)")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
+                             "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith(READY_PREFIX):
+            print(f"serve did not start: {line!r}", file=sys.stderr)
+            return 1
+        url = line.split()[-1]
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        for _ in range(args.rounds):
+            print(json.dumps(measure(url, model, args.body_mib)), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Who may call the server, and with what: one ASGI middleware in front of every route.
+
+Checks run before routing and before a body byte is read, cheapest first:
+- Host (no API key only): the Host header names the bound address or a loopback name. A web page that
+  rebinds its own DNS name to 127.0.0.1 sends its own name as Host, so it is refused (DNS rebinding).
+- API key: with `--api-key`, every route but `/health` needs `Authorization: Bearer KEY`.
+- Origin (no API key only): a browser's cross-origin request to a route that changes something is
+  refused; non-browser clients send no Origin.
+- Content-Type: a request with a body must say `application/json` (415 otherwise): a form or a
+  `text/plain` body is what a page can send cross-origin without asking first.
+- Body size: a Content-Length above the limit is 413 at once; a chunked body is counted as it arrives.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+from engine.config import EngineConfig
+from engine.server.auth import check_bearer, is_loopback
+from engine.server.errors import ApiError
+
+OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit_bytes: int, got: str) -> None:
+        super().__init__(413, f"request body is {got}; the limit is {limit_bytes} bytes (--max-body-mib)",
+                         code="body_too_large")
+
+
+class RequestGuard:
+    """ASGI middleware: Host, API key, Origin, Content-Type and body-size checks (module docstring)."""
+
+    def __init__(self, app: Any, config: EngineConfig) -> None:
+        self.app = app
+        self.api_key = config.api_key
+        self.bound_host = config.host.strip("[]").lower()
+        self.max_body_bytes = config.max_body_mib << 20
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        try:
+            self.check(scope["method"], scope["path"], headers)
+        except ApiError as err:
+            await _answer(err, send)
+            return
+        await self.app(scope, self._counting(receive), send)
+
+    def check(self, method: str, path: str, headers: dict[str, str]) -> None:
+        """Raise the ApiError that answers this request, or return when it may go on to its route."""
+        if not self.api_key:
+            self._check_host(headers.get("host", ""))
+        if path not in OPEN_PATHS:
+            check_bearer(headers.get("authorization"), self.api_key)
+        if method in _SAFE_METHODS:
+            return
+        if not self.api_key:
+            self._check_origin(headers.get("origin"), headers.get("host", ""))
+        media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise ApiError(415, f"{method} bodies must be JSON: send 'Content-Type: application/json' "
+                                f"(got {media_type or 'no Content-Type'})", code="unsupported_media_type")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise BodyTooLarge(self.max_body_bytes, f"{int(length)} bytes")
+
+    def _check_host(self, host_header: str) -> None:
+        name = _host_name(host_header)
+        if name == self.bound_host or is_loopback(name):
+            return
+        if self.bound_host in _WILDCARD_HOSTS and _is_ip(name):
+            return  # bound on every address: any address literal is one of ours; a DNS name is not
+        raise ApiError(400, f"Host {host_header!r} is not this server's address; use {self.bound_host} or a "
+                            f"loopback name (or set --api-key to serve other names)", param="Host",
+                       code="host_not_allowed")
+
+    def _check_origin(self, origin: str | None, host_header: str) -> None:
+        if origin is None:
+            return
+        parts = urlsplit(origin)
+        if origin != "null" and parts.netloc.lower() == host_header.lower():
+            return  # same origin: a page served by this very server
+        raise ApiError(403, f"cross-origin request from {origin!r} refused (set --api-key to allow clients "
+                            f"that hold the key)", param="Origin", code="cross_origin_refused")
+
+    def _counting(self, receive: Receive) -> Receive:
+        """`receive` that refuses a body (chunked, or lying about its length) once it passes the limit."""
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def wrapped() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit, f"over {seen} bytes")
+            return message
+
+        return wrapped
+
+
+def _host_name(host_header: str) -> str:
+    """The name in a Host header, without the port: '[::1]:8000' -> '::1', 'a.b:80' -> 'a.b'."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+async def _answer(err: ApiError, send: Send) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
