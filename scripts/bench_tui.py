@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from strata_tui.app import create_app  # noqa: E402
-from strata_tui.profiles import Profile, ProfileStore  # noqa: E402
+from strata_tui.profile_store import ProfileStore  # noqa: E402
+from strata_tui.profiles import Profile  # noqa: E402
 from strata_tui.screens.monitor import MonitorScreen  # noqa: E402
 
 FAKE_ENGINE = [sys.executable, str(ROOT / "tests" / "tui" / "fake_engine.py")]
@@ -110,27 +111,27 @@ async def run(args: argparse.Namespace) -> dict:
                      sampler_factory=None)
     async with app.run_test(size=(160, 48)) as pilot:
         deadline = time.monotonic() + 300
-        while not app.telemetry_connected:
-            if app.crash is not None or time.monotonic() > deadline:
-                raise SystemExit(f"engine did not come up: {app.crash.error if app.crash else 'timeout'}")
+        while not app.view.telemetry_connected:
+            if app.view.crash is not None or time.monotonic() > deadline:
+                raise SystemExit(f"engine did not come up: {app.view.crash.error if app.view.crash else 'timeout'}")
             await pilot.pause(0.1)
         # Long generations (the context minus the 32-token prompt) keep every slot decoding through the window.
         max_tokens = profile.engine.context - 64
-        load = asyncio.create_task(send_load(app.engine_url, args.slots, max_tokens)) if args.real_engine else None
+        load = asyncio.create_task(send_load(app.view.engine_url, args.slots, max_tokens)) if args.real_engine else None
         deadline = time.monotonic() + 120
-        while sum(1 for s in app.monitor.slots.values() if s.state == "decode") < args.slots:
+        while sum(1 for s in app.view.monitor.slots.values() if s.state == "decode") < args.slots:
             if time.monotonic() > deadline or (load is not None and load.done()):
-                states = {n: s.state for n, s in app.monitor.slots.items()}
+                states = {n: s.state for n, s in app.view.monitor.slots.items()}
                 raise SystemExit(f"the slots never all decoded: {states}; load: {load}")
             await pilot.pause(0.1)
         await pilot.pause(args.warmup_s)
         latencies_s.clear()
-        events_before = app.monitor.last_seq
+        events_before = app.view.monitor.last_seq
         cpu0, wall0 = time.process_time(), time.monotonic()
         await asyncio.sleep(args.seconds)
         cpu_s, wall_s = time.process_time() - cpu0, time.monotonic() - wall0
-        events = app.monitor.last_seq - events_before
-        busy = sum(1 for s in app.monitor.slots.values() if s.state == "decode")
+        events = app.view.monitor.last_seq - events_before
+        busy = sum(1 for s in app.view.monitor.slots.values() if s.state == "decode")
         if load is not None:
             load.cancel()
         await pilot.press("q")

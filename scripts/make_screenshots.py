@@ -1,19 +1,26 @@
-"""Make the README's screenshots from a real run: the app launches the real strata-engine (CPU unless a
-GPU is there) on the embedded model, and the pictures are taken with App.save_screenshot while it runs.
+"""Make the README's screenshots from a real run: the app launches the real strata-engine on the embedded
+model, and the pictures are taken with App.save_screenshot while it runs.
 
-  screenshots/monitor-long-prompt.svg  the monitor while the seed scenario's fresh long prompt is admitted
-                                       (six short generations decoding, one slot prefilling with its ETA)
-  screenshots/profiles.svg             the profiles screen, with one broken profile reported by path and line
-  screenshots/crash.svg                the crash panel after the engine exits on a real error (a checkpoint
-                                       whose weights file is cut short)
+  monitor-long-prompt.svg   the monitor while the seed scenario's fresh long prompt is admitted (short
+                            generations decoding, one slot prefilling with its ETA); also at 100x30
+  profiles.svg              the profiles screen, with one broken profile reported by path and line
+  crash.svg                 the crash panel after the engine exits on a real error: on a GPU a CUDA error
+                            (a device ordinal the machine does not have), on CPU a checkpoint cut short
+
+On a GPU (`--device cuda:0`) the GPU panel has NVML's readings, and `--fault-inject RULES` (engine's
+STRATA_FAULT_INJECT, injected errors are labelled so) makes graph captures fail so that the graph-cache pane
+shows fail / evict / retry / wait next to the real captures. `--prefix gpu-` names the files apart.
 
     .venv/bin/python scripts/make_screenshots.py [--model PATH|builtin:strata-tiny] [--device cpu]
+    python3 scripts/make_screenshots.py --device cuda:0 --context 262144 --chunk-tokens 2048 \
+        --fault-inject capture:draft_round:1-2:oom --prefix gpu- --out $OUT/shots
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
@@ -24,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from strata_tui.app import StrataApp, create_app  # noqa: E402
-from strata_tui.profiles import Profile, ProfileStore  # noqa: E402
+from strata_tui.profile_store import ProfileStore  # noqa: E402
+from strata_tui.profiles import Profile  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)
@@ -64,20 +72,33 @@ async def wait_until(pilot, condition, timeout_s: float, what: str) -> None:
             raise SystemExit(f"make_screenshots: timed out waiting for {what}")
         if now > next_report:
             app = pilot.app
-            slots = ", ".join(f"{n}:{s.state}" for n, s in sorted(app.monitor.slots.items()))
-            print(f"  waiting for {what} ({now - started:.0f} s): engine {app.monitor.engine_state}; "
-                  f"slots {slots or 'none'}; {app.status_note}", file=sys.stderr, flush=True)
+            slots = ", ".join(f"{n}:{s.state}" for n, s in sorted(app.view.monitor.slots.items()))
+            print(f"  waiting for {what} ({now - started:.0f} s): engine {app.view.monitor.engine_state}; "
+                  f"slots {slots or 'none'}; {app.view.status_note}", file=sys.stderr, flush=True)
             next_report = now + 10
         await pilot.pause(0.05)
 
 
 def long_prefill_visible(app: StrataApp) -> bool:
     """The seed report's moment: short generations decoding while a fresh long prompt is part-way in."""
-    slots = app.monitor.slots.values()
+    slots = app.view.monitor.slots.values()
     decoding = [s for s in slots if s.state == "decode" and s.generated_tokens >= 4]
-    prefilling = [s for s in slots if s.state == "prefill" and s.prompt_tokens >= 1024 and s.eta_s
-                  and 0.15 <= (s.prefilled_tokens + s.cached_tokens) / s.prompt_tokens <= 0.85]
+    prefilling = [s for s in slots if s.state == "prefill" and s.prompt_tokens >= 1024 and s.prefill_tok_s
+                  and 0.15 <= (s.prefilled_tokens - s.cached_tokens) / max(1, s.prompt_tokens - s.cached_tokens)
+                  <= 0.85]
     return bool(prefilling) and len(decoding) >= 3
+
+
+def crash_profile(args: argparse.Namespace, model: str, model_dir: Path, workdir: Path) -> Profile:
+    """A profile the engine fails to start with a real error: on a GPU a device ordinal past the last GPU
+    (CUDA's own `invalid device ordinal`), on CPU a checkpoint whose weights file is cut short."""
+    if args.device.startswith("cuda"):
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        return Profile("crashy").with_engine(model=model, device=f"cuda:{count}")
+    return Profile("crashy").with_engine(model=broken_copy(model_dir, workdir), device=args.device)
 
 
 async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
@@ -88,27 +109,39 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
                                              context=args.context, prefill_chunk_tokens=args.chunk_tokens,
                                              step_token_budget=max(4096, args.chunk_tokens))
     store.save(seed)
-    store.save(Profile("crashy").with_engine(model=broken_copy(model_dir, workdir), device=args.device))
+    store.save(crash_profile(args, model, model_dir, workdir))
     (store.profiles_dir / "typo.toml").write_text('[engine]\nmodel = "builtin:strata-tiny"\nkv = "fp8"\n')
-    OUT.mkdir(exist_ok=True)
+    if args.fault_inject:
+        os.environ["STRATA_FAULT_INJECT"] = args.fault_inject  # the engine child inherits it
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = lambda stem: str(out / f"{args.prefix}{stem}.svg")  # noqa: E731
     written: list[Path] = []
     app = create_app(config_dir=config_dir, profile="seed-repro", engine_cwd=str(ROOT))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: bool(app.telemetry_connected), 300, "the engine to be ready")
+        await wait_until(pilot, lambda: bool(app.view.telemetry_connected), 300, "the engine to be ready")
         app.action_run_load("seed")  # the app's own load action: six short generations, then a fresh long prompt
         await wait_until(pilot, lambda: long_prefill_visible(app), 600, "the long prompt's prefill")
-        await pilot.pause(app.profile_settings.refresh_s * 2)  # let the refresh tick draw it
-        written.append(Path(app.save_screenshot(str(OUT / "monitor-long-prompt.svg"))))
+        await pilot.pause(app.view.settings.refresh_s * 2)  # let the refresh tick draw it
+        written.append(Path(app.save_screenshot(name("monitor-long-prompt"))))
+        await pilot.resize_terminal(100, 30)
+        await pilot.pause(app.view.settings.refresh_s * 2)
+        written.append(Path(app.save_screenshot(name("monitor-long-prompt-100x30"))))
+        await pilot.resize_terminal(*SIZE)
+        await wait_until(pilot, lambda: app.view.load_result is not None, 600, "the scenario's result")
+        await pilot.pause(app.view.settings.refresh_s * 2)
+        written.append(Path(app.save_screenshot(name("load-result"))))
+        os.environ.pop("STRATA_FAULT_INJECT", None)
         await pilot.press("p")
         await pilot.pause(0.3)
         await pilot.press("down", "down")
         await pilot.pause(0.3)
-        written.append(Path(app.save_screenshot(str(OUT / "profiles.svg"))))
+        written.append(Path(app.save_screenshot(name("profiles"))))
         await pilot.press("escape")
-        app.use_profile(store.load("crashy"))  # relaunches with the broken checkpoint
-        await wait_until(pilot, lambda: app.crash is not None and app.run_id >= 2, 300, "the engine to exit")
-        await pilot.pause(app.profile_settings.refresh_s * 3)
-        written.append(Path(app.save_screenshot(str(OUT / "crash.svg"))))
+        app.use_profile(store.load("crashy"))  # relaunches with the profile that cannot start
+        await wait_until(pilot, lambda: app.view.crash is not None and app.run_id >= 2, 300, "the engine to exit")
+        await pilot.pause(app.view.settings.refresh_s * 3)
+        written.append(Path(app.save_screenshot(name("crash"))))
         await pilot.press("q")
     return written
 
@@ -121,10 +154,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768, help="tokens per slot (the long prompt fills it)")
     parser.add_argument("--chunk-tokens", type=int, default=512,
                         help="prefill chunk: small on CPU so the long prompt's admission lasts long enough to see")
+    parser.add_argument("--fault-inject", default="", help="STRATA_FAULT_INJECT rules for the seed run")
+    parser.add_argument("--out", default=str(OUT), help="folder for the SVGs (default screenshots/)")
+    parser.add_argument("--prefix", default="", help="file name prefix (gpu- for the GPU set)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="strata-shots-") as tmp:
         for path in asyncio.run(shoot(args, Path(tmp))):
-            print("wrote", path.relative_to(ROOT))
+            print("wrote", path)
 
 
 if __name__ == "__main__":

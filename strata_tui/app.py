@@ -1,17 +1,15 @@
-"""The Strata app: owns the profile, the monitor state and the workers; screens draw what it holds.
+"""The Strata app: wiring. It owns the engine process, the run's HTTP client and the workers; what the
+screens draw lives in one ViewState (`app.view`); what the keys do lives in Controls (`app.controls`).
 
-`create_app()` is the factory the CLI and the tests share. Data flows one way: workers (engine process,
-telemetry, NVML, load) post messages up; the handlers here fold them into `monitor` and friends and bump
-`view_version`; the monitor screen's refresh tick pushes the changed state down into its widgets.
+`create_app()` is the factory the CLI and the tests share. Data flows one way: workers post messages up;
+the handlers here fold them into the ViewState; the monitor screen's refresh tick pushes the changed state
+down into its widgets.
 """
 
 from __future__ import annotations
 
-import asyncio
-import re
-import signal
-from collections import deque
-from dataclasses import dataclass
+import os
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -19,13 +17,15 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from engine.switches import SWITCHES
-from engine.telemetry import EngineEvent, ErrorEvent, Event
-from strata_tui import controls
-from strata_tui.gpu import GpuHistory, NvmlSampler
-from strata_tui.launcher import EngineProcess, engine_argv, engine_env
+from engine.switches import get_switch
+from engine.telemetry import EngineEvent, ErrorEvent
+from strata_tui.commands import palette_commands
+from strata_tui.controls import DEFAULT_SCENARIO, Controls
+from strata_tui.gpu import NvmlSampler
+from strata_tui.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
 from strata_tui.messages import (
     EngineExited,
+    EngineLiveness,
     EngineOutput,
     EngineReady,
     GpuSampled,
@@ -35,42 +35,21 @@ from strata_tui.messages import (
     TelemetryStatus,
 )
 from strata_tui.monitor_state import MonitorState
-from strata_tui.profiles import Profile, ProfileError, ProfileStore, TuiSettings
+from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile, ProfileError
 from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profiles import ProfilesScreen
+from strata_tui.shutdown import Shutdown
 from strata_tui.telemetry_client import TelemetryClient
-from strata_tui.workers import engine_callbacks, run_engine, sample_gpus, stream_telemetry
+from strata_tui.terminal import HangupAwareDriver, TerminalLost
+from strata_tui.view_state import CrashInfo, ViewState
+from strata_tui.workers import engine_callbacks, run_engine, sample_gpus, stream_telemetry, watch_liveness
 
-LOG_LINES = 2000
-STDERR_TAIL = 40
 TELEMETRY_DRAIN_S = 1.0
-# Log records below ERROR: their logger name may contain "error" (uvicorn.error) without being one.
-_QUIET_RECORD = re.compile(r"\b(DEBUG|INFO|WARNING)\b")
-_ERROR_LINE = re.compile(r"(\berror\b[:\s]|^\w*(Error|Exception)\b|\bCUDA error\b|\bFATAL\b|\bCRITICAL\b)",
-                         re.IGNORECASE)
 
 
-def pick_error_line(lines: Iterable[str]) -> str | None:
-    """The engine's last stderr line that states an error; else its last stderr line; None without any."""
-    tail = [line.strip() for line in lines if line.strip()]
-    for line in reversed(tail):
-        if _ERROR_LINE.search(line) and not _QUIET_RECORD.search(line):
-            return line
-    return tail[-1] if tail else None
-
-
-@dataclass
-class CrashInfo:
-    """What the crash panel shows about the engine's end."""
-
-    returncode: int | None
-    error: str | None
-    recent: list[Event]
-    requested: bool
-
-
-class StrataApp(controls.ControlActions, App):
+class StrataApp(App):
     """Launches (or attaches to) strata-engine and shows it live."""
 
     TITLE = "Strata"
@@ -97,146 +76,143 @@ class StrataApp(controls.ControlActions, App):
         super().__init__()
         self.store = store
         self.requested_profile = profile_name
-        self.attach_url = attach_url
         self.launch = launch and attach_url is None
         self.engine_program = engine_program
         self.engine_cwd = engine_cwd
         self.sampler_factory = sampler_factory
         self.gpu_interval_s = gpu_interval_s
         self.stop_timeout_s = stop_timeout_s
-        self.handle_signals = handle_signals
-        self.profile: Profile | None = None
-        self.profile_error: ProfileError | None = None
-        self.monitor = MonitorState.for_profile({}, 0)
-        self.gpu_history = GpuHistory()
-        self.gpu_unavailable: str | None = None if sampler_factory else "GPU sampling off"
-        self.log_lines: deque[tuple[str, str]] = deque(maxlen=LOG_LINES)
-        self.log_total = 0
-        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL)
-        self.engine_url: str | None = attach_url
-        self.telemetry_connected: bool | None = None
-        self.status_note = ""
-        self.reserve_note = ""
-        self.crash: CrashInfo | None = None
+        mode = "attached" if attach_url else ("launched" if self.launch else "offline")
+        self.view = ViewState(mode=mode, attach_url=attach_url, engine_url=attach_url,
+                              gpu_unavailable=None if sampler_factory else "GPU sampling off")
+        self.controls = Controls(self.view, store, self.engine_client, self.run_worker, self.notify,
+                                 self.post_message)
+        self.shutdown = Shutdown(self, watchdog=handle_signals)
         self.process: EngineProcess | None = None
+        self.client: TelemetryClient | None = None  # one per engine run (or attachment)
         self.run_id = 0
-        self._changes = 0
+        self.clock = time.monotonic  # local time for ETAs counting down (tests freeze it)
 
-    # --- what the screens read -----------------------------------------------------------------------
-
-    @property
-    def view_version(self) -> int:
-        return self.monitor.version + self._changes
+    # --- what the screens and controls read ----------------------------------------------------------
 
     @property
-    def profile_name(self) -> str:
-        if self.profile is not None:
-            return self.profile.name
-        return self.profile_error.path.stem if self.profile_error else "(none)"
-
-    @property
-    def profile_settings(self) -> TuiSettings:
-        return self.profile.tui if self.profile is not None else TuiSettings()
-
-    @property
-    def mode_label(self) -> str:
-        return "attached" if self.attach_url else ("launched" if self.launch else "offline")
+    def attach_url(self) -> str | None:
+        return self.view.attach_url
 
     @property
     def engine_running(self) -> bool:
         return self.process is not None and self.process.running
 
-    def changed(self) -> None:
-        self._changes += 1
+    def engine_client(self) -> TelemetryClient | None:
+        """The current run's client, or None when there is no engine to talk to."""
+        if self.client is None or self.view.monitor.engine_state in ("exited", "stopping"):
+            return None
+        return self.client
+
+    def api_key(self) -> str | None:
+        key = self.view.profile.engine.api_key if self.view.profile is not None else None
+        return key or os.environ.get(API_KEY_ENV) or None
 
     # --- start-up ------------------------------------------------------------------------------------
 
+    def get_driver_class(self):
+        driver = super().get_driver_class()
+        # Only the real terminal driver is replaced (tests run headless; TEXTUAL_DRIVER still wins).
+        return HangupAwareDriver if driver.__name__ == "LinuxDriver" else driver
+
     def on_mount(self) -> None:
-        if self.handle_signals:
-            # The engine runs in its own session, so a SIGTERM/SIGHUP to us would not reach it: quit the
-            # same way `q` does (stop the engine first).
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                loop.add_signal_handler(sig, lambda: self.run_worker(self.action_quit(), group="quit"))
-        opened = self.store.open_initial(self.requested_profile)
+        self.shutdown.install_signal_handlers()
+        opened = self.store.open_initial(self.requested_profile, write=not self.attach_url)
         if isinstance(opened, ProfileError):
-            self.profile_error = opened
+            self.view.profile_error = opened
         else:
             self._set_profile(opened)
         self.push_screen(MonitorScreen())
         if self.sampler_factory is not None:
             factory = self.sampler_factory
-            self.run_worker(lambda: sample_gpus(self, self.gpu_interval_s, factory()), thread=True,
+            self.run_worker(lambda: sample_gpus(self.post_message, self.gpu_interval_s, factory()), thread=True,
                             group="gpu", name="nvml", exit_on_error=False)
-        if self.profile_error is not None:
-            self.notify(str(self.profile_error), title="profile not usable", severity="error", timeout=15)
+        if self.attach_url:
+            self.sub_title = f"attached to {self.attach_url}"
+            self.view.monitor.engine_state = "attaching"
+            self._open_client(self.attach_url)
+        elif self.view.profile_error is not None:
+            self.notify(str(self.view.profile_error), title="profile not usable", severity="error", timeout=15)
             self.push_screen(ProfilesScreen())
-        elif self.attach_url:
-            self.monitor.engine_state = "attaching"
-            self.connect_telemetry(self.attach_url)
         elif self.launch:
             self.start_engine()
 
     def _set_profile(self, profile: Profile) -> None:
-        self.profile = profile
-        self.profile_error = None
-        self.monitor = MonitorState.for_profile(dict(profile.engine.switches), profile.engine.vram_reserve_mib)
-        self.sub_title = f"profile {profile.name}"
-        self.changed()
+        self.view.profile, self.view.profile_error = profile, None
+        self.view.monitor = MonitorState.for_profile(dict(profile.engine.switches), profile.engine.vram_reserve_mib)
+        if not self.attach_url:
+            self.sub_title = f"profile {profile.name}"
+        self.view.changed()
 
     # --- engine process ------------------------------------------------------------------------------
 
     def start_engine(self) -> None:
-        """Launch the engine for the current profile (argv, never a shell; switches in the environment)."""
-        if self.profile is None:
+        """Launch the engine with the profile as it is on disk now (argv, never a shell; switches and the
+        API key in the environment)."""
+        name = self.view.profile.name if self.view.profile else None
+        if name is None:
             self.notify("no usable profile: pick or fix one in Profiles (p)", severity="error")
             return
+        try:
+            profile = self.store.load(name)  # a hand edit since the last read is what launches
+        except ProfileError as exc:
+            self.view.profile_error = exc
+            self.notify(str(exc), title="not launched", severity="error", timeout=15)
+            self.view.changed()
+            return
+        self._set_profile(profile)
         self.run_id += 1
-        self.workers.cancel_group(self, "telemetry")  # the previous run's stream must not outlive it
-        config = self.profile.engine
+        self._close_client()
+        config = profile.engine
         argv = engine_argv(config, self.engine_program)
         self.process = EngineProcess(argv, engine_env(config), cwd=self.engine_cwd,
-                                     **engine_callbacks(self, self.run_id))
-        self.monitor.reset_for_launch()
-        self.crash, self.engine_url, self.telemetry_connected = None, None, None
-        self.stderr_tail.clear()
-        self.status_note = ""
-        self._append_log([("tui", "$ " + " ".join(argv))])
-        self.run_worker(run_engine(self, self.process, self.run_id), group="engine", exclusive=True,
-                        exit_on_error=False)
-        self.changed()
+                                     **engine_callbacks(self.post_message, self.run_id))
+        self.view.monitor.reset_for_launch()
+        self.view.crash, self.view.engine_url, self.view.telemetry_connected = None, None, None
+        self.view.unreachable_since = None
+        self.view.stderr_tail.clear()
+        self.view.status_note = ""
+        self.view.append_log([("tui", "$ " + " ".join(argv))])
+        self.run_worker(run_engine(self.post_message, self.process, self.run_id), group="engine",
+                        exclusive=True, exit_on_error=False)
 
-    async def stop_process(self) -> None:
+    async def stop_process(self, timeout_s: float | None = None, why: str = "") -> None:
         if self.process is not None and self.process.running:
-            self.monitor.engine_state = "stopping"
-            self.changed()
-            await self.process.stop(self.stop_timeout_s)
+            self.process.why_stopped = why
+            self.view.monitor.engine_state = "stopping"
+            self.view.changed()
+            await self.process.stop(self.stop_timeout_s if timeout_s is None else timeout_s)
 
-    def connect_telemetry(self, url: str) -> None:
-        api_key = self.profile.engine.api_key if self.profile else None
-        client = TelemetryClient(url, api_key=api_key)
-        self.run_worker(stream_telemetry(self, client), group="telemetry", exclusive=True, exit_on_error=False)
+    def _open_client(self, url: str) -> None:
+        """One HTTP client for this run: the event stream, the liveness probe and every control use it."""
+        self._close_client()
+        self.client = TelemetryClient(url, api_key=self.api_key())
+        self.run_worker(stream_telemetry(self.post_message, self.client), group="telemetry", exit_on_error=False)
+        self.run_worker(watch_liveness(self.post_message, self.client), group="telemetry", exit_on_error=False)
+
+    def _close_client(self) -> None:
+        self.workers.cancel_group(self, "telemetry")
+        if self.client is not None:
+            client, self.client = self.client, None
+            self.run_worker(client.aclose(), group="close-client", exit_on_error=False)
 
     def on_engine_output(self, message: EngineOutput) -> None:
         if message.run == self.run_id:
-            self._append_log(message.lines)
-
-    def _append_log(self, lines: Iterable[tuple[str, str]]) -> None:
-        for stream, line in lines:
-            self.log_lines.append((stream, line))
-            self.log_total += 1
-            if stream == "stderr" and line.strip():
-                self.stderr_tail.append(line)
-        self.changed()
+            self.view.append_log(message.lines)
 
     def on_engine_ready(self, message: EngineReady) -> None:
         if message.run != self.run_id:
             return
-        self.engine_url = message.url
-        if self.monitor.engine_state in ("starting", "loading", "not started"):
-            self.monitor.engine_state = "ready"
-        self.connect_telemetry(message.url)
-        self.changed()
+        self.view.engine_url = message.url
+        if self.view.monitor.engine_state in ("starting", "loading", "not started"):
+            self.view.monitor.engine_state = "ready"
+        self._open_client(message.url)
+        self.view.changed()
 
     def on_engine_exited(self, message: EngineExited) -> None:
         if message.run != self.run_id:
@@ -244,72 +220,121 @@ class StrataApp(controls.ControlActions, App):
         # The stream may still hold the engine's last events (its fatal ErrorEvent): let it drain briefly.
         run = self.run_id
         self.set_timer(TELEMETRY_DRAIN_S, lambda: self._end_telemetry(run))
-        self.telemetry_connected = None
-        self.monitor.note_exit(message.returncode)
-        self.monitor.slots.clear()
-        error = message.error or self.last_error_text()
-        self.crash = CrashInfo(message.returncode, error, list(self.monitor.recent), message.requested)
+        view = self.view
+        view.telemetry_connected, view.unreachable_since = None, None
+        view.monitor.note_exit(message.returncode)
+        view.monitor.slots.clear()
+        why = self.process.why_stopped if self.process is not None else ""
+        view.crash = CrashInfo(message.returncode, message.error or view.last_error_text(),
+                               list(view.monitor.recent), message.requested, why)
         if message.error:
-            self._append_log([("tui", message.error)])
-        self.changed()
+            view.append_log([("tui", message.error)])
+        view.changed()
 
     def _end_telemetry(self, run: int) -> None:
         if run == self.run_id and not self.engine_running:
-            self.workers.cancel_group(self, "telemetry")
-
-    def last_error_text(self) -> str | None:
-        """The real error: the engine's last ErrorEvent, else its last stderr line that says error."""
-        event = self.monitor.last_error
-        if event is not None:
-            where = f"{event.where}: " if event.where else ""
-            kind = f"{event.exc_type}: " if event.exc_type else ""
-            free = f" (VRAM free {event.vram_free_mib:.0f} MiB)" if event.vram_free_mib is not None else ""
-            return f"{where}{kind}{event.message}{free}"
-        return pick_error_line(self.stderr_tail)
+            self._close_client()
 
     # --- telemetry and GPU ---------------------------------------------------------------------------
 
     def on_telemetry_batch(self, message: TelemetryBatch) -> None:
-        self.monitor.apply_all(message.events)
-        if self.crash is not None and not self.attach_url:
+        view = self.view
+        view.monitor.apply_all(message.events, self.clock())
+        if view.crash is not None and not self.attach_url:
             # Late events of a run that already exited: they may carry the real error.
-            self.crash.error = self.last_error_text() or self.crash.error
-            self.crash.recent = list(self.monitor.recent)
+            view.crash.error = view.last_error_text() or view.crash.error
+            view.crash.recent = list(view.monitor.recent)
         if self.attach_url:
             for event in message.events:
                 if isinstance(event, EngineEvent) and event.state == "exit":
-                    self.crash = CrashInfo(event.exit_code, self.last_error_text(), list(self.monitor.recent),
-                                           False)
+                    view.crash = CrashInfo(event.exit_code, view.last_error_text(), list(view.monitor.recent), False)
                 elif isinstance(event, EngineEvent) and event.state in ("starting", "ready"):
-                    self.crash = None
+                    view.crash = None
                 elif isinstance(event, ErrorEvent) and event.fatal:
-                    self.crash = CrashInfo(None, self.last_error_text(), list(self.monitor.recent), False)
+                    view.crash = CrashInfo(None, view.last_error_text(), list(view.monitor.recent), False)
 
     def on_state_snapshot(self, message: StateSnapshot) -> None:
-        self.monitor.apply_snapshot(message.snapshot)
-        if self.attach_url and self.monitor.engine_state == "attaching":
-            self.monitor.engine_state = "ready"
+        view = self.view
+        reserve_before = view.monitor.vram_reserve_mib
+        if message.fresh_engine:
+            view.monitor.forget_engine()
+        view.monitor.apply_snapshot(message.snapshot)
+        if view.monitor.vram_reserve_mib != reserve_before:
+            view.reserve_note = ""  # "applied live" was about a value this engine does not have
+        view.unreachable_since = None
+        if self.attach_url and view.monitor.engine_state in ("attaching", "exited"):
+            view.monitor.engine_state = "ready"
+            view.crash = None
+        view.changed()
 
     def on_telemetry_status(self, message: TelemetryStatus) -> None:
-        if self.crash is not None and not self.attach_url:
+        view = self.view
+        if view.crash is not None and not self.attach_url:
             return  # the engine is gone: its stream failing to reconnect is not news
-        self.telemetry_connected = message.connected
-        self.status_note = "" if message.connected else message.reason[:80]
-        self.changed()
+        view.telemetry_connected = message.connected
+        view.changed()
+
+    def on_engine_liveness(self, message: EngineLiveness) -> None:
+        view = self.view
+        if message.answering:
+            view.unreachable_since = None
+        elif view.unreachable_since is None and not (view.crash is not None and not self.attach_url):
+            view.unreachable_since = time.time()
+            view.status_note = message.reason[:80]
+        else:
+            return
+        view.changed()
+        redraw = getattr(self.screen, "redraw", None)
+        if redraw is not None:  # news of this kind is shown now, not on the next tick
+            redraw()
 
     def on_gpu_sampled(self, message: GpuSampled) -> None:
-        self.gpu_history.add(message.samples)
-        self.gpu_unavailable = message.unavailable
-        self.changed()
+        self.view.gpu_history.add(message.samples)
+        self.view.gpu_unavailable = message.unavailable
+        self.view.changed()
 
     def on_load_progress(self, message: LoadProgress) -> None:
-        self.status_note = message.text[:120]
+        view = self.view
         if message.done:
-            self.notify(message.text, title="load", severity="error" if message.failed else "information",
-                        timeout=10)
-        self.changed()
+            view.load_running, view.load_result, view.load_progress = None, message.text, ""
+            view.status_note = "load failed: see the result panel" if message.failed else "load done: see below"
+            self.notify(message.text.splitlines()[0], title="load",
+                        severity="error" if message.failed else "information", timeout=10)
+        else:
+            view.load_progress = message.text[:120]
+        view.changed()
 
-    # --- screens and the command palette -------------------------------------------------------------
+    # --- actions -------------------------------------------------------------------------------------
+
+    def action_toggle_switch(self, number: int) -> None:
+        self.controls.toggle_switch(number)
+
+    def action_reserve(self, direction: int, large: bool = False) -> None:
+        self.controls.reserve(direction, large)
+
+    def action_run_load(self, name: str = DEFAULT_SCENARIO) -> None:
+        self.controls.run_load(name)
+
+    def action_stop_engine(self) -> None:
+        if self.attach_url:
+            self.notify("attached to an engine this app did not start: stop it where it runs", severity="warning")
+            return
+        if not self.engine_running:
+            self.notify("the engine is not running")
+            return
+        self.run_worker(self.stop_process(why="you pressed s"), group="control", exit_on_error=False)
+
+    def action_restart_engine(self) -> None:
+        """Stop the engine (if running) and launch it again from the profile as it is on disk."""
+        if self.attach_url:
+            self.notify("attached to an engine this app did not start: restart it where it runs",
+                        severity="warning")
+            return
+        self.run_worker(self._restart(), group="control", exclusive=True, exit_on_error=False)
+
+    async def _restart(self) -> None:
+        await self.stop_process(why="restart")
+        self.start_engine()
 
     def action_show_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -318,32 +343,49 @@ class StrataApp(controls.ControlActions, App):
         if not isinstance(self.screen, ProfilesScreen):
             self.push_screen(ProfilesScreen())
 
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Restart engine", "Stop the engine and launch it again from the profile",
-                            self.action_restart_engine)
-        yield SystemCommand("Stop engine", "SIGTERM the engine's process group", self.action_stop_engine)
-        yield SystemCommand("Profiles", "List, create, edit, rename, delete profiles", self.action_show_profiles)
-        yield SystemCommand("Help", "Keys and switches", self.action_show_help)
-        for step, large in ((1, False), (-1, False), (1, True), (-1, True)):
-            label = f"VRAM reserve {'up' if step > 0 else 'down'}{' (large step)' if large else ''}"
-            yield SystemCommand(label, "Retune the reserve live and save it to the profile",
-                                lambda s=step, big=large: self.action_reserve(s, big))
-        from engine.loadgen.scenarios import SCENARIOS
-
-        for name, scenario in SCENARIOS.items():
-            yield SystemCommand(f"Load: {name}", scenario.description, lambda n=name: self.action_run_load(n))
-        for index, sw in enumerate(SWITCHES[:9]):
-            yield SystemCommand(f"Toggle {sw.name}", sw.description,
-                                lambda i=index + 1: self.action_toggle_switch(i))
-
     async def action_quit(self) -> None:
-        await self.stop_process()
-        self.exit()
+        self.shutdown.quit()
+
+    def on_terminal_lost(self, _message: TerminalLost) -> None:
+        self.shutdown.hang_up()
 
     def on_unmount(self) -> None:
         if self.process is not None and self.process.running:
             self.process.kill_now()
+
+    # --- profiles ------------------------------------------------------------------------------------
+
+    def use_profile(self, profile: Profile) -> None:
+        """Make `profile` the current one (and the last used); relaunch the engine with it."""
+        self.store.set_last_used(profile.name)
+        self._set_profile(profile)
+        self.notify(f"using profile {profile.name}")
+        if self.launch:
+            self.action_restart_engine()
+
+    def profile_saved(self, profile: Profile) -> None:
+        """The editor saved a profile; if it is the current one, take its settings."""
+        if self.view.profile is None or profile.name != self.view.profile.name:
+            return
+        self.view.profile = profile
+        for name, view in self.view.monitor.switches.items():
+            view.wanted = bool(profile.engine.switches.get(name, get_switch(name).default))
+        if self.engine_running:
+            self.notify("saved: engine options apply at the next restart (r)")
+        self.view.changed()
+
+    def profile_renamed(self, old: str, new: str) -> None:
+        if self.view.profile is not None and self.view.profile.name == old:
+            self.view.profile = self.store.load(new)
+            if not self.attach_url:
+                self.sub_title = f"profile {new}"
+            self.view.changed()
+
+    # --- the command palette -------------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield from palette_commands(self)
 
 
 def create_app(

@@ -21,10 +21,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """One line naming the parameter that cannot work, or None."""
+    from engine.errors import ConfigError
+    from strata_tui.profiles import check_name, default_config_dir
+
+    if args.attach and not args.attach.startswith(("http://", "https://")):
+        return f"--attach {args.attach!r}: expected an http:// or https:// URL"
+    if args.profile is not None:
+        try:
+            check_name(args.profile)
+        except ConfigError as exc:
+            return f"--profile {args.profile!r}: {exc.reason}"
+    config_dir = args.config_dir if args.config_dir is not None else default_config_dir()
+    source = "--config-dir" if args.config_dir is not None else "$STRATA_TUI_CONFIG_DIR (or the platform's)"
+    for folder in (config_dir, config_dir / "profiles"):
+        if folder.exists() and not folder.is_dir():
+            return f"{source} {str(config_dir)!r}: {folder} exists and is not a directory"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.attach and not args.attach.startswith(("http://", "https://")):
-        print(f"strata-tui: error: --attach {args.attach!r}: expected an http:// or https:// URL", file=sys.stderr)
+    problem = check_args(args)
+    if problem:
+        print(f"strata-tui: error: {problem}", file=sys.stderr)
         return 2
     from engine.errors import StrataError
     from strata_tui.app import create_app

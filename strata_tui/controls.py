@@ -1,191 +1,169 @@
-"""The app's control actions: switches, VRAM reserve, stop/restart, load, and profile changes.
+"""What the monitor's keys do: switches, the VRAM reserve and load scenarios. A collaborator the app
+delegates its actions to; it reads and writes the ViewState and never draws.
 
-Each action changes the profile (saved at once), then applies the change to the running engine through
-its control routes in a worker, and reports what the engine said. Mixed into StrataApp, which owns the
-attributes used here (profile, store, monitor, engine_url, process, ...).
+A key is acknowledged at once (the note changes before any I/O), then a worker writes the one changed key
+to the profile on disk (in a thread: it fsyncs) and applies the change to the running engine through its
+control routes, on the run's one HTTP client. Attached to an engine this app did not start, nothing is
+written locally: the change goes to that engine only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from typing import Any, Callable
 
 from engine.errors import StrataError
 from engine.switches import SWITCHES
+from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
 from strata_tui.telemetry_client import TelemetryClient
-
-if TYPE_CHECKING:
-    from strata_tui.app import StrataApp
-
-    _Base = StrataApp
-else:
-    _Base = object
+from strata_tui.view_state import ViewState
 
 DEFAULT_SCENARIO = "seed"
 
 
-class ControlActions(_Base):
-    """Actions bound to keys and palette commands. Requires the StrataApp attributes."""
+class Controls:
+    """Switch, reserve and load actions over a ViewState, a ProfileStore and the current engine client."""
 
-    def _save_profile(self, profile: Profile) -> bool:
+    def __init__(self, view: ViewState, store: ProfileStore, client: Callable[[], TelemetryClient | None],
+                 run_worker: Callable[..., Any], notify: Callable[..., None], post: Callable[[Any], Any]) -> None:
+        self.view = view
+        self.store = store
+        self._client = client
+        self._run_worker = run_worker
+        self._notify = notify
+        self._post = post
+
+    # --- the profile on disk -------------------------------------------------------------------------
+
+    async def _write(self, write: Callable[[], Profile]) -> Profile | None:
+        """Run one store write in a thread; on refusal say why (the file is named) and return None."""
         try:
-            self.store.save(profile)
+            profile = await asyncio.to_thread(write)
         except StrataError as exc:
-            self.notify(str(exc), title="profile not saved", severity="error", timeout=10)
-            return False
-        self.profile = profile
-        return True
-
-    def _client(self) -> TelemetryClient | None:
-        if self.engine_url is None or self.monitor.engine_state in ("exited", "stopping"):
+            self._notify(str(exc), title="profile not saved", severity="error", timeout=10)
             return None
-        return TelemetryClient(self.engine_url, api_key=self.profile.engine.api_key if self.profile else None)
+        self.view.profile = profile
+        self.view.changed()
+        return profile
 
     # --- switches ------------------------------------------------------------------------------------
 
-    def action_toggle_switch(self, number: int) -> None:
-        """Flip switch `number` (1-based, registry order): save it, then apply it live if the engine can."""
-        if self.profile is None or not 1 <= number <= min(9, len(SWITCHES)):
+    def toggle_switch(self, number: int) -> None:
+        """Flip switch `number` (1-based, registry order): acknowledge, save the one key, apply it live."""
+        if not 1 <= number <= min(9, len(SWITCHES)):
             return
-        name = SWITCHES[number - 1].name
-        view = self.monitor.switches[name]
-        wanted = not view.wanted
-        if not self._save_profile(self.profile.with_switch(name, wanted)):
+        switch = SWITCHES[number - 1]
+        view = self.view.monitor.switches[switch.name]
+        if self.view.attached:
+            current = view.running if view.running is not None else view.wanted
+            wanted = not current
+        elif self.view.profile is None:
+            self._notify("no usable profile: pick or fix one in Profiles (p)", severity="error")
             return
+        else:
+            wanted = not view.wanted
         view.wanted = wanted
         client = self._client()
         if client is None:
-            view.note = "saved: applies at the next start"
+            view.note = "saving: applies at the next start"
+        elif switch.live:
+            view.note = "applying live…"
         else:
-            view.note = "applying…"
-            self.run_worker(self._apply_switch(client, name, wanted), group=f"switch-{name}", exclusive=True)
-        self.changed()
+            view.note = "start only: restart (r) to apply"
+        self.view.changed()
+        self._run_worker(self._switch(switch.name, wanted, client), group=f"switch-{switch.name}", exclusive=True,
+                         exit_on_error=False)
 
-    async def _apply_switch(self, client: TelemetryClient, name: str, enabled: bool) -> None:
-        try:
-            result = await client.set_switch(name, enabled)
-        finally:
-            await client.aclose()
-        view = self.monitor.switches[name]
+    async def _switch(self, name: str, wanted: bool, client: TelemetryClient | None) -> None:
+        view = self.view.monitor.switches[name]
+        if not self.view.attached:
+            profile_name = self.view.profile.name
+            if await self._write(lambda: self.store.set_switch(profile_name, name, wanted)) is None:
+                view.wanted, view.note = not wanted, "not saved"
+                self.view.changed()
+                return
+            if client is None:
+                view.note = "saved: applies at the next start"
+                self.view.changed()
+                return
+        result = await client.set_switch(name, wanted)
         if result.ok:
-            view.running, view.note = enabled, "applied live"
-            if enabled:
+            view.running, view.note = wanted, "applied live"
+            if wanted:
                 view.degraded, view.reason = False, ""
         elif result.status == 409:
-            view.note = "restart to apply"
+            view.note = "restart to apply" if not self.view.attached else "start only: restart that engine"
         else:
             view.note = f"not applied: {result.message}"
-            self.notify(f"{name}: {result.message}", severity="error")
-        self.changed()
+            self._notify(f"{name}: {result.message}", severity="error")
+        self.view.changed()
 
     # --- VRAM reserve --------------------------------------------------------------------------------
 
-    def action_reserve(self, direction: int, large: bool = False) -> None:
+    def reserve(self, direction: int, large: bool = False) -> None:
         """Raise (+1) or lower (-1) the VRAM reserve by the small or large step; saved and applied live."""
-        if self.profile is None:
+        if self.view.profile is None and not self.view.attached:
             return
-        settings = self.profile.tui
+        settings = self.view.settings
         step = settings.reserve_big_step_mib if large else settings.reserve_step_mib
-        current = self.monitor.vram_reserve_mib
+        current = self.view.monitor.vram_reserve_mib
         if current is None:
-            current = self.profile.engine.vram_reserve_mib
+            current = self.view.profile.engine.vram_reserve_mib if self.view.profile else 0
         new_mib = max(0, current + (step if direction > 0 else -step))
-        if not self._save_profile(self.profile.with_engine(vram_reserve_mib=new_mib)):
-            return
-        self.monitor.vram_reserve_mib = new_mib
+        self.view.monitor.vram_reserve_mib = new_mib
         client = self._client()
-        if client is None:
-            self.reserve_note = "saved: applies at the next start"
-        else:
-            self.reserve_note = "applying…"
-            self.run_worker(self._apply_reserve(client, new_mib), group="reserve", exclusive=True)
-        self.changed()
+        self.view.reserve_note = "applying live…" if client is not None else "saving: applies at the next start"
+        self.view.changed()
+        self._run_worker(self._reserve(new_mib, client), group="reserve", exclusive=True, exit_on_error=False)
 
-    async def _apply_reserve(self, client: TelemetryClient, mib: int) -> None:
-        try:
-            result = await client.set_vram_reserve(mib)
-        finally:
-            await client.aclose()
+    async def _reserve(self, mib: int, client: TelemetryClient | None) -> None:
+        if not self.view.attached:
+            profile_name = self.view.profile.name
+            if await self._write(lambda: self.store.set_engine(profile_name, vram_reserve_mib=mib)) is None:
+                self.view.reserve_note = "not saved"
+                self.view.changed()
+                return
+            if client is None:
+                self.view.reserve_note = "saved: applies at the next start"
+                self.view.changed()
+                return
+        result = await client.set_vram_reserve(mib)
         if result.ok:
-            self.reserve_note = "applied live"
+            self.view.reserve_note = "applied live"
         else:
-            self.reserve_note = f"not applied: {result.message}"
-            self.notify(f"VRAM reserve {mib} MiB: {result.message}", severity="error")
-        self.changed()
-
-    # --- engine lifecycle ----------------------------------------------------------------------------
-
-    def action_stop_engine(self) -> None:
-        if self.attach_url:
-            self.notify("attached to an engine this app did not start: stop it where it runs", severity="warning")
-            return
-        if not self.engine_running:
-            self.notify("the engine is not running")
-            return
-        self.run_worker(self.stop_process(), group="control", exit_on_error=False)
-
-    def action_restart_engine(self) -> None:
-        """Stop the engine (if running) and launch it again from the current profile."""
-        if self.attach_url:
-            self.notify("attached to an engine this app did not start: restart it where it runs",
-                        severity="warning")
-            return
-        self.run_worker(self._restart(), group="control", exclusive=True, exit_on_error=False)
-
-    async def _restart(self) -> None:
-        await self.stop_process()
-        self.start_engine()
+            self.view.reserve_note = f"not applied: {result.message}"
+            self._notify(f"VRAM reserve {mib} MiB: {result.message}", severity="error")
+        self.view.changed()
 
     # --- load ----------------------------------------------------------------------------------------
 
-    def action_run_load(self, name: str = DEFAULT_SCENARIO) -> None:
-        """Play a named scenario from engine.loadgen.scenarios against the running engine."""
-        if self.engine_url is None or self.monitor.engine_state not in ("ready", "running"):
-            self.notify("the engine is not ready: no load sent", severity="warning")
+    def run_load(self, name: str = DEFAULT_SCENARIO) -> None:
+        """Play a named scenario from engine.loadgen.scenarios against the running engine; one at a time."""
+        if self.view.engine_url is None or self.view.monitor.engine_state not in ("ready", "running"):
+            self._notify("the engine is not ready: no load sent", severity="warning")
+            return
+        if self.view.load_running is not None:
+            self.view.status_note = (f"load {self.view.load_running} is still running: wait for its result "
+                                     f"(nothing new was started)")
+            self.view.changed()
+            self._notify(self.view.status_note, severity="warning")
             return
         from strata_tui.workers import run_load
 
-        params = self.load_params(name)
-        api_key = self.profile.engine.api_key if self.profile else None
-        self.status_note = f"load {name}: starting"
-        self.run_worker(run_load(self, name, self.engine_url, api_key, params), group="load", exclusive=True,
-                        exit_on_error=False)
-        self.changed()
+        api_key = self.view.profile.engine.api_key if self.view.profile else None
+        self.view.load_running, self.view.load_progress = name, f"load {name}: starting"
+        self.view.changed()
+        self._run_worker(run_load(self._post, name, self.view.engine_url, api_key, self.load_params(name)),
+                         group="load", exit_on_error=False)
 
     def load_params(self, name: str) -> dict[str, int]:
         """Fit a scenario's long prompt to this engine's context (the seed's 150K needs --context >= 150K)."""
-        if self.profile is None or name not in ("seed", "reuse"):
+        if self.view.profile is None or name not in ("seed", "reuse"):
             return {}
         from engine.loadgen.scenarios import get_scenario
 
         defaults = {p.name: p.default for p in get_scenario(name).params}
         max_tokens = int(defaults.get("long_max_tokens", defaults.get("max_tokens", 16)))
-        room = self.profile.engine.context - max_tokens
+        room = self.view.profile.engine.context - max_tokens
         return {"long_tokens": int(min(defaults["long_tokens"], room))}
-
-    # --- profiles ------------------------------------------------------------------------------------
-
-    def use_profile(self, profile: Profile) -> None:
-        """Make `profile` the current one (and the last used); relaunch the engine with it."""
-        self.store.set_last_used(profile.name)
-        self._set_profile(profile)
-        self.notify(f"using profile {profile.name}")
-        if self.launch:
-            self.action_restart_engine()
-
-    def profile_saved(self, profile: Profile) -> None:
-        """The editor saved a profile; if it is the current one, take its settings."""
-        if self.profile is None or profile.name != self.profile.name:
-            return
-        self.profile = profile
-        for name, view in self.monitor.switches.items():
-            view.wanted = bool(profile.engine.switches.get(name, False))
-        if self.engine_running:
-            self.notify("saved: engine options apply at the next restart (r)")
-        self.changed()
-
-    def profile_renamed(self, old: str, new: str) -> None:
-        if self.profile is not None and self.profile.name == old:
-            self.profile = self.store.load(new)
-            self.sub_title = f"profile {new}"
-            self.changed()

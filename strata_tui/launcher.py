@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,10 +29,14 @@ _LINE_END = re.compile(r"\r\n|\r|\n")
 _MAX_LINE_CHARS = 16 * 1024  # a longer line is cut into pieces of this size so the log stays bounded
 
 
+API_KEY_ENV = "STRATA_API_KEY"  # what `strata-engine serve` reads when --api-key is absent
+
+
 def engine_argv(config: EngineConfig, program: list[str] | None = None) -> list[str]:
-    """The serve command for `config`: `python -m engine.cli serve ...` unless another program is given."""
+    """The serve command for `config`: `python -m engine.cli serve ...` unless another program is given.
+    The API key is not on it (anyone can read argv with `ps`): it travels in the environment."""
     base = program if program is not None else [sys.executable, "-m", "engine.cli"]
-    return [*base, "serve", *config.to_argv()]
+    return [*base, "serve", *replace(config, api_key=None).to_argv()]
 
 
 def engine_env(config: EngineConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -112,6 +116,7 @@ class EngineProcess:
         self._proc: asyncio.subprocess.Process | None = None
         self._stop_requested = False
         self.ready_url: str | None = None
+        self.why_stopped = ""  # set by whoever stops it ("you pressed s"), for the crash panel
 
     @property
     def pid(self) -> int | None:

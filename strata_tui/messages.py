@@ -24,9 +24,11 @@ class TelemetryBatch(Message):
 
 @dataclass
 class StateSnapshot(Message):
-    """The `/strata/state` snapshot, fetched on (re)connect."""
+    """The `/strata/state` snapshot, fetched on every (re)connect; `fresh_engine` when the engine answering
+    is not the one seen before (its event numbers started again)."""
 
     snapshot: dict
+    fresh_engine: bool = False
 
 
 @dataclass
@@ -38,6 +40,17 @@ class TelemetryStatus(Message):
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, TelemetryStatus)
+
+
+@dataclass
+class EngineLiveness(Message):
+    """The engine started or stopped answering /health (with why)."""
+
+    answering: bool
+    reason: str
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, EngineLiveness)
 
 
 @dataclass

@@ -7,7 +7,8 @@ this apart from the widgets makes the event-to-meaning step testable in millisec
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
@@ -24,11 +25,13 @@ from engine.telemetry import (
     VramEvent,
     WarningEvent,
 )
+from strata_tui.prefill_eta import PrefillTrack
 
 GRAPH_SEVERITY = {"capture": 0, "release": 0, "evict": 1, "retry": 1, "wait": 1, "fail": 2, "degrade": 2}
 SEVERITY_NAMES = ("info", "warning", "error")
 GRAPH_HISTORY = 500
 RECENT_EVENTS = 40
+PREFILL_TRACKS = 64  # requests whose prefill (and its TTFT) is remembered
 
 
 def graph_severity(event: GraphEvent) -> int:
@@ -71,6 +74,7 @@ class MonitorState:
     last_admission: AdmissionEvent | None = None
     switches: dict[str, SwitchView] = field(default_factory=dict)
     vram_reserve_mib: int | None = None
+    prefills: OrderedDict[str, PrefillTrack] = field(default_factory=OrderedDict)  # by request id
     last_seq: int = 0
     version: int = 0
 
@@ -78,7 +82,7 @@ class MonitorState:
     def for_profile(cls, wanted: dict[str, bool], vram_reserve_mib: int) -> "MonitorState":
         state = cls(vram_reserve_mib=vram_reserve_mib)
         for sw in SWITCHES:
-            state.switches[sw.name] = SwitchView(sw.name, sw.live, bool(wanted.get(sw.name, False)))
+            state.switches[sw.name] = SwitchView(sw.name, sw.live, bool(wanted.get(sw.name, sw.default)))
         return state
 
     def reset_for_launch(self) -> None:
@@ -87,23 +91,37 @@ class MonitorState:
         self.slots.clear()
         self.vram.clear()
         self.tier, self.last_error, self.last_warning, self.last_admission = None, None, None, None
+        self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
             view.running, view.degraded, view.reason, view.note = None, False, "", ""
         self.version += 1
 
-    def apply_all(self, events: Iterable[Event]) -> None:
-        for event in events:
-            self.apply(event)
+    def forget_engine(self) -> None:
+        """Another engine answers now (restarted elsewhere): nothing the old one said still holds."""
+        self.slots.clear()
+        self.vram.clear()
+        self.tier, self.last_admission = None, None
+        self.prefills.clear()
+        self.last_seq = 0
+        for view in self.switches.values():
+            view.running, view.degraded, view.reason, view.note = None, False, "", ""
+        self.version += 1
 
-    def apply(self, event: Event) -> None:
-        """Fold one event in."""
+    def apply_all(self, events: Iterable[Event], received_s: float | None = None) -> None:
+        received_s = time.monotonic() if received_s is None else received_s
+        for event in events:
+            self.apply(event, received_s)
+
+    def apply(self, event: Event, received_s: float | None = None) -> None:
+        """Fold one event in. `received_s`: local monotonic time it arrived (for counting ETAs down)."""
         self.last_seq = max(self.last_seq, event.seq)
         self.version += 1
         if not isinstance(event, (SlotEvent, VramEvent)):
             self.recent.append(event)
         if isinstance(event, SlotEvent):
             self.slots[event.slot] = event
+            self._track_prefill(event, time.monotonic() if received_s is None else received_s)
         elif isinstance(event, VramEvent):
             self.vram[event.device or "?"] = event
             self.vram_reserve_mib = int(round(event.reserve_mib))
@@ -113,6 +131,8 @@ class MonitorState:
             self.tier = event
         elif isinstance(event, AdmissionEvent):
             self.last_admission = event
+            track = self._prefill_track(event.request_id, event.prompt_tokens, event.cached_tokens)
+            track.admitted_ts = event.ts or None  # TTFT counts from admission (queueing is not prefill)
         elif isinstance(event, SwitchEvent):
             self._apply_switch(event.name, event.state == "on", event.state == "degraded", event.reason)
         elif isinstance(event, EngineEvent):
@@ -124,10 +144,38 @@ class MonitorState:
         elif isinstance(event, WarningEvent):
             self.last_warning = event
 
-    def _apply_switch(self, name: str, enabled: bool, degraded: bool, reason: str) -> None:
+    def _prefill_track(self, request_id: str, prompt_tokens: int, cached_tokens: int) -> PrefillTrack:
+        track = self.prefills.get(request_id)
+        if track is None:
+            track = self.prefills[request_id] = PrefillTrack(request_id, prompt_tokens, cached_tokens)
+            while len(self.prefills) > PREFILL_TRACKS:
+                self.prefills.popitem(last=False)
+        return track
+
+    def _track_prefill(self, event: SlotEvent, received_s: float) -> None:
+        if not event.request_id or event.state not in ("prefill", "decode"):
+            return
+        track = self._prefill_track(event.request_id, event.prompt_tokens, event.cached_tokens)
+        track.prompt_tokens, track.cached_tokens = event.prompt_tokens, event.cached_tokens
+        if event.state == "prefill":
+            # no prefill rate yet = no chunk has run: its tokens are planned, not computed
+            track.add(event.ts, event.prefilled_tokens, received_s, event.eta_s, chunk_ran=bool(event.prefill_tok_s))
+        elif not track.done:
+            track.first_token(event.ts, event.prefill_tok_s or None)
+
+    def track_of(self, slot: SlotEvent) -> PrefillTrack | None:
+        return self.prefills.get(slot.request_id) if slot.request_id else None
+
+    @property
+    def any_prefilling(self) -> bool:
+        return any(s.state == "prefill" for s in self.slots.values())
+
+    def _apply_switch(self, name: str, enabled: bool, degraded: bool, reason: str, snapshot: bool = False) -> None:
         view = self.switches.get(name.upper().removeprefix("STRATA_"))
         if view is None:
             return
+        if snapshot and view.running is not None and view.running != enabled:
+            view.note = ""  # an answer about the value before ("applied live") no longer describes it
         view.running, view.degraded, view.reason = enabled, degraded, reason
         if degraded:
             view.note = ""
@@ -138,19 +186,26 @@ class MonitorState:
         for item in _as_list(snapshot.get("switches")):
             if isinstance(item, dict) and "name" in item:
                 self._apply_switch(str(item["name"]), bool(item.get("enabled")), bool(item.get("degraded")),
-                                   str(item.get("reason", "")))
-        for item in _as_list(snapshot.get("slots")):
-            if isinstance(item, dict) and "slot" in item:
-                self.slots[int(item["slot"])] = _build(SlotEvent, item)
+                                   str(item.get("reason", "")), snapshot=True)
+        if "slots" in snapshot:  # the engine's slots now: rows of slots it no longer has go
+            slots = {}
+            for item in _as_list(snapshot.get("slots")):
+                if isinstance(item, dict) and "slot" in item:
+                    slots[int(item["slot"])] = _build(SlotEvent, item)
+            self.slots = slots
+        # The reserve in force: a top-level value, else the live VRAM books, else the configured start value
+        # (config is what the engine started with; a live change since shows only in the books).
+        config = snapshot.get("config")
+        if isinstance(config, dict) and isinstance(config.get("vram_reserve_mib"), int):
+            self.vram_reserve_mib = config["vram_reserve_mib"]
         vram = snapshot.get("vram")
+        if vram is not None:
+            self.vram.clear()
         for key, item in (vram.items() if isinstance(vram, dict) else enumerate(_as_list(vram))):
             if isinstance(item, dict):
                 event = _build(VramEvent, {"device": str(key), **item})
                 self.vram[event.device or str(key)] = event
                 self.vram_reserve_mib = int(round(event.reserve_mib))
-        config = snapshot.get("config")
-        if isinstance(config, dict) and isinstance(config.get("vram_reserve_mib"), int):
-            self.vram_reserve_mib = config["vram_reserve_mib"]
         if isinstance(snapshot.get("vram_reserve_mib"), int):
             self.vram_reserve_mib = snapshot["vram_reserve_mib"]
 

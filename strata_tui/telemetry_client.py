@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -51,6 +51,7 @@ class TelemetryClient:
         self.last_event_id: str | None = None  # "EPOCH-SEQ": the engine resumes us, or replays after a restart
         self.epoch: str | None = None
         self.skipped_events = 0  # events of a type this build does not know (a newer engine)
+        self.engine_restarts = 0  # times the event numbers started again: another engine answers now
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -61,8 +62,10 @@ class TelemetryClient:
         response.raise_for_status()
         return response.json()
 
-    async def health(self) -> tuple[bool, str]:
-        response = await self._http.get("/health")
+    async def health(self, timeout_s: float | None = None) -> tuple[bool, str]:
+        """GET /health: (ready, reason). Raises httpx errors when the engine does not answer in time."""
+        timeout = httpx.Timeout(timeout_s) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
+        response = await self._http.get("/health", timeout=timeout)
         try:
             reason = response.json().get("reason", response.text)
         except (ValueError, AttributeError):
@@ -88,9 +91,12 @@ class TelemetryClient:
         return ControlResult(response.is_success, response.status_code, _message_of(body, response.text), body)
 
     async def events(
-        self, on_status: Callable[[bool, str], None] | None = None
+        self,
+        on_status: Callable[[bool, str], None] | None = None,
+        on_connect: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncIterator[list[Event]]:
-        """Yield batches of events forever, reconnecting with Last-Event-ID; cancel the iterator to stop."""
+        """Yield batches of events forever, reconnecting with Last-Event-ID; cancel the iterator to stop.
+        `on_connect` is awaited on every connection before its events are read (to re-read state)."""
         delay_s = self.reconnect_s
         while True:
             headers = {"Accept": "text/event-stream"}
@@ -103,23 +109,27 @@ class TelemetryClient:
                         raise httpx.HTTPStatusError(
                             f"{response.status_code} {_message_of(_json_or_none(response), response.text)}",
                             request=response.request, response=response)
+                    if on_connect:
+                        await on_connect()
                     if on_status:
                         on_status(True, "connected")
                     delay_s = self.reconnect_s
                     parser = SSEParser()
+                    first = True
                     async for chunk in response.aiter_text():
-                        batch = self._parse(parser.feed(chunk))
+                        batch = self._parse(parser.feed(chunk), first)
+                        first = first and not batch
                         if batch:
                             yield batch
                 reason = "event stream ended"
-            except (httpx.HTTPError, OSError) as exc:
+            except (httpx.HTTPError, OSError, ValueError) as exc:  # ValueError: a state body that is not JSON
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if on_status:
                 on_status(False, reason)
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, self.max_reconnect_s)
 
-    def _parse(self, messages: list) -> list[Event]:
+    def _parse(self, messages: list, first_on_connection: bool = False) -> list[Event]:
         batch: list[Event] = []
         for message in messages:
             epoch = message.id.rpartition("-")[0] if message.id else ""
@@ -133,6 +143,10 @@ class TelemetryClient:
             except (ValueError, TypeError):
                 self.skipped_events += 1
                 continue
+            if first_on_connection and not batch and 0 < event.seq <= self.last_seq:
+                # We asked to resume after last_seq and got an older number: not the engine we followed.
+                self.engine_restarts += 1
+                self.last_seq = event.seq - 1
             if event.seq and event.seq <= self.last_seq:
                 continue  # already seen before a reconnect
             self.last_seq = max(self.last_seq, event.seq)

@@ -1,15 +1,13 @@
-"""The app's I/O, each piece a worker body: the engine process, the telemetry stream, NVML sampling, the
-load scenario and the control routes. They post messages up to the app and never touch widgets.
-
-These are plain functions taking the app (the node that owns the workers) so app.py stays about
-wiring; each is started with `app.run_worker(...)` in its own group.
+"""The app's I/O, each piece a worker body: the engine process, the telemetry stream, NVML sampling and
+the load scenario. They report by calling `post` (the app's post_message) and never touch widgets or the
+app, so each can be run and tested on its own; the app starts each with `run_worker` in its own group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import httpx
 from textual.worker import get_current_worker
@@ -18,6 +16,7 @@ from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import EngineProcess
 from strata_tui.messages import (
     EngineExited,
+    EngineLiveness,
     EngineOutput,
     EngineReady,
     GpuSampled,
@@ -28,66 +27,94 @@ from strata_tui.messages import (
 )
 from strata_tui.telemetry_client import TelemetryClient
 
-if TYPE_CHECKING:
-    from strata_tui.app import StrataApp
+Post = Callable[[Any], Any]
+LIVENESS_INTERVAL_S = 0.25
+LIVENESS_TIMEOUT_S = 0.6  # an engine busy with a long chunk still answers in this; a stopped one never
 
 
-async def run_engine(app: "StrataApp", process: EngineProcess, run: int) -> None:
+async def run_engine(post: Post, process: EngineProcess, run: int) -> None:
     """Run one engine process to its end and report how it ended. Cancelling the worker stops it.
 
-    The process was built with `engine_callbacks(app)`, so its output and ready line arrive as messages."""
+    The process was built with `engine_callbacks(post, run)`, so its output and ready line arrive as messages."""
     try:
         info = await process.run()
     except (OSError, ValueError) as exc:  # the program is missing or not executable
-        app.post_message(EngineExited(-1, False, f"could not start {process.argv[0]}: {exc}", run))
+        post(EngineExited(-1, False, f"could not start {process.argv[0]}: {exc}", run))
         return
-    app.post_message(EngineExited(info.returncode, info.requested, None, run))
+    post(EngineExited(info.returncode, info.requested, None, run))
 
 
-def engine_callbacks(app: "StrataApp", run: int) -> dict[str, Any]:
+def engine_callbacks(post: Post, run: int) -> dict[str, Any]:
     """`on_output` / `on_ready` for an EngineProcess that post EngineOutput / EngineReady to the app."""
 
     def on_output(stream: str, lines: list[str]) -> None:
-        app.post_message(EngineOutput([(stream, line) for line in lines], run))
+        post(EngineOutput([(stream, line) for line in lines], run))
 
     def on_ready(url: str) -> None:
-        app.post_message(EngineReady(url, run))
+        post(EngineReady(url, run))
 
     return {"on_output": on_output, "on_ready": on_ready}
 
 
-async def stream_telemetry(app: "StrataApp", client: TelemetryClient) -> None:
-    """Seed from /strata/state, then follow /strata/events (reconnecting) until cancelled."""
+async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
+    """Follow /strata/events (reconnecting) until cancelled. On every (re)connection `/strata/state` is
+    read first and posted, because the engine answering now may not be the one from before (another
+    process on the same port, restarted with other switches and reserve); when the event numbers show a
+    restarted engine, the state is read again and posted as a fresh engine's. The client belongs to the
+    run: the app closes it."""
 
     def on_status(connected: bool, reason: str) -> None:
-        app.post_message(TelemetryStatus(connected, reason))
+        post(TelemetryStatus(connected, reason))
 
-    try:
-        delay_s = 0.2
-        while True:
-            try:
-                app.post_message(StateSnapshot(await client.state()))
-                break
-            except (httpx.HTTPError, ValueError) as exc:
-                on_status(False, f"state: {type(exc).__name__}: {exc}")
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 2.0)
-        async for batch in client.events(on_status):
-            app.post_message(TelemetryBatch(batch))
-    finally:
-        await client.aclose()
+    seen_instance: list[Any] = []
+
+    async def on_connect() -> None:
+        snapshot = await client.state()
+        # An engine that names its instance (a start time or id: not every build does) is recognised at once.
+        instance = snapshot.get("instance_id", snapshot.get("started_at")) if isinstance(snapshot, dict) else None
+        fresh = instance is not None and bool(seen_instance) and seen_instance[-1] != instance
+        if instance is not None:
+            seen_instance.append(instance)
+        post(StateSnapshot(snapshot, fresh_engine=fresh))
+
+    restarts = client.engine_restarts
+    async for batch in client.events(on_status, on_connect):
+        if client.engine_restarts != restarts:
+            restarts = client.engine_restarts
+            post(StateSnapshot(await client.state(), fresh_engine=True))
+        post(TelemetryBatch(batch))
 
 
-def sample_gpus(app: "StrataApp", interval_s: float, sampler: NvmlSampler) -> None:
+async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float = LIVENESS_INTERVAL_S,
+                         timeout_s: float = LIVENESS_TIMEOUT_S) -> None:
+    """Ask /health every `interval_s`: an engine that stops answering, even with its connections open
+    (stopped, swapping, wedged), is reported within a second. Its event stream can stay silent for many
+    seconds when idle, so the stream alone cannot tell."""
+    answering: bool | None = None
+    while True:
+        started = time.monotonic()
+        try:
+            await client.health(timeout_s=timeout_s)
+            now = True
+            reason = "answering"
+        except (httpx.HTTPError, OSError) as exc:
+            now, reason = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if now != answering:
+            answering = now
+            post(EngineLiveness(now, reason))
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+def sample_gpus(post: Post, interval_s: float, sampler: NvmlSampler) -> None:
     """Thread worker: NVML calls block, so they run here, one reading of every GPU per interval."""
     worker = get_current_worker()
     reason = sampler.open()
     if reason is not None:
-        app.post_message(GpuSampled([], reason))
+        post(GpuSampled([], reason))
         return
     try:
         while not worker.is_cancelled:
-            app.post_message(GpuSampled(sampler.sample()))
+            post(GpuSampled(sampler.sample()))
             deadline = time.monotonic() + interval_s
             while time.monotonic() < deadline and not worker.is_cancelled:
                 time.sleep(min(0.1, interval_s))
@@ -95,19 +122,38 @@ def sample_gpus(app: "StrataApp", interval_s: float, sampler: NvmlSampler) -> No
         sampler.close()
 
 
-async def run_load(app: "StrataApp", name: str, base_url: str, api_key: str | None, params: dict[str, Any]) -> None:
+async def run_load(post: Post, name: str, base_url: str, api_key: str | None, params: dict[str, Any]) -> None:
     """Play a named scenario from engine.loadgen.scenarios against the running engine, reporting progress."""
     from engine.loadgen import scenarios  # torch-free; imported here so a missing bench part only disables this
 
     def progress(step: Any) -> None:
-        app.post_message(LoadProgress(f"{step.scenario}: {step.message}"))
+        post(LoadProgress(f"{step.scenario}: {step.message}"))
 
     try:
         result = await scenarios.run_scenario(name, base_url, api_key, on_progress=progress, **params)
     except Exception as exc:  # ConfigError (does not fit), an unreachable engine: say it, keep the app
-        app.post_message(LoadProgress(f"load {name}: {type(exc).__name__}: {exc}", done=True, failed=True))
+        post(LoadProgress(f"load {name}: {type(exc).__name__}: {exc}", done=True, failed=True))
         return
+    post(LoadProgress(scenario_report(result), done=True, failed=not result.ok))
+
+
+def scenario_report(result: Any) -> str:
+    """A scenario's result as lines for its panel: the verdict, then one metric per line; counts as whole
+    numbers with separators (never 1.2e+04), times and rates with two decimals."""
     summary = "ok" if result.ok else "; ".join(result.errors[:3]) or f"health after: {result.health_after}"
-    metrics = ", ".join(f"{k}={v:.3g}" for k, v in result.metrics.items() if isinstance(v, (int, float)))
-    app.post_message(LoadProgress(f"load {name} done in {result.wall_s:.1f} s: {summary}"
-                                  + (f" ({metrics})" if metrics else ""), done=True, failed=not result.ok))
+    lines = [f"load {result.name} done in {result.wall_s:.1f} s: {summary}"]
+    width = max((len(key) for key in result.metrics), default=0)
+    for key, value in result.metrics.items():
+        lines.append(f"  {key:<{width}}  {format_metric(key, value)}")
+    lines.extend(f"  note: {note}" for note in getattr(result, "notes", [])[:5])
+    return "\n".join(lines)
+
+
+def format_metric(key: str, value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or (float(value).is_integer() and not key.endswith(("_s", "_ms"))):
+        return f"{int(value):,}"
+    return f"{value:,.2f}"

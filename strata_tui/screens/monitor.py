@@ -18,10 +18,12 @@ from textual.widgets import Footer, Header
 from engine.switches import SWITCHES
 from engine.telemetry import AdmissionEvent
 from strata_tui.widgets.crash_panel import CrashPanel
+from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.engine_log import EngineLog
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
-from strata_tui.widgets.slots_table import SlotsTable
+from strata_tui.prefill_eta import PrefillTrack
+from strata_tui.widgets.slots_table import SlotsTable, first_token_text
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
 
@@ -29,13 +31,15 @@ if TYPE_CHECKING:
     from strata_tui.app import StrataApp
 
 
-def admission_line(event: AdmissionEvent | None) -> str:
-    """The latest admission, the moment the seed report is about: fresh or reused, and how long."""
+def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = None) -> str:
+    """The latest admission, the moment the seed report is about: fresh or reused, and, once its first
+    token came, how long that took and at what prompt rate."""
     if event is None:
         return ""
     cached = f", {event.cached_tokens:,} cached" if event.cached_tokens else ""
+    first = first_token_text(track)
     return (f"last admission: {event.request_id[:20]} → slot {event.slot}, {event.reuse}, "
-            f"{event.prompt_tokens:,} prompt tokens{cached}")
+            f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
 
 
 def _switch_bindings() -> list[Binding]:
@@ -53,6 +57,7 @@ class MonitorScreen(Screen):
         Binding("r", "app.restart_engine", "Restart"),
         Binding("s", "app.stop_engine", "Stop"),
         Binding("f", "cycle_filter", "Filter"),
+        Binding("escape", "close_result", "Close result", show=False),
         Binding("p", "app.show_profiles", "Profiles"),
         Binding("plus,equals_sign", "app.reserve(1, False)", "Reserve +"),
         Binding("minus", "app.reserve(-1, False)", "Reserve -"),
@@ -61,13 +66,16 @@ class MonitorScreen(Screen):
         *_switch_bindings(),
     ]
 
+    # The top panels take what they need (the slots at most 16 rows); the rest goes to the lower area:
+    # graph-cache events over the engine log on the left (each 1fr: they shrink first on a short terminal)
+    # and the switches with the reserve on the right, which never shrinks below its content.
     DEFAULT_CSS = """
-    MonitorScreen > Vertical > * { border: round $primary-darken-2; border-title-color: $text-accent; }
-    MonitorScreen #lower { height: 1fr; border: none; }
-    MonitorScreen #lower > * { border: round $primary-darken-2; border-title-color: $text-accent; }
-    MonitorScreen GraphEventsTable { width: 1fr; }
-    MonitorScreen SwitchesPanel { width: 58; height: 100%; }
-    MonitorScreen StatusBar { border: none; }
+    MonitorScreen .panel { border: round $primary-darken-2; border-title-color: $text-accent; }
+    MonitorScreen #lower { height: 1fr; min-height: 8; }
+    MonitorScreen #left { width: 1fr; }
+    MonitorScreen GraphEventsTable { height: 1fr; min-height: 3; }
+    MonitorScreen EngineLog { height: 1fr; min-height: 3; }
+    MonitorScreen SwitchesPanel { width: 46%; max-width: 60; min-width: 44; height: 100%; }
     MonitorScreen CrashPanel { border: heavy $error; }
     """
 
@@ -87,12 +95,14 @@ class MonitorScreen(Screen):
         with Vertical():
             yield StatusBar(id="status")
             yield CrashPanel(id="crash")
-            yield GpuPanel(id="gpus")
-            yield SlotsTable(id="slots")
+            yield GpuPanel(id="gpus", classes="panel")
+            yield SlotsTable(id="slots", classes="panel")
             with Horizontal(id="lower"):
-                yield GraphEventsTable(id="graph")
-                yield SwitchesPanel(id="switches")
-            yield EngineLog(id="log")
+                with Vertical(id="left"):
+                    yield LoadResultPanel(id="load-result")
+                    yield GraphEventsTable(id="graph", classes="panel")
+                    yield EngineLog(id="log", classes="panel")
+                yield SwitchesPanel(id="switches", classes="panel")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -102,12 +112,22 @@ class MonitorScreen(Screen):
         self.query_one(EngineLog).border_title = "Engine log"
         self.query_one(CrashPanel).border_title = "Engine stopped"
         self._set_graph_title()
-        self.set_interval(self.strata.profile_settings.refresh_s, self.redraw)
+        self.set_interval(self.strata.view.settings.refresh_s, self.redraw)
         self.redraw()
 
     def _set_graph_title(self) -> None:
         table = self.query_one(GraphEventsTable)
-        table.border_title = f"Graph cache · showing {table.filter_name} · f: filter"
+        table.border_title = f"Graph cache · {table.filter_name} · f"
+
+    def on_resize(self) -> None:
+        self.redraw(force=True)
+
+    def action_close_result(self) -> None:
+        view = self.strata.view
+        if view.load_result is not None:
+            view.load_result = None
+            view.changed()
+            self.redraw()
 
     def action_cycle_filter(self) -> None:
         table = self.query_one(GraphEventsTable)
@@ -115,41 +135,46 @@ class MonitorScreen(Screen):
         self._set_graph_title()
 
     def redraw(self, force: bool = False) -> None:
-        """Push the app's current state down into the widgets, if anything changed since the last draw."""
-        app = self.strata
-        if app.view_version == self._drawn_version and not force:
+        """Push the view state down into the widgets, if anything changed since the last draw."""
+        view = self.strata.view
+        # A prefilling slot's ETA counts down every tick, even with no new events.
+        if view.version == self._drawn_version and not force and not view.monitor.any_prefilling:
             return
-        self._drawn_version = app.view_version
-        state = app.monitor
-        self.query_one(StatusBar).show(app.profile_name, app.mode_label, state.engine_state, app.engine_url,
-                                       app.telemetry_connected, app.status_note)
-        self.query_one(GpuPanel).show(app.gpu_history, app.gpu_unavailable, state.vram, state.tier)
+        self._drawn_version = view.version
+        state = view.monitor
+        self.query_one(StatusBar).show(view)
+        self.query_one(GpuPanel).show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
         slots = self.query_one(SlotsTable)
-        slots.show(state.slots)
-        slots.border_subtitle = admission_line(state.last_admission)
+        slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self.strata.clock())
+        admission = state.last_admission
+        slots.border_subtitle = admission_line(admission, state.prefills.get(admission.request_id)
+                                               if admission else None)
         graph = self.query_one(GraphEventsTable)
         graph.show(list(state.graph_events))
         warning = state.last_warning
         graph.border_subtitle = f"last warning: {warning.where}: {warning.message}"[:90] if warning else ""
         views = [state.switches[sw.name] for sw in SWITCHES if sw.name in state.switches]
-        settings = app.profile_settings
+        settings = view.settings
         self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib,
                                            (settings.reserve_step_mib, settings.reserve_big_step_mib),
-                                           app.reserve_note)
+                                           view.reserve_note)
+        for widget in (slots, self.query_one(GpuPanel), self.query_one(SwitchesPanel)):
+            widget.set_class(view.stale, "-stale")
         self._write_log()
         crash = self.query_one(CrashPanel)
-        if app.crash is not None:
-            crash.show(app.crash.returncode, app.crash.error, app.crash.recent, app.crash.requested)
+        if view.crash is not None:
+            crash.show(view.crash)
         elif crash.visible_now:
             crash.hide()
+        self.query_one(LoadResultPanel).show(view.load_result)
         self.draws += 1
         self.last_draw_s = time.time()
 
     def _write_log(self) -> None:
-        app = self.strata
-        new = app.log_total - self._log_written
+        view = self.strata.view
+        new = view.log_total - self._log_written
         if new <= 0:
             return
-        lines = list(app.log_lines)[-min(new, len(app.log_lines)):]
+        lines = list(view.log_lines)[-min(new, len(view.log_lines)):]
         self.query_one(EngineLog).add_lines(lines)
-        self._log_written = app.log_total
+        self._log_written = view.log_total

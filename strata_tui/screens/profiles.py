@@ -3,6 +3,7 @@ rename, delete, edit, and use one."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -20,6 +21,14 @@ from strata_tui.screens.profile_editor import ProfileEditor
 
 if TYPE_CHECKING:
     from strata_tui.app import StrataApp
+
+
+COLUMNS = ("", "name", "model", "device", "batch", "MTP", "KV", "context", "reserve MiB", "status")
+
+
+def mtp_label(batch_mtp: bool, depth: int) -> str:
+    """MTP drafting as the table shows it: "off", or on with its depth."""
+    return f"on, depth {depth}" if batch_mtp else "off"
 
 
 class ProfilesScreen(Screen):
@@ -57,24 +66,26 @@ class ProfilesScreen(Screen):
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.border_title = f"Profiles in {self.strata.store.profiles_dir}"
-        table.add_columns("", "name", "model", "device", "batch", "MTP", "KV", "context", "reserve MiB", "status")
         self.reload()
 
     def reload(self, select: str | None = None) -> None:
         """Re-read the directory and redraw; keep (or move) the cursor onto `select`."""
         table = self.query_one(DataTable)
         current = select or self.selected_name
-        table.clear()
+        # Columns are rebuilt with the rows: auto widths are measured when a column is added, so kept
+        # columns would clip a longer name than the last render had ("long-ct" for "long-ctx-big").
+        table.clear(columns=True)
+        table.add_columns(*COLUMNS)
         self.entries = self.strata.store.load_all()
         for entry in self.entries:
             name = entry.path.stem if isinstance(entry, ProfileError) else entry.name
-            mark = "▶" if name == self.strata.profile_name else ""
+            mark = "▶" if name == self.strata.view.profile_name else ""
             if isinstance(entry, ProfileError):
                 status = Text(f"broken: line {entry.line or '?'}", style="bold red")
                 table.add_row(mark, name, "", "", "", "", "", "", "", status, key=name)
             else:
                 e = entry.engine
-                mtp = f"batch d{e.mtp_depth}" if e.batch_mtp else f"d{e.mtp_depth}"
+                mtp = mtp_label(e.batch_mtp, e.mtp_depth)
                 table.add_row(mark, name, e.model, e.device, str(e.batch), mtp, e.kv, f"{e.context:,}",
                               str(e.vram_reserve_mib), Text("ok", style="green"), key=name)
         if current and current in table.rows:
@@ -142,14 +153,14 @@ class ProfilesScreen(Screen):
         edited = await self.app.push_screen_wait(ProfileEditor(entry))
         if edited is None:
             return
-        try:
-            self.strata.store.save(edited)
+        try:  # only the keys the editor changed, on top of the file as it is now; fsync off the loop
+            saved = await asyncio.to_thread(self.strata.store.apply_edits, entry, edited)
         except StrataError as exc:
             self._fail(exc)
             return
-        self.strata.profile_saved(edited)
-        self.notify(f"saved {edited.name}")
-        self.reload(select=edited.name)
+        self.strata.profile_saved(saved)
+        self.notify(f"saved {saved.name}")
+        self.reload(select=saved.name)
 
     @work
     async def action_new(self) -> None:
@@ -181,7 +192,7 @@ class ProfilesScreen(Screen):
         name = self.selected_name
         if name is None:
             return
-        if name == self.strata.profile_name and self.strata.engine_running:
+        if name == self.strata.view.profile_name and self.strata.engine_running:
             self.notify(f"{name} is in use by the running engine: stop it (s) first", severity="warning")
             return
         if await self.app.push_screen_wait(ConfirmDialog(f"Delete profile {name}?")):

@@ -1,39 +1,70 @@
-"""The panel shown when the engine exits: exit code, the last real error, the last events, restart key."""
+"""The panel shown when the engine ends: how (stopped by you, killed by a signal, exit code), the last real
+error (a WARNING/ERROR line or error event, never an INFO line), the last events, and the restart key."""
 
 from __future__ import annotations
+
+import signal
 
 from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
 from engine.telemetry import Event
+from strata_tui.view_state import CrashInfo
+
+_NOISE = ("v", "ts", "seq", "type")
+_ZERO_MEANS_SOMETHING = ("slot", "exit_code", "index")  # slot 0 is a slot, exit code 0 is a clean exit
 
 
 def event_line(event: Event) -> str:
     data = event.to_json()
-    for noise in ("v", "ts", "seq", "type"):
+    for noise in _NOISE:
         data.pop(noise, None)
-    body = ", ".join(f"{k}={v}" for k, v in data.items() if v not in (None, "", 0, 0.0))
+    body = ", ".join(f"{k}={v}" for k, v in data.items()
+                     if v is not None and v != "" and (v not in (0, 0.0) or k in _ZERO_MEANS_SOMETHING))
     return f"#{event.seq} {event.type}: {body}"[:200]
+
+
+def how_it_ended(crash: CrashInfo) -> str:
+    code = crash.returncode
+    if crash.requested and crash.why_stopped:
+        ended = f"stopped ({crash.why_stopped})"
+    elif crash.requested:
+        ended = "stopped"
+    elif code is None:
+        ended = "exited"
+    else:
+        ended = ""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        killed = f"killed by {name}"
+        return f"{ended}: {killed}" if ended else killed
+    detail = f"exit code {code}" if code is not None else "exit code unknown"
+    return f"{ended}, {detail}" if ended else f"exited with {detail}"
 
 
 class CrashPanel(Static):
     """Why the engine stopped. Hidden until `show()` is called; `hide()` after a restart."""
 
     DEFAULT_CSS = """
-    CrashPanel { height: auto; max-height: 20; border: heavy $error; padding: 0 1; display: none; }
+    CrashPanel { height: auto; max-height: 14; border: heavy $error; padding: 0 1; display: none; }
     CrashPanel.-visible { display: block; }
     """
 
-    def show(self, returncode: int | None, error: str | None, recent: list[Event], requested: bool) -> None:
-        title = "engine stopped" if requested else "engine exited"
-        code = "unknown" if returncode is None else str(returncode)
-        lines: list = [Text.assemble((f"{title}: exit code {code}", "bold red"),
-                                     ("    press r to restart", "bold"))]
-        lines.append(Text.assemble(("last error: ", "bold"), (error or "none reported", "red" if error else "dim")))
-        if recent:
+    def show(self, crash: CrashInfo) -> None:
+        lines: list = [Text.assemble((f"engine {how_it_ended(crash)}", "bold red"), ("    press r to restart", "bold"))]
+        lines.append(Text.assemble(("last error: ", "bold"),
+                                   (crash.error or "none reported", "red" if crash.error else "dim")))
+        if crash.recent:
+            shown = 8 if self.app.size.height >= 40 else 3  # a short terminal keeps the switches in view
             lines.append(Text("last events:", style="bold"))
-            lines.extend(Text("  " + event_line(e), style="dim") for e in recent[-8:])
+            for event in crash.recent[-shown:]:
+                line = Text("  " + event_line(event), style="dim")
+                line.no_wrap, line.overflow = True, "ellipsis"
+                lines.append(line)
         self.update(Group(*lines))
         self.add_class("-visible")
 
@@ -43,5 +74,3 @@ class CrashPanel(Static):
     @property
     def visible_now(self) -> bool:
         return self.has_class("-visible")
-
-

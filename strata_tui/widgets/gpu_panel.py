@@ -17,6 +17,7 @@ from strata_tui.widgets.format import NA, bar, mib, num, sparkline
 BREAKDOWN = (("weights", "weights_mib", "blue"), ("KV", "kv_mib", "green"), ("graphs", "graphs_mib", "magenta"),
              ("tier", "tier_mib", "cyan"), ("reserve", "reserve_mib", "yellow"))
 _CUDA_INDEX = re.compile(r"^cuda:(\d+)$")
+COMPACT_BELOW = 130  # content width under which the panel draws its compact form (100x30 terminals)
 
 
 def breakdown_bar(vram: VramEvent, width: int) -> Text:
@@ -33,14 +34,23 @@ def breakdown_bar(vram: VramEvent, width: int) -> Text:
     return text
 
 
-def breakdown_text(vram: VramEvent) -> Text:
+def breakdown_text(vram: VramEvent, compact: bool = False) -> Text:
+    """weights, KV, graphs, tier, reserve and free; `compact` (narrow terminals) with G/M units."""
+    size = _short_mib if compact else mib
+    gap = " " if compact else "  "
     text = Text()
     for label, attr, style in BREAKDOWN:
         text.append(f"{label} ", style="dim")
-        text.append(mib(getattr(vram, attr)) + "  ", style=style)
+        text.append(size(getattr(vram, attr)) + gap, style=style)
     text.append("free ", style="dim")
-    text.append(mib(vram.free_mib), style="bold" if vram.free_mib < 256 else "")
+    text.append(size(vram.free_mib), style="bold" if vram.free_mib < 256 else "")
     return text
+
+
+def _short_mib(value: float | None) -> str:
+    if value is None:
+        return NA
+    return f"{value / 1024:.1f}G" if value >= 10 * 1024 else f"{value:.0f}M"
 
 
 class GpuPanel(Static):
@@ -48,6 +58,7 @@ class GpuPanel(Static):
 
     DEFAULT_CSS = """
     GpuPanel { height: auto; padding: 0 1; }
+    GpuPanel.-stale { text-opacity: 45%; }
     """
 
     def show(
@@ -58,6 +69,8 @@ class GpuPanel(Static):
         tier: TierEvent | None = None,
     ) -> None:
         """Redraw from the latest readings (`history.latest`) and the engine's VramEvents by device."""
+        width = self.content_size.width or self.app.size.width - 4
+        compact = width < COMPACT_BELOW
         parts: list = []
         shown_devices: set[str] = set()
         if unavailable:
@@ -65,13 +78,12 @@ class GpuPanel(Static):
         for gpu in history.latest:
             device = f"cuda:{gpu.index}"
             shown_devices.add(device)
-            parts.append(self._gpu_table(gpu, history))
+            parts.append(self._gpu_table(gpu, history, width))
             if device in vram:
-                parts.append(self._engine_row(vram[device]))
+                parts.append(self._engine_row(vram[device], "engine", compact))
         for device, event in sorted(vram.items()):
             if device not in shown_devices:  # CPU runs, or NVML unavailable: the engine's view alone
-                parts.append(Text.assemble((f"{device or '?'} ", "bold"), ("(engine's view)", "dim")))
-                parts.append(self._engine_row(event))
+                parts.append(self._engine_row(event, device or "?", compact))
         if tier is not None:
             parts.append(Text.assemble(("tier ", "dim"), (f"{tier.action} {mib(tier.mib)} → {mib(tier.total_mib)}",
                                                            "cyan"), (f"  {tier.reason}", "dim")))
@@ -80,25 +92,35 @@ class GpuPanel(Static):
         self.update(Group(*parts))
 
     @staticmethod
-    def _gpu_table(gpu: GpuSample, history: GpuHistory) -> Table:
+    def _gpu_table(gpu: GpuSample, history: GpuHistory, width: int) -> Table:
+        """One line per GPU; on a narrow terminal the name, bar and history get shorter, not wrapped."""
+        compact = width < COMPACT_BELOW
+        name_w, bar_w = (12, 10) if compact else (24, 20)
         table = Table.grid(padding=(0, 1))
         fraction = gpu.used_mib / gpu.total_mib if gpu.used_mib is not None and gpu.total_mib else None
         style = "red" if fraction is not None and fraction > 0.95 else "green"
         memory = f"{num(gpu.used_mib)}/{num(gpu.total_mib)} MiB"
-        table.add_row(
+        fixed = 4 + name_w + bar_w + 17 + 9 + 5 + 6 + 8
+        spark_w = max(0, min(30, width - fixed))
+        cells = [
             Text(f"GPU{gpu.index}", style="bold"),
-            Text((gpu.name or NA)[:24].ljust(24)),
-            bar(fraction, 20, style),
+            Text((gpu.name or NA)[:name_w].ljust(name_w)),
+            bar(fraction, bar_w, style),
             Text(memory.rjust(17)),
             Text(f"util {num(gpu.util_pct, unit='%')}".ljust(9)),
             Text(num(gpu.temp_c, unit="°C").rjust(5)),
             Text(num(gpu.power_w, unit=" W").rjust(6)),
-            sparkline(history.used_mib.get(gpu.index, ()), 30, upper=gpu.total_mib),
-        )
+        ]
+        if spark_w:
+            cells.append(sparkline(history.used_mib.get(gpu.index, ()), spark_w, upper=gpu.total_mib))
+        table.add_row(*cells)
         return table
 
     @staticmethod
-    def _engine_row(vram: VramEvent) -> Table:
+    def _engine_row(vram: VramEvent, label: str, compact: bool) -> Table:
         table = Table.grid(padding=(0, 1))
-        table.add_row(Text("  engine", style="dim"), breakdown_bar(vram, 20), breakdown_text(vram))
+        if compact:  # the GPU line above already has a bar: the books alone fit on one line
+            table.add_row(Text(f"  {label}", style="dim"), breakdown_text(vram, compact=True))
+        else:
+            table.add_row(Text(f"  {label}", style="dim"), breakdown_bar(vram, 20), breakdown_text(vram))
         return table

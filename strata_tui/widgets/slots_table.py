@@ -1,20 +1,46 @@
-"""Slots table: one row per engine slot, diffed by row key so a refresh touches only changed cells."""
+"""Slots table: one row per engine slot, diffed by row key so a refresh touches only changed cells.
+
+Columns are fitted to the table's width: at 100 columns the low-value ones go first (generated count,
+which the progress cell already shows, and the first-token column, which moves into the progress cell),
+and at 200 columns the request and progress columns take the room instead of leaving it empty.
+
+Progress while prefilling counts only the tokens that need prefilling: (computed - cached) / (prompt -
+cached), never above 100 %; its ETA comes from `PrefillTrack` (growing chunk cost, counted down every
+refresh). While decoding it is generated / max_tokens, and after the first token the row says how long
+that took (TTFT) and at what prompt rate.
+"""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from rich.text import Text
 from textual.widgets import DataTable
 
 from engine.telemetry import SlotEvent
+from strata_tui.prefill_eta import PrefillTrack
 from strata_tui.widgets.format import bar
 
-# (label, key, width): fixed widths, because rows change in place and DataTable sizes auto-width columns
-# only from the rows present when they are added (an idle first row would squeeze every later value).
-COLUMNS = (("slot", "slot", 4), ("state", "state", 8), ("request", "request", 20), ("prompt", "prompt", 9),
-           ("cached", "cached", 9), ("progress", "progress", 32), ("gen", "generated", 7), ("tok/s", "tok_s", 9),
-           ("MTP acc", "acceptance", 7))
+WIDE_AT = 140  # table width from which every column fits
 _STATE_STYLE = {"prefill": "yellow", "decode": "green", "idle": "dim", "finished": "blue",
                 "aborted": "magenta", "error": "bold red"}
+
+
+def columns_for(width: int) -> tuple[tuple[str, str, int], ...]:
+    """(label, key, width) for a table `width` cells wide (each column adds 2 cells of padding)."""
+    if width < WIDE_AT:
+        fixed = (("slot", "slot", 4), ("state", "state", 7), ("request", "request", 10), ("prompt", "prompt", 9),
+                 ("cached", "cached", 8), ("tok/s", "tok_s", 7), ("MTP", "acceptance", 4))
+        progress = max(22, width - 4 - sum(w + 2 for _, _, w in fixed) - 2)
+        return fixed[:5] + (("progress", "progress", progress),) + fixed[5:]
+    fixed = (("slot", "slot", 4), ("state", "state", 8), ("prompt", "prompt", 9), ("cached", "cached", 9),
+             ("gen", "generated", 8), ("tok/s", "tok_s", 8), ("MTP acc", "acceptance", 7),
+             ("first token", "first_token", 26))
+    room = width - 4 - sum(w + 2 for _, _, w in fixed) - 4
+    request = min(36, max(20, room // 3))
+    progress = min(60, max(30, room - request))
+    return (fixed[:2] + (("request", "request", request),) + fixed[2:4] + (("progress", "progress", progress),)
+            + fixed[4:])
 
 
 def format_eta(eta_s: float | None) -> str:
@@ -25,32 +51,62 @@ def format_eta(eta_s: float | None) -> str:
     return f"{eta_s:.0f}s" if eta_s >= 10 else f"{eta_s:.1f}s"
 
 
-def slot_cells(slot: SlotEvent) -> dict[str, Text | str]:
+def format_rate(tok_s: float | None) -> str:
+    if not tok_s:
+        return ""
+    return f"{tok_s / 1000:.1f}k tok/s" if tok_s >= 10000 else f"{tok_s:,.0f} tok/s"
+
+
+def first_token_text(track: PrefillTrack | None) -> str:
+    """"TTFT 41.2s @ 3,640 tok/s" once the first token came, else ""."""
+    if track is None or track.ttft_s is None:
+        return ""
+    rate = format_rate(track.prompt_tok_s)
+    return f"TTFT {format_eta(track.ttft_s)}" + (f" @ {rate}" if rate else "")
+
+
+def progress_cell(slot: SlotEvent, track: PrefillTrack | None, now_s: float, width: int, wide: bool) -> Text:
+    if slot.state == "prefill" and slot.prompt_tokens:
+        to_do = max(0, slot.prompt_tokens - slot.cached_tokens)
+        fraction = (min(1.0, max(0.0, (slot.prefilled_tokens - slot.cached_tokens) / to_do)) if to_do else 1.0)
+        eta = track.eta_s(now_s) if track is not None else slot.eta_s
+        tail = f" {fraction * 100:3.0f}%" + (f" ETA {format_eta(eta)}" if eta is not None else "")
+        text = bar(fraction, max(4, min(20, width - len(tail))), "yellow")
+        text.append(tail[:4], style="")
+        text.append(tail[4:], style="yellow")
+        return text
+    if slot.state == "decode" and slot.max_tokens:
+        counts = f" {slot.generated_tokens:,}/{slot.max_tokens:,}"
+        ttft = "" if wide else first_token_text(track).split(" @ ")[0]
+        tail = counts + (f" {ttft}" if ttft else "")
+        width_left = width - len(tail)
+        text = bar(slot.generated_tokens / slot.max_tokens, min(20, width_left), "green") if width_left >= 4 else Text()
+        text.append(tail)
+        return text
+    return Text("")
+
+
+def slot_cells(slot: SlotEvent, track: PrefillTrack | None = None, now_s: float = 0.0,
+               columns: tuple[tuple[str, str, int], ...] | None = None) -> dict[str, Text | str]:
     """The cells of one slot's row, keyed by column key. Equal inputs give equal cells (for diffing)."""
+    columns = columns or columns_for(200)
+    widths = {key: width for _, key, width in columns}
     prefilling = slot.state == "prefill"
-    if prefilling and slot.prompt_tokens:
-        done = (slot.prefilled_tokens + slot.cached_tokens) / slot.prompt_tokens
-        progress = bar(done, 12, "yellow")
-        progress.append(f" {done * 100:3.0f}%")
-        if slot.eta_s is not None:
-            progress.append(f" ETA {format_eta(slot.eta_s)}", style="yellow")
-    elif slot.state == "decode" and slot.max_tokens:
-        progress = bar(slot.generated_tokens / slot.max_tokens, 12, "green")
-        progress.append(f" {slot.generated_tokens / slot.max_tokens * 100:3.0f}%")
-    else:
-        progress = Text("")
     rate = slot.prefill_tok_s if prefilling else slot.decode_tok_s
-    return {
+    wide = "first_token" in widths
+    cells: dict[str, Text | str] = {
         "slot": str(slot.slot),
         "state": Text(slot.state, style=_STATE_STYLE.get(slot.state, "")),
-        "request": (slot.request_id or "")[:20],
+        "request": (slot.request_id or "")[:widths.get("request", 20)],
         "prompt": f"{slot.prompt_tokens:,}" if slot.request_id else "",
         "cached": f"{slot.cached_tokens:,}" if slot.request_id else "",
-        "progress": progress,
+        "progress": progress_cell(slot, track, now_s, widths.get("progress", 30), wide),
         "generated": f"{slot.generated_tokens:,}" if slot.request_id else "",
-        "tok_s": f"{rate:.1f}" if rate else "",
+        "tok_s": (f"{rate:,.0f}" if rate >= 1000 else f"{rate:.1f}") if rate else "",
         "acceptance": f"{slot.acceptance * 100:.0f}%" if slot.acceptance is not None else "",
+        "first_token": first_token_text(track) if slot.request_id else "",
     }
+    return {key: cells[key] for key in widths}
 
 
 class SlotsTable(DataTable):
@@ -58,21 +114,36 @@ class SlotsTable(DataTable):
 
     DEFAULT_CSS = """
     SlotsTable { height: auto; max-height: 16; }
+    SlotsTable.-stale { text-opacity: 45%; }
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self._cells: dict[str, dict[str, Text | str]] = {}
+        self.columns_spec: tuple[tuple[str, str, int], ...] = ()
         self.cell_updates = 0  # counted for tests and the benchmark: diffing keeps this small
+        self.updated: Counter[tuple[str, str]] = Counter()  # (row, column) -> updates, for the same reason
 
-    def on_mount(self) -> None:
-        for label, key, width in COLUMNS:
+    def _fit_columns(self) -> bool:
+        """Rebuild the columns when the width calls for another set; True when rebuilt."""
+        spec = columns_for(self.size.width or self.app.size.width)
+        if spec == self.columns_spec:
+            return False
+        self.columns_spec = spec
+        self.clear(columns=True)
+        self._cells = {}
+        for label, key, width in spec:
             self.add_column(label, key=key, width=width)
+        return True
 
-    def show(self, slots: dict[int, SlotEvent]) -> None:
-        """Make the table match `slots` (slot number -> latest SlotEvent)."""
+    def show(self, slots: dict[int, SlotEvent], tracks: dict[int, PrefillTrack | None] | None = None,
+             now_s: float = 0.0) -> None:
+        """Make the table match `slots` (slot number -> latest SlotEvent); `tracks` by slot for ETAs."""
+        self._fit_columns()
+        tracks = tracks or {}
         with self.app.batch_update():  # one repaint for all the cell changes
-            self._apply({str(n): slot_cells(slots[n]) for n in sorted(slots)})
+            self._apply({str(n): slot_cells(slots[n], tracks.get(n), now_s, self.columns_spec)
+                         for n in sorted(slots)})
 
     def _apply(self, wanted: dict[str, dict[str, Text | str]]) -> None:
         for key in [k for k in self._cells if k not in wanted]:
@@ -81,13 +152,14 @@ class SlotsTable(DataTable):
         for key, cells in wanted.items():
             old = self._cells.get(key)
             if old is None:
-                self.add_row(*(cells[c] for _, c, _ in COLUMNS), key=key)
+                self.add_row(*(cells[c] for _, c, _ in self.columns_spec), key=key)
                 self.cell_updates += len(cells)
             else:
                 for column, value in cells.items():
                     if old[column] != value:
                         self.update_cell(key, column, value)
                         self.cell_updates += 1
+                        self.updated[(key, column)] += 1
             self._cells[key] = cells
         order = sorted(self._cells, key=int)
         if list(self._cells) != order:

@@ -1,30 +1,50 @@
-"""One line under the header: profile, engine state, URL, telemetry connection, load scenario status."""
+"""One line under the header: whose engine (profile or attached URL), its state, the URL, whether it
+answers, and the latest note. Fields are joined with " · " so they never run together."""
 
 from __future__ import annotations
+
+import time
 
 from rich.text import Text
 from textual.widgets import Static
 
+from strata_tui.view_state import ViewState
+
 _STATE_STYLE = {"ready": "bold green", "starting": "yellow", "loading": "yellow", "exited": "bold red",
                 "stopping": "yellow", "not started": "dim", "attaching": "yellow"}
+SEPARATOR = (" · ", "dim")
+
+
+def status_text(view: ViewState) -> Text:
+    parts: list[Text] = []
+    if view.attached:
+        parts.append(Text.assemble(("attached", "bold cyan"), (" to ", "dim"), (view.attach_url or "", "underline")))
+    else:
+        parts.append(Text.assemble(("profile ", "dim"), (view.profile_name, "bold")))
+        parts.append(Text(view.mode, style="dim"))
+    state = view.monitor.engine_state
+    parts.append(Text.assemble(("engine ", "dim"), (state, _STATE_STYLE.get(state, ""))))
+    if view.engine_url and not view.attached:
+        parts.append(Text(view.engine_url, style="underline"))
+    if view.unreachable_since is not None:
+        clock = time.strftime("%H:%M:%S", time.localtime(view.unreachable_since))
+        parts.append(Text(f"unreachable since {clock}", style="bold red"))
+    elif view.telemetry_connected is not None:
+        parts.append(Text.assemble(("telemetry ", "dim"), ("live", "green") if view.telemetry_connected
+                                   else ("reconnecting", "yellow")))
+    if view.load_running and view.load_progress:
+        parts.append(Text(view.load_progress, style="cyan"))
+    if view.status_note:
+        parts.append(Text(view.status_note, style="italic"))
+    return Text(" · ", style="dim").join(parts)
 
 
 class StatusBar(Static):
-    """Where the app stands, drawn from plain values handed down by the screen."""
+    """Where the app stands, drawn from the view state handed down by the screen."""
 
     DEFAULT_CSS = """
     StatusBar { height: 1; padding: 0 1; background: $boost; }
     """
 
-    def show(self, profile: str, mode: str, engine_state: str, url: str | None, connected: bool | None,
-             note: str = "") -> None:
-        text = Text.assemble(("profile ", "dim"), (profile, "bold"), ("  ", ""), (mode, "dim"), ("  engine ", "dim"),
-                             (engine_state, _STATE_STYLE.get(engine_state, "")))
-        if url:
-            text.append(f"  {url}", style="underline")
-        if connected is not None:
-            text.append("  telemetry ", style="dim")
-            text.append("live" if connected else "reconnecting", style="green" if connected else "yellow")
-        if note:
-            text.append(f"  {note}", style="italic")
-        self.update(text)
+    def show(self, view: ViewState) -> None:
+        self.update(status_text(view))

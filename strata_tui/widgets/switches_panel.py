@@ -1,5 +1,6 @@
-"""Switches and VRAM reserve: one line per opt-in switch (its key, on/off, live or restart, degraded and
-why), and the reserve with its keys."""
+"""Switches and VRAM reserve: one line per opt-in switch (its key, on/off, live or start-only, degraded and
+why, the last control answer) and the reserve with its keys. Every line is one terminal line (cut with an
+ellipsis, never wrapped), so at 100x30 every switch and the reserve stay on screen."""
 
 from __future__ import annotations
 
@@ -13,34 +14,44 @@ from strata_tui.monitor_state import SwitchView
 def switch_line(key: str, view: SwitchView) -> Text:
     on = view.running if view.running is not None else view.wanted
     text = Text.assemble((f" {key} ", "reverse"), " ", ("●" if on else "○", "green" if on else "dim"),
-                         f" {view.name:<15}")
+                         f" {view.name:<14}")
     if view.degraded:
         text.append(f" degraded: {view.reason}", style="bold red")
     elif view.needs_restart:
         text.append(f" {'on' if view.wanted else 'off'} in profile: restart to apply", style="yellow")
     elif view.running is None:
-        text.append(" (profile)" if view.live else " (profile, start only)", style="dim")
+        text.append(" (profile) live" if view.live else " (profile) start only", style="dim")
     else:
         text.append(" live" if view.live else " start only", style="dim")
     if view.note and not view.degraded:
         text.append(f"  {view.note}", style="dim italic")
+    return _one_line(text)
+
+
+def reserve_lines(reserve_mib: int | None, steps_mib: tuple[int, int], note: str = "") -> list[Text]:
+    small, large = steps_mib
+    line = Text.assemble(("VRAM reserve ", "bold"), (f"{reserve_mib} MiB" if reserve_mib is not None else "N/A",
+                                                     "yellow"), (f" · +/- {small} · ]/[ {large}", "dim"))
+    lines = [_one_line(line)]
+    if note:
+        lines.append(_one_line(Text(f"  {note}", style="dim italic")))
+    return lines
+
+
+def _one_line(text: Text) -> Text:
+    text.no_wrap, text.overflow = True, "ellipsis"
     return text
 
 
 class SwitchesPanel(Static):
-    """Draws the switch list and the reserve; the app binds keys 1-9 and the reserve steps."""
+    """Draws the switch list and the reserve; the monitor binds keys 1-9 and the reserve steps."""
 
     DEFAULT_CSS = """
     SwitchesPanel { height: auto; padding: 0 1; }
+    SwitchesPanel.-stale { text-opacity: 45%; }
     """
 
     def show(self, views: list[SwitchView], reserve_mib: int | None, steps_mib: tuple[int, int],
              reserve_note: str = "") -> None:
         lines = [switch_line(str(i + 1), v) for i, v in enumerate(views)]
-        small, large = steps_mib
-        reserve = Text.assemble(("VRAM reserve ", "bold"),
-                                (f"{reserve_mib} MiB" if reserve_mib is not None else "N/A", "yellow"),
-                                (f"   +/- {small} MiB   ]/[ {large} MiB", "dim"))
-        if reserve_note:
-            reserve.append(f"  {reserve_note}", style="dim italic")
-        self.update(Group(*lines, reserve))
+        self.update(Group(*lines, *reserve_lines(reserve_mib, steps_mib, reserve_note)))

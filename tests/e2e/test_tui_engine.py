@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from strata_tui.app import create_app
-from strata_tui.profiles import Profile, ProfileStore
+from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
 from tests.tui.conftest import screen_text
 
 pytestmark = pytest.mark.slow
@@ -47,11 +48,11 @@ async def test_tui_launches_engine_and_shows_slots_changing(tmp_path: Path, chec
     app = create_app(config_dir=config_dir, profile="e2e", engine_cwd=str(ROOT))
     async with app.run_test(size=(160, 48)) as pilot:
         deadline = time.monotonic() + 180
-        while not app.telemetry_connected:
-            assert app.crash is None, f"engine exited: {app.crash.error}\n" + "\n".join(l for _, l in app.log_lines)
+        while not app.view.telemetry_connected:
+            assert app.view.crash is None, f"engine exited: {app.view.crash.error}\n" + "\n".join(l for _, l in app.view.log_lines)
             assert time.monotonic() < deadline, "engine never became ready"
             await pilot.pause(0.2)
-        requests = asyncio.create_task(_send(app.engine_url, 4, 256))
+        requests = asyncio.create_task(_send(app.view.engine_url, 4, 256))
         seen: dict[str, list[tuple[str, str]]] = {}
         while not requests.done():
             for slot, state, request in SLOT_ROW.findall(screen_text(app)):
@@ -68,5 +69,8 @@ async def test_tui_launches_engine_and_shows_slots_changing(tmp_path: Path, chec
         assert any(len(h) >= 2 for _, h in busy), f"no slot row changed on screen: {seen}"
         assert "engine ready" in screen_text(app)
         process = app.process
-        await pilot.press("q")
+        await pilot.press("q")  # the quit stops the engine in a worker (SIGKILL after 2 s), then exits
+        deadline = time.monotonic() + 5
+        while process.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
     assert not process.running

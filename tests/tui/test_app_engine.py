@@ -4,12 +4,15 @@ tests/tui/fake_engine.py: a real child process with a real HTTP server speaking 
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from strata_tui.profiles import Profile, ProfileStore
+from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.slots_table import SlotsTable
 from tests.tui.conftest import FAKE_ENGINE, FIXTURES, create_app, fake_engine_app, screen_text, wait_for
@@ -18,15 +21,15 @@ SIZE = (160, 50)
 
 
 def _log_has(app, text: str) -> bool:
-    return any(text in line for _, line in app.log_lines)
+    return any(text in line for _, line in app.view.log_lines)
 
 
 async def test_launch_ready_telemetry_and_slots_on_screen(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).row_count == 8, what="slot rows")
-        assert app.engine_url.startswith("http://127.0.0.1:")
+        assert app.view.engine_url.startswith("http://127.0.0.1:")
         assert _log_has(app, "serve --model builtin:strata-tiny") and _log_has(app, "loading 60%")
         assert not any("\x1b" in str(line) for line in app.screen.query_one("#log").lines)
 
@@ -34,9 +37,9 @@ async def test_launch_ready_telemetry_and_slots_on_screen(config_dir: Path, monk
 async def test_live_switch_applies_and_start_only_needs_restart(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         await pilot.press("1", "2")
-        split, fused = app.monitor.switches["SPLIT_ATTN"], app.monitor.switches["FUSED_PROJ"]
+        split, fused = app.view.monitor.switches["SPLIT_ATTN"], app.view.monitor.switches["FUSED_PROJ"]
         await wait_for(pilot, lambda: split.note == "applied live" and fused.note == "restart to apply",
                        what="control answers")
         assert split.running is True and fused.needs_restart
@@ -45,16 +48,16 @@ async def test_live_switch_applies_and_start_only_needs_restart(config_dir: Path
         assert _log_has(app, "POST /strata/switches/SPLIT_ATTN enabled=True")
         # restart applies the start-only switch from the environment
         await pilot.press("r")
-        await wait_for(pilot, lambda: app.run_id == 2 and app.telemetry_connected, what="restart")
+        await wait_for(pilot, lambda: app.run_id == 2 and app.view.telemetry_connected, what="restart")
         await wait_for(pilot, lambda: _log_has(app, "switches=SPLIT_ATTN,FUSED_PROJ"), what="env switches")
 
 
 async def test_reserve_applies_live(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         await pilot.press("right_square_bracket")
-        await wait_for(pilot, lambda: app.reserve_note == "applied live", what="reserve answer")
+        await wait_for(pilot, lambda: app.view.reserve_note == "applied live", what="reserve answer")
         assert _log_has(app, "POST /strata/vram-reserve mib=1536")
         assert app.store.load("default").engine.vram_reserve_mib == 1536
 
@@ -62,26 +65,29 @@ async def test_reserve_applies_live(config_dir: Path, monkeypatch) -> None:
 async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
-        assert app.load_params("seed") == {"long_tokens": 8192 - 16}
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
+        assert app.controls.load_params("seed") == {"long_tokens": 8192 - 16}
         await pilot.press("l")
-        await wait_for(pilot, lambda: "done in" in app.status_note, timeout_s=60, what="scenario")
-        assert "ok" in app.status_note
-        assert app.monitor.last_seq > 20, "the scenario's requests must show up as slot events"
+        await wait_for(pilot, lambda: app.view.load_result is not None, timeout_s=60, what="scenario")
+        assert "done in" in app.view.load_result and ": ok" in app.view.load_result.splitlines()[0]
+        await pilot.pause(0.5)
+        shown = screen_text(app)
+        assert "Load result" in shown and "e+0" not in shown and "e+1" not in shown
+        assert app.view.monitor.last_seq > 20, "the scenario's requests must show up as slot events"
 
 
 async def test_stop_then_restart(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         first_pid = app.process.pid
         await pilot.press("s")
-        await wait_for(pilot, lambda: app.crash is not None, what="exit")
-        assert app.crash.requested and app.monitor.engine_state == "exited"
+        await wait_for(pilot, lambda: app.view.crash is not None, what="exit")
+        assert app.view.crash.requested and app.view.monitor.engine_state == "exited"
         panel = app.screen.query_one(CrashPanel)
         await wait_for(pilot, lambda: panel.visible_now, what="panel")
         await pilot.press("r")
-        await wait_for(pilot, lambda: app.telemetry_connected and app.crash is None, what="restart")
+        await wait_for(pilot, lambda: app.view.telemetry_connected and app.view.crash is None, what="restart")
         assert app.process.pid != first_pid
         await wait_for(pilot, lambda: not panel.visible_now, what="panel hidden")
 
@@ -89,39 +95,42 @@ async def test_stop_then_restart(config_dir: Path, monkeypatch) -> None:
 async def test_crash_shows_exit_code_real_error_and_restarts(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, mode="crash")
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.crash is not None, what="crash")
-        assert app.crash.returncode == 1 and not app.crash.requested
-        assert "illegal memory access" in app.crash.error
+        await wait_for(pilot, lambda: app.view.crash is not None, what="crash")
+        assert app.view.crash.returncode == 1 and not app.view.crash.requested
+        assert "illegal memory access" in app.view.crash.error
         panel = app.screen.query_one(CrashPanel)
         await wait_for(pilot, lambda: panel.visible_now, what="panel")
         shown = screen_text(app)
         assert "exit code 1" in shown and "press r to restart" in shown and "illegal memory access" in shown
         monkeypatch.setenv("FAKE_ENGINE_MODE", "serve")
         await pilot.press("r")
-        await wait_for(pilot, lambda: app.telemetry_connected, what="restarted engine")
-        assert app.crash is None
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="restarted engine")
+        assert app.view.crash is None
 
 
 async def test_engine_that_cannot_start_is_reported(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, mode="fail-start")
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.crash is not None, what="exit")
-        assert app.crash.returncode == 2 and "not a checkpoint directory" in app.crash.error
+        await wait_for(pilot, lambda: app.view.crash is not None, what="exit")
+        assert app.view.crash.returncode == 2 and "not a checkpoint directory" in app.view.crash.error
 
 
 async def test_missing_engine_program_is_reported(config_dir: Path) -> None:
     app = create_app(config_dir=config_dir, engine_program=["/nonexistent/strata-engine"], sampler_factory=None)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.crash is not None, what="exit")
-        assert "could not start" in app.crash.error
+        await wait_for(pilot, lambda: app.view.crash is not None, what="exit")
+        assert "could not start" in app.view.crash.error
 
 
 async def test_quit_stops_the_engine(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         process = app.process
-        await pilot.press("q")
+        await pilot.press("q")  # the quit stops the engine in a worker (SIGKILL after 2 s), then exits
+        deadline = time.monotonic() + 5
+        while process.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
     assert not process.running
 
 
@@ -142,22 +151,22 @@ async def test_attach_monitors_without_launching(config_dir: Path, running_engin
     app = create_app(config_dir=config_dir, attach_url=running_engine, sampler_factory=None)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).row_count == 8, what="slots")
-        assert app.process is None and app.mode_label == "attached"
+        assert app.process is None and app.view.mode == "attached"
         await pilot.press("s")
         await pilot.pause()
         assert any("did not start" in n.message for n in app._notifications)
         await pilot.press("1")
-        await wait_for(pilot, lambda: app.monitor.switches["SPLIT_ATTN"].note == "applied live", what="live")
+        await wait_for(pilot, lambda: app.view.monitor.switches["SPLIT_ATTN"].note == "applied live", what="live")
 
 
 async def test_restart_ends_the_previous_runs_telemetry(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.telemetry_connected, what="telemetry")
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         monkeypatch.setenv("FAKE_ENGINE_MODE", "fail-start")  # the new run never becomes ready
         await pilot.press("r")
-        await wait_for(pilot, lambda: app.run_id == 2 and app.crash is not None, what="second run's exit")
+        await wait_for(pilot, lambda: app.run_id == 2 and app.view.crash is not None, what="second run's exit")
         await pilot.pause(1.5)
         streams = [w for w in app.workers if w.group == "telemetry" and not w.is_finished]
         assert streams == [], "the first run's event stream must end with it"
-        assert "ConnectError" not in app.status_note
+        assert "ConnectError" not in app.view.status_note

@@ -25,4 +25,4 @@ def test_bad_attach_url_is_one_line_exit_2() -> None:
 
 def test_factory_builds_attach_mode_without_launch(tmp_path: Path) -> None:
     app = create_app(config_dir=tmp_path, attach_url="http://127.0.0.1:9", sampler_factory=None)
-    assert app.attach_url and not app.launch and app.mode_label == "attached"
+    assert app.attach_url and not app.launch and app.view.mode == "attached"

@@ -264,9 +264,9 @@ def test_strata_app_polls_real_nvml_into_the_gpu_panel(nvml: NvmlSampler, config
     async def run() -> str:
         async with app.run_test(size=(160, 50)) as pilot:
             deadline = time.monotonic() + 15
-            while len(app.gpu_history.latest) < len(expected) or min(
-                    (len(app.gpu_history.used_mib.get(g.index, ())) for g in expected), default=0) < 3:
-                assert time.monotonic() < deadline, f"no NVML readings reached the app ({app.gpu_unavailable})"
+            while len(app.view.gpu_history.latest) < len(expected) or min(
+                    (len(app.view.gpu_history.used_mib.get(g.index, ())) for g in expected), default=0) < 3:
+                assert time.monotonic() < deadline, f"no NVML readings reached the app ({app.view.gpu_unavailable})"
                 await pilot.pause(0.1)
             await pilot.pause(0.5)  # the monitor redraws every refresh_s (0.25 s)
             app.screen.query_one(GpuPanel)  # the monitor screen, with its panel, is showing
@@ -275,7 +275,7 @@ def test_strata_app_polls_real_nvml_into_the_gpu_panel(nvml: NvmlSampler, config
 
     text = asyncio.run(run())
     print("StrataApp monitor screen, real NVML polling:\n" + "\n".join(panel_lines(text)[:len(expected) + 6]))
-    assert app.gpu_unavailable is None
+    assert app.view.gpu_unavailable is None
     for gpu in expected:
         row = next((line for line in text.splitlines() if f"GPU{gpu.index} " in line), None)
         assert row is not None, f"no row for GPU{gpu.index} in:\n{text}"

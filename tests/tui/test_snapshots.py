@@ -12,7 +12,8 @@ import pytest
 
 from strata_tui.gpu import GpuSample
 from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
-from strata_tui.profiles import Profile, ProfileStore
+from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
 from tests.tui.conftest import offline_app, recorded
 
 SIZE = (160, 48)
@@ -42,24 +43,26 @@ async def _settle(pilot) -> None:
 def _gpu_minute(app) -> None:
     for second in range(60):
         used = 120_000.0 + 300 * second
-        app.gpu_history.add([
+        app.view.gpu_history.add([
             GpuSample(0, "NVIDIA H200", used, 143771.0, 60.0 + second % 30, 58.0 + second % 5, 480.0),
             GpuSample(1, "NVIDIA H200", 9000.0, 143771.0, None, 41.0, None),
         ])
-    app.gpu_unavailable = None
+    app.view.gpu_unavailable = None
 
 
-def test_monitor_during_long_prompt_admission(snap_compare, snap_dir: Path) -> None:
+@pytest.mark.parametrize("size", [SIZE, (100, 30), (200, 55)], ids=["160x48", "100x30", "200x55"])
+def test_monitor_during_long_prompt_admission(snap_compare, snap_dir: Path, size: tuple[int, int]) -> None:
     ProfileStore(snap_dir).save(Profile("seed").with_switch("SPLIT_ATTN", True))
     app = offline_app(snap_dir, profile="seed")
 
     async def run_before(pilot) -> None:
+        app.clock = lambda: 1000.0  # the ETA counts down on this clock: frozen, the picture is fixed
         _gpu_minute(app)
         app.post_message(EngineOutput(LOG))
         app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
         await _settle(pilot)
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
 def test_profiles_with_a_broken_file(snap_compare, snap_dir: Path) -> None:
@@ -80,10 +83,12 @@ def test_profiles_with_a_broken_file(snap_compare, snap_dir: Path) -> None:
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-def test_crash_panel(snap_compare, snap_dir: Path) -> None:
+@pytest.mark.parametrize("size", [SIZE, (100, 30)], ids=["160x48", "100x30"])
+def test_crash_panel(snap_compare, snap_dir: Path, size: tuple[int, int]) -> None:
     app = offline_app(snap_dir)
 
     async def run_before(pilot) -> None:
+        app.clock = lambda: 1000.0
         app.post_message(EngineOutput(LOG + [("stderr", "runner.decode: RuntimeError: CUDA error: an illegal "
                                                         "memory access was encountered")]))
         app.post_message(TelemetryBatch(recorded("crash_run.jsonl")))
@@ -91,4 +96,4 @@ def test_crash_panel(snap_compare, snap_dir: Path) -> None:
         app.post_message(EngineExited(1, False, None, app.run_id))
         await _settle(pilot)
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)

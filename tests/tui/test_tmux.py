@@ -32,13 +32,14 @@ def _wait_for(session: str, needles: list[str], timeout_s: float) -> str:
     raise AssertionError(f"never saw {needles} on screen; last capture:\n{screen}")
 
 
-def _new_session(session: str, command: str) -> None:
+def _new_session(session: str, command: str, shell: str = "sh") -> None:
     """A 160x48 tmux window with a shell, then the command typed into it (as a person would). Starting the
     command with the session can race the server's first resize and leave the app at 80x24."""
     # COLUMNS/LINES may be set in this process (Textual's test harness sets them) and a tmux server started
     # from here would pass them on, overriding the real terminal size: the app would draw at 80x24.
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48", "sh"], check=True, env=env)
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48", shell], check=True,
+                   env=env)
     subprocess.run(["tmux", "resize-window", "-t", session, "-x", "160", "-y", "48"], capture_output=True)
     subprocess.run(["tmux", "send-keys", "-t", session, f"unset COLUMNS LINES; {command}", "Enter"], check=True)
 

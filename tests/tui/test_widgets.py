@@ -11,17 +11,28 @@ from strata_tui.widgets.slots_table import format_eta, slot_cells
 from strata_tui.widgets.switches_panel import switch_line
 
 
-def test_prefill_progress_counts_cached_tokens_and_shows_eta() -> None:
+def test_prefill_progress_counts_only_the_tokens_to_prefill_and_shows_eta() -> None:
+    # the engine's prefilled_tokens is every prompt token with KV (cached ones included)
     cells = slot_cells(SlotEvent(slot=1, state="prefill", request_id="r", prompt_tokens=1000, cached_tokens=250,
-                                 prefilled_tokens=250, prefill_tok_s=500.0, eta_s=1.0))
-    assert "50%" in cells["progress"].plain and "ETA 1.0s" in cells["progress"].plain
+                                 prefilled_tokens=625, prefill_tok_s=500.0, eta_s=1.0))
+    assert " 50%" in cells["progress"].plain and "ETA 1.0s" in cells["progress"].plain
     assert cells["tok_s"] == "500.0" and cells["cached"] == "250"
+
+
+def test_a_reused_prompt_never_shows_more_than_100_percent() -> None:
+    cells = slot_cells(SlotEvent(slot=1, state="prefill", request_id="r", prompt_tokens=1000, cached_tokens=980,
+                                 prefilled_tokens=1000))
+    assert "100%" in cells["progress"].plain and "198%" not in cells["progress"].plain
+    start = slot_cells(SlotEvent(slot=1, state="prefill", request_id="r", prompt_tokens=1000, cached_tokens=980,
+                                 prefilled_tokens=980))
+    assert "  0%" in start["progress"].plain
 
 
 def test_decode_row_shows_rate_and_acceptance_and_idle_row_is_blank() -> None:
     cells = slot_cells(SlotEvent(slot=0, state="decode", request_id="r", generated_tokens=30, max_tokens=120,
                                  decode_tok_s=31.25, acceptance=0.714))
-    assert "25%" in cells["progress"].plain and cells["tok_s"] == "31.2" and cells["acceptance"] == "71%"
+    assert "30/120" in cells["progress"].plain and "%" not in cells["progress"].plain
+    assert cells["tok_s"] == "31.2" and cells["acceptance"] == "71%"
     idle = slot_cells(SlotEvent(slot=0, state="idle"))
     assert idle["progress"].plain == "" and idle["prompt"] == "" and idle["acceptance"] == ""
 
@@ -51,3 +62,4 @@ def test_admission_and_event_lines() -> None:
     assert "slot 6" in line and "fresh" in line and "150,000" in line
     assert admission_line(None) == ""
     assert event_line(SlotEvent(slot=2, state="decode", seq=9)).startswith("#9 slot: slot=2, state=decode")
+    assert event_line(SlotEvent(slot=0, state="decode", seq=9)).startswith("#9 slot: slot=0, state=decode")

@@ -1,0 +1,150 @@
+"""How true is the TUI's prefill ETA? Measured against a real engine on one fresh long prompt.
+
+Starts `strata-engine serve` (the embedded builtin:strata-tiny unless --model says otherwise), follows its
+`/strata/events` with the TUI's own client and MonitorState, and sends one fresh prompt of random token ids
+(nothing cached) with max_tokens=1. Every `--refresh-s` (the TUI's redraw interval) it reads the ETA the
+slot row would show. At the halfway mark (the first refresh at which half of the prompt has KV) it notes
+that ETA, and the engine's own constant-rate `eta_s` from its latest slot event; when the first token
+arrives it compares both with the time that was really left. It also reports the longest stretch during
+which the shown ETA did not change (the old display froze between chunk events).
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_prefill_eta.py --prompt-tokens 65536
+    python3 scripts/bench_prefill_eta.py --device cuda:0 --prompt-tokens 150000 --context 160000   # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from strata_tui.launcher import READY_RE  # noqa: E402
+from strata_tui.monitor_state import MonitorState  # noqa: E402
+from strata_tui.telemetry_client import TelemetryClient  # noqa: E402
+from strata_tui.widgets.slots_table import format_eta  # noqa: E402
+
+
+async def start_engine(args: argparse.Namespace) -> tuple[asyncio.subprocess.Process, str]:
+    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", args.model, "--device", args.device,
+            "--batch", "2", "--context", str(args.context), "--port", "0",
+            "--prefill-chunk-tokens", str(args.chunk_tokens), "--step-token-budget", str(args.chunk_tokens * 2)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT)
+    while True:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 600)).decode(errors="replace")
+        if not line:
+            raise SystemExit(f"the engine exited before it was ready: {' '.join(argv)}")
+        match = READY_RE.match(line.strip())
+        if match:
+            asyncio.create_task(_drain(proc.stdout))
+            return proc, match.group(1)
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
+
+
+async def measure(args: argparse.Namespace) -> dict:
+    proc, url = await start_engine(args)
+    state = MonitorState.for_profile({}, 0)
+    client = TelemetryClient(url)
+    follow = asyncio.create_task(_follow(client, state))
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1, args.vocab) for _ in range(args.prompt_tokens)]
+    try:
+        await asyncio.sleep(1.0)  # the event stream is connected before the prompt goes in
+        async with httpx.AsyncClient(base_url=url, timeout=None) as http:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            sent_s = time.monotonic()
+            request = asyncio.create_task(http.post("/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}))
+            half = None
+            last_track = None
+            shown: list[tuple[float, str]] = []
+            while not request.done():
+                await asyncio.sleep(args.refresh_s)
+                now_s = time.monotonic()
+                slot = next((s for s in state.slots.values() if s.state == "prefill" and s.request_id), None)
+                track = state.track_of(slot) if slot is not None else None
+                if track is None:
+                    continue
+                eta = track.eta_s(now_s)
+                shown.append((now_s, format_eta(eta)))
+                last_track = track
+                if half is None and track.progress >= 0.5 and eta is not None:
+                    half = {"at_s": now_s, "progress": track.progress, "tui_eta_s": eta,
+                            "engine_eta_s": slot.eta_s, "computed_tokens": track.computed_tokens}
+            response = await request
+            done_s = time.monotonic()
+            response.raise_for_status()
+    finally:
+        follow.cancel()
+        await client.aclose()
+        proc.terminate()
+        await proc.wait()
+    if half is None:
+        raise SystemExit("never saw the halfway mark: make the prompt longer")
+    truth_s = done_s - half["at_s"]
+    return {
+        "prompt_tokens": args.prompt_tokens, "device": args.device, "model": args.model,
+        "chunk_tokens": args.chunk_tokens, "prefill_wall_s": round(done_s - sent_s, 2),
+        "halfway_progress": round(half["progress"], 3), "true_remaining_s": round(truth_s, 2),
+        "tui_eta_s": round(half["tui_eta_s"], 2),
+        "tui_error_pct": round(100 * (half["tui_eta_s"] - truth_s) / truth_s, 1),
+        "engine_eta_s": None if half["engine_eta_s"] is None else round(half["engine_eta_s"], 2),
+        "engine_error_pct": None if half["engine_eta_s"] is None
+        else round(100 * (half["engine_eta_s"] - truth_s) / truth_s, 1),
+        "longest_unchanged_eta_s": round(_longest_unchanged(shown), 2),
+        # (tokens with KV, engine seconds since admission) after each chunk: the cost curve, for replaying
+        "chunks": [[x, round(t - last_track.admitted_ts, 3)] for t, x, _ in last_track.samples]
+        if last_track is not None and last_track.admitted_ts else [],
+    }
+
+
+async def _follow(client: TelemetryClient, state: MonitorState) -> None:
+    async for batch in client.events():
+        state.apply_all(batch)
+
+
+def _longest_unchanged(shown: list[tuple[float, str]]) -> float:
+    longest, start_s, last = 0.0, None, None
+    for at_s, text in shown:
+        if text != last:
+            start_s, last = at_s, text
+        longest = max(longest, at_s - start_s)
+    return longest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:strata-tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt-tokens", type=int, default=65536)
+    parser.add_argument("--context", type=int, default=0, help="default: prompt tokens + 64")
+    parser.add_argument("--chunk-tokens", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=8192, help="token ids are drawn from 1..vocab-1")
+    parser.add_argument("--refresh-s", type=float, default=0.25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    args.context = args.context or args.prompt_tokens + 64
+    for run in range(args.runs):
+        args.seed += run
+        print(json.dumps(asyncio.run(measure(args))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

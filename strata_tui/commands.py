@@ -1,0 +1,31 @@
+"""The command palette's entries (ctrl+p): every action, each VRAM reserve step, each scenario, each switch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from textual.app import SystemCommand
+
+from engine.switches import SWITCHES
+
+if TYPE_CHECKING:
+    from strata_tui.app import StrataApp
+
+
+def palette_commands(app: "StrataApp") -> Iterable[SystemCommand]:
+    yield SystemCommand("Restart engine", "Stop the engine and launch it again from the profile",
+                        app.action_restart_engine)
+    yield SystemCommand("Stop engine", "SIGTERM the engine's process group", app.action_stop_engine)
+    yield SystemCommand("Profiles", "List, create, edit, rename, delete profiles", app.action_show_profiles)
+    yield SystemCommand("Help", "Keys and switches", app.action_show_help)
+    for step, large in ((1, False), (-1, False), (1, True), (-1, True)):
+        label = f"VRAM reserve {'up' if step > 0 else 'down'}{' (large step)' if large else ''}"
+        yield SystemCommand(label, "Retune the reserve live and save it to the profile",
+                            lambda s=step, big=large: app.action_reserve(s, big))
+    from engine.loadgen.scenarios import SCENARIOS
+
+    for name, scenario in SCENARIOS.items():
+        yield SystemCommand(f"Load: {name}", scenario.description, lambda n=name: app.action_run_load(n))
+    for index, sw in enumerate(SWITCHES[:9]):
+        yield SystemCommand(f"Toggle {sw.name}", sw.description,
+                            lambda i=index + 1: app.action_toggle_switch(i))

@@ -1,0 +1,146 @@
+"""How long a long prompt's prefill has left, and how long it took. Pure Python.
+
+The engine reports, per slot, how many prompt tokens have KV so far (cached + prefilled, published after
+each step) and a time stamp. A chunk of prefill costs more the later it comes: every token attends to all
+the tokens before it, so the cost of the token at position p grows like `a + b·p`, and a chunk from x0
+to x1 costs `a·(x1 - x0) + b/2·(x1² - x0²)`. `PrefillTrack` fits a and b (least squares, both >= 0) to the
+chunks seen so far and integrates the rest of the prompt; a constant rate (the engine's own ETA) would
+promise the back half at the front half's speed. Between events the estimate counts down on the local
+clock, so the number on screen moves every refresh instead of freezing for a chunk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+MAX_SAMPLES = 256
+
+
+@dataclass
+class PrefillTrack:
+    """One request's prefill: samples of (engine time, tokens with KV, local receive time)."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    admitted_ts: float | None = None  # engine clock
+    samples: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    engine_eta_s: float | None = None  # the engine's own constant-rate estimate at the last sample
+    first_token_ts: float | None = None
+    ttft_s: float | None = None  # admission to first token
+    prompt_tok_s: float | None = None  # prompt tokens computed (cached excluded) per second until then
+
+    @property
+    def to_prefill_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.samples[-1][1] if self.samples else self.cached_tokens
+
+    @property
+    def progress(self) -> float:
+        """Fraction of the tokens that need prefilling (cached ones excluded) done, 0..1."""
+        if self.to_prefill_tokens == 0:
+            return 1.0
+        done = self.computed_tokens - self.cached_tokens
+        return min(1.0, max(0.0, done / self.to_prefill_tokens))
+
+    @property
+    def done(self) -> bool:
+        return self.first_token_ts is not None
+
+    def add(self, engine_ts: float, computed_tokens: int, received_s: float, engine_eta_s: float | None = None,
+            chunk_ran: bool = True) -> None:
+        """A progress report. Repeats (no new tokens) only refresh the engine's estimate. `chunk_ran`
+        False: the report was made when the first chunk was planned, before it ran (the engine counts
+        planned tokens as computed then), so it says nothing about cost yet."""
+        self.engine_eta_s = engine_eta_s
+        if not chunk_ran:
+            if self.admitted_ts is None:
+                self.admitted_ts = engine_ts
+            return
+        if self.samples and computed_tokens <= self.samples[-1][1]:
+            return
+        if not self.samples and self.admitted_ts is not None and computed_tokens > self.cached_tokens:
+            # the first report already covers a chunk that ran since admission: that is a cost sample too
+            self.samples.append((self.admitted_ts, self.cached_tokens, received_s))
+        self.samples.append((engine_ts, computed_tokens, received_s))
+
+    def first_token(self, engine_ts: float, engine_prompt_tok_s: float | None = None) -> None:
+        if self.first_token_ts is not None:
+            return
+        self.first_token_ts = engine_ts
+        start = self.admitted_ts if self.admitted_ts is not None else (self.samples[0][0] if self.samples else None)
+        if start is not None and engine_ts > start:
+            self.ttft_s = engine_ts - start
+            self.prompt_tok_s = engine_prompt_tok_s or (self.to_prefill_tokens / self.ttft_s)
+        elif engine_prompt_tok_s:
+            self.prompt_tok_s = engine_prompt_tok_s
+
+    def cost_model(self) -> tuple[float, float] | None:
+        """(a s/token, b s/token²) fitted to the chunks seen; None before two samples."""
+        if len(self.samples) < 2:
+            return None
+        rows = []
+        points = list(self.samples)
+        for (t0, x0, _), (t1, x1, _) in zip(points, points[1:]):
+            if x1 > x0 and t1 >= t0:
+                rows.append((float(x1 - x0), (x1 * x1 - x0 * x0) / 2.0, t1 - t0))
+        if not rows:
+            return None
+        return _fit_nonnegative(rows)
+
+    def eta_s(self, now_received_s: float) -> float | None:
+        """Seconds left, counted down from the last report on the local clock; None without an estimate.
+
+        A chunk that runs longer than predicted does not drive the count below what the chunks after it
+        will take: the estimate waits there for the next report instead of showing 0."""
+        if self.done or not self.samples:
+            return None
+        _, x, received_s = self.samples[-1]
+        remaining_s = self._remaining_from(x)
+        if remaining_s is None:
+            return None
+        step = x - self.samples[-2][1] if len(self.samples) > 1 else 0
+        after_current_s = self._remaining_from(min(self.prompt_tokens, x + step)) if step else 0.0
+        return max(after_current_s or 0.0, remaining_s - (now_received_s - received_s))
+
+    def _remaining_from(self, x: int) -> float | None:
+        total = self.prompt_tokens
+        if x >= total:
+            return 0.0
+        model = self.cost_model()
+        if model is None:
+            return self.engine_eta_s
+        a, b = model
+        return a * (total - x) + b / 2.0 * (total * total - x * x)
+
+
+def _fit_nonnegative(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares for dt = a·dx + b·d(x²/2) with a, b >= 0 (two unknowns: solved in closed form).
+
+    Unweighted (absolute seconds): the latest, longest chunks count most, and they are the ones the rest
+    of the prompt resembles (weighting by relative error let the cheap first chunks set the slope, and the
+    ETA came out a third short on a CPU engine)."""
+    s11 = s12 = s22 = r1 = r2 = 0.0
+    for u, v, dt in rows:
+        w = 1.0
+        s11 += w * u * u
+        s12 += w * u * v
+        s22 += w * v * v
+        r1 += w * u * dt
+        r2 += w * v * dt
+    det = s11 * s22 - s12 * s12
+    if det > 1e-12 * max(s11 * s22, 1e-300):
+        a = (r1 * s22 - r2 * s12) / det
+        b = (s11 * r2 - s12 * r1) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    # One term only: whichever fits better (b = 0 is the constant-rate model).
+    a_only = r1 / s11 if s11 else 0.0
+    b_only = r2 / s22 if s22 else 0.0
+    err_a = sum((dt - a_only * u) ** 2 for u, _, dt in rows)
+    err_b = sum((dt - b_only * v) ** 2 for _, v, dt in rows)
+    return (max(a_only, 0.0), 0.0) if err_a <= err_b else (0.0, max(b_only, 0.0))

@@ -1,0 +1,69 @@
+"""The monitor at 100x30 keeps the reserve line, every switch, and each slot's tok/s and MTP acceptance on
+screen without horizontal scrolling; at 200x55 the slots table uses the width; the status line's fields
+never run together."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.switches import SWITCHES
+from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
+from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
+from strata_tui.widgets.slots_table import SlotsTable
+from tests.tui.conftest import offline_app, recorded, screen_text
+from tests.tui.test_snapshots import LOG, _gpu_minute
+
+
+@pytest.fixture
+def seeded(tmp_path: Path) -> Path:
+    ProfileStore(tmp_path).save(Profile("seed").with_switch("SPLIT_ATTN", True))
+    return tmp_path
+
+
+async def _monitor_text(config: Path, size: tuple[int, int], crash: bool = False) -> tuple[str, object]:
+    app = offline_app(config, profile="seed")
+    async with app.run_test(size=size) as pilot:
+        app.clock = lambda: 1000.0
+        _gpu_minute(app)
+        app.post_message(EngineOutput(LOG))
+        app.post_message(TelemetryBatch(recorded("crash_run.jsonl" if crash else "seed_run.jsonl")))
+        if crash:
+            await pilot.pause(0.3)
+            app.post_message(EngineExited(1, False, None, app.run_id))
+        await pilot.pause()
+        app.screen.redraw(force=True)
+        await pilot.pause()
+        table = app.screen.query_one(SlotsTable)
+        return screen_text(app), (table.virtual_size.width, table.scrollable_content_region.width)
+
+
+@pytest.mark.parametrize("crash", [False, True])
+async def test_100x30_keeps_reserve_switches_rate_and_acceptance_in_view(seeded: Path, crash: bool) -> None:
+    text, (content_w, visible_w) = await _monitor_text(seeded, (100, 30), crash)
+    lines = text.splitlines()
+    assert len(lines) == 30 and all(len(line) <= 100 for line in lines)
+    assert "VRAM reserve 1024 MiB" in text
+    for sw in SWITCHES:
+        assert sw.name in text, f"switch {sw.name} is not on screen"
+    if not crash:
+        assert "tok/s" in text and "MTP" in text
+        assert "27.0" in text and "69%" in text, "slot 0's decode rate and acceptance"
+        assert content_w <= visible_w, "the slots table scrolls sideways"
+
+
+async def test_200x55_slots_table_has_no_wide_empty_margin(seeded: Path) -> None:
+    text, (content_w, visible_w) = await _monitor_text(seeded, (200, 55))
+    assert visible_w - content_w < 12, (content_w, visible_w)
+    assert "first token" in text and "TTFT" in text
+
+
+async def test_status_line_fields_are_separated(seeded: Path) -> None:
+    text, _ = await _monitor_text(seeded, (100, 30))
+    status = text.splitlines()[1]
+    assert "profile seed · offline · engine ready" in status, status
+    for glued in ("offlineengine", "launchedengine", "readyhttp", "liveseed", "MiB+/-"):
+        assert glued not in status and glued not in text, glued

@@ -1,0 +1,106 @@
+"""The prefill ETA models growing chunk cost and counts down between events; TTFT and prompt rate after
+the first token, in the slot row and the admission line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.telemetry import AdmissionEvent, SlotEvent
+from strata_tui.messages import TelemetryBatch
+from strata_tui.monitor_state import MonitorState
+from strata_tui.prefill_eta import PrefillTrack
+from strata_tui.screens.monitor import admission_line
+from strata_tui.widgets.slots_table import SlotsTable, columns_for, slot_cells
+from tests.tui.conftest import offline_app, wait_for
+
+PROMPT = 150_000
+CHUNK = 2048
+A_S, B_S = 2e-5, 4e-10  # per token, per token per position: attention makes late chunks costlier
+
+
+def _chunk_end_times() -> list[tuple[float, int]]:
+    """(seconds since admission, tokens with KV) after each chunk of a fresh prompt, cost a + b·position."""
+    out, t, x = [], 0.0, 0
+    while x < PROMPT:
+        x1 = min(PROMPT, x + CHUNK)
+        t += A_S * (x1 - x) + B_S / 2 * (x1 * x1 - x * x)
+        out.append((t, x1))
+        x = x1
+    return out
+
+
+def test_eta_at_halfway_is_within_a_few_percent_where_a_constant_rate_is_far_off() -> None:
+    points = _chunk_end_times()
+    total_s = points[-1][0]
+    track = PrefillTrack("r", PROMPT, admitted_ts=1000.0)
+    for t, x in points:
+        if x > PROMPT / 2:
+            break
+        track.add(1000.0 + t, x, received_s=t)
+        half_t = t
+    truth_s = total_s - half_t
+    eta = track.eta_s(now_received_s=half_t)
+    constant_rate_s = (PROMPT - track.computed_tokens) / (track.computed_tokens / half_t)
+    assert abs(eta - truth_s) / truth_s < 0.05, (eta, truth_s)
+    assert abs(constant_rate_s - truth_s) / truth_s > 0.25, "the scenario must tell the two models apart"
+
+
+def test_the_report_made_when_the_first_chunk_is_planned_is_not_a_cost_sample() -> None:
+    state = MonitorState.for_profile({}, 0)
+    state.apply(AdmissionEvent(request_id="r", slot=0, prompt_tokens=8192, ts=100.0), received_s=0.0)
+    planned = SlotEvent(slot=0, state="prefill", request_id="r", prompt_tokens=8192, prefilled_tokens=2048, ts=100.0)
+    state.apply(planned, received_s=0.0)  # the engine counts the planned chunk as computed: it has not run
+    for i, ts in enumerate((100.5, 101.5), start=1):
+        state.apply(SlotEvent(slot=0, state="prefill", request_id="r", prompt_tokens=8192,
+                              prefilled_tokens=2048 * (i + 0), prefill_tok_s=4000.0, ts=ts), received_s=ts - 100)
+    state.apply(SlotEvent(slot=0, state="prefill", request_id="r", prompt_tokens=8192, prefilled_tokens=4096,
+                          prefill_tok_s=2700.0, ts=101.5), received_s=1.5)
+    eta = state.track_of(planned).eta_s(1.5)
+    assert eta is not None and eta > 1.0, eta  # 0.5 s then 1 s per chunk: the rest takes seconds, not 0
+
+
+def test_eta_counts_down_between_events() -> None:
+    track = PrefillTrack("r", 10_000, admitted_ts=0.0)
+    track.add(1.0, 2000, received_s=50.0)
+    track.add(2.0, 4000, received_s=51.0)
+    first = track.eta_s(51.0)
+    assert first is not None and first > 2.0
+    assert abs(track.eta_s(51.5) - (first - 0.5)) < 1e-9, "counts down on the local clock"
+    # an overrunning chunk stops the count at what the chunks after it take (6000..10000: 2 s), never 0
+    assert abs(track.eta_s(1e6) - 2.0) < 1e-9
+
+
+def test_ttft_and_prompt_rate_after_the_first_token() -> None:
+    state = MonitorState.for_profile({}, 0)
+    state.apply(AdmissionEvent(request_id="long", slot=6, prompt_tokens=8000, ts=100.0), received_s=0.0)
+    state.apply(SlotEvent(slot=6, state="prefill", request_id="long", prompt_tokens=8000, prefilled_tokens=4000,
+                          max_tokens=16, ts=102.0), received_s=2.0)
+    first = SlotEvent(slot=6, state="decode", request_id="long", prompt_tokens=8000, prefilled_tokens=8000,
+                      generated_tokens=1, max_tokens=16, prefill_tok_s=2000.0, ts=104.0)
+    state.apply(first, received_s=4.0)
+    track = state.track_of(first)
+    assert track.ttft_s == 4.0 and track.prompt_tok_s == 2000.0
+    cells = slot_cells(first, track, 4.0)
+    assert "TTFT 4.0s @ 2,000 tok/s" in str(cells["first_token"]) and "1/16" in cells["progress"].plain
+    narrow = slot_cells(first, track, 4.0, columns=columns_for(96))  # 100x30: no first-token column
+    assert "first_token" not in narrow and "TTFT 4.0s" in narrow["progress"].plain
+    line = admission_line(state.last_admission, track)
+    assert "TTFT 4.0s @ 2,000 tok/s" in line
+
+
+async def test_the_eta_on_screen_moves_every_refresh_without_new_events(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=(160, 50)) as pilot:
+        app.post_message(TelemetryBatch([
+            AdmissionEvent(request_id="long", slot=0, prompt_tokens=100_000, ts=10.0, seq=1),
+            SlotEvent(slot=0, state="prefill", request_id="long", prompt_tokens=100_000, prefilled_tokens=10_000,
+                      prefill_tok_s=5000.0, ts=12.0, seq=2),
+            SlotEvent(slot=0, state="prefill", request_id="long", prompt_tokens=100_000, prefilled_tokens=20_000,
+                      prefill_tok_s=4400.0, ts=14.5, seq=3)]))
+        table = app.screen.query_one(SlotsTable)
+        await wait_for(pilot, lambda: "0" in table.rows and "ETA" in table.get_cell("0", "progress").plain,
+                       what="an ETA")
+        first = table.get_cell("0", "progress").plain
+        await pilot.pause(1.3)
+        later = table.get_cell("0", "progress").plain
+        assert first != later, (first, later)
