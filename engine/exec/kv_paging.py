@@ -162,7 +162,9 @@ class KVPaging:
         want = max(short_blocks, self.layout.window_blocks)
         block_mib = self.block_mib
         # Growing reallocates one pool tensor at a time: on the device the largest one is briefly held twice.
-        transient = max(p.numel() * p.element_size() for p in self.kv.pools()) / MIB if self.kv.device.type == "cuda" else 0.0
+        transient = 0.0
+        if self.kv.device.type == "cuda":
+            transient = max(p.numel() * p.element_size() for p in self.kv.pools()) / MIB
         freed = self.take_memory(want * block_mib + transient, f"kv pool: {reason}")
         blocks = min(want, int(max(0.0, freed - transient) // block_mib)) if block_mib > 0 else 0
         if blocks <= 0:
