@@ -263,7 +263,8 @@ def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCa
     kv_mib = layout.device_blocks(layout.window_blocks) * block_mib
     resident_tokens = layout.resident_blocks * layout.block_tokens
     check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "kv_resident", config.kv_resident,
-                  needs=(f"{config.batch} slots x {resident_tokens} resident tokens plus a shared pool of "
+                  needs=(f"{config.batch} slot{'s' if config.batch != 1 else ''} x {resident_tokens} resident "
+                         f"tokens plus a shared pool of "
                          f"{layout.window_blocks * layout.block_tokens} tokens need"),
                   hint="lower --kv-resident or --batch, use --kv int8, or lower --vram-reserve-mib")
     return SlotKVCache(geometry, config.kv, lm.dtype, lm.device, config.kv_resident, layout.window_blocks), weights_mib

@@ -167,3 +167,15 @@ def test_help_says_what_kv_resident_guarantees():
     text = " ".join(parser.format_help().split())
     assert "--kv-resident TOKENS" in text
     assert "guaranteed in VRAM" in text and "shared pool" in text and "host memory" in text
+
+
+def test_the_cli_says_it_in_one_line_and_exits_2(ckpt, monkeypatch, capsys):
+    import engine.engine_setup as setup
+    from engine.cli import main
+
+    monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 3.0))
+    code = main(["generate", "--model", str(ckpt), "--device", "cpu", "--context", "8192", "--kv-resident", "4096",
+                 "--max-tokens", "2", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "kv_resident=4096" in err and "MiB" in err and "Traceback" not in err
