@@ -49,9 +49,11 @@ class EngineConfig:
     batch_mtp: bool = field(default=False, metadata=_opt("batched MTP speculative drafting for all decoding slots"))
     mtp_depth: int = field(default=1, metadata=_opt("draft tokens per MTP round", metavar="K"))
     kv: str = field(default="bf16", metadata=_opt("KV cache dtype", choices=KV_DTYPES))
-    # tokens of each slot's KV kept on the GPU; None = all of it
-    kv_resident: int | None = field(default=None, metadata=_opt("tokens of each slot's KV kept on the GPU",
-                                                                metavar="TOKENS"))
+    # None: every slot reserves its whole context on the device (docs/VRAM.md)
+    kv_resident: int | None = field(default=None, metadata=_opt(
+        "tokens of each slot's KV guaranteed in VRAM (reserved at start, counted in the VRAM books); tokens past "
+        "them take blocks from a shared pool that grows from the prefix-cache tier, and spill to host memory "
+        "when even that is short (lossless). Default: each slot's whole context in VRAM", metavar="TOKENS"))
     context: int = field(default=8192, metadata=_opt("context per slot", metavar="TOKENS"))
     vram_reserve_mib: int = field(default=DEFAULT_VRAM_RESERVE_MIB, metadata=_opt("VRAM the engine never takes",
                                                                                   metavar="MIB"))

@@ -69,7 +69,7 @@ class Engine:
         depth = self.runner.mtp_depth if self.mtp_on else 0
         self._draft_proposed = [0] * depth  # per draft position, since start (the metrics' counters)
         self._draft_accepted = [0] * depth
-        self.report = Reporter(bus, self.budgets, self.executor, self.output)
+        self.report = Reporter(bus, self.budgets, self.executor, self.output, kv=self.kv)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
         self.report.vram()
@@ -178,6 +178,7 @@ class Engine:
             plan = self.sched.schedule()
             now_s = time.monotonic()
             with torch.inference_mode():
+                self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
                 for admission in plan.admitted:
                     self._isolated(admission.request, outputs, self._admit, admission, now_s)
                 timing = self._run_timed(plan, outputs)
@@ -331,6 +332,7 @@ class Engine:
         self._generators.pop(track.request.request_id, None)
         final = self.output.close(track, reason, error)
         if slot is not None:
+            self.kv.retire_slot(slot)
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
             self.report.slot(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))

@@ -131,10 +131,6 @@ class _PartsBuilder:
             if model.mtp is None:
                 raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
             depth = config.mtp_depth
-        if config.kv_resident is not None:
-            bus.publish(WarningEvent(where="engine.kv", message=(
-                f"--kv-resident {config.kv_resident} is accepted but not yet implemented: every slot keeps its "
-                f"whole {config.context}-token KV on {device}")))
         self.stage = "allocating the KV cache"
         kv, weights_mib = _sized_kv_cache(config, lm, depth)
         if kv.kernel is None and board.enabled("PAGED_ATTN"):  # quietly: the reference path is what runs here
@@ -180,6 +176,8 @@ class _PartsBuilder:
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
                                                tier_budget_mib)
         self.budgets[0].experts = experts
+        if kv.paging is not None:
+            _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device)
 
 
@@ -253,10 +251,41 @@ def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCa
     margin = max(pow2_bucket(config.prefill_chunk_tokens, MIN_CHUNK_TOKENS), 2 * depth + 2)
     geometry = KVGeometry(num_layers, config.batch, mcfg.num_key_value_heads, mcfg.head_dim, config.context, margin)
     weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
-    kv_mib = geometry.total_bytes(config.kv, lm.dtype) / MIB
     _, free_mib = device_memory_mib(lm.device)
-    check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "context", config.context)
-    return SlotKVCache(geometry, config.kv, lm.dtype, lm.device), weights_mib
+    if config.kv_resident is None:
+        kv_mib = geometry.total_bytes(config.kv, lm.dtype) / MIB
+        check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "context", config.context)
+        return SlotKVCache(geometry, config.kv, lm.dtype, lm.device), weights_mib
+    # --kv-resident: every slot's window, one scratch block, and a shared pool of one slot's window past it
+    # (a forward of one slot always fits); the pool grows from the tier, then spills to host memory.
+    layout = geometry.layout(config.kv_resident)
+    block_mib = geometry.bytes_per_token(config.kv, lm.dtype) * geometry.block_tokens / MIB
+    kv_mib = layout.device_blocks(layout.window_blocks) * block_mib
+    resident_tokens = layout.resident_blocks * layout.block_tokens
+    check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "kv_resident", config.kv_resident,
+                  needs=(f"{config.batch} slot{'s' if config.batch != 1 else ''} x {resident_tokens} resident "
+                         f"tokens plus a shared pool of "
+                         f"{layout.window_blocks * layout.block_tokens} tokens need"),
+                  hint="lower --kv-resident or --batch, use --kv int8, or lower --vram-reserve-mib")
+    return SlotKVCache(geometry, config.kv, lm.dtype, lm.device, config.kv_resident, layout.window_blocks), weights_mib
+
+
+def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budget: VramBudget, executor: Any,
+                 runner: ModelRunner) -> None:
+    """--kv-resident: the pool asks the tier (on this device) for memory first, and a pool that grew drops the
+    captured graphs (they read the old pool tensors) and updates the books' KV figure."""
+    paging = kv.paging
+    paging.bus = bus
+    budget.kv_paging = paging
+    if tier is not None:
+        paging.take_memory = tier.release
+
+    def resized() -> None:
+        for ex in (executor, runner._eager):
+            ex.invalidate(lambda kind, key: True)
+        budget.kv_mib = kv.mib
+
+    paging.on_resize = resized
 
 
 def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,

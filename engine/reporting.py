@@ -12,6 +12,7 @@ import time
 from engine.core.output import OutputProcessor
 from engine.core.request import Request
 from engine.exec.executor import StepExecutor
+from engine.exec.kv_cache import SlotKVCache
 from engine.exec.vram import VramBudget
 from engine.state import slot_event
 from engine.telemetry import EventBus
@@ -22,8 +23,9 @@ VRAM_EVENT_INTERVAL_S = 1.0
 
 class Reporter:
     def __init__(self, bus: EventBus, budgets: list[VramBudget], executor: StepExecutor,
-                 output: OutputProcessor) -> None:
+                 output: OutputProcessor, kv: SlotKVCache | None = None) -> None:
         self.bus = bus
+        self.kv = kv  # where each slot's KV lies (--kv-resident), in its slot events
         self.budgets = budgets
         self.executor = executor
         self.output = output
@@ -32,7 +34,7 @@ class Reporter:
 
     def slot(self, req: Request, slot: int, state: str | None, now_s: float) -> None:
         """A slot's state now (a change of state, or progress when `state` is None)."""
-        self.bus.publish(slot_event(req, slot, state, now_s))
+        self.bus.publish(slot_event(req, slot, state, now_s, self.kv))
         track = self.output.get(req.request_id)
         if track is not None:
             track.last_event_s = now_s

@@ -144,11 +144,30 @@ class TierSnapshot(_Json):
 
 
 @dataclass(frozen=True)
+class KvPagingSnapshot(_Json):
+    """`--kv-resident`: the shared pool, host-held KV, and spill / fetch traffic since start."""
+
+    resident_tokens: int = 0  # per slot, guaranteed on the device
+    pool_blocks: int = 0
+    free_pool_blocks: int = 0
+    block_tokens: int = 0
+    host_mib: float = 0.0  # KV held in host memory now
+    host_blocks: int = 0
+    spilled_mib: float = 0.0
+    fetched_mib: float = 0.0
+    spill_ms: float = 0.0
+    fetch_ms: float = 0.0
+    spilled_blocks: int = 0
+    fetched_blocks: int = 0
+
+
+@dataclass(frozen=True)
 class KvSnapshot(_Json):
     storage: str = ""
     mib: float = 0.0
     context_tokens: int = 0
     slots: int = 0
+    paging: KvPagingSnapshot | None = None  # None: every slot keeps its whole context on the device
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,26 @@ from engine.core.scheduler import Scheduler
 from engine.exec.executor import StepExecutor
 from engine.exec.kv_cache import SlotKVCache
 from engine.exec.vram import AdaptiveTier, VramBudget
-from engine.snapshot import (EngineSnapshot, GraphsSnapshot, HealthSnapshot, KvSnapshot, MtpSnapshot, QueueSnapshot,
-                             SwitchSnapshot, TierSnapshot)
+from engine.snapshot import (EngineSnapshot, GraphsSnapshot, HealthSnapshot, KvPagingSnapshot, KvSnapshot, MtpSnapshot,
+                             QueueSnapshot, SwitchSnapshot, TierSnapshot)
 from engine.switches import SwitchBoard
 from engine.telemetry import SlotEvent
 
 
-def slot_event(req: Request, slot: int, state: str | None = None, now_s: float | None = None) -> SlotEvent:
+def kv_placement(req: Request, slot: int, kv: SlotKVCache | None) -> tuple[int, int, int]:
+    """(resident, pooled, host) tokens of the slot's KV: where each written position lies (`--kv-resident`);
+    without paging every token is in the slot's own device memory (resident)."""
+    length = req.num_computed_tokens + max(0, req.num_output_tokens - 1)  # the newest token's KV is written next
+    if kv is None or kv.paging is None:
+        return length, 0, 0
+    return kv.paging.placement_tokens(slot, length)
+
+
+def slot_event(req: Request, slot: int, state: str | None = None, now_s: float | None = None,
+               kv: SlotKVCache | None = None) -> SlotEvent:
     """One slot's progress: prefilled tokens and rate with an ETA while prefilling; generated tokens, decode
-    rate and MTP acceptance while decoding."""
+    rate and MTP acceptance while decoding; where its KV lies."""
+    resident, pooled, host = kv_placement(req, slot, kv)
     now_s = time.monotonic() if now_s is None else now_s
     prefill_tok_s = req.prefill_tok_s(now_s) or 0.0
     eta_s = req.prefill_eta_s(now_s) if req.first_token_s is None else None
@@ -41,6 +52,7 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
         acceptance=None if req.acceptance is None else round(req.acceptance, 4), eta_s=eta_s,
         acceptance_per_position=[None if a is None else round(a, 4)
                                  for a in (req.acceptance_at(i) for i in range(len(req.draft_proposed)))],
+        kv_resident_tokens=resident, kv_pooled_tokens=pooled, kv_host_tokens=host,
     )
 
 
@@ -56,7 +68,7 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         if req is None:
             slots.append(SlotEvent(slot=slot, state="idle"))
         else:
-            event = slot_event(req, slot, now_s=now_s)
+            event = slot_event(req, slot, now_s=now_s, kv=kv)
             event.acceptance_per_position = [req.acceptance_at(i) for i in range(len(req.draft_proposed))]
             slots.append(event)
     return EngineSnapshot(
@@ -68,5 +80,6 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         slots=slots, graphs=GraphsSnapshot.from_json(executor.snapshot()),
         vram=[budget.breakdown() for budget in budgets], tier=TierSnapshot.from_json(tier.snapshot()),
         kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,
-                      slots=kv.geometry.num_slots),
+                      slots=kv.geometry.num_slots,
+                      paging=KvPagingSnapshot.from_json(kv.paging.snapshot()) if kv.paging is not None else None),
         experts=experts.snapshot() if experts is not None else None, mtp=mtp, steps=steps)

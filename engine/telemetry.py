@@ -64,6 +64,10 @@ class SlotEvent(Event):
     acceptance: float | None = None  # accepted / proposed MTP drafts for this request so far
     eta_s: float | None = None  # while prefilling: time left at the current prefill rate
     acceptance_per_position: list[float | None] = field(default_factory=list)  # per draft position
+    # Where the slot's KV lies (--kv-resident): its resident window, shared-pool blocks, and host memory.
+    kv_resident_tokens: int = 0
+    kv_pooled_tokens: int = 0
+    kv_host_tokens: int = 0
 
 
 @dataclass
@@ -122,6 +126,24 @@ class ExpertEvent(Event):
 
 
 @dataclass
+class KvEvent(Event):
+    """`--kv-resident` paging, one per step part that moved blocks: `spill` (pool blocks to host memory, to make
+    room), `fetch` (host blocks back to the device for a forward that reads them), `grow` (the shared pool took
+    memory the prefix-cache tier gave back)."""
+
+    type: ClassVar[str] = "kv"
+    action: str = "spill"  # spill | fetch | grow
+    blocks: int = 0
+    tokens: int = 0  # blocks x tokens per block
+    mib: float = 0.0  # bytes copied (spill / fetch) or added to the pool (grow)
+    ms: float = 0.0  # the copies (or the pool's reallocation), device synced
+    host_mib: float = 0.0  # KV held in host memory afterwards
+    slots: list[int] = field(default_factory=list)  # the slots whose blocks moved
+    reason: str = ""
+    device: str = ""
+
+
+@dataclass
 class VramEvent(Event):
     """The engine's VRAM breakdown for one device."""
 
@@ -135,6 +157,7 @@ class VramEvent(Event):
     reserve_mib: float = 0.0
     free_mib: float = 0.0
     experts_mib: float = 0.0  # the MoE expert cache's pools (0 for a dense model)
+    host_kv_mib: float = 0.0  # --kv-resident: KV spilled to host memory (not VRAM; shown beside the books)
 
 
 @dataclass
@@ -168,8 +191,8 @@ class ErrorEvent(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.type: cls
-    for cls in (EngineEvent, SlotEvent, AdmissionEvent, GraphEvent, TierEvent, ExpertEvent, VramEvent, SwitchEvent,
-                WarningEvent, ErrorEvent)
+    for cls in (EngineEvent, SlotEvent, AdmissionEvent, GraphEvent, TierEvent, ExpertEvent, KvEvent, VramEvent,
+                SwitchEvent, WarningEvent, ErrorEvent)
 }
 
 

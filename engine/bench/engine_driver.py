@@ -69,12 +69,13 @@ class GenerateStats:
 class BenchEngine:
     """An Engine plus its bus, built for a benchmark; `executor_wiring` says who set up the graph cache."""
 
-    def __init__(self, config: EngineConfig, graph_cache_on_cpu: bool = False) -> None:
+    def __init__(self, config: EngineConfig, graph_cache_on_cpu: bool = False,
+                 tier_budget_mib: float | None = None) -> None:
         from engine.engine import Engine
 
         self.config = config
         self.bus = EventBus(history=4096)
-        self.engine = Engine(config, self.bus)
+        self.engine = Engine(config, self.bus, tier_budget_mib=tier_budget_mib)
         self.executor_wiring = "engine"
         wants_graphs = config.graphs and (self.engine.device.type == "cuda" or graph_cache_on_cpu)
         if wants_graphs and isinstance(self.engine.executor, EagerExecutor):
@@ -134,13 +135,15 @@ class BenchEngine:
 
 
 def build_engine(args: argparse.Namespace, graph_cache_on_cpu: bool = False, **overrides: Any) -> BenchEngine:
-    """An engine from the bench's model options (switches from the environment), with `overrides` applied."""
+    """An engine from the bench's model options (switches from the environment), with `overrides` applied
+    (`tier_budget_mib`: the tier's size instead of what is free)."""
+    tier_budget_mib = overrides.pop("tier_budget_mib", None)
     config = config_from_args(args)
     device = device_of(config.device)
     model = overrides.pop("model", None) or prepare_model(config.model, device, config.dtype)
     switches = {**config.switches, **overrides.pop("switches", {})}
     config = dataclasses.replace(config, model=model, device=str(device), switches=switches, **overrides)
-    return BenchEngine(config, graph_cache_on_cpu=graph_cache_on_cpu)
+    return BenchEngine(config, graph_cache_on_cpu=graph_cache_on_cpu, tier_budget_mib=tier_budget_mib)
 
 
 def generate_all(bench: BenchEngine, prompts: list[list[int]], max_tokens: int) -> GenerateStats:

@@ -28,6 +28,8 @@ BENCHES = {
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
     "experts": ("engine.bench.experts", "MoE decode tok/s and expert hit rate per expert-cache budget"),
     "attention": ("engine.bench.attention", "one layer's decode attention per backend: gather+SDPA, Triton paged, Flex"),
+    "kvspill": ("engine.bench.kv_spill", "decode rate of slots whose KV is partly in host memory (--kv-resident) "
+                "vs with room, and the PCIe floor"),
 }
 
 
@@ -177,10 +179,18 @@ def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: TILExWARPSxSTAGES,... (128x8x2)")
 
 
+def _kvspill(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")  # --kv-resident: the spilling run's window (default 1024)
+    p.add_argument("--prompt-tokens", type=token_count, default=16 * _K, help="prompt tokens per slot (default 16K)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per slot")
+    p.add_argument("--host-fraction", type=float, default=0.5,
+                   help="share of a slot's non-resident KV on the host when its forward starts (default 0.5)")
+
+
 _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile, "experts": _experts,
-    "attention": _attention,
+    "attention": _attention, "kvspill": _kvspill,
 }
 
 

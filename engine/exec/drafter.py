@@ -146,6 +146,7 @@ class MtpDrafter:
         k1 = hidden.shape[1]
         bb = hidden.shape[0]
         span = r.span_bucket(max(base_positions) + k1)
+        r.kv.prepare({row.slot: n + k1 + r.lookahead_tokens for row, n in zip(rows, base_positions)})
         next_ids = [list(e) + [0] * (k1 - len(e)) for e in emitted] + [[0] * k1] * (bb - len(rows))
         positions = [[n + j for j in range(k1)] for n in base_positions]
         positions += [[r.context_tokens + j for j in range(k1)]] * (bb - len(rows))

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.exec.kv_blocks import BlockLayout
+from engine.exec.kv_paging import KVPaging
 from engine.model.attention.backends import TorchAttention, kernel_backend
 from engine.model.attention.reference import flash_accepts
 
@@ -64,6 +66,16 @@ class KVGeometry:
     def num_blocks(self) -> int:
         return self.num_slots * self.blocks_per_slot
 
+    @property
+    def context_blocks(self) -> int:
+        """Logical blocks holding positions < context (those past them are scratch only)."""
+        return -(-self.context_tokens // self.block_tokens)
+
+    def layout(self, resident_tokens: int) -> BlockLayout:
+        """The paged layout for `--kv-resident`: each slot's first `resident_tokens` (whole blocks) resident."""
+        resident = min(self.context_blocks, -(-resident_tokens // self.block_tokens))
+        return BlockLayout(self.num_slots, self.blocks_per_slot, self.context_blocks, resident, self.block_tokens)
+
     def bytes_per_token(self, storage: str, compute_dtype: torch.dtype) -> int:
         """KV bytes one token costs across all layers (keys + values, scales included for int8)."""
         elem = 1 if storage == "int8" else torch.empty((), dtype=compute_dtype).element_size()
@@ -91,9 +103,14 @@ class SlotKVCache:
     Before each forward the step function calls `bind(slots)` with a [B] long tensor naming the slot of each
     batch row, and `set_path(split, paged)` for the SPLIT_ATTN and PAGED_ATTN paths. Positions arrive with
     each `attend` call.
+
+    With `resident_tokens` (`--kv-resident`) the pools hold each slot's resident window, one scratch block and a
+    shared pool of `pool_blocks` that grows and spills (`paging`, engine.exec.kv_paging); the runner calls
+    `prepare` before each forward. Without it, every slot owns its whole context (`paging` is None).
     """
 
-    def __init__(self, geometry: KVGeometry, storage: str, compute_dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, geometry: KVGeometry, storage: str, compute_dtype: torch.dtype, device: torch.device | str,
+                 resident_tokens: int | None = None, pool_blocks: int = 0) -> None:
         if storage not in KV_STORAGE:
             raise ValueError(f"kv storage {storage!r}: expected one of {KV_STORAGE}")
         self.geometry = geometry
@@ -101,7 +118,9 @@ class SlotKVCache:
         self.compute_dtype = compute_dtype
         self.device = torch.device(device)
         g = geometry
-        shape = (g.num_kv_heads, g.num_blocks, g.block_tokens, g.head_dim)
+        layout = None if resident_tokens is None else geometry.layout(resident_tokens)
+        num_blocks = g.num_blocks if layout is None else layout.device_blocks(pool_blocks)
+        shape = (g.num_kv_heads, num_blocks, g.block_tokens, g.head_dim)
         data_dtype = torch.int8 if storage == "int8" else compute_dtype
         self.k = [torch.zeros(shape, dtype=data_dtype, device=self.device) for _ in range(g.num_layers)]
         self.v = [torch.zeros(shape, dtype=data_dtype, device=self.device) for _ in range(g.num_layers)]
@@ -113,6 +132,10 @@ class SlotKVCache:
             self.k_scale = self.v_scale = []
         self.block_table = torch.arange(g.num_blocks, dtype=torch.int32, device=self.device).view(
             g.num_slots, g.blocks_per_slot)
+        self.paging: KVPaging | None = None
+        if layout is not None:
+            self.paging = KVPaging(self, layout, pool_blocks, int(resident_tokens))
+            self.block_table = self.paging._table.to(self.device, copy=True)  # the device table: synced in place
         self.slots: torch.Tensor | None = None
         self.span_tokens = geometry.context_tokens
         self.causal_keys: int | None = None
@@ -138,6 +161,10 @@ class SlotKVCache:
     @property
     def mib(self) -> float:
         return self.nbytes / (1 << 20)
+
+    def pools(self) -> list[torch.Tensor]:
+        """Every pool tensor (keys, values, int8 scales; all layers), block axis 1: what paging copies and grows."""
+        return self.k + self.v + list(self.k_scale) + list(self.v_scale)
 
     @property
     def backend(self) -> TorchAttention:
@@ -174,6 +201,8 @@ class SlotKVCache:
         """Drop every K/V buffer (Engine.close); the cache cannot be used afterwards."""
         self.k, self.v, self.k_scale, self.v_scale = [], [], [], []
         self.slots = self._where = None
+        if self.paging is not None:
+            self.paging.host.free()
 
     def set_split(self, enabled: bool) -> None:
         self.split_attn = bool(enabled)
@@ -209,6 +238,32 @@ class SlotKVCache:
             k = torch.zeros(1, g.num_kv_heads, 1, g.head_dim, dtype=self.compute_dtype, device=self.device)
             self._fusable[key] = flash_accepts(q, k)
         return self._fusable[key]
+
+    # --- paging (--kv-resident; no-ops when every slot owns its whole context) ---------------------------------
+
+    def prepare(self, wants: dict[int, int]) -> None:
+        """Before a forward: every block slot s addresses below wants[s] (tokens) is on the device and mapped."""
+        if self.paging is not None:
+            self.paging.prepare(wants)
+
+    def retire_slot(self, slot: int) -> None:
+        """The slot's request finished: its pool and host blocks go back at the next `reclaim_retired`."""
+        if self.paging is not None:
+            self.paging.retire(slot)
+
+    def reclaim_retired(self) -> None:
+        if self.paging is not None:
+            self.paging.reclaim()
+
+    def grow_pool(self, num_blocks: int) -> None:
+        """Reallocate every pool tensor to `num_blocks` blocks, keeping what it holds (one tensor at a time)."""
+        for pools, fill in ((self.k, 0.0), (self.v, 0.0), (self.k_scale, 1.0), (self.v_scale, 1.0)):
+            for i, old in enumerate(pools):
+                if old.shape[1] >= num_blocks:
+                    continue
+                new = torch.full((old.shape[0], num_blocks, *old.shape[2:]), fill, dtype=old.dtype, device=old.device)
+                new[:, : old.shape[1]].copy_(old)
+                pools[i] = new
 
     # --- storage -------------------------------------------------------------------------------------------
 
@@ -272,6 +327,7 @@ class SlotKVCache:
 
     def read_span(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All layers' KV of one slot's tokens [start, end): data [layers, 2, Hkv, n, D], int8 scales or None."""
+        self.prepare({slot: end})
         blocks, offsets = self._slot_tokens(slot, start, end - start)
         data = torch.stack([torch.stack([self.k[i][:, blocks, offsets], self.v[i][:, blocks, offsets]])
                             for i in range(self.geometry.num_layers)])
@@ -283,6 +339,7 @@ class SlotKVCache:
 
     def write_span(self, slot: int, start: int, data: torch.Tensor, scales: torch.Tensor | None) -> None:
         """The inverse of read_span: put a [layers, 2, Hkv, n, D] span at tokens [start, start+n) of `slot`."""
+        self.prepare({slot: start + data.shape[3]})
         blocks, offsets = self._slot_tokens(slot, start, data.shape[3])
         for i in range(self.geometry.num_layers):
             self.k[i][:, blocks, offsets] = data[i, 0].to(self.k[i].device, non_blocking=True)

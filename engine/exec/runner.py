@@ -138,6 +138,8 @@ class ModelRunner:
         # Where an out-of-memory step gets room before its one retry (the tier's release), and how much.
         self.release_memory: Callable[[float, str], float] | None = None
         self.oom_release_mib = 1024.0
+        # Positions a forward may write past its rows' last token (the MTP round and chain steps): mapped with it.
+        self.lookahead_tokens = 2 * mtp_depth + 2
 
     # --- buckets and staging -------------------------------------------------------------------------------
 
@@ -161,6 +163,8 @@ class ModelRunner:
                 groups.append([])
                 first_span = span
             groups[-1].append(i)
+        if self.kv.paging is not None:  # --kv-resident: a forward's slots must fit the shared pool together
+            groups = self.kv.paging.split_groups(groups, [e + self.lookahead_tokens for e in end_tokens])
         return groups
 
     def stage(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -288,6 +292,7 @@ class ModelRunner:
     def pad_rows(self, rows: list[Row], t: int) -> tuple[list[int], list[list[int]]]:
         """Slots and positions [Bb, t] of a batch; padded rows write scratch columns past the context."""
         bb = self.batch_bucket(len(rows))
+        self.kv.prepare({r.slot: r.position + t + self.lookahead_tokens for r in rows})
         slots = [r.slot for r in rows] + [0] * (bb - len(rows))
         positions = [[r.position + j for j in range(t)] for r in rows]
         positions += [[self.context_tokens + j for j in range(t)]] * (bb - len(rows))
@@ -354,6 +359,7 @@ class ModelRunner:
     def prefill(self, slot: int, token_ids: list[int], start: int) -> StepOutput:
         """Prompt tokens at positions [start, start+n) of one slot: last position's logits, all hidden states."""
         n = len(token_ids)
+        self.kv.prepare({slot: start + n + self.lookahead_tokens})
         tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
         span = self.span_bucket(start + n)
         positions = [start + j for j in range(n)] + [self.context_tokens + j for j in range(tb - n)]

@@ -57,15 +57,17 @@ def device_memory_mib(device: torch.device) -> tuple[float, float]:
     return total, avail
 
 
-def check_kv_fits(kv_mib: float, weights_mib: float, reserve_mib: float, free_mib: float, what: str, value: object) -> None:
+def check_kv_fits(kv_mib: float, weights_mib: float, reserve_mib: float, free_mib: float, what: str, value: object,
+                  needs: str = "the KV cache needs",
+                  hint: str = "lower --context or --batch, use --kv int8, or lower --vram-reserve-mib") -> None:
     """Raise ConfigError naming the numbers when the KV cache cannot fit next to the reserve."""
     available = free_mib - reserve_mib
     if kv_mib > available:
         raise ConfigError(
             what, value,
-            f"the KV cache needs {kv_mib:.0f} MiB but only {available:.0f} MiB are available "
+            f"{needs} {kv_mib:.0f} MiB but only {available:.0f} MiB are available "
             f"({free_mib:.0f} MiB free after {weights_mib:.0f} MiB of weights, minus the "
-            f"{reserve_mib:.0f} MiB reserve); lower --context or --batch, use --kv int8, or lower --vram-reserve-mib",
+            f"{reserve_mib:.0f} MiB reserve); {hint}",
         )
 
 
@@ -243,6 +245,8 @@ class VramBudget:
     # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
     # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
     headroom_mib: float = 0.0
+    # --kv-resident paging (engine.exec.kv_paging.KVPaging): its host-held KV is reported beside the books.
+    kv_paging: Any = None
 
     def breakdown(self) -> VramEvent:
         total, free = device_memory_mib(self.device)
@@ -250,7 +254,8 @@ class VramBudget:
                          kv_mib=round(self.kv_mib, 1), graphs_mib=round(self.graphs_mib, 1),
                          tier_mib=round(self.tier.mib if self.tier else 0.0, 1),
                          reserve_mib=round(self.reserve_mib, 1), free_mib=round(free, 1),
-                         experts_mib=round(self.experts.mib if self.experts is not None else 0.0, 1))
+                         experts_mib=round(self.experts.mib if self.experts is not None else 0.0, 1),
+                         host_kv_mib=round(self.kv_paging.host_mib if self.kv_paging is not None else 0.0, 1))
 
     def driver_room_mib(self) -> float:
         """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps

@@ -77,11 +77,11 @@ def test_fused_projections_and_pinned_staging_give_the_same_tokens(ckpt):
     assert tokens_of(run_all(switched, prompts, params)) == plain
 
 
-def test_kv_resident_is_accepted_with_a_warning(ckpt):
+def test_kv_resident_is_implemented_and_starts_without_a_warning(ckpt):
     bus = EventBus()
-    make_engine(ckpt, bus=bus, batch=1, kv_resident=256)
-    warnings = [e.message for e in bus.history() if e.type == "warning"]
-    assert any("--kv-resident 256" in m and "not yet implemented" in m for m in warnings)
+    engine = make_engine(ckpt, bus=bus, batch=1, kv_resident=256)
+    assert not [e.message for e in bus.history() if e.type == "warning"]
+    assert engine.kv.paging is not None and engine.kv.paging.resident_tokens == 256
 
 
 def test_a_peer_device_without_a_second_gpu_is_a_config_error(ckpt):

@@ -230,3 +230,13 @@ def test_attention_bench_times_the_reference_per_case_and_checks_its_output(tmp_
         (b, t, kv) for b in (1, 2) for t in (1, 3) for kv in ("bf16", "int8")]
     assert all(r["torch_ms"] > 0 and r["torch_max_err"] == 0 and "triton_ms" not in r for r in rows)  # no kernel on CPU
     assert doc["summary"]["cases"] == 4 * 2 and doc["summary"]["min_triton_speedup"] is None
+
+
+def test_kvspill_runs_both_configurations_and_reports_the_traffic(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["kvspill", *TINY, "--prompt-tokens", "300", "--new-tokens", "6", "--kv-resident", "64",
+                           "--prefill-chunk-tokens", "64", "--step-token-budget", "128"])
+    room, spill = doc["rows"]
+    assert (room["run"], room["kv_resident"], spill["run"], spill["kv_resident"]) == ("room", None, "spill", 64)
+    assert room["context"] == spill["context"] >= 300 + 6
+    assert spill["fetched_mib"] > 0 and spill["spilled_mib"] > 0 and spill["h2d_gib_s"] > 0
+    assert doc["summary"]["same_tokens"] is True and spill["floor_tok_s"] > 0

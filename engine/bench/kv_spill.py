@@ -1,0 +1,101 @@
+"""`strata-engine bench kvspill`: decode rate of slots whose KV is partly on the host (`--kv-resident`), against
+the same slots with room, and against the PCIe floor.
+
+Two slots decode prompts of `--prompt-tokens`. With room: every slot's whole context on the device. Spilling:
+`--kv-resident` tokens per slot and a shared pool of one slot's window, the context sized so that the pool holds
+(2 - host fraction) of one slot's non-resident KV (default fraction 0.5: while one slot's forward runs, half of
+the other's non-resident blocks are spilled, and its next forward fetches them back first). The tier is given
+no memory in both runs, so the pool cannot grow out of the spill.
+
+The floor: bytes fetched per decode step / the measured host-to-device bandwidth of a pinned copy (`h2d_gib_s`),
+i.e. the step time the copies alone need; `floor_tok_s` is the decode rate that allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import torch
+
+from engine.bench.common import device_of, emit, random_prompt, save_partial, sync
+from engine.bench.engine_driver import build_engine, generate_all
+
+_H2D_COPY_MIB = 256
+_BLOCK_TOKENS = 64
+_DEFAULT_RESIDENT_TOKENS = 1024
+
+
+def h2d_gib_s(device: torch.device, mib: int = _H2D_COPY_MIB) -> float:
+    """Measured host-to-device bandwidth of one pinned copy (best of three)."""
+    host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.empty_like(host, device=device)
+    best = float("inf")
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return mib / 1024 / best
+
+
+def spill_context(prompt_tokens: int, new_tokens: int, resident_tokens: int, host_fraction: float,
+                  lookahead_tokens: int = 2) -> int:
+    """A context whose pool (one slot's window, W blocks) leaves `host_fraction` of the other slot's N
+    non-resident blocks on the host while one slot's forward holds its N: W = (2 - fraction) x N."""
+    resident = -(-resident_tokens // _BLOCK_TOKENS)
+    n = -(-(prompt_tokens + new_tokens + lookahead_tokens) // _BLOCK_TOKENS) - resident
+    window = math.ceil((2.0 - min(1.0, max(0.0, host_fraction))) * n)
+    return (resident + window) * _BLOCK_TOKENS
+
+
+def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str, Any]:
+    bench = build_engine(args, batch=2, tier_budget_mib=0.0, **overrides)
+    try:
+        vocab = bench.engine.lm.config.vocab_size
+        generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=900 + i) for i in range(2)],
+                     args.new_tokens)  # captures the buckets the timed run needs
+        paging = bench.engine.kv.paging
+        before = dict(paging.snapshot()) if paging is not None else None
+        stats = generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=i) for i in range(2)],
+                             args.new_tokens)
+        row: dict[str, Any] = {"run": label, "context": bench.config.context,
+                               "kv_resident": bench.config.kv_resident, "decode_tok_s": stats.decode_tok_s,
+                               "steps": stats.steps, "tokens": stats.tokens, "token_ids": stats.token_ids}
+        if paging is not None:
+            after = paging.snapshot()
+            steps = max(1, stats.steps)
+            row.update({key: (after[key] - before[key]) / steps for key in ("fetched_mib", "spilled_mib",
+                                                                               "fetch_ms", "spill_ms")})
+            row["pool_blocks"] = after["pool_blocks"]
+    finally:
+        bench.close()
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    device = device_of(args.device)
+    resident = args.kv_resident or _DEFAULT_RESIDENT_TOKENS
+    context = spill_context(args.prompt_tokens, args.new_tokens, resident, args.host_fraction)
+    rows = [measure(args, "room", context=context, kv_resident=None)]
+    save_partial(args, "kvspill", rows, device)
+    rows.append(measure(args, "spill", context=context, kv_resident=resident))
+    bandwidth = h2d_gib_s(device)
+    spill = rows[1]
+    spill["h2d_gib_s"] = bandwidth
+    step_floor_s = spill["fetched_mib"] / 1024 / bandwidth if spill.get("fetched_mib") else 0.0
+    spill["floor_tok_s"] = 2 / step_floor_s if step_floor_s > 0 else None
+    summary = {"same_tokens": rows[0]["token_ids"] == spill["token_ids"],
+               "spill_vs_room": (spill["decode_tok_s"] or 0) / rows[0]["decode_tok_s"]
+               if rows[0]["decode_tok_s"] else None,
+               "fetched_mib_per_step": spill.get("fetched_mib"), "h2d_gib_s": bandwidth,
+               "floor_tok_s": spill["floor_tok_s"]}
+    for row in rows:
+        row.pop("token_ids")
+    emit(args, "kvspill", rows, summary, device,
+         ("run", "context", "kv_resident", "decode_tok_s", "fetched_mib", "fetch_ms", "spilled_mib", "spill_ms",
+          "floor_tok_s", "steps"))
+    return 0

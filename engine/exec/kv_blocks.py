@@ -1,0 +1,234 @@
+"""Who holds which KV block under `--kv-resident`: the ledger behind the block table. Pure Python (no torch), so
+it is unit-tested in milliseconds; engine.exec.kv_paging does the copies it plans.
+
+Physical blocks of the device pool (`BlockLayout`):
+
+    [0, slots * resident_blocks)   each slot's resident window: its logical blocks 0..resident_blocks-1, fixed
+    scratch_block                  one block every unmapped or host-held logical block points at (finite data,
+                                   never visible: a query at position p sees keys <= p, and p is always mapped)
+    [pool_base, ...)               the shared pool: handed to slots on demand, grown from the tier, spilled
+
+A logical block past the resident window is unmapped, on the device (a pool block), or on the host (a host
+block). `plan(wants)` makes every block a forward's slots address up to their end live on the device: free
+pool blocks first, then blocks of *other* slots spilled to the host (least recently used slot first, its lowest
+blocks first). A forward never spills its own slots' blocks, so it needs `sum(pool_need)` pool blocks at most:
+the runner splits forwards so that this fits (`engine.exec.runner.ModelRunner.span_groups`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The static shape of a paged cache: slots, logical blocks per slot, the resident window, block size."""
+
+    num_slots: int
+    blocks_per_slot: int  # logical blocks a slot addresses (context + scratch margin)
+    context_blocks: int  # logical blocks holding positions < context (past them: scratch only)
+    resident_blocks: int  # per slot: logical blocks [0, resident_blocks) own fixed device blocks
+    block_tokens: int
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_slots * self.resident_blocks
+
+    @property
+    def pool_base(self) -> int:
+        return self.scratch_block + 1
+
+    @property
+    def window_blocks(self) -> int:
+        """Pool blocks one slot can need: its context past the resident window (the pool's minimum size)."""
+        return max(0, self.context_blocks - self.resident_blocks)
+
+    def device_blocks(self, pool_blocks: int) -> int:
+        return self.pool_base + pool_blocks
+
+    def blocks_for(self, end_tokens: int) -> int:
+        """Logical blocks covering positions [0, end_tokens) that can hold a real token (< context)."""
+        return min(self.context_blocks, -(-max(0, end_tokens) // self.block_tokens))
+
+    def pool_need(self, end_tokens: int) -> int:
+        """Pool blocks a slot addressing positions [0, end_tokens) holds on the device during its forward."""
+        return max(0, self.blocks_for(end_tokens) - self.resident_blocks)
+
+
+class Where(Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One block copy: a spill (device pool block -> host block) or a fetch (host block -> device pool block)."""
+
+    slot: int
+    logical: int
+    src: int
+    dst: int
+
+
+@dataclass
+class Plan:
+    """What `BlockLedger.plan` decided: copies to make (spills before fetches) and the table rows that changed."""
+
+    spills: list[Move] = field(default_factory=list)
+    fetches: list[Move] = field(default_factory=list)
+    changed_slots: set[int] = field(default_factory=set)
+
+
+class PoolTooSmall(RuntimeError):
+    """A forward's slots need more pool blocks than the pool has (the runner splits forwards so this cannot)."""
+
+
+class BlockLedger:
+    """Owner of every pool and host block id; the block table's rows are derived from it (`table_row`)."""
+
+    def __init__(self, layout: BlockLayout, pool_blocks: int) -> None:
+        self.layout = layout
+        self.pool_blocks = 0
+        self.host_blocks = 0  # host block ids handed out so far (the host store's size)
+        self._free_pool: list[int] = []
+        self._free_host: list[int] = []
+        self._owned: list[dict[int, tuple[Where, int]]] = [{} for _ in range(layout.num_slots)]
+        # A slot's mapped blocks are always [resident_blocks, top): plan maps a window whole, and only release
+        # unmaps. With its host-held ones, that makes "nothing to do" (every decode step) O(1) per slot.
+        self._top = [layout.resident_blocks] * layout.num_slots
+        self._on_host: list[set[int]] = [set() for _ in range(layout.num_slots)]
+        self._last_use = [0] * layout.num_slots
+        self._clock = 0
+        self._retired: set[int] = set()
+        self.add_pool(pool_blocks)
+
+    # --- queries -------------------------------------------------------------------------------------------
+
+    @property
+    def free_pool_blocks(self) -> int:
+        return len(self._free_pool)
+
+    @property
+    def host_held_blocks(self) -> int:
+        return self.host_blocks - len(self._free_host)
+
+    def shortfall(self, wants: dict[int, int]) -> int:
+        """Pool blocks `plan(wants)` would have to take from other slots (0: the free pool covers it)."""
+        return max(0, sum(len(self._missing(slot, end)) for slot, end in wants.items()) - len(self._free_pool))
+
+    def table_row(self, slot: int) -> list[int]:
+        """Physical block of each of the slot's logical blocks (scratch where unmapped or on the host)."""
+        lay = self.layout
+        row = [lay.scratch_block] * lay.blocks_per_slot
+        for j in range(min(lay.resident_blocks, lay.blocks_per_slot)):
+            row[j] = slot * lay.resident_blocks + j
+        for j, (where, idx) in self._owned[slot].items():
+            if where is Where.DEVICE:
+                row[j] = idx
+        return row
+
+    def placement_tokens(self, slot: int, length_tokens: int) -> tuple[int, int, int]:
+        """(resident, pooled, host) tokens of the slot's first `length_tokens` positions."""
+        bt = self.layout.block_tokens
+
+        def held(j: int) -> int:
+            return max(0, min(bt, length_tokens - j * bt))
+
+        resident = sum(held(j) for j in range(self.layout.resident_blocks))
+        pooled = sum(held(j) for j, (w, _) in self._owned[slot].items() if w is Where.DEVICE)
+        host = sum(held(j) for j, (w, _) in self._owned[slot].items() if w is Where.HOST)
+        return resident, pooled, host
+
+    # --- commands ------------------------------------------------------------------------------------------
+
+    def add_pool(self, count: int) -> list[int]:
+        """`count` more pool blocks (the pool tensors grew): their physical ids."""
+        base = self.layout.pool_base + self.pool_blocks
+        ids = list(range(base, base + count))
+        self.pool_blocks += count
+        self._free_pool.extend(reversed(ids))  # pop() hands out the lowest first
+        return ids
+
+    def plan(self, wants: dict[int, int]) -> Plan:
+        """Make every block slot s addresses below wants[s] (tokens) live on the device; returns the copies."""
+        self._clock += 1
+        for slot in wants:
+            self._last_use[slot] = self._clock
+        plan = Plan()
+        needed = [(slot, j) for slot, end in wants.items() for j in self._missing(slot, end)]
+        short = len(needed) - len(self._free_pool)
+        if short > 0:
+            victims = self._victims(wants)
+            if len(victims) < short:
+                raise PoolTooSmall(f"the forward needs {len(needed)} more pool blocks; {len(self._free_pool)} are "
+                                   f"free and {len(victims)} can be spilled (pool {self.pool_blocks} blocks)")
+            for slot, j in victims[:short]:
+                _, pid = self._owned[slot][j]
+                hid = self._take_host()
+                self._owned[slot][j] = (Where.HOST, hid)
+                self._on_host[slot].add(j)
+                self._free_pool.append(pid)
+                plan.spills.append(Move(slot, j, pid, hid))
+                plan.changed_slots.add(slot)
+        for slot, j in needed:
+            pid = self._free_pool.pop()
+            held = self._owned[slot].get(j)
+            if held is not None:  # on the host: bring it back
+                plan.fetches.append(Move(slot, j, held[1], pid))
+                self._free_host.append(held[1])
+                self._on_host[slot].discard(j)
+            self._owned[slot][j] = (Where.DEVICE, pid)
+            self._top[slot] = max(self._top[slot], j + 1)
+            plan.changed_slots.add(slot)
+        return plan
+
+    def release(self, slot: int) -> bool:
+        """Give back every pool and host block of the slot (its request ended); True when it held any."""
+        owned = self._owned[slot]
+        for where, idx in owned.values():
+            (self._free_pool if where is Where.DEVICE else self._free_host).append(idx)
+        self._owned[slot] = {}
+        self._top[slot] = self.layout.resident_blocks
+        self._on_host[slot] = set()
+        self._retired.discard(slot)
+        return bool(owned)
+
+    def retire(self, slot: int) -> None:
+        """The slot's request finished: its blocks are given back at the next `reclaim` (the engine calls it when
+        a step starts), so what the step still copies from the slot (the tier's fill after its last chunk) stays
+        valid until then."""
+        self._retired.add(slot)
+
+    def reclaim(self) -> set[int]:
+        """Release every retired slot now; returns the slots whose table rows changed."""
+        changed = {slot for slot in list(self._retired) if self.release(slot)}
+        self._retired.clear()
+        return changed
+
+    # --- internals -----------------------------------------------------------------------------------------
+
+    def _missing(self, slot: int, end: int) -> list[int]:
+        """Logical blocks below `end` tokens that are not on the device: host-held ones, then unmapped ones."""
+        top = self.layout.blocks_for(end)
+        held = sorted(j for j in self._on_host[slot] if j < top) if self._on_host[slot] else []
+        return held + list(range(self._top[slot], top))
+
+    def _victims(self, wants: dict[int, int]) -> list[tuple[int, int]]:
+        """Device pool blocks a plan may spill: other slots' (least recently used slot first, lowest block
+        first), then this forward's slots' blocks past what it addresses."""
+        out: list[tuple[int, int]] = []
+        others = sorted((s for s in range(self.layout.num_slots) if s not in wants), key=lambda s: self._last_use[s])
+        for slot in others:
+            out += [(slot, j) for j in sorted(self._owned[slot]) if self._owned[slot][j][0] is Where.DEVICE]
+        for slot, end in wants.items():
+            top = self.layout.blocks_for(end)
+            out += [(slot, j) for j in sorted(self._owned[slot])
+                    if j >= top and self._owned[slot][j][0] is Where.DEVICE]
+        return out
+
+    def _take_host(self) -> int:
+        if self._free_host:
+            return self._free_host.pop()
+        self.host_blocks += 1
+        return self.host_blocks - 1
