@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from engine.api import EngineClient, RequestOutput
 from engine.server.expert_metrics import expert_metric_families
+from engine.server.kv_metrics import kv_metric_families
 from engine.telemetry import AdmissionEvent, ErrorEvent, Event, GraphEvent, SwitchEvent, TierEvent, VramEvent
 
 log = logging.getLogger("strata.server")
@@ -196,6 +197,7 @@ class _StateCollector(Collector):
                 fam.add_metric([device, part], mib)
             yield fam
         yield from expert_metric_families(state)
+        yield from kv_metric_families(state)
 
 
 class _HealthCollector(Collector):

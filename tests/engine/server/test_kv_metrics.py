@@ -5,10 +5,9 @@ host-held bytes and the spill / fetch traffic of a real engine that spilled."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-
-from engine.api import SamplingParams
+from engine.api import Health, HealthStatus, SamplingParams
 from engine.server.kv_metrics import kv_metric_families
+from engine.server.metrics import ServerMetrics
 from engine.snapshot import EngineSnapshot
 from tests.engine.engine_helpers import make_engine, random_prompts
 
@@ -16,13 +15,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _series(state: dict) -> str:
-    class _State:
-        def collect(self):
-            return kv_metric_families(state)
+    """What GET /metrics answers for an engine that published `state` (the server reads the published one)."""
 
-    registry = CollectorRegistry()
-    registry.register(_State())
-    return generate_latest(registry).decode()
+    class _Published:
+        def state(self):
+            return state
+
+        def health(self):
+            return Health(HealthStatus.READY)
+
+    return ServerMetrics(_Published()).render().decode()
 
 
 def test_state_and_prometheus_series_of_an_engine_that_spilled(ckpt):
