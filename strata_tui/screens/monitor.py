@@ -43,6 +43,9 @@ def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = No
             f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
 
 
+_EXPERT_KEYS = Binding.Group("Experts", compact=True)
+
+
 def _switch_bindings() -> list[Binding]:
     return [
         Binding(str(i + 1), f"app.toggle_switch({i + 1})", f"Toggle {sw.name}", show=False)
@@ -64,9 +67,9 @@ class MonitorScreen(Screen):
         Binding("minus", "app.reserve(-1, False)", "Reserve -"),
         Binding("right_square_bracket", "app.reserve(1, True)", "Reserve ++", show=False),
         Binding("left_square_bracket", "app.reserve(-1, True)", "Reserve --", show=False),
-        # Shown in the footer only while the engine has an expert cache (check_action).
-        Binding("greater_than_sign", "expert_budget(1)", "Experts +"),
-        Binding("less_than_sign", "expert_budget(-1)", "Experts -"),
+        # Shown in the footer (one entry for both) only while the engine has an expert cache (check_action).
+        Binding("greater_than_sign", "expert_budget(1)", "Experts +", group=_EXPERT_KEYS),
+        Binding("less_than_sign", "expert_budget(-1)", "Experts -", group=_EXPERT_KEYS),
         *_switch_bindings(),
     ]
 

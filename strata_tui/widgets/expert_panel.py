@@ -44,9 +44,12 @@ def expert_lines(view: ExpertView, note: str = "") -> list[Text]:
     snap = view.snapshot
     per_step = NA if view.misses_per_step is None else f"{view.misses_per_step:.2f}"
     rates = Text.assemble(("hits ", "dim"), (_pct(hit), style), ("  oracle ", "dim"), _pct(view.oracle_hit_rate),
-                          ("  misses/step ", "dim"), per_step,
-                          ("  reruns ", "dim"), str(snap.get("reruns", NA)), ("  replays ", "dim"),
-                          str(snap.get("replays", NA)))
+                          ("  misses/step ", "dim"), per_step)
+    runs = Text.assemble(("reruns ", "dim"), str(snap.get("reruns", NA)), ("  replays ", "dim"),
+                         str(snap.get("replays", NA)))
+    resize = view.last_resize
+    if resize is not None:
+        runs.append(f"  {resize.action} → {resize.slots}: {resize.reason}", style="dim")
     layers = view.layer_hit_rates()
     per_layer = Text("layers ", style="dim")
     if layers:
@@ -57,7 +60,7 @@ def expert_lines(view: ExpertView, note: str = "") -> list[Text]:
             per_layer.append(" ".join(f"L{i} {r * 100:.0f}%" for i, r in worst))
     else:
         per_layer.append(NA)
-    lines = [_one_line(budget), _one_line(rates), _one_line(per_layer)]
+    lines = [_one_line(budget), _one_line(rates), _one_line(per_layer), _one_line(runs)]
     if note:
         lines.append(_one_line(Text(f"  {note}", style="dim italic")))
     return lines
