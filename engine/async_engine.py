@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any, AsyncIterator, Callable
 
 from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
-from engine.config import EngineConfig, check_vram_reserve_mib
+from engine.config import EngineConfig, check_expert_cache_mib, check_vram_reserve_mib
 from engine.errors import EngineDead
 from engine.exec.gpu_errors import real_message
 from engine.snapshot import EngineSnapshot, HealthSnapshot
@@ -157,6 +157,10 @@ class AsyncEngine:
     async def set_vram_reserve(self, mib: int) -> int:
         check_vram_reserve_mib(mib)
         return await self._call(lambda: self._require_engine().set_vram_reserve(mib))
+
+    async def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
+        check_expert_cache_mib(mib)
+        return await self._call(lambda: self._require_engine().set_expert_cache_mib(mib))
 
     # --- engine thread -------------------------------------------------------------------------------------
 

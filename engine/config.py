@@ -28,6 +28,7 @@ _CUDA_RE = re.compile(r"^cuda(:\d+)?$")
 
 
 VRAM_RESERVE_MAX_MIB = 1 << 20  # the reserve's range is 0..this, wherever it is set (CLI, profile, live route)
+EXPERT_CACHE_MAX_MIB = 1 << 24  # an expert-cache budget's range is 1..this (CLI, profile, live route)
 
 
 def _opt(help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None, group: str = "engine",
@@ -112,9 +113,7 @@ class EngineConfig:
         check_vram_reserve_mib(self.vram_reserve_mib)
         if self.expert_cache_mib is not None and self.expert_cache_mib != "auto":
             value = self.expert_cache_mib
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 24:
-                raise ConfigError("expert_cache_mib", value,
-                                  "expected a whole number of MiB (1..16777216) or auto (what the VRAM books leave)")
+            check_expert_cache_mib(value, "expert_cache_mib", " or auto (what the VRAM books leave)")
         if self.peer_device is not None and not _CUDA_RE.match(self.peer_device):
             raise ConfigError("peer_device", self.peer_device, "expected cuda:N")
         if not (0 <= self.port <= 65535):
@@ -234,6 +233,13 @@ def _coerce(name: str, type_hint: Any, value: Any) -> Any:
         if isinstance(value, Mapping):
             return {str(k): bool(v) for k, v in value.items()}
         raise ConfigError(name, value, "expected a table of NAME = true/false")
+    return value
+
+
+def check_expert_cache_mib(value: Any, param: str = "mib", alternative: str = "") -> int:
+    """An expert-cache budget's one range check (the CLI, a profile and the live route all go through it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= EXPERT_CACHE_MAX_MIB:
+        raise ConfigError(param, value, f"expected a whole number of MiB (1..{EXPERT_CACHE_MAX_MIB}){alternative}")
     return value
 
 

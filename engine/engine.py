@@ -23,8 +23,9 @@ import torch
 from engine.api import Health, HealthStatus, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_setup import EngineParts, build_parts, release_device_memory
-from engine.errors import EngineDead, RequestRejected
+from engine.errors import EngineDead, NoExpertCache, RequestRejected
 from engine.core.output import OutputProcessor, Track
+from engine.exec.expert_setup import check_min_budget
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
@@ -145,6 +146,19 @@ class Engine:
         self.report.vram(force=True)
         self.publish_snapshot(force=True)
         return int(self.budget.reserve_mib)
+
+    def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
+        """Retune the MoE expert cache's budget live (engine.exec.vram.VramBudget.set_expert_budget); returns the
+        cache's snapshot afterwards. NoExpertCache for a dense model, ConfigError (mib) below one slot a layer."""
+        cache = self.lm.model.expert_provider
+        if cache is None:
+            raise NoExpertCache(f"the model {self.model_name} has no MoE layers: there is no expert cache to resize")
+        check_min_budget(cache, mib, "mib")
+        budget = next(b for b in self.budgets if b.experts is cache)
+        budget.set_expert_budget(mib, f"expert cache set to {mib} MiB")
+        self.report.vram(force=True)
+        self.publish_snapshot(force=True)
+        return cache.snapshot()
 
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
         """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""

@@ -91,6 +91,10 @@ class SwitchNeedsRestart(StrataError):
         super().__init__(f"switch {name} is read at start: set STRATA_{name} and restart the engine to apply it")
 
 
+class NoExpertCache(StrataError):
+    """A request about the MoE expert cache to an engine whose model has no routed experts (a dense model)."""
+
+
 class UnknownSwitch(StrataError, KeyError):
     def __init__(self, name: str, known: list[str]) -> None:
         self.name = name

@@ -28,6 +28,7 @@ from strata_tui.messages import (
     EngineLiveness,
     EngineOutput,
     EngineReady,
+    ExpertsSnapshot,
     GpuSampled,
     LoadProgress,
     StateSnapshot,
@@ -44,7 +45,8 @@ from strata_tui.shutdown import Shutdown
 from strata_tui.telemetry_client import TelemetryClient
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
 from strata_tui.view_state import CrashInfo, ViewState
-from strata_tui.workers import engine_callbacks, run_engine, sample_gpus, stream_telemetry, watch_liveness
+from strata_tui.workers import (engine_callbacks, poll_experts, run_engine, sample_gpus, stream_telemetry,
+                                watch_liveness)
 
 TELEMETRY_DRAIN_S = 1.0
 
@@ -194,6 +196,7 @@ class StrataApp(App):
         self.client = TelemetryClient(url, api_key=self.api_key())
         self.run_worker(stream_telemetry(self.post_message, self.client), group="telemetry", exit_on_error=False)
         self.run_worker(watch_liveness(self.post_message, self.client), group="telemetry", exit_on_error=False)
+        self.run_worker(poll_experts(self.post_message, self.client), group="telemetry", exit_on_error=False)
 
     def _close_client(self) -> None:
         self.workers.cancel_group(self, "telemetry")
@@ -266,6 +269,10 @@ class StrataApp(App):
             view.monitor.engine_state = "ready"
             view.crash = None
         view.changed()
+
+    def on_experts_snapshot(self, message: ExpertsSnapshot) -> None:
+        self.view.monitor.apply_experts(message.experts)
+        self.view.changed()
 
     def on_telemetry_status(self, message: TelemetryStatus) -> None:
         view = self.view

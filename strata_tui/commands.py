@@ -1,4 +1,4 @@
-"""The command palette's entries (ctrl+p): every action, each VRAM reserve step, each scenario, each switch."""
+"""The command palette's entries (ctrl+p): every action, each VRAM reserve step, the expert-cache budget, each scenario, each switch."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def palette_commands(app: "StrataApp") -> Iterable[SystemCommand]:
         label = f"VRAM reserve {'up' if step > 0 else 'down'}{' (large step)' if large else ''}"
         yield SystemCommand(label, "Retune the reserve live and save it to the profile",
                             lambda s=step, big=large: app.action_reserve(s, big))
+    if app.view.monitor.experts is not None:  # MoE engines only
+        for step in (1, -1):
+            yield SystemCommand(f"Expert cache {'up' if step > 0 else 'down'}",
+                                "One slot per layer, live, saved to the profile as expert_cache_mib",
+                                lambda s=step: app.controls.expert_budget(s))
     from engine.loadgen.scenarios import SCENARIOS
 
     for name, scenario in SCENARIOS.items():

@@ -1,4 +1,4 @@
-"""What the monitor's keys do: switches, the VRAM reserve and load scenarios. A collaborator the app
+"""What the monitor's keys do: switches, the VRAM reserve, the expert-cache budget and load scenarios. A collaborator the app
 delegates its actions to; it reads and writes the ViewState and never draws.
 
 A key is acknowledged at once (the note changes before any I/O), then a worker writes the one changed key
@@ -134,6 +134,56 @@ class Controls:
         else:
             self.view.reserve_note = f"not applied: {result.message}"
             self._notify(f"VRAM reserve {mib} MiB: {result.message}", severity="error")
+        self.view.changed()
+
+    # --- expert cache (MoE) ---------------------------------------------------------------------------
+
+    def expert_budget(self, direction: int) -> None:
+        """One slot per layer more (+1) or fewer (-1) in the expert cache: applied live (a grow takes only what
+        the engine's VRAM books allow) and saved to the profile as `expert_cache_mib` (launched runs only)."""
+        experts = self.view.monitor.experts
+        if experts is None:
+            self._notify("this engine has no expert cache (a dense model)", severity="warning")
+            return
+        if self.view.profile is None and not self.view.attached:
+            return
+        from strata_tui.expert_view import budget_step_mib
+
+        new_mib = budget_step_mib(experts.snapshot, direction)
+        if new_mib is None:
+            self.view.expert_note = ("every expert is resident already" if direction > 0
+                                     else "one slot per layer is the least")
+            self.view.changed()
+            return
+        client = self._client()
+        self.view.expert_note = (f"{new_mib} MiB: applying live…" if client is not None
+                                 else f"{new_mib} MiB: saving, applies at the next start")
+        self.view.changed()
+        self._run_worker(self._expert_budget(new_mib, client), group="experts", exclusive=True,
+                         exit_on_error=False)
+
+    async def _expert_budget(self, mib: int, client: TelemetryClient | None) -> None:
+        if not self.view.attached:
+            profile_name = self.view.profile.name
+            if await self._write(lambda: self.store.set_engine(profile_name, expert_cache_mib=mib)) is None:
+                self.view.expert_note = "not saved"
+                self.view.changed()
+                return
+            if client is None:
+                self.view.expert_note = f"{mib} MiB saved: applies at the next start"
+                self.view.changed()
+                return
+        result = await client.set_expert_cache_mib(mib)
+        if result.ok:
+            if isinstance(result.body, dict) and isinstance(result.body.get("experts"), dict):
+                self.view.monitor.apply_experts(result.body["experts"])
+            experts = self.view.monitor.experts
+            short = experts is not None and experts.slots is not None and experts.slots < (experts.target_slots or 0)
+            self.view.expert_note = (f"{mib} MiB applied live" + (": growing as VRAM frees" if short else "")
+                                     + ("" if self.view.attached else ", saved"))
+        else:
+            self.view.expert_note = f"not applied: {result.message}"
+            self._notify(f"expert cache {mib} MiB: {result.message}", severity="error")
         self.view.changed()
 
     # --- load ----------------------------------------------------------------------------------------

@@ -32,6 +32,17 @@ class StateSnapshot(Message):
 
 
 @dataclass
+class ExpertsSnapshot(Message):
+    """The `experts` section of `/strata/state`, polled about once a second for an MoE engine (its hit
+    counters are in no event); each one carries the whole picture, so a burst collapses to the newest."""
+
+    experts: dict
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ExpertsSnapshot)
+
+
+@dataclass
 class TelemetryStatus(Message):
     """The event stream connected or dropped (with why)."""
 

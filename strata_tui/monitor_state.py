@@ -18,6 +18,7 @@ from engine.telemetry import (
     EngineEvent,
     ErrorEvent,
     Event,
+    ExpertEvent,
     GraphEvent,
     SlotEvent,
     SwitchEvent,
@@ -25,6 +26,7 @@ from engine.telemetry import (
     VramEvent,
     WarningEvent,
 )
+from strata_tui.expert_view import ExpertView
 from strata_tui.prefill_eta import PrefillTrack
 
 GRAPH_SEVERITY = {"capture": 0, "release": 0, "evict": 1, "retry": 1, "wait": 1, "fail": 2, "degrade": 2}
@@ -75,6 +77,7 @@ class MonitorState:
     last_admission: AdmissionEvent | None = None
     switches: dict[str, SwitchView] = field(default_factory=dict)
     vram_reserve_mib: int | None = None
+    experts: ExpertView | None = None  # an MoE engine's expert cache; None: a dense model (no panel)
     prefills: OrderedDict[str, PrefillTrack] = field(default_factory=OrderedDict)  # by request id
     last_seq: int = 0
     version: int = 0
@@ -92,6 +95,7 @@ class MonitorState:
         self.slots.clear()
         self.vram.clear()
         self.tier, self.last_error, self.last_warning, self.last_admission = None, None, None, None
+        self.experts = None
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -102,7 +106,7 @@ class MonitorState:
         """Another engine answers now (restarted elsewhere): nothing the old one said still holds."""
         self.slots.clear()
         self.vram.clear()
-        self.tier, self.last_admission = None, None
+        self.tier, self.last_admission, self.experts = None, None, None
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -130,6 +134,9 @@ class MonitorState:
             self.graph_events.append(event)
         elif isinstance(event, TierEvent):
             self.tier = event
+        elif isinstance(event, ExpertEvent):
+            if self.experts is not None:  # sizes and counters come with the state snapshot
+                self.experts.apply(event)
         elif isinstance(event, AdmissionEvent):
             self.last_admission = event
             track = self._prefill_track(event.request_id, event.prompt_tokens, event.cached_tokens)
@@ -209,6 +216,18 @@ class MonitorState:
                 self.vram_reserve_mib = int(round(event.reserve_mib))
         if isinstance(snapshot.get("vram_reserve_mib"), int):
             self.vram_reserve_mib = snapshot["vram_reserve_mib"]
+        if "experts" in snapshot:
+            self.apply_experts(snapshot["experts"])
+
+    def apply_experts(self, experts: Any) -> None:
+        """The `experts` section of a state snapshot (or a control answer); None: a dense model."""
+        self.version += 1
+        if not isinstance(experts, dict):
+            self.experts = None
+            return
+        if self.experts is None:
+            self.experts = ExpertView()
+        self.experts.update(experts)
 
     def note_exit(self, returncode: int) -> None:
         """The launcher saw the process end."""

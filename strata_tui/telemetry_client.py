@@ -79,6 +79,10 @@ class TelemetryClient:
     async def set_vram_reserve(self, mib: int) -> ControlResult:
         return await self._post("/strata/vram-reserve", {"mib": mib})
 
+    async def set_expert_cache_mib(self, mib: int) -> ControlResult:
+        """POST /strata/expert-cache; the answer's body carries the cache's snapshot (`experts`); 409: dense."""
+        return await self._post("/strata/expert-cache", {"mib": mib})
+
     async def _post(self, path: str, payload: dict[str, Any]) -> ControlResult:
         try:
             response = await self._http.post(path, json=payload)

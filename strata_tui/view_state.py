@@ -74,6 +74,7 @@ class ViewState:
     unreachable_since: float | None = None  # wall clock of the first failure since the last success
     status_note: str = ""
     reserve_note: str = ""
+    expert_note: str = ""  # the last answer about the expert-cache budget keys
     load_running: str | None = None  # the scenario being played
     load_progress: str = ""  # its latest step
     load_result: str | None = None  # the last scenario's result, for its panel

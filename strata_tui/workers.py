@@ -19,6 +19,7 @@ from strata_tui.messages import (
     EngineLiveness,
     EngineOutput,
     EngineReady,
+    ExpertsSnapshot,
     GpuSampled,
     LoadProgress,
     StateSnapshot,
@@ -83,6 +84,26 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
             restarts = client.engine_restarts
             post(StateSnapshot(await client.state(), fresh_engine=True))
         post(TelemetryBatch(batch))
+
+
+async def poll_experts(post: Post, client: TelemetryClient, interval_s: float = 1.0,
+                       dense_interval_s: float = 10.0) -> None:
+    """Read `/strata/state` every `interval_s` while the engine has an expert cache and post its `experts`
+    section (hit and miss counters change every step but travel in no event); a dense model is asked again
+    only every `dense_interval_s` (a restarted engine may be an MoE one). The next read is scheduled when
+    one finishes, so reads never overlap."""
+    while True:
+        started = time.monotonic()
+        experts = None
+        try:
+            state = await client.state()
+            experts = state.get("experts") if isinstance(state, dict) else None
+        except (httpx.HTTPError, OSError, ValueError):
+            pass  # the liveness probe and the event stream report an engine that does not answer
+        if isinstance(experts, dict):
+            post(ExpertsSnapshot(experts))
+        wait_s = interval_s if isinstance(experts, dict) else dense_interval_s
+        await asyncio.sleep(max(0.0, wait_s - (time.monotonic() - started)))
 
 
 async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float = LIVENESS_INTERVAL_S,

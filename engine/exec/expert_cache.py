@@ -165,6 +165,11 @@ class ExpertCache:
         return self.mib_for(self.slots)
 
     @property
+    def min_mib(self) -> float:
+        """The smallest budget: `min_slots` per layer plus each layer's miss slot."""
+        return self.mib_for(self.min_slots)
+
+    @property
     def all_experts_mib(self) -> float:
         return self.num_layers * self.num_experts * self.expert_mib
 
@@ -188,6 +193,13 @@ class ExpertCache:
         """Make `mib` the target and resize to it (whole slots, capped at every expert)."""
         self.target_slots = self.clamp_slots(self.slots_for(mib))
         self._resize(self.target_slots, reason)
+
+    def retarget(self, mib: float, reason: str) -> None:
+        """A live budget change: make `mib` the target and shrink to it at once; a larger target is reached by
+        `grow`, as far as the VRAM books allow (VramBudget.set_expert_budget)."""
+        self.target_slots = self.clamp_slots(self.slots_for(mib))
+        if self.target_slots < self.slots:
+            self._resize(self.target_slots, reason)
 
     def grow(self, room_mib: float, reason: str) -> float:
         """Regrow towards the target into `room_mib` of measured room; returns MiB added."""

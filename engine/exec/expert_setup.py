@@ -29,11 +29,8 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
         return cache
     want_mib = cache.all_experts_mib + cache.mib_for(0) if budget is None else float(budget)
     slots = cache.clamp_slots(cache.slots_for(want_mib))
-    min_mib = cache.mib_for(cache.min_slots)
-    if budget is not None and float(budget) < min_mib:
-        raise ConfigError("expert_cache_mib", budget,
-                          f"below the minimum of {min_mib:.1f} MiB (one slot of {cache.expert_mib:.3f} MiB per "
-                          f"sparse layer x {cache.num_layers} layers, plus each layer's miss slot)")
+    if budget is not None:
+        check_min_budget(cache, budget, "expert_cache_mib")
     available = free_mib + cache.mib - reserve_mib
     if device.type == "cuda" and cache.mib_for(slots) > available:
         what = "every expert needs" if budget is None else "the expert cache needs"
@@ -43,6 +40,14 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
                           "use --expert-cache-mib auto or a smaller --expert-cache-mib")
     cache.set_budget(cache.mib_for(slots), "start")
     return cache
+
+
+def check_min_budget(cache: ExpertCache, mib: Any, param: str) -> None:
+    """ConfigError naming `param` when `mib` cannot hold one slot per sparse layer (start-up and live route)."""
+    if float(mib) < cache.min_mib:
+        raise ConfigError(param, mib,
+                          f"below the minimum of {cache.min_mib:.1f} MiB (one slot of {cache.expert_mib:.3f} MiB per "
+                          f"sparse layer x {cache.num_layers} layers, plus each layer's miss slot)")
 
 
 def grow_auto(cache: ExpertCache, budget: Any, free_mib: float, reserve_mib: float) -> None:

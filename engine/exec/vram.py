@@ -299,6 +299,15 @@ class VramBudget:
         if room >= _GROW_MIN_BLOCKS * tier.block_mib:
             tier.set_budget(tier.capacity_mib + room, reason)
 
+    def set_expert_budget(self, mib: float, reason: str) -> None:
+        """Retune the expert cache live: a smaller budget gives its memory back at once; a larger one grows only
+        into the room the books leave, like the tier (CPU has no books to measure: it grows to the budget)."""
+        self.experts.retarget(mib, reason)
+        if self.device.type == "cuda":
+            self.rebalance(reason)
+        else:
+            self.experts.grow(self.experts.mib_for(self.experts.target_slots), reason)
+
     def set_reserve(self, mib: float) -> None:
         """Retune the reserve live; the tier shrinks at once when the new reserve is not free."""
         self.reserve_mib = float(mib)

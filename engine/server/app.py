@@ -33,6 +33,7 @@ from engine.server.protocol import (
     SwitchRequest,
     BodyT,
     VramReserveRequest,
+    ExpertCacheRequest,
     parse_body,
 )
 from engine.server.serving import Serving
@@ -135,6 +136,12 @@ def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepali
         body = await _parsed(VramReserveRequest, request)
         mib = await client.set_vram_reserve(body.mib)
         return JSONResponse({"vram_reserve_mib": mib})
+
+    @app.post("/strata/expert-cache")
+    async def set_expert_cache(request: Request) -> JSONResponse:
+        body = await _parsed(ExpertCacheRequest, request)
+        snapshot = await client.set_expert_cache_mib(body.mib)
+        return JSONResponse({"expert_cache_mib": body.mib, "experts": jsonable_encoder(snapshot)})
 
 
 def _respond(result: Any) -> Response:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from engine.errors import (
     ConfigError,
     EngineDead,
+    NoExpertCache,
     QueueFull,
     RequestRejected,
     StrataError,
@@ -70,6 +71,8 @@ def from_exception(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), type="engine_dead", code="engine_dead")
     if isinstance(exc, SwitchNeedsRestart):
         return ApiError(409, str(exc), param="name", code="switch_needs_restart")
+    if isinstance(exc, NoExpertCache):
+        return ApiError(409, str(exc), param="mib", code="no_expert_cache")
     if isinstance(exc, UnknownSwitch):
         return ApiError(404, str(exc), param="name", code="unknown_switch")
     if isinstance(exc, ConfigError):

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from engine.config import VRAM_RESERVE_MAX_MIB
+from engine.config import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
 from engine.server.errors import from_exception, from_validation_error, invalid_param, malformed_json
 
@@ -130,6 +130,13 @@ class VramReserveRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     mib: Annotated[StrictInt, Field(ge=0, le=VRAM_RESERVE_MAX_MIB)]
+
+
+class ExpertCacheRequest(BaseModel):
+    """POST /strata/expert-cache."""
+
+    model_config = ConfigDict(extra="forbid")
+    mib: Annotated[StrictInt, Field(ge=1, le=EXPERT_CACHE_MAX_MIB)]
 
 
 # --- responses ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ def help_markdown() -> str:
 | `1`-`9` | toggle an opt-in switch (live where the engine allows it, else saved for the next start) |
 | `+` / `-` | VRAM reserve up / down by the small step (live, saved to the profile) |
 | `]` / `[` | VRAM reserve up / down by the large step |
+| `>` / `<` | MoE engines: expert-cache budget up / down by one slot per layer (live, saved to the profile as `expert_cache_mib`) |
 | `l` | run the load scenario (the seed report: six short generations, then one fresh long prompt) |
 | `r` | restart the engine (applies start-only switches and edited options) |
 | `s` | stop the engine |

@@ -20,6 +20,7 @@ from engine.telemetry import AdmissionEvent
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.engine_log import EngineLog
+from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
 from strata_tui.prefill_eta import PrefillTrack
@@ -43,6 +44,9 @@ def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = No
             f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
 
 
+_EXPERT_KEYS = Binding.Group("Experts", compact=True)
+
+
 def _switch_bindings() -> list[Binding]:
     return [
         Binding(str(i + 1), f"app.toggle_switch({i + 1})", f"Toggle {sw.name}", show=False)
@@ -64,6 +68,9 @@ class MonitorScreen(Screen):
         Binding("minus", "app.reserve(-1, False)", "Reserve -"),
         Binding("right_square_bracket", "app.reserve(1, True)", "Reserve ++", show=False),
         Binding("left_square_bracket", "app.reserve(-1, True)", "Reserve --", show=False),
+        # Shown in the footer (one entry for both) only while the engine has an expert cache (check_action).
+        Binding("greater_than_sign", "expert_budget(1)", "Experts +", group=_EXPERT_KEYS),
+        Binding("less_than_sign", "expert_budget(-1)", "Experts -", group=_EXPERT_KEYS),
         *_switch_bindings(),
     ]
 
@@ -83,6 +90,7 @@ class MonitorScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self._drawn_version = -1
+        self._experts_shown = False
         self._log_written = 0
         self.draws = 0
         self.last_draw_s = 0.0  # wall time of the last redraw that changed something (latency bench)
@@ -101,6 +109,7 @@ class MonitorScreen(Screen):
             with Horizontal(id="lower"):
                 with Vertical(id="left"):
                     yield LoadResultPanel(id="load-result")
+                    yield ExpertPanel(id="experts", classes="panel")
                     yield GraphEventsTable(id="graph", classes="panel")
                     yield EngineLog(id="log", classes="panel")
                 yield SwitchesPanel(id="switches", classes="panel")
@@ -111,6 +120,7 @@ class MonitorScreen(Screen):
         self.query_one(SlotsTable).border_title = "Slots"
         self.query_one(SwitchesPanel).border_title = "Switches"
         self.query_one(EngineLog).border_title = "Engine log"
+        self.query_one(ExpertPanel).border_title = "Expert cache"
         self.query_one(CrashPanel).border_title = "Engine stopped"
         self._set_graph_title()
         self.set_interval(self.strata.view.settings.refresh_s, self.redraw)
@@ -129,6 +139,14 @@ class MonitorScreen(Screen):
             view.load_result = None
             view.changed()
             self.redraw()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "expert_budget":  # a dense model has no expert cache: no keys for one
+            return self.strata.view.monitor.experts is not None
+        return True
+
+    def action_expert_budget(self, direction: int) -> None:
+        self.strata.controls.expert_budget(direction)
 
     def action_cycle_filter(self) -> None:
         table = self.query_one(GraphEventsTable)
@@ -159,7 +177,12 @@ class MonitorScreen(Screen):
         self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib,
                                            (settings.reserve_step_mib, settings.reserve_big_step_mib),
                                            view.reserve_note)
-        for widget in (slots, self.query_one(GpuPanel), self.query_one(SwitchesPanel)):
+        experts = self.query_one(ExpertPanel)
+        experts.show(state.experts, view.expert_note)
+        if (state.experts is not None) != self._experts_shown:
+            self._experts_shown = state.experts is not None
+            self.refresh_bindings()
+        for widget in (slots, self.query_one(GpuPanel), self.query_one(SwitchesPanel), experts):
             widget.set_class(view.stale, "-stale")
         self._write_log()
         crash = self.query_one(CrashPanel)

@@ -1,5 +1,6 @@
 """GPU panel: every GPU NVML sees (name, memory bar, util, temperature, power, a minute of history) and,
-beside it, the engine's own VRAM breakdown for that device (weights, KV, graphs, tier, reserve, free)."""
+beside it, the engine's own VRAM breakdown for that device (weights, KV, graphs, tier, the MoE expert cache
+when there is one, reserve, free)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from strata_tui.gpu import GpuHistory, GpuSample
 from strata_tui.widgets.format import NA, bar, mib, num, sparkline
 
 BREAKDOWN = (("weights", "weights_mib", "blue"), ("KV", "kv_mib", "green"), ("graphs", "graphs_mib", "magenta"),
-             ("tier", "tier_mib", "cyan"), ("reserve", "reserve_mib", "yellow"))
+             ("tier", "tier_mib", "cyan"), ("experts", "experts_mib", "bright_magenta"),
+             ("reserve", "reserve_mib", "yellow"))
 _CUDA_INDEX = re.compile(r"^cuda:(\d+)$")
 COMPACT_BELOW = 130  # content width under which the panel draws its compact form (100x30 terminals)
 
@@ -40,6 +42,8 @@ def breakdown_text(vram: VramEvent, compact: bool = False) -> Text:
     gap = " " if compact else "  "
     text = Text()
     for label, attr, style in BREAKDOWN:
+        if attr == "experts_mib" and not vram.experts_mib:
+            continue  # a dense model: no expert cache in its books
         text.append(f"{label} ", style="dim")
         text.append(size(getattr(vram, attr)) + gap, style=style)
     text.append("free ", style="dim")

@@ -10,6 +10,9 @@ object. It loads no model. Behaviour comes from the environment:
                       | fail-start (exit 2 at once) | ignore-term (ignore SIGTERM: tests the SIGKILL path)
   FAKE_ENGINE_BUSY    "SLOTS:HZ": keep SLOTS slots decoding, each publishing HZ slot events a second,
                       plus a VRAM event a second (the TUI benchmark's steady load)
+  FAKE_ENGINE_EXPERTS a recorded /strata/state (fixtures/moe_state.json): an MoE engine whose state has that
+                      `experts` section and whose POST /strata/expert-cache resizes it (whole slots per layer,
+                      as engine.exec.expert_cache does); without it, the route answers 409 like a dense model
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.errors import SwitchNeedsRestart, UnknownSwitch  # noqa: E402
 from engine.switches import SwitchBoard, switches_from_env  # noqa: E402
-from engine.telemetry import (EventBus, SlotEvent, SwitchEvent, VramEvent, event_from_json)  # noqa: E402
+from engine.telemetry import (EventBus, ExpertEvent, SlotEvent, SwitchEvent, VramEvent,  # noqa: E402
+                              event_from_json)
+
+_EXPERTS_FILE = os.environ.get("FAKE_ENGINE_EXPERTS")
+EXPERTS: dict | None = json.loads(Path(_EXPERTS_FILE).read_text())["experts"] if _EXPERTS_FILE else None
 
 BUS = EventBus(history=4096)
 BOARD = SwitchBoard.from_values(switches_from_env(os.environ))
@@ -63,7 +70,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {"ready": True, "reason": "ready"})
         elif self.path == "/strata/state":
             self._json(200, {"config": {"vram_reserve_mib": RESERVE["mib"], "context": CONTEXT_TOKENS},
-                             "switches": BOARD.snapshot(), "slots": [], "vocab_size": 1000})
+                             "switches": BOARD.snapshot(), "slots": [], "vocab_size": 1000, "experts": EXPERTS})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "vocab_size": 1000,
                                                           "context_tokens": CONTEXT_TOKENS}]})
@@ -112,10 +119,30 @@ class Handler(BaseHTTPRequestHandler):
             BUS.publish(VramEvent(device="cpu", total_mib=24576, weights_mib=12, reserve_mib=RESERVE["mib"],
                                   free_mib=20000))
             self._json(200, {"mib": RESERVE["mib"]})
+        elif self.path == "/strata/expert-cache":
+            self._expert_cache(body)
         elif self.path == "/v1/completions":
             self._complete(body)
         else:
             self._json(404, {"error": {"message": f"no route {self.path}"}})
+
+    def _expert_cache(self, body: dict) -> None:
+        mib = body.get("mib")
+        log(f"POST /strata/expert-cache mib={mib}")
+        if EXPERTS is None:
+            self._json(409, {"error": {"message": "the model fake has no MoE layers: there is no expert cache to "
+                                                  "resize", "code": "no_expert_cache", "param": "mib"}})
+            return
+        slot_mib = EXPERTS["num_layers"] * EXPERTS["expert_mib"]
+        slots = max(1, min(EXPERTS["num_experts"], int(mib // slot_mib) - 1))
+        before = EXPERTS["mib"]
+        EXPERTS.update(slots=slots, target_slots=slots, mib=slot_mib * (slots + 1))
+        BUS.publish(ExpertEvent(action="grow" if EXPERTS["mib"] >= before else "shrink",
+                                mib=abs(EXPERTS["mib"] - before), total_mib=EXPERTS["mib"], slots=slots,
+                                reason=f"expert cache set to {mib} MiB", device="cpu"))
+        BUS.publish(VramEvent(device="cpu", total_mib=24576, weights_mib=12, reserve_mib=RESERVE["mib"],
+                              experts_mib=EXPERTS["mib"], free_mib=20000))
+        self._json(200, {"expert_cache_mib": mib, "experts": EXPERTS})
 
     def _complete(self, body: dict) -> None:
         prompt = body.get("prompt") or []

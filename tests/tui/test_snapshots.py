@@ -97,3 +97,23 @@ def test_crash_panel(snap_compare, snap_dir: Path, size: tuple[int, int]) -> Non
         await _settle(pilot)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def test_monitor_with_an_moe_engine_at_100x30(snap_compare, snap_dir: Path) -> None:
+    """An MoE engine recorded on CPU (fixtures/record_moe.py): the expert-cache panel and `experts` in the books."""
+    import json
+
+    from strata_tui.messages import StateSnapshot
+    from tests.tui.conftest import FIXTURES
+
+    ProfileStore(snap_dir).save(Profile("moe"))
+    app = offline_app(snap_dir, profile="moe")
+    state = json.loads((FIXTURES / "moe_state.json").read_text())
+
+    async def run_before(pilot) -> None:
+        app.clock = lambda: 1000.0
+        app.post_message(StateSnapshot(state))  # as on a connection: the state first, then the events
+        app.post_message(TelemetryBatch(recorded("moe_run.jsonl")))
+        await _settle(pilot)
+
+    assert snap_compare(app, terminal_size=(100, 30), run_before=run_before)

@@ -11,7 +11,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
-from engine.errors import EngineDead, PromptTooLong, QueueFull
+from engine.errors import EngineDead, NoExpertCache, PromptTooLong, QueueFull
 from engine.switches import SwitchBoard, SwitchState
 from engine.telemetry import AdmissionEvent, EventBus, SlotEvent, SwitchEvent
 
@@ -107,6 +107,9 @@ class FakeEngine:
     async def set_vram_reserve(self, mib: int) -> int:
         self.vram_reserve_mib = mib
         return mib
+
+    async def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
+        raise NoExpertCache(f"the model {self.model_name} has no MoE layers: there is no expert cache to resize")
 
     async def shutdown(self) -> None:
         self.ready = False

@@ -1,0 +1,59 @@
+"""The expert-cache view: what the monitor makes of the `experts` section of /strata/state and `expert` events."""
+
+from __future__ import annotations
+
+from engine.telemetry import ExpertEvent, VramEvent
+from strata_tui.expert_view import ExpertView, budget_step_mib
+from strata_tui.monitor_state import MonitorState
+
+
+def _snap(slots=6, target=8, misses=40, steps=20, hits=160, layers=(0.9, 0.55, 0.8)) -> dict:
+    return {"slots": slots, "target_slots": target, "mib": 3.94, "host_mib": 9.0, "expert_mib": 0.1875,
+            "num_layers": 3, "num_experts": 16, "device": "cpu", "hits": hits, "misses": misses,
+            "hit_rate": round(hits / (hits + misses), 4), "oracle_hit_rate": 0.91, "lru_replay_hit_rate": 0.8,
+            "reruns": 2, "replays": 7, "steps": steps,
+            "layers": [{"layer": i, "hits": 0, "misses": 0, "evictions": 0, "hit_rate": r}
+                       for i, r in enumerate(layers)]}
+
+
+def test_misses_per_step_come_from_the_counters_between_two_snapshots() -> None:
+    view = ExpertView()
+    view.update(_snap(misses=40, steps=20))
+    assert view.misses_per_step == 2.0  # one snapshot: the run's average
+    view.update(_snap(misses=46, steps=24))
+    assert view.misses_per_step == 1.5  # 6 misses over the last 4 steps
+    view.update(_snap(misses=46, steps=24))  # no step since: the last rate stands
+    assert view.misses_per_step == 1.5
+
+
+def test_worst_layers_first_and_unknown_layers_left_out() -> None:
+    view = ExpertView()
+    view.update(_snap(layers=(0.9, None, 0.55, 0.8)))
+    assert view.worst_layers(2) == [(2, 0.55), (3, 0.8)]
+
+
+def test_budget_steps_move_one_slot_per_layer_in_whole_mib() -> None:
+    snap = _snap(slots=6, target=8)  # 3 layers x 0.1875 MiB = 0.5625 MiB a slot per layer
+    up = budget_step_mib(snap, +1)
+    assert up is not None and int(up // 0.5625) - 1 > 8  # more slots than the target
+    down = budget_step_mib(snap, -1)
+    assert down is not None and int(down // 0.5625) - 1 < 8
+    assert budget_step_mib(_snap(target=16), +1) is None  # every expert resident already
+    assert budget_step_mib(_snap(slots=1, target=1), -1) is None  # one slot per layer is the least
+
+
+def test_monitor_state_shows_experts_only_for_an_moe_engine() -> None:
+    state = MonitorState()
+    state.apply_snapshot({"slots": [], "experts": None})
+    assert state.experts is None
+    state.apply_snapshot({"slots": [], "experts": _snap()})
+    assert state.experts is not None and state.experts.slots == 6
+    state.apply(ExpertEvent(seq=5, action="shrink", mib=1.0, total_mib=2.2, slots=3, reason="expert cache set"))
+    assert state.experts.slots == 3 and state.experts.mib == 2.2
+    assert state.experts.last_resize.reason == "expert cache set"
+    state.apply(ExpertEvent(seq=6, action="load", experts=12, mib=2.25, ms=3.0))
+    assert state.experts.loads_last == 12
+    state.apply(VramEvent(seq=7, device="cpu", experts_mib=2.2))
+    assert state.vram["cpu"].experts_mib == 2.2
+    state.forget_engine()
+    assert state.experts is None
