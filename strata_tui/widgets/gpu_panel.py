@@ -48,6 +48,9 @@ def breakdown_text(vram: VramEvent, compact: bool = False) -> Text:
         text.append(size(getattr(vram, attr)) + gap, style=style)
     text.append("free ", style="dim")
     text.append(size(vram.free_mib), style="bold" if vram.free_mib < 256 else "")
+    if vram.host_kv_mib:  # --kv-resident spilled KV to host memory: not VRAM, so beside the books, not in the bar
+        text.append(gap + "host KV ", style="dim")
+        text.append(size(vram.host_kv_mib), style="magenta")
     return text
 
 

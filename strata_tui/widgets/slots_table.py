@@ -7,7 +7,8 @@ and at 200 columns the request and progress columns take the room instead of lea
 Progress while prefilling counts only the tokens that need prefilling: (computed - cached) / (prompt -
 cached), never above 100 %; its ETA comes from `PrefillTrack` (growing chunk cost, counted down every
 refresh). While decoding it is generated / max_tokens, and after the first token the row says how long
-that took (TTFT) and at what prompt rate.
+that took (TTFT) and at what prompt rate. With `--kv-resident`, once some of a slot's KV lies on the host
+the cell says how much (and, when wide, how much is in VRAM).
 """
 
 from __future__ import annotations
@@ -65,23 +66,41 @@ def first_token_text(track: PrefillTrack | None) -> str:
     return f"TTFT {format_eta(track.ttft_s)}" + (f" @ {rate}" if rate else "")
 
 
+def _tokens_short(n: int) -> str:
+    return f"{n / 1000:.1f}K" if n >= 1000 else str(n)
+
+
+def kv_place_text(slot: SlotEvent, wide: bool) -> str:
+    """--kv-resident: where the slot's KV lies, once some of it is on the host ("" while all is in VRAM)."""
+    if not slot.kv_host_tokens:
+        return ""
+    host = f"{_tokens_short(slot.kv_host_tokens)} host"
+    if not wide:
+        return f" {host}"
+    return f" · {_tokens_short(slot.kv_resident_tokens + slot.kv_pooled_tokens)} VRAM {host}"
+
+
 def progress_cell(slot: SlotEvent, track: PrefillTrack | None, now_s: float, width: int, wide: bool) -> Text:
     if slot.state == "prefill" and slot.prompt_tokens:
         to_do = max(0, slot.prompt_tokens - slot.cached_tokens)
         fraction = (min(1.0, max(0.0, (slot.prefilled_tokens - slot.cached_tokens) / to_do)) if to_do else 1.0)
         eta = track.eta_s(now_s) if track is not None else slot.eta_s
         tail = f" {fraction * 100:3.0f}%" + (f" ETA {format_eta(eta)}" if eta is not None else "")
-        text = bar(fraction, max(4, min(20, width - len(tail))), "yellow")
+        place = kv_place_text(slot, wide)
+        text = bar(fraction, max(4, min(20, width - len(tail) - len(place))), "yellow")
         text.append(tail[:4], style="")
         text.append(tail[4:], style="yellow")
+        text.append(place, style="magenta")
         return text
     if slot.state == "decode" and slot.max_tokens:
         counts = f" {slot.generated_tokens:,}/{slot.max_tokens:,}"
         ttft = "" if wide else first_token_text(track).split(" @ ")[0]
-        tail = counts + (f" {ttft}" if ttft else "")
-        width_left = width - len(tail)
+        place = kv_place_text(slot, wide)
+        tail = counts + (f" {ttft}" if ttft and not place else "")  # where the KV lies says more than TTFT
+        width_left = width - len(tail) - len(place)
         text = bar(slot.generated_tokens / slot.max_tokens, min(20, width_left), "green") if width_left >= 4 else Text()
         text.append(tail)
+        text.append(place, style="magenta")
         return text
     return Text("")
 

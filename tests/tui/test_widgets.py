@@ -6,8 +6,8 @@ from engine.telemetry import AdmissionEvent, SlotEvent, VramEvent
 from strata_tui.monitor_state import SwitchView
 from strata_tui.screens.monitor import admission_line
 from strata_tui.widgets.crash_panel import event_line
-from strata_tui.widgets.gpu_panel import breakdown_bar
-from strata_tui.widgets.slots_table import format_eta, slot_cells
+from strata_tui.widgets.gpu_panel import breakdown_bar, breakdown_text
+from strata_tui.widgets.slots_table import columns_for, format_eta, slot_cells
 from strata_tui.widgets.switches_panel import switch_line
 
 
@@ -63,3 +63,25 @@ def test_admission_and_event_lines() -> None:
     assert admission_line(None) == ""
     assert event_line(SlotEvent(slot=2, state="decode", seq=9)).startswith("#9 slot: slot=2, state=decode")
     assert event_line(SlotEvent(slot=0, state="decode", seq=9)).startswith("#9 slot: slot=0, state=decode")
+
+
+def test_a_slot_with_kv_on_the_host_says_how_much_is_in_vram_and_how_much_on_the_host() -> None:
+    """--kv-resident: a slot row shows where its context's KV lies (none of it said without spill)."""
+    spilled = SlotEvent(slot=2, state="decode", request_id="r", prompt_tokens=60000, prefilled_tokens=60000,
+                        generated_tokens=10, max_tokens=100, decode_tok_s=50.0, kv_resident_tokens=16384,
+                        kv_pooled_tokens=20000, kv_host_tokens=23626)
+    for width in (100, 200):
+        cells = slot_cells(spilled, columns=columns_for(width))
+        assert "23.6K host" in cells["progress"].plain, (width, cells["progress"].plain)
+    assert "36.4K VRAM" in slot_cells(spilled, columns=columns_for(200))["progress"].plain
+    resident = SlotEvent(slot=2, state="decode", request_id="r", prompt_tokens=100, prefilled_tokens=100,
+                         generated_tokens=10, max_tokens=100, kv_resident_tokens=110)
+    assert "host" not in slot_cells(resident, columns=columns_for(200))["progress"].plain
+
+
+def test_the_books_gain_host_kv_when_some_kv_lies_on_the_host() -> None:
+    books = dict(device="cuda:0", total_mib=1000.0, weights_mib=100.0, kv_mib=200.0, graphs_mib=50.0,
+                 tier_mib=500.0, reserve_mib=64.0, free_mib=86.0)
+    assert "host KV" not in breakdown_text(VramEvent(**books)).plain
+    text = breakdown_text(VramEvent(**books, host_kv_mib=3072.0)).plain
+    assert "host KV 3072 MiB" in text or "host KV 3,072 MiB" in text, text
