@@ -31,6 +31,11 @@ class Switch:
     live: bool
     effect: str = "not yet measured"  # in words; the figures live in docs/SWITCHES.md
     default: bool = False  # the state when its variable is not set (a measured winner is on by default)
+    key_tag: str = ""  # how a graph key built on its path says so in events (short: the TUI's key column)
+
+    @property
+    def tag(self) -> str:
+        return self.key_tag or self.name.lower()
 
     @property
     def env_var(self) -> str:
@@ -42,6 +47,7 @@ SWITCHES: tuple[Switch, ...] = (
         "SPLIT_ATTN",
         "split-KV (flash-decoding) attention for long-context decode; its scratch grows with context",
         live=True,
+        key_tag="split",
         effect="slower at 16K context on the H200; where it pays off is not measured yet (docs/SWITCHES.md)",
     ),
     Switch(
@@ -73,6 +79,7 @@ SWITCHES: tuple[Switch, ...] = (
         "decode, verify and drafting attention read the paged KV pool in place (Triton kernels, CUDA only; "
         "elsewhere the PyTorch reference gathers the keys first)",
         live=True,
+        key_tag="paged",
         effect="on by default: decode attention several times faster than gather + SDPA at every context measured "
                "on the H200, most at long context (docs/SWITCHES.md)",
         default=True,

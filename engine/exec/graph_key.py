@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from engine.switches import get_switch
+
 
 @dataclass(frozen=True)
 class GraphKey:
@@ -33,4 +35,4 @@ class GraphKey:
         return min(blamable) if blamable else None
 
     def __str__(self) -> str:
-        return "(" + ", ".join(self.shape + tuple(s.lower() for s in sorted(self.switches))) + ")"
+        return "(" + ", ".join(self.shape + tuple(get_switch(s).tag for s in sorted(self.switches))) + ")"

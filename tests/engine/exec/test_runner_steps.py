@@ -30,7 +30,7 @@ def test_buckets():
     assert pow2_bucket(3, lower=16) == 16
     assert switch_for_key("draft_round", GraphKey.of("b8", "k2", "L4096", switches=["SPLIT_ATTN"])) == "SPLIT_ATTN"
     assert switch_for_key("decode", GraphKey.of("b8", "L4096")) is None
-    assert str(GraphKey.of("b8", "L4096", switches=["SPLIT_ATTN"])) == "(b8, L4096, split_attn)"
+    assert str(GraphKey.of("b8", "L4096", switches=["SPLIT_ATTN"])) == "(b8, L4096, split)"
     # The kernel path needs less memory than the gathering one: a failed capture never turns it off.
     assert switch_for_key("decode", GraphKey.of("b8", "L4096", switches=["PAGED_ATTN"])) is None
     assert switch_for_key("verify", GraphKey.of("b8", "k2", "L4096", switches=["SPLIT_ATTN", "PAGED_ATTN"])) \
