@@ -9,10 +9,10 @@ from textual.app import SystemCommand
 from strata_tui.monitor_state import KEYED_SWITCHES
 
 if TYPE_CHECKING:
-    from strata_tui.app import StrataApp
+    from strata_tui.host import StrataHost
 
 
-def palette_commands(app: "StrataApp") -> Iterable[SystemCommand]:
+def palette_commands(app: "StrataHost") -> Iterable[SystemCommand]:
     yield SystemCommand("Restart engine", "Stop the engine and launch it again from the profile",
                         app.action_restart_engine)
     yield SystemCommand("Stop engine", "SIGTERM the engine's process group", app.action_stop_engine)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from strata_tui.terminal import hard_exit
 
 if TYPE_CHECKING:
-    from strata_tui.app import StrataApp
+    from strata_tui.host import StrataHost
 
 # The engine's graceful stop (SIGTERM, then SIGKILL) and the hard deadline for the whole quit, per cause.
 QUIT_STOP_S, QUIT_DEADLINE_S = 2.0, 2.8        # `q`: returns within 3 s even when the engine ignores SIGTERM
@@ -25,7 +25,7 @@ HANGUP_STOP_S, HANGUP_DEADLINE_S = 0.8, 1.5    # the terminal closed: gone withi
 class Shutdown:
     """Ends `app`. `watchdog` arms the deadline thread and lets signals force an exit."""
 
-    def __init__(self, app: "StrataApp", watchdog: bool) -> None:
+    def __init__(self, app: "StrataHost", watchdog: bool) -> None:
         self.app = app
         self.watchdog = watchdog
         self.why: str | None = None  # why the app is ending, once it is

@@ -30,7 +30,7 @@ from strata_tui.widgets.switches_panel import SwitchesPanel
 from strata_tui.monitor_state import KEYED_SWITCHES
 
 if TYPE_CHECKING:
-    from strata_tui.app import StrataApp
+    from strata_tui.host import StrataHost
 
 
 def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = None) -> str:
@@ -96,7 +96,7 @@ class MonitorScreen(Screen):
         self.last_draw_s = 0.0  # wall time of the last redraw that changed something (latency bench)
 
     @property
-    def strata(self) -> "StrataApp":
+    def strata(self) -> "StrataHost":
         return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:

@@ -20,7 +20,7 @@ from strata_tui.screens.dialogs import ConfirmDialog, NameDialog
 from strata_tui.screens.profile_editor import ProfileEditor
 
 if TYPE_CHECKING:
-    from strata_tui.app import StrataApp
+    from strata_tui.host import StrataHost
 
 
 COLUMNS = ("", "name", "model", "device", "batch", "MTP", "KV", "context", "reserve MiB", "status")
@@ -53,7 +53,7 @@ class ProfilesScreen(Screen):
         self.entries: list[Profile | ProfileError] = []
 
     @property
-    def strata(self) -> "StrataApp":
+    def strata(self) -> "StrataHost":
         return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
