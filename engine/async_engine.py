@@ -25,7 +25,7 @@ from engine.errors import EngineDead
 from engine.exec.gpu_errors import real_message
 from engine.snapshot import EngineSnapshot, HealthSnapshot
 from engine.switches import SwitchState
-from engine.telemetry import EngineEvent, EventBus, SwitchEvent
+from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
 
 _IDLE_WAIT_S = 0.05
 
@@ -206,17 +206,7 @@ class AsyncEngine:
                     self._wake.wait(_IDLE_WAIT_S)
                 commands = list(self._commands)
                 self._commands.clear()
-            for fn, fut in commands:
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    result = fn()
-                    if self.engine is not None:  # what the command changed is in /strata/state when it returns
-                        self.engine.publish_snapshot(force=True)
-                except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-                    fut.set_exception(exc)
-                else:
-                    fut.set_result(result)
+            self._run_commands(commands)
             if self.engine is not None and not self.engine.has_work and not commands:
                 self.engine.idle_tick()
             if self.engine is not None and self.engine.has_work:
@@ -227,6 +217,29 @@ class AsyncEngine:
                     self.bus.publish(EngineEvent(state="dead", detail=self._load_error))
                     break
         self._drain_on_stop()
+
+    def _run_commands(self, commands: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
+        """Run a batch of queued commands, publish one snapshot for all of them, then answer their callers:
+        what a command changed is in /strata/state when it returns (a burst of requests builds one snapshot,
+        not one each)."""
+        done: list[tuple[concurrent.futures.Future, bool, Any]] = []
+        for fn, fut in commands:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                done.append((fut, True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                done.append((fut, False, exc))
+        if done and self.engine is not None:
+            try:
+                self.engine.publish_snapshot(force=True)
+            except Exception as exc:  # noqa: BLE001 - a bug here must not cost the commands their answers
+                self.bus.publish(WarningEvent(where="engine.snapshot", message=f"not published: {real_message(exc)}"))
+        for fut, ok, value in done:
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
 
     def _drain_on_stop(self) -> None:
         with self._wake:
