@@ -38,7 +38,8 @@ from engine.state import build_snapshot
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent
 
-SNAPSHOT_INTERVAL_S = 0.05  # /strata/state is at most this stale while steps run; commands publish at once
+# /strata/state is at most this stale while steps run; AsyncEngine publishes after each batch of commands
+SNAPSHOT_INTERVAL_S = 0.05
 MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in between: then the engine gives up
 
 
@@ -144,7 +145,6 @@ class Engine:
         for budget in self.budgets:
             budget.set_reserve(mib)
         self.report.vram(force=True)
-        self.publish_snapshot(force=True)
         return int(self.budget.reserve_mib)
 
     def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
@@ -157,16 +157,12 @@ class Engine:
         budget = next(b for b in self.budgets if b.experts is cache)
         budget.set_expert_budget(mib, f"expert cache set to {mib} MiB")
         self.report.vram(force=True)
-        self.publish_snapshot(force=True)
         return cache.snapshot()
 
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
         """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""
         state = self.board.set_live(name, enabled)
-        if state.name == "PAGED_ATTN" and state.enabled and self.kv.kernel is None:
-            state = self.board.degrade(state.name, f"the paged kernels need a CUDA device with Triton ({self.device})")
         self.runner.on_switch_changed(state.name)
-        self.publish_snapshot(force=True)
         return state
 
     def close(self) -> None:

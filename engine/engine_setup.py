@@ -133,8 +133,8 @@ class _PartsBuilder:
             depth = config.mtp_depth
         self.stage = "allocating the KV cache"
         kv, weights_mib = _sized_kv_cache(config, lm, depth)
-        if kv.kernel is None and board.enabled("PAGED_ATTN"):  # quietly: the reference path is what runs here
-            board.degrade("PAGED_ATTN", f"the paged kernels need a CUDA device with Triton (running on {device})")
+        if kv.kernel is None:  # quietly: the reference path is what runs here, and turning it on cannot change that
+            board.mark_unavailable("PAGED_ATTN", f"the paged kernels need a CUDA device with Triton (running on {device})")
         for name, on in config.switches.items():
             if on and board.enabled(name):
                 bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))

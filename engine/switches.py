@@ -150,6 +150,9 @@ class SwitchBoard:
     """Thread-safe run-time switch states. The engine thread reads; control routes write."""
 
     states: dict[str, SwitchState] = field(default_factory=dict)
+    # switches whose code path cannot run here at all (e.g. kernels that need CUDA), with why: degraded at once,
+    # and turning one on live keeps it degraded with that reason instead of pretending it runs
+    unavailable: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -174,10 +177,19 @@ class SwitchBoard:
                 return state
             if not sw.live:
                 raise SwitchNeedsRestart(sw.name)
+            if enabled and sw.name in self.unavailable:
+                state.degraded, state.reason = True, self.unavailable[sw.name]
+                return state
             state.enabled = enabled
             if enabled:
                 state.degraded, state.reason = False, ""
             return state
+
+    def mark_unavailable(self, name: str, reason: str) -> SwitchState:
+        """This switch's code path cannot run on this engine: off, degraded with `reason`, and it stays so."""
+        sw = get_switch(name)
+        self.unavailable[sw.name] = reason
+        return self.degrade(sw.name, reason)
 
     def degrade(self, name: str, reason: str, bus: EventBus | None = None, where: str = "engine",
                 what: str = "") -> SwitchState:

@@ -44,6 +44,8 @@ def test_paged_attn_is_degraded_quietly_where_its_kernels_cannot_run(ckpt):
     assert "CUDA" in state["reason"]
     key = GraphKey.of("b1", "L256")
     assert engine.runner.on_path(key, lambda x: x)[0] == key  # CPU keys unchanged
+    again = engine.set_switch("PAGED_ATTN", True)  # asked for live: it cannot run here, and says why
+    assert not again.enabled and again.degraded and "CUDA" in again.reason
 
 
 def test_padded_rows_write_only_scratch_columns(ckpt):
