@@ -117,17 +117,26 @@ class Controls:
         self.view.changed()
         self._run_worker(self._reserve(new_mib, client), group="reserve", exclusive=True, exit_on_error=False)
 
+    async def _save_for_next_start(self, option: str, value: int, client: TelemetryClient | None, note: str,
+                                   saved: str) -> bool:
+        """Save `[engine] option = value` to the profile in place (not when attached): True when it should now
+        also be applied live; else the view's `note` field says why not (not saved, or no engine to apply to)."""
+        if self.view.attached:
+            return True
+        profile_name = self.view.profile.name
+        if await self._write(lambda: self.store.set_engine(profile_name, **{option: value})) is None:
+            setattr(self.view, note, "not saved")
+        elif client is None:
+            setattr(self.view, note, saved)
+        else:
+            return True
+        self.view.changed()
+        return False
+
     async def _reserve(self, mib: int, client: TelemetryClient | None) -> None:
-        if not self.view.attached:
-            profile_name = self.view.profile.name
-            if await self._write(lambda: self.store.set_engine(profile_name, vram_reserve_mib=mib)) is None:
-                self.view.reserve_note = "not saved"
-                self.view.changed()
-                return
-            if client is None:
-                self.view.reserve_note = "saved: applies at the next start"
-                self.view.changed()
-                return
+        if not await self._save_for_next_start("vram_reserve_mib", mib, client, "reserve_note",
+                                               "saved: applies at the next start"):
+            return
         result = await client.set_vram_reserve(mib)
         if result.ok:
             self.view.reserve_note = "applied live"
@@ -163,16 +172,9 @@ class Controls:
                          exit_on_error=False)
 
     async def _expert_budget(self, mib: int, client: TelemetryClient | None) -> None:
-        if not self.view.attached:
-            profile_name = self.view.profile.name
-            if await self._write(lambda: self.store.set_engine(profile_name, expert_cache_mib=mib)) is None:
-                self.view.expert_note = "not saved"
-                self.view.changed()
-                return
-            if client is None:
-                self.view.expert_note = f"{mib} MiB saved: applies at the next start"
-                self.view.changed()
-                return
+        if not await self._save_for_next_start("expert_cache_mib", mib, client, "expert_note",
+                                               f"{mib} MiB saved: applies at the next start"):
+            return
         result = await client.set_expert_cache_mib(mib)
         if result.ok:
             if isinstance(result.body, dict) and isinstance(result.body.get("experts"), dict):
