@@ -26,6 +26,7 @@ from engine.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, NoExpertCache, RequestRejected
 from engine.core.output import OutputProcessor, Track
 from engine.exec.expert_setup import check_min_budget
+from engine.exec.expert_stats import ORACLE_REFRESH_S
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
@@ -91,12 +92,13 @@ class Engine:
 
     def state(self) -> dict[str, Any]:
         """/strata/state now (engine thread): a fresh snapshot, published, in its JSON form."""
-        self.publish_snapshot(force=True)
+        self.publish_snapshot(force=True, fresh=True)
         return self.snapshot.to_json()
 
-    def publish_snapshot(self, force: bool = False) -> None:
+    def publish_snapshot(self, force: bool = False, fresh: bool = False) -> None:
         """Build the snapshot on the engine thread and publish it by swapping one reference: readers on other
-        threads (AsyncEngine.state, the metrics scrape) see a whole snapshot and never touch live state."""
+        threads (AsyncEngine.state, the metrics scrape) see a whole snapshot and never touch live state.
+        `fresh`: also replay the expert trace's oracle now (a paced publish reuses one up to ORACLE_REFRESH_S old)."""
         now_s = time.monotonic()
         if not force and now_s - self._last_snapshot_s < SNAPSHOT_INTERVAL_S:
             return
@@ -107,7 +109,7 @@ class Engine:
         self.snapshot = build_snapshot(
             model=self.model_name, config=self.config, health=self.health(), board=self.board, sched=self.sched,
             executor=self.executor, budgets=self.budgets, tier=self.tier, kv=self.kv, mtp=mtp, steps=self.steps,
-            experts=self.lm.model.expert_provider, now_s=now_s)
+            experts=self.lm.model.expert_provider, oracle_max_age_s=0.0 if fresh else ORACLE_REFRESH_S, now_s=now_s)
 
     # --- commands ------------------------------------------------------------------------------------------
 

@@ -58,7 +58,8 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
 
 def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: SwitchBoard, sched: Scheduler,
                    executor: StepExecutor, budgets: list[VramBudget], tier: AdaptiveTier, kv: SlotKVCache,
-                   mtp: MtpSnapshot, steps: int, experts: Any = None, now_s: float | None = None) -> EngineSnapshot:
+                   mtp: MtpSnapshot, steps: int, experts: Any = None, oracle_max_age_s: float = 0.0,
+                   now_s: float | None = None) -> EngineSnapshot:
     """The /strata/state snapshot of this moment. Runs on the engine thread only (it reads the scheduler, the
     tier and the driver's free memory, which that thread changes)."""
     now_s = time.monotonic() if now_s is None else now_s
@@ -82,4 +83,4 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,
                       slots=kv.geometry.num_slots,
                       paging=KvPagingSnapshot.from_json(kv.paging.snapshot()) if kv.paging is not None else None),
-        experts=experts.snapshot() if experts is not None else None, mtp=mtp, steps=steps)
+        experts=experts.snapshot(oracle_max_age_s) if experts is not None else None, mtp=mtp, steps=steps)

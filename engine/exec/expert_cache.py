@@ -348,8 +348,9 @@ class ExpertCache:
                 result = pool.policy.serve(group)  # all resident: hits only, nothing moves
                 self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
 
-    def snapshot(self) -> dict:
-        """For /strata/state, the `expert` Prometheus series and the TUI panel."""
-        return self.stats.snapshot(slots=self.slots, target_slots=self.target_slots, mib=self.mib,
+    def snapshot(self, oracle_max_age_s: float = 0.0) -> dict:
+        """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to
+        `oracle_max_age_s` old: see ExpertStats.oracle)."""
+        return self.stats.snapshot(oracle_max_age_s, slots=self.slots, target_slots=self.target_slots, mib=self.mib,
                                    host_mib=self.host_mib, expert_mib=self.expert_mib,
                                    all_experts_mib=self.all_experts_mib, top_k=self.top_k)

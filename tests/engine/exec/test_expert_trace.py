@@ -58,3 +58,28 @@ def test_trace_file_round_trip_and_replay_cli(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"bad\.jsonl:5: not a trace access line"):
         read_trace(tmp_path / "bad.jsonl")
     assert main([str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_a_paced_snapshot_reuses_a_recent_oracle_and_a_fresh_one_replays_the_trace(monkeypatch):
+    """The oracle replays the whole trace in Python: snapshots published while steps run must not redo it."""
+    import engine.exec.expert_stats as stats_mod
+    from engine.exec.expert_stats import ExpertStats
+    from engine.telemetry import EventBus
+
+    stats = ExpertStats(num_layers=1, num_experts=8, bus=EventBus(), device="cpu")
+    replays: list[str] = []
+    real_replay = stats_mod.replay
+    monkeypatch.setattr(stats_mod, "replay", lambda *a, **kw: replays.append(a[2]) or real_replay(*a, **kw))
+    for step in range(20):
+        stats.begin_step("decode")
+        stats.record_access(0, [step % 5, (step + 2) % 8], tokens=1)
+    first = stats.snapshot(oracle_max_age_s=60.0, slots=2)
+    assert replays == ["belady", "lru"] and first["oracle_hit_rate"] is not None
+    stats.begin_step("decode")
+    stats.record_access(0, [7, 6], tokens=1)
+    assert stats.snapshot(oracle_max_age_s=60.0, slots=2)["oracle_hit_rate"] == first["oracle_hit_rate"]
+    assert len(replays) == 2  # paced: the recent replay is reused
+    stats.snapshot(oracle_max_age_s=0.0, slots=2)
+    assert len(replays) == 4  # fresh (Engine.state): the trace changed, so it is replayed again
+    stats.snapshot(oracle_max_age_s=0.0, slots=2)
+    assert len(replays) == 4  # nothing changed since: the last replay stands
