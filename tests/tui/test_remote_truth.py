@@ -53,9 +53,12 @@ async def test_a_stopped_engine_reads_unreachable_within_1_s_and_its_numbers_sta
             await wait_for(pilot, lambda: app.view.telemetry_connected and app.view.monitor.slots, what="telemetry")
             await pilot.pause(0.5)
             os.kill(proc.pid, signal.SIGSTOP)  # the process is there, its sockets open, but it answers nothing
-            stopped = time.monotonic()
+            stopped = time.time()
             await wait_for(pilot, lambda: "unreachable since" in screen_text(app), timeout_s=3, what="unreachable")
-            took_s = time.monotonic() - stopped
+            # From the stop to the moment the app marked the engine unreachable (the status bar shows it in that
+            # refresh): the test's own polling of the screen is not counted against the app on a busy runner.
+            assert app.view.unreachable_since is not None
+            took_s = app.view.unreachable_since - stopped
             assert took_s <= 1.0, f"took {took_s:.2f} s to say the engine is unreachable"
             assert app.screen.query_one(SlotsTable).has_class("-stale")
             assert app.screen.query_one(SwitchesPanel).has_class("-stale")
