@@ -36,7 +36,8 @@ import httpx  # noqa: E402
 
 from engine.loadgen.scenarios import run_scenario  # noqa: E402
 from engine.switches import SWITCHES, get_switch  # noqa: E402
-from seed_vram import nvml_text, nvml_used, vram_books, vram_text  # noqa: E402  (beside this script)
+from engine.model.random_checkpoint import SIZES  # noqa: E402
+from seed_vram import expert_books, expert_text, nvml_text, nvml_used, vram_books, vram_text  # noqa: E402
 
 READY = re.compile(r"strata-engine: ready at (http://\S+)")
 OOM_TEXT = re.compile(r"out of memory|cudaErrorMemoryAllocation|ALLOC_FAILED", re.IGNORECASE)
@@ -46,8 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5, help="cold-engine runs (default 5)")
     p.add_argument("--model", default="builtin:strata-tiny")
-    p.add_argument("--random-model", default=None, choices=("tiny", "0.6b"),
-                   help="write a random-weight checkpoint with an MTP head of this size and use it as --model")
+    p.add_argument("--random-model", default=None, choices=tuple(SIZES),
+                   help="write a random-weight checkpoint with an MTP head of this size and use it as --model "
+                        "(moe-*: Qwen3-MoE; add --extra --expert-cache-mib auto for the seed's full-by-design "
+                        "expert cache)")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch", type=int, default=6)
     p.add_argument("--no-batch-mtp", action="store_true", help="leave --batch-mtp off (it is on by default)")
@@ -150,12 +153,15 @@ async def collect_events(base_url: str, sink: list[dict], stop: asyncio.Event) -
 
 
 def judge_events(events: list[dict]) -> dict[str, Any]:
-    """Graph actions counted, every OOM's text, and whether any reported error is empty or says 'no error'."""
+    """Graph and expert-cache actions counted, every OOM's text, and whether any reported error is empty or says 'no error'."""
     actions: dict[str, int] = {}
+    expert_actions: dict[str, int] = {}
     ooms, bad, errors, warnings = [], [], [], []
     for ev in events:
         if ev.get("type") == "graph":
             actions[ev["action"]] = actions.get(ev["action"], 0) + 1
+        elif ev.get("type") == "expert":
+            expert_actions[ev["action"]] = expert_actions.get(ev["action"], 0) + 1
         text = ev.get("error") if ev.get("type") == "graph" else ev.get("message")
         if ev.get("type") in ("graph", "error", "warning") and text is not None:
             if not text.strip() or "no error" in text.lower():
@@ -166,7 +172,7 @@ def judge_events(events: list[dict]) -> dict[str, Any]:
             errors.append(ev)
         elif ev.get("type") == "warning":
             warnings.append(ev.get("message", ""))
-    return {"graph_actions": actions, "oom_messages": ooms, "bad_messages": bad, "error_events": errors,
+    return {"graph_actions": actions, "expert_actions": expert_actions, "oom_messages": ooms, "bad_messages": bad, "error_events": errors,
             "warnings": warnings}
 
 
@@ -181,9 +187,10 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         record["ready_s"] = round(time.monotonic() - started_s, 2)
         record["vram_at_ready"] = await vram_books(url)
         record["nvml_at_ready"] = nvml_used()
+        record["experts_at_ready"] = await expert_books(url)
         # Printed at once: a run cut short by an outer time limit still says how far it got.
         print(f"run {index}: engine ready in {record['ready_s']} s at {url}; {vram_text(record['vram_at_ready'])}; "
-              f"{nvml_text(record['nvml_at_ready'])}", flush=True)
+              f"{nvml_text(record['nvml_at_ready'])}; {expert_text(record['experts_at_ready'])}", flush=True)
         stop = asyncio.Event()
         collector = asyncio.create_task(collect_events(url, events, stop))
         result = await asyncio.wait_for(run_scenario(
@@ -192,6 +199,7 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         exited_during = engine.proc.poll()
         record["vram_after"] = await vram_books(url)
         record["nvml_after"] = nvml_used()
+        record["experts_after"] = await expert_books(url)
         await asyncio.sleep(0.5)  # let the last events arrive
         stop.set()
         collector.cancel()
@@ -328,6 +336,8 @@ def print_run(r: dict[str, Any]) -> None:
               f"{'-' if ratio is None else f'{ratio:.3f}'}")
     if "vram_after" in r:
         print(f"  after: {vram_text(r['vram_after'])}; {nvml_text(r.get('nvml_after', ''))}")
+    if r.get("experts_after") is not None:
+        print(f"  after: {expert_text(r['experts_after'])}; expert events: {r.get('expert_actions') or 'none'}")
     for text in r["oom_messages"][:5]:
         print(f"    OOM: {text}")
     for w in r["warnings"][:5]:

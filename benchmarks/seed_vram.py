@@ -11,12 +11,44 @@ import httpx
 from strata_tui.gpu import NvmlSampler
 
 
+# What a report keeps of the expert cache's section of /strata/state (the per-layer rows stay out).
+_EXPERT_FIELDS = ("mib", "target_slots", "slots", "num_experts", "host_mib", "device", "hits", "misses",
+                  "hit_rate", "evictions", "loaded_mib", "oracle_hit_rate")
+
+
 async def vram_books(base_url: str) -> list[dict] | str:
     """The engine's VRAM books per device (/strata/state `vram`: total, weights, KV, graphs, tier, reserve and
     free MiB), or why they could not be read: shows the tier holding the VRAM near-full, as in the seed."""
+    state = await _state(base_url)
+    return state if isinstance(state, str) else state["vram"]
+
+
+async def expert_books(base_url: str) -> dict | str | None:
+    """The expert cache's size and hit figures (/strata/state `experts`), None for a dense model, or why they
+    could not be read: with the MoE seed the cache, not the tier, is what fills the card."""
+    state = await _state(base_url)
+    if isinstance(state, str):
+        return state
+    experts = state.get("experts")
+    return {k: experts.get(k) for k in _EXPERT_FIELDS} if isinstance(experts, dict) else None
+
+
+def expert_text(books: dict | str | None) -> str:
+    if books is None:
+        return "no expert cache"
+    if isinstance(books, str):
+        return f"expert books unreadable ({books})"
+    return (f"expert cache {books.get('mib')} MiB on {books.get('device')} ({books.get('slots')} of "
+            f"{books.get('num_experts')} experts per layer, host {books.get('host_mib')} MiB), hit rate "
+            f"{books.get('hit_rate')} (oracle {books.get('oracle_hit_rate')}), {books.get('evictions')} evictions")
+
+
+async def _state(base_url: str) -> dict | str:
     try:
         async with httpx.AsyncClient(timeout=10.0) as client:
-            return (await client.get(f"{base_url}/strata/state")).json()["vram"]
+            state = (await client.get(f"{base_url}/strata/state")).json()
+        state["vram"]  # noqa: B018 - a body without the books is reported like an unreadable one
+        return state
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
 

@@ -24,3 +24,21 @@ def test_seed_script_one_cpu_run_passes_and_records_both_views_of_memory(tmp_pat
     for nvml in (run["nvml_at_ready"], run["nvml_after"]):
         assert (isinstance(nvml, list) and nvml[0]["total_mib"] > 0) or nvml.startswith("NVML")
     assert "NVML" in proc.stdout and "1/1 runs passed" in proc.stdout
+
+
+def test_seed_script_runs_the_moe_seed_with_a_cache_too_small_for_the_experts(tmp_path: Path) -> None:
+    """The seed's own system (issue 20): a Qwen3-MoE whose expert cache cannot hold every expert, so the long
+    prompt's admission meets misses and evictions; the report carries the cache's books and its events."""
+    out = tmp_path / "seed.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "seed_scenario.py"), "--runs", "1",
+                           "--device", "cpu", "--random-model", "moe-tiny", "--prompt-tokens", "1500", "--out", str(out),
+                           "--extra", "--expert-cache-mib", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["passed"] and run["completed"] == run["requests"] == 7
+    ready, after = run["experts_at_ready"], run["experts_after"]
+    assert 0 < ready["slots"] < ready["num_experts"] and ready["host_mib"] > 0
+    assert after["misses"] > 0 and after["evictions"] > 0 and 0 <= after["hit_rate"] <= after["oracle_hit_rate"]
+    assert run["expert_actions"].get("load", 0) > 0 and run["expert_actions"].get("evict", 0) > 0
+    assert "expert cache" in proc.stdout and "evictions" in proc.stdout
