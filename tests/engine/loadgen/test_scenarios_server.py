@@ -17,6 +17,9 @@ from engine.loadgen.scenarios import run_scenario
 
 ROOT = Path(__file__).resolve().parents[3]
 READY_PREFIX = "strata-engine: ready at "
+# The shorts are admitted and decoding before the long prompt is sent (0.2 s once left a short without its first
+# token on a busy runner: it was still queued when the long prompt took the prefill).
+SHORTS_HEAD_START_S = 1.0
 # Room for the shorts that decode "until the long prompt is done": on a busy CI runner the 2500-token prefill
 # is paced against their decode, and at 4096 one of them once filled its context first.
 CONTEXT_TOKENS = 16384
@@ -74,7 +77,7 @@ async def test_reuse_against_the_real_engine_reports_a_cache_hit(server_url: str
 async def test_seed_against_the_real_engine_completes_and_stays_healthy(server_url: str) -> None:
     events: list[str] = []
     result = await run_scenario("seed", server_url, on_progress=lambda p: events.append(p.event), concurrency=3,
-                                short_prompt_tokens=16, delay_s=0.2, long_tokens=2500, long_max_tokens=2)
+                                short_prompt_tokens=16, delay_s=SHORTS_HEAD_START_S, long_tokens=2500, long_max_tokens=2)
     assert result.ok, result.errors
     assert result.health_after.startswith("200")
     long = result.requests[-1]
@@ -96,7 +99,7 @@ async def test_seed_against_the_real_engine_completes_and_stays_healthy(server_u
 async def test_seed_with_every_slot_taken_frees_one_for_the_long_prompt(server_url: str) -> None:
     # 4 shorts on the server's 4 slots, decoding until the long prompt is done: without a freed slot the long
     # prompt would wait until a short filled its context.
-    result = await run_scenario("seed", server_url, concurrency=4, short_prompt_tokens=16, delay_s=0.2,
+    result = await run_scenario("seed", server_url, concurrency=4, short_prompt_tokens=16, delay_s=SHORTS_HEAD_START_S,
                                 long_tokens=2500, long_max_tokens=2)
     assert result.ok, result.errors
     first, kept, long = result.requests[0], result.requests[1:4], result.requests[-1]
