@@ -3,10 +3,14 @@ Triton's interpreter (where Triton is installed: not in CI, its wheel is ~180 Mi
 checked at bf16 and long prefixes in test_kv_paged_gpu.py.
 
 The interpreter computes in fp32 (its bf16 dots are not a usable oracle, KERNELS.md), over bf16-kind storage
-(the compute dtype, fp32 here) and int8 storage with its per-(token, head) scales.
+(the compute dtype, fp32 here) and int8 storage with its per-(token, head) scales. Then a whole CPU engine on the
+kernels (prompt chunks through the prefill kernel, decode through the decode kernel) gives the reference's
+greedy tokens.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +93,47 @@ def test_the_prefill_kernel_in_the_triton_interpreter_matches_the_reference(stor
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     code = f"from tests.engine.exec.test_kv_paged_prefill import interpreter_check; interpreter_check({storage!r}, {hq})"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def engine_check(model: str, kv: str) -> None:
+    """Greedy tokens of a whole CPU engine whose attention runs the Triton kernels (in the interpreter: the
+    device check of kernel_backend is the only thing bypassed) equal the reference engine's."""
+    import engine.exec.kv_cache as kv_cache
+    from engine.api import SamplingParams
+    from engine.model.attention.backends import TritonPagedAttention
+    from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+
+    calls = {"prefill": 0, "decode": 0}
+
+    class InterpretedKernels(TritonPagedAttention):
+        def attend(self, kv, layer, q, positions):
+            calls["prefill" if q.shape[2] > 8 else "decode"] += 1
+            return self.paged(kv, layer, q, positions)
+
+    prompts = random_prompts(2, seed=95, lengths=(130, 200))  # three or four 64-token chunks each
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    reference = tokens_of(run_all(make_engine(Path(model), batch=2, kv=kv), prompts, params))
+    kv_cache.kernel_backend = lambda device: InterpretedKernels()
+    kernels = make_engine(Path(model), batch=2, kv=kv)
+    assert kernels.runner.paged_enabled()
+    assert tokens_of(run_all(kernels, prompts, params)) == reference
+    assert calls["prefill"] and calls["decode"], calls
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_an_engine_on_the_kernels_in_the_triton_interpreter_gives_the_reference_tokens(ckpt, kv):
+    """Chunked prefill through the prefill kernel and decode through the decode kernel, end to end."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = f"from tests.engine.exec.test_kv_paged_prefill import engine_check; engine_check({str(ckpt)!r}, {kv!r})"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
