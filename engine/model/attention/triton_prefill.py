@@ -95,7 +95,7 @@ def _paged_prefill_kernel(
     head = tl.program_id(0)
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles see the most keys: start them first
     b = tl.program_id(2)
-    h = head // G
+    h = (head // G).to(tl.int64)  # h * (a KV head's pool stride) can pass 2**31 elements
     t = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = t < T
     d = tl.arange(0, BLOCK_D)
