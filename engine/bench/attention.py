@@ -1,6 +1,7 @@
-"""`strata-engine bench attention`: one layer's decode attention over the serving KV cache, backend by backend.
+"""`strata-engine bench attention`: one layer's attention over the serving KV cache, backend by backend.
 
-For each context x batch x queries per row x KV storage: a one-layer SlotKVCache of `batch` slots filled to
+Decode rows (`--rows decode`) here; prefill rows (a prompt chunk over a cached prefix, `--rows prefill`) in
+engine.bench.attention_prefill. For each context x batch x queries per row x KV storage: a one-layer SlotKVCache of `batch` slots filled to
 the context, every row's queries at its last positions (the span bucket = the context), then the time of one
 attention read through
 - `torch`: the reference backend as the engine runs it without PAGED_ATTN (keys gathered through the block
@@ -18,60 +19,18 @@ kernel at other launch shapes (`TILExWARPSxSTAGES`, see KernelConfig) in the sam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import Any, Callable
 
 import torch
 
+from engine.bench.attention_common import HEAD_DIM, HQ, HKV, filled_cache, graph_ms
+from engine.bench.attention_prefill import prefill_case
 from engine.bench.common import device_of, emit
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
-from engine.model.attention.triton_paged_config import KernelConfig
-
-HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
-
-
-def _graph_ms(fn: Callable[[], Any], iters: int) -> float:
-    """Milliseconds per call of `fn`, replayed from a CUDA graph of `iters` calls (CPU: timed eagerly)."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / (3 * iters)
-    del graph
-    return ms
-
-
-def _cache(context: int, batch: int, storage: str, dtype: torch.dtype, device: torch.device) -> SlotKVCache:
-    geo = KVGeometry(1, batch, HKV, HEAD_DIM, context, 64)
-    cache = SlotKVCache(geo, storage, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for pool in (cache.k[0], cache.v[0]):
-        if storage == "int8":
-            pool.copy_(torch.randint(-127, 128, pool.shape, generator=gen, device=device, dtype=torch.int8))
-        else:
-            pool.normal_(generator=gen)
-    for scale in (*cache.k_scale, *cache.v_scale):
-        scale.uniform_(0.005, 0.02, generator=gen)
-    return cache
-
+from engine.errors import ConfigError
+from engine.exec.kv_cache import SlotKVCache
+from engine.model.attention.triton_paged_config import KernelConfig, PrefillConfig
 
 def _flex(q: torch.Tensor, cache: SlotKVCache, positions: torch.Tensor, context: int) -> Callable[[], Any]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -100,13 +59,13 @@ def _tuned(cache: SlotKVCache, q: torch.Tensor, positions: torch.Tensor, config:
 def _case(context: int, batch: int, t: int, storage: str, device: torch.device, iters: int,
           backends: list[str], tune: list[KernelConfig]) -> dict[str, Any]:
     dtype = torch.bfloat16
-    cache = _cache(context, batch, storage, dtype, device)
+    cache = filled_cache(context, batch, storage, dtype, device)
     slots = torch.arange(batch, device=device)
     positions = torch.arange(context - t, context, device=device).repeat(batch, 1)
     q = torch.randn(batch, HQ, t, HEAD_DIM, device=device, dtype=dtype)
     bytes_per_key = 2 * HKV * (HEAD_DIM * (1 if storage == "int8" else 2) + (4 if storage == "int8" else 0))
     kv_bytes = batch * context * bytes_per_key
-    row: dict[str, Any] = {"context": context, "batch": batch, "q_len": t, "kv": storage}
+    row: dict[str, Any] = {"case": "decode", "context": context, "batch": batch, "q_len": t, "kv": storage}
     cache.bind(slots, context)
     reference = cache.reference.attend(cache, 0, q, positions)
     runs: dict[str, Callable[[], Any]] = {"torch": lambda: cache.reference.attend(cache, 0, q, positions)}
@@ -119,7 +78,7 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
         try:
             fn = _flex(q, cache, positions, context) if name == "flex" else runs[name]
             err = (fn().float() - reference.float()).abs().max().item()
-            ms = _graph_ms(fn, iters)
+            ms = graph_ms(fn, iters)
             row[f"{name}_ms"] = round(ms, 4)
             row[f"{name}_kv_tb_s"] = round(kv_bytes / ms / 1e9, 3)
             row[f"{name}_max_err"] = round(err, 5)
@@ -128,7 +87,7 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
     for config in tune if cache.kernel is not None else []:
         name = f"tile{config.tile_tokens}_w{config.num_warps}_s{config.num_stages}"
         try:
-            row[f"{name}_ms"] = round(_graph_ms(_tuned(cache, q, positions, config), iters), 4)
+            row[f"{name}_ms"] = round(graph_ms(_tuned(cache, q, positions, config), iters), 4)
         except Exception as exc:  # noqa: BLE001 - a launch shape that does not fit is a result too
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     if "triton_ms" in row and "torch_ms" in row:
@@ -139,20 +98,48 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
     return row
 
 
+def _launch_shapes(option: str, text: str, config: type) -> list:
+    """`--tune 128x4x2,64x4x3` -> configs; a spec that is not that many whole numbers is a ConfigError."""
+    fields = len(dataclasses.fields(config))
+    shapes = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        parts = spec.split("x")
+        if len(parts) != fields or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ConfigError(option, text, f"{spec!r}: expected {fields} positive whole numbers joined by 'x'")
+        shapes.append(config(*(int(p) for p in parts)))
+    return shapes
+
+
+def _timed(case: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    row = case()
+    row["bench_s"] = round(time.perf_counter() - t0, 1)
+    print(row, flush=True)
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
     device = device_of(args.device)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    tune = [KernelConfig(*(int(x) for x in spec.split("x"))) for spec in args.tune.split(",") if spec.strip()]
+    tune = _launch_shapes("tune", args.tune, KernelConfig)
+    prefill_tune = _launch_shapes("prefill_tune", args.prefill_tune, PrefillConfig)
+    kinds = {r.strip() for r in args.rows.split(",") if r.strip()}
+    if not kinds or kinds - {"decode", "prefill"}:
+        raise ConfigError("rows", args.rows, "expected decode, prefill or both")
+    storages = [s.strip() for s in args.kv_storage.split(",") if s.strip()]
     rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            for t in args.q_lens:
-                for storage in args.kv_storage.split(","):
-                    t0 = time.perf_counter()
-                    row = _case(context, batch, t, storage.strip(), device, args.iters, backends, tune)
-                    row["bench_s"] = round(time.perf_counter() - t0, 1)
-                    print({k: v for k, v in row.items()}, flush=True)
-                    rows.append(row)
+    if "decode" in kinds:
+        for context in args.contexts:
+            for batch in args.batches:
+                for t in args.q_lens:
+                    for storage in storages:
+                        rows.append(_timed(lambda: _case(context, batch, t, storage, device, args.iters, backends,
+                                                         tune)))
+    if "prefill" in kinds:
+        for prefix in args.prefill_prefixes:
+            for storage in storages:
+                rows.append(_timed(lambda: prefill_case(prefix, args.prefill_chunk, storage, device, args.iters,
+                                                        backends, prefill_tune)))
     best = [r for r in rows if "triton_speedup" in r]
     summary = {"cases": len(rows), "triton_faster_everywhere": bool(best) and all(r["triton_speedup"] > 1 for r in best),
                "min_triton_speedup": min((r["triton_speedup"] for r in best), default=None)}

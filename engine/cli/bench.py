@@ -27,7 +27,8 @@ BENCHES = {
     "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
     "experts": ("engine.bench.experts", "MoE decode tok/s and expert hit rate per expert-cache budget"),
-    "attention": ("engine.bench.attention", "one layer's decode attention per backend: gather+SDPA, Triton paged, Flex"),
+    "attention": ("engine.bench.attention", "one layer's decode and prefill-chunk attention per backend: "
+                  "gather+SDPA, Triton paged, Flex"),
     "kvspill": ("engine.bench.kv_spill", "decode rate of slots whose KV is partly in host memory (--kv-resident) "
                 "vs with room, and the PCIe floor"),
 }
@@ -177,6 +178,13 @@ def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16)")
     p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: TILExWARPSxSTAGES,... (128x8x2)")
+    p.add_argument("--rows", default="decode,prefill", help="decode (few queries per row), prefill (one chunk "
+                   "over a cached prefix), or both")
+    p.add_argument("--prefill-prefixes", type=int_list, default=[8 * _K, 32 * _K, 128 * _K],
+                   help="cached tokens before the chunk, per prefill row (8K,32K,128K)")
+    p.add_argument("--prefill-chunk", type=token_count, default=2048, help="the chunk's tokens (default 2048)")
+    p.add_argument("--prefill-tune", default="",
+                   help="prefill kernel launch shapes to time too: QUERIESxTILExWARPSxSTAGES,... (128x64x8x2)")
 
 
 def _kvspill(p: argparse.ArgumentParser) -> None:

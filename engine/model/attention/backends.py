@@ -7,10 +7,11 @@ cache and the queries into the attention output:
 - `TorchAttention`: the reference. Reads each row's keys through the block table into a contiguous copy
   (`kv.read`), then masked SDPA, the split-KV (flash-decoding) path, the blocked online softmax for long reads,
   or fused causal SDPA for prompt chunks. Runs everywhere; CPU results and the tests' oracle.
-- `TritonPagedAttention`: decode, MTP verify and drafting steps (at most `MAX_KERNEL_QUERIES` tokens per row)
-  read the pool in place through the block table (engine.model.attention.triton_paged); anything else falls
-  back to the reference. fp32 runs with exact (IEEE) fp32 dots. CUDA with Triton only (`kernel_backend()`
-  says whether it can run).
+- `TritonPagedAttention`: on CUDA every read takes the pool in place through the block table: decode, MTP
+  verify and drafting steps (at most `MAX_KERNEL_QUERIES` tokens per row) the split-K decode kernel
+  (engine.model.attention.triton_paged), prompt chunks the flash prefill kernel over the cached prefix and the
+  chunk (engine.model.attention.triton_prefill). fp32 runs with exact (IEEE) fp32 dots. CUDA with
+  Triton only (`kernel_backend()` says whether it can run).
 """
 
 from __future__ import annotations
@@ -80,22 +81,29 @@ class TorchAttention:
 
 
 class TritonPagedAttention(TorchAttention):
-    """Few-query steps through the in-place paged kernel; prompt chunks through the reference."""
+    """Every read on CUDA through the in-place paged kernels; other devices through the reference."""
 
     name = "triton"
 
-    def takes(self, kv: Any, q: torch.Tensor) -> bool:
-        """Whether the kernel serves this read (else the reference does)."""
-        return q.shape[2] <= MAX_KERNEL_QUERIES and kv.causal_keys is None and q.is_cuda
-
     def attend(self, kv: Any, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if not self.takes(kv, q):
+        if not q.is_cuda:
             return super().attend(kv, layer, q, positions)
-        from engine.model.attention.triton_paged import paged_decode_attention
+        return self.paged(kv, layer, q, positions)
 
+    def paged(self, kv: Any, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The kernels on any device Triton runs on (its interpreter runs them on CPU tensors in the tests).
+
+        Both kernels apply the causal-by-position rule, so a chunk bound by `bind_chunk` needs nothing of its
+        `causal_keys`: the bottom-right-aligned set it names is each query's causal set."""
         scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.storage == "int8" else (None, None)
-        return paged_decode_attention(q, kv.k[layer], kv.v[layer], *scales, kv.block_table, kv.slots, positions,
-                                      kv.span_tokens, kv.geometry.context_tokens)
+        args = (kv.block_table, kv.slots, positions, kv.span_tokens, kv.geometry.context_tokens)
+        if q.shape[2] <= MAX_KERNEL_QUERIES:
+            from engine.model.attention.triton_paged import paged_decode_attention
+
+            return paged_decode_attention(q, kv.k[layer], kv.v[layer], *scales, *args)
+        from engine.model.attention.triton_prefill import paged_prefill_attention
+
+        return paged_prefill_attention(q, kv.k[layer], kv.v[layer], *scales, *args)
 
 
 def kernel_backend(device: torch.device) -> TritonPagedAttention | None:

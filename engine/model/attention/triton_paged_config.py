@@ -1,4 +1,5 @@
-"""Launch shape of the paged decode kernel (engine.model.attention.triton_paged), importable without Triton."""
+"""Launch shapes of the paged kernels (engine.model.attention.triton_paged, triton_prefill), importable without
+Triton (the bench's argument parsing runs on CPU)."""
 
 from __future__ import annotations
 
@@ -15,4 +16,17 @@ class KernelConfig:
     num_stages: int = 2
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the prefill kernel: queries per tile (a short chunk takes fewer), keys per tile, warps and
+    pipeline stages (fp32 halves the tiles: triton_prefill.launch_shape). `bench attention --prefill-tune`
+    times the alternatives."""
+
+    query_tokens: int = 128
+    tile_tokens: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
 DEFAULT_CONFIG = KernelConfig()
+DEFAULT_PREFILL_CONFIG = PrefillConfig()

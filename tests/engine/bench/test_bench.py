@@ -224,12 +224,34 @@ def test_profile_names_host_functions_and_ops_of_a_steady_step(tmp_path: Path, m
 
 def test_attention_bench_times_the_reference_per_case_and_checks_its_output(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["attention", "--device", "cpu", "--contexts", "300", "--batches", "1,2", "--q-lens", "1,3",
-                           "--iters", "2"])
+                           "--iters", "2", "--rows", "decode"])
     rows = doc["rows"]
-    assert [(r["batch"], r["q_len"], r["kv"]) for r in rows] == [
-        (b, t, kv) for b in (1, 2) for t in (1, 3) for kv in ("bf16", "int8")]
+    assert [(r["case"], r["batch"], r["q_len"], r["kv"]) for r in rows] == [
+        ("decode", b, t, kv) for b in (1, 2) for t in (1, 3) for kv in ("bf16", "int8")]
     assert all(r["torch_ms"] > 0 and r["torch_max_err"] == 0 and "triton_ms" not in r for r in rows)  # no kernel on CPU
     assert doc["summary"]["cases"] == 4 * 2 and doc["summary"]["min_triton_speedup"] is None
+
+
+def test_attention_bench_prefill_rows_time_a_chunk_over_each_prefix_depth(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["attention", "--device", "cpu", "--rows", "prefill", "--prefill-prefixes", "100,300",
+                           "--prefill-chunk", "48", "--iters", "2", "--prefill-tune", "32x16x4x2"])
+    rows = doc["rows"]
+    assert [(r["case"], r["prefix"], r["chunk"], r["context"], r["kv"]) for r in rows] == [
+        ("prefill", p, 48, p + 48, kv) for p in (100, 300) for kv in ("bf16", "int8")]
+    for row in rows:  # CPU: the reference as the runner runs a chunk there; no kernel, so no tuned shapes either
+        assert row["torch_path"] == "gather+sdpa" and row["torch_max_err"] == 0
+        flops = 4 * 48 * (row["prefix"] + 24) * 16 * 128  # the causal chunk's dots at the 0.6B shape
+        assert row["torch_ms"] > 0 and math.isclose(row["torch_tflops"], flops / row["torch_ms"] / 1e9, abs_tol=2e-3)
+        assert not any(k.startswith(("triton", "q32_")) for k in row)
+    assert doc["summary"]["cases"] == 4
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rows", "verify"], "rows='verify'"), (["--prefill-tune", "128x64x8"], "prefill_tune='128x64x8'"),
+    (["--tune", "128xfourx2"], "tune='128xfourx2'")])
+def test_attention_bench_names_a_bad_selection_or_launch_shape(tmp_path: Path, argv, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        bench(tmp_path, ["attention", "--device", "cpu", "--contexts", "300", "--batches", "1", *argv])
 
 
 def test_kvspill_runs_both_configurations_and_reports_the_traffic(tmp_path: Path) -> None:

@@ -1,0 +1,55 @@
+"""What the attention bench's decode and prefill rows share: the model shape, a filled one-layer cache, the timer."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from engine.exec.kv_cache import KVGeometry, SlotKVCache
+
+HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
+
+
+def graph_ms(fn: Callable[[], Any], iters: int) -> float:
+    """Milliseconds per call of `fn`, replayed from a CUDA graph of `iters` calls (CPU: timed eagerly)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / (3 * iters)
+    del graph
+    return ms
+
+
+def filled_cache(context: int, batch: int, storage: str, dtype: torch.dtype, device: torch.device) -> SlotKVCache:
+    geo = KVGeometry(1, batch, HKV, HEAD_DIM, context, 64)
+    cache = SlotKVCache(geo, storage, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for pool in (cache.k[0], cache.v[0]):
+        if storage == "int8":
+            pool.copy_(torch.randint(-127, 128, pool.shape, generator=gen, device=device, dtype=torch.int8))
+        else:
+            pool.normal_(generator=gen)
+    for scale in (*cache.k_scale, *cache.v_scale):
+        scale.uniform_(0.005, 0.02, generator=gen)
+    return cache

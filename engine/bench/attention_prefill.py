@@ -1,0 +1,85 @@
+"""`strata-engine bench attention`'s prefill rows: one layer's attention for one prompt chunk over a cached prefix.
+
+For each prefix depth x KV storage: a one-layer SlotKVCache of one slot filled to prefix + chunk tokens, the
+chunk's queries at positions [prefix, prefix + chunk), then the time of one attention read through
+- `torch`: the reference backend as the engine runs a chunk without PAGED_ATTN: on CUDA, where the flash kernel
+  takes the shapes, the slot's keys up to the chunk's end gathered through the block table, then fused causal
+  SDPA (`SlotKVCache.bind_chunk`); elsewhere masked SDPA or the blocked online softmax;
+- `triton`: the paged prefill kernel reading the pool in place (engine.model.attention.triton_prefill).
+Timed like the decode rows (engine.bench.attention_common.graph_ms: a CUDA graph of `--iters` calls, replayed). `tflops` counts
+the causal attention's dot products (4 x chunk x (prefix + chunk / 2) x Hq x D) over the time. `--prefill-tune`
+times the kernel at other launch shapes (`QUERIESxTILExWARPSxSTAGES`, see PrefillConfig) in the same run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from engine.bench.attention_common import HEAD_DIM, HQ, filled_cache, graph_ms
+from engine.model.attention.triton_paged_config import PrefillConfig
+
+DTYPE = torch.bfloat16  # the serving compute dtype on the GPU
+
+
+def _tuned(cache: Any, q: torch.Tensor, positions: torch.Tensor, config: PrefillConfig) -> Callable[[], Any]:
+    from engine.model.attention.triton_prefill import paged_prefill_attention
+
+    scales = (cache.k_scale[0], cache.v_scale[0]) if cache.storage == "int8" else (None, None)
+    return lambda: paged_prefill_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, cache.slots,
+                                           positions, cache.span_tokens, cache.geometry.context_tokens, config)
+
+
+def prefill_case(prefix: int, chunk: int, storage: str, device: torch.device, iters: int, backends: list[str],
+                 tune: list[PrefillConfig]) -> dict[str, Any]:
+    """One prefill row: the chunk's attention over `prefix` cached tokens, per backend."""
+    cache = filled_cache(prefix + chunk, 1, storage, DTYPE, device)
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    positions = torch.arange(prefix, prefix + chunk, device=device).view(1, -1)
+    q = torch.randn(1, HQ, chunk, HEAD_DIM, device=device, dtype=DTYPE)
+    span = prefix + chunk
+    fused = cache.chunk_fusable(HQ, chunk)  # what the runner decides for this chunk
+
+    def reference() -> torch.Tensor:
+        if fused:
+            cache.bind_chunk(slots, span, prefix, chunk)
+        else:
+            cache.bind(slots, span)
+        return cache.reference.attend(cache, 0, q, positions)
+
+    def kernel() -> torch.Tensor:
+        cache.bind(slots, span)
+        return cache.kernel.attend(cache, 0, q, positions)
+
+    flops = 4 * chunk * (prefix + chunk / 2) * HQ * HEAD_DIM
+    row: dict[str, Any] = {"case": "prefill", "context": span, "prefix": prefix, "chunk": chunk, "batch": 1,
+                           "q_len": chunk, "kv": storage, "torch_path": "gather+flash" if fused else "gather+sdpa"}
+    expected = reference()
+    runs: dict[str, Callable[[], Any]] = {"torch": reference}
+    if cache.kernel is not None:
+        runs["triton"] = kernel
+    for name in backends:
+        if name not in runs:
+            continue
+        try:
+            err = (runs[name]().float() - expected.float()).abs().max().item()
+            ms = graph_ms(runs[name], iters)
+            row[f"{name}_ms"] = round(ms, 4)
+            row[f"{name}_tflops"] = round(flops / ms / 1e9, 3)
+            row[f"{name}_max_err"] = round(err, 5)
+        except Exception as exc:  # noqa: BLE001 - one backend failing is a figure to report, not a crash
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for config in tune if cache.kernel is not None else []:
+        name = f"q{config.query_tokens}_tile{config.tile_tokens}_w{config.num_warps}_s{config.num_stages}"
+        try:
+            cache.bind(slots, span)
+            row[f"{name}_ms"] = round(graph_ms(_tuned(cache, q, positions, config), iters), 4)
+        except Exception as exc:  # noqa: BLE001 - a launch shape that does not fit is a result too
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    if "triton_ms" in row and "torch_ms" in row:
+        row["triton_speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
+    del cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row

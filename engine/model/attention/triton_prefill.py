@@ -1,0 +1,175 @@
+"""Paged prefill attention in Triton: a prompt chunk's queries over its slot's cached prefix and the chunk itself,
+keys read in place through the block table (no gathered copy of the span).
+
+    out = paged_prefill_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, slots, positions,
+                                  span_tokens, context_tokens)
+
+Storage as in engine.model.attention.triton_paged (pools `[Hkv, num_blocks, block_tokens, D]`, int8 with float32
+scales `[Hkv, num_blocks, block_tokens]`, a block table `[num_slots, blocks_per_slot]`). The chunk's keys and
+values are already in the pool (SlotKVCache.attend writes them first), so prefix and chunk are one span.
+
+Flash attention, one program per (query head, tile of the chunk's queries, batch row). The grid runs over query
+heads, not KV heads with the group folded in (the decode kernel's choice): a prefill tile already has up to
+BLOCK_M queries of one head, so each key tile is reused BLOCK_M times and the kernel is bound by the dots, not by
+reading keys; folding the group in would only shrink the chunk's share of a tile, and a ratio like 40 / 8 would
+pad it. The query head is the fastest grid axis, so the G heads that share a KV head run side by side and read
+each key tile while it is still in L2.
+
+Causal by position: query (b, t) at position p sees keys 0..p of its slot. A tile streams keys up to its largest
+position (tiles wholly past it are never read) and applies no mask to the tiles every row of it sees wholly
+(below its smallest position); the last query tiles, which read the most keys, are launched first. Rows at or
+past `context_tokens` are padding (a chunk padded to its length bucket writes scratch columns there): they read
+what their tile reads but store zeros. int8 keys and values are converted in registers: the key scale multiplies
+the scores, the value scale multiplies P before P.V. fp32 runs with exact (IEEE) dots.
+
+Graph-capturable: the grid depends only on the batch, the heads and the chunk's length bucket; positions, lengths
+and the block table are read on the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.attention.triton_paged_config import DEFAULT_PREFILL_CONFIG, PrefillConfig
+
+_LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e)), folded into the score scale
+
+
+@triton.jit
+def _tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len, qk_scale,
+          stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, d, d_ok,
+          BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, INT8: tl.constexpr,
+          PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile into the running (max, sum, accumulator). MASKED: the tile crosses some row's causal limit
+    (or the span's end); otherwise every row of the tile sees every key of it."""
+    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    # A tile may span several pool blocks (or part of one): each key finds its own block.
+    if MASKED:
+        in_span = keys < kv_len
+        phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=in_span, other=0).to(tl.int64)
+        kv_mask = in_span[:, None] & d_ok[None, :]
+    else:
+        phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    k_off = h * stride_kh + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
+    k = tl.load(k_ptr + k_off, mask=kv_mask, other=0)
+    v = tl.load(v_ptr + k_off, mask=kv_mask, other=0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if INT8:
+        ks = tl.load(ks_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
+        s = s * ks[None, :]
+    s = s * qk_scale
+    if MASKED:
+        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if INT8:
+        vs = tl.load(vs_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
+        p = p * vs[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qt,
+    stride_kh, stride_kb,
+    stride_sh, stride_sb,
+    stride_tab,
+    stride_ob, stride_oh, stride_ot,
+    qk_scale, span_tokens, context_tokens, T,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    q_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles see the most keys: start them first
+    b = tl.program_id(2)
+    h = (head // G).to(tl.int64)  # h * (a KV head's pool stride) can pass 2**31 elements
+    t = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = t < T
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + b * stride_qb + head * stride_qh + t[:, None] * stride_qt + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    pos = tl.load(pos_ptr + b * T + t, mask=row_ok, other=-1).to(tl.int32)
+    pos = tl.where(pos < context_tokens, pos, -1)  # padding rows see no key
+    real = pos >= 0
+    kv_len = tl.minimum(tl.max(pos, axis=0) + 1, span_tokens)
+    # Keys below `seen_by_all` are visible to every real row of the tile: those tiles need no mask.
+    seen_by_all = tl.minimum(tl.min(tl.where(real, pos, span_tokens), axis=0) + 1, kv_len)
+    full_tiles = tl.maximum(seen_by_all, 0) // BLOCK_N
+    last_tile = tl.cdiv(kv_len, BLOCK_N)
+    slot = tl.load(slots_ptr + b)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for tile in range(0, full_tiles):
+        m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
+                              qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, d, d_ok,
+                              BLOCK_N, D, PAGE, INT8, PRECISION, False)
+    for tile in range(full_tiles, last_tile):
+        m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
+                              qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, d, d_ok,
+                              BLOCK_N, D, PAGE, INT8, PRECISION, True)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = tl.where(real[:, None], out, 0.0)
+    o_off = b * stride_ob + head * stride_oh + t[:, None] * stride_ot + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def launch_shape(dtype: torch.dtype, chunk_tokens: int, config: PrefillConfig) -> tuple[int, int, int, int]:
+    """(query rows, keys per tile, warps, stages) of one launch. fp32 halves the tiles: its exact dots take twice
+    the registers and shared memory of bf16's."""
+    block_m, block_n, stages = config.query_tokens, config.tile_tokens, config.num_stages
+    if dtype == torch.float32:
+        block_m, block_n, stages = min(block_m, 64), min(block_n, 32), min(stages, 2)
+    block_m = min(block_m, max(16, triton.next_power_of_2(chunk_tokens)))  # a short chunk: no idle rows
+    return block_m, block_n, config.num_warps, stages
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
+                            slots: torch.Tensor, positions: torch.Tensor, span_tokens: int, context_tokens: int,
+                            config: PrefillConfig = DEFAULT_PREFILL_CONFIG) -> torch.Tensor:
+    """q [B, Hq, T, D] (bf16/fp16, or fp32 with exact fp32 dots), positions [B, T] long -> [B, Hq, T, D]."""
+    b, hq, t, d = q.shape
+    hkv, _, block_tokens, _ = k_pool.shape
+    g = hq // hkv
+    assert hq == g * hkv, (hq, hkv)
+    assert positions.shape == (b, t), (positions.shape, q.shape)
+    assert q.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous(), "contiguous head dim expected"
+    block_m, block_n, warps, stages = launch_shape(q.dtype, t, config)
+    int8 = k_pool.dtype == torch.int8
+    if int8:
+        assert k_scale is not None and v_scale is not None
+        ks, vs = k_scale, v_scale
+    else:
+        ks = vs = k_pool  # never read
+    out = torch.empty_like(q)
+    positions, slots = positions.contiguous(), slots.contiguous()
+    _paged_prefill_kernel[(hq, triton.cdiv(t, block_m), b)](
+        q, k_pool, v_pool, ks, vs, block_table, slots, positions, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1),
+        ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
+        block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        _LOG2E / math.sqrt(d), span_tokens, context_tokens, t,
+        G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_tokens,
+        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    return out
