@@ -134,7 +134,8 @@ class _PartsBuilder:
         self.stage = "allocating the KV cache"
         kv, weights_mib = _sized_kv_cache(config, lm, depth)
         if kv.kernel is None:  # quietly: the reference path is what runs here, and turning it on cannot change that
-            board.mark_unavailable("PAGED_ATTN", f"the paged kernels need a CUDA device with Triton (running on {device})")
+            for name in ("PAGED_ATTN", "PAGED_PREFILL"):
+                board.mark_unavailable(name, f"the paged kernels need a CUDA device with Triton (running on {device})")
         for name, on in config.switches.items():
             if on and board.enabled(name):
                 bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))

@@ -84,6 +84,14 @@ SWITCHES: tuple[Switch, ...] = (
                "on the H200, most at long context (docs/SWITCHES.md)",
         default=True,
     ),
+    Switch(
+        "PAGED_PREFILL",
+        "prompt chunks read the paged KV pool in place too: a Triton flash kernel over the cached prefix and the "
+        "chunk instead of gathering the span first (needs PAGED_ATTN; CUDA only)",
+        live=True,
+        key_tag="pprefill",
+        effect="not measured on a GPU yet: opt-in until it is (docs/SWITCHES.md)",
+    ),
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}

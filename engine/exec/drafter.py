@@ -255,7 +255,7 @@ class MtpDrafter:
 
         def mtp_fn(x):
             kv.bind(x["slots"], span)
-            kv.set_path(split, kv.paged)
+            kv.set_path(split, kv.paged, kv.paged_prefill)
             h_mtp = model.mtp(x["hidden"], x["next_ids"], x["positions"], kv, depth=depth)  # [Bb, T, H]
             bb = h_mtp.shape[0]
             idx = x["pick"].view(bb, 1, 1).expand(bb, 1, h_mtp.shape[-1])

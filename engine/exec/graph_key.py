@@ -22,6 +22,12 @@ class GraphKey:
     def of(cls, *shape: str, switches: Iterable[str] = ()) -> "GraphKey":
         return cls(tuple(shape), frozenset(switches))
 
+    @property
+    def runs_chunks(self) -> bool:
+        """A step whose forward runs prompt chunks (its bucket has a chunk length, "t64"): the only steps a
+        switch of the chunk path changes."""
+        return any(part.startswith("t") for part in self.shape)
+
     def depends_on(self, switch: str) -> bool:
         return switch in self.switches
 

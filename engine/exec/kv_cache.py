@@ -143,6 +143,7 @@ class SlotKVCache:
         self.reference = TorchAttention()
         self.kernel = kernel_backend(self.device)  # None where the paged kernels cannot run
         self.paged = False
+        self.paged_prefill = False
         # Tunable so tests reach the blocked and split paths at small sizes.
         self.block_scores_bytes = _BLOCK_SCORES_BYTES
         self.block_kv_bytes = _BLOCK_KV_BYTES
@@ -207,11 +208,12 @@ class SlotKVCache:
     def set_split(self, enabled: bool) -> None:
         self.split_attn = bool(enabled)
 
-    def set_path(self, split: bool, paged: bool) -> None:
-        """The attention path of the forward about to run: SPLIT_ATTN (reference backend) and PAGED_ATTN (the
-        in-place kernels, where `kernel` exists)."""
+    def set_path(self, split: bool, paged: bool, paged_prefill: bool = False) -> None:
+        """The attention path of the forward about to run: SPLIT_ATTN (reference backend), PAGED_ATTN (the
+        in-place kernels, where `kernel` exists) and PAGED_PREFILL (prompt chunks through the kernels too)."""
         self.split_attn = bool(split)
         self.paged = bool(paged)
+        self.paged_prefill = bool(paged and paged_prefill)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Write k, v at `positions` of each row's slot, then attend causally. q [B,Hq,T,D] -> [B,Hq,T,D]."""

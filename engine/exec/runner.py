@@ -31,10 +31,11 @@ GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this f
 MIN_CHUNK_TOKENS = 16
 SPLIT_SWITCH = "SPLIT_ATTN"
 PAGED_SWITCH = "PAGED_ATTN"
-# Never blamed for a graph that cannot be captured: PAGED_ATTN's kernels need less memory than the gathering path
-# they replace, so degrading it would make an out-of-memory capture worse; its steps fail over like any plain step
-# (run eagerly, or MTP off). SPLIT_ATTN is blamed: its scratch grows with the context.
-NEVER_BLAMED = frozenset({PAGED_SWITCH})
+PREFILL_SWITCH = "PAGED_PREFILL"
+# Never blamed for a graph that cannot be captured: the paged kernels need less memory than the gathering path
+# they replace, so degrading them would make an out-of-memory capture worse; their steps fail over like any plain
+# step (run eagerly, or MTP off). SPLIT_ATTN is blamed: its scratch grows with the context.
+NEVER_BLAMED = frozenset({PAGED_SWITCH, PREFILL_SWITCH})
 _DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step", "verify_draft")
 
 
@@ -185,16 +186,20 @@ class ModelRunner:
         """PAGED_ATTN on and its kernels can run here (engine.model.attention.backends.kernel_backend)."""
         return self.kv.kernel is not None and self.board.enabled(PAGED_SWITCH)
 
-    def on_path(self, key: Hashable, fn: Callable) -> tuple[Hashable, Callable]:
-        """A built step on the current PAGED_ATTN path: the key says so, and the step tells the cache which
-        backend to use before its forward (so a replayed graph and an eager run take the same path)."""
+    def on_path(self, key: GraphKey, fn: Callable) -> tuple[GraphKey, Callable]:
+        """A built step on the current PAGED_ATTN / PAGED_PREFILL path: the key says so (PAGED_PREFILL only for
+        steps that run prompt chunks), and the step tells the cache which backend to use before its forward (so
+        a replayed graph and an eager run take the same path)."""
         paged, kv = self.paged_enabled(), self.kv
+        prefill = paged and key.runs_chunks and self.board.enabled(PREFILL_SWITCH)
 
         def step(x):
-            kv.set_path(kv.split_attn, paged)
+            kv.set_path(kv.split_attn, paged, prefill)
             return fn(x)
 
-        return (key.with_switch(PAGED_SWITCH) if paged else key), step
+        if paged:
+            key = key.with_switch(PAGED_SWITCH)
+        return (key.with_switch(PREFILL_SWITCH) if prefill else key), step
 
     # --- the executor seam ---------------------------------------------------------------------------------
 
@@ -387,7 +392,7 @@ class ModelRunner:
                 kv.bind(x["slots"], span)
             else:
                 kv.bind_chunk(x["slots"], span, *chunk)
-            kv.set_path(split, kv.paged)
+            kv.set_path(split, kv.paged, kv.paged_prefill)
             hidden = model(x["tokens"], x["positions"], kv)  # [Bb, T, H]
             if last_only:
                 h_last = hidden.index_select(1, x["last"])  # [1, 1, H]

@@ -59,7 +59,8 @@ class CrashPanel(Static):
         lines.append(Text.assemble(("last error: ", "bold"),
                                    (crash.error or "none reported", "red" if crash.error else "dim")))
         if crash.recent:
-            shown = 8 if self.app.size.height >= 40 else 3  # a short terminal keeps the switches in view
+            height = self.app.size.height
+            shown = 8 if height >= 40 else 3 if height >= 34 else 1  # a short terminal keeps the switches in view
             lines.append(Text("last events:", style="bold"))
             for event in crash.recent[-shown:]:
                 line = Text("  " + event_line(event), style="dim")

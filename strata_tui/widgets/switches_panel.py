@@ -1,6 +1,7 @@
 """Switches and VRAM reserve: one line per opt-in switch (its key, on/off, live or start-only, degraded and
-why, the last control answer) and the reserve with its keys. Every line is one terminal line (cut with an
-ellipsis, never wrapped), so at 100x30 every switch and the reserve stay on screen."""
+why, the last control answer) and the reserve with its keys on the panel's bottom border (where no switch can
+push it out of view; the answer to the last reserve change is a line below the switches). Every line is one
+terminal line (cut with an ellipsis, never wrapped), so at 100x30 every switch and the reserve stay on screen."""
 
 from __future__ import annotations
 
@@ -54,4 +55,7 @@ class SwitchesPanel(Static):
     def show(self, views: list[SwitchView], reserve_mib: int | None, steps_mib: tuple[int, int],
              reserve_note: str = "") -> None:
         lines = [switch_line(str(i + 1), v) for i, v in enumerate(views)]
-        self.update(Group(*lines, *reserve_lines(reserve_mib, steps_mib, reserve_note)))
+        reserve, *note = reserve_lines(reserve_mib, steps_mib, reserve_note)
+        if self.border_subtitle != reserve.markup:
+            self.border_subtitle = reserve
+        self.update(Group(*lines, *note))

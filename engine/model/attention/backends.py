@@ -7,11 +7,12 @@ cache and the queries into the attention output:
 - `TorchAttention`: the reference. Reads each row's keys through the block table into a contiguous copy
   (`kv.read`), then masked SDPA, the split-KV (flash-decoding) path, the blocked online softmax for long reads,
   or fused causal SDPA for prompt chunks. Runs everywhere; CPU results and the tests' oracle.
-- `TritonPagedAttention`: on CUDA every read takes the pool in place through the block table: decode, MTP
-  verify and drafting steps (at most `MAX_KERNEL_QUERIES` tokens per row) the split-K decode kernel
-  (engine.model.attention.triton_paged), prompt chunks the flash prefill kernel over the cached prefix and the
-  chunk (engine.model.attention.triton_prefill). fp32 runs with exact (IEEE) fp32 dots. CUDA with
-  Triton only (`kernel_backend()` says whether it can run).
+- `TritonPagedAttention`: on CUDA, decode, MTP verify and drafting steps (at most `MAX_KERNEL_QUERIES` tokens
+  per row) read the pool in place through the block table with the split-K decode kernel
+  (engine.model.attention.triton_paged); with PAGED_PREFILL on, prompt chunks too, with the flash prefill
+  kernel over the cached prefix and the chunk (engine.model.attention.triton_prefill); anything else falls
+  back to the reference. fp32 runs with exact (IEEE) fp32 dots. CUDA with Triton only (`kernel_backend()`
+  says whether it can run).
 """
 
 from __future__ import annotations
@@ -81,14 +82,19 @@ class TorchAttention:
 
 
 class TritonPagedAttention(TorchAttention):
-    """Every read on CUDA through the in-place paged kernels; other devices through the reference."""
+    """Few-query steps through the in-place decode kernel; prompt chunks through the prefill kernel when the
+    forward's path says so (PAGED_PREFILL), else through the reference."""
 
     name = "triton"
 
     def attend(self, kv: Any, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if not q.is_cuda:
+        if not self.runs_on(q) or (q.shape[2] > MAX_KERNEL_QUERIES and not kv.paged_prefill):
             return super().attend(kv, layer, q, positions)
         return self.paged(kv, layer, q, positions)
+
+    def runs_on(self, q: torch.Tensor) -> bool:
+        """Where the compiled kernels run (the interpreter tests say yes on CPU)."""
+        return q.is_cuda
 
     def paged(self, kv: Any, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The kernels on any device Triton runs on (its interpreter runs them on CPU tensors in the tests).

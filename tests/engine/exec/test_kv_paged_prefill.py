@@ -109,18 +109,24 @@ def engine_check(model: str, kv: str) -> None:
     calls = {"prefill": 0, "decode": 0}
 
     class InterpretedKernels(TritonPagedAttention):
-        def attend(self, kv, layer, q, positions):
+        def runs_on(self, q):
+            return True
+
+        def paged(self, kv, layer, q, positions):
             calls["prefill" if q.shape[2] > 8 else "decode"] += 1
-            return self.paged(kv, layer, q, positions)
+            return super().paged(kv, layer, q, positions)
 
     prompts = random_prompts(2, seed=95, lengths=(130, 200))  # three or four 64-token chunks each
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reference = tokens_of(run_all(make_engine(Path(model), batch=2, kv=kv), prompts, params))
     kv_cache.kernel_backend = lambda device: InterpretedKernels()
-    kernels = make_engine(Path(model), batch=2, kv=kv)
-    assert kernels.runner.paged_enabled()
+    decode_only = make_engine(Path(model), batch=2, kv=kv)  # PAGED_PREFILL off (its default): chunks gather
+    assert decode_only.runner.paged_enabled()
+    assert tokens_of(run_all(decode_only, prompts, params)) == reference
+    assert calls["decode"] and not calls["prefill"], calls
+    kernels = make_engine(Path(model), batch=2, kv=kv, switches={"PAGED_PREFILL": True})
     assert tokens_of(run_all(kernels, prompts, params)) == reference
-    assert calls["prefill"] and calls["decode"], calls
+    assert calls["prefill"], calls
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])

@@ -109,8 +109,9 @@ def test_captured_prefill_kernel_replays_with_a_new_start_and_block_table_like_e
 
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
 def test_engine_greedy_tokens_are_the_same_with_the_prefill_kernel_on_and_off(ckpt, kv, monkeypatch):
-    """Prompts of several chunks (256-token chunks), fp32 (exact dots on both paths), graphs on: PAGED_ATTN
-    on runs every chunk through the prefill kernel, off through the gather + SDPA reference."""
+    """Prompts of several chunks (256-token chunks), fp32 (exact dots on both paths), graphs on: PAGED_PREFILL
+    on runs every chunk through the prefill kernel, off through the gather + SDPA reference (PAGED_ATTN on in
+    both: decode takes the decode kernel either way)."""
     import engine.model.attention.triton_prefill as prefill
 
     calls = []
@@ -119,13 +120,13 @@ def test_engine_greedy_tokens_are_the_same_with_the_prefill_kernel_on_and_off(ck
     prompts = random_prompts(3, seed=94, lengths=(700, 1300))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     tokens = {}
-    for paged in (False, True):
+    for prefill_on in (False, True):
         engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=3, context=4096, kv=kv,
                                      prefill_chunk_tokens=256, step_token_budget=512,
-                                     switches={"PAGED_ATTN": paged}),
+                                     switches={"PAGED_PREFILL": prefill_on}),
                         EventBus(history=100000), block_tokens=16)
-        assert engine.runner.paged_enabled() is paged
-        tokens[paged] = tokens_of(run_all(engine, prompts, params))
+        assert engine.runner.paged_enabled()
+        tokens[prefill_on] = tokens_of(run_all(engine, prompts, params))
         engine.close()
-    assert calls, "the prefill kernel never ran"
+        assert bool(calls) is prefill_on, "the prefill kernel ran exactly when PAGED_PREFILL was on"
     assert tokens[True] == tokens[False]

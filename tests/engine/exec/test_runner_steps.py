@@ -115,3 +115,48 @@ def test_a_long_and_a_short_slot_decode_correctly_in_separate_groups(ckpt):
     assert got == alone
     decode_keys = {key for kind, key, _ in executor.calls if kind == "decode"}
     assert GraphKey.of("b1", "L256") in decode_keys and GraphKey.of("b1", "L4096") in decode_keys
+
+
+def test_paged_prefill_routes_prompt_chunks_to_the_kernel_path_only_when_on_and_keys_say_so(ckpt, monkeypatch):
+    """The routing of PAGED_PREFILL, reachable without Triton: a kernel backend that records which reads it was
+    handed (and answers them with the reference maths) stands in for the compiled kernels; the routing, the
+    graph keys and the live toggle are the real ones."""
+    import engine.exec.kv_cache as kv_cache
+    from engine.model.attention.backends import TorchAttention, TritonPagedAttention
+    from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+
+    reads: list[int] = []
+
+    class RecordingKernels(TritonPagedAttention):
+        def runs_on(self, q):
+            return True
+
+        def paged(self, kv, layer, q, positions):
+            reads.append(q.shape[2])
+            return TorchAttention.attend(self, kv, layer, q, positions)
+
+    prompts = random_prompts(2, seed=96, lengths=(130, 200))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    reference = tokens_of(run_all(make_engine(ckpt, batch=2), prompts, params))
+    monkeypatch.setattr(kv_cache, "kernel_backend", lambda device: RecordingKernels())
+    executor = RecordingExecutor()
+    engine = make_engine(ckpt, batch=2, executor=executor)
+    assert tokens_of(run_all(engine, prompts, params)) == reference
+    assert reads and max(reads) <= 8, "PAGED_PREFILL off (its default): chunks take the reference"
+    chunk_keys = [key for kind, key, _ in executor.calls if key.runs_chunks]
+    assert chunk_keys and not any(key.depends_on("PAGED_PREFILL") for key in chunk_keys)
+
+    reads.clear()
+    executor.calls.clear()
+    assert engine.set_switch("PAGED_PREFILL", True).enabled  # live
+    assert tokens_of(run_all(engine, prompts, params)) == reference
+    assert max(reads) > 8, "the chunks went through the kernel path"
+    for kind, key, _ in executor.calls:
+        assert key.depends_on("PAGED_PREFILL") is key.runs_chunks, (kind, key)  # decode graphs are kept
+    assert switch_for_key("prefill", GraphKey.of("t64", "L256", switches=["PAGED_ATTN", "PAGED_PREFILL"])) is None
+
+
+def test_paged_prefill_is_unavailable_where_the_kernels_cannot_run(ckpt):
+    engine = make_engine(ckpt, batch=2, switches={"PAGED_PREFILL": True})
+    state = {s["name"]: s for s in engine.board.snapshot()}["PAGED_PREFILL"]
+    assert not state["enabled"] and state["degraded"] and "CUDA" in state["reason"]
