@@ -84,6 +84,14 @@ SWITCHES: tuple[Switch, ...] = (
                "on the H200, most at long context (docs/SWITCHES.md)",
         default=True,
     ),
+    Switch(
+        "EXPERT_LFU",
+        "MoE expert cache: evict the expert with the smallest decayed use count (LRFU, halving every 64 of the "
+        "layer's accesses) instead of the least recently used one",
+        live=True,
+        effect="higher expert hit rate than LRU on a skewed synthetic routing trace, equal on uniform (random-weight) "
+               "routing; CPU trace replays, not yet measured on a real model's trace (docs/SWITCHES.md)",
+    ),
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}

@@ -27,6 +27,8 @@ BENCHES = {
     "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
     "experts": ("engine.bench.experts", "MoE decode tok/s and expert hit rate per expert-cache budget"),
+    "experts-replay": ("engine.bench.experts_replay", "expert-cache hit rates of LRU, LFU and Belady replaying a "
+                       "routing trace (recorded or synthetic; CPU, pure Python)"),
     "attention": ("engine.bench.attention", "one layer's decode attention per backend: gather+SDPA, Triton paged, Flex"),
     "kvspill": ("engine.bench.kv_spill", "decode rate of slots whose KV is partly in host memory (--kv-resident) "
                 "vs with room, and the PCIe floor"),
@@ -168,6 +170,12 @@ def _experts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-out", default=None, metavar="PATH", help="write the smallest budget's routing trace")
 
 
+def _experts_replay(p: argparse.ArgumentParser) -> None:
+    from engine.bench.experts_replay import add_arguments as add  # torch-free
+
+    add(p)
+
+
 def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cuda:N, cpu or auto")
     p.add_argument("--contexts", type=int_list, default=[4 * _K, 32 * _K, 128 * _K], help="context tokens (4K,32K)")
@@ -190,6 +198,7 @@ def _kvspill(p: argparse.ArgumentParser) -> None:
 _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile, "experts": _experts,
+    "experts-replay": _experts_replay,
     "attention": _attention, "kvspill": _kvspill,
 }
 

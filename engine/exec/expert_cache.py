@@ -7,7 +7,8 @@ table `table[i] [E]` (expert -> its slot, or the miss slot). The host store hold
 
 Two forward paths, chosen by whether the stream is being captured into a CUDA graph:
 - eager (CPU, prefill, graphs off, graph warm-ups): the routed ids come to the host, the layer's access is
-  served group by group through the `SlotPolicy` (LRU; engine.exec.expert_trace), misses are copied in, and
+  served group by group through the slot policy (LRU, or LRFU with the EXPERT_LFU switch; engine.exec.expert_trace),
+  misses are copied in, and
   the experts run one by one in ascending order (so any budget gives the same sums as the all-resident run);
 - captured (decode / verify under CUDA graphs): no host sync. `slots = table[ids]`, the experts' weights are
   gathered from the pool, and a miss (a real row routed to the miss slot) is counted on the device. Between
@@ -29,7 +30,7 @@ from typing import Callable
 import torch
 
 from engine.exec.expert_stats import ExpertStats
-from engine.exec.expert_trace import SlotPolicy, groups_of
+from engine.exec.expert_trace import SlotPolicy, adopt, groups_of
 from engine.model.moe import SparseMoE, add_expert, expert_mlp, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
@@ -103,7 +104,7 @@ class ExpertCache:
     """Per-layer expert pools behind the ExpertProvider seam of engine.model.moe (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bus: EventBus, slots: int,
-                 min_slots: int = 1) -> None:
+                 min_slots: int = 1, policy: str = "lru") -> None:
         self.blocks = sparse_blocks(model)
         if not self.blocks:
             raise ValueError("the model has no sparse MoE layers")
@@ -136,7 +137,18 @@ class ExpertCache:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
         model.expert_provider = self  # engine_setup.release_device_memory closes it
+        self.set_policy(policy)
         self._resize(self.clamp_slots(slots), "start")
+
+    @property
+    def policy(self) -> str:
+        return self.pools[0].policy.name
+
+    def set_policy(self, name: str) -> None:
+        """Evict by `name` (`lru`, `lfu`) from now on; the residents stay where they are, so the device tables and
+        the captured graphs reading them stay valid."""
+        for pool in self.pools:
+            pool.policy = adopt(pool.policy, name)
 
     # --- sizes -------------------------------------------------------------------------------------------
 
@@ -240,7 +252,7 @@ class ExpertCache:
 
     def close(self) -> None:
         """Free the pools and the host store (Engine.close), after publishing the last load / evict sums."""
-        self.stats.publish_due(self.mib, self.slots, force=True)
+        self.stats.publish_due(self.mib, self.slots, force=True, policy=self.policy)
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.host_gate_up = pool.host_down = torch.empty(0)
@@ -351,6 +363,6 @@ class ExpertCache:
     def snapshot(self, oracle_max_age_s: float = 0.0) -> dict:
         """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to
         `oracle_max_age_s` old: see ExpertStats.oracle)."""
-        return self.stats.snapshot(oracle_max_age_s, slots=self.slots, target_slots=self.target_slots, mib=self.mib,
+        return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots, target_slots=self.target_slots, mib=self.mib,
                                    host_mib=self.host_mib, expert_mib=self.expert_mib,
                                    all_experts_mib=self.all_experts_mib, top_k=self.top_k)
