@@ -22,7 +22,7 @@ from engine.exec.kv_cache import KVGeometry, SlotKVCache
 from engine.core.prefix_index import PrefixIndex
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
-from engine.switches import SwitchBoard
+from engine.switches import SWITCHES, SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
 from engine.exec.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
 
@@ -133,6 +133,10 @@ class _PartsBuilder:
             depth = config.mtp_depth
         self.stage = "allocating the KV cache"
         kv, weights_mib = _sized_kv_cache(config, lm, depth)
+        if experts is None:
+            for sw in SWITCHES:
+                if sw.moe_only:
+                    board.mark_unavailable(sw.name, f"the model {config.model} has no MoE layers: no expert cache")
         if kv.kernel is None:  # quietly: the reference path is what runs here, and turning it on cannot change that
             board.mark_unavailable("PAGED_ATTN", f"the paged kernels need a CUDA device with Triton (running on {device})")
         for name, on in config.switches.items():

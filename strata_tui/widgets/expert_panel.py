@@ -45,6 +45,9 @@ def expert_lines(view: ExpertView, note: str = "") -> list[Text]:
     per_step = NA if view.misses_per_step is None else f"{view.misses_per_step:.2f}"
     rates = Text.assemble(("hits ", "dim"), (_pct(hit), style), ("  oracle ", "dim"), _pct(view.oracle_hit_rate),
                           ("  misses/step ", "dim"), per_step)
+    policy = snap.get("policy")
+    if policy and policy != "lru":  # EXPERT_LFU on: say which policy the hit rate is of
+        rates.append_text(Text.assemble(("  policy ", "dim"), (policy, "cyan")))
     runs = Text.assemble(("reruns ", "dim"), str(snap.get("reruns", NA)), ("  replays ", "dim"),
                          str(snap.get("replays", NA)))
     resize = view.last_resize
