@@ -125,7 +125,7 @@ class _PartsBuilder:
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
         self.stage = "building the expert cache"
-        experts = self.experts = _expert_cache(config, lm, bus)
+        experts = self.experts = _expert_cache(config, lm, bus, self.tier_device)
         depth = 0
         if config.batch_mtp:
             if model.mtp is None:
@@ -179,7 +179,7 @@ class _PartsBuilder:
             precapture_all(config, bus, board, executor, runner, drafter)
         self.stage = "allocating the adaptive tier"
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
-                                               tier_budget_mib)
+                                               tier_budget_mib, experts.peer_mib if experts is not None else 0.0)
         self.budgets[0].experts = experts
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
@@ -236,8 +236,9 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
         f"{summary['ms']:.0f} ms")))
 
 
-def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus) -> Any:
-    """An MoE model's expert cache at its start-up size (engine.exec.expert_setup); None for a dense model."""
+def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device) -> Any:
+    """An MoE model's expert cache at its start-up size (engine.exec.expert_setup), its store on the
+    --peer-device card when one is given (`peer` is the compute device otherwise); None for a dense model."""
     if lm.config.moe is None:
         if config.expert_cache_mib is not None:
             raise ConfigError("expert_cache_mib", config.expert_cache_mib,
@@ -246,7 +247,10 @@ def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus) -> Any:
     from engine.exec.expert_setup import start_expert_cache
 
     _, free_mib = device_memory_mib(lm.device)
-    return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib)
+    store = peer if peer != lm.device else None
+    peer_free_mib = device_memory_mib(store)[1] if store is not None else 0.0
+    return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib,
+                              store, peer_free_mib)
 
 
 def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:
@@ -295,11 +299,12 @@ def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budg
 
 def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,
                       device: torch.device, tier_device: torch.device,
-                      tier_budget_mib: float | None) -> tuple[AdaptiveTier, list[VramBudget]]:
-    """The adaptive tier (on the compute device or --peer-device) and the per-device books."""
+                      tier_budget_mib: float | None, peer_weights_mib: float = 0.0) -> tuple[AdaptiveTier, list[VramBudget]]:
+    """The adaptive tier (on the compute device or --peer-device) and the per-device books (an MoE model's
+    expert store on the peer counts as its weights: `peer_weights_mib`)."""
     budgets = [VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)]
-    if tier_device != device:  # --peer-device: the prefix-cache tier lives on the second GPU
-        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), 0.0, 0.0))
+    if tier_device != device:  # --peer-device: the prefix-cache tier (and an MoE expert store) on the second GPU
+        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), peer_weights_mib, 0.0))
     if tier_budget_mib is None:
         _, free_mib = device_memory_mib(tier_device)
         if tier_device.type == "cuda":

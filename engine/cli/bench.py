@@ -168,6 +168,8 @@ def _experts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers' eager generate on the same weights")
     p.add_argument("--trace-out", default=None, metavar="PATH", help="write the smallest budget's routing trace")
+    p.add_argument("--stores", default="host", help="where the experts that do not fit are held: host, peer "
+                   "(peer needs --peer-device; host,peer measures both in one run)")
 
 
 def _experts_replay(p: argparse.ArgumentParser) -> None:

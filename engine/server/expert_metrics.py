@@ -5,7 +5,8 @@ A small collector function kept apart from metrics.py so the server's owner can 
 
     strata_expert_cache_mib{device}                 device memory of the slot pools
     strata_expert_cache_budget_slots / _slots       slots per layer: the target, and held now
-    strata_expert_host_mib{device}                  the host (pinned) store: every expert once
+    strata_expert_host_mib{device}                  the host (pinned) store: every expert once (0 with a peer store)
+    strata_expert_peer_mib{device}                  the store on the --peer-device card (its label), 0 on the host
     strata_expert_hits_total{layer} / _misses_total{layer} / _evictions_total{layer}
     strata_expert_loaded_mib_total, strata_expert_load_seconds_total, strata_expert_reruns_total, strata_expert_replays_total
     strata_expert_hit_rate{kind="live"|"oracle"|"lru_replay"|"lfu_replay"}
@@ -29,6 +30,10 @@ def expert_metric_families(state: Mapping[str, Any]) -> Iterator[Metric]:
     yield g
     g = GaugeMetricFamily("strata_expert_host_mib", "Expert host store (every expert once)", labels=["device"])
     g.add_metric([device], float(snap["host_mib"]))
+    yield g
+    store = str(snap.get("store_device") or "host")
+    g = GaugeMetricFamily("strata_expert_peer_mib", "Expert store on the --peer-device card", labels=["device"])
+    g.add_metric([store if store != "host" else device], float(snap.get("peer_mib", 0.0)))
     yield g
     yield GaugeMetricFamily("strata_expert_cache_slots", "Expert slots per sparse layer held now",
                             value=float(snap["slots"]))

@@ -264,3 +264,36 @@ def _residents_after(trace, layer, slots, policy):
             for group in groups_of(access.experts, slots):
                 pol.serve(group)
     return set(pol.where)
+
+
+def test_expert_store_on_a_peer_device_gives_the_all_resident_tokens(moe_ckpt, prompts, plain_tokens, monkeypatch):
+    # --peer-device needs a second CUDA card (test_moe_gpu.py runs it there); on CPU the "peer" is the CPU
+    # itself: the store is built on it as on a card (not pinned, counted as peer memory) and misses copy from it
+    import torch
+
+    import engine.exec.expert_setup as setup
+
+    real = setup.start_expert_cache
+    monkeypatch.setattr(setup, "start_expert_cache",
+                        lambda *a, **kw: real(*a[:6], peer=torch.device("cpu"), peer_free_mib=0.0))
+    tokens, snap, _ = _run(moe_ckpt, prompts, expert_cache_mib=1)
+    assert tokens == plain_tokens
+    assert snap["store_device"] == "cpu" and snap["host_mib"] == 0.0
+    assert snap["peer_mib"] == snap["all_experts_mib"] and snap["misses"] > 0 and snap["loaded_mib"] > 0
+
+
+def test_a_peer_without_room_for_the_expert_store_is_refused_before_allocating(moe_ckpt):
+    import torch
+
+    from engine.errors import ConfigError
+    from engine.exec.expert_setup import start_expert_cache, store_mib
+    from engine.model import load_checkpoint
+    from engine.telemetry import EventBus
+
+    lm = load_checkpoint(moe_ckpt, dtype="float32", device="cpu", expert_device="cpu", tokenizer=False)
+    need = store_mib(lm.model)
+    assert need == pytest.approx(3 * 16 * 3 * 64 * 64 * 4 / 2**20)  # 3 sparse layers x 16 experts x 3 matrices
+    with pytest.raises(ConfigError, match=r"peer_device='cuda:1'.*experts need 2 MiB there but only 0 MiB"):
+        start_expert_cache(None, lm.model, torch.device("cpu"), EventBus(), 1e6, 1024.0,
+                           peer=torch.device("cuda:1"), peer_free_mib=1024.0)
+    assert len(lm.model.layers[0].mlp.experts) == 16  # nothing was taken from the model

@@ -21,17 +21,22 @@ def test_bench_experts_runs_every_budget(tmp_path, monkeypatch, one_torch_thread
     assert sorted(rows) == [10, 50, 100]
     assert rows[100]["slots"] == 32 and rows[100]["misses"] == 0 and rows[100]["hit_rate"] == 1.0
     assert rows[50]["slots"] == 16 and rows[10]["slots"] == 3
-    assert all(r["same_tokens"] for r in doc["rows"])
+    assert all(r["same_tokens"] for r in doc["rows"]) and {r["store"] for r in doc["rows"]} == {"host"}
     assert rows[10]["hit_rate"] < rows[50]["hit_rate"] < 1.0 and rows[10]["misses"] > 0
     assert rows[10]["hit_rate"] <= rows[10]["oracle_hit_rate"]
     assert json.loads(trace.read_text().splitlines()[0])["slots"] == 3
 
 
-def test_bench_experts_refuses_a_dense_model(tmp_path, monkeypatch, capsys):
+def test_bench_experts_refuses_a_dense_model_and_a_peer_store_without_a_peer(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STRATA_BENCH_CACHE", str(tmp_path / "ckpts"))
     code = main(["bench", "experts", "--model", "random:tiny", "--device", "cpu", "--json", str(tmp_path / "x.json")])
     assert code == 2
     assert "not a mixture-of-experts checkpoint" in capsys.readouterr().err
+    code = main(["bench", "experts", "--model", "random:moe-small", "--device", "cpu", "--stores", "host,peer",
+                 "--json", str(tmp_path / "x.json")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "stores='host,peer'" in err and "needs --peer-device cuda:N" in err
 
 
 def test_bench_experts_replay_synthetic_and_a_recorded_trace(tmp_path, capsys):
