@@ -256,7 +256,7 @@ def _accesses(path: Path, lines: list[str]) -> Iterator[Access]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.exec.expert_trace TRACE --slots 4,8,16`: hit rates of LRU and Belady per budget."""
+    """`python -m engine.exec.expert_trace TRACE --slots 4,8,16`: hit rates of LRU, LFU and Belady per budget."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m engine.exec.expert_trace", description=main.__doc__)
@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{len(accesses)} accesses, {header.get('num_layers')} layers x {header.get('num_experts')} experts")
     for n in slot_counts:
-        lru, opt = hit_rate(replay(accesses, n, "lru")), hit_rate(replay(accesses, n, "belady"))
-        print(f"slots {n:5d}: lru {lru if lru is None else round(lru, 4)}  belady {opt if opt is None else round(opt, 4)}")
+        rates = {p: hit_rate(replay(accesses, n, p)) for p in POLICIES}
+        print(f"slots {n:5d}: " + "  ".join(f"{p} {r if r is None else round(r, 4)}" for p, r in rates.items()))
     return 0
 
 

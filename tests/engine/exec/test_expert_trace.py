@@ -53,7 +53,7 @@ def test_trace_file_round_trip_and_replay_cli(tmp_path, capsys):
     assert header["format"] == "strata-expert-trace" and header["num_experts"] == 3
     assert back == [Access(a.step, a.layer, a.experts, 0, "") for a in seq]
     assert main([str(path), "--slots", "2"]) == 0
-    assert "slots     2: lru 0.0  belady 0.25" in capsys.readouterr().out
+    assert "slots     2: lru 0.0  lfu 0.0  belady 0.25" in capsys.readouterr().out
     (tmp_path / "bad.jsonl").write_text(path.read_text() + '{"step": 1}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:5: not a trace access line"):
         read_trace(tmp_path / "bad.jsonl")
