@@ -5,8 +5,9 @@ per sparse layer (rounded to whole slots, at least one); 100 % is the all-reside
 row every other one is compared with. One engine per budget, the same prompts: a warm-up generation (it also
 captures the graph buckets), then the timed one. Greedy, so every budget must emit the all-resident tokens
 (`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
-a cold cache), and for the timed run: misses, extra graph replays and eager re-runs after a miss, MiB copied. `--hf` adds transformers' Qwen3MoeForCausalLM
-`generate` (eager) on the same weights and prompts.
+a cold cache; `policy` is lru, or lfu with STRATA_EXPERT_LFU=1), and for the timed run: misses, extra graph
+replays and eager re-runs after a miss, MiB copied and their copy ms. `--hf` adds transformers'
+Qwen3MoeForCausalLM `generate` (eager) on the same weights and prompts.
 
 Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
 budget of p % is close to p % and says little about trained models, whose routing is skewed (much higher hit
@@ -30,7 +31,7 @@ from engine.bench.engine_driver import build_engine, generate_all
 from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
-COLUMNS = ("engine", "store", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate",
+COLUMNS = ("engine", "store", "policy", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate",
            "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "load_ms", "same_tokens", "error")
 
 
@@ -79,7 +80,7 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         cache.stats.publish_due(cache.mib, cache.slots, force=True, policy=cache.policy)  # times finished copies
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
-        row = {"engine": "strata", "store": snap["store_device"], "budget_pct": pct, "slots": cache.slots,
+        row = {"engine": "strata", "store": snap["store_device"], "policy": snap["policy"], "budget_pct": pct, "slots": cache.slots,
                "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
                "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
                "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],
