@@ -19,7 +19,7 @@ from typing import Any
 from engine.bench.expert_traces import TRACE_KINDS, synthetic_trace
 from engine.bench.report import document, print_report, write_json
 from engine.errors import ConfigError
-from engine.exec.expert_trace import POLICIES, Access, hit_rate, read_trace, replay
+from engine.exec.expert_trace import MIN_HALF_LIFE_GROUPS, POLICIES, Access, hit_rate, read_trace, replay
 
 COLUMNS = ("trace", "budget_pct", "slots", "lru", "lfu", "belady", "lfu_minus_lru", "accesses", "replay_s")
 
@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.bench.experts import budget_list, slots_for_pct
 
     policies = _names(args.policies, POLICIES, "policies")
+    if not args.half_life >= MIN_HALF_LIFE_GROUPS:
+        raise ConfigError("half_life", args.half_life, f"expected at least {MIN_HALF_LIFE_GROUPS}")
     budgets = sorted(budget_list(args.budgets))
     rows: list[dict[str, Any]] = []
     for name, experts, accesses in _traces(args):

@@ -29,6 +29,7 @@ POLICIES = ("lru", "lfu", "belady")
 LIVE_POLICIES = ("lru", "lfu")  # what the live cache can run (Belady needs the future)
 # LRFU's half-life, in groups the layer served: measured against LRU and Belady in docs/BENCHMARKS.md
 DEFAULT_HALF_LIFE_GROUPS = 64.0
+MIN_HALF_LIFE_GROUPS = 0.01
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,8 @@ class FrequencyPolicy(SlotPolicy):
     name = "lfu"
 
     def __init__(self, slots: int, half_life: float = DEFAULT_HALF_LIFE_GROUPS) -> None:
+        if not half_life >= MIN_HALF_LIFE_GROUPS:  # shorter: the per-group weight growth overflows a float
+            raise ValueError(f"half_life={half_life}: expected at least {MIN_HALF_LIFE_GROUPS} groups")
         super().__init__(slots)
         self.half_life = half_life
         self.score: dict[int, float] = {}  # decayed count x 2 ** (now / half_life): one add per use, no decay loop

@@ -64,3 +64,5 @@ def test_bench_experts_replay_synthetic_and_a_recorded_trace(tmp_path, capsys):
     assert "policies='lru,fifo'" in capsys.readouterr().err
     assert main(["bench", "experts-replay", "--trace", str(tmp_path / "none.jsonl"), "--json", str(out)]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+    assert main(["bench", "experts-replay", "--half-life", "0", "--json", str(out)]) == 2
+    assert "half_life=0.0: expected at least 0.01" in capsys.readouterr().err

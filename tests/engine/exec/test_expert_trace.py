@@ -122,6 +122,8 @@ def test_lfu_ties_fall_back_to_recency_and_tiny_half_lives_do_not_overflow():
     for g in seq:
         tiny.serve(g)
     assert all(v < float("inf") for v in tiny.score.values())
+    with pytest.raises(ValueError, match="half_life=0: expected at least 0.01"):
+        FrequencyPolicy(2, half_life=0)
     # with so short a half-life the last use dominates: exactly LRU's counts
     assert replay(_seq(*seq), 2, "lfu", half_life=0.01) == replay(_seq(*seq), 2, "lru")
 
