@@ -31,8 +31,9 @@ from engine.bench.engine_driver import build_engine, generate_all
 from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
-COLUMNS = ("engine", "store", "policy", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate",
-           "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "load_ms", "same_tokens", "error")
+COLUMNS = ("engine", "store", "policy", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s",
+           "vs_all_resident", "hit_rate", "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "load_ms",
+           "same_tokens", "error")
 
 
 def budget_list(text: str) -> list[int]:
@@ -80,7 +81,8 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         cache.stats.publish_due(cache.mib, cache.slots, force=True, policy=cache.policy)  # times finished copies
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
-        row = {"engine": "strata", "store": snap["store_device"], "policy": snap["policy"], "budget_pct": pct, "slots": cache.slots,
+        row = {"engine": "strata", "store": snap["store_device"], "policy": snap["policy"], "budget_pct": pct,
+               "slots": cache.slots,
                "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
                "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
                "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],

@@ -73,7 +73,7 @@ class ExpertPool:
         return self.policy.slots
 
     def allocate(self, slots: int, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """(Re)allocate `slots` slots plus the miss slot, keeping the most recently used experts."""
+        """(Re)allocate `slots` slots plus the miss slot, keeping the experts the policy ranks highest."""
         old_gate_up, old_down = self.gate_up, self.down
         kept = self.policy.resize(slots)
         E, I2, H = self.store_gate_up.shape
@@ -289,7 +289,7 @@ class ExpertCache:
         out = torch.zeros_like(x)
         if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
             # loaded between this step's replays and recorded then: compute only (a second serve would
-            # reorder the LRU and count the access twice)
+            # reorder the policy and count the access twice)
             for e in experts:
                 slot = pool.policy.where[e]
                 add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
@@ -360,8 +360,8 @@ class ExpertCache:
         self.served_this_step.add(i)
 
     def touch_captured(self, counts: list[list[float]]) -> None:
-        """A captured step that hit everywhere: record its accesses and refresh the LRU order (layers served
-        between its replays are recorded already)."""
+        """A captured step that hit everywhere: record its accesses and refresh the policy's recency and counts
+        (layers served between its replays are recorded already)."""
         for i, row in enumerate(counts):
             experts = [e for e, c in enumerate(row) if c > 0]
             if not experts or i in self.served_this_step:

@@ -7,7 +7,7 @@ It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and
 2. runs the step through the inner executor (a graph replay, a capture, or eagerly);
 3. after a replay, reads the device's per-layer route counts and miss counts (one small copy, after the step's
    own sync point):
-   - no miss: the replay stands and the routed experts count as hits (LRU order refreshed);
+   - no miss: the replay stands and the routed experts count as hits (the policy refreshed);
    - a miss: every layer before the first missed one hit, so that layer's routing is right. Its experts are
      loaded (when they fit its pool) and the graph is replayed again, up to MAX_EXTRA_REPLAYS times; after
      that, or when the layer's access is larger than its pool, the step runs again eagerly, which serves every
