@@ -59,10 +59,10 @@ class EngineConfig:
     vram_reserve_mib: int = field(default=DEFAULT_VRAM_RESERVE_MIB, metadata=_opt("VRAM the engine never takes",
                                                                                   metavar="MIB"))
     expert_cache_mib: int | str | None = field(default=None, metadata=_opt(
-        "MoE models: MiB of GPU slots for routed experts (the rest in pinned host memory), or auto (what the VRAM "
-        "books leave); default: every expert on the GPU", metavar="MIB|auto"))
-    peer_device: str | None = field(default=None, metadata=_opt("second GPU for the prefix-cache tier",
-                                                                metavar="cuda:N"))
+        "MoE models: MiB of GPU slots for routed experts (the rest in pinned host memory, or on --peer-device), or "
+        "auto (what the VRAM books leave); default: every expert on the GPU", metavar="MIB|auto"))
+    peer_device: str | None = field(default=None, metadata=_opt(
+        "second GPU for the prefix-cache tier and an MoE model's expert store", metavar="cuda:N"))
     host: str = field(default="127.0.0.1", metadata=_opt("address to bind", group="server"))
     port: int = field(default=0, metadata=_opt("port (0 picks a free one)", group="server"))
     # A secret: not in repr, redacted by to_dict, never in to_argv (secret_env carries it).

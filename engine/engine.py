@@ -27,6 +27,7 @@ from engine.errors import EngineDead, NoExpertCache, RequestRejected
 from engine.core.output import OutputProcessor, Track
 from engine.exec.expert_setup import check_min_budget
 from engine.exec.expert_stats import ORACLE_REFRESH_S
+from engine.exec.expert_steps import follow_policy_switch
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
@@ -165,6 +166,8 @@ class Engine:
         """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""
         state = self.board.set_live(name, enabled)
         self.runner.on_switch_changed(state.name)
+        if self.lm.model.expert_provider is not None:  # EXPERT_LFU: the snapshot says the new policy at once
+            follow_policy_switch(self.lm.model.expert_provider, self.board)
         return state
 
     def close(self) -> None:

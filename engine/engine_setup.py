@@ -22,7 +22,7 @@ from engine.exec.kv_cache import KVGeometry, SlotKVCache
 from engine.core.prefix_index import PrefixIndex
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
-from engine.switches import SwitchBoard
+from engine.switches import SWITCHES, SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
 from engine.exec.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
 
@@ -125,7 +125,7 @@ class _PartsBuilder:
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
         self.stage = "building the expert cache"
-        experts = self.experts = _expert_cache(config, lm, bus)
+        experts = self.experts = _expert_cache(config, lm, bus, self.tier_device)
         depth = 0
         if config.batch_mtp:
             if model.mtp is None:
@@ -133,6 +133,10 @@ class _PartsBuilder:
             depth = config.mtp_depth
         self.stage = "allocating the KV cache"
         kv, weights_mib = _sized_kv_cache(config, lm, depth)
+        if experts is None:
+            for sw in SWITCHES:
+                if sw.moe_only:
+                    board.mark_unavailable(sw.name, f"the model {config.model} has no MoE layers: no expert cache")
         if kv.kernel is None:  # quietly: the reference path is what runs here, and turning it on cannot change that
             for name in ("PAGED_ATTN", "PAGED_PREFILL"):
                 board.mark_unavailable(name, f"the paged kernels need a CUDA device with Triton (running on {device})")
@@ -147,16 +151,17 @@ class _PartsBuilder:
         if executor is None:
             executor = _default_executor(config, bus, board, self.make_room, device)
         if experts is not None:
-            from engine.exec.expert_steps import ExpertStepExecutor
+            from engine.exec.expert_steps import ExpertStepExecutor, follow_policy_switch
 
             inner = executor
             experts.on_resize = lambda: inner.invalidate(lambda kind, key: True)  # graphs read the old pools
-            executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens)
+            executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens, board)
         runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
         if experts is not None:
             # prompt chunks with the fused chunk attention run on the runner's own eager executor: wrap it too, so
             # their padding rows load no expert and their accesses are counted as prefill steps
-            runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
+            runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens, board)
+            follow_policy_switch(experts, board)  # EXPERT_LFU set at start
         runner.release_memory = self.make_room
         runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
         drafter = None
@@ -175,7 +180,7 @@ class _PartsBuilder:
             precapture_all(config, bus, board, executor, runner, drafter)
         self.stage = "allocating the adaptive tier"
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
-                                               tier_budget_mib)
+                                               tier_budget_mib, experts.peer_mib if experts is not None else 0.0)
         self.budgets[0].experts = experts
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
@@ -232,8 +237,9 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
         f"{summary['ms']:.0f} ms")))
 
 
-def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus) -> Any:
-    """An MoE model's expert cache at its start-up size (engine.exec.expert_setup); None for a dense model."""
+def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device) -> Any:
+    """An MoE model's expert cache at its start-up size (engine.exec.expert_setup), its store on the
+    --peer-device card when one is given (`peer` is the compute device otherwise); None for a dense model."""
     if lm.config.moe is None:
         if config.expert_cache_mib is not None:
             raise ConfigError("expert_cache_mib", config.expert_cache_mib,
@@ -242,7 +248,10 @@ def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus) -> Any:
     from engine.exec.expert_setup import start_expert_cache
 
     _, free_mib = device_memory_mib(lm.device)
-    return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib)
+    store = peer if peer != lm.device else None
+    peer_free_mib = device_memory_mib(store)[1] if store is not None else 0.0
+    return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib,
+                              store, peer_free_mib)
 
 
 def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:
@@ -291,11 +300,12 @@ def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budg
 
 def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,
                       device: torch.device, tier_device: torch.device,
-                      tier_budget_mib: float | None) -> tuple[AdaptiveTier, list[VramBudget]]:
-    """The adaptive tier (on the compute device or --peer-device) and the per-device books."""
+                      tier_budget_mib: float | None, peer_weights_mib: float = 0.0) -> tuple[AdaptiveTier, list[VramBudget]]:
+    """The adaptive tier (on the compute device or --peer-device) and the per-device books (an MoE model's
+    expert store on the peer counts as its weights: `peer_weights_mib`)."""
     budgets = [VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)]
-    if tier_device != device:  # --peer-device: the prefix-cache tier lives on the second GPU
-        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), 0.0, 0.0))
+    if tier_device != device:  # --peer-device: the prefix-cache tier (and an MoE expert store) on the second GPU
+        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), peer_weights_mib, 0.0))
     if tier_budget_mib is None:
         _, free_mib = device_memory_mib(tier_device)
         if tier_device.type == "cuda":

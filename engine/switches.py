@@ -32,6 +32,8 @@ class Switch:
     effect: str = "not yet measured"  # in words; the figures live in docs/SWITCHES.md
     default: bool = False  # the state when its variable is not set (a measured winner is on by default)
     key_tag: str = ""  # how a graph key built on its path says so in events (short: the TUI's key column)
+    # applies to mixture-of-experts models only: a dense engine marks it unavailable, the monitor lists it for MoE
+    moe_only: bool = False
 
     @property
     def tag(self) -> str:
@@ -91,6 +93,15 @@ SWITCHES: tuple[Switch, ...] = (
         live=True,
         key_tag="pprefill",
         effect="not measured on a GPU yet: opt-in until it is (docs/SWITCHES.md)",
+    ),
+    Switch(
+        "EXPERT_LFU",
+        "MoE expert cache: evict the expert with the smallest decayed use count (LRFU, halving every 64 of the "
+        "layer's accesses) instead of the least recently used one",
+        live=True,
+        effect="higher expert hit rate than LRU on a skewed synthetic routing trace, equal on uniform (random-weight) "
+               "routing; CPU trace replays, not yet measured on a real model's trace (docs/SWITCHES.md)",
+        moe_only=True,
     ),
 )
 

@@ -2,6 +2,7 @@
 # Two GPUs in one call (the --peer-device issue), plus the GPU suite of this tree, in priority order, each step
 # under its own time limit so the call ends inside the device budget:
 #   1. the peer-device GPU test (the tier on cuda:1)
+#   1b. the MoE expert store on cuda:1: its GPU tests, then bench experts with the store on the host vs cuda:1
 #   2. the seed scenario with the prefix-cache tier on the second card (--peer-device cuda:1)
 #   3. bench reuse: TTFT of a repeated 32K prompt, tier on cuda:0 against tier on cuda:1
 #   4. strata-tui screenshots on the GPU (real NVML: both cards in the GPU panel), tarred
@@ -27,6 +28,18 @@ timeout "${PEER_TEST_LIMIT_S:-60}" python3 -m pytest -m gpu -q -s -rA -p no:cach
     tests/engine/test_engine_gpu.py -k peer_device >"$OUT/peer_test.log" 2>&1
 log "peer-device GPU test rc=$? ($(tail -1 "$OUT/peer_test.log"))"
 
+log "MoE expert store on cuda:1: GPU tests"
+timeout "${EXPERTS_PEER_TEST_LIMIT_S:-90}" python3 -m pytest -m gpu -q -s -rA -p no:cacheprovider \
+    tests/engine/model/test_moe_gpu.py tests/engine/bench/test_bench_gpu.py -k "expert_store or peer_store or host_and_peer" \
+    >"$OUT/experts_peer_test.log" 2>&1
+log "expert store GPU tests rc=$? ($(tail -1 "$OUT/experts_peer_test.log"))"
+log "bench experts, store on the host vs on cuda:1"
+timeout "${EXPERTS_PEER_LIMIT_S:-300}" python3 -m engine.bench experts --device cuda:0 --peer-device cuda:1 \
+    --stores host,peer --budgets 5,15,30,50 --prompt-tokens 32 --new-tokens 64 --no-hf \
+    --json "$OUT/experts_peer.json" >"$OUT/experts_peer.log" 2>&1
+log "bench experts host vs peer rc=$?"
+tail -12 "$OUT/experts_peer.log" | tee -a "$OUT/two.log"
+
 log "seed scenario, tier on cuda:1: ${SEED_RUNS:-5} runs"
 timeout "${SEED_LIMIT_S:-170}" python3 benchmarks/seed_scenario.py --runs "${SEED_RUNS:-5}" --device cuda:0 \
     --prompt-tokens "${SEED_PROMPT_TOKENS:-32768}" --out "$OUT/seed_peer.json" --extra --peer-device cuda:1 \
@@ -49,5 +62,5 @@ tar czf "$OUT/shots.tgz" -C /tmp shots
 
 log "the rest of the GPU suite"
 timeout "${TESTS_LIMIT_S:-100}" python3 -m pytest -m gpu -q -rA --durations=12 -p no:cacheprovider tests \
-    -k "not peer_device and not seed_scenario and not peers" >"$OUT/gpu_tests.log" 2>&1
+    -k "not peer_device and not seed_scenario and not peers and not peer_store and not host_and_peer" >"$OUT/gpu_tests.log" 2>&1
 log "GPU tests rc=$? ($(tail -1 "$OUT/gpu_tests.log"))"

@@ -5,13 +5,19 @@ per sparse layer (rounded to whole slots, at least one); 100 % is the all-reside
 row every other one is compared with. One engine per budget, the same prompts: a warm-up generation (it also
 captures the graph buckets), then the timed one. Greedy, so every budget must emit the all-resident tokens
 (`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
-a cold cache), and for the timed run: misses, extra graph replays and eager re-runs after a miss, MiB copied. `--hf` adds transformers' Qwen3MoeForCausalLM
-`generate` (eager) on the same weights and prompts.
+a cold cache; `policy` is lru, or lfu with STRATA_EXPERT_LFU=1), and for the timed run: misses, extra graph
+replays and eager re-runs after a miss, MiB copied and their copy ms. `--hf` adds transformers'
+Qwen3MoeForCausalLM `generate` (eager) on the same weights and prompts.
 
 Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
 budget of p % is close to p % and says little about trained models, whose routing is skewed (much higher hit
 rates at small budgets). `--trace-out` records the smallest budget's routing trace (engine.exec.expert_trace)
-so a real model's trace can be replayed against the policy offline.
+so a real model's trace can be replayed against the policy offline (`bench experts-replay --trace`).
+
+`--stores host,peer` (with `--peer-device cuda:N`) measures every budget below 100 % twice: the experts that do
+not fit the compute card in pinned host memory (`store` host, no peer device: the tier stays on the compute
+card too), then on the peer card (`store` peer: a miss copies peer -> compute; the prefix tier also moves to
+the peer, as `--peer-device` does in serve). The all-resident row is measured once (the store is never read).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from engine.bench.engine_driver import build_engine, generate_all
 from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
-COLUMNS = ("engine", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate",
-           "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "same_tokens", "error")
+COLUMNS = ("engine", "store", "policy", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s",
+           "vs_all_resident", "hit_rate", "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "load_ms",
+           "same_tokens", "error")
 
 
 def budget_list(text: str) -> list[int]:
@@ -44,25 +51,43 @@ def slots_for_pct(pct: int, num_experts: int) -> int:
     return max(1, min(num_experts, round(num_experts * pct / 100)))
 
 
+def store_list(text: str, peer_device: str | None) -> list[str]:
+    """`host,peer` -> ["host", "peer"]; peer needs --peer-device."""
+    stores = [s.strip() for s in text.split(",") if s.strip()]
+    if not stores or any(s not in ("host", "peer") for s in stores):
+        raise ConfigError("stores", text, "expected comma-separated host, peer")
+    if "peer" in stores and peer_device is None:
+        raise ConfigError("stores", text, "the peer store needs --peer-device cuda:N (a second GPU)")
+    return list(dict.fromkeys(stores))
+
+
 def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[list[int]],
-                   warmup: list[list[int]], layer_mib: float, num_experts: int) -> tuple[dict[str, Any], Any]:
-    """One engine at `pct` % of the expert bytes: its row and the cache (for the trace)."""
+                   warmup: list[list[int]], layer_mib: float, num_experts: int,
+                   store: str = "host") -> tuple[dict[str, Any], Any]:
+    """One engine at `pct` % of the expert bytes, its store on the host or the --peer-device: its row and the
+    cache (for the trace)."""
     slots = slots_for_pct(pct, num_experts)
     # +1 slot: each layer's miss slot; ceil keeps the MiB whole without adding a slot (a slot is >> 1 MiB/L)
     mib = None if slots >= num_experts else math.ceil((slots + 1) * layer_mib)
     bench = build_engine(args, model=path, batch=len(prompts), expert_cache_mib=mib,
-                         context=args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS)
+                         context=args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS,
+                         peer_device=args.peer_device if store == "peer" else None)
     try:
         cache = bench.engine.lm.model.expert_provider
         generate_all(bench, warmup, args.new_tokens)
         m0, r0, l0, p0 = sum(cache.stats.misses), cache.stats.reruns, cache.stats.loaded_mib, cache.stats.replays
+        t0 = cache.stats.load_ms
         stats = generate_all(bench, prompts, args.new_tokens)
+        cache.stats.publish_due(cache.mib, cache.slots, force=True, policy=cache.policy)  # times finished copies
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
-        row = {"engine": "strata", "budget_pct": pct, "slots": cache.slots, "expert_cache_mib": round(cache.mib, 1),
-               "decode_tok_s": stats.decode_tok_s, "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
+        row = {"engine": "strata", "store": snap["store_device"], "policy": snap["policy"], "budget_pct": pct,
+               "slots": cache.slots,
+               "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
+               "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
                "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],
-               "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0, "loaded_mib": round(cache.stats.loaded_mib - l0, 1),
+               "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0,
+               "loaded_mib": round(cache.stats.loaded_mib - l0, 1), "load_ms": round(cache.stats.load_ms - t0, 1),
                "graphs_active": bench.graphs_active, "token_ids": stats.token_ids, "error": None}
         return row, cache
     finally:
@@ -82,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     budgets = budget_list(args.budgets)
     if 100 not in budgets:
         budgets.insert(0, 100)
+    stores = store_list(getattr(args, "stores", "host"), getattr(args, "peer_device", None))
+    runs = [(store, pct) for store in stores for pct in budgets if store == stores[0] or pct < 100]
     elem = 4 if checkpoint_dtype(args.dtype, device) == "float32" else 2
     moe = config.moe
     expert_mib = 3 * config.hidden_size * moe.moe_intermediate_size * elem / 2**20
@@ -91,13 +118,13 @@ def run(args: argparse.Namespace) -> int:
     warmup = [random_prompt(args.prompt_tokens, config.vocab_size, seed=100 + i) for i in range(args.batch)]
     rows: list[dict[str, Any]] = []
     reference_tokens = None
-    for pct in budgets:
-        row, cache = measure_budget(args, path, pct, prompts, warmup, layer_mib, moe.num_experts)
+    for store, pct in runs:
+        row, cache = measure_budget(args, path, pct, prompts, warmup, layer_mib, moe.num_experts, store)
         tokens = row.pop("token_ids")
         reference_tokens = tokens if reference_tokens is None else reference_tokens  # the all-resident run's
         row["same_tokens"] = tokens == reference_tokens
         rows.append(row)
-        if args.trace_out and pct == budgets[-1]:
+        if args.trace_out and pct == budgets[-1] and store == stores[0]:
             cache.stats.write_trace(args.trace_out, {"top_k": moe.num_experts_per_tok, "model": args.model,
                                                     "expert_mib": expert_mib, "slots": row["slots"]})
         save_partial(args, "experts", rows, device)

@@ -27,6 +27,8 @@ BENCHES = {
     "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
     "experts": ("engine.bench.experts", "MoE decode tok/s and expert hit rate per expert-cache budget"),
+    "experts-replay": ("engine.bench.experts_replay", "expert-cache hit rates of LRU, LFU and Belady replaying a "
+                       "routing trace (recorded or synthetic; CPU, pure Python)"),
     "attention": ("engine.bench.attention", "one layer's decode and prefill-chunk attention per backend: "
                   "gather+SDPA, Triton paged, Flex"),
     "kvspill": ("engine.bench.kv_spill", "decode rate of slots whose KV is partly in host memory (--kv-resident) "
@@ -167,6 +169,14 @@ def _experts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers' eager generate on the same weights")
     p.add_argument("--trace-out", default=None, metavar="PATH", help="write the smallest budget's routing trace")
+    p.add_argument("--stores", default="host", help="where the experts that do not fit are held: host, peer "
+                   "(peer needs --peer-device; host,peer measures both in one run)")
+
+
+def _experts_replay(p: argparse.ArgumentParser) -> None:
+    from engine.bench.experts_replay import add_arguments as add  # torch-free
+
+    add(p)
 
 
 def _attention(p: argparse.ArgumentParser) -> None:
@@ -198,6 +208,7 @@ def _kvspill(p: argparse.ArgumentParser) -> None:
 _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile, "experts": _experts,
+    "experts-replay": _experts_replay,
     "attention": _attention, "kvspill": _kvspill,
 }
 

@@ -1,13 +1,17 @@
-"""ExpertCache: routed experts in a per-layer pool of device slots, every expert in (pinned) host memory.
+"""ExpertCache: routed experts in a per-layer pool of device slots, every expert once in a store: pinned host
+memory, or the --peer-device card (`store_device`: the experts that do not fit the compute card live there and
+a miss copies peer -> compute on the same side stream; tests on CPU pass the CPU as the "peer": the same path).
 
 Each sparse layer (engine.model.moe.SparseMoE, `moe_index` i) owns a pool of `slots` experts on the device,
 `gate_up [slots + 1, 2I, H]` and `down [slots + 1, H, I]`, whose last row is a zero *miss slot*, and a device
-table `table[i] [E]` (expert -> its slot, or the miss slot). The host store holds every expert once
-(`[E, 2I, H]`, `[E, H, I]`, pinned on CUDA), so a miss is one slice copy each way, on a side stream.
+table `table[i] [E]` (expert -> its slot, or the miss slot). The store holds every expert once
+(`[E, 2I, H]`, `[E, H, I]`; pinned when it is host memory for a CUDA device), so a miss is one slice copy each
+way, on a side stream.
 
 Two forward paths, chosen by whether the stream is being captured into a CUDA graph:
 - eager (CPU, prefill, graphs off, graph warm-ups): the routed ids come to the host, the layer's access is
-  served group by group through the `SlotPolicy` (LRU; engine.exec.expert_trace), misses are copied in, and
+  served group by group through the slot policy (LRU, or LRFU with the EXPERT_LFU switch; engine.exec.expert_trace),
+  misses are copied in, and
   the experts run one by one in ascending order (so any budget gives the same sums as the all-resident run);
 - captured (decode / verify under CUDA graphs): no host sync. `slots = table[ids]`, the experts' weights are
   gathered from the pool, and a miss (a real row routed to the miss slot) is counted on the device. Between
@@ -29,7 +33,7 @@ from typing import Callable
 import torch
 
 from engine.exec.expert_stats import ExpertStats
-from engine.exec.expert_trace import SlotPolicy, groups_of
+from engine.exec.expert_trace import SlotPolicy, adopt, groups_of
 from engine.model.moe import SparseMoE, add_expert, expert_mlp, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
@@ -45,20 +49,20 @@ def _stream_capturing(x: torch.Tensor) -> bool:
 
 
 class ExpertPool:
-    """One sparse layer's slots on the device, its host store and its slot policy."""
+    """One sparse layer's slots on the device, its store (host or peer) and its slot policy."""
 
-    def __init__(self, block: SparseMoE, device: torch.device, pin: bool) -> None:
+    def __init__(self, block: SparseMoE, device: torch.device, store_device: torch.device, pin: bool) -> None:
         E, I = block.num_experts, block.intermediate_size
         w0 = block.experts[0].gate_proj.weight
         H, dtype = w0.shape[1], w0.dtype
         self.num_experts = E
-        self.host_gate_up = torch.empty(E, 2 * I, H, dtype=dtype, pin_memory=pin)
-        self.host_down = torch.empty(E, H, I, dtype=dtype, pin_memory=pin)
+        self.store_gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=store_device, pin_memory=pin)
+        self.store_down = torch.empty(E, H, I, dtype=dtype, device=store_device, pin_memory=pin)
         with torch.no_grad():
             for e, expert in enumerate(block.experts):
-                self.host_gate_up[e, :I].copy_(expert.gate_proj.weight)
-                self.host_gate_up[e, I:].copy_(expert.up_proj.weight)
-                self.host_down[e].copy_(expert.down_proj.weight)
+                self.store_gate_up[e, :I].copy_(expert.gate_proj.weight)
+                self.store_gate_up[e, I:].copy_(expert.up_proj.weight)
+                self.store_down[e].copy_(expert.down_proj.weight)
         self.device = device
         self.policy = SlotPolicy(0)
         self.gate_up = self.down = self.table = torch.empty(0)
@@ -69,13 +73,13 @@ class ExpertPool:
         return self.policy.slots
 
     def allocate(self, slots: int, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """(Re)allocate `slots` slots plus the miss slot, keeping the most recently used experts."""
+        """(Re)allocate `slots` slots plus the miss slot, keeping the experts the policy ranks highest."""
         old_gate_up, old_down = self.gate_up, self.down
         kept = self.policy.resize(slots)
-        E, I2, H = self.host_gate_up.shape
+        E, I2, H = self.store_gate_up.shape
         self.gate_up = self.down = None  # type: ignore[assignment]  # the old pool may go before the new one is made
-        gate_up = torch.empty(slots + 1, I2, H, dtype=self.host_gate_up.dtype, device=self.device)
-        down = torch.empty(slots + 1, H, I2 // 2, dtype=self.host_down.dtype, device=self.device)
+        gate_up = torch.empty(slots + 1, I2, H, dtype=self.store_gate_up.dtype, device=self.device)
+        down = torch.empty(slots + 1, H, I2 // 2, dtype=self.store_down.dtype, device=self.device)
         gate_up[slots].zero_()
         down[slots].zero_()
         for e, old_slot in kept.items():
@@ -103,7 +107,7 @@ class ExpertCache:
     """Per-layer expert pools behind the ExpertProvider seam of engine.model.moe (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bus: EventBus, slots: int,
-                 min_slots: int = 1) -> None:
+                 min_slots: int = 1, policy: str = "lru", store_device: torch.device | None = None) -> None:
         self.blocks = sparse_blocks(model)
         if not self.blocks:
             raise ValueError("the model has no sparse MoE layers")
@@ -111,12 +115,14 @@ class ExpertCache:
         self.bus = bus
         on_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if on_cuda else None
-        self.pools = [ExpertPool(b, device, pin=on_cuda) for b in self.blocks]
+        self.peer = store_device  # None: the store is pinned host memory
+        store = torch.device("cpu") if store_device is None else store_device
+        self.pools = [ExpertPool(b, device, store, pin=on_cuda and store.type == "cpu") for b in self.blocks]
         first = self.pools[0]
         self.num_experts = first.num_experts
         self.top_k = self.blocks[0].top_k
-        self.expert_mib = (first.host_gate_up[0].numel() + first.host_down[0].numel()) \
-            * first.host_gate_up.element_size() / MIB
+        self.expert_mib = (first.store_gate_up[0].numel() + first.store_down[0].numel()) \
+            * first.store_gate_up.element_size() / MIB
         self.min_slots = max(1, min_slots)
         self.target_slots = self.num_experts  # what regrowth aims for (the configured budget)
         self.on_resize: Callable[[], None] = lambda: None
@@ -136,7 +142,18 @@ class ExpertCache:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
         model.expert_provider = self  # engine_setup.release_device_memory closes it
+        self.set_policy(policy)
         self._resize(self.clamp_slots(slots), "start")
+
+    @property
+    def policy(self) -> str:
+        return self.pools[0].policy.name
+
+    def set_policy(self, name: str) -> None:
+        """Evict by `name` (`lru`, `lfu`) from now on; the residents stay where they are, so the device tables and
+        the captured graphs reading them stay valid."""
+        for pool in self.pools:
+            pool.policy = adopt(pool.policy, name)
 
     # --- sizes -------------------------------------------------------------------------------------------
 
@@ -175,7 +192,12 @@ class ExpertCache:
 
     @property
     def host_mib(self) -> float:
-        return self.all_experts_mib
+        return self.all_experts_mib if self.peer is None else 0.0
+
+    @property
+    def peer_mib(self) -> float:
+        """The store on the --peer-device card (every expert once); 0 with a host store."""
+        return 0.0 if self.peer is None else self.all_experts_mib
 
     # --- the claimant: shrink, grow ----------------------------------------------------------------------
 
@@ -235,15 +257,17 @@ class ExpertCache:
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # dst's memory may be in use
         with torch.cuda.stream(self.copy_stream):
+            # peer -> compute: torch runs a cross-device copy on the peer's stream, fenced both ways with this one
             dst.copy_(src, non_blocking=True)
-            src.record_stream(self.copy_stream) if src.is_cuda else None
+            if src.device == dst.device:  # an old pool about to be freed (the store lives as long as the cache)
+                src.record_stream(self.copy_stream)
 
     def close(self) -> None:
-        """Free the pools and the host store (Engine.close), after publishing the last load / evict sums."""
-        self.stats.publish_due(self.mib, self.slots, force=True)
+        """Free the pools and the store (Engine.close), after publishing the last load / evict sums."""
+        self.stats.publish_due(self.mib, self.slots, force=True, policy=self.policy)
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
-            pool.host_gate_up = pool.host_down = torch.empty(0)
+            pool.store_gate_up = pool.store_down = torch.empty(0)
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
@@ -265,7 +289,7 @@ class ExpertCache:
         out = torch.zeros_like(x)
         if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
             # loaded between this step's replays and recorded then: compute only (a second serve would
-            # reorder the LRU and count the access twice)
+            # reorder the policy and count the access twice)
             for e in experts:
                 slot = pool.policy.where[e]
                 add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
@@ -289,8 +313,8 @@ class ExpertCache:
             start.record(self.copy_stream)
         t0 = time.perf_counter()
         for e, slot in loads:
-            self._copy(pool.gate_up[slot], pool.host_gate_up[e])
-            self._copy(pool.down[slot], pool.host_down[e])
+            self._copy(pool.gate_up[slot], pool.store_gate_up[e])
+            self._copy(pool.down[slot], pool.store_down[e])
         pool.set_table([(e, pool.slots) for e in evicted] + list(loads))
         if self.copy_stream is not None:
             end.record(self.copy_stream)
@@ -336,8 +360,8 @@ class ExpertCache:
         self.served_this_step.add(i)
 
     def touch_captured(self, counts: list[list[float]]) -> None:
-        """A captured step that hit everywhere: record its accesses and refresh the LRU order (layers served
-        between its replays are recorded already)."""
+        """A captured step that hit everywhere: record its accesses and refresh the policy's recency and counts
+        (layers served between its replays are recorded already)."""
         for i, row in enumerate(counts):
             experts = [e for e, c in enumerate(row) if c > 0]
             if not experts or i in self.served_this_step:
@@ -351,6 +375,7 @@ class ExpertCache:
     def snapshot(self, oracle_max_age_s: float = 0.0) -> dict:
         """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to
         `oracle_max_age_s` old: see ExpertStats.oracle)."""
-        return self.stats.snapshot(oracle_max_age_s, slots=self.slots, target_slots=self.target_slots, mib=self.mib,
-                                   host_mib=self.host_mib, expert_mib=self.expert_mib,
-                                   all_experts_mib=self.all_experts_mib, top_k=self.top_k)
+        return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots,
+                                   target_slots=self.target_slots, mib=self.mib, host_mib=self.host_mib,
+                                   peer_mib=self.peer_mib, store_device=str(self.peer or "host"),
+                                   expert_mib=self.expert_mib, all_experts_mib=self.all_experts_mib, top_k=self.top_k)

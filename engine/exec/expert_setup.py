@@ -6,6 +6,9 @@
   everything the books leave (free memory minus the reserve), up to every expert. The prefix tier comes after
   it and takes what is left, so with auto the experts fill the card by design.
 A budget that cannot fit is a ConfigError naming the numbers, before anything is allocated.
+
+The experts that do not fit the slots stay in pinned host memory, or with `--peer-device` on that card (the
+store: every routed expert once), which must have room for all of them (a ConfigError on peer_device if not).
 """
 
 from __future__ import annotations
@@ -16,15 +19,25 @@ import torch
 
 from engine.errors import ConfigError
 from engine.exec.expert_cache import ExpertCache
+from engine.model.moe import sparse_blocks
 from engine.telemetry import EventBus
 
 AUTO = "auto"
 
 
 def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device: torch.device, bus: EventBus,
-                       free_mib: float, reserve_mib: float) -> ExpertCache:
-    """The cache with its start-up size (see the module docstring); `free_mib` is the device's free memory."""
-    cache = ExpertCache(model, device, bus, slots=1)
+                       free_mib: float, reserve_mib: float, peer: torch.device | None = None,
+                       peer_free_mib: float = 0.0) -> ExpertCache:
+    """The cache with its start-up size (see the module docstring); `free_mib` is the device's free memory,
+    `peer_free_mib` the --peer-device's (where the store goes when `peer` is given)."""
+    if peer is not None and peer.type == "cuda":
+        need = store_mib(model)
+        if need > peer_free_mib - reserve_mib:
+            raise ConfigError("peer_device", str(peer),
+                              f"the routed experts need {need:.0f} MiB there but only {peer_free_mib - reserve_mib:.0f} "
+                              f"MiB are available ({peer_free_mib:.0f} MiB free, minus the {reserve_mib:.0f} MiB "
+                              "reserve); without --peer-device they stay in host memory")
+    cache = ExpertCache(model, device, bus, slots=1, store_device=peer)
     if budget == AUTO:
         return cache
     want_mib = cache.all_experts_mib + cache.mib_for(0) if budget is None else float(budget)
@@ -40,6 +53,11 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
                           "use --expert-cache-mib auto or a smaller --expert-cache-mib")
     cache.set_budget(cache.mib_for(slots), "start")
     return cache
+
+
+def store_mib(model: torch.nn.Module) -> float:
+    """MiB of every routed expert once (the store), from the model's sparse layers before the cache takes them."""
+    return sum(p.numel() * p.element_size() for b in sparse_blocks(model) for p in b.experts.parameters()) / 2**20
 
 
 def check_min_budget(cache: ExpertCache, mib: Any, param: str) -> None:

@@ -3,8 +3,9 @@
 Per layer: hits and misses (one per expert of an access, engine.exec.expert_trace), evictions; overall:
 experts loaded, MiB copied, copy ms. The trace keeps the newest `trace_max` accesses; `snapshot` replays it
 with Belady's furthest-next-use rule at the current slot count (the *oracle* hit rate: what a perfect
-policy with this budget would have hit on the same routing) and with LRU (equal to the live rate while the
-budget did not move), so a user can tell whether a bigger budget or a better policy would help.
+policy with this budget would have hit on the same routing), with LRU, and with the live policy when that is
+not LRU (the EXPERT_LFU switch); the live policy's replay equals the live rate while the budget and the policy
+did not move. So a user can tell whether a bigger budget or a better policy would help.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ExpertStats:
         self._pending_events: list[tuple[Any, Any]] = []  # CUDA (start, end) of copies not yet timed
         self._window = {"experts": 0, "mib": 0.0, "ms": 0.0, "evicted": 0}
         self._last_publish_s = float("-inf")  # the first loads are published at once
-        self._oracle: tuple[tuple[int, int, int], float, dict[str, float | None]] | None = None  # key, when, rates
+        self._oracle: tuple[tuple, float, dict[str, float | None]] | None = None  # key, when, rates
 
     # --- recording (the cache calls these) ----------------------------------------------------------------
 
@@ -74,7 +75,7 @@ class ExpertStats:
 
     # --- events ----------------------------------------------------------------------------------------------
 
-    def publish_due(self, total_mib: float, slots: int, force: bool = False) -> None:
+    def publish_due(self, total_mib: float, slots: int, force: bool = False, policy: str = "lru") -> None:
         """Publish the summed load / evict events of the last ~second (between steps, after a sync)."""
         now = time.monotonic()
         if not force and now - self._last_publish_s < EVENT_INTERVAL_S:
@@ -96,41 +97,44 @@ class ExpertStats:
                                          reason="miss", device=self.device))
         if w["evicted"]:
             self.bus.publish(ExpertEvent(action="evict", experts=w["evicted"], total_mib=round(total_mib, 3),
-                                         slots=slots, reason="lru", device=self.device))
+                                         slots=slots, reason=policy, device=self.device))
         self._window = {"experts": 0, "mib": 0.0, "ms": 0.0, "evicted": 0}
 
     # --- views -----------------------------------------------------------------------------------------------
 
-    def oracle(self, slots: int, max_age_s: float = 0.0) -> dict[str, float | None]:
-        """Hit rates of the recorded trace replayed at `slots` per layer: Belady (oracle) and LRU. Replayed again
-        only when the trace or the slots changed and the last replay is older than `max_age_s`."""
+    def oracle(self, slots: int, max_age_s: float = 0.0, policy: str = "lru") -> dict[str, float | None]:
+        """Hit rates of the recorded trace replayed at `slots` per layer: Belady (oracle), LRU, and the live
+        `policy` when it is not LRU. Replayed again only when the trace, the slots or the policy changed and the
+        last replay is older than `max_age_s`."""
+        kinds = ("lru",) if policy == "lru" else ("lru", policy)
         if slots >= self.num_experts:  # every expert preloaded: nothing can miss
-            return {"oracle_hit_rate": 1.0, "lru_replay_hit_rate": 1.0}
-        key, now_s = (slots, len(self.trace), self.steps), time.monotonic()
-        if self._oracle is not None and (self._oracle[0] == key or now_s - self._oracle[1] < max_age_s):
+            return {"oracle_hit_rate": 1.0, **{f"{k}_replay_hit_rate": 1.0 for k in kinds}}
+        key, now_s = (slots, len(self.trace), self.steps, policy), time.monotonic()
+        if self._oracle is not None and self._oracle[0][3] == policy and (
+                self._oracle[0] == key or now_s - self._oracle[1] < max_age_s):
             return self._oracle[2]
         trace = list(self.trace)
         rates = {"oracle_hit_rate": hit_rate(replay(trace, slots, "belady")),
-                 "lru_replay_hit_rate": hit_rate(replay(trace, slots, "lru"))}
+                 **{f"{k}_replay_hit_rate": hit_rate(replay(trace, slots, k)) for k in kinds}}
         self._oracle = (key, now_s, rates)
         return rates
 
     def write_trace(self, path: str, header: dict) -> None:
         write_trace(path, {"num_layers": self.num_layers, "num_experts": self.num_experts, **header}, self.trace)
 
-    def snapshot(self, oracle_max_age_s: float = 0.0, **sizes: Any) -> dict[str, Any]:
+    def snapshot(self, oracle_max_age_s: float = 0.0, policy: str = "lru", **sizes: Any) -> dict[str, Any]:
         hits, misses = sum(self.hits), sum(self.misses)
         layers = [{"layer": i, "hits": h, "misses": m, "evictions": ev,
                    "hit_rate": round(h / (h + m), 4) if h + m else None}
                   for i, (h, m, ev) in enumerate(zip(self.hits, self.misses, self.evictions))]
         out = {**{k: round(v, 4) if isinstance(v, float) else v for k, v in sizes.items()},
-               "num_layers": self.num_layers, "num_experts": self.num_experts, "policy": "lru",
+               "num_layers": self.num_layers, "num_experts": self.num_experts, "policy": policy,
                "device": self.device, "hits": hits, "misses": misses,
                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                "evictions": sum(self.evictions), "loaded_experts": self.loaded_experts,
                "loaded_mib": round(self.loaded_mib, 3), "load_ms": round(self.load_ms, 3), "reruns": self.reruns,
                "replays": self.replays,
                "steps": self.steps, "trace_accesses": len(self.trace), "layers": layers}
-        rates = self.oracle(int(sizes["slots"]), oracle_max_age_s)
+        rates = self.oracle(int(sizes["slots"]), oracle_max_age_s, policy)
         out.update({k: None if v is None else round(v, 4) for k, v in rates.items()})
         return out

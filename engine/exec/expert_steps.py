@@ -1,12 +1,13 @@
 """ExpertStepExecutor: the step-executor seam with the expert cache's between-steps work around it.
 
 It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and, for every step:
+0. follows the EXPERT_LFU switch (live): the cache's slot policy is LRFU while it is on, LRU otherwise;
 1. marks the step's real rows (positions inside the context; padded batch rows sit past it), so neither path
    loads an expert only a padding row wants;
 2. runs the step through the inner executor (a graph replay, a capture, or eagerly);
 3. after a replay, reads the device's per-layer route counts and miss counts (one small copy, after the step's
    own sync point):
-   - no miss: the replay stands and the routed experts count as hits (LRU order refreshed);
+   - no miss: the replay stands and the routed experts count as hits (the policy refreshed);
    - a miss: every layer before the first missed one hit, so that layer's routing is right. Its experts are
      loaded (when they fit its pool) and the graph is replayed again, up to MAX_EXTRA_REPLAYS times; after
      that, or when the layer's access is larger than its pool, the step runs again eagerly, which serves every
@@ -23,6 +24,9 @@ import torch
 
 from engine.exec.executor import StepFn
 from engine.exec.expert_cache import MAX_STEP_ROWS, ExpertCache
+from engine.switches import SwitchBoard
+
+POLICY_SWITCH = "EXPERT_LFU"
 
 # A replay costs about one decode step; an eager re-run of a 24-layer step cost 15-20 of them on the H200
 # (docs/BENCHMARKS.md), so a few replays that each fix one layer are worth trying first.
@@ -32,10 +36,11 @@ MAX_EXTRA_REPLAYS = 3
 class ExpertStepExecutor:
     """Runs steps through `inner`, resolving expert-cache misses between steps (see the module docstring)."""
 
-    def __init__(self, inner: Any, cache: ExpertCache, context_tokens: int) -> None:
+    def __init__(self, inner: Any, cache: ExpertCache, context_tokens: int, board: SwitchBoard | None = None) -> None:
         self.inner = inner
         self.cache = cache
         self.context_tokens = context_tokens
+        self.board = board
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -43,6 +48,7 @@ class ExpertStepExecutor:
     def run(self, kind: str, key: Hashable, fn: StepFn, inputs: Mapping[str, Any],
             owner: str | None = None) -> dict[str, Any]:
         cache = self.cache
+        follow_policy_switch(cache, self.board)
         cache.stats.begin_step(kind)
         cache.served_this_step = set()
         self._mark_rows(inputs)
@@ -70,7 +76,7 @@ class ExpertStepExecutor:
             cache.valid_rows = None
             cache.force_eager = False
             cache.served_this_step = set()
-        cache.stats.publish_due(cache.mib, cache.slots)
+        cache.stats.publish_due(cache.mib, cache.slots, policy=cache.policy)
         return out
 
     def _mark_rows(self, inputs: Mapping[str, Any]) -> None:
@@ -91,3 +97,12 @@ class ExpertStepExecutor:
         cache.dev_misses.zero_()
         cache.dev_counts.zero_()
         return packed[:, 0].tolist(), packed[:, 1:].tolist()
+
+
+def follow_policy_switch(cache: ExpertCache, board: SwitchBoard | None) -> None:
+    """Give the cache the slot policy the EXPERT_LFU switch asks for (no change: nothing happens)."""
+    if board is None or POLICY_SWITCH not in board.states:
+        return
+    want = "lfu" if board.enabled(POLICY_SWITCH) else "lru"
+    if cache.policy != want:
+        cache.set_policy(want)

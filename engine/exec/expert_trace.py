@@ -25,7 +25,11 @@ from typing import Iterable, Iterator
 
 TRACE_FORMAT = "strata-expert-trace"
 TRACE_VERSION = 1
-POLICIES = ("lru", "belady")
+POLICIES = ("lru", "lfu", "belady")
+LIVE_POLICIES = ("lru", "lfu")  # what the live cache can run (Belady needs the future)
+# LRFU's half-life, in groups the layer served: measured against LRU and Belady in docs/BENCHMARKS.md
+DEFAULT_HALF_LIFE_GROUPS = 64.0
+MIN_HALF_LIFE_GROUPS = 0.01
 
 
 @dataclass(frozen=True)
@@ -94,14 +98,74 @@ class SlotPolicy:
             result.loads.append((e, slot))
         return result
 
+    def ranked(self) -> list[int]:
+        """The residents, least worth keeping first (LRU: least recently used first)."""
+        return list(self.where)
+
     def resize(self, slots: int) -> dict[int, int]:
-        """Keep the `slots` most recently used experts in slots 0..; returns {expert: its old slot} of those
-        kept (the caller copies them to their new slots, `self.where`)."""
-        kept = list(self.where.items())[-slots:] if slots > 0 else []
+        """Keep the `slots` residents most worth keeping (`ranked`) in slots 0.., in their recency order; returns
+        {expert: its old slot} of those kept (the caller copies them to their new slots, `self.where`)."""
+        keep = set(self.ranked()[-slots:]) if slots > 0 else set()
+        kept = [(e, s) for e, s in self.where.items() if e in keep]
         self.slots = slots
         self.where = OrderedDict((e, new) for new, (e, _) in enumerate(kept))
         self.free = list(range(slots - 1, len(kept) - 1, -1))
         return {e: old for e, old in kept}
+
+
+class FrequencyPolicy(SlotPolicy):
+    """LRFU (Lee et al., 1999): evicts the resident with the smallest exponentially decayed use count. Every
+    expert of a group adds 1 to its count; counts halve every `half_life` groups this layer serves, and
+    experts that are not resident keep theirs (a history of E numbers per layer), so an expert that comes back
+    is weighed by its past. A short half-life behaves like LRU, a long one like LFU; ties go to the least
+    recently used."""
+
+    name = "lfu"
+
+    def __init__(self, slots: int, half_life: float = DEFAULT_HALF_LIFE_GROUPS) -> None:
+        if not half_life >= MIN_HALF_LIFE_GROUPS:  # shorter: the per-group weight growth overflows a float
+            raise ValueError(f"half_life={half_life}: expected at least {MIN_HALF_LIFE_GROUPS} groups")
+        super().__init__(slots)
+        self.half_life = half_life
+        self.score: dict[int, float] = {}  # decayed count x 2 ** (now / half_life): one add per use, no decay loop
+        self._unit = 1.0
+        self._growth = 2.0 ** (1.0 / half_life)
+
+    def victim(self, group: set[int]) -> int:
+        return min((e for e in self.where if e not in group), key=lambda e: self.score.get(e, 0.0))
+
+    def ranked(self) -> list[int]:
+        return sorted(self.where, key=lambda e: self.score.get(e, 0.0))  # stable: recency among equals
+
+    def serve(self, group: list[int]) -> GroupResult:
+        for e in group:
+            self.score[e] = self.score.get(e, 0.0) + self._unit
+        result = super().serve(group)
+        self._unit *= self._growth
+        if self._unit > 1e100:  # rescale before the floats overflow; the order is unchanged
+            self.score = {e: v / self._unit for e, v in self.score.items()}
+            self._unit = 1.0
+        return result
+
+
+def make_policy(name: str, slots: int, half_life: float = DEFAULT_HALF_LIFE_GROUPS) -> SlotPolicy:
+    """A live policy by name (`lru` or `lfu`)."""
+    if name == "lru":
+        return SlotPolicy(slots)
+    if name == "lfu":
+        return FrequencyPolicy(slots, half_life)
+    raise ValueError(f"policy={name!r}: expected one of {', '.join(LIVE_POLICIES)}")
+
+
+def adopt(policy: SlotPolicy, name: str) -> SlotPolicy:
+    """`policy`'s residents (same slots, same recency order) under the policy `name`: a live switch of policy
+    moves no expert. A frequency policy starts with no history (its ties fall back to recency)."""
+    if policy.name == name:
+        return policy
+    new = make_policy(name, policy.slots)
+    new.where = OrderedDict(policy.where)
+    new.free = list(policy.free)
+    return new
 
 
 class BeladyPolicy(SlotPolicy):
@@ -132,7 +196,8 @@ class BeladyPolicy(SlotPolicy):
         return result
 
 
-def replay(accesses: Iterable[Access], slots: int | dict[int, int], policy: str = "lru") -> dict[int, tuple[int, int]]:
+def replay(accesses: Iterable[Access], slots: int | dict[int, int], policy: str = "lru",
+           half_life: float = DEFAULT_HALF_LIFE_GROUPS) -> dict[int, tuple[int, int]]:
     """{layer: (hits, misses)} of serving `accesses` with `slots` per layer (an int, or per layer)."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
@@ -143,7 +208,7 @@ def replay(accesses: Iterable[Access], slots: int | dict[int, int], policy: str 
     for layer, seq in by_layer.items():
         n = slots[layer] if isinstance(slots, dict) else slots
         groups = [g for a in seq for g in groups_of(a.experts, n)]
-        pol: SlotPolicy = BeladyPolicy(n, groups) if policy == "belady" else SlotPolicy(n)
+        pol = BeladyPolicy(n, groups) if policy == "belady" else make_policy(policy, n, half_life)
         hits = misses = 0
         for g in groups:
             r = pol.serve(g)
@@ -194,7 +259,7 @@ def _accesses(path: Path, lines: list[str]) -> Iterator[Access]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.exec.expert_trace TRACE --slots 4,8,16`: hit rates of LRU and Belady per budget."""
+    """`python -m engine.exec.expert_trace TRACE --slots 4,8,16`: hit rates of LRU, LFU and Belady per budget."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m engine.exec.expert_trace", description=main.__doc__)
@@ -209,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{len(accesses)} accesses, {header.get('num_layers')} layers x {header.get('num_experts')} experts")
     for n in slot_counts:
-        lru, opt = hit_rate(replay(accesses, n, "lru")), hit_rate(replay(accesses, n, "belady"))
-        print(f"slots {n:5d}: lru {lru if lru is None else round(lru, 4)}  belady {opt if opt is None else round(opt, 4)}")
+        rates = {p: hit_rate(replay(accesses, n, p)) for p in POLICIES}
+        print(f"slots {n:5d}: " + "  ".join(f"{p} {r if r is None else round(r, 4)}" for p, r in rates.items()))
     return 0
 
 

@@ -5,10 +5,11 @@ A small collector function kept apart from metrics.py so the server's owner can 
 
     strata_expert_cache_mib{device}                 device memory of the slot pools
     strata_expert_cache_budget_slots / _slots       slots per layer: the target, and held now
-    strata_expert_host_mib{device}                  the host (pinned) store: every expert once
+    strata_expert_host_mib{device}                  the host (pinned) store: every expert once (0 with a peer store)
+    strata_expert_peer_mib{device}                  the store on the --peer-device card (its label), 0 on the host
     strata_expert_hits_total{layer} / _misses_total{layer} / _evictions_total{layer}
     strata_expert_loaded_mib_total, strata_expert_load_seconds_total, strata_expert_reruns_total, strata_expert_replays_total
-    strata_expert_hit_rate{kind="live"|"oracle"|"lru_replay"}
+    strata_expert_hit_rate{kind="live"|"oracle"|"lru_replay"|"lfu_replay"}
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def expert_metric_families(state: Mapping[str, Any]) -> Iterator[Metric]:
     g = GaugeMetricFamily("strata_expert_host_mib", "Expert host store (every expert once)", labels=["device"])
     g.add_metric([device], float(snap["host_mib"]))
     yield g
+    store = str(snap.get("store_device") or "host")
+    g = GaugeMetricFamily("strata_expert_peer_mib", "Expert store on the --peer-device card", labels=["device"])
+    g.add_metric([store if store != "host" else device], float(snap.get("peer_mib", 0.0)))
+    yield g
     yield GaugeMetricFamily("strata_expert_cache_slots", "Expert slots per sparse layer held now",
                             value=float(snap["slots"]))
     yield GaugeMetricFamily("strata_expert_cache_budget_slots", "Expert slots per sparse layer the budget aims for",
@@ -49,9 +54,10 @@ def expert_metric_families(state: Mapping[str, Any]) -> Iterator[Metric]:
                               value=float(snap["reruns"]))
     yield CounterMetricFamily("strata_expert_replays", "Extra graph replays after loading a missed layer",
                               value=float(snap.get("replays", 0)))
-    rate = GaugeMetricFamily("strata_expert_hit_rate", "Expert hit rate: live, Belady oracle and LRU replay "
+    rate = GaugeMetricFamily("strata_expert_hit_rate", "Expert hit rate: live, Belady oracle, LRU (and LFU) replay "
                              "of the recorded routing trace at the current budget", labels=["kind"])
-    for kind, key in (("live", "hit_rate"), ("oracle", "oracle_hit_rate"), ("lru_replay", "lru_replay_hit_rate")):
+    for kind, key in (("live", "hit_rate"), ("oracle", "oracle_hit_rate"), ("lru_replay", "lru_replay_hit_rate"),
+                      ("lfu_replay", "lfu_replay_hit_rate")):  # lfu_replay: only while EXPERT_LFU is on
         if snap.get(key) is not None:
             rate.add_metric([kind], float(snap[key]))
     yield rate

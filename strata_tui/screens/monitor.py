@@ -172,7 +172,11 @@ class MonitorScreen(Screen):
         graph.show(list(state.graph_events))
         warning = state.last_warning
         graph.border_subtitle = f"last warning: {warning.where}: {warning.message}"[:90] if warning else ""
-        views = [state.switches[sw.name] for sw in SWITCHES if sw.name in state.switches]
+        # keyed by the registry's order (the number keys); an MoE-only switch is listed for an MoE engine, or
+        # where the profile or the engine has it on
+        views = [(str(i + 1), state.switches[sw.name]) for i, sw in enumerate(SWITCHES) if sw.name in state.switches
+                 and (not sw.moe_only or state.experts is not None or state.switches[sw.name].wanted
+                      or bool(state.switches[sw.name].running))]
         settings = view.settings
         self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib,
                                            (settings.reserve_step_mib, settings.reserve_big_step_mib),

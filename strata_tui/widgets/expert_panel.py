@@ -37,14 +37,20 @@ def expert_lines(view: ExpertView, note: str = "") -> list[Text]:
     budget = Text.assemble(("slots ", "dim"), (f"{slots}/{experts}", "bold"), (" a layer", "dim"))
     if target is not None and target != slots:
         budget.append(f" → {target}", style="yellow")
-    budget.append_text(Text.assemble(("  device ", "dim"), (_mib(view.mib), "bright_magenta"),
-                                     ("  host ", "dim"), _mib(view.host_mib)))
+    store = view.snapshot.get("store_device") or "host"
+    where = ("  host ", "dim"), _mib(view.host_mib)
+    if store != "host":  # --peer-device: the experts that do not fit are on the second card
+        where = (f"  peer {store} ", "dim"), _mib(view.snapshot.get("peer_mib"))
+    budget.append_text(Text.assemble(("  device ", "dim"), (_mib(view.mib), "bright_magenta"), *where))
     hit = view.hit_rate
     style = "green" if hit is not None and hit >= 0.9 else "yellow" if hit is not None and hit >= 0.6 else "red"
     snap = view.snapshot
     per_step = NA if view.misses_per_step is None else f"{view.misses_per_step:.2f}"
     rates = Text.assemble(("hits ", "dim"), (_pct(hit), style), ("  oracle ", "dim"), _pct(view.oracle_hit_rate),
                           ("  misses/step ", "dim"), per_step)
+    policy = snap.get("policy")
+    if policy and policy != "lru":  # EXPERT_LFU on: say which policy the hit rate is of
+        rates.append_text(Text.assemble(("  policy ", "dim"), (policy, "cyan")))
     runs = Text.assemble(("reruns ", "dim"), str(snap.get("reruns", NA)), ("  replays ", "dim"),
                          str(snap.get("replays", NA)))
     resize = view.last_resize

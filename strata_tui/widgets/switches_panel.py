@@ -52,9 +52,10 @@ class SwitchesPanel(Static):
     SwitchesPanel.-stale { text-opacity: 45%; }
     """
 
-    def show(self, views: list[SwitchView], reserve_mib: int | None, steps_mib: tuple[int, int],
+    def show(self, views: list[tuple[str, SwitchView]], reserve_mib: int | None, steps_mib: tuple[int, int],
              reserve_note: str = "") -> None:
-        lines = [switch_line(str(i + 1), v) for i, v in enumerate(views)]
+        """`views`: (its key, the switch) for each switch listed."""
+        lines = [switch_line(key, v) for key, v in views]
         reserve, *note = reserve_lines(reserve_mib, steps_mib, reserve_note)
         if self.border_subtitle != reserve.markup:
             self.border_subtitle = reserve

@@ -212,3 +212,88 @@ def test_auto_budget_takes_what_the_books_leave_and_the_cli_accepts_it(moe_ckpt)
         finally:
             engine.close()
     assert any(e.type == "expert" and e.action == "grow" and e.reason.startswith("auto") for e in bus.history())
+
+
+def test_expert_lfu_switch_gives_the_all_resident_tokens_and_its_own_counts(moe_ckpt, prompts, plain_tokens):
+    from engine.telemetry import EventBus
+
+    bus = EventBus()
+    with one_thread():
+        engine = make_engine(moe_ckpt, bus=bus, batch=3, expert_cache_mib=1, switches={"EXPERT_LFU": True})
+        try:
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            cache = engine.lm.model.expert_provider
+            snap, trace = cache.snapshot(), list(cache.stats.trace)
+            live = [set(pool.policy.where) for pool in cache.pools]
+        finally:
+            engine.close()
+    assert tokens == plain_tokens
+    assert snap["policy"] == "lfu" and snap["misses"] > 0 and snap["evictions"] > 0
+    assert snap["lfu_replay_hit_rate"] == snap["hit_rate"]  # the live counts are LRFU's on the recorded trace
+    # and so are the experts left resident, which LRU would have evicted differently
+    assert live == [_residents_after(trace, layer, snap["slots"], "lfu") for layer in range(3)]
+    assert live != [_residents_after(trace, layer, snap["slots"], "lru") for layer in range(3)]
+    assert any(e.type == "expert" and e.action == "evict" and e.reason == "lfu" for e in bus.history())
+
+
+def test_expert_lfu_switch_toggles_live_without_moving_an_expert(moe_ckpt, prompts, plain_tokens):
+    with one_thread():
+        engine = make_engine(moe_ckpt, batch=3, expert_cache_mib=1)
+        cache = engine.lm.model.expert_provider
+        try:
+            run_all(engine, prompts[:1], GREEDY, prefix="warm")
+            residents = [dict(pool.policy.where) for pool in cache.pools]
+            assert cache.policy == "lru" and engine.set_switch("EXPERT_LFU", True).enabled
+            assert cache.snapshot()["policy"] == "lfu"  # at once, before the next step
+            assert [dict(pool.policy.where) for pool in cache.pools] == residents
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            assert cache.policy == "lfu"
+            assert not engine.set_switch("EXPERT_LFU", False).enabled and cache.policy == "lru"
+            assert {s["name"]: s["enabled"] for s in engine.board.snapshot()}["EXPERT_LFU"] is False
+        finally:
+            engine.close()
+    assert tokens == plain_tokens
+
+
+def _residents_after(trace, layer, slots, policy):
+    from engine.exec.expert_trace import groups_of, make_policy
+
+    pol = make_policy(policy, slots)
+    for access in trace:
+        if access.layer == layer:
+            for group in groups_of(access.experts, slots):
+                pol.serve(group)
+    return set(pol.where)
+
+
+def test_expert_store_on_a_peer_device_gives_the_all_resident_tokens(moe_ckpt, prompts, plain_tokens, monkeypatch):
+    # --peer-device needs a second CUDA card (test_moe_gpu.py runs it there); on CPU the "peer" is the CPU
+    # itself: the store is built on it as on a card (not pinned, counted as peer memory) and misses copy from it
+    import torch
+
+    import engine.exec.expert_setup as setup
+
+    real = setup.start_expert_cache
+    monkeypatch.setattr(setup, "start_expert_cache",
+                        lambda *a, **kw: real(*a[:6], peer=torch.device("cpu"), peer_free_mib=0.0))
+    tokens, snap, _ = _run(moe_ckpt, prompts, expert_cache_mib=1)
+    assert tokens == plain_tokens
+    assert snap["store_device"] == "cpu" and snap["host_mib"] == 0.0
+    assert snap["peer_mib"] == snap["all_experts_mib"] and snap["misses"] > 0 and snap["loaded_mib"] > 0
+
+
+def test_a_peer_without_room_for_the_expert_store_is_refused_before_allocating(moe_ckpt):
+    import torch
+
+    from engine.errors import ConfigError
+    from engine.exec.expert_setup import start_expert_cache, store_mib
+    from engine.model import load_checkpoint
+    from engine.telemetry import EventBus
+
+    lm = load_checkpoint(moe_ckpt, dtype="float32", device="cpu", expert_device="cpu", tokenizer=False)
+    need = store_mib(lm.model)
+    assert need == pytest.approx(3 * 16 * 3 * 64 * 64 * 4 / 2**20)  # 3 sparse layers x 16 experts x 3 matrices
+    with pytest.raises(ConfigError, match=r"peer_device='cuda:1'.*experts need 2 MiB there but only 0 MiB"):
+        start_expert_cache(None, lm.model, torch.device("cpu"), EventBus(), 1e6, 1024.0,
+                           peer=torch.device("cuda:1"), peer_free_mib=1024.0)
+    assert len(lm.model.layers[0].mlp.experts) == 16  # nothing was taken from the model

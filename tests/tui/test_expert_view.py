@@ -57,3 +57,15 @@ def test_monitor_state_shows_experts_only_for_an_moe_engine() -> None:
     assert state.vram["cpu"].experts_mib == 2.2
     state.forget_engine()
     assert state.experts is None
+
+
+def test_the_panel_says_where_the_store_is_and_which_policy_runs() -> None:
+    from strata_tui.widgets.expert_panel import expert_lines
+
+    view = ExpertView()
+    view.update(_snap())
+    text = "\n".join(line.plain for line in expert_lines(view))
+    assert "host 9.00 MiB" in text and "peer" not in text and "policy" not in text  # LRU, host store: as before
+    view.update({**_snap(), "host_mib": 0.0, "peer_mib": 1152.0, "store_device": "cuda:1", "policy": "lfu"})
+    text = "\n".join(line.plain for line in expert_lines(view))
+    assert "peer cuda:1 1152" in text and "host" not in text and "policy lfu" in text

@@ -21,14 +21,48 @@ def test_bench_experts_runs_every_budget(tmp_path, monkeypatch, one_torch_thread
     assert sorted(rows) == [10, 50, 100]
     assert rows[100]["slots"] == 32 and rows[100]["misses"] == 0 and rows[100]["hit_rate"] == 1.0
     assert rows[50]["slots"] == 16 and rows[10]["slots"] == 3
-    assert all(r["same_tokens"] for r in doc["rows"])
+    assert all(r["same_tokens"] for r in doc["rows"]) and {r["store"] for r in doc["rows"]} == {"host"}
     assert rows[10]["hit_rate"] < rows[50]["hit_rate"] < 1.0 and rows[10]["misses"] > 0
     assert rows[10]["hit_rate"] <= rows[10]["oracle_hit_rate"]
     assert json.loads(trace.read_text().splitlines()[0])["slots"] == 3
 
 
-def test_bench_experts_refuses_a_dense_model(tmp_path, monkeypatch, capsys):
+def test_bench_experts_refuses_a_dense_model_and_a_peer_store_without_a_peer(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STRATA_BENCH_CACHE", str(tmp_path / "ckpts"))
     code = main(["bench", "experts", "--model", "random:tiny", "--device", "cpu", "--json", str(tmp_path / "x.json")])
     assert code == 2
     assert "not a mixture-of-experts checkpoint" in capsys.readouterr().err
+    code = main(["bench", "experts", "--model", "random:moe-small", "--device", "cpu", "--stores", "host,peer",
+                 "--json", str(tmp_path / "x.json")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "stores='host,peer'" in err and "needs --peer-device cuda:N" in err
+
+
+def test_bench_experts_replay_synthetic_and_a_recorded_trace(tmp_path, capsys):
+    from engine.bench.expert_traces import synthetic_trace
+    from engine.exec.expert_trace import hit_rate, replay, write_trace
+
+    out = tmp_path / "replay.json"
+    small = ["--layers", "2", "--experts", "32", "--top-k", "4", "--steps", "400", "--seed", "3"]
+    assert main(["bench", "experts-replay", "--budgets", "15,50", "--json", str(out), *small]) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["trace"], r["budget_pct"]): r for r in doc["rows"]}
+    assert sorted(rows) == [("skewed", 15), ("skewed", 50), ("uniform", 15), ("uniform", 50)]
+    skewed = synthetic_trace("skewed", 2, 32, 4, 400, seed=3)
+    assert rows[("skewed", 15)]["slots"] == 5 and rows[("skewed", 15)]["lru"] == hit_rate(replay(skewed, 5, "lru"))
+    for r in doc["rows"]:
+        assert r["lru"] <= r["belady"] and r["lfu"] <= r["belady"]
+    assert doc["summary"]["lfu_beats_lru_on"] == ["skewed"]
+    # a recorded trace file (what `bench experts --trace-out` or a real model writes) replays the same way
+    path = write_trace(tmp_path / "t.jsonl", {"num_layers": 2, "num_experts": 32, "top_k": 4}, skewed)
+    assert main(["bench", "experts-replay", "--trace", str(path), "--budgets", "15", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["lfu"] == rows[("skewed", 15)]["lfu"] and row["accesses"] == len(skewed)
+    capsys.readouterr()
+    assert main(["bench", "experts-replay", "--policies", "lru,fifo", "--json", str(out)]) == 2
+    assert "policies='lru,fifo'" in capsys.readouterr().err
+    assert main(["bench", "experts-replay", "--trace", str(tmp_path / "none.jsonl"), "--json", str(out)]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
+    assert main(["bench", "experts-replay", "--half-life", "0", "--json", str(out)]) == 2
+    assert "half_life=0.0: expected at least 0.01" in capsys.readouterr().err

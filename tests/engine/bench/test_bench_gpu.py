@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.bench.test_bench import _checkpoint_cache_and_one_thread, bench  # noqa: F401 (fixture)
 
@@ -42,3 +43,14 @@ def test_peers_with_the_compiled_static_cache_on_cuda(tmp_path: Path) -> None:
     compiled = engines["hf_static_compile"]
     assert (compiled["tok_s"] or 0) > 0 or compiled["error"]
     assert doc["summary"]["copy_bandwidth_gb_s"] > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_experts_host_and_peer_stores_in_one_run(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["experts", "--model", "random:moe-small", "--device", "cuda:0", "--peer-device", "cuda:1",
+                           "--stores", "host,peer", "--budgets", "10", "--prompt-tokens", "16", "--new-tokens", "8",
+                           "--no-hf"], device="cuda:0")
+    rows = [(r["store"], r["budget_pct"]) for r in doc["rows"]]
+    assert rows == [("host", 100), ("host", 10), ("cuda:1", 10)]
+    assert all(r["same_tokens"] for r in doc["rows"]) and doc["rows"][2]["loaded_mib"] > 0

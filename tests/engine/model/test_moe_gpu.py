@@ -71,3 +71,38 @@ def test_gpu_graph_capture_oom_shrinks_the_expert_cache(moe_ckpt, monkeypatch):
     assert shrinks and "out of memory" in shrinks[0].reason and shrinks[0].slots < 16
     assert any(e.type == "graph" and e.action == "wait" for e in bus.history())
     assert tokens == resident  # shrunk (and regrown by the periodic rebalance once room showed), same tokens
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+def test_gpu_expert_store_on_the_peer_device_under_cuda_graphs(moe_ckpt):
+    resident, _ = _engine_tokens(moe_ckpt)
+    engine = make_engine(moe_ckpt, device=CUDA, dtype="float32", batch=3, expert_cache_mib=1, peer_device="cuda:1")
+    try:
+        cache = engine.lm.model.expert_provider
+        assert all(p.store_gate_up.device == torch.device("cuda:1") for p in cache.pools)
+        assert all(p.gate_up.device == torch.device(CUDA) for p in cache.pools)
+        tokens = tokens_of(run_all(engine, random_prompts(3, seed=5, lengths=(20, 90)), GREEDY))
+        snap = cache.snapshot()
+        vram = {v["device"]: v for v in engine.state()["vram"]}
+    finally:
+        engine.close()
+    print(f"peer store: {snap['peer_mib']:.1f} MiB on cuda:1, hit rate {snap['hit_rate']}, loaded "
+          f"{snap['loaded_mib']:.1f} MiB in {snap['load_ms']:.1f} ms, replays {snap['replays']}, reruns {snap['reruns']}")
+    assert tokens == resident  # misses copied cuda:1 -> cuda:0 (replays and eager re-runs) change nothing
+    assert snap["store_device"] == "cuda:1" and snap["host_mib"] == 0.0 and snap["peer_mib"] > 0
+    assert snap["misses"] > 0 and snap["loaded_mib"] > 0
+    assert vram["cuda:1"]["weights_mib"] == round(snap["peer_mib"], 1)  # the peer's books count the store
+
+
+@two_gpus
+def test_gpu_a_peer_store_that_cannot_fit_is_a_config_error(moe_ckpt):
+    from engine.errors import ConfigError
+
+    free_mib = torch.cuda.mem_get_info(1)[0] / 2**20
+    with pytest.raises(ConfigError, match="peer_device='cuda:1'.*routed experts need"):
+        # a reserve of everything free on the peer but 1 MiB (the compute card has the same reserve, but more free)
+        make_engine(moe_ckpt, device=CUDA, dtype="float32", batch=1, expert_cache_mib=1, peer_device="cuda:1",
+                    vram_reserve_mib=int(free_mib - 1))
