@@ -11,20 +11,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 STRATA_BENCH_CACHE=${STRATA_BENCH_CACHE:-/tmp/strata-bench-checkpoints}
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-560}
-START_S=$(date +%s)
-step() {  # step NAME LIMIT_S COMMAND...
-    local name=$1 limit=$2 left
-    shift 2
-    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return; fi
-    left=$((BUDGET_S - ($(date +%s) - START_S)))
-    if [ "$left" -lt 20 ]; then echo "SKIP $name: ${left}s left"; return; fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo "[$(($(date +%s) - START_S))s] START $name (limit ${limit}s): $*"
-    timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?  # before any other command substitution resets $?
-    echo "[$(($(date +%s) - START_S))s] END $name rc=$rc"
-    grep -v USDT "$OUT/$name.log" | tail -"${TAIL:-40}"
-}
+source scripts/gpu_step.sh  # (the working directory is the repository root)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 step kernel_tests 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/engine/exec/test_kv_paged_gpu.py
 step attention 170 "$PY" -m engine.bench attention --device cuda:0 --rows decode --iters 10 --json "$OUT/attention.json"
