@@ -1,6 +1,6 @@
 """Engine: add_request / step / abort over the scheduler, the runner, the MTP drafter and the adaptive tier.
 
-One step runs what the scheduler's StepPlan says: copy reused prefix blocks into newly admitted slots, one
+One step runs what the scheduler's StepPlan says: map (or copy) reused prefix blocks into newly admitted slots, one
 batched decode (or MTP verify + draft round) of every decoding slot, the plan's prefill chunks, then the
 cache fills. It returns the RequestOutput increments of that step (text detokenized, stop strings cut).
 
@@ -191,9 +191,11 @@ class Engine:
             now_s = time.monotonic()
             with torch.inference_mode():
                 self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
+                self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
                 for admission in plan.admitted:
                     self._isolated(admission.request, outputs, self._admit, admission, now_s)
                 timing = self._run_timed(plan, outputs)
+                self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
             self.sched.record_step(timing)
             self.steps += 1
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
@@ -345,6 +347,7 @@ class Engine:
         final = self.output.close(track, reason, error)
         if slot is not None:
             self.kv.retire_slot(slot)
+            self.tier.retire_slot(slot)
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
             self.report.slot(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))

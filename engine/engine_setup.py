@@ -19,12 +19,14 @@ from engine.errors import ConfigError, StrataError
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.tier_pool import SharedTierBlocks
 from engine.core.prefix_index import PrefixIndex
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.switches import SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
-from engine.exec.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
+from engine.exec.vram import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_FACTOR, AdaptiveTier, VramBudget,
+                              check_kv_fits, device_memory_mib)
 
 
 class StartupError(StrataError):
@@ -173,9 +175,15 @@ class _PartsBuilder:
             self.stage = "capturing every graph bucket (CAPTURE_ALL)"
             precapture_all(config, bus, board, executor, runner, drafter)
         self.stage = "allocating the adaptive tier"
+        shared = _shared_tier_blocks(kv, index, device, self.tier_device, executor, runner)
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
-                                               tier_budget_mib)
+                                               tier_budget_mib, shared)
         self.budgets[0].experts = experts
+        if shared is not None and board.enabled("CAPTURE_ALL") and shared.num_blocks > kv.geometry.num_blocks:
+            # The tier's blocks joined the KV pool, which dropped the graphs captured above; their memory was
+            # left free by the tier's budget (measured while they held it), so they fit again.
+            self.stage = "capturing every graph bucket again (CAPTURE_ALL, the KV pool grew for the tier)"
+            precapture_all(config, bus, board, executor, runner, drafter)
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device)
@@ -187,7 +195,7 @@ def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, mo
     on the H200 a dropped benchmark engine's ~140 GiB (its tier fills the GPU) was still held when the next engine
     of the same process checked its KV fit, which then saw 1 GiB free."""
     executor.release()
-    tier.set_budget(0.0, "engine closed")
+    tier.close("engine closed")
     kv.free()
     experts = model.expert_provider  # an MoE model's expert cache: pools and host store
     if experts is not None:
@@ -288,9 +296,26 @@ def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budg
     paging.on_resize = resized
 
 
+def _shared_tier_blocks(kv: SlotKVCache, index: PrefixIndex, device: torch.device, tier_device: torch.device,
+                        executor: Any, runner: ModelRunner) -> SharedTierBlocks | None:
+    """The tier's blocks in the KV pool (a reused prefix shared by reference), where the compute device's kernels
+    can read them: the tier on the compute device, every slot owning its context (no --kv-resident: its ledger
+    owns the table), and tier blocks of whole pool blocks. Otherwise None: the tier copies."""
+    if tier_device != device or kv.paging is not None or index.block_tokens % kv.geometry.block_tokens:
+        return None
+    shared = SharedTierBlocks(kv, index.block_tokens)
+
+    def resized() -> None:  # the pool tensors were reallocated: graphs read the old ones' addresses
+        for ex in (executor, runner._eager):
+            ex.invalidate(lambda kind, key: True)
+
+    shared.on_resize = resized
+    return shared
+
+
 def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,
-                      device: torch.device, tier_device: torch.device,
-                      tier_budget_mib: float | None) -> tuple[AdaptiveTier, list[VramBudget]]:
+                      device: torch.device, tier_device: torch.device, tier_budget_mib: float | None,
+                      shared: SharedTierBlocks | None = None) -> tuple[AdaptiveTier, list[VramBudget]]:
     """The adaptive tier (on the compute device or --peer-device) and the per-device books."""
     budgets = [VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)]
     if tier_device != device:  # --peer-device: the prefix-cache tier lives on the second GPU
@@ -302,8 +327,10 @@ def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, inde
         else:
             tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_mib / 8)
     on_gpu = tier_device.type == "cuda"
+    own_mib = OWN_BLOCKS_RESERVE_FACTOR * max(float(config.vram_reserve_mib), 1024.0)
     tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=on_gpu,
-                        room_mib=budgets[-1].driver_room_mib if on_gpu else None)
+                        room_mib=budgets[-1].driver_room_mib if on_gpu else None, shared=shared,
+                        pooled_mib=max(0.0, tier_budget_mib - own_mib) if on_gpu else None)
     budgets[-1].tier = tier
     return tier, budgets
 
