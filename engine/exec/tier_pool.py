@@ -148,6 +148,14 @@ class SharedTierBlocks:
         for b in drop:
             if self.maps(b):
                 raise RuntimeError(f"tier block {b} is mapped by a slot; it cannot lose its pool blocks")
+        # The pool tensors stay normal tensors (not inference tensors) whichever mode the caller runs in: the
+        # release paths run outside inference mode and update them in place.
+        with torch.inference_mode(False):
+            self._set_backing(add, drop)
+        if self.on_resize is not None:
+            self.on_resize()
+
+    def _set_backing(self, add: list[int], drop: list[int]) -> None:
         old_n = self.num_blocks
         new_n = old_n + self.group * (len(add) - len(drop))
         if new_n > old_n:
@@ -166,8 +174,6 @@ class SharedTierBlocks:
             self._reallocate(new_n, stage=True)
         self.kv.tier_blocks = self.group * len(self.backing)
         self._sync(set(range(len(self.home))))
-        if self.on_resize is not None:
-            self.on_resize()
 
     def forget(self) -> None:
         """The engine closes: drop the bookkeeping (the KV cache frees the tensors)."""

@@ -1,0 +1,88 @@
+"""Prefix reuse by reference (the tier's blocks in the KV pool, engine.exec.tier_pool) through the whole engine:
+the same greedy tokens as a fresh run and as the copy path, no KV copied between a slot and the tier, slots that
+never write into the blocks they map (padded rows, rejected drafts, chunk padding), and a tier release while a
+slot maps blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.api import SamplingParams
+from engine.exec.kv_cache import SlotKVCache
+from engine.telemetry import EventBus
+from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TIER_TOKENS = 64  # one pool block per tier block (the engine's default 256 is four)
+
+
+def _no_copies(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("KV was copied between a slot and the tier")
+
+    monkeypatch.setattr(SlotKVCache, "read_span", refuse)
+    monkeypatch.setattr(SlotKVCache, "write_span", refuse)
+
+
+@pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", False), ("bf16", True)])
+def test_a_reused_prompt_maps_the_tier_blocks_and_matches_the_fresh_and_the_copy_paths(ckpt, kv, mtp, monkeypatch):
+    prompt = random_prompts(1, seed=41, lengths=(300, 301))[0]
+    copying = make_engine(ckpt, batch=2, kv=kv, batch_mtp=mtp, mtp_depth=2, block_tokens=TIER_TOKENS,
+                          kv_resident=1024)  # --kv-resident: the tier keeps its own blocks and copies
+    assert copying.tier.shared is None
+    copy_first = tokens_of(run_all(copying, [prompt], GREEDY, prefix="a"))["a0"]
+    copy_second = tokens_of(run_all(copying, [prompt], GREEDY, prefix="b"))["b0"]
+    assert copying.tier.copied_in_blocks == 4
+    bus = EventBus(history=50000)
+    engine = make_engine(ckpt, bus=bus, batch=2, kv=kv, batch_mtp=mtp, mtp_depth=2, block_tokens=TIER_TOKENS)
+    assert engine.tier.shared is not None
+    first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
+    _no_copies(monkeypatch)
+    second_outs = run_all(engine, [prompt], GREEDY, prefix="b")["b0"]
+    assert second_outs[-1].cached_tokens == 256  # whole 64-token blocks of prompt[:-1]
+    assert [t for o in second_outs for t in o.token_ids] == first == copy_first == copy_second
+    assert (engine.tier.shared_blocks, engine.tier.copied_in_blocks) == (4, 0)
+    assert engine.state()["tier"]["mib"] == pytest.approx(4 * engine.tier.block_mib, abs=0.01)
+
+
+def test_slots_never_write_into_the_tier_blocks_they_map(ckpt):
+    engine = make_engine(ckpt, batch=4, batch_mtp=True, mtp_depth=2, block_tokens=TIER_TOKENS)
+    base = random_prompts(1, seed=42, lengths=(300, 301))[0]
+    run_all(engine, [base], GREEDY, prefix="a")
+    tier, shared = engine.tier, engine.tier.shared
+    held = {b: shared.physical(b) for b in shared.backing if tier.index.digest_of(b) is not None}
+    assert len(held) == 4
+    before = {b: [t[:, phys].clone() for t in engine.kv.pools()] for b, phys in held.items()}
+    # Three rows (a padded batch of 4), MTP drafts rejected and accepted, chunk padding, and, in the slot that
+    # handed its blocks over, a prompt that shares three blocks and then writes its own fourth: nothing may
+    # land in a tier block.
+    prompts = [base[:200] + [9] * 90, base, base + [5] * 70]
+    outs = run_all(engine, prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), prefix="b")
+    assert [outs[f"b{i}"][-1].cached_tokens for i in range(3)] == [192, 256, 256]
+    assert tier.shared_blocks == 4 + 3 + 4 and tier.copied_in_blocks == 0
+    assert sum(engine._draft_proposed) > sum(engine._draft_accepted) > 0  # drafts were rejected along the way
+    for b, phys in held.items():
+        assert shared.physical(b) == phys
+        for saved, pool in zip(before[b], engine.kv.pools()):
+            assert torch.equal(pool[:, phys], saved)
+
+
+def test_a_tier_release_while_a_slot_maps_blocks_keeps_them_and_the_output(ckpt):
+    engine = make_engine(ckpt, batch=1, block_tokens=TIER_TOKENS)
+    prompt, other = random_prompts(2, seed=43, lengths=(300, 301))
+    first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
+    run_all(engine, [other], GREEDY, prefix="o")
+    tier = engine.tier
+    engine.add_request("b0", prompt, GREEDY)
+    outs = list(engine.step())  # admitted: its 4 prefix blocks are mapped into the slot
+    assert tier.index.stats().pinned_blocks == 4
+    freed = tier.release(100 * tier.block_mib, "test")
+    assert freed == pytest.approx(4 * tier.block_mib)  # the other prompt's blocks; the mapped ones stay
+    assert tier.index.stats().used_blocks == 4
+    while engine.has_work:
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == first
+    assert tier.index.stats().pinned_blocks == 0  # the finished request's mappings went with its slot
