@@ -1,9 +1,11 @@
 """`strata-engine bench reuse`: time to first token of a prompt the engine has seen before (its prefix comes
-from the prefix-cache tier) against the same prompt fresh, with the tier on the compute device and, when
-`--peer-device` is given, on that second GPU (the copy then crosses devices).
+from the prefix-cache tier) against the same prompt fresh, with the tier on the compute device (its blocks in the
+KV pool: the reused prefix is mapped into the slot, not copied) and, when `--peer-device` is given, on that
+second GPU (the blocks are copied across devices).
 
 One engine per placement (1 slot). Each row: the fresh TTFT, the reused TTFT, the prompt tokens the tier
-served, and their ratio (the reuse target: the second TTFT a small fraction of the first).
+served, their ratio (the reuse target: the second TTFT a small fraction of the first), and the tier blocks
+the slots mapped (`shared_blocks`) and copied (`copied_blocks`) since the engine started.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ def _placement_row(args: argparse.Namespace, peer: str | None, size: int) -> dic
         _drain(bench)
         again = generate_all(bench, [prompt], 1)
         tier = bench.engine.tier
+        # how the reused blocks reached the slot: mapped from the KV pool (shared) or copied from own blocks
         return {"tier_device": str(tier.device), "prompt_tokens": size, "fresh_ttft_s": fresh.ttft_s[0],
                 "reused_ttft_s": again.ttft_s[0], "cached_tokens": again.cached_tokens[0],
-                "reused_over_fresh": again.ttft_s[0] / fresh.ttft_s[0], "graphs_active": bench.graphs_active}
+                "reused_over_fresh": again.ttft_s[0] / fresh.ttft_s[0], "shared_blocks": tier.shared_blocks,
+                "copied_blocks": tier.copied_in_blocks, "graphs_active": bench.graphs_active}
     finally:
         bench.close()
 
@@ -56,5 +60,5 @@ def run(args: argparse.Namespace) -> int:
     summary = {f"reused_over_fresh_{r['prompt_tokens']}_{r['tier_device']}": r["reused_over_fresh"] for r in rows}
     emit(args, "reuse", rows, summary, device,
          ("tier_device", "prompt_tokens", "fresh_ttft_s", "reused_ttft_s", "cached_tokens", "reused_over_fresh",
-          "graphs_active"))
+          "shared_blocks", "copied_blocks", "graphs_active"))
     return 0

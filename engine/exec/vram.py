@@ -166,8 +166,12 @@ class AdaptiveTier:
         unbacked = [ref.block_id for ref in live if not self.shared.is_backed(ref.block_id)]
         failed: list[int] = []
         if unbacked:  # a host tier backs its blocks as they are filled
+            # half as many again as it holds, from its free ids: each growth reallocates the whole pool, so a
+            # growth per prompt chunk would copy the pool once per chunk
+            spare = len(self.shared.backing) // 2 - len(unbacked)
+            extra = [b for b in self.index.free_block_ids() if not self.shared.is_backed(b)][:max(0, spare)]
             try:
-                self.shared.set_backing(unbacked, [])
+                self.shared.set_backing(unbacked + extra, [])
             except torch.OutOfMemoryError:
                 failed = unbacked
                 live = [ref for ref in live if self.shared.is_backed(ref.block_id)]

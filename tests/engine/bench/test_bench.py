@@ -79,6 +79,8 @@ def test_reuse_serves_a_repeated_prompt_from_the_tier(tmp_path: Path) -> None:
     (row,) = doc["rows"]  # no --peer-device: the tier on the compute device only
     assert row["tier_device"] == "cpu" and row["prompt_tokens"] == 600
     assert 0 < row["cached_tokens"] < 600  # whole blocks from the tier; the tail is prefilled again
+    # the tier's blocks are in the KV pool: the reused prefix was mapped into the slot, not copied
+    assert row["shared_blocks"] == row["cached_tokens"] // 256 and row["copied_blocks"] == 0
     assert row["reused_ttft_s"] < row["fresh_ttft_s"]
     assert math.isclose(row["reused_over_fresh"], row["reused_ttft_s"] / row["fresh_ttft_s"])
 

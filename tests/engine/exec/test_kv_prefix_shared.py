@@ -79,10 +79,39 @@ def test_a_tier_release_while_a_slot_maps_blocks_keeps_them_and_the_output(ckpt)
     engine.add_request("b0", prompt, GREEDY)
     outs = list(engine.step())  # admitted: its 4 prefix blocks are mapped into the slot
     assert tier.index.stats().pinned_blocks == 4
+    held_mib = tier.mib
     freed = tier.release(100 * tier.block_mib, "test")
-    assert freed == pytest.approx(4 * tier.block_mib)  # the other prompt's blocks; the mapped ones stay
+    assert freed == pytest.approx(held_mib - 4 * tier.block_mib)  # all but the mapped blocks
+    assert tier.mib == pytest.approx(4 * tier.block_mib)
     assert tier.index.stats().used_blocks == 4
     while engine.has_work:
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == first
     assert tier.index.stats().pinned_blocks == 0  # the finished request's mappings went with its slot
+
+
+def test_a_pool_resize_drops_the_captured_graphs_and_the_next_steps_recapture_them(ckpt):
+    from engine.exec.graph_backends import CpuGraphBackend
+    from engine.exec.graphs import GraphCache
+    from engine.exec.runner import switch_for_key
+    from engine.switches import SwitchBoard
+
+    bus = EventBus(history=100000)
+    cache = GraphCache("cpu", bus, SwitchBoard.from_values({}), lambda mib, reason: 0.0, wait_polls=1,
+                       wait_interval_s=0.0, switch_for_key=switch_for_key, backend=CpuGraphBackend(),
+                       sleep=lambda s: None)
+    engine = make_engine(ckpt, bus=bus, batch=2, executor=cache, block_tokens=TIER_TOKENS)
+    prompt, other = random_prompts(2, seed=44, lengths=(300, 301))
+    first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
+    run_all(engine, [other], GREEDY, prefix="o")
+    engine.add_request("b0", prompt, GREEDY)
+    outs = list(engine.step())
+    assert cache.snapshot()["graphs"]
+    pool_blocks = engine.kv.k[0].shape[1]
+    assert engine.tier.release(100 * engine.tier.block_mib, "test") > 0
+    assert engine.kv.k[0].shape[1] == engine.kv.geometry.num_blocks + 4 < pool_blocks  # the mapped blocks stay
+    assert cache.snapshot()["graphs"] == []  # they held the old pool tensors
+    while engine.has_work:
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == first
+    assert any(g["replays"] for g in cache.snapshot()["graphs"])  # recaptured on the new tensors, replayed
