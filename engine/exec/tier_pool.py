@@ -37,6 +37,7 @@ import torch
 from engine.core.prefix_index import BlockRef
 
 MIB = float(1 << 20)
+_MOVE_BLOCKS = 256  # blocks one compaction copy moves (its scratch: that many blocks of one pool tensor)
 _FILL = {"k": 0.0, "v": 0.0, "k_scale": 1.0, "v_scale": 1.0}  # new blocks hold finite data (never visible)
 
 
@@ -70,10 +71,6 @@ class SharedTierBlocks:
 
     def is_backed(self, block_id: int) -> bool:
         return block_id in self.backing
-
-    def maps(self, block_id: int) -> bool:
-        """Whether any slot's table points at this tier block now."""
-        return any(ref.block_id == block_id for m in self.mapped for ref in m.values())
 
     def physical(self, block_id: int) -> list[int]:
         return list(self.backing[block_id])
@@ -145,9 +142,10 @@ class SharedTierBlocks:
         drop = [b for b in drop if b in self.backing]
         if not add and not drop:
             return
-        for b in drop:
-            if self.maps(b):
-                raise RuntimeError(f"tier block {b} is mapped by a slot; it cannot lose its pool blocks")
+        mapped = {ref.block_id for m in self.mapped for ref in m.values()}
+        if mapped.intersection(drop):
+            raise RuntimeError(f"tier blocks {sorted(mapped.intersection(drop))} are mapped by a slot; they cannot "
+                               "lose their pool blocks")
         # The pool tensors stay normal tensors (not inference tensors) whichever mode the caller runs in: the
         # release paths run outside inference mode and update them in place.
         with torch.inference_mode(False):
@@ -196,7 +194,8 @@ class SharedTierBlocks:
         src = torch.tensor([lst[j] for lst, j in owners], dtype=torch.long, device=self.kv.device)
         dst = torch.tensor(holes, dtype=torch.long, device=self.kv.device)
         for t in self._tensors():
-            t.index_copy_(1, dst, t.index_select(1, src))
+            for i in range(0, len(holes), _MOVE_BLOCKS):  # a bounded copy at a time: a shrink may run short of memory
+                t.index_copy_(1, dst[i:i + _MOVE_BLOCKS], t.index_select(1, src[i:i + _MOVE_BLOCKS]))
         for (lst, j), hole in zip(owners, holes):
             lst[j] = hole
         self.moved_blocks += len(owners)
