@@ -140,7 +140,11 @@ class Engine:
             return None
         slot = track.request.slot
         self.sched.finish(track.request, "abort")
-        return self._close(track, "abort", slot)
+        final = self._close(track, "abort", slot)
+        # Between steps: the slot's mapped tier blocks go now (a discarded fill of its last step among them,
+        # which a tier shrink before the next step could otherwise try to free while mapped).
+        self.tier.reclaim_retired()
+        return final
 
     def set_vram_reserve(self, mib: int) -> int:
         """Retune the reserve on every device live (the tier shrinks at once if the reserve is not free)."""
@@ -412,4 +416,5 @@ class Engine:
             if event.fatal or slot is not None:
                 self.sched.finish(track.request, "error")
                 outputs.append(self._close(track, "error", slot, error=event.message))
+        self.tier.reclaim_retired()  # the step is over: no fill will hand blocks over into those slots
         return outputs

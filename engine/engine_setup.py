@@ -176,13 +176,17 @@ class _PartsBuilder:
             precapture_all(config, bus, board, executor, runner, drafter)
         self.stage = "allocating the adaptive tier"
         shared = _shared_tier_blocks(kv, index, device, self.tier_device, executor, runner)
+        # A preallocated tier in the KV pool reallocates the pool tensors the graphs captured above read: drop
+        # them first, keep their measured size free for the tier's budget, and capture them again after it.
+        recapture = shared is not None and self.tier_device.type == "cuda" and board.enabled("CAPTURE_ALL")
+        graphs_mib = float(executor.snapshot().get("total_mib", 0.0)) if recapture else 0.0
+        if recapture:
+            executor.release()
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
-                                               tier_budget_mib, shared)
+                                               tier_budget_mib, shared, keep_free_mib=graphs_mib)
         self.budgets[0].experts = experts
-        if shared is not None and board.enabled("CAPTURE_ALL") and shared.num_blocks > kv.geometry.num_blocks:
-            # The tier's blocks joined the KV pool, which dropped the graphs captured above; their memory was
-            # left free by the tier's budget (measured while they held it), so they fit again.
-            self.stage = "capturing every graph bucket again (CAPTURE_ALL, the KV pool grew for the tier)"
+        if recapture:
+            self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
             precapture_all(config, bus, board, executor, runner, drafter)
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
@@ -315,15 +319,17 @@ def _shared_tier_blocks(kv: SlotKVCache, index: PrefixIndex, device: torch.devic
 
 def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,
                       device: torch.device, tier_device: torch.device, tier_budget_mib: float | None,
-                      shared: SharedTierBlocks | None = None) -> tuple[AdaptiveTier, list[VramBudget]]:
-    """The adaptive tier (on the compute device or --peer-device) and the per-device books."""
+                      shared: SharedTierBlocks | None = None,
+                      keep_free_mib: float = 0.0) -> tuple[AdaptiveTier, list[VramBudget]]:
+    """The adaptive tier (on the compute device or --peer-device) and the per-device books. `keep_free_mib`: memory
+    the tier's default budget leaves free beyond the reserve (graphs to be captured again right after it)."""
     budgets = [VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)]
     if tier_device != device:  # --peer-device: the prefix-cache tier lives on the second GPU
         budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), 0.0, 0.0))
     if tier_budget_mib is None:
         _, free_mib = device_memory_mib(tier_device)
         if tier_device.type == "cuda":
-            tier_budget_mib = max(0.0, free_mib - config.vram_reserve_mib)  # all of it, up front
+            tier_budget_mib = max(0.0, free_mib - config.vram_reserve_mib - keep_free_mib)  # all of it, up front
         else:
             tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_mib / 8)
     on_gpu = tier_device.type == "cuda"

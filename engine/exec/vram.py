@@ -183,7 +183,9 @@ class AdaptiveTier:
     # --- slots (pool blocks a slot maps are pinned until its request ends) ----------------------------------
 
     def retire_slot(self, slot: int) -> None:
-        """The slot's request finished: its mapped blocks are unpinned at the next `reclaim_retired`."""
+        """The slot's request finished: its mapped blocks are unpinned at the next `reclaim_retired`, which the
+        engine calls between steps only (a fill after the request's last chunk still hands its blocks over, in
+        the same step, into the slot's mappings)."""
         if self.shared is not None:
             self.shared.retire(slot)
 
@@ -220,7 +222,6 @@ class AdaptiveTier:
             return 0.0
         before = self.mib
         want_blocks = math.ceil(mib / self.block_mib)
-        self.reclaim_retired()  # what finished requests mapped may go
         if self.preallocate:
             self._resize_to(max(0, self.capacity_blocks - want_blocks), reason)
         else:
@@ -247,7 +248,6 @@ class AdaptiveTier:
         KV pool, the rest to own blocks."""
         before_cap = self.capacity_blocks
         before_mib = self.mib
-        self.reclaim_retired()
         shared = self.shared
         result = self.index.resize(blocks) if shared is None else self.index.resize(blocks, shared.is_backed)
         for block_id in result.released_block_ids:

@@ -115,3 +115,20 @@ def test_a_pool_resize_drops_the_captured_graphs_and_the_next_steps_recapture_th
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == first
     assert any(g["replays"] for g in cache.snapshot()["graphs"])  # recaptured on the new tensors, replayed
+
+
+def test_an_abort_right_after_a_hand_over_unmaps_the_slot_and_a_release_takes_the_discarded_blocks(ckpt):
+    engine = make_engine(ckpt, batch=1, block_tokens=TIER_TOKENS)
+    prompt = random_prompts(1, seed=45, lengths=(300, 301))[0]
+    engine.add_request("a0", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()  # the first chunks ran: their blocks were handed over, the scheduler still pins them
+    shared, tier = engine.tier.shared, engine.tier
+    assert shared.mapped[0]
+    engine.abort("a0")  # between steps: its unconfirmed blocks are discarded, its slot unmapped
+    assert shared.mapped[0] == {} and tier.index.stats().pinned_blocks == 0
+    held_mib = tier.mib
+    assert held_mib > 0 and tier.release(100 * tier.block_mib, "test") == pytest.approx(held_mib)
+    assert shared.backing == {} and tier.mib == 0
+    again = tokens_of(run_all(engine, [prompt], GREEDY, prefix="b"))["b0"]
+    fresh = tokens_of(run_all(make_engine(ckpt, batch=1, block_tokens=TIER_TOKENS), [prompt], GREEDY))["r0"]
+    assert again == fresh
