@@ -141,9 +141,7 @@ class Engine:
         slot = track.request.slot
         self.sched.finish(track.request, "abort")
         final = self._close(track, "abort", slot)
-        # Between steps: the slot's mapped tier blocks go now (a discarded fill of its last step among them,
-        # which a tier shrink before the next step could otherwise try to free while mapped).
-        self.tier.reclaim_retired()
+        self.tier.reclaim_retired()  # between steps: its mapped blocks (a discarded last fill too) go now
         return final
 
     def set_vram_reserve(self, mib: int) -> int:
