@@ -141,7 +141,8 @@ class Engine:
         slot = track.request.slot
         self.sched.finish(track.request, "abort")
         final = self._close(track, "abort", slot)
-        self.tier.reclaim_retired()  # between steps: its mapped blocks (a discarded last fill too) go now
+        if self._dead_reason is None:  # between steps: its mapped blocks (a discarded last fill too) go now
+            self.tier.reclaim_retired()
         return final
 
     def set_vram_reserve(self, mib: int) -> int:
@@ -414,5 +415,6 @@ class Engine:
             if event.fatal or slot is not None:
                 self.sched.finish(track.request, "error")
                 outputs.append(self._close(track, "error", slot, error=event.message))
-        self.tier.reclaim_retired()  # the step is over: no fill will hand blocks over into those slots
+        if not event.fatal:  # the step is over: no fill will hand blocks over into those slots
+            self.tier.reclaim_retired()
         return outputs
