@@ -8,8 +8,8 @@ every layer (engine.exec.kv_cache.SlotKVCache: `[Hkv, num_blocks, 64, D]`, int8 
     backing[b]     the `group` physical blocks of tier block id b (its tokens [256 i, 256 i + 256) of a prompt)
 
 Every physical block is exactly one home block or one tier block. A slot's table row points logical block j at
-its home block, except where the slot *maps* a tier block: `mapped[s][i] = b` sends logical blocks
-`i*group .. i*group + group-1` to `backing[b]`. The slot only reads those (a slot writes at positions past its
+its home block, except where the slot *maps* a tier block: `mapped[s][i]` (the BlockRef of tier block b)
+sends logical blocks `i*group .. i*group + group-1` to `backing[b]`. The slot only reads those (a slot writes at positions past its
 computed prompt: rejected drafts, padded rows and the margin scratch included, docs/KV.md), so many slots can
 map one tier block.
 
@@ -19,9 +19,9 @@ map one tier block.
   tier block's old blocks. The slot's row does not change (it maps the block it computed), no KV is copied.
 - **Unmap** (`unmap`): the request ended; the row points at the slot's home blocks again.
 - **Resize** (`set_backing`): tier ids gain or lose physical blocks. The pool tensors are reallocated to
-  `homes + group * backed ids` blocks, one tensor at a time (through host memory when the device has no room
-  for the new tensor next to the old one); when shrinking, live blocks above the new end move into freed ones
-  below it first. The table is rewritten in place; captured graphs, which hold the old tensors' addresses, are
+  `homes + group * backed ids` blocks, one tensor at a time; when shrinking, live blocks above the new end move
+  into freed ones below it first, and a tensor goes through host memory when the device has no room for the
+  new one next to the old one. The table is rewritten in place; captured graphs, which hold the old tensors' addresses, are
   dropped by `on_resize`.
 
 Pins (the prefix index's) are the tier's business (engine.exec.vram.AdaptiveTier): a mapped tier block is
@@ -58,9 +58,6 @@ class SharedTierBlocks:
         self._table = kv.block_table.to("cpu", copy=True)
         # What must follow a pool reallocation: captured graphs dropped, the books' figures updated.
         self.on_resize: Callable[[], None] | None = None
-        self.mapped_total = 0  # tier blocks mapped into slots by reference since start
-        self.handed_over_total = 0  # slot blocks that became tier blocks without a copy since start
-        self.moved_blocks = 0  # pool blocks copied to compact the pool when the tier shrank
 
     # --- queries -------------------------------------------------------------------------------------------
 
@@ -83,7 +80,8 @@ class SharedTierBlocks:
         return row
 
     def transient_mib(self, num_blocks: int) -> float:
-        """Device memory a reallocation to `num_blocks` holds twice at once: the largest new pool tensor."""
+        """Device memory a reallocation holds twice at once: the largest pool tensor at `num_blocks` blocks (growing,
+        the old tensors are freed one by one as their larger copies are made)."""
         return max(t[:, :1].numel() * t.element_size() for t in self._tensors()) * num_blocks / MIB
 
     # --- reuse, hand-over, release ---------------------------------------------------------------------------
@@ -94,7 +92,6 @@ class SharedTierBlocks:
             raise RuntimeError(f"slot {slot} still maps tier blocks of its last request")
         for ref in refs:
             self.mapped[slot][ref.index] = ref
-        self.mapped_total += len(refs)
         self._sync({slot})
 
     def hand_over(self, slot: int, refs: list[BlockRef]) -> None:
@@ -107,7 +104,6 @@ class SharedTierBlocks:
             self.home[slot][ref.index * g:(ref.index + 1) * g] = self.backing[ref.block_id]
             self.backing[ref.block_id] = homes
             self.mapped[slot][ref.index] = ref
-        self.handed_over_total += len(refs)
         # the row is unchanged: the slot maps the very blocks it wrote
 
     def retire(self, slot: int) -> None:
@@ -198,7 +194,6 @@ class SharedTierBlocks:
                 t.index_copy_(1, dst[i:i + _MOVE_BLOCKS], t.index_select(1, src[i:i + _MOVE_BLOCKS]))
         for (lst, j), hole in zip(owners, holes):
             lst[j] = hole
-        self.moved_blocks += len(owners)
 
     def _reallocate(self, num_blocks: int, stage: bool) -> None:
         """Every pool tensor to `num_blocks` blocks, one at a time (the largest is briefly held twice)."""
