@@ -200,7 +200,8 @@ class SharedTierBlocks:
         for name in ("k", "v", "k_scale", "v_scale"):
             pools = getattr(self.kv, name)
             for i in range(len(pools)):
-                pools[i] = _resized(pools, i, num_blocks, _FILL[name], stage)
+                if pools[i].shape[1] != num_blocks:  # a growth that failed part-way left the rest as they were
+                    pools[i] = _resized(pools, i, num_blocks, _FILL[name], stage)
 
     def _sync(self, slots: set[int]) -> None:
         for slot in slots:
@@ -217,16 +218,22 @@ def _resized(pools: list[torch.Tensor], i: int, num_blocks: int, fill: float, st
     keep = min(num_blocks, old.shape[1])
     shape = (old.shape[0], num_blocks, *old.shape[2:])
     try:
-        new = torch.empty(shape, dtype=dtype, device=device)
+        new = _empty(shape, dtype, device)
         new[:, :keep].copy_(old[:, :keep])
     except torch.OutOfMemoryError:
-        if not stage or device.type != "cuda":
+        if not stage:
             raise
-        host = old[:, :keep].to("cpu")
-        pools[i] = old = None  # the last reference: its device memory is free for the smaller tensor
-        torch.cuda.empty_cache()
-        new = torch.empty(shape, dtype=dtype, device=device)
+        host = old[:, :keep].to("cpu", copy=True)
+        pools[i] = old = None  # the last reference: its memory is free for the smaller tensor
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        new = _empty(shape, dtype, device)
         new[:, :keep].copy_(host)
     if num_blocks > keep:
         new[:, keep:].fill_(fill)
     return new
+
+
+def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The one allocation of a reallocation (a seam the tests inject out-of-memory errors into)."""
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -179,3 +179,43 @@ def test_a_discarded_fill_is_not_handed_over_and_its_pins_are_left_alone():
     tier.retire_slot(0)
     tier.reclaim_retired()
     assert index.is_pinned(other[0].block_id)  # the discarded mapping did not take the new owner's pin
+
+
+def _failing_allocations(monkeypatch, failures: int) -> list[int]:
+    """Fault injection: the next `failures` pool-tensor allocations raise out-of-memory."""
+    from engine.exec import tier_pool
+
+    real, left = tier_pool._empty, [failures]
+
+    def empty(shape, dtype, device):
+        if left[0] > 0:
+            left[0] -= 1
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(tier_pool, "_empty", empty)
+    return left
+
+
+def test_a_shrink_with_no_room_for_the_new_tensor_goes_through_host_memory(monkeypatch):
+    tier, index, kv, shared, _ = _setup(preallocate=True, budget_blocks=6)
+    _write_prompt(kv, 0, 256, seed=8)
+    tier.fill(index.insert(PROMPT), 0)
+    tier.load(index.match(PROMPT), 2)
+    cached = _span(kv, 2, 256)
+    left = _failing_allocations(monkeypatch, 1)
+    assert tier.release(100 * tier.block_mib, "out of memory") == pytest.approx(4 * tier.block_mib)
+    assert left == [0] and all(t.shape[1] == kv.geometry.num_blocks + 4 for t in kv.pools())
+    for a, b in zip(_span(kv, 2, 256), cached):
+        assert torch.equal(a, b)
+
+
+def test_a_fill_whose_pool_growth_runs_out_of_memory_fails_its_blocks_and_changes_nothing(monkeypatch):
+    tier, index, kv, shared, resizes = _setup()  # a host tier: blocks are backed as they are filled
+    _write_prompt(kv, 0, 256, seed=9)
+    row, pool = kv.block_table[0].tolist(), kv.k[0].shape[1]
+    _failing_allocations(monkeypatch, 1)
+    refs = index.insert(PROMPT)
+    assert tier.fill(refs, 0) == [r.block_id for r in refs]  # the engine discards them from the index
+    assert shared.backing == {} and shared.mapped[0] == {} and resizes == []
+    assert kv.block_table[0].tolist() == row and all(t.shape[1] == pool for t in kv.pools())
