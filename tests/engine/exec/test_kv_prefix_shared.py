@@ -132,3 +132,35 @@ def test_an_abort_right_after_a_hand_over_unmaps_the_slot_and_a_release_takes_th
     again = tokens_of(run_all(engine, [prompt], GREEDY, prefix="b"))["b0"]
     fresh = tokens_of(run_all(make_engine(ckpt, batch=1, block_tokens=TIER_TOKENS), [prompt], GREEDY))["r0"]
     assert again == fresh
+
+
+def test_a_capture_out_of_memory_shrinks_the_pool_around_a_mapped_prefix_and_the_output_holds(ckpt):
+    from engine.exec.fault_injection import FaultPlan
+    from engine.exec.graph_backends import CpuGraphBackend
+    from engine.exec.graphs import GraphCache
+    from engine.exec.runner import switch_for_key
+    from engine.switches import SwitchBoard
+
+    bus, holder = EventBus(history=100000), {}
+    cache = GraphCache("cpu", bus, SwitchBoard.from_values({}), lambda mib, why: holder["tier"].release(mib, why),
+                       wait_polls=2, wait_interval_s=0.0, fault_plan=FaultPlan(), switch_for_key=switch_for_key,
+                       backend=CpuGraphBackend(), sleep=lambda s: None)
+    engine = make_engine(ckpt, bus=bus, batch=1, executor=cache, block_tokens=TIER_TOKENS)
+    holder["tier"] = engine.tier
+    prompt, other = random_prompts(2, seed=46, lengths=(300, 301))
+    first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
+    run_all(engine, [other], GREEDY, prefix="o")
+    engine.add_request("b0", prompt, GREEDY)
+    outs = list(engine.step())  # admitted (its prefix mapped), its tail prefilled: the next steps decode
+    cache.invalidate(lambda kind, key: True)  # the decode graph is captured again, and that capture fails:
+    # twice, so evicting the cache's own graphs is not enough and the tier must give
+    cache.fault_plan = FaultPlan.parse("instantiate:decode:1-2:oom")
+    pool_blocks = engine.kv.k[0].shape[1]
+    while engine.has_work:
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == first
+    shrinks = [e for e in bus.history() if e.type == "tier" and e.action == "shrink"]
+    assert shrinks and "graph decode" in shrinks[-1].reason
+    assert engine.kv.k[0].shape[1] < pool_blocks and engine.tier.shared_blocks == 4
+    actions = [e.action for e in bus.history() if e.type == "graph" and e.kind == "decode"]
+    assert "wait" in actions and actions[-1] in ("capture", "release") and "degrade" not in actions
