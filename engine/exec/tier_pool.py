@@ -145,11 +145,11 @@ class SharedTierBlocks:
         # The pool tensors stay normal tensors (not inference tensors) whichever mode the caller runs in: the
         # release paths run outside inference mode and update them in place.
         with torch.inference_mode(False):
-            self._set_backing(add, drop)
-        if self.on_resize is not None:
+            reallocated = self._set_backing(add, drop)
+        if reallocated and self.on_resize is not None:
             self.on_resize()
 
-    def _set_backing(self, add: list[int], drop: list[int]) -> None:
+    def _set_backing(self, add: list[int], drop: list[int]) -> bool:
         old_n = self.num_blocks
         new_n = old_n + self.group * (len(add) - len(drop))
         if new_n > old_n:
@@ -168,6 +168,7 @@ class SharedTierBlocks:
             self._reallocate(new_n, stage=True)
         self.kv.tier_blocks = self.group * len(self.backing)
         self._sync(set(range(len(self.home))))
+        return new_n != old_n
 
     def forget(self) -> None:
         """The engine closes: drop the bookkeeping (the KV cache frees the tensors)."""
