@@ -82,3 +82,18 @@ def test_gpu_capture_all_graphs_are_captured_again_after_the_pool_grew_for_the_t
     later = [e for e in bus.history() if e.type == "graph" and e.action == "capture"][at_start:]
     assert [e for e in later if e.kind == "decode"] == []
     engine.close()
+
+
+def test_gpu_a_small_release_takes_own_blocks_and_keeps_the_pool_and_the_graphs(ckpt):
+    engine = _engine(ckpt)
+    tier, kv = engine.tier, engine.kv
+    assert tier._blocks and tier.shared.backing  # own blocks (4 x max(reserve, 1 GiB)) beside the pool's
+    run_all(engine, random_prompts(2, seed=98, lengths=(300, 700)), GREEDY)
+    graphs = {(g["kind"], g["key"]) for g in engine.executor.snapshot()["graphs"]}
+    pool_blocks, backed = kv.k[0].shape[1], len(tier.shared.backing)
+    free_before = torch.cuda.mem_get_info()[0]
+    assert tier.release(256.0, "test") >= 256.0
+    assert kv.k[0].shape[1] == pool_blocks and len(tier.shared.backing) == backed  # the pool was not touched
+    assert {(g["kind"], g["key"]) for g in engine.executor.snapshot()["graphs"]} == graphs
+    assert torch.cuda.mem_get_info()[0] > free_before
+    engine.close()
