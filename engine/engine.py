@@ -1,6 +1,6 @@
 """Engine: add_request / step / abort over the scheduler, the runner, the MTP drafter and the adaptive tier.
 
-One step runs what the scheduler's StepPlan says: copy reused prefix blocks into newly admitted slots, one
+One step runs what the scheduler's StepPlan says: map (or copy) reused prefix blocks into newly admitted slots, one
 batched decode (or MTP verify + draft round) of every decoding slot, the plan's prefill chunks, then the
 cache fills. It returns the RequestOutput increments of that step (text detokenized, stop strings cut).
 
@@ -141,7 +141,10 @@ class Engine:
             return None
         slot = track.request.slot
         self.sched.finish(track.request, "abort")
-        return self._close(track, "abort", slot)
+        final = self._close(track, "abort", slot)
+        if self._dead_reason is None:  # between steps: its mapped blocks (a discarded last fill too) go now
+            self.tier.reclaim_retired()
+        return final
 
     def set_vram_reserve(self, mib: int) -> int:
         """Retune the reserve on every device live (the tier shrinks at once if the reserve is not free)."""
@@ -194,9 +197,11 @@ class Engine:
             now_s = time.monotonic()
             with torch.inference_mode():
                 self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
+                self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
                 for admission in plan.admitted:
                     self._isolated(admission.request, outputs, self._admit, admission, now_s)
                 timing = self._run_timed(plan, outputs)
+                self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
             self.sched.record_step(timing)
             self.steps += 1
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
@@ -348,6 +353,7 @@ class Engine:
         final = self.output.close(track, reason, error)
         if slot is not None:
             self.kv.retire_slot(slot)
+            self.tier.retire_slot(slot)
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
             self.report.slot(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))
@@ -412,4 +418,6 @@ class Engine:
             if event.fatal or slot is not None:
                 self.sched.finish(track.request, "error")
                 outputs.append(self._close(track, "error", slot, error=event.message))
+        if not event.fatal:  # the step is over: no fill will hand blocks over into those slots
+            self.tier.reclaim_retired()
         return outputs

@@ -19,12 +19,17 @@ from engine.errors import ConfigError, StrataError
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.tier_pool import SharedTierBlocks
 from engine.core.prefix_index import PrefixIndex
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.switches import SWITCHES, SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
-from engine.exec.vram import CPU_TIER_DEFAULT_MIB, MIB, AdaptiveTier, VramBudget, check_kv_fits, device_memory_mib
+from engine.exec.vram import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_FACTOR, AdaptiveTier, VramBudget,
+                              check_kv_fits, device_memory_mib)
+
+
+SHARED_SWITCH = "SHARED_PREFIX"
 
 
 class StartupError(StrataError):
@@ -179,9 +184,20 @@ class _PartsBuilder:
             self.stage = "capturing every graph bucket (CAPTURE_ALL)"
             precapture_all(config, bus, board, executor, runner, drafter)
         self.stage = "allocating the adaptive tier"
+        shared = _shared_tier_blocks(board, bus, kv, index, device, self.tier_device, executor, runner)
+        # A preallocated tier in the KV pool reallocates the pool tensors the graphs captured above read: drop
+        # them first, keep their measured size free for the tier's budget, and capture them again after it.
+        recapture = shared is not None and self.tier_device.type == "cuda" and board.enabled("CAPTURE_ALL")
+        graphs_mib = float(executor.snapshot().get("total_mib", 0.0)) if recapture else 0.0
+        if recapture:
+            executor.release()
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
-                                               tier_budget_mib, experts.peer_mib if experts is not None else 0.0)
+                                               tier_budget_mib, experts.peer_mib if experts is not None else 0.0,
+                                               shared, keep_free_mib=graphs_mib)
         self.budgets[0].experts = experts
+        if recapture:
+            self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
+            precapture_all(config, bus, board, executor, runner, drafter)
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device)
@@ -193,7 +209,7 @@ def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, mo
     on the H200 a dropped benchmark engine's ~140 GiB (its tier fills the GPU) was still held when the next engine
     of the same process checked its KV fit, which then saw 1 GiB free."""
     executor.release()
-    tier.set_budget(0.0, "engine closed")
+    tier.close("engine closed")
     kv.free()
     experts = model.expert_provider  # an MoE model's expert cache: pools and host store
     if experts is not None:
@@ -298,23 +314,53 @@ def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budg
     paging.on_resize = resized
 
 
+def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, device: torch.device,
+                        tier_device: torch.device, executor: Any, runner: ModelRunner) -> SharedTierBlocks | None:
+    """With SHARED_PREFIX on, the tier's blocks in the KV pool (a reused prefix shared by reference), where the
+    compute device's kernels can read them: the tier on the compute device, every slot owning its context (no
+    --kv-resident: its ledger owns the table), and tier blocks of whole pool blocks. Otherwise None: the tier
+    copies (SHARED_PREFIX, asked for, is then marked unavailable with the reason, and a WARNING says so)."""
+    if not board.enabled(SHARED_SWITCH):
+        return None
+    why = ("the tier is on another device (--peer-device)" if tier_device != device
+           else "--kv-resident owns the block table" if kv.paging is not None
+           else "tier blocks are not whole pool blocks" if index.block_tokens % kv.geometry.block_tokens else None)
+    if why is not None:
+        reason = f"{why}: reused prefixes are copied"
+        board.mark_unavailable(SHARED_SWITCH, reason)
+        bus.publish(WarningEvent(where="engine.exec.tier_pool", message=f"SHARED_PREFIX is off: {reason}"))
+        return None
+    shared = SharedTierBlocks(kv, index.block_tokens)
+
+    def resized() -> None:  # the pool tensors were reallocated: graphs read the old ones' addresses
+        for ex in (executor, runner._eager):
+            ex.invalidate(lambda kind, key: True)
+
+    shared.on_resize = resized
+    return shared
+
+
 def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,
-                      device: torch.device, tier_device: torch.device,
-                      tier_budget_mib: float | None, peer_weights_mib: float = 0.0) -> tuple[AdaptiveTier, list[VramBudget]]:
+                      device: torch.device, tier_device: torch.device, tier_budget_mib: float | None,
+                      peer_weights_mib: float = 0.0, shared: SharedTierBlocks | None = None,
+                      keep_free_mib: float = 0.0) -> tuple[AdaptiveTier, list[VramBudget]]:
     """The adaptive tier (on the compute device or --peer-device) and the per-device books (an MoE model's
-    expert store on the peer counts as its weights: `peer_weights_mib`)."""
+    expert store on the peer counts as its weights: `peer_weights_mib`). `keep_free_mib`: memory the tier's
+    default budget leaves free beyond the reserve (graphs to be captured again right after it)."""
     budgets = [VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)]
     if tier_device != device:  # --peer-device: the prefix-cache tier (and an MoE expert store) on the second GPU
         budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), peer_weights_mib, 0.0))
     if tier_budget_mib is None:
         _, free_mib = device_memory_mib(tier_device)
         if tier_device.type == "cuda":
-            tier_budget_mib = max(0.0, free_mib - config.vram_reserve_mib)  # all of it, up front
+            tier_budget_mib = max(0.0, free_mib - config.vram_reserve_mib - keep_free_mib)  # all of it, up front
         else:
             tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_mib / 8)
     on_gpu = tier_device.type == "cuda"
+    own_mib = OWN_BLOCKS_RESERVE_FACTOR * max(float(config.vram_reserve_mib), 1024.0)
     tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=on_gpu,
-                        room_mib=budgets[-1].driver_room_mib if on_gpu else None)
+                        room_mib=budgets[-1].driver_room_mib if on_gpu else None, shared=shared,
+                        pooled_mib=max(0.0, tier_budget_mib - own_mib) if on_gpu else None)
     budgets[-1].tier = tier
     return tier, budgets
 

@@ -141,6 +141,9 @@ class TierSnapshot(_Json):
     miss_blocks: int = 0
     evicted_blocks: int = 0
     preallocated: bool = False
+    pool_blocks: int = 0  # tier blocks held in the KV pool (shared with slots by reference), of used + free
+    shared_blocks: int = 0  # since start: cached blocks mapped into an admitted slot (no copy)
+    copied_in_blocks: int = 0  # since start: cached blocks copied into an admitted slot (the tier's own blocks)
 
 
 @dataclass(frozen=True)

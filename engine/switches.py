@@ -103,6 +103,14 @@ SWITCHES: tuple[Switch, ...] = (
                "routing; CPU trace replays, not yet measured on a real model's trace (docs/SWITCHES.md)",
         moe_only=True,
     ),
+    Switch(
+        "SHARED_PREFIX",
+        "the prefix-cache tier keeps its blocks in the KV pool: a reused prefix is mapped into the slot's block "
+        "table, not copied, and a finished prompt's blocks are handed to the tier, not copied (tier on the compute "
+        "device, without --kv-resident)",
+        live=False,
+        effect="not measured on a GPU yet: opt-in until the reuse TTFT and the seed scenario are (docs/SWITCHES.md)",
+    ),
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}

@@ -1,9 +1,13 @@
 """`strata-engine bench reuse`: time to first token of a prompt the engine has seen before (its prefix comes
-from the prefix-cache tier) against the same prompt fresh, with the tier on the compute device and, when
-`--peer-device` is given, on that second GPU (the copy then crosses devices).
+from the prefix-cache tier) against the same prompt fresh, in one run for each way the tier can serve it:
 
-One engine per placement (1 slot). Each row: the fresh TTFT, the reused TTFT, the prompt tokens the tier
-served, and their ratio (the reuse target: the second TTFT a small fraction of the first).
+- `copy`: the tier on the compute device with its own blocks (SHARED_PREFIX off): the prefix is copied in;
+- `shared`: the tier's blocks in the KV pool (SHARED_PREFIX on): the prefix is mapped into the slot, not copied;
+- `peer`, when `--peer-device` is given: the tier on that second GPU (copied across devices).
+
+One engine per row (1 slot). Each row: the fresh TTFT, the reused TTFT, the prompt tokens the tier served,
+their ratio (the reuse target: the second TTFT a small fraction of the first), and the tier blocks the slots
+mapped (`shared_blocks`) and copied (`copied_blocks`) since the engine started.
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ def _drain(bench: BenchEngine) -> None:
         bench.step()
 
 
-def _placement_row(args: argparse.Namespace, peer: str | None, size: int) -> dict[str, Any]:
-    bench = build_engine(args, batch=1, context=size + _CONTEXT_MARGIN_TOKENS, peer_device=peer)
+_PATHS = {"copy": (None, False), "shared": (None, True)}  # path -> (peer device, SHARED_PREFIX)
+
+
+def _placement_row(args: argparse.Namespace, path: str, size: int) -> dict[str, Any]:
+    peer, shared = _PATHS.get(path, (args.peer_device, False))
+    bench = build_engine(args, batch=1, context=size + _CONTEXT_MARGIN_TOKENS, peer_device=peer,
+                         switches={"SHARED_PREFIX": shared})
     try:
         vocab = bench.engine.lm.config.vocab_size
         # capture the small buckets and the reused prompt's tail bucket outside the timed requests
@@ -38,23 +47,25 @@ def _placement_row(args: argparse.Namespace, peer: str | None, size: int) -> dic
         _drain(bench)
         again = generate_all(bench, [prompt], 1)
         tier = bench.engine.tier
-        return {"tier_device": str(tier.device), "prompt_tokens": size, "fresh_ttft_s": fresh.ttft_s[0],
+        # how the reused blocks reached the slot: mapped from the KV pool (shared) or copied from own blocks
+        return {"path": path, "tier_device": str(tier.device), "prompt_tokens": size, "fresh_ttft_s": fresh.ttft_s[0],
                 "reused_ttft_s": again.ttft_s[0], "cached_tokens": again.cached_tokens[0],
-                "reused_over_fresh": again.ttft_s[0] / fresh.ttft_s[0], "graphs_active": bench.graphs_active}
+                "reused_over_fresh": again.ttft_s[0] / fresh.ttft_s[0], "shared_blocks": tier.shared_blocks,
+                "copied_blocks": tier.copied_in_blocks, "graphs_active": bench.graphs_active}
     finally:
         bench.close()
 
 
 def run(args: argparse.Namespace) -> int:
     device = device_of(args.device)
-    placements = [None] + ([args.peer_device] if args.peer_device else [])
+    paths = [*_PATHS] + (["peer"] if args.peer_device else [])
     rows: list[dict[str, Any]] = []
     for size in sorted(args.prompt_sizes):
-        for peer in placements:
-            rows.append(_placement_row(args, peer, size))
+        for path in paths:
+            rows.append(_placement_row(args, path, size))
             save_partial(args, "reuse", rows, device)
-    summary = {f"reused_over_fresh_{r['prompt_tokens']}_{r['tier_device']}": r["reused_over_fresh"] for r in rows}
+    summary = {f"reused_over_fresh_{r['prompt_tokens']}_{r['path']}": r["reused_over_fresh"] for r in rows}
     emit(args, "reuse", rows, summary, device,
-         ("tier_device", "prompt_tokens", "fresh_ttft_s", "reused_ttft_s", "cached_tokens", "reused_over_fresh",
-          "graphs_active"))
+         ("path", "tier_device", "prompt_tokens", "fresh_ttft_s", "reused_ttft_s", "cached_tokens", "reused_over_fresh",
+          "shared_blocks", "copied_blocks", "graphs_active"))
     return 0

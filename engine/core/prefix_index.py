@@ -17,7 +17,7 @@ import heapq
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from engine.errors import ConfigError
 
@@ -130,6 +130,14 @@ class PrefixIndex:
     def is_pinned(self, block_id: int) -> bool:
         return block_id in self._pins
 
+    def digest_of(self, block_id: int) -> bytes | None:
+        """The digest `block_id` holds now; None when it is free or released."""
+        return self._digest_of.get(block_id)
+
+    def free_block_ids(self) -> list[int]:
+        """Ids the index owns that hold nothing now."""
+        return sorted(self._free)
+
     def lru_block_ids(self) -> list[int]:
         """Cached block ids, least recently used first (the eviction order, pinned ones included)."""
         return list(self._lru.values())
@@ -224,13 +232,14 @@ class PrefixIndex:
                 self._pins.pop(block_id, None)
                 heapq.heappush(self._free, block_id)
 
-    def evict(self, n_blocks: int) -> list[int]:
-        """Evict up to `n_blocks` unpinned blocks, least recently used first; returns their (now free) ids."""
+    def evict(self, n_blocks: int, only: Callable[[int], bool] | None = None) -> list[int]:
+        """Evict up to `n_blocks` unpinned blocks (those `only` accepts, when given), least recently used first;
+        returns their (now free) ids."""
         freed: list[int] = []
         for digest, block_id in list(self._lru.items()):
             if len(freed) >= n_blocks:
                 break
-            if block_id in self._pins:
+            if block_id in self._pins or (only is not None and not only(block_id)):
                 continue
             del self._lru[digest]
             del self._digest_of[block_id]
@@ -240,11 +249,12 @@ class PrefixIndex:
             heapq.heappush(self._free, block_id)
         return freed
 
-    def resize(self, capacity_blocks: int) -> ResizeResult:
+    def resize(self, capacity_blocks: int, keep_last: Callable[[int], bool] | None = None) -> ResizeResult:
         """Grow or shrink the pool of tier block ids at run time (the adaptive tier gives memory back).
 
         Shrinking releases free ids first (highest first, so a contiguous tier can trim its end), then evicts
-        LRU unpinned blocks; pinned blocks are never released.
+        LRU unpinned blocks; pinned blocks are never released. With `keep_last`, the ids it accepts (those
+        costlier to give back) go only once the others are gone: free others, evicted others, free ones, evicted.
         """
         _check_capacity(capacity_blocks)
         if capacity_blocks >= self._owned:
@@ -260,14 +270,34 @@ class PrefixIndex:
             self._owned = capacity_blocks
             return ResizeResult(capacity_blocks, added_block_ids=added)
         excess = self._owned - capacity_blocks
-        released = heapq.nlargest(min(excess, len(self._free)), self._free)
-        evicted = self.evict(excess - len(released))
-        released += evicted
+        released: list[int] = []
+        evicted: list[int] = []
+        for last in ((False, True) if keep_last is not None else (None,)):
+            def among(b: int, last: bool | None = last) -> bool:
+                return last is None or bool(keep_last(b)) == last
+
+            # ids evicted by an earlier pass are free now but never `among` a later one: nothing goes twice
+            released += heapq.nlargest(excess - len(released), [b for b in self._free if among(b)])
+            out = self.evict(excess - len(released), among)
+            released += out
+            evicted += out
         gone = set(released)
         self._free = [b for b in self._free if b not in gone]
         heapq.heapify(self._free)
         self._owned -= len(released)
         return ResizeResult(self._owned, sorted(released), evicted)
+
+    def drop_free(self, block_ids: Iterable[int]) -> list[int]:
+        """Give back exactly these ids if they are free (a tier that could back only some of the ids a `resize`
+        added); returns the ids dropped. The capacity falls by as many."""
+        wanted = set(block_ids)
+        dropped = [b for b in self._free if b in wanted]
+        if dropped:
+            gone = set(dropped)
+            self._free = [b for b in self._free if b not in gone]
+            heapq.heapify(self._free)
+            self._owned -= len(dropped)
+        return sorted(dropped)
 
     # --- internals ---------------------------------------------------------------------------------------
 

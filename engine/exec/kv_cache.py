@@ -133,6 +133,8 @@ class SlotKVCache:
         self.block_table = torch.arange(g.num_blocks, dtype=torch.int32, device=self.device).view(
             g.num_slots, g.blocks_per_slot)
         self.paging: KVPaging | None = None
+        # Pool blocks the prefix-cache tier holds when its blocks live in this pool (engine.exec.tier_pool).
+        self.tier_blocks = 0
         if layout is not None:
             self.paging = KVPaging(self, layout, pool_blocks, int(resident_tokens))
             self.block_table = self.paging._table.to(self.device, copy=True)  # the device table: synced in place
@@ -156,8 +158,11 @@ class SlotKVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the slots' KV: the pool less the blocks a shared prefix-cache tier holds in it (its own)."""
         tensors = self.k + self.v + list(self.k_scale) + list(self.v_scale)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        num_blocks = self.k[0].shape[1] if self.k else 0
+        return total * (num_blocks - self.tier_blocks) // num_blocks if num_blocks else total
 
     @property
     def mib(self) -> float:

@@ -1,10 +1,16 @@
-"""The VRAM budget (weights + KV + graphs + adaptive tier + reserve per device) and the adaptive tier.
+"""The adaptive tier (the prefix cache's memory) and, re-exported from engine.exec.vram_budget, the VRAM books.
 
 The adaptive tier is the prefix cache's memory: KV blocks (all layers of `block_tokens` tokens) keyed by the
 PrefixIndex's block ids. On a GPU it takes what is left after weights, KV, graphs and the reserve, up front
 (so the engine runs with VRAM near-full by design, as the seed report's expert cache did), and gives memory
 back through ONE call, `release(mib, reason)`, used by admission and by the graph cache's out-of-memory path.
-On CPU it holds host tensors within a fixed budget, allocated as blocks are filled.
+On CPU it holds host memory within a fixed budget, allocated as blocks are filled.
+
+Where the tier lives on the compute device and every slot owns its whole context (no `--kv-resident`), its
+blocks are blocks of the KV pool itself (engine.exec.tier_pool.SharedTierBlocks, `shared`): a reused prefix is
+mapped into the admitted slot's block table instead of copied, and a computed prompt block becomes a tier block
+by handing its pool blocks over. Otherwise (a `--peer-device` tier, `--kv-resident`) the tier keeps its own
+tensors and copies blocks in and out of slots.
 
 Both directions publish a TierEvent. The index stays the single owner of block ids: the tier only resizes
 the index's pool and frees the tensors of the ids the index released.
@@ -13,70 +19,48 @@ the index's pool and frees the tensors of the ids the index released.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from engine.errors import ConfigError
 from engine.exec.kv_cache import SlotKVCache
+from engine.exec.tier_pool import SharedTierBlocks
 from engine.core.prefix_index import BlockRef, PrefixIndex
-from engine.telemetry import EventBus, TierEvent, VramEvent
+from engine.exec.vram_budget import MIB, VramBudget, check_kv_fits, device_memory_mib
+from engine.telemetry import EventBus, TierEvent
 
-MIB = float(1 << 20)
-# When the tier regrows: only for room worth at least this many blocks (avoids grow/shrink flapping).
-_GROW_MIN_BLOCKS = 4
+__all__ = ["AdaptiveTier", "MIB", "VramBudget", "check_kv_fits", "device_memory_mib", "CPU_TIER_DEFAULT_MIB"]
+
 # Upper bound on tier blocks: a tiny model on a large GPU would otherwise mean millions of block tensors. High
 # enough that the tier still fills a 141 GiB card with the embedded tiny model's small blocks, so VRAM is
 # near-full by design there too (docs/VRAM.md).
 MAX_TIER_BLOCKS = 1 << 18
 # A growing preallocated tier measures the room left after every this many MiB of blocks.
 _ROOM_CHECK_MIB = 64.0
+# A preallocated tier in the KV pool keeps this many times the reserve (at least 1 GiB) of its start budget in
+# own blocks: what out-of-memory recovery and the reserve ask back is freed without reallocating the pool.
+OWN_BLOCKS_RESERVE_FACTOR = 4
 # CPU runs: the tier's budget when none is configured (capped by a fraction of available RAM).
 CPU_TIER_DEFAULT_MIB = 512.0
 _CPU_TIER_RAM_FRACTION = 0.125
 
 
-def device_memory_mib(device: torch.device) -> tuple[float, float]:
-    """(total, free) MiB of a CUDA device, or of host RAM (MemTotal, MemAvailable) for the CPU."""
-    if device.type == "cuda":
-        free_b, total_b = torch.cuda.mem_get_info(device)
-        # Memory torch holds cached but unused is free to us, not to other processes.
-        cached_b = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return total_b / MIB, (free_b + cached_b) / MIB
-    total = avail = 0.0
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    total = float(line.split()[1]) / 1024
-                elif line.startswith("MemAvailable:"):
-                    avail = float(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return total, avail
-
-
-def check_kv_fits(kv_mib: float, weights_mib: float, reserve_mib: float, free_mib: float, what: str, value: object,
-                  needs: str = "the KV cache needs",
-                  hint: str = "lower --context or --batch, use --kv int8, or lower --vram-reserve-mib") -> None:
-    """Raise ConfigError naming the numbers when the KV cache cannot fit next to the reserve."""
-    available = free_mib - reserve_mib
-    if kv_mib > available:
-        raise ConfigError(
-            what, value,
-            f"{needs} {kv_mib:.0f} MiB but only {available:.0f} MiB are available "
-            f"({free_mib:.0f} MiB free after {weights_mib:.0f} MiB of weights, minus the "
-            f"{reserve_mib:.0f} MiB reserve); {hint}",
-        )
-
-
 class AdaptiveTier:
-    """Prefix-cache KV blocks in device (or host) memory, sized by a budget that can move both ways."""
+    """Prefix-cache KV blocks in device (or host) memory, sized by a budget that can move both ways.
+
+    With `shared` (engine.exec.tier_pool.SharedTierBlocks) the tier's blocks live in the KV pool: filled by
+    handing a slot's pool blocks over, reused by mapping them into a slot's block table. A preallocated tier
+    puts `pooled_mib` of its start budget there and the rest, and whatever it regrows later, in blocks of its
+    own (copied in and out): resizing the pool reallocates every pool tensor and drops the captured graphs,
+    while an own block is freed alone, so releases (out-of-memory recovery, the reserve) take own blocks first
+    and touch the pool only when those are gone. A tier that does not preallocate (host) backs every block in
+    the pool as it is filled.
+    """
 
     def __init__(self, index: PrefixIndex, kv: SlotKVCache, bus: EventBus, device: torch.device,
                  budget_mib: float, preallocate: bool, room_mib: Callable[[], float] | None = None,
-                 room_check_mib: float = _ROOM_CHECK_MIB) -> None:
+                 room_check_mib: float = _ROOM_CHECK_MIB, shared: SharedTierBlocks | None = None,
+                 pooled_mib: float | None = None) -> None:
         self.index = index
         # How much more memory the tier may take right now, measured (on CUDA: the driver's free memory minus
         # what must stay free). A preallocating tier checks it while it grows: a block's bytes understate what
@@ -93,10 +77,14 @@ class AdaptiveTier:
         self._data_shape = (g.num_layers, 2, g.num_kv_heads, self.block_tokens, g.head_dim)
         self._data_dtype = kv.k[0].dtype
         self.block_mib = g.bytes_per_token(kv.storage, kv.compute_dtype) * self.block_tokens / MIB
-        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # own blocks
+        self.shared = shared
         self.filled_blocks = 0
-        self.copied_in_blocks = 0
-        self._resize_to(self.blocks_for(budget_mib), "start")
+        self.copied_in_blocks = 0  # tier blocks copied into a slot (own blocks)
+        self.shared_blocks = 0  # tier blocks mapped into a slot by reference (pool blocks)
+        start = self.blocks_for(budget_mib)
+        pooled = start if pooled_mib is None else min(start, self.blocks_for(pooled_mib))
+        self._resize_to(start, "start", pooled=pooled if shared is not None else 0)
 
     # --- queries -------------------------------------------------------------------------------------------
 
@@ -109,8 +97,9 @@ class AdaptiveTier:
 
     @property
     def mib(self) -> float:
-        """Memory the tier holds now (allocated blocks)."""
-        return len(self._blocks) * self.block_mib
+        """Memory the tier holds now (own blocks and pool blocks)."""
+        pooled = len(self.shared.backing) if self.shared is not None else 0
+        return (len(self._blocks) + pooled) * self.block_mib
 
     @property
     def capacity_mib(self) -> float:
@@ -124,14 +113,26 @@ class AdaptiveTier:
             "capacity_blocks": stats.capacity_blocks, "used_blocks": stats.used_blocks,
             "pinned_blocks": stats.pinned_blocks, "hit_blocks": stats.hit_blocks, "miss_blocks": stats.miss_blocks,
             "evicted_blocks": stats.evicted_blocks, "preallocated": self.preallocate,
+            "pool_blocks": len(self.shared.backing) if self.shared is not None else 0,
+            "shared_blocks": self.shared_blocks, "copied_in_blocks": self.copied_in_blocks,
         }
 
-    # --- block copies (the runner calls these) -----------------------------------------------------------
+    def _pooled(self, block_id: int) -> bool:
+        """Whether the block lives in the KV pool (or, for a host tier, will once it is filled)."""
+        shared = self.shared
+        return shared is not None and (shared.is_backed(block_id)
+                                       or (not self.preallocate and block_id not in self._blocks))
+
+    # --- filling and reuse (the engine calls these) ----------------------------------------------------------
 
     def fill(self, refs: list[BlockRef], slot: int) -> list[int]:
-        """Copy slot KV into the tier blocks `refs` name; returns the ids that could not be filled."""
-        failed: list[int] = []
+        """Put slot KV into the tier blocks `refs` name: pool blocks are handed over by the slot, own blocks
+        are copied. Returns the ids that could not be filled."""
+        pooled = [ref for ref in refs if self._pooled(ref.block_id)]
+        failed = self._hand_over(pooled, slot) if pooled else []
         for ref in refs:
+            if pooled and ref in pooled:
+                continue
             start = ref.index * self.block_tokens
             try:
                 data, scales = self.kv.read_span(slot, start, start + self.block_tokens)
@@ -145,11 +146,67 @@ class AdaptiveTier:
         return failed
 
     def load(self, refs: list[BlockRef], slot: int) -> None:
-        """Copy cached blocks into a slot at their prompt positions (an admission that reuses a prefix)."""
+        """Give a newly admitted slot its cached prefix: pool blocks are mapped into its block table (pinned
+        until its request ends), own blocks are copied to their prompt positions."""
+        pooled = [ref for ref in refs if self._pooled(ref.block_id)]
+        if pooled:
+            self.shared.map(slot, pooled)
+            self.index.pin(ref.block_id for ref in pooled)
+            self.shared_blocks += len(pooled)
         for ref in refs:
+            if pooled and ref in pooled:
+                continue
             data, scales = self._blocks[ref.block_id]
             self.kv.write_span(slot, ref.index * self.block_tokens, data, scales)
             self.copied_in_blocks += 1
+
+    def _hand_over(self, refs: list[BlockRef], slot: int) -> list[int]:
+        # A ref whose block was discarded since (its request failed in this step) holds nothing to hand over.
+        live = [ref for ref in refs if self.index.digest_of(ref.block_id) == ref.digest]
+        unbacked = [ref.block_id for ref in live if not self.shared.is_backed(ref.block_id)]
+        failed: list[int] = []
+        if unbacked:  # a host tier backs its blocks as they are filled
+            # half as many again as it holds, from its free ids: each growth reallocates the whole pool, so a
+            # growth per prompt chunk would copy the pool once per chunk
+            spare = len(self.shared.backing) // 2 - len(unbacked)
+            extra = [b for b in self.index.free_block_ids() if not self.shared.is_backed(b)][:max(0, spare)]
+            try:
+                self.shared.set_backing(unbacked + extra, [])
+            except torch.OutOfMemoryError:
+                failed = unbacked
+                live = [ref for ref in live if self.shared.is_backed(ref.block_id)]
+        self.shared.hand_over(slot, live)
+        self.index.pin(ref.block_id for ref in live)  # the slot maps them until its request ends
+        self.filled_blocks += len(live)
+        return failed
+
+    # --- slots (pool blocks a slot maps are pinned until its request ends) ----------------------------------
+
+    def retire_slot(self, slot: int) -> None:
+        """The slot's request finished: its mapped blocks are unpinned at the next `reclaim_retired`, which the
+        engine calls between steps only (a fill after the request's last chunk still hands its blocks over, in
+        the same step, into the slot's mappings)."""
+        if self.shared is not None:
+            self.shared.retire(slot)
+
+    def reclaim_retired(self) -> None:
+        if self.shared is not None:
+            # A block discarded (and maybe reused) since it was mapped lost its pins with it: only a block that
+            # still holds the digest it was mapped with carries this mapping's pin.
+            self.index.unpin(ref.block_id for ref in self.shared.reclaim()
+                             if self.index.digest_of(ref.block_id) == ref.digest)
+
+    def close(self, reason: str) -> None:
+        """The engine closes: give every block back (pool blocks go with the KV cache's tensors)."""
+        if self.shared is None:
+            self.set_budget(0.0, reason)
+            return
+        before = self.mib
+        self.shared.forget()  # no pool reallocation: the cache frees its tensors next
+        self.index.resize(0)
+        self._blocks.clear()
+        if before > 0:
+            self._publish("shrink", before, reason)
 
     # --- size changes ----------------------------------------------------------------------------------------
 
@@ -157,9 +214,9 @@ class AdaptiveTier:
         """Give back at least `mib` MiB of held memory if the tier has it; returns the MiB actually freed.
 
         A preallocated (GPU) tier lowers its capacity: free blocks go first, then least recently used unpinned
-        ones, and the memory returns to the device (empty_cache); it regrows when `VramBudget.rebalance` finds
-        room again. A host tier evicts least recently used unpinned blocks and keeps its budget. Pinned blocks
-        (being copied into a slot this step) always stay.
+        ones (own blocks before pool blocks), and the memory returns to the device (empty_cache); it regrows
+        when `VramBudget.rebalance` finds room again. A host tier evicts least recently used unpinned blocks
+        and keeps its budget. Pinned blocks (being copied into a slot this step, or mapped by one) always stay.
         """
         if mib <= 0 or self.block_mib <= 0:
             return 0.0
@@ -168,8 +225,13 @@ class AdaptiveTier:
         if self.preallocate:
             self._resize_to(max(0, self.capacity_blocks - want_blocks), reason)
         else:
-            for block_id in self.index.evict(want_blocks):
+            shared = self.shared
+            idle = [b for b in self.index.free_block_ids() if shared.is_backed(b)][:want_blocks] if shared else []
+            evicted = self.index.evict(want_blocks - len(idle))
+            for block_id in evicted:
                 self._blocks.pop(block_id, None)
+            if shared is not None:
+                shared.set_backing([], idle + evicted)
             if self.mib < before:
                 self._publish("shrink", before - self.mib, reason)
         freed = before - self.mib
@@ -178,19 +240,27 @@ class AdaptiveTier:
         return freed
 
     def set_budget(self, mib: float, reason: str) -> None:
-        """Grow or shrink the tier's capacity to `mib` (whole blocks)."""
+        """Grow or shrink the tier's capacity to `mib` (whole blocks); growth takes own blocks."""
         self._resize_to(self.blocks_for(mib), reason)
 
-    def _resize_to(self, blocks: int, reason: str) -> None:
+    def _resize_to(self, blocks: int, reason: str, pooled: int = 0) -> None:
+        """Resize the index to `blocks` ids; of the ids it adds (preallocated), the first `pooled` go to the
+        KV pool, the rest to own blocks."""
         before_cap = self.capacity_blocks
         before_mib = self.mib
-        result = self.index.resize(blocks)
+        shared = self.shared
+        result = self.index.resize(blocks) if shared is None else self.index.resize(blocks, shared.is_backed)
         for block_id in result.released_block_ids:
             self._blocks.pop(block_id, None)
-        if self.preallocate and result.added_block_ids:
-            if self._allocate(result.added_block_ids) < len(result.added_block_ids):
-                # The room ran out while growing: keep what was allocated, hand the rest of the ids back.
-                self.index.resize(len(self._blocks))
+        added = result.added_block_ids if self.preallocate else []
+        drop = [b for b in result.released_block_ids if shared is not None and shared.is_backed(b)]
+        if drop or (pooled and added):
+            self._resize_pool(added[:pooled], drop)
+        own = added[pooled:]
+        if own:
+            done = self._allocate(own)
+            if done < len(own):  # the room ran out while growing: keep what was allocated, hand the rest back
+                self.index.drop_free(own[done:])
         after_cap = self.capacity_blocks
         if after_cap == before_cap and self.mib == before_mib:
             return
@@ -199,6 +269,23 @@ class AdaptiveTier:
         else:
             delta = (after_cap - before_cap) * self.block_mib
         self._publish("grow" if delta > 0 else "shrink", abs(delta), reason)
+
+    def _resize_pool(self, added: list[int], drop: list[int]) -> None:
+        """Back `added` with pool blocks (as many as the measured room allows next to the one pool tensor a
+        reallocation holds twice) and free the pool blocks of `drop`; ids left unbacked go back to the index."""
+        if added and self.room_mib is not None and self.block_mib > 0:
+            room = self.room_mib() - self.shared.transient_mib(self.shared.num_blocks)
+            fits = max(0, int(room // self.block_mib))
+            if fits < len(added):
+                self.index.drop_free(added[fits:])
+                added = added[:fits]
+        try:
+            self.shared.set_backing(added, drop)
+        except torch.OutOfMemoryError:
+            self.index.drop_free(added)
+            self.shared.set_backing([], drop)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old pool tensors go back to the driver, where the room is measured
 
     def _allocate(self, block_ids: list[int]) -> int:
         """Back `block_ids` with memory in order, checking the measured room every `room_check_mib`; returns how
@@ -227,88 +314,3 @@ class AdaptiveTier:
                       if self.kv.storage == "int8" else None)
             block = self._blocks[block_id] = (data, scales)
         return block
-
-
-@dataclass
-class VramBudget:
-    """One device's books: what each part holds, the reserve, and what is free. Feeds VramEvent and the tier."""
-
-    device: torch.device
-    reserve_mib: float
-    weights_mib: float
-    kv_mib: float
-    tier: AdaptiveTier | None = None
-    graphs_mib: float = 0.0
-    # The MoE expert cache (engine.exec.expert_cache.ExpertCache) when the model has one: a second claimant
-    # that shrinks on request (after the tier) and regrows towards its budget (before the tier).
-    experts: Any = None
-    # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
-    # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
-    headroom_mib: float = 0.0
-    # --kv-resident paging (engine.exec.kv_paging.KVPaging): its host-held KV is reported beside the books.
-    kv_paging: Any = None
-
-    def breakdown(self) -> VramEvent:
-        total, free = device_memory_mib(self.device)
-        return VramEvent(device=str(self.device), total_mib=round(total, 1), weights_mib=round(self.weights_mib, 1),
-                         kv_mib=round(self.kv_mib, 1), graphs_mib=round(self.graphs_mib, 1),
-                         tier_mib=round(self.tier.mib if self.tier else 0.0, 1),
-                         reserve_mib=round(self.reserve_mib, 1), free_mib=round(free, 1),
-                         experts_mib=round(self.experts.mib if self.experts is not None else 0.0, 1),
-                         host_kv_mib=round(self.kv_paging.host_mib if self.kv_paging is not None else 0.0, 1))
-
-    def driver_room_mib(self) -> float:
-        """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps
-        cached, which fragments can leave unusable) minus the reserve and the learned headroom."""
-        free_b, _ = torch.cuda.mem_get_info(self.device)
-        return free_b / MIB - self.reserve_mib - self.headroom_mib
-
-    def tier_room_mib(self) -> float:
-        """How far the tier may grow (positive) or must shrink (negative) to keep the reserve free (CUDA)."""
-        _, free = device_memory_mib(self.device)
-        return free - self.reserve_mib - self.headroom_mib
-
-    def make_room(self, mib: float, reason: str) -> float:
-        """Free `mib` from the tier for a step that ran out of memory, and keep that much free from now on
-        (bounded by 4x the reserve) so the tier does not regrow into it. Returns the MiB freed."""
-        freed = self.tier.release(mib, reason) if self.tier is not None else 0.0
-        if freed < mib and self.experts is not None:
-            freed += self.experts.release(mib - freed, reason)
-        self.headroom_mib = min(self.headroom_mib + freed, 4 * max(self.reserve_mib, 256.0))
-        return freed
-
-    def rebalance(self, reason: str = "rebalance") -> None:
-        """On CUDA: shrink the tier when the reserve is not free, grow it into room worth a few blocks."""
-        if self.device.type != "cuda":
-            return
-        if self.experts is not None and self.experts.slots < self.experts.target_slots:
-            room = self.tier_room_mib()
-            if room > 0:
-                self.experts.grow(min(room, self.driver_room_mib()), reason)
-        tier = self.tier
-        if tier is None:
-            return
-        room = self.tier_room_mib()
-        if room < 0:
-            tier.release(-room, reason)
-            return
-        if room >= _GROW_MIN_BLOCKS * tier.block_mib and tier.room_mib is not None:
-            # Memory torch keeps cached counts as free above, but a block can only grow into what the driver
-            # has; asking first spares a resize of the whole block pool every second that would allocate nothing.
-            room = min(room, tier.room_mib())
-        if room >= _GROW_MIN_BLOCKS * tier.block_mib:
-            tier.set_budget(tier.capacity_mib + room, reason)
-
-    def set_expert_budget(self, mib: float, reason: str) -> None:
-        """Retune the expert cache live: a smaller budget gives its memory back at once; a larger one grows only
-        into the room the books leave, like the tier (CPU has no books to measure: it grows to the budget)."""
-        self.experts.retarget(mib, reason)
-        if self.device.type == "cuda":
-            self.rebalance(reason)
-        else:
-            self.experts.grow(self.experts.mib_for(self.experts.target_slots), reason)
-
-    def set_reserve(self, mib: float) -> None:
-        """Retune the reserve live; the tier shrinks at once when the new reserve is not free."""
-        self.reserve_mib = float(mib)
-        self.rebalance(f"vram reserve set to {mib} MiB")

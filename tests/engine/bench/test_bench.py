@@ -76,11 +76,17 @@ def test_ttft_prefills_in_chunks_and_each_prompt_is_fresh(tmp_path: Path) -> Non
 def test_reuse_serves_a_repeated_prompt_from_the_tier(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["reuse", *TINY, "--prompt-sizes", "600", "--prefill-chunk-tokens", "64",
                            "--step-token-budget", "64"])
-    (row,) = doc["rows"]  # no --peer-device: the tier on the compute device only
-    assert row["tier_device"] == "cpu" and row["prompt_tokens"] == 600
-    assert 0 < row["cached_tokens"] < 600  # whole blocks from the tier; the tail is prefilled again
-    assert row["reused_ttft_s"] < row["fresh_ttft_s"]
-    assert math.isclose(row["reused_over_fresh"], row["reused_ttft_s"] / row["fresh_ttft_s"])
+    copy, shared = doc["rows"]  # no --peer-device: the tier on the compute device, both ways it serves a prefix
+    assert (copy["path"], shared["path"]) == ("copy", "shared")
+    for row in (copy, shared):
+        assert row["tier_device"] == "cpu" and row["prompt_tokens"] == 600
+        assert 0 < row["cached_tokens"] < 600  # whole blocks from the tier; the tail is prefilled again
+        assert row["reused_ttft_s"] < row["fresh_ttft_s"]
+        assert math.isclose(row["reused_over_fresh"], row["reused_ttft_s"] / row["fresh_ttft_s"])
+    # SHARED_PREFIX on: the tier's blocks are in the KV pool, the reused prefix was mapped into the slot, not copied
+    assert shared["shared_blocks"] == shared["cached_tokens"] // 256 and shared["copied_blocks"] == 0
+    assert copy["shared_blocks"] == 0 and copy["copied_blocks"] == copy["cached_tokens"] // 256
+    assert set(doc["summary"]) == {"reused_over_fresh_600_copy", "reused_over_fresh_600_shared"}
 
 
 def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: Path) -> None:

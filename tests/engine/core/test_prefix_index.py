@@ -191,3 +191,22 @@ def test_bad_sizes_are_config_errors_naming_the_parameter(kwargs: dict[str, int]
     with pytest.raises(ConfigError) as info:
         PrefixIndex(**kwargs)
     assert info.value.param == param
+
+
+def test_resize_with_keep_last_gives_back_the_other_ids_first() -> None:
+    index = PrefixIndex(4, 6)
+    index.insert(list(range(16)))  # ids 0..3 hold a chain; 4 and 5 are free
+    in_pool = {0, 1, 4}  # ids whose memory is costly to give back (the shared tier's pool blocks)
+    result = index.resize(2, keep_last=lambda b: b in in_pool)
+    # free others (5), evicted others (the chain's tail first: 3, 2), then free kept ones (4); 0 and 1 stay
+    assert result.released_block_ids == [2, 3, 4, 5] and result.evicted_block_ids == [3, 2]
+    assert index.capacity_blocks == 2 and index.used_blocks == 2
+
+
+def test_drop_free_gives_back_exactly_the_named_free_ids() -> None:
+    index = PrefixIndex(4, 4)
+    (ref,) = index.insert(list(range(4)))
+    assert ref.block_id == 0
+    assert index.drop_free([0, 1, 3, 9]) == [1, 3]  # 0 holds a block, 9 is not the index's
+    assert index.capacity_blocks == 2 and index.free_block_ids() == [2]
+    assert index.digest_of(0) == ref.digest and index.digest_of(2) is None
