@@ -95,6 +95,14 @@ SWITCHES: tuple[Switch, ...] = (
         effect="not measured on a GPU yet: opt-in until it is (docs/SWITCHES.md)",
     ),
     Switch(
+        "SHARED_PREFIX",
+        "the prefix-cache tier keeps its blocks in the KV pool: a reused prefix is mapped into the slot's block "
+        "table, not copied, and a finished prompt's blocks are handed to the tier, not copied (tier on the compute "
+        "device, without --kv-resident)",
+        live=False,
+        effect="not measured on a GPU yet: opt-in until the reuse TTFT and the seed scenario are (docs/SWITCHES.md)",
+    ),
+    Switch(
         "EXPERT_LFU",
         "MoE expert cache: evict the expert with the smallest decayed use count (LRFU, halving every 64 of the "
         "layer's accesses) instead of the least recently used one",
@@ -102,14 +110,6 @@ SWITCHES: tuple[Switch, ...] = (
         effect="higher expert hit rate than LRU on a skewed synthetic routing trace, equal on uniform (random-weight) "
                "routing; CPU trace replays, not yet measured on a real model's trace (docs/SWITCHES.md)",
         moe_only=True,
-    ),
-    Switch(
-        "SHARED_PREFIX",
-        "the prefix-cache tier keeps its blocks in the KV pool: a reused prefix is mapped into the slot's block "
-        "table, not copied, and a finished prompt's blocks are handed to the tier, not copied (tier on the compute "
-        "device, without --kv-resident)",
-        live=False,
-        effect="not measured on a GPU yet: opt-in until the reuse TTFT and the seed scenario are (docs/SWITCHES.md)",
     ),
 )
 
