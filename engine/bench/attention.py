@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from engine.bench.attention_common import HEAD_DIM, HQ, HKV, filled_cache, graph_ms
+from engine.bench.attention_common import (HEAD_DIM, HQ, HKV, filled_cache, finish_row,
+                                           graph_ms, time_launch_shapes)
 from engine.bench.attention_prefill import prefill_case
 from engine.bench.common import device_of, emit
 from engine.errors import ConfigError
@@ -84,18 +85,11 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
             row[f"{name}_max_err"] = round(err, 5)
         except Exception as exc:  # noqa: BLE001 - one backend failing is a figure to report, not a crash
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    for config in tune if cache.kernel is not None else []:
-        name = f"tile{config.tile_tokens}_w{config.num_warps}_s{config.num_stages}"
-        try:
-            row[f"{name}_ms"] = round(graph_ms(_tuned(cache, q, positions, config), iters), 4)
-        except Exception as exc:  # noqa: BLE001 - a launch shape that does not fit is a result too
-            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-    if "triton_ms" in row and "torch_ms" in row:
-        row["triton_speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
+    time_launch_shapes(row, [(f"tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}",
+                              lambda c=c: _tuned(cache, q, positions, c))
+                             for c in (tune if cache.kernel is not None else [])], iters)
     del cache
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+    return finish_row(row, device)
 
 
 def _launch_shapes(option: str, text: str, config: type) -> list:

@@ -41,6 +41,26 @@ def graph_ms(fn: Callable[[], Any], iters: int) -> float:
     return ms
 
 
+def time_launch_shapes(row: dict[str, Any], shapes: list[tuple[str, Callable[[], Callable[[], Any]]]],
+                       iters: int) -> None:
+    """Each kernel launch shape's ms per read into `row` (`shapes`: its column name and a builder of the read);
+    a shape that does not fit the device is a result too (`NAME_error`)."""
+    for name, build in shapes:
+        try:
+            row[f"{name}_ms"] = round(graph_ms(build(), iters), 4)
+        except Exception as exc:  # noqa: BLE001 - a launch shape that does not fit is a result too
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def finish_row(row: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The kernel's speed-up over the gathering path, and the row's memory back (the caller dropped its cache)."""
+    if "triton_ms" in row and "torch_ms" in row:
+        row["triton_speedup"] = round(row["torch_ms"] / row["triton_ms"], 2)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def filled_cache(context: int, batch: int, storage: str, dtype: torch.dtype, device: torch.device) -> SlotKVCache:
     geo = KVGeometry(1, batch, HKV, HEAD_DIM, context, 64)
     cache = SlotKVCache(geo, storage, dtype, device)

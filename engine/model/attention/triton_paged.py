@@ -133,6 +133,16 @@ def _combine_splits_kernel(
 
 
 
+def scale_pools(k_pool: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(int8?, key scales, value scales) for a kernel launch: an int8 pool needs its scales; a bf16 one passes
+    the pool itself in their place (Triton wants a tensor argument; the kernel never reads it)."""
+    if k_pool.dtype != torch.int8:
+        return False, k_pool, k_pool
+    assert k_scale is not None and v_scale is not None, "int8 KV needs its scales"
+    return True, k_scale, v_scale
+
+
 def split_plan(batch: int, num_kv_heads: int, span_tokens: int, tile_tokens: int) -> tuple[int, int]:
     """(splits, tiles per split) for a static span: enough programs to fill the device, each streaming at
     least _MIN_SPLIT_TILES tiles. Depends only on static shapes, so a captured graph keeps it."""
@@ -159,12 +169,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     assert tile % block_tokens == 0 or block_tokens % tile == 0, (tile, block_tokens)
     splits, per_split = split_plan(b, hkv, span_tokens, tile)
     out = torch.empty_like(q)
-    int8 = k_pool.dtype == torch.int8
-    if int8:
-        assert k_scale is not None and v_scale is not None
-        ks, vs = k_scale, v_scale
-    else:
-        ks = vs = k_pool  # never read
+    int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
     if splits > 1:
         mid_o = torch.empty(b, hkv, splits, block_m, block_d, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(b, hkv, splits, block_m, dtype=torch.float32, device=q.device)

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.attention.triton_paged import scale_pools
 from engine.model.attention.triton_paged_config import DEFAULT_PREFILL_CONFIG, PrefillConfig
 
 _LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e)), folded into the score scale
@@ -152,12 +153,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     assert positions.shape == (b, t), (positions.shape, q.shape)
     assert q.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous(), "contiguous head dim expected"
     block_m, block_n, warps, stages = launch_shape(q.dtype, t, config)
-    int8 = k_pool.dtype == torch.int8
-    if int8:
-        assert k_scale is not None and v_scale is not None
-        ks, vs = k_scale, v_scale
-    else:
-        ks = vs = k_pool  # never read
+    int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
     out = torch.empty_like(q)
     positions, slots = positions.contiguous(), slots.contiguous()
     _paged_prefill_kernel[(hq, triton.cdiv(t, block_m), b)](

@@ -11,6 +11,7 @@ import torch
 
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
 from engine.model.attention.backends import kernel_backend
+from tests.engine.exec.triton_interpreter import run_in_interpreter
 
 PATHS = ["sdpa", "split", "blocked", "chunk"]
 
@@ -101,19 +102,8 @@ def test_no_kernel_backend_on_cpu_so_paged_runs_the_reference():
 @pytest.mark.parametrize("tile_tokens", [8, 16, 32])  # tiles inside a block, one block, across blocks
 def test_the_kernel_in_the_triton_interpreter_matches_the_reference(storage, tile_tokens):
     """Where Triton is installed (not in CI: its wheel is ~180 MiB), its interpreter runs the real kernel on
-    CPU in fp32: a shuffled block table, GQA 5:1, 3 queries per row, a padding row, one split and several.
-    In a fresh process: TRITON_INTERPRET must be set before Triton (or torch, which may import it) loads."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    code = f"from tests.engine.exec.test_kv_paged import interpreter_check; interpreter_check({storage!r}, {tile_tokens})"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    CPU in fp32: a shuffled block table, GQA 5:1, 3 queries per row, a padding row, one split and several."""
+    run_in_interpreter("tests.engine.exec.test_kv_paged", "interpreter_check", storage, tile_tokens)
 
 
 def interpreter_check(storage: str, tile_tokens: int) -> None:

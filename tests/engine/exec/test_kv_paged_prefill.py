@@ -17,6 +17,7 @@ import torch
 
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
 from engine.model.attention.triton_paged_config import PrefillConfig
+from tests.engine.exec.triton_interpreter import run_in_interpreter
 
 CONTEXT, MARGIN, BLOCK = 200, 16, 16
 # (slot, first position, real tokens, length bucket): rows of one forward. The bucket's tail past the real
@@ -85,17 +86,7 @@ def test_the_prefill_kernel_in_the_triton_interpreter_matches_the_reference(stor
     """Shuffled block table, chunks fresh and deep into a prefix (starting mid-block), lengths off the tile,
     padded buckets, two rows in one launch, two launch shapes. In a fresh process: TRITON_INTERPRET must be set
     before Triton (or torch, which may import it) loads."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    code = f"from tests.engine.exec.test_kv_paged_prefill import interpreter_check; interpreter_check({storage!r}, {hq})"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_interpreter("tests.engine.exec.test_kv_paged_prefill", "interpreter_check", storage, hq)
 
 
 def engine_check(model: str, kv: str) -> None:
@@ -132,14 +123,4 @@ def engine_check(model: str, kv: str) -> None:
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
 def test_an_engine_on_the_kernels_in_the_triton_interpreter_gives_the_reference_tokens(ckpt, kv):
     """Chunked prefill through the prefill kernel and decode through the decode kernel, end to end."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    code = f"from tests.engine.exec.test_kv_paged_prefill import engine_check; engine_check({str(ckpt)!r}, {kv!r})"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_interpreter("tests.engine.exec.test_kv_paged_prefill", "engine_check", str(ckpt), kv)

@@ -1,0 +1,23 @@
+"""Run a check in Triton's interpreter (the real kernels on CPU tensors, fp32), where Triton is installed (not in
+CI: its wheel is ~180 MiB). In a fresh process: TRITON_INTERPRET must be set before Triton (or torch, which may
+import it) loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_in_interpreter(module: str, check: str, *args: object) -> None:
+    """Call `module.check(*args)` (args as Python literals) in a fresh interpreter-mode process; skip without
+    Triton, fail with the child's stderr."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = f"from {module} import {check}; {check}({', '.join(repr(a) for a in args)})"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
