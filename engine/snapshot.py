@@ -125,6 +125,9 @@ class GraphsSnapshot(_Json):
     graphs: list[GraphEntry] = field(default_factory=list)
     total_mib: float = 0.0
     degraded: list[DegradedGraph] = field(default_factory=list)
+    compile_cache_dir: str | None = None  # COMPILE: where compiled kernels persist between runs
+    compile_cache_hits: int = 0  # compiled graphs this process took from that cache
+    compile_cache_misses: int = 0  # compiled here (and stored there)
 
 
 @dataclass(frozen=True)

@@ -158,7 +158,8 @@ class GraphCache:
             ]
             degraded = [{"kind": k, "key": key_text(key), "error": err} for (k, key), err in self._degraded.items()]
         return {"enabled": True, "device": self.device, "graphs": graphs,
-                "total_mib": round(sum(g["mib"] for g in graphs), 2), "degraded": degraded}
+                "total_mib": round(sum(g["mib"] for g in graphs), 2), "degraded": degraded,
+                **self.compiler.cache_stats()}
 
     @property
     def total_mib(self) -> float:
