@@ -4,7 +4,7 @@
 #
 #   OUT=$OUT STEPS=oom_pressure,kv_resident_tests,prefill_kernel_tests,attention_prefill,reuse,kvspill bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=moe_seed,moe_tests bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite,compile_cold,compile_warm bash scripts/gpu_pending.sh
 #
 #   oom_pressure          #15 item 7: the real-pressure graph-cache test alone, its message printed (-s)
 #   kv_resident_tests     #18: spilled KV through the paged kernels and graphs = tokens of a run with room
@@ -15,6 +15,8 @@
 #   moe_seed              #20: the seed scenario on a random Qwen3-MoE whose expert cache fills the card (5 runs)
 #   moe_tests             #20: the MoE GPU tests (graph-capture OOM shrinks the expert cache, live grow)
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite, timed (goal: under 5 minutes)
+#   compile_cold/_warm    #17: FUSED_PROJ + COMPILE decode with an empty compile cache, then again (its END lines
+#                         give each start's wall time; the 128 s start measured on 2026-11-29 was a cold one)
 #
 # Two GPUs (#19's fifth seed run, #20's peer store): `OUT=$OUT SEED_RUNS=1 bash scripts/gpu_two.sh` on nvidia-h200-x2.
 set -uo pipefail
@@ -45,5 +47,10 @@ step moe_seed 420 "$PY" benchmarks/seed_scenario.py --runs 5 --device cuda:0 --r
     --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
 step moe_tests 120 "${GPU_TEST[@]}" tests/engine/model/test_moe_gpu.py
 
-step gpu_suite 560 "${GPU_TEST[@]}" --durations=15 tests -k "not seed_scenario and not peers"
+step gpu_suite 400 "${GPU_TEST[@]}" --durations=15 tests -k "not seed_scenario and not peers"
+COMPILED=(env XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 "$PY" -m engine.bench decode
+          --model random:0.6b --device cuda:0 --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on)
+rm -rf /tmp/strata-compile-cache
+step compile_cold 150 "${COMPILED[@]}" --json "$OUT/compile_cold.json"
+step compile_warm 90 "${COMPILED[@]}" --json "$OUT/compile_warm.json"
 echo "done after $(($(date +%s) - START_S))s"
