@@ -48,8 +48,9 @@ step moe_seed 420 "$PY" benchmarks/seed_scenario.py --runs 5 --device cuda:0 --r
 step moe_tests 120 "${GPU_TEST[@]}" tests/engine/model/test_moe_gpu.py
 
 step gpu_suite 400 "${GPU_TEST[@]}" --durations=15 tests -k "not seed_scenario and not peers"
-COMPILED=(env XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 "$PY" -m engine.bench decode
-          --model random:0.6b --device cuda:0 --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on)
+COMPILED=(env XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 "$PY" -m engine.bench decode \
+          --model random:0.6b --device cuda:0 --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on
+)
 rm -rf /tmp/strata-compile-cache
 step compile_cold 150 "${COMPILED[@]}" --json "$OUT/compile_cold.json"
 step compile_warm 90 "${COMPILED[@]}" --json "$OUT/compile_warm.json"
