@@ -51,7 +51,7 @@ def prefill_case(prefix: int, chunk: int, storage: str, device: torch.device, it
 
     def kernel() -> torch.Tensor:
         cache.bind(slots, span)
-        return cache.kernel.attend(cache, 0, q, positions)
+        return cache.kernel.paged(cache, 0, q, positions)  # the kernel itself, whatever PAGED_PREFILL says
 
     flops = 4 * chunk * (prefix + chunk / 2) * HQ * HEAD_DIM
     row: dict[str, Any] = {"case": "prefill", "context": span, "prefix": prefix, "chunk": chunk, "batch": 1,

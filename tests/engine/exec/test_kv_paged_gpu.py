@@ -12,6 +12,7 @@ import torch
 
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
 from engine.model.attention.triton_paged_config import KernelConfig
+from tests.engine.exec.cuda_capture import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -83,14 +84,7 @@ def test_captured_kernel_replays_with_new_lengths_and_block_table_like_eager():
         cache.bind(slots, span)
         return cache.kernel.attend(cache, 0, q, positions)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     positions.copy_(torch.tensor([[2500, 2501, 2502], [700, 701, 702]], device="cuda"))
     perm = torch.randperm(cache.geometry.num_blocks, generator=torch.Generator().manual_seed(4))
     cache.block_table.copy_(perm.view_as(cache.block_table).to(torch.int32))

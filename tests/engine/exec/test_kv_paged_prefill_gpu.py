@@ -17,6 +17,7 @@ from engine.engine import Engine
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+from tests.engine.exec.cuda_capture import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +66,7 @@ def test_prefill_kernel_matches_the_reference_at_long_prefixes(storage, dtype, h
     q = 3 * torch.randn(len(rows), hq, bucket, 128, device="cuda", generator=gen, dtype=dtype)
     span = max(start + bucket for _, start, _, _ in rows)
     cache.bind(slots, span)
-    kernel = cache.kernel.attend(cache, 0, q, positions)
+    kernel = cache.kernel.paged(cache, 0, q, positions)
     reference = cache.reference.attend(cache, 0, q, positions)
     tol = 1e-4 if dtype == FP32 else 2e-2
     for i, (_, start, n, _) in enumerate(rows):
@@ -77,7 +78,7 @@ def test_prefill_kernel_matches_the_reference_at_long_prefixes(storage, dtype, h
         _, start, n, _ = rows[0]
         cache.bind_chunk(slots, span, start, bucket)
         fused = cache.reference.attend(cache, 0, q, positions)[0, :, :n].float()
-        assert (cache.kernel.attend(cache, 0, q, positions)[0, :, :n].float() - fused).abs().max().item() \
+        assert (cache.kernel.paged(cache, 0, q, positions)[0, :, :n].float() - fused).abs().max().item() \
             <= tol * max(1.0, fused.abs().max().item())
 
 
@@ -89,16 +90,9 @@ def test_captured_prefill_kernel_replays_with_a_new_start_and_block_table_like_e
 
     def step():
         cache.bind(slots, span)
-        return cache.kernel.attend(cache, 0, q, positions)
+        return cache.kernel.paged(cache, 0, q, positions)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     positions.copy_(_rows([(0, 7000 + 13, 256, 256)])[1])  # another chunk, deeper, no padding
     perm = torch.randperm(cache.geometry.num_blocks, generator=torch.Generator().manual_seed(4))
     cache.block_table.copy_(perm.view_as(cache.block_table).to(torch.int32))
