@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
-# What the open issues still need from one H200, written down by a session that had no device time, in the
-# order to run it. Three calls of at most 10 minutes each (a step skips itself when the budget is short):
+# What the open issues still need from one H200, in the order to run it. Three calls of at most 10 minutes each
+# (a step skips itself when the budget is short); the first two go back to back, so the machine stays warm:
 #
-#   OUT=$OUT STEPS=oom_pressure,kv_resident_tests,prefill_kernel_tests,attention_prefill,reuse,kvspill bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=moe_seed,moe_tests bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite,compile_cold,compile_warm bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite,kvspill bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=attention_prefill,reuse,kv_seed,compile_cold,compile_warm bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=moe_seed bash scripts/gpu_pending.sh
 #
+#   gpu_suite             #15 item 7: the whole `-m gpu` suite, timed (goal: under 5 minutes); it holds #17's
+#                         prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and #15's
+#                         real-pressure graph-cache test (-rA prints every test's output)
+#   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor
 #   oom_pressure          #15 item 7: the real-pressure graph-cache test alone, its message printed (-s)
 #   kv_resident_tests     #18: spilled KV through the paged kernels and graphs = tokens of a run with room
 #   prefill_kernel_tests  #17: the prompt-chunk kernel against the reference, captured, in an engine (PAGED_PREFILL)
+#   moe_tests             #20: the MoE GPU tests (graph-capture OOM shrinks the expert cache, live grow)
 #   attention_prefill     #17: a 2048-token chunk over 8K / 32K / 128K cached tokens, kernel vs gather + SDPA
 #   reuse                 #17: TTFT of a repeated 32K prompt against the fresh one (the zero-copy goal: <= 5 %)
-#   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor
-#   moe_seed              #20: the seed scenario on a random Qwen3-MoE whose expert cache fills the card (5 runs)
-#   moe_tests             #20: the MoE GPU tests (graph-capture OOM shrinks the expert cache, live grow)
-#   gpu_suite             #15 item 7: the whole `-m gpu` suite, timed (goal: under 5 minutes)
+#   kv_seed               #18: the seed scenario with the seed's `--kv-resident 16384` (131K prompt, 262K context)
 #   compile_cold/_warm    #17: FUSED_PROJ + COMPILE decode with an empty compile cache, then again (its END lines
 #                         give each start's wall time; the 128 s start measured on 2026-11-29 was a cold one)
+#   moe_seed              #20: the seed scenario on a random Qwen3-MoE whose expert cache fills the card (5 runs)
 #
 # Two GPUs (#19's fifth seed run, #20's peer store): `OUT=$OUT SEED_RUNS=1 bash scripts/gpu_two.sh` on nvidia-h200-x2.
 set -uo pipefail
@@ -33,25 +36,27 @@ source scripts/gpu_step.sh  # (the working directory is the repository root)
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 
+step gpu_suite 450 "${GPU_TEST[@]}" --durations=25 tests
+step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 16K \
+    --kv-resident 1024 --json "$OUT/kvspill.json"
 step oom_pressure 90 "${GPU_TEST[@]}" -s tests/engine/exec/test_oom_gpu.py -k real_pressure
 step kv_resident_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_resident_gpu.py
 step prefill_kernel_tests 150 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_prefill_gpu.py
+step moe_tests 120 "${GPU_TEST[@]}" tests/engine/model/test_moe_gpu.py
+
 step attention_prefill 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 10 \
     --prefill-tune 128x64x8x2,128x64x4x3,128x128x8x2,64x64x4x2 --json "$OUT/attention_prefill.json"
 step reuse 90 "$PY" -m engine.bench reuse --model random:0.6b --device cuda:0 --prompt-sizes 32K \
     --json "$OUT/reuse.json"
-step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 16K \
-    --kv-resident 1024 --json "$OUT/kvspill.json"
-
-step moe_seed 420 "$PY" benchmarks/seed_scenario.py --runs 5 --device cuda:0 --random-model moe-bench \
-    --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
-step moe_tests 120 "${GPU_TEST[@]}" tests/engine/model/test_moe_gpu.py
-
-step gpu_suite 400 "${GPU_TEST[@]}" --durations=15 tests -k "not seed_scenario and not peers"
+step kv_seed 150 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \
+    --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
 COMPILED=(env XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 "$PY" -m engine.bench decode \
           --model random:0.6b --device cuda:0 --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on
 )
 rm -rf /tmp/strata-compile-cache
 step compile_cold 150 "${COMPILED[@]}" --json "$OUT/compile_cold.json"
 step compile_warm 90 "${COMPILED[@]}" --json "$OUT/compile_warm.json"
+
+step moe_seed 420 "$PY" benchmarks/seed_scenario.py --runs 5 --device cuda:0 --random-model moe-bench \
+    --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
 echo "done after $(($(date +%s) - START_S))s"

@@ -26,3 +26,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "soak" in item.keywords and not soak_asked:
             item.add_marker(skip_soak)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_of_earlier_tests_freed(request: pytest.FixtureRequest):
+    """GPU tests measure free VRAM (the tier fills it, pressure tests fill it to a margin). An engine a test
+    dropped can live on in a reference cycle (bus subscribers, closures) with its KV, its tier and its graphs'
+    private pools, which torch counts as cached and the books as free: the next test then sees memory it cannot
+    have (the 2026-12-01 suite: a tier that stopped 32 GiB short of full). Collect it before and after."""
+    if "gpu" not in request.keywords or not _cuda_available():
+        yield
+        return
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -4,8 +4,10 @@ the same slots with room, and against the PCIe floor.
 Two slots decode prompts of `--prompt-tokens`. With room: every slot's whole context on the device. Spilling:
 `--kv-resident` tokens per slot and a shared pool of one slot's window, the context sized so that the pool holds
 (2 - host fraction) of one slot's non-resident KV (default fraction 0.5: while one slot's forward runs, half of
-the other's non-resident blocks are spilled, and its next forward fetches them back first). The tier is given
-no memory in both runs, so the pool cannot grow out of the spill.
+the other's non-resident blocks are spilled, and its next forward fetches them back first). The tier has
+nothing to give in both runs, as on the seed's card that it fills by design: started at 0 MiB, and the pool's
+source answers 0 MiB (on CUDA the tier otherwise regrows into free VRAM and the pool grows out of the spill:
+the 2026-12-01 run spilled nothing).
 
 The floor: bytes fetched per decode step / the measured host-to-device bandwidth of a pinned copy (`h2d_gib_s`),
 i.e. the step time the copies alone need; `floor_tok_s` is the decode rate that allows.
@@ -55,6 +57,8 @@ def spill_context(prompt_tokens: int, new_tokens: int, resident_tokens: int, hos
 def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str, Any]:
     bench = build_engine(args, batch=2, tier_budget_mib=0.0, **overrides)
     try:
+        if bench.engine.kv.paging is not None:
+            bench.engine.kv.paging.take_memory = lambda mib, reason: 0.0  # a tier with nothing to give
         vocab = bench.engine.lm.config.vocab_size
         generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=900 + i) for i in range(2)],
                      args.new_tokens)  # captures the buckets the timed run needs

@@ -10,6 +10,8 @@ rejected drafts.
 from __future__ import annotations
 
 import contextlib
+import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -106,3 +108,19 @@ def make_engine(model: Path, bus: EventBus | None = None, **kw) -> Engine:
     block_tokens = kw.pop("block_tokens", 16)
     return Engine(small_config(model, **kw), bus or EventBus(), executor=executor, tier_budget_mib=tier_mib,
                   block_tokens=block_tokens)
+
+
+def tier_starving_reserve_mib(build: Callable[[], Engine], slack_mib: float = 64.0) -> int:
+    """A --vram-reserve-mib that leaves the adaptive tier at most `slack_mib` on CUDA, where it otherwise takes
+    every free MiB past the reserve at start and regrows into it at each rebalance (so `tier_budget_mib=0` does
+    not keep it empty there): for GPU tests whose other claimant must be the one that answers. `build` makes the
+    engine once, to read its books (weights + KV); it is closed and collected before free VRAM is measured."""
+    from engine.exec.vram_budget import device_memory_mib
+
+    engine = build()
+    weights_mib, kv_mib, device = engine.budget.weights_mib, engine.budget.kv_mib, engine.budget.device
+    engine.close()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return int(device_memory_mib(device)[1] - weights_mib - kv_mib - slack_mib)

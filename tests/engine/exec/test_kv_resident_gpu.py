@@ -26,6 +26,14 @@ def _engine(ckpt, bus=None, tier_budget_mib=0.0, **kw) -> Engine:
                   block_tokens=16)
 
 
+def _tier_with_nothing_to_give(engine: Engine) -> Engine:
+    """On CUDA the tier takes the free VRAM at start and gives it to the pool when asked (the 2026-12-01 run:
+    only `grow` events, nothing spilled). The seed's card is full by design and its tier has nothing left to
+    give: the pool must spill. That state is made here by the pool's source answering 0 MiB."""
+    engine.kv.paging.take_memory = lambda mib, reason: 0.0
+    return engine
+
+
 def _replays(engine: Engine) -> int:
     return sum(g["replays"] for g in engine.executor.snapshot()["graphs"])
 
@@ -34,7 +42,7 @@ def _replays(engine: Engine) -> int:
 def test_gpu_spilled_kv_through_the_paged_kernels_and_graphs_gives_the_tokens_of_a_run_with_room(ckpt, kv, mtp):
     roomy = tokens_of(run_all(_engine(ckpt, kv=kv, batch_mtp=mtp, mtp_depth=2), PROMPTS, GREEDY))
     bus = EventBus(history=100000)
-    engine = _engine(ckpt, bus=bus, kv=kv, batch_mtp=mtp, mtp_depth=2, kv_resident=128)
+    engine = _tier_with_nothing_to_give(_engine(ckpt, bus=bus, kv=kv, batch_mtp=mtp, mtp_depth=2, kv_resident=128))
     assert engine.runner.paged_enabled(), "the Triton paged kernels should read the pool here"
     assert type(engine.executor).__name__ == "GraphCache"
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == roomy
@@ -48,7 +56,7 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
     host; the next replay (after the fetch rewrote the table in place) gives the same logits."""
     from engine.exec.runner import Row
 
-    engine = _engine(ckpt, batch=2, kv_resident=64)
+    engine = _tier_with_nothing_to_give(_engine(ckpt, batch=2, kv_resident=64))
     runner, kv = engine.runner, engine.kv
     prompt = random_prompts(2, seed=5, lengths=(700, 701))
     with torch.inference_mode():

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.gpu
 MIB = 1 << 20
 RESERVE_MIB = 300  # what the "engine" leaves free, as --vram-reserve-mib would
 LEAK_TOLERANCE_MIB = 32
-SHORT_MIB_MARGIN = 256  # how far below the new graph's measured pool the free VRAM is held
+SHORT_MIB_MARGIN = 256  # how far below the new graph's least pool the free VRAM is held
+INTERMEDIATE_MIB = 2048  # the new drafter graph's one intermediate: the least memory its capture needs
 
 
 class FillerTier:
@@ -98,26 +99,29 @@ def _captured_mib(bus: EventBus, kind: str, key: str) -> float:
 
 
 def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() -> None:
-    """The premise is made exact: VRAM is filled to SHORT_MIB_MARGIN below what the new graph measurably
-    needs minus what evicting the drafter's graphs gives back, so the eviction retry must fail and only the
-    tier can help (on the H200 a fixed 300 MiB reserve plus the evicted pools simply fit the graph)."""
+    """The premise is made exact: VRAM is filled to SHORT_MIB_MARGIN below what the new graph needs at least
+    (its one intermediate, INTERMEDIATE_MIB) minus what evicting the drafter's graphs gives back, so the eviction
+    retry must fail and only the tier can help (on the H200 a fixed 300 MiB reserve plus the evicted pools
+    simply fit the graph). The need is the intermediate, not a roomy capture's measured pool: with room, that
+    pool also kept the warm-up's copy (the 2026-12-01 run: 4,100 MiB measured for a step that then captured in
+    2,048 MiB under pressure, so the premise was 2 GiB off)."""
     device = torch.device("cuda:0")
     bus, board, tier = EventBus(), SwitchBoard.from_values({}), FillerTier(device)
     cache = GraphCache(device, bus, board, tier.release, wait_polls=5, wait_interval_s=0.02, fault_plan=FaultPlan(),
                        switch_for_key=lambda kind, key: "SPLIT_ATTN" if kind == "verify" else None)
     x = torch.randn(1024, device=device)
     y = x + 1.0
-    expected_x, expected_y = _step(2048)({"x": x})["y"], _step(2048)({"x": y})["y"]  # before VRAM is full
+    big = _step(INTERMEDIATE_MIB)
+    expected_x, expected_y = big({"x": x})["y"], big({"x": y})["y"]  # before VRAM is full
     try:
-        cache.run("draft_round", "probe", _step(2048), {"x": x}, owner="probe")
-        need_mib = _captured_mib(bus, "draft_round", "probe")  # the pool the new graph will need
-        cache.release("probe")
+        need_mib = INTERMEDIATE_MIB
         cache.run("draft_round", "r1", _step(512), {"x": x}, owner="drafter")
         cache.run("draft_step", "s1", _step(512), {"x": x}, owner="drafter")
         cache.run("decode", "b1", _step(256), {"x": x})
         evictable_mib = _captured_mib(bus, "draft_round", "r1") + _captured_mib(bus, "draft_step", "s1")
         target_mib = need_mib - evictable_mib - SHORT_MIB_MARGIN
         assert target_mib >= 64, (need_mib, evictable_mib)
+        torch.cuda.empty_cache()
         free_mib = tier.fill_to_reserve(target_mib)
         print(f"\nneed {need_mib:.0f} MiB, evictable {evictable_mib:.0f} MiB, filled to {free_mib:.0f} MiB free "
               f"(target {target_mib:.0f}), tier holds {len(tier.chunks)} chunks")
@@ -126,7 +130,7 @@ def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() ->
         seen = len(bus.history())
 
         # A fresh 2 GiB drafter graph: evicting the drafter's own graphs is not enough, the tier must give.
-        out = cache.run("draft_round", "r2", _step(2048), {"x": x}, owner="drafter")
+        out = cache.run("draft_round", "r2", big, {"x": x}, owner="drafter")
         assert torch.allclose(out["y"], expected_x)
         actions = [e.action for e in bus.history()[seen:] if e.type == "graph"]
         assert actions[:4] == ["evict", "evict", "retry", "wait"] and actions[-1] == "capture", actions
@@ -138,12 +142,12 @@ def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() ->
         tier.frozen = True
         tier.fill_to_reserve(RESERVE_MIB)
         with pytest.raises(GraphDegraded) as err:
-            cache.run("verify", "v1", _step(2048), {"x": x})
+            cache.run("verify", "v1", big, {"x": x})
         assert err.value.switch == "SPLIT_ATTN" and "out of memory" in err.value.error.lower()
         print(f"degraded with: {err.value.error}")
 
         # Still serving under the same pressure: the captured drafter graph replays (it needs no new memory).
-        replayed = cache.run("draft_round", "r2", _step(2048), {"x": y}, owner="drafter")["y"].clone()
+        replayed = cache.run("draft_round", "r2", big, {"x": y}, owner="drafter")["y"].clone()
         assert not torch.cuda.is_current_stream_capturing()
         assert torch.allclose(replayed, expected_y)
         assert cache.backend.stale_recordings_cleared == 0
@@ -153,9 +157,10 @@ def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() ->
         cache.release()
 
 
-@pytest.mark.parametrize("cycles", [10, pytest.param(100, marks=pytest.mark.soak)])
+@pytest.mark.parametrize("cycles", [5, pytest.param(100, marks=pytest.mark.soak)])
 def test_capture_release_cycles_with_failures_leave_free_vram_where_it_was(cycles: int) -> None:
-    """10 cycles in the `-m gpu` suite; the 100-cycle soak (about 270 s on the H200) with `-m soak`."""
+    """5 cycles in the `-m gpu` suite (10 took 40 s of its 343 s on 2026-12-01); the 100-cycle soak (about
+    270 s on the H200) with `-m soak`."""
     device = torch.device("cuda:0")
     bus, board = EventBus(), SwitchBoard.from_values({})
     plan = FaultPlan.parse("capture:draft_step:*:invalidated,instantiate:verify:*:driver_oom")
