@@ -3,12 +3,14 @@
 # (a step skips itself when the budget is short); the first two go back to back, so the machine stays warm:
 #
 #   OUT=$OUT STEPS=gpu_suite,kvspill bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=attention_prefill,reuse,kv_seed,compile_cold,compile_warm bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=moe_seed bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=tier_tests,moe_seed,kvspill,attention_prefill bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=reuse,kv_seed,compile_cold,compile_warm bash scripts/gpu_pending.sh
 #
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite, timed (goal: under 5 minutes); it holds #17's
 #                         prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and #15's
 #                         real-pressure graph-cache test (-rA prints every test's output)
+#   tier_tests            #15 item 7: the two tier tests the 2026-12-01 suite failed, alone, with their figures
+#   moe_seed              #20: the seed scenario on a random Qwen3-MoE whose expert cache fills the card (5 runs)
 #   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor
 #   oom_pressure          #15 item 7: the real-pressure graph-cache test alone, its message printed (-s)
 #   kv_resident_tests     #18: spilled KV through the paged kernels and graphs = tokens of a run with room
@@ -19,7 +21,6 @@
 #   kv_seed               #18: the seed scenario with the seed's `--kv-resident 16384` (131K prompt, 262K context)
 #   compile_cold/_warm    #17: FUSED_PROJ + COMPILE decode with an empty compile cache, then again (its END lines
 #                         give each start's wall time; the 128 s start measured on 2026-11-29 was a cold one)
-#   moe_seed              #20: the seed scenario on a random Qwen3-MoE whose expert cache fills the card (5 runs)
 #
 # Two GPUs (#19's fifth seed run, #20's peer store): `OUT=$OUT SEED_RUNS=1 bash scripts/gpu_two.sh` on nvidia-h200-x2.
 set -uo pipefail
@@ -37,7 +38,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv
 GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 
 step gpu_suite 450 "${GPU_TEST[@]}" --durations=25 tests
-step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 16K \
+step tier_tests 90 "${GPU_TEST[@]}" -s tests/engine/test_engine_gpu.py::test_gpu_tier_takes_free_vram_and_release_gives_it_back \
+    tests/engine/exec/test_tier_shared_gpu.py::test_gpu_a_small_release_takes_own_blocks_and_keeps_the_pool_and_the_graphs
+step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs 5 --device cuda:0 --random-model moe-bench \
+    --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
+step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 8K --new-tokens 64 \
     --kv-resident 1024 --json "$OUT/kvspill.json"
 step oom_pressure 90 "${GPU_TEST[@]}" -s tests/engine/exec/test_oom_gpu.py -k real_pressure
 step kv_resident_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_resident_gpu.py
@@ -57,6 +62,4 @@ rm -rf /tmp/strata-compile-cache
 step compile_cold 150 "${COMPILED[@]}" --json "$OUT/compile_cold.json"
 step compile_warm 90 "${COMPILED[@]}" --json "$OUT/compile_warm.json"
 
-step moe_seed 420 "$PY" benchmarks/seed_scenario.py --runs 5 --device cuda:0 --random-model moe-bench \
-    --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
 echo "done after $(($(date +%s) - START_S))s"

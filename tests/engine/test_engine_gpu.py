@@ -41,15 +41,23 @@ def test_gpu_greedy_with_graphs_matches_eager_and_mtp_is_lossless(ckpt):
 def test_gpu_tier_takes_free_vram_and_release_gives_it_back(ckpt):
     engine = _engine(ckpt)
     tier = engine.tier
-    assert tier.preallocate and tier.capacity_blocks > 0
+    assert tier.preallocate and tier.capacity_blocks > 0, (tier.capacity_blocks, tier.mib)
     free_before = torch.cuda.mem_get_info()[0]
-    freed_mib = tier.release(64 * tier.block_mib, "test")
-    assert freed_mib >= 64 * tier.block_mib - 1e-6
-    assert torch.cuda.mem_get_info()[0] > free_before
+    # 1 GiB, what a graph capture asks for: 64 of this tiny model's blocks (64 KiB each) came back on 2026-11-29
+    # but not on 2026-12-01, since blocks under 1 MiB share the caching allocator's 2 MiB segments with others.
+    freed_mib = tier.release(1024.0, "test")
+    gained_mib = (torch.cuda.mem_get_info()[0] - free_before) / 2**20
+    print(f"tier {tier.capacity_blocks} blocks of {tier.block_mib:.4f} MiB; released {freed_mib:.1f} MiB, the driver "
+          f"gained {gained_mib:.1f} MiB")
+    assert freed_mib >= 1024.0 - 1e-6
+    assert gained_mib >= 512.0
 
 
+@pytest.mark.soak
 def test_gpu_seed_scenario_fresh_long_prompt_while_six_slots_decode_with_split_attn(tmp_path_factory):
-    """0.6b-shaped random model, int8 KV, 6 slots + MTP + SPLIT_ATTN, VRAM near-full by the tier."""
+    """0.6b-shaped random model, int8 KV, 6 slots + MTP + SPLIT_ATTN, VRAM near-full by the tier. A soak (`-m
+    soak`): with the peers test it took the `-m gpu` suite past 450 s on 2026-12-01; benchmarks/seed_scenario.py
+    runs the same scenario against a real `serve` in every GPU session."""
     ckpt = shared_lively_checkpoint(tmp_path_factory, size="0.6b")
     bus = EventBus(history=200000)
     engine = _engine(ckpt, bus=bus, dtype="bfloat16", batch=7, context=40960, kv="int8", batch_mtp=True,

@@ -33,6 +33,7 @@ def test_graphs_bench_measures_cuda_graph_memory(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.soak  # torch.compile of the peer: with the seed-scenario test it took the suite past 450 s
 def test_peers_with_the_compiled_static_cache_on_cuda(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["peers", *CUDA_TINY, "--batches", "1", "--prompt-tokens", "8", "--new-tokens", "6",
                            "--copy-mib", "64"], device="cuda:0")

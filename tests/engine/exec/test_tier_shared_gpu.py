@@ -87,6 +87,10 @@ def test_gpu_capture_all_graphs_are_captured_again_after_the_pool_grew_for_the_t
 def test_gpu_a_small_release_takes_own_blocks_and_keeps_the_pool_and_the_graphs(ckpt):
     engine = _engine(ckpt)
     tier, kv = engine.tier, engine.kv
+    books = engine.budget.breakdown()
+    print(f"tier: {tier.capacity_blocks} blocks of {tier.block_mib:.3f} MiB, {len(tier._blocks)} own, "
+          f"{len(tier.shared.backing)} in the pool; books {books}; tier events "
+          f"{[(e.action, e.mib, e.reason) for e in engine.bus.history() if e.type == 'tier'][:8]}")
     assert tier._blocks and tier.shared.backing  # own blocks (4 x max(reserve, 1 GiB)) beside the pool's
     run_all(engine, random_prompts(2, seed=98, lengths=(300, 700)), GREEDY)
     graphs = {(g["kind"], g["key"]) for g in engine.executor.snapshot()["graphs"]}
