@@ -44,6 +44,7 @@ def _paged_decode_kernel(
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    sm_scale = tl.full([], sm_scale, tl.float32)  # torch.compile passes a Python float as fp64 (see triton_prefill.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)

@@ -93,6 +93,9 @@ def _paged_prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # torch.compile (inductor) passes a Python float as fp64: the scores, and so the loop-carried max, would turn
+    # fp64 and the kernel fail to compile (the 2026-12-01 seed run under COMPILE).
+    qk_scale = tl.full([], qk_scale, tl.float32)
     head = tl.program_id(0)
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles see the most keys: start them first
     b = tl.program_id(2)
