@@ -21,10 +21,7 @@ import asyncio
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,9 +34,9 @@ import httpx  # noqa: E402
 from engine.loadgen.scenarios import run_scenario  # noqa: E402
 from engine.switches import SWITCHES, get_switch  # noqa: E402
 from engine.model.random_checkpoint import SIZES  # noqa: E402
+from seed_process import EngineProcess, stop_engines_on_signals  # noqa: E402
 from seed_vram import expert_books, expert_text, nvml_text, nvml_used, vram_books, vram_text  # noqa: E402
 
-READY = re.compile(r"strata-engine: ready at (http://\S+)")
 OOM_TEXT = re.compile(r"out of memory|cudaErrorMemoryAllocation|ALLOC_FAILED", re.IGNORECASE)
 
 
@@ -92,50 +89,6 @@ def serve_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     if args.fault_inject:
         env["STRATA_FAULT_INJECT"] = args.fault_inject
     return cmd, env
-
-
-class EngineProcess:
-    """A `serve` subprocess: waits for the ready line, keeps its stderr tail, stops it with SIGTERM."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        self.url: str | None = None
-        self.stderr_tail: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read_stdout(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            match = READY.search(line)
-            if match:
-                self.url = match.group(1)
-                self._ready.set()
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            self.stderr_tail = (self.stderr_tail + [line.rstrip()])[-40:]
-
-    def wait_ready(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while not self._ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(self.stderr_tail[-15:])
-                raise RuntimeError(f"engine not ready (exit {self.proc.poll()}) after {timeout_s:.0f} s:\n{tail}")
-        assert self.url is not None
-        return self.url
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM, then SIGKILL after `timeout_s`; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 async def collect_events(base_url: str, sink: list[dict], stop: asyncio.Event) -> None:
@@ -372,6 +325,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_engines_on_signals()
     return asyncio.run(main_async(parse_args(argv)))
 
 

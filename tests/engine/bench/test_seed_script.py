@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,58 @@ def test_seed_script_runs_the_moe_seed_with_a_cache_too_small_for_the_experts(tm
     assert 0 <= after["oracle_hit_rate"] <= 1
     assert run["expert_actions"].get("load", 0) > 0 and run["expert_actions"].get("evict", 0) > 0
     assert "expert cache" in proc.stdout and "evictions" in proc.stdout
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc: the engine runs in a session of its own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_terminated_seed_script_takes_its_engine_with_it(tmp_path: Path) -> None:
+    """`timeout` ends the script with SIGTERM: its `serve` (a session of its own, so a terminal's Ctrl-C reaches it
+    only through the script) must not live on holding the GPU (on the H200, 2026-12-01, an orphaned MoE engine
+    kept 139 GiB and the next two benchmarks of the call ran out of memory)."""
+    import signal
+    import time
+
+    script = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "seed_scenario.py"), "--runs", "1",
+                               "--device", "cpu", "--random-model", "tiny", "--prompt-tokens", "30000",
+                               "--out", str(tmp_path / "seed.json")],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        engines: list[int] = []
+        while not engines and time.monotonic() < deadline and script.poll() is None:
+            time.sleep(0.2)
+            engines = _children(script.pid)
+        assert engines, "the script started no engine"
+        time.sleep(3.0)  # loading or serving: a 30,000-token run lasts longer than this on CPU
+        assert all(_alive(pid) for pid in engines), "the premise: the engine is still running"
+        script.send_signal(signal.SIGTERM)
+        script.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in engines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in engines), f"engine {engines} outlived the script"
+        assert script.returncode != 0
+    finally:
+        script.kill()
+        for pid in engines if "engines" in locals() else []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
