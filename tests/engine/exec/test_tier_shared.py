@@ -156,6 +156,21 @@ def test_own_blocks_are_copied_pool_blocks_shared_and_releases_take_own_blocks_f
     assert len(tier._blocks) == 1 and len(shared.backing) == 2 and len(resizes) == 1  # the pool was not touched
 
 
+def test_a_tier_capped_at_its_block_limit_still_keeps_its_own_blocks(monkeypatch):
+    """A tiny model on a large card: the budget is more blocks than MAX_TIER_BLOCKS, and the cap must come out of
+    the pool's share, not the own blocks' (on the H200, 2026-12-01: 262,144 blocks, every one in the pool, none of
+    its own, so each out-of-memory release would reallocate the pool and drop every captured graph)."""
+    import engine.exec.vram as vram
+
+    monkeypatch.setattr(vram, "MAX_TIER_BLOCKS", 6)
+    kv = SlotKVCache(KVGeometry(2, 3, 2, 8, 512, 16), "bf16", torch.float32, "cpu")
+    shared = SharedTierBlocks(kv, TIER_TOKENS)
+    block_mib = kv.geometry.bytes_per_token("bf16", torch.float32) * TIER_TOKENS / (1 << 20)
+    tier = AdaptiveTier(PrefixIndex(TIER_TOKENS, 0), kv, EventBus(), torch.device("cpu"), 20 * block_mib + 1e-9,
+                        True, shared=shared, pooled_mib=17 * block_mib + 1e-9)  # 3 blocks' worth of own
+    assert tier.capacity_blocks == 6 and len(tier._blocks) == 3 and len(shared.backing) == 3
+
+
 def test_growth_stops_where_the_measured_room_ends():
     kv = SlotKVCache(KVGeometry(2, 3, 2, 8, 512, 16), "bf16", torch.float32, "cpu")
     index = PrefixIndex(TIER_TOKENS, 0)
