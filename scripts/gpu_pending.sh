@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # What the open issues still need from one H200, in the order to run it. Three calls of at most 10 minutes each
-# (a step skips itself when the budget is short); the first two go back to back, so the machine stays warm:
+# (a step skips itself when the budget is short). The session of 2026-12-01 (third) ran the suite, the tier tests,
+# three MoE seed runs and part of attention_prefill (docs/BENCHMARKS.md, "The GPU session of 2026-12-01"); next:
 #
 #   OUT=$OUT STEPS=gpu_suite,kvspill bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=tier_tests,moe_seed,kvspill,attention_prefill bash scripts/gpu_pending.sh
+#   OUT=$OUT MOE_RUNS=2 STEPS=moe_seed,attention_prefill bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=reuse,kv_seed,compile_cold,compile_warm bash scripts/gpu_pending.sh
 #
-#   gpu_suite             #15 item 7: the whole `-m gpu` suite, timed (goal: under 5 minutes); it holds #17's
-#                         prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and #15's
-#                         real-pressure graph-cache test (-rA prints every test's output)
+#   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
+#                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
+#                         #15's real-pressure graph-cache test (-rA prints every test's output)
 #   tier_tests            #15 item 7: the two tier tests the 2026-12-01 suite failed, alone, with their figures
-#   moe_seed              #20: the seed scenario on a random Qwen3-MoE whose expert cache fills the card (5 runs)
+#   moe_seed              #20: the seed scenario on a random Qwen3-MoE with --expert-cache-mib auto (MOE_RUNS, 5;
+#                         about 90 s each: a 55-81 s start)
 #   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor
 #   oom_pressure          #15 item 7: the real-pressure graph-cache test alone, its message printed (-s)
 #   kv_resident_tests     #18: spilled KV through the paged kernels and graphs = tokens of a run with room
@@ -37,13 +39,13 @@ source scripts/gpu_step.sh  # (the working directory is the repository root)
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 
-step gpu_suite 450 "${GPU_TEST[@]}" --durations=25 tests
-step tier_tests 90 "${GPU_TEST[@]}" -s tests/engine/test_engine_gpu.py::test_gpu_tier_takes_free_vram_and_release_gives_it_back \
-    tests/engine/exec/test_tier_shared_gpu.py::test_gpu_a_small_release_takes_own_blocks_and_keeps_the_pool_and_the_graphs
-step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs 5 --device cuda:0 --random-model moe-bench \
+step gpu_suite 400 "${GPU_TEST[@]}" --durations=25 tests
+step tier_tests 90 "${GPU_TEST[@]}" -s -k "tier_takes_free_vram or small_release_takes_own_blocks" \
+    tests/engine/test_engine_gpu.py tests/engine/exec/test_tier_shared_gpu.py
+step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs ${MOE_RUNS:-5} --device cuda:0 --random-model moe-bench \
     --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
-step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 8K --new-tokens 64 \
-    --kv-resident 1024 --json "$OUT/kvspill.json"
+step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 8K \
+    --new-tokens 64 --kv-resident 1024 --json "$OUT/kvspill.json"
 step oom_pressure 90 "${GPU_TEST[@]}" -s tests/engine/exec/test_oom_gpu.py -k real_pressure
 step kv_resident_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_resident_gpu.py
 step prefill_kernel_tests 150 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_prefill_gpu.py

@@ -42,12 +42,16 @@ def graph_ms(fn: Callable[[], Any], iters: int) -> float:
 
 
 def time_launch_shapes(row: dict[str, Any], shapes: list[tuple[str, Callable[[], Callable[[], Any]]]],
-                       iters: int) -> None:
-    """Each kernel launch shape's ms per read into `row` (`shapes`: its column name and a builder of the read);
-    a shape that does not fit the device is a result too (`NAME_error`)."""
+                       iters: int, expected: torch.Tensor | None = None) -> None:
+    """Each kernel launch shape's ms per read into `row` (`shapes`: its column name and a builder of the read),
+    and with `expected` its max abs error against it (`NAME_max_err`: a faster shape must also be right); a
+    shape that does not fit the device is a result too (`NAME_error`)."""
     for name, build in shapes:
         try:
-            row[f"{name}_ms"] = round(graph_ms(build(), iters), 4)
+            read = build()
+            if expected is not None:
+                row[f"{name}_max_err"] = round((read().float() - expected.float()).abs().max().item(), 5)
+            row[f"{name}_ms"] = round(graph_ms(read, iters), 4)
         except Exception as exc:  # noqa: BLE001 - a launch shape that does not fit is a result too
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
 

@@ -74,6 +74,6 @@ def prefill_case(prefix: int, chunk: int, storage: str, device: torch.device, it
     cache.bind(slots, span)
     time_launch_shapes(row, [(f"q{c.query_tokens}_tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}",
                               lambda c=c: _tuned(cache, q, positions, c))
-                             for c in (tune if cache.kernel is not None else [])], iters)
+                             for c in (tune if cache.kernel is not None else [])], iters, expected)
     del cache
     return finish_row(row, device)

@@ -268,3 +268,20 @@ def test_kvspill_runs_both_configurations_and_reports_the_traffic(tmp_path: Path
     assert room["context"] == spill["context"] >= 300 + 6
     assert spill["fetched_mib"] > 0 and spill["spilled_mib"] > 0 and spill["h2d_gib_s"] > 0
     assert doc["summary"]["same_tokens"] is True and spill["floor_tok_s"] > 0
+
+
+def test_each_tuned_launch_shape_reports_its_error_beside_its_time() -> None:
+    """`--prefill-tune` picks launch shapes by speed: a faster shape must also be right, so each one's max error
+    against the reference is in its row (the 2026-12-01 H200 rows timed four shapes but checked only the
+    default)."""
+    import torch
+
+    from engine.bench.attention_common import time_launch_shapes
+
+    expected = torch.arange(8.0)
+    row: dict = {}
+    time_launch_shapes(row, [("right", lambda: lambda: expected.clone()), ("off", lambda: lambda: expected + 0.5),
+                             ("broken", lambda: (_ for _ in ()).throw(RuntimeError("too much shared memory")))],
+                       2, expected)
+    assert row["right_max_err"] == 0 and row["off_max_err"] == 0.5 and row["right_ms"] >= 0 and row["off_ms"] >= 0
+    assert row["broken_error"].startswith("RuntimeError: too much shared memory") and "broken_ms" not in row
