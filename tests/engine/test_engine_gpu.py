@@ -43,8 +43,8 @@ def test_gpu_tier_takes_free_vram_and_release_gives_it_back(ckpt):
     tier = engine.tier
     assert tier.preallocate and tier.capacity_blocks > 0, (tier.capacity_blocks, tier.mib)
     free_before = torch.cuda.mem_get_info()[0]
-    # 1 GiB, what a graph capture asks for: 64 of this tiny model's blocks (64 KiB each) came back on 2026-11-29
-    # but not on 2026-12-01, since blocks under 1 MiB share the caching allocator's 2 MiB segments with others.
+    # 1 GiB, what a graph capture asks for: 64 of this tiny model's 8 KiB blocks gave the driver memory back in one
+    # H200 run of 2026-12-01 and not in the next, since blocks under 1 MiB share the allocator's 2 MiB segments.
     freed_mib = tier.release(1024.0, "test")
     gained_mib = (torch.cuda.mem_get_info()[0] - free_before) / 2**20
     print(f"tier {tier.capacity_blocks} blocks of {tier.block_mib:.4f} MiB; released {freed_mib:.1f} MiB, the driver "
