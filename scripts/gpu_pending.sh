@@ -3,7 +3,7 @@
 # (a step skips itself when the budget is short). The session of 2026-12-01 (third) ran the suite, the tier tests,
 # three MoE seed runs and part of attention_prefill (docs/BENCHMARKS.md, "The GPU session of 2026-12-01"); next:
 #
-#   OUT=$OUT STEPS=gpu_suite,kvspill bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite,kvspill,kvspill_six bash scripts/gpu_pending.sh
 #   OUT=$OUT MOE_RUNS=2 STEPS=moe_seed,attention_prefill bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=reuse,kv_seed,compile_cold,compile_warm bash scripts/gpu_pending.sh
 #
@@ -14,6 +14,7 @@
 #   moe_seed              #20: the seed scenario on a random Qwen3-MoE with --expert-cache-mib auto (MOE_RUNS, 5;
 #                         about 90 s each: a 55-81 s start)
 #   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor
+#   kvspill_six           #18: the seed's six long prompts on a pool sized for two: tokens = the run with room
 #   oom_pressure          #15 item 7: the real-pressure graph-cache test alone, its message printed (-s)
 #   kv_resident_tests     #18: spilled KV through the paged kernels and graphs = tokens of a run with room
 #   prefill_kernel_tests  #17: the prompt-chunk kernel against the reference, captured, in an engine (PAGED_PREFILL)
@@ -46,6 +47,8 @@ step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs ${MOE_RUNS:-5} --devi
     --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
 step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 8K \
     --new-tokens 64 --kv-resident 1024 --json "$OUT/kvspill.json"
+step kvspill_six 120 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --slots 6 \
+    --prompt-tokens 8K --new-tokens 32 --kv-resident 1024 --json "$OUT/kvspill_six.json"
 step oom_pressure 90 "${GPU_TEST[@]}" -s tests/engine/exec/test_oom_gpu.py -k real_pressure
 step kv_resident_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_resident_gpu.py
 step prefill_kernel_tests 150 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_prefill_gpu.py

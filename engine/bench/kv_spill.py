@@ -1,7 +1,7 @@
 """`strata-engine bench kvspill`: decode rate of slots whose KV is partly on the host (`--kv-resident`), against
 the same slots with room, and against the PCIe floor.
 
-Two slots decode prompts of `--prompt-tokens`. With room: every slot's whole context on the device. Spilling:
+Two slots (`--slots`) decode prompts of `--prompt-tokens`. With room: every slot's whole context on the device. Spilling:
 `--kv-resident` tokens per slot and a shared pool of one slot's window, the context sized so that the pool holds
 (2 - host fraction) of one slot's non-resident KV (default fraction 0.5: while one slot's forward runs, half of
 the other's non-resident blocks are spilled, and its next forward fetches them back first). The tier has
@@ -9,8 +9,11 @@ nothing to give in both runs, as on the seed's card that it fills by design: sta
 source answers 0 MiB (on CUDA the tier otherwise regrows into free VRAM and the pool grows out of the spill:
 the 2026-12-01 run spilled nothing).
 
+With more slots the pool keeps
+that size, so every forward fetches what the others spilled (the seed's six long prompts on a full card).
+
 The floor: bytes fetched per decode step / the measured host-to-device bandwidth of a pinned copy (`h2d_gib_s`),
-i.e. the step time the copies alone need; `floor_tok_s` is the decode rate that allows.
+i.e. the step time the copies alone need; `floor_tok_s` is the decode rate that allows (a token per slot a step).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from engine.bench.common import device_of, emit, random_prompt, save_partial, sync
 from engine.bench.engine_driver import build_engine, generate_all
+from engine.errors import ConfigError
 
 _H2D_COPY_MIB = 256
 _BLOCK_TOKENS = 64
@@ -55,16 +59,16 @@ def spill_context(prompt_tokens: int, new_tokens: int, resident_tokens: int, hos
 
 
 def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str, Any]:
-    bench = build_engine(args, batch=2, tier_budget_mib=0.0, **overrides)
+    bench = build_engine(args, batch=args.slots, tier_budget_mib=0.0, **overrides)
     try:
         if bench.engine.kv.paging is not None:
             bench.engine.kv.paging.take_memory = lambda mib, reason: 0.0  # a tier with nothing to give
         vocab = bench.engine.lm.config.vocab_size
-        generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=900 + i) for i in range(2)],
+        generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=900 + i) for i in range(args.slots)],
                      args.new_tokens)  # captures the buckets the timed run needs
         paging = bench.engine.kv.paging
         before = dict(paging.snapshot()) if paging is not None else None
-        stats = generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=i) for i in range(2)],
+        stats = generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=i) for i in range(args.slots)],
                              args.new_tokens)
         row: dict[str, Any] = {"run": label, "context": bench.config.context,
                                "kv_resident": bench.config.kv_resident, "decode_tok_s": stats.decode_tok_s,
@@ -81,6 +85,8 @@ def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.slots < 2:
+        raise ConfigError("slots", args.slots, "kvspill needs at least 2 slots: one spills what the other fetches")
     device = device_of(args.device)
     resident = args.kv_resident or _DEFAULT_RESIDENT_TOKENS
     context = spill_context(args.prompt_tokens, args.new_tokens, resident, args.host_fraction)
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     spill = rows[1]
     spill["h2d_gib_s"] = bandwidth
     step_floor_s = spill["fetched_mib"] / 1024 / bandwidth if spill.get("fetched_mib") else 0.0
-    spill["floor_tok_s"] = 2 / step_floor_s if step_floor_s > 0 else None
+    spill["floor_tok_s"] = args.slots / step_floor_s if step_floor_s > 0 else None
     summary = {"same_tokens": rows[0]["token_ids"] == spill["token_ids"],
                "spill_vs_room": (spill["decode_tok_s"] or 0) / rows[0]["decode_tok_s"]
                if rows[0]["decode_tok_s"] else None,

@@ -203,6 +203,9 @@ def _kvspill(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per slot")
     p.add_argument("--host-fraction", type=float, default=0.5,
                    help="share of a slot's non-resident KV on the host when its forward starts (default 0.5)")
+    p.add_argument("--slots", type=int, default=2,
+                   help="slots decoding a prompt each (default 2); the pool stays sized for two, so with more "
+                        "the rest of their non-resident KV is on the host too (the seed's six long prompts: 6)")
 
 
 _ADDERS = {

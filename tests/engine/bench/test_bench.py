@@ -270,6 +270,18 @@ def test_kvspill_runs_both_configurations_and_reports_the_traffic(tmp_path: Path
     assert doc["summary"]["same_tokens"] is True and spill["floor_tok_s"] > 0
 
 
+def test_kvspill_with_the_seeds_six_long_prompts_spills_every_step_and_keeps_the_tokens(tmp_path: Path) -> None:
+    """Issue 18's scenario in bench form: six slots each decoding a long prompt, a pool sized for two, so their
+    non-resident KV spills and is fetched back all along, and the tokens are those of the run with room."""
+    doc = bench(tmp_path, ["kvspill", *TINY, "--slots", "6", "--prompt-tokens", "200", "--new-tokens", "4",
+                           "--kv-resident", "64", "--prefill-chunk-tokens", "64", "--step-token-budget", "128"])
+    room, spill = doc["rows"]
+    assert room["tokens"] == spill["tokens"] == 6 * 4
+    assert spill["fetched_mib"] > 0 and spill["spilled_mib"] > 0 and doc["summary"]["same_tokens"] is True
+    with pytest.raises(ConfigError, match="slots=1"):
+        bench(tmp_path, ["kvspill", *TINY, "--slots", "1", "--prompt-tokens", "200", "--new-tokens", "4"])
+
+
 def test_each_tuned_launch_shape_reports_its_error_beside_its_time() -> None:
     """`--prefill-tune` picks launch shapes by speed: a faster shape must also be right, so each one's max error
     against the reference is in its row (the 2026-12-01 H200 rows timed four shapes but checked only the
