@@ -10,27 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.kv_cache import SlotKVCache
 from engine.model.attention.triton_paged_config import KernelConfig
 from tests.engine.exec.cuda_capture import capture
+from tests.engine.exec.scrambled_cache import scrambled_cache
 
 pytestmark = pytest.mark.gpu
 
 CONTEXT = 3000
 
 
-def _cache(storage: str, dtype: torch.dtype, hkv: int, d: int = 128, seed: int = 0) -> SlotKVCache:
-    geo = KVGeometry(num_layers=1, num_slots=4, num_kv_heads=hkv, head_dim=d, context_tokens=CONTEXT,
-                     margin_tokens=64)
-    cache = SlotKVCache(geo, storage, dtype, "cuda")
-    perm = torch.randperm(geo.num_blocks, generator=torch.Generator().manual_seed(seed))
-    cache.block_table.copy_(perm.view_as(cache.block_table).to(torch.int32))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    for slot in range(geo.num_slots):  # every column written, so stale keys would show if read
-        k, v = (torch.randn(1, hkv, geo.columns, d, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
-        cache.bind(torch.tensor([slot], device="cuda"))
-        cache._write(0, k, v, torch.arange(geo.columns, device="cuda").view(1, -1))
-    return cache
+def _cache(storage: str, dtype: torch.dtype, hkv: int, seed: int = 0) -> SlotKVCache:
+    return scrambled_cache(storage, dtype, hkv, CONTEXT, num_slots=4, seed=seed)
 
 
 def _both(cache: SlotKVCache, hq: int, t: int, ends: list[int], span: int, config: KernelConfig, pad_rows: int = 1):

@@ -14,10 +14,11 @@ import torch
 from engine.api import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.kv_cache import SlotKVCache
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
 from tests.engine.exec.cuda_capture import capture
+from tests.engine.exec.scrambled_cache import scrambled_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -25,18 +26,8 @@ CONTEXT = 40 * 1024
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-def _cache(storage: str, dtype: torch.dtype, hkv: int = 8, d: int = 128, seed: int = 0) -> SlotKVCache:
-    geo = KVGeometry(num_layers=1, num_slots=2, num_kv_heads=hkv, head_dim=d, context_tokens=CONTEXT,
-                     margin_tokens=64)
-    cache = SlotKVCache(geo, storage, dtype, "cuda")
-    perm = torch.randperm(geo.num_blocks, generator=torch.Generator().manual_seed(seed))
-    cache.block_table.copy_(perm.view_as(cache.block_table).to(torch.int32))
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    for slot in range(geo.num_slots):
-        k, v = (torch.randn(1, hkv, geo.columns, d, device="cuda", generator=gen, dtype=dtype) for _ in range(2))
-        cache.bind(torch.tensor([slot], device="cuda"))
-        cache._write(0, k, v, torch.arange(geo.columns, device="cuda").view(1, -1))
-    return cache
+def _cache(storage: str, dtype: torch.dtype, hkv: int = 8, seed: int = 0) -> SlotKVCache:
+    return scrambled_cache(storage, dtype, hkv, CONTEXT, num_slots=2, seed=seed)
 
 
 def _rows(rows: list[tuple[int, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
