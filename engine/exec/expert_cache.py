@@ -271,8 +271,13 @@ class ExpertCache:
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], ids / weights [N, k] -> [N, H] (see the module docstring for the two paths)."""
+        """x [N, H], ids / weights [N, k] -> [N, H] (see the module docstring for the two paths).
+
+        Never traced by torch.compile (COMPILE): Dynamo would specialize on `capturing()`, False at the warm-up,
+        and compile the captured path during the capture itself, which CUDA refuses ("operation not permitted
+        when stream is capturing": every MoE seed run on the H200, 2026-12-01, lost COMPILE or its engine)."""
         if not self.force_eager and self.capturing(x):
             return self._captured_forward(moe_index, x, ids, weights)
         return self._eager_forward(moe_index, x, ids, weights)

@@ -97,7 +97,7 @@ def _usable(text: str) -> bool:
 def is_oom(exc: BaseException) -> bool:
     """True when any exception in the chain is an out-of-memory (allocator or driver side)."""
     for link in exception_chain(exc):
-        if type(link).__name__ == "OutOfMemoryError" or _OOM_PATTERNS.search(str(link)):
+        if type(link).__name__ == "OutOfMemoryError" or _OOM_PATTERNS.search(_clean_text(link)):
             return True
     return False
 
@@ -106,7 +106,9 @@ def is_sticky(exc: BaseException) -> bool:
     """True when any exception in the chain is a context-poisoning CUDA error."""
     if isinstance(exc, StickyCudaError):
         return True
-    return any(_STICKY_PATTERNS.search(str(link)) for link in exception_chain(exc))
+    # The cleaned text: torch ends every CUDA error with "... to enable device-side assertions", which would
+    # otherwise make an out-of-memory or a broken capture look context-poisoning.
+    return any(_STICKY_PATTERNS.search(_clean_text(link)) for link in exception_chain(exc))
 
 
 def classify(exc: BaseException) -> str:

@@ -112,3 +112,23 @@ def test_allocator_advice_is_cut_but_its_figures_stay() -> None:
             "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     msg = real_message(torch.OutOfMemoryError(text))
     assert msg.endswith("120.00 GiB is allocated by PyTorch.") and "290.00 MiB is free" in msg
+
+
+# What torch appends to every CUDA error (c10/cuda), its third line included: "device-side assertions" in it
+# made every CUDA error sticky, an instantiate's out-of-memory and a capture that torch.compile broke alike (the
+# H200, 2026-12-01: a MoE seed run's engine exited on "operation not permitted when stream is capturing").
+TORCH_TAIL = BOILERPLATE + "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+
+
+class BackendCompilerFailed(RuntimeError):
+    """Named like torch._dynamo.exc.BackendCompilerFailed, which wraps what Inductor raised."""
+
+
+def test_torchs_own_tail_does_not_make_an_error_sticky() -> None:
+    assert classify(RuntimeError("CUDA error: out of memory" + TORCH_TAIL)) == "oom"
+    broke = _raised_from(BackendCompilerFailed("backend='inductor' raised: AcceleratorError: CUDA error: operation "
+                                               "not permitted when stream is capturing" + TORCH_TAIL),
+                         RuntimeError("CUDA error: operation not permitted when stream is capturing" + TORCH_TAIL))
+    assert classify(broke) == "other"
+    assert classify(RuntimeError("CUDA error: device-side assert triggered" + TORCH_TAIL)) == "sticky"
+    assert classify(RuntimeError("CUDA error: an illegal memory access was encountered" + TORCH_TAIL)) == "sticky"
