@@ -1,23 +1,36 @@
-"""Host memory for spilled KV blocks (`--kv-resident`): one tensor per device pool tensor, block-indexed like it.
+"""Host memory for spilled KV blocks (`--kv-resident`): one tensor per device pool tensor, block-major.
 
-Per pool tensor `[Hkv, blocks, block_tokens(, D)]` (keys, values, and for int8 their scales) a host tensor of the
-same layout, pinned on CUDA so the copies are DMA transfers. It grows by doubling (a copy of what it holds) and
-never shrinks: spilled memory is reused through the ledger's free host blocks.
+A device pool tensor is `[Hkv, blocks, block_tokens(, D)]` (keys, values, and for int8 their scales); its host
+tensor is `[blocks, Hkv, block_tokens(, D)]`, pinned on CUDA, so that one host block is one contiguous range and
+a run of consecutive host block ids is one DMA transfer. It grows by doubling (a copy of what it holds) and never
+shrinks: spilled memory is reused through the ledger's free host blocks.
 
-A copy's blocks are scattered on both sides, so each one goes through a staging buffer per pool tensor: pinned
-host memory that is kept and grown by doubling, where the host side is gathered (fetch) or landed (spill) in one
-contiguous DMA transfer. Pinning a fresh buffer per copy (cudaHostAlloc on every forward that fetched) and
-spilling into pageable memory were what the first version did.
+A copy's blocks are scattered on the device, so the device side goes through a block-major device buffer of
+the copy's blocks (gathered or scattered with one indexing kernel per pool tensor); the host side is never
+touched by the CPU. Moves are ordered by host id, so the number of transfers is the number of runs of
+consecutive host ids (a slot's spilled blocks come back as the few runs they left in). The first version
+gathered the host side with the CPU into pinned staging: on the H200 (2026-12-01) that held a step that fetched
+380 MiB to 84.8 ms, 5 % of the PCIe rate (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 MIB = float(1 << 20)
 _MIN_HOST_BLOCKS = 16
+
+
+def host_runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first position in the sorted order, first host id, length) of each run of consecutive ids, ids sorted."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, hid in enumerate(host_ids):
+        if runs and runs[-1][1] + runs[-1][2] == hid:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((pos, hid, 1))
+    return runs
 
 
 class HostKVStore:
@@ -28,11 +41,7 @@ class HostKVStore:
         self.pinned = pinned
         self.capacity_blocks = 0
         self.tensors: list[torch.Tensor] = []
-        # Staging (flat, viewed as [Hkv, n, ...] contiguous per copy) and the event after the last copy that read
-        # or wrote it: the next copy waits for it before it reuses the buffer.
-        self._staging: list[torch.Tensor] = []
-        self._staging_blocks = 0
-        self._staged: torch.cuda.Event | None = None
+        self.transfers = 0  # DMA transfers issued so far (one per run of consecutive host ids per pool tensor)
 
     @property
     def mib(self) -> float:
@@ -46,57 +55,41 @@ class HostKVStore:
         cap = max(blocks, 2 * self.capacity_blocks, _MIN_HOST_BLOCKS)
         grown = []
         for i, (shape, dtype) in enumerate(self._like):
-            t = torch.empty((shape[0], cap, *shape[2:]), dtype=dtype, pin_memory=self.pinned)
+            t = torch.empty((cap, shape[0], *shape[2:]), dtype=dtype, pin_memory=self.pinned)
             if self.tensors:
-                t[:, : self.capacity_blocks].copy_(self.tensors[i])
+                t[: self.capacity_blocks].copy_(self.tensors[i])
             grown.append(t)
         self.tensors = grown
         self.capacity_blocks = cap
 
-    def spill(self, pools: list[torch.Tensor], device_ids: list[int], host_ids: list[int]) -> None:
-        """Copy device pool blocks into host blocks (synchronously: the freed device blocks are reused next)."""
-        src = torch.tensor(device_ids, dtype=torch.long, device=pools[0].device)
-        dst = torch.tensor(host_ids, dtype=torch.long)
-        views = self._staging_views(len(device_ids))
-        for pool, view in zip(pools, views):
-            view.copy_(pool.index_select(1, src), non_blocking=self.pinned)
-        self._record(pools[0].device)
-        if self._staged is not None:
-            self._staged.synchronize()  # the host copy below reads what the transfers landed
-        for host, view in zip(self.tensors, views):
-            host.index_copy_(1, dst, view)
+    def spill(self, pools: list[torch.Tensor], device_ids: list[int], host_ids: list[int],
+              indices: list[int] | None = None) -> None:
+        """Copy device pool blocks into host blocks, for the pool tensors `indices` (all by default). Stream-ordered
+        on the current stream: the caller synchronizes before it reuses the device blocks."""
+        order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
+        runs = host_runs([host_ids[i] for i in order])
+        src = torch.tensor([device_ids[i] for i in order], dtype=torch.long).to(pools[0].device, non_blocking=True)
+        for p in range(len(pools)) if indices is None else indices:
+            staged = pools[p].index_select(1, src).transpose(0, 1).contiguous()  # [n, Hkv, ...] block-major
+            for pos, first, n in runs:
+                self.tensors[p][first:first + n].copy_(staged[pos:pos + n], non_blocking=self.pinned)
+            self.transfers += len(runs)
 
-    def fetch(self, pools: list[torch.Tensor], host_ids: list[int], device_ids: list[int]) -> None:
-        """Copy host blocks into device pool blocks (stream-ordered before the forward that reads them)."""
-        src = torch.tensor(host_ids, dtype=torch.long)
-        dst = torch.tensor(device_ids, dtype=torch.long, device=pools[0].device)
-        views = self._staging_views(len(host_ids))
-        for pool, host, view in zip(pools, self.tensors, views):
-            torch.index_select(host, 1, src, out=view)
-            pool.index_copy_(1, dst, view.to(pool.device, non_blocking=self.pinned))
-        self._record(pools[0].device)
-
-    def _staging_views(self, blocks: int) -> list[torch.Tensor]:
-        """One contiguous `[Hkv, blocks, ...]` view per pool tensor into the staging buffers, once the last copy
-        through them is done."""
-        if self._staged is not None:
-            self._staged.synchronize()
-            self._staged = None
-        if blocks > self._staging_blocks:
-            cap = max(blocks, 2 * self._staging_blocks, _MIN_HOST_BLOCKS)
-            self._staging = [torch.empty(shape[0] * cap * math.prod(shape[2:]), dtype=dtype, pin_memory=self.pinned)
-                             for shape, dtype in self._like]
-            self._staging_blocks = cap
-        return [buf[: shape[0] * blocks * math.prod(shape[2:])].view(shape[0], blocks, *shape[2:])
-                for buf, (shape, _) in zip(self._staging, self._like)]
-
-    def _record(self, device: torch.device) -> None:
-        if device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record(torch.cuda.current_stream(device))
+    def fetch(self, pools: list[torch.Tensor], host_ids: list[int], device_ids: list[int],
+              indices: list[int] | None = None) -> None:
+        """Copy host blocks into device pool blocks, for the pool tensors `indices` (all by default);
+        stream-ordered before the forward that reads them on the current stream."""
+        order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
+        runs = host_runs([host_ids[i] for i in order])
+        dst = torch.tensor([device_ids[i] for i in order], dtype=torch.long).to(pools[0].device, non_blocking=True)
+        for p in range(len(pools)) if indices is None else indices:
+            host = self.tensors[p]
+            staged = torch.empty((len(order), *host.shape[1:]), dtype=host.dtype, device=pools[p].device)
+            for pos, first, n in runs:
+                staged[pos:pos + n].copy_(host[first:first + n], non_blocking=self.pinned)
+            pools[p].index_copy_(1, dst, staged.transpose(0, 1))
+            self.transfers += len(runs)
 
     def free(self) -> None:
         self.tensors = []
         self.capacity_blocks = 0
-        self._staging = []
-        self._staging_blocks = 0

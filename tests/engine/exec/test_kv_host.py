@@ -1,11 +1,11 @@
-"""Host memory for spilled KV blocks: scattered blocks go out and come back bit for bit through staging buffers
-that are kept between copies (a fresh pinned buffer per copy was a cudaHostAlloc on every forward that fetched)."""
+"""Host memory for spilled KV blocks: scattered blocks go out and come back bit for bit, and a run of consecutive
+host ids is one transfer per pool tensor (the first version gathered every block with the CPU)."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.exec.kv_host import HostKVStore
+from engine.exec.kv_host import HostKVStore, host_runs
 
 
 def _pools(blocks: int = 12) -> list[torch.Tensor]:
@@ -16,7 +16,12 @@ def _pools(blocks: int = 12) -> list[torch.Tensor]:
     return [k, v, scales]
 
 
-def test_scattered_blocks_spill_and_fetch_back_bit_for_bit_through_reused_staging():
+def test_runs_of_consecutive_host_ids():
+    assert host_runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+    assert host_runs([]) == []
+
+
+def test_scattered_blocks_spill_and_fetch_back_bit_for_bit():
     pools = _pools()
     before = [p.clone() for p in pools]
     store = HostKVStore(pools, pinned=False)
@@ -24,22 +29,48 @@ def test_scattered_blocks_spill_and_fetch_back_bit_for_bit_through_reused_stagin
     store.spill(pools, [9, 2, 5], [6, 0, 3])  # device blocks 9, 2, 5 -> host blocks 6, 0, 3
     for pool in pools:
         pool[:, [9, 2, 5]] = 0  # their device blocks are reused by another slot
-    staging = [t.data_ptr() for t in store._staging]
     store.fetch(pools, [3, 6, 0], [1, 11, 7])  # back into other device blocks
     for pool, old in zip(pools, before):
         assert torch.equal(pool[:, [11, 7, 1]], old[:, [9, 2, 5]])
-    assert [t.data_ptr() for t in store._staging] == staging  # no new buffers for a copy that fits
 
 
-def test_staging_grows_for_a_larger_copy_and_what_the_host_holds_survives_growth():
+def test_consecutive_host_ids_in_any_order_are_one_transfer_per_pool_tensor():
+    pools = _pools(20)
+    before = [p.clone() for p in pools]
+    store = HostKVStore(pools, pinned=False)
+    store.ensure(16)
+    store.spill(pools, [4, 17, 8, 1, 12], [10, 7, 9, 11, 8])  # host ids 7..11, handed out in any order
+    assert store.transfers == len(pools)
+    for pool in pools:
+        pool.zero_()
+    store.fetch(pools, [11, 7, 8, 10, 9], [0, 1, 2, 3, 4])
+    assert store.transfers == 2 * len(pools)
+    for pool, old in zip(pools, before):
+        assert torch.equal(pool[:, [0, 1, 2, 3, 4]], old[:, [1, 17, 12, 4, 8]])
+
+
+def test_a_subset_of_pool_tensors_moves_alone():
+    pools = _pools()
+    before = [p.clone() for p in pools]
+    store = HostKVStore(pools, pinned=False)
+    store.ensure(4)
+    store.spill(pools, [3], [0])
+    pools[0][:, 5] = 0
+    pools[1][:, 5] = 0
+    store.fetch(pools, [0], [5], indices=[1])  # the values of one layer, say, before the keys
+    assert torch.equal(pools[1][:, 5], before[1][:, 3])
+    assert not torch.equal(pools[0][:, 5], before[0][:, 3])
+
+
+def test_what_the_host_holds_survives_growth():
     pools = _pools(40)
     reference = [p.clone() for p in pools]
     store = HostKVStore(pools, pinned=False)
     store.ensure(4)
     store.spill(pools, [0, 1], [0, 1])
     store.ensure(40)  # the host tensors double past 4 blocks: what they held is copied along
-    store.spill(pools, list(range(2, 40)), list(range(2, 40)))  # past the staging's first 16 blocks
-    assert store._staging_blocks >= 38
+    assert store.capacity_blocks >= 40
+    store.spill(pools, list(range(2, 40)), list(range(2, 40)))
     for pool in pools:
         pool.zero_()
     store.fetch(pools, list(range(40)), list(reversed(range(40))))
