@@ -8,11 +8,18 @@ A copy's blocks are scattered on both sides, so each one goes through a staging 
 host memory that is kept and grown by doubling, where the host side is gathered (fetch) or landed (spill) in one
 contiguous DMA transfer. Pinning a fresh buffer per copy (cudaHostAlloc on every forward that fetched) and
 spilling into pageable memory were what the first version did.
+
+A spill is synchronous (the device blocks it frees are reused at once). A fetch is enqueued on whatever stream is
+current, one group of pool tensors (one layer's) after another, and returns without waiting: on CUDA the caller
+(engine.exec.kv_paging) runs it on its copy stream and records a layer's event after each group. The staging
+buffers stay correct across streams: the event after a copy is recorded on the stream that ran it, and the next
+copy waits for it on the host before it writes the buffers again.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -66,15 +73,35 @@ class HostKVStore:
         for host, view in zip(self.tensors, views):
             host.index_copy_(1, dst, view)
 
-    def fetch(self, pools: list[torch.Tensor], host_ids: list[int], device_ids: list[int]) -> None:
-        """Copy host blocks into device pool blocks (stream-ordered before the forward that reads them)."""
+    def fetch(self, pools: list[torch.Tensor], host_ids: list[int], device_ids: list[int],
+              groups: list[list[int]] | None = None, after_group: Callable[[int], None] | None = None) -> None:
+        """Copy host blocks into device pool blocks on the current stream, without waiting for the copies.
+
+        `groups` (indices into `pools`; default one group of all) are copied in order, and `after_group(g)` is
+        called once group g's copies are enqueued: a layer's blocks can be read as soon as its group has landed,
+        while the next layer's are still on the way.
+        """
+        groups = [list(range(len(pools)))] if groups is None else groups
         src = torch.tensor(host_ids, dtype=torch.long)
-        dst = torch.tensor(device_ids, dtype=torch.long, device=pools[0].device)
         views = self._staging_views(len(host_ids))
-        for pool, host, view in zip(pools, self.tensors, views):
-            torch.index_select(host, 1, src, out=view)
-            pool.index_copy_(1, dst, view.to(pool.device, non_blocking=self.pinned))
+        dst = self._device_ids(device_ids, pools[0].device)
+        for g, members in enumerate(groups):
+            for i in members:
+                torch.index_select(self.tensors[i], 1, src, out=views[i])
+                pools[i].index_copy_(1, dst, views[i].to(pools[i].device, non_blocking=self.pinned))
+            if after_group is not None:
+                after_group(g)
         self._record(pools[0].device)
+
+    @staticmethod
+    def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+        """Block ids as an index tensor on `device`. On CUDA through pinned memory: a copy from pageable memory
+        would block the host until the stream had run everything queued before it (the previous forward, which
+        the copy stream waits for), and the fetch is meant to return while that still runs."""
+        ids_cpu = torch.tensor(ids, dtype=torch.long)
+        if device.type != "cuda":
+            return ids_cpu
+        return ids_cpu.pin_memory().to(device, non_blocking=True)
 
     def _staging_views(self, blocks: int) -> list[torch.Tensor]:
         """One contiguous `[Hkv, blocks, ...]` view per pool tensor into the staging buffers, once the last copy
@@ -91,6 +118,7 @@ class HostKVStore:
                 for buf, (shape, _) in zip(self._staging, self._like)]
 
     def _record(self, device: torch.device) -> None:
+        # On the current stream: the compute stream for a spill, the copy stream for a fetch.
         if device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record(torch.cuda.current_stream(device))
