@@ -91,10 +91,10 @@ class KVPaging:
             self._copy_stream = torch.cuda.Stream(kv.device)
             # torch/cuda/streams.py (Event): "external (bool, optional): indicates whether this event should create
             # event record and event wait nodes, or create an internal cross-stream dependency, when captured in a
-            # cuda graph"; CUDA's cudaGraphAddEventWaitNode: "The graph node will wait for all work captured in
-            # event" (what its latest cudaEventRecord captured). The events are recorded once here because torch
-            # creates a CUDA event lazily, at its first record, and c10's CUDAEvent::block does nothing for an event
-            # not yet created: a graph captured before the first fetch would get no wait node at all.
+            # cuda graph" (pytorch/pytorch#155372); CUDA's cudaGraphAddEventWaitNode: "The graph node will wait for
+            # all work captured in event" (what its latest cudaEventRecord captured). The events are recorded once
+            # here because torch creates a CUDA event lazily, at its first record, and c10's CUDAEvent::block does
+            # nothing for an event not yet created: a graph captured before the first fetch would get no wait node.
             self._layer_fetched = [torch.cuda.Event(external=True) for _ in range(kv.geometry.num_layers)]
             for event in self._layer_fetched:
                 event.record(self._copy_stream)
