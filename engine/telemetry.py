@@ -136,7 +136,7 @@ class KvEvent(Event):
     blocks: int = 0
     tokens: int = 0  # blocks x tokens per block
     mib: float = 0.0  # bytes copied (spill / fetch) or added to the pool (grow)
-    ms: float = 0.0  # the copies (or the pool's reallocation), device synced
+    ms: float = 0.0  # the copies (or the pool's reallocation), device synced; a CUDA fetch: its copy stream's time
     host_mib: float = 0.0  # KV held in host memory afterwards
     slots: list[int] = field(default_factory=list)  # the slots whose blocks moved
     reason: str = ""

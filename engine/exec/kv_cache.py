@@ -172,6 +172,13 @@ class SlotKVCache:
         """Every pool tensor (keys, values, int8 scales; all layers), block axis 1: what paging copies and grows."""
         return self.k + self.v + list(self.k_scale) + list(self.v_scale)
 
+    def pool_groups(self) -> list[list[int]]:
+        """Indices into pools() of each KV layer's tensors, by attend's layer index (main layers, then MTP): what
+        one layer's attention reads and writes, so paging can fetch it, and attend wait for it, layer by layer."""
+        n = len(self.k)
+        per_layer = len(self.pools()) // n
+        return [[layer + j * n for j in range(per_layer)] for layer in range(n)]
+
     @property
     def backend(self) -> TorchAttention:
         """The attention backend the next forward uses."""
@@ -205,10 +212,10 @@ class SlotKVCache:
 
     def free(self) -> None:
         """Drop every K/V buffer (Engine.close); the cache cannot be used afterwards."""
+        if self.paging is not None:
+            self.paging.free()  # first: a fetch still in flight writes the pools
         self.k, self.v, self.k_scale, self.v_scale = [], [], [], []
         self.slots = self._where = None
-        if self.paging is not None:
-            self.paging.host.free()
 
     def set_split(self, enabled: bool) -> None:
         self.split_attn = bool(enabled)
@@ -223,6 +230,10 @@ class SlotKVCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Write k, v at `positions` of each row's slot, then attend causally. q [B,Hq,T,D] -> [B,Hq,T,D]."""
         assert self.slots is not None, "SlotKVCache.bind(slots) must precede the forward"
+        if self.paging is not None:
+            # Before the write, which may land in a partly filled block the copy stream is still fetching. In
+            # every forward (and captured graph) of a paging engine, fetch or not; never without --kv-resident.
+            self.paging.wait_fetched(layer_idx)
         self._write(layer_idx, k, v, positions)
         return self.backend.attend(self, layer_idx, q, positions)
 
@@ -252,6 +263,11 @@ class SlotKVCache:
         """Before a forward: every block slot s addresses below wants[s] (tokens) is on the device and mapped."""
         if self.paging is not None:
             self.paging.prepare(wants)
+
+    def join_fetches(self) -> None:
+        """The current stream waits for every fetch in flight: before pools are read or written outside attend."""
+        if self.paging is not None:
+            self.paging.join_fetches()
 
     def retire_slot(self, slot: int) -> None:
         """The slot's request finished: its pool and host blocks go back at the next `reclaim_retired`."""
@@ -323,6 +339,7 @@ class SlotKVCache:
         """Every slot's raw stored keys (or values) in logical order, [slots, Hkv, columns, D] (a copy through
         the block table, for tests and inspection: the serving paths never build it)."""
         g = self.geometry
+        self.join_fetches()
         pool = self.v[layer] if values else self.k[layer]
         picked = pool.index_select(1, self.block_table.reshape(-1).long())
         return picked.view(g.num_kv_heads, g.num_slots, g.columns, g.head_dim).transpose(0, 1)
@@ -335,6 +352,7 @@ class SlotKVCache:
     def read_span(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All layers' KV of one slot's tokens [start, end): data [layers, 2, Hkv, n, D], int8 scales or None."""
         self.prepare({slot: end})
+        self.join_fetches()
         blocks, offsets = self._slot_tokens(slot, start, end - start)
         data = torch.stack([torch.stack([self.k[i][:, blocks, offsets], self.v[i][:, blocks, offsets]])
                             for i in range(self.geometry.num_layers)])
@@ -347,6 +365,7 @@ class SlotKVCache:
     def write_span(self, slot: int, start: int, data: torch.Tensor, scales: torch.Tensor | None) -> None:
         """The inverse of read_span: put a [layers, 2, Hkv, n, D] span at tokens [start, start+n) of `slot`."""
         self.prepare({slot: start + data.shape[3]})
+        self.join_fetches()
         blocks, offsets = self._slot_tokens(slot, start, data.shape[3])
         for i in range(self.geometry.num_layers):
             self.k[i][:, blocks, offsets] = data[i, 0].to(self.k[i].device, non_blocking=True)

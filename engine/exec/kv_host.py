@@ -11,9 +11,17 @@ touched by the CPU. Moves are ordered by host id, so the number of transfers is 
 consecutive host ids (a slot's spilled blocks come back as the few runs they left in). The first version
 gathered the host side with the CPU into pinned staging: on the H200 (2026-12-01) that held a step that fetched
 380 MiB to 84.8 ms, 5 % of the PCIe rate (docs/BENCHMARKS.md).
+
+A spill is synchronous for its caller (the device blocks it frees are reused at once). A fetch is enqueued on
+whatever stream is current, one group of pool tensors (one layer's) after another, and returns without waiting:
+on CUDA the caller (engine.exec.kv_paging) runs it on its copy stream and records a layer's event after each
+group. Nothing on the host side is reused before its copy is done: pinned memory that a copy still reads is held
+by torch's pinned-memory allocator until the copy's stream passes it.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -62,33 +70,50 @@ class HostKVStore:
         self.tensors = grown
         self.capacity_blocks = cap
 
-    def spill(self, pools: list[torch.Tensor], device_ids: list[int], host_ids: list[int],
-              indices: list[int] | None = None) -> None:
-        """Copy device pool blocks into host blocks, for the pool tensors `indices` (all by default). Stream-ordered
-        on the current stream: the caller synchronizes before it reuses the device blocks."""
+    def spill(self, pools: list[torch.Tensor], device_ids: list[int], host_ids: list[int]) -> None:
+        """Copy device pool blocks into host blocks, on the current stream: the caller synchronizes before it
+        reuses the device blocks."""
         order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
         runs = host_runs([host_ids[i] for i in order])
-        src = torch.tensor([device_ids[i] for i in order], dtype=torch.long).to(pools[0].device, non_blocking=True)
-        for p in range(len(pools)) if indices is None else indices:
+        src = self._device_ids([device_ids[i] for i in order], pools[0].device)
+        for p in range(len(pools)):
             staged = pools[p].index_select(1, src).transpose(0, 1).contiguous()  # [n, Hkv, ...] block-major
             for pos, first, n in runs:
                 self.tensors[p][first:first + n].copy_(staged[pos:pos + n], non_blocking=self.pinned)
             self.transfers += len(runs)
 
     def fetch(self, pools: list[torch.Tensor], host_ids: list[int], device_ids: list[int],
-              indices: list[int] | None = None) -> None:
-        """Copy host blocks into device pool blocks, for the pool tensors `indices` (all by default);
-        stream-ordered before the forward that reads them on the current stream."""
+              groups: list[list[int]] | None = None, after_group: Callable[[int], None] | None = None) -> None:
+        """Copy host blocks into device pool blocks on the current stream, without waiting for the copies.
+
+        `groups` (indices into `pools`; default one group of all) are copied in order, and `after_group(g)` is
+        called once group g's copies are enqueued: a layer's blocks can be read as soon as its group has landed,
+        while the next layer's are still on the way.
+        """
+        groups = [list(range(len(pools)))] if groups is None else groups
         order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
         runs = host_runs([host_ids[i] for i in order])
-        dst = torch.tensor([device_ids[i] for i in order], dtype=torch.long).to(pools[0].device, non_blocking=True)
-        for p in range(len(pools)) if indices is None else indices:
-            host = self.tensors[p]
-            staged = torch.empty((len(order), *host.shape[1:]), dtype=host.dtype, device=pools[p].device)
-            for pos, first, n in runs:
-                staged[pos:pos + n].copy_(host[first:first + n], non_blocking=self.pinned)
-            pools[p].index_copy_(1, dst, staged.transpose(0, 1))
-            self.transfers += len(runs)
+        dst = self._device_ids([device_ids[i] for i in order], pools[0].device)
+        for g, members in enumerate(groups):
+            for p in members:
+                host = self.tensors[p]
+                staged = torch.empty((len(order), *host.shape[1:]), dtype=host.dtype, device=pools[p].device)
+                for pos, first, n in runs:
+                    staged[pos:pos + n].copy_(host[first:first + n], non_blocking=self.pinned)
+                pools[p].index_copy_(1, dst, staged.transpose(0, 1))
+                self.transfers += len(runs)
+            if after_group is not None:
+                after_group(g)
+
+    @staticmethod
+    def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
+        """Block ids as an index tensor on `device`. On CUDA through pinned memory: a copy from pageable memory
+        would block the host until the stream had run everything queued before it (the previous forward, which
+        the copy stream waits for), and the fetch is meant to return while that still runs."""
+        ids_cpu = torch.tensor(ids, dtype=torch.long)
+        if device.type != "cuda":
+            return ids_cpu
+        return ids_cpu.pin_memory().to(device, non_blocking=True)
 
     def free(self) -> None:
         self.tensors = []

@@ -11,8 +11,21 @@ the table says. Before every forward the runner calls `prepare({slot: end_tokens
 4. the changed table rows are copied into the device table in place, so a captured step replays unchanged.
 
 Copies are whole blocks of every layer, bit for bit: attention reads exactly the KV it would have read with
-everything on the device. They run on the compute stream before the forward (no overlap yet: streaming a
-layer's blocks while the previous layer computes is a follow-up, docs/KV.md).
+everything on the device. A spill runs on the compute stream and is waited for (the blocks it frees are reused at
+once). A fetch on CUDA is overlapped with the forward, layer by layer: it runs on a copy stream of its own (which
+first waits for the compute stream: the destination blocks may still be read by the forward before), one layer's
+blocks after another in forward order (main layers, then MTP), with an event recorded after each layer.
+`SlotKVCache.attend(layer)` makes the compute stream wait for that layer's event before it writes or reads the
+layer's pool, so layer 0 computes while layer 1's blocks are still crossing the bus, and `prepare` returns before
+the copies are done. On the CPU a fetch is a plain synchronous copy.
+
+The waits are inside captured CUDA graphs too: the events are external (`torch.cuda.Event(external=True)`), so a
+wait captured in a graph becomes an event-wait node on that event, and a replay waits for its latest record, made
+by `prepare` outside the graph before the replay. The wait is in every graph of a paging engine, whether or not
+a fetch preceded its capture, and costs nothing on a step that fetched nothing (the last record has completed).
+
+A fetch's time is measured on the copy stream with timing events and published (its `kv` event, PagingStats)
+once the copy has completed, at a later `prepare` or `snapshot` (never waited for, except at `free`).
 """
 
 from __future__ import annotations
@@ -26,6 +39,18 @@ import torch
 from engine.exec.kv_blocks import BlockLayout, BlockLedger, Plan
 from engine.exec.kv_host import MIB, HostKVStore
 from engine.telemetry import EventBus, KvEvent
+
+
+@dataclass
+class _PendingFetch:
+    """A fetch enqueued on the copy stream; its telemetry is published once `end` has completed."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    blocks: int
+    mib: float
+    host_mib: float  # what the host held when the fetch was planned
+    slots: list[int]
 
 
 @dataclass
@@ -57,6 +82,22 @@ class KVPaging:
         self.take_memory: Callable[[float, str], float] | None = None
         self.on_resize: Callable[[], None] | None = None
         self._table = torch.tensor([self.ledger.table_row(s) for s in range(layout.num_slots)], dtype=torch.int32)
+        # CUDA only: the stream fetches run on, one external event per KV layer (attend's layer index), and the
+        # fetches whose timing is not read yet.
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._layer_fetched: list[torch.cuda.Event] = []
+        self._pending: list[_PendingFetch] = []
+        if kv.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(kv.device)
+            # torch/cuda/streams.py (Event): "external (bool, optional): indicates whether this event should create
+            # event record and event wait nodes, or create an internal cross-stream dependency, when captured in a
+            # cuda graph" (pytorch/pytorch#155372); CUDA's cudaGraphAddEventWaitNode: "The graph node will wait for
+            # all work captured in event" (what its latest cudaEventRecord captured). The events are recorded once
+            # here because torch creates a CUDA event lazily, at its first record, and c10's CUDAEvent::block does
+            # nothing for an event not yet created: a graph captured before the first fetch would get no wait node.
+            self._layer_fetched = [torch.cuda.Event(external=True) for _ in range(kv.geometry.num_layers)]
+            for event in self._layer_fetched:
+                event.record(self._copy_stream)
 
     # --- queries -------------------------------------------------------------------------------------------
 
@@ -93,6 +134,7 @@ class KVPaging:
         return self.ledger.placement_tokens(slot, length_tokens)
 
     def snapshot(self) -> dict:
+        self._finish_fetches(wait=False)
         s = self.stats
         return {"resident_tokens": self.resident_tokens, "pool_blocks": self.ledger.pool_blocks,
                 "free_pool_blocks": self.ledger.free_pool_blocks, "block_tokens": self.layout.block_tokens,
@@ -104,7 +146,9 @@ class KVPaging:
     # --- commands ------------------------------------------------------------------------------------------
 
     def prepare(self, wants: dict[int, int]) -> None:
-        """Make every block slot s addresses below wants[s] (tokens) live on the device; see the module doc."""
+        """Make every block slot s addresses below wants[s] (tokens) live on the device, or on its way there on
+        the copy stream (attend waits for each layer: `wait_fetched`); see the module doc."""
+        self._finish_fetches(wait=False)
         short = self.ledger.shortfall(wants)
         if short > 0:
             self._grow_from_tier(short, "the KV pool is short")
@@ -113,6 +157,28 @@ class KVPaging:
             self._copy(plan)
         if plan.changed_slots:
             self._sync_rows(plan.changed_slots)
+
+    def wait_fetched(self, layer: int) -> None:
+        """The current stream waits until `layer`'s blocks of the last fetch have landed (a no-op on the CPU).
+        Called by attend before it writes the layer's pool: the write may land in a partly filled block that is
+        being fetched. Inside a graph capture this is the event-wait node the replays wait on."""
+        if self._layer_fetched:
+            torch.cuda.current_stream(self.kv.device).wait_event(self._layer_fetched[layer])
+
+    def join_fetches(self) -> None:
+        """The current stream waits for every fetch enqueued so far: for readers and writers of the pools that do
+        not go through attend (the tier's read_span / write_span, a spill, a pool growth)."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.kv.device).wait_stream(self._copy_stream)
+
+    def free(self) -> None:
+        """Publish what is still pending (waiting for it: nothing may copy into pools about to be dropped) and
+        drop the host memory."""
+        try:
+            self._finish_fetches(wait=True)
+        except RuntimeError:  # the device already failed (Engine.close after a fault): there is nothing to publish
+            self._pending.clear()
+        self.host.free()
 
     def retire(self, slot: int) -> None:
         self.ledger.retire(slot)
@@ -130,29 +196,70 @@ class KVPaging:
         self.kv.block_table.copy_(self._table)  # in place: captured steps read this tensor
 
     def _copy(self, plan: Plan) -> None:
-        pools, bt = self.kv.pools(), self.layout.block_tokens
-        for action, moves in (("spill", plan.spills), ("fetch", plan.fetches)):
-            if not moves:
-                continue
+        pools = self.kv.pools()
+        if plan.spills:
+            moves = plan.spills
+            # A spill reads pool blocks a fetch the last forward did not wait for whole may still be writing (an
+            # MTP layer's, after a forward of the main layers only).
+            self.join_fetches()
             t0 = time.perf_counter()
-            if action == "spill":
-                self.host.ensure(self.ledger.host_blocks)
-                self.host.spill(pools, [m.src for m in moves], [m.dst for m in moves])
-            else:
-                self.host.fetch(pools, [m.src for m in moves], [m.dst for m in moves])
+            self.host.ensure(self.ledger.host_blocks)
+            self.host.spill(pools, [m.src for m in moves], [m.dst for m in moves])
             self._sync_device()
             ms = (time.perf_counter() - t0) * 1e3
             mib = len(moves) * self.block_mib
-            if action == "spill":
-                self.stats.spilled_blocks += len(moves)
-                self.stats.spilled_mib += mib
-                self.stats.spill_ms += ms
+            self._count("spill", len(moves), mib, ms)
+            self._publish("spill", len(moves), mib, ms, sorted({m.slot for m in moves}), "room for a forward's slots")
+        if plan.fetches:
+            if self._copy_stream is None:
+                self._fetch_now(plan.fetches)
             else:
-                self.stats.fetched_blocks += len(moves)
-                self.stats.fetched_mib += mib
-                self.stats.fetch_ms += ms
-            self._publish(action, len(moves), mib, ms, sorted({m.slot for m in moves}),
-                          "room for a forward's slots" if action == "spill" else "a forward reads them")
+                self._fetch_overlapped(plan.fetches)
+
+    def _fetch_now(self, moves: list) -> None:
+        """The CPU fetch: a plain copy, done when it returns."""
+        t0 = time.perf_counter()
+        self.host.fetch(self.kv.pools(), [m.src for m in moves], [m.dst for m in moves])
+        ms = (time.perf_counter() - t0) * 1e3
+        mib = len(moves) * self.block_mib
+        self._count("fetch", len(moves), mib, ms)
+        self._publish("fetch", len(moves), mib, ms, sorted({m.slot for m in moves}), "a forward reads them")
+
+    def _fetch_overlapped(self, moves: list) -> None:
+        """Enqueue the fetch on the copy stream layer by layer, recording each layer's event; return at once."""
+        stream = self._copy_stream
+        # The destination blocks may still be read by the forward before this one (and a spill just read them).
+        stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            self.host.fetch(self.kv.pools(), [m.src for m in moves], [m.dst for m in moves],
+                            groups=self.kv.pool_groups(),
+                            after_group=lambda layer: self._layer_fetched[layer].record(stream))
+            end.record(stream)
+        self._pending.append(_PendingFetch(start, end, len(moves), len(moves) * self.block_mib, self.host_mib,
+                                           sorted({m.slot for m in moves})))
+
+    def _finish_fetches(self, wait: bool) -> None:
+        """Count and publish the fetches whose copies have completed, in order (one stream runs them); with
+        `wait`, all of them."""
+        while self._pending and (wait or self._pending[0].end.query()):
+            fetch = self._pending.pop(0)
+            fetch.end.synchronize()  # at once unless `wait`: query() said it completed
+            ms = fetch.start.elapsed_time(fetch.end)
+            self._count("fetch", fetch.blocks, fetch.mib, ms)
+            self._publish("fetch", fetch.blocks, fetch.mib, ms, fetch.slots, "a forward reads them",
+                          host_mib=fetch.host_mib)
+
+    def _count(self, action: str, blocks: int, mib: float, ms: float) -> None:
+        if action == "spill":
+            self.stats.spilled_blocks += blocks
+            self.stats.spilled_mib += mib
+            self.stats.spill_ms += ms
+        else:
+            self.stats.fetched_blocks += blocks
+            self.stats.fetched_mib += mib
+            self.stats.fetch_ms += ms
 
     def _grow_from_tier(self, short_blocks: int, reason: str) -> None:
         """Ask the tier for `short_blocks` (at least one slot's window) of pool memory and grow into what it
@@ -169,6 +276,7 @@ class KVPaging:
         blocks = min(want, int(max(0.0, freed - transient) // block_mib)) if block_mib > 0 else 0
         if blocks <= 0:
             return
+        self.join_fetches()  # the old tensors are copied, then freed: no fetch may still be writing them
         t0 = time.perf_counter()
         try:
             self.kv.grow_pool(self.layout.pool_base + self.ledger.pool_blocks + blocks)
@@ -185,8 +293,10 @@ class KVPaging:
         if self.kv.device.type == "cuda":
             torch.cuda.synchronize(self.kv.device)
 
-    def _publish(self, action: str, blocks: int, mib: float, ms: float, slots: list[int], reason: str) -> None:
+    def _publish(self, action: str, blocks: int, mib: float, ms: float, slots: list[int], reason: str,
+                 host_mib: float | None = None) -> None:
         if self.bus is not None:
+            host_mib = self.host_mib if host_mib is None else host_mib
             self.bus.publish(KvEvent(action=action, blocks=blocks, tokens=blocks * self.layout.block_tokens,
-                                     mib=round(mib, 4), ms=round(ms, 3), host_mib=round(self.host_mib, 4),
+                                     mib=round(mib, 4), ms=round(ms, 3), host_mib=round(host_mib, 4),
                                      slots=slots, reason=reason, device=str(self.kv.device)))

@@ -49,19 +49,6 @@ def test_consecutive_host_ids_in_any_order_are_one_transfer_per_pool_tensor():
         assert torch.equal(pool[:, [0, 1, 2, 3, 4]], old[:, [1, 17, 12, 4, 8]])
 
 
-def test_a_subset_of_pool_tensors_moves_alone():
-    pools = _pools()
-    before = [p.clone() for p in pools]
-    store = HostKVStore(pools, pinned=False)
-    store.ensure(4)
-    store.spill(pools, [3], [0])
-    pools[0][:, 5] = 0
-    pools[1][:, 5] = 0
-    store.fetch(pools, [0], [5], indices=[1])  # the values of one layer, say, before the keys
-    assert torch.equal(pools[1][:, 5], before[1][:, 3])
-    assert not torch.equal(pools[0][:, 5], before[0][:, 3])
-
-
 def test_what_the_host_holds_survives_growth():
     pools = _pools(40)
     reference = [p.clone() for p in pools]
@@ -76,3 +63,22 @@ def test_what_the_host_holds_survives_growth():
     store.fetch(pools, list(range(40)), list(reversed(range(40))))
     for pool, old in zip(pools, reference):
         assert torch.equal(pool.flip(1), old)
+
+
+def test_a_fetch_lands_one_group_after_another_in_the_order_given():
+    """A fetch copies one group of pool tensors (a layer's keys, values and scales) after another and says when
+    each is enqueued: on CUDA the layer's event is recorded there, so layer 0 is read while later layers copy."""
+    pools = _pools()
+    before = [p.clone() for p in pools]
+    store = HostKVStore(pools, pinned=False)
+    store.ensure(4)
+    store.spill(pools, [9, 2], [1, 3])
+    for pool in pools:
+        pool[:, [4, 5]] = 0
+    landed = []
+
+    def after_group(group: int) -> None:
+        landed.append((group, [torch.equal(p[:, [4, 5]], old[:, [9, 2]]) for p, old in zip(pools, before)]))
+
+    store.fetch(pools, [1, 3], [4, 5], groups=[[2], [0, 1]], after_group=after_group)
+    assert landed == [(0, [False, False, True]), (1, [True, True, True])]

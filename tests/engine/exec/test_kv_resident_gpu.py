@@ -1,5 +1,7 @@
 """`--kv-resident` on the GPU (skipped without CUDA): the Triton paged kernels read spilled-and-fetched blocks
-through the block table, and captured CUDA graphs replay unchanged while the table moves under them."""
+through the block table, and captured CUDA graphs replay unchanged while the table moves under them. Fetches run
+on a copy stream, layer by layer, overlapped with the forward: each layer's attention waits for its blocks (in
+captured graphs too), and `prepare` returns before the copy is done."""
 
 from __future__ import annotations
 
@@ -49,6 +51,11 @@ def test_gpu_spilled_kv_through_the_paged_kernels_and_graphs_gives_the_tokens_of
     kinds = [e.action for e in bus.history() if e.type == "kv"]
     assert "spill" in kinds and "fetch" in kinds
     assert _replays(engine) > 0  # captured steps replayed with the table pointing at fetched blocks
+    # Fetches went through the copy stream; once it is idle every one of them is counted and published.
+    torch.cuda.synchronize()
+    state = engine.kv.paging.snapshot()
+    fetches = [e for e in bus.history() if e.type == "kv" and e.action == "fetch"]
+    assert state["fetched_blocks"] == sum(e.blocks for e in fetches) and all(e.ms > 0 for e in fetches)
 
 
 def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ckpt):
@@ -74,3 +81,57 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
     assert _replays(engine) > replays
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+# ~0.25-0.5 s of GPU clock at the H200's 1.4-2 GHz: long enough that the host is far ahead when it looks.
+_SLOW_COPY_CYCLES = 500_000_000
+
+
+def test_gpu_a_replayed_decode_waits_for_a_slow_fetch_that_prepare_did_not_wait_for(ckpt):
+    """The decode graph is captured while nothing is fetched; slot 0's blocks then spill, and the fetch that
+    brings them back is made slow (a sleep queued on the copy stream before its copies). `prepare` returns with
+    the copy still running (no layer's event complete), and the replayed graph still reads exactly the fetched
+    KV: its captured waits on the external layer events held each layer back until its blocks had landed."""
+    from engine.exec.runner import Row
+
+    engine = _tier_with_nothing_to_give(_engine(ckpt, batch=2, kv_resident=64))
+    runner, kv, paging = engine.runner, engine.kv, engine.kv.paging
+    prompt = random_prompts(2, seed=5, lengths=(700, 701))
+    with torch.inference_mode():
+        for start in range(0, 640, 64):
+            runner.prefill(0, prompt[0][start:start + 64], start)
+        first = runner.decode([Row(0, 11, 640)]).logits.clone()  # eager warm-up and capture: no fetch yet
+        runner.decode([Row(0, 11, 640)])
+        replays = _replays(engine)
+        for start in range(0, 700, 64):  # slot 1 takes the pool: slot 0's blocks spill
+            runner.prefill(1, prompt[1][start:start + 64], start)
+        assert paging.placement_tokens(0, 640)[2] > 0, "slot 0 has nothing on the host"
+        torch.cuda.synchronize()
+
+        real_fetch, real_prepare = paging.host.fetch, paging.prepare
+        streams, after_prepare = [], []
+
+        def slow_fetch(*args, **kwargs):
+            streams.append(torch.cuda.current_stream().cuda_stream)
+            torch.cuda._sleep(_SLOW_COPY_CYCLES)  # queued ahead of the copies on the stream they run on
+            real_fetch(*args, **kwargs)
+
+        def watched_prepare(wants):
+            real_prepare(wants)
+            layers_done = [e.query() for e in paging._layer_fetched]
+            after_prepare.append((layers_done, [f.end.query() for f in paging._pending]))
+
+        paging.host.fetch, paging.prepare = slow_fetch, watched_prepare
+        fetched = paging.stats.fetched_blocks
+        again = runner.decode([Row(0, 11, 640)]).logits.clone()  # fetch back, replay the same graph
+        torch.cuda.synchronize()
+
+    assert streams == [paging._copy_stream.cuda_stream], "the fetch ran on the copy stream, once"
+    [(layers_done, pending_done)] = after_prepare
+    assert not any(layers_done), "prepare waited for the copy"
+    assert pending_done == [False]  # left pending: its telemetry comes once the copy is done
+    assert _replays(engine) > replays, "the decode ran eagerly: the captured waits were not exercised"
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    state = paging.snapshot()  # the copy is done now: its time (the sleep included) is published
+    assert state["fetched_blocks"] > fetched and paging._pending == []
+    assert state["fetch_ms"] >= 100.0
