@@ -14,7 +14,9 @@
 #   moe_seed              #20: the seed scenario on a random Qwen3-MoE with --expert-cache-mib auto (MOE_RUNS, 5;
 #                         about 90 s each: a 55-81 s start)
 #   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor
-#   kvspill_six           #18: the seed's six long prompts on a pool sized for two: tokens = the run with room
+#   kvspill_six           #18: the seed's six long prompts on a pool sized for two, in fp32: tokens = the run with
+#                         room (in bf16 they differ: the spill run decodes in forwards of fewer rows, which round
+#                         differently on a random model's near-tied logits; 2026-12-01 fourth session)
 #   oom_pressure          #15 item 7: the real-pressure graph-cache test alone, its message printed (-s)
 #   kv_resident_tests     #18: spilled KV through the paged kernels and graphs = tokens of a run with room
 #   prefill_kernel_tests  #17: the prompt-chunk kernel against the reference, captured, in an engine (PAGED_PREFILL)
@@ -47,8 +49,8 @@ step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs ${MOE_RUNS:-5} --devi
     --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
 step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 8K \
     --new-tokens 64 --kv-resident 1024 --json "$OUT/kvspill.json"
-step kvspill_six 120 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --slots 6 \
-    --prompt-tokens 8K --new-tokens 32 --kv-resident 1024 --json "$OUT/kvspill_six.json"
+step kvspill_six 150 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --slots 6 \
+    --dtype float32 --prompt-tokens 8K --new-tokens 32 --kv-resident 1024 --json "$OUT/kvspill_six.json"
 step oom_pressure 90 "${GPU_TEST[@]}" -s tests/engine/exec/test_oom_gpu.py -k real_pressure
 step kv_resident_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_resident_gpu.py
 step prefill_kernel_tests 150 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_prefill_gpu.py
@@ -58,7 +60,7 @@ step attention_prefill 120 "$PY" -m engine.bench attention --device cuda:0 --row
     --prefill-tune 128x64x8x2,128x64x4x3,128x128x8x2,64x64x4x2 --json "$OUT/attention_prefill.json"
 step reuse 90 "$PY" -m engine.bench reuse --model random:0.6b --device cuda:0 --prompt-sizes 32K \
     --json "$OUT/reuse.json"
-step kv_seed 150 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \
+step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
 COMPILED=(env XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 "$PY" -m engine.bench decode \
           --model random:0.6b --device cuda:0 --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on

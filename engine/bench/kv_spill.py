@@ -67,6 +67,8 @@ def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str,
         generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=900 + i) for i in range(args.slots)],
                      args.new_tokens)  # captures the buckets the timed run needs
         paging = bench.engine.kv.paging
+        # Synchronized first: a CUDA fetch's figures are counted once its copy has completed (engine.exec.kv_paging).
+        sync(bench.engine.device)
         before = dict(paging.snapshot()) if paging is not None else None
         stats = generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=i) for i in range(args.slots)],
                              args.new_tokens)
@@ -74,6 +76,7 @@ def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str,
                                "kv_resident": bench.config.kv_resident, "decode_tok_s": stats.decode_tok_s,
                                "steps": stats.steps, "tokens": stats.tokens, "token_ids": stats.token_ids}
         if paging is not None:
+            sync(bench.engine.device)
             after = paging.snapshot()
             steps = max(1, stats.steps)
             row.update({key: (after[key] - before[key]) / steps for key in ("fetched_mib", "spilled_mib",
