@@ -77,7 +77,10 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
         assert kv.paging.placement_tokens(0, 640)[2] > 0, "slot 0 has nothing on the host"
         fetched = kv.paging.stats.fetched_blocks
         again = runner.decode([Row(0, 11, 640)]).logits.clone()  # fetch back, replay the same graph
-        assert kv.paging.stats.fetched_blocks > fetched
+        # A CUDA fetch is counted once its copy has completed (the H200, 2026-12-01: read right after the
+        # decode, the count was still 0), at the next prepare or snapshot.
+        torch.cuda.synchronize()
+        assert kv.paging.snapshot()["fetched_blocks"] > fetched
     assert _replays(engine) > replays
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
