@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # What the open issues still need from one H200, in the order to run it. Three calls of at most 10 minutes each
-# (a step skips itself when the budget is short). The session of 2026-12-01 (third) ran the suite, the tier tests,
-# three MoE seed runs and part of attention_prefill (docs/BENCHMARKS.md, "The GPU session of 2026-12-01"); next:
+# (a step skips itself when the budget is short). The sessions of 2026-12-01 (third and fourth) ran the suite
+# three times, kvspill three times, three + two MoE seed runs (docs/BENCHMARKS.md, "The GPU session of
+# 2026-12-01 (third)" and "(fourth)"); next:
 #
 #   OUT=$OUT STEPS=gpu_suite,kvspill,kvspill_six bash scripts/gpu_pending.sh
-#   OUT=$OUT MOE_RUNS=2 STEPS=moe_seed,attention_prefill bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=reuse,kv_seed,compile_cold,compile_warm bash scripts/gpu_pending.sh
+#   OUT=$OUT MOE_RUNS=3 STEPS=moe_seed,kv_seed bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=attention_prefill,reuse,compile_cold,compile_warm bash scripts/gpu_pending.sh
 #
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
@@ -13,10 +14,11 @@
 #   tier_tests            #15 item 7: the two tier tests the 2026-12-01 suite failed, alone, with their figures
 #   moe_seed              #20: the seed scenario on a random Qwen3-MoE with --expert-cache-mib auto (MOE_RUNS, 5;
 #                         about 90 s each: a 55-81 s start)
-#   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor
-#   kvspill_six           #18: the seed's six long prompts on a pool sized for two, in fp32: tokens = the run with
-#                         room (in bf16 they differ: the spill run decodes in forwards of fewer rows, which round
-#                         differently on a random model's near-tied logits; 2026-12-01 fourth session)
+#   kvspill               #18: decode with half of the non-resident KV on the host, against the PCIe floor, and
+#                         its tokens against each prompt decoded alone (`same_tokens_as_alone`)
+#   kvspill_six           #18: the seed's six long prompts on a pool sized for two: tokens = each prompt decoded
+#                         alone with room (`same_tokens_as_alone`: in bf16 the room run's differed on 2026-12-01;
+#                         an fp32 run took 29.8 tok/s with room and ran past 150 s)
 #   oom_pressure          #15 item 7: the real-pressure graph-cache test alone, its message printed (-s)
 #   kv_resident_tests     #18: spilled KV through the paged kernels and graphs = tokens of a run with room
 #   prefill_kernel_tests  #17: the prompt-chunk kernel against the reference, captured, in an engine (PAGED_PREFILL)
@@ -50,7 +52,7 @@ step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs ${MOE_RUNS:-5} --devi
 step kvspill 100 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --prompt-tokens 8K \
     --new-tokens 64 --kv-resident 1024 --json "$OUT/kvspill.json"
 step kvspill_six 150 "$PY" -m engine.bench kvspill --model random:0.6b --device cuda:0 --kv int8 --slots 6 \
-    --dtype float32 --prompt-tokens 8K --new-tokens 32 --kv-resident 1024 --json "$OUT/kvspill_six.json"
+    --prompt-tokens 8K --new-tokens 32 --kv-resident 1024 --json "$OUT/kvspill_six.json"
 step oom_pressure 90 "${GPU_TEST[@]}" -s tests/engine/exec/test_oom_gpu.py -k real_pressure
 step kv_resident_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_resident_gpu.py
 step prefill_kernel_tests 150 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_prefill_gpu.py

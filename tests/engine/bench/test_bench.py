@@ -268,6 +268,7 @@ def test_kvspill_runs_both_configurations_and_reports_the_traffic(tmp_path: Path
     assert room["context"] == spill["context"] >= 300 + 6
     assert spill["fetched_mib"] > 0 and spill["spilled_mib"] > 0 and spill["h2d_gib_s"] > 0
     assert doc["summary"]["same_tokens"] is True and spill["floor_tok_s"] > 0
+    assert doc["summary"]["same_tokens_as_alone"] is True
 
 
 def test_kvspill_with_the_seeds_six_long_prompts_spills_every_step_and_keeps_the_tokens(tmp_path: Path) -> None:
@@ -278,6 +279,7 @@ def test_kvspill_with_the_seeds_six_long_prompts_spills_every_step_and_keeps_the
     room, spill = doc["rows"]
     assert room["tokens"] == spill["tokens"] == 6 * 4
     assert spill["fetched_mib"] > 0 and spill["spilled_mib"] > 0 and doc["summary"]["same_tokens"] is True
+    assert doc["summary"]["same_tokens_as_alone"] is True
     with pytest.raises(ConfigError, match="slots=1"):
         bench(tmp_path, ["kvspill", *TINY, "--slots", "1", "--prompt-tokens", "200", "--new-tokens", "4"])
 
