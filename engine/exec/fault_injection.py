@@ -31,8 +31,11 @@ _DRIVER_OOM = "CUDA error: out of memory"
 _ALLOC_OOM = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 139.81 GiB "
               "of which 2.00 MiB is free.")
 _INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
+# torch's tail on every CUDA error, its last line included: "device-side assertions" in it once made every
+# injected and real CUDA error look sticky to engine.exec.gpu_errors (the H200, 2026-12-01).
 _BOILERPLATE = ("\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
-                "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1")
+                "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1"
+                "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
 
 
 def _oom_type() -> type[RuntimeError]:
