@@ -297,3 +297,32 @@ def test_a_peer_without_room_for_the_expert_store_is_refused_before_allocating(m
         start_expert_cache(None, lm.model, torch.device("cpu"), EventBus(), 1e6, 1024.0,
                            peer=torch.device("cuda:1"), peer_free_mib=1024.0)
     assert len(lm.model.layers[0].mlp.experts) == 16  # nothing was taken from the model
+
+
+def test_torch_compile_traces_none_of_the_expert_cache(moe_ckpt):
+    """Under COMPILE, Dynamo must not trace the expert cache: it would specialize on `capturing()` (False at the
+    warm-up) and compile the captured branch during the CUDA graph capture itself, which CUDA refuses (every MoE
+    seed run on the H200, 2026-12-01, lost COMPILE or its engine). The graphs Dynamo hands its backend hold the
+    router but no operation from engine/exec/expert_cache.py, and the compiled block still computes the same."""
+    import torch
+
+    with one_thread():
+        engine = make_engine(moe_ckpt, batch=3, expert_cache_mib=1)
+        try:
+            block = next(m for m in engine.lm.model.modules() if getattr(m, "_provider", None))
+            traced_from: list[str] = []
+
+            def record(gm, example_inputs):
+                traced_from.extend(node.meta.get("stack_trace") or "" for node in gm.graph.nodes)
+                return gm
+
+            x = torch.randn(1, 4, engine.lm.config.hidden_size, generator=torch.Generator().manual_seed(2))
+            with torch.no_grad():
+                compiled = torch.compile(block, backend=record)(x)
+                eager = block(x)
+        finally:
+            engine.close()
+            torch._dynamo.reset()
+    assert any("moe.py" in trace for trace in traced_from), "Dynamo traced nothing: the test proves nothing"
+    assert not [trace for trace in traced_from if "expert_cache.py" in trace]
+    assert torch.equal(compiled, eager)
