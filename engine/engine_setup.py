@@ -160,12 +160,12 @@ class _PartsBuilder:
 
             inner = executor
             experts.on_resize = lambda: inner.invalidate(lambda kind, key: True)  # graphs read the old pools
-            executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens, board)
+            executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens)
         runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
         if experts is not None:
             # prompt chunks with the fused chunk attention run on the runner's own eager executor: wrap it too, so
             # their padding rows load no expert and their accesses are counted as prefill steps
-            runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens, board)
+            runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
             follow_policy_switch(experts, board)  # EXPERT_LFU set at start
         runner.release_memory = self.make_room
         runner.oom_release_mib = float(max(256, config.vram_reserve_mib))

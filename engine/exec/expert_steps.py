@@ -1,7 +1,6 @@
 """ExpertStepExecutor: the step-executor seam with the expert cache's between-steps work around it.
 
 It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and, for every step:
-0. follows the EXPERT_LFU switch (live): the cache's slot policy is LRFU while it is on, LRU otherwise;
 1. marks the step's real rows (positions inside the context; padded batch rows sit past it), so neither path
    loads an expert only a padding row wants;
 2. runs the step through the inner executor (a graph replay, a capture, or eagerly);
@@ -36,11 +35,10 @@ MAX_EXTRA_REPLAYS = 3
 class ExpertStepExecutor:
     """Runs steps through `inner`, resolving expert-cache misses between steps (see the module docstring)."""
 
-    def __init__(self, inner: Any, cache: ExpertCache, context_tokens: int, board: SwitchBoard | None = None) -> None:
+    def __init__(self, inner: Any, cache: ExpertCache, context_tokens: int) -> None:
         self.inner = inner
         self.cache = cache
         self.context_tokens = context_tokens
-        self.board = board
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -48,7 +46,6 @@ class ExpertStepExecutor:
     def run(self, kind: str, key: Hashable, fn: StepFn, inputs: Mapping[str, Any],
             owner: str | None = None) -> dict[str, Any]:
         cache = self.cache
-        follow_policy_switch(cache, self.board)
         cache.stats.begin_step(kind)
         cache.served_this_step = set()
         self._mark_rows(inputs)
@@ -100,7 +97,8 @@ class ExpertStepExecutor:
 
 
 def follow_policy_switch(cache: ExpertCache, board: SwitchBoard | None) -> None:
-    """Give the cache the slot policy the EXPERT_LFU switch asks for (no change: nothing happens)."""
+    """Give the cache the slot policy the EXPERT_LFU switch asks for (no change: nothing happens). Called at
+    start and by Engine.set_switch, the one place the switch changes while the engine runs."""
     if board is None or POLICY_SWITCH not in board.states:
         return
     want = "lfu" if board.enabled(POLICY_SWITCH) else "lru"
