@@ -279,7 +279,7 @@ class KVPaging:
         self.join_fetches()  # the old tensors are copied, then freed: no fetch may still be writing them
         t0 = time.perf_counter()
         try:
-            self.kv.grow_pool(self.layout.pool_base + self.ledger.pool_blocks + blocks)
+            self.kv.resize_pool(self.layout.pool_base + self.ledger.pool_blocks + blocks)
         except torch.OutOfMemoryError:
             return  # the tensors that did grow keep their (unused) rows; the forward spills instead
         self.ledger.add_pool(blocks)

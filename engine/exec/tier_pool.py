@@ -38,7 +38,6 @@ from engine.core.prefix_index import BlockRef
 
 MIB = float(1 << 20)
 _MOVE_BLOCKS = 256  # blocks one compaction copy moves (its scratch: that many blocks of one pool tensor)
-_FILL = {"k": 0.0, "v": 0.0, "k_scale": 1.0, "v_scale": 1.0}  # new blocks hold finite data (never visible)
 
 
 class SharedTierBlocks:
@@ -197,44 +196,10 @@ class SharedTierBlocks:
             lst[j] = hole
 
     def _reallocate(self, num_blocks: int, stage: bool) -> None:
-        """Every pool tensor to `num_blocks` blocks, one at a time (the largest is briefly held twice)."""
-        for name in ("k", "v", "k_scale", "v_scale"):
-            pools = getattr(self.kv, name)
-            for i in range(len(pools)):
-                if pools[i].shape[1] != num_blocks:  # a growth that failed part-way left the rest as they were
-                    pools[i] = _resized(pools, i, num_blocks, _FILL[name], stage)
+        self.kv.resize_pool(num_blocks, stage)
 
     def _sync(self, slots: set[int]) -> None:
         for slot in slots:
             self._table[slot] = torch.tensor(self.row(slot), dtype=torch.int32)
         self.kv.block_table.copy_(self._table)  # in place: captured steps read this tensor
 
-
-def _resized(pools: list[torch.Tensor], i: int, num_blocks: int, fill: float, stage: bool) -> torch.Tensor:
-    """pools[i] with `num_blocks` blocks on axis 1, its first blocks kept. With `stage`, when the device cannot
-    hold the new tensor next to the old one (a shrink the out-of-memory path asked for), the kept part goes
-    through host memory: the old tensor is freed before the new one is allocated."""
-    old = pools[i]
-    device, dtype = old.device, old.dtype
-    keep = min(num_blocks, old.shape[1])
-    shape = (old.shape[0], num_blocks, *old.shape[2:])
-    try:
-        new = _empty(shape, dtype, device)
-        new[:, :keep].copy_(old[:, :keep])
-    except torch.OutOfMemoryError:
-        if not stage:
-            raise
-        host = old[:, :keep].to("cpu", copy=True)
-        pools[i] = old = None  # the last reference: its memory is free for the smaller tensor
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        new = _empty(shape, dtype, device)
-        new[:, :keep].copy_(host)
-    if num_blocks > keep:
-        new[:, keep:].fill_(fill)
-    return new
-
-
-def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The one allocation of a reallocation (a seam the tests inject out-of-memory errors into)."""
-    return torch.empty(shape, dtype=dtype, device=device)
