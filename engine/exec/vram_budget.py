@@ -53,7 +53,6 @@ def check_kv_fits(kv_mib: float, weights_mib: float, reserve_mib: float, free_mi
         )
 
 
-
 @dataclass
 class VramBudget:
     """One device's books: what each part holds, the reserve, and what is free. Feeds VramEvent and the tier."""
