@@ -24,6 +24,7 @@
 #   prefill_kernel_tests  #17: the prompt-chunk kernel against the reference, captured, in an engine (PAGED_PREFILL)
 #   moe_tests             #20: the MoE GPU tests (graph-capture OOM shrinks the expert cache, live grow)
 #   attention_prefill     #17: a 2048-token chunk over 8K / 32K / 128K cached tokens, kernel vs gather + SDPA
+#   ttft_paged_prefill_0/_1  #17: TTFT of fresh 32K / 128K / 176K prompts with PAGED_PREFILL off, then on
 #   reuse                 #17: TTFT of a repeated 32K prompt against the fresh one (the zero-copy goal: <= 5 %)
 #   kv_seed               #18: the seed scenario with the seed's `--kv-resident 16384` (131K prompt, 262K context)
 #   compile_cold/_warm    #17: FUSED_PROJ + COMPILE decode with an empty compile cache, then again (its END lines
@@ -44,7 +45,7 @@ source scripts/gpu_step.sh  # (the working directory is the repository root)
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 
-step gpu_suite 400 "${GPU_TEST[@]}" --durations=25 tests
+step gpu_suite 400 "${GPU_TEST[@]}" --durations=60 tests
 step tier_tests 90 "${GPU_TEST[@]}" -s -k "tier_takes_free_vram or small_release_takes_own_blocks" \
     tests/engine/test_engine_gpu.py tests/engine/exec/test_tier_shared_gpu.py
 step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs ${MOE_RUNS:-5} --device cuda:0 --random-model moe-bench \
@@ -60,6 +61,10 @@ step moe_tests 120 "${GPU_TEST[@]}" tests/engine/model/test_moe_gpu.py
 
 step attention_prefill 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 10 \
     --prefill-tune 128x64x8x2,128x64x4x3,128x128x8x2,64x64x4x2 --json "$OUT/attention_prefill.json"
+for paged in 0 1; do  # the prompt-chunk kernel end to end: TTFT of fresh prompts with PAGED_PREFILL off, then on
+    step ttft_paged_prefill_$paged 120 env STRATA_PAGED_PREFILL=$paged "$PY" -m engine.bench ttft --model random:0.6b \
+        --device cuda:0 --prompt-sizes 32K,128K,176K --json "$OUT/ttft_paged_prefill_$paged.json"
+done
 step reuse 90 "$PY" -m engine.bench reuse --model random:0.6b --device cuda:0 --prompt-sizes 32K \
     --json "$OUT/reuse.json"
 step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \

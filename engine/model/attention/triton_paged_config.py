@@ -29,4 +29,13 @@ class PrefillConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
-DEFAULT_PREFILL_CONFIG = PrefillConfig()
+# Chosen by `bench attention --rows prefill --prefill-tune` on the H200 (docs/BENCHMARKS.md, "The GPU session of
+# 2026-12-01 (fifth)"): the fastest measured shape per KV dtype at 8K, 32K and 128K cached tokens.
+DEFAULT_PREFILL_CONFIG_BF16 = PrefillConfig(query_tokens=128, tile_tokens=64, num_warps=4, num_stages=3)
+DEFAULT_PREFILL_CONFIG_INT8 = PrefillConfig(query_tokens=128, tile_tokens=128, num_warps=8, num_stages=2)
+
+
+def default_prefill_config(int8_kv: bool) -> PrefillConfig:
+    """The prefill kernel's launch shape when none is given: it differs by KV dtype (int8 dequantizes in the
+    tile loop, which favours longer key tiles)."""
+    return DEFAULT_PREFILL_CONFIG_INT8 if int8_kv else DEFAULT_PREFILL_CONFIG_BF16

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from engine.model.attention.triton_paged import scale_pools
-from engine.model.attention.triton_paged_config import DEFAULT_PREFILL_CONFIG, PrefillConfig
+from engine.model.attention.triton_paged_config import PrefillConfig, default_prefill_config
 
 _LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e)), folded into the score scale
 
@@ -147,7 +147,7 @@ def launch_shape(dtype: torch.dtype, chunk_tokens: int, config: PrefillConfig) -
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
                             slots: torch.Tensor, positions: torch.Tensor, span_tokens: int, context_tokens: int,
-                            config: PrefillConfig = DEFAULT_PREFILL_CONFIG) -> torch.Tensor:
+                            config: PrefillConfig | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] (bf16/fp16, or fp32 with exact fp32 dots), positions [B, T] long -> [B, Hq, T, D]."""
     b, hq, t, d = q.shape
     hkv, _, block_tokens, _ = k_pool.shape
@@ -155,8 +155,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     assert hq == g * hkv, (hq, hkv)
     assert positions.shape == (b, t), (positions.shape, q.shape)
     assert q.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous(), "contiguous head dim expected"
-    block_m, block_n, warps, stages = launch_shape(q.dtype, t, config)
     int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
+    block_m, block_n, warps, stages = launch_shape(q.dtype, t, config or default_prefill_config(int8))
     out = torch.empty_like(q)
     positions, slots = positions.contiguous(), slots.contiguous()
     _paged_prefill_kernel[(hq, triton.cdiv(t, block_m), b)](
