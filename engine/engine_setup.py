@@ -184,7 +184,8 @@ class _PartsBuilder:
             self.stage = "capturing every graph bucket (CAPTURE_ALL)"
             precapture_all(config, bus, board, executor, runner, drafter)
         self.stage = "allocating the adaptive tier"
-        shared = _shared_tier_blocks(board, bus, kv, index, device, self.tier_device, executor, runner)
+        shared = _shared_tier_blocks(board, bus, kv, index, device, self.tier_device, executor, runner,
+                                     asked=bool(config.switches.get(SHARED_SWITCH)))
         # A preallocated tier in the KV pool reallocates the pool tensors the graphs captured above read: drop
         # them first, keep their measured size free for the tier's budget, and capture them again after it.
         recapture = shared is not None and self.tier_device.type == "cuda" and board.enabled("CAPTURE_ALL")
@@ -315,11 +316,13 @@ def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budg
 
 
 def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, device: torch.device,
-                        tier_device: torch.device, executor: Any, runner: ModelRunner) -> SharedTierBlocks | None:
+                        tier_device: torch.device, executor: Any, runner: ModelRunner,
+                        asked: bool = False) -> SharedTierBlocks | None:
     """With SHARED_PREFIX on, the tier's blocks in the KV pool (a reused prefix shared by reference), where the
     compute device's kernels can read them: the tier on the compute device, every slot owning its context (no
     --kv-resident: its ledger owns the table), and tier blocks of whole pool blocks. Otherwise None: the tier
-    copies (SHARED_PREFIX, asked for, is then marked unavailable with the reason, and a WARNING says so)."""
+    copies (SHARED_PREFIX is then marked unavailable with the reason; a WARNING says so when it was asked for,
+    not merely on by default)."""
     if not board.enabled(SHARED_SWITCH):
         return None
     why = ("the tier is on another device (--peer-device)" if tier_device != device
@@ -328,7 +331,8 @@ def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, inde
     if why is not None:
         reason = f"{why}: reused prefixes are copied"
         board.mark_unavailable(SHARED_SWITCH, reason)
-        bus.publish(WarningEvent(where="engine.exec.tier_pool", message=f"SHARED_PREFIX is off: {reason}"))
+        if asked:
+            bus.publish(WarningEvent(where="engine.exec.tier_pool", message=f"SHARED_PREFIX is off: {reason}"))
         return None
     shared = SharedTierBlocks(kv, index.block_tokens)
 

@@ -92,7 +92,9 @@ SWITCHES: tuple[Switch, ...] = (
         "chunk instead of gathering the span first (needs PAGED_ATTN; CUDA only)",
         live=True,
         key_tag="pprefill",
-        effect="not measured on a GPU yet: opt-in until it is (docs/SWITCHES.md)",
+        effect="on by default: prompt chunks 1.14-1.34x faster than gather + flash SDPA at 8K-128K cached tokens and "
+               "fresh prompts' first token 1.19-1.29x sooner on the H200 (docs/SWITCHES.md)",
+        default=True,
     ),
     Switch(
         "SHARED_PREFIX",
@@ -100,7 +102,9 @@ SWITCHES: tuple[Switch, ...] = (
         "table, not copied, and a finished prompt's blocks are handed to the tier, not copied (tier on the compute "
         "device, without --kv-resident)",
         live=False,
-        effect="not measured on a GPU yet: opt-in until the reuse TTFT and the seed scenario are (docs/SWITCHES.md)",
+        effect="on by default: a reused 32K prompt's first token in 3.8 % of the fresh one's time on the H200, "
+               "against 15 % when the tier copies (docs/SWITCHES.md)",
+        default=True,
     ),
     Switch(
         "EXPERT_LFU",
@@ -144,9 +148,10 @@ def parse_flag(var: str, raw: str) -> bool:
 
 
 def switches_from_env(environ: Mapping[str, str]) -> dict[str, bool]:
-    """Every registered switch's start value from an environment mapping (its default when the variable is unset)."""
-    return {s.name: parse_flag(s.env_var, environ[s.env_var]) if s.env_var in environ else s.default
-            for s in SWITCHES}
+    """The switches an environment mapping sets explicitly (`STRATA_<NAME>` present), with their values; the rest
+    take their default (SwitchBoard.from_values). Kept apart so that the engine can tell a switch someone asked
+    for (a WARNING when it cannot apply) from one that is merely on by default (marked unavailable quietly)."""
+    return {s.name: parse_flag(s.env_var, environ[s.env_var]) for s in SWITCHES if s.env_var in environ}
 
 
 @dataclass

@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# What the open issues still need from one H200, in the order to run it. Three calls of at most 10 minutes each
-# (a step skips itself when the budget is short). The sessions of 2026-12-01 (third and fourth) ran the suite
-# three times, kvspill three times, three + two MoE seed runs (docs/BENCHMARKS.md, "The GPU session of
-# 2026-12-01 (third)" and "(fourth)"); next:
+# What the open issues still need from one H200, in the order to run it. Calls of at most 10 minutes each (a
+# step skips itself when the budget is short). The sessions of 2026-12-01 (third to fifth) ran the suite four
+# times, kvspill five times, eight MoE seed runs, the kv seed, the prompt-chunk kernel and TTFT, reuse and the
+# compile starts (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (fifth)"); next (#17):
 #
-#   OUT=$OUT STEPS=gpu_suite,kvspill,kvspill_six bash scripts/gpu_pending.sh
-#   OUT=$OUT MOE_RUNS=3 STEPS=moe_seed,kv_seed bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=attention_prefill,reuse,compile_cold,compile_warm bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=peers,profile128k_int8,admission bash scripts/gpu_pending.sh
 #
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
@@ -27,6 +25,11 @@
 #   ttft_paged_prefill_0/_1  #17: TTFT of fresh 32K / 128K / 176K prompts with PAGED_PREFILL off, then on
 #   reuse                 #17: TTFT of a repeated 32K prompt against the fresh one (the zero-copy goal: <= 5 %)
 #   kv_seed               #18: the seed scenario with the seed's `--kv-resident 16384` (131K prompt, 262K context)
+#   peers                 #17: default switches (PAGED_PREFILL, SHARED_PREFIX now on) against HF static cache +
+#                         torch.compile in the same run, batch 1 and 6 (the goal: >= 2.0x)
+#   profile128k_int8      #17: a batch-1 decode step at 128K context with int8 KV (the goal: <= 5 ms)
+#   admission             #17: six slots decoding while a fresh 176K prompt is admitted (TTFT <= 2x alone, decode
+#                         ratio >= 0.5), int8 KV, the prompt-chunk kernel on
 #   compile_cold/_warm    #17: FUSED_PROJ + COMPILE decode with an empty compile cache, then again (its END lines
 #                         give each start's wall time; the 128 s start measured on 2026-11-29 was a cold one)
 #
@@ -69,6 +72,12 @@ step reuse 90 "$PY" -m engine.bench reuse --model random:0.6b --device cuda:0 --
     --json "$OUT/reuse.json"
 step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
+step peers 200 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 --batches 1,6 --peers static \
+    --json "$OUT/peers.json"
+step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
+    --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
+step admission 240 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 --long-tokens 176K \
+    --kv int8 --baseline-steps 64 --json "$OUT/admission.json"
 COMPILED=(env XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 "$PY" -m engine.bench decode \
           --model random:0.6b --device cuda:0 --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on
 )

@@ -42,8 +42,11 @@ def test_live_toggle_restart_only_and_degrade() -> None:
     assert snap["FUSED_PROJ"]["live"] is False and snap["SPLIT_ATTN"]["enabled"] is True
 
 
-def test_a_measured_winner_is_on_by_default_and_its_variable_turns_it_off() -> None:
-    assert get_switch("PAGED_ATTN").default is True
-    assert switches_from_env({})["PAGED_ATTN"] is True and switches_from_env({})["SPLIT_ATTN"] is False
-    assert switches_from_env({"STRATA_PAGED_ATTN": "0"})["PAGED_ATTN"] is False
-    assert SwitchBoard.from_values({}).enabled("PAGED_ATTN")
+@pytest.mark.parametrize("name", ["PAGED_ATTN", "PAGED_PREFILL", "SHARED_PREFIX"])
+def test_a_measured_winner_is_on_by_default_and_its_variable_turns_it_off(name) -> None:
+    assert get_switch(name).default is True
+    assert switches_from_env({}) == {}  # nothing asked for: every switch takes its default on the board
+    board = SwitchBoard.from_values(switches_from_env({}))
+    assert board.enabled(name) and not board.enabled("SPLIT_ATTN")
+    assert switches_from_env({f"STRATA_{name}": "0"}) == {name: False}
+    assert not SwitchBoard.from_values(switches_from_env({f"STRATA_{name}": "0"})).enabled(name)

@@ -111,11 +111,11 @@ def engine_check(model: str, kv: str) -> None:
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reference = tokens_of(run_all(make_engine(Path(model), batch=2, kv=kv), prompts, params))
     kv_cache.kernel_backend = lambda device: InterpretedKernels()
-    decode_only = make_engine(Path(model), batch=2, kv=kv)  # PAGED_PREFILL off (its default): chunks gather
+    decode_only = make_engine(Path(model), batch=2, kv=kv, switches={"PAGED_PREFILL": False})  # chunks gather
     assert decode_only.runner.paged_enabled()
     assert tokens_of(run_all(decode_only, prompts, params)) == reference
     assert calls["decode"] and not calls["prefill"], calls
-    kernels = make_engine(Path(model), batch=2, kv=kv, switches={"PAGED_PREFILL": True})
+    kernels = make_engine(Path(model), batch=2, kv=kv)  # PAGED_PREFILL on by default
     assert tokens_of(run_all(kernels, prompts, params)) == reference
     assert calls["prefill"], calls
 

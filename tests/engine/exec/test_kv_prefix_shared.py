@@ -15,7 +15,7 @@ from tests.engine.engine_helpers import make_engine, random_prompts, run_all, to
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SHARED = {"SHARED_PREFIX": True}  # opt-in until it is measured on a GPU
+SHARED = {"SHARED_PREFIX": True}  # asked for explicitly (it is also on by default)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 TIER_TOKENS = 64  # one pool block per tier block (the engine's default 256 is four)
 
@@ -169,3 +169,16 @@ def test_a_capture_out_of_memory_shrinks_the_pool_around_a_mapped_prefix_and_the
     assert engine.kv.k[0].shape[1] < pool_blocks and engine.tier.shared_blocks == 4
     actions = [e.action for e in bus.history() if e.type == "graph" and e.kind == "decode"]
     assert "wait" in actions and actions[-1] in ("capture", "release") and "degrade" not in actions
+
+
+def test_on_by_default_where_it_cannot_apply_it_is_marked_off_with_the_reason_but_warns_nobody(ckpt):
+    """SHARED_PREFIX is on by default: a `--kv-resident` engine that never asked for it gets the reason in its
+    switch state, not a WARNING on every start (the engine asked explicitly still warns: the test above)."""
+    bus = EventBus(history=5000)
+    engine = make_engine(ckpt, bus=bus, batch=2, block_tokens=TIER_TOKENS, kv_resident=1024)
+    assert engine.tier.shared is None
+    state = {s["name"]: s for s in engine.board.snapshot()}["SHARED_PREFIX"]
+    assert not state["enabled"] and "--kv-resident" in state["reason"]
+    assert not [e for e in bus.history() if e.type == "warning" and "SHARED_PREFIX" in e.message]
+    plain = make_engine(ckpt, batch=2, block_tokens=TIER_TOKENS)
+    assert plain.tier.shared is not None  # on by default where it applies

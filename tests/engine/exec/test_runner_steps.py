@@ -140,9 +140,9 @@ def test_paged_prefill_routes_prompt_chunks_to_the_kernel_path_only_when_on_and_
     reference = tokens_of(run_all(make_engine(ckpt, batch=2), prompts, params))
     monkeypatch.setattr(kv_cache, "kernel_backend", lambda device: RecordingKernels())
     executor = RecordingExecutor()
-    engine = make_engine(ckpt, batch=2, executor=executor)
+    engine = make_engine(ckpt, batch=2, executor=executor, switches={"PAGED_PREFILL": False})
     assert tokens_of(run_all(engine, prompts, params)) == reference
-    assert reads and max(reads) <= 8, "PAGED_PREFILL off (its default): chunks take the reference"
+    assert reads and max(reads) <= 8, "PAGED_PREFILL off: chunks take the reference"
     chunk_keys = [key for kind, key, _ in executor.calls if key.runs_chunks]
     assert chunk_keys and not any(key.depends_on("PAGED_PREFILL") for key in chunk_keys)
 
