@@ -99,6 +99,10 @@ class LoadClient:
         self.base_url = base_url.rstrip("/")
         self.headers = headers
         self.model = ""
+        # Ask for vLLM's `return_token_ids` (set by `discover` for a Strata server): chunks then carry their
+        # tokens' ids, and a token whose text is empty (a random checkpoint's vocabulary is far larger than its
+        # tokenizer's) still arrives and is counted. A generic OpenAI server would refuse the unknown field.
+        self.return_token_ids = False
 
     async def get_json(self, path: str) -> tuple[int, Any]:
         resp = await self.client.get(self.base_url + path, headers=self.headers)
@@ -118,7 +122,7 @@ class LoadClient:
     async def complete(self, result: RequestResult, prompt_ids: list[int], max_tokens: int, temperature: float,
                        t0: float, on_first_token: Callable[[], Awaitable[None]] | None = None) -> None:
         """Stream one /v1/completions request and fill `result`; never raises for server-side failures."""
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
@@ -126,22 +130,38 @@ class LoadClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.return_token_ids:
+            body["return_token_ids"] = True
         try:
-            async with self.client.stream("POST", self.base_url + "/v1/completions", json=body,
-                                          headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    result.error = f"HTTP {resp.status_code}: {_error_message(text)}"
-                    return
-                async for line in resp.aiter_lines():
-                    if await self._on_line(result, line, t0) and on_first_token is not None:
-                        await on_first_token()
+            if await self._stream(body, result, t0, on_first_token):
+                # A Strata server from before the field refused it: count text chunks, as from any OpenAI
+                # server, from now on (this one request's TTFT includes the refused round trip).
+                self.return_token_ids = False
+                del body["return_token_ids"]
+                await self._stream(body, result, t0, on_first_token)
         except httpx.HTTPError as exc:
             result.error = _describe(exc)
         finally:
             result.end_s = time.perf_counter() - t0
         if result.error is None and result.finish_reason is None:
             result.error = "stream ended without a finish_reason (the server closed it early)"
+
+    async def _stream(self, body: dict[str, Any], result: RequestResult, t0: float,
+                      on_first_token: Callable[[], Awaitable[None]] | None) -> bool:
+        """POST one streamed completion and apply its lines to `result`. True, with nothing recorded, when the
+        server refused `return_token_ids` by name."""
+        async with self.client.stream("POST", self.base_url + "/v1/completions", json=body,
+                                      headers=self.headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                if "return_token_ids" in body and _refuses_token_ids(resp.status_code, text):
+                    return True
+                result.error = f"HTTP {resp.status_code}: {_error_message(text)}"
+                return False
+            async for line in resp.aiter_lines():
+                if await self._on_line(result, line, t0) and on_first_token is not None:
+                    await on_first_token()
+        return False
 
     async def _on_line(self, result: RequestResult, line: str, t0: float) -> bool:
         """Apply one SSE line; True when it carried the request's first token."""
@@ -161,7 +181,10 @@ class LoadClient:
         now_s = time.perf_counter() - t0
         first = False
         for choice in chunk.get("choices") or []:
-            n_tokens = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
+            ids = choice.get("token_ids")
+            # With token ids the count is exact (empty text included); without, a text chunk is one token
+            # until the usage total rescales them.
+            n_tokens = len(ids) if isinstance(ids, list) else (1 if choice.get("text") else 0)
             if n_tokens:
                 first = result.first_token_s is None
                 if first:
@@ -178,11 +201,22 @@ class LoadClient:
         return first
 
 
+def _refuses_token_ids(status: int, text: str) -> bool:
+    """A 400 that names `return_token_ids` (a server that does not know the field refuses it by name)."""
+    if status != 400:
+        return False
+    try:
+        err = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("param") == "return_token_ids"
+
+
 def _rescale_increments(result: RequestResult) -> None:
     """Make per-increment counts sum to usage.completion_tokens when the chunks did not carry token ids.
 
-    A server may fold several MTP-accepted tokens into one text chunk; spreading the usage total over the
-    increments keeps windowed rates honest without a non-standard field.
+    A server that sends no token ids may fold several MTP-accepted tokens into one text chunk; spreading the
+    usage total over the increments keeps windowed rates honest. With token ids the counts already match.
     """
     counted = sum(n for _, n in result.increments)
     if not result.increments or counted == result.completion_tokens or result.completion_tokens <= 0:
@@ -215,6 +249,7 @@ async def discover(load: LoadClient) -> ServerInfo:
         state_status, state = await load.get_json("/strata/state")
         if state_status == 200:
             found.append(state)
+            load.return_token_ids = True  # a Strata server: it knows the field
     except httpx.HTTPError:
         pass  # the state route is a bonus: /v1/models may already say everything
     vocab = _find_number(found, _VOCAB_KEYS)

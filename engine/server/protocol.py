@@ -11,7 +11,8 @@ import json
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool, StrictInt,
+                      ValidationError, model_serializer)
 
 from engine.config import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
@@ -89,6 +90,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    # vLLM's extension (>= 0.10.2): each choice carries its generated ids and the prompt's. A load client counts
+    # tokens by them: a token whose text is empty (an id the tokenizer does not know) is otherwise invisible.
+    return_token_ids: bool = False
 
 
 class ContentPart(_Body):
@@ -167,6 +171,17 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None  # {tokens, token_logprobs, top_logprobs, text_offset}
     finish_reason: str | None = None
+    # With return_token_ids only; without it the keys are absent, so the response is OpenAI's to the byte.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _ids_only_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if self.token_ids is None:
+            data.pop("prompt_token_ids", None)
+            data.pop("token_ids", None)
+        return data
 
 
 class CompletionResponse(BaseModel):

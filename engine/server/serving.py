@@ -65,6 +65,16 @@ class Prepared:
                 for i in range(self.n)]
 
 
+@dataclass
+class Collected:
+    """One choice's whole output, for a non-streamed response."""
+
+    text: str
+    token_ids: list[int]
+    last: RequestOutput  # the finishing output: its finish reason and cumulative counts
+    logprobs: list  # TokenLogprob per token, when asked for
+
+
 class Serving:
     """OpenAI completions and chat completions over one engine client."""
 
@@ -123,16 +133,18 @@ class Serving:
         if prep.stream:
             return self._tracked_stream([h for h, _ in opened], streams.completion_chunks(
                 self.client, self._merged(opened), prep.request_id, prep.include_usage, len(prompt_ids),
-                prep.logprobs_top))
+                prep.logprobs_top, return_ids_of_prompt=prompt_ids if req.return_token_ids else None))
         results = await self._collect_choices(opened)
         choices = []
-        for i, (text, last, logprobs) in enumerate(results):
+        for i, result in enumerate(results):
             formatted = None
             if prep.logprobs_top is not None:
-                formatted = CompletionLogprobs(self.client.decode, prep.logprobs_top).part(logprobs)
-            choices.append(CompletionChoice(index=i, text=text, logprobs=formatted, finish_reason=last.finish_reason))
+                formatted = CompletionLogprobs(self.client.decode, prep.logprobs_top).part(result.logprobs)
+            ids = dict(prompt_token_ids=prompt_ids, token_ids=result.token_ids) if req.return_token_ids else {}
+            choices.append(CompletionChoice(index=i, text=result.text, logprobs=formatted,
+                                            finish_reason=result.last.finish_reason, **ids))
         return CompletionResponse(id=prep.request_id, model=self.client.model_name, choices=choices,
-                                  usage=usage_of_choices([last for _, last, _ in results], len(prompt_ids)))
+                                  usage=usage_of_choices([r.last for r in results], len(prompt_ids)))
 
     async def chat(self, req: ChatCompletionRequest, wait_disconnect: WaitDisconnect | None
                    ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -148,12 +160,12 @@ class Serving:
                 self.client, self._merged(opened), prep.request_id, prep.include_usage, len(prompt_ids),
                 prep.logprobs_top))
         results = await self._collect_choices(opened)
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=last.finish_reason,
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=r.text), finish_reason=r.last.finish_reason,
                               logprobs=None if prep.logprobs_top is None else
-                              chat_logprobs(self.client.decode, logprobs, prep.logprobs_top))
-                   for i, (text, last, logprobs) in enumerate(results)]
+                              chat_logprobs(self.client.decode, r.logprobs, prep.logprobs_top))
+                   for i, r in enumerate(results)]
         return ChatCompletionResponse(id=prep.request_id, model=self.client.model_name, choices=choices,
-                                      usage=usage_of_choices([last for _, last, _ in results], len(prompt_ids)))
+                                      usage=usage_of_choices([r.last for r in results], len(prompt_ids)))
 
     # --- validation ----------------------------------------------------------------------------------------
 
@@ -287,21 +299,22 @@ class Serving:
         return choices.merged([self._outputs(handle, first) for handle, first in opened])
 
     async def _collect_choices(self, opened: list[tuple[RequestHandle, RequestOutput | None]]
-                               ) -> list[tuple[str, RequestOutput, list]]:
-        """(text, last output, token logprobs) per choice; aborts them all if one fails."""
+                               ) -> list[Collected]:
+        """Every choice's whole output; aborts them all if one fails."""
         try:
             return list(await asyncio.gather(*(self._collect(h, f) for h, f in opened)))
         finally:
             for handle, _ in opened:
                 await self._finish(handle)
 
-    async def _collect(self, handle: RequestHandle, first: RequestOutput | None
-                       ) -> tuple[str, RequestOutput, list]:
+    async def _collect(self, handle: RequestHandle, first: RequestOutput | None) -> Collected:
         pieces: list[str] = []
+        token_ids: list[int] = []
         logprobs: list = []
         try:
             async for out in self._outputs(handle, first):
                 pieces.append(out.text)
+                token_ids.extend(out.token_ids)
                 logprobs.extend(out.logprobs or ())
         except ClientGone:
             raise
@@ -317,7 +330,7 @@ class Serving:
         if handle.aborted and self.stopping.is_set():
             raise ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
                            code="shutting_down")
-        return "".join(pieces), last, logprobs
+        return Collected("".join(pieces), token_ids, last, logprobs)
 
     async def _tracked_stream(self, handles: list[RequestHandle], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         try:

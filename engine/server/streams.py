@@ -23,26 +23,38 @@ Choices = AsyncIterator[tuple[int, RequestOutput]]  # (choice index, an output o
 
 
 async def completion_chunks(client: EngineClient, outputs: Choices, request_id: str, include_usage: bool,
-                            prompt_tokens: int, logprobs_top: int | None = None) -> AsyncIterator[str]:
-    """`text_completion` chunks, one choice per chunk (its `index` says which)."""
+                            prompt_tokens: int, logprobs_top: int | None = None,
+                            return_ids_of_prompt: list[int] | None = None) -> AsyncIterator[str]:
+    """`text_completion` chunks, one choice per chunk (its `index` says which).
+
+    `return_ids_of_prompt` (vLLM's return_token_ids, given the prompt's ids): every chunk carries `token_ids`,
+    the ids new in it, and a chunk goes out for every new id even when its text is empty; the first chunk of
+    each choice carries `prompt_token_ids` (null on the later ones, as vLLM)."""
     created = int(time.time())
     model = client.model_name
     formatters: dict[int, CompletionLogprobs] = {}
+    prompt_sent: set[int] = set()
 
     def chunk(index: int, out: RequestOutput) -> dict[str, Any]:
         logprobs = None
         if logprobs_top is not None and out.logprobs is not None:
             logprobs = formatters.setdefault(index, CompletionLogprobs(client.decode, logprobs_top)).part(out.logprobs)
+        choice: dict[str, Any] = {"index": index, "text": out.text, "logprobs": logprobs,
+                                  "finish_reason": out.finish_reason}
+        if return_ids_of_prompt is not None:
+            choice["prompt_token_ids"] = None if index in prompt_sent else return_ids_of_prompt
+            choice["token_ids"] = list(out.token_ids)
+            prompt_sent.add(index)
         body: dict[str, Any] = {
             "id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}],
+            "choices": [choice],
         }
         if include_usage:
             body["usage"] = None
         return body
 
     async for piece in _framed(client, outputs, include_usage, prompt_tokens, request_id, created,
-                               "text_completion", chunk):
+                               "text_completion", chunk, send_ids=return_ids_of_prompt is not None):
         yield piece
 
 
@@ -77,7 +89,10 @@ async def chat_chunks(client: EngineClient, outputs: Choices, request_id: str, i
 
 
 async def _framed(client: EngineClient, outputs: Choices, include_usage: bool, prompt_tokens: int,
-                  request_id: str, created: int, obj: str, make_chunk: Any) -> AsyncIterator[str]:
+                  request_id: str, created: int, obj: str, make_chunk: Any, send_ids: bool = False
+                  ) -> AsyncIterator[str]:
+    """SSE framing shared by both formats. An output goes out when it has text, logprobs or the finish; with
+    `send_ids` also when it only has new token ids (their text may be empty, or held back mid-character)."""
     last: dict[int, RequestOutput] = {}
     try:
         async for index, out in outputs:
@@ -85,7 +100,7 @@ async def _framed(client: EngineClient, outputs: Choices, include_usage: bool, p
             if out.finished and out.finish_reason == "error":
                 yield sse_data(generation_error(client, out).body())
                 break
-            if out.text or out.finished or out.logprobs:
+            if out.text or out.finished or out.logprobs or (send_ids and out.token_ids):
                 yield sse_data(make_chunk(index, out))
     except ClientGone:
         return

@@ -190,6 +190,33 @@ async def test_wrong_key_is_a_clear_error_and_a_missing_vocab_falls_back() -> No
     assert max(t for body in server.bodies for t in body["prompt"]) < 256
 
 
+async def test_a_strata_server_is_asked_for_token_ids_and_tokens_without_text_count() -> None:
+    server = FakeOpenAIServer()
+    async with server.client() as http:
+        result = await run_scenario("burst", "http://fake", http_client=http, requests=2, max_tokens=6)
+    assert result.ok, result.errors
+    assert all(b["return_token_ids"] is True for b in server.bodies)
+    for r in result.requests:  # each token its own increment of one, the ones with empty text included
+        assert r.completion_tokens == 6 and [n for _, n in r.increments] == [1] * 6, r.increments
+
+
+async def test_a_generic_openai_server_is_not_sent_token_ids() -> None:
+    server = FakeOpenAIServer(has_state=False)  # no /strata/state: it may refuse a field it does not know
+    async with server.client() as http:
+        result = await run_scenario("burst", "http://fake", http_client=http, requests=2, max_tokens=3)
+    assert result.ok and not any("return_token_ids" in b for b in server.bodies)
+    assert all(r.completion_tokens == 3 and r.first_token_s is not None for r in result.requests)
+
+
+async def test_a_strata_server_older_than_token_ids_is_asked_again_without_them() -> None:
+    server = FakeOpenAIServer(knows_token_ids=False)
+    async with server.client() as http:
+        result = await run_scenario("reuse", "http://fake", http_client=http, long_tokens=100, max_tokens=3)
+    assert result.ok, result.errors
+    assert ["return_token_ids" in b for b in server.bodies] == [True, False, False]  # refused once, remembered
+    assert all(r.completion_tokens == 3 for r in result.requests)
+
+
 async def test_unreachable_server_names_the_url() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

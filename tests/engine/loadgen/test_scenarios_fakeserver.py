@@ -3,7 +3,10 @@
 It is the runner's *dependency*, not the thing under test: it streams completions at a fixed token interval,
 slows every decoding request while a long prompt is "prefilling" (as a real engine shares its steps), keeps a
 prefix cache of earlier prompts so a repeat reports cached tokens, rejects prompts past its context, and can
-die mid-scenario (dropping connections, answering 503) like the engine in the seed report.
+die mid-scenario (dropping connections, answering 503) like the engine in the seed report. Asked for vLLM's
+`return_token_ids`, it sends each token's id and leaves every other token's text empty, as a random checkpoint
+whose vocabulary is larger than its tokenizer's; it can also play a generic OpenAI server (no /strata/state) or
+a Strata server from before that field (it refuses the field by name).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ class FakeOpenAIServer:
     def __init__(self, vocab_size: int = 1000, context_tokens: int = 100_000, token_interval_s: float = 0.004,
                  prefill_s_per_1k_tokens: float = 0.05, long_prompt_tokens: int = 1000, slowdown: float = 3.0,
                  die_on_long: bool = False, api_key: str | None = None, models_has_vocab: bool = True,
-                 state_has_vocab: bool = True, slots: int | None = None) -> None:
+                 state_has_vocab: bool = True, slots: int | None = None, has_state: bool = True,
+                 knows_token_ids: bool = True) -> None:
         self.vocab_size = vocab_size
         self.slots = slots  # reported as config.batch when set (the fake itself runs any number at once)
         self.context_tokens = context_tokens
@@ -35,6 +39,8 @@ class FakeOpenAIServer:
         self.api_key = api_key
         self.models_has_vocab = models_has_vocab
         self.state_has_vocab = state_has_vocab
+        self.has_state = has_state
+        self.knows_token_ids = knows_token_ids
         self.accept_ids_below = vocab_size  # a test may make it disagree with the advertised vocab
         self.prefilling = 0
         self.dead_reason: str | None = None
@@ -59,7 +65,7 @@ class FakeOpenAIServer:
             if self.models_has_vocab:
                 card["vocab_size"] = self.vocab_size
             return httpx.Response(200, json={"object": "list", "data": [card]})
-        if path == "/strata/state":
+        if path == "/strata/state" and self.has_state:
             model = {"vocab_size": self.vocab_size} if self.state_has_vocab else {}
             config = {"context": self.context_tokens} | ({"batch": self.slots} if self.slots else {})
             return httpx.Response(200, json={"config": config, "model": model})
@@ -69,6 +75,9 @@ class FakeOpenAIServer:
 
     def _complete(self, body: dict[str, Any]) -> httpx.Response:
         self.bodies.append(body)
+        if "return_token_ids" in body and not self.knows_token_ids:
+            return httpx.Response(400, json={"error": {"message": "return_token_ids: unknown field",
+                                                       "param": "return_token_ids", "code": "unknown_parameter"}})
         prompt = body["prompt"]
         max_tokens = int(body["max_tokens"])
         if not all(isinstance(t, int) and 0 <= t < self.accept_ids_below for t in prompt):
@@ -79,7 +88,8 @@ class FakeOpenAIServer:
         cached = self._cached_tokens(prompt)
         self.seen_prompts.append(list(prompt))
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              content=self._stream(len(prompt), cached, max_tokens))
+                              content=self._stream(len(prompt), cached, max_tokens,
+                                                   bool(body.get("return_token_ids"))))
 
     def _cached_tokens(self, prompt: list[int]) -> int:
         best = 0
@@ -90,7 +100,7 @@ class FakeOpenAIServer:
             best = max(best, n - n % CACHE_BLOCK_TOKENS)
         return best
 
-    async def _stream(self, prompt_tokens: int, cached: int, max_tokens: int):
+    async def _stream(self, prompt_tokens: int, cached: int, max_tokens: int, token_ids: bool):
         fresh_tokens = prompt_tokens - cached
         if prompt_tokens >= self.long_prompt_tokens:
             if self.die_on_long:
@@ -106,7 +116,11 @@ class FakeOpenAIServer:
             if self.dead_reason:
                 raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
             finish = "length" if i == max_tokens - 1 else None
-            choice = {"index": 0, "text": f" t{i}", "finish_reason": finish}
+            choice: dict[str, Any] = {"index": 0, "text": f" t{i}", "finish_reason": finish}
+            if token_ids:
+                choice["token_ids"] = [i]
+                if i % 2:
+                    choice["text"] = ""  # an id its tokenizer does not know
             yield _sse({"object": "text_completion", "choices": [choice]})
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
                  "total_tokens": prompt_tokens + max_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
