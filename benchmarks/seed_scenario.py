@@ -287,6 +287,8 @@ def print_run(r: dict[str, Any]) -> None:
         ratio = metrics.get("decode_ratio")
         print(f"  long prompt TTFT {metrics['long_ttft_s']:.2f} s; short decode ratio during its prefill "
               f"{'-' if ratio is None else f'{ratio:.3f}'}")
+    elif "metrics" in r:  # said, not left out: a run that passes without its measurement must not look measured
+        print("  long prompt TTFT: not measured (the client saw no token of it before it ended)")
     if "vram_after" in r:
         print(f"  after: {vram_text(r['vram_after'])}; {nvml_text(r.get('nvml_after', ''))}")
     if r.get("experts_after") is not None:

@@ -25,6 +25,7 @@ def test_seed_script_one_cpu_run_passes_and_records_both_views_of_memory(tmp_pat
     for nvml in (run["nvml_at_ready"], run["nvml_after"]):
         assert (isinstance(nvml, list) and nvml[0]["total_mib"] > 0) or nvml.startswith("NVML")
     assert "NVML" in proc.stdout and "1/1 runs passed" in proc.stdout
+    assert run["metrics"]["long_ttft_s"] > 0 and "long prompt TTFT" in proc.stdout
 
 
 def test_seed_script_runs_the_moe_seed_with_a_cache_too_small_for_the_experts(tmp_path: Path) -> None:
@@ -100,3 +101,18 @@ def test_a_terminated_seed_script_takes_its_engine_with_it(tmp_path: Path) -> No
         for pid in engines if "engines" in locals() else []:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_without_its_ttft_says_so(capsys, monkeypatch) -> None:
+    """On the H200 the random checkpoints' tokens had no text, the client saw none, and the runs printed PASS with
+    no TTFT line at all: a missing measurement is now said."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script imports its sibling modules
+    spec = importlib.util.spec_from_file_location("seed_scenario", ROOT / "benchmarks" / "seed_scenario.py")
+    seed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seed)
+    seed.print_run({"run": 1, "passed": True, "completed": 7, "requests": 7, "exited_during_run": None,
+                    "exit_code_after_sigterm": 0, "graph_actions": {}, "oom_messages": [], "bad_messages": [], "warnings": [], "error_events": [],
+                    "metrics": {"long_ttft_s": None, "decode_ratio": None}})
+    assert "long prompt TTFT: not measured" in capsys.readouterr().out
