@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+import openai
 
 from engine.config import EngineConfig
 from engine.server.app import create_app
@@ -56,3 +57,8 @@ def busy_slots(url: str) -> tuple[int, int]:
     state = httpx.get(url + "/strata/state", timeout=5).json()
     busy = sum(1 for s in state["slots"] if s.get("state") not in ("idle", None))
     return busy, int(state["queue"]["waiting"])
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    """The official client against a live server's /v1, no retries (a retry would hide the first answer)."""
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)

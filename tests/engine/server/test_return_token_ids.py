@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.server.real import real_server
+from tests.engine.server.real import openai_client, real_server
 
 pytestmark = pytest.mark.timeout(180)
 WIDE_VOCAB = 151_936  # the Qwen3-0.6B vocabulary, as `--random-model 0.6b` writes it
@@ -32,15 +32,11 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def oai(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(served[0])
 
 
-@pytest.fixture
-def model(served) -> str:
-    return served[1].model_name
-
-
-def test_streamed_token_ids_are_the_non_streamed_ones_even_without_text(oai: openai.OpenAI, model: str) -> None:
+def test_streamed_token_ids_are_the_non_streamed_ones_even_without_text(oai: openai.OpenAI, served) -> None:
+    model = served[1].model_name
     prompt = [5, 17, 99, 3, 250]
     whole = oai.completions.create(model=model, prompt=prompt, **GREEDY,
                                    extra_body={**EXACT, "return_token_ids": True})
@@ -61,8 +57,8 @@ def test_streamed_token_ids_are_the_non_streamed_ones_even_without_text(oai: ope
     assert any(c.token_ids and c.text == "" for c in with_choices), [(c.text, c.token_ids) for c in with_choices]
 
 
-def test_without_the_field_no_token_ids_are_sent(served, model: str) -> None:
-    url = served[0]
+def test_without_the_field_no_token_ids_are_sent(served) -> None:
+    url, model = served[0], served[1].model_name
     body = {"model": model, "prompt": [5, 17, 99], **GREEDY, **EXACT}
     whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
     assert set(whole["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
@@ -72,8 +68,9 @@ def test_without_the_field_no_token_ids_are_sent(served, model: str) -> None:
     assert chunks and all(set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason"} for c in chunks)
 
 
-def test_chat_refuses_the_field_by_name(served, model: str) -> None:
+def test_chat_refuses_the_field_by_name(served) -> None:
     """Only completions implement it: chat must not accept it and answer without the ids."""
+    model = served[1].model_name
     resp = httpx.post(served[0] + "/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_token_ids": True})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "return_token_ids"

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine.api import GenerationRequest, SamplingParams
-from tests.engine.server.real import random_checkpoint, real_server
+from tests.engine.server.real import openai_client, random_checkpoint, real_server
 
 pytestmark = pytest.mark.timeout(180)
 EXACT = {"ignore_eos": True}
@@ -28,7 +28,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def oai(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(served[0])
 
 
 @pytest.fixture
