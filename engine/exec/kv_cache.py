@@ -28,6 +28,7 @@ import torch
 
 from engine.exec.kv_blocks import BlockLayout
 from engine.exec.kv_paging import KVPaging
+from engine.exec.kv_pool_resize import resized
 from engine.model.attention.backends import TorchAttention, kernel_backend
 from engine.model.attention.reference import flash_accepts
 
@@ -281,11 +282,11 @@ class SlotKVCache:
     def resize_pool(self, num_blocks: int, stage: bool = False) -> None:
         """Reallocate every pool tensor to `num_blocks` blocks, keeping its first blocks, one tensor at a time (the
         largest is briefly held twice); new blocks hold finite data. A tensor already at that size is left alone
-        (a growth that failed part-way left the rest as they were). With `stage`, see `_resized`."""
+        (a growth that failed part-way left the rest as they were). With `stage`, see `kv_pool_resize.resized`."""
         for pools, fill in ((self.k, 0.0), (self.v, 0.0), (self.k_scale, 1.0), (self.v_scale, 1.0)):
             for i in range(len(pools)):
                 if pools[i].shape[1] != num_blocks:
-                    pools[i] = _resized(pools, i, num_blocks, fill, stage)
+                    pools[i] = resized(pools, i, num_blocks, fill, stage)
 
     # --- storage -------------------------------------------------------------------------------------------
 
@@ -373,32 +374,3 @@ class SlotKVCache:
                 self.k_scale[i][:, blocks, offsets] = scales[i, 0].to(self.device, non_blocking=True)
                 self.v_scale[i][:, blocks, offsets] = scales[i, 1].to(self.device, non_blocking=True)
 
-
-def _resized(pools: list[torch.Tensor], i: int, num_blocks: int, fill: float, stage: bool) -> torch.Tensor:
-    """pools[i] with `num_blocks` blocks on axis 1, its first blocks kept. With `stage`, when the device cannot
-    hold the new tensor next to the old one (a shrink the out-of-memory path asked for), the kept part goes
-    through host memory: the old tensor is freed before the new one is allocated."""
-    old = pools[i]
-    device, dtype = old.device, old.dtype
-    keep = min(num_blocks, old.shape[1])
-    shape = (old.shape[0], num_blocks, *old.shape[2:])
-    try:
-        new = _empty(shape, dtype, device)
-        new[:, :keep].copy_(old[:, :keep])
-    except torch.OutOfMemoryError:
-        if not stage:
-            raise
-        host = old[:, :keep].to("cpu", copy=True)
-        pools[i] = old = None  # the last reference: its memory is free for the smaller tensor
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        new = _empty(shape, dtype, device)
-        new[:, :keep].copy_(host)
-    if num_blocks > keep:
-        new[:, keep:].fill_(fill)
-    return new
-
-
-def _empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The one allocation of a pool reallocation (a seam the tests inject out-of-memory errors into)."""
-    return torch.empty(shape, dtype=dtype, device=device)

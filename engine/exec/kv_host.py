@@ -9,8 +9,8 @@ A copy's blocks are scattered on the device, so the device side goes through a b
 the copy's blocks (gathered or scattered with one indexing kernel per pool tensor); the host side is never
 touched by the CPU. Moves are ordered by host id, so the number of transfers is the number of runs of
 consecutive host ids (a slot's spilled blocks come back as the few runs they left in). The first version
-gathered the host side with the CPU into pinned staging: on the H200 (2026-12-01) that held a step that fetched
-380 MiB to 84.8 ms, 5 % of the PCIe rate (docs/BENCHMARKS.md).
+gathered the host side with the CPU into pinned staging, which bound a step far below the PCIe rate
+(docs/BENCHMARKS.md, `bench kvspill`).
 
 A spill is synchronous for its caller (the device blocks it frees are reused at once). A fetch is enqueued on
 whatever stream is current, one group of pool tensors (one layer's) after another, and returns without waiting:

@@ -198,9 +198,9 @@ def test_a_discarded_fill_is_not_handed_over_and_its_pins_are_left_alone():
 
 def _failing_allocations(monkeypatch, failures: int) -> list[int]:
     """Fault injection: the next `failures` pool-tensor allocations raise out-of-memory."""
-    from engine.exec import kv_cache
+    from engine.exec import kv_pool_resize
 
-    real, left = kv_cache._empty, [failures]
+    real, left = kv_pool_resize.empty, [failures]
 
     def empty(shape, dtype, device):
         if left[0] > 0:
@@ -208,7 +208,7 @@ def _failing_allocations(monkeypatch, failures: int) -> list[int]:
             raise torch.OutOfMemoryError("injected: out of memory")
         return real(shape, dtype, device)
 
-    monkeypatch.setattr(kv_cache, "_empty", empty)
+    monkeypatch.setattr(kv_pool_resize, "empty", empty)
     return left
 
 
