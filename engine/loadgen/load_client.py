@@ -18,6 +18,8 @@ from engine.errors import ConfigError
 
 _VOCAB_KEYS = ("vocab_size",)
 FALLBACK_VOCAB_SIZE = 256
+# vLLM's extensions to the OpenAI body that the load client may send; a server without one refuses it by name
+_OPTIONAL_FIELDS = ("return_token_ids", "ignore_eos")
 _CONTEXT_KEYS = ("context_tokens", "max_model_len", "context")
 _SLOTS_KEYS = ("max_num_seqs", "batch", "slots")  # vLLM's name, then Strata's config and KV books
 
@@ -103,6 +105,8 @@ class LoadClient:
         # tokens' ids, and a token whose text is empty (a random checkpoint's vocabulary is far larger than its
         # tokenizer's) still arrives and is counted. A generic OpenAI server would refuse the unknown field.
         self.return_token_ids = False
+        # vLLM's body fields this server refused by name (each is asked once, then left out)
+        self.refused_fields: set[str] = set()
 
     async def get_json(self, path: str) -> tuple[int, Any]:
         resp = await self.client.get(self.base_url + path, headers=self.headers)
@@ -120,8 +124,14 @@ class LoadClient:
         return f"{resp.status_code} {_body_reason(resp.text)}".strip()
 
     async def complete(self, result: RequestResult, prompt_ids: list[int], max_tokens: int, temperature: float,
-                       t0: float, on_first_token: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Stream one /v1/completions request and fill `result`; never raises for server-side failures."""
+                       t0: float, on_first_token: Callable[[], Awaitable[None]] | None = None,
+                       ignore_eos: bool = False) -> None:
+        """Stream one /v1/completions request and fill `result`; never raises for server-side failures.
+
+        `ignore_eos` asks (vLLM's field) for generation to go on past EOS: a request that must decode until the
+        client stops it would otherwise end whenever the model says EOS, which a random checkpoint may do at its
+        first token.
+        """
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -132,13 +142,17 @@ class LoadClient:
         }
         if self.return_token_ids:
             body["return_token_ids"] = True
+        if ignore_eos and "ignore_eos" not in self.refused_fields:
+            body["ignore_eos"] = True
         try:
-            if await self._stream(body, result, t0, on_first_token):
-                # A Strata server from before the field refused it: count text chunks, as from any OpenAI
-                # server, from now on (this one request's TTFT includes the refused round trip).
-                self.return_token_ids = False
-                del body["return_token_ids"]
-                await self._stream(body, result, t0, on_first_token)
+            while (refused := await self._stream(body, result, t0, on_first_token)) is not None:
+                # A server without the field (a generic OpenAI one, a Strata server from before it) refused it
+                # by name: ask again without it, and leave it out from now on (this one request's TTFT includes
+                # the refused round trip).
+                self.refused_fields.add(refused)
+                if refused == "return_token_ids":
+                    self.return_token_ids = False  # text chunks are counted, as from any OpenAI server
+                del body[refused]
         except httpx.HTTPError as exc:
             result.error = _describe(exc)
         finally:
@@ -147,21 +161,22 @@ class LoadClient:
             result.error = "stream ended without a finish_reason (the server closed it early)"
 
     async def _stream(self, body: dict[str, Any], result: RequestResult, t0: float,
-                      on_first_token: Callable[[], Awaitable[None]] | None) -> bool:
-        """POST one streamed completion and apply its lines to `result`. True, with nothing recorded, when the
-        server refused `return_token_ids` by name."""
+                      on_first_token: Callable[[], Awaitable[None]] | None) -> str | None:
+        """POST one streamed completion and apply its lines to `result`. The name of an optional field, with
+        nothing recorded, when the server refused that field by name."""
         async with self.client.stream("POST", self.base_url + "/v1/completions", json=body,
                                       headers=self.headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", "replace")
-                if "return_token_ids" in body and _refuses_token_ids(resp.status_code, text):
-                    return True
+                refused = _refused_field(resp.status_code, text, [f for f in _OPTIONAL_FIELDS if f in body])
+                if refused is not None:
+                    return refused
                 result.error = f"HTTP {resp.status_code}: {_error_message(text)}"
-                return False
+                return None
             async for line in resp.aiter_lines():
                 if await self._on_line(result, line, t0) and on_first_token is not None:
                     await on_first_token()
-        return False
+        return None
 
     async def _on_line(self, result: RequestResult, line: str, t0: float) -> bool:
         """Apply one SSE line; True when it carried the request's first token."""
@@ -201,15 +216,21 @@ class LoadClient:
         return first
 
 
-def _refuses_token_ids(status: int, text: str) -> bool:
-    """A 400 that names `return_token_ids` (a server that does not know the field refuses it by name)."""
-    if status != 400:
-        return False
+def _refused_field(status: int, text: str, optional: list[str]) -> str | None:
+    """Which of the body's `optional` fields a 400 refuses: the one it names as its `param` (vLLM, Strata), or
+    the one its message names (OpenAI's own "Unrecognized request argument supplied: ..." has no param)."""
+    if status != 400 or not optional:
+        return None
     try:
         err = json.loads(text).get("error")
     except (ValueError, AttributeError):
-        return False
-    return isinstance(err, dict) and err.get("param") == "return_token_ids"
+        return None
+    if not isinstance(err, dict):
+        return None
+    if err.get("param") in optional:
+        return str(err["param"])
+    named = [f for f in optional if f in str(err.get("message", ""))]
+    return named[0] if len(named) == 1 else None
 
 
 def _rescale_increments(result: RequestResult) -> None:

@@ -17,6 +17,7 @@ class ScenarioParam:
     name: str
     default: int | float
     help: str
+    maximum: int | float | None = None  # None: no upper bound (a 0/1 switch has 1)
 
     def coerce(self, scenario: str, value: Any) -> int | float:
         """Turn a CLI/TUI value into this parameter's type; errors name the parameter and the value."""
@@ -30,6 +31,8 @@ class ScenarioParam:
             raise ConfigError(self.name, value, f"scenario {scenario!r} expects {kind}") from None
         if number < 0:
             raise ConfigError(self.name, value, f"scenario {scenario!r} expects a value >= 0")
+        if self.maximum is not None and number > self.maximum:
+            raise ConfigError(self.name, value, f"scenario {scenario!r} expects a value <= {self.maximum}")
         return number
 
 

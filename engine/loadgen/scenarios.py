@@ -90,7 +90,8 @@ class _Run:
                               f"engine's context is {context} tokens per slot; start it with --context "
                               f"{prompt_tokens + max_tokens} or more, or lower {param}")
 
-    async def send(self, label: str, kind: str, prompt_ids: list[int], max_tokens: int) -> RequestResult:
+    async def send(self, label: str, kind: str, prompt_ids: list[int], max_tokens: int,
+                   ignore_eos: bool = False) -> RequestResult:
         """Stream one request, record it in the results and report each step of it."""
         result = RequestResult(label=label, kind=kind, prompt_tokens=len(prompt_ids), max_tokens=max_tokens,
                                start_s=self.elapsed_s())
@@ -102,7 +103,8 @@ class _Run:
 
         try:
             await self.client.complete(result, prompt_ids, max_tokens, float(self.params.get("temperature", 0.0)),
-                                       self.t0, on_first_token=first_token)
+                                       self.t0, on_first_token=first_token,
+                                       ignore_eos=ignore_eos or bool(self.params.get("ignore_eos", 0)))
         except asyncio.CancelledError:
             # The scenario stopped it on purpose (closing the stream makes the server abort the request).
             result.finish_reason = result.finish_reason or "cancelled"
@@ -130,7 +132,10 @@ async def _play_seed(run: _Run, p: dict[str, Any]) -> None:
     run.check_fits("short_max_tokens", short_prompt, short_max)
     make_room = _shorts_to_stop(run, n_short, until_long_done)
     run.total = n_short + 1
-    shorts = [asyncio.create_task(run.send(f"short-{i}", "short", run.prompt(short_prompt), short_max))
+    # Until-done shorts ignore EOS: one that drew EOS early would end and free its slot, and the long prompt
+    # would no longer arrive while they decode.
+    shorts = [asyncio.create_task(run.send(f"short-{i}", "short", run.prompt(short_prompt), short_max,
+                                           ignore_eos=until_long_done))
               for i in range(n_short)]
     await asyncio.sleep(float(p["delay_s"]))
     for task in shorts[:make_room]:
@@ -143,6 +148,9 @@ async def _play_seed(run: _Run, p: dict[str, Any]) -> None:
         for task in shorts:
             task.cancel()
     await asyncio.gather(*shorts, return_exceptions=True)
+    if until_long_done and "ignore_eos" in run.client.refused_fields:
+        run.notes.append("the server refused ignore_eos: a short generation that drew EOS ended before the long "
+                         "prompt was done")
     kept = [r for r in run.results if r.kind == "short"][make_room:]
     _seed_metrics(run, long, kept)
 
@@ -242,6 +250,8 @@ async def _play_reuse(run: _Run, p: dict[str, Any]) -> None:
 _COMMON = (
     ScenarioParam("temperature", 0.0, "sampling temperature of every request (0: greedy)"),
     ScenarioParam("seed", 0, "seed of the random prompt filler (the long prompt's nonce is always fresh)"),
+    ScenarioParam("ignore_eos", 0, "1: every request generates its max_tokens past EOS (vLLM's ignore_eos; the "
+                                   "seed's until-done shorts always do)", maximum=1),
 )
 
 SCENARIOS: dict[str, Scenario] = {

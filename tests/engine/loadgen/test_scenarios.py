@@ -37,6 +37,8 @@ def test_unknown_scenario_and_bad_params_name_what_was_wrong() -> None:
         get_scenario("seed").resolve({"long_tokens": "many"})
     with pytest.raises(ConfigError, match="delay_s=-1"):
         get_scenario("seed").resolve({"delay_s": -1})
+    with pytest.raises(ConfigError, match="ignore_eos=2.*<= 1"):
+        get_scenario("burst").resolve({"ignore_eos": 2})
     assert get_scenario("seed").resolve({"long_tokens": "32000", "delay_s": "0.5"})["long_tokens"] == 32000
 
 
@@ -215,6 +217,55 @@ async def test_a_strata_server_older_than_token_ids_is_asked_again_without_them(
     assert result.ok, result.errors
     assert ["return_token_ids" in b for b in server.bodies] == [True, False, False]  # refused once, remembered
     assert all(r.completion_tokens == 3 for r in result.requests)
+
+
+UNTIL_DONE_SEED = SMALL_SEED | dict(short_max_tokens=0)
+
+
+async def test_until_done_shorts_decode_past_eos_until_the_long_prompt_is_done() -> None:
+    # A model that says EOS at its first token (a random checkpoint may, greedily): the shorts must still be
+    # decoding when the long prompt arrives, and be stopped by the scenario, not by EOS.
+    server = FakeOpenAIServer(long_prompt_tokens=1000, eos_after_tokens=1)
+    async with server.client() as http:
+        result = await run_scenario("seed", "http://fake", http_client=http, **UNTIL_DONE_SEED)
+    assert result.ok, result.errors
+    shorts = [r for r in result.requests if r.kind == "short"]
+    assert all(r.finish_reason == "cancelled" and r.completion_tokens > 1 for r in shorts), \
+        [r.summary() for r in shorts]
+    long_body = next(b for b in server.bodies if len(b["prompt"]) == 2000)
+    assert [b.get("ignore_eos") for b in server.bodies if b is not long_body] == [True] * 3
+    assert "ignore_eos" not in long_body  # its max_tokens is its length; its EOS is its own
+
+
+async def test_a_server_that_refuses_ignore_eos_is_asked_again_without_it_and_the_result_says_so() -> None:
+    server = FakeOpenAIServer(long_prompt_tokens=1000, eos_after_tokens=1, knows_ignore_eos=False)
+    async with server.client() as http:
+        result = await run_scenario("seed", "http://fake", http_client=http, **UNTIL_DONE_SEED)
+    assert result.ok, result.errors
+    assert ["ignore_eos" in b for b in server.bodies][:2] == [True, False]  # refused once, remembered
+    assert sum("ignore_eos" in b for b in server.bodies) == 1
+    assert all(r.finish_reason == "stop" for r in result.requests if r.kind == "short")
+    assert any("refused ignore_eos" in note for note in result.notes), result.notes
+
+
+async def test_ignore_eos_makes_every_request_generate_its_max_tokens() -> None:
+    server = FakeOpenAIServer(eos_after_tokens=2)
+    async with server.client() as http:
+        plain = await run_scenario("burst", "http://fake", http_client=http, requests=2, max_tokens=5)
+        exact = await run_scenario("burst", "http://fake", http_client=http, requests=2, max_tokens=5, ignore_eos=1)
+    assert [(r.completion_tokens, r.finish_reason) for r in plain.requests] == [(2, "stop")] * 2
+    assert [(r.completion_tokens, r.finish_reason) for r in exact.requests] == [(5, "length")] * 2
+
+
+async def test_a_field_refused_only_in_the_message_is_recognised() -> None:
+    # OpenAI's own API answers an unknown field with param null and the field in its message.
+    from engine.loadgen.load_client import _refused_field
+
+    openai_400 = '{"error": {"message": "Unrecognized request argument supplied: ignore_eos", "param": null}}'
+    assert _refused_field(400, openai_400, ["return_token_ids", "ignore_eos"]) == "ignore_eos"
+    assert _refused_field(400, openai_400, ["return_token_ids"]) is None  # not a field it sent
+    assert _refused_field(400, '{"error": {"message": "prompt too long", "param": "prompt"}}', ["ignore_eos"]) is None
+    assert _refused_field(500, openai_400, ["ignore_eos"]) is None
 
 
 async def test_unreachable_server_names_the_url() -> None:

@@ -6,7 +6,9 @@ prefix cache of earlier prompts so a repeat reports cached tokens, rejects promp
 die mid-scenario (dropping connections, answering 503) like the engine in the seed report. Asked for vLLM's
 `return_token_ids`, it sends each token's id and leaves every other token's text empty, as a random checkpoint
 whose vocabulary is larger than its tokenizer's; it can also play a generic OpenAI server (no /strata/state) or
-a Strata server from before that field (it refuses the field by name).
+a Strata server from before that field (it refuses the field by name). Given `eos_after_tokens`, its "model" ends
+every generation with EOS (finish_reason "stop") after that many tokens unless the request sets vLLM's
+`ignore_eos`, a field a server made with `knows_ignore_eos=False` refuses by name.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class FakeOpenAIServer:
                  prefill_s_per_1k_tokens: float = 0.05, long_prompt_tokens: int = 1000, slowdown: float = 3.0,
                  die_on_long: bool = False, api_key: str | None = None, models_has_vocab: bool = True,
                  state_has_vocab: bool = True, slots: int | None = None, has_state: bool = True,
-                 knows_token_ids: bool = True) -> None:
+                 knows_token_ids: bool = True, eos_after_tokens: int | None = None,
+                 knows_ignore_eos: bool = True) -> None:
         self.vocab_size = vocab_size
         self.slots = slots  # reported as config.batch when set (the fake itself runs any number at once)
         self.context_tokens = context_tokens
@@ -41,6 +44,8 @@ class FakeOpenAIServer:
         self.state_has_vocab = state_has_vocab
         self.has_state = has_state
         self.knows_token_ids = knows_token_ids
+        self.eos_after_tokens = eos_after_tokens
+        self.knows_ignore_eos = knows_ignore_eos
         self.accept_ids_below = vocab_size  # a test may make it disagree with the advertised vocab
         self.prefilling = 0
         self.dead_reason: str | None = None
@@ -78,6 +83,9 @@ class FakeOpenAIServer:
         if "return_token_ids" in body and not self.knows_token_ids:
             return httpx.Response(400, json={"error": {"message": "return_token_ids: unknown field",
                                                        "param": "return_token_ids", "code": "unknown_parameter"}})
+        if "ignore_eos" in body and not self.knows_ignore_eos:
+            return httpx.Response(400, json={"error": {"message": "Unrecognized request argument supplied: ignore_eos",
+                                                       "param": "ignore_eos", "code": "unknown_parameter"}})
         prompt = body["prompt"]
         max_tokens = int(body["max_tokens"])
         if not all(isinstance(t, int) and 0 <= t < self.accept_ids_below for t in prompt):
@@ -87,9 +95,14 @@ class FakeOpenAIServer:
             return httpx.Response(400, json={"error": {"message": msg, "code": "context_length_exceeded"}})
         cached = self._cached_tokens(prompt)
         self.seen_prompts.append(list(prompt))
+        if self.eos_after_tokens is not None and not body.get("ignore_eos"):
+            max_tokens = min(max_tokens, self.eos_after_tokens)
+            finish_at_end = "stop"
+        else:
+            finish_at_end = "length"
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
                               content=self._stream(len(prompt), cached, max_tokens,
-                                                   bool(body.get("return_token_ids"))))
+                                                   bool(body.get("return_token_ids")), finish_at_end))
 
     def _cached_tokens(self, prompt: list[int]) -> int:
         best = 0
@@ -100,7 +113,7 @@ class FakeOpenAIServer:
             best = max(best, n - n % CACHE_BLOCK_TOKENS)
         return best
 
-    async def _stream(self, prompt_tokens: int, cached: int, max_tokens: int, token_ids: bool):
+    async def _stream(self, prompt_tokens: int, cached: int, max_tokens: int, token_ids: bool, finish_at_end: str):
         fresh_tokens = prompt_tokens - cached
         if prompt_tokens >= self.long_prompt_tokens:
             if self.die_on_long:
@@ -115,7 +128,7 @@ class FakeOpenAIServer:
             await asyncio.sleep(self.token_interval_s * (self.slowdown if self.prefilling else 1.0))
             if self.dead_reason:
                 raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-            finish = "length" if i == max_tokens - 1 else None
+            finish = finish_at_end if i == max_tokens - 1 else None
             choice: dict[str, Any] = {"index": 0, "text": f" t{i}", "finish_reason": finish}
             if token_ids:
                 choice["token_ids"] = [i]
