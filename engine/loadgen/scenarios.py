@@ -149,8 +149,8 @@ async def _play_seed(run: _Run, p: dict[str, Any]) -> None:
             task.cancel()
     await asyncio.gather(*shorts, return_exceptions=True)
     if until_long_done and "ignore_eos" in run.client.refused_fields:
-        run.notes.append("the server refused ignore_eos: a short generation that drew EOS ended before the long "
-                         "prompt was done")
+        run.notes.append("the server refused ignore_eos: the short generations stop at EOS, so one may have "
+                         "ended before the long prompt was done")
     kept = [r for r in run.results if r.kind == "short"][make_room:]
     _seed_metrics(run, long, kept)
 
