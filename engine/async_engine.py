@@ -149,7 +149,11 @@ class AsyncEngine:
     async def set_switch(self, name: str, enabled: bool) -> SwitchState:
         def toggle() -> SwitchState:
             state = self._require_engine().set_switch(name, enabled)
-            self.bus.publish(SwitchEvent(name=state.name, state="on" if state.enabled else "off", reason="live toggle"))
+            if state.unavailable:  # the toggle changed nothing: say why rather than "off"
+                self.bus.publish(SwitchEvent(name=state.name, state="unavailable", reason=state.reason))
+            else:
+                self.bus.publish(SwitchEvent(name=state.name, state="on" if state.enabled else "off",
+                                             reason="live toggle"))
             return state
 
         return await self._call(toggle)

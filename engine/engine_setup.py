@@ -144,7 +144,7 @@ class _PartsBuilder:
                     board.mark_unavailable(sw.name, f"the model {config.model} has no MoE layers: no expert cache")
         if kv.kernel is None:  # quietly: the reference path is what runs here, and turning it on cannot change that
             for name in ("PAGED_ATTN", "PAGED_PREFILL"):
-                board.mark_unavailable(name, f"the paged kernels need a CUDA device with Triton (running on {device})")
+                board.mark_unavailable(name, f"needs a CUDA device with Triton (this engine runs on {device})")
         for name, on in config.switches.items():
             if on and board.enabled(name):
                 bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))

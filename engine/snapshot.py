@@ -194,6 +194,7 @@ class SwitchSnapshot(_Json):
     effect: str = ""
     enabled: bool = False
     degraded: bool = False
+    unavailable: bool = False  # degraded because its code path cannot run on this engine, not because it failed
     reason: str = ""
 
 

@@ -162,6 +162,8 @@ class SwitchState:
     enabled: bool
     degraded: bool = False
     reason: str = ""
+    # degraded because its code path cannot run on this engine at all (not because it failed): clients say "n/a"
+    unavailable: bool = False
 
     def to_json(self) -> dict:
         sw = _BY_NAME[self.name]
@@ -173,6 +175,7 @@ class SwitchState:
             "effect": sw.effect,
             "enabled": self.enabled,
             "degraded": self.degraded,
+            "unavailable": self.unavailable,
             "reason": self.reason,
         }
 
@@ -221,7 +224,10 @@ class SwitchBoard:
         """This switch's code path cannot run on this engine: off, degraded with `reason`, and it stays so."""
         sw = get_switch(name)
         self.unavailable[sw.name] = reason
-        return self.degrade(sw.name, reason)
+        state = self.degrade(sw.name, reason)
+        with self._lock:
+            state.unavailable = True
+        return state
 
     def degrade(self, name: str, reason: str, bus: EventBus | None = None, where: str = "engine",
                 what: str = "") -> SwitchState:

@@ -162,7 +162,8 @@ class VramEvent(Event):
 
 @dataclass
 class SwitchEvent(Event):
-    """An opt-in switch changed: on, off, degraded."""
+    """An opt-in switch changed: on, off, degraded (its code path failed), or unavailable (a toggle of a switch
+    whose code path cannot run on this engine: it stays off, `reason` says why)."""
 
     type: ClassVar[str] = "switch"
     name: str = ""

@@ -88,10 +88,15 @@ class Controls:
                 self.view.changed()
                 return
         result = await client.set_switch(name, wanted)
-        if result.ok:
+        answer = result.body.get("switch") if result.ok and isinstance(result.body, dict) else None
+        if isinstance(answer, dict) and answer.get("name") == name:
+            # What the engine runs now, which is not always what was asked (a switch that cannot run here)
+            self.view.monitor.apply_switch_state(answer)
+            view.note = "" if view.unavailable else "applied live"
+        elif result.ok:
             view.running, view.note = wanted, "applied live"
             if wanted:
-                view.degraded, view.reason = False, ""
+                view.degraded, view.unavailable, view.reason = False, False, ""
         elif result.status == 409:
             view.note = "restart to apply" if not self.view.attached else "start only: restart that engine"
         else:

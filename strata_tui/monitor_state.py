@@ -52,6 +52,7 @@ class SwitchView:
     wanted: bool  # the profile's value
     running: bool | None = None  # the engine's value; None before the engine has said
     degraded: bool = False
+    unavailable: bool = False  # its code path cannot run on this engine (e.g. CUDA kernels on CPU): "n/a", not red
     reason: str = ""
     note: str = ""  # the last control answer (e.g. why a restart is needed)
 
@@ -142,7 +143,8 @@ class MonitorState:
             track = self._prefill_track(event.request_id, event.prompt_tokens, event.cached_tokens)
             track.admitted_ts = event.ts or None  # TTFT counts from admission (queueing is not prefill)
         elif isinstance(event, SwitchEvent):
-            self._apply_switch(event.name, event.state == "on", event.state == "degraded", event.reason)
+            self._apply_switch(event.name, event.state == "on", event.state in ("degraded", "unavailable"),
+                               event.reason, unavailable=event.state == "unavailable")
         elif isinstance(event, EngineEvent):
             self.engine_state, self.engine_detail = event.state, event.detail
             if event.exit_code is not None:
@@ -178,23 +180,30 @@ class MonitorState:
     def any_prefilling(self) -> bool:
         return any(s.state == "prefill" for s in self.slots.values())
 
-    def _apply_switch(self, name: str, enabled: bool, degraded: bool, reason: str, snapshot: bool = False) -> None:
+    def _apply_switch(self, name: str, enabled: bool, degraded: bool, reason: str, snapshot: bool = False,
+                      unavailable: bool = False) -> None:
         view = self.switches.get(name.upper().removeprefix("STRATA_"))
         if view is None:
             return
         if snapshot and view.running is not None and view.running != enabled:
             view.note = ""  # an answer about the value before ("applied live") no longer describes it
         view.running, view.degraded, view.reason = enabled, degraded, reason
+        view.unavailable = degraded and unavailable
         if degraded:
             view.note = ""
+
+    def apply_switch_state(self, item: dict[str, Any]) -> None:
+        """One switch as the engine reports it (a `/strata/state` entry, or a control route's answer)."""
+        self.version += 1
+        self._apply_switch(str(item["name"]), bool(item.get("enabled")), bool(item.get("degraded")),
+                           str(item.get("reason", "")), snapshot=True, unavailable=bool(item.get("unavailable")))
 
     def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
         """Seed from `/strata/state`. Tolerant: reads the parts it recognises, ignores the rest."""
         self.version += 1
         for item in _as_list(snapshot.get("switches")):
             if isinstance(item, dict) and "name" in item:
-                self._apply_switch(str(item["name"]), bool(item.get("enabled")), bool(item.get("degraded")),
-                                   str(item.get("reason", "")), snapshot=True)
+                self.apply_switch_state(item)
         if "slots" in snapshot:  # the engine's slots now: rows of slots it no longer has go
             slots = {}
             for item in _as_list(snapshot.get("slots")):

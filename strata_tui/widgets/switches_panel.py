@@ -1,5 +1,5 @@
 """Switches and VRAM reserve: one line per opt-in switch (its key, on/off, live or start-only, degraded and
-why, the last control answer) and the reserve with its keys on the panel's bottom border (where no switch can
+why or n/a here and why, the last control answer) and the reserve with its keys on the panel's bottom border (where no switch can
 push it out of view; the answer to the last reserve change is a line below the switches). Every line is one
 terminal line (cut with an ellipsis, never wrapped), so at 100x30 every switch and the reserve stay on screen."""
 
@@ -16,7 +16,9 @@ def switch_line(key: str, view: SwitchView) -> Text:
     on = view.running if view.running is not None else view.wanted
     text = Text.assemble((f" {key} ", "reverse"), " ", ("●" if on else "○", "green" if on else "dim"),
                          f" {view.name:<14}")
-    if view.degraded:
+    if view.unavailable:  # not a failure: this engine cannot run it (the reason says why)
+        text.append(f" n/a: {view.reason}", style="dim")
+    elif view.degraded:
         text.append(f" degraded: {view.reason}", style="bold red")
     elif view.needs_restart:
         text.append(f" {'on' if view.wanted else 'off'} in profile: restart to apply", style="yellow")

@@ -39,6 +39,8 @@ EXPERTS: dict | None = json.loads(Path(_EXPERTS_FILE).read_text())["experts"] if
 
 BUS = EventBus(history=4096)
 BOARD = SwitchBoard.from_values(switches_from_env(os.environ))
+for _name in filter(None, os.environ.get("FAKE_ENGINE_UNAVAILABLE", "").split(",")):
+    BOARD.mark_unavailable(_name, "needs a CUDA device with Triton (this engine runs on cpu)")  # as on CPU
 RESERVE = {"mib": 1024}
 CONTEXT_TOKENS = 8192
 
@@ -111,14 +113,16 @@ class Handler(BaseHTTPRequestHandler):
             except UnknownSwitch as exc:
                 self._json(404, {"error": {"message": str(exc)}})
                 return
-            BUS.publish(SwitchEvent(name=state.name, state="on" if state.enabled else "off"))
-            self._json(200, state.to_json())
+            # as engine/async_engine.py publishes it and engine/server/app.py answers
+            BUS.publish(SwitchEvent(name=state.name, state="unavailable" if state.unavailable else
+                                    "on" if state.enabled else "off", reason=state.reason))
+            self._json(200, {"switch": state.to_json()})
         elif self.path == "/strata/vram-reserve":
             RESERVE["mib"] = int(body.get("mib", RESERVE["mib"]))
             log(f"POST /strata/vram-reserve mib={RESERVE['mib']}")
             BUS.publish(VramEvent(device="cpu", total_mib=24576, weights_mib=12, reserve_mib=RESERVE["mib"],
                                   free_mib=20000))
-            self._json(200, {"mib": RESERVE["mib"]})
+            self._json(200, {"vram_reserve_mib": RESERVE["mib"]})  # engine/server/app.py's answer
         elif self.path == "/strata/expert-cache":
             self._expert_cache(body)
         elif self.path == "/v1/completions":

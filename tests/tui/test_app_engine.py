@@ -52,6 +52,33 @@ async def test_live_switch_applies_and_start_only_needs_restart(config_dir: Path
         await wait_for(pilot, lambda: _log_has(app, "switches=SPLIT_ATTN,FUSED_PROJ"), what="env switches")
 
 
+async def test_toggling_a_switch_this_engine_cannot_run_says_so_and_saves_the_choice(config_dir: Path,
+                                                                                      monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_UNAVAILABLE", "PAGED_ATTN")
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
+        paged = app.view.monitor.switches["PAGED_ATTN"]
+        await wait_for(pilot, lambda: paged.unavailable, what="the state snapshot")
+        notes: list[str] = []  # the note at every change the screen may draw, the control answer's included
+        changed = app.view.changed
+        monkeypatch.setattr(app.view, "changed", lambda: (notes.append(paged.note), changed())[1])
+        for saved in (False, True):
+            await pilot.press("6")
+            await wait_for(pilot, lambda: _log_has(app, "POST /strata/switches/PAGED_ATTN enabled=" + str(saved))
+                           and paged.note != "applying live…", what="the control answer")
+            assert paged.running is False and paged.unavailable and paged.note == "", paged
+            assert not paged.needs_restart  # a restart would not make it run
+            assert app.store.load("default").engine.switches.get("PAGED_ATTN") is saved  # the choice is kept
+
+            def paged_line() -> str:
+                return next(line for line in screen_text(app).splitlines() if "PAGED_ATTN" in line)
+
+            await wait_for(pilot, lambda: "n/a: needs a CUDA device" in paged_line(), what="the n/a line")
+            assert "degraded" not in paged_line() and "applied" not in paged_line(), paged_line()
+        assert "applied live" not in notes, notes  # not even until the switch event came
+
+
 async def test_reserve_applies_live(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:

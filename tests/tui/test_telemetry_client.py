@@ -71,11 +71,11 @@ async def test_control_routes_live_and_restart_only(server) -> None:
     url, _ = server
     client = TelemetryClient(url)
     live = await client.set_switch("SPLIT_ATTN", True)
-    assert live.ok and live.body["enabled"] is True
+    assert live.ok and live.body["switch"]["enabled"] is True
     start_only = await client.set_switch("COMPILE", True)
     assert start_only.status == 409 and "restart" in start_only.message
     reserve = await client.set_vram_reserve(1280)
-    assert reserve.ok and reserve.body == {"mib": 1280}
+    assert reserve.ok and reserve.body == {"vram_reserve_mib": 1280}
     await client.aclose()
 
 

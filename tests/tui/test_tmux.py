@@ -1,5 +1,6 @@
 """A real-terminal smoke test: strata-tui under tmux with a temp config dir; the monitor's title and panels
-appear, the first-run default profile is written, and `q` quits cleanly."""
+appear, the first-run default profile is written, the embedded model's engine comes up on CPU without a switch
+shown as broken, and `q` quits cleanly."""
 
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def test_strata_tui_in_tmux(tmp_path: Path) -> None:
                                      "profile default"], timeout_s=30)
         assert "SPLIT_ATTN" in screen and "Quit" in screen
         assert (config / "profiles" / "default.toml").exists()
+        # A fresh CPU machine's first screen: the CUDA-only switches that are on by default cannot run here. That
+        # is said as such, not as a failure ("degraded", in red, is for a code path that broke).
+        screen = _wait_for(session, ["engine ready", "PAGED_ATTN     n/a: needs a CUDA device",
+                                     "PAGED_PREFILL  n/a: needs a CUDA device"], timeout_s=60)
+        assert "degraded" not in screen, screen
+        for _ in range(2):  # toggling it must not look applied, nor ask for a restart that cannot help
+            subprocess.run(["tmux", "send-keys", "-t", session, "6"], check=True)
+            time.sleep(1.5)
+            line = next(line for line in _capture(session).splitlines() if "PAGED_ATTN" in line)
+            assert "n/a: needs a CUDA device" in line and "applied" not in line and "restart" not in line, line
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
         _wait_for(session, ["STRATA-TUI-EXITED 0"], timeout_s=20)
     finally:

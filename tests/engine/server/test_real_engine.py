@@ -294,6 +294,22 @@ def test_control_routes_change_the_engine_and_emit_events(served) -> None:
     assert any(e.type == "vram" and e.reserve_mib == 1280 for e in client.bus.history(before))
 
 
+def test_a_switch_that_cannot_run_here_answers_and_tells_so_when_toggled(served) -> None:
+    # On CPU the paged kernels cannot run: a toggle must not look applied (the TUI draws what it is told).
+    url, client, _ = served
+    before = client.bus.last_seq
+    for enabled in (False, True):
+        answer = httpx.post(url + "/strata/switches/PAGED_ATTN", json={"enabled": enabled})
+        assert answer.status_code == 200, answer.text
+        switch = answer.json()["switch"]
+        assert switch["enabled"] is False and switch["unavailable"] is True and "CUDA" in switch["reason"], switch
+    changes = [(e.state, e.reason) for e in client.bus.history(before) if e.type == "switch"]
+    assert len(changes) == 2 and all(state == "unavailable" and "CUDA" in reason for state, reason in changes), \
+        changes
+    state = next(s for s in httpx.get(url + "/strata/state").json()["switches"] if s["name"] == "PAGED_ATTN")
+    assert state["unavailable"] is True and state["enabled"] is False
+
+
 @pytest.mark.slow
 def test_builtin_model_streams_the_same_text_with_and_without_mtp() -> None:
     """builtin:strata-tiny (the embedded model, with an MTP head): drafting may hand several tokens to one
