@@ -60,6 +60,14 @@ def _short_mib(value: float | None) -> str:
     return f"{value / 1024:.1f}G" if value >= 10 * 1024 else f"{value:.0f}M"
 
 
+def tier_line(tier: TierEvent) -> Text:
+    """The tier's last change: by how much (signed, so "grow 512 MiB → 512 MiB" cannot read as no change) and
+    its size afterwards, then why."""
+    sign = "-" if tier.action == "shrink" else "+"
+    return Text.assemble(("tier ", "dim"), (f"{tier.action} {sign}{mib(tier.mib)} → {mib(tier.total_mib)}", "cyan"),
+                         (f"  {tier.reason}", "dim"))
+
+
 class GpuPanel(Static):
     """Draws GPU readings and the engine's VRAM breakdown; fed by `show()`, owns no I/O."""
 
@@ -92,8 +100,7 @@ class GpuPanel(Static):
             if device not in shown_devices:  # CPU runs, or NVML unavailable: the engine's view alone
                 parts.append(self._engine_row(event, device or "?", compact))
         if tier is not None:
-            parts.append(Text.assemble(("tier ", "dim"), (f"{tier.action} {mib(tier.mib)} → {mib(tier.total_mib)}",
-                                                           "cyan"), (f"  {tier.reason}", "dim")))
+            parts.append(tier_line(tier))
         if not parts:
             parts.append(Text("no GPU readings yet", style="dim"))
         self.update(Group(*parts))

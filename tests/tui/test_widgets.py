@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.telemetry import AdmissionEvent, SlotEvent, VramEvent
+from engine.telemetry import AdmissionEvent, SlotEvent, TierEvent, VramEvent
 from strata_tui.monitor_state import SwitchView
 from strata_tui.screens.monitor import admission_line
 from strata_tui.widgets.crash_panel import event_line
-from strata_tui.widgets.gpu_panel import breakdown_bar, breakdown_text
+from strata_tui.widgets.gpu_panel import breakdown_bar, breakdown_text, tier_line
 from strata_tui.widgets.slots_table import columns_for, format_eta, slot_cells
 from strata_tui.widgets.switches_panel import switch_line
 
@@ -55,6 +55,17 @@ def test_switch_lines_say_degraded_restart_or_live() -> None:
     assert "restart to apply" in switch_line("5", pending).plain
     live = SwitchView("SPLIT_ATTN", live=True, wanted=True, running=True)
     assert switch_line("1", live).plain.rstrip().endswith("live")
+    # cannot run here: said as n/a, dimmed, not as a failure in red
+    na = SwitchView("PAGED_ATTN", live=True, wanted=True, running=False, degraded=True, unavailable=True,
+                    reason="needs a CUDA device with Triton (this engine runs on cpu)")
+    line = switch_line("6", na)
+    assert "n/a: needs a CUDA device" in line.plain and "degraded" not in line.plain
+    assert not any("red" in str(span.style) for span in line.spans), line.spans
+
+
+def test_the_tier_line_says_by_how_much_and_the_size_after() -> None:
+    assert "grow +512 MiB → 512 MiB" in tier_line(TierEvent(action="grow", mib=512, total_mib=512, reason="start")).plain
+    assert "shrink -256 MiB → 256 MiB" in tier_line(TierEvent(action="shrink", mib=256, total_mib=256)).plain
 
 
 def test_admission_and_event_lines() -> None:
