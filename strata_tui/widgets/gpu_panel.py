@@ -62,10 +62,11 @@ def _short_mib(value: float | None) -> str:
 
 def tier_line(tier: TierEvent) -> Text:
     """The tier's last change: by how much (signed, so "grow 512 MiB → 512 MiB" cannot read as no change) and
-    its size afterwards, then why."""
+    its budget afterwards, then why. A budget, not the memory held: a tier that does not preallocate (CPU, host)
+    holds only what it has filled, which the books beside it show as `tier`."""
     sign = "-" if tier.action == "shrink" else "+"
-    return Text.assemble(("tier ", "dim"), (f"{tier.action} {sign}{mib(tier.mib)} → {mib(tier.total_mib)}", "cyan"),
-                         (f"  {tier.reason}", "dim"))
+    change = f"{tier.action} {sign}{mib(tier.mib)} → budget {mib(tier.total_mib)}"
+    return Text.assemble(("tier ", "dim"), (change, "cyan"), (f"  {tier.reason}", "dim"))
 
 
 class GpuPanel(Static):

@@ -63,9 +63,10 @@ def test_switch_lines_say_degraded_restart_or_live() -> None:
     assert not any("red" in str(span.style) for span in line.spans), line.spans
 
 
-def test_the_tier_line_says_by_how_much_and_the_size_after() -> None:
-    assert "grow +512 MiB → 512 MiB" in tier_line(TierEvent(action="grow", mib=512, total_mib=512, reason="start")).plain
-    assert "shrink -256 MiB → 256 MiB" in tier_line(TierEvent(action="shrink", mib=256, total_mib=256)).plain
+def test_the_tier_line_says_by_how_much_and_the_budget_after() -> None:
+    grow = tier_line(TierEvent(action="grow", mib=512, total_mib=512, reason="start")).plain
+    assert "grow +512 MiB → budget 512 MiB" in grow and grow.rstrip().endswith("start")
+    assert "shrink -256 MiB → budget 256 MiB" in tier_line(TierEvent(action="shrink", mib=256, total_mib=256)).plain
 
 
 def test_admission_and_event_lines() -> None:
