@@ -65,7 +65,7 @@ def tier_line(tier: TierEvent) -> Text:
     its budget afterwards, then why. A budget, not the memory held: a tier that does not preallocate (CPU, host)
     holds only what it has filled, which the books beside it show as `tier`."""
     sign = "-" if tier.action == "shrink" else "+"
-    change = f"{tier.action} {sign}{mib(tier.mib)} → budget {mib(tier.total_mib)}"
+    change = f"{tier.action} {sign}{mib(abs(tier.mib))} → budget {mib(tier.total_mib)}"  # the engine sends abs
     return Text.assemble(("tier ", "dim"), (change, "cyan"), (f"  {tier.reason}", "dim"))
 
 

@@ -67,6 +67,7 @@ def test_the_tier_line_says_by_how_much_and_the_budget_after() -> None:
     grow = tier_line(TierEvent(action="grow", mib=512, total_mib=512, reason="start")).plain
     assert "grow +512 MiB → budget 512 MiB" in grow and grow.rstrip().endswith("start")
     assert "shrink -256 MiB → budget 256 MiB" in tier_line(TierEvent(action="shrink", mib=256, total_mib=256)).plain
+    assert "shrink -256 MiB" in tier_line(TierEvent(action="shrink", mib=-256, total_mib=256)).plain  # not "--"
 
 
 def test_admission_and_event_lines() -> None:
