@@ -4,7 +4,8 @@
 # times, kvspill five times, eight MoE seed runs, the kv seed, the prompt-chunk kernel and TTFT, reuse and the
 # compile starts (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (fifth)"); next (#17):
 #
-#   OUT=$OUT STEPS=peers,profile128k_int8,admission bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh    (the new defaults have not run under -m gpu yet)
+#   OUT=$OUT STEPS=peers,peers_fused,profile128k_int8,admission bash scripts/gpu_pending.sh
 #
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
@@ -27,6 +28,8 @@
 #   kv_seed               #18: the seed scenario with the seed's `--kv-resident 16384` (131K prompt, 262K context)
 #   peers                 #17: default switches (PAGED_PREFILL, SHARED_PREFIX now on) against HF static cache +
 #                         torch.compile in the same run, batch 1 and 6 (the goal: >= 2.0x)
+#   peers_fused           #17: the same with FUSED_PROJ on (measured 1.14x / 1.09x at batch 1 / 6 on 2026-11-29,
+#                         before PAGED_ATTN was on by default): whether it wins with today's defaults, to turn it on
 #   profile128k_int8      #17: a batch-1 decode step at 128K context with int8 KV (the goal: <= 5 ms)
 #   admission             #17: six slots decoding while a fresh 176K prompt is admitted (TTFT <= 2x alone, decode
 #                         ratio >= 0.5), int8 KV, the prompt-chunk kernel on
@@ -74,6 +77,8 @@ step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --ra
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
 step peers 200 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 --batches 1,6 --peers static \
     --json "$OUT/peers.json"
+step peers_fused 200 env STRATA_FUSED_PROJ=1 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 \
+    --batches 1,6 --peers static --json "$OUT/peers_fused.json"
 step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
 step admission 240 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 --long-tokens 176K \
