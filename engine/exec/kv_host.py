@@ -73,9 +73,7 @@ class HostKVStore:
     def spill(self, pools: list[torch.Tensor], device_ids: list[int], host_ids: list[int]) -> None:
         """Copy device pool blocks into host blocks, on the current stream: the caller synchronizes before it
         reuses the device blocks."""
-        order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
-        runs = host_runs([host_ids[i] for i in order])
-        src = self._device_ids([device_ids[i] for i in order], pools[0].device)
+        runs, src = self._by_host_id(host_ids, device_ids, pools[0].device)
         for p in range(len(pools)):
             staged = pools[p].index_select(1, src).transpose(0, 1).contiguous()  # [n, Hkv, ...] block-major
             for pos, first, n in runs:
@@ -91,13 +89,11 @@ class HostKVStore:
         while the next layer's are still on the way.
         """
         groups = [list(range(len(pools)))] if groups is None else groups
-        order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
-        runs = host_runs([host_ids[i] for i in order])
-        dst = self._device_ids([device_ids[i] for i in order], pools[0].device)
+        runs, dst = self._by_host_id(host_ids, device_ids, pools[0].device)
         for g, members in enumerate(groups):
             for p in members:
                 host = self.tensors[p]
-                staged = torch.empty((len(order), *host.shape[1:]), dtype=host.dtype, device=pools[p].device)
+                staged = torch.empty((len(host_ids), *host.shape[1:]), dtype=host.dtype, device=pools[p].device)
                 for pos, first, n in runs:
                     staged[pos:pos + n].copy_(host[first:first + n], non_blocking=self.pinned)
                 pools[p].index_copy_(1, dst, staged.transpose(0, 1))
@@ -106,14 +102,18 @@ class HostKVStore:
                 after_group(g)
 
     @staticmethod
-    def _device_ids(ids: list[int], device: torch.device) -> torch.Tensor:
-        """Block ids as an index tensor on `device`. On CUDA through pinned memory: a copy from pageable memory
-        would block the host until the stream had run everything queued before it (the previous forward, which
-        the copy stream waits for), and the fetch is meant to return while that still runs."""
-        ids_cpu = torch.tensor(ids, dtype=torch.long)
+    def _by_host_id(host_ids: list[int], device_ids: list[int], device: torch.device
+                    ) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+        """The moves ordered by host id: their runs of consecutive host ids (`host_runs`), and their device block
+        ids in that order as an index tensor on `device`. On CUDA through pinned memory: a copy from pageable
+        memory would block the host until the stream had run everything queued before it (the previous forward,
+        which the copy stream waits for), and the fetch is meant to return while that still runs."""
+        order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
+        runs = host_runs([host_ids[i] for i in order])
+        ids_cpu = torch.tensor([device_ids[i] for i in order], dtype=torch.long)
         if device.type != "cuda":
-            return ids_cpu
-        return ids_cpu.pin_memory().to(device, non_blocking=True)
+            return runs, ids_cpu
+        return runs, ids_cpu.pin_memory().to(device, non_blocking=True)
 
     def free(self) -> None:
         self.tensors = []

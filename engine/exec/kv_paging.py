@@ -206,10 +206,8 @@ class KVPaging:
             self.host.ensure(self.ledger.host_blocks)
             self.host.spill(pools, [m.src for m in moves], [m.dst for m in moves])
             self._sync_device()
-            ms = (time.perf_counter() - t0) * 1e3
-            mib = len(moves) * self.block_mib
-            self._count("spill", len(moves), mib, ms)
-            self._publish("spill", len(moves), mib, ms, sorted({m.slot for m in moves}), "room for a forward's slots")
+            self._done("spill", len(moves), len(moves) * self.block_mib, (time.perf_counter() - t0) * 1e3,
+                       sorted({m.slot for m in moves}))
         if plan.fetches:
             if self._copy_stream is None:
                 self._fetch_now(plan.fetches)
@@ -220,10 +218,8 @@ class KVPaging:
         """The CPU fetch: a plain copy, done when it returns."""
         t0 = time.perf_counter()
         self.host.fetch(self.kv.pools(), [m.src for m in moves], [m.dst for m in moves])
-        ms = (time.perf_counter() - t0) * 1e3
-        mib = len(moves) * self.block_mib
-        self._count("fetch", len(moves), mib, ms)
-        self._publish("fetch", len(moves), mib, ms, sorted({m.slot for m in moves}), "a forward reads them")
+        self._done("fetch", len(moves), len(moves) * self.block_mib, (time.perf_counter() - t0) * 1e3,
+                   sorted({m.slot for m in moves}))
 
     def _fetch_overlapped(self, moves: list) -> None:
         """Enqueue the fetch on the copy stream layer by layer, recording each layer's event; return at once."""
@@ -246,12 +242,12 @@ class KVPaging:
         while self._pending and (wait or self._pending[0].end.query()):
             fetch = self._pending.pop(0)
             fetch.end.synchronize()  # at once unless `wait`: query() said it completed
-            ms = fetch.start.elapsed_time(fetch.end)
-            self._count("fetch", fetch.blocks, fetch.mib, ms)
-            self._publish("fetch", fetch.blocks, fetch.mib, ms, fetch.slots, "a forward reads them",
-                          host_mib=fetch.host_mib)
+            self._done("fetch", fetch.blocks, fetch.mib, fetch.start.elapsed_time(fetch.end), fetch.slots,
+                       fetch.host_mib)
 
-    def _count(self, action: str, blocks: int, mib: float, ms: float) -> None:
+    def _done(self, action: str, blocks: int, mib: float, ms: float, slots: list[int],
+              host_mib: float | None = None) -> None:
+        """Count a finished spill or fetch in the stats and publish its `kv` event."""
         if action == "spill":
             self.stats.spilled_blocks += blocks
             self.stats.spilled_mib += mib
@@ -260,6 +256,8 @@ class KVPaging:
             self.stats.fetched_blocks += blocks
             self.stats.fetched_mib += mib
             self.stats.fetch_ms += ms
+        reason = "room for a forward's slots" if action == "spill" else "a forward reads them"
+        self._publish(action, blocks, mib, ms, slots, reason, host_mib)
 
     def _grow_from_tier(self, short_blocks: int, reason: str) -> None:
         """Ask the tier for `short_blocks` (at least one slot's window) of pool memory and grow into what it

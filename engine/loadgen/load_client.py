@@ -140,18 +140,14 @@ class LoadClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.return_token_ids:
-            body["return_token_ids"] = True
-        if ignore_eos and "ignore_eos" not in self.refused_fields:
-            body["ignore_eos"] = True
+        wanted = {"return_token_ids": self.return_token_ids, "ignore_eos": ignore_eos}
+        body.update({field: True for field, on in wanted.items() if on and field not in self.refused_fields})
         try:
             while (refused := await self._stream(body, result, t0, on_first_token)) is not None:
                 # A server without the field (a generic OpenAI one, a Strata server from before it) refused it
                 # by name: ask again without it, and leave it out from now on (this one request's TTFT includes
-                # the refused round trip).
+                # the refused round trip; without token ids, text chunks are counted as from any OpenAI server).
                 self.refused_fields.add(refused)
-                if refused == "return_token_ids":
-                    self.return_token_ids = False  # text chunks are counted, as from any OpenAI server
                 del body[refused]
         except httpx.HTTPError as exc:
             result.error = _describe(exc)
