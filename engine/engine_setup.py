@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+import engine.model.attention.backends as attention_backends
 from engine.config import EngineConfig
 from engine.errors import ConfigError, StrataError
 from engine.exec.executor import EagerExecutor
@@ -142,9 +143,16 @@ class _PartsBuilder:
             for sw in SWITCHES:
                 if sw.moe_only:
                     board.mark_unavailable(sw.name, f"the model {config.model} has no MoE layers: no expert cache")
-        if kv.kernel is None:  # quietly: the reference path is what runs here, and turning it on cannot change that
+        # quietly: the reference path is what runs here, and turning these on cannot change that
+        no_triton = f"needs a CUDA device with Triton (this engine runs on {device})"
+        if kv.kernel is None:
             for name in ("PAGED_ATTN", "PAGED_PREFILL"):
-                board.mark_unavailable(name, f"needs a CUDA device with Triton (this engine runs on {device})")
+                board.mark_unavailable(name, no_triton)
+        if not attention_backends.triton_runs(device):
+            board.mark_unavailable("FUSED_OPS", no_triton)
+        elif board.enabled("FUSED_OPS"):
+            model.use_fused_ops()
+            kv.use_write_kernel()
         for name, on in config.switches.items():
             if on and board.enabled(name):
                 bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))

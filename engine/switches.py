@@ -56,7 +56,8 @@ SWITCHES: tuple[Switch, ...] = (
         "FUSED_PROJ",
         "fuse the q/k/v and gate/up projections into one matmul each (weights concatenated at load)",
         live=False,
-        effect="faster batch-1 and batch-6 decode steps on the H200 (docs/SWITCHES.md)",
+        effect="on by default: faster batch-1 and batch-6 decode steps on the H200 (docs/SWITCHES.md)",
+        default=True,
     ),
     Switch(
         "CAPTURE_ALL",
@@ -114,6 +115,14 @@ SWITCHES: tuple[Switch, ...] = (
         effect="higher expert hit rate than LRU on a skewed synthetic routing trace, equal on uniform (random-weight) "
                "routing; CPU trace replays, not yet measured on a real model's trace (docs/SWITCHES.md)",
         moe_only=True,
+    ),
+    Switch(
+        "FUSED_OPS",
+        "a decoder layer's elementwise chains as one Triton kernel each: residual add + RMSNorm, q/k norm + RoPE, "
+        "SiLU * up, and the KV write with int8 quantization (CUDA only; elsewhere the PyTorch ops run)",
+        live=False,
+        effect="on by default: fewer kernels per decode step (docs/SWITCHES.md)",
+        default=True,
     ),
 )
 

@@ -4,8 +4,8 @@
 # times, kvspill five times, eight MoE seed runs, the kv seed, the prompt-chunk kernel and TTFT, reuse and the
 # compile starts (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (fifth)"); next (#17):
 #
-#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh    (the new defaults have not run under -m gpu yet)
-#   OUT=$OUT STEPS=peers,peers_fused,profile128k_int8,admission bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=fused_ops_tests,profile_ops_0,profile_ops_1,peers_fused,profile128k_int8 bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite,admission bash scripts/gpu_pending.sh    (FUSED_OPS on by default under -m gpu)
 #
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
@@ -26,10 +26,15 @@
 #   ttft_paged_prefill_0/_1  #17: TTFT of fresh 32K / 128K / 176K prompts with PAGED_PREFILL off, then on
 #   reuse                 #17: TTFT of a repeated 32K prompt against the fresh one (the zero-copy goal: <= 5 %)
 #   kv_seed               #18: the seed scenario with the seed's `--kv-resident 16384` (131K prompt, 262K context)
+#   fused_ops_tests       #17: the FUSED_OPS kernels against the bf16 reference ops, the int8 KV write code for
+#                         code, engines with FUSED_OPS on and off (greedy tokens identical)
+#   profile_ops_0/_1      #17: a batch-1 decode step (0.6B shape, short context) with FUSED_OPS off, then on
+#   profile128k_int8_ops0 #17: the 128K int8 step with FUSED_OPS off (profile128k_int8 below runs it on)
 #   peers                 #17: default switches (PAGED_PREFILL, SHARED_PREFIX now on) against HF static cache +
 #                         torch.compile in the same run, batch 1 and 6 (the goal: >= 2.0x)
 #   peers_fused           #17: the same with FUSED_PROJ on (measured 1.14x / 1.09x at batch 1 / 6 on 2026-11-29,
 #                         before PAGED_ATTN was on by default): whether it wins with today's defaults, to turn it on
+#   mtp_1/_2              #17: MTP speedup at batch 1 on strata-tiny, depth 1 and 2, with FUSED_OPS and FUSED_PROJ
 #   profile128k_int8      #17: a batch-1 decode step at 128K context with int8 KV (the goal: <= 5 ms)
 #   admission             #17: six slots decoding while a fresh 176K prompt is admitted (TTFT <= 2x alone, decode
 #                         ratio >= 0.5), int8 KV, the prompt-chunk kernel on
@@ -75,10 +80,21 @@ step reuse 90 "$PY" -m engine.bench reuse --model random:0.6b --device cuda:0 --
     --json "$OUT/reuse.json"
 step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
+step fused_ops_tests 150 "${GPU_TEST[@]}" tests/engine/model/test_triton_ops_gpu.py
+for ops in 0 1; do  # FUSED_OPS off, then on (the default): kernels and time of a batch-1 decode step, short context
+    step profile_ops_$ops 90 env STRATA_FUSED_OPS=$ops "$PY" -m engine.bench profile --model random:0.6b \
+        --device cuda:0 --batch 1 --steps 64 --top 12 --json "$OUT/profile_ops_$ops.json"
+done
+step profile128k_int8_ops0 90 env STRATA_FUSED_OPS=0 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 \
+    --batch 1 --kv int8 --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8_ops0.json"
 step peers 200 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 --batches 1,6 --peers static \
     --json "$OUT/peers.json"
 step peers_fused 200 env STRATA_FUSED_PROJ=1 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 \
     --batches 1,6 --peers static --json "$OUT/peers_fused.json"
+for depth in 1 2; do  # MTP on strata-tiny with today's defaults (the issue: kept or better)
+    step mtp_$depth 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 \
+        --mtp-depth $depth --json "$OUT/mtp_$depth.json"
+done
 step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
 step admission 240 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 --long-tokens 176K \

@@ -23,6 +23,7 @@ cache to a backend (the PyTorch reference, or the Triton kernels that read the p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -154,6 +155,17 @@ class SlotKVCache:
         self.fused_prefill: bool | None = None  # None: decide per device (flash on CUDA), see chunk_fusable
         self._where: tuple | None = None  # (positions, blocks, offsets) of the forward's writes
         self._fusable: dict[tuple[int, int], bool] = {}
+        self.write_kernel: Any = None  # FUSED_OPS: engine.model.attention.triton_kv_write.write_kv
+
+    def use_write_kernel(self, enabled: bool = True) -> None:
+        """FUSED_OPS: write (and quantize) each step's keys and values with one Triton kernel per layer instead
+        of the reference's index_put (and quantize) ops. Imports Triton: only where `kernel` exists, or a test
+        that runs Triton's interpreter."""
+        self.write_kernel = None
+        if enabled:
+            from engine.model.attention.triton_kv_write import write_kv
+
+            self.write_kernel = write_kv
 
     # --- accounting ----------------------------------------------------------------------------------------
 
@@ -300,6 +312,10 @@ class SlotKVCache:
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         blocks, offsets = self._locate(self.slots, positions)
+        if self.write_kernel is not None:
+            scales = (self.k_scale[layer], self.v_scale[layer]) if self.storage == "int8" else (None, None)
+            self.write_kernel(self.k[layer], self.v[layer], *scales, k, v, blocks, offsets)
+            return
         k_tok = k.permute(1, 0, 2, 3)  # [Hkv, B, T, D]: the advanced indices (block, offset) sit at dims 1, 2
         v_tok = v.permute(1, 0, 2, 3)
         if self.storage == "int8":

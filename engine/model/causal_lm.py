@@ -39,6 +39,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTPHead(config, self.embed_tokens, self.rotary) if config.mtp is not None else None
         self.fused = False
+        self.ops: Any = None  # engine.model.triton_ops under FUSED_OPS (use_fused_ops)
         if weight.device.type != "meta":
             self.init_weights()
 
@@ -67,6 +68,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ")
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
+        if self.ops is not None:  # FUSED_OPS: each residual add rides in the next norm's kernel
+            residual = None
+            for i, layer in enumerate(self.layers):
+                x, residual = layer.forward_carry(x, residual, cos, sin, positions, kv, i)
+            return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, positions, kv, i)
         return self.norm(x)
@@ -90,3 +96,15 @@ class CausalLM(nn.Module):
             for mtp_layer in self.mtp.layers:
                 mtp_layer.block.fuse()
         self.fused = True
+
+    def use_fused_ops(self, enabled: bool = True) -> None:
+        """The FUSED_OPS switch: every decoder layer (MTP blocks included) runs its residual add + RMSNorm, q/k
+        norm + RoPE and SiLU * up as Triton kernels (engine.model.triton_ops). Inference only: the kernels
+        have no backward. Imports Triton, so only where it is installed."""
+        ops = None
+        if enabled:
+            import engine.model.triton_ops as ops
+        self.ops = ops
+        blocks = list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
+        for block in blocks:
+            block.use_ops(ops)

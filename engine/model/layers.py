@@ -3,9 +3,15 @@
 Attention owns no KV storage: it hands q, k, v (after q/k norm and RoPE) to the `kv` object it is given
 (`kv.attend(layer_idx, q, k, v, positions)`), or, with `kv=None`, attends causally over the T given tokens
 (the training / full-forward path, plain differentiable ops).
+
+With FUSED_OPS (`CausalLM.use_fused_ops`, CUDA) the elementwise chains run as the Triton kernels of
+engine.model.triton_ops (residual add + RMSNorm, q/k norm + RoPE, SiLU * up) on the same projections; the
+reference ops stay for CPU, training and the tests' oracle.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +20,9 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.moe import SparseMoE, moe_index_of
 from engine.model.rope import apply_rope
+
+# engine.model.triton_ops once `use_fused_ops` set it (the module imports Triton, which CPU installs may lack)
+FusedOps = Any
 
 
 class RMSNorm(nn.Module):
@@ -71,6 +80,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.qkv_proj: nn.Linear | None = None
+        self.ops: FusedOps | None = None
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one concatenated Linear (same outputs, one matmul)."""
@@ -92,10 +102,16 @@ class Attention(nn.Module):
             v = v.view(B, T, hkv, d)
         # q and k heads side by side [B, T, Hq+Hkv, D]: one norm and one rotation for both (the same per-head
         # arithmetic as two separate passes, in half the kernels).
-        if self.q_norm is not None:
-            weight = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])
-            qk = weight * rms_normalize(qk, self.q_norm.eps)
-        qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, Hq+Hkv, T, D]
+        if self.ops is not None:  # FUSED_OPS: norm and rotation in one kernel, written as [B, Hq+Hkv, T, D]
+            norm = self.q_norm is not None
+            qk = self.ops.qk_norm_rope(qk, hq, self.q_norm.weight if norm else None,
+                                       self.k_norm.weight if norm else None, cos, sin,
+                                       self.q_norm.eps if norm else 0.0)
+        else:
+            if self.q_norm is not None:
+                weight = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])
+                qk = weight * rms_normalize(qk, self.q_norm.eps)
+            qk = apply_rope(qk.transpose(1, 2), cos, sin)  # [B, Hq+Hkv, T, D]
         q, k = qk[:, :hq], qk[:, hq:]
         v = v.transpose(1, 2)  # [B, Hkv, T, D]
         if kv is None:
@@ -116,6 +132,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gate_up_proj: nn.Linear | None = None
+        self.ops: FusedOps | None = None
 
     def fuse(self) -> None:
         """Replace gate/up by one concatenated Linear."""
@@ -129,6 +146,8 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -142,12 +161,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe_index = moe_index_of(config, layer_idx)  # Qwen3-MoE: a routed MLP where the config says so
         self.mlp = MLP(config) if moe_index is None else SparseMoE(config, moe_index)
+        self.ops: FusedOps | None = None
 
     def fuse(self) -> None:
         """Fuse this layer's q/k/v and gate/up projections."""
         self.self_attn.fuse()
         self.mlp.fuse()
 
+    def use_ops(self, ops: FusedOps | None) -> None:
+        """Run this layer's elementwise chains through `ops` (engine.model.triton_ops), or None: the reference."""
+        self.ops = self.self_attn.ops = ops
+        if isinstance(self.mlp, MLP):  # a routed MoE block keeps its own expert path
+            self.mlp.ops = ops
+
     def forward(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
+        if self.ops is not None:
+            out, residual = self.forward_carry(x, None, cos, sin, positions, kv, layer_idx)
+            return out + residual
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_carry(self, x, residual, cos, sin, positions, kv, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FUSED_OPS: (mlp output, residual stream) with the stream's last add left to the next layer's norm
+        kernel (`residual` None: x is the stream). The sums are the reference's, in the same order."""
+        normed, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attended = self.self_attn(normed, cos, sin, positions, kv, layer_idx)
+        norm = self.post_attention_layernorm
+        normed, residual = self.ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
+        return self.mlp(normed), residual

@@ -172,9 +172,10 @@ class MonitorScreen(Screen):
         graph.show(list(state.graph_events))
         warning = state.last_warning
         graph.border_subtitle = f"last warning: {warning.where}: {warning.message}"[:90] if warning else ""
-        # keyed by the registry's order (the number keys); an MoE-only switch is listed for an MoE engine, or
-        # where the profile or the engine has it on
-        views = [(str(i + 1), state.switches[sw.name]) for i, sw in enumerate(SWITCHES) if sw.name in state.switches
+        # keyed by the registry's order (the number keys; a switch past the ninth has none, "·"); an
+        # MoE-only switch is listed for an MoE engine, or where the profile or the engine has it on
+        views = [(str(i + 1) if sw in KEYED_SWITCHES else "·", state.switches[sw.name])
+                 for i, sw in enumerate(SWITCHES) if sw.name in state.switches
                  and (not sw.moe_only or state.experts is not None or state.switches[sw.name].wanted
                       or bool(state.switches[sw.name].running))]
         settings = view.settings

@@ -100,8 +100,11 @@ class GpuPanel(Static):
         for device, event in sorted(vram.items()):
             if device not in shown_devices:  # CPU runs, or NVML unavailable: the engine's view alone
                 parts.append(self._engine_row(event, device or "?", compact))
-        if tier is not None:
-            parts.append(tier_line(tier))
+        # on the bottom border, like the switches panel's reserve: a row of its own would cost the switch list
+        # its last line at 100x30
+        subtitle = tier_line(tier) if tier is not None else Text("")
+        if self.border_subtitle != subtitle.markup:
+            self.border_subtitle = subtitle
         if not parts:
             parts.append(Text("no GPU readings yet", style="dim"))
         self.update(Group(*parts))

@@ -24,10 +24,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _admit_next_to_decoders(engine) -> None:
+def _admit_next_to_decoders(engine, context: int = 4096) -> int:
     """Four shorts decode; the long prompt arrives; every step must give each short a token until the long
-    prompt's first token, and the engine must have fed its timings to the scheduler."""
-    shorts = [engine.add_request(f"s{i}", p, _greedy(4096 - len(p))) for i, p in enumerate(SHORT)]
+    prompt's first token, and the engine must have fed its timings to the scheduler. Returns the steps the
+    admission took."""
+    shorts = [engine.add_request(f"s{i}", p, _greedy(context - len(p))) for i, p in enumerate(SHORT)]
     for _ in range(4):  # the shorts prefill, then decode: the engine has measured decode steps
         engine.step()
     assert all(r.num_output_tokens >= 1 for r in shorts)
@@ -41,6 +42,7 @@ def _admit_next_to_decoders(engine) -> None:
         steps += 1
         assert steps <= 40 * len(LONG) // BLOCK_TOKENS, "the long admission stopped making progress"
         gained = [r.num_output_tokens - b for r, b in zip(shorts, before)]
+        assert not any(r.is_finished for r in shorts), f"step {steps}: a short ran out of context; give it more"
         assert all(g >= 1 for g in gained), f"step {steps}: a decoding slot got no token ({gained})"
         chunks_seen += long.num_computed_tokens > computed_before
         assert engine.health().ready, engine.health().reason
@@ -53,6 +55,7 @@ def _admit_next_to_decoders(engine) -> None:
         engine.abort(r.request_id)
     while engine.has_work:
         engine.step()
+    return steps
 
 
 @pytest.mark.parametrize("mtp", [False, True])
@@ -64,10 +67,14 @@ def test_decoding_slots_get_a_token_every_step_while_a_long_prompt_is_admitted(c
 
 @pytest.mark.gpu
 def test_on_cuda_with_graphs_decoding_slots_keep_their_token_every_step(ckpt) -> None:
-    """The same on the GPU path: captured decode graphs, eager fused chunks, device syncs around the timings."""
-    config = small_config(ckpt, device="cuda:0", dtype="bfloat16", batch=5, context=4096, prefill_chunk_tokens=512,
+    """The same on the GPU path: captured decode graphs, eager fused chunks, device syncs around the timings. The
+    shorts get room for 10,000 steps of 3 tokens: on the H200 (2026-12-01) the admission took more than 1,419
+    steps once FUSED_OPS and FUSED_PROJ became the default, and a short ran out of a 4,096-token context."""
+    context = 32768
+    config = small_config(ckpt, device="cuda:0", dtype="bfloat16", batch=5, context=context, prefill_chunk_tokens=512,
                           step_token_budget=1024, batch_mtp=True, mtp_depth=2)
-    _admit_next_to_decoders(Engine(config, EventBus(), block_tokens=BLOCK_TOKENS))
+    steps = _admit_next_to_decoders(Engine(config, EventBus(), block_tokens=BLOCK_TOKENS), context)
+    print(f"the 2,500-token admission took {steps} steps")
 
 
 def test_a_paced_admission_gives_the_tokens_an_unpaced_one_gives(ckpt) -> None:

@@ -38,18 +38,18 @@ async def test_live_switch_applies_and_start_only_needs_restart(config_dir: Path
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
-        await pilot.press("1", "2")
-        split, fused = app.view.monitor.switches["SPLIT_ATTN"], app.view.monitor.switches["FUSED_PROJ"]
-        await wait_for(pilot, lambda: split.note == "applied live" and fused.note == "restart to apply",
+        await pilot.press("1", "3")  # SPLIT_ATTN (live), CAPTURE_ALL (start only)
+        split, capture = app.view.monitor.switches["SPLIT_ATTN"], app.view.monitor.switches["CAPTURE_ALL"]
+        await wait_for(pilot, lambda: split.note == "applied live" and capture.note == "restart to apply",
                        what="control answers")
-        assert split.running is True and fused.needs_restart
+        assert split.running is True and capture.needs_restart
         saved = app.store.load("default").engine.switches
-        assert saved == {"SPLIT_ATTN": True, "FUSED_PROJ": True}
+        assert saved == {"SPLIT_ATTN": True, "CAPTURE_ALL": True}
         assert _log_has(app, "POST /strata/switches/SPLIT_ATTN enabled=True")
         # restart applies the start-only switch from the environment
         await pilot.press("r")
         await wait_for(pilot, lambda: app.run_id == 2 and app.view.telemetry_connected, what="restart")
-        await wait_for(pilot, lambda: _log_has(app, "switches=SPLIT_ATTN,FUSED_PROJ"), what="env switches")
+        await wait_for(pilot, lambda: _log_has(app, "switches=SPLIT_ATTN,FUSED_PROJ,CAPTURE_ALL"), what="env switches")
 
 
 async def test_toggling_a_switch_this_engine_cannot_run_says_so_and_saves_the_choice(config_dir: Path,

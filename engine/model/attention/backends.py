@@ -112,12 +112,17 @@ class TritonPagedAttention(TorchAttention):
         return paged_prefill_attention(q, kv.k[layer], kv.v[layer], *scales, *args)
 
 
-def kernel_backend(device: torch.device) -> TritonPagedAttention | None:
-    """The paged-kernel backend where it can run (a CUDA device and an importable Triton), else None."""
+def triton_runs(device: torch.device) -> bool:
+    """Whether compiled Triton kernels run on `device`: a CUDA device and an importable Triton."""
     if device.type != "cuda":
-        return None
+        return False
     try:
         import triton  # noqa: F401
     except ImportError:
-        return None
-    return TritonPagedAttention()
+        return False
+    return True
+
+
+def kernel_backend(device: torch.device) -> TritonPagedAttention | None:
+    """The paged-kernel backend where it can run, else None."""
+    return TritonPagedAttention() if triton_runs(device) else None

@@ -61,6 +61,9 @@ def _paged_decode_kernel(
     pos = tl.where(pos < context_tokens, pos, -1)  # padding rows see no key
     kv_len = tl.minimum(tl.max(pos, axis=0) + 1, span_tokens)
     slot = tl.load(slots_ptr + b)
+    # in 64 bits: a pool that holds the prefix-cache tier's blocks (SHARED_PREFIX) can pass 2**31 elements, and
+    # h * its head stride with it (int8 KV on a full H200, 2026-12-01: an illegal memory access)
+    h_pool = h.to(tl.int64) * stride_kh
     first_tile = split * split_tiles
     last_tile = tl.minimum(first_tile + split_tiles, tl.cdiv(kv_len, BLOCK_N))
 
@@ -73,7 +76,7 @@ def _paged_decode_kernel(
         # A tile of BLOCK_N keys may span several pool blocks (or part of one): each key finds its own block.
         # Keys past the row's length read block 0's memory (in bounds) and are masked out below.
         phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
-        k_off = h * stride_kh + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
+        k_off = h_pool + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
         v = tl.load(v_ptr + k_off, mask=d_ok[None, :], other=0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32

@@ -233,7 +233,7 @@ def test_switch_routes(url: str, fake: FakeEngine) -> None:
     ok = _post(url, "/strata/switches/SPLIT_ATTN", {"enabled": True})
     assert ok.status_code == 200 and ok.json()["switch"]["enabled"] is True
     assert any(e.type == "switch" and e.name == "SPLIT_ATTN" for e in fake.bus.history())
-    restart = _post(url, "/strata/switches/FUSED_PROJ", {"enabled": True})
+    restart = _post(url, "/strata/switches/FUSED_PROJ", {"enabled": False})  # on by default
     assert restart.status_code == 409 and "restart" in _error(restart)["message"]
     unknown = _post(url, "/strata/switches/TURBO", {"enabled": True})
     assert unknown.status_code == 404 and "TURBO" in _error(unknown)["message"]

@@ -283,7 +283,7 @@ def test_control_routes_change_the_engine_and_emit_events(served) -> None:
     assert next(s for s in state["switches"] if s["name"] == "SPLIT_ATTN")["enabled"] is True
     off = httpx.post(url + "/strata/switches/split_attn", json={"enabled": False})
     assert off.status_code == 200 and off.json()["switch"]["enabled"] is False
-    restart = httpx.post(url + "/strata/switches/FUSED_PROJ", json={"enabled": True})
+    restart = httpx.post(url + "/strata/switches/FUSED_PROJ", json={"enabled": False})  # on by default
     assert restart.status_code == 409 and "FUSED_PROJ" in restart.json()["error"]["message"]
     assert httpx.post(url + "/strata/switches/TURBO", json={"enabled": True}).status_code == 404
     reserve = httpx.post(url + "/strata/vram-reserve", json={"mib": 1280})

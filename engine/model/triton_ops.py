@@ -1,0 +1,139 @@
+"""The FUSED_OPS kernels: a decoder layer's elementwise chains as one Triton kernel each (CUDA; the tests also run
+them in Triton's interpreter on CPU tensors).
+
+    normed, summed = add_rms_norm(x, residual, weight, eps)   # residual + x, then RMSNorm(.) * weight
+    qk = qk_norm_rope(src, q_heads, q_weight, k_weight, cos, sin_rot, eps)  # [B, T, H, D] -> [B, H, T, D]
+    out = silu_mul(gate, up)                                   # silu(gate) * up
+
+A batch-1 decode step is bound by its kernel count, not its bytes (docs/BENCHMARKS.md, "What the profile shows"):
+in eager PyTorch the residual add and RMSNorm with its weight are three kernels, the q/k norm and the rotation
+about seven, SiLU and the product two. Each kernel here computes in fp32 and rounds to the storage dtype at the
+points where the PyTorch ops of engine.model.layers round (the sum, the normalised value, the weight product, each
+RoPE product and their sum, SiLU and its product), so it gives the reference's values up to the order of the
+fp32 sum of squares.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_res, stride_out, stride_sum,
+                         n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    eps = tl.full([], eps, tl.float32)  # torch.compile passes a Python float as fp64 (see triton_prefill.py)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the residual sum, rounded
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rms_normalize(s), s) with s = x + residual (s = x without a residual): the pre-norm residual
+    stream's add and the next norm in one pass. x, residual [..., H] with a contiguous last dim."""
+    h = x.shape[-1]
+    rows_x = x.reshape(-1, h)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None else x
+    rows_res = residual.reshape(-1, h) if residual is not None else rows_x
+    rows_sum = summed.view(-1, h) if residual is not None else rows_x
+    rows_out = out.view(-1, h)
+    assert rows_x.stride(1) == 1 and rows_res.stride(1) == 1, "contiguous hidden dim expected"
+    block = triton.next_power_of_2(h)
+    _add_rms_norm_kernel[(rows_x.shape[0],)](
+        rows_x, rows_res, weight, rows_out, rows_sum, rows_x.stride(0), rows_res.stride(0), rows_out.stride(0),
+        rows_sum.stride(0), h, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block),
+    )
+    return out, summed
+
+
+@triton.jit
+def _qk_norm_rope_kernel(src_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr,
+                         stride_sb, stride_st, stride_sh, stride_cb, stride_ct, n_tokens, n_heads, q_heads, eps,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    eps = tl.full([], eps, tl.float32)
+    bt = tl.program_id(0).to(tl.int64)  # one (row, token)
+    h = tl.program_id(1)
+    b = bt // n_tokens
+    t = bt % n_tokens
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    rolled = (d + D // 2) % D  # rotate_half(x) = roll(x, D/2) with its sign folded into sin_rot
+    base = src_ptr + b * stride_sb + t * stride_st + h * stride_sh
+    x = tl.load(base + d, mask=ok, other=0.0)
+    xr = tl.load(base + rolled, mask=ok, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    if NORM:  # Qwen3's per-head RMSNorm of q and k, before the rotation
+        xf = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        is_q = h < q_heads
+        w = tl.where(is_q, tl.load(qw_ptr + d, mask=ok, other=0.0), tl.load(kw_ptr + d, mask=ok, other=0.0))
+        wr = tl.where(is_q, tl.load(qw_ptr + rolled, mask=ok, other=0.0), tl.load(kw_ptr + rolled, mask=ok, other=0.0))
+        x = (w.to(tl.float32) * (xf * inv_rms).to(dt).to(tl.float32)).to(dt)
+        xr = (wr.to(tl.float32) * (xr.to(tl.float32) * inv_rms).to(dt).to(tl.float32)).to(dt)
+    c = tl.load(cos_ptr + b * stride_cb + t * stride_ct + d, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + b * stride_cb + t * stride_ct + d, mask=ok, other=0.0).to(tl.float32)
+    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
+    r = (xr.to(tl.float32) * s).to(dt).to(tl.float32)
+    tl.store(out_ptr + ((b * n_heads + h) * n_tokens + t) * D + d, (a + r).to(dt), mask=ok)
+
+
+def qk_norm_rope(src: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                 cos: torch.Tensor, sin_rot: torch.Tensor, eps: float) -> torch.Tensor:
+    """src [B, T, H, D] (q heads then k heads; any strides with a contiguous D, e.g. a view of the fused qkv
+    projection) -> [B, H, T, D] contiguous: per-head RMSNorm with q's or k's weight (None: no q/k norm), then
+    RoPE with RotaryEmbedding's cos / sin_rot [B, T, D]: apply_rope(weight * rms_normalize(x)) of the reference."""
+    b, t, h, d = src.shape
+    assert src.stride(3) == 1 and cos.stride(2) == 1 and cos.stride() == sin_rot.stride(), "contiguous D expected"
+    out = torch.empty(b, h, t, d, dtype=src.dtype, device=src.device)
+    norm = q_weight is not None
+    block = triton.next_power_of_2(d)
+    _qk_norm_rope_kernel[(b * t, h)](
+        src, q_weight if norm else cos, k_weight if norm else cos, cos, sin_rot, out,
+        src.stride(0), src.stride(1), src.stride(2), cos.stride(0), cos.stride(1), t, h, q_heads, eps,
+        D=d, BLOCK_D=block, NORM=norm, num_warps=1 if block <= 256 else 4,
+    )
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu, rounded as its own kernel rounds
+    tl.store(out_ptr + row * n_cols + cols, (act * u).to(dt), mask=ok)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up [..., I] with a contiguous last dim (e.g. the two halves of the fused
+    gate/up projection) -> [..., I] contiguous."""
+    n = gate.shape[-1]
+    g, u = gate.reshape(-1, n), up.reshape(-1, n)
+    assert g.stride(1) == 1 and u.stride(1) == 1, "contiguous last dim expected"
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](
+        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def _warps(block: int) -> int:
+    """Warps for a one-row reduction of `block` columns: ~256 columns a warp, 1 to 16."""
+    return max(1, min(16, block // 256))

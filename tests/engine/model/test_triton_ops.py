@@ -1,0 +1,116 @@
+"""FUSED_OPS: the Triton kernels of engine.model.triton_ops and the KV write kernel against the PyTorch ops they
+replace, in Triton's interpreter on CPU tensors (fp32: the interpreter rounds bf16 by truncation, so bf16 is
+checked on the GPU, tests/engine/model/test_triton_ops_gpu.py), and the switch on a CPU engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.api import SamplingParams
+from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+from tests.engine.exec.triton_interpreter import run_in_interpreter
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-6) -> None:
+    err = (got.float() - want.float()).abs().max().item()
+    assert got.shape == want.shape and err <= atol, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}, err {err}"
+
+
+def kernels_check() -> None:
+    """Each kernel against the reference ops, fp32, with the shapes and strides the layers hand it: a hidden size
+    off the power of two, q and k as a strided view of the fused qkv projection, no q/k norm (Llama, Qwen2),
+    gate and up as the halves of the fused projection, int8 and fp32 KV through a shuffled block table."""
+    from engine.exec.kv_cache import quantize_int8
+    from engine.model import triton_ops as ops
+    from engine.model.attention.triton_kv_write import write_kv
+    from engine.model.config import ModelConfig
+    from engine.model.layers import rms_normalize
+    from engine.model.rope import RotaryEmbedding, apply_rope
+
+    gen = torch.Generator().manual_seed(7)
+    x, res = torch.randn(2, 3, 96, generator=gen), torch.randn(2, 3, 96, generator=gen)
+    w = torch.randn(96, generator=gen)
+    normed, summed = ops.add_rms_norm(x, res, w, 1e-6)
+    _close(summed, x + res, "the residual sum")
+    _close(normed, w * rms_normalize(x + res, 1e-6), "add + rms_norm")
+    alone, same = ops.add_rms_norm(x, None, w, 1e-6)
+    assert same is x
+    _close(alone, w * rms_normalize(x, 1e-6), "rms_norm without a residual")
+
+    b, t, hq, hkv, d = 2, 3, 4, 2, 64
+    qkv = torch.randn(b, t, hq + 2 * hkv, d, generator=gen)
+    src = qkv[:, :, :hq + hkv]  # the layer's view: strided over the heads of v
+    qw, kw = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    rotary = RotaryEmbedding(ModelConfig.from_hf({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_hidden_layers": 1, "num_attention_heads": hq,
+        "num_key_value_heads": hkv, "head_dim": d, "intermediate_size": 512, "vocab_size": 100,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192}))
+    positions = torch.tensor([[5, 6, 7], [100, 101, 4000]])
+    cos, sin = rotary(positions, torch.float32)
+    weight = torch.cat([qw.expand(hq, d), kw.expand(hkv, d)])
+    want = apply_rope((weight * rms_normalize(src, 1e-6)).transpose(1, 2), cos, sin)
+    _close(ops.qk_norm_rope(src, hq, qw, kw, cos, sin, 1e-6), want, "q/k norm + RoPE")
+    _close(ops.qk_norm_rope(src, hq, None, None, cos, sin, 0.0), apply_rope(src.transpose(1, 2), cos, sin),
+           "RoPE without q/k norm")
+
+    gate_up = torch.randn(2, 3, 2 * 1500, generator=gen)  # two column blocks, the second partial
+    gate, up = gate_up.split(1500, dim=-1)
+    _close(ops.silu_mul(gate, up), F.silu(gate) * up, "silu * up")
+
+    k = torch.randn(b, hkv, t, d, generator=gen) * torch.tensor([1.0, 40.0]).view(1, 2, 1, 1)
+    v = torch.randn(b, t, hkv, d, generator=gen).transpose(1, 2)  # the layer's v: a transposed view
+    blocks = torch.tensor([[5, 5, 2], [0, 7, 7]])
+    offsets = torch.tensor([[0, 3, 1], [2, 0, 3]])
+    for storage in ("fp32", "int8"):
+        dt = torch.int8 if storage == "int8" else torch.float32
+        pools = [torch.zeros(hkv, 8, 4, d, dtype=dt) for _ in range(2)]
+        scales = [torch.ones(hkv, 8, 4) for _ in range(2)] if storage == "int8" else [None, None]
+        write_kv(*pools, *scales, k, v, blocks, offsets)
+        for pool, scale, data in zip(pools, scales, (k, v)):
+            tok = data.permute(1, 0, 2, 3)  # [Hkv, B, T, D], as the reference writes it
+            if storage == "int8":  # the kernel scales by fp32 1/127 as torch does on CUDA; CPU torch divides
+                want_q, want_s = quantize_int8(tok)
+                assert (pool[:, blocks, offsets].int() - want_q.int()).abs().max() <= 1, "int8 codes off"
+                assert torch.allclose(scale[:, blocks, offsets], want_s, rtol=1e-6, atol=0), "scales off"
+            else:
+                assert torch.equal(pool[:, blocks, offsets], tok)
+            untouched = torch.ones(8, 4, dtype=torch.bool)
+            untouched[blocks, offsets] = False
+            assert not pool[:, untouched].any(), "a write landed outside the rows' (block, offset)"
+
+
+def test_the_fused_kernels_in_the_triton_interpreter_match_the_reference_ops():
+    run_in_interpreter("tests.engine.model.test_triton_ops", "kernels_check")
+
+
+def engine_check(model: str, kv: str) -> None:
+    """A CPU engine whose paged kernels and FUSED_OPS kernels run (in the interpreter: the device checks of
+    kernel_backend and triton_runs are the only things bypassed) gives the reference engine's greedy tokens, with and without
+    FUSED_OPS; with it, every layer and the KV cache run the kernels."""
+    import engine.exec.kv_cache as kv_cache
+    import engine.model.attention.backends as backends
+    from engine.model.attention.backends import TritonPagedAttention
+
+    class InterpretedKernels(TritonPagedAttention):
+        def runs_on(self, q):
+            return True
+
+    prompts = random_prompts(2, seed=96, lengths=(70, 140))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    reference = make_engine(Path(model), batch=2, kv=kv)
+    assert reference.runner.model.ops is None and reference.runner.board.states["FUSED_OPS"].unavailable
+    want = tokens_of(run_all(reference, prompts, params))
+    kv_cache.kernel_backend = lambda device: InterpretedKernels()
+    backends.triton_runs = lambda device: True
+    for fused in (False, True):
+        engine = make_engine(Path(model), batch=2, kv=kv, switches={"FUSED_OPS": fused})
+        assert (engine.runner.model.ops is not None) is fused and (engine.runner.kv.write_kernel is not None) is fused
+        assert tokens_of(run_all(engine, prompts, params)) == want, f"FUSED_OPS={fused}"
+
+
+def test_an_engine_with_fused_ops_in_the_triton_interpreter_gives_the_reference_tokens(ckpt):
+    for kv in ("bf16", "int8"):  # the KV storage (the model computes in fp32 on CPU)
+        run_in_interpreter("tests.engine.model.test_triton_ops", "engine_check", str(ckpt), kv)

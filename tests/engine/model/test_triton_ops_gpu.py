@@ -1,0 +1,135 @@
+"""FUSED_OPS on the GPU (skipped without CUDA): the kernels against the PyTorch ops they replace in bf16 (where
+the interpreter cannot check rounding), the int8 KV write code for code, and whole engines with the switch on and
+off (greedy tokens identical in fp32; graphs and MTP on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.api import SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.exec.kv_cache import quantize_int8
+from engine.model.layers import rms_normalize
+from engine.model.rope import apply_rope
+from engine.telemetry import EventBus
+from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _ulps_off(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(share of elements that differ, largest difference in units of the bf16 spacing at the value)."""
+    diff = (got.float() - want.float()).abs()
+    spacing = torch.finfo(BF16).eps * want.float().abs().clamp(min=torch.finfo(BF16).tiny)
+    return (diff > 0).float().mean().item(), (diff / spacing).max().item()
+
+
+def test_fused_kernels_round_like_the_bf16_reference_ops():
+    """The residual sum and SiLU * up are the reference's bit for bit; the normed outputs differ at most by one
+    rounding step (the fp32 sum of squares in another order), in a small share of elements."""
+    from engine.model import triton_ops as ops
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(6, 1, 1024, device="cuda", dtype=BF16, generator=gen)
+    res = 4 * torch.randn(6, 1, 1024, device="cuda", dtype=BF16, generator=gen)
+    w = torch.randn(1024, device="cuda", dtype=BF16, generator=gen)
+    normed, summed = ops.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(summed, x + res)
+    share, ulps = _ulps_off(normed, w * rms_normalize(x + res, 1e-6))
+    assert share < 0.02 and ulps <= 2, (share, ulps)
+
+    gate_up = torch.randn(6, 1, 2 * 3072, device="cuda", dtype=BF16, generator=gen)
+    gate, up = gate_up.split(3072, dim=-1)
+    share, ulps = _ulps_off(ops.silu_mul(gate, up), F.silu(gate) * up)
+    assert share < 0.02 and ulps <= 2, (share, ulps)
+
+    hq, hkv, d = 16, 8, 128
+    qkv = torch.randn(6, 3, hq + 2 * hkv, d, device="cuda", dtype=BF16, generator=gen)
+    src = qkv[:, :, :hq + hkv]
+    qw = torch.randn(d, device="cuda", dtype=BF16, generator=gen)
+    kw = torch.randn(d, device="cuda", dtype=BF16, generator=gen)
+    angles = torch.rand(6, 3, d, device="cuda", generator=gen) * 6.28
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    weight = torch.cat([qw.expand(hq, d), kw.expand(hkv, d)])
+    want = apply_rope((weight * rms_normalize(src, 1e-6)).transpose(1, 2), cos, sin)
+    got = ops.qk_norm_rope(src, hq, qw, kw, cos, sin, 1e-6)
+    # RoPE's sum cancels: a one-step difference in a normed input is many steps of a small output, so the bound is
+    # on the scale of the rotated pair (|x| + |rolled x|), which a wrong angle, head or weight would pass many times
+    normed = (weight * rms_normalize(src, 1e-6)).transpose(1, 2).float()
+    scale = normed.abs() + torch.roll(normed, d // 2, dims=-1).abs()
+    err = ((got.float() - want.float()).abs() / scale.clamp(min=1e-3)).max().item()
+    assert err <= 4 * torch.finfo(BF16).eps, err
+
+
+def test_the_int8_kv_write_kernel_stores_quantize_int8s_codes_and_scales():
+    from engine.model.attention.triton_kv_write import write_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    b, hkv, t, d = 4, 8, 3, 128
+    k = 5 * torch.randn(b, hkv, t, d, device="cuda", dtype=BF16, generator=gen)
+    v = torch.randn(b, t, hkv, d, device="cuda", dtype=BF16, generator=gen).transpose(1, 2)
+    flat = torch.randperm(64 * 16, device="cuda", generator=gen)[: b * t].view(b, t)
+    blocks, offsets = flat // 16, flat % 16
+    pools = [torch.zeros(hkv, 64, 16, d, dtype=torch.int8, device="cuda") for _ in range(2)]
+    scales = [torch.ones(hkv, 64, 16, device="cuda") for _ in range(2)]
+    write_kv(*pools, *scales, k, v, blocks, offsets)
+    for pool, scale, data in zip(pools, scales, (k, v)):
+        want_q, want_s = quantize_int8(data.permute(1, 0, 2, 3))
+        assert torch.equal(pool[:, blocks, offsets], want_q)
+        assert torch.equal(scale[:, blocks, offsets], want_s)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt, kv):
+    """fp32 (the kernels' fp32 rounding is the reference's up to the sum order), graphs on, a prompt over several
+    chunks; MTP-free and with the fused projections both ways."""
+    prompts = random_prompts(3, seed=97, lengths=(300, 700))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for fused in (False, True):
+        engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=3, context=2048, kv=kv,
+                                     prefill_chunk_tokens=256, switches={"FUSED_OPS": fused, "FUSED_PROJ": fused}),
+                        EventBus(history=100000), block_tokens=16)
+        assert (engine.runner.model.ops is not None) is fused
+        tokens[fused] = tokens_of(run_all(engine, prompts, params))
+        engine.close()
+    assert tokens[True] == tokens[False]
+
+
+def test_kernels_address_a_pool_past_two_to_the_31_elements():
+    """An int8 pool [Hkv, blocks, 16, D] of more than 2**31 elements (SHARED_PREFIX puts the prefix-cache tier's
+    blocks in the pool: on a full H200 it passed that size, and h * the head stride overflowed 32 bits): the write
+    kernel stores to, and the decode kernel reads from, the last head's last blocks."""
+    from engine.model.attention.triton_kv_write import write_kv
+    from engine.model.attention.triton_paged import paged_decode_attention
+
+    hkv, hq, d, page = 8, 16, 128, 16
+    num_blocks = 2**31 // (hkv * page * d) + 64
+    pools = [torch.zeros(hkv, num_blocks, page, d, dtype=torch.int8, device="cuda") for _ in range(2)]
+    scales = [torch.ones(hkv, num_blocks, page, device="cuda") for _ in range(2)]
+    assert pools[0].numel() > 2**31
+    tokens = 8 * page
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k = torch.randn(1, hkv, tokens, d, device="cuda", dtype=BF16, generator=gen)
+    v = torch.randn(1, hkv, tokens, d, device="cuda", dtype=BF16, generator=gen)
+    table = torch.arange(num_blocks - 8, num_blocks, dtype=torch.int32, device="cuda").view(1, 8)
+    positions = torch.arange(tokens, device="cuda").view(1, tokens)
+    write_kv(*pools, *scales, k, v, table[0, positions // page].long(), positions % page)
+    kq, ks = quantize_int8(k[0])
+    assert torch.equal(pools[0][:, num_blocks - 8:].reshape(hkv, tokens, d), kq)
+    assert torch.equal(scales[0][:, num_blocks - 8:].reshape(hkv, tokens), ks)
+    q = torch.randn(1, hq, 1, d, device="cuda", dtype=BF16, generator=gen)
+    last = torch.tensor([[tokens - 1]], device="cuda")
+    out = paged_decode_attention(q, *pools, *scales, table, torch.zeros(1, dtype=torch.long, device="cuda"), last,
+                                 tokens, tokens + 1)
+    def dequantized(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # [Hkv, tokens, D] -> [Hq, ...]
+        return (codes.float() * scale.unsqueeze(-1)).repeat_interleave(hq // hkv, 0)
+
+    kk, vv = dequantized(kq, ks), dequantized(*quantize_int8(v[0]))
+    p = torch.softmax(torch.einsum("hd,htd->ht", q[0, :, 0].float(), kk) / d ** 0.5, dim=-1)
+    want = torch.einsum("ht,htd->hd", p, vv)
+    assert (out[0, :, 0].float() - want).abs().max().item() < 2e-2
