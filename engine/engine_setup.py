@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-import engine.model.attention.backends as attention_backends
 from engine.config import EngineConfig
 from engine.errors import ConfigError, StrataError
+from engine.exec.device_switches import settle_switches
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
@@ -24,8 +24,8 @@ from engine.exec.tier_pool import SharedTierBlocks
 from engine.core.prefix_index import PrefixIndex
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
-from engine.switches import SWITCHES, SwitchBoard
-from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
+from engine.switches import SwitchBoard
+from engine.telemetry import EngineEvent, EventBus, WarningEvent
 from engine.exec.vram import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_FACTOR, AdaptiveTier, VramBudget,
                               check_kv_fits, device_memory_mib)
 
@@ -139,23 +139,7 @@ class _PartsBuilder:
             depth = config.mtp_depth
         self.stage = "allocating the KV cache"
         kv, weights_mib = _sized_kv_cache(config, lm, depth)
-        if experts is None:
-            for sw in SWITCHES:
-                if sw.moe_only:
-                    board.mark_unavailable(sw.name, f"the model {config.model} has no MoE layers: no expert cache")
-        # quietly: the reference path is what runs here, and turning these on cannot change that
-        no_triton = f"needs a CUDA device with Triton (this engine runs on {device})"
-        if kv.kernel is None:
-            for name in ("PAGED_ATTN", "PAGED_PREFILL"):
-                board.mark_unavailable(name, no_triton)
-        if not attention_backends.triton_runs(device):
-            board.mark_unavailable("FUSED_OPS", no_triton)
-        elif board.enabled("FUSED_OPS"):
-            model.use_fused_ops()
-            kv.use_write_kernel()
-        for name, on in config.switches.items():
-            if on and board.enabled(name):
-                bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
+        settle_switches(board, bus, config, model, kv, has_experts=experts is not None)
         index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
         # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
         # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).

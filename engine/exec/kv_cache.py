@@ -159,12 +159,14 @@ class SlotKVCache:
 
     def use_write_kernel(self, enabled: bool = True) -> None:
         """FUSED_OPS: write (and quantize) each step's keys and values with one Triton kernel per layer instead
-        of the reference's index_put (and quantize) ops. Imports Triton: only where `kernel` exists, or a test
-        that runs Triton's interpreter."""
+        of the reference's index_put (and quantize) ops. Launches it once first: raises here, at start, what the
+        kernel cannot do on this device (and then leaves the reference writer)."""
         self.write_kernel = None
         if enabled:
-            from engine.model.attention.triton_kv_write import write_kv
+            from engine.model.attention.triton_kv_write import launch_once, write_kv
 
+            scales = self.k_scale[0] if self.storage == "int8" else None
+            launch_once(self.k[0], scales, self.compute_dtype, self.device)
             self.write_kernel = write_kv
 
     # --- accounting ----------------------------------------------------------------------------------------

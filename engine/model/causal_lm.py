@@ -100,10 +100,13 @@ class CausalLM(nn.Module):
     def use_fused_ops(self, enabled: bool = True) -> None:
         """The FUSED_OPS switch: every decoder layer (MTP blocks included) runs its residual add + RMSNorm, q/k
         norm + RoPE and SiLU * up as Triton kernels (engine.model.triton_ops). Inference only: the kernels
-        have no backward. Imports Triton, so only where it is installed."""
+        have no backward. Launches each kernel once first: raises here what they cannot do on this device, and then
+        the layers keep the PyTorch ops."""
         ops = None
         if enabled:
             import engine.model.triton_ops as ops
+
+            ops.launch_each_once(self.config, self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
         self.ops = ops
         blocks = list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
         for block in blocks:

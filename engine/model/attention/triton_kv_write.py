@@ -68,3 +68,15 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor |
         k_pool.stride(0), k_pool.stride(1), ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0, t,
         D=d, BLOCK_D=triton.next_power_of_2(d), INT8=int8, num_warps=1,
     )
+
+
+def launch_once(k_pool: torch.Tensor, k_scale: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    """FUSED_OPS' start-up probe of this kernel (see triton_ops.launch_each_once): one token written into a scratch
+    pool of one block with the dtype, head count and head size of `k_pool`, from keys of the compute `dtype`."""
+    hkv, _, page, d = k_pool.shape
+    pools = [torch.zeros(hkv, 1, page, d, dtype=k_pool.dtype, device=device) for _ in range(2)]
+    scales = [torch.ones(hkv, 1, page, device=device) for _ in range(2)] if k_scale is not None else [None, None]
+    kv = torch.zeros(1, hkv, 1, d, dtype=dtype, device=device)
+    where = torch.zeros(1, 1, dtype=torch.long, device=device)
+    write_kv(*pools, *scales, kv, kv, where, where)
+

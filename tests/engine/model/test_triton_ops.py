@@ -114,3 +114,24 @@ def engine_check(model: str, kv: str) -> None:
 def test_an_engine_with_fused_ops_in_the_triton_interpreter_gives_the_reference_tokens(ckpt):
     for kv in ("bf16", "int8"):  # the KV storage (the model computes in fp32 on CPU)
         run_in_interpreter("tests.engine.model.test_triton_ops", "engine_check", str(ckpt), kv)
+
+
+def test_fused_ops_whose_kernels_cannot_run_degrade_at_start_and_the_engine_serves(ckpt, monkeypatch):
+    """A device that passes the check but where the kernels fail (here: CPU tensors outside Triton's interpreter,
+    or no Triton at all): the start-up launch fails, FUSED_OPS is degraded with that error and one WARNING, and the
+    engine serves the reference's tokens with the PyTorch ops. No request meets the failure."""
+    import engine.model.attention.backends as backends
+    from engine.telemetry import EventBus
+
+    prompts = random_prompts(2, seed=99, lengths=(20, 40))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = tokens_of(run_all(make_engine(ckpt, batch=2), prompts, params))
+    monkeypatch.setattr(backends, "triton_runs", lambda device: True)
+    bus = EventBus(history=1000)
+    engine = make_engine(ckpt, bus, batch=2)
+    state = engine.runner.board.states["FUSED_OPS"]
+    assert state.degraded and not state.unavailable and not state.enabled and state.reason
+    assert engine.runner.model.ops is None and engine.runner.kv.write_kernel is None
+    warnings = [e for e in bus.history() if e.type == "warning" and "FUSED_OPS" in e.message]
+    assert len(warnings) == 1 and state.reason in warnings[0].message, warnings
+    assert tokens_of(run_all(engine, prompts, params)) == want

@@ -1,6 +1,6 @@
 """FUSED_OPS on the GPU (skipped without CUDA): the kernels against the PyTorch ops they replace in bf16 (where
 the interpreter cannot check rounding), the int8 KV write code for code, and whole engines with the switch on and
-off (greedy tokens identical in fp32; graphs and MTP on)."""
+off (greedy tokens identical in fp32, graphs on), and COMPILE over steps that launch the kernels."""
 
 from __future__ import annotations
 
@@ -83,16 +83,17 @@ def test_the_int8_kv_write_kernel_stores_quantize_int8s_codes_and_scales():
         assert torch.equal(scale[:, blocks, offsets], want_s)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "int8"])
-def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt, kv):
-    """fp32 (the kernels' fp32 rounding is the reference's up to the sum order), graphs on, a prompt over several
-    chunks; MTP-free and with the fused projections both ways."""
-    prompts = random_prompts(3, seed=97, lengths=(300, 700))
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt):
+    """fp32 (the kernels' fp32 rounding is the reference's up to the sum order), graphs on, int8 KV (the write
+    kernel's quantizing path; every other GPU engine test runs FUSED_OPS, on by default, with bf16 KV too), prompts
+    over several chunks."""
+    kv = "int8"
+    prompts = random_prompts(2, seed=97, lengths=(300, 600))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = {}
     for fused in (False, True):
-        engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=3, context=2048, kv=kv,
-                                     prefill_chunk_tokens=256, switches={"FUSED_OPS": fused, "FUSED_PROJ": fused}),
+        engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=2, context=2048, kv=kv,
+                                     prefill_chunk_tokens=256, switches={"FUSED_OPS": fused}),
                         EventBus(history=100000), block_tokens=16)
         assert (engine.runner.model.ops is not None) is fused
         tokens[fused] = tokens_of(run_all(engine, prompts, params))
@@ -133,3 +134,21 @@ def test_kernels_address_a_pool_past_two_to_the_31_elements():
     p = torch.softmax(torch.einsum("hd,htd->ht", q[0, :, 0].float(), kk) / d ** 0.5, dim=-1)
     want = torch.einsum("ht,htd->hd", p, vv)
     assert (out[0, :, 0].float() - want).abs().max().item() < 2e-2
+
+
+def test_compile_compiles_steps_that_launch_the_fused_kernels(ckpt, tmp_path, monkeypatch):
+    """COMPILE wraps step functions that now launch FUSED_OPS' Triton kernels (user kernels inside Dynamo's
+    trace): it must compile them, not degrade, and give the uncompiled engine's greedy tokens (fp32)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    prompts = random_prompts(1, seed=98, lengths=(40, 90))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for compiled in (False, True):
+        engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=1, context=1024,
+                                     switches={"COMPILE": compiled}), EventBus(history=100000), block_tokens=16)
+        assert engine.runner.model.ops is not None
+        tokens[compiled] = tokens_of(run_all(engine, prompts, params))
+        state = engine.runner.board.states["COMPILE"]
+        assert state.enabled is compiled and not state.degraded, state.reason
+        engine.close()
+    assert tokens[True] == tokens[False]
