@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # What the open issues still need from one H200, in the order to run it. Calls of at most 10 minutes each (a
-# step skips itself when the budget is short). The sessions of 2026-12-01 (third to fifth) ran the suite four
-# times, kvspill five times, eight MoE seed runs, the kv seed, the prompt-chunk kernel and TTFT, reuse and the
-# compile starts (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (fifth)"); next (#17):
+# step skips itself when the budget is short). The sessions of 2026-12-01 (third to seventh) ran the suite five
+# times, kvspill five times, eight MoE seed runs, the kv seed, the prompt-chunk kernel and TTFT, reuse, the
+# compile starts, FUSED_OPS' profiles, peers three times, the 176K admission and MTP (docs/BENCHMARKS.md, "The GPU
+# session of 2026-12-01 (seventh)"); next (#17): the suite re-timed after its trims, with FUSED_OPS' start-up
+# probe, then peers once more on the same machine:
 #
-#   OUT=$OUT STEPS=fused_ops_tests,profile_ops_0,profile_ops_1,peers_fused,profile128k_int8 bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite,admission bash scripts/gpu_pending.sh    (FUSED_OPS on by default under -m gpu)
+#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=fused_ops_tests,peers,ttft_paged_prefill_1,admission bash scripts/gpu_pending.sh
 #
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
@@ -91,10 +93,11 @@ step peers 200 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 -
     --json "$OUT/peers.json"
 step peers_fused 200 env STRATA_FUSED_PROJ=1 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 \
     --batches 1,6 --peers static --json "$OUT/peers_fused.json"
-for depth in 1 2; do  # MTP on strata-tiny with today's defaults (the issue: kept or better)
-    step mtp_$depth 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 \
-        --mtp-depth $depth --json "$OUT/mtp_$depth.json"
-done
+# MTP on strata-tiny with today's defaults (the issue: kept or better)
+step mtp_1 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 1 \
+    --json "$OUT/mtp_1.json"
+step mtp_2 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 2 \
+    --json "$OUT/mtp_2.json"
 step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
 step admission 240 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 --long-tokens 176K \
