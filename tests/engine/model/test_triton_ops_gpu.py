@@ -102,17 +102,18 @@ def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt):
 
 
 def test_kernels_address_a_pool_past_two_to_the_31_elements():
-    """An int8 pool [Hkv, blocks, 16, D] of more than 2**31 elements (SHARED_PREFIX puts the prefix-cache tier's
-    blocks in the pool: on a full H200 it passed that size, and h * the head stride overflowed 32 bits): the write
-    kernel stores to, and the decode kernel reads from, the last head's last blocks."""
+    """An int8 pool [Hkv, blocks, 16, D] whose last head starts past 2**31 elements while its head stride is below
+    (Triton passes it as a 32-bit int): SHARED_PREFIX puts the prefix-cache tier's blocks in the pool, on a full
+    H200 an int8 pool passed that size, and h * the head stride overflowed 32 bits (an illegal memory access). The
+    write kernel stores to, and the decode kernel reads from, the last head's last blocks."""
     from engine.model.attention.triton_kv_write import write_kv
     from engine.model.attention.triton_paged import paged_decode_attention
 
     hkv, hq, d, page = 8, 16, 128, 16
-    num_blocks = 2**31 // (hkv * page * d) + 64
+    num_blocks = 2**31 // ((hkv - 1) * page * d) + 64
     pools = [torch.zeros(hkv, num_blocks, page, d, dtype=torch.int8, device="cuda") for _ in range(2)]
     scales = [torch.ones(hkv, num_blocks, page, device="cuda") for _ in range(2)]
-    assert pools[0].numel() > 2**31
+    assert pools[0].stride(0) < 2**31 <= (hkv - 1) * pools[0].stride(0)
     tokens = 8 * page
     gen = torch.Generator(device="cuda").manual_seed(5)
     k = torch.randn(1, hkv, tokens, d, device="cuda", dtype=BF16, generator=gen)
