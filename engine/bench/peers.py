@@ -9,14 +9,18 @@ Peers:
   large device-to-device copy, counting bytes read plus bytes written.
 
 The figure compared is end-to-end generate throughput: batch x new tokens / wall time of one call (a
-`prompt_tokens` prefill included), measured identically for Strata and each peer.
+`prompt_tokens` prefill included), measured identically for Strata and each peer: the median of `--repeats` timed
+calls after the warm-up (each row keeps every call's figure in `tok_s_runs`). One call was the figure until
+2026-12-01, when three fresh machines gave Strata / the compiled peer 1.74x-1.97x at batch 1 (docs/BENCHMARKS.md).
+Strata's repeats decode fresh prompts of the same lengths, so no prefix-cache hit is timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-from typing import Any
+import statistics
+from typing import Any, Callable
 
 import torch
 
@@ -48,8 +52,8 @@ def copy_bandwidth_gb_s(device: torch.device, size_mib: int) -> float:
 
 
 def hf_generate_tok_s(path: str, device: torch.device, dtype: torch.dtype, prompts: list[list[int]],
-                      new_tokens: int, static: bool, compile_: bool) -> dict[str, Any]:
-    """One warm-up call, then one timed `generate` call; returns its throughput or the error it raised."""
+                      new_tokens: int, static: bool, compile_: bool, repeats: int = 1) -> dict[str, Any]:
+    """Warm-up calls, then `repeats` timed `generate` calls; returns the median throughput or the error raised."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -69,12 +73,16 @@ def hf_generate_tok_s(path: str, device: torch.device, dtype: torch.dtype, promp
             kwargs["disable_compile"] = True
     try:
         with torch.inference_mode():
-            # compile + CUDA-graph recording happen on the first calls; only a warm call is timed
+            # compile + CUDA-graph recording happen on the first calls; only warm calls are timed
             for _ in range(2 if static and compile_ else 1):
                 model.generate(input_ids, **kwargs)
-            seconds, out = timed(device, lambda: model.generate(input_ids, **kwargs))
-        generated = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
-        return {"tok_s": generated / seconds, "wall_s": seconds, "error": None}
+
+            def one_call(_run: int) -> dict[str, Any]:
+                seconds, out = timed(device, lambda: model.generate(input_ids, **kwargs))
+                generated = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+                return {"tok_s": generated / seconds, "wall_s": seconds}
+
+            return {**median_of(repeats, one_call), "error": None}
     except Exception as exc:  # a peer that does not work in this transformers is a result, not a crash
         return {"tok_s": None, "wall_s": None, "error": _describe(exc)}
     finally:
@@ -109,11 +117,26 @@ def strata_generate_tok_s(args: argparse.Namespace, path: str, prompts: list[lis
         vocab = engine.engine.lm.config.vocab_size
         generate_all(engine, [random_prompt(len(p), vocab, seed=900 + i) for i, p in enumerate(prompts)],
                      args.new_tokens)
-        stats = generate_all(engine, prompts, args.new_tokens)
-        return {"tok_s": stats.tokens / stats.wall_s, "wall_s": stats.wall_s, "error": None,
-                "decode_tok_s": stats.decode_tok_s}
+
+        def one_call(run: int) -> dict[str, Any]:  # the peers' prompts first, then fresh ones of their lengths
+            batch = prompts if run == 0 else [random_prompt(len(p), vocab, seed=2000 + 100 * run + i)
+                                              for i, p in enumerate(prompts)]
+            stats = generate_all(engine, batch, args.new_tokens)
+            return {"tok_s": stats.tokens / stats.wall_s, "wall_s": stats.wall_s, "decode_tok_s": stats.decode_tok_s}
+
+        return {**median_of(args.repeats, one_call), "error": None}
     finally:
         engine.close()
+
+
+def median_of(repeats: int, one_call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """`repeats` timed calls: the call of median throughput (its wall time and other figures with it), and every
+    call's throughput in `tok_s_runs`."""
+    calls = [one_call(run) for run in range(repeats)]
+    runs = [c["tok_s"] for c in calls]
+    middle = sorted(calls, key=lambda c: c["tok_s"])[(repeats - 1) // 2]
+    assert middle["tok_s"] == statistics.median_low(runs)
+    return {**middle, "tok_s_runs": runs}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     for name, static, compile_ in peers:
         for batch in args.batches:
             result = hf_generate_tok_s(path, device, getattr(torch, args.peer_dtype), prompts[batch],
-                                       args.new_tokens, static, compile_)
+                                       args.new_tokens, static, compile_, args.repeats)
             rows.append({"engine": name, "batch": batch, **result})
             save_partial(args, "peers", rows, device)
     emit(args, "peers", rows, _summary(rows, floor_b1_tok_s, bw_gb_s, w_bytes), device,

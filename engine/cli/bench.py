@@ -57,6 +57,13 @@ def token_count(text: str) -> int:
     return values[0]
 
 
+def positive_int(text: str) -> int:
+    """A count of at least 1 (`3`); anything else is refused naming the value."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One sub-parser per benchmark under `bench`, each with its sizes and `--json`."""
     sub = parser.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
@@ -148,6 +155,8 @@ def _peers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the static-cache peer (CUDA only; off: static cache alone)")
     p.add_argument("--skip-strata", action="store_true", help="measure only the peers")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed calls per engine and batch after the warm-up; the median is the figure (default 3)")
 
 
 def _profile(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ are all measured on the same checkpoint in one run. No timing assertions."""
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -15,12 +16,14 @@ from tests.engine.bench.test_bench import TINY, _checkpoint_cache_and_one_thread
 
 def test_peers_measures_every_engine_on_the_same_weights(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["peers", *TINY, "--batches", "1,2", "--prompt-tokens", "8", "--new-tokens", "6",
-                           "--copy-mib", "8"])
+                           "--copy-mib", "8", "--repeats", "3"])
     by = {(r["engine"], r["batch"]): r for r in doc["rows"]}
     assert set(by) == {(e, b) for e in ("floor", "strata", "hf_eager", "hf_static") for b in (1, 2)}
     for (engine, _), row in by.items():
         assert row["error"] is None, row
         assert row["tok_s"] > 0
+        if engine != "floor":  # the figure is the median of three timed calls, each kept
+            assert len(row["tok_s_runs"]) == 3 and row["tok_s"] == statistics.median(row["tok_s_runs"]), row
     assert math.isclose(by[("floor", 2)]["tok_s"], 2 * by[("floor", 1)]["tok_s"])
     summary = doc["summary"]
     path = prepare_model("random:tiny", device_of("cpu"))
@@ -44,3 +47,11 @@ def test_hf_peer_failure_is_recorded_not_raised(tmp_path: Path) -> None:
 def test_copy_bandwidth_is_positive_and_finite() -> None:
     bw = copy_bandwidth_gb_s(torch.device("cpu"), 4)
     assert 0 < bw < 1e5
+
+
+def test_repeats_below_one_are_refused_by_name(tmp_path: Path, capsys) -> None:
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench(tmp_path, ["peers", *TINY, "--repeats", "0"])
+    assert "'0' is not a whole number of at least 1" in capsys.readouterr().err
