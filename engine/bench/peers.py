@@ -10,9 +10,9 @@ Peers:
 
 The figure compared is end-to-end generate throughput: batch x new tokens / wall time of one call (a
 `prompt_tokens` prefill included), measured identically for Strata and each peer: the median of `--repeats` timed
-calls after the warm-up (each row keeps every call's figure in `tok_s_runs`). One call was the figure until
-2026-12-01, when three fresh machines gave Strata / the compiled peer 1.74x-1.97x at batch 1 (docs/BENCHMARKS.md).
-Strata's repeats decode fresh prompts of the same lengths, so no prefix-cache hit is timed.
+calls after the warm-up (each row keeps every call's figure in `tok_s_runs`): one call's figure moved between
+machines more than the gaps it was meant to show (docs/BENCHMARKS.md). Strata's repeats decode fresh prompts of
+the same lengths, so no prefix-cache hit is timed.
 """
 
 from __future__ import annotations
