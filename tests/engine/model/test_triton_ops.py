@@ -55,16 +55,22 @@ def kernels_check() -> None:
     _close(ops.qk_norm_rope(src, hq, qw, kw, cos, sin, 1e-6), want, "q/k norm + RoPE")
     _close(ops.qk_norm_rope(src, hq, None, None, cos, sin, 0.0), apply_rope(src.transpose(1, 2), cos, sin),
            "RoPE without q/k norm")
+    odd = torch.randn(1, 2, hq + hkv, 80, generator=gen)  # a head size off the power of two (Phi-style 80)
+    angles = torch.rand(1, 2, 80, generator=gen) * 6.28
+    c80, s80 = angles.cos(), angles.sin()
+    w80 = torch.randn(80, generator=gen)
+    want80 = apply_rope((w80 * rms_normalize(odd, 1e-6)).transpose(1, 2), c80, s80)
+    _close(ops.qk_norm_rope(odd, hq, w80, w80, c80, s80, 1e-6), want80, "q/k norm + RoPE at D = 80")
 
     gate_up = torch.randn(2, 3, 2 * 1500, generator=gen)  # two column blocks, the second partial
     gate, up = gate_up.split(1500, dim=-1)
     _close(ops.silu_mul(gate, up), F.silu(gate) * up, "silu * up")
 
-    k = torch.randn(b, hkv, t, d, generator=gen) * torch.tensor([1.0, 40.0]).view(1, 2, 1, 1)
-    v = torch.randn(b, t, hkv, d, generator=gen).transpose(1, 2)  # the layer's v: a transposed view
     blocks = torch.tensor([[5, 5, 2], [0, 7, 7]])
     offsets = torch.tensor([[0, 3, 1], [2, 0, 3]])
-    for storage in ("fp32", "int8"):
+    for storage, d in (("fp32", 64), ("int8", 64), ("int8", 80)):
+        k = torch.randn(b, hkv, t, d, generator=gen) * torch.tensor([1.0, 40.0]).view(1, 2, 1, 1)
+        v = torch.randn(b, t, hkv, d, generator=gen).transpose(1, 2)  # the layer's v: a transposed view
         dt = torch.int8 if storage == "int8" else torch.float32
         pools = [torch.zeros(hkv, 8, 4, d, dtype=dt) for _ in range(2)]
         scales = [torch.ones(hkv, 8, 4) for _ in range(2)] if storage == "int8" else [None, None]
@@ -88,8 +94,8 @@ def test_the_fused_kernels_in_the_triton_interpreter_match_the_reference_ops():
 
 def engine_check(model: str, kv: str) -> None:
     """A CPU engine whose paged kernels and FUSED_OPS kernels run (in the interpreter: the device checks of
-    kernel_backend and triton_runs are the only things bypassed) gives the reference engine's greedy tokens, with and without
-    FUSED_OPS; with it, every layer and the KV cache run the kernels."""
+    kernel_backend and triton_runs are the only things bypassed) gives the reference engine's greedy tokens, with
+    and without FUSED_OPS; with it, every layer and the KV cache run the kernels."""
     import engine.exec.kv_cache as kv_cache
     import engine.model.attention.backends as backends
     from engine.model.attention.backends import TritonPagedAttention
