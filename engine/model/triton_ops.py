@@ -10,7 +10,7 @@ in eager PyTorch the residual add and RMSNorm with its weight are three kernels,
 about seven, SiLU and the product two. Each kernel here computes in fp32 and rounds to the storage dtype at the
 points where the PyTorch ops of engine.model.layers round (the sum, the normalised value, the weight product, each
 RoPE product and their sum, SiLU and its product), so it gives the reference's values up to the order of the
-fp32 sum of squares.
+fp32 sum of squares and the last bit of the reciprocal square root.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
 
 The reference (engine.exec.kv_cache.SlotKVCache._write) is two index_put kernels in bf16 and, for int8 KV, about
 twenty (absolute value, maximum, clamp, division, rounding and four index_puts) per layer and step, the bulk of
-the int8 step's extra kernels (docs/BENCHMARKS.md). Here one program quantizes one (token,
-KV head) row of D values with the reference's arithmetic on CUDA (scale = max|x| times fp32 1/127, as torch divides
-a CUDA tensor by a Python scalar; the codes by IEEE division, rounded half to even) and stores it with its scale where
-the block table put that token.
+the int8 step's extra kernels (docs/BENCHMARKS.md). Here one program quantizes one (token, KV head) row of D
+values with the reference's arithmetic on CUDA (scale = max|x| times fp32 1/127, as torch divides a CUDA tensor
+by a Python scalar; the codes by IEEE division, rounded half to even) and stores it with its scale where the
+block table put that token.
 """
 
 from __future__ import annotations
