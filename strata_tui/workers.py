@@ -29,7 +29,11 @@ from strata_tui.messages import (
 from strata_tui.telemetry_client import TelemetryClient
 
 Post = Callable[[Any], Any]
-LIVENESS_INTERVAL_S = 0.25
+# A stop is seen at most interval + timeout after it happens, plus the app's own message latency: at 0.25 + 0.6 a
+# loaded 2-core runner missed the second the app promises (tests/tui/test_remote_truth.py), so the probe asks more
+# often. /health is answered on the server's event loop from the health the engine thread keeps (and its access
+# lines are DEBUG).
+LIVENESS_INTERVAL_S = 0.1
 LIVENESS_TIMEOUT_S = 0.6  # an engine busy with a long chunk still answers in this; a stopped one never
 
 
