@@ -13,6 +13,7 @@ and an engine of neighbouring versions still read each other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,11 +27,19 @@ SNAPSHOT_VERSION = 2
 T = TypeVar("T")
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A class's resolved annotations, once: get_type_hints evaluates every string annotation again on each call
+    (`compile` and `eval` per field), and the engine thread builds a snapshot from these classes many times a
+    second, between decode steps."""
+    return typing.get_type_hints(cls)
+
+
 def _from_json(cls: type[T], data: Any) -> T:
     """A dataclass from its JSON form: nested dataclasses and lists of them are parsed by their annotations."""
     if not isinstance(data, dict):
         return cls()
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name not in data:

@@ -53,3 +53,25 @@ def test_an_older_engines_health_text_still_parses():
     old = {"model": "m", "health": {"ready": False, "reason": "dead: CUDA error: an illegal memory access"}}
     assert EngineSnapshot.from_json(old).health.status is HealthStatus.DEAD
     assert EngineSnapshot.from_json({"health": {"status": "ready"}}).health.status is HealthStatus.READY
+
+
+def test_publishing_again_resolves_no_annotations(ckpt, monkeypatch):
+    """The engine thread publishes a snapshot between decode steps many times a second: each class's annotations are
+    resolved once (typing.get_type_hints compiles and evaluates every string annotation on each call), and a
+    second publish resolves none."""
+    import typing
+
+    import engine.snapshot as snapshot
+
+    engine = make_engine(ckpt, batch=2)
+    calls: list[type] = []
+    real = typing.get_type_hints
+    monkeypatch.setattr(typing, "get_type_hints", lambda cls, *a, **kw: calls.append(cls) or real(cls, *a, **kw))
+    snapshot._hints.cache_clear()
+    engine.publish_snapshot(force=True)
+    first = list(calls)
+    assert first and len(first) == len(set(first)), first
+    engine.publish_snapshot(force=True)
+    assert calls == first, "a second publish resolved annotations again"
+    data = engine.state()
+    assert EngineSnapshot.from_json(data).to_json() == data  # the cached hints parse as before
