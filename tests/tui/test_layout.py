@@ -15,7 +15,7 @@ from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
 from strata_tui.widgets.slots_table import SlotsTable
 from tests.tui.conftest import offline_app, recorded, screen_text
-from tests.tui.test_snapshots import LOG, _gpu_minute
+from tests.tui.test_snapshots import LOG, _gpu_minute, _settle
 
 
 @pytest.fixture
@@ -34,9 +34,7 @@ async def _monitor_text(config: Path, size: tuple[int, int], crash: bool = False
         if crash:
             await pilot.pause(0.3)
             app.post_message(EngineExited(1, False, None, app.run_id))
-        await pilot.pause()
-        app.screen.redraw(force=True)
-        await pilot.pause()
+        await _settle(pilot)
         table = app.screen.query_one(SlotsTable)
         return screen_text(app), (table.virtual_size.width, table.scrollable_content_region.width)
 

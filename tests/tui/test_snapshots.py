@@ -14,7 +14,7 @@ from strata_tui.gpu import GpuSample
 from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
-from tests.tui.conftest import offline_app, recorded
+from tests.tui.conftest import offline_app, recorded, screen_text
 
 SIZE = (160, 48)
 # A fixed directory: the profiles screen shows its path, and a tmp path would change every run.
@@ -34,10 +34,18 @@ def snap_dir(utc) -> Path:
 
 
 async def _settle(pilot) -> None:
-    """Handle every queued message, then draw now instead of waiting for the refresh tick (no timing races)."""
+    """Handle every queued message, draw now instead of waiting for the refresh tick, then wait until two renders
+    50 ms apart agree: on a loaded runner a table's rows can land a refresh after the messages that filled it (a CI
+    run of 2026-12-01 caught the crash panel's graph-event rows blank)."""
     await pilot.pause()
     pilot.app.screen.redraw(force=True)
-    await pilot.pause()
+    last = None
+    for _ in range(40):
+        await pilot.pause(0.05)
+        now = screen_text(pilot.app)
+        if now == last:
+            return
+        last = now
 
 
 def _gpu_minute(app) -> None:
