@@ -143,16 +143,17 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
     """Launch every kernel once on tiny tensors of this model's shapes (FUSED_OPS' start-up probe): what a kernel
     cannot do on this device (Triton cannot compile it, or its launch fails) raises here, at start, with its real
     message, instead of failing a request's forward."""
-    zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-    ones = lambda n: torch.ones(n, dtype=dtype, device=device)  # noqa: E731
-    h, d = config.hidden_size, config.head_dim
-    x = zeros(1, 1, h)
-    add_rms_norm(x, x, ones(h), config.rms_norm_eps)
-    add_rms_norm(x, None, ones(h), config.rms_norm_eps)
-    qk = zeros(1, 1, config.num_attention_heads + config.num_key_value_heads, d)
-    norm = ones(d) if config.qk_norm else None
-    qk_norm_rope(qk, config.num_attention_heads, norm, norm, zeros(1, 1, d), zeros(1, 1, d), config.rms_norm_eps)
-    silu_mul(zeros(1, 1, config.intermediate_size), zeros(1, 1, config.intermediate_size))
+    like = {"dtype": dtype, "device": device}
+    h, d, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
+    x = torch.zeros(1, 1, h, **like)
+    add_rms_norm(x, x, torch.ones(h, **like), eps)
+    add_rms_norm(x, None, torch.ones(h, **like), eps)
+    qk = torch.zeros(1, 1, config.num_attention_heads + config.num_key_value_heads, d, **like)
+    norm = torch.ones(d, **like) if config.qk_norm else None
+    angles = torch.zeros(1, 1, d, **like)
+    qk_norm_rope(qk, config.num_attention_heads, norm, norm, angles, angles, eps)
+    gate = torch.zeros(1, 1, config.intermediate_size, **like)
+    silu_mul(gate, gate)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # an asynchronous launch failure surfaces here, at start
 

@@ -16,7 +16,7 @@ from tests.engine.exec.triton_interpreter import run_in_interpreter
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-6) -> None:
     err = (got.float() - want.float()).abs().max().item()
-    assert got.shape == want.shape and err <= atol, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}, err {err}"
+    assert got.shape == want.shape and err <= atol, f"{what}: {tuple(got.shape)} vs {tuple(want.shape)}, err {err}"
 
 
 def kernels_check() -> None:
