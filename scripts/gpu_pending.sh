@@ -28,8 +28,15 @@
 #   ttft_paged_prefill_0/_1  #17: TTFT of fresh 32K / 128K / 176K prompts with PAGED_PREFILL off, then on
 #   reuse                 #17: TTFT of a repeated 32K prompt against the fresh one (the zero-copy goal: <= 5 %)
 #   kv_seed               #18: the seed scenario with the seed's `--kv-resident 16384` (131K prompt, 262K context)
-#   fused_ops_tests       #17: the FUSED_OPS kernels against the bf16 reference ops, the int8 KV write code for
-#                         code, engines with FUSED_OPS on and off (greedy tokens identical)
+#   linear                #17: a decode step's projections, cuBLAS against the skinny-matmul kernel and its launch
+#                         shapes, at 1, 6 and 18 rows
+#   attention_short       #17: the decode kernel at short spans (256 keys up), its split plan's fewest tiles per split
+#   fused_ops_tests       #17: the FUSED_OPS kernels against the bf16 reference ops (the skinny matmul against
+#                         cuBLAS), the int8 KV write code for code, engines with FUSED_OPS on and off (greedy
+#                         tokens identical)
+#   paged_tests           #17: the paged decode kernel against the reference (its last split combines the splits)
+#   step_tests            #17: the paged kernels (a split per tile at short spans), the prompt-chunk kernel, the
+#                         engine's greedy tokens with graphs (short chunks from captured graphs) and MTP
 #   profile_ops_0/_1      #17: a batch-1 decode step (0.6B shape, short context) with FUSED_OPS off, then on
 #   profile128k_int8_ops0 #17: the 128K int8 step with FUSED_OPS off (profile128k_int8 below runs it on)
 #   peers                 #17: default switches (PAGED_PREFILL, SHARED_PREFIX now on) against HF static cache +
@@ -82,7 +89,16 @@ step reuse 90 "$PY" -m engine.bench reuse --model random:0.6b --device cuda:0 --
     --json "$OUT/reuse.json"
 step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
+step linear 150 "$PY" -m engine.bench linear --device cuda:0 --rows 1,6,18 --iters 50 \
+    --tune 16x128x8x4x4,16x512x2x4x4,16x256x2x4x6,32x256x1x4x4,32x512x1x4x3,64x256x1x4x4,64x128x1x8x4,128x128x1x8x3 \
+    --json "$OUT/linear.json"
+step attention_short 150 "$PY" -m engine.bench attention --device cuda:0 --rows decode --contexts 256,1K,4K,32K,128K \
+    --batches 1,8 --q-lens 1,3 --backends triton --iters 20 --tune 128x4x2x1,64x4x2x1,32x4x2x1,64x4x2x4,32x2x2x1 \
+    --json "$OUT/attention_short.json"
 step fused_ops_tests 150 "${GPU_TEST[@]}" tests/engine/model/test_triton_ops_gpu.py
+step paged_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_gpu.py
+step step_tests 200 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_gpu.py tests/engine/exec/test_kv_paged_prefill_gpu.py \
+    tests/engine/test_engine_gpu.py -k "not seed_scenario and not peer_device and not tier_takes"
 for ops in 0 1; do  # FUSED_OPS off, then on (the default): kernels and time of a batch-1 decode step, short context
     step profile_ops_$ops 90 env STRATA_FUSED_OPS=$ops "$PY" -m engine.bench profile --model random:0.6b \
         --device cuda:0 --batch 1 --steps 64 --top 12 --json "$OUT/profile_ops_$ops.json"

@@ -13,7 +13,7 @@ attention read through
 Each is captured in a CUDA graph of `--iters` calls and replayed, so launch overhead is not what is timed.
 `kv_tb_s` is the KV bytes one read must touch (keys + values, int8 scales included) over the time, against
 the device's ~4.3 TB/s. `max_err` is the largest difference from the reference's output. `--tune` times the
-kernel at other launch shapes (`TILExWARPSxSTAGES`, see KernelConfig) in the same run.
+kernel at other launch shapes (`TILExWARPSxSTAGESxMIN_SPLIT_TILES`, see KernelConfig) in the same run.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from engine.bench.attention_common import (HEAD_DIM, HQ, HKV, filled_cache, finish_row,
-                                           graph_ms, time_launch_shapes)
+from engine.bench.attention_common import (HEAD_DIM, HQ, HKV, filled_cache, finish_row, graph_ms, launch_shapes,
+                                           time_launch_shapes, timed_row)
 from engine.bench.attention_prefill import prefill_case
 from engine.bench.common import device_of, emit
 from engine.errors import ConfigError
@@ -85,38 +85,18 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
             row[f"{name}_max_err"] = round(err, 5)
         except Exception as exc:  # noqa: BLE001 - one backend failing is a figure to report, not a crash
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    time_launch_shapes(row, [(f"tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}",
+    time_launch_shapes(row, [(f"tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}_m{c.min_split_tiles}",
                               lambda c=c: _tuned(cache, q, positions, c))
                              for c in (tune if cache.kernel is not None else [])], iters)
     del cache
     return finish_row(row, device)
 
 
-def _launch_shapes(option: str, text: str, config: type) -> list:
-    """`--tune 128x4x2,64x4x3` -> configs; a spec that is not that many whole numbers is a ConfigError."""
-    fields = len(dataclasses.fields(config))
-    shapes = []
-    for spec in (s.strip() for s in text.split(",") if s.strip()):
-        parts = spec.split("x")
-        if len(parts) != fields or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ConfigError(option, text, f"{spec!r}: expected {fields} positive whole numbers joined by 'x'")
-        shapes.append(config(*(int(p) for p in parts)))
-    return shapes
-
-
-def _timed(case: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    row = case()
-    row["bench_s"] = round(time.perf_counter() - t0, 1)
-    print(row, flush=True)
-    return row
-
-
 def run(args: argparse.Namespace) -> int:
     device = device_of(args.device)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    tune = _launch_shapes("tune", args.tune, KernelConfig)
-    prefill_tune = _launch_shapes("prefill_tune", args.prefill_tune, PrefillConfig)
+    tune = launch_shapes("tune", args.tune, KernelConfig)
+    prefill_tune = launch_shapes("prefill_tune", args.prefill_tune, PrefillConfig)
     kinds = {r.strip() for r in args.rows.split(",") if r.strip()}
     if not kinds or kinds - {"decode", "prefill"}:
         raise ConfigError("rows", args.rows, "expected decode, prefill or both")
@@ -127,12 +107,12 @@ def run(args: argparse.Namespace) -> int:
             for batch in args.batches:
                 for t in args.q_lens:
                     for storage in storages:
-                        rows.append(_timed(lambda: _case(context, batch, t, storage, device, args.iters, backends,
+                        rows.append(timed_row(lambda: _case(context, batch, t, storage, device, args.iters, backends,
                                                          tune)))
     if "prefill" in kinds:
         for prefix in args.prefill_prefixes:
             for storage in storages:
-                rows.append(_timed(lambda: prefill_case(prefix, args.prefill_chunk, storage, device, args.iters,
+                rows.append(timed_row(lambda: prefill_case(prefix, args.prefill_chunk, storage, device, args.iters,
                                                         backends, prefill_tune)))
     best = [r for r in rows if "triton_speedup" in r]
     summary = {"cases": len(rows), "triton_faster_everywhere": bool(best) and all(r["triton_speedup"] > 1 for r in best),

@@ -1,12 +1,15 @@
-"""What the attention bench's decode and prefill rows share: the model shape, a filled one-layer cache, the timer."""
+"""What the attention bench's decode and prefill rows share (the model shape, a filled one-layer cache, the timer),
+and with the linear bench, the `--tune` parsing and the per-case timer."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
 import torch
 
+from engine.errors import ConfigError
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
 
 HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
@@ -77,3 +80,24 @@ def filled_cache(context: int, batch: int, storage: str, dtype: torch.dtype, dev
     for scale in (*cache.k_scale, *cache.v_scale):
         scale.uniform_(0.005, 0.02, generator=gen)
     return cache
+
+
+def launch_shapes(option: str, text: str, config: type) -> list:
+    """`--tune 128x4x2,64x4x3` -> configs; a spec that is not that many whole numbers is a ConfigError."""
+    fields = len(dataclasses.fields(config))
+    shapes = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        parts = spec.split("x")
+        if len(parts) != fields or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ConfigError(option, text, f"{spec!r}: expected {fields} positive whole numbers joined by 'x'")
+        shapes.append(config(*(int(p) for p in parts)))
+    return shapes
+
+
+def timed_row(case: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one bench case, its wall seconds in `bench_s`, printed as it ends (a killed run still shows its rows)."""
+    t0 = time.perf_counter()
+    row = case()
+    row["bench_s"] = round(time.perf_counter() - t0, 1)
+    print(row, flush=True)
+    return row

@@ -121,7 +121,9 @@ def strata_generate_tok_s(args: argparse.Namespace, path: str, prompts: list[lis
             batch = prompts if run == 0 else [random_prompt(len(p), vocab, seed=2000 + 100 * run + i)
                                               for i, p in enumerate(prompts)]
             stats = generate_all(engine, batch, args.new_tokens)
-            return {"tok_s": stats.tokens / stats.wall_s, "wall_s": stats.wall_s, "decode_tok_s": stats.decode_tok_s}
+            # where the wall time went besides decode: until every prompt has its first token, and in how many steps
+            return {"tok_s": stats.tokens / stats.wall_s, "wall_s": stats.wall_s, "decode_tok_s": stats.decode_tok_s,
+                    "all_first_token_s": max(stats.ttft_s), "steps": stats.steps, "decode_steps": stats.decode_steps}
 
         return {**median_of(args.repeats, one_call), "error": None}
     finally:
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"engine": name, "batch": batch, **result})
             save_partial(args, "peers", rows, device)
     emit(args, "peers", rows, _summary(rows, floor_b1_tok_s, bw_gb_s, w_bytes), device,
-         ("engine", "batch", "tok_s", "wall_s", "decode_tok_s", "error"))
+         ("engine", "batch", "tok_s", "wall_s", "decode_tok_s", "all_first_token_s", "steps", "error"))
     return 0
 
 

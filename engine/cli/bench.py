@@ -31,6 +31,8 @@ BENCHES = {
                        "routing trace (recorded or synthetic; CPU, pure Python)"),
     "attention": ("engine.bench.attention", "one layer's decode and prefill-chunk attention per backend: "
                   "gather+SDPA, Triton paged, Flex"),
+    "linear": ("engine.bench.linear", "a decode step's projections: cuBLAS against the FUSED_OPS skinny-matmul "
+               "kernel, per weight and row count"),
     "kvspill": ("engine.bench.kv_spill", "decode rate of slots whose KV is partly in host memory (--kv-resident) "
                 "vs with room, and the PCIe floor"),
 }
@@ -196,7 +198,8 @@ def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-storage", default="bf16,int8", help="KV storage kinds: bf16, int8")
     p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16)")
     p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
-    p.add_argument("--tune", default="", help="kernel launch shapes to time too: TILExWARPSxSTAGES,... (128x8x2)")
+    p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
+                   "TILExWARPSxSTAGESxMIN_SPLIT_TILES,... (128x4x2x1)")
     p.add_argument("--rows", default="decode,prefill", help="decode (few queries per row), prefill (one chunk "
                    "over a cached prefix), or both")
     p.add_argument("--prefill-prefixes", type=int_list, default=[8 * _K, 32 * _K, 128 * _K],
@@ -204,6 +207,15 @@ def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=token_count, default=2048, help="the chunk's tokens (default 2048)")
     p.add_argument("--prefill-tune", default="",
                    help="prefill kernel launch shapes to time too: QUERIESxTILExWARPSxSTAGES,... (128x64x8x2)")
+
+
+def _linear(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cuda:N (the kernel is CUDA-only)")
+    p.add_argument("--size", default="0.6b", help="the random model size whose weight shapes to time (0.6b)")
+    p.add_argument("--rows", type=int_list, default=[1, 6, 18], help="rows per product (1,6,18)")
+    p.add_argument("--iters", type=int, default=50, help="products per captured graph")
+    p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
+                   "BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (32x256x1x4x4)")
 
 
 def _kvspill(p: argparse.ArgumentParser) -> None:
@@ -221,7 +233,7 @@ _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile, "experts": _experts,
     "experts-replay": _experts_replay,
-    "attention": _attention, "kvspill": _kvspill,
+    "attention": _attention, "linear": _linear, "kvspill": _kvspill,
 }
 
 

@@ -29,6 +29,11 @@ from engine.telemetry import EventBus, WarningEvent
 MIN_SPAN_TOKENS = 256
 GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
 MIN_CHUNK_TOKENS = 16
+# Prompt chunks up to this many tokens replay a captured graph when the prompt-chunk kernel runs them and their
+# bucket was seen before: a short chunk is bound by the host's launches of an eager forward, a long one by the
+# device (and its graph would hold a long chunk's activations in the graph pool); a capture costs a few eager
+# runs, so a bucket seen once (an odd prompt length) stays eager.
+GRAPH_CHUNK_TOKENS = 512
 SPLIT_SWITCH = "SPLIT_ATTN"
 PAGED_SWITCH = "PAGED_ATTN"
 PREFILL_SWITCH = "PAGED_PREFILL"
@@ -141,6 +146,7 @@ class ModelRunner:
         self.oom_release_mib = 1024.0
         # Positions a forward may write past its rows' last token (the MTP round and chain steps): mapped with it.
         self.lookahead_tokens = 2 * mtp_depth + 2
+        self._chunk_buckets_seen: set[tuple[int, int]] = set()  # (tokens, span) buckets of short prompt chunks
 
     # --- buckets and staging -------------------------------------------------------------------------------
 
@@ -371,7 +377,13 @@ class ModelRunner:
         inputs = {"slots": self.stage([slot]), "tokens": self.stage([list(token_ids) + [0] * (tb - n)]),
                   "positions": self.stage([positions]), "last": self.stage([n - 1])}
 
-        fused = self.kv.chunk_fusable(self.model.config.num_attention_heads, tb)
+        # The prompt-chunk kernel (PAGED_PREFILL) applies the causal rule by position, so a chunk it runs needs no
+        # `start` baked in: a short one is keyed like the drafter's prefill and replays a captured graph.
+        graph_chunk = tb <= GRAPH_CHUNK_TOKENS and self.paged_enabled() and self.board.enabled(PREFILL_SWITCH)
+        fused = not graph_chunk and self.kv.chunk_fusable(self.model.config.num_attention_heads, tb)
+        eager = fused or (graph_chunk and (tb, span) not in self._chunk_buckets_seen)
+        if graph_chunk:
+            self._chunk_buckets_seen.add((tb, span))
 
         def build(split: bool):
             if fused:  # the fused chunk attention bakes `start` in (SlotKVCache.bind_chunk): eager, keyed by it
@@ -380,7 +392,7 @@ class ModelRunner:
             key = GraphKey.of(f"t{tb}", f"L{span}", switches=split_switches(split))
             return key, self._forward_fn(span, split, True)
 
-        out = self.run("prefill", build, inputs, executor=self._eager if fused else None)
+        out = self.run("prefill", build, inputs, executor=self._eager if eager else None)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)
 
     def _forward_fn(self, span: int, split: bool, last_only: bool = False,

@@ -5,8 +5,9 @@ Attention owns no KV storage: it hands q, k, v (after q/k norm and RoPE) to the 
 (the training / full-forward path, plain differentiable ops).
 
 With FUSED_OPS (`CausalLM.use_fused_ops`, CUDA) the elementwise chains run as the Triton kernels of
-engine.model.triton_ops (residual add + RMSNorm, q/k norm + RoPE, SiLU * up) on the same projections; the
-reference ops stay for CPU, training and the tests' oracle.
+engine.model.triton_ops (residual add + RMSNorm, q/k norm + RoPE, SiLU * up), and a decode step's narrow
+projections (o, down) as its skinny matmul (engine.model.triton_linear); the reference ops stay for CPU,
+training and the tests' oracle.
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ class Attention(nn.Module):
             out = causal_attention(q, k, v)
         else:
             out = kv.attend(layer_idx, q, k, v, positions)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        if self.ops is not None:  # FUSED_OPS: a decode step's narrow product through the skinny-matmul kernel
+            return self.ops.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -147,7 +151,7 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_mul(gate, up))
+            return self.ops.linear(self.ops.silu_mul(gate, up), self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -4,6 +4,7 @@ them in Triton's interpreter on CPU tensors).
     normed, summed = add_rms_norm(x, residual, weight, eps)   # residual + x, then RMSNorm(.) * weight
     qk = qk_norm_rope(src, q_heads, q_weight, k_weight, cos, sin_rot, eps)  # [B, T, H, D] -> [B, H, T, D]
     out = silu_mul(gate, up)                                   # silu(gate) * up
+    y = linear(x, weight, bias)                                # F.linear; a narrow one in Triton (triton_linear)
 
 A batch-1 decode step is bound by its kernel count, not its bytes (docs/BENCHMARKS.md, "What the profile shows"):
 in eager PyTorch the residual add and RMSNorm with its weight are three kernels, the q/k norm and the rotation
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.model.triton_linear import linear  # noqa: F401 - the layers reach every FUSED_OPS kernel through here
 
 
 @triton.jit
@@ -154,6 +157,10 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
     qk_norm_rope(qk, config.num_attention_heads, norm, norm, angles, angles, eps)
     gate = torch.zeros(1, 1, config.intermediate_size, **like)
     silu_mul(gate, gate)
+    # the narrow projections the layers hand the skinny matmul (o, down), at one row: the kernel's decode shapes
+    linear(torch.zeros(1, 1, config.num_attention_heads * d, **like),
+           torch.zeros(h, config.num_attention_heads * d, **like))
+    linear(gate, torch.zeros(h, config.intermediate_size, **like))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # an asynchronous launch failure surfaces here, at start
 

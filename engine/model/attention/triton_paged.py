@@ -29,7 +29,6 @@ import triton.language as tl
 from engine.model.attention.triton_paged_config import DEFAULT_CONFIG, KernelConfig
 
 _TARGET_PROGRAMS = 264  # ~2 per SM on an H100/H200 (132 SMs): enough splits to fill the device
-_MIN_SPLIT_TILES = 4  # a split streams at least this many tiles
 
 
 @triton.jit
@@ -147,12 +146,13 @@ def scale_pools(k_pool: torch.Tensor, k_scale: torch.Tensor | None,
     return True, k_scale, v_scale
 
 
-def split_plan(batch: int, num_kv_heads: int, span_tokens: int, tile_tokens: int) -> tuple[int, int]:
+def split_plan(batch: int, num_kv_heads: int, span_tokens: int, tile_tokens: int,
+               min_split_tiles: int = DEFAULT_CONFIG.min_split_tiles) -> tuple[int, int]:
     """(splits, tiles per split) for a static span: enough programs to fill the device, each streaming at
-    least _MIN_SPLIT_TILES tiles. Depends only on static shapes, so a captured graph keeps it."""
+    least `min_split_tiles` tiles. Depends only on static shapes, so a captured graph keeps it."""
     tiles = -(-span_tokens // tile_tokens)
     want = max(1, -(-_TARGET_PROGRAMS // (batch * num_kv_heads)))
-    splits = max(1, min(want, tiles // _MIN_SPLIT_TILES))
+    splits = max(1, min(want, tiles // min_split_tiles))
     per_split = -(-tiles // splits)
     return -(-tiles // per_split), per_split
 
@@ -171,7 +171,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     block_d = max(16, triton.next_power_of_2(d))
     tile = config.tile_tokens
     assert tile % block_tokens == 0 or block_tokens % tile == 0, (tile, block_tokens)
-    splits, per_split = split_plan(b, hkv, span_tokens, tile)
+    splits, per_split = split_plan(b, hkv, span_tokens, tile, config.min_split_tiles)
     out = torch.empty_like(q)
     int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
     if splits > 1:

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch shape of the decode kernel: keys per tile (any multiple or divisor of the pool's block size),
-    warps and pipeline stages. `bench attention --tune` times the alternatives."""
+    warps, pipeline stages, and the fewest tiles one split streams (fewer: more programs for a short span, each
+    with less to do one tile after the other). `bench attention --tune` times the alternatives."""
 
     tile_tokens: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    min_split_tiles: int = 1
 
 
 @dataclass(frozen=True)

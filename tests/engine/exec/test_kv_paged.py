@@ -125,7 +125,21 @@ def interpreter_check(storage: str, tile_tokens: int) -> None:
         cache.bind(slots, span)
         reference = cache.reference.attend(cache, 0, q, positions)
         scales = (cache.k_scale[0], cache.v_scale[0]) if storage == "int8" else (None, None)
-        out = paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
-                                     span, geo.context_tokens, KernelConfig(tile_tokens=tile_tokens))
-        assert torch.allclose(out[:-1], reference[:-1], atol=1e-5), (out[:-1] - reference[:-1]).abs().max()
-        assert not out[-1].any()  # the padding row read nothing
+        for min_split_tiles in (1, 4):  # a split per tile, and splits streaming several tiles one after the other
+            out = paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
+                                         span, geo.context_tokens, KernelConfig(tile_tokens, 4, 2, min_split_tiles))
+            assert torch.allclose(out[:-1], reference[:-1], atol=1e-5), (out[:-1] - reference[:-1]).abs().max()
+            assert not out[-1].any()  # the padding row read nothing
+
+
+def test_a_short_span_is_split_a_tile_per_program():
+    """The decode kernel's split plan: a short span's tiles go to programs of their own (one program streaming
+    them one after the other waits on each tile's loads in turn; docs/BENCHMARKS.md, "The decode kernel at short
+    spans"), a long one's to as many splits as fill the device."""
+    pytest.importorskip("triton")
+    from engine.model.attention.triton_paged import split_plan
+
+    assert split_plan(1, 8, 256, 128) == (2, 1)
+    assert split_plan(1, 8, 1024, 128) == (8, 1)
+    assert split_plan(1, 8, 131072, 128) == (32, 32)  # 256 programs: ~2 per SM of an H200
+    assert split_plan(1, 8, 1024, 128, min_split_tiles=4) == (2, 4)

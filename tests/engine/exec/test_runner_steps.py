@@ -160,3 +160,31 @@ def test_paged_prefill_is_unavailable_where_the_kernels_cannot_run(ckpt):
     engine = make_engine(ckpt, batch=2, switches={"PAGED_PREFILL": True})
     state = {s["name"]: s for s in engine.board.snapshot()}["PAGED_PREFILL"]
     assert not state["enabled"] and state["degraded"] and "CUDA" in state["reason"]
+
+
+def test_short_prompt_chunks_replay_their_bucket_from_its_second_sight(ckpt, monkeypatch):
+    """Where the prompt-chunk kernel runs (PAGED_ATTN and PAGED_PREFILL on CUDA, stood in for here: on CPU the
+    reference backend computes the same chunk), a short chunk needs no start baked in, so it goes to the graph
+    executor keyed by its (tokens, span) bucket alone; the first chunk of a bucket runs eagerly (a capture costs a
+    few eager runs, and an odd prompt length may never come back). On a GPU the graph replays (test_engine_gpu)."""
+    executor = RecordingExecutor()
+    engine = make_engine(ckpt, batch=2, context=2048, executor=executor)
+    runner = engine.runner
+    enabled = runner.board.enabled
+    monkeypatch.setattr(runner, "paged_enabled", lambda: True)
+    monkeypatch.setattr(runner.board, "enabled", lambda name: name == "PAGED_PREFILL" or enabled(name))
+    eager: list[tuple[str, GraphKey]] = []
+
+    def run_eagerly(kind, key, fn, inputs, owner=None):
+        eager.append((kind, key))
+        return fn(inputs)
+
+    monkeypatch.setattr(runner._eager, "run", run_eagerly)
+    with torch.inference_mode():
+        for start in (0, 0, 100):  # bucket (t128, L256) twice, then (t128, L256) at another start
+            runner.prefill(0, list(range(10, 110)), start)
+        runner.prefill(1, list(range(10, 50)), 0)  # a new bucket (t64, L256): eager again
+    to_graphs = [key for kind, key, _ in executor.calls if kind == "prefill"]
+    assert [kind for kind, _ in eager] == ["prefill", "prefill"], eager
+    assert len(to_graphs) == 2 and to_graphs[0] == to_graphs[1], to_graphs  # one key for both starts
+    assert not any(part.startswith("s") for part in to_graphs[0].shape), to_graphs[0]

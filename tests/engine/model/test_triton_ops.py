@@ -88,8 +88,35 @@ def kernels_check() -> None:
             assert not pool[:, untouched].any(), "a write landed outside the rows' (block, offset)"
 
 
+def skinny_check() -> None:
+    """The skinny matmul against F.linear, fp32: one row to more than one row tile, K off the loop step and split
+    unevenly (the last split runs short), with and without bias, through its partial sums (the last split adds
+    them and sets its counter back) and without; and which products FUSED_OPS hands it."""
+    from engine.model.triton_linear import LinearConfig, skinny_linear, split_counters, takes
+
+    gen = torch.Generator().manual_seed(8)
+    for rows in (1, 5, 20):
+        for n, k in ((48, 96), (100, 300)):
+            x = torch.randn(rows, 1, k, generator=gen)  # [B, T, K], as the layers hand it
+            w, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            for split in (1, 3):
+                for b in (None, bias):
+                    got = skinny_linear(x, w, b, LinearConfig(block_n=16, block_k=64, split_k=split))
+                    _close(got, F.linear(x, w, b), f"rows {rows}, [{n}, {k}], split {split}", atol=1e-4)
+    assert not split_counters(torch.device("cpu")).any(), "a launch left a split counter set"
+    narrow = torch.zeros(1024, 2048)
+    assert not takes(torch.zeros(1, 2048), narrow), "fp32 keeps torch's IEEE matmul"
+    assert takes(torch.zeros(6, 2048, dtype=torch.bfloat16), narrow.bfloat16())
+    assert not takes(torch.zeros(6, 1024, dtype=torch.bfloat16), narrow.t().bfloat16()), "a wide output: cuBLAS"
+    assert not takes(torch.zeros(65, 2048, dtype=torch.bfloat16), narrow.bfloat16()), "a prompt chunk: cuBLAS"
+
+
 def test_the_fused_kernels_in_the_triton_interpreter_match_the_reference_ops():
     run_in_interpreter("tests.engine.model.test_triton_ops", "kernels_check")
+
+
+def test_the_skinny_matmul_in_the_triton_interpreter_matches_f_linear():
+    run_in_interpreter("tests.engine.model.test_triton_ops", "skinny_check")
 
 
 def engine_check(model: str, kv: str) -> None:

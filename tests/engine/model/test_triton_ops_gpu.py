@@ -1,5 +1,5 @@
 """FUSED_OPS on the GPU (skipped without CUDA): the kernels against the PyTorch ops they replace in bf16 (where
-the interpreter cannot check rounding), the int8 KV write code for code, and whole engines with the switch on and
+the interpreter cannot check rounding), the skinny matmul against cuBLAS, the int8 KV write code for code, and whole engines with the switch on and
 off (greedy tokens identical in fp32, graphs on), and COMPILE over steps that launch the kernels."""
 
 from __future__ import annotations
@@ -63,6 +63,33 @@ def test_fused_kernels_round_like_the_bf16_reference_ops():
     scale = normed.abs() + torch.roll(normed, d // 2, dims=-1).abs()
     err = ((got.float() - want.float()).abs() / scale.clamp(min=1e-3)).max().item()
     assert err <= 4 * torch.finfo(BF16).eps, err
+
+
+def test_the_skinny_matmul_rounds_like_cublas_and_a_row_does_not_depend_on_the_batch():
+    """The narrow projections FUSED_OPS takes (o and down of the 0.6B shape) at decode and verify row counts, with
+    and without bias: within one bf16 rounding step of the fp32 product (cuBLAS rounds the same fp32 sum once), and
+    a row's output is bit for bit the same whether it is multiplied alone or among 16 rows (decode vs verify)."""
+    from engine.model.triton_linear import linear, split_counters, takes
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for n, k in ((1024, 2048), (1024, 3072)):
+        weight = torch.randn(n, k, device="cuda", dtype=BF16, generator=gen) * 0.02
+        bias = torch.randn(n, device="cuda", dtype=BF16, generator=gen)
+        for rows in (1, 6, 16, 40):
+            x = torch.randn(rows, 1, k, device="cuda", dtype=BF16, generator=gen)
+            assert takes(x, weight)
+            for b in (None, bias):
+                got = linear(x, weight, b)
+                exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+                spacing = torch.finfo(BF16).eps * exact.abs().clamp(min=0.1)  # fp32 sums of ~k terms err ~1e-4
+                assert ((got.float() - exact).abs() / spacing).max().item() <= 1.01, (n, k, rows)
+        x = torch.randn(16, 1, k, device="cuda", dtype=BF16, generator=gen)
+        assert torch.equal(linear(x[:1], weight), linear(x, weight)[:1])
+        # the last split to finish adds the partial sums in split order: the same bits whichever finishes last
+        assert all(torch.equal(linear(x, weight), linear(x, weight)) for _ in range(20))
+        assert not split_counters(x.device).any(), "a launch left a split counter set"
+        assert not takes(x, weight.t().contiguous())  # a wide output stays with cuBLAS
+        assert not takes(torch.randn(65, k, device="cuda", dtype=BF16), weight)  # a prompt chunk too
 
 
 def test_the_int8_kv_write_kernel_stores_quantize_int8s_codes_and_scales():
