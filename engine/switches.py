@@ -119,7 +119,8 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(
         "FUSED_OPS",
         "a decoder layer's elementwise chains as one Triton kernel each: residual add + RMSNorm, q/k norm + RoPE, "
-        "SiLU * up, and the KV write with int8 quantization (CUDA only; elsewhere the PyTorch ops run)",
+        "SiLU * up, and the KV write with int8 quantization; a decode step's narrow projections (o, down) as a "
+        "skinny matmul (CUDA only; elsewhere the PyTorch ops run)",
         live=False,
         effect="on by default: fewer kernels per decode step (docs/SWITCHES.md)",
         default=True,

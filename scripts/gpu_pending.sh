@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # What the open issues still need from one H200, in the order to run it. Calls of at most 10 minutes each (a
-# step skips itself when the budget is short). The sessions of 2026-12-01 (third to seventh) ran the suite five
+# step skips itself when the budget is short). The sessions of 2026-12-01 (third to eighth) ran the suite six
 # times, kvspill five times, eight MoE seed runs, the kv seed, the prompt-chunk kernel and TTFT, reuse, the
-# compile starts, FUSED_OPS' profiles, peers three times, the 176K admission and MTP (docs/BENCHMARKS.md, "The GPU
-# session of 2026-12-01 (seventh)"); next (#17): the suite re-timed after its trims, with FUSED_OPS' start-up
-# probe, then peers once more on the same machine:
+# compile starts, FUSED_OPS' profiles, the projections (`linear`), the decode kernel at short spans, peers six
+# times, the 176K admission and MTP (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (eighth)"); next (#17):
+# the suite re-timed (the eighth session's was cut at 400 s, with short prompt chunks captured on first sight),
+# then peers and MTP on the committed code:
 #
 #   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=fused_ops_tests,peers,ttft_paged_prefill_1,admission bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=peers,mtp_1,mtp_2,profile_ops_1,ttft_paged_prefill_1,admission bash scripts/gpu_pending.sh
 #
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and

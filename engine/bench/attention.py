@@ -19,8 +19,6 @@ kernel at other launch shapes (`TILExWARPSxSTAGESxMIN_SPLIT_TILES`, see KernelCo
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import time
 from typing import Any, Callable
 
 import torch
@@ -107,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
             for batch in args.batches:
                 for t in args.q_lens:
                     for storage in storages:
-                        rows.append(timed_row(lambda: _case(context, batch, t, storage, device, args.iters, backends,
-                                                         tune)))
+                        rows.append(timed_row(lambda: _case(context, batch, t, storage, device, args.iters,
+                                                            backends, tune)))
     if "prefill" in kinds:
         for prefix in args.prefill_prefixes:
             for storage in storages:
-                rows.append(timed_row(lambda: prefill_case(prefix, args.prefill_chunk, storage, device, args.iters,
-                                                        backends, prefill_tune)))
+                rows.append(timed_row(lambda: prefill_case(prefix, args.prefill_chunk, storage, device,
+                                                           args.iters, backends, prefill_tune)))
     best = [r for r in rows if "triton_speedup" in r]
     summary = {"cases": len(rows), "triton_faster_everywhere": bool(best) and all(r["triton_speedup"] > 1 for r in best),
                "min_triton_speedup": min((r["triton_speedup"] for r in best), default=None)}

@@ -1,6 +1,7 @@
 """FUSED_OPS on the GPU (skipped without CUDA): the kernels against the PyTorch ops they replace in bf16 (where
-the interpreter cannot check rounding), the skinny matmul against cuBLAS, the int8 KV write code for code, and whole engines with the switch on and
-off (greedy tokens identical in fp32, graphs on), and COMPILE over steps that launch the kernels."""
+the interpreter cannot check rounding), the skinny matmul against cuBLAS, the int8 KV write code for code, and
+whole engines with the switch on and off (greedy tokens identical in fp32, graphs on), and COMPILE over steps that
+launch the kernels."""
 
 from __future__ import annotations
 
