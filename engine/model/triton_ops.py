@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.triton_linear import linear  # noqa: F401 - the layers reach every FUSED_OPS kernel through here
+from engine.model.triton_linear import MAX_ROWS, linear  # the layers reach every FUSED_OPS kernel through here
 
 
 @triton.jit
@@ -157,10 +157,11 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
     qk_norm_rope(qk, config.num_attention_heads, norm, norm, angles, angles, eps)
     gate = torch.zeros(1, 1, config.intermediate_size, **like)
     silu_mul(gate, gate)
-    # the narrow projections the layers hand the skinny matmul (o, down), at one row: the kernel's decode shapes
-    linear(torch.zeros(1, 1, config.num_attention_heads * d, **like),
-           torch.zeros(h, config.num_attention_heads * d, **like))
-    linear(gate, torch.zeros(h, config.intermediate_size, **like))
+    # the narrow projections the layers hand the skinny matmul (o, down), at one row and at the most rows it takes:
+    # its smallest and largest row tiles (the largest needs the most shared memory, which a smaller GPU may lack)
+    for rows in (1, MAX_ROWS):
+        for k in (config.num_attention_heads * d, config.intermediate_size):
+            linear(torch.zeros(rows, 1, k, **like), torch.zeros(h, k, **like))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # an asynchronous launch failure surfaces here, at start
 
