@@ -50,7 +50,7 @@ def _flex(q: torch.Tensor, cache: SlotKVCache, positions: torch.Tensor, context:
 def _tuned(cache: SlotKVCache, q: torch.Tensor, positions: torch.Tensor, config: KernelConfig) -> Callable[[], Any]:
     from engine.model.attention.triton_paged import paged_decode_attention
 
-    scales = (cache.k_scale[0], cache.v_scale[0]) if cache.storage == "int8" else (None, None)
+    scales = cache.scales(0)
     return lambda: paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, cache.slots,
                                           positions, cache.span_tokens, cache.geometry.context_tokens, config)
 

@@ -27,7 +27,7 @@ DTYPE = torch.bfloat16  # the serving compute dtype on the GPU
 def _tuned(cache: Any, q: torch.Tensor, positions: torch.Tensor, config: PrefillConfig) -> Callable[[], Any]:
     from engine.model.attention.triton_prefill import paged_prefill_attention
 
-    scales = (cache.k_scale[0], cache.v_scale[0]) if cache.storage == "int8" else (None, None)
+    scales = cache.scales(0)
     return lambda: paged_prefill_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, cache.slots,
                                            positions, cache.span_tokens, cache.geometry.context_tokens, config)
 

@@ -169,6 +169,10 @@ class SlotKVCache:
             launch_once(self.k[0], scales, self.compute_dtype, self.device)
             self.write_kernel = write_kv
 
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(key scales, value scales) of one layer's pool for a kernel launch: int8 KV's, or (None, None)."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.storage == "int8" else (None, None)
+
     # --- accounting ----------------------------------------------------------------------------------------
 
     @property
@@ -315,8 +319,7 @@ class SlotKVCache:
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         blocks, offsets = self._locate(self.slots, positions)
         if self.write_kernel is not None:
-            scales = (self.k_scale[layer], self.v_scale[layer]) if self.storage == "int8" else (None, None)
-            self.write_kernel(self.k[layer], self.v[layer], *scales, k, v, blocks, offsets)
+            self.write_kernel(self.k[layer], self.v[layer], *self.scales(layer), k, v, blocks, offsets)
             return
         k_tok = k.permute(1, 0, 2, 3)  # [Hkv, B, T, D]: the advanced indices (block, offset) sit at dims 1, 2
         v_tok = v.permute(1, 0, 2, 3)

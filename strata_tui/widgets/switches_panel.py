@@ -1,7 +1,8 @@
 """Switches and VRAM reserve: one line per opt-in switch (its key, on/off, live or start-only, degraded and why
 or n/a here and why, the last control answer) and the reserve with its keys on the panel's bottom border (where
-no switch can push it out of view; the answer to the last reserve change is a line below the switches). Every line is one
-terminal line (cut with an ellipsis, never wrapped), so at 100x30 every switch and the reserve stay on screen."""
+no switch can push it out of view; the answer to the last reserve change is a line below the switches). Every
+line is one terminal line (cut with an ellipsis, never wrapped), so at 100x30 every switch and the reserve stay on
+screen."""
 
 from __future__ import annotations
 

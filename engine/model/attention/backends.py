@@ -101,7 +101,7 @@ class TritonPagedAttention(TorchAttention):
 
         Both kernels apply the causal-by-position rule, so a chunk bound by `bind_chunk` needs nothing of its
         `causal_keys`: the bottom-right-aligned set it names is each query's causal set."""
-        scales = (kv.k_scale[layer], kv.v_scale[layer]) if kv.storage == "int8" else (None, None)
+        scales = kv.scales(layer)
         args = (kv.block_table, kv.slots, positions, kv.span_tokens, kv.geometry.context_tokens)
         if q.shape[2] <= MAX_KERNEL_QUERIES:
             from engine.model.attention.triton_paged import paged_decode_attention

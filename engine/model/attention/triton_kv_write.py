@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.attention.triton_paged import scale_pools
+
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, blocks_ptr, offsets_ptr,
@@ -57,10 +59,8 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor |
     (blocks, offsets) [B, T]; int8 pools with their float32 scales [Hkv, num_blocks, block_tokens]."""
     b, hkv, t, d = k.shape
     assert k.stride(3) == 1 and v.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous()
-    int8 = k_pool.dtype == torch.int8
-    if int8:
-        assert k_scale is not None and v_scale is not None and k_scale.stride() == v_scale.stride()
-    ks, vs = (k_scale, v_scale) if int8 else (k_pool, v_pool)  # bf16: never read
+    int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
+    assert ks.stride() == vs.stride(), "key and value scales laid out alike"
     blocks, offsets = blocks.reshape(b * t).contiguous(), offsets.reshape(b * t).contiguous()
     _write_kv_kernel[(b * t, hkv)](
         k, v, k_pool, v_pool, ks, vs, blocks, offsets,
