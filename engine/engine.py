@@ -239,7 +239,7 @@ class Engine:
         if plan.cache_fill:
             t0_s = self._synced_clock()
             for fill in plan.cache_fill:
-                failed = self.tier.fill(fill.blocks, fill.slot)
+                failed = self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
                 if failed:
                     self.sched.prefix_index.discard(failed)
             fill_s = self._synced_clock() - t0_s

@@ -61,6 +61,12 @@ class CacheFill:
         """False once the request was aborted or failed: its blocks were discarded, skip the copy."""
         return self.request.finish_reason not in WORK_LOST_REASONS
 
+    def later_blocks(self, block_tokens: int) -> int:
+        """Full prompt blocks of the request after this fill's, which later steps fill (a pool growth for this
+        fill makes room for them at once: engine.exec.vram.AdaptiveTier.fill)."""
+        last = max((ref.index for ref in self.blocks), default=-1)
+        return max(0, self.request.num_prompt_tokens // block_tokens - 1 - last)
+
 
 @dataclass
 class StepPlan:

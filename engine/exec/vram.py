@@ -127,11 +127,12 @@ class AdaptiveTier:
 
     # --- filling and reuse (the engine calls these) ----------------------------------------------------------
 
-    def fill(self, refs: list[BlockRef], slot: int) -> list[int]:
+    def fill(self, refs: list[BlockRef], slot: int, coming_blocks: int = 0) -> list[int]:
         """Put slot KV into the tier blocks `refs` name: pool blocks are handed over by the slot, own blocks
-        are copied. Returns the ids that could not be filled."""
+        are copied. `coming_blocks`: how many more blocks of the same prompt later steps will fill (what a pool
+        growth makes room for at once). Returns the ids that could not be filled."""
         pooled = [ref for ref in refs if self._pooled(ref.block_id)]
-        failed = self._hand_over(pooled, slot) if pooled else []
+        failed = self._hand_over(pooled, slot, coming_blocks) if pooled else []
         for ref in refs:
             if pooled and ref in pooled:
                 continue
@@ -162,18 +163,14 @@ class AdaptiveTier:
             self.kv.write_span(slot, ref.index * self.block_tokens, data, scales)
             self.copied_in_blocks += 1
 
-    def _hand_over(self, refs: list[BlockRef], slot: int) -> list[int]:
+    def _hand_over(self, refs: list[BlockRef], slot: int, coming_blocks: int = 0) -> list[int]:
         # A ref whose block was discarded since (its request failed in this step) holds nothing to hand over.
         live = [ref for ref in refs if self.index.digest_of(ref.block_id) == ref.digest]
         unbacked = [ref.block_id for ref in live if not self.shared.is_backed(ref.block_id)]
         failed: list[int] = []
         if unbacked:  # a host tier backs its blocks as they are filled
-            # half as many again as it holds, from its free ids: each growth reallocates the whole pool, so a
-            # growth per prompt chunk would copy the pool once per chunk
-            spare = len(self.shared.backing) // 2 - len(unbacked)
-            extra = [b for b in self.index.free_block_ids() if not self.shared.is_backed(b)][:max(0, spare)]
             try:
-                self.shared.set_backing(unbacked + extra, [])
+                self.shared.set_backing(self._growth(unbacked, coming_blocks), [])
             except torch.OutOfMemoryError:
                 failed = unbacked
                 live = [ref for ref in live if self.shared.is_backed(ref.block_id)]
@@ -181,6 +178,14 @@ class AdaptiveTier:
         self.index.pin(ref.block_id for ref in live)  # the slot maps them until its request ends
         self.filled_blocks += len(live)
         return failed
+
+    def _growth(self, unbacked: list[int], coming_blocks: int) -> list[int]:
+        """The ids one pool growth backs: `unbacked`, and free ids (the index hands out its lowest free ids
+        first, so these are the ids the prompt's next blocks take) enough for the rest of the prompt, or half as
+        many again as the pool backs: each growth reallocates, and copies, the whole pool, so a long prompt grows
+        it once, not once per chunk."""
+        want = max(len(self.shared.backing) // 2 - len(unbacked), coming_blocks)
+        return unbacked + [b for b in self.index.free_block_ids() if not self.shared.is_backed(b)][:max(0, want)]
 
     # --- slots (pool blocks a slot maps are pinned until its request ends) ----------------------------------
 

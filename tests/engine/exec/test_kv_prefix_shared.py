@@ -182,3 +182,20 @@ def test_on_by_default_where_it_cannot_apply_it_is_marked_off_with_the_reason_bu
     assert not [e for e in bus.history() if e.type == "warning" and "SHARED_PREFIX" in e.message]
     plain = make_engine(ckpt, batch=2, block_tokens=TIER_TOKENS)
     assert plain.tier.shared is not None  # on by default where it applies
+
+
+def test_a_long_prompts_blocks_grow_the_pool_once_not_once_per_chunk(ckpt):
+    """A host tier (a CPU engine's) backs its blocks in the pool as they are filled, and each growth reallocates and
+    copies the whole pool (every layer's keys and values): a prompt handed over a chunk's blocks at a time grew it
+    again and again on the way to its first token. The first fill makes room for the prompt's later blocks at once."""
+    prompt = random_prompts(1, seed=47, lengths=(1500, 1501))[0]  # 23 tier blocks in 24 chunks of 64 tokens
+    engine = make_engine(ckpt, batch=2, context=2048, block_tokens=TIER_TOKENS, tier_budget_mib=64.0, switches=SHARED)
+    reallocations: list[int] = []
+    resize = engine.kv.resize_pool
+    engine.kv.resize_pool = lambda n, stage: (reallocations.append(n), resize(n, stage))[1]
+    first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
+    assert len(reallocations) == 1 and len(engine.tier.shared.backing) >= 23
+    second = run_all(engine, [prompt], GREEDY, prefix="b")["b0"]  # reused: its blocks map what was handed over
+    assert second[-1].cached_tokens == 1472 and [t for o in second for t in o.token_ids] == first
+    assert len(reallocations) == 1
+
