@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,6 +133,43 @@ class BenchEngine:
         gc.collect()  # what else the engine held (runner buffers) goes with it
         if device.type == "cuda":
             self.mib_left_after_close = torch.cuda.memory_allocated(device) / float(1 << 20)
+
+
+class StepLog:
+    """Every StepTiming the engine hands its scheduler while installed (the pacer's own measurements: each chunk,
+    the decode part and the cache fills, each ending on a device sync): where a stretch of steps spent its time."""
+
+    def __init__(self, bench: BenchEngine) -> None:
+        self.sched = bench.engine.sched
+        self.timings: list[Any] = []
+        self._record = self.sched.record_step
+
+    def __enter__(self) -> "StepLog":
+        def record(timing: Any) -> None:
+            self.timings.append(timing)
+            self._record(timing)
+
+        self.sched.record_step = record
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        del self.sched.record_step  # the bound method again
+
+    def summary(self) -> dict[str, Any]:
+        """Where the steps' time went: chunks (how many, how big, how long), decode, cache fills (`during_*`: the
+        admission bench's names; a stretch of steps of any bench)."""
+        chunks = [c for t in self.timings for c in t.prefill]
+        sizes = [c.num_tokens for c in chunks]
+        return {
+            "during_chunks": len(chunks), "during_chunk_s": sum(c.seconds for c in chunks),
+            "during_decode_s": sum(t.decode_s or 0.0 for t in self.timings),
+            "during_fill_s": sum(t.other_prefill_s for t in self.timings),
+            "during_steps_with_chunk": sum(1 for t in self.timings if t.prefill),
+            "chunk_tokens_min": min(sizes, default=None),
+            "chunk_tokens_p50": statistics.median(sizes) if sizes else None,
+            "chunk_tokens_max": max(sizes, default=None),
+            "chunk_ms_max": max((c.seconds for c in chunks), default=0.0) * 1e3 if chunks else None,
+        }
 
 
 def build_engine(args: argparse.Namespace, graph_cache_on_cpu: bool = False, **overrides: Any) -> BenchEngine:

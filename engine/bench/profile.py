@@ -9,7 +9,10 @@ that captures every graph the timed steps need, three passes over `--steps` step
    work around the replay (scheduling, staging, sampling, detokenization, telemetry) shows by name.
 3. device: torch.profiler (CUDA activity on GPU): kernels launched per step, summed kernel time per step
    (`gpu_busy_ms`), and the kernels with the most time. `gpu_busy_ms / step_ms` says whether a step is bound by
-   the device (near 1) or by the host (well below 1).
+   the device (near 1) or by the host (well below 1). The device's idle time between kernels is split by gap
+   length: `gpu_short_gaps_ms` (gaps up to _LONG_GAP_US: one kernel waiting for the one before it, inside a graph
+   replay or a stream of launches) and `gpu_long_gaps_ms` (longer: the device waiting for the host between
+   replays, inflated by the profiler's own host cost), per step.
 
 Rows are one entry per host function and per kernel (`section` host / device); the summary holds the per-step
 figures. Passes 2 and 3 slow the host down, so only pass 1's `step_ms` is a speed figure.
@@ -29,6 +32,7 @@ from engine.bench.common import device_of, emit, random_prompt
 from engine.bench.engine_driver import BenchEngine, build_engine
 
 _CONTEXT_MARGIN_TOKENS = 64
+_LONG_GAP_US = 20.0  # longer than a dependent kernel's launch latency inside a replay; shorter than a step's host work
 
 
 def _start(bench: BenchEngine, args: argparse.Namespace, tokens_needed: int) -> list[Any]:
@@ -68,10 +72,13 @@ def _device_pass(bench: BenchEngine, steps: int, top: int) -> tuple[list[dict[st
         for _ in range(steps):
             bench.step()
     totals: dict[str, list[float]] = {}
+    spans: list[tuple[float, float]] = []
     for evt in prof.events():
         on_device = cuda and evt.device_type.name == "CUDA"
         if cuda and not on_device:
             continue
+        if on_device:
+            spans.append((evt.time_range.start, evt.time_range.end))
         if not cuda and evt.cpu_parent is not None:  # CPU: top-level ops only, no double counting
             continue
         us = evt.device_time if on_device else evt.cpu_time
@@ -85,7 +92,26 @@ def _device_pass(bench: BenchEngine, steps: int, top: int) -> tuple[list[dict[st
     rows.sort(key=lambda r: r["us_per_step"], reverse=True)
     summary = {"kernels_per_step" if cuda else "top_level_ops_per_step": kernels / steps,
                "gpu_busy_ms" if cuda else "cpu_op_ms": busy_us / steps / 1e3}
+    if cuda:
+        short_us, long_us = gap_split_us(spans, _LONG_GAP_US)
+        summary.update(gpu_short_gaps_ms=short_us / steps / 1e3, gpu_long_gaps_ms=long_us / steps / 1e3)
     return rows[:top], summary
+
+
+def gap_split_us(spans: list[tuple[float, float]], long_gap_us: float) -> tuple[float, float]:
+    """(sum of idle gaps up to `long_gap_us`, sum of longer ones) between kernels given as (start, end) in us.
+    Overlapping kernels (several streams) leave no gap; the idle time is the device's, not a stream's."""
+    short = long = 0.0
+    busy_until = None
+    for start, end in sorted(spans):
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            if gap <= long_gap_us:
+                short += gap
+            else:
+                long += gap
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return short, long
 
 
 def run(args: argparse.Namespace) -> int:

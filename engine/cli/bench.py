@@ -126,6 +126,8 @@ def _admission(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-prompt-tokens", type=int, default=128, help="prompt tokens of each short generation")
     p.add_argument("--long-tokens", type=int_list, default=[176 * _K], help="fresh long prompt length(s)")
     p.add_argument("--baseline-steps", type=int, default=32, help="decode steps timed before the long prompt")
+    p.add_argument("--no-alone", action="store_true",
+                   help="skip the first token of the same prompt length alone (the TTFT ratio's denominator)")
 
 
 def _graphs(p: argparse.ArgumentParser) -> None:

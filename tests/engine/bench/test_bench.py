@@ -64,13 +64,16 @@ def test_decode_counts_every_token_and_reports_rates(tmp_path: Path) -> None:
 
 
 def test_ttft_prefills_in_chunks_and_each_prompt_is_fresh(tmp_path: Path) -> None:
-    doc = bench(tmp_path, ["ttft", *TINY, "--prompt-sizes", "200,100", "--prefill-chunk-tokens", "64",
+    doc = bench(tmp_path, ["ttft", *TINY, "--prompt-sizes", "200,100,200", "--prefill-chunk-tokens", "64",
                            "--step-token-budget", "64"])
-    assert [r["prompt_tokens"] for r in doc["rows"]] == [100, 200]
-    assert [r["steps"] for r in doc["rows"]] == [math.ceil(100 / 64), math.ceil(200 / 64)]
+    assert [r["prompt_tokens"] for r in doc["rows"]] == [100, 200, 200]  # a size given twice: measured twice
+    assert [r["steps"] for r in doc["rows"]] == [math.ceil(100 / 64), math.ceil(200 / 64), math.ceil(200 / 64)]
     for row in doc["rows"]:
         assert row["ttft_s"] > 0 and math.isclose(row["prefill_tok_s"], row["prompt_tokens"] / row["ttft_s"])
-    assert set(doc["summary"]) == {"ttft_s_100", "ttft_s_200"}
+        # where the time went: the chunks, the tier's fills, the rest of the steps (all of it measured)
+        assert 0 < row["chunk_s"] < row["ttft_s"] and row["fill_s"] >= 0
+        assert math.isclose(row["chunk_s"] + row["fill_s"] + row["other_s"], row["ttft_s"])
+    assert set(doc["summary"]) == {"ttft_s_100", "ttft_s_200", "ttft_s_200_2"}
 
 
 def test_reuse_serves_a_repeated_prompt_from_the_tier(tmp_path: Path) -> None:
@@ -107,6 +110,18 @@ def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: 
     assert row["graph_errors"] == []
     assert 0 < row["after_step_ms_p50"] <= row["after_max_step_ms"]
     assert row["baseline_step_ms"] <= row["baseline_max_step_ms"] and row["max_step_ms"] > 0
+    # The same prompt length alone first, on the same engine: the TTFT ratio in one run.
+    assert 0 < row["alone_ttft_s"] <= row["alone_first_ttft_s"]  # two lone runs; the figure is the faster one
+    assert [r["chunks"] for r in row["alone_runs"]] == [256 // 64] * 2  # unpaced: full chunks, one a step
+    lone = row["alone_runs"]
+    assert row["alone_first_ttft_s"] == lone[0]["ttft_s"] and row["alone_ttft_s"] == min(r["ttft_s"] for r in lone)
+    assert all(0 < r["chunk_s"] <= r["ttft_s"] for r in lone)
+    assert row["alone_ttft_s"] > 0 and math.isclose(row["ttft_vs_alone"], row["long_ttft_s"] / row["alone_ttft_s"])
+    assert doc["summary"]["worst_ttft_vs_alone"] == row["ttft_vs_alone"]
+    # Where the admission's time went, from the timings the engine gave its pacer: every prompt token in a chunk.
+    assert row["during_chunks"] >= math.ceil(256 / 64) and row["chunk_tokens_max"] <= 64
+    assert row["during_steps_with_chunk"] == row["during_chunks"]  # one prompt: at most one chunk a step
+    assert 0 < row["during_chunk_s"] < row["long_ttft_s"] and 0 < row["during_decode_s"] < row["long_ttft_s"]
 
 
 def test_admission_event_counts_name_each_graph_and_tier_action() -> None:
@@ -226,6 +241,17 @@ def test_profile_names_host_functions_and_ops_of_a_steady_step(tmp_path: Path, m
     assert len(host) == 5 and len(ops) == 5
     assert host == sorted(host, key=lambda r: r["own_us_per_step"], reverse=True)
     assert any(r["name"].startswith("aten::") for r in ops)
+
+
+def test_profile_splits_the_device_idle_time_into_launch_gaps_and_host_waits() -> None:
+    from engine.bench.profile import gap_split_us
+
+    # Two replays of three kernels (gaps of 2 and 3 us inside each), 100 us of host between them, and a kernel
+    # of another stream covering the first replay's 2 us gap: the device was not idle then.
+    spans = [(0, 10), (12, 20), (5, 15), (23, 30), (130, 140), (142, 150), (153, 160)]
+    short, long = gap_split_us(spans, 20.0)
+    assert (short, long) == (3.0 + 2.0 + 3.0, 100.0)
+    assert gap_split_us([], 20.0) == (0.0, 0.0)
 
 
 def test_attention_bench_times_the_reference_per_case_and_checks_its_output(tmp_path: Path) -> None:
