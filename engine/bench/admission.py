@@ -41,18 +41,45 @@ def _short_tokens(shorts: list[Any]) -> int:
     return sum(r.num_output_tokens for r in shorts)
 
 
-def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any,
-                 max_steps: int) -> tuple[float, int, list[float]]:
-    """Step until `until(steps)`; returns (seconds, short tokens gained, each step's seconds)."""
+def _timed_steps(bench: BenchEngine, shorts: list[Any], until: Any, max_steps: int,
+                 seqs: list[int] | None = None) -> tuple[float, int, list[float]]:
+    """Step until `until(steps)`; returns (seconds, short tokens gained, each step's seconds). `seqs` gets the
+    event bus's last seq before each step and once after the last (which events each step published)."""
     tokens0, step_s = _short_tokens(shorts), []
     start = time.perf_counter()
     while not until(len(step_s)):
         if len(step_s) >= max_steps:
             raise EngineDied(f"no progress in {len(step_s)} steps (admission benchmark)")
+        if seqs is not None:
+            seqs.append(bench.bus.last_seq)
         t0 = time.perf_counter()
         bench.step()
         step_s.append(time.perf_counter() - t0)
+    if seqs is not None:
+        seqs.append(bench.bus.last_seq)
     return time.perf_counter() - start, _short_tokens(shorts) - tokens0, step_s
+
+
+def _longest_step(step_s: list[float], timings: list[Any], seqs: list[int], events: list[Any]) -> dict[str, Any]:
+    """What the admission's longest step held: its decode part, its chunks, its cache fills (as the engine timed
+    them for the pacer) and the graph and tier events it published, so a stall names its cause."""
+    if not step_s or len(timings) != len(step_s):
+        return {}
+    i = max(range(len(step_s)), key=step_s.__getitem__)
+    timing = timings[i]
+    events = [e for e in events if seqs[i] < e.seq <= seqs[i + 1]]
+    return {
+        "step": i, "ms": step_s[i] * 1e3, "decode_ms": timing.decode_s * 1e3 if timing.decode_s is not None else None,
+        "decode_rows": timing.num_decode_rows, "chunk_tokens": sum(c.num_tokens for c in timing.prefill),
+        "chunk_ms": sum(c.seconds for c in timing.prefill) * 1e3, "fill_ms": timing.other_prefill_s * 1e3,
+        "events": [_named(e) for e in events if e.type in ("graph", "tier", "warning")][:8],
+    }
+
+
+def _named(event: Any) -> str:
+    """`graph capture decode b8 L4096`, `tier shrink`, `warning runner.decode`: what an event was, in a few words."""
+    parts = (event.type, *(getattr(event, name, "") for name in ("action", "kind", "key", "where")))
+    return " ".join(str(p) for p in parts if p)
 
 
 def _alone_ttft_s(bench: BenchEngine, long_tokens: int, vocab: int, seed: int) -> float:
@@ -103,10 +130,12 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
         # memory (the tier has taken the GPU) changes the decode rate as much as the pacing does.
         events = bench.bus.subscribe(after_seq=None, max_queue=1_000_000)
         long = bench.add(random_prompt(long_tokens, vocab, seed=seed + 999), 1)
+        seqs: list[int] = []
         with StepLog(bench) as log:
             during_s, during_tokens, during_step_s = _timed_steps(
-                bench, shorts, lambda n: long.num_output_tokens > 0, long_tokens + 100)
+                bench, shorts, lambda n: long.num_output_tokens > 0, long_tokens + 100, seqs)
         during_events = events.drain()
+        longest = _longest_step(during_step_s, log.timings, seqs, during_events)
         # The shorts kept growing while the prompt was prefilled (thousands of tokens at 176K), and a decode
         # step costs more at a longer context: the same steps again, now without the long prompt, say what
         # their rate would have been at the end of the admission.
@@ -135,7 +164,7 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
         "long_ttft_s": during_s, "alone_ttft_s": alone_s, "alone_first_ttft_s": alone_runs[0] if alone_runs else None,
         "alone_runs": alone_parts,
         "ttft_vs_alone": during_s / alone_s if alone_s else None, **log.summary(),
-        "during_steps": len(during_step_s), "max_step_ms": _ms(during_step_s, max),
+        "during_steps": len(during_step_s), "max_step_ms": _ms(during_step_s, max), "max_step": longest,
         "baseline_step_ms": base_s / max(1, len(base_step_s)) * 1e3, "baseline_max_step_ms": _ms(base_step_s, max),
         # The median and the longest step of the after phase tell a slower step (longer context, an eager
         # bucket) from a few long ones (a cache fill, a capture) inflating the mean.

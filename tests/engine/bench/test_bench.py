@@ -121,6 +121,11 @@ def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: 
     # Where the admission's time went, from the timings the engine gave its pacer: every prompt token in a chunk.
     assert row["during_chunks"] >= math.ceil(256 / 64) and row["chunk_tokens_max"] <= 64
     assert row["during_steps_with_chunk"] == row["during_chunks"]  # one prompt: at most one chunk a step
+    # The longest step, taken apart: a stall names what it held (decode, a chunk, fills, graph or tier events).
+    longest = row["max_step"]
+    assert longest["ms"] == pytest.approx(row["max_step_ms"]) and 0 <= longest["step"] < row["during_steps"]
+    assert longest["decode_rows"] == 2 and longest["chunk_tokens"] <= 64 and longest["events"] == []
+    assert longest["decode_ms"] + longest["chunk_ms"] + longest["fill_ms"] <= longest["ms"]
     assert 0 < row["during_chunk_s"] < row["long_ttft_s"] and 0 < row["during_decode_s"] < row["long_ttft_s"]
 
 
@@ -131,6 +136,24 @@ def test_admission_event_counts_name_each_graph_and_tier_action() -> None:
     events = [GraphEvent(action="capture", kind="decode", key="b8 L4096"), TierEvent(action="shrink", mib=64.0),
               GraphEvent(action="capture", kind="decode", key="b8 L8192"), SlotEvent(slot=0, state="decode")]
     assert event_counts(events) == {"graph capture": 2, "tier shrink": 1}
+
+
+def test_admission_takes_its_longest_step_apart_with_the_events_it_published() -> None:
+    from engine.bench.admission import _longest_step
+    from engine.core.prefill_pacer import ChunkTiming, StepTiming
+    from engine.telemetry import GraphEvent, SlotEvent, TierEvent
+
+    timings = [StepTiming(0.004, 6, [ChunkTiming(0, 256, 0.2)]), StepTiming(1.5, 6, []), StepTiming(0.004, 6, [])]
+    events = [GraphEvent(action="capture", kind="decode", key="b8 L512"), SlotEvent(slot=0, state="decode"),
+              TierEvent(action="shrink", mib=64.0), GraphEvent(action="capture", kind="decode", key="b8 L1024")]
+    for seq, e in enumerate(events, start=1):
+        e.seq = seq
+    # seqs before each step and after the last: step 1 published events 2..3, step 2 event 4
+    longest = _longest_step([0.21, 1.51, 0.01], timings, [0, 1, 3, 4], events)
+    assert longest["step"] == 1 and longest["ms"] == pytest.approx(1510.0)
+    assert longest["decode_ms"] == pytest.approx(1500.0) and longest["chunk_tokens"] == 0
+    assert longest["events"] == ["tier shrink"]  # the slot event is not named; the capture was another step's
+    assert _longest_step([], [], [0], []) == {}
 
 
 def test_graphs_reports_each_kind_from_the_cache_snapshot(tmp_path: Path) -> None:
