@@ -198,4 +198,3 @@ def test_a_long_prompts_blocks_grow_the_pool_once_not_once_per_chunk(ckpt):
     second = run_all(engine, [prompt], GREEDY, prefix="b")["b0"]  # reused: its blocks map what was handed over
     assert second[-1].cached_tokens == 1472 and [t for o in second for t in o.token_ids] == first
     assert len(reallocations) == 1
-
