@@ -82,17 +82,6 @@ def _named(event: Any) -> str:
     return " ".join(str(p) for p in parts if p)
 
 
-def _alone_ttft_s(bench: BenchEngine, long_tokens: int, vocab: int, seed: int) -> float:
-    """The first token of a fresh prompt of `long_tokens` with nothing else running on the engine."""
-    long = bench.add(random_prompt(long_tokens, vocab, seed=seed), 1)
-    start = time.perf_counter()
-    for _ in range(long_tokens + 100):
-        if long.num_output_tokens:
-            return time.perf_counter() - start
-        bench.step()
-    raise EngineDied(f"no first token in {long_tokens + 100} steps (admission benchmark, alone)")
-
-
 def _ms(step_s: list[float], how: Any) -> float | None:
     return how(step_s) * 1e3 if step_s else None
 
@@ -105,8 +94,10 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
     alone_parts: list[dict[str, Any]] = []  # each lone run: its chunks' time, and the graph and tier events it saw
     for run in range(0 if args.no_alone else 2):
         events = bench.bus.subscribe(after_seq=None, max_queue=1_000_000)
+        lone = bench.add(random_prompt(long_tokens, vocab, seed=seed + 555 + run), 1)
         with StepLog(bench) as log:
-            alone_runs.append(_alone_ttft_s(bench, long_tokens, vocab, seed + 555 + run))
+            lone_s, _, _ = _timed_steps(bench, [], lambda n: lone.num_output_tokens > 0, long_tokens + 100)
+        alone_runs.append(lone_s)
         parts = log.summary()
         alone_parts.append({"ttft_s": alone_runs[-1], "chunk_s": parts["during_chunk_s"],
                             "chunks": parts["during_chunks"],

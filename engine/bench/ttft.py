@@ -50,9 +50,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bench.close()
     summary: dict[str, Any] = {}
-    for r in rows:  # a size measured again (`176K,176K`) gets its own key: ttft_s_180224, ttft_s_180224_2
-        key = f"ttft_s_{r['prompt_tokens']}"
-        summary[key if key not in summary else f"{key}_{sum(k.startswith(key) for k in summary) + 1}"] = r["ttft_s"]
+    times: dict[int, int] = {}  # a size measured again (`176K,176K`) gets its own key: ttft_s_180224, ttft_s_180224_2
+    for r in rows:
+        n = times[r["prompt_tokens"]] = times.get(r["prompt_tokens"], 0) + 1
+        summary[f"ttft_s_{r['prompt_tokens']}" + (f"_{n}" if n > 1 else "")] = r["ttft_s"]
     emit(args, "ttft", rows, summary, device,
          ("prompt_tokens", "ttft_s", "prefill_tok_s", "chunk_s", "fill_s", "other_s", "steps", "captures",
           "graphs_active"))
