@@ -15,6 +15,7 @@ from engine.errors import ConfigError
 
 BUILTIN_MODEL = "builtin:strata-tiny"
 KV_DTYPES = ("bf16", "int8")
+PREFILL_OVERLAP_MODES = ("auto", "on", "off")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_CONTEXT_TOKENS = 262144
 DEFAULT_VRAM_RESERVE_MIB = 1024
@@ -74,6 +75,10 @@ class EngineConfig:
     queue_max: int = field(default=256, metadata=_opt("bounded request queue length", metavar="N"))
     prefill_chunk_tokens: int = field(default=2048, metadata=_opt("prompt tokens per prefill chunk", metavar="TOKENS"))
     step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
+    prefill_overlap: str = field(default="auto", metadata=_opt(
+        "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless --kv-resident or "
+        "an MoE model; on: also on a CPU, where one stream runs them between steps a step late; off: between the "
+        "steps, paced)", choices=PREFILL_OVERLAP_MODES))
     # CUDA graphs where the device has them; CPU always runs eagerly
     graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))
     tier_wait_polls: int = field(default=20, metadata=_opt("polls for tier room after a graph OOM", metavar="N"))
@@ -108,6 +113,9 @@ class EngineConfig:
             raise ConfigError("dtype", self.dtype, f"expected one of {', '.join(MODEL_DTYPES)}")
         if self.kv not in KV_DTYPES:
             raise ConfigError("kv", self.kv, f"expected one of {', '.join(KV_DTYPES)}")
+        if self.prefill_overlap not in PREFILL_OVERLAP_MODES:
+            raise ConfigError("prefill_overlap", self.prefill_overlap,
+                              f"expected one of {', '.join(PREFILL_OVERLAP_MODES)}")
         if self.kv_resident is not None:
             _positive("kv_resident", self.kv_resident, upper=self.context)
         check_vram_reserve_mib(self.vram_reserve_mib)

@@ -2,7 +2,10 @@
 
 One step runs what the scheduler's StepPlan says: map (or copy) reused prefix blocks into newly admitted slots, one
 batched decode (or MTP verify + draft round) of every decoding slot, the plan's prefill chunks, then the
-cache fills. It returns the RequestOutput increments of that step (text detokenized, stop strings cut).
+cache fills. It returns the RequestOutput increments of that step (text detokenized, stop strings cut). On CUDA,
+while slots decode, a prompt chunk instead runs beside the steps on a side stream (engine.exec.chunk_stream): the
+step that plans it launches it before its decode, and a later step lands it first thing (its first token, MTP's
+drafter prefill, its cache fill) once its kernels are done.
 
 Not thread-safe: one thread steps it (engine.async_engine.AsyncEngine runs it in its engine thread).
 Failures, from mild to fatal: a graph that cannot be captured degrades its switch or turns MTP off (runner);
@@ -14,6 +17,7 @@ requests holding a slot; a sticky CUDA error, or a failure that repeats step aft
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable
@@ -60,6 +64,8 @@ class Engine:
         self.sched, self.runner, self.drafter, self.board = parts.sched, parts.runner, parts.drafter, parts.board
         self.executor = parts.executor
         self.device = parts.device
+        self.chunks = parts.chunks  # prompt chunks beside the steps (engine.exec.chunk_stream), or None
+        self._steps_stream = self.chunks.steps if self.chunks is not None else contextlib.nullcontext
         self.model_name = config.model
         self.tokenizer = self.lm.tokenizer
         self.eos_token_ids = tuple(self.lm.eos_token_ids)
@@ -177,6 +183,11 @@ class Engine:
         """Give the device memory back now (graphs, tier, KV cache, weights), for an in-process caller that
         builds another engine next; it cannot serve afterwards. A server process simply exits instead."""
         self._dead_reason = self._dead_reason or "closed"
+        if self.chunks is not None:
+            try:
+                self.chunks.drop(wait=True)
+            except Exception:  # noqa: BLE001 - a failed chunk: closing gives its memory back all the same
+                pass
         release_device_memory(self.executor, self.tier, self.kv, self.lm.model, self.device)
 
     def idle_tick(self) -> None:
@@ -193,14 +204,15 @@ class Engine:
             return []
         outputs: list[RequestOutput] = []
         try:
-            plan = self.sched.schedule()
-            now_s = time.monotonic()
-            with torch.inference_mode():
+            with torch.inference_mode(), self._steps_stream() if self._may_overlap() else contextlib.nullcontext():
+                landed = self._land_chunk(outputs)  # first: its request may decode in this very step
+                plan = self.sched.schedule()
+                now_s = time.monotonic()
                 self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
                 self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
                 for admission in plan.admitted:
                     self._isolated(admission.request, outputs, self._admit, admission, now_s)
-                timing = self._run_timed(plan, outputs)
+                timing = dataclasses.replace(self._run_timed(plan, outputs), landed=landed)
                 self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
             self.sched.record_step(timing)
             self.steps += 1
@@ -224,13 +236,18 @@ class Engine:
         """
         decode_s = None
         t0_s = self._synced_clock() if plan.admitted else time.perf_counter()  # admissions queue KV copies
+        for chunk in plan.prefill:  # a chunk beside the steps first: the side stream starts on it at once
+            if chunk.beside_decode and not chunk.request.is_finished:
+                self._isolated(chunk.request, outputs, self.chunks.launch, chunk, lambda c=chunk: self._forward(c))
+        beside = self.chunks is not None and self.chunks.in_flight is not None
         if plan.decode:
+            t0_s = self._synced_clock() if beside else t0_s  # the launch's host time is not decode's
             self._decode(plan.decode, outputs)
             # MTP's draft round runs after the sampling sync: drain it when a chunk's clock starts next.
-            decode_s = (self._synced_clock() if plan.prefill else time.perf_counter()) - t0_s
+            decode_s = (self._synced_clock() if plan.prefill and not beside else time.perf_counter()) - t0_s
         chunks: list[ChunkTiming] = []
         for chunk in plan.prefill:
-            if chunk.request.is_finished:  # aborted between schedule() and now: nothing runs, nothing to time
+            if chunk.request.is_finished or chunk.beside_decode:  # aborted since schedule(), or launched above
                 continue
             t0_s = self._synced_clock()
             self._isolated(chunk.request, outputs, self._prefill, chunk, outputs)
@@ -238,18 +255,45 @@ class Engine:
         fill_s = 0.0
         if plan.cache_fill:
             t0_s = self._synced_clock()
-            for fill in plan.cache_fill:
-                failed = self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
-                if failed:
-                    self.sched.prefix_index.discard(failed)
+            self._fill(plan.cache_fill)
             fill_s = self._synced_clock() - t0_s
-        return StepTiming(decode_s, len(plan.decode), chunks, fill_s)
+        return StepTiming(decode_s, len(plan.decode), chunks, fill_s, beside_chunk=beside)
+
+    def _fill(self, fills: list) -> None:
+        for fill in fills:
+            failed = self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
+            if failed:
+                self.sched.prefix_index.discard(failed)
+
+    def _may_overlap(self) -> bool:
+        """A chunk is in flight or may be launched this step: the step runs on the steps' stream (otherwise on
+        the caller's, which saves a plain decode step two stream waits; the streams are ordered either way)."""
+        return self.chunks is not None and (self.chunks.in_flight is not None or self.sched.has_prompt_work)
 
     def _synced_clock(self) -> float:
-        """perf_counter after the device has finished the work queued so far."""
-        if self.device.type == "cuda":
+        """perf_counter after the device has finished the work queued so far (on the steps' stream only, where
+        chunks may run beside the steps: a chunk in flight keeps running)."""
+        if self.chunks is not None:
+            self.chunks.sync()
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _land_chunk(self, outputs: list[RequestOutput]) -> list[ChunkTiming]:
+        """The chunk beside the steps, once its kernels are done (waited for when no slot decodes: nothing else
+        would run): its first token, its drafter prefill and its cache fill. Its timing, for StepTiming.landed."""
+        if self.chunks is None or self.chunks.in_flight is None:
+            return []
+        if not self.chunks.ready() and self.sched.num_decoding:
+            return []
+        flight = self.chunks.take()
+        chunk = flight.chunk
+        fill = self.sched.chunk_landed(chunk, flight.seconds)
+        if not chunk.request.is_finished:
+            self._isolated(chunk.request, outputs, self._chunk_ran, chunk, flight.out, outputs)
+        if fill is not None:
+            self._fill([fill])
+        return [ChunkTiming(chunk.start, chunk.num_tokens, flight.seconds)]
 
     def _admit(self, admission: Admission, now_s: float) -> None:
         req = admission.request
@@ -310,11 +354,20 @@ class Engine:
                 self._draft_accepted[position] += position < n
 
     def _prefill(self, chunk: PrefillChunk, outputs: list[RequestOutput]) -> None:
-        req = chunk.request
-        if req.is_finished:  # aborted between schedule() and now
+        if chunk.request.is_finished:  # aborted between schedule() and now
             return
+        with self.chunks.lane() if self.chunks is not None else contextlib.nullcontext():
+            out = self._forward(chunk)
+        self._chunk_ran(chunk, out, outputs)
+
+    def _forward(self, chunk: PrefillChunk) -> Any:
+        """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch)."""
+        return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)
+
+    def _chunk_ran(self, chunk: PrefillChunk, out: Any, outputs: list[RequestOutput]) -> None:
+        """After a chunk's forward: the first token of a last chunk, and MTP's drafter prefill."""
+        req = chunk.request
         prompt = req.prompt_token_ids
-        out = self.runner.prefill(chunk.slot, prompt[chunk.start:chunk.end], chunk.start)
         req.chunk_ran(chunk.end - chunk.start)
         first: int | None = None
         first_logprobs = None
@@ -351,6 +404,8 @@ class Engine:
         """The final output of a finished request; frees its engine-side state and tells its slot's watchers."""
         self._generators.pop(track.request.request_id, None)
         final = self.output.close(track, reason, error)
+        if self.chunks is not None and self.chunks.holds(track.request):
+            self.chunks.drop(wait=self._dead_reason is None)  # its chunk writes the slot's blocks until it ends
         if slot is not None:
             self.kv.retire_slot(slot)
             self.tier.retire_slot(slot)
@@ -399,9 +454,10 @@ class Engine:
         """A step failed: report the real error (gpu_errors.error_event) and end the requests it touched.
 
         A sticky CUDA error (or MAX_FAILED_STEPS failed steps with no request finishing normally in between: a
-        fault that repeats is not going away) is fatal: the engine is marked dead and every request ends with the error. Anything else
-        ends only the requests holding a slot, whose KV the step may have left half-written (the scheduler
-        discards their unfilled prefix blocks); queued requests keep their place and the engine serves on.
+        fault that repeats is not going away) is fatal: the engine is marked dead and every request ends with the
+        error. Anything else ends only the requests holding a slot, whose KV the step may have left half-written
+        (the scheduler discards their unfilled prefix blocks); queued requests keep their place and the engine
+        serves on. A chunk in flight beside the steps is waited for (unless the error is sticky) and dropped.
         """
         event = error_event(exc, "engine.step", self.device)
         self._failed_steps += 1
@@ -412,6 +468,11 @@ class Engine:
         if event.fatal:
             self._dead_reason = event.message
             self.bus.publish(EngineEvent(state="dead", detail=event.message))
+        if self.chunks is not None and self.chunks.in_flight is not None:
+            try:  # its request ends below; a sticky error leaves nothing on the device to wait for
+                self.chunks.drop(wait=not is_sticky(exc))
+            except Exception:  # noqa: BLE001 - the chunk's own failure: this step's error already says it
+                self.chunks.drop(wait=False)
         outputs = []
         for track in self.output:
             slot = track.request.slot

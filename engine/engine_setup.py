@@ -8,6 +8,7 @@ config whose KV does not fit next to the weights and the reserve raises ConfigEr
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError, StrataError
 from engine.exec.device_switches import settle_switches
+from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
@@ -72,6 +74,7 @@ class EngineParts:
     board: SwitchBoard
     executor: Any
     device: torch.device
+    chunks: ChunkStream | None = None  # prompt chunks beside the steps (--prefill-overlap)
 
 
 def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
@@ -160,6 +163,13 @@ class _PartsBuilder:
             runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
             follow_policy_switch(experts, board)  # EXPERT_LFU set at start
         runner.release_memory = self.make_room
+        chunks = None
+        if overlap_wanted(config.prefill_overlap, device, config.kv_resident, moe=experts is not None):
+            chunks = ChunkStream(device, chunk_sms_from_env(os.environ))
+            if chunks.note is not None:
+                bus.publish(WarningEvent(where="engine.chunks", message=chunks.note))
+            runner.prefill_owner = CHUNK_OWNER
+            sched.overlap_chunks = True
         runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
         drafter = None
         if depth:
@@ -193,7 +203,7 @@ class _PartsBuilder:
             precapture_all(config, bus, board, executor, runner, drafter)
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
-        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device)
+        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, chunks)
 
 
 def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, model: torch.nn.Module,

@@ -4,13 +4,19 @@
 # times, kvspill five times, eight MoE seed runs, the kv seed, the prompt-chunk kernel and TTFT, reuse, the
 # compile starts, FUSED_OPS' profiles, the projections (`linear`), the decode kernel at short spans, peers seven
 # times, the 176K admission four times and MTP (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (ninth)");
-# next (#17): the int8 176K first token alone, twice on one engine (the ninth session's admission runs lost the
-# lone figure to a bench bug, since fixed), the suite (cut at 400 s again in the ninth session, one failure since
-# fixed on CPU only), then peers, MTP and the admission on the committed code:
+# The tenth session ran the suite (56 passed in 377 s, cut by its session timeout) and prompt chunks beside the
+# decoding slots (the admission: 1.71x its lone prompt at decode ratio 0.537). Next (#17): the seed scenario with
+# chunks beside the steps (their default since the tenth session, never yet run under the seed's full VRAM), the
+# suite with its JUnit times, then MTP at both depths and the admission with chunks between the steps:
 #
-#   OUT=$OUT STEPS=ttft_repeat,gpu_suite bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=peers,mtp_1,mtp_2,admission bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=seed bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite,mtp_1,mtp_2 bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=admission_between,admission bash scripts/gpu_pending.sh
 #
+#   seed                  #17 (must not regress): the seed scenario (strata-tiny, 6 MTP slots, int8 KV, every
+#                         switch, a fresh 150K prompt under full VRAM), SEED_RUNS runs (default 5)
+#   overlap_tests         #17: prompt chunks beside the decoding slots' steps (side stream): the tokens of chunks
+#                         between the steps, every slot's token every step, FUSED_OPS' engine tokens
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
 #                         #15's real-pressure graph-cache test (-rA prints every test's output)
@@ -51,7 +57,10 @@
 #   mtp_1/_2              #17: MTP speedup at batch 1 on strata-tiny, depth 1 and 2, with FUSED_OPS and FUSED_PROJ
 #   profile128k_int8      #17: a batch-1 decode step at 128K context with int8 KV (the goal: <= 5 ms)
 #   admission             #17: six slots decoding while a fresh 176K prompt is admitted (TTFT <= 2x alone, decode
-#                         ratio >= 0.5), int8 KV, the prompt-chunk kernel on
+#                         ratio >= 0.5), int8 KV, the prompt-chunk kernel on, chunks beside the steps (the default)
+#   admission_sms_N       #17: the admission (no lone runs) with the chunks' stream in a green context of N SMs
+#                         (STRATA_CHUNK_SMS; N from CHUNK_SMS_LIST, default 96,112,120)
+#   admission_between     #17: the same with the chunks between the steps (--prefill-overlap off), paced
 #   compile_cold/_warm    #17: FUSED_PROJ + COMPILE decode with an empty compile cache, then again (its END lines
 #                         give each start's wall time; the 128 s start measured on 2026-11-29 was a cold one)
 #
@@ -73,7 +82,10 @@ GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 # --session-timeout (pytest-timeout, carried in .whl) ends the suite before the step's limit kills it, so a suite
 # that runs long still prints its failures and its slowest tests (2026-12-01, ninth session: killed at 400 s with
 # one failure and no report)
-step gpu_suite 400 "${GPU_TEST[@]}" --durations=60 --session-timeout=370 tests
+step seed 560 "$PY" benchmarks/seed_scenario.py --runs ${SEED_RUNS:-5} --device cuda:0 --out "$OUT/seed.json"
+step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.py \
+    tests/engine/model/test_triton_ops_gpu.py -k "interleave or beside or engine_greedy"
+step gpu_suite 400 "${GPU_TEST[@]}" --durations=60 --session-timeout=370 --junitxml="$OUT/gpu_suite.xml" tests
 step tier_tests 90 "${GPU_TEST[@]}" -s -k "tier_takes_free_vram or small_release_takes_own_blocks" \
     tests/engine/test_engine_gpu.py tests/engine/exec/test_tier_shared_gpu.py
 step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs ${MOE_RUNS:-5} --device cuda:0 --random-model moe-bench \
@@ -132,6 +144,15 @@ step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --dev
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
 step admission 240 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 --long-tokens 176K \
     --kv int8 --baseline-steps 64 --json "$OUT/admission.json"
+IFS=, read -ra _sms_list <<< "${CHUNK_SMS_LIST:-96,112,120}"
+for sms in "${_sms_list[@]}"; do  # the chunks' side stream in a green context of that many SMs, no lone runs
+    step admission_sms_$sms 120 env STRATA_CHUNK_SMS=$sms "$PY" -m engine.bench admission --model random:0.6b \
+        --device cuda:0 --slots 6 --long-tokens 176K --kv int8 --baseline-steps 64 --no-alone \
+        --json "$OUT/admission_sms_$sms.json"
+done
+# chunks beside the steps (the default on CUDA since the tenth session) against chunks between them, same code
+step admission_between 200 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 \
+    --long-tokens 176K --kv int8 --baseline-steps 64 --prefill-overlap off --json "$OUT/admission_between.json"
 COMPILED=(env XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 "$PY" -m engine.bench decode \
           --model random:0.6b --device cuda:0 --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on
 )

@@ -19,7 +19,9 @@ engine, twice (`alone_first_ttft_s` is the first run's; `alone_ttft_s`, the figu
 `ttft_vs_alone` = `long_ttft_s` / `alone_ttft_s`. Where the admission's time went: `during_chunk_s` (the
 chunks, device-synchronized, as the engine times them for the pacer), `during_decode_s`, the chunks' count and
 sizes, so a slow admission tells pacing (too little time for prefill) from waste (chunks dearer per token than
-the lone prompt's).
+the lone prompt's). Where chunks run beside the steps (`--prefill-overlap`, default auto: on CUDA), a chunk's time
+is its device time from start to end while the slots decoded (`during_chunk_beside_s`), and it overlaps
+`during_decode_s`; `--prefill-overlap off` measures chunks between the steps on the same code.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def _longest_step(step_s: list[float], timings: list[Any], seqs: list[int], even
         "step": i, "ms": step_s[i] * 1e3, "decode_ms": timing.decode_s * 1e3 if timing.decode_s is not None else None,
         "decode_rows": timing.num_decode_rows, "chunk_tokens": sum(c.num_tokens for c in timing.prefill),
         "chunk_ms": sum(c.seconds for c in timing.prefill) * 1e3, "fill_ms": timing.other_prefill_s * 1e3,
+        "beside_chunk": timing.beside_chunk, "landed_tokens": sum(c.num_tokens for c in timing.landed),
         "events": [_named(e) for e in events if e.type in ("graph", "tier", "warning")][:8],
     }
 
@@ -186,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for i, long_tokens in enumerate(args.long_tokens):
             rows.append({**measure_one(bench, args, long_tokens, seed=10_000 * (i + 1)),
-                         "graphs_active": bench.graphs_active, "kv": bench.config.kv})
+                         "graphs_active": bench.graphs_active, "kv": bench.config.kv,
+                         "chunks_beside_steps": bench.engine.chunks is not None})
             save_partial(args, "admission", rows, device)
     finally:
         bench.close()
@@ -198,5 +202,5 @@ def run(args: argparse.Namespace) -> int:
     emit(args, "admission", rows, summary, device,
          ("slots", "long_tokens", "baseline_tok_s", "during_tok_s", "after_tok_s", "decode_ratio",
           "decode_ratio_vs_before", "long_ttft_s", "alone_ttft_s", "ttft_vs_alone", "during_steps", "during_chunks",
-          "during_chunk_s", "max_step_ms", "kv"))
+          "during_chunk_s", "max_step_ms", "kv", "chunks_beside_steps"))
     return 0

@@ -156,15 +156,19 @@ class StepLog:
         del self.sched.record_step  # the bound method again
 
     def summary(self) -> dict[str, Any]:
-        """Where the steps' time went: chunks (how many, how big, how long), decode, cache fills (`during_*`: the
-        admission bench's names; a stretch of steps of any bench)."""
-        chunks = [c for t in self.timings for c in t.prefill]
+        """Where the steps' time went: chunks (how many, how big, how long; with those beside the steps apart),
+        decode, cache fills (`during_*`: the admission bench's names; a stretch of steps of any bench)."""
+        chunks = [c for t in self.timings for c in t.prefill + t.landed]
         sizes = [c.num_tokens for c in chunks]
+        beside = [c for t in self.timings for c in t.landed]
         return {
             "during_chunks": len(chunks), "during_chunk_s": sum(c.seconds for c in chunks),
+            # chunks beside the steps (engine.exec.chunk_stream): their device time overlaps the decode time
+            "during_chunks_beside": len(beside), "during_chunk_beside_s": sum(c.seconds for c in beside),
             "during_decode_s": sum(t.decode_s or 0.0 for t in self.timings),
+            "during_decode_beside_s": sum(t.decode_s or 0.0 for t in self.timings if t.beside_chunk),
             "during_fill_s": sum(t.other_prefill_s for t in self.timings),
-            "during_steps_with_chunk": sum(1 for t in self.timings if t.prefill),
+            "during_steps_with_chunk": sum(1 for t in self.timings if t.prefill or t.beside_chunk),
             "chunk_tokens_min": min(sizes, default=None),
             "chunk_tokens_p50": statistics.median(sizes) if sizes else None,
             "chunk_tokens_max": max(sizes, default=None),

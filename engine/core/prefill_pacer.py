@@ -42,6 +42,7 @@ DEFAULT_PREFILL_STEP_SHARE = 0.45
 DEFAULT_MAX_CHUNK_STALL_S = 0.2  # the longest one saved-up chunk may hold the decoding slots
 _EXPLORE_EVERY_CHUNKS = 4
 _DECODE_WINDOW_STEPS = 5  # median of the last few decode steps: one graph capture does not move it
+_BESIDE_WINDOW_STEPS = 32  # decode steps beside a chunk: many per chunk, some where its blocks hold every SM
 _COST_WINDOW_CHUNKS = 32
 _PRIOR_WEIGHT = 1e-5  # per coefficient, in measured chunks: settles only what the chunks cannot tell apart at all
 # (1e-3 biased the four-term fit by 40 % on exact data: the terms are close to collinear in relative error)
@@ -88,13 +89,17 @@ class StepTiming:
     """What one executed StepPlan took, measured by the engine (device-synchronized wall time).
 
     `decode_s`: the decode (or MTP verify + draft) part for `num_decode_rows` slots, None when none decoded.
-    `prefill`: each chunk that ran. `other_prefill_s`: the rest of the step's prefill work (cache fills).
+    `prefill`: each chunk that ran between the steps. `other_prefill_s`: the rest of the step's prefill work
+    (cache fills). `landed`: chunks that ran beside the steps, their device time from start to end (not part of
+    the step's time, and not fitted: they shared the device).
     """
 
     decode_s: float | None
     num_decode_rows: int
     prefill: list[ChunkTiming] = field(default_factory=list)
     other_prefill_s: float = 0.0
+    beside_chunk: bool = False  # a chunk was in flight on the side stream while this step decoded
+    landed: list[ChunkTiming] = field(default_factory=list)  # chunks beside the steps that landed this step
 
     @property
     def prefill_s(self) -> float:
@@ -207,6 +212,7 @@ class PrefillPacer:
         self.cost = cost_model if cost_model is not None else ChunkCostModel()
         self._saved_chunks = 0  # chunks taken after saving up (every _EXPLORE_EVERY_CHUNKS-th is half size)
         self._decode_s: deque[float] = deque(maxlen=_DECODE_WINDOW_STEPS)
+        self._beside_s: deque[float] = deque(maxlen=_BESIDE_WINDOW_STEPS)  # decode steps beside a chunk
         self._armed = False  # the engine has reported a step: measured pacing is possible
         self.credit_s = 0.0
         self._pacing = False
@@ -222,7 +228,7 @@ class PrefillPacer:
         """The engine's measurement of the step it just ran (the last plan)."""
         self._armed = True
         if timing.decode_s is not None and timing.decode_s > 0:
-            self._decode_s.append(timing.decode_s)
+            (self._beside_s if timing.beside_chunk else self._decode_s).append(timing.decode_s)
         for chunk in timing.prefill:
             self.cost.record(chunk)
         if self._unsettled_s is not None:
@@ -241,6 +247,17 @@ class PrefillPacer:
         if decode_s is None or self.prefill_step_share >= 1:
             return None
         return decode_s * self.prefill_step_share / (1 - self.prefill_step_share)
+
+    def beside_gap_s(self, chunk_s: float) -> float:
+        """After a chunk that ran beside the steps for `chunk_s`: how long the side stream stays idle so that
+        decode keeps 1 - prefill_step_share of its rate on average. Beside the chunk decode kept
+        kept = alone / beside (median step times); over the chunk and a gap g, (kept * chunk_s + g) / (chunk_s + g)
+        must reach the target: g = chunk_s * (target - kept) / (1 - target). 0 while either time is unknown."""
+        if not self._decode_s or not self._beside_s or self.prefill_step_share >= 1:
+            return 0.0
+        kept = statistics.median(self._decode_s) / statistics.median(self._beside_s)
+        target = 1 - self.prefill_step_share
+        return max(0.0, chunk_s * (target - kept) / (1 - target))
 
     # --- planning ------------------------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ Every `schedule()` returns one StepPlan, the whole of what the runner does in th
 5. While slots decode, chunks are also sized by measured cost (`engine.core.prefill_pacer`): the engine reports
    each step's timings (`record_step`), and the prefill part of a step is kept within `prefill_step_share` of
    it, because at 176K context a chunk's attention over the prefix costs far more than its token count says.
+   Or, where the engine runs chunks beside the steps (`overlap_chunks`, engine.exec.chunk_stream), one whole
+   chunk is in flight at a time while slots decode, and the pacer's gap between two keeps decode's share.
 
 The plan is a commitment: `schedule()` advances each request's prefill cursor as it plans the chunk, and a
 request whose last prompt chunk is planned decodes from the next step on. If a step fails, the engine ends
@@ -98,6 +100,11 @@ class Scheduler:
         self._slots: list[Request | None] = [None] * num_slots
         self._free_slots: list[int] = list(range(num_slots))
         self._prefilling: list[Request] = []  # admission order: the FIFO order of prefill chunks
+        # Chunks beside the decoding slots' steps (the engine sets it: engine.exec.chunk_stream): one in flight
+        # at a time, the next after the pacer's gap.
+        self.overlap_chunks = False
+        self._in_flight: Request | None = None
+        self._next_launch_s = 0.0
         self._requests: dict[str, Request] = {}
         self._awaiting_copy: list[Request] = []  # admitted last step: their prefix pins drop next step
         # Tier blocks handed out for filling last step, by request: unpinned next step or when it finishes.
@@ -206,6 +213,9 @@ class Scheduler:
             plan.admitted.append(self._admit(self._waiting.popleft()))
         plan.decode = [req for req in self._slots if req is not None and req.state is RequestState.DECODE]
         budget_tokens = self.step_token_budget - plan.num_decode_tokens
+        if self.overlap_chunks and (plan.decode or self._in_flight is not None):
+            self._plan_beside(plan)
+            return plan
         paced = self.pacer.open_step(len(plan.decode), bool(self._prefilling))
         for req in list(self._prefilling):
             if budget_tokens <= 0:
@@ -223,6 +233,46 @@ class Scheduler:
                 plan.cache_fill.append(fill)
         self.pacer.close_step()
         return plan
+
+    def _plan_beside(self, plan: StepPlan) -> None:
+        """Slots decode and chunks run beside them (`overlap_chunks`): the first prefilling request's next chunk,
+        whole (it stalls no decoding slot), once no chunk is in flight and the pacer's gap after the last one
+        has passed. Its cache fill is planned when it lands."""
+        self.pacer.open_step(len(plan.decode), False)  # no time pacing between steps
+        self.pacer.close_step()
+        if self._in_flight is not None or not self._prefilling or self._clock() < self._next_launch_s:
+            return
+        req = self._prefilling[0]
+        chunk = self._plan_chunk(req, min(self.prefill_chunk_tokens, req.remaining_prompt_tokens), beside=True)
+        self._in_flight = req
+        plan.prefill.append(chunk)
+
+    def chunk_landed(self, chunk: PrefillChunk, seconds: float) -> CacheFill | None:
+        """A chunk that ran beside the steps has finished (in `seconds`, start to end on the device): its request
+        decodes from now on if it was the last, the next chunk may be planned after the pacer's gap, and its full
+        blocks go to the prefix tier (the CacheFill to run now; its pins go at the next `end_step`)."""
+        req = chunk.request
+        if self._in_flight is req:
+            self._in_flight = None
+        if req.is_finished:
+            return None
+        if chunk.is_last:
+            req.state = RequestState.DECODE
+        self._next_launch_s = self._clock() + self.pacer.beside_gap_s(seconds)
+        return self._plan_cache_fill(req, chunk)
+
+    @property
+    def has_prompt_work(self) -> bool:
+        """A request waits for a slot or has prompt chunks left to plan."""
+        return bool(self._waiting) or bool(self._prefilling)
+
+    @property
+    def chunk_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    @property
+    def num_decoding(self) -> int:
+        return sum(1 for req in self._slots if req is not None and req.state is RequestState.DECODE)
 
     def record_step(self, timing: StepTiming) -> None:
         """What the last plan took to run (the engine measures it): feeds the prefill pacing."""
@@ -244,6 +294,8 @@ class Scheduler:
             req.slot = None
         if req in self._prefilling:
             self._prefilling.remove(req)
+        if self._in_flight is req:
+            self._in_flight = None
         self._release_copy_pins(req)
         if reason in WORK_LOST_REASONS:
             self._discard_unfilled(req)
@@ -305,7 +357,7 @@ class Scheduler:
         self._next_fill_block[req.request_id] = len(blocks)
         return Admission(req, slot, req.num_cached_tokens, blocks)
 
-    def _plan_chunk(self, req: Request, tokens: int) -> PrefillChunk:
+    def _plan_chunk(self, req: Request, tokens: int, beside: bool = False) -> PrefillChunk:
         assert req.slot is not None
         start = req.num_computed_tokens
         end = start + tokens
@@ -313,8 +365,9 @@ class Scheduler:
         is_last = req.is_prefill_done
         if is_last:
             self._prefilling.remove(req)
-            req.state = RequestState.DECODE
-        return PrefillChunk(req, req.slot, start, end, is_last)
+            if not beside:  # a chunk beside the steps has no first token yet: it decodes once it lands
+                req.state = RequestState.DECODE
+        return PrefillChunk(req, req.slot, start, end, is_last, beside_decode=beside)
 
     def _plan_cache_fill(self, req: Request, chunk: PrefillChunk) -> CacheFill | None:
         if self.prefix_index is None:

@@ -33,13 +33,15 @@ class Admission:
 @dataclass(frozen=True)
 class PrefillChunk:
     """Prompt tokens [start, end) of `request` to run in `slot` this step. On the last chunk the runner samples
-    the first output token from the logits of position end - 1."""
+    the first output token from the logits of position end - 1. `beside_decode`: the chunk runs on the side
+    stream while slots decode (engine.exec.chunk_stream) and lands at a later step (`Scheduler.chunk_landed`)."""
 
     request: Request
     slot: int
     start: int
     end: int
     is_last: bool
+    beside_decode: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -301,6 +301,10 @@ class SlotKVCache:
         """Reallocate every pool tensor to `num_blocks` blocks, keeping its first blocks, one tensor at a time (the
         largest is briefly held twice); new blocks hold finite data. A tensor already at that size is left alone
         (a growth that failed part-way left the rest as they were). With `stage`, see `kv_pool_resize.resized`."""
+        if self.device.type == "cuda":
+            # A prompt chunk in flight on another stream (engine.exec.chunk_stream) writes the old tensors: its
+            # writes must land before they are copied, and nothing may still address them once they are freed.
+            torch.cuda.synchronize(self.device)
         for pools, fill in ((self.k, 0.0), (self.v, 0.0), (self.k_scale, 1.0), (self.v_scale, 1.0)):
             for i in range(len(pools)):
                 if pools[i].shape[1] != num_blocks:

@@ -141,6 +141,9 @@ class ModelRunner:
         # Prompt chunks that take the fused (flash) chunk attention run eagerly: it bakes the chunk's start
         # into the step, so a graph of it would never be replayed (and a chunk's compute dwarfs launch cost).
         self._eager = EagerExecutor()
+        # The graph pool of prompt chunks: their own ("chunks") where a chunk may run beside the steps' graphs
+        # (engine.exec.chunk_stream), since graphs of one pool must never replay at the same time.
+        self.prefill_owner: str | None = None
         # Where an out-of-memory step gets room before its one retry (the tier's release), and how much.
         self.release_memory: Callable[[float, str], float] | None = None
         self.oom_release_mib = 1024.0
@@ -392,7 +395,7 @@ class ModelRunner:
             key = GraphKey.of(f"t{tb}", f"L{span}", switches=split_switches(split))
             return key, self._forward_fn(span, split, True)
 
-        out = self.run("prefill", build, inputs, executor=self._eager if eager else None)
+        out = self.run("prefill", build, inputs, owner=self.prefill_owner, executor=self._eager if eager else None)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)
 
     def _forward_fn(self, span: int, split: bool, last_only: bool = False,

@@ -17,7 +17,10 @@ torch's matmul: a large product is what cuBLAS is tuned for, and fp32 keeps its 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -91,23 +94,42 @@ def _store_out(acc, b_ptr, out_ptr, rm, rn, n_ok, tile_ok, stride_om, HAS_BIAS: 
 
 
 _COUNTERS = 1 << 16  # split counters per device: one per output tile of a launch (an LM head has ~10K)
-_counters: dict[torch.device, torch.Tensor] = {}
+# One counter array per lane: launches of one lane run one after the other (one stream), but a prompt chunk may
+# run on a side stream beside the decoding slots' steps (engine.exec.chunk_stream), and two launches sharing
+# counters at once would each see the other's splits finish.
+COUNTER_LANES = ("steps", "chunks")
+_lane: contextvars.ContextVar[str] = contextvars.ContextVar("strata_counter_lane", default="steps")
+_counters: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
-def split_counters(device: torch.device | str) -> torch.Tensor:
+@contextlib.contextmanager
+def counter_lane(lane: str) -> Iterator[None]:
+    """Launches (and graph captures) inside use `lane`'s split counters: "chunks" for prompt chunks."""
+    if lane not in COUNTER_LANES:
+        raise ValueError(f"unknown counter lane {lane!r} (expected one of {', '.join(COUNTER_LANES)})")
+    token = _lane.set(lane)
+    try:
+        yield
+    finally:
+        _lane.reset(token)
+
+
+def split_counters(device: torch.device | str, lane: str | None = None) -> torch.Tensor:
     """The device's split counters (int32, all 0 between launches: the last split of a tile sets its counter back,
     so the next launch, and the next replay of a captured graph, finds it at 0; launches on one stream run one
-    after the other, so one array serves every launch). Made on the first call, which must not be inside a CUDA
-    graph capture (the buffer would live in the graph's pool): FUSED_OPS' start-up probe makes them."""
+    after the other, so one array serves every launch of a lane: `counter_lane`, default the current one). Made on
+    the first call, which must not be inside a CUDA graph capture (the buffer would live in the graph's pool):
+    FUSED_OPS' start-up probe makes every lane's."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _counters:
+    key = (device, lane or _lane.get())
+    if key not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the skinny matmul's split counters must exist before a CUDA graph capture "
                                "(FUSED_OPS' start-up probe, engine.model.triton_ops.launch_each_once, makes them)")
-        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
+        _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
 
 
 def default_config(n: int, k: int) -> LinearConfig:

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.triton_linear import MAX_ROWS, linear  # the layers reach every FUSED_OPS kernel through here
+# the layers reach every FUSED_OPS kernel through here
+from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, split_counters
 
 
 @triton.jit
@@ -162,6 +163,8 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
     for rows in (1, MAX_ROWS):
         for k in (config.num_attention_heads * d, config.intermediate_size):
             linear(torch.zeros(rows, 1, k, **like), torch.zeros(h, k, **like))
+    for lane in COUNTER_LANES:  # every lane's counters exist before any capture (split_counters)
+        split_counters(device, lane)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # an asynchronous launch failure surfaces here, at start
 

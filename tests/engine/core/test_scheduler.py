@@ -436,3 +436,88 @@ def test_from_config_takes_the_serve_options() -> None:
     sched = Scheduler.from_config(config, PrefixIndex(BT, 8))
     assert (sched.num_slots, sched.queue_max, sched.prefill_chunk_tokens, sched.step_token_budget,
             sched.context_tokens, sched.block_tokens) == (3, 5, 512, 1024, 2048, BT)
+
+
+# --- chunks beside the steps (engine.exec.chunk_stream) ----------------------------------------------------------
+
+
+def test_beside_the_steps_one_whole_chunk_is_in_flight_and_its_request_decodes_once_it_lands() -> None:
+    clock = FakeClock()
+    sched = make_sched(num_slots=2, chunk=64, budget=128, clock=clock)
+    sched.overlap_chunks = True
+    short = req("short", prompt_tokens=8, max_tokens=100)
+    sched.add(short)
+    run_plan(sched, sched.schedule())  # alone: its chunk runs between the steps, it decodes next step
+    assert short.state is RequestState.DECODE
+    long = req("long", prompt_tokens=150, seed=1)
+    sched.add(long)
+    plan = sched.schedule()
+    (chunk,) = plan.prefill
+    assert chunk.beside_decode and (chunk.start, chunk.end) == (0, 64) and plan.decode == [short]
+    assert plan.cache_fill == []  # planned when the chunk lands
+    run_plan(sched, plan)
+    for _ in range(3):  # in flight: steps decode only
+        plan = sched.schedule()
+        assert plan.prefill == [] and plan.decode == [short] and sched.chunk_in_flight
+        run_plan(sched, plan)
+    fill = sched.chunk_landed(chunk, 0.01)
+    assert fill is not None and [ref.index for ref in fill.blocks] == [0, 1, 2, 3]  # the 4 full blocks of 64
+    assert not sched.chunk_in_flight
+    starts = []
+    while long.state is not RequestState.DECODE:
+        plan = sched.schedule()
+        assert long not in plan.decode, "decoding before its last chunk landed"
+        for c in plan.prefill:
+            starts.append(c.start)
+            if c.is_last:
+                assert long.state is RequestState.PREFILL and not long.num_output_tokens
+            sched.chunk_landed(c, 0.01)
+        run_plan(sched, plan)
+    assert starts == [64, 128] and sched.schedule().decode == [short, long]
+
+
+def test_an_abort_with_a_chunk_in_flight_frees_the_next_launch() -> None:
+    sched = make_sched(num_slots=3, chunk=64, budget=128)
+    sched.overlap_chunks = True
+    short = req("short", prompt_tokens=8, max_tokens=100)
+    sched.add(short)
+    run_plan(sched, sched.schedule())
+    first, second = req("first", prompt_tokens=200, seed=1), req("second", prompt_tokens=100, seed=2)
+    sched.add(first)
+    sched.add(second)
+    (chunk,) = sched.schedule().prefill
+    assert chunk.request is first and sched.chunk_in_flight
+    sched.finish(first, "abort")
+    assert not sched.chunk_in_flight
+    assert sched.chunk_landed(chunk, 0.01) is None  # a late landing of the aborted request's chunk plans nothing
+    (nxt,) = sched.schedule().prefill
+    assert nxt.request is second and nxt.start == 0
+
+
+def test_after_a_chunk_the_pacer_keeps_the_side_stream_idle_for_decode_to_keep_its_share() -> None:
+    clock = FakeClock()
+    sched = make_sched(num_slots=2, chunk=64, budget=128, clock=clock, prefill_step_share=0.5)
+    sched.overlap_chunks = True
+    from engine.core.prefill_pacer import StepTiming
+
+    short = req("short", prompt_tokens=8, max_tokens=100)
+    sched.add(short)
+    run_plan(sched, sched.schedule())
+    sched.record_step(StepTiming(0.002, 1))  # a decode step alone: 2 ms
+    sched.add(req("long", prompt_tokens=300, seed=1))
+    (chunk,) = sched.schedule().prefill
+    sched.record_step(StepTiming(0.008, 1, beside_chunk=True))  # beside the chunk: 8 ms, decode kept 1/4
+    # decode kept 0.25 of its rate for the chunk's 0.4 s: idle 0.4 * (0.5 - 0.25) / 0.5 = 0.2 s to average 0.5
+    assert sched.pacer.beside_gap_s(0.4) == pytest.approx(0.2)
+    sched.chunk_landed(chunk, 0.4)
+    assert sched.schedule().prefill == []
+    clock.now_s = 0.19
+    assert sched.schedule().prefill == []
+    clock.now_s = 0.21
+    (nxt,) = sched.schedule().prefill
+    assert nxt.start == 64
+    sched.record_step(StepTiming(0.003, 1, beside_chunk=True))  # the median of the steps beside chunks: 5.5 ms
+    assert sched.pacer.beside_gap_s(0.4) == pytest.approx(0.4 * (0.5 - 0.002 / 0.0055) / 0.5)
+    for _ in range(40):  # decode beside the chunks as fast as alone: no gap
+        sched.record_step(StepTiming(0.002, 1, beside_chunk=True))
+    assert sched.pacer.beside_gap_s(0.4) == 0.0

@@ -1,0 +1,63 @@
+"""Where prompt chunks may run beside the steps, and with how many SMs (engine.exec.chunk_stream). Pure logic:
+the streams themselves run on the GPU (tests/engine/test_engine_interleave.py, `-m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.exec.chunk_stream import ChunkStream, chunk_sms_from_env, overlap_wanted
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def test_auto_runs_chunks_beside_the_steps_on_cuda_only_where_the_streams_share_nothing() -> None:
+    assert overlap_wanted("auto", CUDA, None, moe=False)
+    assert not overlap_wanted("auto", CPU, None, moe=False)  # one stream: nothing to overlap
+    assert not overlap_wanted("auto", CUDA, 4096, moe=False)  # paging moves blocks under a chunk
+    assert not overlap_wanted("auto", CUDA, None, moe=True)  # the expert cache's slots are every forward's
+    assert overlap_wanted("on", CPU, None, moe=False)  # the bookkeeping, a step late (the CPU tests)
+    assert not overlap_wanted("off", CUDA, None, moe=False)
+
+
+@pytest.mark.parametrize(("kv_resident", "moe", "why"), [(4096, False, "--kv-resident"), (None, True, "MoE")])
+def test_on_where_the_streams_would_share_state_is_refused_naming_why(kv_resident, moe, why) -> None:
+    with pytest.raises(ConfigError, match=why) as err:
+        overlap_wanted("on", CUDA, kv_resident, moe=moe)
+    assert err.value.param == "prefill_overlap"
+
+
+def test_the_option_is_checked_where_every_option_is() -> None:
+    with pytest.raises(ConfigError, match="auto, on, off") as err:
+        EngineConfig(prefill_overlap="sometimes")
+    assert err.value.param == "prefill_overlap"
+    assert "--prefill-overlap" in EngineConfig(prefill_overlap="off").to_argv()
+
+
+def test_strata_chunk_sms_is_a_whole_number_or_unset() -> None:
+    assert chunk_sms_from_env({}) is None and chunk_sms_from_env({"STRATA_CHUNK_SMS": " "}) is None
+    assert chunk_sms_from_env({"STRATA_CHUNK_SMS": "96"}) == 96
+    assert chunk_sms_from_env({"STRATA_CHUNK_SMS": "0"}) == 0
+    with pytest.raises(ConfigError, match="whole number") as err:
+        chunk_sms_from_env({"STRATA_CHUNK_SMS": "3/4"})
+    assert err.value.param == "STRATA_CHUNK_SMS" and err.value.value == "3/4"
+
+
+def test_on_a_cpu_a_launched_chunk_is_done_and_taken_once() -> None:
+    stream = ChunkStream(CPU, chunk_sms=64)
+    assert stream.chunk_sms == 0 and stream.note is None  # no SMs to share on a CPU
+    with stream.steps():
+        pass
+    assert not stream.ready()
+    chunk = type("Chunk", (), {"request": object()})()
+    stream.launch(chunk, lambda: "out")
+    assert stream.holds(chunk.request) and stream.ready()
+    with pytest.raises(AssertionError, match="one chunk"):
+        stream.launch(chunk, lambda: "again")
+    flight = stream.take()
+    assert flight.out == "out" and flight.seconds >= 0 and stream.in_flight is None
+    stream.launch(chunk, lambda: "out")
+    stream.drop()
+    assert stream.in_flight is None and not stream.holds(chunk.request)
