@@ -77,8 +77,8 @@ class EngineConfig:
     step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
     prefill_overlap: str = field(default="auto", metadata=_opt(
         "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless --kv-resident or "
-        "an MoE model; on: also on a CPU, where one stream runs them between steps a step late; off: between the "
-        "steps, paced)", choices=PREFILL_OVERLAP_MODES))
+        "an MoE model; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
+        "tests; off: between the steps, paced)", choices=PREFILL_OVERLAP_MODES))
     # CUDA graphs where the device has them; CPU always runs eagerly
     graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))
     tier_wait_polls: int = field(default=20, metadata=_opt("polls for tier room after a graph OOM", metavar="N"))
