@@ -2,14 +2,13 @@
 
 Between steps, a prompt chunk stops every decoding slot for as long as it runs, so time slicing cannot give a
 fresh long prompt its first token in less than twice its time alone while the slots keep half their rate
-(docs/BENCHMARKS.md, "The 176K admission"). Here, while slots decode, the engine launches a chunk on a low-priority
-side stream and goes back to the slots at once; their steps run on a high-priority stream, so as the chunk's thread
-blocks retire the GPU's block scheduler gives the SMs to the steps' kernels first, and the chunk takes the rest.
-The engine lands the chunk (samples the first token, prefills MTP's drafter, hands full blocks to the prefix tier)
+(docs/BENCHMARKS.md, "The 176K admission"). Here, while slots decode, the engine launches a chunk on a side stream
+and goes back to the slots at once; their steps run on a high-priority stream. The engine lands the chunk (samples the first token, prefills MTP's drafter, hands full blocks to the prefix tier)
 at the start of a later step, once its event has completed, and only then plans the next one.
 
-On CUDA the side stream is a green context's, on CHUNK_SM_SHARE of the SMs: priority alone did not keep the
-slots going, since a decode kernel waits for a whole chunk thread block to retire before it gets an SM.
+On CUDA the side stream is a green context's, on CHUNK_SM_SHARE of the SMs, so the other SMs stay free for the
+steps' kernels. Priority alone (a low-priority side stream on every SM) did not keep the slots going: a decode
+kernel waits for a whole chunk thread block to retire before it gets an SM.
 
 What may not run at the same time is kept apart: prompt chunks capture their graphs into their own pool
 (ModelRunner.prefill_owner) and use their own split counters (`lane`: the skinny matmul's), and a KV pool
