@@ -65,7 +65,6 @@ class Engine:
         self.executor = parts.executor
         self.device = parts.device
         self.chunks = parts.chunks  # prompt chunks beside the steps (engine.exec.chunk_stream), or None
-        self._steps_stream = self.chunks.steps if self.chunks is not None else contextlib.nullcontext
         self.model_name = config.model
         self.tokenizer = self.lm.tokenizer
         self.eos_token_ids = tuple(self.lm.eos_token_ids)
@@ -184,10 +183,8 @@ class Engine:
         builds another engine next; it cannot serve afterwards. A server process simply exits instead."""
         self._dead_reason = self._dead_reason or "closed"
         if self.chunks is not None:
-            try:
+            with contextlib.suppress(Exception):  # a failed chunk: closing gives its memory back all the same
                 self.chunks.drop(wait=True)
-            except Exception:  # noqa: BLE001 - a failed chunk: closing gives its memory back all the same
-                pass
         release_device_memory(self.executor, self.tier, self.kv, self.lm.model, self.device)
 
     def idle_tick(self) -> None:
@@ -204,7 +201,7 @@ class Engine:
             return []
         outputs: list[RequestOutput] = []
         try:
-            with torch.inference_mode(), self._steps_stream() if self._may_overlap() else contextlib.nullcontext():
+            with torch.inference_mode(), self.chunks.steps() if self._may_overlap() else contextlib.nullcontext():
                 landed = self._land_chunk(outputs)  # first: its request may decode in this very step
                 plan = self.sched.schedule()
                 now_s = time.monotonic()
@@ -468,11 +465,11 @@ class Engine:
         if event.fatal:
             self._dead_reason = event.message
             self.bus.publish(EngineEvent(state="dead", detail=event.message))
-        if self.chunks is not None and self.chunks.in_flight is not None:
-            try:  # its request ends below; a sticky error leaves nothing on the device to wait for
+        if self.chunks is not None:
+            # its request ends below; a sticky error leaves nothing on the device to wait for, and a failure of the
+            # chunk itself is what this step's error already says
+            with contextlib.suppress(Exception):
                 self.chunks.drop(wait=not is_sticky(exc))
-            except Exception:  # noqa: BLE001 - the chunk's own failure: this step's error already says it
-                self.chunks.drop(wait=False)
         outputs = []
         for track in self.output:
             slot = track.request.slot

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from engine.config import PREFILL_OVERLAP_MODES
 from engine.errors import ConfigError
 
 CHUNK_SMS_ENV = "STRATA_CHUNK_SMS"
@@ -65,8 +64,6 @@ def overlap_wanted(mode: str, device: torch.device, kv_resident: int | None, moe
     """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, every slot's KV resident,
     a dense model), `on` also on a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on`
     where the streams would share state."""
-    if mode not in PREFILL_OVERLAP_MODES:
-        raise ConfigError("prefill_overlap", mode, f"expected one of {', '.join(PREFILL_OVERLAP_MODES)}")
     if mode == "off":
         return False
     apart = kv_resident is None and not moe
@@ -116,9 +113,9 @@ class ChunkStream:
         self.cuda = device.type == "cuda"
         self.note: str | None = None
         self.chunk_sms = 0
-        self._steps = torch.cuda.Stream(device, priority=_HIGHEST_PRIORITY) if self.cuda else None
-        self._side = torch.cuda.Stream(device, priority=_LOWEST_PRIORITY) if self.cuda else None
+        self._steps = self._side = None
         if self.cuda:
+            self._steps = torch.cuda.Stream(device, priority=_HIGHEST_PRIORITY)
             sms = default_chunk_sms(device) if chunk_sms is None else chunk_sms
             if sms:
                 try:
@@ -126,6 +123,8 @@ class ChunkStream:
                 except Exception as exc:  # noqa: BLE001 - an older torch or driver: the priority stream serves
                     self.note = (f"prompt chunks beside the steps without an SM share: no green context of {sms} "
                                  f"SMs ({type(exc).__name__}: {exc})")
+            if self._side is None:
+                self._side = torch.cuda.Stream(device, priority=_LOWEST_PRIORITY)
         self.in_flight: InFlight | None = None
 
     @contextlib.contextmanager
@@ -157,8 +156,7 @@ class ChunkStream:
         assert self.in_flight is None, "one chunk in flight at a time"
         if not self.cuda:
             t0_s = time.perf_counter()
-            with self.lane():
-                out = run()
+            out = run()
             self.in_flight = InFlight(chunk, out, None, None, time.perf_counter() - t0_s)
             return
         self._side.wait_stream(torch.cuda.current_stream(self.device))
