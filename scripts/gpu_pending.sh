@@ -13,6 +13,8 @@
 #   OUT=$OUT STEPS=gpu_suite,mtp_1,mtp_2 bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=admission_between,admission bash scripts/gpu_pending.sh
 #
+#   attention_sdpa        #17: a 2048-token chunk over 32K / 128K cached tokens: the Triton prefill kernel against
+#                         cuDNN's and flash's SDPA over the gathered prefix (whole, and 32K keys at a time)
 #   seed                  #17 (must not regress): the seed scenario (strata-tiny, 6 MTP slots, int8 KV, every
 #                         switch, a fresh 150K prompt under full VRAM), SEED_RUNS runs (default 5)
 #   overlap_tests         #17: prompt chunks beside the decoding slots' steps (side stream): the tokens of chunks
@@ -82,6 +84,8 @@ GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 # --session-timeout (pytest-timeout, carried in .whl) ends the suite before the step's limit kills it, so a suite
 # that runs long still prints its failures and its slowest tests (2026-12-01, ninth session: killed at 400 s with
 # one failure and no report)
+step attention_sdpa 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
+    --prefill-prefixes 32K,128K --backends torch,triton,cudnn,cudnn32k,flash,flash32k --json "$OUT/attention_sdpa.json"
 step seed 560 "$PY" benchmarks/seed_scenario.py --runs ${SEED_RUNS:-5} --device cuda:0 --out "$OUT/seed.json"
 step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.py \
     tests/engine/model/test_triton_ops_gpu.py -k "interleave or beside or engine_greedy"

@@ -198,7 +198,9 @@ def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int_list, default=[1, 8], help="rows per read")
     p.add_argument("--q-lens", type=int_list, default=[1, 4], help="queries per row (1 decode, K+1 verify)")
     p.add_argument("--kv-storage", default="bf16,int8", help="KV storage kinds: bf16, int8")
-    p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16)")
+    p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16); "
+                   "prefill rows also cudnn, flash (CUDA: vendor SDPA over the gathered prefix), cudnnNk / flashNk "
+                   "(its keys N K at a time)")
     p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
                    "TILExWARPSxSTAGESxMIN_SPLIT_TILES,... (128x4x2x1)")
