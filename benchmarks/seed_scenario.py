@@ -164,12 +164,15 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         record.update(failure=f"{type(exc).__name__}: {exc}", completed=0, requests=0, exited_during_run=engine.proc.poll())
     finally:
         record["exit_code_after_sigterm"] = engine.stop()
-        record["stderr_tail"] = engine.stderr_tail[-10:]
+        record["stderr_tail"] = engine.stderr_tail[-20:]
     record.update(judge_events(events))
     record["events"] = len(events)
+    # A server that does not exit 0 on SIGTERM is a defect a person sees ("Aborted (core dumped)" in the terminal;
+    # -6 on the H200 in the eleventh session of 2026-12-01).
     record["passed"] = (record.get("exited_during_run") is None and record.get("requests") == 7
                         and record.get("completed") == 7 and not record["bad_messages"]
-                        and not any(e.get("fatal") for e in record["error_events"]))
+                        and not any(e.get("fatal") for e in record["error_events"])
+                        and record["exit_code_after_sigterm"] == 0)
     return record
 
 
@@ -299,6 +302,7 @@ def print_run(r: dict[str, Any]) -> None:
         print(f"    WARNING: {w}")
     if r.get("failure"):
         print(f"  failure: {r['failure']}")
+    if r.get("failure") or r.get("exit_code_after_sigterm") not in (0, None):
         print("  " + "\n  ".join(r.get("stderr_tail", [])))
 
 

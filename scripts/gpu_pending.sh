@@ -15,6 +15,8 @@
 #
 #   attention_sdpa        #17: a 2048-token chunk over 32K / 128K cached tokens: the Triton prefill kernel against
 #                         cuDNN's and flash's SDPA over the gathered prefix (whole, and 32K keys at a time)
+#   serve_exit            #17: `serve` on CUDA exits 0 on SIGTERM after a long prompt's chunks ran beside a decoding
+#                         slot (the eleventh session's seed runs exited -6 and -9)
 #   seed                  #17 (must not regress): the seed scenario (strata-tiny, 6 MTP slots, int8 KV, every
 #                         switch, a fresh 150K prompt under full VRAM), SEED_RUNS runs (default 5)
 #   overlap_tests         #17: prompt chunks beside the decoding slots' steps (side stream): the tokens of chunks
@@ -86,6 +88,7 @@ GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 # one failure and no report)
 step attention_sdpa 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
     --prefill-prefixes 32K,128K --backends torch,triton,cudnn,cudnn32k,flash,flash32k --json "$OUT/attention_sdpa.json"
+step serve_exit 90 "${GPU_TEST[@]}" -s tests/engine/server/test_serve_process.py -k "exits_0_on_sigterm"
 step seed 560 "$PY" benchmarks/seed_scenario.py --runs ${SEED_RUNS:-5} --device cuda:0 --out "$OUT/seed.json"
 step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.py \
     tests/engine/model/test_triton_ops_gpu.py -k "interleave or beside or engine_greedy"

@@ -24,6 +24,7 @@ lands at the start of the next step: the engine's bookkeeping of a chunk in flig
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -74,10 +75,21 @@ def overlap_wanted(mode: str, device: torch.device, kv_resident: int | None, moe
     return apart and (mode == "on" or device.type == "cuda")
 
 
-# One green context per (device, SMs) for the process's life: tensors the side stream allocated outlive an
-# engine in torch's allocator cache, and freeing one after its stream's context was destroyed aborts the process
-# ("CUDA error: context is destroyed" from the allocator, on the H200, 2026-12-01).
+# One green context per (device, SMs), never destroyed: tensors the side stream allocated outlive an engine in
+# torch's allocator cache, and freeing one after its stream's context was destroyed aborts the process ("CUDA
+# error: context is destroyed" from the allocator, on the H200, 2026-12-01). That includes the interpreter's exit,
+# which would destroy the context while graphs and weights are still being freed: `serve` ended by SIGTERM exited
+# -6 (SIGABRT) instead of 0 in the seed scenario. So each context keeps one reference no module teardown drops,
+# and the driver releases it with the process.
 _GREEN_STREAMS: dict[tuple[int, int], tuple[Any, torch.cuda.Stream]] = {}
+
+
+def _immortal(obj: Any) -> Any:
+    """`obj` with one reference that nothing ever releases (its destructor never runs, not even at exit)."""
+    incref = ctypes.pythonapi.Py_IncRef
+    incref.argtypes, incref.restype = [ctypes.py_object], None
+    incref(obj)
+    return obj
 
 
 def _green_stream(device_index: int, sms: int) -> torch.cuda.Stream:
@@ -86,7 +98,7 @@ def _green_stream(device_index: int, sms: int) -> torch.cuda.Stream:
         from torch.cuda.green_contexts import GreenContext
 
         context = GreenContext.create(num_sms=sms, device_id=device_index)
-        _GREEN_STREAMS[key] = (context, context.Stream())
+        _GREEN_STREAMS[key] = _immortal((context, context.Stream()))
     return _GREEN_STREAMS[key][1]
 
 

@@ -3,6 +3,8 @@ the streams themselves run on the GPU (tests/engine/test_engine_interleave.py, `
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,3 +63,22 @@ def test_on_a_cpu_a_launched_chunk_is_done_and_taken_once() -> None:
     stream.launch(chunk, lambda: "out")
     stream.drop()
     assert stream.in_flight is None and not stream.holds(chunk.request)
+
+
+def test_an_immortal_object_is_never_destroyed_not_even_at_the_interpreters_exit() -> None:
+    """What keeps a green context alive past `serve`'s exit (its destroy at the interpreter's teardown aborted
+    the process on the H200): the object's destructor never runs, while a plain module global's does."""
+    import subprocess
+    import sys
+
+    code = ("from engine.exec.chunk_stream import _immortal\n"
+            "class Noisy:\n"
+            "    def __init__(self, name): self.name = name\n"
+            "    def __del__(self): print('destroyed', self.name, flush=True)\n"
+            "KEPT = {'green': _immortal((Noisy('kept'), 1))}\n"
+            "PLAIN = {'green': (Noisy('plain'), 1)}\n"
+            "KEPT.clear(); PLAIN.clear()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).resolve().parents[3]))
+    assert out.returncode == 0, out.stderr
+    assert "destroyed plain" in out.stdout and "destroyed kept" not in out.stdout, out.stdout

@@ -103,3 +103,38 @@ def test_sticky_cuda_error_answers_503_then_exits_nonzero(tmp_path: Path) -> Non
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.gpu
+def test_serve_on_cuda_exits_0_on_sigterm_after_chunks_ran_beside_a_decoding_slot(tmp_path: Path) -> None:
+    """A long prompt arrives while a slot decodes, so its chunks run on the side stream (a green context on the
+    H200); then SIGTERM. The process must exit 0 with no abort: in the eleventh session of 2026-12-01 `serve`
+    exited -6 (SIGABRT) after this in the seed scenario, its green context destroyed at the interpreter's exit
+    while torch still freed memory of its stream."""
+    ckpt = str(random_checkpoint(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", ckpt, "--device", "cuda:0", "--port", "0",
+         "--batch", "2", "--context", "16384", "--prefill-chunk-tokens", "512"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(READY_PREFIX), (line, proc.poll())
+        url = line.split()[-1]
+        short = {"model": ckpt, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=short, timeout=120) as stream:
+            lines = stream.iter_lines()
+            assert any(ln.startswith("data: {") for ln in lines)  # the short request decodes
+            long = {"model": ckpt, "prompt": [(i * 7919) % 200 + 3 for i in range(8000)], "max_tokens": 4,
+                    "ignore_eos": True}
+            resp = httpx.post(url + "/v1/completions", json=long, timeout=120)
+            assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4, resp.text
+            assert sum(1 for ln in lines if ln.startswith("data: {")) > 0
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        stderr = proc.stderr.read()
+        assert code == 0, stderr[-3000:]
+        assert "context is destroyed" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
