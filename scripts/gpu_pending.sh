@@ -59,6 +59,9 @@
 #   peers_fused           #17: the same with FUSED_PROJ on (measured 1.14x / 1.09x at batch 1 / 6 on 2026-11-29,
 #                         before PAGED_ATTN was on by default): whether it wins with today's defaults, to turn it on
 #   mtp_1/_2              #17: MTP speedup at batch 1 on strata-tiny, depth 1 and 2, with FUSED_OPS and FUSED_PROJ
+#   mtp_1/_2_baseline     #17: the same on the code before the chunk stream (BASELINE=baseline_d705, see below)
+#   prefill_chunk_N       #17: a prompt chunk of N tokens (2048, 4096, 8192) over 32K / 128K cached tokens
+#   ttft_chunk_N          #17: the 176K first token alone (bf16) in chunks of N tokens (2048, 8192)
 #   profile128k_int8      #17: a batch-1 decode step at 128K context with int8 KV (the goal: <= 5 ms)
 #   admission             #17: six slots decoding while a fresh 176K prompt is admitted (TTFT <= 2x alone, decode
 #                         ratio >= 0.5), int8 KV, the prompt-chunk kernel on, chunks beside the steps (the default)
@@ -147,8 +150,28 @@ step mtp_1 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cud
     --json "$OUT/mtp_1.json"
 step mtp_2 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 2 \
     --json "$OUT/mtp_2.json"
+# the same against the code before the chunk stream (commit d705eb3), in the same call: BASELINE names its tree
+# (`git archive d705eb3 engine ':!engine/models' | tar -x -C baseline_d705`; the embedded model is copied in here)
+if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/engine" ]; then
+    [ -d "$BASELINE/engine/models" ] || cp -r engine/models "$BASELINE/engine/"
+    for depth in 1 2; do
+        step mtp_${depth}_baseline 70 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench \
+            mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth $depth \
+            --json "$OUT/mtp_${depth}_baseline.json"
+    done
+fi
 step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
+# a prompt chunk's cost by its length (a lone prompt could take longer chunks than the 2,048 the slots' pacing uses)
+for chunk in 2048 4096 8192; do
+    step prefill_chunk_$chunk 60 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
+        --prefill-prefixes 32K,128K --prefill-chunk $chunk --backends triton --json "$OUT/prefill_chunk_$chunk.json"
+done
+for chunk in 2048 8192; do  # the 176K first token alone (bf16 KV, the default) in chunks of that length
+    step ttft_chunk_$chunk 100 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K \
+        --prefill-chunk-tokens $chunk --step-token-budget $((chunk > 4096 ? chunk : 4096)) \
+        --json "$OUT/ttft_chunk_$chunk.json"
+done
 step admission 240 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 --long-tokens 176K \
     --kv int8 --baseline-steps 64 --json "$OUT/admission.json"
 IFS=, read -ra _sms_list <<< "${CHUNK_SMS_LIST:-96,112,120}"
