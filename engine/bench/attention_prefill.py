@@ -35,11 +35,11 @@ def _tuned(cache: Any, q: torch.Tensor, positions: torch.Tensor, config: Prefill
 
 def _sdpa_backend(name: str, cache: Any, q: torch.Tensor, prefix: int, span: int) -> Callable[[], Any] | None:
     """`cudnn` / `flash` (the whole prefix in one call) or `cudnn32k` (its keys 32K at a time): the vendor SDPA
-    path of engine.model.attention.sdpa_prefill; None for a name that is not one."""
+    path of engine.bench.attention_sdpa; None for a name that is not one."""
     match = re.fullmatch(r"(cudnn|flash)(?:(\d+)k)?", name)
     if match is None or q.device.type != "cuda":
         return None
-    from engine.model.attention.sdpa_prefill import sdpa_prefill_attention
+    from engine.bench.attention_sdpa import sdpa_prefill_attention
 
     segment = int(match.group(2)) * 1024 if match.group(2) else max(1, prefix)
     slots = torch.zeros(1, dtype=torch.long, device=q.device)
