@@ -60,6 +60,7 @@
 #                         before PAGED_ATTN was on by default): whether it wins with today's defaults, to turn it on
 #   mtp_1/_2              #17: MTP speedup at batch 1 on strata-tiny, depth 1 and 2, with FUSED_OPS and FUSED_PROJ
 #   mtp_1/_2_baseline     #17: the same on the code before the chunk stream (BASELINE=baseline_d705, see below)
+#   mtp_1_VARIANT         #17: MTP depth 1 with the chunk stream off / a plain side stream (sms0) / default
 #   prefill_chunk_N       #17: a prompt chunk of N tokens (2048, 4096, 8192) over 32K / 128K cached tokens
 #   ttft_chunk_N          #17: the 176K first token alone (bf16) in chunks of N tokens (2048, 8192)
 #   profile128k_int8      #17: a batch-1 decode step at 128K context with int8 KV (the goal: <= 5 ms)
@@ -160,6 +161,17 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/engine" ]; then
             --json "$OUT/mtp_${depth}_baseline.json"
     done
 fi
+# MTP depth 1 with the chunk stream off, with a plain side stream (no green context), and as the default (twice):
+# which part of the chunk stream costs MTP its speed-up (1.083x against 1.400x before it, eleventh session)
+for variant in default off sms0 default_again; do
+    case $variant in
+        off) extra=(--prefill-overlap off); envs=() ;;
+        sms0) extra=(); envs=(STRATA_CHUNK_SMS=0) ;;
+        *) extra=(); envs=() ;;
+    esac
+    step mtp_1_$variant 60 env "${envs[@]}" "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 \
+        --batches 1 --mtp-depth 1 "${extra[@]}" --json "$OUT/mtp_1_$variant.json"
+done
 step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
 # a prompt chunk's cost by its length (a lone prompt could take longer chunks than the 2,048 the slots' pacing uses)
