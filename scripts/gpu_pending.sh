@@ -5,12 +5,15 @@
 # compile starts, FUSED_OPS' profiles, the projections (`linear`), the decode kernel at short spans, peers seven
 # times, the 176K admission four times and MTP (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (ninth)");
 # The tenth session ran the suite (56 passed in 377 s, cut by its session timeout) and prompt chunks beside the
-# decoding slots (the admission: 1.71x its lone prompt at decode ratio 0.537). Next (#17): the seed scenario with
-# chunks beside the steps (their default since the tenth session, never yet run under the seed's full VRAM), the
-# suite with its JUnit times, then MTP at both depths and the admission with chunks between the steps:
+# decoding slots (the admission: 1.71x its lone prompt at decode ratio 0.537). The eleventh ran the seed scenario with
+# them (5/5 once green contexts outlived the process: -6 on SIGTERM before), cuDNN / flash SDPA against the prefill
+# kernel (slower), chunk lengths (no gain), and MTP against the code before the chunk stream (one run each moved by
+# 30 %: `bench mtp` now takes the median of --repeats). Next (#17): the suite with its JUnit times, MTP at both
+# depths with repeats (the baseline tree's bench times one run per process: its step runs it three times), then the
+# admission variants:
 #
-#   OUT=$OUT STEPS=seed bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite,mtp_1,mtp_2 bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
+#   OUT=$OUT BASELINE=baseline_d705 STEPS=mtp_1,mtp_1_baseline,mtp_2,mtp_2_baseline bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=admission_between,admission bash scripts/gpu_pending.sh
 #
 #   attention_sdpa        #17: a 2048-token chunk over 32K / 128K cached tokens: the Triton prefill kernel against
@@ -155,35 +158,36 @@ step mtp_2 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cud
 # (`git archive d705eb3 engine ':!engine/models' | tar -x -C baseline_d705`; the embedded model is copied in here)
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/engine" ]; then
     [ -d "$BASELINE/engine/models" ] || cp -r engine/models "$BASELINE/engine/"
-    for depth in 1 2; do
-        step mtp_${depth}_baseline 70 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench \
-            mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth $depth \
-            --json "$OUT/mtp_${depth}_baseline.json"
+    for depth in 1 2; do  # its bench times one run per mode: three of them, each its own process
+        step mtp_${depth}_baseline 150 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" bash -c \
+            "for i in 1 2 3; do $PY -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 \
+                --mtp-depth $depth --json $OUT/mtp_${depth}_baseline_\$i.json || exit 1; done"
     done
 fi
 # MTP depth 1 with the chunk stream off, with a plain side stream (no green context), and as the default (twice):
 # which part of the chunk stream costs MTP its speed-up (1.083x against 1.400x before it, eleventh session)
-for variant in default off sms0 default_again; do
-    case $variant in
-        off) extra=(--prefill-overlap off); envs=() ;;
-        sms0) extra=(); envs=(STRATA_CHUNK_SMS=0) ;;
-        *) extra=(); envs=() ;;
-    esac
-    step mtp_1_$variant 60 env "${envs[@]}" "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 \
-        --batches 1 --mtp-depth 1 "${extra[@]}" --json "$OUT/mtp_1_$variant.json"
-done
+MTP_1=("$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 1
+)
+step mtp_1_default 60 "${MTP_1[@]}" --json "$OUT/mtp_1_default.json"
+step mtp_1_off 60 "${MTP_1[@]}" --prefill-overlap off --json "$OUT/mtp_1_off.json"
+step mtp_1_sms0 60 env STRATA_CHUNK_SMS=0 "${MTP_1[@]}" --json "$OUT/mtp_1_sms0.json"
+step mtp_1_default_again 60 "${MTP_1[@]}" --json "$OUT/mtp_1_default_again.json"
 step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
 # a prompt chunk's cost by its length (a lone prompt could take longer chunks than the 2,048 the slots' pacing uses)
-for chunk in 2048 4096 8192; do
-    step prefill_chunk_$chunk 60 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
-        --prefill-prefixes 32K,128K --prefill-chunk $chunk --backends triton --json "$OUT/prefill_chunk_$chunk.json"
-done
-for chunk in 2048 8192; do  # the 176K first token alone (bf16 KV, the default) in chunks of that length
-    step ttft_chunk_$chunk 100 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K \
-        --prefill-chunk-tokens $chunk --step-token-budget $((chunk > 4096 ? chunk : 4096)) \
-        --json "$OUT/ttft_chunk_$chunk.json"
-done
+PREFILL_ROWS=("$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 --prefill-prefixes 32K,128K
+              --backends triton
+)
+step prefill_chunk_2048 60 "${PREFILL_ROWS[@]}" --prefill-chunk 2048 --json "$OUT/prefill_chunk_2048.json"
+step prefill_chunk_4096 60 "${PREFILL_ROWS[@]}" --prefill-chunk 4096 --json "$OUT/prefill_chunk_4096.json"
+step prefill_chunk_8192 60 "${PREFILL_ROWS[@]}" --prefill-chunk 8192 --json "$OUT/prefill_chunk_8192.json"
+# the 176K first token alone (bf16 KV, the default) in chunks of that length
+TTFT_176K=("$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K
+)
+step ttft_chunk_2048 100 "${TTFT_176K[@]}" --prefill-chunk-tokens 2048 --step-token-budget 4096 \
+    --json "$OUT/ttft_chunk_2048.json"
+step ttft_chunk_8192 100 "${TTFT_176K[@]}" --prefill-chunk-tokens 8192 --step-token-budget 8192 \
+    --json "$OUT/ttft_chunk_8192.json"
 step admission 240 "$PY" -m engine.bench admission --model random:0.6b --device cuda:0 --slots 6 --long-tokens 176K \
     --kv int8 --baseline-steps 64 --json "$OUT/admission.json"
 IFS=, read -ra _sms_list <<< "${CHUNK_SMS_LIST:-96,112,120}"

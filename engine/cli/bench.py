@@ -103,6 +103,7 @@ def _mtp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int_list, default=[1], help="batch sizes (default 1)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per mode; decode_tok_s is their median")
     p.add_argument("--prompt-source", choices=("text", "random"), default="text",
                    help="text: a natural-language prompt through the tokenizer (acceptance means something); "
                         "random: random ids")

@@ -204,9 +204,12 @@ def test_switches_runs_each_chosen_switch_off_then_on(tmp_path: Path) -> None:
 
 def test_mtp_on_and_off_with_acceptance_per_position(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["mtp", "--model", "random:tiny+mtp", "--device", "cpu", "--batches", "1",
-                           "--prompt-tokens", "12", "--new-tokens", "10", "--mtp-depth", "2"])
+                           "--prompt-tokens", "12", "--new-tokens", "10", "--mtp-depth", "2", "--repeats", "3"])
     off, on = doc["rows"]
     assert (off["mtp"], on["mtp"]) == ("off", "on")
+    for row in (off, on):  # the median of three timed runs, with their spread, each run the same tokens
+        assert row["decode_tok_s_min"] <= row["decode_tok_s"] <= row["decode_tok_s_max"]
+        assert row["same_tokens_each_run"] is True
     assert off["acceptance"] == [] and off["tokens_per_step"] == 1.0
     assert on["mtp_active"] is True and len(on["acceptance"]) == 2
     assert all(a is None or 0.0 <= a <= 1.0 for a in on["acceptance"])
