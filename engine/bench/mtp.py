@@ -54,8 +54,8 @@ def measure(args: argparse.Namespace, mtp: bool) -> tuple[list[dict[str, Any]], 
         for batch in args.batches:
             prompts = prompts_for(bench, args.prompt_source, batch, args.prompt_tokens)
             generate_all(bench, prompts, args.new_tokens)  # capture every bucket first
-            # A batch-1 step of a tiny model is a fraction of a millisecond: one run of 256 steps moved by 30 % from
-            # one call to the next (docs/BENCHMARKS.md, eleventh session), so the figure is the median of repeats.
+            # A batch-1 step of a tiny model is a fraction of a millisecond, so one timed run moves a lot from one
+            # run to the next (docs/BENCHMARKS.md, the eleventh session): the figure is the median of repeats.
             runs = [generate_all(bench, prompts, args.new_tokens) for _ in range(args.repeats)]
             rates = [r.decode_tok_s for r in runs]
             stats = runs[0]

@@ -108,7 +108,7 @@ def test_sticky_cuda_error_answers_503_then_exits_nonzero(tmp_path: Path) -> Non
 @pytest.mark.gpu
 def test_serve_on_cuda_exits_0_on_sigterm_after_chunks_ran_beside_a_decoding_slot(tmp_path: Path) -> None:
     """A long prompt arrives while a slot decodes, so its chunks run on the side stream (a green context on the
-    H200); then SIGTERM. The process must exit 0 with no abort: in the eleventh session of 2026-12-01 `serve`
+    H200); then SIGTERM. The process must exit 0 with no abort: in the eleventh session (2026-12-02) `serve`
     exited -6 (SIGABRT) after this in the seed scenario, its green context destroyed at the interpreter's exit
     while torch still freed memory of its stream."""
     ckpt = str(random_checkpoint(tmp_path))
