@@ -12,12 +12,14 @@
 # depths with repeats (the baseline tree's bench times one run per process: its step runs it three times), then the
 # admission variants:
 #
-#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=attention_dense,gpu_suite bash scripts/gpu_pending.sh
 #   OUT=$OUT BASELINE=baseline_d705 STEPS=mtp_1,mtp_1_baseline,mtp_2,mtp_2_baseline bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=admission_between,admission bash scripts/gpu_pending.sh
 #
 #   attention_sdpa        #17: a 2048-token chunk over 32K / 128K cached tokens: the Triton prefill kernel against
 #                         cuDNN's and flash's SDPA over the gathered prefix (whole, and 32K keys at a time)
+#   attention_dense       #17: the paged prefill kernel against a dense Triton flash kernel over contiguous keys (the
+#                         paging's cost, and what Triton reaches on the H200: the 176K first token needs ~1.2x)
 #   serve_exit            #17: `serve` on CUDA exits 0 on SIGTERM after a long prompt's chunks ran beside a decoding
 #                         slot (the eleventh session's seed runs exited -6 and -9)
 #   seed                  #17 (must not regress): the seed scenario (strata-tiny, 6 MTP slots, int8 KV, every
@@ -95,6 +97,9 @@ GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
 # one failure and no report)
 step attention_sdpa 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
     --prefill-prefixes 32K,128K --backends torch,triton,cudnn,cudnn32k,flash,flash32k --json "$OUT/attention_sdpa.json"
+step attention_dense 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
+    --prefill-prefixes 32K,128K --backends triton,dense,gather_dense,dense128x64x8x3,dense128x128x8x2,dense64x64x4x3 \
+    --json "$OUT/attention_dense.json"
 step serve_exit 90 "${GPU_TEST[@]}" -s tests/engine/server/test_serve_process.py -k "exits_0_on_sigterm"
 step seed 560 "$PY" benchmarks/seed_scenario.py --runs ${SEED_RUNS:-5} --device cuda:0 --out "$OUT/seed.json"
 step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.py \

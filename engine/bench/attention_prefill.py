@@ -5,7 +5,10 @@ chunk's queries at positions [prefix, prefix + chunk), then the time of one atte
 - `torch`: the reference backend as the engine runs a chunk without PAGED_ATTN: on CUDA, where the flash kernel
   takes the shapes, the slot's keys up to the chunk's end gathered through the block table, then fused causal
   SDPA (`SlotKVCache.bind_chunk`); elsewhere masked SDPA or the blocked online softmax;
-- `triton`: the paged prefill kernel reading the pool in place (engine.model.attention.triton_prefill).
+- `triton`: the paged prefill kernel reading the pool in place (engine.model.attention.triton_prefill);
+- for comparison, with `--backends`: `cudnn` / `flash` (vendor SDPA over the gathered prefix,
+  engine.bench.attention_sdpa) and `dense` / `gather_dense` (a Triton flash kernel over contiguous keys,
+  engine.bench.attention_dense: what the paging costs the kernel).
 Timed like the decode rows (engine.bench.attention_common.graph_ms: a CUDA graph of `--iters` calls, replayed). `tflops` counts
 the causal attention's dot products (4 x chunk x (prefix + chunk / 2) x Hq x D) over the time. `--prefill-tune`
 times the kernel at other launch shapes (`QUERIESxTILExWARPSxSTAGES`, see PrefillConfig) in the same run.
@@ -13,6 +16,7 @@ times the kernel at other launch shapes (`QUERIESxTILExWARPSxSTAGES`, see Prefil
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Callable
 
@@ -33,16 +37,32 @@ def _tuned(cache: Any, q: torch.Tensor, positions: torch.Tensor, config: Prefill
                                            positions, cache.span_tokens, cache.geometry.context_tokens, config)
 
 
-def _sdpa_backend(name: str, cache: Any, q: torch.Tensor, prefix: int, span: int) -> Callable[[], Any] | None:
-    """`cudnn` / `flash` (the whole prefix in one call) or `cudnn32k` (its keys 32K at a time): the vendor SDPA
-    path of engine.bench.attention_sdpa; None for a name that is not one."""
+def _comparison_backend(name: str, cache: Any, q: torch.Tensor, prefix: int, span: int) -> Callable[[], Any] | None:
+    """A read that is not the engine's, for comparison; None for a name that is not one. `cudnn` / `flash`: vendor
+    SDPA over the gathered prefix (engine.bench.attention_sdpa; `cudnn32k`: its keys 32K at a time); `dense`: a
+    Triton flash kernel over keys gathered once beforehand, contiguous (engine.bench.attention_dense;
+    `dense128x64x8x3`: at that QUERIESxTILExWARPSxSTAGES); `gather_dense`: the same with the gather in every read."""
+    slots = torch.zeros(1, dtype=torch.long, device=q.device)
+    dense = re.fullmatch(r"(gather_)?dense(?:(\d+)x(\d+)x(\d+)x(\d+))?", name)
+    if dense is not None and (q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        from engine.bench.attention_dense import dense_prefill_attention
+
+        shape = [int(x) for x in dense.groups()[1:]] if dense.group(2) else []
+
+        def gathered() -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = cache.read(0, slots, 0, span)
+            return keys.contiguous(), values.contiguous()
+
+        if dense.group(1):
+            return lambda: dense_prefill_attention(q, *gathered(), prefix, *shape)
+        once = gathered()
+        return lambda: dense_prefill_attention(q, *once, prefix, *shape)
     match = re.fullmatch(r"(cudnn|flash)(?:(\d+)k)?", name)
     if match is None or q.device.type != "cuda":
         return None
     from engine.bench.attention_sdpa import sdpa_prefill_attention
 
     segment = int(match.group(2)) * 1024 if match.group(2) else max(1, prefix)
-    slots = torch.zeros(1, dtype=torch.long, device=q.device)
 
     def read() -> torch.Tensor:
         cache.bind(slots, span)
@@ -95,9 +115,9 @@ def prefill_case(prefix: int, chunk: int, storage: str, device: torch.device, it
     if cache.kernel is not None:
         runs["triton"] = kernel
     for name in backends:
-        sdpa = _sdpa_backend(name, cache, q, prefix, prefix + chunk)
-        if sdpa is not None:
-            runs[name] = sdpa
+        other = _comparison_backend(name, cache, q, prefix, prefix + chunk)
+        if other is not None:
+            runs[name] = other
     for name in backends:
         if name not in runs:
             continue

@@ -201,7 +201,8 @@ def _attention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-storage", default="bf16,int8", help="KV storage kinds: bf16, int8")
     p.add_argument("--backends", default="torch,triton,flex", help="torch, triton (CUDA), flex (CUDA, bf16); "
                    "prefill rows also cudnn, flash (CUDA: vendor SDPA over the gathered prefix), cudnnNk / flashNk "
-                   "(its keys N K at a time)")
+                   "(its keys N K at a time), dense / gather_dense (CUDA: a Triton flash kernel over contiguous "
+                   "keys, gathered once / in every read; denseQxTxWxS at a launch shape)")
     p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
                    "TILExWARPSxSTAGESxMIN_SPLIT_TILES,... (128x4x2x1)")
