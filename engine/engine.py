@@ -209,7 +209,7 @@ class Engine:
                 self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
                 for admission in plan.admitted:
                     self._isolated(admission.request, outputs, self._admit, admission, now_s)
-                timing = dataclasses.replace(self._run_timed(plan, outputs), landed=landed)
+                timing = self._run_timed(plan, outputs, landed)
                 self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
             self.sched.record_step(timing)
             self.steps += 1
@@ -223,8 +223,9 @@ class Engine:
             self.publish_snapshot(force=True)
         return outputs
 
-    def _run_timed(self, plan: StepPlan, outputs: list[RequestOutput]) -> StepTiming:
-        """Decode, prefill and fill the plan, timing each part for the scheduler's prefill pacing.
+    def _run_timed(self, plan: StepPlan, outputs: list[RequestOutput], landed: list[ChunkTiming]) -> StepTiming:
+        """Decode, prefill and fill the plan, timing each part for the scheduler's prefill pacing (`landed`: the
+        chunks beside the steps that landed at this step's start).
 
         Each part ends on a device sync: a chunk's kernels would otherwise still be running when the next
         part's clock starts, and its cost would be billed to decode. A decode ends on one already (sampling
@@ -254,7 +255,7 @@ class Engine:
             t0_s = self._synced_clock()
             self._fill(plan.cache_fill)
             fill_s = self._synced_clock() - t0_s
-        return StepTiming(decode_s, len(plan.decode), chunks, fill_s, beside_chunk=beside)
+        return StepTiming(decode_s, len(plan.decode), chunks, fill_s, beside_chunk=beside, landed=landed)
 
     def _fill(self, fills: list) -> None:
         for fill in fills:
