@@ -100,6 +100,17 @@ step attention_sdpa 120 "$PY" -m engine.bench attention --device cuda:0 --rows p
 step attention_dense 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
     --prefill-prefixes 32K,128K --backends triton,dense,gather_dense,dense128x64x8x3,dense128x128x8x2,dense64x64x4x3 \
     --json "$OUT/attention_dense.json"
+# the prefill kernel's key loads (PrefillConfig.loads: gather / block / tma) at launch shapes around the defaults,
+# beside the dense kernel; then the code before them (BASELINE tree, below) for the same rows
+step attention_loads 150 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
+    --prefill-prefixes 32K,128K --backends triton,dense \
+    --prefill-tune 128x64x4x3xgather,128x64x4x3xtma,128x64x8x3xtma,256x64x8x3xblock,256x64x8x3xtma,128x64x8x2xtma,128x128x8x2xgather,128x64x8x2xblock \
+    --json "$OUT/attention_loads.json"
+# the 176K first token alone with today's defaults, bf16 and int8 KV
+step ttft_176k 120 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K \
+    --json "$OUT/ttft_176k.json"
+step ttft_176k_int8 120 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --kv int8 --prompt-sizes 176K \
+    --json "$OUT/ttft_176k_int8.json"
 step serve_exit 90 "${GPU_TEST[@]}" -s tests/engine/server/test_serve_process.py -k "exits_0_on_sigterm"
 step seed 560 "$PY" benchmarks/seed_scenario.py --runs ${SEED_RUNS:-5} --device cuda:0 --out "$OUT/seed.json"
 step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.py \
@@ -163,6 +174,9 @@ step mtp_2 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cud
 # (`git archive d705eb3 engine ':!engine/models' | tar -x -C baseline_d705`; the embedded model is copied in here)
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/engine" ]; then
     [ -d "$BASELINE/engine/models" ] || cp -r engine/models "$BASELINE/engine/"
+    step attention_loads_baseline 90 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench \
+        attention --device cuda:0 --rows prefill --iters 5 --prefill-prefixes 32K,128K --backends triton \
+        --json "$OUT/attention_loads_baseline.json"
     for depth in 1 2; do  # its bench times one run per mode: three of them, each its own process
         step mtp_${depth}_baseline 150 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" bash -c \
             "for i in 1 2 3; do $PY -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 \

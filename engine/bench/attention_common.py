@@ -83,14 +83,25 @@ def filled_cache(context: int, batch: int, storage: str, dtype: torch.dtype, dev
 
 
 def launch_shapes(option: str, text: str, config: type) -> list:
-    """`--tune 128x4x2,64x4x3` -> configs; a spec that is not that many whole numbers is a ConfigError."""
-    fields = len(dataclasses.fields(config))
+    """`--tune 128x4x2,64x4x3` -> configs, field by field in the dataclass's order: a whole number for each int
+    field, then optionally a word for each str field (`128x64x4x3xtma`; left out, its default). Anything else
+    is a ConfigError naming the spec."""
+    fields = dataclasses.fields(config)
+    required = sum(f.type in (int, "int") for f in fields)
     shapes = []
     for spec in (s.strip() for s in text.split(",") if s.strip()):
         parts = spec.split("x")
-        if len(parts) != fields or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ConfigError(option, text, f"{spec!r}: expected {fields} positive whole numbers joined by 'x'")
-        shapes.append(config(*(int(p) for p in parts)))
+        ok = required <= len(parts) <= len(fields) and all(
+            (p.isdigit() and int(p) > 0) if f.type in (int, "int") else p.isidentifier()
+            for f, p in zip(fields, parts))
+        if not ok:
+            kinds = "x".join("N" if f.type in (int, "int") else "WORD" for f in fields)
+            raise ConfigError(option, text, f"{spec!r}: expected up to {len(fields)} fields joined by 'x' "
+                              f"({kinds}; N a positive whole number)")
+        try:
+            shapes.append(config(*(int(p) if f.type in (int, "int") else p for f, p in zip(fields, parts))))
+        except ValueError as exc:  # the config's own check (a word it does not know)
+            raise ConfigError(option, text, f"{spec!r}: {exc}") from None
     return shapes
 
 

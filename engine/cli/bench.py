@@ -212,7 +212,8 @@ def _attention(p: argparse.ArgumentParser) -> None:
                    help="cached tokens before the chunk, per prefill row (8K,32K,128K)")
     p.add_argument("--prefill-chunk", type=token_count, default=2048, help="the chunk's tokens (default 2048)")
     p.add_argument("--prefill-tune", default="",
-                   help="prefill kernel launch shapes to time too: QUERIESxTILExWARPSxSTAGES,... (128x64x8x2)")
+                   help="prefill kernel launch shapes to time too: QUERIESxTILExWARPSxSTAGES[xLOADS],... "
+                   "(128x64x8x2, 128x64x4x3xtma; LOADS gather, block or tma)")
 
 
 def _linear(p: argparse.ArgumentParser) -> None:

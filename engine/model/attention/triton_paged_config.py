@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PREFILL_LOADS = ("gather", "block", "tma")  # PrefillConfig.loads, in the kernel's LOADS numbering
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -21,13 +23,22 @@ class KernelConfig:
 @dataclass(frozen=True)
 class PrefillConfig:
     """Launch shape of the prefill kernel: queries per tile (a short chunk takes fewer), keys per tile, warps and
-    pipeline stages (fp32 halves the tiles: triton_prefill.launch_shape). `bench attention --prefill-tune`
-    times the alternatives."""
+    pipeline stages (fp32 halves the tiles: triton_prefill.launch_shape), and how a tile's keys are loaded:
+    "gather" each key through its own block-table entry (a tile may span pool blocks), "block" a tile inside
+    one pool block (keys per tile dividing the block's: one table entry and one base address a tile), "tma" the
+    same through TMA descriptors of the pools (Triton's host-side tensor descriptors). What a launch cannot
+    take falls back ("tma" to "block", "block" to "gather"). `bench attention --prefill-tune` times the
+    alternatives."""
 
     query_tokens: int = 128
     tile_tokens: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    loads: str = "block"
+
+    def __post_init__(self) -> None:
+        if self.loads not in PREFILL_LOADS:
+            raise ValueError(f"loads {self.loads!r}: expected one of {', '.join(PREFILL_LOADS)}")
 
 
 DEFAULT_CONFIG = KernelConfig()

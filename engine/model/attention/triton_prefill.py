@@ -35,63 +35,96 @@ import triton
 import triton.language as tl
 
 from engine.model.attention.triton_paged import scale_pools
-from engine.model.attention.triton_paged_config import PrefillConfig, default_prefill_config
+from engine.model.attention.triton_paged_config import PREFILL_LOADS, PrefillConfig, default_prefill_config
+
+try:  # host-side TMA descriptors (Triton 3.4 and later); without them PrefillConfig.loads 2 runs as 1
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # pragma: no cover - an older Triton
+    _TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e)), folded into the score scale
 
 
 @triton.jit
-def _tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len, qk_scale,
-          stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, d, d_ok,
+def _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len, qk_scale,
+          stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, head_rows, d, d_ok,
           BLOCK_N: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, INT8: tl.constexpr,
-          PRECISION: tl.constexpr, MASKED: tl.constexpr):
+          PRECISION: tl.constexpr, MASKED: tl.constexpr, LOADS: tl.constexpr):
     """One key tile into the running (max, sum, accumulator). MASKED: the tile crosses some row's causal limit
-    (or the span's end); otherwise every row of the tile sees every key of it."""
+    (or the span's end); otherwise every row of the tile sees every key of it. LOADS (see PrefillConfig.loads):
+    0 each key finds its own pool block (a tile may span several), 1 the tile lies in one block (one table load,
+    then one base address), 2 as 1 through TMA descriptors of the pools (k_src, v_src)."""
     keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    # A tile may span several pool blocks (or part of one): each key finds its own block.
-    if MASKED:
-        in_span = keys < kv_len
-        phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=in_span, other=0).to(tl.int64)
-        kv_mask = in_span[:, None] & d_ok[None, :]
+    in_span = keys < kv_len
+    if LOADS == 0:
+        if MASKED:
+            phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=in_span, other=0).to(tl.int64)
+            kv_mask = in_span[:, None] & d_ok[None, :]
+        else:
+            phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE).to(tl.int64)
+            kv_mask = d_ok[None, :]
+        k_off = h * stride_kh + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
+        k = tl.load(k_src + k_off, mask=kv_mask, other=0)
+        v = tl.load(v_src + k_off, mask=kv_mask, other=0)
+        scale_off = h * stride_sh + phys * stride_sb + keys % PAGE
     else:
-        phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE).to(tl.int64)
-        kv_mask = d_ok[None, :]
-    k_off = h * stride_kh + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
-    k = tl.load(k_ptr + k_off, mask=kv_mask, other=0)
-    v = tl.load(v_ptr + k_off, mask=kv_mask, other=0)
+        phys = tl.load(table_ptr + slot * stride_tab + (tile * BLOCK_N) // PAGE).to(tl.int64)
+        in_block = (tile * BLOCK_N) % PAGE + tl.arange(0, BLOCK_N)
+        if LOADS == 1:
+            k_off = h * stride_kh + phys * stride_kb + in_block[:, None] * D + d[None, :]
+            if MASKED:
+                kv_mask = in_span[:, None] & d_ok[None, :]
+                k = tl.load(k_src + k_off, mask=kv_mask, other=0)
+                v = tl.load(v_src + k_off, mask=kv_mask, other=0)
+            else:
+                k = tl.load(k_src + k_off)
+                v = tl.load(v_src + k_off)
+        else:
+            row = ((h * head_rows + phys) * PAGE + (tile * BLOCK_N) % PAGE).to(tl.int32)
+            k = k_src.load([row, 0])
+            v = v_src.load([row, 0])
+            if MASKED:  # past the span's end a block holds whatever it held (a NaN would poison P.V)
+                k = tl.where(in_span[:, None], k, 0)
+                v = tl.where(in_span[:, None], v, 0)
+        scale_off = h * stride_sh + phys * stride_sb + in_block
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-    if INT8:
-        ks = tl.load(ks_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
-        s = s * ks[None, :]
-    s = s * qk_scale
+    if INT8:  # the key scale and the softmax scale in one product per key
+        s = s * (tl.load(ks_ptr + scale_off, mask=in_span, other=0.0) * qk_scale)[None, :]
     if MASKED:
+        if not INT8:
+            s = s * qk_scale
         s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-    else:
+        p = tl.exp2(s - m_safe[:, None])
+    elif INT8:
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = m_new
+        p = tl.exp2(s - m_new[:, None])
+    else:  # the scale folded into the subtraction: one multiply-add per score
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if INT8:
-        vs = tl.load(vs_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
-        p = p * vs[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        p = p * tl.load(vs_ptr + scale_off, mask=in_span, other=0.0)[None, :]
+    # P.V accumulates into the rescaled accumulator inside the dot (no separate add over the whole tile)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr,
+    q_ptr, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr,
     stride_qb, stride_qh, stride_qt,
     stride_kh, stride_kb,
     stride_sh, stride_sb,
     stride_tab,
     stride_ob, stride_oh, stride_ot,
-    qk_scale, span_tokens, context_tokens, T,
+    qk_scale, span_tokens, context_tokens, T, head_rows,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, LOADS: tl.constexpr,
 ):
     # torch.compile (inductor) passes a Python float as fp64: the scores, and so the loop-carried max, would turn
     # fp64 and the kernel fail to compile (the 2026-12-01 seed run under COMPILE).
@@ -120,13 +153,13 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for tile in range(0, full_tiles):
-        m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
-                              qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, d, d_ok,
-                              BLOCK_N, D, PAGE, INT8, PRECISION, False)
+        m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
+                              qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, head_rows, d, d_ok,
+                              BLOCK_N, D, PAGE, INT8, PRECISION, False, LOADS)
     for tile in range(full_tiles, last_tile):
-        m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
-                              qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, d, d_ok,
-                              BLOCK_N, D, PAGE, INT8, PRECISION, True)
+        m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
+                              qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, head_rows, d, d_ok,
+                              BLOCK_N, D, PAGE, INT8, PRECISION, True, LOADS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where(real[:, None], out, 0.0)
@@ -144,31 +177,49 @@ def launch_shape(dtype: torch.dtype, chunk_tokens: int, config: PrefillConfig) -
     return block_m, block_n, config.num_warps, stages
 
 
+def _loads(requested: str, block_n: int, block_tokens: int, pool: torch.Tensor) -> int:
+    """The kernel's LOADS for a launch (PrefillConfig.loads): a tile inside one pool block ("block", "tma") needs
+    keys per tile dividing the block; "tma" a pool whose rows a 32-bit coordinate reaches and Triton's host
+    descriptors."""
+    loads = PREFILL_LOADS.index(requested)
+    if block_tokens % block_n:
+        return 0
+    if loads == 2 and (_TensorDescriptor is None or pool.numel() // pool.shape[-1] >= 2**31):
+        return 1
+    return loads
+
+
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
                             slots: torch.Tensor, positions: torch.Tensor, span_tokens: int, context_tokens: int,
                             config: PrefillConfig | None = None) -> torch.Tensor:
     """q [B, Hq, T, D] (bf16/fp16, or fp32 with exact fp32 dots), positions [B, T] long -> [B, Hq, T, D]."""
     b, hq, t, d = q.shape
-    hkv, _, block_tokens, _ = k_pool.shape
+    hkv, head_blocks, block_tokens, _ = k_pool.shape
     g = hq // hkv
     assert hq == g * hkv, (hq, hkv)
     assert positions.shape == (b, t), (positions.shape, q.shape)
     assert q.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous(), "contiguous head dim expected"
     int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
-    block_m, block_n, warps, stages = launch_shape(q.dtype, t, config or default_prefill_config(int8))
+    config = config or default_prefill_config(int8)
+    block_m, block_n, warps, stages = launch_shape(q.dtype, t, config)
+    block_d = max(16, triton.next_power_of_2(d))
+    loads = _loads(config.loads if block_d == d else "gather", block_n, block_tokens, k_pool)
+    k_src, v_src = k_pool, v_pool
+    if loads == 2:  # the pools as [rows, D]: a tile is BLOCK_N rows from (KV head, block, offset)'s row
+        k_src, v_src = (_TensorDescriptor.from_tensor(pool.view(-1, d), [block_n, d]) for pool in (k_pool, v_pool))
     out = torch.empty_like(q)
     positions, slots = positions.contiguous(), slots.contiguous()
     _paged_prefill_kernel[(hq, triton.cdiv(t, block_m), b)](
-        q, k_pool, v_pool, ks, vs, block_table, slots, positions, out,
+        q, k_src, v_src, ks, vs, block_table, slots, positions, out,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1),
         ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
         block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        _LOG2E / math.sqrt(d), span_tokens, context_tokens, t,
-        G=g, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_tokens,
-        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        _LOG2E / math.sqrt(d), span_tokens, context_tokens, t, head_blocks,
+        G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_tokens,
+        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOADS=loads,
         num_warps=warps, num_stages=stages,
     )
     return out

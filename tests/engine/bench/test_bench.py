@@ -322,7 +322,8 @@ def test_attention_bench_prefill_rows_time_a_chunk_over_each_prefix_depth(tmp_pa
 
 @pytest.mark.parametrize("argv,match", [
     (["--rows", "verify"], "rows='verify'"), (["--prefill-tune", "128x64x8"], "prefill_tune='128x64x8'"),
-    (["--tune", "128xfourx2"], "tune='128xfourx2'")])
+    (["--tune", "128xfourx2"], "tune='128xfourx2'"),
+    (["--prefill-tune", "128x64x4x3xfast"], "'128x64x4x3xfast': loads 'fast': expected one of gather, block, tma")])
 def test_attention_bench_names_a_bad_selection_or_launch_shape(tmp_path: Path, argv, match) -> None:
     with pytest.raises(ConfigError, match=match):
         bench(tmp_path, ["attention", "--device", "cpu", "--contexts", "300", "--batches", "1", *argv])

@@ -66,7 +66,9 @@ def interpreter_check(storage: str, hq: int) -> None:
         cache.bind(slots, span)
         reference = cache.reference.attend(cache, 0, q, positions)
         out = kernel.paged(cache, 0, q, positions)  # the backend's dispatch: more than 8 queries -> prefill kernel
-        for config in (PrefillConfig(32, 16, 4, 2), PrefillConfig(16, 32, 4, 2)):  # tiles inside / across blocks
+        # tiles inside one block (its keys each through the table, one entry a tile, TMA), tiles across blocks
+        for config in (PrefillConfig(32, 16, 4, 2, "gather"), PrefillConfig(32, 16, 4, 2, "block"),
+                       PrefillConfig(32, 8, 4, 2, "tma"), PrefillConfig(16, 32, 4, 2)):
             again = paged_prefill_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
                                             span, CONTEXT, config)
             assert torch.allclose(again, out, atol=1e-5), (case, config)
