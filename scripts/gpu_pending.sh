@@ -104,7 +104,7 @@ step attention_dense 120 "$PY" -m engine.bench attention --device cuda:0 --rows 
 # beside the dense kernel; then the code before them (BASELINE tree, below) for the same rows
 step attention_loads 150 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 5 \
     --prefill-prefixes 32K,128K --backends triton,dense \
-    --prefill-tune 128x64x4x3xgather,128x64x4x3xtma,128x64x8x3xtma,256x64x8x3xblock,256x64x8x3xtma,128x64x8x2xtma,128x128x8x2xgather,128x64x8x2xblock \
+    --prefill-tune 128x64x4x3xblock,64x64x4x3xtma,128x64x4x4xtma,128x32x4x3xtma,128x64x4x2xtma,256x64x8x3xtma,128x128x8x2xgather \
     --json "$OUT/attention_loads.json"
 # the 176K first token alone with today's defaults, bf16 and int8 KV
 step ttft_176k 120 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K \
@@ -191,6 +191,8 @@ step mtp_1_default 60 "${MTP_1[@]}" --json "$OUT/mtp_1_default.json"
 step mtp_1_off 60 "${MTP_1[@]}" --prefill-overlap off --json "$OUT/mtp_1_off.json"
 step mtp_1_sms0 60 env STRATA_CHUNK_SMS=0 "${MTP_1[@]}" --json "$OUT/mtp_1_sms0.json"
 step mtp_1_default_again 60 "${MTP_1[@]}" --json "$OUT/mtp_1_default_again.json"
+step profile128k_bf16 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 \
+    --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_bf16.json"
 step profile128k_int8 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --kv int8 \
     --prompt-tokens 131072 --steps 32 --top 12 --json "$OUT/profile128k_int8.json"
 # a prompt chunk's cost by its length (a lone prompt could take longer chunks than the 2,048 the slots' pacing uses)

@@ -44,8 +44,11 @@ class PrefillConfig:
 DEFAULT_CONFIG = KernelConfig()
 # Chosen by `bench attention --rows prefill --prefill-tune` on the H200 (docs/BENCHMARKS.md, "The GPU session of
 # 2026-12-01 (fifth)"): the fastest measured shape per KV dtype at 8K, 32K and 128K cached tokens.
-DEFAULT_PREFILL_CONFIG_BF16 = PrefillConfig(query_tokens=128, tile_tokens=64, num_warps=4, num_stages=3)
-DEFAULT_PREFILL_CONFIG_INT8 = PrefillConfig(query_tokens=128, tile_tokens=128, num_warps=8, num_stages=2)
+# The twelfth session's `--prefill-tune ...xLOADS` moved bf16 to TMA loads; int8's tile spans two pool blocks, so its
+# keys go through the table one by one (its faster shape then).
+DEFAULT_PREFILL_CONFIG_BF16 = PrefillConfig(query_tokens=128, tile_tokens=64, num_warps=4, num_stages=3, loads="tma")
+DEFAULT_PREFILL_CONFIG_INT8 = PrefillConfig(query_tokens=128, tile_tokens=128, num_warps=8, num_stages=2,
+                                            loads="gather")
 
 
 def default_prefill_config(int8_kv: bool) -> PrefillConfig:

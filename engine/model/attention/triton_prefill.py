@@ -88,29 +88,34 @@ def _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, ti
                 v = tl.where(in_span[:, None], v, 0)
         scale_off = h * stride_sh + phys * stride_sb + in_block
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-    if INT8:  # the key scale and the softmax scale in one product per key
-        s = s * (tl.load(ks_ptr + scale_off, mask=in_span, other=0.0) * qk_scale)[None, :]
-    if MASKED:
-        if not INT8:
-            s = s * qk_scale
-        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.exp2(s - m_safe[:, None])
-    elif INT8:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-        p = tl.exp2(s - m_new[:, None])
-    else:  # the scale folded into the subtraction: one multiply-add per score
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_safe = m_new
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
     if INT8:
-        p = p * tl.load(vs_ptr + scale_off, mask=in_span, other=0.0)[None, :]
-    # P.V accumulates into the rescaled accumulator inside the dot (no separate add over the whole tile)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
+        # Scales are read unmasked: every tile lies in blocks of the span. The arithmetic is the one measured
+        # fastest for int8 (a separate rescale and add after P.V; the bf16 path's folded forms ran slower here:
+        # docs/BENCHMARKS.md, twelfth session).
+        s = s * tl.load(ks_ptr + scale_off)[None, :] * qk_scale
+        if MASKED:
+            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new  # a row that saw no key yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p * tl.load(vs_ptr + scale_off)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    else:
+        if MASKED:
+            s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+        else:  # the scale folded into the subtraction: one multiply-add per score
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            m_safe = m_new
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # P.V accumulates into the rescaled accumulator inside the dot (no separate add over the whole tile)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -205,6 +210,8 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     block_m, block_n, warps, stages = launch_shape(q.dtype, t, config)
     block_d = max(16, triton.next_power_of_2(d))
     loads = _loads(config.loads if block_d == d else "gather", block_n, block_tokens, k_pool)
+    if loads == 2 and q.is_cuda and q.dtype == torch.float32:  # fp32 is the exact oracle path, not a speed path:
+        loads = 1  # it keeps plain loads (TMA's box limits are for the serving dtypes)
     k_src, v_src = k_pool, v_pool
     if loads == 2:  # the pools as [rows, D]: a tile is BLOCK_N rows from (KV head, block, offset)'s row
         k_src, v_src = (_TensorDescriptor.from_tensor(pool.view(-1, d), [block_n, d]) for pool in (k_pool, v_pool))
