@@ -106,6 +106,11 @@ step attention_loads 150 "$PY" -m engine.bench attention --device cuda:0 --rows 
     --prefill-prefixes 32K,128K --backends triton,dense \
     --prefill-tune 128x64x4x3xblock,64x64x4x3xtma,128x64x4x4xtma,128x32x4x3xtma,128x64x4x2xtma,256x64x8x3xtma,128x128x8x2xgather \
     --json "$OUT/attention_loads.json"
+# the decode kernel's key loads: 64-key tiles (one pool block) through the table, one entry a tile, TMA
+step attention_decode_loads 120 "$PY" -m engine.bench attention --device cuda:0 --rows decode --contexts 32K,128K \
+    --batches 1,6 --q-lens 1 --backends triton --iters 10 \
+    --tune 64x4x2x1xgather,64x4x2x1xblock,64x4x2x1xtma,64x4x3x1xtma,64x8x2x1xtma,64x4x4x1xtma \
+    --json "$OUT/attention_decode_loads.json"
 # the 176K first token alone with today's defaults, bf16 and int8 KV
 step ttft_176k 120 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K \
     --json "$OUT/ttft_176k.json"

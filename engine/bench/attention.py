@@ -1,8 +1,8 @@
 """`strata-engine bench attention`: one layer's attention over the serving KV cache, backend by backend.
 
 Decode rows (`--rows decode`) here; prefill rows (a prompt chunk over a cached prefix, `--rows prefill`) in
-engine.bench.attention_prefill. For each context x batch x queries per row x KV storage: a one-layer SlotKVCache of `batch` slots filled to
-the context, every row's queries at its last positions (the span bucket = the context), then the time of one
+engine.bench.attention_prefill. For each context x batch x queries per row x KV storage: a one-layer SlotKVCache of
+`batch` slots filled to the context, every row's queries at its last positions (the span bucket = the context), then the time of one
 attention read through
 - `torch`: the reference backend as the engine runs it without PAGED_ATTN (keys gathered through the block
   table, then masked SDPA, or the blocked online softmax when the copy would pass 128 MiB);
@@ -83,7 +83,7 @@ def _case(context: int, batch: int, t: int, storage: str, device: torch.device, 
             row[f"{name}_max_err"] = round(err, 5)
         except Exception as exc:  # noqa: BLE001 - one backend failing is a figure to report, not a crash
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    time_launch_shapes(row, [(f"tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}_m{c.min_split_tiles}",
+    time_launch_shapes(row, [(f"tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}_m{c.min_split_tiles}_{c.loads}",
                               lambda c=c: _tuned(cache, q, positions, c))
                              for c in (tune if cache.kernel is not None else [])], iters)
     del cache
@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(timed_row(lambda: prefill_case(prefix, args.prefill_chunk, storage, device,
                                                            args.iters, backends, prefill_tune)))
     best = [r for r in rows if "triton_speedup" in r]
-    summary = {"cases": len(rows), "triton_faster_everywhere": bool(best) and all(r["triton_speedup"] > 1 for r in best),
+    summary = {"cases": len(rows),
+               "triton_faster_everywhere": bool(best) and all(r["triton_speedup"] > 1 for r in best),
                "min_triton_speedup": min((r["triton_speedup"] for r in best), default=None)}
     emit(args, "attention", rows, summary, device)
     return 0

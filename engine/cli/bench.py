@@ -205,7 +205,7 @@ def _attention(p: argparse.ArgumentParser) -> None:
                    "keys, gathered once / in every read; denseQxTxWxS at a launch shape)")
     p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
-                   "TILExWARPSxSTAGESxMIN_SPLIT_TILES,... (128x4x2x1)")
+                   "TILExWARPSxSTAGESxMIN_SPLIT_TILES[xLOADS],... (128x4x2x1, 64x4x2x1xtma)")
     p.add_argument("--rows", default="decode,prefill", help="decode (few queries per row), prefill (one chunk "
                    "over a cached prefix), or both")
     p.add_argument("--prefill-prefixes", type=int_list, default=[8 * _K, 32 * _K, 128 * _K],

@@ -26,7 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.attention.triton_paged_config import DEFAULT_CONFIG, KernelConfig
+from engine.model.attention.triton_paged_config import DEFAULT_CONFIG, TILE_LOADS, KernelConfig
+
+try:  # host-side TMA descriptors (Triton 3.4 and later); without them a config's "tma" loads run as "block"
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - an older Triton
+    TensorDescriptor = None
 
 _TARGET_PROGRAMS = 264  # ~2 per SM on an H100/H200 (132 SMs): enough splits to fill the device
 
@@ -39,9 +44,10 @@ def _paged_decode_kernel(
     stride_sh, stride_sb,
     stride_tab,
     stride_ob, stride_oh, stride_ot,
-    sm_scale, span_tokens, context_tokens, split_tiles, num_splits,
+    sm_scale, span_tokens, context_tokens, split_tiles, num_splits, head_rows,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
+    LOADS: tl.constexpr,
 ):
     sm_scale = tl.full([], sm_scale, tl.float32)  # torch.compile passes a Python float as fp64 (see triton_prefill.py)
     b = tl.program_id(0)
@@ -72,15 +78,31 @@ def _paged_decode_kernel(
     n = tl.arange(0, BLOCK_N)
     for tile in range(first_tile, last_tile):
         keys = tile * BLOCK_N + n
-        # A tile of BLOCK_N keys may span several pool blocks (or part of one): each key finds its own block.
-        # Keys past the row's length read block 0's memory (in bounds) and are masked out below.
-        phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
-        k_off = h_pool + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
-        k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
-        v = tl.load(v_ptr + k_off, mask=d_ok[None, :], other=0)
+        if LOADS == 0:
+            # A tile of BLOCK_N keys may span several pool blocks (or part of one): each key finds its own block.
+            # Keys past the row's length read block 0's memory (in bounds) and are masked out below.
+            phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=keys < kv_len, other=0).to(tl.int64)
+            k_off = h_pool + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
+            k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
+            v = tl.load(v_ptr + k_off, mask=d_ok[None, :], other=0)
+            scale_off = h * stride_sh + phys * stride_sb + keys % PAGE
+        else:
+            # The tile lies inside one pool block: one table entry. Keys of it past the row's length hold what the
+            # block held (pools are zeroed when made and when grown: finite) and are masked out below.
+            phys = tl.load(table_ptr + slot * stride_tab + (tile * BLOCK_N) // PAGE).to(tl.int64)
+            in_block = (tile * BLOCK_N) % PAGE + n
+            if LOADS == 1:
+                k_off = h_pool + phys * stride_kb + in_block[:, None] * D + d[None, :]
+                k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
+                v = tl.load(v_ptr + k_off, mask=d_ok[None, :], other=0)
+            else:
+                row = ((h * head_rows + phys) * PAGE + (tile * BLOCK_N) % PAGE).to(tl.int32)
+                k = k_ptr.load([row, 0])
+                v = v_ptr.load([row, 0])
+            scale_off = h * stride_sh + phys * stride_sb + in_block
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if INT8:
-            ks = tl.load(ks_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
+            ks = tl.load(ks_ptr + scale_off)
             s = s * ks[None, :]
         s = s * sm_scale
         visible = keys[None, :] <= pos[:, None]
@@ -91,7 +113,7 @@ def _paged_decode_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if INT8:
-            vs = tl.load(vs_ptr + h * stride_sh + phys * stride_sb + keys % PAGE)
+            vs = tl.load(vs_ptr + scale_off)
             p = p * vs[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
@@ -146,6 +168,28 @@ def scale_pools(k_pool: torch.Tensor, k_scale: torch.Tensor | None,
     return True, k_scale, v_scale
 
 
+def tile_loads(requested: str, tile_tokens: int, block_tokens: int, pool: torch.Tensor, exact: bool) -> int:
+    """The kernels' LOADS for a launch (KernelConfig.loads, PrefillConfig.loads: 0 gather, 1 block, 2 tma): a tile
+    inside one pool block ("block", "tma") needs keys per tile dividing the block's; "tma" a pool whose rows a
+    32-bit coordinate reaches, Triton's host descriptors, and a serving dtype (`exact`: fp32 on the GPU, the
+    tests' oracle path, keeps plain loads: TMA's box limits are for 1- and 2-byte elements)."""
+    loads = TILE_LOADS.index(requested)
+    if block_tokens % tile_tokens:
+        return 0
+    if loads == 2 and (TensorDescriptor is None or exact or pool.numel() // pool.shape[-1] >= 2**31):
+        return 1
+    return loads
+
+
+def pool_sources(k_pool: torch.Tensor, v_pool: torch.Tensor, loads: int, tile_tokens: int) -> tuple:
+    """What the kernels read keys and values from: the pools, or (LOADS 2) TMA descriptors of them as [rows, D]
+    whose box is one tile."""
+    if loads != 2:
+        return k_pool, v_pool
+    d = k_pool.shape[-1]
+    return tuple(TensorDescriptor.from_tensor(pool.view(-1, d), [tile_tokens, d]) for pool in (k_pool, v_pool))
+
+
 def split_plan(batch: int, num_kv_heads: int, span_tokens: int, tile_tokens: int,
                min_split_tiles: int = DEFAULT_CONFIG.min_split_tiles) -> tuple[int, int]:
     """(splits, tiles per split) for a static span: enough programs to fill the device, each streaming at
@@ -174,6 +218,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     splits, per_split = split_plan(b, hkv, span_tokens, tile, config.min_split_tiles)
     out = torch.empty_like(q)
     int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
+    loads = tile_loads(config.loads if block_d == d else "gather", tile, block_tokens, k_pool,
+                       q.is_cuda and q.dtype == torch.float32)
+    k_src, v_src = pool_sources(k_pool, v_pool, loads, tile)
     if splits > 1:
         mid_o = torch.empty(b, hkv, splits, block_m, block_d, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(b, hkv, splits, block_m, dtype=torch.float32, device=q.device)
@@ -181,15 +228,15 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         mid_o = mid_lse = out  # never written
     positions, slots = positions.contiguous(), slots.contiguous()  # verify's inputs are strided views
     _paged_decode_kernel[(b, hkv, splits)](
-        q, k_pool, v_pool, ks, vs, block_table, slots, positions, out, mid_o, mid_lse,
+        q, k_src, v_src, ks, vs, block_table, slots, positions, out, mid_o, mid_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1),
         ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
         block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        1.0 / math.sqrt(d), span_tokens, context_tokens, per_split, splits,
+        1.0 / math.sqrt(d), span_tokens, context_tokens, per_split, splits, k_pool.shape[1],
         T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=tile, PAGE=block_tokens, SINGLE=splits == 1,
-        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOADS=loads,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFILL_LOADS = ("gather", "block", "tma")  # PrefillConfig.loads, in the kernel's LOADS numbering
+TILE_LOADS = ("gather", "block", "tma")  # KernelConfig.loads, PrefillConfig.loads, in the kernels' LOADS numbering
+
+
+def check_loads(loads: str) -> None:
+    if loads not in TILE_LOADS:
+        raise ValueError(f"loads {loads!r}: expected one of {', '.join(TILE_LOADS)}")
+
 
 
 @dataclass(frozen=True)
@@ -18,6 +24,10 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_split_tiles: int = 1
+    loads: str = "gather"  # as PrefillConfig.loads
+
+    def __post_init__(self) -> None:
+        check_loads(self.loads)
 
 
 @dataclass(frozen=True)
@@ -37,18 +47,15 @@ class PrefillConfig:
     loads: str = "block"
 
     def __post_init__(self) -> None:
-        if self.loads not in PREFILL_LOADS:
-            raise ValueError(f"loads {self.loads!r}: expected one of {', '.join(PREFILL_LOADS)}")
+        check_loads(self.loads)
 
 
 DEFAULT_CONFIG = KernelConfig()
 # Chosen by `bench attention --rows prefill --prefill-tune` on the H200 (docs/BENCHMARKS.md, "The GPU session of
 # 2026-12-01 (fifth)"): the fastest measured shape per KV dtype at 8K, 32K and 128K cached tokens.
-# The twelfth session's `--prefill-tune ...xLOADS` moved bf16 to TMA loads; int8's tile spans two pool blocks, so its
-# keys go through the table one by one (its faster shape then).
+# The twelfth session's `--prefill-tune ...xLOADS` moved both to TMA loads of one-block tiles.
 DEFAULT_PREFILL_CONFIG_BF16 = PrefillConfig(query_tokens=128, tile_tokens=64, num_warps=4, num_stages=3, loads="tma")
-DEFAULT_PREFILL_CONFIG_INT8 = PrefillConfig(query_tokens=128, tile_tokens=128, num_warps=8, num_stages=2,
-                                            loads="gather")
+DEFAULT_PREFILL_CONFIG_INT8 = PrefillConfig(query_tokens=256, tile_tokens=64, num_warps=8, num_stages=3, loads="tma")
 
 
 def default_prefill_config(int8_kv: bool) -> PrefillConfig:

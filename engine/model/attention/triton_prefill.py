@@ -22,6 +22,10 @@ past `context_tokens` are padding (a chunk padded to its length bucket writes sc
 what their tile reads but store zeros. int8 keys and values are converted in registers: the key scale multiplies
 the scores, the value scale multiplies P before P.V. fp32 runs with exact (IEEE) dots.
 
+A tile's keys come through the block table key by key, from one block's base address when the tile lies inside
+one pool block, or through TMA descriptors of the pools viewed as [rows, D] (PrefillConfig.loads): the per-key
+addresses of the first cost registers and instructions in every tile of a 176K-token span.
+
 Graph-capturable: the grid depends only on the batch, the heads and the chunk's length bucket; positions, lengths
 and the block table are read on the device.
 """
@@ -34,13 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.attention.triton_paged import scale_pools
-from engine.model.attention.triton_paged_config import PREFILL_LOADS, PrefillConfig, default_prefill_config
+from engine.model.attention.triton_paged import pool_sources, scale_pools, tile_loads
+from engine.model.attention.triton_paged_config import PrefillConfig, default_prefill_config
 
-try:  # host-side TMA descriptors (Triton 3.4 and later); without them PrefillConfig.loads 2 runs as 1
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-except ImportError:  # pragma: no cover - an older Triton
-    _TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e)), folded into the score scale
 
@@ -182,18 +182,6 @@ def launch_shape(dtype: torch.dtype, chunk_tokens: int, config: PrefillConfig) -
     return block_m, block_n, config.num_warps, stages
 
 
-def _loads(requested: str, block_n: int, block_tokens: int, pool: torch.Tensor) -> int:
-    """The kernel's LOADS for a launch (PrefillConfig.loads): a tile inside one pool block ("block", "tma") needs
-    keys per tile dividing the block; "tma" a pool whose rows a 32-bit coordinate reaches and Triton's host
-    descriptors."""
-    loads = PREFILL_LOADS.index(requested)
-    if block_tokens % block_n:
-        return 0
-    if loads == 2 and (_TensorDescriptor is None or pool.numel() // pool.shape[-1] >= 2**31):
-        return 1
-    return loads
-
-
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_table: torch.Tensor,
                             slots: torch.Tensor, positions: torch.Tensor, span_tokens: int, context_tokens: int,
@@ -209,12 +197,9 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     config = config or default_prefill_config(int8)
     block_m, block_n, warps, stages = launch_shape(q.dtype, t, config)
     block_d = max(16, triton.next_power_of_2(d))
-    loads = _loads(config.loads if block_d == d else "gather", block_n, block_tokens, k_pool)
-    if loads == 2 and q.is_cuda and q.dtype == torch.float32:  # fp32 is the exact oracle path, not a speed path:
-        loads = 1  # it keeps plain loads (TMA's box limits are for the serving dtypes)
-    k_src, v_src = k_pool, v_pool
-    if loads == 2:  # the pools as [rows, D]: a tile is BLOCK_N rows from (KV head, block, offset)'s row
-        k_src, v_src = (_TensorDescriptor.from_tensor(pool.view(-1, d), [block_n, d]) for pool in (k_pool, v_pool))
+    loads = tile_loads(config.loads if block_d == d else "gather", block_n, block_tokens, k_pool,
+                       q.is_cuda and q.dtype == torch.float32)
+    k_src, v_src = pool_sources(k_pool, v_pool, loads, block_n)
     out = torch.empty_like(q)
     positions, slots = positions.contiguous(), slots.contiguous()
     _paged_prefill_kernel[(hq, triton.cdiv(t, block_m), b)](

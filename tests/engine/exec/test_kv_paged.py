@@ -6,6 +6,8 @@ kernel itself is checked against the reference on the GPU in test_kv_paged_gpu.p
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -125,10 +127,14 @@ def interpreter_check(storage: str, tile_tokens: int) -> None:
         cache.bind(slots, span)
         reference = cache.reference.attend(cache, 0, q, positions)
         scales = (cache.k_scale[0], cache.v_scale[0]) if storage == "int8" else (None, None)
-        for min_split_tiles in (1, 4):  # a split per tile, and splits streaming several tiles one after the other
+        # a tile inside one block also through one table entry and through TMA descriptors
+        loads = ("gather", "block", "tma") if tile_tokens <= 16 else ("gather",)
+        for min_split_tiles, how in itertools.product((1, 4), loads):  # a split per tile, splits of several tiles
+            config = KernelConfig(tile_tokens, 4, 2, min_split_tiles, how)
             out = paged_decode_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
-                                         span, geo.context_tokens, KernelConfig(tile_tokens, 4, 2, min_split_tiles))
-            assert torch.allclose(out[:-1], reference[:-1], atol=1e-5), (out[:-1] - reference[:-1]).abs().max()
+                                         span, geo.context_tokens, config)
+            err = (out[:-1] - reference[:-1]).abs().max()
+            assert torch.allclose(out[:-1], reference[:-1], atol=1e-5), (config, err)
             assert not out[-1].any()  # the padding row read nothing
 
 
