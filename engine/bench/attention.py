@@ -2,8 +2,8 @@
 
 Decode rows (`--rows decode`) here; prefill rows (a prompt chunk over a cached prefix, `--rows prefill`) in
 engine.bench.attention_prefill. For each context x batch x queries per row x KV storage: a one-layer SlotKVCache of
-`batch` slots filled to the context, every row's queries at its last positions (the span bucket = the context), then the time of one
-attention read through
+`batch` slots filled to the context, every row's queries at its last positions (the span bucket = the context),
+then the time of one attention read through
 - `torch`: the reference backend as the engine runs it without PAGED_ATTN (keys gathered through the block
   table, then masked SDPA, or the blocked online softmax when the copy would pass 128 MiB);
 - `triton`: the paged kernels reading the pool in place (engine.model.attention.triton_paged);
