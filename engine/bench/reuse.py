@@ -5,9 +5,14 @@ from the prefix-cache tier) against the same prompt fresh, in one run for each w
 - `shared`: the tier's blocks in the KV pool (SHARED_PREFIX on): the prefix is mapped into the slot, not copied;
 - `peer`, when `--peer-device` is given: the tier on that second GPU (copied across devices).
 
-One engine per row (1 slot). Each row: the fresh TTFT, the reused TTFT, the prompt tokens the tier served,
-their ratio (the reuse target: the second TTFT a small fraction of the first), and the tier blocks the slots
-mapped (`shared_blocks`) and copied (`copied_blocks`) since the engine started.
+One engine per row (1 slot). Each row: `--pairs` distinct prompts of the size, each fresh then again; the fresh
+TTFT, the reused TTFT, the prompt tokens the tier served and their ratio (the reuse target: the second TTFT a
+small fraction of the first) of the last pair, every pair's TTFTs (`fresh_ttft_s_each`, `reused_ttft_s_each`),
+and the tier blocks the slots mapped (`shared_blocks`) and copied (`copied_blocks`) since the engine started.
+Why pairs: a reused prompt's tail (the tokens past its last whole tier block) is a short chunk deep into a span,
+whose graph is captured on its (tokens, span) bucket's second sight and replayed from the third (docs/GRAPHS.md,
+"Short prompt chunks"); the first pair's reuse runs it eagerly, the second captures it, the third is what a
+server that has seen prompts of that length before does.
 """
 
 from __future__ import annotations
@@ -42,15 +47,21 @@ def _placement_row(args: argparse.Namespace, path: str, size: int) -> dict[str, 
         # capture the small buckets and the reused prompt's tail bucket outside the timed requests
         generate_all(bench, [random_prompt(min(_WARMUP_PROMPT_TOKENS, size), vocab, seed=7)], 2)
         _drain(bench)
-        prompt = random_prompt(size, vocab, seed=11)
-        fresh = generate_all(bench, [prompt], 1)
-        _drain(bench)
-        again = generate_all(bench, [prompt], 1)
+        fresh_s, reused_s = [], []
+        for pair in range(max(1, args.pairs)):
+            prompt = random_prompt(size, vocab, seed=11 + pair)
+            fresh = generate_all(bench, [prompt], 1)
+            _drain(bench)
+            again = generate_all(bench, [prompt], 1)
+            _drain(bench)
+            fresh_s.append(fresh.ttft_s[0])
+            reused_s.append(again.ttft_s[0])
         tier = bench.engine.tier
         # how the reused blocks reached the slot: mapped from the KV pool (shared) or copied from own blocks
-        return {"path": path, "tier_device": str(tier.device), "prompt_tokens": size, "fresh_ttft_s": fresh.ttft_s[0],
-                "reused_ttft_s": again.ttft_s[0], "cached_tokens": again.cached_tokens[0],
-                "reused_over_fresh": again.ttft_s[0] / fresh.ttft_s[0], "shared_blocks": tier.shared_blocks,
+        return {"path": path, "tier_device": str(tier.device), "prompt_tokens": size, "fresh_ttft_s": fresh_s[-1],
+                "reused_ttft_s": reused_s[-1], "cached_tokens": again.cached_tokens[0],
+                "reused_over_fresh": reused_s[-1] / fresh_s[-1], "fresh_ttft_s_each": fresh_s,
+                "reused_ttft_s_each": reused_s, "shared_blocks": tier.shared_blocks,
                 "copied_blocks": tier.copied_in_blocks, "graphs_active": bench.graphs_active}
     finally:
         bench.close()

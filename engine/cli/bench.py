@@ -119,6 +119,10 @@ def _reuse(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.add_argument("--prompt-sizes", type=int_list, default=[32 * _K],
                    help="prompt lengths in tokens, each sent fresh then again (default 32K)")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="distinct prompts per size, each fresh then again, one after the other; the row's figures "
+                        "are the last pair's (a reused prompt's tail chunk replays a graph from its bucket's third "
+                        "sight on), every pair's in the `_each` lists (default 3)")
 
 
 def _admission(p: argparse.ArgumentParser) -> None:

@@ -78,7 +78,7 @@ def test_ttft_prefills_in_chunks_and_each_prompt_is_fresh(tmp_path: Path) -> Non
 
 def test_reuse_serves_a_repeated_prompt_from_the_tier(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["reuse", *TINY, "--prompt-sizes", "600", "--prefill-chunk-tokens", "64",
-                           "--step-token-budget", "64"])
+                           "--step-token-budget", "64", "--pairs", "2"])
     copy, shared = doc["rows"]  # no --peer-device: the tier on the compute device, both ways it serves a prefix
     assert (copy["path"], shared["path"]) == ("copy", "shared")
     for row in (copy, shared):
@@ -86,9 +86,14 @@ def test_reuse_serves_a_repeated_prompt_from_the_tier(tmp_path: Path) -> None:
         assert 0 < row["cached_tokens"] < 600  # whole blocks from the tier; the tail is prefilled again
         assert row["reused_ttft_s"] < row["fresh_ttft_s"]
         assert math.isclose(row["reused_over_fresh"], row["reused_ttft_s"] / row["fresh_ttft_s"])
+        # two distinct prompts, each fresh then again; the row's figures are the last pair's
+        assert len(row["fresh_ttft_s_each"]) == len(row["reused_ttft_s_each"]) == 2
+        assert (row["fresh_ttft_s_each"][-1], row["reused_ttft_s_each"][-1]) == (row["fresh_ttft_s"],
+                                                                                 row["reused_ttft_s"])
     # SHARED_PREFIX on: the tier's blocks are in the KV pool, the reused prefix was mapped into the slot, not copied
-    assert shared["shared_blocks"] == shared["cached_tokens"] // 256 and shared["copied_blocks"] == 0
-    assert copy["shared_blocks"] == 0 and copy["copied_blocks"] == copy["cached_tokens"] // 256
+    # (both pairs' prompts: two reuses of the same number of blocks)
+    assert shared["shared_blocks"] == 2 * (shared["cached_tokens"] // 256) and shared["copied_blocks"] == 0
+    assert copy["shared_blocks"] == 0 and copy["copied_blocks"] == 2 * (copy["cached_tokens"] // 256)
     assert set(doc["summary"]) == {"reused_over_fresh_600_copy", "reused_over_fresh_600_shared"}
 
 
