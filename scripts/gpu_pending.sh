@@ -8,14 +8,20 @@
 # decoding slots (the admission: 1.71x its lone prompt at decode ratio 0.537). The eleventh ran the seed scenario with
 # them (5/5 once green contexts outlived the process: -6 on SIGTERM before), cuDNN / flash SDPA against the prefill
 # kernel (slower), chunk lengths (no gain), and MTP against the code before the chunk stream (one run each moved by
-# 30 %: `bench mtp` now takes the median of --repeats). Next (#17): the suite with its JUnit times, MTP at both
-# depths with repeats (the baseline tree's bench times one run per process: its step runs it three times), then the
-# admission variants:
+# 30 %: `bench mtp` now takes the median of --repeats). The twelfth filled issue 17's table in one session: the
+# prefill kernel through TMA (bf16 1.26x; the 176K first token 8.67 s), peers, the 128K steps, MTP medians, reuse,
+# the admission (1.670x at ratio 0.551), the suite (cut at 370 s again). Next (#17): the int8 prefill kernel's
+# 256x64x8x3 TMA shape against the gathering path's greedy tokens (it moved one in the suite), the decode kernel's
+# 64-key block loads at batch 6 (int8), then the suite in two halves:
 #
-#   OUT=$OUT STEPS=attention_dense,gpu_suite bash scripts/gpu_pending.sh
-#   OUT=$OUT BASELINE=baseline_d705 STEPS=mtp_1,mtp_1_baseline,mtp_2,mtp_2_baseline bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=admission_between,admission bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=attention_loads,prefill_kernel_tests,attention_decode_loads bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
 #
+#   attention_loads       #17: the prefill kernel's key loads (gather / block / tma) at launch shapes around the
+#                         defaults, beside the dense kernel (attention_loads_baseline: BASELINE's tree, same rows)
+#   attention_decode_loads  #17: the decode kernel's 64-key tiles through the table, one entry a tile, TMA
+#   ttft_176k(_int8)      #17: the 176K first token alone with today's defaults (bf16; int8)
+#   profile128k_bf16      #17: a batch-1 decode step at 128K context with bf16 KV (the goal: <= 8 ms)
 #   attention_sdpa        #17: a 2048-token chunk over 32K / 128K cached tokens: the Triton prefill kernel against
 #                         cuDNN's and flash's SDPA over the gathered prefix (whole, and 32K keys at a time)
 #   attention_dense       #17: the paged prefill kernel against a dense Triton flash kernel over contiguous keys (the
