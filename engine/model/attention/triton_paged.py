@@ -172,11 +172,14 @@ def tile_loads(requested: str, tile_tokens: int, block_tokens: int, pool: torch.
     """The kernels' LOADS for a launch (KernelConfig.loads, PrefillConfig.loads: 0 gather, 1 block, 2 tma): a tile
     inside one pool block ("block", "tma") needs keys per tile dividing the block's; "tma" a pool whose rows a
     32-bit coordinate reaches, Triton's host descriptors, and a serving dtype (`exact`: fp32 on the GPU, the
-    tests' oracle path, keeps plain loads: TMA's box limits are for 1- and 2-byte elements)."""
+    tests' oracle path, keeps plain loads: TMA's box limits are for 1- and 2-byte elements). Inside a
+    torch.compile trace (COMPILE) "tma" runs as "block": Dynamo's handling of a host descriptor argument to a
+    user kernel has not run on a GPU here, and a failed compile would degrade the switch."""
     loads = TILE_LOADS.index(requested)
     if block_tokens % tile_tokens:
         return 0
-    if loads == 2 and (TensorDescriptor is None or exact or pool.numel() // pool.shape[-1] >= 2**31):
+    if loads == 2 and (TensorDescriptor is None or exact or pool.numel() // pool.shape[-1] >= 2**31
+                       or torch.compiler.is_compiling()):
         return 1
     return loads
 

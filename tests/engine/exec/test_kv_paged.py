@@ -138,6 +138,25 @@ def interpreter_check(storage: str, tile_tokens: int) -> None:
             assert not out[-1].any()  # the padding row read nothing
 
 
+def test_a_launch_takes_the_key_loads_its_tile_and_pool_allow(monkeypatch):
+    """PrefillConfig.loads / KernelConfig.loads at launch: a tile spanning pool blocks goes through the table key by
+    key, TMA falls back to one base address for fp32 on the GPU and inside a torch.compile trace, and a word the
+    kernels do not know is refused where the config is made."""
+    pytest.importorskip("triton")
+    from engine.model.attention.triton_paged import tile_loads
+    from engine.model.attention.triton_paged_config import KernelConfig, PrefillConfig
+
+    pool = torch.zeros(2, 4, 64, 16)
+    assert [tile_loads(w, 64, 64, pool, False) for w in ("gather", "block", "tma")] == [0, 1, 2]
+    assert [tile_loads(w, 128, 64, pool, False) for w in ("gather", "block", "tma")] == [0, 0, 0]  # two blocks
+    assert tile_loads("tma", 32, 64, pool, True) == 1  # fp32 on the GPU
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert tile_loads("tma", 64, 64, pool, False) == 1
+    for config in (KernelConfig, PrefillConfig):
+        with pytest.raises(ValueError, match="loads 'fast'"):
+            config(loads="fast")
+
+
 def test_a_short_span_is_split_a_tile_per_program():
     """The decode kernel's split plan: a short span's tiles go to programs of their own (one program streaming
     them one after the other waits on each tile's loads in turn; docs/BENCHMARKS.md, "The decode kernel at short
