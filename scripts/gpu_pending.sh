@@ -12,10 +12,15 @@
 # prefill kernel through TMA (bf16 1.26x; the 176K first token 8.67 s), peers, the 128K steps, MTP medians, reuse,
 # the admission (1.670x at ratio 0.551), the suite (cut at 370 s again). Next (#17): the int8 prefill kernel's
 # 256x64x8x3 TMA shape against the gathering path's greedy tokens (it moved one in the suite), the decode kernel's
-# 64-key block loads at batch 6 (int8), then the suite in two halves:
+# 64-key block loads at batch 6 (int8), the split keys of a short chunk deep into a span (written after the calls,
+# checked in Triton's interpreter only), then the suite:
 #
-#   OUT=$OUT STEPS=attention_loads,prefill_kernel_tests,attention_decode_loads bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=attention_split,attention_split_512,reuse,prefill_kernel_tests,attention_decode_loads \
+#       bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
+#
+#   attention_split(_512) #17: a 256- / 512-token chunk 8K-128K deep with its keys split (PrefillConfig.split_programs)
+#                         against one pass: the reused 32K prompt's tail is such a chunk (0.083 of the fresh TTFT)
 #
 #   attention_loads       #17: the prefill kernel's key loads (gather / block / tma) at launch shapes around the
 #                         defaults, beside the dense kernel (attention_loads_baseline: BASELINE's tree, same rows)
@@ -117,6 +122,16 @@ step attention_decode_loads 120 "$PY" -m engine.bench attention --device cuda:0 
     --batches 1,6 --q-lens 1 --backends triton --iters 10 \
     --tune 64x4x2x1xgather,64x4x2x1xblock,64x4x2x1xtma,64x4x3x1xtma,64x8x2x1xtma,64x4x4x1xtma \
     --json "$OUT/attention_decode_loads.json"
+# a short prompt chunk deep into a span (a reused prompt's tail, a new turn of a long conversation): each program's keys
+# split to fill the device (PrefillConfig.split_programs, xN), against one pass (the default), 256 and 512 tokens
+step attention_split 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 10 \
+    --prefill-prefixes 8K,32K,128K --prefill-chunk 256 --backends triton \
+    --prefill-tune 128x64x4x3xtmax132,128x64x4x3xtmax264,64x64x4x3xtmax132,128x128x8x2xgatherx132 \
+    --json "$OUT/attention_split_256.json"
+step attention_split_512 90 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 10 \
+    --prefill-prefixes 32K,128K --prefill-chunk 512 --backends triton \
+    --prefill-tune 128x64x4x3xtmax132,128x64x4x3xtmax264,128x128x8x2xgatherx132 \
+    --json "$OUT/attention_split_512.json"
 # the 176K first token alone with today's defaults, bf16 and int8 KV
 step ttft_176k 120 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K \
     --json "$OUT/ttft_176k.json"

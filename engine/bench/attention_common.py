@@ -83,11 +83,11 @@ def filled_cache(context: int, batch: int, storage: str, dtype: torch.dtype, dev
 
 
 def launch_shapes(option: str, text: str, config: type) -> list:
-    """`--tune 128x4x2,64x4x3` -> configs, field by field in the dataclass's order: a whole number for each int
-    field, then optionally a word for each str field (`128x64x4x3xtma`; left out, its default). Anything else
-    is a ConfigError naming the spec."""
+    """`--tune 128x4x2,64x4x3` -> configs, field by field in the dataclass's order: a whole number for an int
+    field, a word for a str field (`128x64x4x3xtmax132`); the leading whole numbers are required, the fields after
+    them optional (left out, their defaults). Anything else is a ConfigError naming the spec."""
     fields = dataclasses.fields(config)
-    required = sum(f.type in (int, "int") for f in fields)
+    required = next((i for i, f in enumerate(fields) if f.type not in (int, "int")), len(fields))
     shapes = []
     for spec in (s.strip() for s in text.split(",") if s.strip()):
         parts = spec.split("x")
@@ -95,7 +95,8 @@ def launch_shapes(option: str, text: str, config: type) -> list:
             (p.isdigit() and int(p) > 0) if f.type in (int, "int") else p.isidentifier()
             for f, p in zip(fields, parts))
         if not ok:
-            kinds = "x".join("N" if f.type in (int, "int") else "WORD" for f in fields)
+            kinds = "x".join(("N" if f.type in (int, "int") else "WORD") + ("" if i < required else "?")
+                             for i, f in enumerate(fields))
             raise ConfigError(option, text, f"{spec!r}: expected up to {len(fields)} fields joined by 'x' "
                               f"({kinds}; N a positive whole number)")
         try:

@@ -130,7 +130,8 @@ def prefill_case(prefix: int, chunk: int, storage: str, device: torch.device, it
         except Exception as exc:  # noqa: BLE001 - one backend failing is a figure to report, not a crash
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     cache.bind(slots, span)
-    time_launch_shapes(row, [(f"q{c.query_tokens}_tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}_{c.loads}",
+    time_launch_shapes(row, [(f"q{c.query_tokens}_tile{c.tile_tokens}_w{c.num_warps}_s{c.num_stages}_{c.loads}"
+                              + (f"_split{c.split_programs}" if c.split_programs else ""),
                               lambda c=c: _tuned(cache, q, positions, c))
                              for c in (tune if cache.kernel is not None else [])], iters, expected)
     del cache

@@ -243,9 +243,18 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
-        _combine_splits_kernel[(b, hkv, g * t)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), out.stride(2), splits,
-            T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            num_warps=4,
-        )
+        combine_splits(mid_o, mid_lse, out, splits, t, g)
     return out
+
+
+def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, splits: int, t: int,
+                   g: int) -> None:
+    """out [B, Hq, T, D] from the splits' parts mid_o [B, Hkv, splits, rows, BLOCK_D] and their log-sum-exps
+    mid_lse [B, Hkv, splits, rows] (row g * T + t is query head h * G + g at token t; rows >= G * T, the decode
+    kernel's padded tile, are never read)."""
+    b, hkv, _, rows, block_d = mid_o.shape
+    _combine_splits_kernel[(b, hkv, g * t)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), out.stride(2), splits,
+        T=t, G=g, D=out.shape[-1], BLOCK_D=block_d, BLOCK_M=rows, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        num_warps=4,
+    )

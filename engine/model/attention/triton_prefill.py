@@ -26,6 +26,10 @@ A tile's keys come through the block table key by key, from one block's base add
 one pool block, or through TMA descriptors of the pools viewed as [rows, D] (PrefillConfig.loads): the per-key
 addresses of the first cost registers and instructions in every tile of a 176K-token span.
 
+A short chunk deep into a span is few programs each streaming the whole span: with PrefillConfig.split_programs
+each program's key tiles are split so the launch has about that many programs; each split stores its normalized
+part and log-sum-exp, and triton_paged's combine kernel (the decode kernel's) merges them.
+
 Graph-capturable: the grid depends only on the batch, the heads and the chunk's length bucket; positions, lengths
 and the block table are read on the device.
 """
@@ -38,11 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.attention.triton_paged import pool_sources, scale_pools, tile_loads
+from engine.model.attention.triton_paged import combine_splits, pool_sources, scale_pools, tile_loads
 from engine.model.attention.triton_paged_config import PrefillConfig, default_prefill_config
 
 
 _LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e)), folded into the score scale
+_LOG2E_JIT = tl.constexpr(_LOG2E)  # a split's log-sum-exp goes to the combine kernel in base e
+_MIN_SPLIT_TILES = 8  # a split streams at least this many key tiles: fewer, and the combine's reads weigh more
 
 
 @triton.jit
@@ -121,22 +127,23 @@ def _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, ti
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr,
+    q_ptr, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qb, stride_qh, stride_qt,
     stride_kh, stride_kb,
     stride_sh, stride_sb,
     stride_tab,
     stride_ob, stride_oh, stride_ot,
-    qk_scale, span_tokens, context_tokens, T, head_rows,
+    qk_scale, span_tokens, context_tokens, T, head_rows, split_tiles,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, LOADS: tl.constexpr,
+    PAGE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, LOADS: tl.constexpr, SPLITS: tl.constexpr,
 ):
     # torch.compile (inductor) passes a Python float as fp64: the scores, and so the loop-carried max, would turn
     # fp64 and the kernel fail to compile (the 2026-12-01 seed run under COMPILE).
     qk_scale = tl.full([], qk_scale, tl.float32)
     head = tl.program_id(0)
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles see the most keys: start them first
-    b = tl.program_id(2)
+    b = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS  # SPLITS > 1: this program's share of the key tiles (split_tiles each)
     h = (head // G).to(tl.int64)  # h * (a KV head's pool stride) can pass 2**31 elements
     t = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = t < T
@@ -157,19 +164,30 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for tile in range(0, full_tiles):
+    first, end = 0, last_tile
+    if SPLITS > 1:
+        first = split * split_tiles
+        end = tl.minimum(first + split_tiles, last_tile)
+    for tile in range(first, tl.minimum(full_tiles, end)):
         m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
                               qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, head_rows, d, d_ok,
                               BLOCK_N, D, PAGE, INT8, PRECISION, False, LOADS)
-    for tile in range(full_tiles, last_tile):
+    for tile in range(tl.maximum(full_tiles, first), end):
         m_i, l_i, acc = _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, tile, pos, kv_len,
                               qk_scale, stride_kh, stride_kb, stride_sh, stride_sb, stride_tab, head_rows, d, d_ok,
                               BLOCK_N, D, PAGE, INT8, PRECISION, True, LOADS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where(real[:, None], out, 0.0)
-    o_off = b * stride_ob + head * stride_oh + t[:, None] * stride_ot + d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLITS > 1:  # each split's normalized part and its log-sum-exp (base 2), rows laid out as the decode
+        # kernel's splits ((KV head, split) then query row g * T + t) for triton_paged's combine kernel
+        lse = tl.where(real & (l_i > 0), (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) / _LOG2E_JIT, float("-inf"))
+        base = ((b * (tl.num_programs(0) // G) + h) * SPLITS + split) * (G * T) + (head % G) * T
+        tl.store(mid_lse_ptr + base + t, lse, mask=row_ok)
+        tl.store(mid_o_ptr + (base + t[:, None]) * BLOCK_D + d[None, :], out, mask=row_ok[:, None])
+    else:
+        o_off = b * stride_ob + head * stride_oh + t[:, None] * stride_ot + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def launch_shape(dtype: torch.dtype, chunk_tokens: int, config: PrefillConfig) -> tuple[int, int, int, int]:
@@ -202,16 +220,38 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     k_src, v_src = pool_sources(k_pool, v_pool, loads, block_n)
     out = torch.empty_like(q)
     positions, slots = positions.contiguous(), slots.contiguous()
-    _paged_prefill_kernel[(hq, triton.cdiv(t, block_m), b)](
-        q, k_src, v_src, ks, vs, block_table, slots, positions, out,
+    q_tiles = triton.cdiv(t, block_m)
+    splits, split_tiles = prefill_split_plan(b * hq * q_tiles, span_tokens, block_n, config.split_programs)
+    mid_o = mid_lse = out  # never written without splits
+    if splits > 1:
+        mid_o = torch.empty(b, hkv, splits, g * t, block_d, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(b, hkv, splits, g * t, dtype=torch.float32, device=q.device)
+    _paged_prefill_kernel[(hq, q_tiles, b * splits)](
+        q, k_src, v_src, ks, vs, block_table, slots, positions, out, mid_o, mid_lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1),
         ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
         block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        _LOG2E / math.sqrt(d), span_tokens, context_tokens, t, head_blocks,
+        _LOG2E / math.sqrt(d), span_tokens, context_tokens, t, head_blocks, split_tiles,
         G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=block_tokens,
-        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOADS=loads,
+        INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOADS=loads, SPLITS=splits,
         num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        combine_splits(mid_o, mid_lse, out, splits, t, g)
     return out
+
+
+def prefill_split_plan(programs: int, span_tokens: int, tile_tokens: int, split_programs: int) -> tuple[int, int]:
+    """(splits, key tiles per split) of a launch of `programs` (row, query head, query tile) programs: with
+    `split_programs` (PrefillConfig) and fewer programs than that, each program's keys are split so the launch
+    has about that many, each split streaming at least _MIN_SPLIT_TILES tiles; else (1, 0). A short chunk deep
+    into a span (a reused prompt's tail, a new turn of a long conversation) is a few programs each streaming the
+    whole span: most SMs idle. Static shapes only, so a captured graph keeps the plan."""
+    tiles = -(-span_tokens // tile_tokens)
+    if split_programs <= programs or tiles < 2 * _MIN_SPLIT_TILES:
+        return 1, 0
+    splits = min(-(-split_programs // programs), tiles // _MIN_SPLIT_TILES)
+    per_split = -(-tiles // splits)
+    return -(-tiles // per_split), per_split

@@ -157,6 +157,20 @@ def test_a_launch_takes_the_key_loads_its_tile_and_pool_allow(monkeypatch):
             config(loads="fast")
 
 
+def test_a_short_prompt_chunk_deep_into_a_span_splits_its_keys_only_when_asked():
+    """PrefillConfig.split_programs: a launch of fewer programs than that splits each program's keys, each split
+    streaming at least 8 tiles; without it (0, the default) or with programs enough, one pass over the keys."""
+    pytest.importorskip("triton")
+    from engine.model.attention.triton_prefill import prefill_split_plan
+
+    # a 256-token chunk 32K deep, 16 query heads in 128-query tiles: 32 programs over 516 key tiles of 64
+    assert prefill_split_plan(32, 32768 + 256, 64, 0) == (1, 0)
+    assert prefill_split_plan(32, 32768 + 256, 64, 132) == (5, 104)  # about 132 programs
+    assert prefill_split_plan(256, 32768 + 2048, 64, 132) == (1, 0)  # a 2,048-token chunk fills the device
+    assert prefill_split_plan(4, 1024, 64, 1000) == (2, 8)  # 16 tiles: two splits of the fewest tiles each
+    assert prefill_split_plan(4, 960, 64, 1000) == (1, 0)  # 15 tiles: too few to split
+
+
 def test_a_short_span_is_split_a_tile_per_program():
     """The decode kernel's split plan: a short span's tiles go to programs of their own (one program streaming
     them one after the other waits on each tile's loads in turn; docs/BENCHMARKS.md, "The decode kernel at short

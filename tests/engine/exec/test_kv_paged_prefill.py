@@ -66,9 +66,11 @@ def interpreter_check(storage: str, hq: int) -> None:
         cache.bind(slots, span)
         reference = cache.reference.attend(cache, 0, q, positions)
         out = kernel.paged(cache, 0, q, positions)  # the backend's dispatch: more than 8 queries -> prefill kernel
-        # tiles inside one block (its keys each through the table, one entry a tile, TMA), tiles across blocks
+        # tiles inside one block (its keys each through the table, one entry a tile, TMA), tiles across blocks,
+        # and each program's keys split in three (split_programs far above the launch's programs) then combined
         for config in (PrefillConfig(32, 16, 4, 2, "gather"), PrefillConfig(32, 16, 4, 2, "block"),
-                       PrefillConfig(32, 8, 4, 2, "tma"), PrefillConfig(16, 32, 4, 2)):
+                       PrefillConfig(32, 8, 4, 2, "tma"), PrefillConfig(16, 32, 4, 2),
+                       PrefillConfig(32, 8, 4, 2, "block", 1000), PrefillConfig(16, 8, 4, 2, "tma", 1000)):
             again = paged_prefill_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
                                             span, CONTEXT, config)
             assert torch.allclose(again, out, atol=1e-5), (case, config)

@@ -105,7 +105,10 @@ def test_captured_prefill_kernel_replays_with_a_new_start_and_block_table_like_e
 def test_engine_greedy_tokens_are_the_same_with_the_prefill_kernel_on_and_off(ckpt, kv, monkeypatch):
     """Prompts of several chunks (256-token chunks), fp32 (exact dots on both paths), graphs on: PAGED_PREFILL
     on runs every chunk through the prefill kernel, off through the gather + SDPA reference (PAGED_ATTN on in
-    both: decode takes the decode kernel either way)."""
+    both: decode takes the decode kernel either way). Chunks run between the steps: beside them, which rows a
+    decode step batches depends on timing, and cuBLAS rounds a wide projection differently by batch, so the
+    comparison would test the schedule as well as the kernel (the int8 case failed once that way in the
+    2026-12-02 suite, on a launch identical to the runs that passed)."""
     import engine.model.attention.triton_prefill as prefill
 
     calls = []
@@ -116,7 +119,7 @@ def test_engine_greedy_tokens_are_the_same_with_the_prefill_kernel_on_and_off(ck
     tokens = {}
     for prefill_on in (False, True):
         engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=3, context=4096, kv=kv,
-                                     prefill_chunk_tokens=256, step_token_budget=512,
+                                     prefill_chunk_tokens=256, step_token_budget=512, prefill_overlap="off",
                                      switches={"PAGED_PREFILL": prefill_on}),
                         EventBus(history=100000), block_tokens=16)
         assert engine.runner.paged_enabled()

@@ -49,13 +49,14 @@ def _front_end(kernel, scale_name: str, scale_type: str, constexprs: dict[str, o
 
 
 @pytest.mark.parametrize("scale_type", ["fp32", "fp64"])
-@pytest.mark.parametrize("int8,loads", [(False, 0), (True, 0), (False, 1), (False, 2), (True, 2)])
-def test_prefill_kernel_compiles_with_the_scale_torch_compile_passes(scale_type, int8, loads):
+@pytest.mark.parametrize("int8,loads,splits", [(False, 0, 1), (True, 0, 1), (False, 1, 3), (False, 2, 1),
+                                               (True, 2, 3)])
+def test_prefill_kernel_compiles_with_the_scale_torch_compile_passes(scale_type, int8, loads, splits):
     from engine.model.attention.triton_prefill import _paged_prefill_kernel
 
     _front_end(_paged_prefill_kernel, "qk_scale", scale_type,
                dict(G=2, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PAGE=64, INT8=int8, PRECISION="tf32",
-                    LOADS=loads))
+                    LOADS=loads, SPLITS=splits))
 
 
 @pytest.mark.parametrize("scale_type", ["fp32", "fp64"])
