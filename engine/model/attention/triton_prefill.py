@@ -179,8 +179,9 @@ def _paged_prefill_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where(real[:, None], out, 0.0)
-    if SPLITS > 1:  # each split's normalized part and its log-sum-exp (base 2), rows laid out as the decode
-        # kernel's splits ((KV head, split) then query row g * T + t) for triton_paged's combine kernel
+    if SPLITS > 1:  # each split's normalized part and its log-sum-exp (the running max is in base 2: converted
+        # to base e), rows laid out as the decode kernel's splits ((KV head, split), then query row g * T + t) for
+        # triton_paged's combine kernel
         lse = tl.where(real & (l_i > 0), (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) / _LOG2E_JIT, float("-inf"))
         base = ((b * (tl.num_programs(0) // G) + h) * SPLITS + split) * (G * T) + (head % G) * T
         tl.store(mid_lse_ptr + base + t, lse, mask=row_ok)
