@@ -197,8 +197,13 @@ def split_plan(batch: int, num_kv_heads: int, span_tokens: int, tile_tokens: int
                min_split_tiles: int = DEFAULT_CONFIG.min_split_tiles) -> tuple[int, int]:
     """(splits, tiles per split) for a static span: enough programs to fill the device, each streaming at
     least `min_split_tiles` tiles. Depends only on static shapes, so a captured graph keeps it."""
-    tiles = -(-span_tokens // tile_tokens)
-    want = max(1, -(-_TARGET_PROGRAMS // (batch * num_kv_heads)))
+    return even_splits(-(-span_tokens // tile_tokens), -(-_TARGET_PROGRAMS // (batch * num_kv_heads)),
+                       min_split_tiles)
+
+
+def even_splits(tiles: int, want: int, min_split_tiles: int) -> tuple[int, int]:
+    """(splits, tiles per split): `tiles` key tiles in up to `want` splits of at least `min_split_tiles` each,
+    as even as whole tiles allow (the decode kernel's and the prefill kernel's split keys)."""
     splits = max(1, min(want, tiles // min_split_tiles))
     per_split = -(-tiles // splits)
     return -(-tiles // per_split), per_split

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.attention.triton_paged import combine_splits, pool_sources, scale_pools, tile_loads
+from engine.model.attention.triton_paged import combine_splits, even_splits, pool_sources, scale_pools, tile_loads
 from engine.model.attention.triton_paged_config import PrefillConfig, default_prefill_config
 
 
@@ -253,6 +253,4 @@ def prefill_split_plan(programs: int, span_tokens: int, tile_tokens: int, split_
     tiles = -(-span_tokens // tile_tokens)
     if split_programs <= programs or tiles < 2 * _MIN_SPLIT_TILES:
         return 1, 0
-    splits = min(-(-split_programs // programs), tiles // _MIN_SPLIT_TILES)
-    per_split = -(-tiles // splits)
-    return -(-tiles // per_split), per_split
+    return even_splits(tiles, -(-split_programs // programs), _MIN_SPLIT_TILES)
