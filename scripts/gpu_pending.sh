@@ -122,15 +122,16 @@ step attention_decode_loads 120 "$PY" -m engine.bench attention --device cuda:0 
     --batches 1,6 --q-lens 1 --backends triton --iters 10 \
     --tune 64x4x2x1xgather,64x4x2x1xblock,64x4x2x1xtma,64x4x3x1xtma,64x8x2x1xtma,64x4x4x1xtma \
     --json "$OUT/attention_decode_loads.json"
-# a short prompt chunk deep into a span (a reused prompt's tail, a new turn of a long conversation): each program's keys
-# split to fill the device (PrefillConfig.split_programs, xN), against one pass (the default), 256 and 512 tokens
+# a short prompt chunk deep into a span (a reused prompt's tail, a new turn of a long conversation): the default
+# splits each program's keys when a launch has fewer programs than PrefillConfig.split_programs (132); against one
+# pass (a tune without xN) and other targets (xN), 256 and 512 tokens
 step attention_split 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 10 \
     --prefill-prefixes 8K,32K,128K --prefill-chunk 256 --backends triton \
-    --prefill-tune 128x64x4x3xtmax132,128x64x4x3xtmax264,64x64x4x3xtmax132,128x128x8x2xgatherx132 \
+    --prefill-tune 128x64x4x3xtma,128x64x4x3xtmax264,128x64x4x3xtmax396,64x64x4x3xtmax264,128x128x8x2xgather,128x128x8x2xgatherx264 \
     --json "$OUT/attention_split_256.json"
 step attention_split_512 90 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 10 \
     --prefill-prefixes 32K,128K --prefill-chunk 512 --backends triton \
-    --prefill-tune 128x64x4x3xtmax132,128x64x4x3xtmax264,128x128x8x2xgatherx132 \
+    --prefill-tune 128x64x4x3xtma,128x64x4x3xtmax264,128x128x8x2xgather \
     --json "$OUT/attention_split_512.json"
 # the 176K first token alone with today's defaults, bf16 and int8 KV
 step ttft_176k 120 "$PY" -m engine.bench ttft --model random:0.6b --device cuda:0 --prompt-sizes 176K \
@@ -169,6 +170,12 @@ for paged in 0 1; do  # the prompt-chunk kernel end to end: TTFT of fresh prompt
 done
 step reuse 90 "$PY" -m engine.bench reuse --model random:0.6b --device cuda:0 --prompt-sizes 32K \
     --json "$OUT/reuse.json"
+# where a step's time goes on strata-tiny, plain and with MTP at depth 1 and 2 (a depth-2 step cost 1.77x a plain one)
+PROFILE_TINY=("$PY" -m engine.bench profile --model builtin:strata-tiny --device cuda:0 --batch 1 --steps 64 --top 25
+)
+step profile_tiny_mtp_0 90 "${PROFILE_TINY[@]}" --json "$OUT/profile_tiny_mtp_0.json"
+step profile_tiny_mtp_1 90 "${PROFILE_TINY[@]}" --batch-mtp --mtp-depth 1 --json "$OUT/profile_tiny_mtp_1.json"
+step profile_tiny_mtp_2 90 "${PROFILE_TINY[@]}" --batch-mtp --mtp-depth 2 --json "$OUT/profile_tiny_mtp_2.json"
 step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device cuda:0 --random-model 0.6b \
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
 step linear 150 "$PY" -m engine.bench linear --device cuda:0 --rows 1,6,18 --iters 50 \
@@ -200,6 +207,8 @@ step mtp_2 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cud
 # (`git archive d705eb3 engine ':!engine/models' | tar -x -C baseline_d705`; the embedded model is copied in here)
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/engine" ]; then
     [ -d "$BASELINE/engine/models" ] || cp -r engine/models "$BASELINE/engine/"
+    step reuse_baseline 90 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench reuse \
+        --model random:0.6b --device cuda:0 --prompt-sizes 32K --json "$OUT/reuse_baseline.json"
     step attention_loads_baseline 90 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench \
         attention --device cuda:0 --rows prefill --iters 5 --prefill-prefixes 32K,128K --backends triton \
         --json "$OUT/attention_loads_baseline.json"

@@ -162,7 +162,8 @@ class StepLog:
         sizes = [c.num_tokens for c in chunks]
         beside = [c for t in self.timings for c in t.landed]
         return {
-            "during_chunks": len(chunks), "during_chunk_s": sum(c.seconds for c in chunks),
+            "during_chunks": len(chunks), "during_chunk_tokens": sum(sizes),
+            "during_chunk_s": sum(c.seconds for c in chunks),
             # chunks beside the steps (engine.exec.chunk_stream): their device time overlaps the decode time
             "during_chunks_beside": len(beside), "during_chunk_beside_s": sum(c.seconds for c in beside),
             "during_decode_s": sum(t.decode_s or 0.0 for t in self.timings),

@@ -21,7 +21,7 @@ import argparse
 from typing import Any
 
 from engine.bench.common import device_of, emit, random_prompt, save_partial
-from engine.bench.engine_driver import BenchEngine, build_engine, generate_all
+from engine.bench.engine_driver import BenchEngine, StepLog, build_engine, generate_all
 
 _CONTEXT_MARGIN_TOKENS = 64
 _WARMUP_PROMPT_TOKENS = 256
@@ -52,7 +52,9 @@ def _placement_row(args: argparse.Namespace, path: str, size: int) -> dict[str, 
             prompt = random_prompt(size, vocab, seed=11 + pair)
             fresh = generate_all(bench, [prompt], 1)
             _drain(bench)
-            again = generate_all(bench, [prompt], 1)
+            with StepLog(bench) as log:
+                again = generate_all(bench, [prompt], 1)
+            parts = log.summary()
             _drain(bench)
             fresh_s.append(fresh.ttft_s[0])
             reused_s.append(again.ttft_s[0])
@@ -61,6 +63,11 @@ def _placement_row(args: argparse.Namespace, path: str, size: int) -> dict[str, 
         return {"path": path, "tier_device": str(tier.device), "prompt_tokens": size, "fresh_ttft_s": fresh_s[-1],
                 "reused_ttft_s": reused_s[-1], "cached_tokens": again.cached_tokens[0],
                 "reused_over_fresh": reused_s[-1] / fresh_s[-1], "fresh_ttft_s_each": fresh_s,
+                # where the last reuse's time went: its tail chunk (device-synchronized, as the pacer times it)
+                # and the rest (admission, mapping the prefix, the first token's sampling, the steps' upkeep)
+                "reused_tail_tokens": parts["during_chunk_tokens"], "reused_chunks": parts["during_chunks"],
+                "reused_chunk_s": parts["during_chunk_s"],
+                "reused_other_s": reused_s[-1] - parts["during_chunk_s"] - parts["during_fill_s"],
                 "reused_ttft_s_each": reused_s, "shared_blocks": tier.shared_blocks,
                 "copied_blocks": tier.copied_in_blocks, "graphs_active": bench.graphs_active}
     finally:
@@ -78,5 +85,5 @@ def run(args: argparse.Namespace) -> int:
     summary = {f"reused_over_fresh_{r['prompt_tokens']}_{r['path']}": r["reused_over_fresh"] for r in rows}
     emit(args, "reuse", rows, summary, device,
          ("path", "tier_device", "prompt_tokens", "fresh_ttft_s", "reused_ttft_s", "cached_tokens", "reused_over_fresh",
-          "shared_blocks", "copied_blocks", "graphs_active"))
+          "reused_tail_tokens", "reused_chunks", "reused_chunk_s", "reused_other_s", "shared_blocks", "copied_blocks", "graphs_active"))
     return 0

@@ -56,9 +56,13 @@ DEFAULT_CONFIG = KernelConfig()
 # 2026-12-01 (fifth)"): the fastest measured shape per KV dtype at 8K, 32K and 128K cached tokens.
 # The twelfth session's `--prefill-tune ...xLOADS` moved bf16 to TMA loads of one-block tiles. int8 keeps its tile of
 # two blocks (keys through the table one by one), the shape its end-to-end figures of that session ran.
-DEFAULT_PREFILL_CONFIG_BF16 = PrefillConfig(query_tokens=128, tile_tokens=64, num_warps=4, num_stages=3, loads="tma")
+# A launch of fewer programs than the device has SMs (a short chunk deep into a span: a reused prompt's tail, a new
+# turn of a long conversation) splits its keys to about one program per SM (132 on an H100 / H200).
+PREFILL_SPLIT_PROGRAMS = 132
+DEFAULT_PREFILL_CONFIG_BF16 = PrefillConfig(query_tokens=128, tile_tokens=64, num_warps=4, num_stages=3, loads="tma",
+                                            split_programs=PREFILL_SPLIT_PROGRAMS)
 DEFAULT_PREFILL_CONFIG_INT8 = PrefillConfig(query_tokens=128, tile_tokens=128, num_warps=8, num_stages=2,
-                                            loads="gather")
+                                            loads="gather", split_programs=PREFILL_SPLIT_PROGRAMS)
 
 
 def default_prefill_config(int8_kv: bool) -> PrefillConfig:

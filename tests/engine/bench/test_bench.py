@@ -86,6 +86,10 @@ def test_reuse_serves_a_repeated_prompt_from_the_tier(tmp_path: Path) -> None:
         assert 0 < row["cached_tokens"] < 600  # whole blocks from the tier; the tail is prefilled again
         assert row["reused_ttft_s"] < row["fresh_ttft_s"]
         assert math.isclose(row["reused_over_fresh"], row["reused_ttft_s"] / row["fresh_ttft_s"])
+        # the reuse's time taken apart: its tail (the tokens past the last whole tier block) in one chunk, the rest
+        assert row["reused_tail_tokens"] == 600 - row["cached_tokens"]
+        assert 0 < row["reused_chunk_s"] < row["reused_ttft_s"]
+        assert math.isclose(row["reused_chunk_s"] + row["reused_other_s"], row["reused_ttft_s"], abs_tol=1e-9)
         # two distinct prompts, each fresh then again; the row's figures are the last pair's
         assert len(row["fresh_ttft_s_each"]) == len(row["reused_ttft_s_each"]) == 2
         assert (row["fresh_ttft_s_each"][-1], row["reused_ttft_s_each"][-1]) == (row["fresh_ttft_s"],
