@@ -127,7 +127,9 @@ class Engine:
         in the scheduler with no generator, and the next three steps failed)."""
         if self._dead_reason is not None:
             raise EngineDead(self._dead_reason)
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        # min / max scan in C; the generator names the first bad id only when there is one (a 176K prompt)
+        in_range = not prompt_token_ids or (min(prompt_token_ids) >= 0 and max(prompt_token_ids) < self.vocab_size)
+        bad = None if in_range else next(t for t in prompt_token_ids if not 0 <= t < self.vocab_size)
         if bad is not None:  # an out-of-range id would fail inside the embedding and take the step down
             raise RequestRejected(f"prompt token id {bad} is outside this model's vocabulary "
                                   f"(0..{self.vocab_size - 1})", param="prompt")
@@ -322,7 +324,7 @@ class Engine:
         if self.mtp_on:
             try:
                 if self.drafter.fused and on_device:
-                    result = device_result(*self.drafter.verify_and_draft(rows, params, gens), len(rows))
+                    result = device_result(*self.drafter.verify_and_draft(rows, params, gens), rows=len(rows))
                     self._record_drafts(reqs, result.accepted)
                 else:
                     out = self.runner.verify(rows)
@@ -334,7 +336,7 @@ class Engine:
                 self._mtp_off(exc)
         if result is None:
             out = self.runner.decode(rows)
-            result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky)
+            result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky, out.best)
         now_s = time.monotonic()
         logprobs = result.logprobs or [None] * len(reqs)
         for i, (req, tokens) in enumerate(zip(reqs, result.tokens)):

@@ -154,6 +154,10 @@ step kvspill_six 150 "$PY" -m engine.bench kvspill --model random:0.6b --device 
 step oom_pressure 90 "${GPU_TEST[@]}" -s tests/engine/exec/test_oom_gpu.py -k real_pressure
 step kv_resident_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_resident_gpu.py
 step prefill_kernel_tests 150 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_prefill_gpu.py
+# the step's own inputs and outputs: packed inputs refilled with one copy, the decode graph's argmax, the fused MTP
+# step's accepted and tokens side by side: every kind replayed against eager, engines' greedy tokens
+step host_cut_tests 150 "${GPU_TEST[@]}" tests/engine/exec/test_graphs_runner.py tests/engine/test_engine_gpu.py \
+    tests/engine/exec/test_kv_paged_prefill_gpu.py -k "replay_equals_eager or greedy_with_graphs or engine_greedy"
 step moe_tests 120 "${GPU_TEST[@]}" tests/engine/model/test_moe_gpu.py
 
 step attention_prefill 120 "$PY" -m engine.bench attention --device cuda:0 --rows prefill --iters 10 \
@@ -212,6 +216,11 @@ if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/engine" ]; then
     step attention_loads_baseline 90 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench \
         attention --device cuda:0 --rows prefill --iters 5 --prefill-prefixes 32K,128K --backends triton \
         --json "$OUT/attention_loads_baseline.json"
+    step profile_ops_1_baseline 90 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench \
+        profile --model random:0.6b --device cuda:0 --batch 1 --steps 64 --top 12 \
+        --json "$OUT/profile_ops_1_baseline.json"
+    step mtp_2_base 70 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" "$PY" -m engine.bench mtp \
+        --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 2 --json "$OUT/mtp_2_base.json"
     for depth in 1 2; do  # its bench times one run per mode: three of them, each its own process
         step mtp_${depth}_baseline 150 env -C "$BASELINE" PYTHONPATH="/tmp/site:$PWD/$BASELINE" bash -c \
             "for i in 1 2 3; do $PY -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 \

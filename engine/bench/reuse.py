@@ -12,12 +12,17 @@ and the tier blocks the slots mapped (`shared_blocks`) and copied (`copied_block
 Why pairs: a reused prompt's tail (the tokens past its last whole tier block) is a short chunk deep into a span,
 whose graph is captured on its (tokens, span) bucket's second sight and replayed from the third (docs/GRAPHS.md,
 "Short prompt chunks"); the first pair's reuse runs it eagerly, the second captures it, the third is what a
-server that has seen prompts of that length before does.
+server that has seen prompts of that length before does. The last reuse's time is taken apart: its tail chunk
+(`reused_chunk_s`, device-synchronized) and the rest (`reused_other_s`); one more pair then runs its reuse under
+cProfile (`reused_host_cum_ms`, `reused_host_own_ms`: the host functions that took the longest).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import os
+import pstats
 from typing import Any
 
 from engine.bench.common import device_of, emit, random_prompt, save_partial
@@ -33,6 +38,26 @@ def _drain(bench: BenchEngine) -> None:
         if not bench.engine.has_work:
             return
         bench.step()
+
+
+def _host_profile(bench: BenchEngine, prompt: list[int], top: int = 25) -> dict[str, Any]:
+    """One more pair, its reuse under cProfile (slower: not a speed figure): the functions with the most time in
+    the reuse, cumulative (`reused_host_cum_ms`: where the time nests) and own (`reused_host_own_ms`)."""
+    generate_all(bench, [prompt], 1)
+    _drain(bench)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    stats = generate_all(bench, [prompt], 1)
+    profiler.disable()
+    _drain(bench)
+    entries = [(f"{os.path.basename(path)}:{line}:{name}", tottime, cumtime)
+               for (path, line, name), (_cc, _calls, tottime, cumtime, _callers)
+               in pstats.Stats(profiler).stats.items()]  # type: ignore[attr-defined]
+
+    def ranked(key: int) -> dict[str, float]:
+        return {e[0]: round(e[key] * 1e3, 3) for e in sorted(entries, key=lambda e: e[key], reverse=True)[:top]}
+    return {"reused_profiled_ttft_s": stats.ttft_s[0], "reused_host_cum_ms": ranked(2),
+            "reused_host_own_ms": ranked(1)}
 
 
 _PATHS = {"copy": (None, False), "shared": (None, True)}  # path -> (peer device, SHARED_PREFIX)
@@ -58,6 +83,7 @@ def _placement_row(args: argparse.Namespace, path: str, size: int) -> dict[str, 
             _drain(bench)
             fresh_s.append(fresh.ttft_s[0])
             reused_s.append(again.ttft_s[0])
+        profiled = _host_profile(bench, random_prompt(size, vocab, seed=11 + max(1, args.pairs)))
         tier = bench.engine.tier
         # how the reused blocks reached the slot: mapped from the KV pool (shared) or copied from own blocks
         return {"path": path, "tier_device": str(tier.device), "prompt_tokens": size, "fresh_ttft_s": fresh_s[-1],
@@ -68,7 +94,7 @@ def _placement_row(args: argparse.Namespace, path: str, size: int) -> dict[str, 
                 "reused_tail_tokens": parts["during_chunk_tokens"], "reused_chunks": parts["during_chunks"],
                 "reused_chunk_s": parts["during_chunk_s"],
                 "reused_other_s": reused_s[-1] - parts["during_chunk_s"] - parts["during_fill_s"],
-                "reused_ttft_s_each": reused_s, "shared_blocks": tier.shared_blocks,
+                "reused_ttft_s_each": reused_s, **profiled, "shared_blocks": tier.shared_blocks,
                 "copied_blocks": tier.copied_in_blocks, "graphs_active": bench.graphs_active}
     finally:
         bench.close()

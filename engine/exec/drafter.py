@@ -49,7 +49,7 @@ class MtpDrafter:
     # --- the fused step ---------------------------------------------------------------------------------------
 
     def verify_and_draft(self, rows: list[Row], params: list | None = None,
-                         generators: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         generators: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Verify, acceptance and the next round's drafts in one step function (kind verify_draft).
 
         Acceptance needs no host: greedy rows accept drafts while they equal the argmax; sampled rows run the
@@ -57,8 +57,9 @@ class MtpDrafter:
         each request's own generator, exactly as the separate path draws them. So the draft round (and its
         chain steps) can follow on the device, reading the emitted tokens and the accepted count where
         `round()` gets them from the host. `params` None (or all greedy): the argmax-only variant. Returns
-        (accepted [Bb], tokens [Bb, K+1]) on the device, a row emitting tokens[:accepted + 1]; the drafts are in
-        draft_buf. Same tokens and drafts as verify + sample_with_drafts + round.
+        (accepted [Bb], tokens [Bb, K+1], the two side by side [Bb, K+2]) on the device, a row emitting
+        tokens[:accepted + 1]; the drafts are in draft_buf. Same tokens and drafts as verify + sample_with_drafts
+        + round.
         """
         r, k = self.runner, self.depth
         slots, positions = r.pad_rows(rows, k + 1)
@@ -78,7 +79,7 @@ class MtpDrafter:
         # execution (a capture retried after an out-of-memory, a degraded switch's rerun) would verify the
         # drafts the first one made. Padded rows write the buffer's scratch row.
         r.draft_buf.index_copy_(0, inputs["draft_rows"], out["drafts"])
-        return out["accepted"], out["tokens"]
+        return out["accepted"], out["tokens"], out["emitted"]
 
     def _fused_build(self, bb: int, span: int, mode: str = "greedy"):
         k = self.depth
@@ -109,7 +110,10 @@ class MtpDrafter:
                                  "positions": pos, "pick": zero})
                     drafts.append(d["draft"])
                     h = d["h"]
-                return {"accepted": accepted, "tokens": tokens, "drafts": torch.stack(drafts, dim=1)}
+                # accepted and tokens side by side as well: the host reads both with one copy, no cat after
+                emitted = torch.cat([accepted.view(bb, 1), tokens], dim=1)
+                return {"accepted": accepted, "tokens": tokens, "emitted": emitted,
+                        "drafts": torch.stack(drafts, dim=1)}
 
             # Greedy keeps the verify-like key; the sampled variants (other inputs, other kernels) say so.
             mode_tag = () if mode == "greedy" else (mode,)

@@ -30,6 +30,7 @@ from engine.exec.executor import GraphDegraded, StepFn
 from engine.exec.fault_injection import FaultPlan
 from engine.exec.gpu_errors import classify, exception_chain, real_message, sticky_from
 from engine.exec.graph_backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
+from engine.exec.graph_inputs import Pack, fill_inputs, stage_inputs
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent
 
@@ -65,6 +66,7 @@ class GraphEntry:
     mib: float
     capture_ms: float
     replays: int = 0
+    packs: list[Pack] = field(default_factory=list)  # inputs refilled with one copy (engine.exec.graph_inputs)
 
 
 @dataclass
@@ -187,8 +189,14 @@ class GraphCache:
 
     def _capture_with_recovery(self, kind: str, key: Hashable, fn: StepFn, inputs: Mapping[str, Any],
                                owner: str | None) -> GraphEntry:
+        static_inputs, scalars, packs = stage_inputs(inputs)
+        entry = self._capture_staged(kind, key, fn, static_inputs, scalars, owner)
+        entry.packs = packs  # until here a replay would refill the pack's views one by one: the same bytes
+        return entry
+
+    def _capture_staged(self, kind: str, key: Hashable, fn: StepFn, static_inputs: dict, scalars: dict,
+                        owner: str | None) -> GraphEntry:
         started = time.perf_counter()
-        static_inputs, scalars = _stage_inputs(inputs)
         step = self.compiler.prepare(fn)
         result = self._attempt(kind, key, step, static_inputs, scalars, owner)
         if isinstance(result, _Failure) and step is not fn and result.category == "other":
@@ -342,22 +350,8 @@ class GraphCache:
         return max(tried_mib, self._size_hint_mib.get(kind, 0.0), self.default_need_mib)
 
     def _fill(self, entry: GraphEntry, inputs: Mapping[str, Any]) -> None:
-        what = f"{entry.kind} graph {key_text(entry.key)}"
-        expected = set(entry.static_inputs) | set(entry.scalars)
-        if set(inputs) != expected:
-            raise ValueError(f"{what}: inputs {sorted(inputs)} differ from the captured {sorted(expected)}")
-        for name, value in inputs.items():
-            if name in entry.scalars:
-                if value != entry.scalars[name]:
-                    raise ValueError(f"{what}: non-tensor input {name!r} changed from {entry.scalars[name]!r} to "
-                                     f"{value!r}; graphs fix it at capture, so put it in the key")
-                continue
-            static = entry.static_inputs[name]
-            if tuple(value.shape) != tuple(static.shape) or value.dtype != static.dtype:
-                raise ValueError(f"{what}: input {name!r} is {tuple(value.shape)} {value.dtype}, captured as "
-                                 f"{tuple(static.shape)} {static.dtype}; the key must fix the shapes")
-            if value.data_ptr() != static.data_ptr():
-                static.copy_(value)
+        fill_inputs(f"{entry.kind} graph {key_text(entry.key)}", entry.static_inputs, entry.scalars, entry.packs,
+                    inputs)
 
     def _emit(self, action: str, kind: str, key: Hashable, mib: float = 0.0, ms: float = 0.0,
               error: str | None = None) -> None:
@@ -366,17 +360,6 @@ class GraphCache:
 
     def _degrade_switch(self, name: str, reason: str) -> None:
         self.board.degrade(name, reason, self.bus, where="graphs")
-
-
-def _stage_inputs(inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Static copies of the tensor inputs (the graph reads these addresses) and the non-tensor inputs."""
-    tensors, scalars = {}, {}
-    for name, value in inputs.items():
-        if hasattr(value, "data_ptr") and hasattr(value, "clone"):
-            tensors[name] = value.detach().clone()
-        else:
-            scalars[name] = value
-    return tensors, scalars
 
 
 def _drop_tracebacks(exc: BaseException) -> None:

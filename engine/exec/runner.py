@@ -84,6 +84,7 @@ class StepOutput:
     hidden: torch.Tensor  # [Bb, T, H] after the final norm
     drafts: torch.Tensor | None = None  # verify: [Bb, K] the drafts that were checked
     span_tokens: int = 0
+    best: torch.Tensor | None = None  # decode: [Bb, 1] the argmax, in the step's graph (greedy rows read it)
 
 
 class PinnedStager:
@@ -319,7 +320,7 @@ class ModelRunner:
         span = self.span_bucket(max(r.position for r in rows) + 1)
         tokens = [r.token for r in rows] + [0] * (bb - len(rows))
         out = self.run("decode", self._decode_build(bb, span), self._decode_inputs(slots, tokens, positions))
-        return StepOutput(out["logits"], out["hidden"], span_tokens=span)
+        return StepOutput(out["logits"], out["hidden"], span_tokens=span, best=out["best"])
 
     def _decode_inputs(self, slots: list[int], tokens: list[int], positions: list[list[int]]) -> dict:
         bb = len(slots)
@@ -330,7 +331,15 @@ class ModelRunner:
     def _decode_build(self, bb: int, span: int) -> StepBuilder:
         def build(split: bool):
             key = GraphKey.of(f"b{bb}", f"L{span}", switches=split_switches(split))
-            return key, self._forward_fn(span, split)
+            forward = self._forward_fn(span, split)
+
+            def decode_fn(x):
+                # the greedy token inside the replay: outside it, the argmax is one more launch and its host
+                # time on every step (a sampled row leaves it unread)
+                out = forward(x)
+                return {**out, "best": out["logits"].argmax(dim=-1)}
+
+            return key, decode_fn
 
         return build
 

@@ -219,11 +219,13 @@ def sample_with_drafts(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     histories: list[History] | None = None,
+    best: torch.Tensor | None = None,
 ) -> SampleResult:
     """Sample the next token(s) of B rows. logits [B, T, V]; drafts [B, T-1] long on the same device, or None.
 
     Rows beyond len(params) are batch padding and are ignored. `histories` (prompt and output ids per row)
-    are needed when a row is `penalized`.
+    are needed when a row is `penalized`. `best`: the logits' argmax [B, T] where the step computed it already
+    (a decode graph), for greedy rows without penalties.
     """
     rows = len(params)
     raw = logits = logits[:rows]
@@ -233,7 +235,7 @@ def sample_with_drafts(
             raise ValueError("penalties and logit_bias need each row's history")
         logits = penalize(logits, drafts, params, histories)
     if all(p.temperature <= 0 for p in params):
-        result = _greedy(logits, drafts)
+        result = _greedy(logits, drafts, best[:rows] if best is not None and logits is raw else None)
     else:
         inputs = sampling_inputs(params, generators, logits.shape[1], logits.device)
         accepted, tokens = sample_on_device(logits, drafts, inputs.temperature, inputs.top_p, inputs.uniforms,
@@ -265,10 +267,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[list[int]], params: list[S
     return out
 
 
-def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None) -> SampleResult:
-    """All rows greedy: the argmax at each position; drafts are accepted while they equal it. Same result as
-    the general path with one-hot distributions, in a handful of kernels (the common serving case)."""
-    best = logits.argmax(dim=-1)  # [B, T]
+def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None, best: torch.Tensor | None = None) -> SampleResult:
+    """All rows greedy: the argmax at each position (`best`, when the step computed it); drafts are accepted
+    while they equal it. Same result as the general path with one-hot distributions, in a handful of kernels
+    (the common serving case)."""
+    best = logits.argmax(dim=-1) if best is None else best  # [B, T]
     k = best.shape[1] - 1
     if k > 0 and drafts is not None:
         accepted = (best[:, :k] == drafts).long().cumprod(dim=-1).sum(dim=-1)
@@ -278,14 +281,18 @@ def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None) -> SampleResult:
     return SampleResult([0] * len(rows), rows)
 
 
-def device_result(accepted: torch.Tensor, tokens: torch.Tensor, rows: int) -> SampleResult:
-    """The first `rows` rows of a verify sampled on the device (MtpDrafter.verify_and_draft)."""
-    return _to_host(accepted[:rows], tokens[:rows])
+def device_result(accepted: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor, rows: int) -> SampleResult:
+    """The first `rows` rows of a verify sampled on the device (MtpDrafter.verify_and_draft: `emitted` holds
+    accepted and tokens side by side, [Bb, 1 + T])."""
+    return _rows_to_host(emitted[:rows].tolist())
 
 
 def _to_host(accepted: torch.Tensor, tokens: torch.Tensor) -> SampleResult:
     """One device-to-host copy for both: [B, 1 + T] -> per-row accepted count and emitted tokens."""
-    host = torch.cat([accepted.view(-1, 1), tokens], dim=1).tolist()
+    return _rows_to_host(torch.cat([accepted.view(-1, 1), tokens], dim=1).tolist())
+
+
+def _rows_to_host(host: list[list[int]]) -> SampleResult:
     return SampleResult([row[0] for row in host], [row[1: row[0] + 2] for row in host])
 
 
@@ -296,6 +303,7 @@ def sample_isolating_rows(
     generators: list[torch.Generator],
     histories: list[History] | None,
     is_fatal: Callable[[BaseException], bool],
+    best: torch.Tensor | None = None,
 ) -> tuple[SampleResult, dict[int, BaseException]]:
     """`sample_with_drafts`, but a failure caused by one row's parameters or history fails that row only.
 
@@ -304,7 +312,7 @@ def sample_isolating_rows(
     round can still run over the whole batch. The caller ends those requests.
     """
     try:
-        return sample_with_drafts(logits, drafts, params, generators, histories), {}
+        return sample_with_drafts(logits, drafts, params, generators, histories, best), {}
     except Exception as exc:  # noqa: BLE001 - sorted out row by row below
         if is_fatal(exc):
             raise

@@ -82,3 +82,20 @@ def test_sampled_verify_with_penalties_keeps_the_target_distribution():
     assert abs(len(seconds) / n - float(p0[draft])) < 0.02  # accepted with probability p0(draft)
     second = torch.bincount(torch.tensor(seconds), minlength=4).float() / len(seconds)
     assert torch.allclose(second, p1, atol=0.03), (second, p1)
+
+
+def test_greedy_rows_read_the_steps_argmax_and_penalized_or_sampled_rows_do_not():
+    """A decode graph hands its argmax (`best`) along: greedy rows take it as their token (no argmax launch after
+    the replay); a penalty changes the logits, so a penalized row takes the argmax of its penalized logits."""
+    logits = torch.tensor([[[0.0, 3.0, 1.0, 2.0]], [[4.0, 0.0, 1.0, 0.5]], [[0.0, 0.0, 0.0, 0.0]]])
+    best = logits.argmax(dim=-1)
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    gens = [make_generator(1), make_generator(2)]
+    assert sample_with_drafts(logits, None, greedy, gens, best=best).tokens == [[1], [0]]
+    # the step's own argmax is what is read (a stand-in tells them apart): rows past the params are padding
+    stand_in = torch.tensor([[2], [3], [1]])
+    assert sample_with_drafts(logits, None, greedy, gens, best=stand_in).tokens == [[2], [3]]
+    biased = [SamplingParams(temperature=0.0, logit_bias=((2, 10.0),))] * 2
+    assert sample_with_drafts(logits, None, biased, gens, [([], [])] * 2, best=stand_in).tokens == [[2], [2]]
+    sampled = [SamplingParams(temperature=1.0, seed=3, logit_bias=((3, 100.0),))] * 2
+    assert sample_with_drafts(logits, None, sampled, gens, [([], [])] * 2, best=stand_in).tokens == [[3], [3]]
