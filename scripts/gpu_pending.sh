@@ -143,6 +143,11 @@ step seed 560 "$PY" benchmarks/seed_scenario.py --runs ${SEED_RUNS:-5} --device 
 step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.py \
     tests/engine/model/test_triton_ops_gpu.py -k "interleave or beside or engine_greedy"
 step gpu_suite 400 "${GPU_TEST[@]}" --durations=60 --session-timeout=370 --junitxml="$OUT/gpu_suite.xml" tests
+# the same suite in two halves (each call of a session short of device time): every test's time in the JUnit files
+step gpu_suite_a 400 "${GPU_TEST[@]}" --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite_a.xml" \
+    tests/engine/exec tests/engine/model
+step gpu_suite_b 400 "${GPU_TEST[@]}" --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite_b.xml" \
+    tests --ignore=tests/engine/exec --ignore=tests/engine/model
 step tier_tests 90 "${GPU_TEST[@]}" -s -k "tier_takes_free_vram or small_release_takes_own_blocks" \
     tests/engine/test_engine_gpu.py tests/engine/exec/test_tier_shared_gpu.py
 step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs ${MOE_RUNS:-5} --device cuda:0 --random-model moe-bench \

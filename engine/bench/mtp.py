@@ -45,50 +45,69 @@ def prompts_for(bench: BenchEngine, source: str, batch: int, n_tokens: int) -> l
     return [ids[i * stride: i * stride + n_tokens] for i in range(batch)]
 
 
-def measure(args: argparse.Namespace, mtp: bool) -> tuple[list[dict[str, Any]], dict[int, list[list[int]]]]:
-    """Rows (and the generated tokens per batch size) for MTP drafting off or on."""
-    bench = build_engine(args, batch_mtp=mtp, batch=max(args.batches),
-                         context=args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS)
-    rows, outputs = [], {}
+# Both engines live at once, so neither may take the free VRAM for its prefix tier (the default on CUDA): the
+# bench's prompts need a few blocks.
+_TIER_BUDGET_MIB = 256.0
+
+
+def _row(args: argparse.Namespace, bench: BenchEngine, mtp: bool, batch: int, runs: list) -> dict[str, Any]:
+    rates = [r.decode_tok_s for r in runs]
+    stats = runs[0]
+    acceptance = stats.acceptance_per_position
+    return {
+        "mtp": "on" if mtp else "off", "depth": args.mtp_depth if mtp else 0, "batch": batch,
+        "decode_tok_s": statistics.median(rates), "decode_tok_s_min": min(rates), "decode_tok_s_max": max(rates),
+        "tokens_per_step": stats.tokens_per_step,
+        "acceptance": [None if a is None else round(a, 4) for a in acceptance],
+        "mtp_active": bench.engine.mtp_on, "steps": stats.steps,
+        "same_tokens_each_run": all(r.token_ids == stats.token_ids for r in runs),
+    }
+
+
+def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows of MTP off and on per batch size, and the summary. One engine each, both alive: their timed runs
+    alternate (off, on, on, off, ...), so a drift of the machine over the runs weighs on both modes alike; a
+    batch-1 step of a tiny model is a fraction of a millisecond and one run moves a lot from the next
+    (docs/BENCHMARKS.md, the eleventh and thirteenth sessions). Each mode's figure is the median of `--repeats`."""
+    context = args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS
+    budget = _TIER_BUDGET_MIB if device_of(args.device).type == "cuda" else None
+    benches = {}
     try:
+        for mtp in (False, True):
+            benches[mtp] = build_engine(args, batch_mtp=mtp, batch=max(args.batches), context=context,
+                                        tier_budget_mib=budget)
+        rows: list[dict[str, Any]] = []
+        summary: dict[str, Any] = {}
         for batch in args.batches:
-            prompts = prompts_for(bench, args.prompt_source, batch, args.prompt_tokens)
-            generate_all(bench, prompts, args.new_tokens)  # capture every bucket first
-            # A batch-1 step of a tiny model is a fraction of a millisecond, so one timed run moves a lot from one
-            # run to the next (docs/BENCHMARKS.md, the eleventh session): the figure is the median of repeats.
-            runs = [generate_all(bench, prompts, args.new_tokens) for _ in range(args.repeats)]
-            rates = [r.decode_tok_s for r in runs]
-            stats = runs[0]
-            outputs[batch] = stats.token_ids
-            acceptance = stats.acceptance_per_position
-            rows.append({
-                "mtp": "on" if mtp else "off", "depth": args.mtp_depth if mtp else 0, "batch": batch,
-                "decode_tok_s": statistics.median(rates), "decode_tok_s_min": min(rates),
-                "decode_tok_s_max": max(rates), "tokens_per_step": stats.tokens_per_step,
-                "acceptance": [None if a is None else round(a, 4) for a in acceptance],
-                "mtp_active": bench.engine.mtp_on, "steps": stats.steps,
-                "same_tokens_each_run": all(r.token_ids == stats.token_ids for r in runs),
-            })
+            prompts = prompts_for(benches[False], args.prompt_source, batch, args.prompt_tokens)
+            runs: dict[bool, list] = {False: [], True: []}
+            for mtp in (False, True):
+                generate_all(benches[mtp], prompts, args.new_tokens)  # capture every bucket first
+            for i in range(args.repeats):
+                for mtp in ((False, True) if i % 2 == 0 else (True, False)):
+                    runs[mtp].append(generate_all(benches[mtp], prompts, args.new_tokens))
+            off, on = (_row(args, benches[mtp], mtp, batch, runs[mtp]) for mtp in (False, True))
+            rows += [off, on]
+            if off["decode_tok_s"] and on["decode_tok_s"]:
+                summary[f"speedup_b{batch}"] = on["decode_tok_s"] / off["decode_tok_s"]
+                # each on run against the off run beside it: the spread of the speed-up itself
+                pairs = [b.decode_tok_s / a.decode_tok_s for a, b in zip(runs[False], runs[True])]
+                summary[f"speedup_b{batch}_pairs_min"] = min(pairs)
+                summary[f"speedup_b{batch}_pairs_max"] = max(pairs)
+            summary[f"tokens_per_step_b{batch}"] = on["tokens_per_step"]
+            summary[f"same_tokens_b{batch}"] = (runs[False][0].token_ids == runs[True][0].token_ids
+                                                and off["same_tokens_each_run"] and on["same_tokens_each_run"])
     finally:
-        bench.close()
-    return rows, outputs
+        for bench in benches.values():
+            bench.close()
+    return rows, summary
 
 
 def run(args: argparse.Namespace) -> int:
-    """MTP off, then on; speedups, tokens per step and the same-tokens check; print, write the JSON."""
+    """MTP off and on, their runs alternating; speedups, tokens per step and the same-tokens check; print, write
+    the JSON."""
     device = device_of(args.device)
-    off_rows, off_out = measure(args, mtp=False)
-    on_rows, on_out = measure(args, mtp=True)
-    rows = off_rows + on_rows
-    summary: dict[str, Any] = {}
-    for batch in args.batches:
-        off = next(r for r in off_rows if r["batch"] == batch)
-        on = next(r for r in on_rows if r["batch"] == batch)
-        if off["decode_tok_s"] and on["decode_tok_s"]:
-            summary[f"speedup_b{batch}"] = on["decode_tok_s"] / off["decode_tok_s"]
-        summary[f"tokens_per_step_b{batch}"] = on["tokens_per_step"]
-        summary[f"same_tokens_b{batch}"] = (off_out.get(batch) == on_out.get(batch) and off["same_tokens_each_run"]
-                                            and on["same_tokens_each_run"])
+    rows, summary = measure(args)
     if "speedup_b1" in summary:
         summary["meets_b1_target"] = summary["speedup_b1"] >= TARGET_SPEEDUP_B1
     emit(args, "mtp", rows, summary, device,

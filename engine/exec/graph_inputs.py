@@ -15,59 +15,70 @@ from typing import Any, Mapping
 
 import torch
 
-_View = tuple[str, tuple[int, ...], tuple[int, ...], int]  # name, shape, stride, storage offset within the base
+_View = tuple[str, tuple[int, ...], tuple[int, ...], int]  # name, shape, stride, storage offset
+
+
+def _storage_elements(value: torch.Tensor) -> int:
+    return value.untyped_storage().nbytes() // value.element_size()
+
+
+def _whole(value: torch.Tensor, elements: int) -> torch.Tensor:
+    """The whole storage behind `value`, flat. (Under inference mode a view has no `_base`: the storage says
+    which inputs are views of one tensor.)"""
+    return value.as_strided((elements,), (1,), 0)
 
 
 @dataclass(frozen=True)
 class Pack:
-    """Inputs that were views of one tensor at capture: their static copies are views of `base`."""
+    """Inputs that were views of one tensor at capture: their static copies are views of `base` (flat)."""
 
     base: torch.Tensor
     views: tuple[_View, ...]
 
     def source(self, inputs: Mapping[str, Any]) -> torch.Tensor | None:
-        """The tensor the inputs are views of, when they are laid out in it as at capture; else None."""
-        base = getattr(inputs.get(self.views[0][0]), "_base", None)
-        if base is None or base.shape != self.base.shape or base.dtype != self.base.dtype:
+        """The tensor the inputs are views of (flat), when they are laid out in it as at capture; else None."""
+        first = inputs.get(self.views[0][0])
+        if not isinstance(first, torch.Tensor) or first.dtype != self.base.dtype:
             return None
+        storage = first.untyped_storage()
+        if storage.nbytes() != self.base.untyped_storage().nbytes():
+            return None
+        ptr = storage.data_ptr()
         for name, shape, stride, offset in self.views:
             value = inputs[name]
-            if (value._base is not base or tuple(value.shape) != shape or value.stride() != stride
-                    or value.storage_offset() - base.storage_offset() != offset):
+            if (value.untyped_storage().data_ptr() != ptr or tuple(value.shape) != shape or value.stride() != stride
+                    or value.storage_offset() != offset or value.dtype != self.base.dtype):
                 return None
-        return base
-
-
-def _view(name: str, value: torch.Tensor, base: torch.Tensor) -> _View:
-    return name, tuple(value.shape), value.stride(), value.storage_offset() - base.storage_offset()
+        return _whole(first, self.base.numel())
 
 
 def stage_inputs(inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[Pack]]:
     """Static copies of the tensor inputs (the graph reads these addresses), the non-tensor inputs, and the
-    packs: views of one contiguous tensor become views of one static copy of it."""
+    packs: views of one tensor become views of one static copy of it."""
     tensors: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
-    by_base: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    by_storage: dict[tuple, list[str]] = {}
     for name, value in inputs.items():
-        if not (hasattr(value, "data_ptr") and hasattr(value, "clone")):
-            scalars[name] = value
-            continue
-        base = getattr(value, "_base", None)
-        if isinstance(base, torch.Tensor) and base.is_contiguous() and base.dtype == value.dtype:
-            by_base.setdefault(id(base), (base, []))[1].append(name)
-        else:
+        if isinstance(value, torch.Tensor):
+            by_storage.setdefault((value.untyped_storage().data_ptr(), value.device, value.dtype), []).append(name)
+        elif hasattr(value, "data_ptr") and hasattr(value, "clone"):
             tensors[name] = value.detach().clone()
+        else:
+            scalars[name] = value
     packs: list[Pack] = []
-    for base, names in by_base.values():
+    for names in by_storage.values():
+        first = inputs[names[0]]
+        elements = _storage_elements(first)
         # a pack only where its views cover the tensor (the runner's packed inputs), never a view of a larger one
         # (a slice of another graph's output): its static copy would hold the whole tensor
-        if len(names) < 2 or base.numel() > sum(inputs[name].numel() for name in names):
+        if len(names) < 2 or elements > sum(inputs[name].numel() for name in names):
             tensors.update((name, inputs[name].detach().clone()) for name in names)
             continue
-        static = base.detach().clone()
-        views = tuple(_view(name, inputs[name], base) for name in names)
+        static = _whole(first, elements).detach().clone()
+        views = tuple((name, tuple(inputs[name].shape), inputs[name].stride(), inputs[name].storage_offset())
+                      for name in names)
         for name, shape, stride, offset in views:
-            tensors[name] = static.as_strided(shape, stride, static.storage_offset() + offset)
+            tensors[name] = static.as_strided(shape, stride, offset)
         packs.append(Pack(static, views))
     return tensors, scalars, packs
 

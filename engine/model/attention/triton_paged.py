@@ -224,7 +224,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     tile = config.tile_tokens
     assert tile % block_tokens == 0 or block_tokens % tile == 0, (tile, block_tokens)
     splits, per_split = split_plan(b, hkv, span_tokens, tile, config.min_split_tiles)
-    out = torch.empty_like(q)
+    # [B, Hq, T, D] over [B, T, Hq, D] memory: the layer's `out.transpose(1, 2).reshape(B, T, Hq * D)` is then a
+    # view, not a copy of every multi-token forward's output (a verify's, a chunk's)
+    out = q.new_empty(b, t, hq, d).transpose(1, 2)
     int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
     loads = tile_loads(config.loads if block_d == d else "gather", tile, block_tokens, k_pool,
                        q.is_cuda and q.dtype == torch.float32)

@@ -219,7 +219,9 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     loads = tile_loads(config.loads if block_d == d else "gather", block_n, block_tokens, k_pool,
                        q.is_cuda and q.dtype == torch.float32)
     k_src, v_src = pool_sources(k_pool, v_pool, loads, block_n)
-    out = torch.empty_like(q)
+    # [B, Hq, T, D] over [B, T, Hq, D] memory: the layer's `out.transpose(1, 2).reshape(B, T, Hq * D)` is then a
+    # view, not a copy of every multi-token forward's output (a verify's, a chunk's)
+    out = q.new_empty(b, t, hq, d).transpose(1, 2)
     positions, slots = positions.contiguous(), slots.contiguous()
     q_tiles = triton.cdiv(t, block_m)
     splits, split_tiles = prefill_split_plan(b * hq * q_tiles, span_tokens, block_n, config.split_programs)

@@ -1,5 +1,6 @@
 """A graph's packed inputs (engine.exec.graph_inputs): views of one staged tensor are refilled with one copy, and a
-replay still reads exactly its own inputs whatever their layout. CPU graph backend, as the runner packs them."""
+replay still reads exactly its own inputs whatever their layout. CPU graph backend, as the runner packs them, and
+under inference mode as the engine runs its steps (where a view keeps no `_base`)."""
 
 from __future__ import annotations
 
@@ -24,33 +25,45 @@ def _verify_like(packed: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _step(ins):
-    return {"y": ins["slots"] * 1000 + ins["draft_rows"] * 100 + ins["pending"][:, 0] * 10 + ins["positions"].sum(1)}
+    y = ins["slots"] * 1000 + ins["draft_rows"] * 100 + ins["pending"][:, 0] * 10 + ins["positions"].sum(1)
+    return {"y": y.double()}  # not the inputs' dtype: the backend's output copies are told apart from input copies
 
 
 def _expected(packed: torch.Tensor) -> torch.Tensor:
-    return packed[:, 0] * 1000 + packed[:, 1] * 100 + packed[:, 2] * 10 + packed[:, 3:].sum(1)
+    return (packed[:, 0] * 1000 + packed[:, 1] * 100 + packed[:, 2] * 10 + packed[:, 3:].sum(1)).double()
 
 
-def test_views_of_one_tensor_are_staged_as_views_of_one_static_copy() -> None:
+@pytest.fixture(params=["plain", "inference"])
+def mode(request):
+    with torch.inference_mode() if request.param == "inference" else torch.no_grad():
+        yield request.param
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_views_of_one_tensor_are_staged_as_views_of_one_static_copy(mode) -> None:
     packed = torch.arange(12).view(2, 6).clone()
-    tensors, scalars, packs = stage_inputs({**_verify_like(packed), "span": 64, "other": torch.ones(3)})
+    other = torch.ones(3)
+    tensors, scalars, packs = stage_inputs({**_verify_like(packed), "span": 64, "other": other})
     assert scalars == {"span": 64} and len(packs) == 1
     (pack,) = packs
-    assert pack.base.data_ptr() != packed.data_ptr() and torch.equal(pack.base, packed)
+    assert _storage(pack.base) != _storage(packed) and torch.equal(pack.base, packed.flatten())
     for name in ("slots", "draft_rows", "pending", "positions"):
-        assert tensors[name]._base is pack.base  # one static tensor behind the four inputs
+        assert _storage(tensors[name]) == _storage(pack.base)  # one static tensor behind the four inputs
         assert torch.equal(tensors[name], _verify_like(packed)[name])
-    assert tensors["other"]._base is None  # a tensor of its own keeps a copy of its own
+    assert _storage(tensors["other"]) not in (_storage(other), _storage(pack.base))  # a copy of its own
 
 
-def test_a_view_of_a_larger_tensor_is_not_packed() -> None:
+def test_a_view_of_a_larger_tensor_is_not_packed(mode) -> None:
     """A slice of something bigger (another graph's output) must not drag the whole tensor into the graph."""
     big = torch.zeros(1000, 8)
     tensors, _, packs = stage_inputs({"hidden": big[:2], "rows": big[2:3]})
-    assert packs == [] and tensors["hidden"]._base is None and tensors["hidden"].shape == (2, 8)
+    assert packs == [] and tensors["hidden"].untyped_storage().nbytes() == 2 * 8 * 4
 
 
-def test_a_packed_replay_refills_with_one_copy_and_reads_its_own_inputs() -> None:
+def test_a_packed_replay_refills_with_one_copy_and_reads_its_own_inputs(mode) -> None:
     cache = _cache()
     first = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
     cache.run("verify", "k", _step, _verify_like(first))
@@ -70,13 +83,13 @@ def test_a_packed_replay_refills_with_one_copy_and_reads_its_own_inputs() -> Non
         finally:
             torch.Tensor.copy_ = original
         assert torch.equal(out["y"], _expected(packed))
-    # one copy a replay into the pack (the CPU backend's own output copies do not go through Tensor.copy_ of
-    # an input); the pack's static base holds the last replay's inputs
-    assert [c.shape for c in copies if c.shape == (2, 6)] == [(2, 6)] * 3
-    assert torch.equal(entry.packs[0].base, packed)
+    # one copy a replay, of the whole packed tensor, and none of its four views one by one; the pack's static
+    # tensor holds the last replay's inputs
+    assert [tuple(c.shape) for c in copies if c.dtype == torch.long] == [(12,)] * 3
+    assert torch.equal(entry.packs[0].base, packed.flatten())
 
 
-def test_inputs_laid_out_otherwise_are_refilled_one_by_one() -> None:
+def test_inputs_laid_out_otherwise_are_refilled_one_by_one(mode) -> None:
     cache = _cache()
     cache.run("verify", "k", _step, _verify_like(torch.arange(12).view(2, 6).clone()))
     # separate tensors, and views of another layout (positions first): the same values reach the graph

@@ -97,6 +97,10 @@ def _compare(lm: Any, make_backend: Callable[[], Any], atol: float) -> GraphCach
     snap = cache.snapshot()
     assert {g["kind"] for g in snap["graphs"]} == KINDS
     assert sum(g["replays"] for g in snap["graphs"]) >= 4 and snap["degraded"] == []
+    # the runner packs a decode's and a verify's small inputs into one tensor: one copy refills them at a replay
+    packed = {e.kind: [v[0] for v in e.packs[0].views] for e in cache._entries.values() if e.packs}
+    assert sorted(packed["decode"]) == ["positions", "slots", "tokens"]
+    assert sorted(packed["verify"]) == sorted(packed["verify_draft"]) == ["draft_rows", "pending", "positions", "slots"]
     return cache
 
 

@@ -136,6 +136,8 @@ def interpreter_check(storage: str, tile_tokens: int) -> None:
             err = (out[:-1] - reference[:-1]).abs().max()
             assert torch.allclose(out[:-1], reference[:-1], atol=1e-5), (config, err)
             assert not out[-1].any()  # the padding row read nothing
+            # laid out [B, T, Hq, D]: the layer's merge of the heads is a view, not a copy, at every T
+            assert out.transpose(1, 2).is_contiguous()
 
 
 def test_a_launch_takes_the_key_loads_its_tile_and_pool_allow(monkeypatch):

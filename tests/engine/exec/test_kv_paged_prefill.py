@@ -74,6 +74,7 @@ def interpreter_check(storage: str, hq: int) -> None:
             again = paged_prefill_attention(q, cache.k[0], cache.v[0], *scales, cache.block_table, slots, positions,
                                             span, CONTEXT, config)
             assert torch.allclose(again, out, atol=1e-5), (case, config)
+            assert again.transpose(1, 2).is_contiguous()  # [B, T, Hq, D] memory: the heads merge as a view
         for row, (_, start, n, _) in enumerate(case):
             err = (out[row, :, :n] - reference[row, :, :n]).abs().max().item()
             assert err <= 1e-5, (storage, hq, case, row, err)
