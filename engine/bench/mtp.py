@@ -45,12 +45,14 @@ def prompts_for(bench: BenchEngine, source: str, batch: int, n_tokens: int) -> l
     return [ids[i * stride: i * stride + n_tokens] for i in range(batch)]
 
 
-# Both engines live at once, so neither may take the free VRAM for its prefix tier (the default on CUDA): the
-# bench's prompts need a few blocks.
-_TIER_BUDGET_MIB = 256.0
+# Two engines cannot live at once on CUDA (the first one's KV pool and tier take the free VRAM), so each mode's
+# engine is built twice, in the order off, on, on, off: a drift of the machine over the run weighs on both modes
+# alike (a batch-1 step of a tiny model is a fraction of a millisecond and one run moves a lot from the next:
+# docs/BENCHMARKS.md, the eleventh and thirteenth sessions).
+_VISITS = (False, True, True, False)
 
 
-def _row(args: argparse.Namespace, bench: BenchEngine, mtp: bool, batch: int, runs: list) -> dict[str, Any]:
+def _row(args: argparse.Namespace, mtp: bool, mtp_active: bool, batch: int, runs: list) -> dict[str, Any]:
     rates = [r.decode_tok_s for r in runs]
     stats = runs[0]
     acceptance = stats.acceptance_per_position
@@ -59,53 +61,62 @@ def _row(args: argparse.Namespace, bench: BenchEngine, mtp: bool, batch: int, ru
         "decode_tok_s": statistics.median(rates), "decode_tok_s_min": min(rates), "decode_tok_s_max": max(rates),
         "tokens_per_step": stats.tokens_per_step,
         "acceptance": [None if a is None else round(a, 4) for a in acceptance],
-        "mtp_active": bench.engine.mtp_on, "steps": stats.steps,
+        "mtp_active": mtp_active, "steps": stats.steps,
         "same_tokens_each_run": all(r.token_ids == stats.token_ids for r in runs),
     }
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows of MTP off and on per batch size, and the summary. One engine each, both alive: their timed runs
-    alternate (off, on, on, off, ...), so a drift of the machine over the runs weighs on both modes alike; a
-    batch-1 step of a tiny model is a fraction of a millisecond and one run moves a lot from the next
-    (docs/BENCHMARKS.md, the eleventh and thirteenth sessions). Each mode's figure is the median of `--repeats`."""
+    """Rows of MTP off and on per batch size, and the summary. Each visit of a mode (_VISITS) builds its engine,
+    captures every bucket with one untimed run per batch size, then times about half of `--repeats` runs; each
+    mode's figure is the median of its `--repeats` runs."""
     context = args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS
-    budget = _TIER_BUDGET_MIB if device_of(args.device).type == "cuda" else None
-    benches = {}
-    try:
-        for mtp in (False, True):
-            benches[mtp] = build_engine(args, batch_mtp=mtp, batch=max(args.batches), context=context,
-                                        tier_budget_mib=budget)
-        rows: list[dict[str, Any]] = []
-        summary: dict[str, Any] = {}
-        for batch in args.batches:
-            prompts = prompts_for(benches[False], args.prompt_source, batch, args.prompt_tokens)
-            runs: dict[bool, list] = {False: [], True: []}
-            for mtp in (False, True):
-                generate_all(benches[mtp], prompts, args.new_tokens)  # capture every bucket first
-            for i in range(args.repeats):
-                for mtp in ((False, True) if i % 2 == 0 else (True, False)):
-                    runs[mtp].append(generate_all(benches[mtp], prompts, args.new_tokens))
-            off, on = (_row(args, benches[mtp], mtp, batch, runs[mtp]) for mtp in (False, True))
-            rows += [off, on]
-            if off["decode_tok_s"] and on["decode_tok_s"]:
-                summary[f"speedup_b{batch}"] = on["decode_tok_s"] / off["decode_tok_s"]
-                # each on run against the off run beside it: the spread of the speed-up itself
-                pairs = [b.decode_tok_s / a.decode_tok_s for a, b in zip(runs[False], runs[True])]
-                summary[f"speedup_b{batch}_pairs_min"] = min(pairs)
-                summary[f"speedup_b{batch}_pairs_max"] = max(pairs)
-            summary[f"tokens_per_step_b{batch}"] = on["tokens_per_step"]
-            summary[f"same_tokens_b{batch}"] = (runs[False][0].token_ids == runs[True][0].token_ids
-                                                and off["same_tokens_each_run"] and on["same_tokens_each_run"])
-    finally:
-        for bench in benches.values():
+    runs: dict[tuple[bool, int], list] = {(mtp, batch): [] for mtp in (False, True) for batch in args.batches}
+    active = {False: False, True: False}
+    for visit, mtp in enumerate(_VISITS):
+        timed = (args.repeats + 1 - visit // 2) // 2  # the first visit of each mode takes the odd run
+        if timed == 0:
+            continue
+        bench = build_engine(args, batch_mtp=mtp, batch=max(args.batches), context=context)
+        try:
+            active[mtp] = bench.engine.mtp_on
+            for batch in args.batches:
+                prompts = prompts_for(bench, args.prompt_source, batch, args.prompt_tokens)
+                generate_all(bench, prompts, args.new_tokens)  # capture every bucket first
+                runs[(mtp, batch)] += [generate_all(bench, prompts, args.new_tokens) for _ in range(timed)]
+        finally:
             bench.close()
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    for batch in args.batches:
+        off, on = (_row(args, mtp, active[mtp], batch, runs[(mtp, batch)]) for mtp in (False, True))
+        rows += [off, on]
+        if off["decode_tok_s"] and on["decode_tok_s"]:
+            summary[f"speedup_b{batch}"] = on["decode_tok_s"] / off["decode_tok_s"]
+            # the run's halves apart (off then on, on then off): how far the ratio moves within one run
+            halves = [_median_rate(_visit_runs(runs[(True, batch)], args.repeats, half))
+                      / _median_rate(_visit_runs(runs[(False, batch)], args.repeats, half))
+                      for half in (0, 1) if _visit_runs(runs[(False, batch)], args.repeats, half)]
+            summary[f"speedup_b{batch}_halves"] = halves
+        summary[f"tokens_per_step_b{batch}"] = on["tokens_per_step"]
+        summary[f"same_tokens_b{batch}"] = (runs[(False, batch)][0].token_ids == runs[(True, batch)][0].token_ids
+                                            and off["same_tokens_each_run"] and on["same_tokens_each_run"])
     return rows, summary
 
 
+def _median_rate(runs: list) -> float:
+    return statistics.median(r.decode_tok_s for r in runs)
+
+
+def _visit_runs(runs: list, repeats: int, visit_of_mode: int) -> list:
+    """The runs of a mode's first (0) or second (1) visit, as `measure` appended them."""
+    first = (repeats + 1) // 2
+    return runs[:first] if visit_of_mode == 0 else runs[first:]
+
+
 def run(args: argparse.Namespace) -> int:
-    """MTP off and on, their runs alternating; speedups, tokens per step and the same-tokens check; print, write
-    the JSON."""
+    """MTP off and on (engines built off, on, on, off); speedups, tokens per step and the same-tokens check;
+    print, write the JSON."""
     device = device_of(args.device)
     rows, summary = measure(args)
     if "speedup_b1" in summary:

@@ -36,19 +36,21 @@ class Pack:
     views: tuple[_View, ...]
 
     def source(self, inputs: Mapping[str, Any]) -> torch.Tensor | None:
-        """The tensor the inputs are views of (flat), when they are laid out in it as at capture; else None."""
+        """The tensor the inputs are views of (flat), when they are laid out in it as at capture; else None.
+        (Pointer arithmetic, not a storage object per input: this runs before every replay.)"""
         first = inputs.get(self.views[0][0])
-        if not isinstance(first, torch.Tensor) or first.dtype != self.base.dtype:
+        dtype = self.base.dtype
+        if not isinstance(first, torch.Tensor) or first.dtype is not dtype:
             return None
-        storage = first.untyped_storage()
-        if storage.nbytes() != self.base.untyped_storage().nbytes():
-            return None
-        ptr = storage.data_ptr()
+        size = first.element_size()
+        start = first.data_ptr() - first.storage_offset() * size
         for name, shape, stride, offset in self.views:
             value = inputs[name]
-            if (value.untyped_storage().data_ptr() != ptr or tuple(value.shape) != shape or value.stride() != stride
-                    or value.storage_offset() != offset or value.dtype != self.base.dtype):
+            if (value.data_ptr() != start + offset * size or value.shape != shape or value.stride() != stride
+                    or value.dtype is not dtype):
                 return None
+        if first.untyped_storage().nbytes() != self.base.numel() * size:
+            return None
         return _whole(first, self.base.numel())
 
 

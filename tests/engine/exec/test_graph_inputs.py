@@ -99,6 +99,10 @@ def test_inputs_laid_out_otherwise_are_refilled_one_by_one(mode) -> None:
     other = torch.cat([packed[:, 3:], packed[:, :3]], dim=1)
     moved = {"positions": other[:, :3], "slots": other[:, 3], "draft_rows": other[:, 4], "pending": other[:, 5:6]}
     assert torch.equal(cache.run("verify", "k", _step, moved)["y"], _expected(packed))
+    # the same layout at the start of a larger tensor: its views are refilled one by one, not the whole of it
+    larger = torch.zeros(4, 6, dtype=torch.long)
+    larger[:2] = packed
+    assert torch.equal(cache.run("verify", "k", _step, _verify_like(larger[:2]))["y"], _expected(packed))
 
 
 def test_a_packed_input_of_another_shape_is_named_in_the_error() -> None:
