@@ -324,7 +324,8 @@ class Engine:
         if self.mtp_on:
             try:
                 if self.drafter.fused and on_device:
-                    result = device_result(*self.drafter.verify_and_draft(rows, params, gens), rows=len(rows))
+                    _, _, emitted = self.drafter.verify_and_draft(rows, params, gens)
+                    result = device_result(emitted, len(rows))
                     self._record_drafts(reqs, result.accepted)
                 else:
                     out = self.runner.verify(rows)

@@ -10,17 +10,23 @@
 # kernel (slower), chunk lengths (no gain), and MTP against the code before the chunk stream (one run each moved by
 # 30 %: `bench mtp` now takes the median of --repeats). The twelfth filled issue 17's table in one session: the
 # prefill kernel through TMA (bf16 1.26x; the 176K first token 8.67 s), peers, the 128K steps, MTP medians, reuse,
-# the admission (1.670x at ratio 0.551), the suite (cut at 370 s again). Next (#17): the int8 prefill kernel's
-# 256x64x8x3 TMA shape against the gathering path's greedy tokens (it moved one in the suite), the decode kernel's
-# 64-key block loads at batch 6 (int8), the split keys of a short chunk deep into a span (written after the calls,
-# checked in Triton's interpreter only), then the suite:
+# the admission (1.670x at ratio 0.551), the suite (cut at 370 s again). The thirteenth split a short chunk's keys
+# (the reused 32K prompt at 0.035), cut a step's host copies, ran MTP in ABBA order (1.470x / 1.794x) and the suite
+# whole in two halves (65 passed, 401.9 s). Next (#17): the 128K steps, the 176K first tokens and the admission
+# with this code, int8's short-chunk split at 264 programs, the decode kernel's 64-key block loads at batch 6
+# (int8):
 #
-#   OUT=$OUT STEPS=attention_split,attention_split_512,reuse,prefill_kernel_tests,attention_decode_loads \
+#   OUT=$OUT STEPS=profile128k_bf16,profile128k_int8,ttft_176k,ttft_176k_int8,admission,peers \
 #       bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite_a,attention_split,attention_decode_loads bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite_b,mtp_1,mtp_2,reuse bash scripts/gpu_pending.sh
 #
-#   attention_split(_512) #17: a 256- / 512-token chunk 8K-128K deep with its keys split (PrefillConfig.split_programs)
-#                         against one pass: the reused 32K prompt's tail is such a chunk (0.083 of the fresh TTFT)
+#   attention_split(_512) #17: a 256- / 512-token chunk 8K-128K deep: the default (keys split to 132 programs,
+#                         PrefillConfig.split_programs) against one pass and other targets
+#   gpu_suite_a/_b        the `-m gpu` suite in two halves (tests/engine/exec + tests/engine/model; the rest)
+#   profile_tiny_mtp_N    #17: a strata-tiny step's host functions and kernels, plain and MTP at depth 1 and 2
+#   host_cut_tests        #17: every graph kind replayed against eager, engines' greedy tokens (packed inputs, the
+#                         decode graph's argmax, the fused MTP step's outputs)
 #
 #   attention_loads       #17: the prefill kernel's key loads (gather / block / tma) at launch shapes around the
 #                         defaults, beside the dense kernel (attention_loads_baseline: BASELINE's tree, same rows)

@@ -111,5 +111,6 @@ def run(args: argparse.Namespace) -> int:
     summary = {f"reused_over_fresh_{r['prompt_tokens']}_{r['path']}": r["reused_over_fresh"] for r in rows}
     emit(args, "reuse", rows, summary, device,
          ("path", "tier_device", "prompt_tokens", "fresh_ttft_s", "reused_ttft_s", "cached_tokens", "reused_over_fresh",
-          "reused_tail_tokens", "reused_chunks", "reused_chunk_s", "reused_other_s", "shared_blocks", "copied_blocks", "graphs_active"))
+          "reused_tail_tokens", "reused_chunks", "reused_chunk_s", "reused_other_s", "shared_blocks", "copied_blocks",
+          "graphs_active"))
     return 0

@@ -281,9 +281,9 @@ def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None, best: torch.Tenso
     return SampleResult([0] * len(rows), rows)
 
 
-def device_result(accepted: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor, rows: int) -> SampleResult:
-    """The first `rows` rows of a verify sampled on the device (MtpDrafter.verify_and_draft: `emitted` holds
-    accepted and tokens side by side, [Bb, 1 + T])."""
+def device_result(emitted: torch.Tensor, rows: int) -> SampleResult:
+    """The first `rows` rows of a verify sampled on the device (MtpDrafter.verify_and_draft's `emitted`: accepted
+    counts and tokens side by side, [Bb, 1 + T])."""
     return _rows_to_host(emitted[:rows].tolist())
 
 
