@@ -86,21 +86,20 @@ def launch_shapes(option: str, text: str, config: type) -> list:
     """`--tune 128x4x2,64x4x3` -> configs, field by field in the dataclass's order: a whole number for an int
     field, a word for a str field (`128x64x4x3xtmax132`); the leading whole numbers are required, the fields after
     them optional (left out, their defaults). Anything else is a ConfigError naming the spec."""
-    fields = dataclasses.fields(config)
-    required = next((i for i, f in enumerate(fields) if f.type not in (int, "int")), len(fields))
+    is_int = [f.type in (int, "int") for f in dataclasses.fields(config)]
+    required = is_int.index(False) if False in is_int else len(is_int)
     shapes = []
     for spec in (s.strip() for s in text.split(",") if s.strip()):
         parts = spec.split("x")
-        ok = required <= len(parts) <= len(fields) and all(
-            (p.isdigit() and int(p) > 0) if f.type in (int, "int") else p.isidentifier()
-            for f, p in zip(fields, parts))
+        ok = required <= len(parts) <= len(is_int) and all(
+            (p.isdigit() and int(p) > 0) if whole else p.isidentifier() for whole, p in zip(is_int, parts))
         if not ok:
-            kinds = "x".join(("N" if f.type in (int, "int") else "WORD") + ("" if i < required else "?")
-                             for i, f in enumerate(fields))
-            raise ConfigError(option, text, f"{spec!r}: expected up to {len(fields)} fields joined by 'x' "
+            kinds = "x".join(("N" if whole else "WORD") + ("" if i < required else "?")
+                             for i, whole in enumerate(is_int))
+            raise ConfigError(option, text, f"{spec!r}: expected up to {len(is_int)} fields joined by 'x' "
                               f"({kinds}; N a positive whole number)")
         try:
-            shapes.append(config(*(int(p) if f.type in (int, "int") else p for f, p in zip(fields, parts))))
+            shapes.append(config(*(int(p) if whole else p for whole, p in zip(is_int, parts))))
         except ValueError as exc:  # the config's own check (a word it does not know)
             raise ConfigError(option, text, f"{spec!r}: {exc}") from None
     return shapes

@@ -68,13 +68,14 @@ def _row(args: argparse.Namespace, mtp: bool, mtp_active: bool, batch: int, runs
 
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows of MTP off and on per batch size, and the summary. Each visit of a mode (_VISITS) builds its engine,
-    captures every bucket with one untimed run per batch size, then times about half of `--repeats` runs; each
-    mode's figure is the median of its `--repeats` runs."""
+    captures every bucket with one untimed run per batch size, then times about half of `--repeats` runs (the
+    first visit of each mode the odd one); each mode's figure is the median of its `--repeats` runs."""
     context = args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS
-    runs: dict[tuple[bool, int], list] = {(mtp, batch): [] for mtp in (False, True) for batch in args.batches}
+    # (mode, batch) -> the runs of the mode's first visit, then of its second
+    visits: dict[tuple[bool, int], list[list]] = {(mtp, batch): [] for mtp in (False, True) for batch in args.batches}
     active = {False: False, True: False}
     for visit, mtp in enumerate(_VISITS):
-        timed = (args.repeats + 1 - visit // 2) // 2  # the first visit of each mode takes the odd run
+        timed = (args.repeats + 1 - visit // 2) // 2
         if timed == 0:
             continue
         bench = build_engine(args, batch_mtp=mtp, batch=max(args.batches), context=context)
@@ -83,35 +84,29 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
             for batch in args.batches:
                 prompts = prompts_for(bench, args.prompt_source, batch, args.prompt_tokens)
                 generate_all(bench, prompts, args.new_tokens)  # capture every bucket first
-                runs[(mtp, batch)] += [generate_all(bench, prompts, args.new_tokens) for _ in range(timed)]
+                visits[(mtp, batch)].append([generate_all(bench, prompts, args.new_tokens) for _ in range(timed)])
         finally:
             bench.close()
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     for batch in args.batches:
-        off, on = (_row(args, mtp, active[mtp], batch, runs[(mtp, batch)]) for mtp in (False, True))
+        off_visits, on_visits = visits[(False, batch)], visits[(True, batch)]
+        off_runs, on_runs = sum(off_visits, []), sum(on_visits, [])
+        off, on = _row(args, False, active[False], batch, off_runs), _row(args, True, active[True], batch, on_runs)
         rows += [off, on]
         if off["decode_tok_s"] and on["decode_tok_s"]:
             summary[f"speedup_b{batch}"] = on["decode_tok_s"] / off["decode_tok_s"]
             # the run's halves apart (off then on, on then off): how far the ratio moves within one run
-            halves = [_median_rate(_visit_runs(runs[(True, batch)], args.repeats, half))
-                      / _median_rate(_visit_runs(runs[(False, batch)], args.repeats, half))
-                      for half in (0, 1) if _visit_runs(runs[(False, batch)], args.repeats, half)]
-            summary[f"speedup_b{batch}_halves"] = halves
+            summary[f"speedup_b{batch}_halves"] = [_median_rate(b) / _median_rate(a)
+                                                   for a, b in zip(off_visits, on_visits)]
         summary[f"tokens_per_step_b{batch}"] = on["tokens_per_step"]
-        summary[f"same_tokens_b{batch}"] = (runs[(False, batch)][0].token_ids == runs[(True, batch)][0].token_ids
+        summary[f"same_tokens_b{batch}"] = (off_runs[0].token_ids == on_runs[0].token_ids
                                             and off["same_tokens_each_run"] and on["same_tokens_each_run"])
     return rows, summary
 
 
 def _median_rate(runs: list) -> float:
     return statistics.median(r.decode_tok_s for r in runs)
-
-
-def _visit_runs(runs: list, repeats: int, visit_of_mode: int) -> list:
-    """The runs of a mode's first (0) or second (1) visit, as `measure` appended them."""
-    first = (repeats + 1) // 2
-    return runs[:first] if visit_of_mode == 0 else runs[first:]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,13 +51,17 @@ def _start(bench: BenchEngine, args: argparse.Namespace, tokens_needed: int) -> 
     return reqs
 
 
+def host_functions(profile: cProfile.Profile) -> list[tuple[str, int, float, float]]:
+    """(file:line:function, calls, own s, cumulative s) of every function a cProfile run saw."""
+    return [(f"{os.path.basename(path)}:{line}:{name}", calls, tottime, cumtime)
+            for (path, line, name), (_cc, calls, tottime, cumtime, _callers)
+            in pstats.Stats(profile).stats.items()]  # type: ignore[attr-defined]
+
+
 def _host_rows(profile: cProfile.Profile, steps: int, top: int) -> list[dict[str, Any]]:
-    stats = pstats.Stats(profile)
-    entries = []
-    for (path, line, name), (_cc, calls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        where = f"{os.path.basename(path)}:{line}:{name}"
-        entries.append({"section": "host", "name": where, "calls_per_step": calls / steps,
-                        "own_us_per_step": tottime / steps * 1e6, "cum_us_per_step": cumtime / steps * 1e6})
+    entries = [{"section": "host", "name": where, "calls_per_step": calls / steps,
+                "own_us_per_step": tottime / steps * 1e6, "cum_us_per_step": cumtime / steps * 1e6}
+               for where, calls, tottime, cumtime in host_functions(profile)]
     entries.sort(key=lambda e: e["own_us_per_step"], reverse=True)
     return entries[:top]
 

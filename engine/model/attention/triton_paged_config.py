@@ -13,7 +13,6 @@ def check_loads(loads: str) -> None:
         raise ValueError(f"loads {loads!r}: expected one of {', '.join(TILE_LOADS)}")
 
 
-
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch shape of the decode kernel: keys per tile (any multiple or divisor of the pool's block size),
