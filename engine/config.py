@@ -16,6 +16,7 @@ from engine.errors import ConfigError
 BUILTIN_MODEL = "builtin:strata-tiny"
 KV_DTYPES = ("bf16", "int8")
 PREFILL_OVERLAP_MODES = ("auto", "on", "off")
+DECODE_AHEAD_MODES = ("auto", "on", "off")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_CONTEXT_TOKENS = 262144
 DEFAULT_VRAM_RESERVE_MIB = 1024
@@ -79,6 +80,10 @@ class EngineConfig:
         "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless --kv-resident or "
         "an MoE model; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
         "tests; off: between the steps, paced)", choices=PREFILL_OVERLAP_MODES))
+    decode_ahead: str = field(default="auto", metadata=_opt(
+        "launch the next decode step before this one's tokens reach the host when every decoding slot is greedy, "
+        "so the host's work overlaps the device's (auto: with CUDA graphs, unless --kv-resident or an MoE model; "
+        "on: also eagerly and on a CPU, for tests; off: never)", choices=DECODE_AHEAD_MODES))
     # CUDA graphs where the device has them; CPU always runs eagerly
     graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))
     tier_wait_polls: int = field(default=20, metadata=_opt("polls for tier room after a graph OOM", metavar="N"))
@@ -113,6 +118,8 @@ class EngineConfig:
             raise ConfigError("dtype", self.dtype, f"expected one of {', '.join(MODEL_DTYPES)}")
         if self.kv not in KV_DTYPES:
             raise ConfigError("kv", self.kv, f"expected one of {', '.join(KV_DTYPES)}")
+        if self.decode_ahead not in DECODE_AHEAD_MODES:
+            raise ConfigError("decode_ahead", self.decode_ahead, f"expected one of {', '.join(DECODE_AHEAD_MODES)}")
         if self.prefill_overlap not in PREFILL_OVERLAP_MODES:
             raise ConfigError("prefill_overlap", self.prefill_overlap,
                               f"expected one of {', '.join(PREFILL_OVERLAP_MODES)}")

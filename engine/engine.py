@@ -36,7 +36,8 @@ from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
 from engine.exec.runner import MtpUnavailable, Row
-from engine.exec.sampler import device_result, request_generator, sample_isolating_rows, sample_with_drafts
+from engine.exec.sampler import (SampleResult, device_result, request_generator, sample_isolating_rows,
+                                 sample_with_drafts)
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
 from engine.snapshot import EngineSnapshot, MtpSnapshot
 from engine.reporting import Reporter
@@ -65,6 +66,7 @@ class Engine:
         self.executor = parts.executor
         self.device = parts.device
         self.chunks = parts.chunks  # prompt chunks beside the steps (engine.exec.chunk_stream), or None
+        self.ahead = parts.ahead  # the next greedy decode step in flight (engine.exec.decode_ahead)
         self.model_name = config.model
         self.tokenizer = self.lm.tokenizer
         self.eos_token_ids = tuple(self.lm.eos_token_ids)
@@ -146,6 +148,7 @@ class Engine:
         track = self.output.get(request_id)
         if track is None:
             return None
+        self.ahead.drop()  # it may write the slot's blocks, which go back below
         slot = track.request.slot
         self.sched.finish(track.request, "abort")
         final = self._close(track, "abort", slot)
@@ -155,6 +158,7 @@ class Engine:
 
     def set_vram_reserve(self, mib: int) -> int:
         """Retune the reserve on every device live (the tier shrinks at once if the reserve is not free)."""
+        self.ahead.drop()  # the tier may give blocks back to the pool
         for budget in self.budgets:
             budget.set_reserve(mib)
         self.report.vram(force=True)
@@ -174,6 +178,7 @@ class Engine:
 
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
         """Toggle a live switch (SwitchNeedsRestart / UnknownSwitch otherwise) and drop the graphs it alters."""
+        self.ahead.drop()  # the graphs it replays may be dropped below
         state = self.board.set_live(name, enabled)
         self.runner.on_switch_changed(state.name)
         if self.lm.model.expert_provider is not None:  # EXPERT_LFU: the snapshot says the new policy at once
@@ -184,6 +189,7 @@ class Engine:
         """Give the device memory back now (graphs, tier, KV cache, weights), for an in-process caller that
         builds another engine next; it cannot serve afterwards. A server process simply exits instead."""
         self._dead_reason = self._dead_reason or "closed"
+        self.ahead.drop()
         if self.chunks is not None:
             with contextlib.suppress(Exception):  # a failed chunk: closing gives its memory back all the same
                 self.chunks.drop(wait=True)
@@ -336,8 +342,12 @@ class Engine:
             except MtpUnavailable as exc:  # a verify that failed emitted nothing: result None, plain decode
                 self._mtp_off(exc)
         if result is None:
-            out = self.runner.decode(rows)
-            result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky, out.best)
+            out = self.ahead.take(rows)
+            out = self.runner.decode(rows) if out is None else out
+            if self._goes_ahead(reqs, params) and self.ahead.next_rows_fit(rows, out):
+                result = SampleResult([0] * len(rows), self.ahead.read_and_launch(rows, out))
+            else:
+                result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky, out.best)
         now_s = time.monotonic()
         logprobs = result.logprobs or [None] * len(reqs)
         for i, (req, tokens) in enumerate(zip(reqs, result.tokens)):
@@ -345,6 +355,17 @@ class Engine:
                 self._fail_request(req, failed[i], outputs)
             else:
                 self._isolated(req, outputs, self._append, req, tokens, now_s, outputs, logprobs[i])
+        if self.ahead.pending and any(req.is_finished for req in reqs):
+            self.ahead.drop()  # its slot's blocks go back at the next step: the step in flight writes them
+
+    def _goes_ahead(self, reqs: list[Request], params: list[SamplingParams]) -> bool:
+        """The next step may be launched before this one's tokens are read (engine.exec.decode_ahead): every
+        decoding slot is in this group, all greedy, each needs another token, and no prompt work would
+        change the next plan."""
+        return (self.ahead.enabled and not self.mtp_on and len(reqs) == self.sched.num_decoding
+                and not self.sched.prompt_work_next and not self.sched.chunk_in_flight
+                and all(p.temperature <= 0 and not p.penalized and p.logprobs is None for p in params)
+                and all(req.num_output_tokens + 1 < req.max_tokens for req in reqs))
 
     def _record_drafts(self, reqs: list[Request], accepted: list[int]) -> None:
         depth = self.runner.mtp_depth
@@ -461,6 +482,7 @@ class Engine:
         serves on. A chunk in flight beside the steps is waited for (unless the error is sticky) and dropped.
         """
         event = error_event(exc, "engine.step", self.device)
+        self.ahead.drop()  # waited for unless the device failed (then nothing is left to wait for)
         self._failed_steps += 1
         if not event.fatal and self._failed_steps >= MAX_FAILED_STEPS:
             event = dataclasses.replace(event, fatal=True, message=(

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError, StrataError
 from engine.exec.device_switches import settle_switches
 from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
+from engine.exec.decode_ahead import DecodeAhead, ahead_wanted
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv_cache import KVGeometry, SlotKVCache
@@ -74,7 +75,8 @@ class EngineParts:
     board: SwitchBoard
     executor: Any
     device: torch.device
-    chunks: ChunkStream | None = None  # prompt chunks beside the steps (--prefill-overlap)
+    chunks: ChunkStream | None  # prompt chunks beside the steps (--prefill-overlap)
+    ahead: DecodeAhead  # the next greedy decode step launched early (--decode-ahead)
 
 
 def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
@@ -203,7 +205,11 @@ class _PartsBuilder:
             precapture_all(config, bus, board, executor, runner, drafter)
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
-        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, chunks)
+        graphs = config.graphs and not isinstance(executor, EagerExecutor)
+        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, config.kv_resident,
+                                                 moe=experts is not None))
+        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, chunks,
+                           ahead)
 
 
 def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, model: torch.nn.Module,

@@ -203,6 +203,15 @@ step fused_ops_tests 150 "${GPU_TEST[@]}" tests/engine/model/test_triton_ops_gpu
 step paged_tests 120 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_gpu.py
 step step_tests 200 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_gpu.py tests/engine/exec/test_kv_paged_prefill_gpu.py \
     tests/engine/test_engine_gpu.py -k "not seed_scenario and not peer_device and not tier_takes"
+# the next greedy step launched before a step's tokens are read (engine.exec.decode_ahead, on by default): off here
+step profile_ahead_off 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --steps 64 \
+    --top 12 --decode-ahead off --json "$OUT/profile_ahead_off.json"
+step profile_b6 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 6 --steps 64 --top 12 \
+    --json "$OUT/profile_b6.json"
+step profile_b6_ahead_off 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 6 --steps 64 \
+    --top 12 --decode-ahead off --json "$OUT/profile_b6_ahead_off.json"
+step ahead_tests 150 "${GPU_TEST[@]}" tests/engine/test_engine_gpu.py tests/engine/test_engine_interleave.py \
+    -k "greedy_with_graphs or on_cuda"
 for ops in 0 1; do  # FUSED_OPS off, then on (the default): kernels and time of a batch-1 decode step, short context
     step profile_ops_$ops 90 env STRATA_FUSED_OPS=$ops "$PY" -m engine.bench profile --model random:0.6b \
         --device cuda:0 --batch 1 --steps 64 --top 12 --json "$OUT/profile_ops_$ops.json"

@@ -2,8 +2,9 @@
 step it to completion and time what happened.
 
 No server and no AsyncEngine: the GPU image has no fastapi/httpx, and stepping the Engine on this thread
-measures the engine itself. Timing is host wall time around `Engine.step()`, which returns only after the
-step's tokens are on the host, so every step boundary is a device sync already.
+measures the engine itself. Timing is host wall time around `Engine.step()`, which returns once the step's tokens
+are on the host (the next greedy step may be queued by then: engine.exec.decode_ahead), so a span of steps that
+ends with its requests' last tokens ends on a device sync.
 """
 
 from __future__ import annotations

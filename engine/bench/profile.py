@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         rows += device_rows
         summary: dict[str, Any] = {
             "batch": args.batch, "mtp": bool(bench.engine.mtp_on), "graphs_active": bench.graphs_active,
+            # steps launched before the step ahead of them was read (engine.exec.decode_ahead), over every pass
+            "decode_ahead": bench.engine.ahead.enabled, "steps_taken_ahead": bench.engine.ahead.taken,
             "step_ms_p50": statistics.median(wall_ms), "step_ms_mean": statistics.fmean(wall_ms),
             "step_ms_under_cprofile": profiled_ms, **device_summary,
         }

@@ -267,6 +267,11 @@ class Scheduler:
         return bool(self._waiting) or bool(self._prefilling)
 
     @property
+    def prompt_work_next(self) -> bool:
+        """The next plan may admit or prefill: a prompt has chunks left, or a queued request has a slot free."""
+        return bool(self._prefilling) or (bool(self._waiting) and bool(self._free_slots))
+
+    @property
     def chunk_in_flight(self) -> bool:
         return self._in_flight is not None
 

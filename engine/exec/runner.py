@@ -313,13 +313,16 @@ class ModelRunner:
         positions += [[self.context_tokens + j for j in range(t)]] * (bb - len(rows))
         return slots, positions
 
-    def decode(self, rows: list[Row]) -> StepOutput:
-        """One token for each row: logits [Bb, 1, V] and hidden [Bb, 1, H]."""
+    def decode(self, rows: list[Row], tokens: torch.Tensor | None = None) -> StepOutput:
+        """One token for each row: logits [Bb, 1, V] and hidden [Bb, 1, H]. `tokens`: the rows' tokens on the
+        device ([>= rows, 1], a step's argmax: engine.exec.decode_ahead), in place of each Row's token."""
         slots, positions = self.pad_rows(rows, 1)
         bb = len(slots)
         span = self.span_bucket(max(r.position for r in rows) + 1)
-        tokens = [r.token for r in rows] + [0] * (bb - len(rows))
-        out = self.run("decode", self._decode_build(bb, span), self._decode_inputs(slots, tokens, positions))
+        inputs = self._decode_inputs(slots, [r.token for r in rows] + [0] * (bb - len(rows)), positions)
+        if tokens is not None:
+            inputs["tokens"][:len(rows)].copy_(tokens[:len(rows)])  # a device copy, queued before the step
+        out = self.run("decode", self._decode_build(bb, span), inputs)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span, best=out["best"])
 
     def _decode_inputs(self, slots: list[int], tokens: list[int], positions: list[list[int]]) -> dict:

@@ -1,0 +1,130 @@
+"""The next decode step launched before this one's tokens reach the host (greedy rows).
+
+A plain decode step's host work (reading its tokens, detokenizing, stop checks, scheduling the next step, staging
+its inputs) used to run while the device sat idle: the device waited for the host and the host for the device.
+When every decoding row is greedy its next input is the step's argmax, already on the device, so the next step
+can be queued before the host reads this one: the device copies the argmax into the next step's token input,
+and the host's work of step N runs while step N+1 computes. The engine takes that step as its next decode when
+the next plan decodes exactly those rows with those tokens, and drops it otherwise (a request finished, was
+aborted, a prompt arrived): the step it dropped wrote each row's KV at the position after its last token, with
+the token the row really emitted, so nothing it left behind is wrong.
+
+Only a step whose graph already exists is launched ahead (the same length bucket as the step before): a capture,
+with its out-of-memory recovery and its events, happens in a step of its own. Anything that fails while launching
+ahead drops that step; the next decode runs as usual and meets the failure on its own path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from engine.exec.runner import ModelRunner, Row, StepOutput
+
+
+def ahead_wanted(mode: str, device: torch.device, graphs: bool, kv_resident: int | None, moe: bool) -> bool:
+    """`auto`: where it pays (CUDA graphs: an eager step's launches are the host work it would overlap), every
+    slot's KV resident and a dense model; `on` also on a CPU (one stream: the bookkeeping alone, for tests);
+    `off` never. ConfigError for `on` where a step's host side must see the step before it."""
+    if mode == "off":
+        return False
+    plain = kv_resident is None and not moe
+    if mode == "on" and not plain:
+        why = "--kv-resident pages blocks between steps" if kv_resident is not None else \
+            "an MoE model's expert cache loads a step's experts from its routing"
+        raise ConfigError("decode_ahead", mode, f"cannot launch a decode step ahead here: {why}")
+    return plain and (mode == "on" or (device.type == "cuda" and graphs))
+
+
+@dataclass
+class _Launched:
+    rows: tuple[tuple[int, int, int], ...]  # (slot, token, position) of each real row
+    out: StepOutput
+    done: torch.cuda.Event | None  # after its replay: waited for when it is dropped
+
+
+class DecodeAhead:
+    """At most one decode step in flight past the one the engine is reading."""
+
+    def __init__(self, runner: ModelRunner, enabled: bool) -> None:
+        self.runner = runner
+        self.enabled = enabled
+        self.cuda = runner.device.type == "cuda"
+        self._launched: _Launched | None = None
+        self._host: dict[int, torch.Tensor] = {}  # per batch bucket: pinned [Bb, 1] for the argmax
+        self._copied = torch.cuda.Event() if self.cuda else None
+        self.taken = 0  # steps launched ahead that the engine took (the bench and tests read these)
+        self.dropped = 0
+
+    @property
+    def pending(self) -> bool:
+        return self._launched is not None
+
+    def take(self, rows: list[Row]) -> StepOutput | None:
+        """The step launched ahead when it is exactly `rows` (slots, tokens, positions); else None, and a step in
+        flight for other rows is dropped."""
+        launched = self._launched
+        if launched is None:
+            return None
+        self._launched = None
+        if launched.rows != tuple((r.slot, r.token, r.position) for r in rows):
+            self._drop(launched)
+            return None
+        self.taken += 1
+        return launched.out
+
+    def drop(self) -> None:
+        """Forget the step in flight, once it has finished (the blocks it writes may change hands next)."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._drop(launched)
+
+    def next_rows_fit(self, rows: list[Row], out: StepOutput) -> bool:
+        """The next step of `rows` replays the graph this one did: the same length bucket."""
+        return self.runner.span_bucket(max(r.position for r in rows) + 2) == out.span_tokens
+
+    def read_and_launch(self, rows: list[Row], out: StepOutput) -> list[list[int]]:
+        """Each row's greedy token of the step `out` (its argmax), with the step after it launched first."""
+        n = len(rows)
+        best = out.best
+        if self.cuda:
+            host = self._host.get(best.shape[0])
+            if host is None:
+                host = self._host[best.shape[0]] = torch.empty(best.shape, dtype=best.dtype).pin_memory()
+            host.copy_(best, non_blocking=True)  # before the next replay overwrites the graph's output
+            self._copied.record()
+        else:
+            host = best.clone()  # an eager step's outputs are its own; a graph's (CPU: none) would be reused
+        self._launch(rows, best)
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = host[:n].tolist()
+        if self._launched is not None:
+            self._launched.rows = tuple((r.slot, t[0], r.position + 1) for r, t in zip(rows, tokens))
+        return tokens
+
+    def _launch(self, rows: list[Row], best: torch.Tensor) -> None:
+        from engine.exec.runner import Row
+
+        nxt = [Row(r.slot, 0, r.position + 1) for r in rows]
+        try:
+            out = self.runner.decode(nxt, tokens=best)
+        except Exception:  # noqa: BLE001 - the next decode runs as usual and meets the failure on its own path
+            return
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self._launched = _Launched((), out, done)
+
+    def _drop(self, launched: _Launched) -> None:
+        self.dropped += 1
+        if launched.done is not None:
+            with contextlib.suppress(Exception):  # a failed device reports itself on the next step's own path
+                launched.done.synchronize()

@@ -1,0 +1,151 @@
+"""The next greedy decode step launched before this one's tokens are read (engine.exec.decode_ahead), on the real
+engine on CPU with `decode_ahead="on"` (eager: the same bookkeeping, one stream): every request gets the tokens
+of a run without it, through what changes the next plan between two steps (a stop token, an abort, a request
+arriving, a sampled row, a launch that fails), and the steps launched ahead are really taken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.errors import ConfigError
+from engine.exec.executor import EagerExecutor
+from tests.engine.engine_helpers import lively_checkpoint, make_engine, random_prompts, small_config, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = random_prompts(4, seed=140, lengths=(8, 40))
+
+
+@pytest.fixture(scope="module")
+def lively(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return lively_checkpoint(tmp_path_factory.mktemp("ahead"), seed=3)
+
+
+def _greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _drive(engine, script: dict[int, list], steps: int = 400) -> dict[str, list[int]]:
+    """Step until idle; before step k, run script[k]'s calls (add_request / abort) on the engine."""
+    outs: dict = {}
+    for k in range(steps):
+        for call in script.get(k, []):
+            call(engine)
+        if not engine.has_work and not any(j > k for j in script):
+            break
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert not engine.has_work
+    return tokens_of(outs)
+
+
+def _both(lively: Path, script: dict[int, list], **kw) -> tuple[dict, dict, object]:
+    off = _drive(make_engine(lively, decode_ahead="off", **kw), script)
+    engine = make_engine(lively, decode_ahead="on", **kw)
+    on = _drive(engine, script)
+    return off, on, engine.ahead
+
+
+def _add(rid: str, prompt: list[int], params: SamplingParams):
+    return lambda e: e.add_request(rid, prompt, params)
+
+
+def test_greedy_tokens_are_those_of_a_run_without_it_and_the_steps_ahead_are_taken(lively):
+    script = {0: [_add(f"r{i}", p, _greedy(12 + 5 * i)) for i, p in enumerate(PROMPTS)]}
+    off, on, ahead = _both(lively, script)
+    assert on == off
+    assert [len(on[f"r{i}"]) for i in range(4)] == [12, 17, 22, 27]
+    # every step after the prompts whose rows all need another token went ahead and was taken
+    assert ahead.taken >= 20, ahead.taken
+    assert not ahead.pending
+
+
+def test_a_stop_token_an_abort_and_an_arrival_between_two_steps_lose_nothing(lively):
+    plain = _drive(make_engine(lively, decode_ahead="off"),
+                   {0: [_add("a", PROMPTS[0], _greedy(30)), _add("b", PROMPTS[1], _greedy(30))]})
+    stop_at = plain["a"][6]  # a's seventh token ends it, mid-run, while b decodes on
+    first_stop = plain["a"].index(stop_at)
+    script = {
+        0: [_add("a", PROMPTS[0], _greedy(30, stop_token_ids=(stop_at,))), _add("b", PROMPTS[1], _greedy(30)),
+            _add("c", PROMPTS[2], _greedy(30))],
+        12: [lambda e: e.abort("c")],
+        15: [_add("d", PROMPTS[3], _greedy(20))],
+    }
+    off, on, ahead = _both(lively, script)
+    assert on == off
+    assert on["a"] == plain["a"][:first_stop + 1]
+    assert len(on["b"]) == 30 and len(on["d"]) == 20 and 0 < len(on["c"]) < 30
+    assert ahead.dropped >= 2  # the stop and the abort each dropped the step in flight
+    assert ahead.taken >= 20
+
+
+def test_a_sampled_row_decodes_as_before_and_the_greedy_rows_go_ahead_once_it_ends(lively):
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+    script = {0: [_add("s", PROMPTS[0], sampled), _add("g", PROMPTS[1], _greedy(30))]}
+    off, on, ahead = _both(lively, script)
+    assert on == off
+    assert ahead.taken >= 15  # the greedy row alone, after the sampled one finished
+
+
+class _FailingDecode(EagerExecutor):
+    """Eager, but the `fail_at`th decode raises what a failed launch would."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.decodes = 0
+        self.fail_at = fail_at
+
+    def run(self, kind, key, fn, inputs, owner=None):
+        if kind == "decode":
+            self.decodes += 1
+            if self.decodes == self.fail_at:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered [injected]")
+        return super().run(kind, key, fn, inputs, owner)
+
+
+def test_a_launch_ahead_that_fails_costs_that_launch_only(lively):
+    script = {0: [_add(f"r{i}", p, _greedy(15)) for i, p in enumerate(PROMPTS[:2])]}
+    off = _drive(make_engine(lively, decode_ahead="off"), script)
+    engine = make_engine(lively, decode_ahead="on", executor=_FailingDecode(fail_at=6))
+    on = _drive(engine, script)
+    assert on == off
+    assert engine.health().ready
+    assert engine.executor.decodes > 6 and engine.ahead.taken >= 8
+
+
+def test_mtp_and_off_never_launch_ahead(lively):
+    script = {0: [_add("r0", PROMPTS[0], _greedy(12))]}
+    for kw in ({"decode_ahead": "off"}, {"decode_ahead": "on", "batch_mtp": True}):
+        engine = make_engine(lively, **kw)
+        _drive(engine, script)
+        assert engine.ahead.taken == 0 and engine.ahead.dropped == 0
+
+
+def test_the_option_names_itself_when_it_cannot_work(lively):
+    with pytest.raises(ConfigError) as err:
+        small_config(lively, decode_ahead="sometimes")
+    assert err.value.param == "decode_ahead" and "sometimes" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        make_engine(lively, decode_ahead="on", kv_resident=256)
+    assert err.value.param == "decode_ahead" and "--kv-resident" in str(err.value)
+    # auto: an eager CPU engine has no device time to overlap
+    assert not make_engine(lively).ahead.enabled
+
+
+def test_a_step_in_flight_for_other_rows_is_dropped_not_taken(lively):
+    from engine.exec.runner import Row
+
+    engine = make_engine(lively, decode_ahead="on")
+    engine.add_request("r0", PROMPTS[0], _greedy(20))
+    while not engine.ahead.pending:
+        engine.step()
+    req = engine.sched.running()[0]
+    moved = Row(req.slot, req.output_token_ids[-1], req.num_tokens)  # one position past the step in flight
+    assert engine.ahead.take([moved]) is None
+    assert not engine.ahead.pending and engine.ahead.dropped == 1
+    rest = _drive(engine, {})
+    full = _drive(make_engine(lively, decode_ahead="off"), {0: [_add("r0", PROMPTS[0], _greedy(20))]})
+    assert full["r0"][-len(rest["r0"]):] == rest["r0"]
