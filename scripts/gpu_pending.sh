@@ -206,6 +206,8 @@ step step_tests 200 "${GPU_TEST[@]}" tests/engine/exec/test_kv_paged_gpu.py test
 # the next greedy step launched before a step's tokens are read (engine.exec.decode_ahead, on by default): off here
 step profile_ahead_off 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 1 --steps 64 \
     --top 12 --decode-ahead off --json "$OUT/profile_ahead_off.json"
+step profile_pinned_off 90 env STRATA_PINNED_STAGING=0 "$PY" -m engine.bench profile --model random:0.6b \
+    --device cuda:0 --batch 1 --steps 64 --top 12 --json "$OUT/profile_pinned_off.json"
 step profile_b6 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 6 --steps 64 --top 12 \
     --json "$OUT/profile_b6.json"
 step profile_b6_ahead_off 90 "$PY" -m engine.bench profile --model random:0.6b --device cuda:0 --batch 6 --steps 64 \
