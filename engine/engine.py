@@ -251,6 +251,8 @@ class Engine:
             self._decode(plan.decode, outputs)
             # MTP's draft round runs after the sampling sync: drain it when a chunk's clock starts next.
             decode_s = (self._synced_clock() if plan.prefill and not beside else time.perf_counter()) - t0_s
+            # a step taken ahead: its device time (the host only waited for its last part)
+            decode_s = self.ahead.step_period_s() or decode_s
         chunks: list[ChunkTiming] = []
         for chunk in plan.prefill:
             if chunk.request.is_finished or chunk.beside_decode:  # aborted since schedule(), or launched above
@@ -360,10 +362,11 @@ class Engine:
 
     def _goes_ahead(self, reqs: list[Request], params: list[SamplingParams]) -> bool:
         """The next step may be launched before this one's tokens are read (engine.exec.decode_ahead): every
-        decoding slot is in this group, all greedy, each needs another token, and no prompt work would
-        change the next plan."""
-        return (self.ahead.enabled and not self.mtp_on and len(reqs) == self.sched.num_decoding
-                and not self.sched.prompt_work_next and not self.sched.chunk_in_flight
+        decoding slot is in this group, all greedy, each needs another token, and no prompt chunk will run
+        between the steps (chunks beside the steps run on their own stream: a chunk that lands, making its
+        request decode, drops the step launched ahead)."""
+        quiet = self.chunks is not None or not (self.sched.prompt_work_next or self.sched.chunk_in_flight)
+        return (self.ahead.enabled and not self.mtp_on and len(reqs) == self.sched.num_decoding and quiet
                 and all(p.temperature <= 0 and not p.penalized and p.logprobs is None for p in params)
                 and all(req.num_output_tokens + 1 < req.max_tokens for req in reqs))
 

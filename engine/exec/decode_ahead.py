@@ -9,6 +9,10 @@ the next plan decodes exactly those rows with those tokens, and drops it otherwi
 aborted, a prompt arrived): the step it dropped wrote each row's KV at the position after its last token, with
 the token the row really emitted, so nothing it left behind is wrong.
 
+A step taken ahead is timed on the device (`step_period_s`): from the end of the step before it, itself launched
+ahead, to its own end. The host's wall clock around it would only see the wait for its last part, and the prompt
+pacer (engine.core.prefill_pacer) keeps the decoding slots' share of the device by these times.
+
 Only a step whose graph already exists is launched ahead (the same length bucket as the step before): a capture,
 with its out-of-memory recovery and its events, happens in a step of its own. Anything that fails while launching
 ahead drops that step; the next decode runs as usual and meets the failure on its own path.
@@ -59,6 +63,8 @@ class DecodeAhead:
         self._launched: _Launched | None = None
         self._host: dict[int, torch.Tensor] = {}  # per batch bucket: pinned [Bb, 1] for the argmax
         self._copied = torch.cuda.Event() if self.cuda else None
+        self._last_done: torch.cuda.Event | None = None  # the end of the step taken last, when it was taken ahead
+        self._period: tuple | None = None  # (the end of the step before, the end of the step taken) to time
         self.taken = 0  # steps launched ahead that the engine took (the bench and tests read these)
         self.dropped = 0
 
@@ -69,19 +75,30 @@ class DecodeAhead:
     def take(self, rows: list[Row]) -> StepOutput | None:
         """The step launched ahead when it is exactly `rows` (slots, tokens, positions); else None, and a step in
         flight for other rows is dropped."""
-        launched = self._launched
-        if launched is None:
-            return None
-        self._launched = None
-        if launched.rows != tuple((r.slot, r.token, r.position) for r in rows):
+        launched, self._launched = self._launched, None
+        if launched is not None and launched.rows != tuple((r.slot, r.token, r.position) for r in rows):
             self._drop(launched)
+            launched = None
+        if launched is None:  # this step runs now: the next one taken has no step launched ahead before it
+            self._last_done = self._period = None
             return None
         self.taken += 1
+        self._period = (self._last_done, launched.done)
+        self._last_done = launched.done
         return launched.out
+
+    def step_period_s(self) -> float | None:
+        """The device time of the step `take` gave last, from the end of the step before it (once its tokens are
+        read); None when either was not launched ahead, or on a CPU."""
+        period, self._period = self._period, None
+        if period is None or period[0] is None or period[1] is None:
+            return None
+        return period[0].elapsed_time(period[1]) / 1e3
 
     def drop(self) -> None:
         """Forget the step in flight, once it has finished (the blocks it writes may change hands next)."""
         launched, self._launched = self._launched, None
+        self._last_done = self._period = None
         if launched is not None:
             self._drop(launched)
 
@@ -119,7 +136,7 @@ class DecodeAhead:
             return
         done = None
         if self.cuda:
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record()
         self._launched = _Launched((), out, done)
 

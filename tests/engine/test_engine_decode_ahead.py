@@ -149,3 +149,22 @@ def test_a_step_in_flight_for_other_rows_is_dropped_not_taken(lively):
     rest = _drive(engine, {})
     full = _drive(make_engine(lively, decode_ahead="off"), {0: [_add("r0", PROMPTS[0], _greedy(20))]})
     assert full["r0"][-len(rest["r0"]):] == rest["r0"]
+
+
+def test_beside_a_long_prompts_chunks_the_steps_go_ahead_and_keep_their_tokens(lively):
+    """Chunks beside the steps (`prefill_overlap on`; one stream on a CPU): the decoding slots' steps go ahead while
+    the long prompt's chunks are in flight, the chunk that lands (its request decoding next) drops the step in
+    flight, and every request gets the tokens of a run with neither."""
+    long_prompt = random_prompts(1, seed=141, lengths=(600, 601), vocab=500)[0]
+    script = {0: [_add("s0", PROMPTS[0], _greedy(60)), _add("s1", PROMPTS[1], _greedy(60))],
+              3: [_add("long", long_prompt, _greedy(6))]}
+    kw = dict(prefill_chunk_tokens=128, step_token_budget=256)
+    off = _drive(make_engine(lively, decode_ahead="off", prefill_overlap="off", **kw), script)
+    engine = make_engine(lively, decode_ahead="on", prefill_overlap="on", **kw)
+    beside = []
+    launch = engine.ahead._launch
+    engine.ahead._launch = lambda rows, best: (beside.append(engine.chunks.in_flight is not None), launch(rows, best))
+    on = _drive(engine, script)
+    assert on == off
+    assert sum(beside) >= 3, "steps launched ahead with a chunk in flight"
+    assert engine.ahead.dropped >= 1  # the last chunk landed with a step in flight
