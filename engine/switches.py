@@ -69,9 +69,8 @@ SWITCHES: tuple[Switch, ...] = (
         "PINNED_STAGING",
         "stage step inputs through pinned host buffers and copy them to the device asynchronously",
         live=False,
-        effect="on by default: a decode step launched ahead (--decode-ahead) stages its inputs without waiting for "
-               "the step in flight, a faster batch-1 step on the H200 (docs/SWITCHES.md)",
-        default=True,
+        effect="no measurable effect on the H200; a decode step launched ahead (--decode-ahead) stages this way "
+               "whatever the switch says (docs/SWITCHES.md)",
     ),
     Switch(
         "COMPILE",

@@ -178,12 +178,13 @@ class ModelRunner:
             groups = self.kv.paging.split_groups(groups, [e + self.lookahead_tokens for e in end_tokens])
         return groups
 
-    def stage(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """Host values -> device tensor; through a pinned buffer and a non-blocking copy with PINNED_STAGING."""
+    def stage(self, values: list, dtype: torch.dtype = torch.long, pinned: bool = False) -> torch.Tensor:
+        """Host values -> device tensor; through a pinned buffer and a non-blocking copy with PINNED_STAGING or
+        `pinned` (a step launched ahead: a plain copy waits for the step in flight, engine.exec.decode_ahead)."""
         host = torch.tensor(values, dtype=dtype)
         if self.device.type != "cuda":
             return host
-        if self.board.enabled("PINNED_STAGING"):
+        if pinned or self.board.enabled("PINNED_STAGING"):
             if self._stager is None:
                 self._stager = PinnedStager(self.device)
             return self._stager.stage(host)
@@ -319,16 +320,18 @@ class ModelRunner:
         slots, positions = self.pad_rows(rows, 1)
         bb = len(slots)
         span = self.span_bucket(max(r.position for r in rows) + 1)
-        inputs = self._decode_inputs(slots, [r.token for r in rows] + [0] * (bb - len(rows)), positions)
+        inputs = self._decode_inputs(slots, [r.token for r in rows] + [0] * (bb - len(rows)), positions,
+                                     pinned=tokens is not None)
         if tokens is not None:
             inputs["tokens"][:len(rows)].copy_(tokens[:len(rows)])  # a device copy, queued before the step
         out = self.run("decode", self._decode_build(bb, span), inputs)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span, best=out["best"])
 
-    def _decode_inputs(self, slots: list[int], tokens: list[int], positions: list[list[int]]) -> dict:
+    def _decode_inputs(self, slots: list[int], tokens: list[int], positions: list[list[int]],
+                       pinned: bool = False) -> dict:
         bb = len(slots)
         # One host-to-device copy for all inputs: [3, Bb] split into views.
-        packed = self.stage([slots, tokens, [p[0] for p in positions]])
+        packed = self.stage([slots, tokens, [p[0] for p in positions]], pinned=pinned)
         return {"slots": packed[0], "tokens": packed[1].view(bb, 1), "positions": packed[2].view(bb, 1)}
 
     def _decode_build(self, bb: int, span: int) -> StepBuilder:
