@@ -40,6 +40,18 @@ def _opt(help: str, *, metavar: str | None = None, choices: tuple[str, ...] | No
     return {"help": help, "metavar": metavar, "choices": choices, "group": group, "flag": flag}
 
 
+def mode_wanted(option: str, mode: str, auto: bool, blocked: str | None = None) -> bool:
+    """An `auto | on | off` option's answer: `off` never; `on` wherever nothing blocks it; `auto` where `auto`
+    and nothing blocks it. `blocked` says why it cannot work here: `on` is then a ConfigError naming the option."""
+    if mode == "off":
+        return False
+    if blocked is not None:
+        if mode == "on":
+            raise ConfigError(option, mode, blocked)
+        return False
+    return mode == "on" or auto
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's options. Field names are the CLI's long options with `-` as `_`."""

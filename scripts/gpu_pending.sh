@@ -12,14 +12,18 @@
 # prefill kernel through TMA (bf16 1.26x; the 176K first token 8.67 s), peers, the 128K steps, MTP medians, reuse,
 # the admission (1.670x at ratio 0.551), the suite (cut at 370 s again). The thirteenth split a short chunk's keys
 # (the reused 32K prompt at 0.035), cut a step's host copies, ran MTP in ABBA order (1.470x / 1.794x) and the suite
-# whole in two halves (65 passed, 401.9 s). Next (#17): the 128K steps, the 176K first tokens and the admission
-# with this code, int8's short-chunk split at 264 programs, the decode kernel's 64-key block loads at batch 6
-# (int8):
+# whole in two halves (65 passed, 401.9 s). The fourteenth launched greedy decode steps ahead of the host (batch 1
+# at 819.1 tok/s, 3.481x the peer) and filled the table again but for MTP (cut by the budget) and the admission's
+# ratio (0.453). Next (#17): MTP with the code as committed, the admission (less interference beside the chunks),
+# int8's short-chunk split at 264 programs, the decode kernel's 64-key block loads at batch 6 (int8):
 #
-#   OUT=$OUT STEPS=profile128k_bf16,profile128k_int8,ttft_176k,ttft_176k_int8,admission,peers \
-#       bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite_a,attention_split,attention_decode_loads bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite_b,mtp_1,mtp_2,reuse bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=mtp_1,mtp_2,profile_tiny_mtp_1,admission,peers bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite_a,gpu_suite_b bash scripts/gpu_pending.sh
+#
+#   profile_ahead_off     #17: the batch-1 step with --decode-ahead off (profile_ops_1 runs the default, on)
+#   profile_pinned_off    #17: the same with STRATA_PINNED_STAGING=0 (when a call sets it on)
+#   profile_b6(_ahead_off)  #17: the batch-6 step with decode ahead on (the default), then off
+#   ahead_tests           #17: engines' greedy tokens with steps launched ahead (graphs, chunks beside the steps)
 #
 #   attention_split(_512) #17: a 256- / 512-token chunk 8K-128K deep: the default (keys split to 132 programs,
 #                         PrefillConfig.split_programs) against one pass and other targets

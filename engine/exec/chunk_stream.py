@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from engine.config import mode_wanted
 from engine.errors import ConfigError
 
 CHUNK_SMS_ENV = "STRATA_CHUNK_SMS"
@@ -65,14 +66,12 @@ def overlap_wanted(mode: str, device: torch.device, kv_resident: int | None, moe
     """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, every slot's KV resident,
     a dense model), `on` also on a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on`
     where the streams would share state."""
-    if mode == "off":
-        return False
-    apart = kv_resident is None and not moe
-    if mode == "on" and not apart:
+    blocked = None
+    if kv_resident is not None or moe:
         why = "--kv-resident pages blocks under a chunk in flight" if kv_resident is not None else \
             "an MoE model's expert cache is shared by every forward"
-        raise ConfigError("prefill_overlap", mode, f"cannot run chunks beside the steps here: {why}")
-    return apart and (mode == "on" or device.type == "cuda")
+        blocked = f"cannot run chunks beside the steps here: {why}"
+    return mode_wanted("prefill_overlap", mode, device.type == "cuda", blocked)
 
 
 # One green context per (device, SMs), never destroyed: tensors the side stream allocated outlive an engine in

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.errors import ConfigError
+from engine.config import mode_wanted
 
 if TYPE_CHECKING:
     from engine.exec.runner import ModelRunner, Row, StepOutput
@@ -36,14 +36,12 @@ def ahead_wanted(mode: str, device: torch.device, graphs: bool, kv_resident: int
     """`auto`: where it pays (CUDA graphs: an eager step's launches are the host work it would overlap), every
     slot's KV resident and a dense model; `on` also on a CPU (one stream: the bookkeeping alone, for tests);
     `off` never. ConfigError for `on` where a step's host side must see the step before it."""
-    if mode == "off":
-        return False
-    plain = kv_resident is None and not moe
-    if mode == "on" and not plain:
+    blocked = None
+    if kv_resident is not None or moe:
         why = "--kv-resident pages blocks between steps" if kv_resident is not None else \
             "an MoE model's expert cache loads a step's experts from its routing"
-        raise ConfigError("decode_ahead", mode, f"cannot launch a decode step ahead here: {why}")
-    return plain and (mode == "on" or (device.type == "cuda" and graphs))
+        blocked = f"cannot launch a decode step ahead here: {why}"
+    return mode_wanted("decode_ahead", mode, device.type == "cuda" and graphs, blocked)
 
 
 @dataclass
