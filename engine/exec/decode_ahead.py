@@ -28,8 +28,10 @@ import torch
 
 from engine.config import mode_wanted
 
+from engine.exec.runner import Row
+
 if TYPE_CHECKING:
-    from engine.exec.runner import ModelRunner, Row, StepOutput
+    from engine.exec.runner import ModelRunner, StepOutput
 
 
 def ahead_wanted(mode: str, device: torch.device, graphs: bool, kv_resident: int | None, moe: bool) -> bool:
@@ -116,27 +118,26 @@ class DecodeAhead:
             self._copied.record()
         else:
             host = best.clone()  # an eager step's outputs are its own; a graph's (CPU: none) would be reused
-        self._launch(rows, best)
+        launched = self._launch(rows, best)
         if self._copied is not None:
             self._copied.synchronize()
         tokens = host[:n].tolist()
-        if self._launched is not None:
-            self._launched.rows = tuple((r.slot, t[0], r.position + 1) for r, t in zip(rows, tokens))
+        if launched is not None:
+            nxt = tuple((r.slot, t[0], r.position + 1) for r, t in zip(rows, tokens))
+            self._launched = _Launched(nxt, *launched)
         return tokens
 
-    def _launch(self, rows: list[Row], best: torch.Tensor) -> None:
-        from engine.exec.runner import Row
-
-        nxt = [Row(r.slot, 0, r.position + 1) for r in rows]
+    def _launch(self, rows: list[Row], best: torch.Tensor) -> tuple[StepOutput, torch.cuda.Event | None] | None:
+        """The next step of `rows` queued with `best` as its tokens, and its end event; None when it failed."""
         try:
-            out = self.runner.decode(nxt, tokens=best)
+            out = self.runner.decode([Row(r.slot, 0, r.position + 1) for r in rows], tokens=best)
         except Exception:  # noqa: BLE001 - the next decode runs as usual and meets the failure on its own path
-            return
+            return None
         done = None
         if self.cuda:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        self._launched = _Launched((), out, done)
+        return out, done
 
     def _drop(self, launched: _Launched) -> None:
         self.dropped += 1

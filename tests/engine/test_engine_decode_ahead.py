@@ -163,7 +163,8 @@ def test_beside_a_long_prompts_chunks_the_steps_go_ahead_and_keep_their_tokens(l
     engine = make_engine(lively, decode_ahead="on", prefill_overlap="on", **kw)
     beside = []
     launch = engine.ahead._launch
-    engine.ahead._launch = lambda rows, best: (beside.append(engine.chunks.in_flight is not None), launch(rows, best))
+    engine.ahead._launch = lambda rows, best: (beside.append(engine.chunks.in_flight is not None),
+                                               launch(rows, best))[1]
     on = _drive(engine, script)
     assert on == off
     assert sum(beside) >= 3, "steps launched ahead with a chunk in flight"
