@@ -79,6 +79,13 @@ def _longest_step(step_s: list[float], timings: list[Any], seqs: list[int], even
     }
 
 
+def _event_steps_s(step_s: list[float], seqs: list[int], events: list[Any]) -> float:
+    """The time of the steps that published a graph or tier event (a capture, a shrink): the stalls' share of
+    the admission, which no pacing moves."""
+    marked = {e.seq for e in events if e.type in ("graph", "tier")}
+    return sum(s for i, s in enumerate(step_s) if any(seqs[i] < seq <= seqs[i + 1] for seq in marked))
+
+
 def _named(event: Any) -> str:
     """`graph capture decode b8 L4096`, `tier shrink`, `warning runner.decode`: what an event was, in a few words."""
     parts = (event.type, *(getattr(event, name, "") for name in ("action", "kind", "key", "where")))
@@ -159,6 +166,7 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
         "alone_runs": alone_parts,
         "ttft_vs_alone": during_s / alone_s if alone_s else None, **log.summary(),
         "during_steps": len(during_step_s), "max_step_ms": _ms(during_step_s, max), "max_step": longest,
+        "during_event_step_s": _event_steps_s(during_step_s, seqs, during_events),
         "baseline_step_ms": base_s / max(1, len(base_step_s)) * 1e3, "baseline_max_step_ms": _ms(base_step_s, max),
         # The median and the longest step of the after phase tell a slower step (longer context, an eager
         # bucket) from a few long ones (a cache fill, a capture) inflating the mean.

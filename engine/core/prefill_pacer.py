@@ -42,7 +42,9 @@ DEFAULT_PREFILL_STEP_SHARE = 0.45
 DEFAULT_MAX_CHUNK_STALL_S = 0.2  # the longest one saved-up chunk may hold the decoding slots
 _EXPLORE_EVERY_CHUNKS = 4
 _DECODE_WINDOW_STEPS = 5  # median of the last few decode steps: one graph capture does not move it
-_BESIDE_WINDOW_STEPS = 32  # decode steps beside a chunk: many per chunk, some where its blocks hold every SM
+# decode steps beside chunks: more than one chunk's worth (a step's time beside a chunk varies with the chunk's
+# phase: some steps wait while its blocks hold every SM), averaged, since decode's share is one of total times
+_BESIDE_WINDOW_STEPS = 256
 _COST_WINDOW_CHUNKS = 32
 _PRIOR_WEIGHT = 1e-5  # per coefficient, in measured chunks: settles only what the chunks cannot tell apart at all
 # (1e-3 biased the four-term fit by 40 % on exact data: the terms are close to collinear in relative error)
@@ -251,11 +253,13 @@ class PrefillPacer:
     def beside_gap_s(self, chunk_s: float) -> float:
         """After a chunk that ran beside the steps for `chunk_s`: how long the side stream stays idle so that
         decode keeps 1 - prefill_step_share of its rate on average. Beside the chunk decode kept
-        kept = alone / beside (median step times); over the chunk and a gap g, (kept * chunk_s + g) / (chunk_s + g)
-        must reach the target: g = chunk_s * (target - kept) / (1 - target). 0 while either time is unknown."""
+        kept = alone / beside (alone: the median of the last steps without a chunk; beside: the mean of the steps
+        beside chunks, since the steps that wait on a chunk's blocks cost decode their whole time, which a median
+        leaves out); over the chunk and a gap g, (kept * chunk_s + g) / (chunk_s + g) must reach the target:
+        g = chunk_s * (target - kept) / (1 - target). 0 while either time is unknown."""
         if not self._decode_s or not self._beside_s or self.prefill_step_share >= 1:
             return 0.0
-        kept = statistics.median(self._decode_s) / statistics.median(self._beside_s)
+        kept = statistics.median(self._decode_s) / statistics.fmean(self._beside_s)
         target = 1 - self.prefill_step_share
         return max(0.0, chunk_s * (target - kept) / (1 - target))
 

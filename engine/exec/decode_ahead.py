@@ -103,8 +103,9 @@ class DecodeAhead:
             self._drop(launched)
 
     def next_rows_fit(self, rows: list[Row], out: StepOutput) -> bool:
-        """The next step of `rows` replays the graph this one did: the same length bucket."""
-        return self.runner.span_bucket(max(r.position for r in rows) + 2) == out.span_tokens
+        """The next step of `rows` replays the graph this one did: the same span (on the paged kernels' path
+        always: ModelRunner.step_span)."""
+        return self.runner.step_span(max(r.position for r in rows) + 2) == out.span_tokens
 
     def read_and_launch(self, rows: list[Row], out: StepOutput) -> list[list[int]]:
         """Each row's greedy token of the step `out` (its argmax), with the step after it launched first."""

@@ -65,7 +65,7 @@ class MtpDrafter:
         slots, positions = r.pad_rows(rows, k + 1)
         bb = len(slots)
         # Chain step j writes MTP KV at n + accepted + j <= n + 2K - 1: the span covers the chain too.
-        span = r.span_bucket(max(row.position for row in rows) + 2 * k)
+        span = r.step_span(max(row.position for row in rows) + 2 * k)
         draft_rows = [row.slot for row in rows] + [r.pad_row] * (bb - len(rows))
         pending = [row.token for row in rows] + [0] * (bb - len(rows))
         inputs = r.verify_inputs(slots, draft_rows, pending, positions)
@@ -149,7 +149,7 @@ class MtpDrafter:
         r = self.runner
         k1 = hidden.shape[1]
         bb = hidden.shape[0]
-        span = r.span_bucket(max(base_positions) + k1)
+        span = r.step_span(max(base_positions) + k1)
         r.kv.prepare({row.slot: n + k1 + r.lookahead_tokens for row, n in zip(rows, base_positions)})
         next_ids = [list(e) + [0] * (k1 - len(e)) for e in emitted] + [[0] * k1] * (bb - len(rows))
         positions = [[n + j for j in range(k1)] for n in base_positions]
@@ -175,7 +175,7 @@ class MtpDrafter:
         for j in range(1, self.depth):
             # Chain step j sits at pending position + j - 1 (the round's pick was at pending - 1).
             pos = [row.position + j - 1 for row in rows] + [r.context_tokens] * (bb - len(rows))
-            span = r.span_bucket(max(row.position for row in rows) + j)
+            span = r.step_span(max(row.position for row in rows) + j)
             inputs = {"slots": slots_t, "hidden": h, "next_ids": drafts[-1].view(bb, 1),
                       "positions": r.stage([[p] for p in pos]), "pick": r.stage([0] * bb)}
             out = r.run("draft_step", self._step_build(bb, j, span), inputs, owner="drafter")
@@ -200,7 +200,8 @@ class MtpDrafter:
         split = r.split_enabled()
         dtype = next(self.model.parameters()).dtype
         hidden_size = self.model.config.hidden_size
-        spans = r.span_buckets()
+        spans = r.span_buckets()  # a prompt chunk's (the prefill kernel or the reference reads up to its span)
+        step_spans = r.step_spans()
         specs = []
         tb = MIN_CHUNK_TOKENS
         while tb <= pow2_bucket(max_chunk_tokens, MIN_CHUNK_TOKENS):
@@ -215,7 +216,7 @@ class MtpDrafter:
         for bb in r.batch_buckets():
             if self.fused:  # greedy batches take verify_draft instead of verify + draft_round (+ steps)
                 inputs = r.verify_inputs([0] * bb, [r.pad_row] * bb, [0] * bb, r.pad_positions(bb, self.depth + 1))
-                for span in spans:
+                for span in step_spans:
                     key, fn = r.on_path(*self._fused_build(bb, span)(split))
                     specs.append(GraphSpec(FUSED_KIND, key, fn, inputs, owner="drafter"))
             for j in range(self.depth):
@@ -226,7 +227,7 @@ class MtpDrafter:
                           "hidden": torch.zeros(bb, t, hidden_size, dtype=dtype, device=r.device),
                           "next_ids": r.stage([[0] * t] * bb), "positions": r.stage(r.pad_positions(bb, t)),
                           "pick": r.stage([0] * bb)}
-                for span in spans:
+                for span in step_spans:
                     build = self._round_build(bb, t, span) if j == 0 else self._step_build(bb, j, span)
                     key, fn = r.on_path(*build(split))
                     specs.append(GraphSpec("draft_round" if j == 0 else "draft_step", key, fn, inputs,

@@ -161,10 +161,22 @@ class ModelRunner:
         """The length bucket for keys [0, end_tokens): a power of two, capped at the context."""
         return min(pow2_bucket(end_tokens, MIN_SPAN_TOKENS), self.context_tokens)
 
+    def step_span(self, end_tokens: int) -> int:
+        """The key span a few-query step (decode, verify, a draft round or chain step) is built for. On the paged
+        kernels' path each row reads and splits only its own keys, whatever the span: one span, the context, so
+        one graph per batch bucket serves every length (no capture, and no kernel compiled, as the slots' contexts
+        grow). Elsewhere the reference reads up to the span: the length bucket."""
+        return self.context_tokens if self.paged_enabled() else self.span_bucket(end_tokens)
+
+    def step_spans(self) -> list[int]:
+        """Every span step_span can give on the current path (CAPTURE_ALL)."""
+        return [self.context_tokens] if self.paged_enabled() else self.span_buckets()
+
     def span_groups(self, end_tokens: list[int]) -> list[list[int]]:
         """Indices of rows to batch together: rows whose length buckets are within GROUP_SPAN_RATIO of the
         group's shortest. One long slot then costs its own forward (one more read of the weights) instead of
-        every short slot reading (and copying) keys up to the long slot's bucket."""
+        every short slot reading (and copying) keys up to the long slot's bucket, or, on the paged kernels'
+        path, instead of the long slot's keys streaming through as few splits as a full batch gives a row."""
         order = sorted(range(len(end_tokens)), key=lambda i: end_tokens[i])
         groups: list[list[int]] = []
         first_span = 0
@@ -291,7 +303,7 @@ class ModelRunner:
             return specs
         for bb in self.batch_buckets():
             slots, zeros = [0] * bb, [0] * bb
-            for span in self.span_buckets():
+            for span in self.step_spans():
                 if self.mtp_depth:
                     inputs = self.verify_inputs(slots, [self.pad_row] * bb, zeros,
                                                  self.pad_positions(bb, self.mtp_depth + 1))
@@ -319,7 +331,7 @@ class ModelRunner:
         device ([>= rows, 1], a step's argmax: engine.exec.decode_ahead), in place of each Row's token."""
         slots, positions = self.pad_rows(rows, 1)
         bb = len(slots)
-        span = self.span_bucket(max(r.position for r in rows) + 1)
+        span = self.step_span(max(r.position for r in rows) + 1)
         inputs = self._decode_inputs(slots, [r.token for r in rows] + [0] * (bb - len(rows)), positions,
                                      pinned=tokens is not None)
         if tokens is not None:
@@ -354,7 +366,7 @@ class ModelRunner:
         k = self.mtp_depth
         slots, positions = self.pad_rows(rows, k + 1)
         bb = len(slots)
-        span = self.span_bucket(max(r.position for r in rows) + k + 1)
+        span = self.step_span(max(r.position for r in rows) + k + 1)
         draft_rows = [r.slot for r in rows] + [self.pad_row] * (bb - len(rows))
         pending = [r.token for r in rows] + [0] * (bb - len(rows))
         inputs = self.verify_inputs(slots, draft_rows, pending, positions)

@@ -12,8 +12,9 @@ the rows of one tile (GQA of any ratio; keys are read once per KV head). Each sp
 keys with an online softmax; a second kernel combines the splits (flash-decoding). int8 keys and values are
 converted in registers: the key scale multiplies the scores, the value scale multiplies P before P.V.
 
-Graph-capturable: the grid depends only on the batch and the static span bucket; lengths (positions) and the
-block table are read on the device. Rows whose positions are at or past `context_tokens` are padding (scratch
+Graph-capturable: the grid depends only on the batch and the static span; lengths (positions) and the block
+table are read on the device, and each row splits its own keys by its length, so a span of the whole context
+serves every length (the runner's steps on this path are keyed by batch alone: ModelRunner.step_span). Rows whose positions are at or past `context_tokens` are padding (scratch
 columns): they read nothing and produce zeros. Query row (g, t) of KV head h is query head h*G + g at token t
 and sees keys 0..positions[b, t] (the reference path's causal-by-position rule).
 """
@@ -44,7 +45,7 @@ def _paged_decode_kernel(
     stride_sh, stride_sb,
     stride_tab,
     stride_ob, stride_oh, stride_ot,
-    sm_scale, span_tokens, context_tokens, split_tiles, num_splits, head_rows,
+    sm_scale, span_tokens, context_tokens, min_split_tiles, num_splits, head_rows,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
     LOADS: tl.constexpr,
@@ -69,8 +70,13 @@ def _paged_decode_kernel(
     # in 64 bits: a pool that holds the prefix-cache tier's blocks (SHARED_PREFIX) can pass 2**31 elements, and
     # h * its head stride with it (int8 KV on a full H200, 2026-12-01: an illegal memory access)
     h_pool = h.to(tl.int64) * stride_kh
+    # This row's own keys in even splits of at least min_split_tiles tiles (even_splits, on the device): the grid
+    # has the splits of the static span, a row uses as many as its length fills, so one graph serves every length
+    tiles = tl.cdiv(kv_len, BLOCK_N)
+    used_splits = tl.maximum(1, tl.minimum(num_splits, tiles // min_split_tiles))
+    split_tiles = tl.cdiv(tiles, used_splits)
     first_tile = split * split_tiles
-    last_tile = tl.minimum(first_tile + split_tiles, tl.cdiv(kv_len, BLOCK_N))
+    last_tile = tl.minimum(first_tile + split_tiles, tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -127,7 +133,9 @@ def _paged_decode_kernel(
         base = (b * tl.num_programs(1) + h) * num_splits + split
         tl.store(mid_lse_ptr + base * BLOCK_M + rows, lse)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(mid_o_ptr + (base * BLOCK_M + rows[:, None]) * BLOCK_D + d[None, :], o)
+        # a split past the row's keys leaves its part unwritten: the combine reads a part only where lse is finite
+        tl.store(mid_o_ptr + (base * BLOCK_M + rows[:, None]) * BLOCK_D + d[None, :], o,
+                 mask=first_tile + tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.int32) < last_tile)
 
 
 @triton.jit
@@ -147,7 +155,8 @@ def _combine_splits_kernel(
     m = tl.max(lse, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)  # splits that saw no key weigh 0
-    o = tl.load(mid_o_ptr + (base[:, None] * BLOCK_M + r) * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    seen = s_ok & (lse > float("-inf"))  # a split that saw no key may not have written its part
+    o = tl.load(mid_o_ptr + (base[:, None] * BLOCK_M + r) * BLOCK_D + d[None, :], mask=seen[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     out = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     g = r // T
@@ -223,7 +232,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     block_d = max(16, triton.next_power_of_2(d))
     tile = config.tile_tokens
     assert tile % block_tokens == 0 or block_tokens % tile == 0, (tile, block_tokens)
-    splits, per_split = split_plan(b, hkv, span_tokens, tile, config.min_split_tiles)
+    splits, _ = split_plan(b, hkv, span_tokens, tile, config.min_split_tiles)
     # [B, Hq, T, D] over [B, T, Hq, D] memory: the layer's `out.transpose(1, 2).reshape(B, T, Hq * D)` is then a
     # view, not a copy of every multi-token forward's output (a verify's, a chunk's)
     out = q.new_empty(b, t, hq, d).transpose(1, 2)
@@ -244,7 +253,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0,
         block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        1.0 / math.sqrt(d), span_tokens, context_tokens, per_split, splits, k_pool.shape[1],
+        1.0 / math.sqrt(d), span_tokens, context_tokens, config.min_split_tiles, splits, k_pool.shape[1],
         T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=tile, PAGE=block_tokens, SINGLE=splits == 1,
         INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOADS=loads,
         num_warps=config.num_warps, num_stages=config.num_stages,

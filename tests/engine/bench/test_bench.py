@@ -119,7 +119,7 @@ def test_admission_measures_shorts_before_and_during_the_long_prefill(tmp_path: 
     assert doc["summary"]["worst_decode_ratio"] == row["decode_ratio"]
     # Graph and tier events per phase (none on an eager CPU engine with a host tier) and the degraded buckets.
     assert row["events_during"] == row["events_after"] == {} and row["degraded_graphs"] == []
-    assert row["graph_errors"] == []
+    assert row["graph_errors"] == [] and row["during_event_step_s"] == 0.0
     assert 0 < row["after_step_ms_p50"] <= row["after_max_step_ms"]
     assert row["baseline_step_ms"] <= row["baseline_max_step_ms"] and row["max_step_ms"] > 0
     # The same prompt length alone first, on the same engine: the issue's TTFT ratio in one run.
@@ -383,3 +383,16 @@ def test_each_tuned_launch_shape_reports_its_error_beside_its_time() -> None:
                        2, expected)
     assert row["right_max_err"] == 0 and row["off_max_err"] == 0.5 and row["right_ms"] >= 0 and row["off_ms"] >= 0
     assert row["broken_error"].startswith("RuntimeError: too much shared memory") and "broken_ms" not in row
+
+
+def test_admission_sums_the_steps_that_published_graph_or_tier_events() -> None:
+    """`during_event_step_s`: the steps whose seq range holds a graph or tier event (a capture mid-admission), not
+    those with other events only."""
+    from types import SimpleNamespace
+
+    from engine.bench.admission import _event_steps_s
+
+    events = [SimpleNamespace(seq=2, type="graph"), SimpleNamespace(seq=3, type="request"),
+              SimpleNamespace(seq=5, type="tier"), SimpleNamespace(seq=6, type="tier")]
+    # step i published the events with seqs[i] < seq <= seqs[i + 1]
+    assert _event_steps_s([0.1, 0.2, 0.4, 0.8], [0, 1, 3, 4, 6], events) == pytest.approx(0.2 + 0.8)

@@ -516,8 +516,25 @@ def test_after_a_chunk_the_pacer_keeps_the_side_stream_idle_for_decode_to_keep_i
     clock.now_s = 0.21
     (nxt,) = sched.schedule().prefill
     assert nxt.start == 64
-    sched.record_step(StepTiming(0.003, 1, beside_chunk=True))  # the median of the steps beside chunks: 5.5 ms
+    sched.record_step(StepTiming(0.003, 1, beside_chunk=True))  # the mean of the steps beside chunks: 5.5 ms
     assert sched.pacer.beside_gap_s(0.4) == pytest.approx(0.4 * (0.5 - 0.002 / 0.0055) / 0.5)
     for _ in range(40):  # decode beside the chunks as fast as alone: no gap
         sched.record_step(StepTiming(0.002, 1, beside_chunk=True))
     assert sched.pacer.beside_gap_s(0.4) == 0.0
+
+
+def test_the_gap_after_a_chunk_counts_the_steps_that_waited_on_it_in_full() -> None:
+    """Decode's share is one of total times: beside a chunk, nine 3-ms steps and one of 50 ms (it waited while
+    the chunk's blocks held every SM) took 77 ms for ten steps that take 20 ms alone, so decode kept 0.26 of its
+    rate, not the 0.67 of the median step; the gap brings the average back to the target."""
+    from engine.core.prefill_pacer import PrefillPacer, StepTiming
+
+    pacer = PrefillPacer(prefill_step_share=0.5)
+    pacer.record_step(StepTiming(0.002, 6))
+    for seconds in [0.003] * 9 + [0.050]:
+        pacer.record_step(StepTiming(seconds, 6, beside_chunk=True))
+    kept = 0.002 / 0.0077
+    assert pacer.beside_gap_s(0.4) == pytest.approx(0.4 * (0.5 - kept) / 0.5)
+    for _ in range(200):  # a chunk's worth of steps beside later chunks as fast as alone: the slow one still counts
+        pacer.record_step(StepTiming(0.002, 6, beside_chunk=True))
+    assert pacer.beside_gap_s(0.4) == 0.0  # the mean over the window: 2.27 ms, decode kept 0.88

@@ -69,7 +69,7 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
     with torch.inference_mode():
         for start in range(0, 640, 64):
             runner.prefill(0, prompt[0][start:start + 64], start)
-        first = runner.decode([Row(0, 11, 640)]).logits.clone()  # eager warm-up and capture of b1/L1024
+        first = runner.decode([Row(0, 11, 640)]).logits.clone()  # eager warm-up and capture of its b1 graph
         second = runner.decode([Row(0, 11, 640)]).logits.clone()  # a replay
         replays = _replays(engine)
         for start in range(0, 700, 64):  # slot 1 takes the pool: slot 0's blocks spill

@@ -188,3 +188,47 @@ def test_short_prompt_chunks_replay_their_bucket_from_its_second_sight(ckpt, mon
     assert [kind for kind, _ in eager] == ["prefill", "prefill"], eager
     assert len(to_graphs) == 2 and to_graphs[0] == to_graphs[1], to_graphs  # one key for both starts
     assert not any(part.startswith("s") for part in to_graphs[0].shape), to_graphs[0]
+
+
+@pytest.mark.parametrize("batch_mtp", [False, True])
+def test_on_the_kernel_path_few_query_steps_take_one_key_per_batch_as_contexts_grow(ckpt, monkeypatch, batch_mtp):
+    """Where the paged kernels run, a row reads and splits only its own keys, so decode, verify and the drafter's
+    rounds and chain steps are built for the whole context: as the slots' contexts cross length buckets, no new
+    key (on a GPU: no capture stalling the slots, no kernel compiled). The kernel backend is stood in, as above:
+    it records the span it is handed and answers with the reference maths; tokens are the reference engine's.
+    Prompt chunks keep their length buckets (their kernel plans by the span)."""
+    import engine.exec.kv_cache as kv_cache
+    from engine.model.attention.backends import TorchAttention, TritonPagedAttention
+    from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+
+    spans: set[int] = set()
+
+    class RecordingKernels(TritonPagedAttention):
+        def runs_on(self, q):
+            return True
+
+        def paged(self, kv, layer, q, positions):
+            if q.shape[2] <= 8:  # a few-query step (with PAGED_PREFILL on, prompt chunks come here too)
+                spans.add(kv.span_tokens)
+            return TorchAttention.attend(self, kv, layer, q, positions)
+
+    prompts = random_prompts(2, seed=97, lengths=(240, 250))  # decoding crosses the 256-token bucket
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference_executor = RecordingExecutor()
+    reference = tokens_of(run_all(make_engine(ckpt, batch=2, batch_mtp=batch_mtp, mtp_depth=2,
+                                              executor=reference_executor),
+                                  prompts, params))
+    steps = ("decode", "verify", "draft_round", "draft_step")
+    reference_spans = {key.shape[-1] for kind, key, _ in reference_executor.calls if kind in steps}
+    assert {"L256", "L512"} <= reference_spans, reference_spans  # the reference path: length buckets
+
+    monkeypatch.setattr(kv_cache, "kernel_backend", lambda device: RecordingKernels())
+    executor = RecordingExecutor()
+    engine = make_engine(ckpt, batch=2, batch_mtp=batch_mtp, mtp_depth=2, executor=executor)
+    assert tokens_of(run_all(engine, prompts, params)) == reference
+    step_keys = {(kind, key) for kind, key, _ in executor.calls if kind in steps}
+    assert step_keys and {key.shape[-1] for _, key in step_keys} == {"L1024"}, step_keys  # the context
+    assert len({(kind, key.shape[0]) for kind, key in step_keys}) == len(step_keys)  # one key per kind and batch
+    assert spans == {1024}, spans  # each kernel call was handed the whole context
+    chunk_spans = {key.shape[1] for kind, key, _ in executor.calls if key.runs_chunks}
+    assert "L256" in chunk_spans, chunk_spans
