@@ -332,8 +332,13 @@ class Engine:
         if self.mtp_on:
             try:
                 if self.drafter.fused and on_device:
-                    _, _, emitted = self.drafter.verify_and_draft(rows, params, gens)
-                    result = device_result(emitted, len(rows))
+                    step = self.ahead.take(rows, "verify")
+                    if step is None:
+                        step = self.drafter.verify_and_draft(rows, params, gens)
+                    if self._goes_ahead(reqs, params) and self.ahead.next_verify_fits(rows, step):
+                        result = self.ahead.read_and_launch_verify(rows, step)
+                    else:
+                        result = device_result(step.emitted, len(rows))
                     self._record_drafts(reqs, result.accepted)
                 else:
                     out = self.runner.verify(rows)
@@ -362,13 +367,14 @@ class Engine:
 
     def _goes_ahead(self, reqs: list[Request], params: list[SamplingParams]) -> bool:
         """The next step may be launched before this one's tokens are read (engine.exec.decode_ahead): every
-        decoding slot is in this group, all greedy, each needs another token, and no prompt chunk will run
-        between the steps (chunks beside the steps run on their own stream: a chunk that lands, making its
-        request decode, drops the step launched ahead)."""
+        decoding slot is in this group, all greedy, each has room for another step (MTP's: K + 1 tokens more
+        than this one may emit), and no prompt chunk will run between the steps (chunks beside the steps run on
+        their own stream: a chunk that lands, making its request decode, drops the step launched ahead)."""
         quiet = self.chunks is not None or not (self.sched.prompt_work_next or self.sched.chunk_in_flight)
-        return (self.ahead.enabled and not self.mtp_on and len(reqs) == self.sched.num_decoding and quiet
+        room = 2 * (self.runner.mtp_depth + 1) if self.mtp_on else 1
+        return (self.ahead.enabled and len(reqs) == self.sched.num_decoding and quiet
                 and all(p.temperature <= 0 and not p.penalized and p.logprobs is None for p in params)
-                and all(req.num_output_tokens + 1 < req.max_tokens for req in reqs))
+                and all(req.num_output_tokens + room < req.max_tokens for req in reqs))
 
     def _record_drafts(self, reqs: list[Request], accepted: list[int]) -> None:
         depth = self.runner.mtp_depth

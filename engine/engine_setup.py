@@ -207,7 +207,7 @@ class _PartsBuilder:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
         graphs = config.graphs and not isinstance(executor, EagerExecutor)
         ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, config.kv_resident,
-                                                 moe=experts is not None))
+                                                 moe=experts is not None), drafter)
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, chunks,
                            ahead)
 

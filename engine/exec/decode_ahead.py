@@ -13,9 +13,15 @@ A step taken ahead is timed on the device (`step_period_s`): from the end of the
 ahead, to its own end. The host's wall clock around it would only see the wait for its last part, and the prompt
 pacer (engine.core.prefill_pacer) keeps the decoding slots' share of the device by these times.
 
-Only a step whose graph already exists is launched ahead (the same length bucket as the step before): a capture,
-with its out-of-memory recovery and its events, happens in a step of its own. Anything that fails while launching
-ahead drops that step; the next decode runs as usual and meets the failure on its own path.
+With MTP's fused step (engine.exec.drafter.verify_and_draft, greedy rows) the same holds one level up: the next
+step's pending token is this one's tokens[accepted], its positions this one's plus accepted + 1, and its drafts
+are in the draft buffer, all on the device; the host does not know how far each row got until it reads the step,
+so the step ahead maps each row's blocks as far as K + 1 tokens on, and the engine takes it when the rows' real
+next (slot, token, position) are the ones the device computed.
+
+Only a step whose graph already exists is launched ahead (the same span as the step before): a capture, with its
+out-of-memory recovery and its events, happens in a step of its own. Anything that fails while launching ahead
+drops that step; the next decode runs as usual and meets the failure on its own path.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import torch
 from engine.config import mode_wanted
 
 from engine.exec.runner import Row
+from engine.exec.sampler import SampleResult, device_result
 
 if TYPE_CHECKING:
+    from engine.exec.drafter import FusedStep, MtpDrafter
     from engine.exec.runner import ModelRunner, StepOutput
 
 
@@ -49,19 +57,22 @@ def ahead_wanted(mode: str, device: torch.device, graphs: bool, kv_resident: int
 @dataclass
 class _Launched:
     rows: tuple[tuple[int, int, int], ...]  # (slot, token, position) of each real row
-    out: StepOutput
+    out: StepOutput | FusedStep
     done: torch.cuda.Event | None  # after its replay: waited for when it is dropped
+    kind: str = "decode"  # or "verify": MTP's fused step
+    drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, their drafts before it): put back if dropped
 
 
 class DecodeAhead:
     """At most one decode step in flight past the one the engine is reading."""
 
-    def __init__(self, runner: ModelRunner, enabled: bool) -> None:
+    def __init__(self, runner: ModelRunner, enabled: bool, drafter: MtpDrafter | None = None) -> None:
         self.runner = runner
+        self.drafter = drafter  # MTP's fused steps go ahead too when it drafts
         self.enabled = enabled
         self.cuda = runner.device.type == "cuda"
         self._launched: _Launched | None = None
-        self._host: dict[int, torch.Tensor] = {}  # per batch bucket: pinned [Bb, 1] for the argmax
+        self._host: dict[tuple, torch.Tensor] = {}  # per output shape and dtype: pinned, for a step's tokens
         self._copied = torch.cuda.Event() if self.cuda else None
         self._last_done: torch.cuda.Event | None = None  # the end of the step taken last, when it was taken ahead
         self._period: tuple | None = None  # (the end of the step before, the end of the step taken) to time
@@ -72,11 +83,12 @@ class DecodeAhead:
     def pending(self) -> bool:
         return self._launched is not None
 
-    def take(self, rows: list[Row]) -> StepOutput | None:
-        """The step launched ahead when it is exactly `rows` (slots, tokens, positions); else None, and a step in
-        flight for other rows is dropped."""
+    def take(self, rows: list[Row], kind: str = "decode") -> StepOutput | FusedStep | None:
+        """The step of `kind` launched ahead when it is exactly `rows` (slots, tokens, positions); else None, and
+        a step in flight for other rows (or of the other kind) is dropped."""
         launched, self._launched = self._launched, None
-        if launched is not None and launched.rows != tuple((r.slot, r.token, r.position) for r in rows):
+        if launched is not None and (launched.kind != kind
+                                     or launched.rows != tuple((r.slot, r.token, r.position) for r in rows)):
             self._drop(launched)
             launched = None
         if launched is None:  # this step runs now: the next one taken has no step launched ahead before it
@@ -107,26 +119,48 @@ class DecodeAhead:
         always: ModelRunner.step_span)."""
         return self.runner.step_span(max(r.position for r in rows) + 2) == out.span_tokens
 
+    def next_verify_fits(self, rows: list[Row], step: FusedStep) -> bool:
+        """The next fused step of `rows`, its blocks mapped as far as K + 1 tokens on, replays this one's graph."""
+        k = self.runner.mtp_depth
+        return self.runner.step_span(max(r.position for r in rows) + k + 1 + 2 * k) == step.span
+
     def read_and_launch(self, rows: list[Row], out: StepOutput) -> list[list[int]]:
         """Each row's greedy token of the step `out` (its argmax), with the step after it launched first."""
         n = len(rows)
-        best = out.best
-        if self.cuda:
-            host = self._host.get(best.shape[0])
-            if host is None:
-                host = self._host[best.shape[0]] = torch.empty(best.shape, dtype=best.dtype).pin_memory()
-            host.copy_(best, non_blocking=True)  # before the next replay overwrites the graph's output
-            self._copied.record()
-        else:
-            host = best.clone()  # an eager step's outputs are its own; a graph's (CPU: none) would be reused
-        launched = self._launch(rows, best)
-        if self._copied is not None:
-            self._copied.synchronize()
-        tokens = host[:n].tolist()
+        host = self._copy_to_host(out.best)
+        launched = self._launch(rows, out.best)
+        tokens = self._read(host)[:n].tolist()
         if launched is not None:
             nxt = tuple((r.slot, t[0], r.position + 1) for r, t in zip(rows, tokens))
             self._launched = _Launched(nxt, *launched)
         return tokens
+
+    def read_and_launch_verify(self, rows: list[Row], step: FusedStep) -> SampleResult:
+        """Each row's accepted count and tokens of MTP's fused greedy step, with the step after it launched first."""
+        host = self._copy_to_host(step.emitted)
+        launched = self._launch_verify(rows, step)
+        result = device_result(self._read(host), len(rows))
+        if launched is not None:
+            nxt = tuple((r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens))
+            self._launched = _Launched(nxt, *launched[:2], kind="verify", drafts=launched[2])
+        return result
+
+    def _copy_to_host(self, values: torch.Tensor) -> torch.Tensor:
+        """Start copying a step's output to the host, before the next replay overwrites the graph's output."""
+        if not self.cuda:
+            return values.clone()  # an eager step's outputs are its own; a graph's (CPU: none) would be reused
+        key = (tuple(values.shape), values.dtype)
+        host = self._host.get(key)
+        if host is None:
+            host = self._host[key] = torch.empty(values.shape, dtype=values.dtype).pin_memory()
+        host.copy_(values, non_blocking=True)
+        self._copied.record()
+        return host
+
+    def _read(self, host: torch.Tensor) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return host
 
     def _launch(self, rows: list[Row], best: torch.Tensor) -> tuple[StepOutput, torch.cuda.Event | None] | None:
         """The next step of `rows` queued with `best` as its tokens, and its end event; None when it failed."""
@@ -134,14 +168,37 @@ class DecodeAhead:
             out = self.runner.decode([Row(r.slot, 0, r.position + 1) for r in rows], tokens=best)
         except Exception:  # noqa: BLE001 - the next decode runs as usual and meets the failure on its own path
             return None
-        done = None
-        if self.cuda:
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-        return out, done
+        return out, self._record_done()
+
+    def _launch_verify(self, rows: list[Row], step: FusedStep) -> tuple | None:
+        """The next fused step of `rows`: pending token tokens[accepted], positions + accepted + 1, computed on the
+        device; each row's blocks mapped as far as K + 1 tokens on. None when it failed."""
+        k, runner = self.runner.mtp_depth, self.runner
+        try:
+            accepted = step.accepted.view(-1, 1)
+            pending = step.tokens.gather(1, accepted)
+            positions = step.positions + accepted + 1
+            # The step overwrites its rows' drafts; if it is dropped, the step run in its place verifies the
+            # drafts it would have verified without it (the same acceptance, so the same steps, as without it)
+            slots = runner.stage([r.slot for r in rows], pinned=True)
+            drafts = (slots, runner.draft_buf.index_select(0, slots))
+            out = self.drafter.verify_and_draft([Row(r.slot, 0, r.position + k + 1) for r in rows],
+                                                ahead=(pending, positions))
+        except Exception:  # noqa: BLE001 - the next step runs as usual and meets the failure on its own path
+            return None
+        return out, self._record_done(), drafts
+
+    def _record_done(self) -> torch.cuda.Event | None:
+        if not self.cuda:
+            return None
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        return done
 
     def _drop(self, launched: _Launched) -> None:
         self.dropped += 1
-        if launched.done is not None:
-            with contextlib.suppress(Exception):  # a failed device reports itself on the next step's own path
+        with contextlib.suppress(Exception):  # a failed device reports itself on the next step's own path
+            if launched.done is not None:
                 launched.done.synchronize()
+            if launched.drafts is not None:
+                self.runner.draft_buf.index_copy_(0, *launched.drafts)

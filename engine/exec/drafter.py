@@ -18,6 +18,8 @@ straight into the runner's device-side `draft_buf[slot]`, so no draft token cros
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.exec.executor import EagerExecutor
@@ -27,6 +29,19 @@ from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket, 
 from engine.exec.sampler import sample_on_device, sampling_inputs
 
 FUSED_KIND = "verify_draft"
+
+
+class FusedStep(NamedTuple):
+    """What verify_and_draft gives, on the device: per row the accepted count [Bb], the tokens [Bb, K+1] (a row
+    emits tokens[:accepted + 1]) and the two side by side [Bb, K+2] (one copy to the host); the step's positions
+    input [Bb, K+1] and its span (a step launched ahead of the host derives its own from them:
+    engine.exec.decode_ahead)."""
+
+    accepted: torch.Tensor
+    tokens: torch.Tensor
+    emitted: torch.Tensor
+    positions: torch.Tensor
+    span: int
 
 
 class MtpDrafter:
@@ -48,18 +63,19 @@ class MtpDrafter:
 
     # --- the fused step ---------------------------------------------------------------------------------------
 
-    def verify_and_draft(self, rows: list[Row], params: list | None = None,
-                         generators: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def verify_and_draft(self, rows: list[Row], params: list | None = None, generators: list | None = None,
+                         ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> FusedStep:
         """Verify, acceptance and the next round's drafts in one step function (kind verify_draft).
 
         Acceptance needs no host: greedy rows accept drafts while they equal the argmax; sampled rows run the
         rejection sampler on the device (engine.exec.sampler.sample_on_device) with uniforms drawn on the host from
         each request's own generator, exactly as the separate path draws them. So the draft round (and its
         chain steps) can follow on the device, reading the emitted tokens and the accepted count where
-        `round()` gets them from the host. `params` None (or all greedy): the argmax-only variant. Returns
-        (accepted [Bb], tokens [Bb, K+1], the two side by side [Bb, K+2]) on the device, a row emitting
-        tokens[:accepted + 1]; the drafts are in draft_buf. Same tokens and drafts as verify + sample_with_drafts
-        + round.
+        `round()` gets them from the host. `params` None (or all greedy): the argmax-only variant. Returns a
+        FusedStep; the drafts are in draft_buf. Same tokens and drafts as verify + sample_with_drafts + round.
+        `ahead`: the rows' pending tokens [>= rows, 1] and positions [>= rows, K+1] on the device, in place of the
+        Rows' (a greedy step launched before the host read the one before it: engine.exec.decode_ahead; the Rows'
+        positions then only say how far their blocks must be mapped).
         """
         r, k = self.runner, self.depth
         slots, positions = r.pad_rows(rows, k + 1)
@@ -68,7 +84,11 @@ class MtpDrafter:
         span = r.step_span(max(row.position for row in rows) + 2 * k)
         draft_rows = [row.slot for row in rows] + [r.pad_row] * (bb - len(rows))
         pending = [row.token for row in rows] + [0] * (bb - len(rows))
-        inputs = r.verify_inputs(slots, draft_rows, pending, positions)
+        inputs = r.verify_inputs(slots, draft_rows, pending, positions, pinned=ahead is not None)
+        if ahead is not None:  # device copies, queued after the step they come from
+            n = len(rows)
+            inputs["pending"][:n].copy_(ahead[0][:n])
+            inputs["positions"][:n].copy_(ahead[1][:n])
         mode = "greedy"
         if params is not None and any(p.temperature > 0 for p in params):
             sampling = sampling_inputs(params, generators, k + 1, r.device, rows=bb)
@@ -79,7 +99,7 @@ class MtpDrafter:
         # execution (a capture retried after an out-of-memory, a degraded switch's rerun) would verify the
         # drafts the first one made. Padded rows write the buffer's scratch row.
         r.draft_buf.index_copy_(0, inputs["draft_rows"], out["drafts"])
-        return out["accepted"], out["tokens"], out["emitted"]
+        return FusedStep(out["accepted"], out["tokens"], out["emitted"], inputs["positions"], span)
 
     def _fused_build(self, bb: int, span: int, mode: str = "greedy"):
         k = self.depth

@@ -116,12 +116,61 @@ def test_a_launch_ahead_that_fails_costs_that_launch_only(lively):
     assert engine.executor.decodes > 6 and engine.ahead.taken >= 8
 
 
-def test_mtp_and_off_never_launch_ahead(lively):
+def test_off_and_mtp_without_its_fused_step_never_launch_ahead(lively):
     script = {0: [_add("r0", PROMPTS[0], _greedy(12))]}
-    for kw in ({"decode_ahead": "off"}, {"decode_ahead": "on", "batch_mtp": True}):
+    for kw in ({"decode_ahead": "off"}, {"decode_ahead": "on", "batch_mtp": True}):  # CPU: verify + round apart
         engine = make_engine(lively, **kw)
         _drive(engine, script)
         assert engine.ahead.taken == 0 and engine.ahead.dropped == 0
+
+
+def _fused_mtp(lively: Path, ahead: str, depth: int):
+    engine = make_engine(lively, decode_ahead=ahead, batch_mtp=True, mtp_depth=depth)
+    engine.drafter.fused = True  # the CUDA default, forced on the CPU backend
+    return engine
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_mtp_fused_greedy_steps_go_ahead_and_keep_the_tokens_of_plain_decode(lively, depth):
+    """MTP's fused step launched before the host reads the one before it: its pending token and positions come
+    from that step's accepted count on the device. Through a stop token, an abort and an arrival, every request
+    gets plain greedy decoding's tokens (MTP is lossless), and steps launched ahead are taken."""
+    plain = _drive(make_engine(lively, decode_ahead="off"),
+                   {0: [_add(r, p, _greedy(40)) for r, p in zip("abcd", PROMPTS)]})
+    stop_at = plain["a"][9]
+    first_stop = plain["a"].index(stop_at)
+    script = {
+        0: [_add("a", PROMPTS[0], _greedy(40, stop_token_ids=(stop_at,))), _add("b", PROMPTS[1], _greedy(40)),
+            _add("c", PROMPTS[2], _greedy(40))],
+        8: [lambda e: e.abort("c")],
+        10: [_add("d", PROMPTS[3], _greedy(25))],
+    }
+    off = _drive(_fused_mtp(lively, "off", depth), script)
+    engine = _fused_mtp(lively, "on", depth)
+    on = _drive(engine, script)
+    assert on == off  # the same steps: the abort lands after the same tokens
+    assert on["a"] == plain["a"][:first_stop + 1] and on["b"] == plain["b"] and on["d"] == plain["d"][:25]
+    assert 0 < len(on["c"]) < 40 and on["c"] == plain["c"][:len(on["c"])]
+    assert engine.ahead.taken >= 5, engine.ahead.taken
+    assert engine.ahead.dropped >= 2  # the stop and the abort each dropped the step in flight
+    assert not engine.ahead.pending
+
+
+def test_a_fused_step_in_flight_is_not_taken_for_rows_it_did_not_compute(lively):
+    """The step launched ahead assumed each row's real next token and position: a plan with other rows (here one
+    position further) drops it, and the request still ends with plain decoding's tokens."""
+    from engine.exec.runner import Row
+
+    engine = _fused_mtp(lively, "on", 2)
+    engine.add_request("r0", PROMPTS[0], _greedy(30))
+    while not engine.ahead.pending:
+        engine.step()
+    req = engine.sched.running()[0]
+    assert engine.ahead.take([Row(req.slot, req.output_token_ids[-1], req.num_tokens - 1)], "decode") is None
+    assert not engine.ahead.pending and engine.ahead.dropped == 1  # a plain decode does not take a fused step
+    rest = _drive(engine, {})
+    full = _drive(make_engine(lively, decode_ahead="off"), {0: [_add("r0", PROMPTS[0], _greedy(30))]})
+    assert full["r0"][-len(rest["r0"]):] == rest["r0"]
 
 
 def test_the_option_names_itself_when_it_cannot_work(lively):

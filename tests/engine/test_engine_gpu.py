@@ -42,6 +42,8 @@ def test_gpu_greedy_with_graphs_matches_eager_and_mtp_is_lossless(ckpt):
     mtp = _engine(ckpt, graphs=True, batch_mtp=True, mtp_depth=2)
     assert tokens_of(run_all(mtp, prompts, params)) == eager
     assert mtp.mtp_on
+    # MTP's fused steps went ahead too (their pending tokens and positions from the step before, on the device)
+    assert mtp.drafter.fused and mtp.ahead.taken > 0, (mtp.ahead.taken, mtp.ahead.dropped)
 
 
 def test_gpu_tier_takes_free_vram_and_release_gives_it_back(ckpt):

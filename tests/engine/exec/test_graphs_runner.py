@@ -66,7 +66,7 @@ def _sequence(runner: ModelRunner, drafter: MtpDrafter) -> list[tuple[str, torch
         got.append(("draft_round+step", runner.draft_buf.clone()))
         pos += 1
     for _ in range(2):  # the fused greedy step (verify, acceptance, round and chain in one graph), replayed
-        accepted, best, emitted = drafter.verify_and_draft([Row(0, first, pos)])
+        accepted, best, emitted, _, _ = drafter.verify_and_draft([Row(0, first, pos)])
         assert torch.equal(emitted, torch.cat([accepted.view(-1, 1), best], dim=1))  # one copy to the host
         got.append(("verify_draft best", best.clone()))
         got.append(("verify_draft accepted", accepted.clone()))
@@ -75,7 +75,7 @@ def _sequence(runner: ModelRunner, drafter: MtpDrafter) -> list[tuple[str, torch
     # The sampled variant (rejection sampling on the device, top-p), with the same seeded draws each time.
     sampled, gens = [SamplingParams(temperature=0.9, top_p=0.95, seed=11)], [make_generator(11)]
     for _ in range(2):
-        accepted, tokens, emitted = drafter.verify_and_draft([Row(0, first, pos)], sampled, gens)
+        accepted, tokens, emitted, _, _ = drafter.verify_and_draft([Row(0, first, pos)], sampled, gens)
         assert torch.equal(emitted, torch.cat([accepted.view(-1, 1), tokens], dim=1))
         got.append(("verify_draft sampled tokens", tokens.clone()))
         got.append(("verify_draft sampled accepted", accepted.clone()))
