@@ -15,9 +15,9 @@ pacer (engine.core.prefill_pacer) keeps the decoding slots' share of the device 
 
 With MTP's fused step (engine.exec.drafter.verify_and_draft, greedy rows) the same holds one level up: the next
 step's pending token is this one's tokens[accepted], its positions this one's plus accepted + 1, and its drafts
-are in the draft buffer, all on the device; the host does not know how far each row got until it reads the step,
-so the step ahead maps each row's blocks as far as K + 1 tokens on, and the engine takes it when the rows' real
-next (slot, token, position) are the ones the device computed.
+are in the draft buffer, all on the device. The fused graph computes the next step's packed inputs itself, so
+the step launched ahead stages nothing from the host, and the engine takes it when the rows' real next (slot,
+token, position) are the ones the device computed. A dropped fused step puts back the drafts it overwrote.
 
 Only a step whose graph already exists is launched ahead (the same span as the step before): a capture, with its
 out-of-memory recovery and its events, happens in a step of its own. Anything that fails while launching ahead
@@ -60,7 +60,7 @@ class _Launched:
     out: StepOutput | FusedStep
     done: torch.cuda.Event | None  # after its replay: waited for when it is dropped
     kind: str = "decode"  # or "verify": MTP's fused step
-    drafts: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, their drafts before it): put back if dropped
+    drafts: bool = False  # it overwrote its rows' drafts: the backup puts them back if it is dropped
 
 
 class DecodeAhead:
@@ -74,6 +74,7 @@ class DecodeAhead:
         self._launched: _Launched | None = None
         self._host: dict[tuple, torch.Tensor] = {}  # per output shape and dtype: pinned, for a step's tokens
         self._copied = torch.cuda.Event() if self.cuda else None
+        self._drafts: torch.Tensor | None = None  # the draft buffer as the fused step launched ahead found it
         self._last_done: torch.cuda.Event | None = None  # the end of the step taken last, when it was taken ahead
         self._period: tuple | None = None  # (the end of the step before, the end of the step taken) to time
         self.taken = 0  # steps launched ahead that the engine took (the bench and tests read these)
@@ -120,7 +121,8 @@ class DecodeAhead:
         return self.runner.step_span(max(r.position for r in rows) + 2) == out.span_tokens
 
     def next_verify_fits(self, rows: list[Row], step: FusedStep) -> bool:
-        """The next fused step of `rows`, its blocks mapped as far as K + 1 tokens on, replays this one's graph."""
+        """The next fused step of `rows` (up to K + 1 tokens on) reads keys within this one's span, so it replays
+        this one's graph (on the paged kernels' path always: ModelRunner.step_span)."""
         k = self.runner.mtp_depth
         return self.runner.step_span(max(r.position for r in rows) + k + 1 + 2 * k) == step.span
 
@@ -142,7 +144,7 @@ class DecodeAhead:
         result = device_result(self._read(host), len(rows))
         if launched is not None:
             nxt = tuple((r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens))
-            self._launched = _Launched(nxt, *launched[:2], kind="verify", drafts=launched[2])
+            self._launched = _Launched(nxt, *launched, kind="verify", drafts=True)
         return result
 
     def _copy_to_host(self, values: torch.Tensor) -> torch.Tensor:
@@ -170,23 +172,19 @@ class DecodeAhead:
             return None
         return out, self._record_done()
 
-    def _launch_verify(self, rows: list[Row], step: FusedStep) -> tuple | None:
-        """The next fused step of `rows`: pending token tokens[accepted], positions + accepted + 1, computed on the
-        device; each row's blocks mapped as far as K + 1 tokens on. None when it failed."""
-        k, runner = self.runner.mtp_depth, self.runner
+    def _launch_verify(self, rows: list[Row], step: FusedStep) -> tuple[FusedStep, torch.cuda.Event | None] | None:
+        """The next fused step of `rows`, from the inputs `step` computed on the device; None when it failed."""
         try:
-            accepted = step.accepted.view(-1, 1)
-            pending = step.tokens.gather(1, accepted)
-            positions = step.positions + accepted + 1
             # The step overwrites its rows' drafts; if it is dropped, the step run in its place verifies the
             # drafts it would have verified without it (the same acceptance, so the same steps, as without it)
-            slots = runner.stage([r.slot for r in rows], pinned=True)
-            drafts = (slots, runner.draft_buf.index_select(0, slots))
-            out = self.drafter.verify_and_draft([Row(r.slot, 0, r.position + k + 1) for r in rows],
-                                                ahead=(pending, positions))
+            buf = self.runner.draft_buf
+            if self._drafts is None or self._drafts.shape != buf.shape:
+                self._drafts = torch.empty_like(buf)
+            self._drafts.copy_(buf)
+            out = self.drafter.verify_and_draft_ahead(step)
         except Exception:  # noqa: BLE001 - the next step runs as usual and meets the failure on its own path
             return None
-        return out, self._record_done(), drafts
+        return out, self._record_done()
 
     def _record_done(self) -> torch.cuda.Event | None:
         if not self.cuda:
@@ -200,5 +198,6 @@ class DecodeAhead:
         with contextlib.suppress(Exception):  # a failed device reports itself on the next step's own path
             if launched.done is not None:
                 launched.done.synchronize()
-            if launched.drafts is not None:
-                self.runner.draft_buf.index_copy_(0, *launched.drafts)
+            if launched.drafts and self._drafts is not None:  # its rows only: other slots' drafts may be newer
+                slots = torch.tensor([row[0] for row in launched.rows], device=self._drafts.device)
+                self.runner.draft_buf.index_copy_(0, slots, self._drafts.index_select(0, slots))

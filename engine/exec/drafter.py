@@ -33,14 +33,14 @@ FUSED_KIND = "verify_draft"
 
 class FusedStep(NamedTuple):
     """What verify_and_draft gives, on the device: per row the accepted count [Bb], the tokens [Bb, K+1] (a row
-    emits tokens[:accepted + 1]) and the two side by side [Bb, K+2] (one copy to the host); the step's positions
-    input [Bb, K+1] and its span (a step launched ahead of the host derives its own from them:
-    engine.exec.decode_ahead)."""
+    emits tokens[:accepted + 1]) and the two side by side [Bb, K+2] (one copy to the host); for a greedy step the
+    next step's packed inputs (`next_inputs`, runner.verify_inputs' columns: a step launched ahead of the host
+    takes them as they are, engine.exec.decode_ahead), else None; and the step's span."""
 
     accepted: torch.Tensor
     tokens: torch.Tensor
     emitted: torch.Tensor
-    positions: torch.Tensor
+    next_inputs: torch.Tensor | None
     span: int
 
 
@@ -63,8 +63,8 @@ class MtpDrafter:
 
     # --- the fused step ---------------------------------------------------------------------------------------
 
-    def verify_and_draft(self, rows: list[Row], params: list | None = None, generators: list | None = None,
-                         ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> FusedStep:
+    def verify_and_draft(self, rows: list[Row], params: list | None = None,
+                         generators: list | None = None) -> FusedStep:
         """Verify, acceptance and the next round's drafts in one step function (kind verify_draft).
 
         Acceptance needs no host: greedy rows accept drafts while they equal the argmax; sampled rows run the
@@ -73,9 +73,6 @@ class MtpDrafter:
         chain steps) can follow on the device, reading the emitted tokens and the accepted count where
         `round()` gets them from the host. `params` None (or all greedy): the argmax-only variant. Returns a
         FusedStep; the drafts are in draft_buf. Same tokens and drafts as verify + sample_with_drafts + round.
-        `ahead`: the rows' pending tokens [>= rows, 1] and positions [>= rows, K+1] on the device, in place of the
-        Rows' (a greedy step launched before the host read the one before it: engine.exec.decode_ahead; the Rows'
-        positions then only say how far their blocks must be mapped).
         """
         r, k = self.runner, self.depth
         slots, positions = r.pad_rows(rows, k + 1)
@@ -84,25 +81,35 @@ class MtpDrafter:
         span = r.step_span(max(row.position for row in rows) + 2 * k)
         draft_rows = [row.slot for row in rows] + [r.pad_row] * (bb - len(rows))
         pending = [row.token for row in rows] + [0] * (bb - len(rows))
-        inputs = r.verify_inputs(slots, draft_rows, pending, positions, pinned=ahead is not None)
-        if ahead is not None:  # device copies, queued after the step they come from
-            n = len(rows)
-            inputs["pending"][:n].copy_(ahead[0][:n])
-            inputs["positions"][:n].copy_(ahead[1][:n])
+        inputs = r.verify_inputs(slots, draft_rows, pending, positions)
         mode = "greedy"
         if params is not None and any(p.temperature > 0 for p in params):
             sampling = sampling_inputs(params, generators, k + 1, r.device, rows=bb)
             inputs.update(temperature=sampling.temperature, top_p=sampling.top_p, uniforms=sampling.uniforms)
             mode = "top_p" if sampling.use_top_p else "sampled"
-        out = r.run(FUSED_KIND, self._fused_build(bb, span, mode), inputs, owner="drafter")
+        return self._run_fused(inputs, span, mode)
+
+    def verify_and_draft_ahead(self, step: FusedStep) -> FusedStep:
+        """The greedy fused step after `step`, of the same rows, launched before the host has read `step`: its
+        inputs are the ones `step` computed on the device (each row's pending token tokens[accepted], its
+        positions moved by accepted + 1), staged from nothing on the host (engine.exec.decode_ahead)."""
+        packed = step.next_inputs
+        assert packed is not None, "only a greedy step computes the next one's inputs"
+        inputs = {"slots": packed[:, 0], "draft_rows": packed[:, 1], "pending": packed[:, 2:3],
+                  "positions": packed[:, 3:]}
+        return self._run_fused(inputs, step.span, "greedy")
+
+    def _run_fused(self, inputs: dict, span: int, mode: str) -> FusedStep:
+        bb = inputs["slots"].shape[0]
+        out = self.runner.run(FUSED_KIND, self._fused_build(bb, span, mode), inputs, owner="drafter")
         # Stored after the step, not inside it: a step that reads draft_buf must not write it, or a second
         # execution (a capture retried after an out-of-memory, a degraded switch's rerun) would verify the
         # drafts the first one made. Padded rows write the buffer's scratch row.
-        r.draft_buf.index_copy_(0, inputs["draft_rows"], out["drafts"])
-        return FusedStep(out["accepted"], out["tokens"], out["emitted"], inputs["positions"], span)
+        self.runner.draft_buf.index_copy_(0, inputs["draft_rows"], out["drafts"])
+        return FusedStep(out["accepted"], out["tokens"], out["emitted"], out.get("next_inputs"), span)
 
     def _fused_build(self, bb: int, span: int, mode: str = "greedy"):
-        k = self.depth
+        k, context = self.depth, self.runner.context_tokens
         verify_build = self.runner.verify_build(bb, span)
 
         def build(split: bool):
@@ -132,8 +139,19 @@ class MtpDrafter:
                     h = d["h"]
                 # accepted and tokens side by side as well: the host reads both with one copy, no cat after
                 emitted = torch.cat([accepted.view(bb, 1), tokens], dim=1)
-                return {"accepted": accepted, "tokens": tokens, "emitted": emitted,
-                        "drafts": torch.stack(drafts, dim=1)}
+                result = {"accepted": accepted, "tokens": tokens, "emitted": emitted,
+                          "drafts": torch.stack(drafts, dim=1)}
+                if mode == "greedy":
+                    # The next step's inputs, for a step launched before the host reads this one: a real row's
+                    # pending token is tokens[accepted] and its positions move by accepted + 1; padding rows (at
+                    # the context's scratch columns) stay as they are.
+                    real = x["positions"][:, :1] < context
+                    picked = accepted.view(bb, 1)
+                    pending = torch.where(real, tokens.gather(1, picked), x["pending"])
+                    positions = x["positions"] + torch.where(real, picked + 1, 0)
+                    result["next_inputs"] = torch.cat([x["slots"].view(bb, 1), x["draft_rows"].view(bb, 1), pending,
+                                                       positions], dim=1)
+                return result
 
             # Greedy keeps the verify-like key; the sampled variants (other inputs, other kernels) say so.
             mode_tag = () if mode == "greedy" else (mode,)

@@ -374,9 +374,8 @@ class ModelRunner:
         return StepOutput(out["logits"], out["hidden"], out["drafts"], span_tokens=span)
 
     def verify_inputs(self, slots: list[int], draft_rows: list[int], pending: list[int],
-                      positions: list[list[int]], pinned: bool = False) -> dict:
-        packed = self.stage([[s, d, p] + pos for s, d, p, pos in zip(slots, draft_rows, pending, positions)],
-                            pinned=pinned)
+                      positions: list[list[int]]) -> dict:
+        packed = self.stage([[s, d, p] + pos for s, d, p, pos in zip(slots, draft_rows, pending, positions)])
         return {"slots": packed[:, 0], "draft_rows": packed[:, 1], "pending": packed[:, 2:3],
                 "positions": packed[:, 3:]}
 
