@@ -93,8 +93,9 @@ class EngineConfig:
         "an MoE model; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
         "tests; off: between the steps, paced)", choices=PREFILL_OVERLAP_MODES))
     decode_ahead: str = field(default="auto", metadata=_opt(
-        "launch the next decode step before this one's tokens reach the host when every decoding slot is greedy, "
-        "so the host's work overlaps the device's (auto: with CUDA graphs, unless --kv-resident or an MoE model; "
+        "launch the next decode step (or MTP's fused step) before this one's tokens reach the host when every "
+        "decoding slot is greedy, so the host's work overlaps the device's (auto: with CUDA graphs, unless "
+        "--kv-resident or an MoE model; "
         "on: also eagerly and on a CPU, for tests; off: never)", choices=DECODE_AHEAD_MODES))
     # CUDA graphs where the device has them; CPU always runs eagerly
     graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))

@@ -14,11 +14,14 @@
 # (the reused 32K prompt at 0.035), cut a step's host copies, ran MTP in ABBA order (1.470x / 1.794x) and the suite
 # whole in two halves (65 passed, 401.9 s). The fourteenth launched greedy decode steps ahead of the host (batch 1
 # at 819.1 tok/s, 3.481x the peer) and filled the table again but for MTP (cut by the budget) and the admission's
-# ratio (0.453). Next (#17): MTP with the code as committed, the admission (the pacer's beside window by its mean,
-# not its median: the bench's ratio is one of totals; less interference beside the chunks),
-# int8's short-chunk split at 264 programs, the decode kernel's 64-key block loads at batch 6 (int8):
+# ratio (0.453). The fifteenth keyed few-query steps by batch alone (no capture as contexts grow: the admission at
+# 0.606, 1.666x), launched MTP's fused steps ahead (depth 1 at 1.350x) and ran the suite (412.1 s). Next (#17): the
+# seed scenario on today's code, MTP at depth 2 on a fresh machine before anything else (its plain runs were off
+# after other steps), the suite under 5 minutes, int8's short-chunk split at 264 programs, the decode kernel's
+# 64-key block loads at batch 6 (int8):
 #
-#   OUT=$OUT STEPS=mtp_1,mtp_2,profile_tiny_mtp_1,admission,peers bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=mtp_1,mtp_2 bash scripts/gpu_pending.sh          (a fresh machine: nothing before them)
+#   OUT=$OUT STEPS=seed SEED_RUNS=5 bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=gpu_suite_a,gpu_suite_b bash scripts/gpu_pending.sh
 #
 #   profile_ahead_off     #17: the batch-1 step with --decode-ahead off (profile_ops_1 runs the default, on)
