@@ -218,3 +218,23 @@ def test_beside_a_long_prompts_chunks_the_steps_go_ahead_and_keep_their_tokens(l
     assert on == off
     assert sum(beside) >= 3, "steps launched ahead with a chunk in flight"
     assert engine.ahead.dropped >= 1  # the last chunk landed with a step in flight
+
+
+def test_mtp_fused_steps_go_ahead_beside_a_long_prompts_chunks_and_keep_plain_decodings_tokens(lively):
+    """MTP's fused steps launched ahead while a long prompt's chunks run beside them (one stream on a CPU): the
+    chunk that lands (its request drafting its first tokens into the buffer, then decoding) drops the step in
+    flight, whose rows get their own drafts back; every request gets plain greedy decoding's tokens."""
+    long_prompt = random_prompts(1, seed=142, lengths=(500, 501), vocab=500)[0]
+    script = {0: [_add("s0", PROMPTS[0], _greedy(50)), _add("s1", PROMPTS[1], _greedy(50))],
+              3: [_add("long", long_prompt, _greedy(8))]}
+    kw = dict(prefill_chunk_tokens=128, step_token_budget=256)
+    plain = _drive(make_engine(lively, decode_ahead="off", prefill_overlap="off", **kw), script)
+    engine = make_engine(lively, decode_ahead="on", prefill_overlap="on", batch_mtp=True, mtp_depth=2, **kw)
+    engine.drafter.fused = True  # the CUDA default, forced on the CPU backend
+    beside = []
+    launch = engine.ahead._launch_verify
+    engine.ahead._launch_verify = lambda rows, step: (beside.append(engine.chunks.in_flight is not None),
+                                                      launch(rows, step))[1]
+    assert _drive(engine, script) == plain
+    assert sum(beside) >= 2, "fused steps launched ahead with a chunk in flight"
+    assert engine.ahead.taken >= 5 and engine.ahead.dropped >= 1
