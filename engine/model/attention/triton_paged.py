@@ -14,9 +14,10 @@ converted in registers: the key scale multiplies the scores, the value scale mul
 
 Graph-capturable: the grid depends only on the batch and the static span; lengths (positions) and the block
 table are read on the device, and each row splits its own keys by its length, so a span of the whole context
-serves every length (the runner's steps on this path are keyed by batch alone: ModelRunner.step_span). Rows whose positions are at or past `context_tokens` are padding (scratch
-columns): they read nothing and produce zeros. Query row (g, t) of KV head h is query head h*G + g at token t
-and sees keys 0..positions[b, t] (the reference path's causal-by-position rule).
+serves every length (the runner's steps on this path are keyed by batch alone: ModelRunner.step_span). Rows
+whose positions are at or past `context_tokens` are padding (scratch columns): they read nothing and produce
+zeros. Query row (g, t) of KV head h is query head h*G + g at token t and sees keys 0..positions[b, t] (the
+reference path's causal-by-position rule).
 """
 
 from __future__ import annotations
