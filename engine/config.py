@@ -95,8 +95,8 @@ class EngineConfig:
     decode_ahead: str = field(default="auto", metadata=_opt(
         "launch the next decode step (or MTP's fused step) before this one's tokens reach the host when every "
         "decoding slot is greedy, so the host's work overlaps the device's (auto: with CUDA graphs, unless "
-        "--kv-resident or an MoE model; "
-        "on: also eagerly and on a CPU, for tests; off: never)", choices=DECODE_AHEAD_MODES))
+        "--kv-resident or an MoE model; on: also eagerly and on a CPU, for tests; off: never)",
+        choices=DECODE_AHEAD_MODES))
     # CUDA graphs where the device has them; CPU always runs eagerly
     graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))
     tier_wait_polls: int = field(default=20, metadata=_opt("polls for tier room after a graph OOM", metavar="N"))

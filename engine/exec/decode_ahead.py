@@ -140,7 +140,7 @@ class DecodeAhead:
     def read_and_launch_verify(self, rows: list[Row], step: FusedStep) -> SampleResult:
         """Each row's accepted count and tokens of MTP's fused greedy step, with the step after it launched first."""
         host = self._copy_to_host(step.emitted)
-        launched = self._launch_verify(rows, step)
+        launched = self._launch_verify(step)
         result = device_result(self._read(host), len(rows))
         if launched is not None:
             nxt = tuple((r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens))
@@ -172,8 +172,8 @@ class DecodeAhead:
             return None
         return out, self._record_done()
 
-    def _launch_verify(self, rows: list[Row], step: FusedStep) -> tuple[FusedStep, torch.cuda.Event | None] | None:
-        """The next fused step of `rows`, from the inputs `step` computed on the device; None when it failed."""
+    def _launch_verify(self, step: FusedStep) -> tuple[FusedStep, torch.cuda.Event | None] | None:
+        """The fused step after `step`, from the inputs `step` computed on the device; None when it failed."""
         try:
             # The step overwrites its rows' drafts; if it is dropped, the step run in its place verifies the
             # drafts it would have verified without it (the same acceptance, so the same steps, as without it)
