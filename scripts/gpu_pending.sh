@@ -20,7 +20,7 @@
 # after other steps), the suite under 5 minutes, int8's short-chunk split at 264 programs, the decode kernel's
 # 64-key block loads at batch 6 (int8):
 #
-#   OUT=$OUT STEPS=mtp_1,mtp_2 bash scripts/gpu_pending.sh          (a fresh machine: nothing before them)
+#   OUT=$OUT STEPS=mtp_1,mtp_2,... bash scripts/gpu_pending.sh      (a fresh machine: they run first)
 #   OUT=$OUT STEPS=seed SEED_RUNS=5 bash scripts/gpu_pending.sh
 #   OUT=$OUT STEPS=gpu_suite_a,gpu_suite_b bash scripts/gpu_pending.sh
 #
@@ -116,6 +116,13 @@ BUDGET_S=${BUDGET_S:-570}
 source scripts/gpu_step.sh  # (the working directory is the repository root)
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 GPU_TEST=("$PY" -m pytest -m gpu -q -rA -p no:cacheprovider)
+
+# MTP on strata-tiny with today's defaults (the issue: kept or better), first in the script: a call that runs them
+# runs them on a fresh machine (the fifteenth session's plain runs after other steps were off by half)
+step mtp_1 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 1 \
+    --json "$OUT/mtp_1.json"
+step mtp_2 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 2 \
+    --json "$OUT/mtp_2.json"
 
 # --session-timeout (pytest-timeout, carried in .whl) ends the suite before the step's limit kills it, so a suite
 # that runs long still prints its failures and its slowest tests (2026-12-01, ninth session: killed at 400 s with
@@ -232,11 +239,6 @@ step peers 200 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 -
     --json "$OUT/peers.json"
 step peers_fused 200 env STRATA_FUSED_PROJ=1 "$PY" -m engine.bench peers --model random:0.6b --device cuda:0 \
     --batches 1,6 --peers static --json "$OUT/peers_fused.json"
-# MTP on strata-tiny with today's defaults (the issue: kept or better)
-step mtp_1 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 1 \
-    --json "$OUT/mtp_1.json"
-step mtp_2 70 "$PY" -m engine.bench mtp --model builtin:strata-tiny --device cuda:0 --batches 1 --mtp-depth 2 \
-    --json "$OUT/mtp_2.json"
 # the same against the code before the chunk stream (commit d705eb3), in the same call: BASELINE names its tree
 # (`git archive d705eb3 engine ':!engine/models' | tar -x -C baseline_d705`; the embedded model is copied in here)
 if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/engine" ]; then
