@@ -51,6 +51,7 @@
 #                         switch, a fresh 150K prompt under full VRAM), SEED_RUNS runs (default 5)
 #   overlap_tests         #17: prompt chunks beside the decoding slots' steps (side stream): the tokens of chunks
 #                         between the steps, every slot's token every step, FUSED_OPS' engine tokens
+#   gpu_suite_n4          the whole `-m gpu` suite in four processes (`-n 4`): shared tests side by side, the rest alone
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
 #                         #15's real-pressure graph-cache test (-rA prints every test's output)
@@ -164,6 +165,9 @@ step seed 560 "$PY" benchmarks/seed_scenario.py --runs ${SEED_RUNS:-5} --device 
 step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.py \
     tests/engine/model/test_triton_ops_gpu.py -k "interleave or beside or engine_greedy"
 step gpu_suite 400 "${GPU_TEST[@]}" --durations=60 --session-timeout=370 --junitxml="$OUT/gpu_suite.xml" tests
+# the same in four processes (pytest-xdist): the `gpu_shared` tests (kernels, models) side by side, then each other
+# test alone, through tests/conftest.py's lock
+step gpu_suite_n4 400 "${GPU_TEST[@]}" -n 4 --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite_n4.xml" tests
 # the same suite in two halves (each call of a session short of device time): every test's time in the JUnit files
 step gpu_suite_a 400 "${GPU_TEST[@]}" --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite_a.xml" \
     tests/engine/exec tests/engine/model

@@ -1,11 +1,29 @@
 """Shared test set-up: the `gpu` marker skips without CUDA (checked lazily so torch-free tests stay light);
-the `soak` marker skips unless the `-m` expression names it (long runs a developer asks for)."""
+the `soak` marker skips unless the `-m` expression names it (long runs a developer asks for).
+
+GPU tests may run in parallel processes (`pytest -m gpu -n 4`, pytest-xdist): most of them build engines whose
+tier takes the free VRAM, or measure free VRAM, so each takes the GPU alone through a lock file every process
+on the machine opens; the ones marked `gpu_shared` (kernels and models against references: no engine, no VRAM
+figure) hold it shared, run first, and beside each other. Their Triton compiles and references are host work,
+which is why parallel processes shorten the suite."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+try:
+    import fcntl
+except ImportError:  # not on Windows, where no GPU test of this project runs
+    fcntl = None
+
+# One lock for every pytest process of this machine's user: two runs on one GPU take turns as workers do.
+_GPU_LOCK_FILE = Path(tempfile.gettempdir()) / "strata-gpu-tests.lock"
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,6 +44,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "soak" in item.keywords and not soak_asked:
             item.add_marker(skip_soak)
+    # the GPU tests that share the GPU first (a stable sort: the rest keep their order), so that parallel
+    # processes run them side by side before the ones that take the GPU alone queue on the lock
+    items.sort(key=lambda item: "gpu_shared" not in item.keywords)
+
+
+@contextlib.contextmanager
+def _gpu_held(shared: bool) -> Iterator[None]:
+    """The GPU lock, shared or alone, for the block (a no-op where fcntl is missing)."""
+    if fcntl is None:
+        yield
+        return
+    with open(_GPU_LOCK_FILE, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +76,11 @@ def _gpu_memory_of_earlier_tests_freed(request: pytest.FixtureRequest):
 
     import torch
 
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
+    with _gpu_held(shared="gpu_shared" in request.keywords):
+        # what this process cached is given back inside the lock: a test that takes the GPU alone then sees
+        # the VRAM a lone run would, less the other processes' CUDA contexts
+        gc.collect()
+        torch.cuda.empty_cache()
+        yield
+        gc.collect()
+        torch.cuda.empty_cache()

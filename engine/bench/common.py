@@ -42,6 +42,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def sm_clock_mhz(device: torch.device) -> int | None:
+    """The device's SM clock now, in MHz (NVML through torch), or None off CUDA or without NVML: a run of a few
+    milliseconds a step moves with the clock the device happens to run at."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # no pynvml, or NVML refused: the figure is optional
+        return None
+
+
 def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     """Seconds `fn()` took, with the device drained before and after (kernels are asynchronous)."""
     sync(device)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench.common import device_of, emit, random_prompt
+from engine.bench.admission import event_counts
+from engine.bench.common import device_of, emit, random_prompt, sm_clock_mhz
 from engine.bench.engine_driver import BenchEngine, build_engine, generate_all
 
 TARGET_SPEEDUP_B1 = 1.5
@@ -66,13 +68,48 @@ def _row(args: argparse.Namespace, mtp: bool, mtp_active: bool, batch: int, runs
     }
 
 
+def _warm_up(bench: BenchEngine, prompts: list[list[int]], args: argparse.Namespace) -> int:
+    """Untimed runs: one that captures every bucket, then more until `--warmup-s` seconds and `--warmup-steps`
+    engine steps have passed. Returns the runs made."""
+    start_s, runs, steps = time.perf_counter(), 0, 0
+    while runs == 0 or time.perf_counter() - start_s < args.warmup_s or steps < args.warmup_steps:
+        steps += generate_all(bench, prompts, args.new_tokens).steps
+        runs += 1
+    return runs
+
+
+def _timed_runs(bench: BenchEngine, prompts: list[list[int]], args: argparse.Namespace, count: int,
+                visit: int) -> tuple[list, dict[str, Any]]:
+    """`count` timed runs, and what the visit's record keeps of them: each run's rate and the device's SM clock
+    after it, the steps the engine launched ahead of the host (or dropped), the graph and tier events."""
+    engine = bench.engine
+    events = bench.bus.subscribe(after_seq=None, max_queue=100_000)
+    ahead = engine.ahead
+    taken_before, dropped_before = ahead.taken, ahead.dropped
+    runs, clocks = [], []
+    try:
+        for _ in range(count):
+            runs.append(generate_all(bench, prompts, args.new_tokens))
+            clocks.append(sm_clock_mhz(engine.device))
+        seen = event_counts(events.drain())
+    finally:
+        events.close()
+    record = {
+        "visit": visit, "decode_tok_s": [round(r.decode_tok_s, 1) for r in runs], "sm_clock_mhz": clocks,
+        "steps_taken_ahead": ahead.taken - taken_before, "steps_dropped_ahead": ahead.dropped - dropped_before,
+        "events": seen,
+    }
+    return runs, record
+
+
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows of MTP off and on per batch size, and the summary. Each visit of a mode (_VISITS) builds its engine,
-    captures every bucket with one untimed run per batch size, then times about half of `--repeats` runs (the
-    first visit of each mode the odd one); each mode's figure is the median of its `--repeats` runs."""
+    warms it up (_warm_up), then times about half of `--repeats` runs (the first visit of each mode the odd one);
+    each mode's figure is the median of its `--repeats` runs."""
     context = args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS
     # (mode, batch) -> the runs of the mode's first visit, then of its second
     visits: dict[tuple[bool, int], list[list]] = {(mtp, batch): [] for mtp in (False, True) for batch in args.batches}
+    records: dict[tuple[bool, int], list[dict[str, Any]]] = {key: [] for key in visits}
     active = {False: False, True: False}
     for visit, mtp in enumerate(_VISITS):
         timed = (args.repeats + 1 - visit // 2) // 2
@@ -83,8 +120,10 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
             active[mtp] = bench.engine.mtp_on
             for batch in args.batches:
                 prompts = prompts_for(bench, args.prompt_source, batch, args.prompt_tokens)
-                generate_all(bench, prompts, args.new_tokens)  # capture every bucket first
-                visits[(mtp, batch)].append([generate_all(bench, prompts, args.new_tokens) for _ in range(timed)])
+                warmup_runs = _warm_up(bench, prompts, args)
+                runs, record = _timed_runs(bench, prompts, args, timed, visit)
+                visits[(mtp, batch)].append(runs)
+                records[(mtp, batch)].append({**record, "warmup_runs": warmup_runs})
         finally:
             bench.close()
     rows: list[dict[str, Any]] = []
@@ -93,6 +132,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
         off_visits, on_visits = visits[(False, batch)], visits[(True, batch)]
         off_runs, on_runs = sum(off_visits, []), sum(on_visits, [])
         off, on = _row(args, False, active[False], batch, off_runs), _row(args, True, active[True], batch, on_runs)
+        off["visits"], on["visits"] = records[(False, batch)], records[(True, batch)]
         rows += [off, on]
         if off["decode_tok_s"] and on["decode_tok_s"]:
             summary[f"speedup_b{batch}"] = on["decode_tok_s"] / off["decode_tok_s"]

@@ -104,6 +104,9 @@ def _mtp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per mode; decode_tok_s is their median")
+    p.add_argument("--warmup-s", type=float, default=2.0, metavar="S",
+                   help="untimed decoding each engine runs before its timed runs (after one run that captures its "
+                        "graphs), so that both modes are timed at the device's sustained clocks (default 2.0)")
     p.add_argument("--prompt-source", choices=("text", "random"), default="text",
                    help="text: a natural-language prompt through the tokenizer (acceptance means something); "
                         "random: random ids")
@@ -255,5 +258,8 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name, None)
         if value is not None and (value < 0 or (value == 0 and name != "warmup_steps")):
             raise ConfigError(name, value, "expected a positive whole number")
+    warmup_s = getattr(args, "warmup_s", None)
+    if warmup_s is not None and not 0.0 <= warmup_s <= 600.0:
+        raise ConfigError("warmup_s", warmup_s, "expected seconds between 0 and 600")
     module = importlib.import_module(BENCHES[args.bench][0])
     return int(module.run(args) or 0)

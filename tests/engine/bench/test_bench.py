@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -216,7 +217,8 @@ def test_switches_runs_each_chosen_switch_off_then_on(tmp_path: Path) -> None:
 
 def test_mtp_on_and_off_with_acceptance_per_position(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["mtp", "--model", "random:tiny+mtp", "--device", "cpu", "--batches", "1",
-                           "--prompt-tokens", "12", "--new-tokens", "10", "--mtp-depth", "2", "--repeats", "3"])
+                           "--prompt-tokens", "12", "--new-tokens", "10", "--mtp-depth", "2", "--repeats", "3",
+                           "--warmup-s", "0"])
     off, on = doc["rows"]
     assert (off["mtp"], on["mtp"]) == ("off", "on")
     for row in (off, on):  # the median of three timed runs, with their spread, each run the same tokens
@@ -230,6 +232,15 @@ def test_mtp_on_and_off_with_acceptance_per_position(tmp_path: Path) -> None:
     # each mode's engine built twice (off, on, on, off): the speed-up of each half of the run (2 + 1 timed runs)
     halves = doc["summary"]["speedup_b1_halves"]
     assert len(halves) == 2 and all(h > 0 for h in halves)
+    # each visit's record: its timed runs' rates (the row's median comes from them), after at least the run
+    # that captured its graphs; no SM clock off CUDA
+    for row in (off, on):
+        visits = row["visits"]
+        assert [v["visit"] for v in visits] == ([0, 3] if row["mtp"] == "off" else [1, 2])
+        assert [len(v["decode_tok_s"]) for v in visits] == [2, 1]
+        assert statistics.median(sum((v["decode_tok_s"] for v in visits), [])) == pytest.approx(row["decode_tok_s"],
+                                                                                                 rel=1e-3)
+        assert all(v["warmup_runs"] >= 1 and v["sm_clock_mhz"] == [None] * len(v["decode_tok_s"]) for v in visits)
 
 
 def test_bad_options_name_what_was_wrong(tmp_path: Path) -> None:

@@ -110,6 +110,7 @@ def test_cpu_graph_backend_replay_equals_eager_for_every_kind(tiny_checkpoint: P
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_shared
 def test_cuda_graph_replay_equals_eager_for_every_kind(tiny_checkpoint: Path) -> None:
     lm = load_checkpoint(tiny_checkpoint, dtype="float32", device="cuda:0")
     cache = _compare(lm, lambda: default_backend(lm.device), atol=1e-4)

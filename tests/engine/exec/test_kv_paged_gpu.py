@@ -15,7 +15,7 @@ from engine.model.attention.triton_paged_config import KernelConfig
 from tests.engine.exec.cuda_capture import capture
 from tests.engine.exec.scrambled_cache import scrambled_cache
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_shared]  # kernels and models: no engine, no VRAM figure
 
 CONTEXT = 3000
 

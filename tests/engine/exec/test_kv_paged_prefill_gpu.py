@@ -48,6 +48,7 @@ CASES = [  # storage, compute dtype, Hq, rows (slot, start, real tokens, bucket)
 ]
 
 
+@pytest.mark.gpu_shared
 @pytest.mark.parametrize("storage,dtype,hq,rows", CASES)
 def test_prefill_kernel_matches_the_reference_at_long_prefixes(storage, dtype, hq, rows):
     cache = _cache(storage, dtype)
@@ -82,6 +83,7 @@ def test_prefill_kernel_matches_the_reference_at_long_prefixes(storage, dtype, h
         assert err <= max(tol * max(1.0, true.abs().max().item()), 2 * fused_err)
 
 
+@pytest.mark.gpu_shared
 def test_captured_prefill_kernel_replays_with_a_new_start_and_block_table_like_eager():
     cache = _cache("int8", BF16)
     slots, positions, bucket = _rows([(0, 1000, 200, 256)])

@@ -9,7 +9,7 @@ import torch
 
 from engine.model import DenseKVCache, load_checkpoint
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_shared]  # kernels and models: no engine, no VRAM figure
 CUDA = "cuda:0"
 TOKENS = 64
 

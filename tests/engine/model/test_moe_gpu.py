@@ -17,6 +17,7 @@ CUDA = "cuda:0"
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.gpu_shared
 def test_gpu_moe_bf16_parity_with_transformers(tmp_path):
     ref = _hf_moe(tmp_path, norm_topk_prob=True)
     ids, positions = (t.to(CUDA) for t in _prompt())

@@ -29,6 +29,7 @@ def _ulps_off(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return (diff > 0).float().mean().item(), (diff / spacing).max().item()
 
 
+@pytest.mark.gpu_shared
 def test_fused_kernels_round_like_the_bf16_reference_ops():
     """The residual sum and SiLU * up are the reference's bit for bit; the normed outputs differ at most by one
     rounding step (the fp32 sum of squares in another order), in a small share of elements."""
@@ -66,6 +67,7 @@ def test_fused_kernels_round_like_the_bf16_reference_ops():
     assert err <= 4 * torch.finfo(BF16).eps, err
 
 
+@pytest.mark.gpu_shared
 def test_the_skinny_matmul_rounds_like_cublas_and_a_row_does_not_depend_on_the_batch():
     """The narrow projections FUSED_OPS takes (o and down of the 0.6B shape) at decode and verify row counts, with
     and without bias: within one bf16 rounding step of the fp32 product (cuBLAS rounds the same fp32 sum once), and
@@ -93,6 +95,7 @@ def test_the_skinny_matmul_rounds_like_cublas_and_a_row_does_not_depend_on_the_b
         assert not takes(torch.randn(65, k, device="cuda", dtype=BF16), weight)  # a prompt chunk too
 
 
+@pytest.mark.gpu_shared
 def test_the_int8_kv_write_kernel_stores_quantize_int8s_codes_and_scales():
     from engine.model.attention.triton_kv_write import write_kv
 
@@ -129,6 +132,7 @@ def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt):
     assert tokens[True] == tokens[False]
 
 
+@pytest.mark.gpu_shared
 def test_kernels_address_a_pool_past_two_to_the_31_elements():
     """An int8 pool [Hkv, blocks, 16, D] whose last head starts past 2**31 elements while its head stride is below
     (Triton passes it as a 32-bit int): SHARED_PREFIX puts the prefix-cache tier's blocks in the pool, on a full
