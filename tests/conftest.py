@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,24 +64,32 @@ def _gpu_held(shared: bool) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-@pytest.fixture(autouse=True)
-def _gpu_memory_of_earlier_tests_freed(request: pytest.FixtureRequest):
+def _gpu_memory_freed() -> None:
     """GPU tests measure free VRAM (the tier fills it, pressure tests fill it to a margin). An engine a test
     dropped can live on in a reference cycle (bus subscribers, closures) with its KV, its tier and its graphs'
     private pools, which torch counts as cached and the books as free: the next test then sees memory it cannot
-    have (the 2026-12-01 suite: a tier that stopped 32 GiB short of full). Collect it before and after."""
-    if "gpu" not in request.keywords or not _cuda_available():
-        yield
-        return
+    have (the 2026-12-01 suite: a tier that stopped 32 GiB short of full). Collected before and after each test,
+    and what this process cached goes back to the driver."""
     import gc
 
     import torch
 
-    with _gpu_held(shared="gpu_shared" in request.keywords):
-        # what this process cached is given back inside the lock: a test that takes the GPU alone then sees
-        # the VRAM a lone run would, less the other processes' CUDA contexts
-        gc.collect()
-        torch.cuda.empty_cache()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A GPU test holds the lock through its whole protocol: the set-up and tear-down of every fixture it uses,
+    whatever their scope (a worker's session checkpoint written, a module's engine closed), so nothing of another
+    process runs beside a test that takes the GPU alone. How long it waited for the lock goes to its report
+    (`gpu_lock_wait_s`, a property in the JUnit file), so that a test's own time can be told from its wait."""
+    if "gpu" not in item.keywords or not _cuda_available():
         yield
-        gc.collect()
-        torch.cuda.empty_cache()
+        return
+    asked_s = time.perf_counter()
+    with _gpu_held(shared="gpu_shared" in item.keywords):
+        item.user_properties.append(("gpu_lock_wait_s", round(time.perf_counter() - asked_s, 3)))
+        _gpu_memory_freed()
+        yield
+        _gpu_memory_freed()
