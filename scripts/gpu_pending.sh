@@ -15,14 +15,15 @@
 # whole in two halves (65 passed, 401.9 s). The fourteenth launched greedy decode steps ahead of the host (batch 1
 # at 819.1 tok/s, 3.481x the peer) and filled the table again but for MTP (cut by the budget) and the admission's
 # ratio (0.453). The fifteenth keyed few-query steps by batch alone (no capture as contexts grow: the admission at
-# 0.606, 1.666x), launched MTP's fused steps ahead (depth 1 at 1.350x) and ran the suite (412.1 s). Next (#17): the
-# seed scenario on today's code, MTP at depth 2 on a fresh machine before anything else (its plain runs were off
-# after other steps), the suite under 5 minutes, int8's short-chunk split at 264 programs, the decode kernel's
-# 64-key block loads at batch 6 (int8):
+# 0.606, 1.666x), launched MTP's fused steps ahead (depth 1 at 1.350x) and ran the suite (412.1 s). The sixteenth
+# filled the table again (every row met but MTP at depth 2: 1.6x against the steady plain rate), ran the seed
+# scenario (5/5 passed) and the suite in four processes (265.0 s, three failures from fixtures outside the lock, the
+# server's files not collected). Next (#17): the suite in four processes whole, first on a fresh machine; MTP's
+# depth-2 step (0.45 ms for 2.77 tokens); why some engines' plain strata-tiny steps run at half the rate (`bench
+# mtp`'s `visits`); int8's short-chunk split at 264 programs, the decode kernel's 64-key block loads at batch 6:
 #
-#   OUT=$OUT STEPS=mtp_1,mtp_2,... bash scripts/gpu_pending.sh      (a fresh machine: they run first)
-#   OUT=$OUT STEPS=seed SEED_RUNS=5 bash scripts/gpu_pending.sh
-#   OUT=$OUT STEPS=gpu_suite_a,gpu_suite_b bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite_n4 bash scripts/gpu_pending.sh            (a fresh machine; about 300 s)
+#   OUT=$OUT STEPS=mtp_1,mtp_2,profile_tiny_mtp_0,profile_tiny_mtp_2 bash scripts/gpu_pending.sh
 #
 #   profile_ahead_off     #17: the batch-1 step with --decode-ahead off (profile_ops_1 runs the default, on)
 #   profile_pinned_off    #17: the same with STRATA_PINNED_STAGING=0 (when a call sets it on)
