@@ -105,8 +105,8 @@ def _mtp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per mode; decode_tok_s is their median")
     p.add_argument("--warmup-s", type=float, default=2.0, metavar="S",
-                   help="untimed decoding each engine runs before its timed runs (after one run that captures its "
-                        "graphs), so that both modes are timed at the device's sustained clocks (default 2.0)")
+                   help="seconds of untimed decoding each engine runs before its timed runs, after one run that "
+                        "captures its graphs, so that both modes are timed settled (default 2.0)")
     p.add_argument("--prompt-source", choices=("text", "random"), default="text",
                    help="text: a natural-language prompt through the tokenizer (acceptance means something); "
                         "random: random ids")

@@ -255,6 +255,8 @@ def test_bad_options_name_what_was_wrong(tmp_path: Path) -> None:
         cli_bench.run(parser.parse_args(["decode", *TINY, "--new-tokens", "0", "--json", out]))
     with pytest.raises(UnknownSwitch, match="'NOPE'"):
         cli_bench.run(parser.parse_args(["switches", *TINY, "--only", "NOPE", "--json", out]))
+    with pytest.raises(ConfigError, match="warmup_s=-1.0"):
+        cli_bench.run(parser.parse_args(["mtp", *TINY, "--warmup-s", "-1", "--json", out]))
     with pytest.raises(SystemExit):
         parser.parse_args(["decode", "--batches", "1,0"])
     assert not Path(out).exists()
