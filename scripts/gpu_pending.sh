@@ -167,8 +167,9 @@ step overlap_tests 150 "${GPU_TEST[@]}" -s tests/engine/test_engine_interleave.p
     tests/engine/model/test_triton_ops_gpu.py -k "interleave or beside or engine_greedy"
 step gpu_suite 400 "${GPU_TEST[@]}" --durations=60 --session-timeout=370 --junitxml="$OUT/gpu_suite.xml" tests
 # the same in four processes (pytest-xdist): the `gpu_shared` tests (kernels, models) side by side, then each other
-# test alone, through tests/conftest.py's lock
-step gpu_suite_n4 400 "${GPU_TEST[@]}" -n 4 --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite_n4.xml" tests
+# test alone, through tests/conftest.py's lock, all of them in one process in their order (xdist group gpu_alone)
+step gpu_suite_n4 400 "${GPU_TEST[@]}" -n 4 --dist loadgroup --durations=0 --session-timeout=370 \
+    --junitxml="$OUT/gpu_suite_n4.xml" tests
 # the same suite in two halves (each call of a session short of device time): every test's time in the JUnit files
 step gpu_suite_a 400 "${GPU_TEST[@]}" --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite_a.xml" \
     tests/engine/exec tests/engine/model

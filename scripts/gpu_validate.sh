@@ -21,8 +21,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 log "GPU tests"
 GPU_FILES=${GPU_TESTS:-$(grep -rl "mark.gpu" tests | sort | tr '\n' ' ')}
 # four processes (pytest-xdist): the gpu_shared tests side by side, each other test alone (tests/conftest.py)
-timeout "${TESTS_LIMIT_S:-360}" python3 -m pytest -m gpu -n "${GPU_WORKERS:-4}" -v -rA --durations=0 -p no:cacheprovider \
-    $GPU_FILES \
+timeout "${TESTS_LIMIT_S:-360}" python3 -m pytest -m gpu -n "${GPU_WORKERS:-4}" --dist loadgroup -v -rA --durations=0 \
+    -p no:cacheprovider $GPU_FILES \
     >"$OUT/gpu_tests.log" 2>&1
 log "GPU tests rc=$? ($(tail -1 "$OUT/gpu_tests.log"))"
 

@@ -1,16 +1,20 @@
 """Shared test set-up: the `gpu` marker skips without CUDA (checked lazily so torch-free tests stay light);
 the `soak` marker skips unless the `-m` expression names it (long runs a developer asks for).
 
-GPU tests may run in parallel processes (`pytest -m gpu -n 4`, pytest-xdist): most of them build engines whose
-tier takes the free VRAM, or measure free VRAM, so each takes the GPU alone through a lock file every process
-on the machine opens; the ones marked `gpu_shared` (kernels and models against references: no engine, no VRAM
-figure) hold it shared, run first, and beside each other. Their Triton compiles and references are host work,
-which is why parallel processes shorten the suite."""
+GPU tests may run in parallel processes (`pytest -m gpu -n 4 --dist loadgroup`, pytest-xdist): most of them build
+engines whose tier takes the free VRAM, or measure free VRAM, so each takes the GPU alone through a lock file
+every process on the machine opens; the ones marked `gpu_shared` (kernels and models against references: no
+engine, no VRAM figure) hold it shared, run first, and beside each other. Their Triton compiles and references
+are host work, which is why parallel processes shorten the suite. The tests that take the GPU alone all run in
+one process, in their collection order (xdist group `gpu_alone`): what one of them leaves warm for the next (a
+compiled kernel, torch's pinned-memory cache) is there as in a serial run."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,6 +29,8 @@ except ImportError:  # not on Windows, where no GPU test of this project runs
 
 # One lock for every pytest process of this machine's user: two runs on one GPU take turns as workers do.
 _GPU_LOCK_FILE = Path(tempfile.gettempdir()) / "strata-gpu-tests.lock"
+_ALONE_GROUP = "gpu_alone"
+_held_to_exit: list = []  # a worker's lock handle, kept open until the process exits (pytest_sessionfinish)
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,15 +42,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_soak = pytest.mark.skip(reason="a soak run: select it with -m soak")
     soak_asked = "soak" in (config.getoption("markexpr", default="") or "")
+    alone = pytest.mark.xdist_group(_ALONE_GROUP) if config.pluginmanager.hasplugin("xdist") else None
     for item in items:
         if "gpu" in item.keywords and not _cuda_available():
             item.add_marker(skip_gpu)
         if "soak" in item.keywords and not soak_asked:
             item.add_marker(skip_soak)
+        if alone is not None and "gpu" in item.keywords and "gpu_shared" not in item.keywords:
+            item.add_marker(alone)
     # the GPU tests that share the GPU first (a stable sort: the rest keep their order), so that parallel
     # processes run them side by side before the ones that take the GPU alone queue on the lock
     items.sort(key=lambda item: "gpu_shared" not in item.keywords)
@@ -93,3 +103,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _gpu_memory_freed()
         yield
         _gpu_memory_freed()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """An xdist worker that used the GPU leaves only between tests that take it alone: its exit frees its CUDA
+    context (about a GiB), which a test measuring free VRAM would see appear under it (the sixteenth session's
+    real-pressure test captured where it should have waited). It takes the lock shared, after the test running
+    alone ends, and keeps it until the process is gone."""
+    if fcntl is None or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    handle = open(_GPU_LOCK_FILE, "a+")  # noqa: SIM115 - closed by the process's exit, deliberately
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    _held_to_exit.append(handle)
