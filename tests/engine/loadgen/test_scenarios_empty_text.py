@@ -27,7 +27,9 @@ def server_url(tmp_path_factory: pytest.TempPathFactory):
 
 
 async def test_seed_measures_ttft_and_decode_rates_when_tokens_have_no_text(server_url: str) -> None:
-    result = await run_scenario("seed", server_url, concurrency=2, short_prompt_tokens=8, delay_s=0.5,
+    # 1.5 s before the long prompt: the rate "before" needs the shorts' first tokens before it is sent, and on a
+    # busy two-core machine 0.5 s once left that window empty (short_decode_tok_s_before None)
+    result = await run_scenario("seed", server_url, concurrency=2, short_prompt_tokens=8, delay_s=1.5,
                                 long_tokens=600, long_max_tokens=2, ignore_eos=1)
     assert result.ok, result.errors
     long = result.requests[-1]
