@@ -110,6 +110,15 @@ def make_engine(model: Path, bus: EventBus | None = None, **kw) -> Engine:
                   block_tokens=block_tokens)
 
 
+def beside_others_reserve_mib(engine_mib: float = 4096.0, device: str = "cuda:0") -> int:
+    """A --vram-reserve-mib for an engine in a `gpu_shared` test (tests/conftest.py): the engine takes at most
+    `engine_mib` of what is free now, its tier included (which otherwise takes every free MiB past the reserve and
+    regrows into it), and leaves the rest to the tests running beside it. When they take more, its tier shrinks;
+    its weights, KV and graphs stay."""
+    free_b, _ = torch.cuda.mem_get_info(torch.device(device))
+    return max(0, int(free_b / 2**20 - engine_mib))
+
+
 def tier_starving_reserve_mib(build: Callable[[], Engine], slack_mib: float = 64.0) -> int:
     """A --vram-reserve-mib that leaves the adaptive tier at most `slack_mib` on CUDA, where it otherwise takes
     every free MiB past the reserve at start and regrows into it at each rebalance (so `tier_budget_mib=0` does

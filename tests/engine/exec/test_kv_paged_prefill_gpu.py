@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.exec.kv_cache import SlotKVCache
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+from tests.engine.engine_helpers import beside_others_reserve_mib, random_prompts, run_all, tokens_of
 from tests.engine.exec.cuda_capture import capture
 from tests.engine.exec.scrambled_cache import scrambled_cache
 
@@ -103,6 +103,7 @@ def test_captured_prefill_kernel_replays_with_a_new_start_and_block_table_like_e
     assert torch.equal(out, step())
 
 
+@pytest.mark.gpu_shared  # its engines keep to 4 GiB (beside_others_reserve_mib)
 @pytest.mark.parametrize("kv", ["bf16", "int8"])
 def test_engine_greedy_tokens_are_the_same_with_the_prefill_kernel_on_and_off(ckpt, kv, monkeypatch):
     """Prompts of several chunks (256-token chunks), fp32 (exact dots on both paths), graphs on: PAGED_PREFILL
@@ -122,7 +123,8 @@ def test_engine_greedy_tokens_are_the_same_with_the_prefill_kernel_on_and_off(ck
     for prefill_on in (False, True):
         engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=3, context=4096, kv=kv,
                                      prefill_chunk_tokens=256, step_token_budget=512, prefill_overlap="off",
-                                     switches={"PAGED_PREFILL": prefill_on}),
+                                     switches={"PAGED_PREFILL": prefill_on},
+                                     vram_reserve_mib=beside_others_reserve_mib()),
                         EventBus(history=100000), block_tokens=16)
         assert engine.runner.paged_enabled()
         tokens[prefill_on] = tokens_of(run_all(engine, prompts, params))

@@ -16,7 +16,7 @@ from engine.exec.kv_cache import quantize_int8
 from engine.model.layers import rms_normalize
 from engine.model.rope import apply_rope
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+from tests.engine.engine_helpers import beside_others_reserve_mib, random_prompts, run_all, tokens_of
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -114,17 +114,20 @@ def test_the_int8_kv_write_kernel_stores_quantize_int8s_codes_and_scales():
         assert torch.equal(scale[:, blocks, offsets], want_s)
 
 
+@pytest.mark.gpu_shared  # its engines keep to 4 GiB (beside_others_reserve_mib)
 def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt):
     """fp32 (the kernels' fp32 rounding is the reference's up to the sum order), graphs on, int8 KV (the write
     kernel's quantizing path; every other GPU engine test runs FUSED_OPS, on by default, with bf16 KV too), prompts
-    over several chunks."""
+    over several chunks, between the steps: beside them, which rows a decode step batches depends on timing (as in
+    the prefill kernel's engine test), and other tests run beside this one."""
     kv = "int8"
     prompts = random_prompts(2, seed=97, lengths=(300, 600))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = {}
     for fused in (False, True):
         engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=2, context=2048, kv=kv,
-                                     prefill_chunk_tokens=256, switches={"FUSED_OPS": fused}),
+                                     prefill_chunk_tokens=256, prefill_overlap="off", switches={"FUSED_OPS": fused},
+                                     vram_reserve_mib=beside_others_reserve_mib()),
                         EventBus(history=100000), block_tokens=16)
         assert (engine.runner.model.ops is not None) is fused
         tokens[fused] = tokens_of(run_all(engine, prompts, params))
@@ -169,6 +172,7 @@ def test_kernels_address_a_pool_past_two_to_the_31_elements():
     assert (out[0, :, 0].float() - want).abs().max().item() < 2e-2
 
 
+@pytest.mark.gpu_shared  # its engines keep to 4 GiB (beside_others_reserve_mib); its compile is host work
 def test_compile_compiles_steps_that_launch_the_fused_kernels(ckpt, tmp_path, monkeypatch):
     """COMPILE wraps step functions that now launch FUSED_OPS' Triton kernels (user kernels inside Dynamo's
     trace): it must compile them, not degrade, and give the uncompiled engine's greedy tokens (fp32)."""
@@ -178,7 +182,8 @@ def test_compile_compiles_steps_that_launch_the_fused_kernels(ckpt, tmp_path, mo
     tokens = {}
     for compiled in (False, True):
         engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=1, context=1024,
-                                     switches={"COMPILE": compiled}), EventBus(history=100000), block_tokens=16)
+                                     switches={"COMPILE": compiled}, vram_reserve_mib=beside_others_reserve_mib()),
+                        EventBus(history=100000), block_tokens=16)
         assert engine.runner.model.ops is not None
         tokens[compiled] = tokens_of(run_all(engine, prompts, params))
         state = engine.runner.board.states["COMPILE"]
