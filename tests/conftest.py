@@ -3,11 +3,12 @@ the `soak` marker skips unless the `-m` expression names it (long runs a develop
 
 GPU tests may run in parallel processes (`pytest -m gpu -n 4 --dist loadgroup`, pytest-xdist): most of them build
 engines whose tier takes the free VRAM, or measure free VRAM, so each takes the GPU alone through a lock file
-every process on the machine opens; the ones marked `gpu_shared` (kernels and models against references: no
-engine, no VRAM figure) hold it shared, run first, and beside each other. Their Triton compiles and references
-are host work, which is why parallel processes shorten the suite. The tests that take the GPU alone all run in
-one process, in their collection order (xdist group `gpu_alone`): what one of them leaves warm for the next (a
-compiled kernel, torch's pinned-memory cache) is there as in a serial run."""
+every process on the machine opens; the ones marked `gpu_shared` (kernels and models against references, and
+engine tests of tokens whose engines keep to a few GiB: no VRAM figure) hold it shared, run first, and beside
+each other. Their Triton compiles and references are host work, which is why parallel processes shorten the
+suite. The tests that take the GPU alone all run in one process, in their collection order (xdist group
+`gpu_alone`): what one of them leaves warm for the next (a compiled kernel, torch's pinned-memory cache) is there
+as in a serial run."""
 
 from __future__ import annotations
 
