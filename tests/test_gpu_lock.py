@@ -1,6 +1,7 @@
-"""The GPU tests' lock (tests/conftest.py): parallel pytest processes (`-m gpu -n 4`) run the tests marked
-`gpu_shared` beside each other, and every other GPU test alone. Checked here with real processes and the real
-lock file, since what matters is what another process can take while one holds it."""
+"""The GPU tests' lock (tests/conftest.py): parallel pytest processes (`-m gpu -n 4 --dist loadgroup`) run the
+tests marked `gpu_shared` beside each other, and every other GPU test alone, all of those in one process in their
+order. Checked here with real processes, the real lock file and a real xdist run of the hooks, since what matters
+is what another process can take while one holds it."""
 
 from __future__ import annotations
 
