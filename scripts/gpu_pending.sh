@@ -17,7 +17,7 @@
 # ratio (0.453). The fifteenth keyed few-query steps by batch alone (no capture as contexts grow: the admission at
 # 0.606, 1.666x), launched MTP's fused steps ahead (depth 1 at 1.350x) and ran the suite (412.1 s). The sixteenth
 # filled the table again (every row met but MTP at depth 2: 1.6x against the steady plain rate), ran the seed
-# scenario (5/5 passed) and the suite in four processes (265.0 s, three failures from fixtures outside the lock, the
+# scenario (5/5 passed) and the suite in four processes (265.0 s, three failures of tests that run alone, the
 # server's files not collected). Next (#17): the suite in four processes whole, first on a fresh machine; MTP's
 # depth-2 step (0.45 ms for 2.77 tokens); why some engines' plain strata-tiny steps run at half the rate (`bench
 # mtp`'s `visits`); int8's short-chunk split at 264 programs, the decode kernel's 64-key block loads at batch 6:

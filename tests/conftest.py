@@ -108,9 +108,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """An xdist worker that used the GPU leaves only between tests that take it alone: its exit frees its CUDA
-    context (about a GiB), which a test measuring free VRAM would see appear under it (the sixteenth session's
-    real-pressure test captured where it should have waited). It takes the lock shared, after the test running
-    alone ends, and keeps it until the process is gone."""
+    context (about a GiB), which a test measuring free VRAM would see appear under it (a cause that fits the
+    sixteenth session's real-pressure test, which captured where it should have waited). It takes the lock shared,
+    after the test running alone ends, and keeps it until the process is gone."""
     if fcntl is None or not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     torch = sys.modules.get("torch")
