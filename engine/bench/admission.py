@@ -31,7 +31,7 @@ import statistics
 import time
 from typing import Any
 
-from engine.bench.common import device_of, emit, random_prompt, save_partial
+from engine.bench.common import device_of, emit, event_counts, random_prompt, save_partial
 from engine.bench.engine_driver import BenchEngine, EngineDied, StepLog, build_engine
 
 TARGET_RATIO = 0.5
@@ -176,16 +176,6 @@ def measure_one(bench: BenchEngine, args: argparse.Namespace, long_tokens: int, 
         "graph_errors": [e.error for e in during_events + after_events if e.type == "graph" and e.error][:3],
         "degraded_graphs": bench.graph_snapshot().get("degraded", []),
     }
-
-
-def event_counts(events: list[Any]) -> dict[str, int]:
-    """`graph capture`, `graph degrade`, `tier shrink`, ... -> how many of each."""
-    counts: dict[str, int] = {}
-    for e in events:
-        if e.type in ("graph", "tier"):
-            name = f"{e.type} {e.action}"
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,6 +53,16 @@ def sm_clock_mhz(device: torch.device) -> int | None:
         return None
 
 
+def event_counts(events: list[Any]) -> dict[str, int]:
+    """`graph capture`, `graph degrade`, `tier shrink`, ... -> how many of each."""
+    counts: dict[str, int] = {}
+    for e in events:
+        if e.type in ("graph", "tier"):
+            name = f"{e.type} {e.action}"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     """Seconds `fn()` took, with the device drained before and after (kernels are asynchronous)."""
     sync(device)

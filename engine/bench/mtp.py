@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench.admission import event_counts
-from engine.bench.common import device_of, emit, random_prompt, sm_clock_mhz
+from engine.bench.common import device_of, emit, event_counts, random_prompt, sm_clock_mhz
 from engine.bench.engine_driver import BenchEngine, build_engine, generate_all
 
 TARGET_SPEEDUP_B1 = 1.5
