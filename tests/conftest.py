@@ -8,14 +8,15 @@ engine tests of tokens whose engines keep to a few GiB: no VRAM figure) hold it 
 each other. Their Triton compiles and references are host work, which is why parallel processes shorten the
 suite. The tests that take the GPU alone all run in one process, in their collection order (xdist group
 `gpu_alone`): what one of them leaves warm for the next (a compiled kernel, torch's pinned-memory cache) is there
-as in a serial run."""
+as in a serial run. A worker that runs out of tests keeps its process (and its CUDA context) until the whole run
+ends, when xdist tears every worker down: no context is freed under a test that measures free VRAM, and a worker
+out of tests holds no lock (one held to its exit would keep the tests that take the GPU alone out for good: the
+hang of the seventeenth session's first run)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,7 +32,6 @@ except ImportError:  # not on Windows, where no GPU test of this project runs
 # One lock for every pytest process of this machine's user: two runs on one GPU take turns as workers do.
 _GPU_LOCK_FILE = Path(tempfile.gettempdir()) / "strata-gpu-tests.lock"
 _ALONE_GROUP = "gpu_alone"
-_held_to_exit: list = []  # a worker's lock handle, kept open until the process exits (pytest_sessionfinish)
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,18 +104,3 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         _gpu_memory_freed()
         yield
         _gpu_memory_freed()
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """An xdist worker that used the GPU leaves only between tests that take it alone: its exit frees its CUDA
-    context (about a GiB), which a test measuring free VRAM would see appear under it (a cause that fits the
-    sixteenth session's real-pressure test, which captured where it should have waited). It takes the lock shared,
-    after the test running alone ends, and keeps it until the process is gone."""
-    if fcntl is None or not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return
-    handle = open(_GPU_LOCK_FILE, "a+")  # noqa: SIM115 - closed by the process's exit, deliberately
-    fcntl.flock(handle, fcntl.LOCK_SH)
-    _held_to_exit.append(handle)

@@ -68,8 +68,6 @@ strata._gpu_memory_freed = lambda: None
 strata._GPU_LOCK_FILE = Path({lock!r})
 pytest_collection_modifyitems = strata.pytest_collection_modifyitems
 pytest_runtest_protocol = strata.pytest_runtest_protocol
-if hasattr(strata, 'pytest_sessionfinish'):
-    pytest_sessionfinish = strata.pytest_sessionfinish
 
 
 def pytest_configure(config):

@@ -25,6 +25,7 @@ import torch
 from engine.exec.executor import EagerExecutor
 from engine.exec.graph_key import GraphKey
 from engine.exec.graphs import GraphSpec
+from engine.exec.mtp_accept import greedy_acceptance, greedy_acceptance_kernel
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket, split_switches
 from engine.exec.sampler import sample_on_device, sampling_inputs
 
@@ -109,8 +110,10 @@ class MtpDrafter:
         return FusedStep(out["accepted"], out["tokens"], out["emitted"], out.get("next_inputs"), span)
 
     def _fused_build(self, bb: int, span: int, mode: str = "greedy"):
-        k, context = self.depth, self.runner.context_tokens
-        verify_build = self.runner.verify_build(bb, span)
+        r, k, context = self.runner, self.depth, self.runner.context_tokens
+        verify_build = r.verify_build(bb, span)
+        # FUSED_OPS: the acceptance in one Triton kernel (the switch's start-up probe found Triton working here)
+        acceptance = greedy_acceptance_kernel if self.model.ops is not None else greedy_acceptance
 
         def build(split: bool):
             _, verify_fn = verify_build(split)
@@ -119,38 +122,32 @@ class MtpDrafter:
 
             def fused_fn(x):
                 out = verify_fn(x)
+                next_inputs = None
                 if mode == "greedy":
                     tokens = out["logits"].argmax(dim=-1)  # [Bb, K+1]: accepted drafts equal it
-                    accepted = (tokens[:, :k] == out["drafts"]).long().cumprod(dim=-1).sum(dim=-1)  # [Bb]
+                    # with the next step's inputs, for a step launched before the host reads this one
+                    accepted, emitted, next_inputs, chain = acceptance(
+                        tokens, out["drafts"], x["slots"], x["draft_rows"], x["pending"], x["positions"], context)
                 else:
                     accepted, tokens = sample_on_device(out["logits"], out["drafts"], x["temperature"], x["top_p"],
                                                         x["uniforms"], use_top_p=mode == "top_p")
+                    # accepted and tokens side by side as well: the host reads both with one copy, no cat after
+                    emitted = torch.cat([accepted.view(bb, 1), tokens], dim=1)
+                    chain = x["positions"][:, :1] + accepted.view(bb, 1) + torch.arange(1, k + 1, device=r.device)
                 # The round over the verified positions n..n+K with the emitted tokens as next ids; past the
                 # accepted ones they are junk that the next round overwrites before anything reads it.
                 d = round_fn({"slots": x["slots"], "hidden": out["hidden"], "next_ids": tokens,
                               "positions": x["positions"], "pick": accepted})
                 drafts, h = [d["draft"]], d["h"]
-                zero = torch.zeros_like(accepted)
-                for j, step_fn in enumerate(step_fns, start=1):
-                    pos = x["positions"][:, :1] + accepted.view(bb, 1) + j  # n + accepted + j
+                for j, step_fn in enumerate(step_fns, start=1):  # at n + accepted + j
                     d = step_fn({"slots": x["slots"], "hidden": h, "next_ids": drafts[-1].view(bb, 1),
-                                 "positions": pos, "pick": zero})
+                                 "positions": chain[:, j - 1:j]})
                     drafts.append(d["draft"])
                     h = d["h"]
-                # accepted and tokens side by side as well: the host reads both with one copy, no cat after
-                emitted = torch.cat([accepted.view(bb, 1), tokens], dim=1)
                 result = {"accepted": accepted, "tokens": tokens, "emitted": emitted,
                           "drafts": torch.stack(drafts, dim=1)}
-                if mode == "greedy":
-                    # The next step's inputs, for a step launched before the host reads this one: a real row's
-                    # pending token is tokens[accepted] and its positions move by accepted + 1; padding rows (at
-                    # the context's scratch columns) stay as they are.
-                    real = x["positions"][:, :1] < context
-                    picked = accepted.view(bb, 1)
-                    pending = torch.where(real, tokens.gather(1, picked), x["pending"])
-                    positions = x["positions"] + torch.where(real, picked + 1, 0)
-                    result["next_inputs"] = torch.cat([x["slots"].view(bb, 1), x["draft_rows"].view(bb, 1), pending,
-                                                       positions], dim=1)
+                if next_inputs is not None:
+                    result["next_inputs"] = next_inputs
                 return result
 
             # Greedy keeps the verify-like key; the sampled variants (other inputs, other kernels) say so.
@@ -301,8 +298,11 @@ class MtpDrafter:
             kv.set_path(split, kv.paged, kv.paged_prefill)
             h_mtp = model.mtp(x["hidden"], x["next_ids"], x["positions"], kv, depth=depth)  # [Bb, T, H]
             bb = h_mtp.shape[0]
-            idx = x["pick"].view(bb, 1, 1).expand(bb, 1, h_mtp.shape[-1])
-            h_pick = h_mtp.gather(1, idx)  # [Bb, 1, H]
+            if h_mtp.shape[1] == 1:  # a chain step's one position is its pick
+                h_pick = h_mtp
+            else:
+                idx = x["pick"].view(bb, 1, 1).expand(bb, 1, h_mtp.shape[-1])
+                h_pick = h_mtp.gather(1, idx)  # [Bb, 1, H]
             logits = model.draft_logits(h_pick, depth)  # [Bb, 1, V]
             return {"draft": logits.argmax(dim=-1).view(bb), "h": h_pick}
 

@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
             import engine.model.triton_ops as ops
 
             ops.launch_each_once(self.config, self.embed_tokens.weight.dtype, self.embed_tokens.weight.device)
-        self.ops = ops
+        self.ops = self.rotary.ops = ops
         blocks = list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
         for block in blocks:
             block.use_ops(ops)

@@ -82,9 +82,17 @@ class MTPHead(nn.Module):
         layer = self.layers[idx]
         embed_tokens, rotary = self._shared
         embed = layer.embed if layer.embed is not None else embed_tokens
-        emb = layer.enorm(embed(next_ids))
-        h = layer.hnorm(hidden)
+        ops = layer.block.ops
+        # FUSED_OPS: each norm with its weight in one kernel, and the block's last add in the final norm's
+        if ops is not None:
+            emb = ops.add_rms_norm(embed(next_ids), None, layer.enorm.weight, layer.enorm.eps)[0]
+            h = ops.add_rms_norm(hidden, None, layer.hnorm.weight, layer.hnorm.eps)[0]
+        else:
+            emb, h = layer.enorm(embed(next_ids)), layer.hnorm(hidden)
         x = layer.eh_proj(torch.cat([emb, h], dim=-1))  # embedding first: vLLM deepseek_mtp / qwen3_next_mtp
         cos, sin = rotary(positions, x.dtype)
-        x = layer.block(x, cos, sin, positions, kv, self.config.num_hidden_layers + idx)
-        return layer.norm(x)
+        kv_layer = self.config.num_hidden_layers + idx
+        if ops is not None:
+            x, residual = layer.block.forward_carry(x, None, cos, sin, positions, kv, kv_layer)
+            return ops.add_rms_norm(x, residual, layer.norm.weight, layer.norm.eps)[0]
+        return layer.norm(layer.block(x, cos, sin, positions, kv, kv_layer))

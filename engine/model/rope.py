@@ -93,6 +93,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.attention_scaling = inv_freq_for(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.dynamic = config.rope.type == "dynamic"
+        self.ops = None  # FUSED_OPS (engine.model.triton_ops): the tables in one kernel where this computes ten
 
     def reset_parameters(self, device: torch.device | str | None = None) -> None:
         """Recompute the buffer (after the module was built on the meta device)."""
@@ -107,6 +108,8 @@ class RotaryEmbedding(nn.Module):
         it saves every attention layer the negate-and-concatenate of rotate_half (kernels, on a decode step).
         """
         inv_freq = self.inv_freq
+        if self.ops is not None and not self.dynamic:
+            return self.ops.rope_tables(positions, inv_freq, self.attention_scaling, dtype)
         if self.dynamic:
             # Data-dependent on purpose (as in transformers): a host sync, so no CUDA graph for dynamic NTK.
             seq_len = int(positions.max().item()) + 1

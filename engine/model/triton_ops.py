@@ -4,21 +4,26 @@ them in Triton's interpreter on CPU tensors).
     normed, summed = add_rms_norm(x, residual, weight, eps)   # residual + x, then RMSNorm(.) * weight
     qk = qk_norm_rope(src, q_heads, q_weight, k_weight, cos, sin_rot, eps)  # [B, T, H, D] -> [B, H, T, D]
     out = silu_mul(gate, up)                                   # silu(gate) * up
+    cos, sin_rot = rope_tables(positions, inv_freq, scaling, dtype)  # RotaryEmbedding's tables, one kernel
     y = linear(x, weight, bias)                                # F.linear; a narrow one in Triton (triton_linear)
 
 A batch-1 decode step is bound by its kernel count, not its bytes (docs/BENCHMARKS.md, "What the profile shows"):
 in eager PyTorch the residual add and RMSNorm with its weight are three kernels, the q/k norm and the rotation
-about seven, SiLU and the product two. Each kernel here computes in fp32 and rounds to the storage dtype at the
-points where the PyTorch ops of engine.model.layers round (the sum, the normalised value, the weight product, each
-RoPE product and their sum, SiLU and its product), so it gives the reference's values up to the order of the
-fp32 sum of squares and the last bit of the reciprocal square root.
+about seven, SiLU and the product two, a forward's rotary tables ten. Each kernel here computes in fp32 and rounds
+to the storage dtype at the points where the PyTorch ops of engine.model.layers round (the sum, the normalised
+value, the weight product, each RoPE product and their sum, SiLU and its product), so it gives the reference's
+values up to the order of the fp32 sum of squares and the last bit of the reciprocal square root; the rotary
+tables are the reference's bit for bit.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # the layers reach every FUSED_OPS kernel through here
 from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, split_counters
@@ -112,6 +117,47 @@ def qk_norm_rope(src: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
     return out
 
 
+# CUDA's cosf / sinf (libdevice), which torch's cos and sin kernels call: the tables are the reference's bit for bit.
+# Triton's interpreter (the CPU tests) has no libdevice; numpy's cos there.
+_LIBDEVICE = not os.environ.get("TRITON_INTERPRET")
+
+
+@triton.jit
+def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, stride_pb, stride_pt, n_tokens, scaling,
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    scaling = tl.full([], scaling, tl.float32)  # as in _add_rms_norm_kernel: a Python float may come as fp64
+    row = tl.program_id(0).to(tl.int64)  # one (row, token)
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    position = tl.load(pos_ptr + (row // n_tokens) * stride_pb + (row % n_tokens) * stride_pt)
+    freq = position.to(tl.float32) * tl.load(inv_ptr + i, mask=ok, other=0.0)
+    if LIBDEVICE:
+        c, s = libdevice.cos(freq), libdevice.sin(freq)
+    else:
+        c, s = tl.cos(freq), tl.sin(freq)
+    dt = cos_ptr.dtype.element_ty
+    c, s = (c * scaling).to(dt), (s * scaling).to(dt)
+    base = row * 2 * HALF
+    tl.store(cos_ptr + base + i, c, mask=ok)
+    tl.store(cos_ptr + base + HALF + i, c, mask=ok)
+    tl.store(sin_ptr + base + i, -s, mask=ok)  # rotate_half's sign, as RotaryEmbedding folds it in
+    tl.store(sin_ptr + base + HALF + i, s, mask=ok)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RotaryEmbedding.forward's (cos, sin_rot) [B, T, D] for positions [B, T] (any strides) and fp32 inv_freq
+    [D/2]: fp32 angles, their cos and sin scaled by `scaling`, rounded once to `dtype`, in one kernel."""
+    b, t = positions.shape
+    half = inv_freq.shape[0]
+    cos = torch.empty(b, t, 2 * half, dtype=dtype, device=positions.device)
+    sin_rot = torch.empty_like(cos)
+    _rope_tables_kernel[(b * t,)](positions, inv_freq, cos, sin_rot, positions.stride(0), positions.stride(1), t,
+                                  scaling, HALF=half,
+                                  BLOCK=triton.next_power_of_2(half), LIBDEVICE=_LIBDEVICE, num_warps=1)
+    return cos, sin_rot
+
+
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -156,6 +202,7 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
     norm = torch.ones(d, **like) if config.qk_norm else None
     angles = torch.zeros(1, 1, d, **like)
     qk_norm_rope(qk, config.num_attention_heads, norm, norm, angles, angles, eps)
+    rope_tables(torch.zeros(1, 1, dtype=torch.long, device=device), torch.ones(d // 2, device=device), 1.0, dtype)
     gate = torch.zeros(1, 1, config.intermediate_size, **like)
     silu_mul(gate, gate)
     # the narrow projections the layers hand the skinny matmul (o, down), at one row and at the most rows it takes:

@@ -88,6 +88,41 @@ def kernels_check() -> None:
             assert not pool[:, untouched].any(), "a write landed outside the rows' (block, offset)"
 
 
+def rope_and_mtp_check() -> None:
+    """The rotary tables' kernel against RotaryEmbedding (plain and YaRN-scaled, positions as a strided view of
+    packed inputs, far into a long context), and the MTP head with FUSED_OPS (its norms and the block's last add
+    in the kernels) against the head without, on strata-tiny's weights in fp32."""
+    from engine.model import load_checkpoint
+    from engine.model import triton_ops as ops
+    from engine.model.config import ModelConfig
+    from engine.model.rope import RotaryEmbedding
+
+    packed = torch.tensor([[3, 0, 1, 2], [9, 131070, 131071, 262143]])
+    for scaling in (None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}):
+        rotary = RotaryEmbedding(ModelConfig.from_hf({
+            "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+            "vocab_size": 100, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+            "rope_scaling": scaling}))
+        assert (rotary.attention_scaling != 1.0) is (scaling is not None)
+        want = rotary(packed[:, 1:], torch.float32)
+        got = ops.rope_tables(packed[:, 1:], rotary.inv_freq, rotary.attention_scaling, torch.float32)
+        for g, w, what in zip(got, want, ("cos", "sin_rot")):
+            _close(g, w, f"{what}, rope scaling {scaling}")
+
+    model = load_checkpoint(Path(__file__).resolve().parents[3] / "engine" / "models" / "strata-tiny",
+                            dtype="float32", device="cpu").model
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(7).expand(2, -1)
+    with torch.no_grad():
+        hidden = model(ids, positions)
+        want = model.mtp(hidden[:, :-1], ids[:, 1:], positions[:, :-1], None)
+        model.use_fused_ops(True)
+        assert model.rotary.ops is not None and model.mtp.layers[0].block.ops is not None
+        got = model.mtp(hidden[:, :-1], ids[:, 1:], positions[:, :-1], None)
+    _close(got, want, "the MTP head with FUSED_OPS", atol=1e-4)
+
+
 def skinny_check() -> None:
     """The skinny matmul against F.linear, fp32: one row to more than one row tile, K off the loop step and split
     unevenly (the last split runs short), with and without bias, through its partial sums (the last split adds
@@ -113,6 +148,10 @@ def skinny_check() -> None:
 
 def test_the_fused_kernels_in_the_triton_interpreter_match_the_reference_ops():
     run_in_interpreter("tests.engine.model.test_triton_ops", "kernels_check")
+
+
+def test_the_rotary_tables_and_the_mtp_head_in_the_triton_interpreter_match_the_reference():
+    run_in_interpreter("tests.engine.model.test_triton_ops", "rope_and_mtp_check")
 
 
 def test_the_skinny_matmul_in_the_triton_interpreter_matches_f_linear():

@@ -68,6 +68,43 @@ def test_fused_kernels_round_like_the_bf16_reference_ops():
 
 
 @pytest.mark.gpu_shared
+def test_the_rotary_tables_kernel_gives_rotary_embeddings_tables_bit_for_bit():
+    """FUSED_OPS' rotary tables (one kernel, CUDA's cosf / sinf) against RotaryEmbedding's ten kernels: the same
+    bits in bf16 and fp32, plain and YaRN-scaled, for positions across a 256K context given as a strided view."""
+    from engine.model import triton_ops as ops
+    from engine.model.config import ModelConfig
+    from engine.model.rope import RotaryEmbedding
+
+    positions = torch.randint(0, 262144, (6, 7), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    positions[0] = torch.arange(7, device="cuda")
+    view = torch.cat([positions[:, :1], positions], dim=1)[:, 1:]  # packed inputs' positions: a strided view
+    for d in (64, 128):
+        for scaling in (None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}):
+            rotary = RotaryEmbedding(ModelConfig.from_hf({
+                "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_hidden_layers": 1,
+                "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": d, "intermediate_size": 3072,
+                "vocab_size": 100, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+                "rope_scaling": scaling})).cuda()
+            for dtype in (BF16, torch.float32):
+                want = rotary(view, dtype)
+                got = ops.rope_tables(view, rotary.inv_freq, rotary.attention_scaling, dtype)
+                for g, w, what in zip(got, want, ("cos", "sin_rot")):
+                    assert torch.equal(g, w), (d, scaling, dtype, what, (g.float() - w.float()).abs().max().item())
+
+
+@pytest.mark.gpu_shared
+def test_the_acceptance_kernel_gives_the_references_outputs_on_the_gpu():
+    from engine.exec.mtp_accept import greedy_acceptance, greedy_acceptance_kernel
+    from tests.engine.exec.test_mtp_accept import _batch
+
+    for k in (1, 2, 3):
+        for seed in range(4):
+            batch = _batch(k, seed, "cuda")  # views of packed inputs, as on the CPU
+            for w, g in zip(greedy_acceptance(**batch), greedy_acceptance_kernel(**batch)):
+                assert torch.equal(g, w), (k, seed, g.tolist(), w.tolist())
+
+
+@pytest.mark.gpu_shared
 def test_the_skinny_matmul_rounds_like_cublas_and_a_row_does_not_depend_on_the_batch():
     """The narrow projections FUSED_OPS takes (o and down of the 0.6B shape) at decode and verify row counts, with
     and without bias: within one bf16 rounding step of the fp32 product (cuBLAS rounds the same fp32 sum once), and
