@@ -53,6 +53,29 @@ def sm_clock_mhz(device: torch.device) -> int | None:
         return None
 
 
+def host_probe_us(rounds: int = 5) -> float:
+    """The fastest of `rounds` timings of a fixed piece of pure Python, in µs: how fast the host runs this thread
+    now. A batch-1 step of a small model is bound by its host work, so a run's rate moves with it (a core shared
+    with another busy thread runs it slower), not only with the device."""
+    best_s = float("inf")
+    for _ in range(rounds):
+        start_s = time.perf_counter()
+        total = 0
+        for i in range(2000):
+            total += len(str(i))
+        best_s = min(best_s, time.perf_counter() - start_s)
+    return round(best_s * 1e6, 1)
+
+
+def current_cpu() -> int | None:
+    """The CPU this thread ran on last (Linux: /proc/thread-self/stat, field 39), or None elsewhere."""
+    try:
+        stat = Path("/proc/thread-self/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[36])
+
+
 def event_counts(events: list[Any]) -> dict[str, int]:
     """`graph capture`, `graph degrade`, `tier shrink`, ... -> how many of each."""
     counts: dict[str, int] = {}

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench.common import device_of, emit, event_counts, random_prompt, sm_clock_mhz
+from engine.bench.common import current_cpu, device_of, emit, event_counts, host_probe_us, random_prompt, sm_clock_mhz
 from engine.bench.engine_driver import BenchEngine, build_engine, generate_all
 
 TARGET_SPEEDUP_B1 = 1.5
@@ -79,22 +79,25 @@ def _warm_up(bench: BenchEngine, prompts: list[list[int]], args: argparse.Namesp
 
 def _timed_runs(bench: BenchEngine, prompts: list[list[int]], args: argparse.Namespace, count: int,
                 visit: int) -> tuple[list, dict[str, Any]]:
-    """`count` timed runs, and what the visit's record keeps of them: each run's rate and the device's SM clock
-    after it, the steps the engine launched ahead of the host (or dropped), the graph and tier events."""
+    """`count` timed runs, and what the visit's record keeps of them: each run's rate, the device's SM clock after
+    it and how fast the host ran then (`host_probe`: µs of a fixed piece of Python, and the CPU it ran on), the
+    steps the engine launched ahead of the host (or dropped), the graph and tier events."""
     engine = bench.engine
     events = bench.bus.subscribe(after_seq=None, max_queue=100_000)
     ahead = engine.ahead
     taken_before, dropped_before = ahead.taken, ahead.dropped
-    runs, clocks = [], []
+    runs, clocks, probes = [], [], []
     try:
         for _ in range(count):
             runs.append(generate_all(bench, prompts, args.new_tokens))
             clocks.append(sm_clock_mhz(engine.device))
+            probes.append({"us": host_probe_us(), "cpu": current_cpu()})
         seen = event_counts(events.drain())
     finally:
         events.close()
     record = {
         "visit": visit, "decode_tok_s": [round(r.decode_tok_s, 1) for r in runs], "sm_clock_mhz": clocks,
+        "host_probe": probes,
         "steps_taken_ahead": ahead.taken - taken_before, "steps_dropped_ahead": ahead.dropped - dropped_before,
         "events": seen,
     }

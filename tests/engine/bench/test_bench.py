@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -241,6 +242,10 @@ def test_mtp_on_and_off_with_acceptance_per_position(tmp_path: Path) -> None:
         assert statistics.median(sum((v["decode_tok_s"] for v in visits), [])) == pytest.approx(row["decode_tok_s"],
                                                                                                  rel=1e-3)
         assert all(v["warmup_runs"] >= 1 and v["sm_clock_mhz"] == [None] * len(v["decode_tok_s"]) for v in visits)
+        for v in visits:  # how fast the host ran after each run, and where
+            assert len(v["host_probe"]) == len(v["decode_tok_s"])
+            cpus = os.sched_getaffinity(0)
+            assert all(p["us"] > 0 and (p["cpu"] is None or p["cpu"] in cpus) for p in v["host_probe"])
 
 
 def test_bad_options_name_what_was_wrong(tmp_path: Path) -> None:
