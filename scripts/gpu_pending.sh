@@ -18,12 +18,14 @@
 # 0.606, 1.666x), launched MTP's fused steps ahead (depth 1 at 1.350x) and ran the suite (412.1 s). The sixteenth
 # filled the table again (every row met but MTP at depth 2: 1.6x against the steady plain rate), ran the seed
 # scenario (5/5 passed) and the suite in four processes (265.0 s, three failures of tests that run alone, the
-# server's files not collected). Next (#17): the suite in four processes whole, first on a fresh machine; MTP's
-# depth-2 step (0.45 ms for 2.77 tokens); why some engines' plain strata-tiny steps run at half the rate (`bench
-# mtp`'s `visits`); int8's short-chunk split at 264 programs, the decode kernel's 64-key block loads at batch 6:
+# server's files not collected). The seventeenth cut MTP's depth-2 step to 161 kernels (FUSED_OPS: rotary tables,
+# the head's norms, the acceptance) and filled the table in one session, depth 2 at 1.841x, and ran the suite in
+# four processes whole (367.0 s, green). Next: the seed scenario on this code; the suite in eight processes (its
+# shared phase kept the lone tests waiting); int8's short-chunk split at 264 programs, the decode kernel's 64-key
+# block loads at batch 6:
 #
-#   OUT=$OUT STEPS=gpu_suite_n4 bash scripts/gpu_pending.sh            (a fresh machine; about 300 s)
-#   OUT=$OUT STEPS=mtp_1,mtp_2,profile_tiny_mtp_0,profile_tiny_mtp_2 bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=seed bash scripts/gpu_pending.sh
+#   OUT=$OUT STEPS=gpu_suite_n8 bash scripts/gpu_pending.sh            (a fresh machine)
 #
 #   profile_ahead_off     #17: the batch-1 step with --decode-ahead off (profile_ops_1 runs the default, on)
 #   profile_pinned_off    #17: the same with STRATA_PINNED_STAGING=0 (when a call sets it on)
@@ -53,6 +55,7 @@
 #   overlap_tests         #17: prompt chunks beside the decoding slots' steps (side stream): the tokens of chunks
 #                         between the steps, every slot's token every step, FUSED_OPS' engine tokens
 #   gpu_suite_n4          the whole `-m gpu` suite in four processes (`-n 4`): shared tests side by side, the rest alone
+#   gpu_suite_n8          the same in eight processes (`-n 8`): the shared phase on seven
 #   gpu_suite             #15 item 7: the whole `-m gpu` suite (soaks out), timed (goal: under 5 minutes); it
 #                         holds #17's prompt-chunk kernel tests, #18's spilled-KV tests, #20's MoE tests and
 #                         #15's real-pressure graph-cache test (-rA prints every test's output)
@@ -170,6 +173,10 @@ step gpu_suite 400 "${GPU_TEST[@]}" --durations=60 --session-timeout=370 --junit
 # test alone, through tests/conftest.py's lock, all of them in one process in their order (xdist group gpu_alone)
 step gpu_suite_n4 400 "${GPU_TEST[@]}" -n 4 --dist loadgroup --durations=0 --session-timeout=370 \
     --junitxml="$OUT/gpu_suite_n4.xml" tests
+# in eight: the process that runs the lone tests waits out the shared phase (the shared tests spread over the other
+# processes), so more processes shorten that phase (docs/BENCHMARKS.md, the seventeenth session)
+step gpu_suite_n8 400 "${GPU_TEST[@]}" -n 8 --dist loadgroup --durations=0 --session-timeout=370 \
+    --junitxml="$OUT/gpu_suite_n8.xml" tests
 # the same suite in two halves (each call of a session short of device time): every test's time in the JUnit files
 step gpu_suite_a 400 "${GPU_TEST[@]}" --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite_a.xml" \
     tests/engine/exec tests/engine/model
