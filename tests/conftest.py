@@ -43,6 +43,15 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, work goes out in collection order (the shared GPU tests first), not largest group first, xdist's
+    default: the group of the tests that take the GPU alone, the largest, would go first to one process, which
+    would wait out the whole shared phase without running a shared test (docs/BENCHMARKS.md, the seventeenth
+    session). In collection order every process takes shared tests until they run out."""
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -71,6 +71,7 @@ pytest_runtest_protocol = strata.pytest_runtest_protocol
 
 
 def pytest_configure(config):
+    strata.pytest_configure(config)
     config.addinivalue_line("markers", "gpu: a GPU test")
     config.addinivalue_line("markers", "gpu_shared: may share the GPU")
 """
@@ -109,6 +110,9 @@ def test_under_xdist_the_tests_that_take_the_gpu_alone_run_alone_in_one_process_
     assert sorted(runs) == sorted(f"{kind}_{i}" for i, kind in enumerate(kinds))
     alone = [f"alone_{i}" for i, kind in enumerate(kinds) if kind == "alone"]
     assert len({runs[name][0] for name in alone}) == 1, "the tests that take the GPU alone ran in several processes"
+    # that process took shared tests too, before the lone ones: it did not sit out the shared phase on the lock
+    assert any(runs[name][0] == runs[alone[0]][0] for name in runs if name.startswith("shared")), \
+        "the process of the lone tests ran no shared test"
     assert [runs[name][1] for name in alone] == sorted(runs[name][1] for name in alone), "out of their order"
     for name in alone:
         _, start, end = runs[name]
