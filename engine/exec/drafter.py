@@ -25,7 +25,7 @@ import torch
 from engine.exec.executor import EagerExecutor
 from engine.exec.graph_key import GraphKey
 from engine.exec.graphs import GraphSpec
-from engine.exec.mtp_accept import greedy_acceptance, greedy_acceptance_kernel
+from engine.exec.mtp_accept import chain_positions, greedy_acceptance, greedy_acceptance_kernel
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket, split_switches
 from engine.exec.sampler import sample_on_device, sampling_inputs
 
@@ -110,8 +110,8 @@ class MtpDrafter:
         return FusedStep(out["accepted"], out["tokens"], out["emitted"], out.get("next_inputs"), span)
 
     def _fused_build(self, bb: int, span: int, mode: str = "greedy"):
-        r, k, context = self.runner, self.depth, self.runner.context_tokens
-        verify_build = r.verify_build(bb, span)
+        k, context = self.depth, self.runner.context_tokens
+        verify_build = self.runner.verify_build(bb, span)
         # FUSED_OPS: the acceptance in one Triton kernel (the switch's start-up probe found Triton working here)
         acceptance = greedy_acceptance_kernel if self.model.ops is not None else greedy_acceptance
 
@@ -133,7 +133,7 @@ class MtpDrafter:
                                                         x["uniforms"], use_top_p=mode == "top_p")
                     # accepted and tokens side by side as well: the host reads both with one copy, no cat after
                     emitted = torch.cat([accepted.view(bb, 1), tokens], dim=1)
-                    chain = x["positions"][:, :1] + accepted.view(bb, 1) + torch.arange(1, k + 1, device=r.device)
+                    chain = chain_positions(x["positions"], accepted, k)
                 # The round over the verified positions n..n+K with the emitted tokens as next ids; past the
                 # accepted ones they are junk that the next round overwrites before anything reads it.
                 d = round_fn({"slots": x["slots"], "hidden": out["hidden"], "next_ids": tokens,

@@ -40,8 +40,12 @@ def greedy_acceptance(tokens: torch.Tensor, drafts: torch.Tensor, slots: torch.T
     pending_next = torch.where(real, tokens.gather(1, picked), pending)
     positions_next = positions + torch.where(real, picked + 1, 0)
     next_inputs = torch.cat([slots.view(bb, 1), draft_rows.view(bb, 1), pending_next, positions_next], dim=1)
-    chain = positions[:, :1] + picked + torch.arange(1, k + 1, device=positions.device)
-    return GreedyAcceptance(accepted, emitted, next_inputs, chain)
+    return GreedyAcceptance(accepted, emitted, next_inputs, chain_positions(positions, accepted, k))
+
+
+def chain_positions(positions: torch.Tensor, accepted: torch.Tensor, k: int) -> torch.Tensor:
+    """[Bb, K]: n + accepted + j at column j - 1, n a row's first position (any step, greedy or sampled)."""
+    return positions[:, :1] + accepted.view(-1, 1) + torch.arange(1, k + 1, device=positions.device)
 
 
 def greedy_acceptance_kernel(tokens: torch.Tensor, drafts: torch.Tensor, slots: torch.Tensor,

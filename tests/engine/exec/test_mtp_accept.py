@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.exec.mtp_accept import greedy_acceptance
-from tests.engine.exec.triton_interpreter import run_in_interpreter
+from tests.engine.exec.triton_interpreter import run_in_interpreter, run_kernels_on_cpu
 
 CONTEXT = 64
 
@@ -64,16 +64,9 @@ def test_the_acceptance_kernel_in_the_triton_interpreter_matches_the_reference()
 def fused_engine_check(model: str) -> None:
     """Fused MTP steps (forced on, as on CUDA with graphs) with FUSED_OPS in the interpreter against the separate
     path without it: the same greedy tokens and the same accepted drafts, the acceptance through the kernel."""
-    import engine.exec.kv_cache as kv_cache
     import engine.exec.triton_accept as triton_accept
-    import engine.model.attention.backends as backends
     from engine.api import SamplingParams
-    from engine.model.attention.backends import TritonPagedAttention
     from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
-
-    class InterpretedKernels(TritonPagedAttention):
-        def runs_on(self, q):
-            return True
 
     prompts = random_prompts(3, seed=97, lengths=(20, 60))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -88,8 +81,7 @@ def fused_engine_check(model: str) -> None:
         return tokens_of(outputs), accepted, engine
 
     want, want_accepted, _ = run(False)
-    kv_cache.kernel_backend = lambda device: InterpretedKernels()
-    backends.triton_runs = lambda device: True
+    run_kernels_on_cpu()
     calls = []
     real = triton_accept.greedy_accept
     triton_accept.greedy_accept = lambda *a: calls.append(1) or real(*a)

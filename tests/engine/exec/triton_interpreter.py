@@ -21,3 +21,18 @@ def run_in_interpreter(module: str, check: str, *args: object) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def run_kernels_on_cpu() -> None:
+    """Inside an interpreter-mode process: let engines built from now on run the Triton kernels on CPU tensors,
+    the paged attention (kv_cache.kernel_backend) and FUSED_OPS (backends.triton_runs). Their device checks are
+    the only things bypassed."""
+    import engine.exec.kv_cache as kv_cache
+    import engine.model.attention.backends as backends
+
+    class InterpretedKernels(backends.TritonPagedAttention):
+        def runs_on(self, q):
+            return True
+
+    kv_cache.kernel_backend = lambda device: InterpretedKernels()
+    backends.triton_runs = lambda device: True

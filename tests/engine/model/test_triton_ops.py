@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine.api import SamplingParams
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
-from tests.engine.exec.triton_interpreter import run_in_interpreter
+from tests.engine.exec.triton_interpreter import run_in_interpreter, run_kernels_on_cpu
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 2e-6) -> None:
@@ -162,21 +162,12 @@ def engine_check(model: str, kv: str) -> None:
     """A CPU engine whose paged kernels and FUSED_OPS kernels run (in the interpreter: the device checks of
     kernel_backend and triton_runs are the only things bypassed) gives the reference engine's greedy tokens, with
     and without FUSED_OPS; with it, every layer and the KV cache run the kernels."""
-    import engine.exec.kv_cache as kv_cache
-    import engine.model.attention.backends as backends
-    from engine.model.attention.backends import TritonPagedAttention
-
-    class InterpretedKernels(TritonPagedAttention):
-        def runs_on(self, q):
-            return True
-
     prompts = random_prompts(2, seed=96, lengths=(70, 140))
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reference = make_engine(Path(model), batch=2, kv=kv)
     assert reference.runner.model.ops is None and reference.runner.board.states["FUSED_OPS"].unavailable
     want = tokens_of(run_all(reference, prompts, params))
-    kv_cache.kernel_backend = lambda device: InterpretedKernels()
-    backends.triton_runs = lambda device: True
+    run_kernels_on_cpu()
     for fused in (False, True):
         engine = make_engine(Path(model), batch=2, kv=kv, switches={"FUSED_OPS": fused})
         assert (engine.runner.model.ops is not None) is fused and (engine.runner.kv.write_kernel is not None) is fused
