@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--run-timeout-s", type=float, default=3600.0)
     p.add_argument("--in-process", action="store_true",
-                   help="drive engine.engine.Engine in this process instead of `serve` (while serve is not ready)")
+                   help="drive engine.orchestration.engine.Engine in this process instead of `serve` (while serve is not ready)")
     p.add_argument("--cpu-graphs", action="store_true",
                    help="in-process on CPU: route steps through GraphCache's CPU backend (exercises --fault-inject)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
@@ -177,13 +177,13 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
 
 
 def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
-    """The same scenario against engine.engine.Engine stepped in a thread of this process."""
+    """The same scenario against engine.orchestration.engine.Engine stepped in a thread of this process."""
     import random
 
     from engine.api import SamplingParams
-    from engine.cli.options import config_from_args
+    from engine.config import config_from_args
     from engine.cli.serve import add_arguments
-    from engine.engine import Engine
+    from engine.orchestration.engine import Engine
     from engine.telemetry import EventBus
 
     cmd, env = serve_command(args)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from engine.bench.common import device_of, prepare_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.orchestration.engine import Engine  # noqa: E402
 from engine.telemetry import EventBus  # noqa: E402
 
 

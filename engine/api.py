@@ -128,7 +128,7 @@ class Health:
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """What the server needs from an engine. Implemented by `engine.async_engine.AsyncEngine`."""
+    """What the server needs from an engine. Implemented by `engine.orchestration.async_engine.AsyncEngine`."""
 
     model_name: str
     context_tokens: int

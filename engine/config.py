@@ -7,11 +7,14 @@ profile that the TUI accepts is one the engine accepts.
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from engine.errors import ConfigError
+from engine.switches import switches_from_env
 
 BUILTIN_MODEL = "builtin:strata-tiny"
 KV_DTYPES = ("bf16", "int8")
@@ -276,3 +279,38 @@ def check_vram_reserve_mib(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= VRAM_RESERVE_MAX_MIB:
         raise ConfigError("vram_reserve_mib", value, f"expected a whole number of MiB, 0..{VRAM_RESERVE_MAX_MIB}")
     return value
+
+
+_ARG_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
+              "int | str | None": str}  # a number or a word (expert_cache_mib: N or auto): EngineConfig decides
+
+
+def add_engine_options(parser: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The options of serve, generate and bench, generated from EngineConfig's fields (their metadata is each
+    option's one description; strata-tui's profile editor reads the same). `serving` adds the server group."""
+    defaults = EngineConfig()
+    groups = {"engine": parser.add_argument_group("model and engine")}
+    if serving:
+        groups["server"] = parser.add_argument_group("server")
+    for f in EngineConfig.options():
+        meta = f.metadata
+        group = groups.get(meta["group"])
+        if group is None:
+            continue
+        default = getattr(defaults, f.name)
+        if f.name == "api_key":
+            default = os.environ.get(API_KEY_ENV)  # a key on argv would show in every process list
+        shown = "" if default in (None, False) or meta["flag"] else f" (default {default})"
+        opt = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            action = argparse.BooleanOptionalAction if meta["flag"] == "both" else "store_true"
+            group.add_argument(opt, action=action, default=default, help=meta["help"] + shown)
+        else:
+            group.add_argument(opt, type=_ARG_TYPES[f.type], default=default, choices=meta["choices"],
+                               metavar=meta["metavar"], help=meta["help"] + shown)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed options (the inverse of `to_argv`) plus `STRATA_*` switches from the environment."""
+    values = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__}
+    return EngineConfig(**values, switches=switches_from_env(os.environ))

@@ -18,8 +18,7 @@ TORCH_FREE_ENGINE = CONTRACT + LOADGEN + tuple(
 LAYERS = {
     "engine.cli": 6, "engine.bench": 6, "engine.train": 6,
     "engine.server": 5,
-    "engine.engine": 4, "engine.engine_setup": 4, "engine.async_engine": 4, "engine.state": 4, "engine.generate": 4,
-    "engine.reporting": 4,
+    "engine.orchestration": 4,
     "engine.exec": 3, "engine.core": 3, "engine.loadgen": 3,
     "engine.model": 2,
     **{m: 1 for m in CONTRACT},
@@ -149,3 +148,48 @@ def test_the_core_and_exec_layers_do_not_import_each_other_upwards() -> None:
     for module, deps in graph.items():
         if module.startswith("engine.core"):
             assert not any(d.startswith(("engine.exec", "engine.model")) for d in deps), f"{module} imports torch layers"
+
+
+def _folder(module: str) -> str:
+    """The folder a module lives in: `engine.exec.kv.cache` -> `engine.exec`; a root module is `engine`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if (ROOT / Path(*parts[:2])).is_dir() else parts[0]
+
+
+def test_the_engine_root_is_the_contract() -> None:
+    """The root holds the contract only; the orchestration (engine, setup, async engine, state) has its folder."""
+    root = {f"engine.{p.stem}" for p in (ROOT / "engine").glob("*.py") if p.stem != "__init__"}
+    assert root == set(CONTRACT), f"not contract at the engine root: {sorted(root - set(CONTRACT))}"
+
+
+# Folders that never import each other, whatever their layers say: the benchmarks are a front end beside the
+# CLI, not under it; the pure core and the torch executor are siblings that the orchestration joins.
+NEVERS = (("engine.bench", "engine.cli"), ("engine.exec", "engine.core"), ("engine.core", "engine.exec"),
+          ("engine.core", "engine.model"), ("engine.exec", "engine.orchestration"),
+          ("engine.model", "engine.exec"))
+
+
+@pytest.mark.parametrize("importer, imported", NEVERS)
+def test_the_nevers(importer: str, imported: str) -> None:
+    for module, deps in sorted(_engine_graph().items()):
+        if module == importer or module.startswith(importer + "."):
+            bad = sorted(d for d in deps if d == imported or d.startswith(imported + "."))
+            assert not bad, f"{module} imports {bad}: {importer} never imports {imported}"
+
+
+def test_the_folders_have_no_loops() -> None:
+    folders: dict[str, set[str]] = {}
+    for module, deps in _engine_graph().items():
+        folders.setdefault(_folder(module), set()).update(_folder(d) for d in deps if _folder(d) != _folder(module))
+    done: set[str] = set()
+
+    def visit(folder: str, path: list[str]) -> None:
+        if folder in path:
+            raise AssertionError("folder loop: " + " -> ".join(path[path.index(folder):] + [folder]))
+        if folder not in done:
+            for dep in sorted(folders.get(folder, ())):
+                visit(dep, path + [folder])
+            done.add(folder)
+
+    for folder in sorted(folders):
+        visit(folder, [])

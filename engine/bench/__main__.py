@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli import bench as cli_bench
+from engine.bench import command as cli_bench
 from engine.errors import StrataError
 
 

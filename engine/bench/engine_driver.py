@@ -18,8 +18,7 @@ from typing import Any
 
 from engine.api import SamplingParams
 from engine.bench.common import device_of, prepare_model
-from engine.cli.options import config_from_args
-from engine.config import EngineConfig
+from engine.config import EngineConfig, config_from_args
 from engine.errors import StrataError
 from engine.exec.executor import EagerExecutor
 from engine.core.request import Request
@@ -73,7 +72,7 @@ class BenchEngine:
 
     def __init__(self, config: EngineConfig, graph_cache_on_cpu: bool = False,
                  tier_budget_mib: float | None = None) -> None:
-        from engine.engine import Engine
+        from engine.orchestration.engine import Engine
 
         self.config = config
         self.bus = EventBus(history=4096)

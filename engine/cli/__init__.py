@@ -17,7 +17,7 @@ from engine.errors import StrataError
 SUBCOMMANDS = {
     "serve": ("engine.cli.serve", "run the OpenAI-compatible server"),
     "generate": ("engine.cli.generate", "generate text for one prompt and print it"),
-    "bench": ("engine.cli.bench", "measure decode, prefill, MTP and graph figures; print a table, write JSON"),
+    "bench": ("engine.bench.command", "measure decode, prefill, MTP and graph figures; print a table, write JSON"),
 }
 
 

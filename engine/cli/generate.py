@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli.options import add_engine_options, config_from_args
+from engine.config import add_engine_options, config_from_args
 from engine.errors import ConfigError
 
 
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from engine.api import SamplingParams
-    from engine.generate import generate_text
+    from engine.orchestration.generate import generate_text
 
     config = replace(config, batch=1)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -17,8 +17,7 @@ import sys
 from typing import Any, Callable
 
 from engine.api import EngineClient
-from engine.cli.options import add_engine_options, config_from_args
-from engine.config import EngineConfig
+from engine.config import EngineConfig, add_engine_options, config_from_args
 from engine.errors import ConfigError
 
 log = logging.getLogger("strata.serve")
@@ -75,7 +74,7 @@ def ready_url(host: str, sock: socket.socket) -> str:
 
 
 def default_client_factory(config: EngineConfig) -> EngineClient:
-    from engine.async_engine import AsyncEngine
+    from engine.orchestration.async_engine import AsyncEngine
 
     return AsyncEngine(config)
 

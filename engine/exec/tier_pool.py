@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from engine.core.prefix_index import BlockRef
+from engine.exec.block_index import BlockRef
 
 MIB = float(1 << 20)
 _MOVE_BLOCKS = 256  # blocks one compaction copy moves (its scratch: that many blocks of one pool tensor)

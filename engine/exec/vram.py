@@ -25,7 +25,7 @@ import torch
 
 from engine.exec.kv_cache import SlotKVCache
 from engine.exec.tier_pool import SharedTierBlocks
-from engine.core.prefix_index import BlockRef, PrefixIndex
+from engine.exec.block_index import BlockIndex, BlockRef
 from engine.exec.vram_budget import MIB, VramBudget, check_kv_fits, device_memory_mib
 from engine.telemetry import EventBus, TierEvent
 
@@ -57,7 +57,7 @@ class AdaptiveTier:
     the pool as it is filled.
     """
 
-    def __init__(self, index: PrefixIndex, kv: SlotKVCache, bus: EventBus, device: torch.device,
+    def __init__(self, index: BlockIndex, kv: SlotKVCache, bus: EventBus, device: torch.device,
                  budget_mib: float, preallocate: bool, room_mib: Callable[[], float] | None = None,
                  room_check_mib: float = _ROOM_CHECK_MIB, shared: SharedTierBlocks | None = None,
                  pooled_mib: float | None = None) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from engine.api import RequestOutput, SamplingParams
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.orchestration.engine import Engine
 from engine.telemetry import EventBus
 
 WEIGHT_SCALE = 4.0

@@ -49,7 +49,7 @@ def test_from_mapping_coerces_and_rejects_unknown_keys() -> None:
 def test_argv_round_trips_through_the_cli_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from engine.cli.options import add_engine_options, config_from_args
+    from engine.config import add_engine_options, config_from_args
 
     cfg = EngineConfig(batch=6, batch_mtp=True, mtp_depth=2, kv="int8", context=16384, vram_reserve_mib=1280,
                        graphs=False, port=8080, host="0.0.0.0", api_key="k", max_body_mib=3)

@@ -8,8 +8,8 @@ import contextlib
 import pytest
 
 from engine.api import EngineClient, GenerationRequest, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.engine import Engine
+from engine.orchestration.async_engine import AsyncEngine
+from engine.orchestration.engine import Engine
 from engine.errors import EngineDead, PromptTooLong, QueueFull
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import random_prompts, small_config

@@ -144,7 +144,7 @@ def test_a_kv_cache_that_cannot_fit_is_a_config_error_naming_mib(ckpt):
 
 
 def test_generate_text_returns_text_and_stats(ckpt):
-    from engine.generate import generate_text
+    from engine.orchestration.generate import generate_text
 
     text, stats = generate_text(small_config_for(ckpt), "hello world", SamplingParams(max_tokens=6, temperature=0.0,
                                                                                      ignore_eos=True))

@@ -12,7 +12,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.orchestration.engine import Engine
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import random_prompts, run_all, shared_lively_checkpoint, tokens_of
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.core.prefill_pacer import PrefillPacer
-from engine.engine import Engine
+from engine.orchestration.engine import Engine
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, small_config
 

@@ -196,7 +196,7 @@ def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, pro
 def test_auto_budget_takes_what_the_books_leave_and_the_cli_accepts_it(moe_ckpt):
     import argparse
 
-    from engine.cli.options import add_engine_options, config_from_args
+    from engine.config import add_engine_options, config_from_args
     from engine.telemetry import EventBus
 
     parser = argparse.ArgumentParser()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine_setup import StartupError
+from engine.orchestration.engine_setup import StartupError
 from engine.errors import ConfigError
 from engine.core.scheduler import Scheduler
 from tests.engine.engine_helpers import make_engine
@@ -24,7 +24,7 @@ def test_a_failure_while_building_names_the_stage_the_real_error_and_the_engine_
     text = str(info.value)
     assert text.startswith("while building the scheduler, runner and drafter: RuntimeError: CUDA error: out of memory")
     assert "asynchronously" not in text  # PyTorch's boilerplate is not the news
-    assert info.value.where is not None and info.value.where.startswith("engine/engine_setup.py:")
+    assert info.value.where is not None and info.value.where.startswith("engine/orchestration/engine_setup.py:")
     assert info.value.where.endswith("in build") and f"at {info.value.where}" in text
     assert isinstance(info.value.__cause__, RuntimeError)
     # What /health and the serve's one-line error show: the cause once, not repeated after the wrapper.

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine.api import SamplingParams
-from engine.reporting import SLOT_EVENT_INTERVAL_S
+from engine.orchestration.reporting import SLOT_EVENT_INTERVAL_S
 from engine.telemetry import EventBus, event_from_json
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 

@@ -68,7 +68,7 @@ def text_prompts():
 def test_mtp_is_lossless_on_the_trained_strata_tiny(text_prompts, batch):
     """The embedded model's trained MTP head: most drafts are accepted, output unchanged."""
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.orchestration.engine import Engine
 
     def run(mtp: bool):
         cfg = EngineConfig(model="builtin:strata-tiny", device="cpu", dtype="float32", batch=batch, context=512,

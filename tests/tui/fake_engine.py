@@ -113,7 +113,7 @@ class Handler(BaseHTTPRequestHandler):
             except UnknownSwitch as exc:
                 self._json(404, {"error": {"message": str(exc)}})
                 return
-            # as engine/async_engine.py publishes it and engine/server/app.py answers
+            # as engine/orchestration/async_engine.py publishes it and engine/server/app.py answers
             BUS.publish(SwitchEvent(name=state.name, state="unavailable" if state.unavailable else
                                     "on" if state.enabled else "off", reason=state.reason))
             self._json(200, {"switch": state.to_json()})

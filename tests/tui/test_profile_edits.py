@@ -181,7 +181,7 @@ def test_the_api_key_goes_in_the_environment_never_on_argv() -> None:
 def test_the_engine_reads_its_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from engine.cli.options import add_engine_options, config_from_args
+    from engine.config import add_engine_options, config_from_args
 
     monkeypatch.setenv("STRATA_API_KEY", "from-env")
     parser = argparse.ArgumentParser()

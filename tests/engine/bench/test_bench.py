@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from engine.cli import bench as cli_bench
+from engine.bench import command as cli_bench
 from engine.errors import ConfigError, UnknownSwitch
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import bench as cli_bench
+from engine.bench import command as cli_bench
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPTS = ["scripts/gpu_pending.sh", "scripts/gpu_attention.sh", "scripts/gpu_two.sh"]

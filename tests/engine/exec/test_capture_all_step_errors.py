@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import SamplingParams
-from engine.engine import MAX_FAILED_STEPS
+from engine.orchestration.engine import MAX_FAILED_STEPS
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 from tests.engine.test_engine_faults import FailingExecutor

@@ -104,7 +104,7 @@ def test_the_tier_gives_memory_back_before_anything_spills(ckpt):
 
 
 def test_resident_kv_that_cannot_fit_is_one_config_error_with_the_numbers(ckpt, monkeypatch):
-    import engine.engine_setup as setup
+    import engine.orchestration.engine_setup as setup
 
     monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 3.0))  # 3 MiB past the reserve
     with pytest.raises(ConfigError) as info:
@@ -115,7 +115,7 @@ def test_resident_kv_that_cannot_fit_is_one_config_error_with_the_numbers(ckpt, 
 
 
 def test_a_context_too_large_for_the_device_starts_with_a_small_resident_window(ckpt, monkeypatch):
-    import engine.engine_setup as setup
+    import engine.orchestration.engine_setup as setup
 
     # 8 MiB past the reserve: 4 slots x 8192 tokens need ~16 MiB; 4 x 256 resident + one slot's window ~4.4 MiB
     monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 8.0))
@@ -160,7 +160,7 @@ def test_captured_steps_replay_correctly_while_their_blocks_move(ckpt):
 def test_help_says_what_kv_resident_guarantees():
     import argparse
 
-    from engine.cli.options import add_engine_options
+    from engine.config import add_engine_options
 
     parser = argparse.ArgumentParser(prog="strata-engine serve")
     add_engine_options(parser)
@@ -170,7 +170,7 @@ def test_help_says_what_kv_resident_guarantees():
 
 
 def test_the_cli_says_it_in_one_line_and_exits_2(ckpt, monkeypatch, capsys):
-    import engine.engine_setup as setup
+    import engine.orchestration.engine_setup as setup
     from engine.cli import main
 
     monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 3.0))

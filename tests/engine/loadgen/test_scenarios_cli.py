@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 import uvicorn
 
-from engine.cli import bench as cli_bench
+from engine.bench import command as cli_bench
 from engine.errors import ConfigError
 from tests.engine.loadgen.test_scenarios_fakeserver import AsgiAdapter, FakeOpenAIServer
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine.api import SamplingParams
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.orchestration.engine import Engine
 from engine.exec.kv_cache import quantize_int8
 from engine.model.layers import rms_normalize
 from engine.model.rope import apply_rope

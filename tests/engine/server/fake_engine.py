@@ -1,7 +1,7 @@
 """A small scripted EngineClient for the server's unit tests (schemas, error mapping, auth, SSE plumbing).
 
 It stands in for the engine, never for the server: the real-engine tests (test_real_engine.py) drive the
-same server over `engine.async_engine.AsyncEngine`. Tokens are bytes of text; the reply to a prompt is the
+same server over `engine.orchestration.async_engine.AsyncEngine`. Tokens are bytes of text; the reply to a prompt is the
 alphabet starting after its last byte, one token per `token_delay_s`.
 """
 

@@ -31,7 +31,7 @@ def random_checkpoint(root: Path) -> Path:
 @contextlib.contextmanager
 def real_server(model: str, **overrides: Any) -> Iterator[tuple[str, Any, EngineConfig]]:
     """Yield (base URL, engine client, config) for a real AsyncEngine on CPU behind a live server."""
-    from engine.async_engine import AsyncEngine
+    from engine.orchestration.async_engine import AsyncEngine
 
     config = EngineConfig(model=model, device="cpu", **overrides)
     client = AsyncEngine(config)

@@ -275,6 +275,6 @@ class AsyncEngine:
 
 
 def _default_factory(config: EngineConfig, bus: EventBus):
-    from engine.engine import Engine
+    from engine.orchestration.engine import Engine
 
     return Engine(config, bus)

@@ -14,7 +14,7 @@ from engine.core.request import Request
 from engine.exec.executor import StepExecutor
 from engine.exec.kv_cache import SlotKVCache
 from engine.exec.vram import VramBudget
-from engine.state import slot_event
+from engine.orchestration.state import slot_event
 from engine.telemetry import EventBus
 
 SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz

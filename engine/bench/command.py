@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from engine.cli.options import add_engine_options
+from engine.config import add_engine_options
 from engine.errors import ConfigError
 
 _K = 1024

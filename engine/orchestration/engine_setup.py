@@ -60,7 +60,7 @@ def innermost_engine_frame(exc: BaseException) -> str | None:
     return found
 
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # engine/
 
 
 @dataclass

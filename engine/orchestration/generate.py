@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.api import SamplingParams
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.orchestration.engine import Engine
 from engine.errors import CheckpointError, EngineDead
 from engine.telemetry import EventBus
 

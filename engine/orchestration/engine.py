@@ -7,7 +7,7 @@ while slots decode, a prompt chunk instead runs beside the steps on a side strea
 step that plans it launches it before its decode, and a later step lands it first thing (its first token, MTP's
 drafter prefill, its cache fill) once its kernels are done.
 
-Not thread-safe: one thread steps it (engine.async_engine.AsyncEngine runs it in its engine thread).
+Not thread-safe: one thread steps it (engine.orchestration.async_engine.AsyncEngine runs it in its engine thread).
 Failures, from mild to fatal: a graph that cannot be captured degrades its switch or turns MTP off (runner);
 an eager out-of-memory gets room from the tier and is retried once (runner); anything else inside a step is
 an ErrorEvent with the real message (the __cause__/__context__ chain, "no error" links skipped) that ends the
@@ -26,7 +26,7 @@ import torch
 
 from engine.api import Health, HealthStatus, RequestOutput, SamplingParams
 from engine.config import EngineConfig
-from engine.engine_setup import EngineParts, build_parts, release_device_memory
+from engine.orchestration.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, NoExpertCache, RequestRejected
 from engine.core.output import OutputProcessor, Track
 from engine.exec.expert_setup import check_min_budget
@@ -40,8 +40,8 @@ from engine.exec.sampler import (SampleResult, device_result, request_generator,
                                  sample_with_drafts)
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
 from engine.snapshot import EngineSnapshot, MtpSnapshot
-from engine.reporting import Reporter
-from engine.state import build_snapshot
+from engine.orchestration.reporting import Reporter
+from engine.orchestration.state import build_snapshot
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent, WarningEvent
 
