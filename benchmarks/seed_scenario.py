@@ -254,8 +254,8 @@ def _stop(engine: Any, done: dict[str, Any], request_ids: list[str]) -> None:
 
 def _graph_cache(args: argparse.Namespace, config: Any, bus: Any, holder: dict) -> Any:
     """--cpu-graphs: a GraphCache on the CPU backend (on CUDA the engine builds its own GraphCache)."""
-    from engine.exec.graph_backends import CpuGraphBackend
-    from engine.exec.graphs import GraphCache
+    from engine.exec.graphs.backends import CpuGraphBackend
+    from engine.exec.graphs.cache import GraphCache
     from engine.exec.runner import switch_for_key
     from engine.switches import SwitchBoard
 

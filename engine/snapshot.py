@@ -224,4 +224,4 @@ class EngineSnapshot(_Json):
     kv: KvSnapshot | None = None
     mtp: MtpSnapshot = field(default_factory=MtpSnapshot)
     steps: int = 0
-    experts: dict[str, Any] | None = None  # MoE: the expert cache (engine.exec.expert_cache.ExpertCache.snapshot)
+    experts: dict[str, Any] | None = None  # MoE: the expert cache (engine.exec.experts.cache.ExpertCache.snapshot)

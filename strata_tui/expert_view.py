@@ -1,6 +1,6 @@
 """What the monitor knows about an MoE engine's expert cache. Pure Python, no Textual.
 
-Seeded and refreshed from the `experts` section of `/strata/state` (engine.exec.expert_cache.ExpertCache
+Seeded and refreshed from the `experts` section of `/strata/state` (engine.exec.experts.cache.ExpertCache
 .snapshot: slots, target, MiB, hit counters, the oracle's hit rate, per layer), and kept current between
 snapshots by `expert` events (a shrink or grow moves the slots at once; loads are summed about once a second).
 Misses per step are the counters' difference between two snapshots, so they describe the last seconds,
@@ -22,7 +22,7 @@ def _slot_mib(snapshot: dict[str, Any]) -> float:
 
 
 def _slots_for(mib: float, slot_mib: float) -> int:
-    # engine.exec.expert_cache.ExpertCache.slots_for: each layer also holds one zero miss slot
+    # engine.exec.experts.cache.ExpertCache.slots_for: each layer also holds one zero miss slot
     return max(0, int(mib // slot_mib) - 1)
 
 

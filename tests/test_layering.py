@@ -193,3 +193,30 @@ def test_the_folders_have_no_loops() -> None:
 
     for folder in sorted(folders):
         visit(folder, [])
+
+
+# engine/exec's floors, bottom to top: the base (errors, fault plan, the executor seam, compile, sampling
+# kernels), then kv/, graphs/ and experts/ (beside each other, never importing one another), then the runner,
+# the drafter and what drives them.
+EXEC_SUBPACKAGES = ("engine.exec.kv", "engine.exec.graphs", "engine.exec.experts")
+EXEC_TOP = ("engine.exec.runner", "engine.exec.drafter", "engine.exec.decode_ahead", "engine.exec.device_switches")
+
+
+def test_exec_is_in_floors() -> None:
+    assert all((ROOT / Path(*p.split("."))).is_dir() for p in EXEC_SUBPACKAGES)
+    flat = sorted(p.stem for p in (ROOT / "engine" / "exec").glob("*.py"))
+    clustered = [s for s in flat if s.startswith(("kv_", "graph", "expert_", "vram", "tier_"))]
+    assert not clustered, f"modules of a sub-package's cluster left on exec's flat floor: {clustered}"
+    for module, deps in sorted(_engine_graph().items()):
+        if not module.startswith("engine.exec."):
+            continue
+        sub = next((p for p in EXEC_SUBPACKAGES if module == p or module.startswith(p + ".")), None)
+        for dep in deps:
+            if not dep.startswith("engine.exec."):
+                continue
+            dep_sub = next((p for p in EXEC_SUBPACKAGES if dep == p or dep.startswith(p + ".")), None)
+            if sub is not None:
+                assert dep_sub in (None, sub), f"{module} imports {dep}: exec's sub-packages never import each other"
+                assert not dep.startswith(EXEC_TOP), f"{module} imports {dep}, a floor above it"
+            elif dep_sub is not None or dep.startswith(EXEC_TOP):
+                assert module.startswith(EXEC_TOP), f"{module} (exec's base floor) imports {dep}, a floor above it"

@@ -28,7 +28,7 @@ from engine.bench.attention_common import (HEAD_DIM, HQ, HKV, filled_cache, fini
 from engine.bench.attention_prefill import prefill_case
 from engine.bench.common import device_of, emit
 from engine.errors import ConfigError
-from engine.exec.kv_cache import SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
 from engine.model.attention.triton_paged_config import KernelConfig, PrefillConfig
 
 def _flex(q: torch.Tensor, cache: SlotKVCache, positions: torch.Tensor, context: int) -> Callable[[], Any]:

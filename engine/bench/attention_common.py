@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from engine.errors import ConfigError
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
 
 HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
 

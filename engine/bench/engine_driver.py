@@ -87,7 +87,7 @@ class BenchEngine:
     def _wire_graph_cache(self) -> None:
         """Give a CPU engine the graph cache (its CPU backend) the way engine_setup wires it on CUDA, so the
         graph benchmark's code path runs in CI."""
-        from engine.exec.graphs import GraphCache
+        from engine.exec.graphs.cache import GraphCache
         from engine.exec.runner import switch_for_key
 
         eng = self.engine

@@ -1,4 +1,4 @@
-"""Synthetic routing traces (engine.exec.expert_trace's format) for replaying slot policies offline. Pure Python.
+"""Synthetic routing traces (engine.exec.experts.trace's format) for replaying slot policies offline. Pure Python.
 
 Both kinds draw from one `random.Random(seed)` in a fixed order (step, then layer, then token), so a seed
 gives the same trace on every machine. Each step is one decode step of `batch` tokens; an access is the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from engine.exec.expert_trace import Access
+from engine.exec.experts.trace import Access
 
 TRACE_KINDS = ("uniform", "skewed")
 

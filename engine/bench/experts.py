@@ -11,7 +11,7 @@ Qwen3MoeForCausalLM `generate` (eager) on the same weights and prompts.
 
 Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
 budget of p % is close to p % and says little about trained models, whose routing is skewed (much higher hit
-rates at small budgets). `--trace-out` records the smallest budget's routing trace (engine.exec.expert_trace)
+rates at small budgets). `--trace-out` records the smallest budget's routing trace (engine.exec.experts.trace)
 so a real model's trace can be replayed against the policy offline (`bench experts-replay --trace`).
 
 `--stores host,peer` (with `--peer-device cuda:N`) measures every budget below 100 % twice: the experts that do

@@ -2,7 +2,7 @@
 
 Replays a trace against LRU, LRFU (the EXPERT_LFU switch) and Belady's oracle at each budget, given as a
 percentage of a layer's experts (slots = round(E x pct / 100), at least one). The trace is a recorded file
-(`--trace`, engine.exec.expert_trace's format: `bench experts --trace-out` or `ExpertStats.write_trace` on a
+(`--trace`, engine.exec.experts.trace's format: `bench experts --trace-out` or `ExpertStats.write_trace` on a
 real model) or synthetic (`--synthetic uniform,skewed`, engine.bench.expert_traces: seeded, so the command
 gives the same figures everywhere). Pure Python: these are hit rates, not speed; the replay is exactly what
 the live cache does with the same slots (the engine's tests check that on the recorded traces).
@@ -19,7 +19,7 @@ from typing import Any
 from engine.bench.expert_traces import TRACE_KINDS, synthetic_trace
 from engine.bench.report import document, print_report, write_json
 from engine.errors import ConfigError
-from engine.exec.expert_trace import MIN_HALF_LIFE_GROUPS, POLICIES, Access, hit_rate, read_trace, replay
+from engine.exec.experts.trace import MIN_HALF_LIFE_GROUPS, POLICIES, Access, hit_rate, read_trace, replay
 
 COLUMNS = ("trace", "budget_pct", "slots", "lru", "lfu", "belady", "lfu_minus_lru", "accesses", "replay_s")
 

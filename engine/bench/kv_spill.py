@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str,
         generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=900 + i) for i in range(args.slots)],
                      args.new_tokens)  # captures the buckets the timed run needs
         paging = bench.engine.kv.paging
-        # Synchronized first: a CUDA fetch's figures are counted once its copy has completed (engine.exec.kv_paging).
+        # Synchronized first: a CUDA fetch's figures are counted once its copy has completed (engine.exec.kv.paging).
         sync(bench.engine.device)
         before = dict(paging.snapshot()) if paging is not None else None
         stats = generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=i) for i in range(args.slots)],

@@ -6,7 +6,7 @@ prefixes, not just equal blocks. blake2b, because Python's `hash()` is salted pe
 would make a collision (silently wrong KV) a matter of time.
 
 The index owns a pool of tier block ids (`capacity_blocks` of them). The tensors behind an id live in the
-adaptive tier (`engine/exec/vram.py`): the runner fills the ids that `insert` hands out and reads the ids that
+adaptive tier (`engine/exec/kv/tier.py`): the runner fills the ids that `insert` hands out and reads the ids that
 `match` returns. Eviction is LRU over unpinned blocks; a request pins the blocks it copies from.
 """
 

@@ -65,7 +65,7 @@ class CacheFill:
 
     def later_blocks(self, block_tokens: int) -> int:
         """Full prompt blocks of the request after this fill's, which later steps fill (a pool growth for this
-        fill makes room for them at once: engine.exec.vram.AdaptiveTier.fill)."""
+        fill makes room for them at once: engine.exec.kv.tier.AdaptiveTier.fill)."""
         last = max((ref.index for ref in self.blocks), default=-1)
         return max(0, self.request.num_prompt_tokens // block_tokens - 1 - last)
 

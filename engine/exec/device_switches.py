@@ -9,7 +9,7 @@ from typing import Any
 import engine.model.attention.backends as attention_backends
 from engine.config import EngineConfig
 from engine.exec.gpu_errors import real_message
-from engine.exec.kv_cache import SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
 from engine.switches import SWITCHES, SwitchBoard
 from engine.telemetry import EventBus, SwitchEvent
 

@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 from engine.exec.executor import EagerExecutor
-from engine.exec.graph_key import GraphKey
-from engine.exec.graphs import GraphSpec
+from engine.exec.graphs.key import GraphKey
+from engine.exec.graphs.cache import GraphSpec
 from engine.exec.mtp_accept import chain_positions, greedy_acceptance, greedy_acceptance_kernel
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket, split_switches
 from engine.exec.sampler import sample_on_device, sampling_inputs

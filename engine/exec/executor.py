@@ -7,7 +7,7 @@ Such a function can be replayed from a captured CUDA graph. The runner hands eve
 
     outputs = executor.run(kind="decode", key=("b8", "t2", "L4096"), fn=step_fn, inputs={...}, owner=None)
 
-`EagerExecutor` (CPU, or graphs off) just calls the function. `engine.exec.graphs.GraphCache` captures it on first
+`EagerExecutor` (CPU, or graphs off) just calls the function. `engine.exec.graphs.cache.GraphCache` captures it on first
 need, replays it afterwards, and owns the out-of-memory recovery path. Outputs from a graph replay are the
 graph's static buffers: consume (or clone) them before the next `run` of the same key.
 """
@@ -31,7 +31,7 @@ class StepExecutor(Protocol):
         """Run `fn(inputs)`, possibly from a captured graph identified by (kind, key).
 
         `owner` names who the graph belongs to (e.g. "drafter") so the out-of-memory path can free that
-        owner's *other* graphs first. Raises `engine.exec.graphs.GraphDegraded` when the step could not be captured
+        owner's *other* graphs first. Raises `engine.exec.graphs.cache.GraphDegraded` when the step could not be captured
         even after recovery: the caller turns the responsible switch or MTP off and takes its eager path.
         """
         ...

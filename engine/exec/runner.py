@@ -3,7 +3,7 @@
 Every forward is a *step function* of static-shape inputs handed to `executor.run(kind, key, fn, inputs)`:
 batches are padded to a batch bucket (1, 2, 4, 8, ...), prompt chunks to a token bucket, and the keys a
 forward reads to a length bucket (the "span"). Padded rows write only scratch columns past the context
-(see engine.exec.kv_cache), so they never disturb a real slot. Nothing inside a step function reads a tensor
+(see engine.exec.kv.cache), so they never disturb a real slot. Nothing inside a step function reads a tensor
 value on the host: the graph cache can capture any of them.
 
 When the executor raises GraphDegraded for a step that used an opt-in switch, the switch is degraded (with a
@@ -19,10 +19,10 @@ from typing import Callable, Hashable
 import torch
 
 from engine.exec.executor import EagerExecutor, GraphDegraded, StepExecutor
-from engine.exec.graph_key import GraphKey
-from engine.exec.graphs import GraphSpec
+from engine.exec.graphs.key import GraphKey
+from engine.exec.graphs.cache import GraphSpec
 from engine.exec.gpu_errors import is_oom, is_sticky, real_message
-from engine.exec.kv_cache import SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, WarningEvent
 
@@ -45,7 +45,7 @@ _DRAFTING_KINDS = ("verify", "draft_prefill", "draft_round", "draft_step", "veri
 
 
 def switch_for_key(kind: str, key: Hashable) -> str | None:
-    """The opt-in switch to blame when a step's graph cannot be captured (engine.exec.graphs.GraphCache's degrade
+    """The opt-in switch to blame when a step's graph cannot be captured (engine.exec.graphs.cache.GraphCache's degrade
     path): one the key depends on, never one of NEVER_BLAMED."""
     return key.responsible_switch(never=NEVER_BLAMED) if isinstance(key, GraphKey) else None
 

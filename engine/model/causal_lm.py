@@ -24,7 +24,7 @@ from engine.model.rope import RotaryEmbedding
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm, LM head (tied or not), and the optional MTP head."""
 
-    # An MoE model's expert cache (engine.exec.expert_cache) sets itself here; a dense model has none.
+    # An MoE model's expert cache (engine.exec.experts.cache) sets itself here; a dense model has none.
     expert_provider: Any = None
 
     def __init__(self, config: ModelConfig) -> None:

@@ -5,7 +5,7 @@
 
 The parameters keep the checkpoint's names (`gate.weight`, `experts.E.{gate,up,down}_proj.weight`), so loading,
 saving and parity need no renaming. Where the expert weights live at serve time is not this module's business:
-an *expert provider* (engine.exec.expert_cache.ExpertCache, attached with `attach_provider`) receives the routed
+an *expert provider* (engine.exec.experts.cache.ExpertCache, attached with `attach_provider`) receives the routed
 ids and computes the experts from its own per-layer pool of device slots; without one the block computes from
 its own parameters, one expert at a time, in ascending expert order (the reference path).
 """

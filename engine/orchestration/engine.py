@@ -29,9 +29,9 @@ from engine.config import EngineConfig
 from engine.orchestration.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.errors import EngineDead, NoExpertCache, RequestRejected
 from engine.core.output import OutputProcessor, Track
-from engine.exec.expert_setup import check_min_budget
-from engine.exec.expert_stats import ORACLE_REFRESH_S
-from engine.exec.expert_steps import follow_policy_switch
+from engine.exec.experts.setup import check_min_budget
+from engine.exec.experts.stats import ORACLE_REFRESH_S
+from engine.exec.experts.steps import follow_policy_switch
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
@@ -165,7 +165,7 @@ class Engine:
         return int(self.budget.reserve_mib)
 
     def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
-        """Retune the MoE expert cache's budget live (engine.exec.vram.VramBudget.set_expert_budget); returns the
+        """Retune the MoE expert cache's budget live (engine.exec.kv.tier.VramBudget.set_expert_budget); returns the
         cache's snapshot afterwards. NoExpertCache for a dense model, ConfigError (mib) below one slot a layer."""
         cache = self.lm.model.expert_provider
         if cache is None:

@@ -22,14 +22,14 @@ from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_en
 from engine.exec.decode_ahead import DecodeAhead, ahead_wanted
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
-from engine.exec.tier_pool import SharedTierBlocks
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.tier_pool import SharedTierBlocks
 from engine.core.prefix_index import PrefixIndex
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.switches import SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, WarningEvent
-from engine.exec.vram import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_FACTOR, AdaptiveTier, VramBudget,
+from engine.exec.kv.tier import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_FACTOR, AdaptiveTier, VramBudget,
                               check_kv_fits, device_memory_mib)
 
 
@@ -108,7 +108,7 @@ class _PartsBuilder:
         self.bus = bus
         self.stage = "starting"
         self.budgets: list[VramBudget] | None = None
-        self.experts: Any = None  # an MoE model's expert cache (engine.exec.expert_cache), built after the load
+        self.experts: Any = None  # an MoE model's expert cache (engine.exec.experts.cache), built after the load
         self.device: torch.device | None = None
         self.tier_device: torch.device | None = None
 
@@ -153,7 +153,7 @@ class _PartsBuilder:
         if executor is None:
             executor = _default_executor(config, bus, board, self.make_room, device)
         if experts is not None:
-            from engine.exec.expert_steps import ExpertStepExecutor, follow_policy_switch
+            from engine.exec.experts.steps import ExpertStepExecutor, follow_policy_switch
 
             inner = executor
             experts.on_resize = lambda: inner.invalidate(lambda kind, key: True)  # graphs read the old pools
@@ -179,7 +179,7 @@ class _PartsBuilder:
 
             drafter = MtpDrafter(runner, depth)
         if experts is not None:
-            from engine.exec.expert_setup import grow_auto
+            from engine.exec.experts.setup import grow_auto
 
             grow_auto(experts, config.expert_cache_mib, device_memory_mib(device)[1], config.vram_reserve_mib)
         if board.enabled("CAPTURE_ALL"):
@@ -246,10 +246,10 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     except Exception as exc:  # noqa: BLE001 - a failed warm-up costs the switch, not the engine
         if is_sticky(exc):
             raise
-        board.degrade("CAPTURE_ALL", f"precapture: {real_message(exc)}", bus, where="engine.exec.graphs")
+        board.degrade("CAPTURE_ALL", f"precapture: {real_message(exc)}", bus, where="engine.exec.graphs.cache")
         return
     if summary is None:
-        bus.publish(WarningEvent(where="engine.exec.graphs", message=(
+        bus.publish(WarningEvent(where="engine.exec.graphs.cache", message=(
             f"CAPTURE_ALL is on but {type(executor).__name__} captures no graphs (CPU or --no-graphs): "
             "every step runs eagerly")))
         return
@@ -263,14 +263,14 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
 
 
 def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device) -> Any:
-    """An MoE model's expert cache at its start-up size (engine.exec.expert_setup), its store on the
+    """An MoE model's expert cache at its start-up size (engine.exec.experts.setup), its store on the
     --peer-device card when one is given (`peer` is the compute device otherwise); None for a dense model."""
     if lm.config.moe is None:
         if config.expert_cache_mib is not None:
             raise ConfigError("expert_cache_mib", config.expert_cache_mib,
                               f"the checkpoint {config.model} has no MoE layers: there are no experts to cache")
         return None
-    from engine.exec.expert_setup import start_expert_cache
+    from engine.exec.experts.setup import start_expert_cache
 
     _, free_mib = device_memory_mib(lm.device)
     store = peer if peer != lm.device else None
@@ -340,7 +340,7 @@ def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, inde
         reason = f"{why}: reused prefixes are copied"
         board.mark_unavailable(SHARED_SWITCH, reason)
         if asked:
-            bus.publish(WarningEvent(where="engine.exec.tier_pool", message=f"SHARED_PREFIX is off: {reason}"))
+            bus.publish(WarningEvent(where="engine.exec.kv.tier_pool", message=f"SHARED_PREFIX is off: {reason}"))
         return None
     shared = SharedTierBlocks(kv, index.block_tokens)
 
@@ -395,7 +395,7 @@ def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, r
     VramBudget.make_room: what it frees stays free as headroom); else eager."""
     if device.type != "cuda" or not config.graphs:
         return EagerExecutor()
-    from engine.exec.graphs import GraphCache
+    from engine.exec.graphs.cache import GraphCache
 
     return GraphCache(device, bus, board, release_tier=release, wait_polls=config.tier_wait_polls,
                       wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key)

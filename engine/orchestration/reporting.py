@@ -12,8 +12,8 @@ import time
 from engine.core.output import OutputProcessor
 from engine.core.request import Request
 from engine.exec.executor import StepExecutor
-from engine.exec.kv_cache import SlotKVCache
-from engine.exec.vram import VramBudget
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.tier import VramBudget
 from engine.orchestration.state import slot_event
 from engine.telemetry import EventBus
 

@@ -14,8 +14,8 @@ from engine.config import EngineConfig
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
 from engine.exec.executor import StepExecutor
-from engine.exec.kv_cache import SlotKVCache
-from engine.exec.vram import AdaptiveTier, VramBudget
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.tier import AdaptiveTier, VramBudget
 from engine.snapshot import (EngineSnapshot, GraphsSnapshot, HealthSnapshot, KvPagingSnapshot, KvSnapshot, MtpSnapshot,
                              QueueSnapshot, SwitchSnapshot, TierSnapshot)
 from engine.switches import SwitchBoard

@@ -124,7 +124,7 @@ def tier_starving_reserve_mib(build: Callable[[], Engine], slack_mib: float = 64
     every free MiB past the reserve at start and regrows into it at each rebalance (so `tier_budget_mib=0` does
     not keep it empty there): for GPU tests whose other claimant must be the one that answers. `build` makes the
     engine once, to read its books (weights + KV); it is closed and collected before free VRAM is measured."""
-    from engine.exec.vram_budget import device_memory_mib
+    from engine.exec.kv.vram_budget import device_memory_mib
 
     engine = build()
     weights_mib, kv_mib, device = engine.budget.weights_mib, engine.budget.kv_mib, engine.budget.device

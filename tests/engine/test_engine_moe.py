@@ -129,7 +129,7 @@ def test_expert_cache_option_errors_name_the_option(moe_ckpt, make_checkpoint):
 
 def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
     from engine.api import Health, HealthStatus
-    from engine.exec.expert_trace import read_trace, replay
+    from engine.exec.experts.trace import read_trace, replay
     from engine.server.expert_metrics import expert_metric_families
     from engine.server.metrics import ServerMetrics
 
@@ -170,8 +170,8 @@ def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, pro
     # The graph cache's CPU backend with an injected capture OOM: recovery asks the VRAM books for room; the
     # tier (empty) has none, so the expert cache shrinks, the capture is retried, and the tokens do not change.
     from engine.exec.fault_injection import FaultPlan
-    from engine.exec.graph_backends import CpuGraphBackend
-    from engine.exec.graphs import GraphCache
+    from engine.exec.graphs.backends import CpuGraphBackend
+    from engine.exec.graphs.cache import GraphCache
     from engine.switches import SwitchBoard
     from engine.telemetry import EventBus
 
@@ -256,7 +256,7 @@ def test_expert_lfu_switch_toggles_live_without_moving_an_expert(moe_ckpt, promp
 
 
 def _residents_after(trace, layer, slots, policy):
-    from engine.exec.expert_trace import groups_of, make_policy
+    from engine.exec.experts.trace import groups_of, make_policy
 
     pol = make_policy(policy, slots)
     for access in trace:
@@ -271,7 +271,7 @@ def test_expert_store_on_a_peer_device_gives_the_all_resident_tokens(moe_ckpt, p
     # itself: the store is built on it as on a card (not pinned, counted as peer memory) and misses copy from it
     import torch
 
-    import engine.exec.expert_setup as setup
+    import engine.exec.experts.setup as setup
 
     real = setup.start_expert_cache
     monkeypatch.setattr(setup, "start_expert_cache",
@@ -286,7 +286,7 @@ def test_a_peer_without_room_for_the_expert_store_is_refused_before_allocating(m
     import torch
 
     from engine.errors import ConfigError
-    from engine.exec.expert_setup import start_expert_cache, store_mib
+    from engine.exec.experts.setup import start_expert_cache, store_mib
     from engine.model import load_checkpoint
     from engine.telemetry import EventBus
 
@@ -303,7 +303,7 @@ def test_torch_compile_traces_none_of_the_expert_cache(moe_ckpt):
     """Under COMPILE, Dynamo must not trace the expert cache: it would specialize on `capturing()` (False at the
     warm-up) and compile the captured branch during the CUDA graph capture itself, which CUDA refuses (every MoE
     seed run on the H200, 2026-12-01, lost COMPILE or its engine). The graphs Dynamo hands its backend hold the
-    router but no operation from engine/exec/expert_cache.py, and the compiled block still computes the same."""
+    router but no operation from engine/exec/experts/cache.py, and the compiled block still computes the same."""
     import torch
 
     with one_thread():

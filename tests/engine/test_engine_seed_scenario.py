@@ -13,7 +13,7 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.exec.fault_injection import FaultPlan
-from engine.exec.graphs import GraphCache
+from engine.exec.graphs.cache import GraphCache
 from engine.exec.runner import switch_for_key
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of

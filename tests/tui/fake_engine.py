@@ -12,7 +12,7 @@ object. It loads no model. Behaviour comes from the environment:
                       plus a VRAM event a second (the TUI benchmark's steady load)
   FAKE_ENGINE_EXPERTS a recorded /strata/state (fixtures/moe_state.json): an MoE engine whose state has that
                       `experts` section and whose POST /strata/expert-cache resizes it (whole slots per layer,
-                      as engine.exec.expert_cache does); without it, the route answers 409 like a dense model
+                      as engine.exec.experts.cache does); without it, the route answers 409 like a dense model
 """
 
 from __future__ import annotations

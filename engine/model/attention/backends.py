@@ -1,6 +1,6 @@
 """Attention backends: how the model's attention reads the serving KV cache.
 
-The cache (engine.exec.kv_cache.SlotKVCache) is storage: a block pool per layer, a block table per slot, and
+The cache (engine.exec.kv.cache.SlotKVCache) is storage: a block pool per layer, a block table per slot, and
 the binding of one forward (`slots`, `span_tokens`, `causal_keys`, `split_attn`). A backend turns the bound
 cache and the queries into the attention output:
 

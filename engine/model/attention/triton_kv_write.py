@@ -2,7 +2,7 @@
 
     write_kv(k_pool, v_pool, k_scale, v_scale, k, v, blocks, offsets)
 
-The reference (engine.exec.kv_cache.SlotKVCache._write) is two index_put kernels in bf16 and, for int8 KV, about
+The reference (engine.exec.kv.cache.SlotKVCache._write) is two index_put kernels in bf16 and, for int8 KV, about
 twenty (absolute value, maximum, clamp, division, rounding and four index_puts) per layer and step, the bulk of
 the int8 step's extra kernels (docs/BENCHMARKS.md). Here one program quantizes one (token, KV head) row of D
 values with the reference's arithmetic on CUDA (scale = max|x| times fp32 1/127, as torch divides a CUDA tensor

@@ -3,7 +3,7 @@
     out = paged_decode_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, slots, positions,
                                  span_tokens, context_tokens)
 
-Storage (engine.exec.kv_cache): per layer a pool `[Hkv, num_blocks, block_tokens, D]` (bf16, or int8 with
+Storage (engine.exec.kv.cache): per layer a pool `[Hkv, num_blocks, block_tokens, D]` (bf16, or int8 with
 float32 scales `[Hkv, num_blocks, block_tokens]`, one per token and head) and a block table
 `[num_slots, blocks_per_slot]` (int32) that maps a slot's logical block to a physical block of the pool.
 

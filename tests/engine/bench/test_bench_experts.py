@@ -41,7 +41,7 @@ def test_bench_experts_refuses_a_dense_model_and_a_peer_store_without_a_peer(tmp
 
 def test_bench_experts_replay_synthetic_and_a_recorded_trace(tmp_path, capsys):
     from engine.bench.expert_traces import synthetic_trace
-    from engine.exec.expert_trace import hit_rate, replay, write_trace
+    from engine.exec.experts.trace import hit_rate, replay, write_trace
 
     out = tmp_path / "replay.json"
     small = ["--layers", "2", "--experts", "32", "--top-k", "4", "--steps", "400", "--seed", "3"]

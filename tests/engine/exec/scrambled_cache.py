@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
 
 
 def scrambled_cache(storage: str, dtype: torch.dtype, hkv: int, context_tokens: int, num_slots: int,

@@ -11,8 +11,8 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.exec.fault_injection import FaultPlan
-from engine.exec.graph_backends import CpuGraphBackend, key_text
-from engine.exec.graphs import GraphCache
+from engine.exec.graphs.backends import CpuGraphBackend, key_text
+from engine.exec.graphs.cache import GraphCache
 from engine.exec.runner import switch_for_key
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus

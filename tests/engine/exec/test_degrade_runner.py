@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine.exec.fault_injection import FaultPlan
-from engine.exec.graph_backends import CpuGraphBackend
-from engine.exec.graphs import GraphCache
+from engine.exec.graphs.backends import CpuGraphBackend
+from engine.exec.graphs.cache import GraphCache
 from engine.model import load_checkpoint
 from engine.exec.runner import MtpUnavailable, Row, switch_for_key
 from engine.switches import SwitchBoard

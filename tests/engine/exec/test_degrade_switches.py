@@ -6,8 +6,8 @@ import torch
 
 from engine.exec.compile import StepCompiler
 from engine.exec.fault_injection import FaultPlan
-from engine.exec.graph_backends import CpuGraphBackend
-from engine.exec.graphs import GraphCache, GraphSpec
+from engine.exec.graphs.backends import CpuGraphBackend
+from engine.exec.graphs.cache import GraphCache, GraphSpec
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

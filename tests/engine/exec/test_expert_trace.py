@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.exec.expert_trace import Access, SlotPolicy, groups_of, hit_rate, main, read_trace, replay, write_trace
+from engine.exec.experts.trace import Access, SlotPolicy, groups_of, hit_rate, main, read_trace, replay, write_trace
 
 
 def _seq(*groups):
@@ -62,8 +62,8 @@ def test_trace_file_round_trip_and_replay_cli(tmp_path, capsys):
 
 def test_a_paced_snapshot_reuses_a_recent_oracle_and_a_fresh_one_replays_the_trace(monkeypatch):
     """The oracle replays the whole trace in Python: snapshots published while steps run must not redo it."""
-    import engine.exec.expert_stats as stats_mod
-    from engine.exec.expert_stats import ExpertStats
+    import engine.exec.experts.stats as stats_mod
+    from engine.exec.experts.stats import ExpertStats
     from engine.telemetry import EventBus
 
     stats = ExpertStats(num_layers=1, num_experts=8, bus=EventBus(), device="cpu")
@@ -86,7 +86,7 @@ def test_a_paced_snapshot_reuses_a_recent_oracle_and_a_fresh_one_replays_the_tra
 
 
 def test_lfu_keeps_the_often_used_expert_that_lru_evicts():
-    from engine.exec.expert_trace import FrequencyPolicy
+    from engine.exec.experts.trace import FrequencyPolicy
 
     seq = _seq([0], [0], [0], [1], [2], [0])
     assert replay(seq, 2, "lru") == {0: (2, 4)}  # 2 evicts 0 (least recent), so 0 misses again
@@ -99,7 +99,7 @@ def test_lfu_keeps_the_often_used_expert_that_lru_evicts():
 
 
 def test_lfu_counts_decay_so_a_burst_long_ago_loses_to_recent_use():
-    from engine.exec.expert_trace import FrequencyPolicy
+    from engine.exec.experts.trace import FrequencyPolicy
 
     old_burst = [[0]] * 15 + [[1], [2]] * 10  # 0 used 15 times long ago, 1 and 2 ten times each since
     for half_life, evicted in ((2.0, 0), (1e9, 1)):  # a short half-life forgets the burst; a huge one is plain LFU
@@ -110,7 +110,7 @@ def test_lfu_counts_decay_so_a_burst_long_ago_loses_to_recent_use():
 
 
 def test_lfu_ties_fall_back_to_recency_and_tiny_half_lives_do_not_overflow():
-    from engine.exec.expert_trace import FrequencyPolicy
+    from engine.exec.experts.trace import FrequencyPolicy
 
     policy = FrequencyPolicy(2)
     policy.serve([4])
@@ -129,7 +129,7 @@ def test_lfu_ties_fall_back_to_recency_and_tiny_half_lives_do_not_overflow():
 
 
 def test_lfu_resize_keeps_the_most_used_and_adopt_moves_no_expert():
-    from engine.exec.expert_trace import FrequencyPolicy, adopt
+    from engine.exec.experts.trace import FrequencyPolicy, adopt
 
     policy = FrequencyPolicy(4)
     for g in ([0], [0], [1], [2], [2], [2], [3]):

@@ -1,4 +1,4 @@
-"""A graph's packed inputs (engine.exec.graph_inputs): views of one staged tensor are refilled with one copy, and a
+"""A graph's packed inputs (engine.exec.graphs.inputs): views of one staged tensor are refilled with one copy, and a
 replay still reads exactly its own inputs whatever their layout. CPU graph backend, as the runner packs them, and
 under inference mode as the engine runs its steps (where a view keeps no `_base`)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.graph_backends import CpuGraphBackend
-from engine.exec.graph_inputs import fill_inputs, stage_inputs
-from engine.exec.graphs import GraphCache
+from engine.exec.graphs.backends import CpuGraphBackend
+from engine.exec.graphs.inputs import fill_inputs, stage_inputs
+from engine.exec.graphs.cache import GraphCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

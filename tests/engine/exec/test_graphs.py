@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.exec.fault_injection import ENV_VAR, FaultPlan
-from engine.exec.graph_backends import CpuGraphBackend, default_backend
-from engine.exec.graphs import GraphCache, GraphSpec
+from engine.exec.graphs.backends import CpuGraphBackend, default_backend
+from engine.exec.graphs.cache import GraphCache, GraphSpec
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

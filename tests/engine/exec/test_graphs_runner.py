@@ -18,9 +18,9 @@ from engine.api import SamplingParams
 from engine.exec.drafter import MtpDrafter
 from engine.exec.executor import EagerExecutor
 from engine.exec.fault_injection import FaultPlan
-from engine.exec.graph_backends import CpuGraphBackend, default_backend
-from engine.exec.graphs import GraphCache
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.graphs.backends import CpuGraphBackend, default_backend
+from engine.exec.graphs.cache import GraphCache
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
 from engine.model import load_checkpoint
 from engine.exec.runner import ModelRunner, Row, switch_for_key
 from engine.exec.sampler import make_generator

@@ -1,10 +1,10 @@
-"""The --kv-resident ledger (engine.exec.kv_blocks): who holds which block, what a forward needs, what spills."""
+"""The --kv-resident ledger (engine.exec.kv.blocks): who holds which block, what a forward needs, what spills."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.exec.kv_blocks import BlockLayout, BlockLedger, PoolTooSmall
+from engine.exec.kv.blocks import BlockLayout, BlockLedger, PoolTooSmall
 
 # 3 slots; 10 logical blocks each (8 of context + 2 of scratch margin); 2 resident; 4-token blocks.
 LAYOUT = BlockLayout(num_slots=3, blocks_per_slot=10, context_blocks=8, resident_blocks=2, block_tokens=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.kv_cache import KVGeometry, SlotKVCache, dequantize_int8, quantize_int8
+from engine.exec.kv.cache import KVGeometry, SlotKVCache, dequantize_int8, quantize_int8
 
 
 def _reference(q, ks, vs, positions):

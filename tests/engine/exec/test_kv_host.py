@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.exec.kv_host import HostKVStore, host_runs
+from engine.exec.kv.host import HostKVStore, host_runs
 
 
 def _pools(blocks: int = 12) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
 from engine.model.attention.backends import kernel_backend
 from tests.engine.exec.triton_interpreter import run_in_interpreter
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.kv_cache import SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
 from engine.model.attention.triton_paged_config import KernelConfig
 from tests.engine.exec.cuda_capture import capture
 from tests.engine.exec.scrambled_cache import scrambled_cache

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
 from engine.model.attention.triton_paged_config import PrefillConfig
 from tests.engine.exec.triton_interpreter import run_in_interpreter
 
@@ -97,7 +97,7 @@ def test_the_prefill_kernel_in_the_triton_interpreter_matches_the_reference(stor
 def engine_check(model: str, kv: str) -> None:
     """Greedy tokens of a whole CPU engine whose attention runs the Triton kernels (in the interpreter: the
     device check of kernel_backend is the only thing bypassed) equal the reference engine's."""
-    import engine.exec.kv_cache as kv_cache
+    import engine.exec.kv.cache as kv_cache
     from engine.api import SamplingParams
     from engine.model.attention.backends import TritonPagedAttention
     from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of

@@ -14,7 +14,7 @@ import torch
 from engine.api import SamplingParams
 from engine.config import EngineConfig
 from engine.orchestration.engine import Engine
-from engine.exec.kv_cache import SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import beside_others_reserve_mib, random_prompts, run_all, tokens_of
 from tests.engine.exec.cuda_capture import capture

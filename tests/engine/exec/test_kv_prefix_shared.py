@@ -1,4 +1,4 @@
-"""Prefix reuse by reference (the tier's blocks in the KV pool, engine.exec.tier_pool) through the whole engine:
+"""Prefix reuse by reference (the tier's blocks in the KV pool, engine.exec.kv.tier_pool) through the whole engine:
 the same greedy tokens as a fresh run and as the copy path, no KV copied between a slot and the tier, slots that
 never write into the blocks they map (padded rows, rejected drafts, chunk padding), and a tier release while a
 slot maps blocks."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
-from engine.exec.kv_cache import SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 
@@ -96,8 +96,8 @@ def test_a_tier_release_while_a_slot_maps_blocks_keeps_them_and_the_output(ckpt)
 
 
 def test_a_pool_resize_drops_the_captured_graphs_and_the_next_steps_recapture_them(ckpt):
-    from engine.exec.graph_backends import CpuGraphBackend
-    from engine.exec.graphs import GraphCache
+    from engine.exec.graphs.backends import CpuGraphBackend
+    from engine.exec.graphs.cache import GraphCache
     from engine.exec.runner import switch_for_key
     from engine.switches import SwitchBoard
 
@@ -141,8 +141,8 @@ def test_an_abort_right_after_a_hand_over_unmaps_the_slot_and_a_release_takes_th
 
 def test_a_capture_out_of_memory_shrinks_the_pool_around_a_mapped_prefix_and_the_output_holds(ckpt):
     from engine.exec.fault_injection import FaultPlan
-    from engine.exec.graph_backends import CpuGraphBackend
-    from engine.exec.graphs import GraphCache
+    from engine.exec.graphs.backends import CpuGraphBackend
+    from engine.exec.graphs.cache import GraphCache
     from engine.exec.runner import switch_for_key
     from engine.switches import SwitchBoard
 

@@ -130,8 +130,8 @@ def test_captured_steps_replay_correctly_while_their_blocks_move(ckpt):
     """The graph cache's CPU backend (a "graph" re-runs its recorded step into static buffers): slot 0's decode
     step is captured and replayed, slot 1's prefill spills slot 0's blocks, and the replay after the fetch
     gives the same logits. The same sequence runs with real CUDA graphs in test_kv_resident_gpu.py."""
-    from engine.exec.graph_backends import CpuGraphBackend
-    from engine.exec.graphs import GraphCache
+    from engine.exec.graphs.backends import CpuGraphBackend
+    from engine.exec.graphs.cache import GraphCache
     from engine.exec.runner import Row
     from engine.switches import SwitchBoard
 

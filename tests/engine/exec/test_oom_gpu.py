@@ -14,7 +14,7 @@ import torch
 
 from engine.exec.executor import GraphDegraded
 from engine.exec.fault_injection import FaultPlan
-from engine.exec.graphs import GraphCache
+from engine.exec.graphs.cache import GraphCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

@@ -13,8 +13,8 @@ import torch
 from engine.exec.executor import GraphDegraded
 from engine.exec.fault_injection import FaultPlan
 from engine.exec.gpu_errors import StickyCudaError
-from engine.exec.graph_backends import CpuGraphBackend
-from engine.exec.graphs import GraphCache
+from engine.exec.graphs.backends import CpuGraphBackend
+from engine.exec.graphs.cache import GraphCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

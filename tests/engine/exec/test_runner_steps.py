@@ -7,7 +7,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.exec.executor import EagerExecutor
-from engine.exec.graph_key import GraphKey
+from engine.exec.graphs.key import GraphKey
 from engine.exec.runner import Row, pow2_bucket, switch_for_key
 from tests.engine.engine_helpers import make_engine
 
@@ -121,7 +121,7 @@ def test_paged_prefill_routes_prompt_chunks_to_the_kernel_path_only_when_on_and_
     """The routing of PAGED_PREFILL, reachable without Triton: a kernel backend that records which reads it was
     handed (and answers them with the reference maths) stands in for the compiled kernels; the routing, the
     graph keys and the live toggle are the real ones."""
-    import engine.exec.kv_cache as kv_cache
+    import engine.exec.kv.cache as kv_cache
     from engine.model.attention.backends import TorchAttention, TritonPagedAttention
     from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
 
@@ -197,7 +197,7 @@ def test_on_the_kernel_path_few_query_steps_take_one_key_per_batch_as_contexts_g
     key (on a GPU: no capture stalling the slots, no kernel compiled). The kernel backend is stood in, as above:
     it records the span it is handed and answers with the reference maths; tokens are the reference engine's.
     Prompt chunks keep their length buckets (their kernel plans by the span)."""
-    import engine.exec.kv_cache as kv_cache
+    import engine.exec.kv.cache as kv_cache
     from engine.model.attention.backends import TorchAttention, TritonPagedAttention
     from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
 

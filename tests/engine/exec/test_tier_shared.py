@@ -1,4 +1,4 @@
-"""A tier whose blocks live in the KV pool (engine.exec.tier_pool): reuse maps the slot's table at the tier's
+"""A tier whose blocks live in the KV pool (engine.exec.kv.tier_pool): reuse maps the slot's table at the tier's
 pool blocks (no copy), a computed prompt block becomes a tier block by handing its pool blocks over, mapped
 blocks are never evicted or freed, and resizing reallocates the pool with the mapped KV intact."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.core.prefix_index import PrefixIndex
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
-from engine.exec.tier_pool import SharedTierBlocks
-from engine.exec.vram import AdaptiveTier
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.tier_pool import SharedTierBlocks
+from engine.exec.kv.tier import AdaptiveTier
 from engine.telemetry import EventBus
 
 TIER_TOKENS = 128  # two 64-token pool blocks per tier block
@@ -160,7 +160,7 @@ def test_a_tier_capped_at_its_block_limit_still_keeps_its_own_blocks(monkeypatch
     """A tiny model on a large card: the budget is more blocks than MAX_TIER_BLOCKS, and the cap must come out of
     the pool's share, not the own blocks' (on the H200, 2026-12-01: 262,144 blocks, every one in the pool, none of
     its own, so each out-of-memory release would reallocate the pool and drop every captured graph)."""
-    import engine.exec.vram as vram
+    import engine.exec.kv.tier as vram
 
     monkeypatch.setattr(vram, "MAX_TIER_BLOCKS", 6)
     kv = SlotKVCache(KVGeometry(2, 3, 2, 8, 512, 16), "bf16", torch.float32, "cpu")
@@ -198,7 +198,7 @@ def test_a_discarded_fill_is_not_handed_over_and_its_pins_are_left_alone():
 
 def _failing_allocations(monkeypatch, failures: int) -> list[int]:
     """Fault injection: the next `failures` pool-tensor allocations raise out-of-memory."""
-    from engine.exec import kv_pool_resize
+    from engine.exec.kv import pool_resize as kv_pool_resize
 
     real, left = kv_pool_resize.empty, [failures]
 

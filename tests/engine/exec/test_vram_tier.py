@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.exec.kv_cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import KVGeometry, SlotKVCache
 from engine.core.prefix_index import PrefixIndex
 from engine.telemetry import EventBus
-from engine.exec.vram import AdaptiveTier, VramBudget, check_kv_fits
+from engine.exec.kv.tier import AdaptiveTier, VramBudget, check_kv_fits
 
 
 def _tier(preallocate: bool, budget_blocks: int = 10, storage: str = "bf16"):

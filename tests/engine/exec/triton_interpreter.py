@@ -27,7 +27,7 @@ def run_kernels_on_cpu() -> None:
     """Inside an interpreter-mode process: let engines built from now on run the Triton kernels on CPU tensors,
     the paged attention (kv_cache.kernel_backend) and FUSED_OPS (backends.triton_runs). Their device checks are
     the only things bypassed."""
-    import engine.exec.kv_cache as kv_cache
+    import engine.exec.kv.cache as kv_cache
     import engine.model.attention.backends as backends
 
     class InterpretedKernels(backends.TritonPagedAttention):

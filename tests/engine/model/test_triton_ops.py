@@ -23,7 +23,7 @@ def kernels_check() -> None:
     """Each kernel against the reference ops, fp32, with the shapes and strides the layers hand it: a hidden size
     off the power of two, q and k as a strided view of the fused qkv projection, no q/k norm (Llama, Qwen2),
     gate and up as the halves of the fused projection, int8 and fp32 KV through a shuffled block table."""
-    from engine.exec.kv_cache import quantize_int8
+    from engine.exec.kv.cache import quantize_int8
     from engine.model import triton_ops as ops
     from engine.model.attention.triton_kv_write import write_kv
     from engine.model.config import ModelConfig

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine.api import SamplingParams
 from engine.config import EngineConfig
 from engine.orchestration.engine import Engine
-from engine.exec.kv_cache import quantize_int8
+from engine.exec.kv.cache import quantize_int8
 from engine.model.layers import rms_normalize
 from engine.model.rope import apply_rope
 from engine.telemetry import EventBus

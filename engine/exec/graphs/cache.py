@@ -1,7 +1,7 @@
 """The graph cache: capture each step once, replay it after, and survive running out of memory doing so.
 
 `GraphCache` implements `engine.exec.executor.StepExecutor`. On the first `run(kind, key, ...)` it stages static
-input buffers, captures the step through a backend (`engine.exec.graph_backends`: CUDA graphs on a GPU, recorded
+input buffers, captures the step through a backend (`engine.exec.graphs.backends`: CUDA graphs on a GPU, recorded
 closures on CPU), records the graph's measured MiB and capture ms and emits `GraphEvent(capture)`; later
 calls copy inputs in and replay.
 
@@ -29,8 +29,8 @@ from engine.exec.compile import StepCompiler
 from engine.exec.executor import GraphDegraded, StepFn
 from engine.exec.fault_injection import FaultPlan
 from engine.exec.gpu_errors import classify, exception_chain, real_message, sticky_from
-from engine.exec.graph_backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
-from engine.exec.graph_inputs import Pack, fill_inputs, stage_inputs
+from engine.exec.graphs.backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
+from engine.exec.graphs.inputs import Pack, fill_inputs, stage_inputs
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent
 
@@ -66,7 +66,7 @@ class GraphEntry:
     mib: float
     capture_ms: float
     replays: int = 0
-    packs: list[Pack] = field(default_factory=list)  # inputs refilled with one copy (engine.exec.graph_inputs)
+    packs: list[Pack] = field(default_factory=list)  # inputs refilled with one copy (engine.exec.graphs.inputs)
 
 
 @dataclass

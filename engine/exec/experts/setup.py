@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from engine.exec.expert_cache import ExpertCache
+from engine.exec.experts.cache import ExpertCache
 from engine.model.moe import sparse_blocks
 from engine.telemetry import EventBus
 

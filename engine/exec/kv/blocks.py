@@ -1,5 +1,5 @@
 """Who holds which KV block under `--kv-resident`: the ledger behind the block table. Pure Python (no torch), so
-it is unit-tested in milliseconds; engine.exec.kv_paging does the copies it plans.
+it is unit-tested in milliseconds; engine.exec.kv.paging does the copies it plans.
 
 Physical blocks of the device pool (`BlockLayout`):
 

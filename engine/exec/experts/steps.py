@@ -22,7 +22,7 @@ from typing import Any, Hashable, Mapping
 import torch
 
 from engine.exec.executor import StepFn
-from engine.exec.expert_cache import MAX_STEP_ROWS, ExpertCache
+from engine.exec.experts.cache import MAX_STEP_ROWS, ExpertCache
 from engine.switches import SwitchBoard
 
 POLICY_SWITCH = "EXPERT_LFU"

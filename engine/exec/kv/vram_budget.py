@@ -1,7 +1,7 @@
 """One device's VRAM books (weights + KV + graphs + adaptive tier + reserve) and the room they leave.
 
 `VramBudget` feeds VramEvent, shrinks the tier when the reserve is not free and grows it into room worth a few
-blocks (`rebalance`); the adaptive tier itself is engine.exec.vram.AdaptiveTier.
+blocks (`rebalance`); the adaptive tier itself is engine.exec.kv.tier.AdaptiveTier.
 """
 
 from __future__ import annotations
@@ -61,15 +61,15 @@ class VramBudget:
     reserve_mib: float
     weights_mib: float
     kv_mib: float
-    tier: Any = None  # engine.exec.vram.AdaptiveTier
+    tier: Any = None  # engine.exec.kv.tier.AdaptiveTier
     graphs_mib: float = 0.0
-    # The MoE expert cache (engine.exec.expert_cache.ExpertCache) when the model has one: a second claimant
+    # The MoE expert cache (engine.exec.experts.cache.ExpertCache) when the model has one: a second claimant
     # that shrinks on request (after the tier) and regrows towards its budget (before the tier).
     experts: Any = None
     # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
     # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
     headroom_mib: float = 0.0
-    # --kv-resident paging (engine.exec.kv_paging.KVPaging): its host-held KV is reported beside the books.
+    # --kv-resident paging (engine.exec.kv.paging.KVPaging): its host-held KV is reported beside the books.
     kv_paging: Any = None
 
     def breakdown(self) -> VramEvent:

@@ -14,7 +14,7 @@ gathered the host side with the CPU into pinned staging, which bound a step far 
 
 A spill is synchronous for its caller (the device blocks it frees are reused at once). A fetch is enqueued on
 whatever stream is current, one group of pool tensors (one layer's) after another, and returns without waiting:
-on CUDA the caller (engine.exec.kv_paging) runs it on its copy stream and records a layer's event after each
+on CUDA the caller (engine.exec.kv.paging) runs it on its copy stream and records a layer's event after each
 group. Nothing on the host side is reused before its copy is done: pinned memory that a copy still reads is held
 by torch's pinned-memory allocator until the copy's stream passes it.
 """
@@ -42,7 +42,7 @@ def host_runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 class HostKVStore:
-    """Host copies of pool blocks, addressed by host block id (engine.exec.kv_blocks.BlockLedger hands them out)."""
+    """Host copies of pool blocks, addressed by host block id (engine.exec.kv.blocks.BlockLedger hands them out)."""
 
     def __init__(self, pools: list[torch.Tensor], pinned: bool) -> None:
         self._like = [(tuple(p.shape), p.dtype) for p in pools]

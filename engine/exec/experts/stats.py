@@ -1,6 +1,6 @@
 """ExpertStats: the expert cache's counters, its routing trace, the summed load / evict events, and the oracle.
 
-Per layer: hits and misses (one per expert of an access, engine.exec.expert_trace), evictions; overall:
+Per layer: hits and misses (one per expert of an access, engine.exec.experts.trace), evictions; overall:
 experts loaded, MiB copied, copy ms. The trace keeps the newest `trace_max` accesses; `snapshot` replays it
 with Belady's furthest-next-use rule at the current slot count (the *oracle* hit rate: what a perfect
 policy with this budget would have hit on the same routing), with LRU, and with the live policy when that is
@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
-from engine.exec.expert_trace import Access, hit_rate, replay, write_trace
+from engine.exec.experts.trace import Access, hit_rate, replay, write_trace
 from engine.telemetry import EventBus, ExpertEvent
 
 EVENT_INTERVAL_S = 1.0  # load / evict events are summed over about this long

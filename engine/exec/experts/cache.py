@@ -10,19 +10,19 @@ way, on a side stream.
 
 Two forward paths, chosen by whether the stream is being captured into a CUDA graph:
 - eager (CPU, prefill, graphs off, graph warm-ups): the routed ids come to the host, the layer's access is
-  served group by group through the slot policy (LRU, or LRFU with the EXPERT_LFU switch; engine.exec.expert_trace),
+  served group by group through the slot policy (LRU, or LRFU with the EXPERT_LFU switch; engine.exec.experts.trace),
   misses are copied in, and
   the experts run one by one in ascending order (so any budget gives the same sums as the all-resident run);
 - captured (decode / verify under CUDA graphs): no host sync. `slots = table[ids]`, the experts' weights are
   gathered from the pool, and a miss (a real row routed to the miss slot) is counted on the device. Between
-  steps, ExpertStepExecutor (engine.exec.expert_steps) reads the counts: no miss, the replay stands and the
+  steps, ExpertStepExecutor (engine.exec.experts.steps) reads the counts: no miss, the replay stands and the
   routed experts are touched; a miss, the first missed layer's experts are loaded and the graph replayed
   again (a few times at most), or the step is run again eagerly, which loads what it needs.
 
-The cache is a claimant in the VRAM books (engine.exec.vram.VramBudget): `release(mib, reason)` shrinks every
+The cache is a claimant in the VRAM books (engine.exec.kv.tier.VramBudget): `release(mib, reason)` shrinks every
 pool (graph-capture out-of-memory recovery asks it after the tier), `set_budget` / `grow` regrow it, and each
 change publishes an ExpertEvent. A resize reallocates the pools, so `on_resize` drops the captured graphs
-that read the old ones. Telemetry bookkeeping (stats, events, oracle) lives in engine.exec.expert_stats.
+that read the old ones. Telemetry bookkeeping (stats, events, oracle) lives in engine.exec.experts.stats.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Callable
 
 import torch
 
-from engine.exec.expert_stats import ExpertStats
-from engine.exec.expert_trace import SlotPolicy, adopt, groups_of
+from engine.exec.experts.stats import ExpertStats
+from engine.exec.experts.trace import SlotPolicy, adopt, groups_of
 from engine.model.moe import SparseMoE, add_expert, expert_mlp, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
@@ -128,7 +128,7 @@ class ExpertCache:
         self.on_resize: Callable[[], None] = lambda: None
         self.stats = ExpertStats(len(self.pools), self.num_experts, bus, str(device))
         n = len(self.pools)
-        # Written by captured steps (engine.exec.expert_steps reads them between steps).
+        # Written by captured steps (engine.exec.experts.steps reads them between steps).
         self.dev_counts = torch.zeros(n, self.num_experts, dtype=torch.float32, device=device)
         self.dev_misses = torch.zeros(n, dtype=torch.float32, device=device)
         self.row_valid = torch.ones(MAX_STEP_ROWS, dtype=torch.bool, device=device)

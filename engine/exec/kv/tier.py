@@ -1,4 +1,4 @@
-"""The adaptive tier (the prefix cache's memory) and, re-exported from engine.exec.vram_budget, the VRAM books.
+"""The adaptive tier (the prefix cache's memory) and, re-exported from engine.exec.kv.vram_budget, the VRAM books.
 
 The adaptive tier is the prefix cache's memory: KV blocks (all layers of `block_tokens` tokens) keyed by the
 PrefixIndex's block ids. On a GPU it takes what is left after weights, KV, graphs and the reserve, up front
@@ -7,7 +7,7 @@ back through ONE call, `release(mib, reason)`, used by admission and by the grap
 On CPU it holds host memory within a fixed budget, allocated as blocks are filled.
 
 Where the tier lives on the compute device and every slot owns its whole context (no `--kv-resident`), its
-blocks are blocks of the KV pool itself (engine.exec.tier_pool.SharedTierBlocks, `shared`): a reused prefix is
+blocks are blocks of the KV pool itself (engine.exec.kv.tier_pool.SharedTierBlocks, `shared`): a reused prefix is
 mapped into the admitted slot's block table instead of copied, and a computed prompt block becomes a tier block
 by handing its pool blocks over. Otherwise (a `--peer-device` tier, `--kv-resident`) the tier keeps its own
 tensors and copies blocks in and out of slots.
@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-from engine.exec.kv_cache import SlotKVCache
-from engine.exec.tier_pool import SharedTierBlocks
-from engine.exec.block_index import BlockIndex, BlockRef
-from engine.exec.vram_budget import MIB, VramBudget, check_kv_fits, device_memory_mib
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.tier_pool import SharedTierBlocks
+from engine.exec.kv.block_index import BlockIndex, BlockRef
+from engine.exec.kv.vram_budget import MIB, VramBudget, check_kv_fits, device_memory_mib
 from engine.telemetry import EventBus, TierEvent
 
 __all__ = ["AdaptiveTier", "MIB", "VramBudget", "check_kv_fits", "device_memory_mib", "CPU_TIER_DEFAULT_MIB"]
@@ -48,7 +48,7 @@ _CPU_TIER_RAM_FRACTION = 0.125
 class AdaptiveTier:
     """Prefix-cache KV blocks in device (or host) memory, sized by a budget that can move both ways.
 
-    With `shared` (engine.exec.tier_pool.SharedTierBlocks) the tier's blocks live in the KV pool: filled by
+    With `shared` (engine.exec.kv.tier_pool.SharedTierBlocks) the tier's blocks live in the KV pool: filled by
     handing a slot's pool blocks over, reused by mapping them into a slot's block table. A preallocated tier
     puts `pooled_mib` of its start budget there and the rest, and whatever it regrows later, in blocks of its
     own (copied in and out): resizing the pool reallocates every pool tensor and drops the captured graphs,

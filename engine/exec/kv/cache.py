@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from engine.exec.kv_blocks import BlockLayout
-from engine.exec.kv_paging import KVPaging
-from engine.exec.kv_pool_resize import resized
+from engine.exec.kv.blocks import BlockLayout
+from engine.exec.kv.paging import KVPaging
+from engine.exec.kv.pool_resize import resized
 from engine.model.attention.backends import TorchAttention, kernel_backend
 from engine.model.attention.reference import flash_accepts
 
@@ -107,7 +107,7 @@ class SlotKVCache:
     each `attend` call.
 
     With `resident_tokens` (`--kv-resident`) the pools hold each slot's resident window, one scratch block and a
-    shared pool of `pool_blocks` that grows and spills (`paging`, engine.exec.kv_paging); the runner calls
+    shared pool of `pool_blocks` that grows and spills (`paging`, engine.exec.kv.paging); the runner calls
     `prepare` before each forward. Without it, every slot owns its whole context (`paging` is None).
     """
 
@@ -135,7 +135,7 @@ class SlotKVCache:
         self.block_table = torch.arange(g.num_blocks, dtype=torch.int32, device=self.device).view(
             g.num_slots, g.blocks_per_slot)
         self.paging: KVPaging | None = None
-        # Pool blocks the prefix-cache tier holds when its blocks live in this pool (engine.exec.tier_pool).
+        # Pool blocks the prefix-cache tier holds when its blocks live in this pool (engine.exec.kv.tier_pool).
         self.tier_blocks = 0
         if layout is not None:
             self.paging = KVPaging(self, layout, pool_blocks, int(resident_tokens))

@@ -1,5 +1,5 @@
 """Routing traces and the slot policies they are replayed against. Pure Python (no torch): the live expert
-cache (engine.exec.expert_cache) runs the very same `SlotPolicy` code, so a trace replayed offline with the
+cache (engine.exec.experts.cache) runs the very same `SlotPolicy` code, so a trace replayed offline with the
 same slot count gives the live hit and miss counts exactly.
 
 An *access* is one sparse layer's call in one step: the sorted distinct experts that the step's real tokens
@@ -259,10 +259,10 @@ def _accesses(path: Path, lines: list[str]) -> Iterator[Access]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.exec.expert_trace TRACE --slots 4,8,16`: hit rates of LRU, LFU and Belady per budget."""
+    """`python -m engine.exec.experts.trace TRACE --slots 4,8,16`: hit rates of LRU, LFU and Belady per budget."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m engine.exec.expert_trace", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m engine.exec.experts.trace", description=main.__doc__)
     parser.add_argument("trace", help="a strata-expert-trace JSON-lines file")
     parser.add_argument("--slots", default="4,8,16", help="slots per layer to replay with (comma-separated)")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """How a step becomes a replayable graph: the CUDA backend (torch.cuda.CUDAGraph) and a CPU backend.
 
-`engine.exec.graphs.GraphCache` owns the policy (when to capture, accounting, the out-of-memory recovery); a
+`engine.exec.graphs.cache.GraphCache` owns the policy (when to capture, accounting, the out-of-memory recovery); a
 backend owns the mechanics of one capture: warm up, record, instantiate, replay, destroy, and leaving the
 device clean when any of that fails. The CPU backend records the step as an eager closure and replays it
 into the same static output buffers, so the whole recovery flow, its events and its accounting run in CI

@@ -1,9 +1,9 @@
 """`--kv-resident`: a guaranteed device window per slot, the rest from a shared pool, host memory as a last resort.
 
-The cache (engine.exec.kv_cache.SlotKVCache) keeps its pools and its device block table; this class decides what
+The cache (engine.exec.kv.cache.SlotKVCache) keeps its pools and its device block table; this class decides what
 the table says. Before every forward the runner calls `prepare({slot: end_tokens})`:
 
-1. the ledger (engine.exec.kv_blocks) counts the pool blocks the forward's slots lack;
+1. the ledger (engine.exec.kv.blocks) counts the pool blocks the forward's slots lack;
 2. if the free pool is short, the prefix-cache tier gives memory back first (`take_memory`, its release path)
    and the pool tensors grow into it (captured graphs read the old tensors' addresses: `on_resize` drops them);
 3. what is still short is taken from other slots: their blocks are copied to host memory (a spill), and the
@@ -36,8 +36,8 @@ from typing import Callable
 
 import torch
 
-from engine.exec.kv_blocks import BlockLayout, BlockLedger, Plan
-from engine.exec.kv_host import MIB, HostKVStore
+from engine.exec.kv.blocks import BlockLayout, BlockLedger, Plan
+from engine.exec.kv.host import MIB, HostKVStore
 from engine.telemetry import EventBus, KvEvent
 
 

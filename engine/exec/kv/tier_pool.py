@@ -2,7 +2,7 @@
 
 Used when the tier lives on the compute device, every slot owns its whole context (no `--kv-resident`), and a
 tier block is a whole number of pool blocks (256-token tier blocks = 4 pool blocks of 64). The pool tensors of
-every layer (engine.exec.kv_cache.SlotKVCache: `[Hkv, num_blocks, 64, D]`, int8 scales alike) then hold both:
+every layer (engine.exec.kv.cache.SlotKVCache: `[Hkv, num_blocks, 64, D]`, int8 scales alike) then hold both:
 
     home[s][j]     the physical block slot s writes its logical block j to (at start: `s * blocks_per_slot + j`)
     backing[b]     the `group` physical blocks of tier block id b (its tokens [256 i, 256 i + 256) of a prompt)
@@ -24,7 +24,7 @@ map one tier block.
   new one next to the old one. The table is rewritten in place; captured graphs, which hold the old tensors' addresses, are
   dropped by `on_resize`.
 
-Pins (the prefix index's) are the tier's business (engine.exec.vram.AdaptiveTier): a mapped tier block is
+Pins (the prefix index's) are the tier's business (engine.exec.kv.tier.AdaptiveTier): a mapped tier block is
 pinned, so eviction and shrinking never take a block a slot maps.
 """
 
@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from engine.exec.block_index import BlockRef
+from engine.exec.kv.block_index import BlockRef
 
 MIB = float(1 << 20)
 _MOVE_BLOCKS = 256  # blocks one compaction copy moves (its scratch: that many blocks of one pool tensor)
