@@ -4,7 +4,7 @@
     logits = model.logits(hidden)              # [B, T, V]
 
 `kv=None` is plain causal attention over the T given tokens (training, full forward); otherwise every
-attention layer calls `kv.attend(layer_idx, q, k, v, positions)` (see engine.model.kv.DenseKVCache).
+attention layer calls `kv.attend(layer_idx, q, k, v, positions)` (the serving KV: engine.exec.kv.cache.SlotKVCache).
 """
 
 from __future__ import annotations

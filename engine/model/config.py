@@ -102,11 +102,6 @@ class ModelConfig:
     moe: MoEConfig | None = None  # Qwen3-MoE (model_type qwen3_moe); None: every MLP is dense
 
     @property
-    def num_kv_groups(self) -> int:
-        """Query heads per KV head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def num_kv_layers(self) -> int:
         """Layers that own KV: the main stack plus the MTP layers (indexed L..L+n-1)."""
         return self.num_hidden_layers + (self.mtp.num_layers if self.mtp else 0)

@@ -130,9 +130,3 @@ def usage_of_choices(lasts: list[RequestOutput], prompt_tokens: int) -> Usage:
     return Usage.of(first.prompt_tokens or prompt_tokens, sum(o.completion_tokens for o in lasts),
                     first.cached_tokens)
 
-
-def usage_of(last: RequestOutput | None, prompt_tokens: int) -> Usage:
-    """Usage from the last output's cumulative counts (the prompt length we sent when the engine gave 0)."""
-    if last is None:
-        return Usage.of(prompt_tokens, 0, 0)
-    return Usage.of(last.prompt_tokens or prompt_tokens, last.completion_tokens, last.cached_tokens)

@@ -17,7 +17,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def _dense_greedy(ckpt, prompt: list[int], n: int) -> list[int]:
-    from engine.model import DenseKVCache, load_checkpoint
+    from engine.model import load_checkpoint
+    from tests.engine.model.dense_kv import DenseKVCache
 
     lm = load_checkpoint(ckpt, dtype="float32", device="cpu", tokenizer=False)
     kv = DenseKVCache.for_config(lm.config, 1, len(prompt) + n + 1)

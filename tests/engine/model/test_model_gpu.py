@@ -7,7 +7,8 @@ import gc
 import pytest
 import torch
 
-from engine.model import DenseKVCache, load_checkpoint
+from engine.model import load_checkpoint
+from tests.engine.model.dense_kv import DenseKVCache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_shared]  # kernels and models: no engine, no VRAM figure
 CUDA = "cuda:0"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import DenseKVCache, load_checkpoint
+from engine.model import load_checkpoint
+from tests.engine.model.dense_kv import DenseKVCache
 
 
 def test_rows_at_different_positions_match_their_own_full_forward(tiny_checkpoint):

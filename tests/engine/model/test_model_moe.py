@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.errors import CheckpointError
-from engine.model import DenseKVCache, ModelConfig, load_checkpoint, save_checkpoint
+from engine.model import ModelConfig, load_checkpoint, save_checkpoint
+from tests.engine.model.dense_kv import DenseKVCache
 from engine.model.moe import SparseMoE, sparse_blocks
 
 TOL = 1e-4

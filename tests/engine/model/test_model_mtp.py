@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
-from engine.model import DenseKVCache, load_checkpoint, save_checkpoint
+from engine.model import load_checkpoint, save_checkpoint
+from tests.engine.model.dense_kv import DenseKVCache
 
 LAYOUT_NAMES = {
     # (embedding norm, hidden norm, projection, output norm, a block tensor) in each layout, L = 2 main layers

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.model import CausalLM, DenseKVCache, RopeConfig, load_checkpoint
+from engine.model import CausalLM, RopeConfig, load_checkpoint
+from tests.engine.model.dense_kv import DenseKVCache
 
 PROMPT_TOKENS = 64
 TOL = 1e-4  # fp32 with the same op order: we measure ~1e-7; 1e-4 leaves room for BLAS differences

@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.model import DenseKVCache, load_checkpoint, resolve_model_path
-from engine.train.card import CARD_FILE, read_card_figures
+from engine.model import load_checkpoint, resolve_model_path
+from tests.engine.model.dense_kv import DenseKVCache
+from engine.train.card import CARD_FILE
+from tests.engine.model.card_figures import read_card_figures
 from engine.train.evaluate import evaluate
 from engine.train.sample import SAMPLE_FILE, sample_windows
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from engine.model import load_checkpoint
 from engine.train.__main__ import main as train_main
-from engine.train.card import read_card_figures, render_card
+from engine.train.card import render_card
+from tests.engine.model.card_figures import read_card_figures
 from engine.train.corpus import collect, is_heldout
 from engine.train.evaluate import EvalFigures, evaluate
 from engine.train.export import write_checkpoint

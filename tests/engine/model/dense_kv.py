@@ -1,4 +1,5 @@
-"""DenseKVCache: the simple contiguous KV cache (generate, parity tests, the drafter's reference path).
+"""DenseKVCache: the simple contiguous KV cache the model tests run the model over (an independent KV
+implementation beside the engine's paged one).
 
 One [B, Hkv, max_tokens, D] buffer pair per layer (main layers 0..L-1, MTP layers L..). `attend` writes the
 new k/v at their positions and attends causally by position, so rewinding (after rejected draft tokens) needs
