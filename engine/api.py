@@ -150,8 +150,9 @@ class EngineClient(Protocol):
 
     def health(self) -> Health: ...
 
-    def state(self) -> dict[str, Any]:
-        """Snapshot for /strata/state: config, switches, slots, graph cache, VRAM breakdown, tier."""
+    def state(self) -> "EngineSnapshot":
+        """Snapshot for /strata/state: config, switches, slots, graph cache, VRAM breakdown, tier.
+        (engine.snapshot.EngineSnapshot: named, not imported, as that module imports this one.)"""
         ...
 
     async def set_switch(self, name: str, enabled: bool) -> SwitchState: ...

@@ -14,6 +14,7 @@ iterator): an `async for` that breaks out early leaves closing to the garbage co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import threading
 from collections import deque
@@ -135,16 +136,14 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         await self._call(lambda: self._abort_now(request_id))
 
-    def state(self) -> dict[str, Any]:
-        """The snapshot the engine thread published last (never built here: this runs on the server's thread)."""
+    def state(self) -> EngineSnapshot:
+        """The snapshot the engine thread published last (never built here: this runs on the server's thread),
+        with the health of now."""
         health = self.health()
+        now = HealthSnapshot(ready=health.ready, reason=health.reason, status=health.status)
         if self.engine is None:
-            snap = EngineSnapshot(model=self.model_name, config=self.config.to_dict(),
-                                  health=HealthSnapshot(ready=False, reason=health.reason, status=health.status))
-            return snap.to_json()
-        data = self.engine.snapshot.to_json()
-        data["health"] = HealthSnapshot(ready=health.ready, reason=health.reason, status=health.status).to_json()
-        return data
+            return EngineSnapshot(model=self.model_name, config=self.config.to_dict(), health=now)
+        return dataclasses.replace(self.engine.snapshot, health=now)
 
     async def set_switch(self, name: str, enabled: bool) -> SwitchState:
         def toggle() -> SwitchState:

@@ -98,10 +98,10 @@ class Engine:
     def has_work(self) -> bool:
         return self.sched.has_work
 
-    def state(self) -> dict[str, Any]:
-        """/strata/state now (engine thread): a fresh snapshot, published, in its JSON form."""
+    def state(self) -> EngineSnapshot:
+        """/strata/state now (engine thread): a fresh snapshot, published."""
         self.publish_snapshot(force=True, fresh=True)
-        return self.snapshot.to_json()
+        return self.snapshot
 
     def publish_snapshot(self, force: bool = False, fresh: bool = False) -> None:
         """Build the snapshot on the engine thread and publish it by swapping one reference: readers on other

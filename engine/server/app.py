@@ -111,7 +111,7 @@ def _monitoring_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
 
     @app.get("/strata/state")
     async def state() -> JSONResponse:
-        return JSONResponse(jsonable_encoder(client.state()))
+        return JSONResponse(jsonable_encoder(client.state().to_json()))
 
 
 def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepalive_s: float) -> None:

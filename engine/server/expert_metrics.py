@@ -1,7 +1,8 @@
 """Prometheus series of the MoE expert cache, from the `experts` section of the engine's state snapshot.
 
 A small collector function kept apart from metrics.py so the server's owner can merge it: call
-`expert_metric_families(state)` from the state collector's `collect` (it yields nothing for a dense model).
+`expert_metric_families(state.experts)` from the state collector's `collect` (it yields nothing for a dense
+model).
 
     strata_expert_cache_mib{device}                 device memory of the slot pools
     strata_expert_cache_budget_slots / _slots       slots per layer: the target, and held now
@@ -19,9 +20,8 @@ from typing import Any, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
-def expert_metric_families(state: Mapping[str, Any]) -> Iterator[Metric]:
-    """The series above for one state snapshot (`state["experts"]`; None or missing: a dense model)."""
-    snap = state.get("experts")
+def expert_metric_families(snap: Mapping[str, Any] | None) -> Iterator[Metric]:
+    """The series above for the snapshot's `experts` section (None: a dense model)."""
     if not snap:
         return
     device = str(snap.get("device", ""))

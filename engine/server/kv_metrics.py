@@ -13,35 +13,37 @@ whole context on the device).
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine.snapshot import EngineSnapshot
 
 _MIB = float(1 << 20)
 
 
-def kv_metric_families(state: Mapping[str, Any]) -> Iterator[Metric]:
-    """The series above for one state snapshot (`state["kv"]["paging"]`; None or missing: no paging)."""
-    snap = (state.get("kv") or {}).get("paging")
-    if not snap:
+def kv_metric_families(state: EngineSnapshot) -> Iterator[Metric]:
+    """The series above for one state snapshot (its `kv.paging`; None: no paging)."""
+    snap = state.kv.paging if state.kv is not None else None
+    if snap is None:
         return
     yield GaugeMetricFamily("strata_kv_host_bytes", "KV cache held in host memory (--kv-resident spill)",
-                            value=float(snap["host_mib"]) * _MIB)
+                            value=float(snap.host_mib) * _MIB)
     pool = GaugeMetricFamily("strata_kv_pool_blocks", "Blocks of the shared device KV pool", labels=["state"])
-    pool.add_metric(["total"], float(snap["pool_blocks"]))
-    pool.add_metric(["free"], float(snap["free_pool_blocks"]))
+    pool.add_metric(["total"], float(snap.pool_blocks))
+    pool.add_metric(["free"], float(snap.free_pool_blocks))
     yield pool
     for name, key, text in (("strata_kv_spilled_bytes", "spilled_mib", "KV copied from the device to host memory"),
                             ("strata_kv_fetched_bytes", "fetched_mib", "KV copied back from host memory")):
-        yield CounterMetricFamily(name, text, value=float(snap[key]) * _MIB)
+        yield CounterMetricFamily(name, text, value=float(getattr(snap, key)) * _MIB)
     for name, key, text in (("strata_kv_spill_seconds", "spill_ms", "Time spent spilling KV to host memory"),
                             ("strata_kv_fetch_seconds", "fetch_ms", "Time spent fetching KV from host memory")):
-        yield CounterMetricFamily(name, text, value=float(snap[key]) / 1e3)
+        yield CounterMetricFamily(name, text, value=float(getattr(snap, key)) / 1e3)
     slots = GaugeMetricFamily("strata_kv_slot_tokens", "Tokens of a busy slot's KV by where they lie",
                               labels=["slot", "where"])
-    for slot in state.get("slots") or []:
-        if slot.get("state", "idle") == "idle":
+    for slot in state.slots:
+        if slot.state == "idle":
             continue
         for where in ("resident", "pooled", "host"):
-            slots.add_metric([str(slot.get("slot", 0)), where], float(slot.get(f"kv_{where}_tokens", 0)))
+            slots.add_metric([str(slot.slot), where], float(getattr(slot, f"kv_{where}_tokens")))
     yield slots

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from engine.api import EngineClient, RequestOutput
 from engine.server.expert_metrics import expert_metric_families
 from engine.server.kv_metrics import kv_metric_families
+from engine.snapshot import EngineSnapshot
 from engine.telemetry import AdmissionEvent, ErrorEvent, Event, GraphEvent, SwitchEvent, TierEvent, VramEvent
 
 log = logging.getLogger("strata.server")
@@ -158,7 +159,7 @@ class _StateCollector(Collector):
             state = self.client.state()
         except Exception as exc:  # noqa: BLE001 - a scrape during shutdown must still answer
             log.debug("metrics: state() failed: %s", exc)
-            state = {}
+            state = EngineSnapshot()
         running, waiting = request_counts(state) or self.server_counts()
         fam_r = GaugeMetricFamily("strata_requests_running", "Requests holding a slot")
         fam_r.add_metric([], float(running))
@@ -183,12 +184,10 @@ class _StateCollector(Collector):
             yield fam_p
             yield fam_a
             yield fam_r
-        prefill_tokens = prefill_queue_tokens(state)
-        if prefill_tokens is not None:
-            fam = GaugeMetricFamily("strata_prefill_queue_tokens", "Prompt tokens waiting to be prefilled "
-                                    "(queued requests and slots still prefilling)")
-            fam.add_metric([], float(prefill_tokens))
-            yield fam
+        fam = GaugeMetricFamily("strata_prefill_queue_tokens", "Prompt tokens waiting to be prefilled "
+                                "(queued requests and slots still prefilling)")
+        fam.add_metric([], float(prefill_queue_tokens(state)))
+        yield fam
         rows = vram_rows(state)
         if rows:
             fam = GaugeMetricFamily("strata_state_vram_mib", "VRAM by part from the engine snapshot",
@@ -196,7 +195,7 @@ class _StateCollector(Collector):
             for device, part, mib in rows:
                 fam.add_metric([device, part], mib)
             yield fam
-        yield from expert_metric_families(state)
+        yield from expert_metric_families(state.experts)
         yield from kv_metric_families(state)
 
 
@@ -213,49 +212,26 @@ class _HealthCollector(Collector):
         yield fam
 
 
-def request_counts(state: dict[str, Any]) -> tuple[int, int] | None:
-    """(running, waiting) from the snapshot: busy entries of `slots` and `queue.waiting`; None if absent."""
-    slots = state.get("slots") if isinstance(state, dict) else None
-    queue = state.get("queue") if isinstance(state, dict) else None
-    if not isinstance(slots, list) or not isinstance(queue, dict) or "waiting" not in queue:
+def request_counts(state: EngineSnapshot) -> tuple[int, int] | None:
+    """(running, waiting) from the snapshot: its busy slots and `queue.waiting`; None before it has slots (a
+    loading engine), when the server's own request tracking answers."""
+    if not state.slots:
         return None
-    running = sum(1 for s in slots if isinstance(s, dict) and s.get("state") not in (None, "idle", "finished"))
-    return running, int(queue["waiting"])
+    running = sum(1 for s in state.slots if s.state not in ("idle", "finished"))
+    return running, state.queue.waiting
 
 
-def prefill_queue_tokens(state: dict[str, Any]) -> int | None:
-    """`state["queue"]["prefill_tokens"]`, or None when the snapshot has no such field."""
-    queue = state.get("queue") if isinstance(state, dict) else None
-    value = queue.get("prefill_tokens") if isinstance(queue, dict) else None
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+def prefill_queue_tokens(state: EngineSnapshot) -> int:
+    """Prompt tokens still to prefill: queued requests' and those in a slot."""
+    return state.queue.prefill_tokens
 
 
-def draft_counts(state: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """Per-position draft totals from the snapshot: `state["mtp"]["draft_proposed"]` / `["draft_accepted"]`."""
-    mtp = state.get("mtp") if isinstance(state, dict) else None
-    if not isinstance(mtp, dict):
-        return [], []
-    proposed = mtp.get("draft_proposed") or mtp.get("proposed") or []
-    accepted = mtp.get("draft_accepted") or mtp.get("accepted") or []
-    if not isinstance(proposed, list) or not isinstance(accepted, list):
-        return [], []
-    return [int(x) for x in proposed], [int(x) for x in accepted]
+def draft_counts(state: EngineSnapshot) -> tuple[list[int], list[int]]:
+    """Per-position MTP draft totals since start: (proposed, accepted)."""
+    return list(state.mtp.draft_proposed), list(state.mtp.draft_accepted)
 
 
-def vram_rows(state: dict[str, Any]) -> list[tuple[str, str, float]]:
-    """(device, part, MiB) from `state["vram"]`: a list of per-device dicts or a dict keyed by device."""
-    vram = state.get("vram") if isinstance(state, dict) else None
-    if isinstance(vram, dict):
-        entries = [dict(v, device=v.get("device", k)) for k, v in vram.items() if isinstance(v, dict)]
-    elif isinstance(vram, list):
-        entries = [v for v in vram if isinstance(v, dict)]
-    else:
-        return []
-    rows = []
-    for entry in entries:
-        device = str(entry.get("device", "default"))
-        for part in VRAM_PARTS:
-            value = entry.get(f"{part}_mib")
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                rows.append((device, part, float(value)))
-    return rows
+def vram_rows(state: EngineSnapshot) -> list[tuple[str, str, float]]:
+    """(device, part, MiB) of every device's VRAM books in the snapshot."""
+    return [(event.device or "default", part, float(getattr(event, f"{part}_mib")))
+            for event in state.vram for part in VRAM_PARTS]

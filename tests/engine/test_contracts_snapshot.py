@@ -17,7 +17,8 @@ def test_a_real_engine_publishes_a_snapshot_with_draft_totals_per_position(ckpt)
     engine = make_engine(ckpt, batch=2, batch_mtp=True, mtp_depth=2)
     run_all(engine, random_prompts(2, seed=8, lengths=(40, 60)),
             SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    data = engine.state()
+    assert isinstance(engine.state(), EngineSnapshot)  # typed to the wire: the server calls to_json once
+    data = engine.state().to_json()
     snap = EngineSnapshot.from_json(data)
     assert snap.to_json() == data  # the wire form survives a parse by a reader (the TUI, the metrics)
     assert snap.health.status is HealthStatus.READY and snap.mtp.enabled and snap.mtp.depth == 2
@@ -32,9 +33,9 @@ def test_the_queue_reports_prompt_tokens_still_to_prefill(ckpt):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [5] * 200, params)
     engine.add_request("b", [6] * 30, params)
-    assert engine.state()["queue"]["prefill_tokens"] == 230
+    assert engine.state().to_json()["queue"]["prefill_tokens"] == 230
     engine.step()  # "a" takes the slot and prefills its first chunk
-    snap = EngineSnapshot.from_json(engine.state())
+    snap = EngineSnapshot.from_json(engine.state().to_json())
     assert snap.queue.waiting == 1 and snap.queue.prefill_tokens == 230 - snap.slots[0].prefilled_tokens
 
 
@@ -73,5 +74,5 @@ def test_publishing_again_resolves_no_annotations(ckpt, monkeypatch):
     assert first and len(first) == len(set(first)), first
     engine.publish_snapshot(force=True)
     assert calls == first, "a second publish resolved annotations again"
-    data = engine.state()
+    data = engine.state().to_json()
     assert EngineSnapshot.from_json(data).to_json() == data  # the cached hints parse as before

@@ -61,7 +61,7 @@ async def test_generate_streams_increments_for_concurrent_requests(ckpt):
             assert len(ids) == 10
             assert "".join(o.text for o in outs) == engine.decode(ids)
         assert engine.health().ready
-        assert engine.state()["slots"][0]["state"] == "idle"
+        assert engine.state().slots[0].state == "idle"  # AsyncEngine.state() is the typed EngineSnapshot
 
 
 async def test_rejections_are_raised_before_the_first_yield(ckpt):
@@ -70,9 +70,9 @@ async def test_rejections_are_raised_before_the_first_yield(ckpt):
             await _collect(engine, "long", [7] * 200, SamplingParams(max_tokens=4))
         slow = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
         first = asyncio.create_task(_collect(engine, "a", [7] * 10, slow))
-        await _until(lambda: engine.state()["slots"][0]["state"] != "idle")
+        await _until(lambda: engine.state().to_json()["slots"][0]["state"] != "idle")
         second = asyncio.create_task(_collect(engine, "b", [7] * 10, slow))
-        await _until(lambda: engine.state()["queue"]["waiting"] == 1)  # "a" holds the slot, "b" the queue place
+        await _until(lambda: engine.state().to_json()["queue"]["waiting"] == 1)  # "a" holds the slot, "b" the queue place
         with pytest.raises(QueueFull):
             await _collect(engine, "c", [7] * 10, slow)
         first.cancel()
@@ -93,7 +93,7 @@ async def test_cancelling_the_iterator_aborts_the_request_within_a_step(ckpt):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _until(lambda: engine.state()["slots"][0]["state"] == "idle")
+        await _until(lambda: engine.state().to_json()["slots"][0]["state"] == "idle")
         # The slot serves the next request at once.
         outs = await _collect(engine, "next", [9] * 12, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         assert outs[-1].completion_tokens == 3
@@ -102,10 +102,10 @@ async def test_cancelling_the_iterator_aborts_the_request_within_a_step(ckpt):
 async def test_live_controls_reserve_and_switch(ckpt):
     async with running(ckpt, batch=1) as engine:
         assert await engine.set_vram_reserve(2048) == 2048
-        assert engine.state()["vram"][0]["reserve_mib"] == 2048
+        assert engine.state().to_json()["vram"][0]["reserve_mib"] == 2048
         state = await engine.set_switch("SPLIT_ATTN", True)
         assert state.enabled
-        assert any(s["name"] == "SPLIT_ATTN" and s["enabled"] for s in engine.state()["switches"])
+        assert any(s["name"] == "SPLIT_ATTN" and s["enabled"] for s in engine.state().to_json()["switches"])
         outs = await _collect(engine, "s", [11] * 30, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         assert outs[-1].completion_tokens == 4
 

@@ -101,7 +101,7 @@ def test_gpu_peer_device_holds_the_tier_and_prefix_reuse_works_across_devices(ck
     second = tokens_of(run_all(engine, [prompt], params, prefix="b"))["b0"]
     assert first == second
     assert [e.reuse for e in bus.history() if e.type == "admission"] == ["fresh", "reused"]
-    assert {v["device"] for v in engine.state()["vram"]} == {"cuda:0", "cuda:1"}
+    assert {v["device"] for v in engine.state().to_json()["vram"]} == {"cuda:0", "cuda:1"}
 
 
 def test_gpu_prefill_chunks_take_the_flash_kernel_in_bf16(ckpt):

@@ -132,13 +132,14 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
     from engine.exec.experts.trace import read_trace, replay
     from engine.server.expert_metrics import expert_metric_families
     from engine.server.metrics import ServerMetrics
+    from engine.snapshot import EngineSnapshot
 
     with one_thread():
         engine = make_engine(moe_ckpt, batch=3, expert_cache_mib=1)
         engine.kv.fused_prefill = True  # prompt chunks take the runner's own eager executor, as on CUDA
         try:
             run_all(engine, prompts, GREEDY)
-            state = engine.state()
+            state = engine.state().to_json()
             cache = engine.lm.model.expert_provider
             cache.stats.write_trace(str(tmp_path / "trace.jsonl"), {"top_k": cache.top_k, "model": str(moe_ckpt)})
         finally:
@@ -155,7 +156,7 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
 
     class _Published:  # the server reads the engine's published snapshot; this one was taken above
         def state(self):
-            return state
+            return EngineSnapshot.from_json(state)
 
         def health(self):
             return Health(HealthStatus.READY)
@@ -163,7 +164,7 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
     text = ServerMetrics(_Published()).render().decode()  # what GET /metrics answers
     assert f'strata_expert_misses_total{{layer="0"}} {float(snap["layers"][0]["misses"])}' in text
     assert 'strata_expert_hit_rate{kind="oracle"}' in text and "strata_expert_cache_slots 6.0" in text
-    assert list(expert_metric_families({"experts": None})) == []
+    assert list(expert_metric_families(None)) == []
 
 
 def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, prompts, plain_tokens):

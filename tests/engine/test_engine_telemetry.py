@@ -48,7 +48,7 @@ def test_state_snapshot_has_every_section(ckpt):
     engine.add_request("x", random_prompts(1, seed=51)[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    snap = engine.state()
+    snap = engine.state().to_json()
     for key in ("config", "switches", "slots", "graphs", "vram", "tier", "kv", "mtp", "queue", "health"):
         assert key in snap, key
     busy = snap["slots"][0]

@@ -25,7 +25,7 @@ bench = BenchEngine(small_config(Path({model!r}), graphs=True, batch=1, switches
 engine = bench.engine
 tokens = tokens_of(run_all(engine, random_prompts(1, seed=3, lengths=(24, 25)),
                            SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)))
-graphs = engine.state()["graphs"]
+graphs = engine.state().to_json()["graphs"]
 print(json.dumps({{"tokens": tokens, "dir": graphs.get("compile_cache_dir"), "hits": graphs.get("compile_cache_hits"),
                   "misses": graphs.get("compile_cache_misses"),
                   "compile": [s for s in engine.board.snapshot() if s["name"] == "COMPILE"][0]}}))

@@ -50,7 +50,7 @@ def test_a_reused_prompt_maps_the_tier_blocks_and_matches_the_fresh_and_the_copy
     assert second_outs[-1].cached_tokens == 256  # whole 64-token blocks of prompt[:-1]
     assert [t for o in second_outs for t in o.token_ids] == first == copy_first == copy_second
     assert (engine.tier.shared_blocks, engine.tier.copied_in_blocks) == (4, 0)
-    assert engine.state()["tier"]["mib"] == pytest.approx(4 * engine.tier.block_mib, abs=0.01)
+    assert engine.state().to_json()["tier"]["mib"] == pytest.approx(4 * engine.tier.block_mib, abs=0.01)
 
 
 def test_slots_never_write_into_the_tier_blocks_they_map(ckpt):

@@ -50,7 +50,7 @@ def test_spilled_kv_gives_the_tokens_of_a_run_with_room(ckpt, roomy, kv, mtp):
     spills, fetches = _kv_events(bus, "spill"), _kv_events(bus, "fetch")
     assert spills and fetches, "the pool was never short: the test does not exercise host memory"
     assert all(e.mib > 0 and e.ms >= 0 and e.slots for e in spills + fetches)
-    state = engine.state()["kv"]["paging"]
+    state = engine.state().to_json()["kv"]["paging"]
     assert state["spilled_blocks"] == sum(e.blocks for e in spills) and state["fetched_mib"] > 0
     if mtp:
         assert engine.mtp_on, engine.mtp_off_reason
@@ -64,7 +64,7 @@ def test_slot_events_and_the_snapshot_say_where_each_slots_kv_lies(ckpt):
     seen_host = seen_books = False
     while engine.has_work:
         engine.step()
-        state = engine.state()
+        state = engine.state().to_json()
         slots = [s for s in state["slots"] if s["state"] in ("prefill", "decode")]
         for s in slots:
             assert s["kv_resident_tokens"] <= 128
@@ -74,7 +74,7 @@ def test_slot_events_and_the_snapshot_say_where_each_slots_kv_lies(ckpt):
     assert seen_host and seen_books
     events = [e for e in bus.history() if e.type == "slot" and e.state == "decode"]
     assert events and all(e.kv_resident_tokens + e.kv_pooled_tokens + e.kv_host_tokens > 128 for e in events)
-    assert engine.state()["kv"]["paging"]["host_mib"] >= 0
+    assert engine.state().to_json()["kv"]["paging"]["host_mib"] >= 0
     # finished requests gave their pool and host blocks back (the next step reclaims them)
     engine.step()
     assert engine.kv.paging.ledger.free_pool_blocks == 14 and engine.kv.paging.ledger.host_held_blocks == 0
@@ -83,7 +83,7 @@ def test_slot_events_and_the_snapshot_say_where_each_slots_kv_lies(ckpt):
 def test_without_kv_resident_every_token_is_resident_and_there_is_no_paging(ckpt):
     engine = make_engine(ckpt, **SMALL)
     run_all(engine, PROMPTS[:1], GREEDY)
-    assert engine.kv.paging is None and engine.state()["kv"]["paging"] is None
+    assert engine.kv.paging is None and engine.state().to_json()["kv"]["paging"] is None
 
 
 def test_the_tier_gives_memory_back_before_anything_spills(ckpt):

@@ -91,7 +91,7 @@ def test_gpu_expert_store_on_the_peer_device_under_cuda_graphs(moe_ckpt):
         assert all(p.gate_up.device == torch.device(CUDA) for p in cache.pools)
         tokens = tokens_of(run_all(engine, random_prompts(3, seed=5, lengths=(20, 90)), GREEDY))
         snap = cache.snapshot()
-        vram = {v["device"]: v for v in engine.state()["vram"]}
+        vram = {v["device"]: v for v in engine.state().to_json()["vram"]}
     finally:
         engine.close()
     print(f"peer store: {snap['peer_mib']:.1f} MiB on cuda:1, hit rate {snap['hit_rate']}, loaded "

@@ -12,8 +12,9 @@ from typing import Any, AsyncIterator
 
 from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
 from engine.errors import EngineDead, NoExpertCache, PromptTooLong, QueueFull
+from engine.snapshot import EngineSnapshot, MtpSnapshot, SwitchSnapshot
 from engine.switches import SwitchBoard, SwitchState
-from engine.telemetry import AdmissionEvent, EventBus, SlotEvent, SwitchEvent
+from engine.telemetry import AdmissionEvent, EventBus, SlotEvent, SwitchEvent, VramEvent
 
 
 class FakeEngine:
@@ -93,11 +94,12 @@ class FakeEngine:
             return Health(HealthStatus.DEAD, self.dead_reason)
         return Health(HealthStatus.READY) if self.ready else Health(HealthStatus.LOADING, "weights 3/7")
 
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model_name, "active": sorted(self.active), "switches": self.switches.snapshot(),
-                "vram_reserve_mib": self.vram_reserve_mib,
-                "mtp": {"draft_proposed": [10, 8], "draft_accepted": [7, 3]},
-                "vram": [{"device": "cuda:0", "weights_mib": 100.0, "kv_mib": 50.0}]}
+    def state(self) -> EngineSnapshot:
+        switches = [SwitchSnapshot.from_json(s) for s in self.switches.snapshot()]
+        return EngineSnapshot(model=self.model_name, switches=switches,
+                              mtp=MtpSnapshot(draft_proposed=[10, 8], draft_accepted=[7, 3]),
+                              vram=[VramEvent(device="cuda:0", weights_mib=100.0, kv_mib=50.0,
+                                              reserve_mib=float(self.vram_reserve_mib or 0))])
 
     async def set_switch(self, name: str, enabled: bool) -> SwitchState:
         state = self.switches.set_live(name, enabled)

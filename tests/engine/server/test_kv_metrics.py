@@ -14,7 +14,7 @@ from tests.engine.engine_helpers import make_engine, random_prompts
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _series(state: dict) -> str:
+def _series(state: EngineSnapshot) -> str:
     """What GET /metrics answers for an engine that published `state` (the server reads the published one)."""
 
     class _Published:
@@ -35,7 +35,7 @@ def test_state_and_prometheus_series_of_an_engine_that_spilled(ckpt):
     state = None
     while engine.has_work:
         engine.step()
-        state = engine.state()
+        state = engine.state().to_json()
         if state["kv"]["paging"]["host_mib"] > 0 and any(s["kv_host_tokens"] for s in state["slots"]):
             break
     assert state is not None and state["kv"]["paging"]["host_mib"] > 0
@@ -43,7 +43,7 @@ def test_state_and_prometheus_series_of_an_engine_that_spilled(ckpt):
     assert snap.kv.paging.spilled_mib == state["kv"]["paging"]["spilled_mib"] > 0
     assert [s.kv_host_tokens for s in snap.slots] == [s["kv_host_tokens"] for s in state["slots"]]
     assert snap.to_json()["kv"] == state["kv"]
-    text = _series(state)
+    text = _series(snap)
     host_bytes = state["kv"]["paging"]["host_mib"] * (1 << 20)
     assert f"strata_kv_host_bytes {host_bytes}" in text
     assert "strata_kv_spilled_bytes_total" in text and "strata_kv_fetch_seconds_total" in text
@@ -56,4 +56,4 @@ def test_an_older_engines_state_without_paging_still_parses_and_yields_no_kv_ser
            "slots": [{"slot": 0, "state": "decode", "prompt_tokens": 10}]}
     snap = EngineSnapshot.from_json(old)
     assert snap.kv.paging is None and snap.slots[0].kv_host_tokens == 0
-    assert list(kv_metric_families(old)) == [] and list(kv_metric_families({})) == []
+    assert list(kv_metric_families(snap)) == [] and list(kv_metric_families(EngineSnapshot())) == []
