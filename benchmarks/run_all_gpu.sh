@@ -1,19 +1,85 @@
 #!/usr/bin/env bash
-# Every Strata benchmark on one GPU, in one call of at most ~8 minutes. Writes <bench>.json files, a log and
-# summary.json (targets checked) into $OUT.
+# Every GPU measurement of docs/BENCHMARKS.md, as named steps, in one call of at most BUDGET_S seconds. Each step
+# is its own process (a CUDA failure in one cannot poison the next) under `timeout`; its JSON and log land in $OUT.
 #
-#   OUT=/path/to/results bash benchmarks/run_all_gpu.sh
+#   OUT=/path/to/results bash benchmarks/run_all_gpu.sh              # the default steps, then summary.json
+#   OUT=/path/to/results bash benchmarks/run_all_gpu.sh STEP[,STEP]  # only those (or STEPS=STEP,STEP)
+#   bash benchmarks/run_all_gpu.sh --list                            # every step
 #
-# Needs only torch (CUDA), transformers, tokenizers, safetensors, numpy: no server, no httpx. Each benchmark
-# is its own process (a CUDA failure in one cannot poison the next) under `timeout`; the most important run
-# first. A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that
-# no longer fit the whole budget are skipped and logged. Environment overrides: BUDGET_S (total seconds,
-# default 540), PYTHON, MODEL (default random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, and the
-# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB;
-# DECODE_COMPILE=0 skips the compiled decode run; STEPS=name,name runs only those benchmarks
-# (e.g. STEPS=admission,switches)
-# (tests/engine/bench/test_bench_script.py runs the whole script on CPU with tiny ones).
+# A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that no longer
+# fit the budget are skipped and logged. Environment overrides: BUDGET_S (default 540), PYTHON, MODEL (default
+# random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
+# SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
+# decode run; SEED_RUNS, MOE_RUNS, GPU_WORKERS for the seed and test-suite steps
+# (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
 set -uo pipefail
+
+# name, then what it measures; the first block runs when no step is named (most important first)
+STEP_LIST="\
+decode            default  decode tok/s per batch, CUDA graphs on and off
+peers             default  Strata against HF transformers' eager generate, and the weight-bandwidth floor
+mtp               default  MTP off vs on at depth 1, batch 1 and 6 (strata-tiny)
+mtp_depth2        default  the same at depth 2
+admission         default  six slots decoding while a fresh 176K prompt is admitted (int8 KV, VRAM full)
+ttft              default  time to first token of fresh 32K, 128K and 176K prompts
+graphs            default  the graph cache after each batch (0.6B)
+graphs_mtp        default  the same for strata-tiny with MTP at depth 2
+switches          default  each opt-in switch off vs on
+switches_long     default  SPLIT_ATTN at batch 1 with a SPLIT_LONG prompt, VRAM full
+decode_compile    default  decode with FUSED_PROJ and COMPILE on
+peers_compile     default  HF static cache + torch.compile alone
+peers_static      named    Strata against HF static cache + torch.compile in the same run, batch 1 and 6
+mtp_1             named    MTP off vs on at batch 1, depth 1 (the decode-vs-MTP table)
+mtp_2             named    the same at depth 2
+profile_b1        named    where a batch-1 decode step's time goes (0.6B)
+profile_b6        named    the same at batch 6
+profile_ahead_off named    the batch-1 step with --decode-ahead off
+profile128k_bf16  named    a batch-1 decode step at 128K of context, bf16 KV
+profile128k_int8  named    the same with int8 KV
+profile_tiny_mtp_0 named   a strata-tiny step, plain
+profile_tiny_mtp_1 named   a strata-tiny MTP step at depth 1
+profile_tiny_mtp_2 named   a strata-tiny MTP step at depth 2
+ttft_176k         named    the first token of a fresh 176K prompt alone, bf16 KV
+ttft_176k_int8    named    the same with int8 KV
+admission_between named    the admission with the chunks between the decode steps (--prefill-overlap off)
+reuse             named    a reused 32K prompt's first token against the fresh one's, shared and copy paths
+attention_decode  named    the paged decode kernel's tile loads at 32K and 128K keys, batch 1 and 6
+attention_backends named   one layer's decode attention: gather + SDPA, the Triton paged kernel, FlexAttention
+attention_prefill named    the prefill kernel's launch shapes and loads, 2,048-token chunk over 32K and 128K
+attention_split   named    a 256-token chunk 8K-128K deep: split keys (the default) against one pass
+attention_sdpa    named    the prefill kernel against cuDNN's and flash's SDPA over the gathered prefix
+linear            named    a decode step's projections: cuBLAS against the skinny matmul
+experts           named    a random Qwen3-MoE per expert-cache budget, and its routing trace
+kvspill           named    decode with half of the non-resident KV on the host, against the PCIe floor
+kvspill_six       named    the seed's six long prompts on a pool sized for two
+compile_cold      named    FUSED_PROJ + COMPILE decode with an empty compile cache
+compile_warm      named    the same again, the compiled kernels from the cache
+seed              named    the seed scenario through serve, SEED_RUNS runs (default 5)
+moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS runs (default 3)
+kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
+gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
+peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
+reuse_peer        named    two GPUs: bench reuse with the tier on cuda:0 and on cuda:1
+seed_peer         named    two GPUs: the seed scenario with the tier on cuda:1
+experts_peer      named    two GPUs: bench experts with the store on the host and on cuda:1
+screenshots       named    strata-tui's GPU screenshots (real NVML), into \$OUT/shots
+"
+ALL_STEPS=$(awk '{print $1}' <<<"$STEP_LIST" | xargs)
+DEFAULT_STEPS=$(awk '$2 == "default" {print $1}' <<<"$STEP_LIST" | tr '\n' ',')
+
+case "${1:-}" in
+    --list) echo "$STEP_LIST"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    "") ;;
+    *) STEPS=$1 ;;
+esac
+_named=${STEPS:-}
+for name in ${_named//,/ }; do
+    if [[ " $ALL_STEPS " != *" $name "* ]]; then
+        echo "run_all_gpu.sh: unknown step '$name'; the steps are: $ALL_STEPS" >&2
+        exit 2
+    fi
+done
 
 OUT=${OUT:?set OUT to the folder for the results}
 mkdir -p "$OUT"
@@ -34,32 +100,54 @@ GRAPH_NEW=${GRAPH_NEW:-64}
 SWITCH_NEW=${SWITCH_NEW:-128}
 LOG="$OUT/run_all_gpu.log"
 export STRATA_BENCH_CACHE=${STRATA_BENCH_CACHE:-/tmp/strata-bench-checkpoints}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if compgen -G ".whl/*.whl" >/dev/null; then  # a machine without a package index: the server's wheels carried along
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
 START_S=$(date +%s)
 : > "$LOG"
 
 log() { echo "[$(($(date +%s) - START_S))s] $*" | tee -a "$LOG"; }
 
-# run NAME LIMIT_S ARGS...: one benchmark under min(LIMIT_S, what is left of the budget).
-run() {
-    local name=$1 limit=$2  # switches for one run come as environment variables: STRATA_X=1 run ...
-    shift 2
-    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then
-        return  # not asked for in STEPS
-    fi
-    local left=$((BUDGET_S - ($(date +%s) - START_S)))
+# wanted NAME LIMIT_S: whether to run the step now, and its limit in $limit: min(LIMIT_S, what is left of the budget).
+wanted() {
+    local steps=${STEPS:-$DEFAULT_STEPS} left
+    [[ ",$steps," == *",$1,"* ]] || return 1
+    left=$((BUDGET_S - ($(date +%s) - START_S)))
     if [ "$left" -lt 15 ]; then
-        log "SKIP $name: only ${left}s of the ${BUDGET_S}s budget left"
-        return
+        log "SKIP $1: only ${left}s of the ${BUDGET_S}s budget left"
+        return 1
     fi
+    limit=$2
     [ "$limit" -gt "$left" ] && limit=$left
+    return 0
+}
+
+# run NAME LIMIT_S BENCH ARGS...: `python -m engine.bench BENCH ARGS --json $OUT/NAME.json`, its output in the log.
+run() {
+    local name=$1 limit  # switches for one run come as environment variables: STRATA_X=1 run ...
+    wanted "$1" "$2" || return 0
+    shift 2
     log "START $name (limit ${limit}s): $*"
     timeout --signal=TERM --kill-after=10 "$limit" "$PY" -m engine.bench "$@" --json "$OUT/$name.json" >>"$LOG" 2>&1
     local rc=$?
     [ "$rc" -eq 124 ] && log "TIMEOUT $name after ${limit}s (rows so far are in $name.json)" || log "END $name rc=$rc"
 }
 
-log "strata benchmarks on $(hostname); budget ${BUDGET_S}s"
+# step NAME LIMIT_S COMMAND...: any other command, its output in $OUT/NAME.log and its tail in the log.
+step() {
+    local name=$1 limit
+    wanted "$1" "$2" || return 0
+    shift 2
+    log "START $name (limit ${limit}s): $*"
+    timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    [ "$rc" -eq 124 ] && log "TIMEOUT $name after ${limit}s" || log "END $name rc=$rc"
+    grep -v USDT "$OUT/$name.log" | tail -"${TAIL:-30}" >>"$LOG"
+}
+
+log "strata benchmarks on $(hostname); budget ${BUDGET_S}s; steps ${STEPS:-$DEFAULT_STEPS}"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,driver_version --format=csv >>"$LOG" 2>&1
 "$PY" -c "import torch, transformers as t; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', t.__version__)" >>"$LOG" 2>&1
@@ -71,11 +159,11 @@ from engine.bench.common import prepare_model
 print(prepare_model(sys.argv[1], torch.device(sys.argv[2])))" "$MODEL" "$DEVICE" >>"$LOG" 2>&1
 log "END checkpoint rc=$?"
 
-# The speed benchmarks (decode, peers, MTP, TTFT, graphs, switches) keep SPEED_RESERVE_MIB free. serve's default
-# tier takes all VRAM but the reserve: ~140 GiB of ~0.6 MiB blocks on an H200, seconds more at every engine start
-# (decode and mtp ran past their limits on 2026-12-01 once it did), the same decode step. admission and
-# switches_long keep serve's default: they are about long prompts with VRAM full. 0 = serve's default (always
-# on the CPU, where a host reserve that large would not fit).
+# The default speed benchmarks (decode, peers, MTP, TTFT, graphs, switches) keep SPEED_RESERVE_MIB free: serve's
+# default tier takes all VRAM but the reserve (~140 GiB of small blocks on a 141 GiB card), which makes every
+# engine start seconds longer without changing a decode step. admission and switches_long keep serve's default:
+# they are about long prompts with VRAM full. 0 = serve's default (always on the CPU, where a host reserve that
+# large would not fit).
 SPEED_RESERVE_MIB=${SPEED_RESERVE_MIB:-$([[ "$DEVICE" == cuda* ]] && echo 98304 || echo 0)}
 SPEED=()
 [ "$SPEED_RESERVE_MIB" -gt 0 ] && SPEED=(--vram-reserve-mib "$SPEED_RESERVE_MIB")
@@ -102,11 +190,75 @@ run switches 60 switches "${COMMON[@]}" "${SPEED[@]}" --only SPLIT_ATTN,FUSED_PR
 # SPLIT_ATTN where it claims to help: decode deep into a long context (batch 1, so the long prefill is one prompt).
 run switches_long 90 switches "${COMMON[@]}" --only SPLIT_ATTN --batches 1 --prompt-tokens "$PROMPT" \
     --long-prompt-tokens "$SPLIT_LONG" --new-tokens "$GRAPH_NEW"
-# The fastest decode this engine has: FUSED_PROJ and COMPILE on (COMPILE compiles each graph bucket first).
+# The compiled decode: FUSED_PROJ and COMPILE on (COMPILE compiles each graph bucket first).
 [ "${DECODE_COMPILE:-1}" = 1 ] && STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run decode_compile 150 decode "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 \
     --prompt-tokens "$PROMPT" --new-tokens "$NEW" --graph-modes on
 run peers_compile 120 peers "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
     --skip-strata --peers static --copy-mib "$COPY_MIB"
+
+# The named steps: the tables of docs/BENCHMARKS.md with serve's defaults (VRAM full), as measured there.
+run peers_static 200 peers "${COMMON[@]}" --batches 1,6 --peers static
+# MTP's ratio on strata-tiny moves with the host's speed: run these first on a fresh machine.
+run mtp_1 70 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1 --mtp-depth 1
+run mtp_2 70 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1 --mtp-depth 2
+run profile_b1 90 profile "${COMMON[@]}" --batch 1 --steps 64 --top 12
+run profile_b6 90 profile "${COMMON[@]}" --batch 6 --steps 64 --top 12
+run profile_ahead_off 90 profile "${COMMON[@]}" --batch 1 --steps 64 --top 12 --decode-ahead off
+run profile128k_bf16 90 profile "${COMMON[@]}" --batch 1 --prompt-tokens 131072 --steps 32 --top 12
+run profile128k_int8 90 profile "${COMMON[@]}" --batch 1 --kv int8 --prompt-tokens 131072 --steps 32 --top 12
+run profile_tiny_mtp_0 90 profile --model "$MTP_MODEL" --device "$DEVICE" --batch 1 --steps 64 --top 25
+run profile_tiny_mtp_1 90 profile --model "$MTP_MODEL" --device "$DEVICE" --batch 1 --steps 64 --top 25 --batch-mtp --mtp-depth 1
+run profile_tiny_mtp_2 90 profile --model "$MTP_MODEL" --device "$DEVICE" --batch 1 --steps 64 --top 25 --batch-mtp --mtp-depth 2
+run ttft_176k 120 ttft "${COMMON[@]}" --prompt-sizes 176K
+run ttft_176k_int8 120 ttft "${COMMON[@]}" --kv int8 --prompt-sizes 176K
+run admission_between 200 admission "${COMMON[@]}" --slots 6 --long-tokens "$LONG" --kv int8 --baseline-steps 64 \
+    --prefill-overlap off
+run reuse 90 reuse "${COMMON[@]}" --prompt-sizes 32K
+run attention_decode 120 attention --device "$DEVICE" --rows decode --contexts 32K,128K --batches 1,6 --q-lens 1 \
+    --backends triton --iters 10 --tune 64x4x2x1xgather,64x4x2x1xblock,64x4x2x1xtma,64x4x3x1xtma
+run attention_backends 170 attention --device "$DEVICE" --rows decode --iters 10
+run attention_prefill 150 attention --device "$DEVICE" --rows prefill --iters 5 --prefill-prefixes 32K,128K \
+    --backends triton,dense \
+    --prefill-tune 64x64x4x3xtma,128x64x4x4xtma,128x32x4x3xtma,128x64x4x2xtma,256x64x8x3xtma,128x128x8x2xgather
+run attention_split 120 attention --device "$DEVICE" --rows prefill --iters 10 --prefill-prefixes 8K,32K,128K \
+    --prefill-chunk 256 --backends triton --prefill-tune 128x64x4x3xtma,128x128x8x2xgather
+run attention_sdpa 120 attention --device "$DEVICE" --rows prefill --iters 5 --prefill-prefixes 32K,128K \
+    --backends torch,triton,cudnn,cudnn32k,flash,flash32k
+run linear 150 linear --device "$DEVICE" --rows 1,6,18 --iters 50 \
+    --tune 32x256x1x4x4,64x256x1x4x4,64x128x1x8x4,128x128x1x8x3
+run experts 200 experts --device "$DEVICE" --prompt-tokens 32 --new-tokens 64 --trace-out "$OUT/experts_trace.jsonl"
+run kvspill 100 kvspill "${COMMON[@]}" --kv int8 --prompt-tokens 8K --new-tokens 64 --kv-resident 1024
+run kvspill_six 150 kvspill "${COMMON[@]}" --kv int8 --slots 6 --prompt-tokens 8K --new-tokens 32 --kv-resident 1024
+# COMPILE's start with an empty compile cache, then again with the kernels it kept
+[[ ",${STEPS:-}," == *",compile_cold,"* ]] && rm -rf /tmp/strata-compile-cache
+XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run compile_cold 150 decode "${COMMON[@]}" \
+    --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on
+XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run compile_warm 90 decode "${COMMON[@]}" \
+    --batches 1,6 --prompt-tokens 128 --new-tokens 256 --graph-modes on
+
+# The seed report through `serve` (strata-tiny, 6 MTP slots, int8 KV, every switch, a fresh 150K prompt, VRAM full).
+step seed 560 "$PY" benchmarks/seed_scenario.py --runs "${SEED_RUNS:-5}" --device "$DEVICE" --out "$OUT/seed.json"
+step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs "${MOE_RUNS:-3}" --device "$DEVICE" --random-model moe-bench \
+    --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
+step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device "$DEVICE" --random-model 0.6b \
+    --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
+# The GPU tests: those marked gpu_shared (kernels and models against references) side by side, each other test
+# alone through tests/conftest.py's lock; --session-timeout ends the suite before the step's limit, so a long run
+# still prints its failures and durations.
+step gpu_suite 400 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
+    --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite.xml" tests
+
+# Two GPUs: the prefix-cache tier and the MoE expert store on cuda:1.
+step peer_tests 150 "$PY" -m pytest -m gpu -q -s -rA -p no:cacheprovider tests/engine/test_engine_gpu.py \
+    tests/engine/model/test_moe_gpu.py tests/engine/bench/test_bench_gpu.py \
+    -k "peer_device or expert_store or peer_store or host_and_peer"
+run reuse_peer 90 reuse "${COMMON[@]}" --prompt-sizes 32K --peer-device cuda:1
+step seed_peer 300 "$PY" benchmarks/seed_scenario.py --runs "${SEED_RUNS:-5}" --device "$DEVICE" --prompt-tokens 32768 \
+    --out "$OUT/seed_peer.json" --extra --peer-device cuda:1
+run experts_peer 300 experts --device "$DEVICE" --peer-device cuda:1 --stores host,peer --budgets 5,15,30,50 \
+    --prompt-tokens 32 --new-tokens 64 --no-hf
+step screenshots 120 "$PY" scripts/make_screenshots.py --device "$DEVICE" --context 65536 --chunk-tokens 1024 \
+    --fault-inject capture:draft_round:1-2:oom --prefix gpu- --out "$OUT/shots"
 
 "$PY" benchmarks/collect_results.py "$OUT" 2>&1 | tee -a "$LOG"
 log "done"

@@ -73,8 +73,8 @@ class EngineProcess:
 def _stop_engines_and_exit(signum: int, _frame: Any) -> None:
     """SIGTERM / SIGHUP / SIGINT to the script (`timeout`, a closed terminal, Ctrl-C): SIGTERM every running
     engine at once (each then exits by itself, even if this script is killed next), wait a little, and exit
-    128 + the signal. On the H200 an engine left behind by a timed-out run held the card's memory and the next
-    benchmarks of the call ran out of memory (docs/BENCHMARKS.md, 2026-12-01, third session)."""
+    128 + the signal. An engine left behind by a timed-out run would hold the card's memory, and the next
+    benchmarks would run out of it."""
     engines = list(EngineProcess.LIVE)
     for engine in engines:
         if engine.proc.poll() is None:

@@ -167,8 +167,8 @@ async def one_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
         record["stderr_tail"] = engine.stderr_tail[-20:]
     record.update(judge_events(events))
     record["events"] = len(events)
-    # A server that does not exit 0 on SIGTERM is a defect a person sees ("Aborted (core dumped)" in the terminal;
-    # -6 on the H200 in the eleventh session, 2026-12-02).
+    # A server that does not exit 0 on SIGTERM is a defect a person sees ("Aborted (core dumped)" in the terminal,
+    # exit status -6).
     record["passed"] = (record.get("exited_during_run") is None and record.get("requests") == 7
                         and record.get("completed") == 7 and not record["bad_messages"]
                         and not any(e.get("fatal") for e in record["error_events"])

@@ -50,13 +50,13 @@ SWITCHES: tuple[Switch, ...] = (
         "split-KV (flash-decoding) attention for long-context decode; its scratch grows with context",
         live=True,
         key_tag="split",
-        effect="slower at 16K context on the H200; where it pays off is not measured yet (docs/SWITCHES.md)",
+        effect="slower at 16K context; where it pays off is not measured yet (docs/SWITCHES.md)",
     ),
     Switch(
         "FUSED_PROJ",
         "fuse the q/k/v and gate/up projections into one matmul each (weights concatenated at load)",
         live=False,
-        effect="on by default: faster batch-1 and batch-6 decode steps on the H200 (docs/SWITCHES.md)",
+        effect="on by default: fewer, wider matmuls make batch-1 and batch-6 decode steps faster (docs/SWITCHES.md)",
         default=True,
     ),
     Switch(
@@ -69,7 +69,7 @@ SWITCHES: tuple[Switch, ...] = (
         "PINNED_STAGING",
         "stage step inputs through pinned host buffers and copy them to the device asynchronously",
         live=False,
-        effect="no measurable effect on the H200; a decode step launched ahead (--decode-ahead) stages this way "
+        effect="no measurable effect on decode; a decode step launched ahead (--decode-ahead) stages this way "
                "whatever the switch says (docs/SWITCHES.md)",
     ),
     Switch(
@@ -84,8 +84,8 @@ SWITCHES: tuple[Switch, ...] = (
         "elsewhere the PyTorch reference gathers the keys first)",
         live=True,
         key_tag="paged",
-        effect="on by default: decode attention several times faster than gather + SDPA at every context measured "
-               "on the H200, most at long context (docs/SWITCHES.md)",
+        effect="on by default: reading the KV in place makes decode attention several times faster than gather "
+               "+ SDPA, most at long context (docs/SWITCHES.md)",
         default=True,
     ),
     Switch(
@@ -94,8 +94,8 @@ SWITCHES: tuple[Switch, ...] = (
         "chunk instead of gathering the span first (needs PAGED_ATTN; CUDA only)",
         live=True,
         key_tag="pprefill",
-        effect="on by default: prompt chunks faster than gather + flash SDPA at every cached length measured on the "
-               "H200, and fresh prompts' first token sooner (docs/SWITCHES.md)",
+        effect="on by default: reading the cached prefix in place makes prompt chunks faster than gather + flash "
+               "SDPA, and fresh prompts' first token sooner (docs/SWITCHES.md)",
         default=True,
     ),
     Switch(
@@ -104,8 +104,8 @@ SWITCHES: tuple[Switch, ...] = (
         "table, not copied, and a finished prompt's blocks are handed to the tier, not copied (tier on the compute "
         "device, without --kv-resident)",
         live=False,
-        effect="on by default: a reused prompt's first token several times sooner than when the tier copies, on "
-               "the H200 (docs/SWITCHES.md)",
+        effect="on by default: a reused prefix is mapped, not copied, so its first token comes several times "
+               "sooner (docs/SWITCHES.md)",
         default=True,
     ),
     Switch(

@@ -46,8 +46,8 @@ def _cuda_available() -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     """Under xdist, work goes out in collection order (the shared GPU tests first), not largest group first, xdist's
     default: the group of the tests that take the GPU alone, the largest, would go first to one process, which
-    would wait out the whole shared phase without running a shared test (docs/BENCHMARKS.md, the seventeenth
-    session). In collection order every process takes shared tests until they run out."""
+    would wait out the whole shared phase without running a shared test. In collection order every process takes
+    shared tests until they run out."""
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6
         config.option.loadscopereorder = False
 

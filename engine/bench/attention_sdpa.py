@@ -9,8 +9,8 @@ positions [start, start + T) of one slot is two calls whose outputs merge throug
 The prefix is gathered through the block table into query-head order (GQA expanded in the same copy, int8
 dequantized in it), `segment_tokens` keys at a time so the copy stays bounded at any depth; each segment's
 output merges into the running one. CUDA only. `bench attention --rows prefill --backends cudnn,flash` times it
-against the engine's own prefill kernel (engine.model.attention.triton_prefill), which stayed faster on the H200
-(docs/BENCHMARKS.md, "The GPU session of 2026-12-02 (eleventh)"), so the engine does not use it.
+against the engine's own prefill kernel (engine.model.attention.triton_prefill), which is faster
+(docs/BENCHMARKS.md, "Why these kernels"), so the engine does not use it.
 """
 
 from __future__ import annotations

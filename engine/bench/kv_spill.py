@@ -7,7 +7,7 @@ Two slots (`--slots`) decode prompts of `--prompt-tokens`. With room: every slot
 the other's non-resident blocks are spilled, and its next forward fetches them back first). The tier has
 nothing to give in both runs, as on the seed's card that it fills by design: started at 0 MiB, and the pool's
 source answers 0 MiB (on CUDA the tier otherwise regrows into free VRAM and the pool grows out of the spill:
-the 2026-12-01 run spilled nothing).
+nothing would spill).
 
 With more slots the pool keeps
 that size, so every forward fetches what the others spilled (the seed's six long prompts on a full card).
@@ -93,8 +93,8 @@ def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str,
 def tokens_alone(args: argparse.Namespace, context: int) -> list[list[int]]:
     """Each prompt's greedy tokens decoded on its own, with room: the control for `same_tokens`. The spill run
     decodes its slots in forwards of fewer rows than the room run (a pool sized below two slots), and a forward's
-    row count may change bf16 rounding (the H200 runs of 2026-12-01 said `same_tokens: no` in bf16 while the fp32
-    GPU tests and a CPU bf16 0.6B run kept them): equal to these, the spill run lost nothing."""
+    row count may change bf16 rounding (on a GPU `same_tokens` can say no in bf16 where fp32 keeps every token):
+    equal to these, the spill run lost nothing."""
     bench = build_engine(args, batch=args.slots, tier_budget_mib=0.0, context=context, kv_resident=None)
     try:
         vocab = bench.engine.lm.config.vocab_size

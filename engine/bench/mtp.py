@@ -48,8 +48,7 @@ def prompts_for(bench: BenchEngine, source: str, batch: int, n_tokens: int) -> l
 
 # Two engines cannot live at once on CUDA (the first one's KV pool and tier take the free VRAM), so each mode's
 # engine is built twice, in the order off, on, on, off: a drift of the machine over the run weighs on both modes
-# alike (a batch-1 step of a tiny model is a fraction of a millisecond and one run moves a lot from the next:
-# docs/BENCHMARKS.md, the eleventh and thirteenth sessions).
+# alike (a batch-1 step of a tiny model is a fraction of a millisecond and one run moves a lot from the next).
 _VISITS = (False, True, True, False)
 
 

@@ -2,8 +2,8 @@
 
 Between steps, a prompt chunk stops every decoding slot for as long as it runs, so time slicing cannot give a
 fresh long prompt its first token in less than twice its time alone while the slots keep half their rate
-(docs/BENCHMARKS.md, "The 176K admission"). Here, while slots decode, the engine launches a chunk on a side stream
-and goes back to the slots at once; their steps run on a high-priority stream. The engine lands the chunk (samples the first token, prefills MTP's drafter, hands full blocks to the prefix tier)
+(docs/BENCHMARKS.md, "A fresh 176K prompt beside six decoding slots"). Here, while slots decode, the engine
+launches a chunk on a side stream and goes back to the slots at once; their steps run on a high-priority stream. The engine lands the chunk (samples the first token, prefills MTP's drafter, hands full blocks to the prefix tier)
 at the start of a later step, once its event has completed, and only then plans the next one.
 
 On CUDA the side stream is a green context's, on CHUNK_SM_SHARE of the SMs, so the other SMs stay free for the
@@ -35,8 +35,9 @@ from engine.config import mode_wanted
 from engine.errors import ConfigError
 
 CHUNK_SMS_ENV = "STRATA_CHUNK_SMS"
-# The chunks' share of the SMs: the rest stays free for the decoding slots' kernels. Chosen by the 176K admission
-# at several shares (docs/BENCHMARKS.md, "The GPU session of 2026-12-01 (tenth)").
+# The chunks' share of the SMs: the rest stays free for the decoding slots' kernels. Fewer SMs slow the chunks
+# (the first token comes later); more leave decode less of its rate and do not speed the chunks up
+# (docs/BENCHMARKS.md, "A fresh 176K prompt beside six decoding slots").
 CHUNK_SM_SHARE = 0.75
 _SM_GROUP = 8
 CHUNK_OWNER = "chunks"  # the graph pool of prompt chunks while they may overlap the steps' graphs
@@ -76,9 +77,9 @@ def overlap_wanted(mode: str, device: torch.device, kv_resident: int | None, moe
 
 # One green context per (device, SMs), never destroyed: tensors the side stream allocated outlive an engine in
 # torch's allocator cache, and freeing one after its stream's context was destroyed aborts the process ("CUDA
-# error: context is destroyed" from the allocator, on the H200, 2026-12-01). That includes the interpreter's exit,
-# which would destroy the context while graphs and weights are still being freed: `serve` ended by SIGTERM exited
-# -6 (SIGABRT) instead of 0 in the seed scenario. So each context keeps one reference no module teardown drops,
+# error: context is destroyed" from the allocator). That includes the interpreter's exit,
+# which would destroy the context while graphs and weights are still being freed: `serve` ended by SIGTERM would exit
+# -6 (SIGABRT) instead of 0. So each context keeps one reference no module teardown drops,
 # and the driver releases it with the process.
 _GREEN_STREAMS: dict[tuple[int, int], tuple[Any, torch.cuda.Stream]] = {}
 

@@ -31,8 +31,8 @@ _DRIVER_OOM = "CUDA error: out of memory"
 _ALLOC_OOM = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 139.81 GiB "
               "of which 2.00 MiB is free.")
 _INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
-# torch's tail on every CUDA error, its last line included: "device-side assertions" in it once made every
-# injected and real CUDA error look sticky to engine.exec.gpu_errors (the H200, 2026-12-01).
+# torch's tail on every CUDA error, its last line included, so that the fault-injection tests meet the real text:
+# "device-side assertions" in it must not make an error look sticky to engine.exec.gpu_errors.
 _BOILERPLATE = ("\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
                 "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1"
                 "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")

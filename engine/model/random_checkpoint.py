@@ -33,7 +33,7 @@ SIZES: dict[str, dict[str, Any]] = {
     ),
     # Qwen3-MoE shapes (model_type qwen3_moe). moe-tiny: tests (16 experts of 48 KiB in fp32, top-2, one dense
     # layer so both MLP kinds load; a 1 MiB expert cache holds 6 of 16 per layer); moe-bench: the expert-cache benchmark, 24 layers x 64 experts (top-8), ~1.1 GiB of experts
-    # in bf16, small enough to write and load inside a short GPU session.
+    # in bf16, small enough to write and load within a benchmark's time limit.
     "moe-tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,

@@ -4,8 +4,8 @@
 
 A decode step multiplies 1 to a few dozen rows by each weight: the product is a stream of the weight's bytes.
 For a narrow output (N < K: attention's output projection and the MLP's down projection) cuBLAS picks split-K
-kernels that reach a fraction of what it reaches on the wide ones (docs/BENCHMARKS.md, "The projections at
-decode", `strata-engine bench linear`); `linear` takes those products here and leaves the wide ones (qkv,
+kernels that reach a fraction of what it reaches on the wide ones (docs/BENCHMARKS.md, "A decode step's
+projections", `strata-engine bench linear`); `linear` takes those products here and leaves the wide ones (qkv,
 gate/up, the LM head), where cuBLAS measured as fast or faster, to torch. Each program streams a
 [BLOCK_N, K / SPLIT] slab of the weight in BLOCK_K steps through the tensor cores with every row of the step in
 one [BLOCK_M, BLOCK_K] tile; the splits write fp32 partial sums that the last split to finish adds in split

@@ -215,8 +215,8 @@ class _PartsBuilder:
 def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, model: torch.nn.Module,
                           device: torch.device) -> None:
     """Free an engine's graphs, tier blocks, KV buffers and weights explicitly rather than by dropping the engine:
-    on the H200 a dropped benchmark engine's ~140 GiB (its tier fills the GPU) was still held when the next engine
-    of the same process checked its KV fit, which then saw 1 GiB free."""
+    a dropped engine's tier (it fills the GPU) is still held when the next engine of the same process checks its
+    KV fit, which then sees about the reserve free."""
     executor.release()
     tier.close("engine closed")
     kv.free()

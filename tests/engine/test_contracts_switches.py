@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.errors import ConfigError, SwitchNeedsRestart, UnknownSwitch
@@ -12,6 +14,14 @@ def test_registry_has_split_attn_and_five_switches_with_descriptions() -> None:
     names = [s.name for s in SWITCHES]
     assert "SPLIT_ATTN" in names and len(names) >= 5 and len(set(names)) == len(names)
     assert all(s.description and s.env_var == "STRATA_" + s.name for s in SWITCHES)
+
+
+def test_each_effect_says_why_not_when_or_on_which_machine() -> None:
+    """`effect` travels to the TUI over /strata/state: it is the switch's reason, the figures stay in
+    docs/SWITCHES.md with their machine and date."""
+    for switch in SWITCHES:
+        assert switch.effect, switch.name
+        assert not re.search(r"\bH[12]00\b|20\d\d-\d\d-\d\d|session|\bcall \d", switch.effect), (switch.name, switch.effect)
 
 
 def test_env_parsing_accepts_common_spellings_and_names_bad_values() -> None:

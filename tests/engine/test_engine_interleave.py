@@ -72,8 +72,8 @@ def test_decoding_slots_get_a_token_every_step_while_a_long_prompt_is_admitted(c
 @pytest.mark.gpu
 def test_on_cuda_with_graphs_decoding_slots_keep_their_token_every_step(ckpt) -> None:
     """The same on the GPU path: captured decode graphs, eager fused chunks, device syncs around the timings. The
-    shorts get a 32K context: on the H200, once FUSED_OPS and FUSED_PROJ were on by default, the admission outlasted
-    the room a 4,096-token context leaves a short decoding 3 tokens a step (docs/BENCHMARKS.md, seventh session)."""
+    shorts get a 32K context: with FUSED_OPS and FUSED_PROJ on, the admission outlasts the room a 4,096-token
+    context leaves a short decoding 3 tokens a step."""
     context = 32768
     config = small_config(ckpt, device="cuda:0", dtype="bfloat16", batch=5, context=context, prefill_chunk_tokens=512,
                           step_token_budget=1024, batch_mtp=True, mtp_depth=2)

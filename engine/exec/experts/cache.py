@@ -277,7 +277,7 @@ class ExpertCache:
 
         Never traced by torch.compile (COMPILE): Dynamo would specialize on `capturing()`, False at the warm-up,
         and compile the captured path during the capture itself, which CUDA refuses ("operation not permitted
-        when stream is capturing": every MoE seed run on the H200, 2026-12-01, lost COMPILE or its engine)."""
+        when stream is capturing"), and an MoE engine under COMPILE would lose the switch or die."""
         if not self.force_eager and self.capturing(x):
             return self._captured_forward(moe_index, x, ids, weights)
         return self._eager_forward(moe_index, x, ids, weights)

@@ -27,7 +27,7 @@ from engine.switches import SwitchBoard
 
 POLICY_SWITCH = "EXPERT_LFU"
 
-# A replay costs about one decode step; an eager re-run of a 24-layer step cost 15-20 of them on the H200
+# A replay costs about one decode step; an eager re-run of a 24-layer step costs 15-20 of them on a GPU
 # (docs/BENCHMARKS.md), so a few replays that each fix one layer are worth trying first.
 MAX_EXTRA_REPLAYS = 3
 

@@ -248,8 +248,8 @@ class GraphCache:
             failure, last_free = result, result.vram_free_mib
             if released > 0 and not final:
                 # The tier gave memory and the step still ran short: a warm-up allocates many buffers, and
-                # the failed one named only its own size (docs/GRAPHS.md: a 128K split-KV graph on the H200
-                # degraded with most of the tier still held until this asked again). Ask again.
+                # the failed one named only its own size (docs/GRAPHS.md: a 128K split-KV graph would degrade
+                # with most of the tier still held). Ask again.
                 released = self._ask_tier(kind, key, failure)
         return failure
 

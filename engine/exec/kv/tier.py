@@ -84,7 +84,7 @@ class AdaptiveTier:
         self.shared_blocks = 0  # tier blocks mapped into a slot by reference (pool blocks)
         start = self.blocks_for(budget_mib)
         # The own blocks' share first: where MAX_TIER_BLOCKS caps the start, the cap comes out of the pool's share
-        # (a tiny model's blocks on the H200 otherwise all went to the pool, and every release reallocated it).
+        # (a tiny model's blocks on a large card otherwise all go to the pool, and every release reallocates it).
         pooled = start if pooled_mib is None else max(0, start - self.blocks_for(max(0.0, budget_mib - pooled_mib)))
         self._resize_to(start, "start", pooled=pooled if shared is not None else 0)
 

@@ -69,7 +69,7 @@ def _paged_decode_kernel(
     kv_len = tl.minimum(tl.max(pos, axis=0) + 1, span_tokens)
     slot = tl.load(slots_ptr + b)
     # in 64 bits: a pool that holds the prefix-cache tier's blocks (SHARED_PREFIX) can pass 2**31 elements, and
-    # h * its head stride with it (int8 KV on a full H200, 2026-12-01: an illegal memory access)
+    # h * its head stride with it (in 32 bits: an illegal memory access with int8 KV on a full card)
     h_pool = h.to(tl.int64) * stride_kh
     # This row's own keys in even splits of at least min_split_tiles tiles (even_splits, on the device): the grid
     # has the splits of the static span, a row uses as many as its length fills, so one graph serves every length

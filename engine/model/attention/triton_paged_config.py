@@ -51,10 +51,10 @@ class PrefillConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
-# Chosen by `bench attention --rows prefill --prefill-tune` on the H200 (docs/BENCHMARKS.md, "The GPU session of
-# 2026-12-01 (fifth)"): the fastest measured shape per KV dtype at 8K, 32K and 128K cached tokens.
-# The twelfth session's `--prefill-tune ...xLOADS` moved bf16 to TMA loads of one-block tiles. int8 keeps its tile of
-# two blocks (keys through the table one by one), the shape its end-to-end figures of that session ran.
+# Chosen by `bench attention --rows prefill --prefill-tune` (docs/BENCHMARKS.md, "Paged prefill attention"): the
+# fastest measured shape per KV dtype at 8K, 32K and 128K cached tokens. bf16 loads one-block tiles through TMA.
+# int8 keeps its tile of two blocks (keys through the table one by one): the shape its end-to-end figures ran, and
+# the faster ones were within a few percent.
 # A launch of fewer programs than the device has SMs (a short chunk deep into a span: a reused prompt's tail, a new
 # turn of a long conversation) splits its keys to about one program per SM (132 on an H100 / H200).
 PREFILL_SPLIT_PROGRAMS = 132

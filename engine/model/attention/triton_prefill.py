@@ -96,8 +96,7 @@ def _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, ti
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
     if INT8:
         # Scales are read unmasked: every tile lies in blocks of the span. The arithmetic is the one measured
-        # fastest for int8 (a separate rescale and add after P.V; the bf16 path's folded forms ran slower here:
-        # docs/BENCHMARKS.md, twelfth session).
+        # fastest for int8 (a separate rescale and add after P.V; the bf16 path's folded forms ran slower here).
         s = s * tl.load(ks_ptr + scale_off)[None, :] * qk_scale
         if MASKED:
             s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
@@ -138,7 +137,7 @@ def _paged_prefill_kernel(
     PAGE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, LOADS: tl.constexpr, SPLITS: tl.constexpr,
 ):
     # torch.compile (inductor) passes a Python float as fp64: the scores, and so the loop-carried max, would turn
-    # fp64 and the kernel fail to compile (the 2026-12-01 seed run under COMPILE).
+    # fp64 and the kernel fail to compile, which turns COMPILE off.
     qk_scale = tl.full([], qk_scale, tl.float32)
     head = tl.program_id(0)
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last tiles see the most keys: start them first

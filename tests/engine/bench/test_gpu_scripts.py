@@ -1,12 +1,15 @@
-"""The GPU session scripts name only what exists: every `engine.bench` command in them parses (its flags are
-real), every test path is a file, every seed-scenario call parses. A device call is minutes of a scarce budget;
-a typo found there costs one. Parsing only: nothing runs."""
+"""The GPU run (benchmarks/run_all_gpu.sh) names only what exists: every `engine.bench` command in it parses (its
+flags are real), every test path is a file, every seed-scenario call parses, every step it runs is listed and a
+step name it does not know is refused. A device call is minutes of a scarce budget; a typo found there costs one.
+Parsing only: nothing runs on a GPU."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,15 +17,36 @@ import pytest
 from engine.bench import command as cli_bench
 
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPTS = ["scripts/gpu_pending.sh", "scripts/gpu_attention.sh", "scripts/gpu_two.sh"]
+SCRIPT = "benchmarks/run_all_gpu.sh"
+
+
+def _expanded(text: str) -> str:
+    """The script's text with its variables read as their defaults: `${NAME:-default}` as default, `NAME=(...)`
+    arrays as their words (the first assignment), `$NAME` as the default its `NAME=${NAME:-...}` line gives."""
+    text = text.replace("\\\n", " ")
+    arrays: dict[str, str] = {}
+    for name, words in re.findall(r"^(\w+)=\((.*)\)$", text, flags=re.M):
+        arrays.setdefault(name, words)
+    defaults = dict(re.findall(r"^(\w+)=\$\{\w+:-([^}$]*)\}$", text, flags=re.M))
+    text = re.sub(r'"?\$\{(\w+)\[@\]\}"?', lambda m: arrays.get(m.group(1), ""), text)
+    text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m.group(1), m.group(0)), text)
 
 
 def _commands(script: str) -> list[list[str]]:
-    """Each command line of the script (continuations joined), split like the shell would; `${NAME:-default}`
-    reads as its default, other variables stay as they are (a `$OUT/x.json` is a path like any other)."""
-    text = (ROOT / script).read_text().replace("\\\n", " ")
-    text = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
-    return [shlex.split(line, comments=True) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    """Each step call of the script (`run NAME LIMIT_S ...`, `step NAME LIMIT_S ...`; continuations joined,
+    variables at their defaults), split like the shell."""
+    text = _expanded((ROOT / script).read_text())
+    return [shlex.split(line, comments=True) for line in text.splitlines()
+            if not line.lstrip().startswith("#") and re.search(r"(^|\s)(run|step)\s+\w+\s+\d+\s", line)]
+
+
+def _steps(words: list[str]) -> tuple[str, str, list[str]] | None:
+    """A `run NAME LIMIT_S ...` or `step NAME LIMIT_S ...` call: (function, name, the rest)."""
+    for i, word in enumerate(words[:-2]):
+        if word in ("run", "step") and words[i + 2].isdigit():
+            return word, words[i + 1], words[i + 3:]
+    return None
 
 
 def _after(words: list[str], marker: list[str]) -> list[str] | None:
@@ -48,29 +72,44 @@ def _shell_free(words: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_bench_command_in_the_gpu_scripts_parses(script: str) -> None:
+def test_every_bench_step_of_the_gpu_run_parses() -> None:
     parser = _bench_parser()
     found = 0
-    for words in _commands(script):
-        args = _after(words, ["-m", "engine.bench"])
-        if args is None:
+    for words in _commands(SCRIPT):
+        call = _steps(words)
+        if call is None or call[0] != "run":
             continue
         found += 1
-        args = _shell_free(args)
+        args = _shell_free(call[2])
         try:
             parser.parse_args(args)
         except (argparse.ArgumentError, SystemExit) as exc:
-            pytest.fail(f"{script}: `python -m engine.bench {' '.join(args)}` does not parse: {exc}")
-    assert found, f"{script} runs no benchmark"
+            pytest.fail(f"{SCRIPT} step {call[1]}: `python -m engine.bench {' '.join(args)}` does not parse: {exc}")
+    assert found >= 30, f"{SCRIPT} runs {found} benchmarks"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_test_path_in_the_gpu_scripts_exists(script: str) -> None:
-    paths = re.findall(r"\btests/[\w/.-]+\.py\b", (ROOT / script).read_text())
-    assert paths or script == "scripts/gpu_two.sh" or "GPU_TEST" in (ROOT / script).read_text()
+def test_every_test_path_in_the_gpu_run_exists() -> None:
+    paths = re.findall(r"\btests/[\w/.-]+\.py\b", (ROOT / SCRIPT).read_text())
+    assert paths
     for path in paths:
-        assert (ROOT / path).is_file(), f"{script} names {path}, which does not exist"
+        assert (ROOT / path).is_file(), f"{SCRIPT} names {path}, which does not exist"
+
+
+def test_every_step_is_listed_and_every_listed_step_runs() -> None:
+    listed = subprocess.run(["bash", str(ROOT / SCRIPT), "--list"], capture_output=True, text=True, timeout=30)
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+    called = [call[1] for words in _commands(SCRIPT) if (call := _steps(words))]
+    assert sorted(names) == sorted(set(called)) and len(called) == len(set(called))
+
+
+def test_an_unknown_step_is_refused_by_name_before_anything_runs(tmp_path: Path) -> None:
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(ROOT / SCRIPT), "decode,no_such_step"], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "no_such_step" in proc.stderr and "peers_static" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_seed_scenario_calls_in_the_gpu_scripts_parse() -> None:
@@ -85,11 +124,10 @@ def test_the_seed_scenario_calls_in_the_gpu_scripts_parse() -> None:
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     calls = 0
-    for script in SCRIPTS:
-        for words in _commands(script):
-            args = _after(words, ["benchmarks/seed_scenario.py"])
-            if args is not None:
-                calls += 1
-                parsed = module.parse_args(_shell_free(args))
-                assert parsed.runs >= 1
-    assert calls >= 2
+    for words in _commands(SCRIPT):
+        args = _after(words, ["benchmarks/seed_scenario.py"])
+        if args is not None:
+            calls += 1
+            parsed = module.parse_args(_shell_free(args))
+            assert parsed.runs >= 1
+    assert calls >= 4

@@ -175,8 +175,8 @@ def test_a_short_prompt_chunk_deep_into_a_span_splits_its_keys_only_when_asked()
 
 def test_a_short_span_is_split_a_tile_per_program():
     """The decode kernel's split plan: a short span's tiles go to programs of their own (one program streaming
-    them one after the other waits on each tile's loads in turn; docs/BENCHMARKS.md, "The decode kernel at short
-    spans"), a long one's to as many splits as fill the device."""
+    them one after the other waits on each tile's loads in turn; docs/BENCHMARKS.md, "Paged decode
+    attention"), a long one's to as many splits as fill the device."""
     pytest.importorskip("triton")
     from engine.model.attention.triton_paged import split_plan
 

@@ -10,9 +10,9 @@ over the measuring window, as a percentage of one core. Latency: for every event
 stamp (`ts`, set by the engine's bus) to the end of the first screen refresh after it was folded into the
 state (call_after_refresh), on one clock (both processes on this machine).
 
-    .venv/bin/python scripts/bench_tui.py                       # 6 slots x 30 Hz, default refresh
-    .venv/bin/python scripts/bench_tui.py --slots 6 --hz 60 --seconds 20
-    .venv/bin/python scripts/bench_tui.py --real-engine --seconds 20
+    .venv/bin/python benchmarks/bench_tui.py                       # 6 slots x 30 Hz, default refresh
+    .venv/bin/python benchmarks/bench_tui.py --slots 6 --hz 60 --seconds 20
+    .venv/bin/python benchmarks/bench_tui.py --real-engine --seconds 20
 """
 
 from __future__ import annotations

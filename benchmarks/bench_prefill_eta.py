@@ -8,8 +8,8 @@ that ETA, and the engine's own constant-rate `eta_s` from its latest slot event;
 arrives it compares both with the time that was really left. It also reports the longest stretch during
 which the shown ETA did not change (the old display froze between chunk events).
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_prefill_eta.py --prompt-tokens 65536
-    python3 scripts/bench_prefill_eta.py --device cuda:0 --prompt-tokens 150000 --context 160000   # a GPU
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_prefill_eta.py --prompt-tokens 65536
+    python3 benchmarks/bench_prefill_eta.py --device cuda:0 --prompt-tokens 150000 --context 160000   # a GPU
 """
 
 from __future__ import annotations
