@@ -26,7 +26,8 @@ import torch
 from engine.api import GREEDY_BELOW_TEMPERATURE, SamplingParams, TokenLogprob
 from engine.errors import RequestRejected
 
-History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids so far) of one row
+History = tuple[Sequence[int], Sequence[int]]
+MIN_REPETITION_PENALTY = 1e-6  # logits / 1e-6 stay finite in float32 and make the seen maximum certain  # (prompt token ids, output token ids so far) of one row
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -90,7 +91,11 @@ def penalize(logits: torch.Tensor, drafts: torch.Tensor | None, params: list[Sam
                 in_prompt = torch.zeros(v, dtype=torch.bool, device=device)
                 in_prompt[torch.as_tensor(list(prompt_ids), device=device)] = True
                 seen = seen | in_prompt
-            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            # Clamped: a valid penalty below float32's range (1e-46) divides by 0 (inf logits, NaN
+            # probabilities). At MIN_REPETITION_PENALTY the softmax is already saturated, so the result is
+            # the one the exact penalty gives.
+            penalty = max(p.repetition_penalty, MIN_REPETITION_PENALTY)
+            penalized = torch.where(row > 0, row / penalty, row * penalty)
             row = torch.where(seen, penalized, row)
         if p.frequency_penalty:
             row = row - p.frequency_penalty * counts
@@ -126,6 +131,9 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
         keep = before < top_p.view(-1, 1, 1)
+        # The most likely token always stays: a top_p that is 0 in float32 (a valid 1e-46 rounds to it) would
+        # otherwise keep nothing, and 0/0 probabilities sample the last id of the vocabulary.
+        keep[..., 0] = True
         if top_k is not None:
             rank = torch.arange(probs.shape[-1], device=probs.device).view(1, 1, -1)
             k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1]))
