@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from engine.cli.options import OneLineParser
 from engine.errors import StrataError
 
 SUBCOMMANDS = {
@@ -22,7 +23,7 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata-engine", description="Strata inference engine")
+    parser = OneLineParser(prog="strata-engine", description="Strata inference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

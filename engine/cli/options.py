@@ -4,13 +4,34 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from engine.config import API_KEY_ENV, EngineConfig
 from engine.errors import ConfigError
 from engine.switches import switches_from_env
 
-_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (`strata-engine serve: error: argument --x: ...`, exit 2), as every
+    other start-up error of the CLI: the 15-line usage block buried the one line that said what was wrong."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def finite_float(text: str) -> float:
+    """A float option: NaN and infinities are refused (every comparison with NaN is False, so NaN would slip
+    past each range check after it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+_TYPES = {"int": int, "int | None": int, "float": finite_float, "str": str, "str | None": str,
           "int | str | None": str}  # a number or a word (expert_cache_mib: N or auto): EngineConfig decides
 
 
@@ -44,4 +65,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     except ConfigError:
         raise
     values = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__}
+    if values.get("api_key") == "":
+        # An empty key would serve without authentication while the caller believes a key is set.
+        raise ConfigError("api_key", "", f"the key is empty (--api-key or {API_KEY_ENV}); unset {API_KEY_ENV} "
+                                           f"and drop --api-key to serve without a key")
     return EngineConfig(**values, switches=switches)
