@@ -94,7 +94,7 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer().encode(text)
+        return self._tokenizer().encode(text, specials_in_text=False)  # a user's text, never control tokens
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer().decode(token_ids)

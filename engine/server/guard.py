@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from engine.config import EngineConfig
 from engine.server.auth import check_bearer, is_loopback
 from engine.server.errors import ApiError
+from engine.server.protocol import MAX_DECIMAL_DIGITS
 
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -73,8 +74,9 @@ class RequestGuard:
             raise ApiError(415, f"{method} bodies must be JSON: send 'Content-Type: application/json' "
                                 f"(got {media_type or 'no Content-Type'})", code="unsupported_media_type")
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise BodyTooLarge(self.max_body_bytes, f"{int(length)} bytes")
+        if length is not None and length.isascii() and length.isdigit():
+            if len(length) > MAX_DECIMAL_DIGITS or int(length) > self.max_body_bytes:  # no int() of 5000 digits
+                raise BodyTooLarge(self.max_body_bytes, f"{length[:24]} bytes")
 
     def _check_host(self, host_header: str) -> None:
         name = _host_name(host_header)

@@ -27,6 +27,7 @@ from engine.server.logprobs import CompletionLogprobs, chat_logprobs
 from engine.server.streams import usage_of_choices
 from engine.server.protocol import (
     MAX_STOP_STRINGS,
+    decimal,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -229,7 +230,7 @@ class Serving:
             stop=_stop_strings(req.stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
-            top_k=max(req.top_k or 0, 0),
+            top_k=self._top_k(req.top_k),
             min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0,
@@ -243,18 +244,29 @@ class Serving:
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.stream, include_usage, req.n,
                         logprobs_top)
 
+    def _top_k(self, top_k: int | None) -> int:
+        """-1, 0 and any k the vocabulary cannot exceed all mean "off" (0)."""
+        vocab = getattr(self.client, "vocab_size", None)
+        if top_k is None or top_k < 1 or (vocab is not None and top_k >= vocab):
+            return 0
+        return top_k
+
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `{"token id": bias}` as (id, bias) pairs; keys that are not ids of this model are 400."""
+        """OpenAI's `{"token id": bias}` as (id, bias) pairs; keys that are not ids of this model are 400, and
+        so are two keys naming one id ("7" and "007"): which bias was meant cannot be told."""
         if not bias:
             return ()
         vocab = getattr(self.client, "vocab_size", None)
-        pairs = []
+        pairs: dict[int, float] = {}
         for key, value in bias.items():
-            if not key.isdigit() or (vocab is not None and int(key) >= vocab):
+            token = decimal(key)  # the schema already holds keys to ASCII digits; this is the same rule
+            if token is None or (vocab is not None and token >= vocab):
                 limit = f" below {vocab}" if vocab is not None else ""
                 raise invalid_param(f"logit_bias.{key}", key, f"keys must be token ids{limit}")
-            pairs.append((int(key), float(value)))
-        return tuple(sorted(pairs))
+            if token in pairs:
+                raise invalid_param(f"logit_bias.{key}", key, f"token id {token} is given twice")
+            pairs[token] = float(value)
+        return tuple(sorted(pairs.items()))
 
     # --- running -------------------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from engine.server.protocol import decimal
 from engine.telemetry import EventBus
 
 DONE = "data: [DONE]\n\n"
@@ -49,9 +50,10 @@ def parse_last_event_id(raw: str | None) -> EventId | None:
     if raw is None:
         return None
     epoch, _, seq = raw.strip().rpartition("-")
-    if not seq.isdigit() or (epoch and not epoch.isdigit()):
+    seq_n = decimal(seq)
+    if seq_n is None or (epoch and decimal(epoch) is None):
         return None
-    return EventId(epoch or None, int(seq))
+    return EventId(epoch or None, seq_n)
 
 
 async def event_stream(
