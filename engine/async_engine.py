@@ -73,15 +73,16 @@ class AsyncEngine:
             return Health(HealthStatus.STOPPED)
         return health
 
-    async def shutdown(self) -> None:
-        """Stop the engine thread; requests still running finish with an abort."""
+    async def shutdown(self, wait_s: float | None = None) -> None:
+        """Stop the engine thread; requests still running finish with an abort. With `wait_s`, return after
+        that long even if the thread is still inside a step (it is a daemon: it ends with the process)."""
         if self._stopping:
             return
         self.bus.publish(EngineEvent(state="stopping"))
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, wait_s)
         self.bus.publish(EngineEvent(state="exit", exit_code=0))
 
     # --- tokenizer -----------------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ class Serving:
         self.stopping = asyncio.Event()  # set: new requests are refused
         self.events_closed = asyncio.Event()  # set: telemetry streams flush and end
         self._inflight: dict[str, RequestHandle] = {}
+        self._aborts: set[asyncio.Task] = set()  # engine aborts sent at shutdown
 
     # --- models and lifecycle ------------------------------------------------------------------------------
 
@@ -107,10 +108,22 @@ class Serving:
         return len(self._inflight)
 
     async def begin_shutdown(self) -> None:
-        """Refuse new requests and abort the running ones (their streams end with finish_reason abort)."""
+        """Refuse new requests and end the running ones at once (streams end with finish_reason abort, a
+        request not yet answered gets 503 shutting_down); their engine aborts go out in the background, since
+        the engine answers them only after the step it is in (a long prefill chunk can take seconds)."""
         self.stopping.set()
-        for handle in list(self._inflight.values()):
-            await handle.abort()
+        handles = list(self._inflight.values())
+        for handle in handles:
+            handle.stop()
+        for handle in handles:
+            task = asyncio.create_task(self.client.abort(handle.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._abort_done)
+
+    def _abort_done(self, task: asyncio.Task) -> None:
+        self._aborts.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the engine stopped first: nothing to abort
+            log.debug("abort at shutdown: %s", task.exception())
 
     async def shutdown(self, stop_engine: Callable[[], Awaitable[None]] | None = None) -> None:
         """Drain, stop the engine (its stopping/exit events still reach the event streams), then end the
@@ -281,6 +294,8 @@ class Serving:
         for gen in requests:
             handle = RequestHandle(self.client, gen, wait_disconnect, on_gone=self._forget)
             self._inflight[gen.request_id] = handle
+            if self.stopping.is_set():  # shutdown began while this request was parsed or tokenized
+                handle.stop()
             if self.metrics is not None:
                 self.metrics.request_started(gen.request_id)
             handles.append(handle)
@@ -292,6 +307,10 @@ class Serving:
             if isinstance(failure, ClientGone) or not isinstance(failure, Exception):
                 raise failure
             raise from_exception(failure) from failure
+        if self.stopping.is_set() and any(f is not None and f.finish_reason == "abort" for f in firsts):
+            for handle in handles:  # ended by the shutdown before its first token: nothing was sent yet
+                await self._finish(handle)
+            raise _shutting_down()
         for handle, first in zip(handles, firsts):
             self._observe(handle, first)
         return list(zip(handles, firsts))
@@ -340,8 +359,7 @@ class Serving:
         if last.finish_reason == "error":
             raise streams.generation_error(self.client, last)
         if handle.aborted and self.stopping.is_set():
-            raise ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
-                           code="shutting_down")
+            raise _shutting_down()
         return Collected("".join(pieces), token_ids, last, logprobs)
 
     async def _tracked_stream(self, handles: list[RequestHandle], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -365,6 +383,11 @@ class Serving:
     def _forget(self, handle: RequestHandle) -> None:
         if self._inflight.pop(handle.request_id, None) is not None and self.metrics is not None:
             self.metrics.request_finished(handle.request_id, handle.last)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
+                    code="shutting_down")
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
