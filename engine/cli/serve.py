@@ -30,9 +30,9 @@ EXIT_START_FAILED = 2  # what engine.cli returns for every other StrataError at 
 DEAD_GRACE_S = 1.0  # time for in-flight requests to receive their 503 before the process exits
 HEALTH_POLL_S = 0.25
 # A stop must end within strata-tui's grace (5 s) and the documented 3 s: requests are answered at once, open
-# connections get GRACEFUL_S to take their last bytes, and the engine thread ENGINE_STOP_WAIT_S to leave the
-# step it is in (a long prefill chunk on a CPU takes longer; the thread is a daemon and ends with the process).
-GRACEFUL_S = 1
+# connections get uvicorn_server.GRACEFUL_S to take their last bytes, and the engine thread ENGINE_STOP_WAIT_S
+# to leave the step it is in (a long prefill chunk on a CPU takes longer; the thread is a daemon and ends with
+# the process).
 ENGINE_STOP_WAIT_S = 1.0
 
 ClientFactory = Callable[[EngineConfig], EngineClient]
@@ -103,19 +103,16 @@ def default_client_factory(config: EngineConfig) -> EngineClient:
 
 
 async def serve(config: EngineConfig, sock: socket.socket, client_factory: ClientFactory) -> int:
-    import uvicorn
-
     from engine.server.app import create_app
     from engine.server.logs import EventLogger, quiet_monitoring_access
-    from engine.server.uvicorn_server import DrainingServer
+    from engine.server.uvicorn_server import DrainingServer, server_config
 
     client = client_factory(config)  # AsyncEngine loads in its own thread; health() says "loading" meanwhile
     event_log = EventLogger(client.bus).start()  # warnings and errors reach stderr, not only /strata/events
     quiet_monitoring_access()
     app = create_app(client, config)
     serving = app.state.serving
-    uv_config = uvicorn.Config(app, log_config=None, log_level=logging.getLogger().level,
-                               timeout_graceful_shutdown=GRACEFUL_S, lifespan="on")
+    uv_config = server_config(app, logging.getLogger().level)
 
     async def stop_engine() -> None:
         await client.shutdown(wait_s=ENGINE_STOP_WAIT_S)

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.api import EngineClient
 from engine.config import EngineConfig
@@ -177,6 +178,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientGone)
     async def client_gone(_request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody is listening; the request was already aborted
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left_mid_upload(request: Request, _exc: ClientDisconnect) -> Response:
+        log.info("%s %s: the client disconnected before its body was read", request.method, request.url.path)
+        return Response(status_code=499)  # nobody is listening
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -306,6 +306,8 @@ class Serving:
                 await self._finish(handle)
             if isinstance(failure, ClientGone) or not isinstance(failure, Exception):
                 raise failure
+            if self.stopping.is_set():  # the engine refused it because it is stopping: say why
+                raise _shutting_down() from failure
             raise from_exception(failure) from failure
         if self.stopping.is_set() and any(f is not None and f.finish_reason == "abort" for f in firsts):
             for handle in handles:  # ended by the shutdown before its first token: nothing was sent yet
