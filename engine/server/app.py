@@ -35,6 +35,7 @@ from engine.server.protocol import (
     BodyT,
     VramReserveRequest,
     ExpertCacheRequest,
+    LARGE_BODY_BYTES,
     parse_body,
 )
 from engine.server.serving import Serving
@@ -64,6 +65,7 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.client = client
+    app.state.large_body_turn = asyncio.Semaphore(1)  # large bodies are parsed one at a time (_parsed)
     _install_error_handlers(app)
     # Host, API key, Origin, Content-Type and body size are checked before any route runs (guard.py).
     app.add_middleware(RequestGuard, config=config)
@@ -75,9 +77,15 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
 
 async def _parsed(model: type[BodyT], request: Request) -> BodyT:
     """Read the body on the loop, parse and validate it in a worker thread: a large or hostile body costs
-    that thread its time, never the event loop (which keeps answering /health)."""
+    that thread its time, never the event loop (which keeps answering /health). Large bodies are parsed in
+    pieces (json_chunked) and one at a time: each busy parser thread is one more contender for the GIL the
+    loop needs between its pieces."""
     context_tokens = getattr(request.app.state.client, "context_tokens", None)
-    return await asyncio.to_thread(parse_body, model, await request.body(), context_tokens)
+    raw = await request.body()
+    if len(raw) <= LARGE_BODY_BYTES:
+        return await asyncio.to_thread(parse_body, model, raw, context_tokens)
+    async with request.app.state.large_body_turn:
+        return await asyncio.to_thread(parse_body, model, raw, context_tokens)
 
 
 def _openai_routes(app: FastAPI, serving: Serving) -> None:

@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFu
 
 from engine.config import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
+from engine.server import json_chunked
 from engine.server.errors import from_exception, from_validation_error, invalid_param, malformed_json
 
 # One rule for every integer the server reads from text (a logit_bias key, a Last-Event-ID): ASCII digits
@@ -31,6 +32,7 @@ MAX_STOP_STRINGS = 4
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
+LARGE_BODY_BYTES = 256 << 10  # above this a body is parsed in pieces (json_chunked): the event loop keeps going
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default limit; OpenAI's is 20 for chat)
 MAX_CHOICES = 16  # n: each choice is one engine request
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
@@ -261,15 +263,18 @@ def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None
     CPU-heavy for a large body: the routes call it in a worker thread. `max_prompt_ids` (the context) refuses
     a token-id prompt that cannot fit before the validator walks it (a validator holds the GIL throughout)."""
     try:
-        data = json.loads(raw)
+        data = json_chunked.loads(raw) if len(raw) > LARGE_BODY_BYTES else json.loads(raw)
     except RecursionError:
         raise malformed_json("nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise malformed_json(str(exc)) from None
     if not isinstance(data, dict):
         raise malformed_json(f"expected a JSON object, got {type(data).__name__}")
-    _check_unicode(data)
+    if not raw.isascii() or b"\\u" in raw:  # else no string can hold a surrogate: a big body skips the walk
+        _check_unicode(data)
     prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # [[ids]]: one prompt of ids
     if max_prompt_ids is not None and isinstance(prompt, list) and len(prompt) > max_prompt_ids:
         if all(type(t) is int for t in prompt[:16]):  # ids, not a batch of prompts (refused by name later)
             raise from_exception(PromptTooLong(len(prompt), max_prompt_ids))
