@@ -25,8 +25,9 @@ DEFAULT_SUBSCRIBER_QUEUE = 4096  # >= the bus history ring, so a late subscriber
 
 
 def sse_data(payload: Any) -> str:
-    """One `data:` message (the OpenAI streaming format)."""
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One `data:` message (the OpenAI streaming format). NaN or inf is refused (ValueError, reported in-band
+    by the stream): JSON has no such numbers, and a client's parser would fail on the whole chunk."""
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def sse_event(epoch: str, seq: int, event_type: str, payload: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from engine.api import SamplingParams
@@ -119,3 +120,22 @@ def test_tiny_top_p_and_repetition_penalty_stay_correct_at_the_float32_edge():
         res = sample_with_drafts(logits[:1], None, [p], [make_generator(seed)], [([5], [77, 1234])])
         assert res.tokens == [[want]]
     assert torch.isfinite(penalize(logits[:1], None, [p], [([5], [77, 1234])])).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_non_finite_logits_name_their_rows_greedy_sampled_and_with_drafts(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine.exec.sampler import NonFiniteLogits, sample_isolating_rows
+
+    logits = torch.randn(3, 2, 64, device=device)
+    logits[1, 1, 5] = float("nan")
+    drafts = logits[:, :1].argmax(-1)
+    for params in ([SamplingParams(temperature=0.0)] * 3, [SamplingParams(temperature=0.8, top_p=0.9)] * 3):
+        gens = [make_generator(i) for i in range(3)]
+        with pytest.raises(NonFiniteLogits) as info:
+            sample_with_drafts(logits, drafts, params, gens)
+        assert info.value.rows == [1]
+        result, failed = sample_isolating_rows(logits, drafts, params, gens, None, lambda exc: False)
+        assert list(failed) == [1] and isinstance(failed[1], NonFiniteLogits)
+        assert all(t >= 0 for row in result.tokens for t in row)
