@@ -309,10 +309,6 @@ class Serving:
             if self.stopping.is_set():  # the engine refused it because it is stopping: say why
                 raise _shutting_down() from failure
             raise from_exception(failure) from failure
-        if self.stopping.is_set() and any(f is not None and f.finish_reason == "abort" for f in firsts):
-            for handle in handles:  # ended by the shutdown before its first token: nothing was sent yet
-                await self._finish(handle)
-            raise _shutting_down()
         for handle, first in zip(handles, firsts):
             self._observe(handle, first)
         return list(zip(handles, firsts))
