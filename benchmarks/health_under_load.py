@@ -1,8 +1,8 @@
 """/health latency while clients keep sending big token-id prompts.
 
-Starts `strata-engine serve` (builtin:strata-tiny on CPU) in its own process; CLIENTS threads each send
-token-id prompts of BODY_MIB (under the default body limit; far over the context, so each is refused with
-400 once parsed) back to back for SECONDS, while this process polls /health every 10 ms. Prints one JSON
+Starts `strata-engine serve` (builtin:strata-tiny on CPU) in its own process; CLIENTS senders each send
+token-id prompts of BODY_MIB (far over the context, so each is refused with 400 once parsed) back to back
+for SECONDS from their own processes, while this process polls /health every 10 ms. Prints one JSON
 line: /health p50/p99/max in ms, how many polls, and how many bodies were answered with which status.
 
     python benchmarks/health_under_load.py [--clients 5] [--body-mib 8] [--seconds 20]
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -26,35 +27,41 @@ ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "strata-engine: ready at"
 
 
+def load(url: str, body: bytes, seconds: float, results: Any) -> None:
+    """One sender (its own process, so the senders never hold the poller's GIL)."""
+    statuses: Counter = Counter()
+    deadline = time.monotonic() + seconds
+    with httpx.Client(timeout=120) as client:
+        while time.monotonic() < deadline:
+            try:
+                status = client.post(url + "/v1/completions", content=body,
+                                     headers={"content-type": "application/json"}).status_code
+            except httpx.HTTPError as exc:
+                status = type(exc).__name__
+            statuses[str(status)] += 1
+    results.put(dict(statuses))
+
+
 def measure(url: str, model: str, clients: int, body_mib: float, seconds: float) -> dict:
     ids = int(body_mib * (1 << 20)) // 4  # "12, " per id
     body = json.dumps({"model": model, "prompt": [12] * ids, "max_tokens": 1}).encode()
-    statuses: Counter = Counter()
-    deadline = time.monotonic() + seconds
-
-    def load() -> None:
-        with httpx.Client(timeout=120) as client:
-            while time.monotonic() < deadline:
-                try:
-                    status = client.post(url + "/v1/completions", content=body,
-                                         headers={"content-type": "application/json"}).status_code
-                except httpx.HTTPError as exc:
-                    status = type(exc).__name__
-                statuses[status] += 1
-
-    threads = [threading.Thread(target=load) for _ in range(clients)]
-    for t in threads:
-        t.start()
+    results: Any = multiprocessing.Queue()
+    senders = [multiprocessing.Process(target=load, args=(url, body, seconds, results)) for _ in range(clients)]
+    for p in senders:
+        p.start()
     time.sleep(0.5)  # the first bodies are on the wire
     latencies_ms: list[float] = []
     with httpx.Client(timeout=30) as health:
-        while any(t.is_alive() for t in threads):
+        while any(p.is_alive() for p in senders) and results.qsize() < clients:
             t0 = time.perf_counter()
             health.get(url + "/health").raise_for_status()
             latencies_ms.append((time.perf_counter() - t0) * 1000)
             time.sleep(0.01)
-    for t in threads:
-        t.join()
+    statuses: Counter = Counter()
+    for _ in senders:
+        statuses.update(results.get(timeout=300))
+    for p in senders:
+        p.join()
     latencies_ms.sort()
     pick = lambda q: round(latencies_ms[min(len(latencies_ms) - 1, int(q * len(latencies_ms)))], 1)  # noqa: E731
     return {"clients": clients, "body_bytes": len(body), "seconds": seconds, "health_polls": len(latencies_ms),

@@ -19,12 +19,22 @@ _NUMBER_RUN = str.maketrans("", "", "0123456789-+.eE \t\n\r,")
 _DECODER = json.JSONDecoder()
 
 
-def loads(raw: bytes | str) -> Any:
-    """What `json.loads(raw)` returns (ValueError where it raises one), without one long hold of the GIL."""
+class TooManyItems(ValueError):
+    """An array longer than `max_items`: refused once the parser passes the limit, the rest unparsed."""
+
+    def __init__(self, max_items: int) -> None:
+        super().__init__(f"an array holds more than {max_items} items")
+        self.max_items = max_items
+
+
+def loads(raw: bytes | str, max_items: int | None = None) -> Any:
+    """What `json.loads(raw)` returns (ValueError where it raises one), without one long hold of the GIL.
+    `max_items`: TooManyItems as soon as an array passes it (an 8 MiB prompt of ids is refused after the
+    first few thousand, not after all of it)."""
     text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw), "surrogatepass")
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    value, end = _value(text, _skip(text, 0))
+    value, end = _value(text, _skip(text, 0), max_items)
     end = _skip(text, end)
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
@@ -38,18 +48,18 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
-def _value(text: str, i: int) -> tuple[Any, int]:
+def _value(text: str, i: int, max_items: int | None) -> tuple[Any, int]:
     if i >= len(text):
         raise json.JSONDecodeError("Expecting value", text, i)
     head = text[i]
     if head == "{":
-        return _object(text, i + 1)
+        return _object(text, i + 1, max_items)
     if head == "[":
-        return _array(text, i + 1)
+        return _array(text, i + 1, max_items)
     return _DECODER.raw_decode(text, i)  # a string, number or literal: the C scanner
 
 
-def _object(text: str, i: int) -> tuple[dict, int]:
+def _object(text: str, i: int, max_items: int | None) -> tuple[dict, int]:
     out: dict = {}
     i = _skip(text, i)
     if i < len(text) and text[i] == "}":
@@ -61,7 +71,7 @@ def _object(text: str, i: int) -> tuple[dict, int]:
         i = _skip(text, i)
         if i >= len(text) or text[i] != ":":
             raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-        out[key], i = _value(text, _skip(text, i + 1))
+        out[key], i = _value(text, _skip(text, i + 1), max_items)
         i = _skip(text, i)
         if i < len(text) and text[i] == ",":
             i = _skip(text, i + 1)
@@ -71,15 +81,17 @@ def _object(text: str, i: int) -> tuple[dict, int]:
         raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
 
 
-def _array(text: str, i: int) -> tuple[list, int]:
+def _array(text: str, i: int, max_items: int | None) -> tuple[list, int]:
     out: list = []
     i = _skip(text, i)
     if i < len(text) and text[i] == "]":
         return out, i + 1
     while True:
-        i = _number_run(text, i, out)
-        item, i = _value(text, i)
+        i = _number_run(text, i, out, max_items)
+        item, i = _value(text, i, max_items)
         out.append(item)
+        if max_items is not None and len(out) > max_items:
+            raise TooManyItems(max_items)
         i = _skip(text, i)
         if i < len(text) and text[i] == ",":
             i = _skip(text, i + 1)
@@ -89,7 +101,7 @@ def _array(text: str, i: int) -> tuple[list, int]:
         raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
 
 
-def _number_run(text: str, i: int, out: list) -> int:
+def _number_run(text: str, i: int, out: list, max_items: int | None) -> int:
     """Append the plain numbers that start at `i`, a piece at a time; return where the rest begins (the start
     of one more element). Anything else in a piece (a string, a nested array, an error) leaves that piece to
     the element-by-element path, which words errors as json.loads does."""
@@ -106,4 +118,6 @@ def _number_run(text: str, i: int, out: list) -> int:
         except ValueError:
             return i
         out.extend(numbers)
+        if max_items is not None and len(out) > max_items:
+            raise TooManyItems(max_items)
         i = _skip(text, i + cut + 1)

@@ -17,7 +17,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFu
 from engine.config import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
 from engine.server import json_chunked
-from engine.server.errors import from_exception, from_validation_error, invalid_param, malformed_json
+from engine.server.errors import ApiError, from_exception, from_validation_error, invalid_param, malformed_json
 
 # One rule for every integer the server reads from text (a logit_bias key, a Last-Event-ID): ASCII digits
 # only and at most MAX_DECIMAL_DIGITS of them. Python's int() also takes "²" or "①" (and raises on some)
@@ -32,6 +32,7 @@ MAX_STOP_STRINGS = 4
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
+MIN_ARRAY_LIMIT = 1 << 16  # arrays in a large body are cut off past max(context, this)
 LARGE_BODY_BYTES = 256 << 10  # above this a body is parsed in pieces (json_chunked): the event loop keeps going
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default limit; OpenAI's is 20 for chat)
 MAX_CHOICES = 16  # n: each choice is one engine request
@@ -263,7 +264,15 @@ def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None
     CPU-heavy for a large body: the routes call it in a worker thread. `max_prompt_ids` (the context) refuses
     a token-id prompt that cannot fit before the validator walks it (a validator holds the GIL throughout)."""
     try:
-        data = json_chunked.loads(raw) if len(raw) > LARGE_BODY_BYTES else json.loads(raw)
+        if len(raw) > LARGE_BODY_BYTES:
+            # No array a request may hold (a prompt, messages, stop ids) can outgrow the context: stop there.
+            limit = None if max_prompt_ids is None else max(max_prompt_ids, MIN_ARRAY_LIMIT)
+            data = json_chunked.loads(raw, limit)
+        else:
+            data = json.loads(raw)
+    except json_chunked.TooManyItems as exc:
+        raise ApiError(400, f"{exc}; no prompt, message list or token-id list can be longer than the context "
+                            f"({max_prompt_ids} tokens)", code="context_length_exceeded") from None
     except RecursionError:
         raise malformed_json("nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits

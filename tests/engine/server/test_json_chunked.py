@@ -25,7 +25,7 @@ def _same(text: str) -> None:
         with pytest.raises(ValueError):
             json_chunked.loads(text)
         return
-    assert json_chunked.loads(text) == want
+    assert json.dumps(json_chunked.loads(text)) == json.dumps(want)  # NaN != NaN, but prints the same
 
 
 @settings(max_examples=300, deadline=None)
@@ -50,3 +50,12 @@ def test_long_number_runs_are_parsed_in_pieces_to_the_same_list() -> None:
         _same(text)
     _same("[" + ",".join("7" for _ in range(100_000)) + ",]")  # a trailing comma far into a run is refused
     assert math.isnan(json_chunked.loads("[NaN]")[0])
+
+
+def test_an_array_past_max_items_is_refused_before_the_rest_is_parsed() -> None:
+    text = json.dumps({"a": [1, 2], "prompt": list(range(300_000))})
+    assert json_chunked.loads(text, max_items=300_000)["prompt"][-1] == 299_999
+    with pytest.raises(json_chunked.TooManyItems):
+        json_chunked.loads(text, max_items=70_000)
+    with pytest.raises(json_chunked.TooManyItems):
+        json_chunked.loads(json.dumps([["x"] * 10]), max_items=5)
