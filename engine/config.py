@@ -8,6 +8,7 @@ profile that the TUI accepts is one the engine accepts.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
@@ -281,7 +282,19 @@ def check_vram_reserve_mib(value: Any) -> int:
     return value
 
 
-_ARG_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
+def finite_float(text: str) -> float:
+    """A float option: NaN and infinities are refused (every comparison with NaN is False, so NaN would slip
+    past each range check after it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+_ARG_TYPES = {"int": int, "int | None": int, "float": finite_float, "str": str, "str | None": str,
               "int | str | None": str}  # a number or a word (expert_cache_mib: N or auto): EngineConfig decides
 
 
@@ -313,4 +326,8 @@ def add_engine_options(parser: argparse.ArgumentParser, serving: bool = False) -
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed options (the inverse of `to_argv`) plus `STRATA_*` switches from the environment."""
     values = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__}
+    if values.get("api_key") == "":
+        # An empty key would serve without authentication while the caller believes a key is set.
+        raise ConfigError("api_key", "", f"the key is empty (--api-key or {API_KEY_ENV}); unset {API_KEY_ENV} "
+                                           f"and drop --api-key to serve without a key")
     return EngineConfig(**values, switches=switches_from_env(os.environ))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from engine.config import add_engine_options
+from engine.config import add_engine_options, finite_float
 from engine.errors import ConfigError
 
 _K = 1024
@@ -80,7 +80,7 @@ def _scenario(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="base URL of a running strata-engine serve")
     p.add_argument("--api-key", default=None, help="Bearer key when the server was started with --api-key")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="scenario parameter (repeat)")
-    p.add_argument("--timeout-s", type=float, default=1800.0, help="per-request read timeout")
+    p.add_argument("--timeout-s", type=finite_float, default=1800.0, help="per-request read timeout")
 
 
 def _engine(p: argparse.ArgumentParser, model: str | None = None) -> None:
@@ -104,7 +104,7 @@ def _mtp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per mode; decode_tok_s is their median")
-    p.add_argument("--warmup-s", type=float, default=2.0, metavar="S",
+    p.add_argument("--warmup-s", type=finite_float, default=2.0, metavar="S",
                    help="seconds of untimed decoding each engine runs before its timed runs, after one run that "
                         "captures its graphs, so that both modes are timed settled (default 2.0)")
     p.add_argument("--prompt-source", choices=("text", "random"), default="text",
@@ -236,7 +236,7 @@ def _kvspill(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")  # --kv-resident: the spilling run's window (default 1024)
     p.add_argument("--prompt-tokens", type=token_count, default=16 * _K, help="prompt tokens per slot (default 16K)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per slot")
-    p.add_argument("--host-fraction", type=float, default=0.5,
+    p.add_argument("--host-fraction", type=finite_float, default=0.5,
                    help="share of a slot's non-resident KV on the host when its forward starts (default 0.5)")
     p.add_argument("--slots", type=int, default=2,
                    help="slots decoding a prompt each (default 2); the pool stays sized for two, so with more "

@@ -1,6 +1,6 @@
 """`strata-engine serve | generate | bench`: argument parsing and dispatch only.
 
-Each subcommand lives in its own module (`engine.cli.serve`, `.generate`, `.bench`); all three are imported to
+Each subcommand lives in its own module (`engine.cli.serve`, `.generate`, `engine.bench.command`); all three are imported to
 build the parser, and none imports torch at module level (the model, the engine and each benchmark are imported
 inside `run`), so `--help` stays fast and torch-free. Expected failures
 (StrataError: bad option, bad checkpoint, ...) print one line on stderr and exit 2, never a traceback.
@@ -14,6 +14,14 @@ import sys
 
 from engine.errors import StrataError
 
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (`strata-engine serve: error: argument --x: ...`, exit 2), as every
+    other start-up error of the CLI: the 15-line usage block buried the one line that said what was wrong."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 SUBCOMMANDS = {
     "serve": ("engine.cli.serve", "run the OpenAI-compatible server"),
     "generate": ("engine.cli.generate", "generate text for one prompt and print it"),
@@ -22,7 +30,7 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata-engine", description="Strata inference engine")
+    parser = OneLineParser(prog="strata-engine", description="Strata inference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import add_engine_options, config_from_args
+from engine.config import add_engine_options, config_from_args, finite_float
 from engine.errors import ConfigError
 
 
@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("generation")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
+import threading
 from typing import Any, Callable
 
 from engine.api import EngineClient
@@ -26,6 +28,11 @@ EXIT_ENGINE_DEAD = 1
 EXIT_START_FAILED = 2  # what engine.cli returns for every other StrataError at start
 DEAD_GRACE_S = 1.0  # time for in-flight requests to receive their 503 before the process exits
 HEALTH_POLL_S = 0.25
+# A stop must end within strata-tui's grace (5 s) and the documented 3 s: requests are answered at once, open
+# connections get uvicorn_server.GRACEFUL_S to take their last bytes, and the engine thread ENGINE_STOP_WAIT_S
+# to leave the step it is in (a long prefill chunk on a CPU takes longer; the thread is a daemon and ends with
+# the process).
+ENGINE_STOP_WAIT_S = 1.0
 
 ClientFactory = Callable[[EngineConfig], EngineClient]
 
@@ -42,7 +49,22 @@ def run(args: argparse.Namespace, client_factory: ClientFactory | None = None) -
     config = config_from_args(args)
     warn_if_exposed(config)
     sock = bind_socket(config.host, config.port)
-    return asyncio.run(serve(config, sock, client_factory or default_client_factory))
+    code = asyncio.run(serve(config, sock, client_factory or default_client_factory))
+    _exit_now_if_engine_busy(code)
+    return code
+
+
+def _exit_now_if_engine_busy(code: int) -> None:
+    """An engine thread still inside a step (ENGINE_STOP_WAIT_S ran out) would be torn down under the
+    interpreter's finalization, and the C++ runtime aborts the process on it (exit -6): exit at once."""
+    busy = [t for t in threading.enumerate() if t is not threading.main_thread() and t.daemon and t.is_alive()]
+    if not busy:
+        return
+    log.info("the engine is still inside a step (%s); exiting without waiting for it", busy[0].name)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def warn_if_exposed(config: EngineConfig) -> None:
@@ -80,20 +102,21 @@ def default_client_factory(config: EngineConfig) -> EngineClient:
 
 
 async def serve(config: EngineConfig, sock: socket.socket, client_factory: ClientFactory) -> int:
-    import uvicorn
-
     from engine.server.app import create_app
     from engine.server.logs import EventLogger, quiet_monitoring_access
-    from engine.server.uvicorn_server import DrainingServer
+    from engine.server.uvicorn_server import DrainingServer, server_config
 
     client = client_factory(config)  # AsyncEngine loads in its own thread; health() says "loading" meanwhile
     event_log = EventLogger(client.bus).start()  # warnings and errors reach stderr, not only /strata/events
     quiet_monitoring_access()
     app = create_app(client, config)
     serving = app.state.serving
-    uv_config = uvicorn.Config(app, log_config=None, log_level=logging.getLogger().level,
-                               timeout_graceful_shutdown=5, lifespan="on")
-    server = DrainingServer(uv_config, on_signal=lambda: _spawn(serving.shutdown(client.shutdown)))
+    uv_config = server_config(app, logging.getLogger().level)
+
+    async def stop_engine() -> None:
+        await client.shutdown(wait_s=ENGINE_STOP_WAIT_S)
+
+    server = DrainingServer(uv_config, on_signal=lambda: _spawn(serving.shutdown(stop_engine)))
     exit_code = 0
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -105,7 +128,7 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
                 log.error("engine is dead (%s); answering 503 for %.1f s, then exiting", dead_reason, DEAD_GRACE_S)
                 await asyncio.sleep(DEAD_GRACE_S)
                 exit_code = EXIT_ENGINE_DEAD
-                await serving.shutdown(client.shutdown)
+                await serving.shutdown(stop_engine)
                 server.should_exit = True
         else:
             # Same shape as every other start-up error of the CLI: one line, exit 2.
@@ -117,7 +140,7 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
         if not serve_task.done():
             server.should_exit = True
             await serve_task
-        await client.shutdown()
+        await client.shutdown(wait_s=ENGINE_STOP_WAIT_S)
         event_log.stop()
     if serve_task.exception() is not None and exit_code == 0:
         exit_code = 1

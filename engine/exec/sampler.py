@@ -26,7 +26,17 @@ import torch
 from engine.api import GREEDY_BELOW_TEMPERATURE, SamplingParams, TokenLogprob
 from engine.errors import RequestRejected
 
-History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids so far) of one row
+History = tuple[Sequence[int], Sequence[int]]
+MIN_REPETITION_PENALTY = 1e-6  # logits / 1e-6 stay finite in float32 and make the seen maximum certain  # (prompt token ids, output token ids so far) of one row
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for a row hold NaN or inf: broken weights (or a config that does not match them)."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__("the model produced non-finite logits (NaN or inf): its weights or config.json are "
+                         "broken, so no token can be sampled")
+        self.rows = rows
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -90,7 +100,11 @@ def penalize(logits: torch.Tensor, drafts: torch.Tensor | None, params: list[Sam
                 in_prompt = torch.zeros(v, dtype=torch.bool, device=device)
                 in_prompt[torch.as_tensor(list(prompt_ids), device=device)] = True
                 seen = seen | in_prompt
-            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            # Clamped: a valid penalty below float32's range (1e-46) divides by 0 (inf logits, NaN
+            # probabilities). At MIN_REPETITION_PENALTY the softmax is already saturated, so the result is
+            # the one the exact penalty gives.
+            penalty = max(p.repetition_penalty, MIN_REPETITION_PENALTY)
+            penalized = torch.where(row > 0, row / penalty, row * penalty)
             row = torch.where(seen, penalized, row)
         if p.frequency_penalty:
             row = row - p.frequency_penalty * counts
@@ -126,6 +140,9 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
         keep = before < top_p.view(-1, 1, 1)
+        # The most likely token always stays: a top_p that is 0 in float32 (a valid 1e-46 rounds to it) would
+        # otherwise keep nothing, and 0/0 probabilities sample the last id of the vocabulary.
+        keep[..., 0] = True
         if top_k is not None:
             rank = torch.arange(probs.shape[-1], device=probs.device).view(1, 1, -1)
             k = torch.where(top_k > 0, top_k, torch.full_like(top_k, probs.shape[-1]))
@@ -220,27 +237,34 @@ def sample_with_drafts(
     generators: list[torch.Generator],
     histories: list[History] | None = None,
     best: torch.Tensor | None = None,
+    check_finite: bool = True,
 ) -> SampleResult:
     """Sample the next token(s) of B rows. logits [B, T, V]; drafts [B, T-1] long on the same device, or None.
 
     Rows beyond len(params) are batch padding and are ignored. `histories` (prompt and output ids per row)
     are needed when a row is `penalized`. `best`: the logits' argmax [B, T] where the step computed it already
-    (a decode graph), for greedy rows without penalties.
+    (a decode graph), for greedy rows without penalties. NonFiniteLogits (naming the rows) when a row's
+    logits hold NaN or inf: the check is one reduction on the device, and its answer travels back in the
+    token copy the step makes anyway (a row's tokens become -1), so it costs no extra host sync.
     """
     rows = len(params)
     raw = logits = logits[:rows]
+    finite = torch.isfinite(raw).all(dim=-1).all(dim=-1) if check_finite else None  # [B]
     drafts = None if drafts is None else drafts[:rows]
     if any(p.penalized for p in params):
         if histories is None:
             raise ValueError("penalties and logit_bias need each row's history")
         logits = penalize(logits, drafts, params, histories)
     if all(p.temperature <= 0 for p in params):
-        result = _greedy(logits, drafts, best[:rows] if best is not None and logits is raw else None)
+        result = _greedy(logits, drafts, best[:rows] if best is not None and logits is raw else None, finite)
     else:
         inputs = sampling_inputs(params, generators, logits.shape[1], logits.device)
         accepted, tokens = sample_on_device(logits, drafts, inputs.temperature, inputs.top_p, inputs.uniforms,
                                             inputs.use_top_p, inputs.top_k, inputs.min_p)
-        result = _to_host(accepted, tokens)
+        result = _to_host(accepted, _flag_non_finite(tokens, finite))
+    bad = [i for i, toks in enumerate(result.tokens) if any(t < 0 for t in toks)]
+    if bad:
+        raise NonFiniteLogits(bad)
     if any(p.logprobs is not None for p in params):
         result.logprobs = token_logprobs(raw, result.tokens, params)
     return result
@@ -267,11 +291,19 @@ def token_logprobs(logits: torch.Tensor, tokens: list[list[int]], params: list[S
     return out
 
 
-def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None, best: torch.Tensor | None = None) -> SampleResult:
+def _flag_non_finite(tokens: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+    """tokens [B, T] with every token of a row whose logits were not finite set to -1 (on the device)."""
+    if finite is None:
+        return tokens
+    return torch.where(finite.view(-1, 1), tokens, torch.full_like(tokens, -1))
+
+
+def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None, best: torch.Tensor | None = None,
+            finite: torch.Tensor | None = None) -> SampleResult:
     """All rows greedy: the argmax at each position (`best`, when the step computed it); drafts are accepted
     while they equal it. Same result as the general path with one-hot distributions, in a handful of kernels
     (the common serving case)."""
-    best = logits.argmax(dim=-1) if best is None else best  # [B, T]
+    best = _flag_non_finite(logits.argmax(dim=-1) if best is None else best, finite)  # [B, T]
     k = best.shape[1] - 1
     if k > 0 and drafts is not None:
         accepted = (best[:, :k] == drafts).long().cumprod(dim=-1).sum(dim=-1)
@@ -327,7 +359,8 @@ def sample_isolating_rows(
             if is_fatal(exc):
                 raise
             failed[i] = exc
-            one = sample_with_drafts(logits[i:i + 1], row_drafts, [SamplingParams(temperature=0.0)], [generators[i]])
+            one = sample_with_drafts(logits[i:i + 1], row_drafts, [SamplingParams(temperature=0.0)], [generators[i]],
+                                     check_finite=False)
         result.accepted += one.accepted
         result.tokens += one.tokens
         result.logprobs.append(one.logprobs[0] if one.logprobs else None)

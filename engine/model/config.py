@@ -8,6 +8,8 @@ with a CheckpointError naming config.json and the key, never silently approximat
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -116,10 +118,10 @@ class ModelConfig:
         """Read and parse a config.json file."""
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(read_small_file(path))
         except FileNotFoundError:
             raise CheckpointError(str(path.parent), "no config.json: not a Hugging Face checkpoint directory") from None
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # JSONDecodeError, UnicodeDecodeError
             raise CheckpointError(str(path), f"cannot read JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise CheckpointError(str(path), "expected a JSON object")
@@ -303,3 +305,18 @@ def _parse_mtp(raw: Mapping[str, Any], source: str) -> MTPConfig | None:
             raise CheckpointError(source, f"{key}={value!r}: expected a whole number of MTP layers")
         return MTPConfig(num_layers=value, layout=layout)
     return None
+
+
+MAX_JSON_FILE_BYTES = 16 << 20  # a config.json is a few KiB; a bigger file is not one
+
+
+def read_small_file(path: Path, limit_bytes: int = MAX_JSON_FILE_BYTES) -> str:
+    """The text of a regular file of at most `limit_bytes`. A FIFO, a device or a directory named config.json
+    would block the load (a FIFO until a writer comes, deaf to SIGTERM) or fill the memory: CheckpointError."""
+    info = os.stat(path)  # FileNotFoundError is the caller's to word
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(str(path), "not a regular file (a FIFO, device or directory cannot be a config)")
+    if info.st_size > limit_bytes:
+        raise CheckpointError(str(path), f"{info.st_size} bytes; a config file is at most {limit_bytes} bytes")
+    with open(path, "rb") as f:
+        return f.read(limit_bytes + 1).decode("utf-8")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.errors import CheckpointError, ConfigError
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, read_small_file
 from engine.model.names import hf_name, optional_mtp_tensors
 from engine.model.causal_lm import CausalLM
 from engine.model.tensors import TensorSource
@@ -147,7 +147,7 @@ def read_eos_token_ids(path: Path, tokenizer: Tokenizer | None) -> tuple[int, ..
         if not file_path.is_file():
             continue
         try:
-            value = json.loads(file_path.read_text()).get("eos_token_id")
+            value = json.loads(read_small_file(file_path)).get("eos_token_id")
         except (OSError, ValueError, AttributeError) as exc:
             raise CheckpointError(str(file_path), f"cannot read JSON: {exc}") from None
         if isinstance(value, int) and not isinstance(value, bool):

@@ -29,6 +29,7 @@ class Tokenizer:
 
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None, special: dict | None = None) -> None:
         self._tok = tokenizer
+        self._plain: HFTokenizer | None = None  # encodes special tokens' text as text (encode)
         self.chat_template = chat_template or CHATML_TEMPLATE
         self.special = special or {}
         self._template = None
@@ -72,12 +73,23 @@ class Tokenizer:
         """The id of one token string, or None."""
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, specials_in_text: bool = True) -> list[int]:
         """Text -> ids; special tokens per tokenizer.json's post-processor (a BOS for Llama, none for Qwen).
+        `specials_in_text=False`: a special token's text typed in `text` (`<|endoftext|>`) is encoded as
+        plain text, as OpenAI and vLLM encode a user's prompt; a rendered chat template keeps them special.
 
         Through `encode_batch`, which releases the GIL while it works (`encode` holds it: a 7 MB prompt
         encoded in a server worker thread stalled the event loop for 4 s)."""
-        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        tok = self._tok if specials_in_text else self._plain_text_tokenizer()
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _plain_text_tokenizer(self) -> HFTokenizer:
+        # A second tokenizer, not a toggle of the flag on the shared one: server threads encode concurrently.
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text; ids the tokenizer does not know are dropped."""

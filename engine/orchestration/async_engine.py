@@ -74,15 +74,16 @@ class AsyncEngine:
             return Health(HealthStatus.STOPPED)
         return health
 
-    async def shutdown(self) -> None:
-        """Stop the engine thread; requests still running finish with an abort."""
+    async def shutdown(self, wait_s: float | None = None) -> None:
+        """Stop the engine thread; requests still running finish with an abort. With `wait_s`, return after
+        that long even if the thread is still inside a step (it is a daemon: it ends with the process)."""
         if self._stopping:
             return
         self.bus.publish(EngineEvent(state="stopping"))
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, wait_s)
         self.bus.publish(EngineEvent(state="exit", exit_code=0))
 
     # --- tokenizer -----------------------------------------------------------------------------------------
@@ -95,7 +96,7 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer().encode(text)
+        return self._tokenizer().encode(text, specials_in_text=False)  # a user's text, never control tokens
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer().decode(token_ids)

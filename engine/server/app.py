@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.api import EngineClient
 from engine.config import EngineConfig
@@ -34,6 +35,7 @@ from engine.server.protocol import (
     BodyT,
     VramReserveRequest,
     ExpertCacheRequest,
+    LARGE_BODY_BYTES,
     parse_body,
 )
 from engine.server.serving import Serving
@@ -63,6 +65,7 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.client = client
+    app.state.large_body_turn = asyncio.Semaphore(1)  # large bodies are parsed one at a time (_parsed)
     _install_error_handlers(app)
     # Host, API key, Origin, Content-Type and body size are checked before any route runs (guard.py).
     app.add_middleware(RequestGuard, config=config)
@@ -74,9 +77,15 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
 
 async def _parsed(model: type[BodyT], request: Request) -> BodyT:
     """Read the body on the loop, parse and validate it in a worker thread: a large or hostile body costs
-    that thread its time, never the event loop (which keeps answering /health)."""
+    that thread its time, never the event loop (which keeps answering /health). Large bodies are parsed in
+    pieces (json_chunked) and one at a time: each busy parser thread is one more contender for the GIL the
+    loop needs between its pieces."""
     context_tokens = getattr(request.app.state.client, "context_tokens", None)
-    return await asyncio.to_thread(parse_body, model, await request.body(), context_tokens)
+    raw = await request.body()
+    if len(raw) <= LARGE_BODY_BYTES:
+        return await asyncio.to_thread(parse_body, model, raw, context_tokens)
+    async with request.app.state.large_body_turn:
+        return await asyncio.to_thread(parse_body, model, raw, context_tokens)
 
 
 def _openai_routes(app: FastAPI, serving: Serving) -> None:
@@ -177,6 +186,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientGone)
     async def client_gone(_request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nobody is listening; the request was already aborted
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left_mid_upload(request: Request, _exc: ClientDisconnect) -> Response:
+        log.info("%s %s: the client disconnected before its body was read", request.method, request.url.path)
+        return Response(status_code=499)  # nobody is listening
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -13,15 +13,21 @@ Checks run before routing and before a body byte is read, cheapest first:
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
+import logging
 from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 from engine.config import EngineConfig
 from engine.server.auth import check_bearer, is_loopback
 from engine.server.errors import ApiError
+from engine.server.protocol import MAX_DECIMAL_DIGITS
 
+log = logging.getLogger("strata.server")
+BODY_STALL_S = 30.0  # a request body that stops arriving for this long: 408
+SEND_STALL_S = 30.0  # a response the client stops reading for this long: the request is aborted
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
@@ -29,6 +35,10 @@ _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class SendStalled(Exception):
+    """The client took no response bytes for SEND_STALL_S."""
 
 
 class BodyTooLarge(ApiError):
@@ -56,7 +66,13 @@ class RequestGuard:
         except ApiError as err:
             await _answer(err, send)
             return
-        await self.app(scope, self._counting(receive), send)
+        stalled = asyncio.Event()  # set when the client stops taking the response: it reads as a disconnect
+        try:
+            await self.app(scope, self._counting(receive, stalled), self._stall_checked(send, stalled))
+        except SendStalled:
+            # Its request was aborted when the stream closed; uvicorn drops the unfinished connection.
+            log.info("%s %s: the client stopped reading for %.0f s; the request was aborted",
+                     scope["method"], scope["path"], SEND_STALL_S)
 
     def check(self, method: str, path: str, headers: dict[str, str]) -> None:
         """Raise the ApiError that answers this request, or return when it may go on to its route."""
@@ -73,8 +89,9 @@ class RequestGuard:
             raise ApiError(415, f"{method} bodies must be JSON: send 'Content-Type: application/json' "
                                 f"(got {media_type or 'no Content-Type'})", code="unsupported_media_type")
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise BodyTooLarge(self.max_body_bytes, f"{int(length)} bytes")
+        if length is not None and length.isascii() and length.isdigit():
+            if len(length) > MAX_DECIMAL_DIGITS or int(length) > self.max_body_bytes:  # no int() of 5000 digits
+                raise BodyTooLarge(self.max_body_bytes, f"{length[:24]} bytes")
 
     def _check_host(self, host_header: str) -> None:
         name = _host_name(host_header)
@@ -95,21 +112,65 @@ class RequestGuard:
         raise ApiError(403, f"cross-origin request from {origin!r} refused (set --api-key to allow clients "
                             f"that hold the key)", param="Origin", code="cross_origin_refused")
 
-    def _counting(self, receive: Receive) -> Receive:
-        """`receive` that refuses a body (chunked, or lying about its length) once it passes the limit."""
+    def _counting(self, receive: Receive, stalled: asyncio.Event) -> Receive:
+        """`receive` that refuses a body (chunked, or lying about its length) once it passes the limit, and
+        one that stops arriving for BODY_STALL_S (408: a half-sent upload held its connection forever)."""
         seen = 0
         limit = self.max_body_bytes
+        body_done = False
 
         async def wrapped() -> dict[str, Any]:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body only a disconnect comes: the client's, or a stalled send's
+                return await _first_of(receive, stalled)
+            try:
+                message = await asyncio.wait_for(receive(), BODY_STALL_S)
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body stopped arriving for {BODY_STALL_S:.0f} s (after {seen} "
+                                    f"bytes)", code="body_timeout") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise BodyTooLarge(limit, f"over {seen} bytes")
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         return wrapped
+
+    @staticmethod
+    def _stall_checked(send: Send, stalled: asyncio.Event) -> Send:
+        """`send` that gives up on a body message the client does not take for SEND_STALL_S: a streaming
+        client that stopped reading (its socket buffers full) otherwise kept its generation running. The
+        route's disconnect watchers then see a disconnect, and abort the request as for one."""
+
+        async def wrapped(message: dict[str, Any]) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            try:
+                await asyncio.wait_for(send(message), SEND_STALL_S)
+            except asyncio.TimeoutError:
+                stalled.set()
+                raise SendStalled() from None
+
+        return wrapped
+
+
+async def _first_of(receive: Receive, stalled: asyncio.Event) -> dict[str, Any]:
+    """The next message, or a disconnect once the send stalled (whichever comes first)."""
+    getter = asyncio.ensure_future(receive())
+    stopper = asyncio.ensure_future(stalled.wait())
+    try:
+        await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not getter.done():
+            getter.cancel()
+    if getter.done() and not getter.cancelled():
+        return getter.result()
+    return {"type": "http.disconnect"}
 
 
 def _host_name(host_header: str) -> str:

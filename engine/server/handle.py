@@ -34,6 +34,7 @@ class RequestHandle:
         self.finished = False
         self.aborted = False
         self.last: RequestOutput | None = None
+        self._stopped = asyncio.Event()  # set by stop(): the server is shutting down
         self._agen = client.generate(request)
         self._watcher: asyncio.Task[None] | None = (
             asyncio.create_task(self._watch(wait_disconnect)) if wait_disconnect is not None else None
@@ -59,13 +60,22 @@ class RequestHandle:
         except Exception:  # noqa: BLE001 - an abort of a request the engine already dropped is not an error
             log.debug("abort(%s) raised", self.request_id, exc_info=True)
 
+    def stop(self) -> None:
+        """Server shutdown: end the request now, as an abort, without waiting for the engine. Its thread may be
+        inside a step that takes seconds (a long prefill chunk on a CPU), and the engine's own abort is
+        answered only after that step; the waiting `next()` returns a final "abort" output at once instead.
+        The caller still aborts the request in the engine (`abort()`, in the background)."""
+        self._stopped.set()
+
     async def next(self) -> RequestOutput | None:
         """The next output, None when the iterator ended. Raises ClientGone once the client has left, and
-        the engine's own errors (RequestRejected, QueueFull, EngineDead) as they come."""
+        the engine's own errors (RequestRejected, QueueFull, EngineDead) as they come. After `stop()`, a final
+        output with finish_reason "abort"."""
         if self.finished:
             return None
         step = asyncio.ensure_future(self._agen.__anext__())
-        waiters: set[asyncio.Future] = {step}
+        stopper = asyncio.ensure_future(self._stopped.wait())
+        waiters: set[asyncio.Future] = {step, stopper}
         if self._watcher is not None:
             waiters.add(self._watcher)
         try:
@@ -73,6 +83,11 @@ class RequestHandle:
         except asyncio.CancelledError:
             step.cancel()
             raise
+        finally:
+            stopper.cancel()
+        if not step.done() and self._stopped.is_set():
+            step.cancel()
+            return self._stopped_output()
         if not step.done():
             step.cancel()
             raise ClientGone(self.request_id)
@@ -89,6 +104,16 @@ class RequestHandle:
         self.last = out
         if out.finished:
             self.finished = True
+        return out
+
+    def _stopped_output(self) -> RequestOutput:
+        self.finished = self.aborted = True  # the engine abort follows (stop's caller); close() sends none
+        last = self.last
+        out = RequestOutput(self.request_id, [], "", True, "abort",
+                            prompt_tokens=last.prompt_tokens if last else len(self.request.prompt_token_ids),
+                            cached_tokens=last.cached_tokens if last else 0,
+                            completion_tokens=last.completion_tokens if last else 0)
+        self.last = out
         return out
 
     async def close(self) -> None:

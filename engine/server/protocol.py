@@ -11,19 +11,29 @@ import json
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool, StrictInt,
-                      ValidationError, model_serializer)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool,
+                      StrictInt, StringConstraints, ValidationError, model_serializer)
 
 from engine.config import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
-from engine.server.errors import from_exception, from_validation_error, invalid_param, malformed_json
+from engine.server import json_chunked
+from engine.server.errors import ApiError, from_exception, from_validation_error, invalid_param, malformed_json
 
-TokenId = Annotated[int, Field(ge=0)]
+# One rule for every integer the server reads from text (a logit_bias key, a Last-Event-ID): ASCII digits
+# only and at most MAX_DECIMAL_DIGITS of them. Python's int() also takes "²" or "①" (and raises on some)
+# and refuses more than 4300 digits with a ValueError: neither may reach it.
+MAX_DECIMAL_DIGITS = 19  # every value below 10**19 fits an int64
+DECIMAL_PATTERN = rf"^[0-9]{{1,{MAX_DECIMAL_DIGITS}}}$"
+INT64_MAX = (1 << 63) - 1  # the bound of every JSON integer field that has no smaller one of its own
+
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 MAX_STOP_STRINGS = 4
 # torch.Generator.manual_seed takes -2**63 .. 2**64 - 1; anything outside is refused here, naming `seed`.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
+MIN_ARRAY_LIMIT = 1 << 16  # arrays in a large body are cut off past max(context, this)
+LARGE_BODY_BYTES = 256 << 10  # above this a body is parsed in pieces (json_chunked): the event loop keeps going
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default limit; OpenAI's is 20 for chat)
 MAX_CHOICES = 16  # n: each choice is one engine request
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
@@ -37,6 +47,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _only_true(value: bool) -> bool:
+    if value is not True:
+        raise ValueError("only true is supported (special tokens are always skipped in the output text)")
+    return value
+
+
+def decimal(text: str) -> int | None:
+    """The integer `text` spells by the one rule above (DECIMAL_PATTERN), else None."""
+    if not 0 < len(text) <= MAX_DECIMAL_DIGITS or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
 class _Ignored(_Body):
     """Accepted and ignored: they cannot change what is generated (listed in docs/API.md)."""
 
@@ -47,7 +70,8 @@ class _Ignored(_Body):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
-    skip_special_tokens: Literal[True] | None = None  # what this server does anyway; false is refused
+    # What this server does anyway; false is refused (and so is 1: a bool is not an integer here).
+    skip_special_tokens: Annotated[StrictBool, AfterValidator(_only_true)] | None = None
 
 
 IGNORED = tuple(_Ignored.model_fields)
@@ -61,7 +85,7 @@ class _SamplingFields(_Ignored):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
@@ -71,10 +95,11 @@ class _SamplingFields(_Ignored):
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=DECIMAL_PATTERN)],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM's sampling extensions.
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None  # -1 or 0: off; >= the vocabulary: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     # vLLM-style extensions: benchmarks need exact output lengths, chat formats need extra stop tokens.
@@ -89,7 +114,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     # vLLM's extension (>= 0.10.2): each choice carries its generated ids and the prompt's. A load client counts
     # tokens by them: a token whose text is empty (an id the tokenizer does not know) is otherwise invisible.
     return_token_ids: bool = False
@@ -114,7 +139,7 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -239,15 +264,26 @@ def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None
     CPU-heavy for a large body: the routes call it in a worker thread. `max_prompt_ids` (the context) refuses
     a token-id prompt that cannot fit before the validator walks it (a validator holds the GIL throughout)."""
     try:
-        data = json.loads(raw)
+        if len(raw) > LARGE_BODY_BYTES:
+            # No array a request may hold (a prompt, messages, stop ids) can outgrow the context: stop there.
+            limit = None if max_prompt_ids is None else max(max_prompt_ids, MIN_ARRAY_LIMIT)
+            data = json_chunked.loads(raw, limit)
+        else:
+            data = json.loads(raw)
+    except json_chunked.TooManyItems as exc:
+        raise ApiError(400, f"{exc}; no prompt, message list or token-id list can be longer than the context "
+                            f"({max_prompt_ids} tokens)", code="context_length_exceeded") from None
     except RecursionError:
         raise malformed_json("nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise malformed_json(str(exc)) from None
     if not isinstance(data, dict):
         raise malformed_json(f"expected a JSON object, got {type(data).__name__}")
-    _check_unicode(data)
+    if not raw.isascii() or b"\\u" in raw:  # else no string can hold a surrogate: a big body skips the walk
+        _check_unicode(data)
     prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # [[ids]]: one prompt of ids
     if max_prompt_ids is not None and isinstance(prompt, list) and len(prompt) > max_prompt_ids:
         if all(type(t) is int for t in prompt[:16]):  # ids, not a batch of prompts (refused by name later)
             raise from_exception(PromptTooLong(len(prompt), max_prompt_ids))

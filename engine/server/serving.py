@@ -27,6 +27,7 @@ from engine.server.logprobs import CompletionLogprobs, chat_logprobs
 from engine.server.streams import usage_of_choices
 from engine.server.protocol import (
     MAX_STOP_STRINGS,
+    decimal,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -84,6 +85,7 @@ class Serving:
         self.stopping = asyncio.Event()  # set: new requests are refused
         self.events_closed = asyncio.Event()  # set: telemetry streams flush and end
         self._inflight: dict[str, RequestHandle] = {}
+        self._aborts: set[asyncio.Task] = set()  # engine aborts sent at shutdown
 
     # --- models and lifecycle ------------------------------------------------------------------------------
 
@@ -106,10 +108,22 @@ class Serving:
         return len(self._inflight)
 
     async def begin_shutdown(self) -> None:
-        """Refuse new requests and abort the running ones (their streams end with finish_reason abort)."""
+        """Refuse new requests and end the running ones at once (streams end with finish_reason abort, a
+        request not yet answered gets 503 shutting_down); their engine aborts go out in the background, since
+        the engine answers them only after the step it is in (a long prefill chunk can take seconds)."""
         self.stopping.set()
-        for handle in list(self._inflight.values()):
-            await handle.abort()
+        handles = list(self._inflight.values())
+        for handle in handles:
+            handle.stop()
+        for handle in handles:
+            task = asyncio.create_task(self.client.abort(handle.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._abort_done)
+
+    def _abort_done(self, task: asyncio.Task) -> None:
+        self._aborts.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the engine stopped first: nothing to abort
+            log.debug("abort at shutdown: %s", task.exception())
 
     async def shutdown(self, stop_engine: Callable[[], Awaitable[None]] | None = None) -> None:
         """Drain, stop the engine (its stopping/exit events still reach the event streams), then end the
@@ -229,7 +243,7 @@ class Serving:
             stop=_stop_strings(req.stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
-            top_k=max(req.top_k or 0, 0),
+            top_k=self._top_k(req.top_k),
             min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0,
@@ -243,18 +257,29 @@ class Serving:
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.stream, include_usage, req.n,
                         logprobs_top)
 
+    def _top_k(self, top_k: int | None) -> int:
+        """-1, 0 and any k the vocabulary cannot exceed all mean "off" (0)."""
+        vocab = getattr(self.client, "vocab_size", None)
+        if top_k is None or top_k < 1 or (vocab is not None and top_k >= vocab):
+            return 0
+        return top_k
+
     def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `{"token id": bias}` as (id, bias) pairs; keys that are not ids of this model are 400."""
+        """OpenAI's `{"token id": bias}` as (id, bias) pairs; keys that are not ids of this model are 400, and
+        so are two keys naming one id ("7" and "007"): which bias was meant cannot be told."""
         if not bias:
             return ()
         vocab = getattr(self.client, "vocab_size", None)
-        pairs = []
+        pairs: dict[int, float] = {}
         for key, value in bias.items():
-            if not key.isdigit() or (vocab is not None and int(key) >= vocab):
+            token = decimal(key)  # the schema already holds keys to ASCII digits; this is the same rule
+            if token is None or (vocab is not None and token >= vocab):
                 limit = f" below {vocab}" if vocab is not None else ""
                 raise invalid_param(f"logit_bias.{key}", key, f"keys must be token ids{limit}")
-            pairs.append((int(key), float(value)))
-        return tuple(sorted(pairs))
+            if token in pairs:
+                raise invalid_param(f"logit_bias.{key}", key, f"token id {token} is given twice")
+            pairs[token] = float(value)
+        return tuple(sorted(pairs.items()))
 
     # --- running -------------------------------------------------------------------------------------------
 
@@ -269,6 +294,8 @@ class Serving:
         for gen in requests:
             handle = RequestHandle(self.client, gen, wait_disconnect, on_gone=self._forget)
             self._inflight[gen.request_id] = handle
+            if self.stopping.is_set():  # shutdown began while this request was parsed or tokenized
+                handle.stop()
             if self.metrics is not None:
                 self.metrics.request_started(gen.request_id)
             handles.append(handle)
@@ -279,6 +306,8 @@ class Serving:
                 await self._finish(handle)
             if isinstance(failure, ClientGone) or not isinstance(failure, Exception):
                 raise failure
+            if self.stopping.is_set():  # the engine refused it because it is stopping: say why
+                raise _shutting_down() from failure
             raise from_exception(failure) from failure
         for handle, first in zip(handles, firsts):
             self._observe(handle, first)
@@ -328,8 +357,7 @@ class Serving:
         if last.finish_reason == "error":
             raise streams.generation_error(self.client, last)
         if handle.aborted and self.stopping.is_set():
-            raise ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
-                           code="shutting_down")
+            raise _shutting_down()
         return Collected("".join(pieces), token_ids, last, logprobs)
 
     async def _tracked_stream(self, handles: list[RequestHandle], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -353,6 +381,11 @@ class Serving:
     def _forget(self, handle: RequestHandle) -> None:
         if self._inflight.pop(handle.request_id, None) is not None and self.metrics is not None:
             self.metrics.request_finished(handle.request_id, handle.last)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
+                    code="shutting_down")
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

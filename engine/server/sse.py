@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from engine.server.protocol import decimal
 from engine.telemetry import EventBus
 
 DONE = "data: [DONE]\n\n"
@@ -24,8 +25,9 @@ DEFAULT_SUBSCRIBER_QUEUE = 4096  # >= the bus history ring, so a late subscriber
 
 
 def sse_data(payload: Any) -> str:
-    """One `data:` message (the OpenAI streaming format)."""
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One `data:` message (the OpenAI streaming format). NaN or inf is refused (ValueError, reported in-band
+    by the stream): JSON has no such numbers, and a client's parser would fail on the whole chunk."""
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def sse_event(epoch: str, seq: int, event_type: str, payload: dict[str, Any]) -> str:
@@ -49,9 +51,10 @@ def parse_last_event_id(raw: str | None) -> EventId | None:
     if raw is None:
         return None
     epoch, _, seq = raw.strip().rpartition("-")
-    if not seq.isdigit() or (epoch and not epoch.isdigit()):
+    seq_n = decimal(seq)
+    if seq_n is None or (epoch and decimal(epoch) is None):
         return None
-    return EventId(epoch or None, int(seq))
+    return EventId(epoch or None, seq_n)
 
 
 async def event_stream(

@@ -13,9 +13,11 @@ import asyncio
 import logging
 import signal
 from types import FrameType
-from typing import Callable
+from typing import Any, Callable
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("strata.serve")
 
@@ -34,3 +36,47 @@ class DrainingServer(uvicorn.Server):
         if first:
             log.info("received %s: stopping", signal.Signals(sig).name)
             asyncio.get_event_loop().call_soon_threadsafe(self._on_signal)
+
+
+HEADER_TIMEOUT_S = 10.0  # a connection that has not sent a whole request head by then is closed
+MAX_HEAD_BYTES = 64 << 10  # h11's limit on a request head (request line and headers)
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
+MAX_CONNECTIONS = 1024  # open connections plus running requests; beyond it uvicorn answers 503
+GRACEFUL_S = 1  # after a stop signal: how long open connections may still take their last bytes
+
+
+def server_config(app: Any, log_level: int | str = logging.INFO) -> uvicorn.Config:
+    """uvicorn's settings for the Strata server: its connection limits (documented in docs/API.md)."""
+    return uvicorn.Config(app, log_config=None, log_level=log_level, lifespan="on", http=HeadTimeoutH11Protocol,
+                          timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=KEEP_ALIVE_S,
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, limit_concurrency=MAX_CONNECTIONS)
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for the request head: uvicorn arms its keep-alive timer only
+    after a response, so a connection that sends nothing, or half a request line, was held open forever."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        waiting_head = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        if not waiting_head and self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        elif waiting_head and self._head_timer is None and self.conn.trailing_data[0]:
+            self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and self.cycle is None and not self.transport.is_closing():
+            log.info("closing a connection from %s that sent no whole request head in %.0f s",
+                     self.client, HEADER_TIMEOUT_S)
+            self.transport.close()

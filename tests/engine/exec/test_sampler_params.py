@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from engine.api import SamplingParams
@@ -99,3 +100,42 @@ def test_greedy_rows_read_the_steps_argmax_and_penalized_or_sampled_rows_do_not(
     assert sample_with_drafts(logits, None, biased, gens, [([], [])] * 2, best=stand_in).tokens == [[2], [2]]
     sampled = [SamplingParams(temperature=1.0, seed=3, logit_bias=((3, 100.0),))] * 2
     assert sample_with_drafts(logits, None, sampled, gens, [([], [])] * 2, best=stand_in).tokens == [[3], [3]]
+
+
+def test_tiny_top_p_and_repetition_penalty_stay_correct_at_the_float32_edge():
+    """Valid values below float32's smallest denormal (1.4e-45) round to 0 on the device: top_p then kept no
+    token and the penalty divided by 0, and every draw came out as the vocabulary's last id."""
+    vocab = 8192
+    logits = torch.randn(2, 1, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    best = logits.argmax(-1)
+    params = [SamplingParams(temperature=1.0, top_p=1e-46), SamplingParams(temperature=1.0, top_p=5e-324)]
+    for seed in range(4):
+        res = sample_with_drafts(logits, None, params, [make_generator(seed), make_generator(seed + 9)])
+        assert res.tokens == best.tolist()
+    history = [5, 77, 1234]  # seen: with a vanishing penalty the seen token with the largest positive logit wins
+    logits[0, 0, history] = torch.tensor([0.5, 1.5, -2.0])
+    want = 77
+    p = SamplingParams(temperature=1.0, repetition_penalty=1e-46)
+    for seed in range(4):
+        res = sample_with_drafts(logits[:1], None, [p], [make_generator(seed)], [([5], [77, 1234])])
+        assert res.tokens == [[want]]
+    assert torch.isfinite(penalize(logits[:1], None, [p], [([5], [77, 1234])])).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_non_finite_logits_name_their_rows_greedy_sampled_and_with_drafts(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine.exec.sampler import NonFiniteLogits, sample_isolating_rows
+
+    logits = torch.randn(3, 2, 64, device=device)
+    logits[1, 1, 5] = float("nan")
+    drafts = logits[:, :1].argmax(-1)
+    for params in ([SamplingParams(temperature=0.0)] * 3, [SamplingParams(temperature=0.8, top_p=0.9)] * 3):
+        gens = [make_generator(i) for i in range(3)]
+        with pytest.raises(NonFiniteLogits) as info:
+            sample_with_drafts(logits, drafts, params, gens)
+        assert info.value.rows == [1]
+        result, failed = sample_isolating_rows(logits, drafts, params, gens, None, lambda exc: False)
+        assert list(failed) == [1] and isinstance(failed[1], NonFiniteLogits)
+        assert all(t >= 0 for row in result.tokens for t in row)

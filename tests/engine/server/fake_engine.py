@@ -113,5 +113,5 @@ class FakeEngine:
     async def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
         raise NoExpertCache(f"the model {self.model_name} has no MoE layers: there is no expert cache to resize")
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, wait_s: float | None = None) -> None:
         self.ready = False

@@ -15,14 +15,14 @@ from engine.cli.serve import bind_socket
 class LiveServer:
     """`with LiveServer(app) as url:` serves `app` on 127.0.0.1:<free port> until the block ends."""
 
-    def __init__(self, app: Any, startup_timeout_s: float = 20.0) -> None:
+    def __init__(self, app: Any, startup_timeout_s: float = 20.0, config: uvicorn.Config | None = None) -> None:
         self.app = app
         self.startup_timeout_s = startup_timeout_s
         self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on",
-                                                    timeout_graceful_shutdown=3))
+        self.server = uvicorn.Server(config or uvicorn.Config(app, log_config=None, lifespan="on",
+                                                              timeout_graceful_shutdown=3))
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="live-uvicorn", daemon=True)
 

@@ -1,0 +1,61 @@
+"""json_chunked.loads parses what json.loads parses, to the same value, and refuses what it refuses."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from engine.server import json_chunked
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=6))
+_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=4), inner, max_size=4)), max_leaves=30)
+
+
+def _same(text: str) -> None:
+    try:
+        want = json.loads(text)
+    except ValueError:
+        with pytest.raises(ValueError):
+            json_chunked.loads(text)
+        return
+    assert json.dumps(json_chunked.loads(text)) == json.dumps(want)  # NaN != NaN, but prints the same
+
+
+@settings(max_examples=300, deadline=None)
+@given(_values, st.sampled_from([(",", ":"), (", ", ": "), (" ,  ", " : ")]))
+def test_valid_json_parses_to_the_same_value(value, separators) -> None:
+    _same(json.dumps(value, separators=separators))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='[]{},:"0123456789-.eE tnrufalsNI\\', max_size=30))
+def test_broken_json_is_refused_like_json_loads(text) -> None:
+    try:
+        _same(text)
+    except RecursionError:
+        pass
+
+
+def test_long_number_runs_are_parsed_in_pieces_to_the_same_list() -> None:
+    ids = list(range(200_000))
+    for text in (json.dumps({"prompt": ids}), json.dumps(ids, separators=(",", ":")),
+                 json.dumps(ids[:70_000] + ["x", [1, 2]] + ids[:70_000]), json.dumps([1.5, -2e3] * 40_000)):
+        _same(text)
+    _same("[" + ",".join("7" for _ in range(100_000)) + ",]")  # a trailing comma far into a run is refused
+    assert math.isnan(json_chunked.loads("[NaN]")[0])
+
+
+def test_an_array_past_max_items_is_refused_before_the_rest_is_parsed() -> None:
+    text = json.dumps({"a": [1, 2], "prompt": list(range(300_000))})
+    assert json_chunked.loads(text, max_items=300_000)["prompt"][-1] == 299_999
+    with pytest.raises(json_chunked.TooManyItems):
+        json_chunked.loads(text, max_items=70_000)
+    with pytest.raises(json_chunked.TooManyItems):
+        json_chunked.loads(json.dumps([["x"] * 10]), max_items=5)
