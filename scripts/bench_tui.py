@@ -44,14 +44,17 @@ def instrument(latencies_s: list[float]) -> None:
     event's latency is: network + parse + wait for the tick + redraw + paint."""
     from strata_tui.app import StrataApp
 
+    from strata_tui.messages import TelemetryBatch
+
     pending_ts: list[float] = []
-    on_batch = StrataApp.on_telemetry_batch
+    on_news = StrataApp.on_engine_news
 
-    def on_telemetry_batch(self, message) -> None:
-        pending_ts.extend(e.ts for e in message.events if e.ts)
-        on_batch(self, message)
+    def on_engine_news(self, message) -> None:
+        if isinstance(message, TelemetryBatch):
+            pending_ts.extend(e.ts for e in message.events if e.ts)
+        on_news(self, message)
 
-    StrataApp.on_telemetry_batch = on_telemetry_batch
+    StrataApp.on_engine_news = on_engine_news
     original = MonitorScreen.redraw
 
     def redraw(self: MonitorScreen, force: bool = False) -> None:

@@ -65,22 +65,15 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
     """Follow /strata/events (reconnecting) until cancelled. On every (re)connection `/strata/state` is
     read first and posted, because the engine answering now may not be the one from before (another
     process on the same port, restarted with other switches and reserve); when the event numbers show a
-    restarted engine, the state is read again and posted as a fresh engine's. The client belongs to the
+    restarted engine (one that names no instance), the state is read again and posted as a fresh engine's. The client belongs to the
     run: the app closes it."""
 
     def on_status(connected: bool, reason: str) -> None:
         post(TelemetryStatus(connected, reason))
 
-    seen_instance: list[Any] = []
-
     async def on_connect() -> None:
-        snapshot = await client.state()
-        # An engine that names its instance (a start time or id: not every build does) is recognised at once.
-        instance = snapshot.get("instance_id", snapshot.get("started_at")) if isinstance(snapshot, dict) else None
-        fresh = instance is not None and bool(seen_instance) and seen_instance[-1] != instance
-        if instance is not None:
-            seen_instance.append(instance)
-        post(StateSnapshot(snapshot, fresh_engine=fresh))
+        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
+        post(StateSnapshot(await client.state()))
 
     restarts = client.engine_restarts
     async for batch in client.events(on_status, on_connect):
@@ -88,6 +81,14 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
             restarts = client.engine_restarts
             post(StateSnapshot(await client.state(), fresh_engine=True))
         post(TelemetryBatch(batch))
+
+
+async def read_state(post: Post, client: TelemetryClient) -> None:
+    """Read `/strata/state` once and post it (the engine answers again after a gap: it may be another one)."""
+    try:
+        post(StateSnapshot(await client.state()))
+    except (httpx.HTTPError, OSError, ValueError):
+        pass  # the liveness probe and the event stream report an engine that does not answer
 
 
 async def poll_experts(post: Post, client: TelemetryClient, interval_s: float = 1.0,

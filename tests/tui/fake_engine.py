@@ -72,7 +72,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {"ready": True, "reason": "ready"})
         elif self.path == "/strata/state":
             self._json(200, {"config": {"vram_reserve_mib": RESERVE["mib"], "context": CONTEXT_TOKENS},
-                             "switches": BOARD.snapshot(), "slots": [], "vocab_size": 1000, "experts": EXPERTS})
+                             "switches": BOARD.snapshot(), "slots": [], "vocab_size": 1000, "experts": EXPERTS,
+                             "instance_id": BUS.epoch})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "vocab_size": 1000,
                                                           "context_tokens": CONTEXT_TOKENS}]})
