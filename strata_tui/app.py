@@ -282,7 +282,7 @@ class StrataApp(App):
         self.shutdown.hang_up()
 
     def on_unmount(self) -> None:
-        if self.process is not None and self.process.running:
+        if self.process is not None and self.process.running and not self.process.handed_off:
             self.process.kill_now()
 
     # --- profiles ------------------------------------------------------------------------------------
