@@ -157,9 +157,11 @@ class EngineProcess:
             # ("Event loop is closed") when the app's loop is already gone.
             transport = getattr(self._proc, "_transport", None)
             if transport is not None:
-                if self.handed_off and self._proc.returncode is None:
-                    # asyncio's close() SIGKILLs a child still running; the reaper sees this one's end instead.
-                    transport._proc = None
+                popen = getattr(transport, "_proc", None)
+                if self.handed_off and popen is not None and popen.returncode is None:
+                    # asyncio's close() SIGKILLs a child its Popen says is running; the reaper sees this one's
+                    # end instead (asyncio's own exit code, from its child watcher, is kept apart).
+                    popen.returncode = -signal.SIGTERM
                 transport.close()
         return ExitInfo(returncode, self._stop_requested)
 

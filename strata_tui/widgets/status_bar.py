@@ -56,4 +56,4 @@ class StatusBar(Static):
         text = status_text(view)
         if text != self._shown:  # an unchanged line is not laid out and painted again
             self._shown = text
-            self.update(text)
+            self.update(text, layout=False)  # one line, always: nothing to lay out again
