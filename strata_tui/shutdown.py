@@ -1,8 +1,9 @@
 """How the app ends: `q`, SIGTERM, SIGINT, SIGHUP or the terminal going away. One quit at a time; each
 says "stopping engine…" at once, stops the engine it launched (SIGTERM to its group, SIGKILL after a
 budget) and exits. `q` does not wait for the engine: the screen returns at once (as htop's does) and a
-reaper process (`strata_tui/reaper.py`) sees the engine's stop through. With `watchdog` on (the CLI), a thread makes sure the process is gone by a deadline even
-if the event loop is stuck, and a second SIGTERM/SIGINT ends it at once.
+reaper process (`strata_tui/reaper.py`) sees the engine's stop through. With `watchdog` on (the CLI), a
+thread makes sure the process is gone by a deadline even if the event loop is stuck, and a second
+SIGTERM/SIGINT ends it at once.
 """
 
 from __future__ import annotations

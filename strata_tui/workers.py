@@ -66,8 +66,8 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
     """Follow /strata/events (reconnecting) until cancelled. On every (re)connection `/strata/state` is
     read first and posted, because the engine answering now may not be the one from before (another
     process on the same port, restarted with other switches and reserve); when the event numbers show a
-    restarted engine (one that names no instance), the state is read again and posted as a fresh engine's. The client belongs to the
-    run: the app closes it."""
+    restarted engine (one that names no instance), the state is read again and posted as a fresh engine's.
+    The client belongs to the run: the app closes it."""
 
     def on_status(connected: bool, reason: str) -> None:
         post(TelemetryStatus(connected, reason))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from engine.telemetry import SlotEvent
-from strata_tui.messages import EngineExited, EngineLiveness, EngineOutput, StateSnapshot, TelemetryBatch, TelemetryStatus
+from strata_tui.messages import (EngineExited, EngineLiveness, EngineOutput, StateSnapshot, TelemetryBatch,
+                                 TelemetryStatus)
 from strata_tui.reducer import CloseClientLater, RedrawNow, Resync, reduce
 from strata_tui.view_state import ViewState
 from strata_tui.widgets.status_bar import status_text

@@ -166,7 +166,8 @@ async def test_a_new_engine_on_the_same_port_is_shown_as_it_is_and_1_turns_its_s
             await pilot.pause(0.3)
             assert "applied live" not in screen_text(app)
             await pilot.press("1")
-            await wait_for(pilot, lambda: split.running is True and split.note == "applied live", what=f"on again ({split}, resyncing={app.view.resyncing})")
+            await wait_for(pilot, lambda: split.running is True and split.note == "applied live",
+                           what=f"on again ({split})")
             async with httpx.AsyncClient(base_url=url) as client:
                 state = (await client.get("/strata/state")).json()
             assert {s["name"]: s["enabled"] for s in state["switches"]}["SPLIT_ATTN"] is True
