@@ -13,6 +13,7 @@ state (call_after_refresh), on one clock (both processes on this machine).
     .venv/bin/python benchmarks/bench_tui.py                       # 6 slots x 30 Hz, default refresh
     .venv/bin/python benchmarks/bench_tui.py --slots 6 --hz 60 --seconds 20
     .venv/bin/python benchmarks/bench_tui.py --real-engine --seconds 20
+    .venv/bin/python benchmarks/bench_tui.py --idle --seconds 30   # an engine with nothing to say: the idle cost
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ def instrument(latencies_s: list[float]) -> None:
     event's latency is: network + parse + wait for the tick + redraw + paint."""
     from strata_tui.app import StrataApp
 
+    from strata_tui.messages import TelemetryBatch
+
     pending_ts: list[float] = []
-    on_batch = StrataApp.on_telemetry_batch
+    on_news = StrataApp.on_engine_news
 
-    def on_telemetry_batch(self, message) -> None:
-        pending_ts.extend(e.ts for e in message.events if e.ts)
-        on_batch(self, message)
+    def on_engine_news(self, message) -> None:
+        if isinstance(message, TelemetryBatch):
+            pending_ts.extend(e.ts for e in message.events if e.ts)
+        on_news(self, message)
 
-    StrataApp.on_telemetry_batch = on_telemetry_batch
+    StrataApp.on_engine_news = on_engine_news
     original = MonitorScreen.redraw
 
     def redraw(self: MonitorScreen, force: bool = False) -> None:
@@ -96,7 +100,10 @@ async def run(args: argparse.Namespace) -> dict:
         profile = Profile("bench").with_engine(model=model, device="cpu", batch=args.slots, context=4096)
         program = None
     else:
-        os.environ["FAKE_ENGINE_BUSY"] = f"{args.slots}:{args.hz}"
+        if args.idle:
+            os.environ.pop("FAKE_ENGINE_BUSY", None)
+        else:
+            os.environ["FAKE_ENGINE_BUSY"] = f"{args.slots}:{args.hz}"
         os.environ.pop("FAKE_ENGINE_EVENTS", None)
         profile = Profile("bench")
         program = FAKE_ENGINE
@@ -119,7 +126,7 @@ async def run(args: argparse.Namespace) -> dict:
         max_tokens = profile.engine.context - 64
         load = asyncio.create_task(send_load(app.view.engine_url, args.slots, max_tokens)) if args.real_engine else None
         deadline = time.monotonic() + 120
-        while sum(1 for s in app.view.monitor.slots.values() if s.state == "decode") < args.slots:
+        while not args.idle and sum(1 for s in app.view.monitor.slots.values() if s.state == "decode") < args.slots:
             if time.monotonic() > deadline or (load is not None and load.done()):
                 states = {n: s.state for n, s in app.view.monitor.slots.items()}
                 raise SystemExit(f"the slots never all decoded: {states}; load: {load}")
@@ -141,7 +148,8 @@ async def run(args: argparse.Namespace) -> dict:
         return ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000 if ordered else float("nan")
 
     return {
-        "source": "real engine (CPU)" if args.real_engine else f"fake engine {args.slots} slots x {args.hz} Hz",
+        "source": "real engine (CPU)" if args.real_engine else "fake engine, idle" if args.idle
+        else f"fake engine {args.slots} slots x {args.hz} Hz",
         "refresh_s": profile.tui.refresh_s,
         "busy_slots": busy,
         "window_s": round(wall_s, 2),
@@ -163,6 +171,7 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--refresh-s", type=float, default=None, help="override the profile's refresh interval")
     parser.add_argument("--real-engine", action="store_true", help="launch the real strata-engine on CPU")
+    parser.add_argument("--idle", action="store_true", help="the fake engine publishes nothing: the idle cost")
     parser.add_argument("--model", help="checkpoint for --real-engine (default: a random tiny one)")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(run(args)), indent=2))

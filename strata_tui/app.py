@@ -2,8 +2,8 @@
 screens draw lives in one ViewState (`app.view`); what the keys do lives in Controls (`app.controls`).
 
 `create_app()` is the factory the CLI and the tests share. Data flows one way: workers post messages up;
-the handlers here fold them into the ViewState; the monitor screen's refresh tick pushes the changed state
-down into its widgets.
+one handler hands each to the reducer (`strata_tui/reducer.py`), which folds it into the ViewState and says
+what to do about it; the monitor screen's refresh tick pushes the changed state down into its widgets.
 """
 
 from __future__ import annotations
@@ -11,44 +11,31 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
 from engine.switches import get_switch
-from engine.telemetry import EngineEvent, ErrorEvent
 from strata_tui.commands import palette_commands
 from strata_tui.controls import DEFAULT_SCENARIO, Controls
 from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
-from strata_tui.messages import (
-    EngineExited,
-    EngineLiveness,
-    EngineOutput,
-    EngineReady,
-    ExpertsSnapshot,
-    GpuSampled,
-    LoadProgress,
-    StateSnapshot,
-    TelemetryBatch,
-    TelemetryStatus,
-)
+from strata_tui.messages import EngineNews
 from strata_tui.monitor_state import MonitorState
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile, ProfileError
+from strata_tui.reducer import CloseClientLater, Notify, OpenClient, RedrawNow, Resync, reduce
 from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profiles import ProfilesScreen
 from strata_tui.shutdown import Shutdown
 from strata_tui.telemetry_client import TelemetryClient
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
-from strata_tui.view_state import CrashInfo, ViewState
-from strata_tui.workers import (engine_callbacks, poll_experts, run_engine, sample_gpus, stream_telemetry,
-                                watch_liveness)
-
-TELEMETRY_DRAIN_S = 1.0
+from strata_tui.view_state import ViewState
+from strata_tui.workers import (engine_callbacks, poll_experts, read_state, run_engine, sample_gpus,
+                                stream_telemetry, watch_liveness)
 
 
 class StrataApp(App):
@@ -92,7 +79,6 @@ class StrataApp(App):
         self.shutdown = Shutdown(self, watchdog=handle_signals)
         self.process: EngineProcess | None = None
         self.client: TelemetryClient | None = None  # one per engine run (or attachment)
-        self.run_id = 0
         self.clock = time.monotonic  # local time for ETAs counting down (tests freeze it)
 
     # --- what the screens and controls read ----------------------------------------------------------
@@ -100,6 +86,11 @@ class StrataApp(App):
     @property
     def attach_url(self) -> str | None:
         return self.view.attach_url
+
+    @property
+    def run_id(self) -> int:
+        """The current engine run (or attachment); news of earlier ones is dropped."""
+        return self.view.run
 
     @property
     def engine_running(self) -> bool:
@@ -168,7 +159,7 @@ class StrataApp(App):
             self.view.changed()
             return
         self._set_profile(profile)
-        self.run_id += 1
+        self.view.run += 1
         self._close_client()
         config = profile.engine
         argv = engine_argv(config, self.engine_program)
@@ -176,7 +167,8 @@ class StrataApp(App):
                                      **engine_callbacks(self.post_message, self.run_id))
         self.view.monitor.reset_for_launch()
         self.view.crash, self.view.engine_url, self.view.telemetry_connected = None, None, None
-        self.view.unreachable_since = None
+        self.view.unreachable_since, self.view.unreachable_reason = None, ""
+        self.view.resyncing, self.view.engine_instance, self.view.stopping_why = False, None, ""
         self.view.stderr_tail.clear()
         self.view.status_note = ""
         self.view.append_log([("tui", "$ " + " ".join(argv))])
@@ -186,6 +178,7 @@ class StrataApp(App):
     async def stop_process(self, timeout_s: float | None = None, why: str = "") -> None:
         if self.process is not None and self.process.running:
             self.process.why_stopped = why
+            self.view.stopping_why = why
             self.view.monitor.engine_state = "stopping"
             self.view.changed()
             await self.process.stop(self.stop_timeout_s if timeout_s is None else timeout_s)
@@ -194,9 +187,10 @@ class StrataApp(App):
         """One HTTP client for this run: the event stream, the liveness probe and every control use it."""
         self._close_client()
         self.client = TelemetryClient(url, api_key=self.api_key())
-        self.run_worker(stream_telemetry(self.post_message, self.client), group="telemetry", exit_on_error=False)
-        self.run_worker(watch_liveness(self.post_message, self.client), group="telemetry", exit_on_error=False)
-        self.run_worker(poll_experts(self.post_message, self.client), group="telemetry", exit_on_error=False)
+        post = self._post_for(self.run_id)
+        self.run_worker(stream_telemetry(post, self.client), group="telemetry", exit_on_error=False)
+        self.run_worker(watch_liveness(post, self.client), group="telemetry", exit_on_error=False)
+        self.run_worker(poll_experts(post, self.client), group="telemetry", exit_on_error=False)
 
     def _close_client(self) -> None:
         self.workers.cancel_group(self, "telemetry")
@@ -204,112 +198,43 @@ class StrataApp(App):
             client, self.client = self.client, None
             self.run_worker(client.aclose(), group="close-client", exit_on_error=False)
 
-    def on_engine_output(self, message: EngineOutput) -> None:
-        if message.run == self.run_id:
-            self.view.append_log(message.lines)
-
-    def on_engine_ready(self, message: EngineReady) -> None:
-        if message.run != self.run_id:
-            return
-        self.view.engine_url = message.url
-        if self.view.monitor.engine_state in ("starting", "loading", "not started"):
-            self.view.monitor.engine_state = "ready"
-        self._open_client(message.url)
-        self.view.changed()
-
-    def on_engine_exited(self, message: EngineExited) -> None:
-        if message.run != self.run_id:
-            return
-        # The stream may still hold the engine's last events (its fatal ErrorEvent): let it drain briefly.
-        run = self.run_id
-        self.set_timer(TELEMETRY_DRAIN_S, lambda: self._end_telemetry(run))
-        view = self.view
-        view.telemetry_connected, view.unreachable_since = None, None
-        view.monitor.note_exit(message.returncode)
-        view.monitor.slots.clear()
-        why = self.process.why_stopped if self.process is not None else ""
-        view.crash = CrashInfo(message.returncode, message.error or view.last_error_text(),
-                               list(view.monitor.recent), message.requested, why)
-        if message.error:
-            view.append_log([("tui", message.error)])
-        view.changed()
-
     def _end_telemetry(self, run: int) -> None:
         if run == self.run_id and not self.engine_running:
             self._close_client()
 
-    # --- telemetry and GPU ---------------------------------------------------------------------------
+    # --- worker news: one reducer ----------------------------------------------------------------------
 
-    def on_telemetry_batch(self, message: TelemetryBatch) -> None:
-        view = self.view
-        view.monitor.apply_all(message.events, self.clock())
-        if view.crash is not None and not self.attach_url:
-            # Late events of a run that already exited: they may carry the real error.
-            view.crash.error = view.last_error_text() or view.crash.error
-            view.crash.recent = list(view.monitor.recent)
-        if self.attach_url:
-            for event in message.events:
-                if isinstance(event, EngineEvent) and event.state == "exit":
-                    view.crash = CrashInfo(event.exit_code, view.last_error_text(), list(view.monitor.recent), False)
-                elif isinstance(event, EngineEvent) and event.state in ("starting", "ready"):
-                    view.crash = None
-                elif isinstance(event, ErrorEvent) and event.fatal:
-                    view.crash = CrashInfo(None, view.last_error_text(), list(view.monitor.recent), False)
+    def on_engine_news(self, message: EngineNews) -> None:
+        """Every worker message: the reducer folds it into the view; the effects it asks for happen here."""
+        for effect in reduce(self.view, message, self.clock(), time.time()):
+            if isinstance(effect, OpenClient):
+                self._open_client(effect.url)
+            elif isinstance(effect, CloseClientLater):
+                self.set_timer(effect.after_s, lambda run=effect.run: self._end_telemetry(run))
+            elif isinstance(effect, Resync):
+                self._resync()
+            elif isinstance(effect, RedrawNow):
+                redraw = getattr(self.screen, "redraw", None)
+                if redraw is not None:
+                    redraw()
+            elif isinstance(effect, Notify):
+                self.notify(effect.text, title=effect.title, severity=effect.severity, timeout=effect.timeout_s)
 
-    def on_state_snapshot(self, message: StateSnapshot) -> None:
-        view = self.view
-        reserve_before = view.monitor.vram_reserve_mib
-        if message.fresh_engine:
-            view.monitor.forget_engine()
-        view.monitor.apply_snapshot(message.snapshot)
-        if view.monitor.vram_reserve_mib != reserve_before:
-            view.reserve_note = ""  # "applied live" was about a value this engine does not have
-        view.unreachable_since = None
-        if self.attach_url and view.monitor.engine_state in ("attaching", "exited"):
-            view.monitor.engine_state = "ready"
-            view.crash = None
-        view.changed()
-
-    def on_experts_snapshot(self, message: ExpertsSnapshot) -> None:
-        self.view.monitor.apply_experts(message.experts)
-        self.view.changed()
-
-    def on_telemetry_status(self, message: TelemetryStatus) -> None:
-        view = self.view
-        if view.crash is not None and not self.attach_url:
-            return  # the engine is gone: its stream failing to reconnect is not news
-        view.telemetry_connected = message.connected
-        view.changed()
-
-    def on_engine_liveness(self, message: EngineLiveness) -> None:
-        view = self.view
-        if message.answering:
-            view.unreachable_since = None
-        elif view.unreachable_since is None and not (view.crash is not None and not self.attach_url):
-            view.unreachable_since = time.time()
-            view.status_note = message.reason[:80]
-        else:
+    def _resync(self) -> None:
+        client = self.engine_client()
+        if client is None:
             return
-        view.changed()
-        redraw = getattr(self.screen, "redraw", None)
-        if redraw is not None:  # news of this kind is shown now, not on the next tick
-            redraw()
+        client.reconnect_now()
+        self.run_worker(read_state(self._post_for(self.run_id), client), group="telemetry", exit_on_error=False)
 
-    def on_gpu_sampled(self, message: GpuSampled) -> None:
-        self.view.gpu_history.add(message.samples)
-        self.view.gpu_unavailable = message.unavailable
-        self.view.changed()
+    def _post_for(self, run: int) -> Callable[[EngineNews], Any]:
+        """`post` for the workers of run `run`: their news is dropped once another run is current."""
 
-    def on_load_progress(self, message: LoadProgress) -> None:
-        view = self.view
-        if message.done:
-            view.load_running, view.load_result, view.load_progress = None, message.text, ""
-            view.status_note = "load failed: see the result panel" if message.failed else "load done: see below"
-            self.notify(message.text.splitlines()[0], title="load",
-                        severity="error" if message.failed else "information", timeout=10)
-        else:
-            view.load_progress = message.text[:120]
-        view.changed()
+        def post(message: EngineNews) -> None:
+            message.run = run
+            self.post_message(message)
+
+        return post
 
     # --- actions -------------------------------------------------------------------------------------
 
@@ -357,7 +282,7 @@ class StrataApp(App):
         self.shutdown.hang_up()
 
     def on_unmount(self) -> None:
-        if self.process is not None and self.process.running:
+        if self.process is not None and self.process.running and not self.process.handed_off:
             self.process.kill_now()
 
     # --- profiles ------------------------------------------------------------------------------------

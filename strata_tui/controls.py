@@ -56,8 +56,12 @@ class Controls:
         switch = KEYED_SWITCHES[number - 1]
         view = self.view.monitor.switches[switch.name]
         if self.view.attached:
-            current = view.running if view.running is not None else view.wanted
-            wanted = not current
+            # Only against what the engine serving now said: after a reconnect the old one's value is no guide.
+            if view.running is None or self.view.resyncing:
+                view.note = "not sent: reading the engine's state; press again in a moment"
+                self.view.changed()
+                return
+            wanted = not view.running
         elif self.view.profile is None:
             self._notify("no usable profile: pick or fix one in Profiles (p)", severity="error")
             return
@@ -72,10 +76,10 @@ class Controls:
         else:
             view.note = "start only: restart (r) to apply"
         self.view.changed()
-        self._run_worker(self._switch(switch.name, wanted, client), group=f"switch-{switch.name}", exclusive=True,
-                         exit_on_error=False)
+        self._run_worker(self._switch(switch.name, wanted, client, self.view.engine_instance),
+                         group=f"switch-{switch.name}", exclusive=True, exit_on_error=False)
 
-    async def _switch(self, name: str, wanted: bool, client: TelemetryClient | None) -> None:
+    async def _switch(self, name: str, wanted: bool, client: TelemetryClient | None, instance: str | None) -> None:
         view = self.view.monitor.switches[name]
         if not self.view.attached:
             profile_name = self.view.profile.name
@@ -87,6 +91,10 @@ class Controls:
                 view.note = "saved: applies at the next start"
                 self.view.changed()
                 return
+        if self.view.attached and (self.view.resyncing or self.view.engine_instance != instance):
+            view.note = "not sent: another engine answers now; press again"  # the key was about the old one
+            self.view.changed()
+            return
         result = await client.set_switch(name, wanted)
         answer = result.body.get("switch") if result.ok and isinstance(result.body, dict) else None
         if isinstance(answer, dict) and answer.get("name") == name:

@@ -19,6 +19,7 @@ class StrataHost(Protocol):
     controls: Controls
     clock: Callable[[], float]
     process: EngineProcess | None
+    stop_timeout_s: float  # SIGTERM to SIGKILL for a stop nobody waits on
     # the Textual App's own, used by the shutdown path
     screen: Any
     workers: Any

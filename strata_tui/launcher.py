@@ -14,6 +14,7 @@ import codecs
 import os
 import re
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -117,6 +118,7 @@ class EngineProcess:
         self._stop_requested = False
         self.ready_url: str | None = None
         self.why_stopped = ""  # set by whoever stops it ("you pressed s"), for the crash panel
+        self.handed_off = False  # its stop was handed to a reaper process (the app is leaving without waiting)
 
     @property
     def pid(self) -> int | None:
@@ -142,6 +144,8 @@ class EngineProcess:
             await asyncio.gather(self._pump(self._proc.stdout, "stdout"), self._pump(self._proc.stderr, "stderr"))
             returncode = await self._proc.wait()
         except asyncio.CancelledError:
+            if self.handed_off:  # the reaper finishes the stop; the app leaves now
+                raise
             try:
                 await self.stop()
             finally:
@@ -153,6 +157,11 @@ class EngineProcess:
             # ("Event loop is closed") when the app's loop is already gone.
             transport = getattr(self._proc, "_transport", None)
             if transport is not None:
+                popen = getattr(transport, "_proc", None)
+                if self.handed_off and popen is not None and popen.returncode is None:
+                    # asyncio's close() SIGKILLs a child its Popen says is running; the reaper sees this one's
+                    # end instead (asyncio's own exit code, from its child watcher, is kept apart).
+                    popen.returncode = -signal.SIGTERM
                 transport.close()
         return ExitInfo(returncode, self._stop_requested)
 
@@ -191,11 +200,36 @@ class EngineProcess:
             _signal_group(proc.pid, signal.SIGKILL)
         return proc.returncode
 
+    def hand_off(self, timeout_s: float) -> None:
+        """SIGTERM the group and leave the rest of the stop to `strata_tui/reaper.py`, a process of its own
+        that drains the engine's output pipes and SIGKILLs the group if it is still there after `timeout_s`:
+        the app can exit at once and the engine still ends."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        self._stop_requested = self.handed_off = True
+        fds = [fd for fd in (_pipe_fd(proc, 1), _pipe_fd(proc, 2)) if fd is not None]
+        try:
+            subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), str(proc.pid),
+                              str(timeout_s), *map(str, fds)], pass_fds=fds, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError:
+            self.handed_off = False  # no reaper: whoever stops it must wait (kill_now at the latest)
+        _signal_group(proc.pid, signal.SIGTERM)
+
     def kill_now(self) -> None:
         """SIGKILL the group without waiting (used when the app is exiting and cannot await)."""
         if self._proc is not None:
             self._stop_requested = True
             _signal_group(self._proc.pid, signal.SIGKILL)
+
+
+def _pipe_fd(proc: asyncio.subprocess.Process, fd: int) -> int | None:
+    """The read end of the child's stdout (1) or stderr (2) pipe, as this process holds it."""
+    transport = getattr(proc, "_transport", None)
+    pipe = transport.get_pipe_transport(fd) if transport is not None else None
+    handle = pipe.get_extra_info("pipe") if pipe is not None else None
+    return handle.fileno() if handle is not None else None
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

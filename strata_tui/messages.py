@@ -1,5 +1,9 @@
 """Messages the workers post up to the app. Dataclasses, one file (as Toolong does).
 
+Every one is `EngineNews`: the app has one handler for them all (`StrataApp.on_engine_news`), which hands
+each to the reducer (`strata_tui/reducer.py`). `run` names the engine run (or attachment) a message belongs
+to; news of a run that is over is dropped there.
+
 High-rate messages that carry a whole picture (GPU readings, connection status) define `can_replace`, so
 a burst queued behind a slow frame collapses to the newest. Telemetry batches and log lines carry
 distinct content and are never collapsed; they are folded into state and drawn on the next refresh tick.
@@ -8,6 +12,7 @@ distinct content and are never collapsed; they are folded into state and drawn o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from textual.message import Message
 
@@ -15,15 +20,25 @@ from engine.telemetry import Event
 from strata_tui.gpu import GpuSample
 
 
+class EngineNews(Message):
+    """What a worker reports. All kinds dispatch to one handler, `on_engine_news`."""
+
+    run: ClassVar[int | None] = None  # set per instance by the app's run-bound `post` (None: any run)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.handler_name = "on_engine_news"
+
+
 @dataclass
-class TelemetryBatch(Message):
+class TelemetryBatch(EngineNews):
     """Events from one read of the SSE stream."""
 
     events: list[Event]
 
 
 @dataclass
-class StateSnapshot(Message):
+class StateSnapshot(EngineNews):
     """The `/strata/state` snapshot, fetched on every (re)connect; `fresh_engine` when the engine answering
     is not the one seen before (its event numbers started again)."""
 
@@ -32,7 +47,7 @@ class StateSnapshot(Message):
 
 
 @dataclass
-class ExpertsSnapshot(Message):
+class ExpertsSnapshot(EngineNews):
     """The `experts` section of `/strata/state`, polled about once a second for an MoE engine (its hit
     counters are in no event); each one carries the whole picture, so a burst collapses to the newest."""
 
@@ -43,7 +58,7 @@ class ExpertsSnapshot(Message):
 
 
 @dataclass
-class TelemetryStatus(Message):
+class TelemetryStatus(EngineNews):
     """The event stream connected or dropped (with why)."""
 
     connected: bool
@@ -54,7 +69,7 @@ class TelemetryStatus(Message):
 
 
 @dataclass
-class EngineLiveness(Message):
+class EngineLiveness(EngineNews):
     """The engine started or stopped answering /health (with why)."""
 
     answering: bool
@@ -65,7 +80,7 @@ class EngineLiveness(Message):
 
 
 @dataclass
-class GpuSampled(Message):
+class GpuSampled(EngineNews):
     """One NVML reading of every GPU (or why there is none)."""
 
     samples: list[GpuSample]
@@ -76,7 +91,7 @@ class GpuSampled(Message):
 
 
 @dataclass
-class EngineOutput(Message):
+class EngineOutput(EngineNews):
     """Lines the engine wrote: (stream, line) pairs."""
 
     lines: list[tuple[str, str]]
@@ -84,7 +99,7 @@ class EngineOutput(Message):
 
 
 @dataclass
-class EngineReady(Message):
+class EngineReady(EngineNews):
     """The engine printed its ready line."""
 
     url: str
@@ -92,7 +107,7 @@ class EngineReady(Message):
 
 
 @dataclass
-class EngineExited(Message):
+class EngineExited(EngineNews):
     """The engine process ended (or could not start)."""
 
     returncode: int
@@ -102,7 +117,7 @@ class EngineExited(Message):
 
 
 @dataclass
-class LoadProgress(Message):
+class LoadProgress(EngineNews):
     """A load scenario said something (progress or its result)."""
 
     text: str

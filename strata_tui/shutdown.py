@@ -1,7 +1,9 @@
 """How the app ends: `q`, SIGTERM, SIGINT, SIGHUP or the terminal going away. One quit at a time; each
 says "stopping engine…" at once, stops the engine it launched (SIGTERM to its group, SIGKILL after a
-budget) and exits. With `watchdog` on (the CLI), a thread makes sure the process is gone by a deadline even
-if the event loop is stuck, and a second SIGTERM/SIGINT ends it at once.
+budget) and exits. `q` does not wait for the engine: the screen returns at once (as htop's does) and a
+reaper process (`strata_tui/reaper.py`) sees the engine's stop through. With `watchdog` on (the CLI), a
+thread makes sure the process is gone by a deadline even if the event loop is stuck, and a second
+SIGTERM/SIGINT ends it at once.
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ class Shutdown:
         loop.add_signal_handler(signal.SIGHUP, self.hang_up)
 
     def quit(self) -> None:
-        self.request("quit", QUIT_STOP_S, 0, QUIT_DEADLINE_S)
+        self.request("quit", QUIT_STOP_S, 0, QUIT_DEADLINE_S, hand_off=True)
 
     def hang_up(self) -> None:
         self.request("SIGHUP", HANGUP_STOP_S, 128 + signal.SIGHUP, HANGUP_DEADLINE_S)
 
     def request(self, why: str, stop_s: float, return_code: int, deadline_s: float,
-                force_if_repeated: bool = False) -> None:
+                force_if_repeated: bool = False, hand_off: bool = False) -> None:
         if self.why is not None:
             if force_if_repeated and self.watchdog:
                 self.force(return_code)
@@ -66,6 +68,13 @@ class Shutdown:
             if redraw is not None:
                 redraw()
         app.workers.cancel_group(app, "load")  # its open streams would hold up the engine's shutdown
+        if hand_off and app.process is not None and app.engine_running:
+            app.view.stopping_why = why
+            # Nobody waits for it now, so it gets the whole budget a stop (`s`) gets.
+            app.process.hand_off(max(stop_s, app.stop_timeout_s))
+            if app.process.handed_off:
+                app.exit(return_code=return_code)
+                return
         app.run_worker(self._quit(stop_s, return_code), group="quit", exit_on_error=False)
 
     async def _quit(self, stop_s: float, return_code: int) -> None:

@@ -52,6 +52,12 @@ class TelemetryClient:
         self.epoch: str | None = None
         self.skipped_events = 0  # events of a type this build does not know (a newer engine)
         self.engine_restarts = 0  # times the event numbers started again: another engine answers now
+        self._wake = asyncio.Event()  # set to cut a reconnect's back-off short
+
+    def reconnect_now(self) -> None:
+        """The engine answers again (the liveness probe says so): retry a dropped stream now, not after the
+        back-off, which after a few refused attempts is several seconds."""
+        self._wake.set()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -130,8 +136,12 @@ class TelemetryClient:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if on_status:
                 on_status(False, reason)
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, self.max_reconnect_s)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay_s)
+                delay_s = self.reconnect_s
+            except asyncio.TimeoutError:
+                delay_s = min(delay_s * 2, self.max_reconnect_s)
 
     def _parse(self, messages: list, first_on_connection: bool = False) -> list[Event]:
         batch: list[Event] = []

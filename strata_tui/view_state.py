@@ -1,9 +1,10 @@
 """Everything the screens draw, in one object. Pure Python, no Textual.
 
-The app's message handlers write it; the screens read it on their refresh tick and push the parts down
-into their widgets. `version` moves on every change, so a tick with nothing new does nothing. The engine
-as seen through telemetry is `monitor` (MonitorState); the rest is what the app itself knows: the profile,
-the process and connection, GPU readings, the log, the crash, notes to show.
+The reducer (`strata_tui/reducer.py`) folds the workers' news into it and Controls its keys; the screens
+read it on their refresh tick and push the parts down into their widgets. `version` moves on every change,
+so a tick with nothing new does nothing. The engine as seen through telemetry is `monitor` (MonitorState);
+the rest is what the app itself knows: the profile, the process and connection, GPU readings, the log, the
+crash, notes to show.
 """
 
 from __future__ import annotations
@@ -69,9 +70,20 @@ class ViewState:
     log_total: int = 0
     own_polling_lines: int = 0  # access-log lines of this app's own polling, kept out of the log view
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL))
+    run: int = 0  # the engine run (or attachment) news is taken from; older runs' news is dropped
     engine_url: str | None = None
     telemetry_connected: bool | None = None
     unreachable_since: float | None = None  # wall clock of the first failure since the last success
+    unreachable_reason: str = ""  # why the last probe failed; shown only while unreachable
+    # The engine instance the monitor's state was read from (/strata/state's `instance_id`, else its start
+    # time; None: not read yet, or an engine that names none). A snapshot of another instance replaces
+    # everything the old one said.
+    engine_instance: str | None = None
+    # The connection dropped or the engine stopped answering since the state was last read: what is shown may
+    # be another engine's (one restarted on the same port), so it is drawn stale and a switch key in attach
+    # mode waits for the state to be read again.
+    resyncing: bool = False
+    stopping_why: str = ""  # the user's own stop ("you pressed s", "quit"): news of its going is no error
     status_note: str = ""
     reserve_note: str = ""
     expert_note: str = ""  # the last answer about the expert-cache budget keys
@@ -105,7 +117,7 @@ class ViewState:
     @property
     def stale(self) -> bool:
         """What telemetry said may no longer be true: the engine is not answering, or has exited."""
-        return self.unreachable_since is not None or self.monitor.engine_state == "exited"
+        return self.unreachable_since is not None or self.resyncing or self.monitor.engine_state == "exited"
 
     def append_log(self, lines: Iterable[tuple[str, str]]) -> None:
         for stream, line in lines:

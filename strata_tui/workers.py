@@ -29,12 +29,13 @@ from strata_tui.messages import (
 from strata_tui.telemetry_client import TelemetryClient
 
 Post = Callable[[Any], Any]
-# A stop is seen at most interval + timeout after it happens, plus the app's own message latency: at 0.25 + 0.6 a
-# loaded 2-core runner missed the second the app promises (tests/tui/test_remote_truth.py), so the probe asks more
-# often. /health is answered on the server's event loop from the health the engine thread keeps (and its access
-# lines are DEBUG).
-LIVENESS_INTERVAL_S = 0.1
-LIVENESS_TIMEOUT_S = 0.6  # an engine busy with a long chunk still answers in this; a stopped one never
+# A stop is seen within LIVENESS_SILENCE_S: each probe may take what is left of that since the last answer,
+# so a probe every 0.25 s (not every 0.1 s: each costs the app a few milliseconds of CPU, most of its idle
+# cost) still notices a stopped engine as soon as a faster probe would. An engine busy with a long chunk
+# answers /health in time (the server's event loop answers it from the health the engine thread keeps, and
+# its access lines are DEBUG).
+LIVENESS_INTERVAL_S = 0.25
+LIVENESS_SILENCE_S = 0.85
 
 
 async def run_engine(post: Post, process: EngineProcess, run: int) -> None:
@@ -65,22 +66,15 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
     """Follow /strata/events (reconnecting) until cancelled. On every (re)connection `/strata/state` is
     read first and posted, because the engine answering now may not be the one from before (another
     process on the same port, restarted with other switches and reserve); when the event numbers show a
-    restarted engine, the state is read again and posted as a fresh engine's. The client belongs to the
-    run: the app closes it."""
+    restarted engine (one that names no instance), the state is read again and posted as a fresh engine's.
+    The client belongs to the run: the app closes it."""
 
     def on_status(connected: bool, reason: str) -> None:
         post(TelemetryStatus(connected, reason))
 
-    seen_instance: list[Any] = []
-
     async def on_connect() -> None:
-        snapshot = await client.state()
-        # An engine that names its instance (a start time or id: not every build does) is recognised at once.
-        instance = snapshot.get("instance_id", snapshot.get("started_at")) if isinstance(snapshot, dict) else None
-        fresh = instance is not None and bool(seen_instance) and seen_instance[-1] != instance
-        if instance is not None:
-            seen_instance.append(instance)
-        post(StateSnapshot(snapshot, fresh_engine=fresh))
+        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
+        post(StateSnapshot(await client.state()))
 
     restarts = client.engine_restarts
     async for batch in client.events(on_status, on_connect):
@@ -88,6 +82,14 @@ async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
             restarts = client.engine_restarts
             post(StateSnapshot(await client.state(), fresh_engine=True))
         post(TelemetryBatch(batch))
+
+
+async def read_state(post: Post, client: TelemetryClient) -> None:
+    """Read `/strata/state` once and post it (the engine answers again after a gap: it may be another one)."""
+    try:
+        post(StateSnapshot(await client.state()))
+    except (httpx.HTTPError, OSError, ValueError):
+        pass  # the liveness probe and the event stream report an engine that does not answer
 
 
 async def poll_experts(post: Post, client: TelemetryClient, interval_s: float = 1.0,
@@ -111,17 +113,20 @@ async def poll_experts(post: Post, client: TelemetryClient, interval_s: float = 
 
 
 async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float = LIVENESS_INTERVAL_S,
-                         timeout_s: float = LIVENESS_TIMEOUT_S) -> None:
+                         silence_s: float = LIVENESS_SILENCE_S) -> None:
     """Ask /health every `interval_s`: an engine that stops answering, even with its connections open
-    (stopped, swapping, wedged), is reported within a second. Its event stream can stay silent for many
-    seconds when idle, so the stream alone cannot tell."""
+    (stopped, swapping, wedged), is reported `silence_s` after its last answer at the latest. Its event
+    stream can stay silent for many seconds when idle, so the stream alone cannot tell."""
     answering: bool | None = None
+    last_answer_s = time.monotonic()
     while True:
         started = time.monotonic()
+        # While it answers, a probe may take what is left of the silence allowed since the last answer.
+        budget_s = max(0.05, last_answer_s + silence_s - started) if answering else silence_s
         try:
-            await client.health(timeout_s=timeout_s)
-            now = True
-            reason = "answering"
+            await client.health(timeout_s=budget_s)
+            now, reason = True, "answering"
+            last_answer_s = time.monotonic()
         except (httpx.HTTPError, OSError) as exc:
             now, reason = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if now != answering:

@@ -50,20 +50,32 @@ def run(args: argparse.Namespace, client_factory: ClientFactory | None = None) -
     warn_if_exposed(config)
     sock = bind_socket(config.host, config.port)
     code = asyncio.run(serve(config, sock, client_factory or default_client_factory))
-    _exit_now_if_engine_busy(code)
+    if client_factory is None or _engine_thread_busy():
+        leave_now(code)
     return code
 
 
-def _exit_now_if_engine_busy(code: int) -> None:
+def _engine_thread_busy() -> bool:
     """An engine thread still inside a step (ENGINE_STOP_WAIT_S ran out) would be torn down under the
-    interpreter's finalization, and the C++ runtime aborts the process on it (exit -6): exit at once."""
+    interpreter's finalization, and the C++ runtime aborts the process on it (exit -6)."""
     busy = [t for t in threading.enumerate() if t is not threading.main_thread() and t.daemon and t.is_alive()]
-    if not busy:
-        return
-    log.info("the engine is still inside a step (%s); exiting without waiting for it", busy[0].name)
+    if busy:
+        log.info("the engine is still inside a step (%s); exiting without waiting for it", busy[0].name)
+    return bool(busy)
+
+
+def leave_now(code: int) -> None:
+    """End the process without the interpreter's teardown. Every response is out and the engine has stopped
+    (or is stuck inside a step); the teardown would still walk and free the whole heap (the model's included),
+    which on a busy CPU host took seconds after the server's last line: past the budget a supervisor
+    (strata-tui's `s`) gives a stop before it SIGKILLs. Logs and stdio are flushed first; the OS takes the
+    memory back all the same."""
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     os._exit(code)
 
 

@@ -120,7 +120,11 @@ def _monitoring_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
 
     @app.get("/strata/state")
     async def state() -> JSONResponse:
-        return JSONResponse(jsonable_encoder(client.state().to_json()))
+        data = jsonable_encoder(client.state().to_json())
+        # Which engine process answers (its event bus's epoch, as in the SSE ids): a monitor that reconnects
+        # to the same address can tell another engine from the one it followed.
+        data["instance_id"] = client.bus.epoch
+        return JSONResponse(data)
 
 
 def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepalive_s: float) -> None:

@@ -7,6 +7,7 @@ the engine publishes hundreds of events a second; the tick skips all work when n
 from __future__ import annotations
 
 import time
+from dataclasses import astuple
 from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
@@ -42,6 +43,11 @@ def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = No
     first = first_token_text(track)
     return (f"last admission: {event.request_id[:20]} → slot {event.slot}, {event.reuse}, "
             f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
+
+
+def _set_subtitle(widget: object, text: str) -> None:
+    if widget.border_subtitle != text:  # setting it repaints the border even when it is the same
+        widget.border_subtitle = text
 
 
 _EXPERT_KEYS = Binding.Group("Experts", compact=True)
@@ -92,6 +98,7 @@ class MonitorScreen(Screen):
         self._drawn_version = -1
         self._experts_shown = False
         self._log_written = 0
+        self._slices: dict[str, object] = {}  # what each widget was last given (see _slice_changed)
         self.draws = 0
         self.last_draw_s = 0.0  # wall time of the last redraw that changed something (latency bench)
 
@@ -160,18 +167,28 @@ class MonitorScreen(Screen):
         if view.version == self._drawn_version and not force and not view.monitor.any_prefilling:
             return
         self._drawn_version = view.version
+        if force:
+            self._slices.clear()
         state = view.monitor
         self.query_one(StatusBar).show(view)
-        self.query_one(GpuPanel).show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
+        # Each widget gets its slice only when that slice changed: an update lays out and paints the widget
+        # again, and a tick that repainted every panel for one changed number was most of the app's CPU.
+        gpus = self.query_one(GpuPanel)
+        if self._slice_changed("gpus", (id(view.gpu_history.latest), view.gpu_unavailable, tuple(state.vram.items()),
+                                        state.tier, gpus.content_size.width)):
+            gpus.show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
         slots = self.query_one(SlotsTable)
-        slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self.strata.clock())
+        if self._slice_changed("slots", tuple(state.slots.items())) or state.any_prefilling:
+            slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self.strata.clock())
         admission = state.last_admission
-        slots.border_subtitle = admission_line(admission, state.prefills.get(admission.request_id)
-                                               if admission else None)
+        _set_subtitle(slots, admission_line(admission, state.prefills.get(admission.request_id)
+                                            if admission else None))
         graph = self.query_one(GraphEventsTable)
-        graph.show(list(state.graph_events))
+        if self._slice_changed("graph", (len(state.graph_events), state.graph_events[-1].seq
+                                         if state.graph_events else 0)):
+            graph.show(list(state.graph_events))
         warning = state.last_warning
-        graph.border_subtitle = f"last warning: {warning.where}: {warning.message}"[:90] if warning else ""
+        _set_subtitle(graph, f"last warning: {warning.where}: {warning.message}"[:90] if warning else "")
         # keyed by the registry's order (the number keys; a switch past the ninth has none, "·"); an
         # MoE-only switch is listed for an MoE engine, or where the profile or the engine has it on
         views = [(str(i + 1) if sw in KEYED_SWITCHES else "·", state.switches[sw.name])
@@ -179,25 +196,40 @@ class MonitorScreen(Screen):
                  and (not sw.moe_only or state.experts is not None or state.switches[sw.name].wanted
                       or bool(state.switches[sw.name].running))]
         settings = view.settings
-        self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib,
-                                           (settings.reserve_step_mib, settings.reserve_big_step_mib),
-                                           view.reserve_note)
+        steps = (settings.reserve_step_mib, settings.reserve_big_step_mib)
+        if self._slice_changed("switches", (tuple((key, astuple(v)) for key, v in views), state.vram_reserve_mib,
+                                            steps, view.reserve_note)):
+            self.query_one(SwitchesPanel).show(views, state.vram_reserve_mib, steps, view.reserve_note)
         experts = self.query_one(ExpertPanel)
-        experts.show(state.experts, view.expert_note)
+        if self._slice_changed("experts", (dict(vars(state.experts)) if state.experts is not None else None,
+                                           view.expert_note)):
+            experts.show(state.experts, view.expert_note)
         if (state.experts is not None) != self._experts_shown:
             self._experts_shown = state.experts is not None
             self.refresh_bindings()
-        for widget in (slots, self.query_one(GpuPanel), self.query_one(SwitchesPanel), experts):
+        for widget in (slots, gpus, self.query_one(SwitchesPanel), experts):
             widget.set_class(view.stale, "-stale")
         self._write_log()
         crash = self.query_one(CrashPanel)
         if view.crash is not None:
-            crash.show(view.crash)
+            crash_info = view.crash
+            if self._slice_changed("crash", (id(crash_info), crash_info.returncode, crash_info.error,
+                                             len(crash_info.recent), crash_info.requested, crash_info.why_stopped)):
+                crash.show(view.crash)
         elif crash.visible_now:
+            self._slices.pop("crash", None)
             crash.hide()
-        self.query_one(LoadResultPanel).show(view.load_result)
+        if self._slice_changed("load", view.load_result):
+            self.query_one(LoadResultPanel).show(view.load_result)
         self.draws += 1
         self.last_draw_s = time.time()
+
+    def _slice_changed(self, name: str, key: object) -> bool:
+        """True (and remembered) when a widget's slice of the state differs from what it was last given."""
+        if name in self._slices and self._slices[name] == key:
+            return False
+        self._slices[name] = key
+        return True
 
     def _write_log(self) -> None:
         view = self.strata.view

@@ -77,6 +77,8 @@ class GpuPanel(Static):
     GpuPanel.-stale { text-opacity: 45%; }
     """
 
+    _lines = 0
+
     def show(
         self,
         history: GpuHistory,
@@ -107,7 +109,10 @@ class GpuPanel(Static):
             self.border_subtitle = subtitle
         if not parts:
             parts.append(Text("no GPU readings yet", style="dim"))
-        self.update(Group(*parts))
+        # One line per part: the screen is laid out again only when that count changes (a layout pass
+        # costs more than painting the panel).
+        self.update(Group(*parts), layout=len(parts) != self._lines)
+        self._lines = len(parts)
 
     @staticmethod
     def _gpu_table(gpu: GpuSample, history: GpuHistory, width: int) -> Table:

@@ -23,13 +23,17 @@ def status_text(view: ViewState) -> Text:
         parts.append(Text.assemble(("profile ", "dim"), (view.profile_name, "bold")))
         parts.append(Text(view.mode, style="dim"))
     state = view.monitor.engine_state
-    parts.append(Text.assemble(("engine ", "dim"), (state, _STATE_STYLE.get(state, ""))))
+    if view.unreachable_since is not None:
+        # Not "ready": an engine that does not answer is not ready, whatever it said last. The reason is
+        # shown only while it holds (a recovered engine carries no old timeout).
+        clock = time.strftime("%H:%M:%S", time.localtime(view.unreachable_since))
+        why = f" ({view.unreachable_reason})" if view.unreachable_reason else ""
+        parts.append(Text.assemble(("engine ", "dim"), (f"unreachable since {clock}", "bold red"), (why, "red")))
+    else:
+        parts.append(Text.assemble(("engine ", "dim"), (state, _STATE_STYLE.get(state, ""))))
     if view.engine_url and not view.attached:
         parts.append(Text(view.engine_url, style="underline"))
-    if view.unreachable_since is not None:
-        clock = time.strftime("%H:%M:%S", time.localtime(view.unreachable_since))
-        parts.append(Text(f"unreachable since {clock}", style="bold red"))
-    elif view.telemetry_connected is not None:
+    if view.unreachable_since is None and view.telemetry_connected is not None:
         parts.append(Text.assemble(("telemetry ", "dim"), ("live", "green") if view.telemetry_connected
                                    else ("reconnecting", "yellow")))
     if view.load_running and view.load_progress:
@@ -46,5 +50,10 @@ class StatusBar(Static):
     StatusBar { height: 1; padding: 0 1; background: $boost; }
     """
 
+    _shown: Text | None = None
+
     def show(self, view: ViewState) -> None:
-        self.update(status_text(view))
+        text = status_text(view)
+        if text != self._shown:  # an unchanged line is not laid out and painted again
+            self._shown = text
+            self.update(text, layout=False)  # one line, always: nothing to lay out again

@@ -62,4 +62,4 @@ class SwitchesPanel(Static):
         reserve, *note = reserve_lines(reserve_mib, steps_mib, reserve_note)
         if self.border_subtitle != reserve.markup:
             self.border_subtitle = reserve
-        self.update(Group(*lines, *note))
+        self.update(Group(*lines, *note), layout=False)  # its size is set by the layout, not by its lines

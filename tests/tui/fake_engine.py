@@ -8,6 +8,7 @@ object. It loads no model. Behaviour comes from the environment:
   FAKE_ENGINE_EVENTS  a .jsonl of recorded events to preload into the history ring
   FAKE_ENGINE_MODE    serve (default) | crash (exit 1 with a real-looking error after ready)
                       | fail-start (exit 2 at once) | ignore-term (ignore SIGTERM: tests the SIGKILL path)
+                      | slow-term (on SIGTERM: log for 3 s, as an engine finishing a long chunk does, then exit 0)
   FAKE_ENGINE_BUSY    "SLOTS:HZ": keep SLOTS slots decoding, each publishing HZ slot events a second,
                       plus a VRAM event a second (the TUI benchmark's steady load)
   FAKE_ENGINE_EXPERTS a recorded /strata/state (fixtures/moe_state.json): an MoE engine whose state has that
@@ -72,7 +73,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(200, {"ready": True, "reason": "ready"})
         elif self.path == "/strata/state":
             self._json(200, {"config": {"vram_reserve_mib": RESERVE["mib"], "context": CONTEXT_TOKENS},
-                             "switches": BOARD.snapshot(), "slots": [], "vocab_size": 1000, "experts": EXPERTS})
+                             "switches": BOARD.snapshot(), "slots": [], "vocab_size": 1000, "experts": EXPERTS,
+                             "instance_id": BUS.epoch})
         elif self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake", "object": "model", "vocab_size": 1000,
                                                           "context_tokens": CONTEXT_TOKENS}]})
@@ -199,6 +201,15 @@ def busy(slots: int, hz: float) -> None:
         time.sleep(max(0.0, period_s - (time.monotonic() - started)))
 
 
+def slow_stop() -> None:
+    """Stop as an engine busy with a long chunk does: it keeps writing log lines, then exits cleanly."""
+    for i in range(30):
+        log(f"stopping: finishing the chunk ({i})")
+        time.sleep(0.1)
+    log("stopped")
+    os._exit(0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("command")
@@ -213,6 +224,8 @@ def main() -> int:
         return 2
     if mode == "ignore-term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "slow-term":
+        signal.signal(signal.SIGTERM, lambda *_: slow_stop())
     switches_on = ",".join(n for n, s in BOARD.states.items() if s.enabled) or "none"
     log(f"\x1b[32mfake engine\x1b[0m argv={' '.join(sys.argv[1:])} switches={switches_on}")
     sys.stdout.write("loading 10%\rloading 60%\rloading 100%\n")
@@ -236,7 +249,7 @@ def main() -> int:
         print("mtp: round capture: CUDA error: an illegal memory access was encountered", file=sys.stderr,
               flush=True)
         return 1
-    signal.signal(signal.SIGTERM, signal.SIG_DFL) if mode != "ignore-term" else None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL) if mode not in ("ignore-term", "slow-term") else None
     while True:
         time.sleep(3600)
 

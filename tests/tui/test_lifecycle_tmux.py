@@ -151,14 +151,22 @@ def test_sigterm_ends_it_on_the_crash_screen(session_factory) -> None:
     _wait_for(session.name, ["STRATA-TUI-EXITED"], timeout_s=3)
 
 
-def test_q_says_stopping_at_once_and_returns_within_3_s_even_when_the_engine_ignores_sigterm(
-        session_factory) -> None:
-    session = session_factory(mode="ignore-term")
+@pytest.mark.parametrize("mode", ["slow-term", "ignore-term"])
+def test_q_gives_the_prompt_back_at_once_and_the_engine_still_ends(session_factory, mode: str) -> None:
+    """slow-term: the engine takes 3 s to stop, writing log lines all the while (its pipes must stay open, and
+    it is let finish); ignore-term: it never stops by itself and is SIGKILLed after the 5 s budget, with the
+    app long gone."""
+    session = session_factory(mode=mode)
     tui, engine = _started(session, ["engine ready", "busy-5"])
+    assert engine, "the fake engine is not running"
     subprocess.run(["tmux", "send-keys", "-t", session.name, "q"], check=True)
     started = time.monotonic()
-    _wait_for(session.name, ["stopping engine…"], timeout_s=0.8)
-    took_s = _gone_within(tui + engine, timeout_s=8.0)
-    assert took_s is not None and time.monotonic() - started <= 3.0, (
-        f"q took {time.monotonic() - started:.2f} s; screen:\n{_capture(session.name)}")
-    _wait_for(session.name, ["STRATA-TUI-EXITED 0"], timeout_s=3)
+    _wait_for(session.name, ["STRATA-TUI-EXITED 0"], timeout_s=8)
+    prompt_s = time.monotonic() - started
+    assert prompt_s <= 2.0, f"the prompt came back {prompt_s:.2f} s after q; screen:\n{_capture(session.name)}"
+    assert _gone_within(engine, timeout_s=10.0) is not None, "the engine outlived the app by 10 s"
+    gone_s = time.monotonic() - started
+    if mode == "slow-term":
+        assert 2.5 <= gone_s <= 4.5, f"the engine ended {gone_s:.2f} s after q: killed, not let stop"
+    else:
+        assert 4.5 <= gone_s <= 7.0, f"the engine ended {gone_s:.2f} s after q (SIGKILL due at 5 s)"

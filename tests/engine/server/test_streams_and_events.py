@@ -238,3 +238,15 @@ def _seq(event_id: str, fake: FakeEngine) -> int:
     epoch, _, seq = event_id.rpartition("-")
     assert epoch == fake.bus.epoch
     return int(seq)
+
+
+def test_the_state_names_the_engine_process_that_answers() -> None:
+    """A monitor reconnecting to the same address tells another engine process from the one it followed by
+    `instance_id`, the epoch its event ids carry."""
+    first, second = FakeEngine(), FakeEngine()
+    with LiveServer(create_app(first, EngineConfig(device="cpu"))) as url:
+        state = httpx.get(url + "/strata/state", timeout=10).json()
+    assert state["instance_id"] == first.bus.epoch
+    with LiveServer(create_app(second, EngineConfig(device="cpu"))) as url:
+        assert httpx.get(url + "/strata/state", timeout=10).json()["instance_id"] == second.bus.epoch
+    assert first.bus.epoch != second.bus.epoch

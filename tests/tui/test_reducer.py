@@ -1,0 +1,67 @@
+"""The reducer on its own: worker news in, view state and effects out (no terminal, no engine)."""
+
+from __future__ import annotations
+
+from engine.telemetry import SlotEvent
+from strata_tui.messages import (EngineExited, EngineLiveness, EngineOutput, StateSnapshot, TelemetryBatch,
+                                 TelemetryStatus)
+from strata_tui.reducer import CloseClientLater, RedrawNow, Resync, reduce
+from strata_tui.view_state import ViewState
+from strata_tui.widgets.status_bar import status_text
+
+
+def _launched() -> ViewState:
+    view = ViewState(mode="launched")
+    view.run = 2
+    view.monitor.engine_state = "ready"
+    return view
+
+
+def test_news_of_an_earlier_run_is_dropped() -> None:
+    view = _launched()
+    old = TelemetryBatch([SlotEvent(slot=0, state="decode", seq=1)])
+    old.run = 1
+    assert reduce(view, old, 0, 0) == [] and view.monitor.slots == {}
+    assert reduce(view, EngineOutput([("stdout", "old run")], run=1), 0, 0) == [] and view.log_total == 0
+    now = TelemetryBatch([SlotEvent(slot=0, state="decode", seq=1)])
+    now.run = 2
+    reduce(view, now, 0, 0)
+    assert 0 in view.monitor.slots
+
+
+def test_unreachable_then_answering_clears_the_reason_and_reads_the_state_again() -> None:
+    view = _launched()
+    assert reduce(view, EngineLiveness(False, "ReadTimeout"), 0, 1000.0) == [RedrawNow()]
+    line = status_text(view).plain
+    assert "unreachable since" in line and "ReadTimeout" in line and "ready" not in line
+    assert view.stale and view.resyncing
+    assert reduce(view, EngineLiveness(True, "answering"), 0, 1001.0) == [Resync(), RedrawNow()]
+    line = status_text(view).plain
+    assert "ReadTimeout" not in line and "unreachable" not in line
+    assert view.stale, "what is shown may be another engine's until its state is read"
+    reduce(view, StateSnapshot({"instance_id": "x", "switches": []}), 0, 1001.1)
+    assert not view.stale and view.engine_instance == "x"
+
+
+def test_a_stop_you_asked_for_is_no_error() -> None:
+    view = _launched()
+    view.stopping_why, view.monitor.engine_state = "you pressed s", "stopping"
+    assert reduce(view, EngineLiveness(False, "ConnectError: refused"), 0, 0) == []
+    assert reduce(view, TelemetryStatus(False, "ConnectError: refused"), 0, 0) == []
+    effects = reduce(view, EngineExited(0, True, None, run=2), 0, 0)
+    assert effects == [CloseClientLater(2, 1.0)]
+    assert view.crash is not None and view.crash.why_stopped == "you pressed s"
+    reduce(view, EngineLiveness(False, "ConnectError: refused"), 0, 0)
+    line = status_text(view).plain
+    assert "Error" not in line and "unreachable" not in line and "engine exited" in line
+
+
+def test_a_dropped_stream_leaves_the_state_stale_until_it_is_read_again() -> None:
+    view = ViewState(mode="attached", attach_url="http://x")
+    reduce(view, StateSnapshot({"instance_id": "a", "switches": [{"name": "SPLIT_ATTN", "enabled": True}]}), 0, 0)
+    reduce(view, TelemetryStatus(True, "connected"), 0, 0)
+    assert not view.stale
+    reduce(view, TelemetryStatus(False, "event stream ended"), 0, 0)
+    assert view.stale and view.resyncing
+    reduce(view, StateSnapshot({"instance_id": "a", "switches": [{"name": "SPLIT_ATTN", "enabled": True}]}), 0, 0)
+    assert not view.stale and view.monitor.switches["SPLIT_ATTN"].running is True
