@@ -162,30 +162,34 @@ class ProfilesScreen(Screen):
         self.notify(f"saved {saved.name}")
         self.reload(select=saved.name)
 
+    # The dialogs run the store operation themselves: a refused name keeps the dialog open with the reason.
     @work
     async def action_new(self) -> None:
-        name = await self.app.push_screen_wait(NameDialog("Name of the new profile"))
+        name = await self.app.push_screen_wait(NameDialog("Name of the new profile", submit=self.strata.store.create))
         if name:
-            self._try(lambda: self.strata.store.create(name), select=name)
+            self.reload(select=name)
 
     @work
     async def action_duplicate(self) -> None:
         source = self.selected_name
         if source is None:
             return
-        name = await self.app.push_screen_wait(NameDialog(f"Duplicate {source} as", f"{source}-copy"))
+        name = await self.app.push_screen_wait(NameDialog(
+            f"Duplicate {source} as", f"{source}-copy", submit=lambda new: self.strata.store.duplicate(source, new)))
         if name:
-            self._try(lambda: self.strata.store.duplicate(source, name), select=name)
+            self.reload(select=name)
 
     @work
     async def action_rename(self) -> None:
         old = self.selected_name
         if old is None:
             return
-        name = await self.app.push_screen_wait(NameDialog(f"Rename {old} to", old))
+        name = await self.app.push_screen_wait(NameDialog(
+            f"Rename {old} to", old, submit=lambda new: new == old or self.strata.store.rename(old, new)))
         if name and name != old:
-            if self._try(lambda: self.strata.store.rename(old, name), select=name):
-                self.strata.profile_renamed(old, name)
+            self.strata.profile_renamed(old, name)
+        if name:
+            self.reload(select=name)
 
     @work
     async def action_delete(self) -> None:
