@@ -254,3 +254,28 @@ async def test_attach_mode_writes_nothing_locally_and_says_attached(config_dir: 
     finally:
         engine.kill()
         engine.wait()
+
+
+async def test_a_step_on_a_key_edited_by_hand_applies_to_what_the_file_says(config_dir: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "serve")
+    monkeypatch.delenv("FAKE_ENGINE_EVENTS", raising=False)
+    store = ProfileStore(config_dir)
+    path = _write(store, "default", HAND_WRITTEN.replace("vram_reserve_mib = 1024", "vram-reserve-mib = 1600"))
+    app = create_app(config_dir=config_dir, engine_program=FAKE_ENGINE, sampler_factory=None, stop_timeout_s=2.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.telemetry_connected and app.view.monitor.vram_reserve_mib == 1600,
+                       what="the engine's reserve")
+        path.write_text(path.read_text().replace("vram-reserve-mib = 1600", "vram-reserve-mib = 2000"))
+        await pilot.press("plus")
+        await wait_for(pilot, lambda: "applied live" in app.view.reserve_note, what="the reserve applied")
+        assert "vram-reserve-mib = 2064" in path.read_text()
+        assert any("POST /strata/vram-reserve mib=2064" in line for _, line in app.view.log_lines)
+        assert app.view.monitor.vram_reserve_mib == 2064
+        said = [app.view.reserve_note] + [n.message for n in app._notifications]
+        assert any("2000" in text and "2064" in text for text in said), said
+        # the next step is on top of the new value, with nothing more to say about the file
+        await pilot.press("plus")
+        await wait_for(pilot, lambda: "vram-reserve-mib = 2128" in path.read_text(), what="the second step")
+        await wait_for(pilot, lambda: app.view.reserve_note == "applied live", what="applied, no conflict")
+        await pilot.press("q")
