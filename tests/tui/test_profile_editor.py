@@ -24,6 +24,8 @@ SIZE = (160, 50)
 async def _open_editor(app, pilot) -> ProfileEditor:
     await pilot.press("p")
     await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="profiles")
+    screen = app.screen
+    await wait_for(pilot, lambda: screen.reads_done >= 1, what="the profiles read")
     await pilot.press("e")
     await wait_for(pilot, lambda: isinstance(app.screen, ProfileEditor), what="editor")
     await pilot.pause()
@@ -119,8 +121,9 @@ async def test_profiles_table_shows_whole_names_and_mtp_off(config_dir: Path) ->
         await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="profiles")
         await pilot.pause()
         store.duplicate("long-ctx-big-box-with-a-long-name", "long-ctx-big-box-with-a-long-name-copy")
-        app.screen.reload()
-        await pilot.pause()
+        screen, reads = app.screen, app.screen.reads_done
+        screen.reload()
+        await wait_for(pilot, lambda: screen.reads_done > reads, what="the profiles read again")
         text = screen_text(app)
         assert "long-ctx-big-box-with-a-long-name-copy" in text
         table = app.screen.query_one(DataTable)
