@@ -51,14 +51,14 @@ async def test_a_taken_name_keeps_the_dialog_open_with_the_whole_reason(config_d
         await wait_for(pilot, lambda: isinstance(app.screen, NameDialog), what="the dialog")
         await _type(pilot, taken)
         reason = f"a profile with this name exists ({store.path(taken)})"
-        await wait_for(pilot, lambda: _normal(reason) in _dialog_text(app), what=f"the whole reason in {_dialog_text(app)!r}")
+        await wait_for(pilot, lambda: _normal(reason) in _dialog_text(app), what="the whole reason")
         assert isinstance(app.screen, NameDialog)
         await pilot.press("enter")  # again: still the dialog's, nothing else happens
         await pilot.pause(0.3)
         assert isinstance(app.screen, NameDialog) and app.view.profile.name == "default"
         await _type(pilot, "bad name")
         rule = "use 1-64 letters, digits, '.', '-' or '_', starting with a letter or digit"
-        await wait_for(pilot, lambda: _normal(rule) in _dialog_text(app), what=f"the name rule in {_dialog_text(app)!r}")
+        await wait_for(pilot, lambda: _normal(rule) in _dialog_text(app), what="the whole name rule")
         await _type(pilot, "fresh")
         await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="the dialog closed")
         await wait_for(pilot, lambda: app.screen.selected_name == "fresh", what="the new name selected")

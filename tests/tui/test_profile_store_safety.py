@@ -117,7 +117,8 @@ def test_a_huge_profile_is_listed_broken_with_path_and_reason_at_once(config_dir
     took_s = time.monotonic() - started
     broken = [e for e in listing if isinstance(e, ProfileError)]
     assert len(broken) == 1 and broken[0].path == big
-    assert "too large" in broken[0].message and str(profile_store.MAX_PROFILE_BYTES) in broken[0].message.replace(",", "")
+    limit = str(profile_store.MAX_PROFILE_BYTES)
+    assert "too large" in broken[0].message and limit in broken[0].message.replace(",", "")
     assert took_s < 5, f"listing took {took_s:.1f} s"
     with pytest.raises(ProfileError, match="too large"):
         store.update("big", {"engine": {"batch": 2}})
