@@ -8,7 +8,8 @@ set of keys, not a whole profile. Creation is exclusive (os.link of a complete t
 processes creating one name cannot both succeed. Temp files a killed save left behind are removed when
 the app starts. A save holds an advisory lock on the profile (`profile_files.locked`) from its read to its
 rename, so two app instances saving one profile take turns and every save lands. Only regular files of at
-most `MAX_PROFILE_BYTES` are read (a FIFO or a huge file is listed as broken, never blocks); a symlinked
+most `MAX_PROFILE_BYTES` are read (a FIFO is left out of the list, a huge file is listed as broken, and
+neither blocks); a symlinked
 profile is written through its link, and a save keeps the file's mode. Blocking I/O: the app calls these
 methods from a thread (`asyncio.to_thread`), never on the event loop.
 """
