@@ -9,9 +9,8 @@ processes creating one name cannot both succeed. Temp files a killed save left b
 the app starts. A save holds an advisory lock on the profile (`profile_files.locked`) from its read to its
 rename, so two app instances saving one profile take turns and every save lands. Only regular files of at
 most `MAX_PROFILE_BYTES` are read (a FIFO is left out of the list, a huge file is listed as broken, and
-neither blocks); a symlinked
-profile is written through its link, and a save keeps the file's mode. Blocking I/O: the app calls these
-methods from a thread (`asyncio.to_thread`), never on the event loop.
+neither blocks); a symlinked profile is written through its link, and a save keeps the file's mode.
+Blocking I/O: the app calls these methods from a thread (`asyncio.to_thread`), never on the event loop.
 """
 
 from __future__ import annotations
