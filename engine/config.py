@@ -22,6 +22,7 @@ KV_DTYPES = ("bf16", "int8")
 PREFILL_OVERLAP_MODES = ("auto", "on", "off")
 DECODE_AHEAD_MODES = ("auto", "on", "off")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_CONTEXT_TOKENS = 262144
 DEFAULT_VRAM_RESERVE_MIB = 1024
 # A 262,144-token prompt as JSON: token ids take at most 7 bytes each (1.8 MiB); text about 4 bytes a token,
@@ -89,6 +90,7 @@ class EngineConfig:
         "off the process list)", metavar="KEY", group="server"))
     max_body_mib: int = field(default=DEFAULT_MAX_BODY_MIB, metadata=_opt(
         "request bodies above this get 413 before they are parsed", metavar="MIB", group="server"))
+    log_level: str = field(default="info", metadata=_opt("stderr log level", choices=LOG_LEVELS, group="server"))
     queue_max: int = field(default=256, metadata=_opt("bounded request queue length", metavar="N"))
     prefill_chunk_tokens: int = field(default=2048, metadata=_opt("prompt tokens per prefill chunk", metavar="TOKENS"))
     step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
@@ -133,6 +135,8 @@ class EngineConfig:
             raise ConfigError("device", self.device, "expected auto, cpu or cuda:N")
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError("dtype", self.dtype, f"expected one of {', '.join(MODEL_DTYPES)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("log_level", self.log_level, f"expected one of {', '.join(LOG_LEVELS)}")
         if self.kv not in KV_DTYPES:
             raise ConfigError("kv", self.kv, f"expected one of {', '.join(KV_DTYPES)}")
         if self.decode_ahead not in DECODE_AHEAD_MODES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+from engine.config import VRAM_RESERVE_MAX_MIB
 from engine.errors import StrataError
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
@@ -33,6 +34,8 @@ class Controls:
         self._run_worker = run_worker
         self._notify = notify
         self._post = post
+        self._reserve_steps: list[tuple[int, int]] = []  # (signed step MiB, the reserve shown when pressed)
+        self._reserve_busy = False
 
     # --- the profile on disk -------------------------------------------------------------------------
 
@@ -115,20 +118,83 @@ class Controls:
     # --- VRAM reserve --------------------------------------------------------------------------------
 
     def reserve(self, direction: int, large: bool = False) -> None:
-        """Raise (+1) or lower (-1) the VRAM reserve by the small or large step; saved and applied live."""
+        """Raise (+1) or lower (-1) the VRAM reserve by the small or large step; saved and applied live.
+
+        The step goes on top of what the profile says when it is written (read-modify-write under the
+        store's lock): a value edited by hand since the app last read it is stepped from, never dropped,
+        and the note says so. Steps are applied in order, none dropped, however fast the keys come."""
         if self.view.profile is None and not self.view.attached:
             return
         settings = self.view.settings
         step = settings.reserve_big_step_mib if large else settings.reserve_step_mib
+        signed = step if direction > 0 else -step
         current = self.view.monitor.vram_reserve_mib
         if current is None:
             current = self.view.profile.engine.vram_reserve_mib if self.view.profile else 0
-        new_mib = max(0, current + (step if direction > 0 else -step))
-        self.view.monitor.vram_reserve_mib = new_mib
-        client = self._client()
-        self.view.reserve_note = "applying live…" if client is not None else "saving: applies at the next start"
+        self.view.monitor.vram_reserve_mib = _reserve_clamp(current + signed)
+        self.view.reserve_note = ("applying live…" if self._client() is not None
+                                  else "saving: applies at the next start")
         self.view.changed()
-        self._run_worker(self._reserve(new_mib, client), group="reserve", exclusive=True, exit_on_error=False)
+        self._reserve_steps.append((signed, current))
+        if not self._reserve_busy:
+            self._reserve_busy = True
+            self._run_worker(self._reserve_worker(), group="reserve", exit_on_error=False)
+
+    async def _reserve_worker(self) -> None:
+        """Write and apply the queued reserve steps, a batch at a time, until none is left."""
+        written: int | None = None  # what this worker wrote last: the file holding anything else is an edit
+        try:
+            while self._reserve_steps:
+                steps, self._reserve_steps = self._reserve_steps, []
+                expected = written if written is not None else steps[0][1]
+                outcome = await self._reserve_batch([s for s, _ in steps], expected)
+                if outcome is None:
+                    return
+                written = outcome
+        finally:
+            self._reserve_busy = False
+            self._reserve_steps.clear()
+
+    async def _reserve_batch(self, steps: list[int], expected: int) -> int | None:
+        """Apply `steps` to the profile's value (the app believed it to be `expected`) and then to the engine;
+        the value written, or None when nothing was saved (the note says why)."""
+        client = self._client()
+        disk = expected
+        if self.view.attached:
+            mib = _reserve_apply(expected, steps)
+        else:
+            profile_name, seen = self.view.profile.name, {}
+
+            def change(on_disk: Profile) -> dict[str, dict[str, int]]:
+                seen["disk"] = on_disk.engine.vram_reserve_mib
+                return {"engine": {"vram_reserve_mib": _reserve_apply(seen["disk"], steps)}}
+
+            saved = await self._write(lambda: self.store.update(profile_name, change))
+            if saved is None:
+                self.view.monitor.vram_reserve_mib, self.view.reserve_note = expected, "not saved"
+                self.view.changed()
+                return None
+            mib, disk = saved.engine.vram_reserve_mib, seen.get("disk", expected)
+        if not self._reserve_steps:
+            self.view.monitor.vram_reserve_mib = mib
+        edited = ""
+        if disk != expected:
+            edited = f"the file said {disk} MiB (edited on disk), now {mib} MiB: "
+            self._notify(f"{self.store.path(self.view.profile.name)}: vram_reserve_mib was {disk} MiB on disk, "
+                         f"not {expected} MiB as shown; the step went on top of the file's value: {mib} MiB",
+                         title="profile changed on disk", severity="warning", timeout=10)
+        if client is None:
+            self.view.reserve_note = edited + "saved: applies at the next start"
+            self.view.changed()
+            return mib
+        result = await client.set_vram_reserve(mib)
+        if result.ok:
+            self.view.reserve_note = edited + "applied live"
+        else:
+            self.view.reserve_note = edited + f"not applied: {result.message}"
+            self._notify(f"VRAM reserve {mib} MiB: {result.message}", severity="error")
+        self.view.changed()
+        return mib
 
     async def _save_for_next_start(self, option: str, value: int, client: TelemetryClient | None, note: str,
                                    saved: str) -> bool:
@@ -145,18 +211,6 @@ class Controls:
             return True
         self.view.changed()
         return False
-
-    async def _reserve(self, mib: int, client: TelemetryClient | None) -> None:
-        if not await self._save_for_next_start("vram_reserve_mib", mib, client, "reserve_note",
-                                               "saved: applies at the next start"):
-            return
-        result = await client.set_vram_reserve(mib)
-        if result.ok:
-            self.view.reserve_note = "applied live"
-        else:
-            self.view.reserve_note = f"not applied: {result.message}"
-            self._notify(f"VRAM reserve {mib} MiB: {result.message}", severity="error")
-        self.view.changed()
 
     # --- expert cache (MoE) ---------------------------------------------------------------------------
 
@@ -232,3 +286,14 @@ class Controls:
         max_tokens = int(defaults.get("long_max_tokens", defaults.get("max_tokens", 16)))
         room = self.view.profile.engine.context - max_tokens
         return {"long_tokens": int(min(defaults["long_tokens"], room))}
+
+
+def _reserve_clamp(mib: int) -> int:
+    return max(0, min(VRAM_RESERVE_MAX_MIB, mib))
+
+
+def _reserve_apply(mib: int, steps: list[int]) -> int:
+    """The reserve after `steps` in order, each clamped as a key press is (five -512 from 1152 end at 0)."""
+    for step in steps:
+        mib = _reserve_clamp(mib + step)
+    return mib

@@ -6,14 +6,17 @@ and formatting stay as written), checks that the result still validates, and rep
 temp file, fsync and os.replace. In-memory values are never written over what is on disk: a change is a
 set of keys, not a whole profile. Creation is exclusive (os.link of a complete temp file), so two
 processes creating one name cannot both succeed. Temp files a killed save left behind are removed when
-the app starts. Blocking I/O: the app calls the writing methods from a thread (`asyncio.to_thread`).
+the app starts. A save holds an advisory lock on the profile (`profile_files.locked`) from its read to its
+rename, so two app instances saving one profile take turns and every save lands. Only regular files of at
+most `MAX_PROFILE_BYTES` are read (a FIFO is left out of the list, a huge file is listed as broken, and
+neither blocks); a symlinked profile is written through its link, and a save keeps the file's mode.
+Blocking I/O: the app calls these methods from a thread (`asyncio.to_thread`), never on the event loop.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 import time
 import tomllib
@@ -26,11 +29,14 @@ from tomlkit.items import Table
 
 from engine.errors import ConfigError
 from engine.switches import get_switch
+from strata_tui.profile_files import (MAX_PROFILE_BYTES, TEMP_SUFFIX, UnreadableProfile, is_regular_file, locked,
+                                      read_profile_text, write_atomic)
 from strata_tui.profiles import (DEFAULT_PROFILE, Profile, ProfileError, check_name, default_config_dir,
                                  parse_profile)
 
+__all__ = ["MAX_PROFILE_BYTES", "ProfileStore", "diff_profiles"]
+
 _STATE_FILE = "state.toml"
-_TEMP_SUFFIX = ".tmp"
 STALE_TEMP_S = 10.0  # older than any save takes: a temp file this old belongs to a save that was killed
 
 # A change set: section -> key -> new value (None removes the key). Keys are TOML keys (switches by variable).
@@ -53,6 +59,8 @@ class ProfileStore:
             return []
         out = []
         for path in self.profiles_dir.glob("*.toml"):
+            if not is_regular_file(path):
+                continue  # a FIFO, a directory, a dangling link: not a profile, and a FIFO would block a read
             try:
                 out.append(check_name(path.stem))
             except ConfigError:
@@ -64,11 +72,11 @@ class ProfileStore:
     def read_text(self, name: str) -> str:
         path = self.path(name)
         try:
-            return path.read_text(encoding="utf-8")
+            return read_profile_text(path)
         except FileNotFoundError:
             raise ProfileError(path, "no such profile") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ProfileError(path, f"cannot read: {exc}") from None
+        except UnreadableProfile as exc:
+            raise ProfileError(path, exc.reason) from None
 
     def load(self, name: str) -> Profile:
         """Read and validate one profile as it is on disk now; raises ProfileError (missing, broken)."""
@@ -92,8 +100,8 @@ class ProfileStore:
 
         Refuses (ProfileError naming the file) when the file is broken, or when the change would make it
         invalid together with what is on disk."""
-        with self._lock:
-            path = self.path(name)
+        path = self.path(name)
+        with self._lock, locked(path):
             text = self.read_text(name)
             try:
                 before = parse_profile(name, text, path)
@@ -113,7 +121,7 @@ class ProfileStore:
                 profile = parse_profile(name, new_text, path)
             except ProfileError as exc:
                 raise ProfileError(path, f"not saved: {exc.message}", None, exc.key) from None
-            _write_atomic(path, new_text)
+            write_atomic(path, new_text)
             return profile
 
     def set_engine(self, name: str, **values: Any) -> Profile:
@@ -131,7 +139,7 @@ class ProfileStore:
         """Make the file say what `profile` says: a new file, or only the differing keys of an existing one."""
         path = self.path(profile.name)
         try:
-            _write_atomic(path, tomlkit.dumps(_new_document(profile)), exclusive=True)
+            write_atomic(path, tomlkit.dumps(_new_document(profile)), exclusive=True)
         except FileExistsError:
             self.update(profile.name, lambda on_disk: diff_profiles(on_disk, profile))
         return path
@@ -153,7 +161,7 @@ class ProfileStore:
     def _create_file(self, name: str, text: str) -> None:
         path = self.path(name)
         try:
-            _write_atomic(path, text, exclusive=True)
+            write_atomic(path, text, exclusive=True)
         except FileExistsError:
             raise ConfigError("name", name, f"a profile with this name exists ({path})") from None
 
@@ -188,7 +196,7 @@ class ProfileStore:
         for folder in (self.profiles_dir, self.config_dir):
             if not folder.is_dir():
                 continue
-            for path in folder.glob(f".*{_TEMP_SUFFIX}"):
+            for path in folder.glob(f".*{TEMP_SUFFIX}"):
                 try:
                     if now - path.stat().st_mtime >= older_than_s:
                         path.unlink()
@@ -207,7 +215,7 @@ class ProfileStore:
             return None
 
     def set_last_used(self, name: str) -> None:
-        _write_atomic(self.config_dir / _STATE_FILE, tomlkit.dumps({"last_profile": check_name(name)}))
+        write_atomic(self.config_dir / _STATE_FILE, tomlkit.dumps({"last_profile": check_name(name)}))
 
     def open_initial(self, requested: str | None = None, write: bool = True) -> Profile | ProfileError:
         """The profile to open: `requested`, else the last used, else `default` (written on first run).
@@ -234,13 +242,19 @@ class ProfileStore:
 
 
 def diff_profiles(before: Profile, after: Profile) -> dict[str, dict[str, Any]]:
-    """The keys whose values differ, as a change set (None = remove the key)."""
+    """The keys whose values differ, as a change set (None = remove the key). A switch the file does not
+    name runs at its default, so `after` naming it at that default is no change (an editor that shows every
+    switch must not write the untouched ones)."""
     old, new = before.to_toml(), after.to_toml()
     changes: dict[str, dict[str, Any]] = {}
     for section in new:
         keys = set(old.get(section, {})) | set(new[section])
         for key in sorted(keys):
-            if old.get(section, {}).get(key) != new[section].get(key):
+            was, now = old.get(section, {}).get(key), new[section].get(key)
+            if section == "switches":
+                default = get_switch(key).default
+                was, now = (default if was is None else was), (default if now is None else now)
+            if was != now:
                 changes.setdefault(section, {})[key] = new[section].get(key)
     return changes
 
@@ -271,36 +285,3 @@ def _set_key(doc: tomlkit.TOMLDocument, section: str, key: str, value: Any) -> N
             del table[spelled]
     else:
         table[spelled] = value
-
-
-def _write_atomic(path: Path, text: str, exclusive: bool = False) -> None:
-    """Write through a temp file in the same directory, fsync, then os.replace (or, `exclusive`, os.link,
-    which fails with FileExistsError when the name is taken: an atomic create of a complete file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_TEMP_SUFFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(text.encode("utf-8"))
-            handle.flush()
-            os.fsync(handle.fileno())
-        if exclusive:
-            os.link(tmp, path)
-        else:
-            os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable where the platform allows opening a directory."""
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)

@@ -26,6 +26,10 @@ CONFIG_DIR_ENV = "STRATA_TUI_CONFIG_DIR"
 DEFAULT_PROFILE = "default"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always with fullmatch: "$" lets "name\n" in
 _AT_LINE = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
+# A profile's keys are two deep (`engine.batch`); tomllib's time grows with the square of a dotted key's depth
+# (50,000 levels: minutes), so a key nested deeper than this is refused before parsing.
+MAX_KEY_DEPTH = 32
+_KEY_PART = re.compile(r"^\s*(\[\[?[^\]]*|[^=\[]+=)")
 
 
 class ProfileError(StrataError):
@@ -120,6 +124,7 @@ def parse_profile(name: str, text: str, path: Path) -> Profile:
 
 
 def _parse_profile(name: str, text: str, path: Path) -> Profile:
+    _check_key_depth(text, path)
     try:
         doc = tomllib.loads(text)
     except RecursionError:  # 500-deep nested arrays: tomllib recurses once per level
@@ -162,6 +167,16 @@ def _parse_profile(name: str, text: str, path: Path) -> Profile:
         raise ProfileError(path, f"{exc.reason} (value {exc.value!r})", _line_of(text, exc.param),
                            f"tui.{exc.param}") from None
     return Profile(name=name, engine=engine, tui=tui)
+
+
+def _check_key_depth(text: str, path: Path) -> None:
+    """Refuse a key or table header with more than MAX_KEY_DEPTH dots, naming its line, before tomllib sees it."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _KEY_PART.match(line)
+        if match and match.group(1).count(".") > MAX_KEY_DEPTH:
+            depth = match.group(1).count(".") + 1
+            raise ProfileError(path, f"a key nested {depth:,} levels deep (a profile's keys are two deep; "
+                                     f"more than {MAX_KEY_DEPTH + 1} is refused unread)", number)
 
 
 def _line_of(text: str, key: str, table: bool = False) -> int | None:

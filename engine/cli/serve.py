@@ -38,9 +38,7 @@ ClientFactory = Callable[[EngineConfig], EngineClient]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_options(parser, serving=True)
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                        help="stderr log level (default info)")
+    add_engine_options(parser, serving=True)  # --log-level among them: EngineConfig.log_level (a profile sets it)
 
 
 def run(args: argparse.Namespace, client_factory: ClientFactory | None = None) -> int:

@@ -3,9 +3,14 @@
 The form is generated from the dataclasses that define the options (`EngineConfig`, `TuiSettings`): a
 field added there appears here, with a widget chosen from its type (a checkbox for bool, a choice for a
 field with fixed choices, text otherwise; `| None` fields mean "none" when left empty). Labels come from
-a field's `metadata["help"]` when the engine provides one. Values are validated by the same rules the
-engine uses (`EngineConfig.from_mapping`): what the editor accepts, `strata-engine serve` accepts. A
-rejected value is named (parameter, value, reason) and its field marked.
+a field's `metadata["help"]` when the engine provides one (every `strata-engine serve` option is an
+EngineConfig field, `--log-level` included, so every serve option has a field here). Values are validated by
+the same rules the engine uses (`EngineConfig.from_mapping`): what the editor accepts, `strata-engine serve`
+accepts. A rejected value is named (parameter, value, reason) and its field marked.
+
+Labels are plain text (never markup: `[tui]` must read as written) and wrap whole at any width. The first
+field has the focus when the form opens, and focusing a text field never selects its content (one key would
+replace the value).
 """
 
 from __future__ import annotations
@@ -84,17 +89,18 @@ class ProfileEditor(Screen[Profile | None]):
     first when something was changed)."""
 
     BINDINGS = [Binding("ctrl+s", "save", "Save", priority=True), Binding("escape", "cancel", "Cancel")]
+    AUTO_FOCUS = None  # on_mount focuses the first field: the same one every time
     DEFAULT_CSS = """
     ProfileEditor VerticalScroll { padding: 0 2; }
     ProfileEditor .row { height: auto; }
-    ProfileEditor .row Label { width: 52; padding: 0 1 0 0; }
+    ProfileEditor .row Label { width: 45%; max-width: 60; padding: 0 1 0 0; }
     ProfileEditor .row Input, ProfileEditor .row Select { width: 1fr; }
     ProfileEditor .row:focus-within Label { text-style: bold; color: $text-accent; }
     ProfileEditor Input:focus { background: $accent 35%; }
     ProfileEditor Checkbox:focus { background: $accent 35%; }
     ProfileEditor Input.-invalid-value { background: $error 40%; }
     ProfileEditor #error { color: $error; height: auto; padding: 0 2; }
-    ProfileEditor .section { text-style: bold; padding: 1 0 0 0; }
+    ProfileEditor .section { text-style: bold; padding: 1 0 0 0; width: 100%; }
     """
 
     def __init__(self, profile: Profile) -> None:
@@ -108,19 +114,20 @@ class ProfileEditor(Screen[Profile | None]):
         yield Static("", id="error")
         engine, tui = self.profile.engine, self.profile.tui
         with VerticalScroll():
-            yield Label(f"Profile {self.profile.name}: engine options", classes="section")
+            yield Label(f"Profile {self.profile.name}: engine options ([engine])", classes="section", markup=False)
             for field in self.fields:
                 if field.section == "tui" and field is self._first_tui():
-                    yield Label("app ([tui])", classes="section")
+                    yield Label("app settings ([tui])", classes="section", markup=False)
                 value = getattr(engine if field.section == "engine" else tui, field.name)
                 with Horizontal(classes="row"):
-                    yield Label(field.label)
+                    yield Label(field.label, markup=False)
                     yield self._widget(field, value)
-            yield Label("switches (read at start; live ones can also be toggled on the monitor)", classes="section")
+            yield Label("switches ([switches]; read at start, live ones can also be toggled on the monitor)",
+                        classes="section", markup=False)
             for sw in SWITCHES:
                 on = bool(engine.switches.get(sw.name, sw.default))
                 with Horizontal(classes="row"):
-                    yield Label(f"{sw.env_var}: {sw.description}"[:52])
+                    yield Label(f"{sw.env_var}: {sw.description}", markup=False)
                     yield Checkbox(on_off(on), value=on, id=f"s-{sw.name}", compact=True)
         yield Footer()
 
@@ -135,10 +142,11 @@ class ProfileEditor(Screen[Profile | None]):
             return Select([(c, c) for c in field.choices], value=value, allow_blank=False, id=field.widget_id,
                           compact=True)
         return Input("" if value is None else str(value), id=field.widget_id, password=field.kind == "secret",
-                     compact=True)
+                     compact=True, select_on_focus=False)
 
     def on_mount(self) -> None:
         self._initial = self.form_values()
+        self.query_one(f"#{self.fields[0].widget_id}").focus()
 
     def on_checkbox_changed(self, event: Checkbox.Changed) -> None:
         event.checkbox.label = on_off(event.value)  # the glyph alone looks the same on and off

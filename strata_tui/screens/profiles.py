@@ -1,5 +1,6 @@
 """The profiles screen: list every profile (broken ones with path, line and message), create, duplicate,
-rename, delete, edit, and use one."""
+rename, delete, edit, and use one. The directory is read in a thread: a slow disk or a large file never
+freezes the screen."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class ProfilesScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.entries: list[Profile | ProfileError] = []
+        self.reads_done = 0  # directory reads shown so far (tests wait on it)
 
     @property
     def strata(self) -> "StrataHost":
@@ -66,17 +68,26 @@ class ProfilesScreen(Screen):
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.border_title = f"Profiles in {self.strata.store.profiles_dir}"
+        self.query_one("#detail", Static).update(Text("reading the profiles…", style="dim"))
         self.reload()
 
     def reload(self, select: str | None = None) -> None:
-        """Re-read the directory and redraw; keep (or move) the cursor onto `select`."""
+        """Re-read the directory (in a thread) and redraw; keep (or move) the cursor onto `select`."""
+        self._read(select or self.selected_name)
+
+    @work(exclusive=True, group="profiles-read", exit_on_error=False)
+    async def _read(self, current: str | None) -> None:
+        entries = await asyncio.to_thread(self.strata.store.load_all)
+        self._show(entries, current)
+        self.reads_done += 1
+
+    def _show(self, entries: list[Profile | ProfileError], current: str | None) -> None:
         table = self.query_one(DataTable)
-        current = select or self.selected_name
         # Columns are rebuilt with the rows: auto widths are measured when a column is added, so kept
         # columns would clip a longer name than the last render had ("long-ct" for "long-ctx-big").
         table.clear(columns=True)
         table.add_columns(*COLUMNS)
-        self.entries = self.strata.store.load_all()
+        self.entries = entries
         for entry in self.entries:
             name = entry.path.stem if isinstance(entry, ProfileError) else entry.name
             mark = "▶" if name == self.strata.view.profile_name else ""
@@ -162,30 +173,34 @@ class ProfilesScreen(Screen):
         self.notify(f"saved {saved.name}")
         self.reload(select=saved.name)
 
+    # The dialogs run the store operation themselves: a refused name keeps the dialog open with the reason.
     @work
     async def action_new(self) -> None:
-        name = await self.app.push_screen_wait(NameDialog("Name of the new profile"))
+        name = await self.app.push_screen_wait(NameDialog("Name of the new profile", submit=self.strata.store.create))
         if name:
-            self._try(lambda: self.strata.store.create(name), select=name)
+            self.reload(select=name)
 
     @work
     async def action_duplicate(self) -> None:
         source = self.selected_name
         if source is None:
             return
-        name = await self.app.push_screen_wait(NameDialog(f"Duplicate {source} as", f"{source}-copy"))
+        name = await self.app.push_screen_wait(NameDialog(
+            f"Duplicate {source} as", f"{source}-copy", submit=lambda new: self.strata.store.duplicate(source, new)))
         if name:
-            self._try(lambda: self.strata.store.duplicate(source, name), select=name)
+            self.reload(select=name)
 
     @work
     async def action_rename(self) -> None:
         old = self.selected_name
         if old is None:
             return
-        name = await self.app.push_screen_wait(NameDialog(f"Rename {old} to", old))
+        name = await self.app.push_screen_wait(NameDialog(
+            f"Rename {old} to", old, submit=lambda new: new == old or self.strata.store.rename(old, new)))
         if name and name != old:
-            if self._try(lambda: self.strata.store.rename(old, name), select=name):
-                self.strata.profile_renamed(old, name)
+            self.strata.profile_renamed(old, name)
+        if name:
+            self.reload(select=name)
 
     @work
     async def action_delete(self) -> None:

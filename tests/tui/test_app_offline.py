@@ -15,7 +15,7 @@ from strata_tui.screens.profile_editor import ProfileEditor
 from strata_tui.screens.profiles import ProfilesScreen
 from strata_tui.widgets.graph_events import GraphEventsTable
 from strata_tui.widgets.slots_table import SlotsTable
-from tests.tui.conftest import offline_app, recorded
+from tests.tui.conftest import offline_app, recorded, wait_for
 
 SIZE = (160, 50)
 
@@ -98,7 +98,9 @@ async def _open_profiles(pilot) -> ProfilesScreen:
     await pilot.press("p")
     await pilot.pause()
     assert isinstance(pilot.app.screen, ProfilesScreen)
-    return pilot.app.screen
+    screen = pilot.app.screen
+    await wait_for(pilot, lambda: screen.reads_done >= 1, what="the profiles read")
+    return screen
 
 
 async def _type_name(pilot, name: str) -> None:
@@ -117,20 +119,22 @@ async def test_profiles_new_duplicate_rename_delete(config_dir: Path) -> None:
         await _type_name(pilot, "bad name")
         assert "name=" in str(app.screen.query_one("#error").render())  # refused, dialog still open
         await _type_name(pilot, "fast")
-        assert app.store.names() == ["default", "fast"] and screen.selected_name == "fast"
+        await wait_for(pilot, lambda: screen.selected_name == "fast", what="fast created and selected")
+        assert app.store.names() == ["default", "fast"]
         await pilot.press("d")
         await pilot.pause()
         await _type_name(pilot, "fast2")
+        await wait_for(pilot, lambda: screen.selected_name == "fast2", what="fast2 created and selected")
         assert app.store.names() == ["default", "fast", "fast2"]
         await pilot.press("r")
         await pilot.pause()
         await _type_name(pilot, "slow")
-        assert app.store.names() == ["default", "fast", "slow"] and screen.selected_name == "slow"
+        await wait_for(pilot, lambda: screen.selected_name == "slow", what="renamed and selected")
+        assert app.store.names() == ["default", "fast", "slow"]
         await pilot.press("x")
         await pilot.pause()
         await pilot.press("y")
-        await pilot.pause()
-        assert app.store.names() == ["default", "fast"]
+        await wait_for(pilot, lambda: app.store.names() == ["default", "fast"], what="deleted")
         await pilot.press("escape")
         assert isinstance(app.screen, MonitorScreen)
 
@@ -182,8 +186,9 @@ async def test_broken_profile_at_start_shows_path_and_line_and_is_kept(config_di
     (profiles / "default.toml").write_text(broken)
     app = offline_app(config_dir, launch=True)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause()
-        assert isinstance(app.screen, ProfilesScreen)
+        await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="the profiles screen")
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.reads_done >= 1, what="the profiles read")
         detail = str(app.screen.query_one("#detail", Static).render())
         assert "default.toml, line 2" in detail and "engine.batch" in detail
         assert app.process is None, "a broken profile must not launch anything"

@@ -6,13 +6,15 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from textual.widgets import Checkbox, DataTable, Input
+import pytest
+from textual.widgets import Checkbox, DataTable, Input, Label
 
 from engine.config import EngineConfig
+from engine.switches import SWITCHES
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import TuiSettings
 from strata_tui.screens.dialogs import ConfirmDialog
-from strata_tui.screens.profile_editor import ProfileEditor
+from strata_tui.screens.profile_editor import ProfileEditor, form_fields
 from strata_tui.screens.profiles import ProfilesScreen
 from tests.tui.conftest import offline_app, screen_text, wait_for
 
@@ -22,6 +24,8 @@ SIZE = (160, 50)
 async def _open_editor(app, pilot) -> ProfileEditor:
     await pilot.press("p")
     await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="profiles")
+    screen = app.screen
+    await wait_for(pilot, lambda: screen.reads_done >= 1, what="the profiles read")
     await pilot.press("e")
     await wait_for(pilot, lambda: isinstance(app.screen, ProfileEditor), what="editor")
     await pilot.pause()
@@ -117,10 +121,102 @@ async def test_profiles_table_shows_whole_names_and_mtp_off(config_dir: Path) ->
         await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="profiles")
         await pilot.pause()
         store.duplicate("long-ctx-big-box-with-a-long-name", "long-ctx-big-box-with-a-long-name-copy")
-        app.screen.reload()
-        await pilot.pause()
+        screen, reads = app.screen, app.screen.reads_done
+        screen.reload()
+        await wait_for(pilot, lambda: screen.reads_done > reads, what="the profiles read again")
         text = screen_text(app)
         assert "long-ctx-big-box-with-a-long-name-copy" in text
         table = app.screen.query_one(DataTable)
         mtp_column = [c.label.plain for c in table.columns.values()].index("MTP")
         assert str(table.get_row("default")[mtp_column]) == "off" and "d1" not in text
+
+
+HAND_WRITTEN = """\
+# my box
+[engine]
+model = "builtin:strata-tiny"   # the embedded one
+batch = 3                        # three people at once
+
+[tui]
+refresh_s    = 0.25
+"""
+
+
+async def test_ctrl_s_writes_only_the_changed_key_not_every_switch(config_dir: Path) -> None:
+    store = ProfileStore(config_dir)
+    store.profiles_dir.mkdir(parents=True)
+    path = store.profiles_dir / "default.toml"
+    path.write_text(HAND_WRITTEN)
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        editor = await _open_editor(app, pilot)
+        editor.query_one("#f-batch", Input).value = "4"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: "batch = 4" in path.read_text(), what="saved")
+    assert path.read_text() == HAND_WRITTEN.replace("batch = 3 ", "batch = 4 ")
+
+
+def _serve_options() -> set[str]:
+    import argparse
+
+    from engine.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+async def test_the_editor_has_a_field_for_every_serve_option(config_dir: Path) -> None:
+    options = _serve_options()
+    assert "log_level" in options and "vram_reserve_mib" in options
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        editor = await _open_editor(app, pilot)
+        missing = sorted(name for name in options if not editor.query(f"#f-{name}"))
+        assert missing == [], f"serve options with no editor field: {missing}"
+        editor.query_one("#f-log_level").value = "debug"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="saved")
+    saved = app.store.load("default").engine
+    assert saved.log_level == "debug" and "--log-level debug" in " ".join(saved.to_argv())
+
+
+async def test_first_focus_is_the_first_field_and_typing_never_replaces_it(config_dir: Path) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(3):
+            editor = await _open_editor(app, pilot)
+            assert app.focused is not None and app.focused.id == "f-model", app.focused
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="back")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not isinstance(app.screen, ProfilesScreen), what="monitor")
+        editor = await _open_editor(app, pilot)
+        await pilot.press("0")
+        assert editor.query_one("#f-model", Input).value == "builtin:strata-tiny0", "the value was selected"
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("size", [(100, 30), (80, 24)], ids=["100x30", "80x24"])
+async def test_every_label_is_shown_whole(config_dir: Path, size: tuple[int, int]) -> None:
+    app = offline_app(config_dir)
+    async with app.run_test(size=size) as pilot:
+        editor = await _open_editor(app, pilot)
+        labels = list(editor.query(Label))
+        assert len(labels) >= 30
+        cut, shown_texts = [], set()
+        for label in labels:
+            label.scroll_visible(animate=False, immediate=True)
+            await pilot.pause()
+            lines = screen_text(app).splitlines()
+            region = label.region
+            shown = " ".join(line[region.x:region.right] for line in lines[region.y:region.bottom])
+            shown_texts.add(_normal(shown))
+            if _normal(shown) != _normal(str(label.content)):
+                cut.append((str(label.content), shown.strip()))
+        assert cut == [], cut
+        wanted = [f.label for f in form_fields()] + [f"{sw.env_var}: {sw.description}" for sw in SWITCHES]
+        assert [text for text in wanted if _normal(text) not in shown_texts] == []

@@ -150,6 +150,8 @@ async def test_the_app_lists_a_deep_nested_profile_as_broken(config_dir: Path) -
     app = offline_app(config_dir, profile="deep")
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="profiles screen")
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.reads_done >= 1, what="the profiles read")
         await pilot.pause()
         text = screen_text(app)
         assert "broken" in text and "RecursionError" in text
@@ -254,3 +256,62 @@ async def test_attach_mode_writes_nothing_locally_and_says_attached(config_dir: 
     finally:
         engine.kill()
         engine.wait()
+
+
+async def test_a_step_on_a_key_edited_by_hand_applies_to_what_the_file_says(config_dir: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_MODE", "serve")
+    monkeypatch.delenv("FAKE_ENGINE_EVENTS", raising=False)
+    store = ProfileStore(config_dir)
+    path = _write(store, "default", HAND_WRITTEN.replace("vram_reserve_mib = 1024", "vram-reserve-mib = 1600"))
+    app = create_app(config_dir=config_dir, engine_program=FAKE_ENGINE, sampler_factory=None, stop_timeout_s=2.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.telemetry_connected and app.view.monitor.vram_reserve_mib == 1600,
+                       what="the engine's reserve")
+        path.write_text(path.read_text().replace("vram-reserve-mib = 1600", "vram-reserve-mib = 2000"))
+        await pilot.press("plus")
+        await wait_for(pilot, lambda: "applied live" in app.view.reserve_note, what="the reserve applied")
+        assert "vram-reserve-mib = 2064" in path.read_text()
+        assert any("POST /strata/vram-reserve mib=2064" in line for _, line in app.view.log_lines)
+        assert app.view.monitor.vram_reserve_mib == 2064
+        said = [app.view.reserve_note] + [n.message for n in app._notifications]
+        assert any("2000" in text and "2064" in text for text in said), said
+        # the next step is on top of the new value, with nothing more to say about the file
+        await pilot.press("plus")
+        await wait_for(pilot, lambda: "vram-reserve-mib = 2128" in path.read_text(), what="the second step")
+        await wait_for(pilot, lambda: app.view.reserve_note == "applied live", what="applied, no conflict")
+        await pilot.press("q")
+
+
+async def test_the_list_reads_off_the_ui_thread_and_marks_a_huge_file_broken(config_dir: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ProfileStore(config_dir)
+    _write(store, "default", HAND_WRITTEN)
+    big = _write(store, "big", "[engine]\n" + ".".join(["a"] * 50_000) + " = 1\n")  # 100 KB, 50,000 dotted keys
+    os.mkfifo(store.profiles_dir / "pipe.toml")
+    _write(store, "slow", HAND_WRITTEN)
+    read_text = ProfileStore.read_text
+
+    def slow_disk(self, name: str) -> str:  # fault injection: one file on a disk that takes seconds
+        if name == "slow":
+            time.sleep(6)
+        return read_text(self, name)
+
+    monkeypatch.setattr(ProfileStore, "read_text", slow_disk)
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        started = time.monotonic()
+        await pilot.press("p")
+        await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="profiles screen")
+        await pilot.press("escape")  # the keys work while the directory is read
+        await wait_for(pilot, lambda: not isinstance(app.screen, ProfilesScreen), what="back")
+        assert time.monotonic() - started < 4, "the screen waited for the slow read"
+        await pilot.press("p")
+        screen = app.screen
+        await wait_for(pilot, lambda: screen.reads_done >= 1, timeout_s=30, what="the listing")
+        table = screen.query_one("#profiles")
+        assert sorted(table.rows) == ["big", "default", "slow"]  # no FIFO
+        table.move_cursor(row=table.get_row_index("big"))
+        await pilot.pause()
+        detail = str(screen.query_one("#detail").render())
+        assert str(big) in detail.replace("\n", "") and "too large" in detail, detail

@@ -14,7 +14,7 @@ from strata_tui.gpu import GpuSample
 from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
-from tests.tui.conftest import offline_app, recorded, screen_text
+from tests.tui.conftest import offline_app, recorded, screen_text, wait_for
 
 SIZE = (160, 48)
 # A fixed directory: the profiles screen shows its path, and a tmp path would change every run.
@@ -85,6 +85,8 @@ def test_profiles_with_a_broken_file(snap_compare, snap_dir: Path) -> None:
     async def run_before(pilot) -> None:
         await pilot.press("p")
         await pilot.pause()
+        screen = pilot.app.screen
+        await wait_for(pilot, lambda: screen.reads_done >= 1, what="the profiles read")
         await pilot.press("down", "down")
         await pilot.pause()
 
