@@ -13,6 +13,7 @@ import asyncio
 from typing import Any, Callable
 
 from engine.errors import StrataError
+from engine.switches import get_switch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
 from strata_tui.telemetry_client import TelemetryClient
@@ -67,10 +68,12 @@ class Controls:
         client = self._client()
         if client is None:
             view.note = "saving: applies at the next start"
+        elif view.unavailable:
+            view.note = "n/a here: saving to the profile…"
         elif switch.live:
             view.note = "applying live…"
         else:
-            view.note = "start only: restart (r) to apply"
+            view.note = "start only: saving…"
         self.view.changed()
         self._run_worker(self._switch(switch.name, wanted, client), group=f"switch-{switch.name}", exclusive=True,
                          exit_on_error=False)
@@ -87,12 +90,22 @@ class Controls:
                 view.note = "saved: applies at the next start"
                 self.view.changed()
                 return
+        if not get_switch(name).live:
+            # Nothing to ask the engine: a start-only switch changes at the next start (an answer that the value
+            # is unchanged would read as applied live when it is only back to what runs).
+            view.note = ("start only: restart that engine to apply" if self.view.attached
+                         else "saved for next start")
+            self.view.changed()
+            return
         result = await client.set_switch(name, wanted)
         answer = result.body.get("switch") if result.ok and isinstance(result.body, dict) else None
         if isinstance(answer, dict) and answer.get("name") == name:
             # What the engine runs now, which is not always what was asked (a switch that cannot run here)
             self.view.monitor.apply_switch_state(answer)
-            view.note = "" if view.unavailable else "applied live"
+            if view.unavailable:  # this engine cannot run it: say what became of the key press
+                view.note = "n/a here: not applied" if self.view.attached else "n/a here: saved, not applied"
+            else:
+                view.note = "applied live"
         elif result.ok:
             view.running, view.note = wanted, "applied live"
             if wanted:
