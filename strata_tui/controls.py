@@ -21,6 +21,7 @@ from strata_tui.view_state import ViewState
 from strata_tui.monitor_state import KEYED_SWITCHES
 
 DEFAULT_SCENARIO = "seed"
+SHORT_MAX_TOKENS = 128  # tokens each of the seed's short generations asks for from `l`
 
 
 class Controls:
@@ -236,4 +237,21 @@ class Controls:
         defaults = {p.name: p.default for p in get_scenario(name).params}
         max_tokens = int(defaults.get("long_max_tokens", defaults.get("max_tokens", 16)))
         room = self.view.profile.engine.context - max_tokens
-        return {"long_tokens": int(min(defaults["long_tokens"], room))}
+        params = {"long_tokens": int(min(defaults["long_tokens"], room))}
+        if "short_max_tokens" in defaults:
+            # The scenario's default decodes the shorts until the long prompt is done, asking max_tokens = the
+            # whole context each (a 16K profile showed an 18-minute ETA on every short row): short means short.
+            params["short_max_tokens"] = SHORT_MAX_TOKENS
+        return params
+
+    def cancel_load(self, cancel: Callable[[], Any]) -> None:
+        """Stop the running scenario (`cancel` cancels its worker: its open requests are closed, so the engine
+        aborts them)."""
+        name = self.view.load_running
+        if name is None:
+            self._notify("no load scenario is running", severity="warning")
+            return
+        cancel()
+        self.view.load_running, self.view.load_progress = None, ""
+        self.view.status_note = f"load {name} cancelled: its requests were closed"
+        self.view.changed()

@@ -59,6 +59,7 @@ class MonitorScreen(Screen):
 
     BINDINGS = [
         Binding("l", "app.run_load", "Load"),
+        Binding("c", "cancel_load", "Cancel load"),  # in the footer only while a scenario runs (check_action)
         Binding("r", "app.restart_engine", "Restart"),
         Binding("s", "app.stop_engine", "Stop"),
         Binding("f", "cycle_filter", "Filter"),
@@ -90,7 +91,7 @@ class MonitorScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self._drawn_version = -1
-        self._experts_shown = False
+        self._keys_shown = (False, False)
         self._log_written = 0
         self.draws = 0
         self.last_draw_s = 0.0  # wall time of the last redraw that changed something (latency bench)
@@ -143,7 +144,12 @@ class MonitorScreen(Screen):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "expert_budget":  # a dense model has no expert cache: no keys for one
             return self.strata.view.monitor.experts is not None
+        if action == "cancel_load":
+            return self.strata.view.load_running is not None
         return True
+
+    def action_cancel_load(self) -> None:
+        self.strata.action_cancel_load()
 
     def action_expert_budget(self, direction: int) -> None:
         self.strata.controls.expert_budget(direction)
@@ -184,8 +190,9 @@ class MonitorScreen(Screen):
                                            view.reserve_note)
         experts = self.query_one(ExpertPanel)
         experts.show(state.experts, view.expert_note)
-        if (state.experts is not None) != self._experts_shown:
-            self._experts_shown = state.experts is not None
+        shown_keys = (state.experts is not None, view.load_running is not None)
+        if shown_keys != self._keys_shown:  # the footer's conditional keys (experts, cancel load)
+            self._keys_shown = shown_keys
             self.refresh_bindings()
         for widget in (slots, self.query_one(GpuPanel), self.query_one(SwitchesPanel), experts):
             widget.set_class(view.stale, "-stale")

@@ -117,7 +117,7 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
-        assert app.controls.load_params("seed") == {"long_tokens": 8192 - 16}
+        assert app.controls.load_params("seed") == {"long_tokens": 8192 - 16, "short_max_tokens": 128}
         await pilot.press("l")
         await wait_for(pilot, lambda: app.view.load_result is not None, timeout_s=60, what="scenario")
         assert "done in" in app.view.load_result and ": ok" in app.view.load_result.splitlines()[0]
@@ -125,6 +125,28 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
         shown = screen_text(app)
         assert "Load result" in shown and "e+0" not in shown and "e+1" not in shown
         assert app.view.monitor.last_seq > 20, "the scenario's requests must show up as slot events"
+
+
+async def test_l_asks_short_generations_and_c_cancels_the_running_scenario(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
+        assert "Cancel load" not in screen_text(app)  # nothing to cancel
+        await pilot.press("l")
+        await wait_for(pilot, lambda: any(s.request_id and s.max_tokens for s in app.view.monitor.slots.values()),
+                       what="the short generations")
+        asked = {s.max_tokens for s in app.view.monitor.slots.values() if s.request_id and s.max_tokens}
+        assert max(asked) <= 256, asked  # short, whatever the profile's context (8192 here)
+        await wait_for(pilot, lambda: "Cancel load" in screen_text(app), what="the cancel key in the footer")
+        assert app.view.load_running == "seed"
+        await pilot.press("c")
+        await wait_for(pilot, lambda: app.view.load_running is None, what="cancelled")
+        assert "load seed cancelled" in app.view.status_note
+        await pilot.pause(5.0)  # past the scenario's 3 s delay: it sent no long prompt and reported nothing
+        assert app.view.load_result is None and app.view.load_running is None
+        assert not any(s.prompt_tokens > 1000 for s in app.view.monitor.slots.values() if s.request_id)
+        await pilot.press("l")  # and a new one may start
+        await wait_for(pilot, lambda: app.view.load_running == "seed", what="a new scenario")
 
 
 async def test_stop_then_restart(config_dir: Path, monkeypatch) -> None:
