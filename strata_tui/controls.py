@@ -13,12 +13,11 @@ import asyncio
 from typing import Any, Callable
 
 from engine.errors import StrataError
-from engine.switches import get_switch
+from engine.switches import SWITCHES, get_switch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
 from strata_tui.telemetry_client import TelemetryClient
 from strata_tui.view_state import ViewState
-from strata_tui.monitor_state import KEYED_SWITCHES
 
 DEFAULT_SCENARIO = "seed"
 SHORT_MAX_TOKENS = 128  # tokens each of the seed's short generations asks for from `l`
@@ -52,10 +51,11 @@ class Controls:
     # --- switches ------------------------------------------------------------------------------------
 
     def toggle_switch(self, number: int) -> None:
-        """Flip switch `number` (1-based, registry order): acknowledge, save the one key, apply it live."""
-        if not 1 <= number <= len(KEYED_SWITCHES):
+        """Flip switch `number` (1-based, registry order; past the ninth from the palette): acknowledge, save the
+        one key, apply it live."""
+        if not 1 <= number <= len(SWITCHES):
             return
-        switch = KEYED_SWITCHES[number - 1]
+        switch = SWITCHES[number - 1]
         view = self.view.monitor.switches[switch.name]
         if self.view.attached:
             current = view.running if view.running is not None else view.wanted
