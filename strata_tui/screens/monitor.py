@@ -58,6 +58,9 @@ class MonitorScreen(Screen):
     """GPUs, slots, graph-cache events, switches and reserve, the engine log, and the crash panel."""
 
     BINDINGS = [
+        # The essentials first: a narrow footer cuts from the right (at 80x24 it lost q and ?, the app's own).
+        Binding("q", "app.quit", "Quit"),
+        Binding("question_mark", "app.show_help", "Help", key_display="?"),
         Binding("l", "app.run_load", "Load"),
         Binding("c", "cancel_load", "Cancel load"),  # in the footer only while a scenario runs (check_action)
         Binding("r", "app.restart_engine", "Restart"),
