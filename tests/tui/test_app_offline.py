@@ -9,6 +9,7 @@ from textual.widgets import DataTable, Input, Static
 
 from strata_tui.messages import TelemetryBatch
 from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
 from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profile_editor import ProfileEditor
@@ -182,6 +183,36 @@ async def test_profiles_new_duplicate_rename_delete(config_dir: Path) -> None:
         assert app.store.names() == ["default", "fast"]
         await pilot.press("escape")
         assert isinstance(app.screen, MonitorScreen)
+
+
+async def test_profiles_table_keeps_its_columns_starts_on_the_active_one_and_says_no_toasts(config_dir: Path) -> None:
+    from engine.switches import SWITCHES
+
+    store = ProfileStore(config_dir)
+    for name in ("aaa-first", "long-context-big"):
+        store.save(Profile(name))
+    (store.profiles_dir / "zz-broken.toml").write_text("[engine]\nkv = 'fp8'\n")
+    app = offline_app(config_dir, profile="long-context-big")
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await _open_profiles(pilot)
+        assert screen.selected_name == "long-context-big"  # the active profile, not the first row
+        detail = str(screen.query_one("#detail", Static).render())
+        for sw in SWITCHES:  # defaults count: "switches on: none" while five were on by default
+            if sw.default:
+                assert f"{sw.name} (default)" in detail, detail
+        for key, name in (("n", "newone"), ("d", "dup-of-it"), ("r", "renamed-one")):
+            await pilot.press(key)
+            await _type_name(pilot, name)
+            await wait_for(pilot, lambda: name in screen_text(app), what=name)
+            shown = screen_text(app)
+            assert "long-context-big" in shown and "builtin:strata-tiny" in shown, shown  # full width columns
+        broken_row = next(line for line in screen_text(app).splitlines() if "zz-broken" in line)
+        assert "broken: line 2" in broken_row and "?" not in broken_row, broken_row
+        screen.query_one(DataTable).move_cursor(row=screen.query_one(DataTable).get_row_index("zz-broken"))
+        await pilot.press("enter")  # refused: the reason goes above the details, not into a toast
+        await pilot.pause()
+        assert not app._notifications, [n.message for n in app._notifications]
+        assert "fp8" in str(screen.query_one("#detail", Static).render())
 
 
 async def test_edit_rejects_bad_value_naming_it_then_saves(config_dir: Path) -> None:
