@@ -4,12 +4,15 @@ Starts `strata-engine serve` (the embedded builtin:strata-tiny unless --model sa
 `/strata/events` with the TUI's own client and MonitorState, and sends one fresh prompt of random token ids
 (nothing cached) with max_tokens=1. Every `--refresh-s` (the TUI's redraw interval) it reads the ETA the
 slot row would show. At the halfway mark (the first refresh at which half of the prompt has KV) it notes
-that ETA, and the engine's own constant-rate `eta_s` from its latest slot event; when the first token
-arrives it compares both with the time that was really left. It also reports the longest stretch during
-which the shown ETA did not change (the old display froze between chunk events).
+that ETA, and the engine's own `eta_s` from its latest slot event; when the first token arrives it compares
+both with the time that was really left. It also reports the longest stretch during which the shown ETA did
+not change, and how many chunks had run when the first ETA showed. `--decode-slots N` keeps N other requests
+decoding beside the long prompt (the prompt is then paced: its chunks share the steps with them).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_prefill_eta.py --prompt-tokens 65536
-    python3 benchmarks/bench_prefill_eta.py --device cuda:0 --prompt-tokens 150000 --context 160000   # a GPU
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_prefill_eta.py --prompt-tokens 12288 32768 --context 33792 \
+        --chunk-tokens 1024 --decode-slots 0 2
+    python3 benchmarks/bench_prefill_eta.py --device cuda:0 --prompt-tokens 12288 32768 180000 --context 184320 \
+        --decode-slots 0 4   # a GPU
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from strata_tui.widgets.slots_table import format_eta  # noqa: E402
 
 async def start_engine(args: argparse.Namespace) -> tuple[asyncio.subprocess.Process, str]:
     argv = [sys.executable, "-m", "engine.cli", "serve", "--model", args.model, "--device", args.device,
-            "--batch", "2", "--context", str(args.context), "--port", "0",
+            "--batch", str(args.decode_slots + 1), "--context", str(args.context), "--port", "0",
             "--prefill-chunk-tokens", str(args.chunk_tokens), "--step-token-budget", str(args.chunk_tokens * 2)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
@@ -63,14 +66,18 @@ async def measure(args: argparse.Namespace) -> dict:
     follow = asyncio.create_task(_follow(client, state))
     rng = random.Random(args.seed)
     prompt = [rng.randrange(1, args.vocab) for _ in range(args.prompt_tokens)]
+    decoders: list[asyncio.Task] = []
     try:
         await asyncio.sleep(1.0)  # the event stream is connected before the prompt goes in
         async with httpx.AsyncClient(base_url=url, timeout=None) as http:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            decoders = [asyncio.create_task(_decode(http, model, rng, args)) for _ in range(args.decode_slots)]
+            while sum(1 for s in state.slots.values() if s.state == "decode") < args.decode_slots:
+                await asyncio.sleep(0.05)
             sent_s = time.monotonic()
             request = asyncio.create_task(http.post("/v1/completions", json={
                 "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}))
-            half = None
+            half = first_eta = None
             last_track = None
             shown: list[tuple[float, str]] = []
             while not request.done():
@@ -83,6 +90,8 @@ async def measure(args: argparse.Namespace) -> dict:
                 eta = track.eta_s(now_s)
                 shown.append((now_s, format_eta(eta)))
                 last_track = track
+                if first_eta is None and eta is not None:
+                    first_eta = {"chunks_run": max(0, len(track.samples) - 1), "progress": round(track.progress, 3)}
                 if half is None and track.progress >= 0.5 and eta is not None:
                     half = {"at_s": now_s, "progress": track.progress, "tui_eta_s": eta,
                             "engine_eta_s": slot.eta_s, "computed_tokens": track.computed_tokens}
@@ -90,6 +99,8 @@ async def measure(args: argparse.Namespace) -> dict:
             done_s = time.monotonic()
             response.raise_for_status()
     finally:
+        for task in decoders:
+            task.cancel()
         follow.cancel()
         await client.aclose()
         proc.terminate()
@@ -98,7 +109,8 @@ async def measure(args: argparse.Namespace) -> dict:
         raise SystemExit("never saw the halfway mark: make the prompt longer")
     truth_s = done_s - half["at_s"]
     return {
-        "prompt_tokens": args.prompt_tokens, "device": args.device, "model": args.model,
+        "prompt_tokens": args.prompt_tokens, "decode_slots": args.decode_slots, "device": args.device,
+        "model": args.model, "first_eta_after": first_eta,
         "chunk_tokens": args.chunk_tokens, "prefill_wall_s": round(done_s - sent_s, 2),
         "halfway_progress": round(half["progress"], 3), "true_remaining_s": round(truth_s, 2),
         "tui_eta_s": round(half["tui_eta_s"], 2),
@@ -111,6 +123,16 @@ async def measure(args: argparse.Namespace) -> dict:
         "chunks": [[x, round(t - last_track.admitted_ts, 3)] for t, x, _ in last_track.samples]
         if last_track is not None and last_track.admitted_ts else [],
     }
+
+
+async def _decode(http: httpx.AsyncClient, model: str, rng: random.Random, args: argparse.Namespace) -> None:
+    """One request decoding beside the long prompt until the run ends (cancelled then)."""
+    prompt = [rng.randrange(1, args.vocab) for _ in range(32)]
+    async with http.stream("POST", "/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": args.context - 64, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as response:
+        async for _ in response.aiter_bytes():
+            pass
 
 
 async def _follow(client: TelemetryClient, state: MonitorState) -> None:
@@ -131,18 +153,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:strata-tiny")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--prompt-tokens", type=int, default=65536)
-    parser.add_argument("--context", type=int, default=0, help="default: prompt tokens + 64")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[65536], help="one run per size")
+    parser.add_argument("--decode-slots", type=int, nargs="+", default=[0],
+                        help="requests decoding beside the long prompt: one run per count")
+    parser.add_argument("--context", type=int, default=0, help="default: the largest prompt + 1024")
     parser.add_argument("--chunk-tokens", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=8192, help="token ids are drawn from 1..vocab-1")
     parser.add_argument("--refresh-s", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
-    args.context = args.context or args.prompt_tokens + 64
-    for run in range(args.runs):
-        args.seed += run
-        print(json.dumps(asyncio.run(measure(args))), flush=True)
+    sizes, slot_counts = args.prompt_tokens, args.decode_slots
+    args.context = args.context or max(sizes) + 1024
+    if max(sizes) + 64 > args.context:
+        parser.error(f"--context {args.context} is too small for --prompt-tokens {max(sizes)} (+64)")
+    for size in sizes:
+        for slots in slot_counts:
+            for run in range(args.runs):
+                args.prompt_tokens, args.decode_slots, args.seed = size, slots, args.seed + run
+                print(json.dumps(asyncio.run(measure(args))), flush=True)
     return 0
 
 

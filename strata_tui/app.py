@@ -247,6 +247,15 @@ class StrataApp(App):
     def action_run_load(self, name: str = DEFAULT_SCENARIO) -> None:
         self.controls.run_load(name)
 
+    def cycle_graph_filter(self) -> None:
+        """The monitor's `f`, for the palette (which may be opened over another screen)."""
+        for screen in self.screen_stack:
+            if isinstance(screen, MonitorScreen):
+                screen.action_cycle_filter()
+
+    def action_cancel_load(self) -> None:
+        self.controls.cancel_load(lambda: self.workers.cancel_group(self, "load"))
+
     def action_stop_engine(self) -> None:
         if self.attach_url:
             self.notify("attached to an engine this app did not start: stop it where it runs", severity="warning")

@@ -14,13 +14,14 @@ from typing import Any, Callable
 
 from engine.config import VRAM_RESERVE_MAX_MIB
 from engine.errors import StrataError
+from engine.switches import SWITCHES, get_switch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
 from strata_tui.telemetry_client import TelemetryClient
 from strata_tui.view_state import ViewState
-from strata_tui.monitor_state import KEYED_SWITCHES
 
 DEFAULT_SCENARIO = "seed"
+SHORT_MAX_TOKENS = 128  # tokens each of the seed's short generations asks for from `l`
 
 
 class Controls:
@@ -53,10 +54,11 @@ class Controls:
     # --- switches ------------------------------------------------------------------------------------
 
     def toggle_switch(self, number: int) -> None:
-        """Flip switch `number` (1-based, registry order): acknowledge, save the one key, apply it live."""
-        if not 1 <= number <= len(KEYED_SWITCHES):
+        """Flip switch `number` (1-based, registry order; past the ninth from the palette): acknowledge, save the
+        one key, apply it live."""
+        if not 1 <= number <= len(SWITCHES):
             return
-        switch = KEYED_SWITCHES[number - 1]
+        switch = SWITCHES[number - 1]
         view = self.view.monitor.switches[switch.name]
         if self.view.attached:
             # Only against what the engine serving now said: after a reconnect the old one's value is no guide.
@@ -74,10 +76,12 @@ class Controls:
         client = self._client()
         if client is None:
             view.note = "saving: applies at the next start"
+        elif view.unavailable:
+            view.note = "n/a here: saving to the profile…"
         elif switch.live:
             view.note = "applying live…"
         else:
-            view.note = "start only: restart (r) to apply"
+            view.note = "start only: saving…"
         self.view.changed()
         self._run_worker(self._switch(switch.name, wanted, client, self.view.engine_instance),
                          group=f"switch-{switch.name}", exclusive=True, exit_on_error=False)
@@ -98,12 +102,22 @@ class Controls:
             view.note = "not sent: another engine answers now; press again"  # the key was about the old one
             self.view.changed()
             return
+        if not get_switch(name).live:
+            # Nothing to ask the engine: a start-only switch changes at the next start (an answer that the value
+            # is unchanged would read as applied live when it is only back to what runs).
+            view.note = ("start only: restart that engine to apply" if self.view.attached
+                         else "saved for next start")
+            self.view.changed()
+            return
         result = await client.set_switch(name, wanted)
         answer = result.body.get("switch") if result.ok and isinstance(result.body, dict) else None
         if isinstance(answer, dict) and answer.get("name") == name:
             # What the engine runs now, which is not always what was asked (a switch that cannot run here)
             self.view.monitor.apply_switch_state(answer)
-            view.note = "" if view.unavailable else "applied live"
+            if view.unavailable:  # this engine cannot run it: say what became of the key press
+                view.note = "n/a here: not applied" if self.view.attached else "n/a here: saved, not applied"
+            else:
+                view.note = "applied live"
         elif result.ok:
             view.running, view.note = wanted, "applied live"
             if wanted:
@@ -285,7 +299,24 @@ class Controls:
         defaults = {p.name: p.default for p in get_scenario(name).params}
         max_tokens = int(defaults.get("long_max_tokens", defaults.get("max_tokens", 16)))
         room = self.view.profile.engine.context - max_tokens
-        return {"long_tokens": int(min(defaults["long_tokens"], room))}
+        params = {"long_tokens": int(min(defaults["long_tokens"], room))}
+        if "short_max_tokens" in defaults:
+            # The scenario's default decodes the shorts until the long prompt is done, asking max_tokens = the
+            # whole context each (a 16K profile showed an 18-minute ETA on every short row): short means short.
+            params["short_max_tokens"] = SHORT_MAX_TOKENS
+        return params
+
+    def cancel_load(self, cancel: Callable[[], Any]) -> None:
+        """Stop the running scenario (`cancel` cancels its worker: its open requests are closed, so the engine
+        aborts them)."""
+        name = self.view.load_running
+        if name is None:
+            self._notify("no load scenario is running", severity="warning")
+            return
+        cancel()
+        self.view.load_running, self.view.load_progress = None, ""
+        self.view.status_note = f"load {name} cancelled: its requests were closed"
+        self.view.changed()
 
 
 def _reserve_clamp(mib: int) -> int:

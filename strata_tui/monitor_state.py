@@ -189,7 +189,7 @@ class MonitorState:
             view.note = ""  # an answer about the value before ("applied live") no longer describes it
         view.running, view.degraded, view.reason = enabled, degraded, reason
         view.unavailable = degraded and unavailable
-        if degraded:
+        if degraded and not view.unavailable:  # a note on an n/a switch says what became of the key press
             view.note = ""
 
     def apply_switch_state(self, item: dict[str, Any]) -> None:

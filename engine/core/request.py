@@ -9,12 +9,14 @@ prefill progress.
 from __future__ import annotations
 
 import enum
+import time
 from array import array
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from engine.api import FinishReason, GenerationRequest, SamplingParams
 from engine.errors import MaxTokensTooLarge, PromptTooLong, RequestRejected
+from engine.core.prefill_eta import PrefillClock
 from engine.core.prefix_index import BlockRef
 
 
@@ -54,6 +56,7 @@ class Request:
         self.num_cached_tokens = 0
         self.num_prefilled_tokens = 0  # planned: counted when the scheduler plans a chunk
         self.num_prefill_ran_tokens = 0  # run: counted once the chunk's forward finished (rates use this)
+        self.prefill_clock: PrefillClock | None = None  # the chunks' times since admission (the ETA's fit)
         self.cached_blocks: list[BlockRef] = []  # prefix blocks copied in at admission
         self.blocks_pinned = False  # cached_blocks are pinned in the prefix index until copied
         self.output_token_ids: list[int] = []
@@ -135,14 +138,22 @@ class Request:
         # microseconds since admission would otherwise read as millions of tokens per second.
         return self.num_prefill_ran_tokens / (end_s - self.admitted_s)
 
-    def chunk_ran(self, tokens: int) -> None:
-        """Record that a planned prefill chunk of `tokens` finished."""
+    def chunk_ran(self, tokens: int, now_s: float | None = None) -> None:
+        """Record that a planned prefill chunk of `tokens` finished (at `now_s`, monotonic; default now)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        if self.prefill_clock is None and self.admitted_s is not None:
+            self.prefill_clock = PrefillClock(self.num_cached_tokens, self.admitted_s)
         self.num_prefill_ran_tokens += tokens
+        if self.prefill_clock is not None:
+            self.prefill_clock.ran(self.num_cached_tokens + self.num_prefill_ran_tokens, now_s)
 
     def prefill_eta_s(self, now_s: float) -> float | None:
-        """Seconds of prefill left at the rate so far; 0 once the prompt is computed, None before any rate."""
+        """Seconds of prefill left: the chunks' cost, growing with position (engine.core.prefill_eta), fitted to
+        the chunks that ran; 0 once the prompt is computed, None before the first chunk ran."""
         if self.is_prefill_done:
             return 0.0
+        if self.prefill_clock is not None:
+            return self.prefill_clock.eta_s(self.num_prompt_tokens, now_s)
         rate_tok_s = self.prefill_tok_s(now_s)
         if not rate_tok_s:
             return None

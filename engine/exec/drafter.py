@@ -165,7 +165,7 @@ class MtpDrafter:
         n = len(next_ids)
         tb = hidden.shape[1]
         assert tb == pow2_bucket(n, MIN_CHUNK_TOKENS), (tb, n)
-        span = r.span_bucket(start + n)
+        span = r.chunk_span(start + n)
         positions = [start + j for j in range(n)] + [r.context_tokens + j for j in range(tb - n)]
         inputs = {"slots": r.stage([slot]), "hidden": hidden, "next_ids": r.stage([list(next_ids) + [0] * (tb - n)]),
                   "positions": r.stage([positions]), "pick": r.stage([n - 1])}
@@ -235,7 +235,7 @@ class MtpDrafter:
         split = r.split_enabled()
         dtype = next(self.model.parameters()).dtype
         hidden_size = self.model.config.hidden_size
-        spans = r.span_buckets()  # a prompt chunk's (the prefill kernel or the reference reads up to its span)
+        spans = r.chunk_spans()  # a prompt chunk's (the prefill kernel or the reference reads up to its span)
         step_spans = r.step_spans()
         specs = []
         tb = MIN_CHUNK_TOKENS
@@ -244,7 +244,7 @@ class MtpDrafter:
                       "next_ids": r.stage([[0] * tb]), "positions": r.stage(r.pad_positions(1, tb)),
                       "pick": r.stage([0])}
             # A chunk of this bucket holds more than tb / 2 tokens, so it ends past them.
-            for span in (s for s in spans if s >= r.span_bucket(tb // 2 + 1)):
+            for span in (s for s in spans if s >= r.chunk_span(tb // 2 + 1)):
                 key, fn = r.on_path(*self._prefill_build(tb, span)(split))
                 specs.append(GraphSpec("draft_prefill", key, fn, inputs, owner="drafter"))
             tb *= 2

@@ -29,6 +29,10 @@ from engine.telemetry import EventBus, WarningEvent
 MIN_SPAN_TOKENS = 256
 GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
 MIN_CHUNK_TOKENS = 16
+# A prompt chunk on the reference path reads every key of its span, so its span is its end rounded up to an
+# eighth of the end's power-of-two bucket (at most 12.5 % more keys): with the power of two alone a chunk just
+# past 8K of a 16K context read all 16K keys, and cost five times the chunk before it.
+CHUNK_SPAN_STEPS = 8
 # Prompt chunks up to this many tokens replay a captured graph when the prompt-chunk kernel runs them and their
 # bucket was seen before: a short chunk is bound by the host's launches of an eager forward, a long one by the
 # device (and its graph would hold a long chunk's activations in the graph pool); a capture costs a few eager
@@ -160,6 +164,22 @@ class ModelRunner:
     def span_bucket(self, end_tokens: int) -> int:
         """The length bucket for keys [0, end_tokens): a power of two, capped at the context."""
         return min(pow2_bucket(end_tokens, MIN_SPAN_TOKENS), self.context_tokens)
+
+    def chunk_span(self, end_tokens: int) -> int:
+        """The key span of a prompt chunk ending at `end_tokens`. On CUDA the chunk kernels (fused causal
+        attention, the prefill kernel) read only each query's causal keys, so the span only names the graph: the
+        length bucket. Elsewhere the reference reads the whole span: the end rounded up to a fine bucket."""
+        if torch.device(self.device).type == "cuda":
+            return self.span_bucket(end_tokens)
+        step = max(MIN_SPAN_TOKENS, pow2_bucket(end_tokens, MIN_SPAN_TOKENS) // CHUNK_SPAN_STEPS)
+        return min(-(-end_tokens // step) * step, self.context_tokens)
+
+    def chunk_spans(self) -> list[int]:
+        """Every span chunk_span can give (CAPTURE_ALL)."""
+        if torch.device(self.device).type == "cuda":
+            return self.span_buckets()
+        return sorted({self.chunk_span(end) for end in range(MIN_SPAN_TOKENS, self.context_tokens + MIN_SPAN_TOKENS,
+                                                               MIN_SPAN_TOKENS)})
 
     def step_span(self, end_tokens: int) -> int:
         """The key span a few-query step (decode, verify, a draft round or chain step) is built for. On the paged
@@ -402,7 +422,7 @@ class ModelRunner:
         n = len(token_ids)
         self.kv.prepare({slot: start + n + self.lookahead_tokens})
         tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
-        span = self.span_bucket(start + n)
+        span = self.chunk_span(start + n)
         positions = [start + j for j in range(n)] + [self.context_tokens + j for j in range(tb - n)]
         inputs = {"slots": self.stage([slot]), "tokens": self.stage([list(token_ids) + [0] * (tb - n)]),
                   "positions": self.stage([positions]), "last": self.stage([n - 1])}

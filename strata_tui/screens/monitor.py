@@ -64,7 +64,11 @@ class MonitorScreen(Screen):
     """GPUs, slots, graph-cache events, switches and reserve, the engine log, and the crash panel."""
 
     BINDINGS = [
+        # The essentials first: a narrow footer cuts from the right (at 80x24 it lost q and ?, the app's own).
+        Binding("q", "app.quit", "Quit"),
+        Binding("question_mark", "app.show_help", "Help", key_display="?"),
         Binding("l", "app.run_load", "Load"),
+        Binding("c", "cancel_load", "Cancel load"),  # in the footer only while a scenario runs (check_action)
         Binding("r", "app.restart_engine", "Restart"),
         Binding("s", "app.stop_engine", "Stop"),
         Binding("f", "cycle_filter", "Filter"),
@@ -96,7 +100,7 @@ class MonitorScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self._drawn_version = -1
-        self._experts_shown = False
+        self._keys_shown = (False, False)
         self._log_written = 0
         self._slices: dict[str, object] = {}  # what each widget was last given (see _slice_changed)
         self.draws = 0
@@ -150,7 +154,12 @@ class MonitorScreen(Screen):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "expert_budget":  # a dense model has no expert cache: no keys for one
             return self.strata.view.monitor.experts is not None
+        if action == "cancel_load":
+            return self.strata.view.load_running is not None
         return True
+
+    def action_cancel_load(self) -> None:
+        self.strata.action_cancel_load()
 
     def action_expert_budget(self, direction: int) -> None:
         self.strata.controls.expert_budget(direction)
@@ -204,8 +213,9 @@ class MonitorScreen(Screen):
         if self._slice_changed("experts", (dict(vars(state.experts)) if state.experts is not None else None,
                                            view.expert_note)):
             experts.show(state.experts, view.expert_note)
-        if (state.experts is not None) != self._experts_shown:
-            self._experts_shown = state.experts is not None
+        shown_keys = (state.experts is not None, view.load_running is not None)
+        if shown_keys != self._keys_shown:  # the footer's conditional keys (experts, cancel load)
+            self._keys_shown = shown_keys
             self.refresh_bindings()
         for widget in (slots, gpus, self.query_one(SwitchesPanel), experts):
             widget.set_class(view.stale, "-stale")

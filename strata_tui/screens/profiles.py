@@ -16,6 +16,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
 from engine.errors import StrataError
+from engine.switches import SWITCHES
 from strata_tui.profiles import Profile, ProfileError
 from strata_tui.screens.dialogs import ConfirmDialog, NameDialog
 from strata_tui.screens.profile_editor import ProfileEditor
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from strata_tui.host import StrataHost
 
 
-COLUMNS = ("", "name", "model", "device", "batch", "MTP", "KV", "context", "reserve MiB", "status")
+# status beside the name: on a narrow terminal the last columns are cut, and "broken" is what must not be
+COLUMNS = ("", "name", "status", "model", "device", "batch", "MTP", "KV", "context", "reserve MiB")
 
 
 def mtp_label(batch_mtp: bool, depth: int) -> str:
@@ -53,6 +55,7 @@ class ProfilesScreen(Screen):
         super().__init__()
         self.entries: list[Profile | ProfileError] = []
         self.reads_done = 0  # directory reads shown so far (tests wait on it)
+        self.note: Text | None = None  # the last action's outcome, on the details' border
 
     @property
     def strata(self) -> "StrataHost":
@@ -69,7 +72,7 @@ class ProfilesScreen(Screen):
         table = self.query_one(DataTable)
         table.border_title = f"Profiles in {self.strata.store.profiles_dir}"
         self.query_one("#detail", Static).update(Text("reading the profiles…", style="dim"))
-        self.reload()
+        self.reload(select=self.strata.view.profile_name)  # the cursor starts on the profile in use
 
     def reload(self, select: str | None = None) -> None:
         """Re-read the directory (in a thread) and redraw; keep (or move) the cursor onto `select`."""
@@ -83,25 +86,34 @@ class ProfilesScreen(Screen):
 
     def _show(self, entries: list[Profile | ProfileError], current: str | None) -> None:
         table = self.query_one(DataTable)
-        # Columns are rebuilt with the rows: auto widths are measured when a column is added, so kept
-        # columns would clip a longer name than the last render had ("long-ct" for "long-ctx-big").
-        table.clear(columns=True)
-        table.add_columns(*COLUMNS)
         self.entries = entries
-        for entry in self.entries:
-            name = entry.path.stem if isinstance(entry, ProfileError) else entry.name
-            mark = "▶" if name == self.strata.view.profile_name else ""
-            if isinstance(entry, ProfileError):
-                status = Text(f"broken: line {entry.line or '?'}", style="bold red")
-                table.add_row(mark, name, "", "", "", "", "", "", "", status, key=name)
-            else:
-                e = entry.engine
-                mtp = mtp_label(e.batch_mtp, e.mtp_depth)
-                table.add_row(mark, name, e.model, e.device, str(e.batch), mtp, e.kv, f"{e.context:,}",
-                              str(e.vram_reserve_mib), Text("ok", style="green"), key=name)
+        rows = [(self._name_of(entry), self._cells(entry)) for entry in self.entries]
+        # Columns are rebuilt with the rows, each as wide as its widest cell, given explicitly: auto widths
+        # measured while a dialog covered the screen (after n, d or r) came out 4 cells wide, and kept columns
+        # would clip a longer name than the last render had.
+        table.clear(columns=True)
+        for index, label in enumerate(COLUMNS):
+            width = max([len(label)] + [Text(str(cells[index])).cell_len for _, cells in rows])
+            table.add_column(label, width=width)
+        for name, cells in rows:
+            table.add_row(*cells, key=name)
         if current and current in table.rows:
             table.move_cursor(row=table.get_row_index(current))
         self._show_detail()
+
+    @staticmethod
+    def _name_of(entry: Profile | ProfileError) -> str:
+        return entry.path.stem if isinstance(entry, ProfileError) else entry.name
+
+    def _cells(self, entry: Profile | ProfileError) -> tuple:
+        name = self._name_of(entry)
+        mark = "▶" if name == self.strata.view.profile_name else ""
+        if isinstance(entry, ProfileError):
+            where = f"line {entry.line}" if entry.line else (entry.key or "see below")
+            return (mark, name, Text(f"broken: {where}", style="bold red"), "", "", "", "", "", "", "")
+        e = entry.engine
+        return (mark, name, Text("ok", style="green"), e.model, e.device, str(e.batch),
+                mtp_label(e.batch_mtp, e.mtp_depth), e.kv, f"{e.context:,}", str(e.vram_reserve_mib))
 
     @property
     def selected_name(self) -> str | None:
@@ -123,24 +135,31 @@ class ProfilesScreen(Screen):
 
     def _show_detail(self) -> None:
         entry = self.selected_entry()
-        detail = self.query_one("#detail", Static)
         if entry is None:
-            detail.update(Text("no profiles yet: n creates one", style="dim"))
+            body = Text("no profiles yet: n creates one", style="dim")
         elif isinstance(entry, ProfileError):
             where = f"{entry.path}" + (f", line {entry.line}" if entry.line else "")
-            detail.update(Text.assemble(("broken profile (left untouched): ", "bold red"), where, "\n",
-                                        (f"{entry.key}: " if entry.key else "", "bold"), entry.message))
+            body = Text.assemble(("broken profile (left untouched): ", "bold red"), where, "\n",
+                                 (f"{entry.key}: " if entry.key else "", "bold"), entry.message)
         else:
             e = entry.engine
-            on = [n for n, v in sorted(e.switches.items()) if v]
-            detail.update(Text.assemble(
+            # What the engine will run: the profile's keys over each switch's default (defaults count too)
+            on = [sw.name + ("" if sw.name in e.switches else " (default)") for sw in SWITCHES
+                  if e.switches.get(sw.name, sw.default)]
+            body = Text.assemble(
                 (f"{self.strata.store.path(entry.name)}\n", "dim"),
                 f"serve {' '.join(e.to_argv())}\n",
                 ("switches on: ", "dim"), ", ".join(on) or "none",
-                ("   refresh ", "dim"), f"{entry.tui.refresh_s:g} s"))
+                ("   refresh ", "dim"), f"{entry.tui.refresh_s:g} s")
+        self.query_one("#detail", Static).update(Text.assemble(self.note, "\n", body) if self.note else body)
 
     def _fail(self, exc: StrataError) -> None:
-        self.notify(str(exc), severity="error", timeout=8)
+        self._say(Text(str(exc), style="bold red"))
+
+    def _say(self, note: Text) -> None:
+        """A note above the selected profile's details: a toast here covered half the table."""
+        self.note = note
+        self._show_detail()
 
     def action_back(self) -> None:
         self.dismiss()
@@ -170,7 +189,7 @@ class ProfilesScreen(Screen):
             self._fail(exc)
             return
         self.strata.profile_saved(saved)
-        self.notify(f"saved {saved.name}")
+        self._say(Text(f"saved {saved.name}", style="green"))
         self.reload(select=saved.name)
 
     # The dialogs run the store operation themselves: a refused name keeps the dialog open with the reason.
@@ -208,7 +227,7 @@ class ProfilesScreen(Screen):
         if name is None:
             return
         if name == self.strata.view.profile_name and self.strata.engine_running:
-            self.notify(f"{name} is in use by the running engine: stop it (s) first", severity="warning")
+            self._say(Text(f"{name} is in use by the running engine: stop it (s) first", style="yellow"))
             return
         if await self.app.push_screen_wait(ConfirmDialog(f"Delete profile {name}?")):
             self._try(lambda: self.strata.store.delete(name))

@@ -1,11 +1,39 @@
-"""The engine's stdout/stderr: ANSI-safe (escape codes become styles, never raw bytes) and bounded."""
+"""The engine's stdout/stderr: ANSI-safe (escape codes become styles, never raw bytes) and bounded.
+
+A line is cut, not wrapped, so a logging line leads with its message: `2026-12-02 19:00:00,123 INFO
+engine.server.app: ready at ...` is shown as `ready at ...  19:00:00 engine.server.app` (in a 50-column panel the
+timestamp and the logger's name alone used to fill the line)."""
 
 from __future__ import annotations
+
+import re
 
 from rich.text import Text
 from textual.widgets import RichLog
 
 MAX_LOG_LINES = 2000
+
+
+# `logging`'s "%(asctime)s %(levelname)s %(name)s: %(message)s" (strata-engine serve) and uvicorn's "LEVEL:  msg"
+_LOGGING_LINE = re.compile(r"^(?:\d{4}-\d{2}-\d{2}[ T])?(\d{2}:\d{2}:\d{2})(?:[,.]\d+)?\s+"
+                           r"(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+([\w.\-]+):\s(.*)$")
+_LEVEL_STYLE = {"WARNING": "yellow", "ERROR": "red", "CRITICAL": "bold red"}
+
+
+def message_first(line: str) -> Text:
+    """A logging line as its message (a warning or error says so first), then its time and logger, dimmed; any
+    other line as it came (escape codes turned into styles)."""
+    text = Text.from_ansi(line)
+    match = _LOGGING_LINE.match(text.plain)
+    if match is None:
+        return text
+    clock, level, logger, message = match.groups()
+    out = Text()
+    if level in _LEVEL_STYLE:
+        out.append(f"{level} ", style=_LEVEL_STYLE[level])
+    out.append(message, style=_LEVEL_STYLE.get(level, ""))
+    out.append(f"  {clock} {logger}", style="dim")
+    return out
 
 
 class EngineLog(RichLog):
@@ -22,7 +50,7 @@ class EngineLog(RichLog):
     def add_lines(self, lines: list[tuple[str, str]]) -> None:
         """Append (stream, line) pairs."""
         for stream, line in lines:
-            text = Text.from_ansi(line)
+            text = message_first(line)
             if stream == "stderr" and not text.spans:
                 text.stylize("yellow" if "warning" in line.lower() else "")
                 if "error" in line.lower() or "traceback" in line.lower():

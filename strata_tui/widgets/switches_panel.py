@@ -17,6 +17,9 @@ def switch_line(key: str, view: SwitchView) -> Text:
     on = view.running if view.running is not None else view.wanted
     text = Text.assemble((f" {key} ", "reverse"), " ", ("●" if on else "○", "green" if on else "dim"),
                          f" {view.name:<14}")
+    if view.unavailable and view.note:  # what became of the key press first: the reason may be cut
+        text.append(f" {view.note}: {view.reason}", style="dim")
+        return _one_line(text)
     if view.unavailable:  # not a failure: this engine cannot run it (the reason says why)
         text.append(f" n/a: {view.reason}", style="dim")
     elif view.degraded:

@@ -40,8 +40,8 @@ async def test_live_switch_applies_and_start_only_needs_restart(config_dir: Path
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         await pilot.press("1", "3")  # SPLIT_ATTN (live), CAPTURE_ALL (start only)
         split, capture = app.view.monitor.switches["SPLIT_ATTN"], app.view.monitor.switches["CAPTURE_ALL"]
-        await wait_for(pilot, lambda: split.note == "applied live" and capture.note == "restart to apply",
-                       what="control answers")
+        await wait_for(pilot, lambda: split.note == "applied live"
+                       and capture.note == "saved for next start", what="control answers")
         assert split.running is True and capture.needs_restart
         saved = app.store.load("default").engine.switches
         assert saved == {"SPLIT_ATTN": True, "CAPTURE_ALL": True}
@@ -50,6 +50,28 @@ async def test_live_switch_applies_and_start_only_needs_restart(config_dir: Path
         await pilot.press("r")
         await wait_for(pilot, lambda: app.run_id == 2 and app.view.telemetry_connected, what="restart")
         await wait_for(pilot, lambda: _log_has(app, "switches=SPLIT_ATTN,FUSED_PROJ,CAPTURE_ALL"), what="env switches")
+
+
+async def test_a_start_only_switch_toggled_back_says_saved_for_the_next_start(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
+        capture = app.view.monitor.switches["CAPTURE_ALL"]
+        notes: list[str] = []
+        changed = app.view.changed
+        monkeypatch.setattr(app.view, "changed", lambda: (notes.append(capture.note), changed())[1])
+        for wanted in (True, False):  # on (needs a restart), then back to what the engine runs
+            await pilot.press("3")
+            await wait_for(pilot, lambda: app.store.load("default").engine.switches.get("CAPTURE_ALL", False)
+                           is wanted and capture.note == "saved for next start", what="saved")
+        assert not capture.needs_restart and capture.running is False
+        assert "applied live" not in notes, notes
+
+        def line() -> str:
+            return next(line for line in screen_text(app).splitlines() if "CAPTURE_ALL" in line)
+
+        await wait_for(pilot, lambda: "saved for next start" in line(), what="the note on screen")
+        assert "applied" not in line() and "restart" not in line(), line()
 
 
 async def test_toggling_a_switch_this_engine_cannot_run_says_so_and_saves_the_choice(config_dir: Path,
@@ -67,15 +89,17 @@ async def test_toggling_a_switch_this_engine_cannot_run_says_so_and_saves_the_ch
             await pilot.press("6")
             await wait_for(pilot, lambda: _log_has(app, "POST /strata/switches/PAGED_ATTN enabled=" + str(saved))
                            and paged.note != "applying live…", what="the control answer")
-            assert paged.running is False and paged.unavailable and paged.note == "", paged
+            assert paged.running is False and paged.unavailable, paged
+            assert paged.note == "n/a here: saved, not applied", paged  # what became of the key
             assert not paged.needs_restart  # a restart would not make it run
             assert app.store.load("default").engine.switches.get("PAGED_ATTN") is saved  # the choice is kept
 
             def paged_line() -> str:
                 return next(line for line in screen_text(app).splitlines() if "PAGED_ATTN" in line)
 
-            await wait_for(pilot, lambda: "n/a: needs a CUDA device" in paged_line(), what="the n/a line")
-            assert "degraded" not in paged_line() and "applied" not in paged_line(), paged_line()
+            await wait_for(pilot, lambda: "n/a here: saved, not applied: nee" in paged_line(),
+                           what="the n/a line")
+            assert "degraded" not in paged_line() and "applied live" not in paged_line(), paged_line()
         assert "applied live" not in notes, notes  # not even until the switch event came
 
 
@@ -93,7 +117,7 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
-        assert app.controls.load_params("seed") == {"long_tokens": 8192 - 16}
+        assert app.controls.load_params("seed") == {"long_tokens": 8192 - 16, "short_max_tokens": 128}
         await pilot.press("l")
         await wait_for(pilot, lambda: app.view.load_result is not None, timeout_s=60, what="scenario")
         assert "done in" in app.view.load_result and ": ok" in app.view.load_result.splitlines()[0]
@@ -101,6 +125,28 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
         shown = screen_text(app)
         assert "Load result" in shown and "e+0" not in shown and "e+1" not in shown
         assert app.view.monitor.last_seq > 20, "the scenario's requests must show up as slot events"
+
+
+async def test_l_asks_short_generations_and_c_cancels_the_running_scenario(config_dir: Path, monkeypatch) -> None:
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
+        assert "Cancel load" not in screen_text(app)  # nothing to cancel
+        await pilot.press("l")
+        await wait_for(pilot, lambda: any(s.request_id and s.max_tokens for s in app.view.monitor.slots.values()),
+                       what="the short generations")
+        asked = {s.max_tokens for s in app.view.monitor.slots.values() if s.request_id and s.max_tokens}
+        assert max(asked) <= 256, asked  # short, whatever the profile's context (8192 here)
+        await wait_for(pilot, lambda: "Cancel load" in screen_text(app), what="the cancel key in the footer")
+        assert app.view.load_running == "seed"
+        await pilot.press("c")
+        await wait_for(pilot, lambda: app.view.load_running is None, what="cancelled")
+        assert "load seed cancelled" in app.view.status_note
+        await pilot.pause(5.0)  # past the scenario's 3 s delay: it sent no long prompt and reported nothing
+        assert app.view.load_result is None and app.view.load_running is None
+        assert not any(s.prompt_tokens > 1000 for s in app.view.monitor.slots.values() if s.request_id)
+        await pilot.press("l")  # and a new one may start
+        await wait_for(pilot, lambda: app.view.load_running == "seed", what="a new scenario")
 
 
 async def test_stop_then_restart(config_dir: Path, monkeypatch) -> None:

@@ -9,13 +9,14 @@ from textual.widgets import DataTable, Input, Static
 
 from strata_tui.messages import TelemetryBatch
 from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
 from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profile_editor import ProfileEditor
 from strata_tui.screens.profiles import ProfilesScreen
 from strata_tui.widgets.graph_events import GraphEventsTable
 from strata_tui.widgets.slots_table import SlotsTable
-from tests.tui.conftest import offline_app, recorded, wait_for
+from tests.tui.conftest import offline_app, recorded, screen_text, wait_for
 
 SIZE = (160, 50)
 
@@ -86,6 +87,55 @@ async def test_help_opens_and_closes(config_dir: Path) -> None:
         assert isinstance(app.screen, MonitorScreen)
 
 
+async def test_help_lists_every_key_and_switch_and_says_how_to_close(config_dir: Path) -> None:
+    from textual.keys import key_to_character
+
+    from engine.switches import SWITCHES
+    from strata_tui.app import StrataApp
+    from strata_tui.commands import palette_commands
+    from strata_tui.screens.help import help_text
+
+    app = offline_app(config_dir)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        shown = screen_text(app)
+        assert "escape · q · ? close" in shown, shown  # on the border, whatever is scrolled
+        page = help_text().plain
+        keys = {part.strip() for line in page.splitlines() if line.startswith("  ")
+                for part in line.split("  ")[1].split(" / ")}
+        named = {"plus": "+", "minus": "-"}
+        for binding in [*MonitorScreen.BINDINGS, *StrataApp.BINDINGS]:
+            key = binding.key.split(",")[0]
+            if key.isdigit():
+                assert "1-9" in keys
+                continue
+            char = named.get(key) or (key if key == "escape" else key_to_character(key)) or key
+            assert char in keys, (binding, sorted(keys))
+        for sw in SWITCHES:  # every switch, the ones past the ninth (no key) too
+            assert sw.env_var in page, sw.name
+        titles = [command.title for command in palette_commands(app)]
+        for sw in SWITCHES:
+            assert f"Toggle {sw.name}" in titles, sw.name
+        assert {"Filter graph events", "Cancel load", "Quit", "Help"} <= set(titles), titles
+        await pilot.press("escape")
+        assert isinstance(app.screen, MonitorScreen)
+
+
+async def test_fused_ops_from_the_palette_is_saved_for_the_next_start(config_dir: Path) -> None:
+    from strata_tui.commands import palette_commands
+
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        before = app.view.monitor.switches["FUSED_OPS"].wanted
+        command = next(c for c in palette_commands(app) if c.title == "Toggle FUSED_OPS")
+        command.callback()
+        await wait_for(pilot, lambda: app.store.load("default").engine.switches.get("FUSED_OPS") is (not before),
+                       what="FUSED_OPS saved")
+        assert app.view.monitor.switches["FUSED_OPS"].note == "saved: applies at the next start"
+
+
 async def test_load_without_engine_says_why(config_dir: Path) -> None:
     app = offline_app(config_dir)
     async with app.run_test(size=SIZE) as pilot:
@@ -137,6 +187,36 @@ async def test_profiles_new_duplicate_rename_delete(config_dir: Path) -> None:
         await wait_for(pilot, lambda: app.store.names() == ["default", "fast"], what="deleted")
         await pilot.press("escape")
         assert isinstance(app.screen, MonitorScreen)
+
+
+async def test_profiles_table_keeps_its_columns_starts_on_the_active_one_and_says_no_toasts(config_dir: Path) -> None:
+    from engine.switches import SWITCHES
+
+    store = ProfileStore(config_dir)
+    for name in ("aaa-first", "long-context-big"):
+        store.save(Profile(name))
+    (store.profiles_dir / "zz-broken.toml").write_text("[engine]\nkv = 'fp8'\n")
+    app = offline_app(config_dir, profile="long-context-big")
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await _open_profiles(pilot)
+        assert screen.selected_name == "long-context-big"  # the active profile, not the first row
+        detail = str(screen.query_one("#detail", Static).render())
+        for sw in SWITCHES:  # defaults count: "switches on: none" while five were on by default
+            if sw.default:
+                assert f"{sw.name} (default)" in detail, detail
+        for key, name in (("n", "newone"), ("d", "dup-of-it"), ("r", "renamed-one")):
+            await pilot.press(key)
+            await _type_name(pilot, name)
+            await wait_for(pilot, lambda: name in screen_text(app), what=name)
+            shown = screen_text(app)
+            assert "long-context-big" in shown and "builtin:strata-tiny" in shown, shown  # full width columns
+        broken_row = next(line for line in screen_text(app).splitlines() if "zz-broken" in line)
+        assert "broken: line 2" in broken_row and "?" not in broken_row, broken_row
+        screen.query_one(DataTable).move_cursor(row=screen.query_one(DataTable).get_row_index("zz-broken"))
+        await pilot.press("enter")  # refused: the reason goes above the details, not into a toast
+        await pilot.pause()
+        assert not app._notifications, [n.message for n in app._notifications]
+        assert "fp8" in str(screen.query_one("#detail", Static).render())
 
 
 async def test_edit_rejects_bad_value_naming_it_then_saves(config_dir: Path) -> None:

@@ -65,3 +65,23 @@ async def test_status_line_fields_are_separated(seeded: Path) -> None:
     assert "profile seed · offline · engine ready" in status, status
     for glued in ("offlineengine", "launchedengine", "readyhttp", "liveseed", "MiB+/-"):
         assert glued not in status and glued not in text, glued
+
+
+LOGGING_LINES = [
+    ("stderr", "2026-12-02 19:00:00,123 INFO engine.server.uvicorn_server: listening for requests on port 8765"),
+    ("stderr", "2026-12-02 19:00:01,456 WARNING engine.exec.graphs: graph capture retried after freeing memory"),
+]
+
+
+@pytest.mark.parametrize("size", [(100, 30), (80, 24)])
+async def test_log_lines_lead_with_their_message_and_the_footer_keeps_quit_and_help(seeded: Path,
+                                                                                    size: tuple[int, int]) -> None:
+    app = offline_app(seeded, profile="seed")
+    async with app.run_test(size=size) as pilot:
+        app.post_message(EngineOutput(LOGGING_LINES))
+        await _settle(pilot)
+        shown = screen_text(app)
+    assert "listening for requests" in shown, shown
+    assert "WARNING graph capture retried" in shown, shown
+    footer = shown.rstrip("\n").splitlines()[-1]
+    assert "q Quit" in footer and "? Help" in footer, footer

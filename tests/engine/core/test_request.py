@@ -84,8 +84,31 @@ def test_prefill_eta_follows_the_rate_so_far() -> None:
     req = _req(1000)
     req.admitted_s = 10.0
     req.num_prefilled_tokens = 500  # planned: 250 of them are still running
-    req.chunk_ran(250)
-    assert req.prefill_eta_s(now_s=15.0) == pytest.approx(750 / 50.0)
+    req.chunk_ran(250, now_s=15.0)
+    assert req.prefill_eta_s(now_s=15.0) == pytest.approx(750 / 50.0)  # one chunk: its rate
+
+
+def test_prefill_eta_grows_with_position_from_the_second_chunk() -> None:
+    """Each token costs a + b·p (attention over the keys before it): the ETA at halfway integrates that, where the
+    rate so far would promise the back half at the front half's speed."""
+    a_s, b_s, total, chunk = 1e-3, 2e-7, 16384, 1024
+
+    def cost_s(x0: int, x1: int) -> float:
+        return a_s * (x1 - x0) + b_s / 2 * (x1 * x1 - x0 * x0)
+
+    req = _req(total)
+    req.admitted_s = now_s = 100.0
+    for x in range(0, total // 2, chunk):
+        req.num_prefilled_tokens = x + chunk
+        now_s += cost_s(x, x + chunk)
+        req.chunk_ran(chunk, now_s=now_s)
+        if x == chunk:  # the second chunk: the estimate already bends upwards
+            assert req.prefill_eta_s(now_s) == pytest.approx(cost_s(2 * chunk, total), rel=0.02)
+    truth_s = cost_s(total // 2, total)
+    assert req.prefill_eta_s(now_s) == pytest.approx(truth_s, rel=0.02)
+    constant_rate_s = (total // 2) / ((total // 2) / (now_s - 100.0))
+    assert abs(constant_rate_s - truth_s) / truth_s > 0.3  # what the old estimate said
+    assert req.prefill_eta_s(now_s + 1.0) == pytest.approx(truth_s - 1.0, rel=0.02)  # counts down between chunks
 
 
 def test_draft_statistics_are_per_position() -> None:
@@ -114,7 +137,7 @@ def test_rates_come_from_the_timestamps() -> None:
     req.num_prefilled_tokens = 800
     req.admitted_s = 101.0
     assert req.prefill_tok_s(now_s=103.0) is None  # planned but no chunk has run yet: no rate
-    req.chunk_ran(800)
+    req.chunk_ran(800, now_s=103.0)
     assert req.queued_s == pytest.approx(1.0)
     assert req.prefill_tok_s() is None and req.prefill_tok_s(now_s=101.0) is None  # no time has passed
     assert req.prefill_tok_s(now_s=103.0) == pytest.approx(800 / 2.0)  # cached tokens are not counted

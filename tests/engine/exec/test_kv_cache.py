@@ -37,7 +37,7 @@ def _fill(cache, slot, layer, length, gen):
     return k[0], v[0]
 
 
-@pytest.mark.parametrize("path", ["sdpa", "split", "blocked", "blocked_decode", "fused_chunk"])
+@pytest.mark.parametrize("path", ["sdpa", "split", "blocked", "blocked_keys", "blocked_decode", "fused_chunk"])
 def test_attention_paths_match_dense_reference(path):
     gen = torch.Generator().manual_seed(0)
     cache = _cache()
@@ -47,14 +47,16 @@ def test_attention_paths_match_dense_reference(path):
         cache.set_split(True)
         cache.split_tokens = 128
     if path == "blocked":
-        cache.block_scores_bytes = 1  # every multi-token forward takes the block loop
+        cache.block_scores_bytes = 1  # every multi-token forward attends a few queries at a time
+    if path == "blocked_keys":
+        cache.block_kv_bytes = 1  # a chunk whose key copy would be too big reads block by block
     if path == "blocked_decode":
         cache.block_kv_bytes = 1  # a decode whose key copy would be too big reads block by block
     if path == "fused_chunk":
         cache.fused_prefill = True  # the CUDA flash path; on CPU torch runs the same math unfused
         _check_chunk(cache, written[0], gen)
         return
-    t = 12 if path == "blocked" else 2
+    t = 12 if path in ("blocked", "blocked_keys") else 2
     q = torch.randn(2, 4, t, 16, generator=gen)
     k_new = torch.randn(2, 2, t, 16, generator=gen)
     v_new = torch.randn(2, 2, t, 16, generator=gen)

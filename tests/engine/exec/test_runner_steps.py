@@ -232,3 +232,27 @@ def test_on_the_kernel_path_few_query_steps_take_one_key_per_batch_as_contexts_g
     assert spans == {1024}, spans  # each kernel call was handed the whole context
     chunk_spans = {key.shape[1] for kind, key, _ in executor.calls if key.runs_chunks}
     assert "L256" in chunk_spans, chunk_spans
+
+
+def test_a_chunk_deep_in_a_long_context_reads_its_prefix_not_the_whole_context(ckpt):
+    """A 1,024-token chunk at 8K of a 16K context: the reference reads the cached prefix and the chunk, rounded
+    up to a fine bucket, never the whole context (with the power-of-two bucket it read all 16K keys and cost
+    five times the chunk before it on a CPU)."""
+    executor = RecordingExecutor()
+    engine = make_engine(ckpt, batch=1, context=16384, prefill_chunk_tokens=1024, step_token_budget=2048,
+                         executor=executor)
+    runner = engine.runner
+    end = 8192 + 1024
+    with torch.inference_mode():
+        out = runner.prefill(0, [7] * 1024, 8192)
+    assert end <= out.span_tokens <= end * 1.125, out.span_tokens
+    assert out.span_tokens < 16384
+    _, key, _ = executor.calls[-1]
+    assert f"L{out.span_tokens}" in str(key)
+    # every end gets a span that holds it, within an eighth of its power-of-two bucket
+    for end_tokens in (1, 255, 257, 1000, 4097, 8193, 9216, 12000, 16384):
+        span = runner.chunk_span(end_tokens)
+        assert end_tokens <= span <= max(256, pow2_bucket(end_tokens)) and span <= 16384
+        assert span - end_tokens < max(256, pow2_bucket(end_tokens) // 8)
+    assert runner.chunk_span(9216) in runner.chunk_spans()
+    engine.close()
