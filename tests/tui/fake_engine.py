@@ -168,18 +168,22 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
             self.wfile.flush()
 
-        for i in range(max_tokens):
-            time.sleep(0.005)
-            BUS.publish(SlotEvent(slot=slot, state="decode", request_id=rid, prompt_tokens=prompt_tokens,
-                                  prefilled_tokens=prompt_tokens, generated_tokens=i + 1, max_tokens=max_tokens,
-                                  decode_tok_s=200.0))
-            finish = "length" if i == max_tokens - 1 else None
-            send(json.dumps({"id": rid, "choices": [{"index": 0, "text": "x", "finish_reason": finish}]}))
-        send(json.dumps({"id": rid, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                             "completion_tokens": max_tokens}}))
-        send("[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
-        BUS.publish(SlotEvent(slot=slot, state="idle"))
+        try:  # a client that closes the stream aborts its request, as the engine does
+            for i in range(max_tokens):
+                time.sleep(0.005)
+                BUS.publish(SlotEvent(slot=slot, state="decode", request_id=rid, prompt_tokens=prompt_tokens,
+                                      prefilled_tokens=prompt_tokens, generated_tokens=i + 1, max_tokens=max_tokens,
+                                      decode_tok_s=200.0))
+                finish = "length" if i == max_tokens - 1 else None
+                send(json.dumps({"id": rid, "choices": [{"index": 0, "text": "x", "finish_reason": finish}]}))
+            send(json.dumps({"id": rid, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                                 "completion_tokens": max_tokens}}))
+            send("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            BUS.publish(SlotEvent(slot=slot, state="idle"))
 
 
 def busy(slots: int, hz: float) -> None:

@@ -136,7 +136,7 @@ def test_sigterm_and_sigint_end_it_with_a_dialog_open(session_factory, sig: sign
     session = session_factory()
     tui, engine = _started(session, ["engine ready", "busy-5"])
     subprocess.run(["tmux", "send-keys", "-t", session.name, "?"], check=True)
-    session.wait_started(["Strata TUI", "Monitor"])  # the help dialog is open
+    session.wait_started(["Help", "toggle switch N"])  # the help dialog is open
     os.kill(tui[0], sig)
     took_s = _gone_within(tui + engine, timeout_s=6.0)
     assert took_s is not None and took_s <= 3.0, f"{sig.name}: took {took_s} s (None = never)"
