@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.quant.linear import FP8_MAX, Fp8Linear, IntGroupLinear, QuantLinear
 
+FP8_MAX = 448.0  # the largest finite e4m3 value
 _MIN_BLOCK_M = 16  # the tensor cores' smallest row tile
 _TWO_POW_120 = 2.0 ** 120  # e4m3 bits placed in an fp32's exponent/mantissa fields are 2^-120 of the value
 
@@ -113,9 +113,11 @@ def _block_n(n: int) -> int:
     return 32 if n >= 8192 else 16
 
 
-def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    """layer(x) through the kernel of its layout (any row count: the tests run it on CPU in the interpreter)."""
-    if isinstance(layer, IntGroupLinear) and layer.perm is not None:
+def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """layer(x) through the kernel of its layout (engine.model.quant.linear's layers, told apart by `format`, so
+    this module needs no import of them), any row count: the tests run it on CPU in the interpreter."""
+    is_int = layer.format in ("int4", "int8")
+    if is_int and layer.perm is not None:
         x = x.index_select(-1, layer.perm)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = rows.shape
@@ -126,7 +128,7 @@ def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     block_n = _block_n(n)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     has_bias = layer.bias is not None
-    if isinstance(layer, IntGroupLinear):
+    if is_int:
         block_k = max(128, layer.group_size) if layer.group_size <= 128 else layer.group_size
         _int_group_kernel[grid](
             rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out,
@@ -134,7 +136,7 @@ def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
             GROUP=layer.group_size, BITS=layer.bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             HAS_BIAS=has_bias, num_warps=4, num_stages=3,
         )
-    elif isinstance(layer, Fp8Linear):
+    elif layer.format == "fp8":
         _fp8_kernel[grid](
             rows, layer.weight.view(torch.uint8), layer.weight_scale, layer.bias if has_bias else layer.weight_scale,
             out, m, n, k, rows.stride(0), layer.weight.stride(0), layer.weight_scale.stride(0), out.stride(0),
@@ -146,15 +148,15 @@ def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def scaled_mm_takes(x: torch.Tensor, layer: QuantLinear) -> bool:
+def scaled_mm_takes(x: torch.Tensor, layer) -> bool:
     """Whether a prompt chunk through `layer` can multiply in FP8 (torch._scaled_mm, row-wise scales): per-channel
     FP8 on a Hopper-class device, sizes multiples of 16."""
-    return (isinstance(layer, Fp8Linear) and x.is_cuda and layer.block_n == 1 and layer.block_k >= layer.in_features
+    return (layer.format == "fp8" and x.is_cuda and layer.block_n == 1 and layer.block_k >= layer.in_features
             and x.dtype == torch.bfloat16 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
-def scaled_mm_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
+def scaled_mm_linear(x: torch.Tensor, layer) -> torch.Tensor:
     """Per-token FP8 activations times per-channel FP8 weights, bf16 out (as compressed-tensors' FP8_DYNAMIC)."""
     rows = x.reshape(-1, x.shape[-1])
     x_scale = (rows.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
