@@ -18,12 +18,13 @@ SUBCOMMANDS = {
     "serve": ("engine.cli.serve", "run the OpenAI-compatible server"),
     "generate": ("engine.cli.generate", "generate text for one prompt and print it"),
     "bench": ("engine.cli.bench", "measure decode, prefill, MTP and graph figures; print a table, write JSON"),
+    "quantize": ("engine.cli.quantize", "round a checkpoint to fp8 or int4 once and write it (compressed-tensors)"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata-engine", description="Strata inference engine")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))

@@ -208,9 +208,12 @@ def load_checkpoint(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if path.is_file():  # a .gguf file (resolve_model_path lets no other file through)
-        from engine.model.quant.gguf_file import load_gguf  # imports the gguf package
+        from engine.model.quant.gguf_file import read_gguf  # imports the gguf package
 
-        return load_gguf(path, torch_dtype, dev, tokenizer, quantize)
+        if quantize is not None:
+            raise ConfigError("quantize", quantize, f"{path} is a GGUF file, already quantized")
+        model, config, tok, eos, weight_format = read_gguf(path, torch_dtype, dev, tokenizer)
+        return LoadedModel(model, config, tok, eos, path, torch_dtype, dev, weight_format)
     config = ModelConfig.from_file(path / "config.json")
     scheme = scheme_from_config(_raw_config(path / "config.json"), str(path / "config.json"))
     if scheme is not None and quantize is not None:

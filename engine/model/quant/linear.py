@@ -209,6 +209,12 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 Linear = nn.Linear | QuantLinear
 
 
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights: parameters and the quantized layers' buffers (codes, scales)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.weight_bytes for m in model.modules() if isinstance(m, QuantLinear))
+
+
 def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, QuantLinear)
 
