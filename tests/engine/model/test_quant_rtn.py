@@ -116,3 +116,35 @@ def test_the_quantize_option_is_validated_with_the_others():
     assert EngineConfig(quantize="int4").to_argv()[-2:] == ["--quantize", "int4"]
     with pytest.raises(ConfigError, match="quantize='int3'"):
         EngineConfig(quantize="int3")
+
+
+def test_moe_experts_quantize_and_run_in_the_reference_path_and_the_expert_cache(tmp_path):
+    from engine.model.moe import SparseMoE, sparse_blocks
+    from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+    from engine.api import SamplingParams
+
+    src = tmp_path / "moe"
+    write_random_checkpoint(src, size="moe-tiny")
+    lm = load_checkpoint(src, dtype="float32", device="cpu", quantize="int4")
+    block = sparse_blocks(lm.model)[0]
+    assert isinstance(block, SparseMoE) and isinstance(block.experts[3].down_proj, IntGroupLinear)
+    assert not isinstance(block.gate, QuantLinear)  # the router stays in the model's dtype
+    # the reference path computes each routed expert from its dequantized weights
+    gate_up, down = block.expert_weights(3)
+    torch.testing.assert_close(down, block.experts[3].down_proj.dequantize())
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad():
+        reference = lm.model.logits(lm.model(ids, torch.arange(6)[None]))
+    assert torch.isfinite(reference).all()
+    # the engine's expert cache (a budget holding some experts per layer) gives the reference path's tokens
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(3, seed=3, lengths=(4, 30))
+    outs = []
+    for budget in (None, 1):
+        engine = make_engine(src, batch=3, quantize="int4", expert_cache_mib=budget)
+        try:
+            outs.append(tokens_of(run_all(engine, prompts, params)))
+            assert engine.state()["vram"][0]["weight_format"].startswith("int4")
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
