@@ -58,10 +58,14 @@ def _int_group_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, M, N, K, strid
         else:
             codes = tl.load(q_ptr + rn64[:, None] * stride_qn + ks[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.int32)
-        if GROUP >= BLOCK_K:  # one group covers the step: one scale per column
+        if GROUP % BLOCK_K == 0:  # one group covers the step: one scale per column
             g = k0 // GROUP
             s = tl.load(s_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             o = tl.load(o_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        elif BLOCK_K % GROUP != 0:  # groups that straddle steps (one group of a K that is no power of two)
+            gk = n_ok[:, None] & k_ok[None, :]
+            s = tl.load(s_ptr + rn64[:, None] * stride_sn + (ks // GROUP)[None, :], mask=gk, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + rn64[:, None] * stride_sn + (ks // GROUP)[None, :], mask=gk, other=0.0).to(tl.float32)
         else:  # BLOCK_K // GROUP groups in the step, each broadcast over its GROUP codes
             gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
             g_ok = n_ok[:, None] & (gs < K // GROUP)[None, :]
@@ -129,7 +133,7 @@ def quant_linear(x: torch.Tensor, layer) -> torch.Tensor:
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     has_bias = layer.bias is not None
     if is_int:
-        block_k = max(128, layer.group_size) if layer.group_size <= 128 else layer.group_size
+        block_k = 128  # a group of 16..128 divides it, a larger one is a multiple of it or straddles steps
         _int_group_kernel[grid](
             rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out,
             m, n, k, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0), out.stride(0),
