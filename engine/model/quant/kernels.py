@@ -11,9 +11,9 @@ of the step in one [BLOCK_M, BLOCK_K] tile, so the weight is read once whatever 
 Marlin's idea (codes stay packed in memory, expansion in registers) without its hand-tuned layout: the codes
 keep the loader's row-major packing, so one kernel serves AWQ, GPTQ, compressed-tensors and GGUF weights.
 
-e4m3 bytes are expanded with integer arithmetic (the byte's exponent and mantissa moved into an fp32's, times
-2^120): exact for every finite e4m3 value, subnormals included, and the same code runs in Triton's interpreter
-on CPU (the tests' oracle), which has no fp8 type. No host synchronisation and no allocation but the output:
+e4m3 bytes are expanded with integer arithmetic (the byte's exponent, rebiased, and mantissa moved into an
+fp32's; subnormals as m * 2^-9): exact for every finite e4m3 value, and the same code runs in Triton's
+interpreter on CPU (the tests' oracle), which has no fp8 type. No host synchronisation and no allocation but the output:
 the launches are capturable in CUDA graphs.
 
 Prompt chunks (more rows) take the reference path (dequantize, then cuBLAS), where the matmul is compute-bound;
@@ -29,7 +29,6 @@ import triton.language as tl
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
 _MIN_BLOCK_M = 16  # the tensor cores' smallest row tile
-_TWO_POW_120 = 2.0 ** 120  # e4m3 bits placed in an fp32's exponent/mantissa fields are 2^-120 of the value
 
 
 @triton.jit
@@ -97,10 +96,14 @@ def _fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_
         tile_ok = n_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         bits = tl.load(w_ptr + rn64[:, None] * stride_wn + ks[None, :], mask=tile_ok, other=0).to(tl.int32)
-        f32_bits = ((bits & 0x80) << 24) | ((bits & 0x7F) << 20)
-        w = f32_bits.to(tl.float32, bitcast=True)
+        # a normal e4m3 (exponent field e > 0) is an fp32 with exponent e + 120 and the same 3 mantissa bits; a
+        # subnormal (e = 0) is m * 2^-9. No fp32 denormal is ever made, so a flush-to-zero device agrees.
+        mag = bits & 0x7F
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        w = tl.where(mag >= 8, normal, (mag & 7).to(tl.float32) * 0.001953125)  # 2^-9
+        w = tl.where((bits & 0x80) != 0, -w, w)
         s = tl.load(s_rows[:, None] + (ks // SCALE_BLOCK_K)[None, :], mask=tile_ok, other=0.0)
-        w = ((w * 1.329227995784916e36) * s).to(x.dtype)  # times 2^120 first: at most 448, whatever the scale
+        w = (w * s).to(x.dtype)
         acc += tl.dot(x, tl.trans(w))
     _store(acc, b_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
 
