@@ -23,6 +23,8 @@ PREFILL_OVERLAP_MODES = ("auto", "on", "off")
 DECODE_AHEAD_MODES = ("auto", "on", "off")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+QUANTIZE_FORMATS = ("fp8", "int4")
+QUANTIZE_MODES = ("off",) + QUANTIZE_FORMATS
 MAX_CONTEXT_TOKENS = 262144
 DEFAULT_VRAM_RESERVE_MIB = 1024
 # A 262,144-token prompt as JSON: token ids take at most 7 bytes each (1.8 MiB); text about 4 bytes a token,
@@ -65,6 +67,10 @@ class EngineConfig:
     device: str = field(default="auto", metadata=_opt("auto | cpu | cuda:N", metavar="DEVICE"))
     dtype: str = field(default="auto", metadata=_opt("weights dtype (auto: bf16 on CUDA, fp32 on CPU)",
                                                       choices=MODEL_DTYPES))
+    quantize: str = field(default="off", metadata=_opt(
+        "round a 16/32-bit checkpoint's projections to nearest at load: fp8 (e4m3, a scale per channel) or int4 "
+        "(a scale and zero point per group of 128); `strata-engine quantize` writes the result once",
+        choices=QUANTIZE_MODES))
     batch: int = field(default=4, metadata=_opt("concurrent request slots", metavar="N"))
     batch_mtp: bool = field(default=False, metadata=_opt("batched MTP speculative drafting for all decoding slots"))
     mtp_depth: int = field(default=1, metadata=_opt("draft tokens per MTP round", metavar="K"))
@@ -137,6 +143,8 @@ class EngineConfig:
             raise ConfigError("dtype", self.dtype, f"expected one of {', '.join(MODEL_DTYPES)}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("log_level", self.log_level, f"expected one of {', '.join(LOG_LEVELS)}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ConfigError("quantize", self.quantize, f"expected one of {', '.join(QUANTIZE_MODES)}")
         if self.kv not in KV_DTYPES:
             raise ConfigError("kv", self.kv, f"expected one of {', '.join(KV_DTYPES)}")
         if self.decode_ahead not in DECODE_AHEAD_MODES:

@@ -158,6 +158,7 @@ class VramEvent(Event):
     free_mib: float = 0.0
     experts_mib: float = 0.0  # the MoE expert cache's pools (0 for a dense model)
     host_kv_mib: float = 0.0  # --kv-resident: KV spilled to host memory (not VRAM; shown beside the books)
+    weight_format: str = ""  # the weights' storage: bf16, fp8 (block 128x128), int4 (awq, group 128), gguf ...
 
 
 @dataclass

@@ -71,7 +71,7 @@ def test_engine_never_imports_strata_tui_or_textual() -> None:
 
 def test_engine_model_imports_torch_and_itself_only() -> None:
     stdlib = set(sys.stdlib_module_names)
-    allowed = {"torch", "safetensors", "tokenizers", "jinja2", "numpy", "triton"}
+    allowed = {"torch", "safetensors", "tokenizers", "jinja2", "numpy", "triton", "gguf"}
     for path in sorted((ROOT / "engine" / "model").rglob("*.py")):
         for name in _imports(path):
             top = name.split(".")[0]

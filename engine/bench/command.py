@@ -96,6 +96,8 @@ def _decode(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--graph-modes", default="on,off", help="on,off | on | off (CUDA graphs; CPU is always eager)")
+    p.add_argument("--weight-formats", default=None, metavar="LIST",
+                   help="one engine per --quantize value, e.g. off,fp8,int4 (default: --quantize's value)")
 
 
 def _mtp(p: argparse.ArgumentParser) -> None:

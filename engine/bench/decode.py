@@ -13,7 +13,9 @@ from typing import Any
 
 from engine.bench.common import device_of, emit, random_prompt, save_partial
 from engine.bench.engine_driver import build_engine, generate_all
+from engine.config import QUANTIZE_MODES
 from engine.errors import ConfigError
+from engine.model.quant.linear import model_bytes
 
 TARGET_B1_TOK_S = 1500.0
 _CONTEXT_MARGIN_TOKENS = 64
@@ -29,6 +31,14 @@ def graph_modes(text: str) -> list[bool]:
     return modes
 
 
+def weight_formats(text: str) -> list[str]:
+    """`off,fp8,int4` -> one engine per --quantize value, in that order (off: the checkpoint as stored)."""
+    formats = [item.strip() for item in text.split(",")]
+    if not formats or any(f not in QUANTIZE_MODES for f in formats):
+        raise ConfigError("weight_formats", text, f"expected a comma-separated list of {', '.join(QUANTIZE_MODES)}")
+    return formats
+
+
 def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_tokens: int, new_tokens: int,
             **overrides: Any) -> list[dict[str, Any]]:
     """Rows of decode figures for each batch size on one engine (built with `overrides`)."""
@@ -36,7 +46,8 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
                          context=prompt_tokens + new_tokens + _CONTEXT_MARGIN_TOKENS, **overrides)
     rows = []
     try:
-        vocab = bench.engine.lm.config.vocab_size
+        lm = bench.engine.lm
+        vocab = lm.config.vocab_size
         for batch in batches:
             # Different prompts of the same length: the same graph buckets, but no prefix-cache hit for the timed run
             warmup = [random_prompt(prompt_tokens, vocab, seed=1000 * batch + 500 + i) for i in range(batch)]
@@ -44,6 +55,7 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
             generate_all(bench, warmup, new_tokens)  # captures every bucket the timed run needs
             stats = generate_all(bench, prompts, new_tokens)
             rows.append({
+                "weights": lm.weight_format, "weights_mib": round(model_bytes(lm.model) / 2**20, 3),
                 "graphs": "on" if graphs else "off", "graphs_active": bench.graphs_active, "batch": batch,
                 "decode_tok_s": stats.decode_tok_s,
                 "per_slot_tok_s": stats.decode_tok_s / batch if stats.decode_tok_s else None,
@@ -59,18 +71,21 @@ def run(args: argparse.Namespace) -> int:
     """Every graph mode x batch size; print the table, write the JSON."""
     device = device_of(args.device)
     rows: list[dict[str, Any]] = []
-    for graphs in graph_modes(args.graph_modes):
-        rows += measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens)
-        save_partial(args, "decode", rows, device)
+    for quantize in weight_formats(args.weight_formats or args.quantize):
+        for graphs in graph_modes(args.graph_modes):
+            rows += measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens, quantize=quantize)
+            save_partial(args, "decode", rows, device)
     emit(args, "decode", rows, summarize(rows), device,
-         ("graphs", "graphs_active", "batch", "decode_tok_s", "per_slot_tok_s", "tok_s", "ttft_ms", "steps"))
+         ("weights", "weights_mib", "graphs", "graphs_active", "batch", "decode_tok_s", "per_slot_tok_s", "tok_s",
+          "ttft_ms", "steps"))
     return 0
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The best batch-1 decode rate against its target, and the graphs speedup per batch."""
     def rate(graphs: str, batch: int) -> float | None:
-        return next((r["decode_tok_s"] for r in rows if r["graphs"] == graphs and r["batch"] == batch), None)
+        return next((r["decode_tok_s"] for r in rows if r["graphs"] == graphs and r["batch"] == batch
+                     and r["weights"] == rows[0]["weights"]), None)
 
     summary: dict[str, Any] = {}
     best_b1 = max((r["decode_tok_s"] or 0.0 for r in rows if r["batch"] == 1), default=0.0)
@@ -81,4 +96,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         on, off = rate("on", batch), rate("off", batch)
         if on and off:
             summary[f"graphs_speedup_b{batch}"] = on / off
+    # --weight-formats: each format's best decode rate against the first format's, per batch
+    def best(weights: str, batch: int) -> float:
+        return max((r["decode_tok_s"] or 0.0 for r in rows if r["weights"] == weights and r["batch"] == batch),
+                   default=0.0)
+
+    formats = list(dict.fromkeys(r["weights"] for r in rows))
+    for weights in formats[1:]:
+        for batch in sorted({r["batch"] for r in rows}):
+            if best(formats[0], batch) and best(weights, batch):
+                summary[f"{weights.split()[0]}_vs_{formats[0].split()[0]}_b{batch}"] = (
+                    best(weights, batch) / best(formats[0], batch))
     return summary

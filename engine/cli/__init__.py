@@ -1,7 +1,7 @@
-"""`strata-engine serve | generate | bench`: argument parsing and dispatch only.
+"""`strata-engine serve | generate | quantize | bench`: argument parsing and dispatch only.
 
-Each subcommand lives in its own module (`engine.cli.serve`, `.generate`, `engine.bench.command`); all three are imported to
-build the parser, and none imports torch at module level (the model, the engine and each benchmark are imported
+Each subcommand lives in its own module (`engine.cli.serve`, `.generate`, `.quantize`, `engine.bench.command`);
+all are imported to build the parser, and none imports torch at module level (the model, the engine and each benchmark are imported
 inside `run`), so `--help` stays fast and torch-free. Expected failures
 (StrataError: bad option, bad checkpoint, ...) print one line on stderr and exit 2, never a traceback.
 """
@@ -26,12 +26,13 @@ SUBCOMMANDS = {
     "serve": ("engine.cli.serve", "run the OpenAI-compatible server"),
     "generate": ("engine.cli.generate", "generate text for one prompt and print it"),
     "bench": ("engine.bench.command", "measure decode, prefill, MTP and graph figures; print a table, write JSON"),
+    "quantize": ("engine.cli.quantize", "round a checkpoint to fp8 or int4 once and write it (compressed-tensors)"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="strata-engine", description="Strata inference engine")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))

@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.model.config import ModelConfig
 from engine.model.moe import SparseMoE, moe_index_of
+from engine.model.quant.linear import concat_linears, is_quantized
 from engine.model.rope import apply_rope
 
 # engine.model.triton_ops once `use_fused_ops` set it (the module imports Triton, which CPU installs may lack)
@@ -50,9 +51,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the concatenation of `linears`' outputs (weights concatenated on dim 0)."""
+def _fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One Linear whose output is the concatenation of `linears`' outputs (weights concatenated on dim 0); for
+    quantized layers one of their layout, or None when their blocks do not line up (they then stay apart)."""
     first = linears[0]
+    if any(is_quantized(lin) for lin in linears):
+        return concat_linears(linears)
     has_bias = first.bias is not None
     out_features = sum(lin.out_features for lin in linears)
     fused = nn.Linear(first.in_features, out_features, bias=has_bias, device=first.weight.device, dtype=first.weight.dtype)
@@ -61,6 +65,13 @@ def _fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
         if has_bias:
             fused.bias.copy_(torch.cat([lin.bias for lin in linears], dim=0))
     return fused.requires_grad_(first.weight.requires_grad)
+
+
+def _project(ops: FusedOps | None, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """FUSED_OPS: a decode step's narrow product through the skinny-matmul kernel; a quantized layer has its own."""
+    if ops is not None and not is_quantized(linear):
+        return ops.linear(x, linear.weight, linear.bias)
+    return linear(x)
 
 
 class Attention(nn.Module):
@@ -80,15 +91,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=bias and config.arch != "qwen2")
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Module | None = None
         self.ops: FusedOps | None = None
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one concatenated Linear (same outputs, one matmul)."""
         if self.qkv_proj is not None:
             return
-        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+        fused = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]; writes/reads KV through `kv` (or none when kv is None)."""
@@ -120,9 +133,7 @@ class Attention(nn.Module):
         else:
             out = kv.attend(layer_idx, q, k, v, positions)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        if self.ops is not None:  # FUSED_OPS: a decode step's narrow product through the skinny-matmul kernel
-            return self.ops.linear(out, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(out)
+        return _project(self.ops, self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -135,15 +146,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Module | None = None
         self.ops: FusedOps | None = None
 
     def fuse(self) -> None:
         """Replace gate/up by one concatenated Linear."""
         if self.gate_up_proj is not None:
             return
-        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+        fused = _fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -151,7 +164,7 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.ops is not None:
-            return self.ops.linear(self.ops.silu_mul(gate, up), self.down_proj.weight, self.down_proj.bias)
+            return _project(self.ops, self.down_proj, self.ops.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

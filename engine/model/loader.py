@@ -17,11 +17,14 @@ from engine.errors import CheckpointError, ConfigError
 from engine.model.config import ModelConfig, read_small_file
 from engine.model.names import hf_name, optional_mtp_tensors
 from engine.model.causal_lm import CausalLM
+from engine.model.quant.formats import Scheme, read_linear, scheme_from_config
+from engine.model.quant.rtn import quantize_model
 from engine.model.tensors import TensorSource
 from engine.model.tokenizer import Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -40,6 +43,7 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    weight_format: str = "bf16"
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -54,8 +58,10 @@ def resolve_model_path(model: str | Path) -> Path:
     path = Path(text).expanduser()
     if not path.exists():
         raise CheckpointError(text, "no such directory")
+    if path.is_file() and path.suffix == ".gguf":
+        return path
     if not path.is_dir():
-        raise CheckpointError(text, "not a directory: expected a Hugging Face checkpoint directory")
+        raise CheckpointError(text, "not a directory: expected a Hugging Face checkpoint directory or a .gguf file")
     return path
 
 
@@ -85,20 +91,44 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               expert_device: torch.device | None = None) -> CausalLM:
+               expert_device: torch.device | None = None, scheme: Scheme | None = None) -> CausalLM:
     """Build the model on meta and fill every parameter from the checkpoint's safetensors; routed experts
-    (MoE) go to `expert_device` when given (the expert cache then places them)."""
+    (MoE) go to `expert_device` when given (the expert cache then places them). With a quantization `scheme`
+    (config.json's quantization_config) each projection the checkpoint stores quantized becomes a quantized
+    layer (engine.model.quant.formats)."""
     with TensorSource(path) as source:
         with torch.device("meta"):
             model = CausalLM(config)
         _attach_optional_mtp_modules(model, config, source)
+        if scheme is not None:
+            _load_quantized_linears(model, config, source, scheme, dtype, device, expert_device)
         for name, param in list(model.named_parameters()):
+            if param.device.type != "meta":
+                continue  # a quantized layer's bias, already read
             where = expert_device if expert_device is not None and ".mlp.experts." in name else device
             _set_parameter(model, name, _read_tensor(source, hf_name(name, config), tuple(param.shape), dtype, where))
         _drop_duplicate_mtp_modules(model)
     model.rotary.reset_parameters(device)
     model.requires_grad_(False)  # inference by default; a trainer calls model.requires_grad_(True)
     return model.eval()
+
+
+def _load_quantized_linears(model: CausalLM, config: ModelConfig, source: TensorSource, scheme: Scheme,
+                            dtype: torch.dtype, device: torch.device, expert_device: torch.device | None) -> None:
+    scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        prefix = hf_name(f"{name}.weight", config)[:-len(".weight")]
+        where = expert_device if expert_device is not None and ".mlp.experts." in name else device
+        bias = None
+        if module.bias is not None:
+            bias = _read_tensor(source, f"{prefix}.bias", tuple(module.bias.shape), dtype, where)
+        layer = read_linear(source, prefix, scheme, (module.out_features, module.in_features), bias, where,
+                            scale_dtype)
+        if layer is not None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, layer)
 
 
 def _read_tensor(source: TensorSource, name: str, expected: tuple[int, ...], dtype, device) -> torch.Tensor:
@@ -165,16 +195,42 @@ def load_checkpoint(
     device: str | torch.device = "auto",
     tokenizer: bool = True,
     expert_device: str | torch.device | None = None,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Load model, config, tokenizer (tokenizer.json; skipped with tokenizer=False) and eos ids.
 
     `expert_device` ("cpu"): where an MoE checkpoint's routed experts are loaded (the engine's expert cache
-    moves them into pinned host memory and device slots); by default with the rest.
+    moves them into pinned host memory and device slots); by default with the rest. `quantize` ("fp8" | "int4"):
+    round a 16/32-bit checkpoint's projections to nearest at load (engine.model.quant.rtn). A GGUF file (or a
+    directory holding one) loads through engine.model.quant.gguf_file.
     Raises CheckpointError naming the file or tensor that is missing or does not fit."""
     path = resolve_model_path(path_or_builtin)
-    config = ModelConfig.from_file(path / "config.json")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    model = load_model(path, config, torch_dtype, dev, torch.device(expert_device) if expert_device else None)
+    if path.is_file():  # a .gguf file (resolve_model_path lets no other file through)
+        from engine.model.quant.gguf_file import read_gguf  # imports the gguf package
+
+        if quantize is not None:
+            raise ConfigError("quantize", quantize, f"{path} is a GGUF file, already quantized")
+        model, config, tok, eos, weight_format = read_gguf(path, torch_dtype, dev, tokenizer)
+        return LoadedModel(model, config, tok, eos, path, torch_dtype, dev, weight_format)
+    config = ModelConfig.from_file(path / "config.json")
+    scheme = scheme_from_config(_raw_config(path / "config.json"), str(path / "config.json"))
+    if scheme is not None and quantize is not None:
+        raise ConfigError("quantize", quantize, f"{path} is already quantized ({scheme.describe()})")
+    model = load_model(path, config, torch_dtype, dev, torch.device(expert_device) if expert_device else None,
+                       scheme)
+    weight_format = scheme.describe() if scheme is not None else _DTYPE_NAMES[torch_dtype]
+    if quantize is not None:
+        weight_format = quantize_model(model, quantize)
+    model.weight_format = weight_format
     tok = Tokenizer.from_dir(path) if tokenizer else None
-    return LoadedModel(model, config, tok, read_eos_token_ids(path, tok), path, torch_dtype, dev)
+    return LoadedModel(model, config, tok, read_eos_token_ids(path, tok), path, torch_dtype, dev, weight_format)
+
+
+def _raw_config(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(str(path), f"cannot read JSON: {exc}") from None
+    return raw if isinstance(raw, dict) else {}

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.quant.linear import is_quantized
 
 
 class ExpertProvider(Protocol):
@@ -37,6 +38,11 @@ class Expert(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A projection's [N, K] weight: nn.Linear's own, a quantized layer's dequantized to `dtype`."""
+    return linear.dequantize(dtype) if is_quantized(linear) else linear.weight
 
 
 def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -92,9 +98,11 @@ class SparseMoE(nn.Module):
         return weights.to(logits.dtype), ids
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of one expert from this block's own parameters."""
-        e = self.experts[expert]
-        return torch.cat([e.gate_proj.weight, e.up_proj.weight]), e.down_proj.weight
+        """(gate_up [2I, H], down [H, I]) of one expert from this block's own parameters (a quantized expert
+        dequantized to the router's dtype, the activations' one)."""
+        e, dtype = self.experts[expert], self.gate.weight.dtype
+        return (torch.cat([dense_weight(e.gate_proj, dtype), dense_weight(e.up_proj, dtype)]),
+                dense_weight(e.down_proj, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape

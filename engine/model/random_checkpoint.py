@@ -31,6 +31,11 @@ SIZES: dict[str, dict[str, Any]] = {
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
     ),
+    # the Qwen3-8B shape (the quantized-decode benchmark: bf16 / fp8 / int4 at batch 1 and 16); 16 GiB in bf16
+    "8b": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
     # Qwen3-MoE shapes (model_type qwen3_moe). moe-tiny: tests (16 experts of 48 KiB in fp32, top-2, one dense
     # layer so both MLP kinds load; a 1 MiB expert cache holds 6 of 16 per layer); moe-bench: the expert-cache benchmark, 24 layers x 64 experts (top-8), ~1.1 GiB of experts
     # in bf16, small enough to write and load within a benchmark's time limit.

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.model.quant.linear import model_bytes
 from engine.errors import ConfigError, StrataError
 from engine.exec.device_switches import settle_switches
 from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
@@ -130,7 +131,8 @@ class _PartsBuilder:
         self.tier_device = _tier_device(config, resolve_device(config.device))
         self.stage = f"loading the model {config.model}"
         # MoE: routed experts load to host memory; the expert cache gives them their device slots
-        lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device, expert_device="cpu")
+        lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device, expert_device="cpu",
+                             quantize=None if config.quantize == "off" else config.quantize)
         device = self.device = lm.device
         model = lm.model
         if board.enabled("FUSED_PROJ"):
@@ -200,6 +202,7 @@ class _PartsBuilder:
                                                tier_budget_mib, experts.peer_mib if experts is not None else 0.0,
                                                shared, keep_free_mib=graphs_mib)
         self.budgets[0].experts = experts
+        self.budgets[0].weight_format = lm.weight_format
         if recapture:
             self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
             precapture_all(config, bus, board, executor, runner, drafter)
@@ -285,7 +288,7 @@ def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCa
     num_layers = mcfg.num_hidden_layers + (model.mtp_depth_layers if depth else 0)
     margin = max(pow2_bucket(config.prefill_chunk_tokens, MIN_CHUNK_TOKENS), 2 * depth + 2)
     geometry = KVGeometry(num_layers, config.batch, mcfg.num_key_value_heads, mcfg.head_dim, config.context, margin)
-    weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+    weights_mib = model_bytes(model) / MIB
     _, free_mib = device_memory_mib(lm.device)
     if config.kv_resident is None:
         kv_mib = geometry.total_bytes(config.kv, lm.dtype) / MIB

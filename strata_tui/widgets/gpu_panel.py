@@ -46,12 +46,19 @@ def breakdown_text(vram: VramEvent, compact: bool = False) -> Text:
             continue  # a dense model: no expert cache in its books
         text.append(f"{label} ", style="dim")
         text.append(size(getattr(vram, attr)) + gap, style=style)
+        if attr == "weights_mib" and _quantized(vram.weight_format):
+            text.append(f"({vram.weight_format.split()[0]}){gap}", style="dim")
     text.append("free ", style="dim")
     text.append(size(vram.free_mib), style="bold" if vram.free_mib < 256 else "")
     if vram.host_kv_mib:  # --kv-resident spilled KV to host memory: not VRAM, so beside the books, not in the bar
         text.append(gap + "host KV ", style="dim")
         text.append(size(vram.host_kv_mib), style="magenta")
     return text
+
+
+def _quantized(weight_format: str) -> bool:
+    """Whether the books should name the weight format: only when it is not a plain float dtype."""
+    return bool(weight_format) and weight_format.split()[0] not in ("bf16", "fp16", "fp32")
 
 
 def _short_mib(value: float | None) -> str:

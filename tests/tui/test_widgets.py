@@ -98,3 +98,12 @@ def test_the_books_gain_host_kv_when_some_kv_lies_on_the_host() -> None:
     assert "host KV" not in breakdown_text(VramEvent(**books)).plain
     text = breakdown_text(VramEvent(**books, host_kv_mib=3072.0)).plain
     assert "host KV 3072 MiB" in text or "host KV 3,072 MiB" in text, text
+
+
+def test_the_books_name_a_quantized_weight_format_and_only_that() -> None:
+    books = dict(device="cuda:0", total_mib=1000.0, weights_mib=100.0, kv_mib=200.0, graphs_mib=50.0,
+                 tier_mib=500.0, reserve_mib=64.0, free_mib=86.0)
+    assert "(" not in breakdown_text(VramEvent(**books, weight_format="bf16")).plain
+    text = breakdown_text(VramEvent(**books, weight_format="int4 (awq, group 128)")).plain
+    assert "weights 100 MiB  (int4)" in text, text
+    assert "(gguf)" in breakdown_text(VramEvent(**books, weight_format="gguf Q4_K + Q6_K"), compact=True).plain

@@ -34,7 +34,7 @@ import torch
 
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import SlotPolicy, adopt, groups_of
-from engine.model.moe import SparseMoE, add_expert, expert_mlp, sparse_blocks
+from engine.model.moe import SparseMoE, add_expert, dense_weight, expert_mlp, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
@@ -53,16 +53,16 @@ class ExpertPool:
 
     def __init__(self, block: SparseMoE, device: torch.device, store_device: torch.device, pin: bool) -> None:
         E, I = block.num_experts, block.intermediate_size
-        w0 = block.experts[0].gate_proj.weight
-        H, dtype = w0.shape[1], w0.dtype
+        # quantized experts are held dequantized, in the router's (the activations') dtype
+        H, dtype = block.gate.in_features, block.gate.weight.dtype
         self.num_experts = E
         self.store_gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=store_device, pin_memory=pin)
         self.store_down = torch.empty(E, H, I, dtype=dtype, device=store_device, pin_memory=pin)
         with torch.no_grad():
             for e, expert in enumerate(block.experts):
-                self.store_gate_up[e, :I].copy_(expert.gate_proj.weight)
-                self.store_gate_up[e, I:].copy_(expert.up_proj.weight)
-                self.store_down[e].copy_(expert.down_proj.weight)
+                self.store_gate_up[e, :I].copy_(dense_weight(expert.gate_proj, dtype))
+                self.store_gate_up[e, I:].copy_(dense_weight(expert.up_proj, dtype))
+                self.store_down[e].copy_(dense_weight(expert.down_proj, dtype))
         self.device = device
         self.policy = SlotPolicy(0)
         self.gate_up = self.down = self.table = torch.empty(0)

@@ -71,6 +71,7 @@ class VramBudget:
     headroom_mib: float = 0.0
     # --kv-resident paging (engine.exec.kv.paging.KVPaging): its host-held KV is reported beside the books.
     kv_paging: Any = None
+    weight_format: str = ""  # how the weights on this device are stored (bf16, fp8 ..., int4 ...)
 
     def breakdown(self) -> VramEvent:
         total, free = device_memory_mib(self.device)
@@ -79,7 +80,8 @@ class VramBudget:
                          tier_mib=round(self.tier.mib if self.tier else 0.0, 1),
                          reserve_mib=round(self.reserve_mib, 1), free_mib=round(free, 1),
                          experts_mib=round(self.experts.mib if self.experts is not None else 0.0, 1),
-                         host_kv_mib=round(self.kv_paging.host_mib if self.kv_paging is not None else 0.0, 1))
+                         host_kv_mib=round(self.kv_paging.host_mib if self.kv_paging is not None else 0.0, 1),
+                         weight_format=self.weight_format)
 
     def driver_room_mib(self) -> float:
         """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps

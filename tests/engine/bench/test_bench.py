@@ -414,3 +414,15 @@ def test_admission_sums_the_steps_that_published_graph_or_tier_events() -> None:
               SimpleNamespace(seq=5, type="tier"), SimpleNamespace(seq=6, type="tier")]
     # step i published the events with seqs[i] < seq <= seqs[i + 1]
     assert _event_steps_s([0.1, 0.2, 0.4, 0.8], [0, 1, 3, 4, 6], events) == pytest.approx(0.2 + 0.8)
+
+
+def test_decode_compares_weight_formats_one_engine_each(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["decode", *TINY, "--batches", "1", "--prompt-tokens", "8", "--new-tokens", "5",
+                           "--graph-modes", "off", "--weight-formats", "off,fp8,int4"])
+    rows = doc["rows"]
+    assert [r["weights"].split()[0] for r in rows] == ["fp32", "fp8", "int4"]
+    assert rows[0]["weights_mib"] > rows[1]["weights_mib"] > rows[2]["weights_mib"]  # the embedding stays fp32
+    assert all(r["tokens"] == 5 and r["decode_tok_s"] > 0 for r in rows)
+    assert {"fp8_vs_fp32_b1", "int4_vs_fp32_b1"} <= set(doc["summary"])
+    with pytest.raises(ConfigError, match="weight_formats='int3'"):
+        bench(tmp_path, ["decode", *TINY, "--weight-formats", "int3"])

@@ -1,0 +1,316 @@
+"""GGUF files (llama.cpp's format), read with the `gguf` package: config, weights and tokenizer from one file.
+
+    model, config, tokenizer, eos_ids, weight_format = read_gguf(path, dtype, device, with_tokenizer=True)
+
+Architectures: `qwen3`, `qwen2`, `llama` (whose q/k rows llama.cpp's converter permuted for its interleaved
+rotary; they are put back here). Tensor types and where each goes (exactly: every code, scale and minimum of
+the file is kept, nothing is requantized):
+
+| GGUF type | internal layout |
+|---|---|
+| F32, F16, BF16 | the model's dtype |
+| Q4_0 (w = d(q - 8), 32 a block), Q4_1 (w = dq + m), Q4_K (256 a block, a 6-bit scale and min per 32) | int4, groups of 32 |
+| Q8_0 (w = dq, 32 a block), Q6_K (256 a block, an 8-bit scale per 16) | int8, groups of 32 / 16 |
+
+Other types (Q2_K, Q3_K, Q5_*, IQ*, TQ*, MXFP4) are refused with one line naming the tensor and its type. The
+tokenizer is rebuilt from `tokenizer.ggml.*` (a byte-level BPE: tokens, merges, the pre-tokenizer's name) and
+the chat template from `tokenizer.chat_template`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.errors import CheckpointError
+from engine.model.causal_lm import CausalLM
+from engine.model.config import ModelConfig
+from engine.model.quant.linear import IntGroupLinear
+from engine.model.tokenizer import Tokenizer
+
+ARCHITECTURES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+# llama.cpp's "qwen2" pre-tokenizer (Qwen2/Qwen3): its split regex, then byte-level without its own regex
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str:
+    """Our parameter / module name -> the GGUF tensor name (module names map to their `.weight` base)."""
+    if name.startswith("embed_tokens."):
+        return "token_embd." + name.split(".", 1)[1]
+    if name.startswith("norm."):
+        return "output_norm." + name.split(".", 1)[1]
+    if name.startswith("lm_head."):
+        return "output." + name.split(".", 1)[1]
+    _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
+    for ours, theirs in _LAYER_NAMES.items():
+        if rest == ours or rest.startswith(ours + "."):
+            return f"blk.{index}.{theirs}{rest[len(ours):]}"
+    raise KeyError(name)
+
+
+def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True):
+    """(model, config, tokenizer or None, eos ids, weight format) of a GGUF file; CheckpointError (one line
+    naming the file, and the tensor where one is at fault) for what cannot load."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the package raises ValueError / struct errors for a corrupt header
+        raise CheckpointError(str(path), f"cannot read as GGUF: {exc}") from None
+    meta = {f.name: _field_value(f) for f in reader.fields.values()}
+    tensors = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(str(path), f"GGUF architecture {arch!r} is not supported "
+                                         f"(supported: {', '.join(ARCHITECTURES)})")
+    for t in reader.tensors:
+        if t.tensor_type not in _CONVERTERS and t.tensor_type not in _PLAIN:
+            raise CheckpointError(str(path), f"tensor {t.name} has type {t.tensor_type.name}, which Strata does not "
+                                             f"load (supported: {', '.join(sorted(SUPPORTED_TYPES))})")
+    config = _config(meta, arch, tensors, str(path))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+    types: dict[str, int] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name == "lm_head":
+            continue
+        t = _tensor(tensors, gguf_name(name) + ".weight", (module.out_features, module.in_features), path)
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        bias = _plain(tensors, gguf_name(name) + ".bias", (module.out_features,), path, dtype, device) \
+            if module.bias is not None else None
+        rows = _unpermute_rows(config, name)
+        if t.tensor_type in _PLAIN:
+            weight = _plain(tensors, t.name, (module.out_features, module.in_features), path, dtype, device)
+            layer = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
+            layer.weight = nn.Parameter(weight[rows] if rows is not None else weight, requires_grad=False)
+            if bias is not None:
+                layer.bias = nn.Parameter(bias, requires_grad=False)
+        else:
+            codes, scale, offset, bits, group = _CONVERTERS[t.tensor_type](_blocks(t), module.out_features,
+                                                                            module.in_features)
+            if rows is not None:
+                codes, scale, offset = codes[rows], scale[rows], offset[rows]
+            layer = IntGroupLinear(codes, scale, offset, bits, group, bias, scale_dtype=scale_dtype).to(device)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, layer)
+    for name, param in list(model.named_parameters()):
+        if param.device.type != "meta":
+            continue
+        theirs = "token_embd.weight" if name == "lm_head.weight" and "output.weight" not in tensors else gguf_name(name)
+        value = _dense(tensors, theirs, tuple(param.shape), path, dtype, device)
+        module_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, nn.Parameter(value, requires_grad=False))
+    model.rotary.reset_parameters(device)
+    model.requires_grad_(False)
+    fmt = "gguf " + " + ".join(f"{k}" for k, _ in sorted(types.items(), key=lambda kv: -kv[1]))
+    model.weight_format = fmt
+    tok = _tokenizer(meta, str(path)) if with_tokenizer else None
+    eos = tuple(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta)
+    return model.eval(), config, tok, tuple(dict.fromkeys(eos)), fmt
+
+
+def _field_value(field) -> Any:
+    import gguf
+
+    if not field.types:
+        return None
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        items = [field.parts[i] for i in field.data]
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(p).decode("utf-8", errors="replace") for p in items]
+        return [p.tolist()[0] if len(p) == 1 else p.tolist() for p in items]
+    part = field.parts[field.data[0]]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    return part.tolist()[0]
+
+
+def _config(meta: dict, arch: str, tensors: dict, where: str) -> ModelConfig:
+    def get(key, default=None, required=True):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None and required:
+            raise CheckpointError(where, f"GGUF metadata has no {arch}.{key}")
+        return value
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    raw: dict[str, Any] = {
+        "model_type": ARCHITECTURES[arch], "hidden_size": hidden, "num_hidden_layers": get("block_count"),
+        "intermediate_size": get("feed_forward_length"), "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", hidden // heads),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0), "max_position_embeddings": get("context_length", 32768),
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0,
+        "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in tensors and arch != "qwen2",
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raw["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", 1.0),
+                               "original_max_position_embeddings": get("rope.scaling.original_context_length",
+                                                                       required=False)}
+    return ModelConfig.from_hf(raw, f"{where} (GGUF metadata)")
+
+
+def _tensor(tensors: dict, name: str, shape: tuple[int, ...], path) -> Any:
+    if name not in tensors:
+        raise CheckpointError(str(path), f"missing tensor {name} (expected shape {list(shape)})")
+    t = tensors[name]
+    got = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+    if got != tuple(shape):
+        raise CheckpointError(str(path), f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+    return t
+
+
+def _plain(tensors, name, shape, path, dtype, device) -> torch.Tensor:
+    t = _tensor(tensors, name, shape, path)
+    if t.tensor_type not in _PLAIN:
+        raise CheckpointError(str(path), f"tensor {name} has type {t.tensor_type.name}: expected F32, F16 or BF16")
+    return _dense(tensors, name, shape, path, dtype, device)
+
+
+def _dense(tensors, name, shape, path, dtype, device) -> torch.Tensor:
+    """Any supported tensor as a dense [shape] tensor (embeddings and norms; gguf's own dequantize for a
+    quantized embedding table)."""
+    import gguf
+
+    t = _tensor(tensors, name, shape, path)
+    if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+        values = torch.from_numpy(np.array(t.data).view(np.int16).astype(np.int16)).view(torch.bfloat16)
+    elif t.tensor_type in _PLAIN:
+        values = torch.from_numpy(np.array(t.data))
+    else:
+        values = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type))
+    return values.reshape(shape).to(device=device, dtype=dtype)
+
+
+def _blocks(t) -> np.ndarray:
+    import gguf
+
+    block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    return np.ascontiguousarray(np.array(t.data).view(np.uint8).reshape(-1, type_size))
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _q8_0(blocks, n, k):  # d, 32 x int8
+    d = _f16(blocks[:, :2])
+    q = blocks[:, 2:].view(np.int8).astype(np.int32) + 128
+    return _out(q, d, -128.0 * d, n, k, 8, 32)
+
+
+def _q4_0(blocks, n, k):  # d, 16 bytes: low nibbles are codes 0..15, high nibbles 16..31
+    d = _f16(blocks[:, :2])
+    qs = blocks[:, 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)
+    return _out(q, d, -8.0 * d, n, k, 4, 32)
+
+
+def _q4_1(blocks, n, k):  # d, m, 16 bytes as Q4_0
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    qs = blocks[:, 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)
+    return _out(q, d, m, n, k, 4, 32)
+
+
+def _q4_k(blocks, n, k):  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes: 8 groups of 32
+    import gguf
+
+    count = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(count, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(count, 256).astype(np.int32)
+    scale = d * sc.astype(np.float32)  # [count, 8]
+    return _out(q, scale, -dmin * mins.astype(np.float32), n, k, 4, 32)
+
+
+def _q6_k(blocks, n, k):  # 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d: 16 groups of 16
+    count = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    d = _f16(blocks[:, 208:210])
+    low = (ql.reshape(count, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(count, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (low.reshape(count, 8, 32) | (high.reshape(count, 8, 32) << 4)).reshape(count, 256).astype(np.int32)
+    scale = d * scales  # [count, 16]
+    return _out(q, scale, -32.0 * scale, n, k, 8, 16)
+
+
+def _out(codes, scale, offset, n, k, bits, group):
+    return (torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(np.ascontiguousarray(scale).reshape(n, k // group)),
+            torch.from_numpy(np.ascontiguousarray(offset).reshape(n, k // group)), bits, group)
+
+
+def _types():
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    return ({T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q6_K: _q6_k}, {T.F32, T.F16, T.BF16})
+
+
+try:
+    _CONVERTERS, _PLAIN = _types()
+    SUPPORTED_TYPES = {t.name for t in list(_CONVERTERS) + list(_PLAIN)}
+except ImportError:  # the gguf package missing: read_gguf's own import names it
+    _CONVERTERS, _PLAIN, SUPPORTED_TYPES = {}, set(), set()
+
+
+def _unpermute_rows(config: ModelConfig, name: str) -> torch.Tensor | None:
+    """llama.cpp's converter reorders a Llama model's q/k rows per head (halves interleaved for its rotary);
+    the row order that undoes it, or None (Qwen's converters keep the Hugging Face order)."""
+    if config.arch != "llama" or not name.endswith(("q_proj", "k_proj")):
+        return None
+    heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
+    d = config.head_dim
+    # converter: w.reshape(heads, 2, d/2, K).swapaxes(1, 2): stored row h*d + 2i + j is original h*d + j*d/2 + i
+    stored = torch.arange(heads * d).view(heads, 2, d // 2).transpose(1, 2).reshape(-1)
+    inverse = torch.empty_like(stored)
+    inverse[stored] = torch.arange(stored.numel())
+    return inverse
+
+
+def _tokenizer(meta: dict, where: str) -> Tokenizer:
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if kind != "gpt2" or not tokens:
+        raise CheckpointError(where, f"GGUF tokenizer model {kind!r} is not supported (a byte-level BPE, 'gpt2', is)")
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    hf = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    if meta.get("tokenizer.ggml.pre") == "qwen2":
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    special = [tokens[i] for i, t in enumerate(types) if t in (3, 4)]  # control, user-defined
+    if special:
+        from tokenizers import AddedToken
+
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    names = {}
+    for key, field in (("eos_token", "tokenizer.ggml.eos_token_id"), ("bos_token", "tokenizer.ggml.bos_token_id")):
+        if field in meta and 0 <= int(meta[field]) < len(tokens):
+            names[key] = tokens[int(meta[field])]
+    return Tokenizer(hf, meta.get("tokenizer.chat_template"), names)

@@ -1,0 +1,228 @@
+"""The quantized linear layers: one module per internal weight layout, each a drop-in for nn.Linear.
+
+    y = layer(x)                       # x [..., K] -> [..., N], bias added when present
+    w = layer.dequantize(torch.bfloat16)   # [N, K]: the reference weight (tests, prefill, CPU)
+
+Two layouts cover every format the loaders read (engine.model.quant.formats maps each file format onto one):
+
+* `Fp8Linear` (format "fp8"): e4m3 weights [N, K] and an fp32 scale per (block_n x block_k) block,
+  `w = fp8 * scale[n // block_n, k // block_k]`. Qwen's FP8 checkpoints are blocks of 128 x 128
+  (`weight_scale_inv`); per-channel FP8 (compressed-tensors) is blocks of 1 x K, per-tensor N x K.
+* `IntGroupLinear` (format "int4" or "int8"): unsigned codes u and, per group of `group_size` inputs along K, a
+  scale and an offset: `w = u * scale + offset`. AWQ, GPTQ and compressed-tensors' zero points fold into the
+  offset (`offset = -zero * scale`); GGUF's Q4_K (scale and min per 32), Q8_0 and Q6_K map onto it exactly.
+  4-bit codes are packed 8 to an int32 along K (code j of a word in bits 4j..4j+3), 8-bit ones are uint8.
+  GPTQ's act-order checkpoints (a g_idx that is not k // group) are stored with their K columns sorted by group
+  and `perm` gathers the input's columns in the same order.
+
+On CPU, and for the many rows of a prompt chunk, the forward dequantizes and multiplies (the reference). On CUDA
+a decode or verify step (up to MAX_ROWS rows) runs the Triton kernels of engine.model.quant.kernels, which
+dequantize in registers and stream the quantized bytes once: a decode step is bound by weight bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_ROWS = 64  # rows up to this take the dequantize-in-registers kernels on CUDA (a decode / verify step)
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+class QuantLinear(nn.Module):
+    """What every quantized layout shares: sizes, an optional bias, the dispatch between kernel and reference."""
+
+    quantized = True
+    format = "?"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def scale_device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weight and its scales (what a decode step streams)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from engine.model.quant import kernels  # Triton: imported only where a GPU runs the model
+
+            if x.numel() // max(1, x.shape[-1]) <= MAX_ROWS:
+                return kernels.quant_linear(x, self)
+            if kernels.scaled_mm_takes(x, self):
+                return kernels.scaled_mm_linear(x, self)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize to x's dtype, then one matmul: the oracle, and the path of CPU runs and prompt chunks."""
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+class Fp8Linear(QuantLinear):
+    """e4m3 weight [N, K] with one fp32 scale per block (block_n x block_k)."""
+
+    format = "fp8"
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None) -> None:
+        n, k = weight.shape
+        super().__init__(k, n, bias)
+        self.block_n, self.block_k = int(block[0]), int(block[1])
+        expected = (math.ceil(n / self.block_n), math.ceil(k / self.block_k))
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"fp8 scale has shape {list(scale.shape)}, expected {list(expected)} for a weight "
+                             f"{[n, k]} in blocks of {self.block_n}x{self.block_k}")
+        self.register_buffer("weight", weight.to(torch.float8_e4m3fn).contiguous())
+        self.register_buffer("weight_scale", scale.to(torch.float32).contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.weight.shape
+        scale = self.weight_scale.repeat_interleave(self.block_n, 0)[:n].repeat_interleave(self.block_k, 1)[:, :k]
+        return (self.weight.to(torch.float32) * scale).to(dtype)
+
+    @staticmethod
+    def concat(parts: list["Fp8Linear"]) -> "Fp8Linear | None":
+        """Parts stacked along N (fused q/k/v, gate/up): their blocks must line up (same block shape, every
+        part but the last a whole number of blocks tall), else None and the caller keeps them apart."""
+        first = parts[0]
+        if any((p.block_n, p.block_k, p.in_features) != (first.block_n, first.block_k, first.in_features)
+               for p in parts) or any(p.out_features % p.block_n for p in parts[:-1]):
+            return None
+        bias = _concat_bias(parts)
+        return Fp8Linear(torch.cat([p.weight for p in parts]), torch.cat([p.weight_scale for p in parts]),
+                         (first.block_n, first.block_k), bias)
+
+
+class IntGroupLinear(QuantLinear):
+    """Unsigned 4- or 8-bit codes, `w = u * scale + offset` per group of `group_size` along K."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int,
+                 bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+                 scale_dtype: torch.dtype = torch.float16) -> None:
+        """codes: unsigned values [N, K] (any integer dtype; packed here); scale, offset [N, K / group_size]."""
+        n, k = codes.shape
+        super().__init__(k, n, bias)
+        if bits not in (4, 8):
+            raise ValueError(f"bits={bits}: the integer layouts are 4- and 8-bit")
+        if k % group_size or (bits == 4 and k % 8):
+            raise ValueError(f"in_features={k} is not a multiple of the group size {group_size}")
+        if tuple(scale.shape) != (n, k // group_size) or scale.shape != offset.shape:
+            raise ValueError(f"scale {list(scale.shape)} / offset {list(offset.shape)}, expected {[n, k // group_size]}")
+        self.bits, self.group_size = bits, group_size
+        self.format = f"int{bits}"
+        self.register_buffer("qweight", pack_codes(codes, bits))
+        self.register_buffer("scales", scale.to(scale_dtype).contiguous())
+        self.register_buffer("offsets", offset.to(scale_dtype).contiguous())
+        self.register_buffer("perm", perm.to(torch.int64).contiguous() if perm is not None else None)
+
+    def codes(self) -> torch.Tensor:
+        """The unsigned codes [N, K] as int32."""
+        return unpack_codes(self.qweight, self.bits)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        g = self.group_size
+        scale = self.scales.to(torch.float32).repeat_interleave(g, 1)
+        offset = self.offsets.to(torch.float32).repeat_interleave(g, 1)
+        return (self.codes().to(torch.float32) * scale + offset).to(dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def dequantize_unpermuted(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight in the checkpoint's column order (act-order GPTQ stores it sorted by group)."""
+        w = self.dequantize(dtype)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    @staticmethod
+    def concat(parts: list["IntGroupLinear"]) -> "IntGroupLinear | None":
+        first = parts[0]
+        if any((p.bits, p.group_size, p.in_features) != (first.bits, first.group_size, first.in_features)
+               for p in parts):
+            return None
+        perms = [p.perm for p in parts]
+        if any((q is None) != (perms[0] is None) or (q is not None and not torch.equal(q, perms[0])) for q in perms):
+            return None
+        out = IntGroupLinear.__new__(IntGroupLinear)
+        QuantLinear.__init__(out, first.in_features, sum(p.out_features for p in parts), _concat_bias(parts))
+        out.bits, out.group_size, out.format = first.bits, first.group_size, first.format
+        for name in ("qweight", "scales", "offsets"):
+            out.register_buffer(name, torch.cat([getattr(p, name) for p in parts]).contiguous())
+        out.register_buffer("perm", perms[0])
+        return out
+
+
+def _concat_bias(parts: list[QuantLinear]) -> torch.Tensor | None:
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, device=parts[0].scale_device)
+                      for p in parts])
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [N, K] -> int32 [N, K / 8] (4-bit: code j of a word in bits 4j..) or uint8 [N, K] (8-bit)."""
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous()
+    n, k = codes.shape
+    c = codes.to(torch.int32).view(n, k // 8, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
+    return _or_reduce(c << shifts)
+
+
+def _or_reduce(shifted: torch.Tensor) -> torch.Tensor:
+    # the nibbles do not overlap, so their sum is their bitwise or; int64 then wrap keeps bit 31 (code 8..15 in
+    # the last nibble) without a signed overflow
+    total = shifted.to(torch.int64).sum(dim=-1)
+    return torch.where(total >= 2**31, total - 2**32, total).to(torch.int32).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of pack_codes: int32 codes [N, K]."""
+    if bits == 8:
+        return packed.to(torch.int32)
+    n, words = packed.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).view(n, words * 8)
+
+
+Linear = nn.Linear | QuantLinear
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights: parameters and the quantized layers' buffers (codes, scales)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.weight_bytes for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, QuantLinear)
+
+
+def concat_linears(parts: list[QuantLinear]) -> QuantLinear | None:
+    """One quantized layer whose output is the parts' outputs side by side, or None when their layouts differ
+    (the model then keeps them apart: FUSED_PROJ is an optimisation, never a requirement)."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        return None
+    return kinds.pop().concat(parts)

@@ -1,0 +1,68 @@
+"""The serving Engine on quantized weights: greedy output with MTP on is token-for-token the output with it off
+for every format (--quantize fp8 / int4, an AWQ file, a Qwen FP8 file, a GPTQ act-order file), and
+/strata/state's VRAM books name the weight format. CPU (the reference path) in CI; the same on the GPU (the
+Triton kernels, CUDA graphs) under the gpu mark."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.telemetry import EventBus
+from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+from tests.engine.model import quant_files
+
+PROMPTS = random_prompts(6, seed=7, lengths=(3, 90))
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+FORMATS = {
+    "quantize-fp8": ("fp8", None),
+    "quantize-int4": ("int4", None),
+    "awq": ("off", quant_files.write_awq),
+    "qwen-fp8": ("off", quant_files.write_qwen_fp8),
+    "gptq-act-order": ("off", lambda s, d: quant_files.write_gptq(s, d, sym=False, act_order=True)),
+}
+WEIGHT_FORMAT_START = {"quantize-fp8": "fp8", "quantize-int4": "int4", "awq": "int4 (awq",
+                       "qwen-fp8": "fp8 (block 128x128)", "gptq-act-order": "int4 (gptq"}
+
+
+def _model(fmt: str, ckpt, tmp_path_factory):
+    quantize, writer = FORMATS[fmt]
+    if writer is None:
+        return ckpt, quantize
+    out = tmp_path_factory.mktemp(fmt)
+    writer(ckpt, out)
+    return out, quantize
+
+
+def _mtp_on_equals_off(model, quantize: str, **kw) -> None:
+    plain = make_engine(model, batch=3, quantize=quantize, **kw)
+    try:
+        expected = tokens_of(run_all(plain, PROMPTS, GREEDY))
+        vram = plain.state()["vram"][0]
+    finally:
+        plain.close()
+    bus = EventBus(history=100000)
+    mtp = make_engine(model, bus=bus, batch=3, quantize=quantize, batch_mtp=True, mtp_depth=2, **kw)
+    try:
+        got = tokens_of(run_all(mtp, PROMPTS, GREEDY))
+        assert mtp.mtp_on, mtp.mtp_off_reason
+    finally:
+        mtp.close()
+    assert got == expected
+    assert len({tuple(t) for t in expected.values()}) > 1  # the prompts do not all collapse to one output
+    return vram
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_greedy_mtp_on_equals_off_and_the_books_name_the_format(fmt, ckpt, tmp_path_factory):
+    model, quantize = _model(fmt, ckpt, tmp_path_factory)
+    vram = _mtp_on_equals_off(model, quantize)
+    assert vram["weight_format"].startswith(WEIGHT_FORMAT_START[fmt]), vram
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_on_the_gpu_greedy_mtp_on_equals_off_for_every_format(fmt, ckpt, tmp_path_factory):
+    model, quantize = _model(fmt, ckpt, tmp_path_factory)
+    _mtp_on_equals_off(model, quantize, device="cuda", dtype="bfloat16", tier_budget_mib=64.0)
