@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.telemetry import Event
+from strata_tui.adapters.crash_lines import pick_engine_error
+from strata_tui.adapters.view import ForeignView
 from strata_tui.gpu import GpuHistory
 from strata_tui.monitor_state import MonitorState
 from strata_tui.profiles import Profile, ProfileError, TuiSettings
@@ -79,6 +81,8 @@ class ViewState:
     load_progress: str = ""  # its latest step
     load_result: str | None = None  # the last scenario's result, for its panel
     crash: CrashInfo | None = None
+    kind: str = "strata"  # the engine watched: strata | vllm | sglang | llamacpp (strata_tui/kinds.py)
+    foreign: ForeignView | None = None  # a non-Strata engine's endpoints, as its adapter reads them
     _changes: int = 0
 
     @property
@@ -119,7 +123,10 @@ class ViewState:
         self.changed()
 
     def last_error_text(self) -> str | None:
-        """The real error: the engine's last ErrorEvent, else its last WARNING/ERROR stderr line."""
+        """The real error: the engine's last ErrorEvent, else its last WARNING/ERROR stderr line (for another
+        engine kind, the root cause its own log names)."""
+        if self.kind != "strata":
+            return pick_engine_error(self.kind, (line for _, line in self.log_lines)) or pick_error_line(self.stderr_tail)
         event = self.monitor.last_error
         if event is not None:
             where = f"{event.where}: " if event.where else ""

@@ -20,6 +20,7 @@ from engine.telemetry import AdmissionEvent
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.engine_log import EngineLog
+from strata_tui.widgets.engine_panel import EnginePanel
 from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
@@ -85,6 +86,8 @@ class MonitorScreen(Screen):
     MonitorScreen EngineLog { height: 1fr; min-height: 3; }
     MonitorScreen SwitchesPanel { width: 46%; max-width: 60; min-width: 44; height: 100%; }
     MonitorScreen CrashPanel { border: heavy $error; }
+    MonitorScreen.-foreign SlotsTable, MonitorScreen.-foreign GraphEventsTable,
+    MonitorScreen.-foreign SwitchesPanel, MonitorScreen.-foreign ExpertPanel { display: none; }
     """
 
     def __init__(self) -> None:
@@ -106,6 +109,7 @@ class MonitorScreen(Screen):
             yield CrashPanel(id="crash")
             yield GpuPanel(id="gpus", classes="panel")
             yield SlotsTable(id="slots", classes="panel")
+            yield EnginePanel(id="engine", classes="panel")
             with Horizontal(id="lower"):
                 with Vertical(id="left"):
                     yield LoadResultPanel(id="load-result")
@@ -196,8 +200,21 @@ class MonitorScreen(Screen):
         elif crash.visible_now:
             crash.hide()
         self.query_one(LoadResultPanel).show(view.load_result)
+        self._show_foreign()
         self.draws += 1
         self.last_draw_s = time.time()
+
+    def _show_foreign(self) -> None:
+        """A vLLM / SGLang / llama.cpp server: its panel replaces the Strata-only ones (slots events, graph
+        cache, switches, expert cache), which such an engine cannot feed."""
+        view = self.strata.view
+        self.set_class(view.foreign is not None or view.kind != "strata", "-foreign")
+        panel = self.query_one(EnginePanel)
+        if view.foreign is None:
+            panel.hide()
+            return
+        panel.show(view.foreign, max(1, self.app.size.height - 26))
+        panel.set_class(view.stale, "-stale")
 
     def _write_log(self) -> None:
         view = self.strata.view
