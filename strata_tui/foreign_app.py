@@ -16,10 +16,19 @@ from strata_tui.view_state import CrashInfo
 from strata_tui.workers import engine_callbacks, run_engine
 
 
+STRATA_ONLY_ACTIONS = {"toggle_switch", "reserve", "expert_budget"}
+
+
 class ForeignEngines:
     """Mixed into StrataApp (which provides view, run_worker, notify, post_message, process, run_id...)."""
 
     attach_kind: str | None = None
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Switches, the VRAM reserve and the seed scenario's keys are Strata's: another engine has none."""
+        if action in STRATA_ONLY_ACTIONS and self.view.kind != "strata":
+            return False
+        return super().check_action(action, parameters)  # type: ignore[misc]
 
     # --- attach --------------------------------------------------------------------------------------
 
@@ -51,6 +60,7 @@ class ForeignEngines:
     def _watch_foreign(self, kind: str, urls: list[str]) -> None:
         self.view.kind = kind
         self.view.foreign = empty_view(kind, urls)
+        self.view.engine_url = urls[0]  # the load scenario (`l`) speaks OpenAI to the first one
         self.sub_title = f"{KIND_NAMES[kind]} · " + (f"attached to {', '.join(urls)}" if self.attach_url
                                                       else f"profile {self.view.profile_name}")
         self.workers.cancel_group(self, "foreign")

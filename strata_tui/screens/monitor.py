@@ -147,6 +147,8 @@ class MonitorScreen(Screen):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "expert_budget":  # a dense model has no expert cache: no keys for one
             return self.strata.view.monitor.experts is not None
+        if action == "cycle_filter":  # the graph-cache events are Strata's
+            return self.strata.view.kind == "strata"
         return True
 
     def action_expert_budget(self, direction: int) -> None:
@@ -208,7 +210,10 @@ class MonitorScreen(Screen):
         """A vLLM / SGLang / llama.cpp server: its panel replaces the Strata-only ones (slots events, graph
         cache, switches, expert cache), which such an engine cannot feed."""
         view = self.strata.view
-        self.set_class(view.foreign is not None or view.kind != "strata", "-foreign")
+        foreign = view.foreign is not None or view.kind != "strata"
+        if foreign != self.has_class("-foreign"):
+            self.set_class(foreign, "-foreign")
+            self.refresh_bindings()
         panel = self.query_one(EnginePanel)
         if view.foreign is None:
             panel.hide()

@@ -96,7 +96,7 @@ def slot_table(slots: list[SlotRow], narrow: bool) -> Table:
     width = 10 if narrow else 20
     for slot in slots:
         fraction = slot.prefill_fraction
-        if slot.state == "idle":
+        if slot.state != "prefill":
             progress = Text("")
         elif fraction is None:
             progress = Text("not exposed", style="dim")
@@ -147,7 +147,7 @@ class EnginePanel(Static):
                     parts.append(Text(f"… {len(first.slots) - len(shown)} more slots", style="dim"))
             for panel in _PANEL_ORDER:
                 why = first.cannot.get(panel)
-                if why and not (panel == "spec" and first.spec_mean_length):
+                if why:
                     line = Text(f"{panel}: {why}", style="dim")
                     line.no_wrap, line.overflow = True, "ellipsis"
                     parts.append(line)

@@ -1,0 +1,142 @@
+"""strata-tui against a real llama.cpp `llama-server` (built from source by scripts/build_llama_server.sh) on
+a tiny random GGUF written by the `gguf` package: launch from a profile, readiness, slots and metrics on
+screen while a request decodes, attach with detection, kill -9 and a failed allocation in the crash panel.
+
+    scripts/build_llama_server.sh && pytest -m llamacpp tests/tui/test_llamacpp_real.py
+
+Skipped when no llama-server is found ($STRATA_LLAMA_SERVER, the build cache, then PATH)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tui.conftest import offline_app, screen_text, wait_for
+from tests.tui.tiny_gguf import write_tiny_gguf
+
+pytestmark = pytest.mark.llamacpp
+SIZE = (160, 48)
+
+
+def find_llama_server() -> str | None:
+    if os.environ.get("STRATA_LLAMA_SERVER"):
+        return os.environ["STRATA_LLAMA_SERVER"]
+    cache = Path(os.environ.get("STRATA_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
+                                                            Path.home() / ".cache") / "strata")
+    built = sorted(cache.glob("llama-server/*/bin/llama-server"))
+    return str(built[-1]) if built else shutil.which("llama-server")
+
+
+LLAMA_SERVER = find_llama_server()
+if LLAMA_SERVER is None:
+    pytest.skip("no llama-server: run scripts/build_llama_server.sh (or set STRATA_LLAMA_SERVER)",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def write_profile(config_dir: Path, model: Path, port: int, **options) -> None:
+    (config_dir / "profiles").mkdir(parents=True, exist_ok=True)
+    lines = ['[engine]', 'kind = "llamacpp"', f'model = "{model}"', f'program = ["{LLAMA_SERVER}"]',
+             f'port = {port}', 'threads = 1', *[f"{k} = {v}" for k, v in options.items()]]
+    (config_dir / "profiles" / "ll.toml").write_text("\n".join(lines) + "\n")
+
+
+async def generate(url: str, max_tokens: int = 64, prompt: str = "hello " * 40) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        response = await client.post("/completion", json={"prompt": prompt, "n_predict": max_tokens,
+                                                           "temperature": 0, "ignore_eos": True})
+        response.raise_for_status()
+        return response.json()
+
+
+async def test_launch_slots_metrics_then_kill_9_in_the_crash_panel(config_dir: Path, tiny_gguf: Path) -> None:
+    port = free_port()
+    write_profile(config_dir, tiny_gguf, port, parallel=2, ctx_size=2048)
+    app = offline_app(config_dir, profile="ll", launch=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.monitor.engine_state == "ready", timeout_s=60, what="/health 200")
+        assert app.process.argv[:3] == [LLAMA_SERVER, "-m", str(tiny_gguf)]
+        ends = lambda: app.view.foreign.endpoints  # noqa: E731
+        await wait_for(pilot, lambda: app.view.foreign and ends()[0].reachable and ends()[0].slots,
+                       timeout_s=30, what="slots read")
+        assert [s.context_tokens for s in ends()[0].slots] == [1024, 1024]  # 2048 over two slots
+        result = await generate(f"http://127.0.0.1:{port}")
+        assert result["tokens_predicted"] == 64
+        await wait_for(pilot, lambda: any((s.decoded_tokens or 0) == 64 for s in ends()[0].slots or ()),
+                       timeout_s=30, what="the slot's decoded count")
+        await wait_for(pilot, lambda: (ends()[0].prefix_hit is not None or "prefix" in ends()[0].cannot)
+                       and ends()[0].decode_tokens_s is not None, timeout_s=30, what="metrics")
+        app.screen.redraw(force=True)
+        await pilot.pause()
+        text = screen_text(app)
+        assert "llama.cpp · 1 endpoint" in text and f"127.0.0.1:{port}" in text and "slot  state" in text
+        assert any(line.split()[:2] == ["│", "0"] or " 64 " in line for line in text.splitlines())
+        assert "llama.cpp exports no latency histograms" in text
+        assert "Engine log" in text and "server is listening" in "\n".join(l for _, l in app.view.log_lines)
+        os.killpg(app.process.pid, signal.SIGKILL)
+        await wait_for(pilot, lambda: app.view.crash is not None, timeout_s=20, what="the crash panel")
+        app.screen.redraw(force=True)
+        await pilot.pause()
+        assert "engine killed by SIGKILL" in screen_text(app)
+        await wait_for(pilot, lambda: not ends()[0].reachable, timeout_s=10, what="the endpoint marked down")
+        assert ends()[0].slots is None  # nothing stale
+
+
+async def test_a_failed_allocation_is_the_crash_panels_error(config_dir: Path, tiny_gguf: Path) -> None:
+    # 4G tokens of KV on a 24 GiB machine: llama.cpp's buffer allocation fails and says so
+    write_profile(config_dir, tiny_gguf, free_port(), parallel=1, ctx_size=4_000_000_000)
+    app = offline_app(config_dir, profile="ll", launch=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.view.crash is not None, timeout_s=60, what="the failed start")
+        assert "failed to allocate" in (app.view.crash.error or ""), app.view.crash.error
+        app.screen.redraw(force=True)
+        await pilot.pause()
+        assert "failed to allocate" in screen_text(app)
+
+
+async def test_attach_detects_llama_server_and_reads_prefill_from_slots(config_dir: Path, tiny_gguf: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen([LLAMA_SERVER, "-m", str(tiny_gguf), "--port", str(port), "-np", "3", "-c", "3072",
+                             "-t", "1", "--slots", "--metrics"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, timeout=2) as client:
+            for _ in range(600):
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+        app = offline_app(config_dir, attach_url=url)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.view.kind == "llamacpp" and app.view.foreign.endpoints[0].reachable,
+                           timeout_s=30, what="llama.cpp detected")
+            await generate(url, max_tokens=8, prompt="abc " * 200)
+            slots = lambda: app.view.foreign.endpoints[0].slots or []  # noqa: E731
+            await wait_for(pilot, lambda: any(s.prompt_tokens and s.prompt_done_tokens == s.prompt_tokens
+                                              for s in slots()), timeout_s=30, what="a prompt fully processed")
+            done = next(s for s in slots() if s.prompt_tokens)
+            assert done.prompt_tokens > 200 and done.prefill_fraction == 1.0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
