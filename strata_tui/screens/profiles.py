@@ -83,6 +83,9 @@ class ProfilesScreen(Screen):
             if isinstance(entry, ProfileError):
                 status = Text(f"broken: line {entry.line or '?'}", style="bold red")
                 table.add_row(mark, name, "", "", "", "", "", "", "", status, key=name)
+            elif entry.foreign is not None:  # vLLM / SGLang / llama.cpp: the kind where the device is
+                table.add_row(mark, name, entry.foreign.model, entry.foreign.name, "", "", "", "", "",
+                              Text("ok", style="green"), key=name)
             else:
                 e = entry.engine
                 mtp = mtp_label(e.batch_mtp, e.mtp_depth)
@@ -119,6 +122,10 @@ class ProfilesScreen(Screen):
             where = f"{entry.path}" + (f", line {entry.line}" if entry.line else "")
             detail.update(Text.assemble(("broken profile (left untouched): ", "bold red"), where, "\n",
                                         (f"{entry.key}: " if entry.key else "", "bold"), entry.message))
+        elif entry.foreign is not None:
+            detail.update(Text.assemble((f"{self.strata.store.path(entry.name)}\n", "dim"),
+                                        f"$ {' '.join(entry.foreign.argv())}\n",
+                                        ("env: ", "dim"), ", ".join(entry.foreign.env) or "none"))
         else:
             e = entry.engine
             on = [n for n, v in sorted(e.switches.items()) if v]
@@ -149,6 +156,10 @@ class ProfilesScreen(Screen):
             self._fail(entry)
             return
         if entry is None:
+            return
+        if entry.foreign is not None:  # the editor is generated from Strata's options
+            self.notify(f"kind {entry.foreign.kind}: edit its file by hand: {self.strata.store.path(entry.name)}",
+                        severity="warning", timeout=10)
             return
         edited = await self.app.push_screen_wait(ProfileEditor(entry))
         if edited is None:

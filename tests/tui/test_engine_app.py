@@ -129,3 +129,16 @@ def test_profiles_of_each_kind_round_trip_through_the_store(tmp_path: Path) -> N
     with pytest.raises(Exception) as info:
         store.load("typo")
     assert "engine.kind: expected one of strata, vllm, sglang, llamacpp (value 'vlm')" in str(info.value)
+
+
+async def test_the_profiles_screen_lists_a_vllm_profile_with_its_command(config_dir: Path) -> None:
+    write_profile(config_dir, "v", '[engine]\nkind = "vllm"\nmodel = "Qwen/Qwen3-8B"\ntensor_parallel_size = 2\n')
+    app = offline_app(config_dir, profile="v")
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("p")
+        await wait_for(pilot, lambda: "$ vllm serve Qwen/Qwen3-8B" in screen_text(app), what="the command line")
+        text = screen_text(app)
+        assert "--tensor-parallel-size 2" in text and "vLLM" in text
+        await pilot.press("e")
+        await wait_for(pilot, lambda: any("kind vllm: edit its file by hand" in n.message for n in app._notifications),
+                       what="the editor's refusal")

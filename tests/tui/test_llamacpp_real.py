@@ -91,6 +91,13 @@ async def test_launch_slots_metrics_then_kill_9_in_the_crash_panel(config_dir: P
         assert any(line.split()[:2] == ["│", "0"] or " 64 " in line for line in text.splitlines())
         assert "llama.cpp exports no latency histograms" in text
         assert "Engine log" in text and "server is listening" in "\n".join(l for _, l in app.view.log_lines)
+        await pilot.press("s")  # SIGTERM to its group: llama-server ends cleanly
+        await wait_for(pilot, lambda: app.view.crash is not None, timeout_s=20, what="the stop")
+        assert app.view.crash.requested and app.view.crash.why_stopped == "you pressed s"
+        first_pid = app.process.pid
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.process.pid != first_pid and app.view.monitor.engine_state == "ready"
+                       and app.view.crash is None and ends()[0].reachable, timeout_s=60, what="the restart")
         os.killpg(app.process.pid, signal.SIGKILL)
         await wait_for(pilot, lambda: app.view.crash is not None, timeout_s=20, what="the crash panel")
         app.screen.redraw(force=True)
