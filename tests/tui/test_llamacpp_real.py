@@ -147,3 +147,35 @@ async def test_attach_detects_llama_server_and_reads_prefill_from_slots(config_d
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_bench_scenario_runs_against_llama_server(tmp_path: Path, tiny_gguf: Path) -> None:
+    """`strata-engine bench scenario` speaks plain OpenAI: the same load on llama.cpp as on Strata."""
+    import json
+    import sys
+    import time
+
+    port = free_port()
+    proc = subprocess.Popen([LLAMA_SERVER, "-m", str(tiny_gguf), "--port", str(port), "-np", "2", "-c", "4096",
+                             "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "llama-server did not answer /health"
+            time.sleep(0.1)
+        out = tmp_path / "reuse.json"
+        done = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "scenario", "reuse", "--url",
+                               f"http://127.0.0.1:{port}", "--set", "long_tokens=600", "--set", "max_tokens=8",
+                               "--json", str(out)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        result = json.loads(out.read_text())
+        assert result["ok"] is True
+        assert result["metrics"]["second_cached_tokens"] > 500  # llama.cpp's prompt cache, as it reports it
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
