@@ -27,7 +27,9 @@ _LEVEL = re.compile(r"\b(DEBUG|INFO|NOTICE|WARNING|WARN|ERROR|CRITICAL|FATAL)\b"
 _SERIOUS_LEVELS = {"WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"}
 # A line with no level that still states an error: a traceback's last line, a CUDA error, "error: ...".
 # An access-log line for one of this app's own polls (uvicorn's format: `"GET /health HTTP/1.1" 200`).
-_OWN_POLLING = re.compile(r'"GET /(health|strata/state|strata/events)[^"]*" \d{3}')
+# Another engine's routes this app reads every second (vLLM and SGLang log them through uvicorn too).
+_OWN_POLLING = re.compile(r'"GET /(health|strata/state|strata/events|metrics|version|get_server_info|props|slots)'
+                          r'[^"]*" \d{3}')
 _ERROR_TEXT = re.compile(r"(\berror\b[:\s]|^\w*(Error|Exception)\b|\bCUDA error\b)", re.IGNORECASE)
 
 

@@ -142,3 +142,13 @@ async def test_the_profiles_screen_lists_a_vllm_profile_with_its_command(config_
         await pilot.press("e")
         await wait_for(pilot, lambda: any("kind vllm: edit its file by hand" in n.message for n in app._notifications),
                        what="the editor's refusal")
+
+
+def test_vllms_access_lines_for_this_apps_reads_stay_out_of_the_log() -> None:
+    from strata_tui.view_state import ViewState
+
+    view = ViewState(mode="launched")
+    view.append_log([("stdout", '(APIServer pid=1) INFO:     127.0.0.1:50312 - "GET /metrics HTTP/1.1" 200 OK'),
+                     ("stdout", '(APIServer pid=1) INFO:     127.0.0.1:50312 - "GET /version HTTP/1.1" 200 OK'),
+                     ("stdout", '(APIServer pid=1) INFO:     127.0.0.1:50400 - "POST /v1/completions HTTP/1.1" 200 OK')])
+    assert view.own_polling_lines == 2 and [line for _, line in view.log_lines][0].endswith('completions HTTP/1.1" 200 OK')
