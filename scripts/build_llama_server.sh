@@ -27,11 +27,8 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/llama-server-build.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 start_s=$(date +%s)
 
-# The sdist itself, not a wheel: it carries vendor/llama.cpp. --no-build-isolation skips building a
-# metadata environment that this script never needs.
-"$python" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
-    "llama-cpp-python==$version" -d "$work" \
-  || "$python" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
+# The sdist itself, not a wheel: it carries vendor/llama.cpp (pip prepares its metadata first: about a minute).
+"$python" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$work"
 tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work" --wildcards '*/vendor/llama.cpp/*'
 src="$(echo "$work"/llama_cpp_python-*/vendor/llama.cpp)"
 

@@ -64,8 +64,10 @@ class ForeignEngines:
         self.sub_title = f"{KIND_NAMES[kind]} · " + (f"attached to {', '.join(urls)}" if self.attach_url
                                                       else f"profile {self.view.profile_name}")
         self.workers.cancel_group(self, "foreign")
+        engine = self.view.profile.foreign if self.view.profile is not None and not self.attach_url else None
+        key = (engine.api_key if engine is not None else None) or self.api_key()
         for index, url in enumerate(urls):
-            self.run_worker(poll_endpoint(self.post_message, kind, index, url, self.api_key()), group="foreign",
+            self.run_worker(poll_endpoint(self.post_message, kind, index, url, key), group="foreign",
                             exit_on_error=False)
         self.view.changed()
 

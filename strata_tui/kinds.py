@@ -152,9 +152,8 @@ class ForeignEngine:
     def child_env(self, base: Mapping[str, str]) -> dict[str, str]:
         env = dict(base)
         env.update(self.env)
-        if self.api_key:  # each engine reads its key from its own variable or flag
-            env.setdefault({"vllm": "VLLM_API_KEY", "llamacpp": "LLAMA_API_KEY"}.get(self.kind, "SGLANG_API_KEY"),
-                           self.api_key)
+        if self.api_key:  # in the environment, never in argv (ps shows argv to everyone)
+            env.setdefault({"vllm": "VLLM_API_KEY", "llamacpp": "LLAMA_API_KEY"}[self.kind], self.api_key)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -209,6 +208,9 @@ def parse_foreign(kind: str, values: Mapping[str, Any], env: Mapping[str, Any]) 
     api_key = values.get("api_key")
     if api_key is not None and not isinstance(api_key, str):
         raise ConfigError("api_key", api_key, "expected a string")
+    if api_key and kind == "sglang":  # vLLM and llama.cpp read theirs from the environment; SGLang only from argv
+        raise ConfigError("api_key", "***", "SGLang reads its key only from its command line, where ps shows it: "
+                                            "put --api-key in extra_args if you accept that")
     return ForeignEngine(kind, model, options, program, extra, env_out, endpoints, api_key or None)
 
 

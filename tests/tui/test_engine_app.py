@@ -152,3 +152,15 @@ def test_vllms_access_lines_for_this_apps_reads_stay_out_of_the_log() -> None:
                      ("stdout", '(APIServer pid=1) INFO:     127.0.0.1:50312 - "GET /version HTTP/1.1" 200 OK'),
                      ("stdout", '(APIServer pid=1) INFO:     127.0.0.1:50400 - "POST /v1/completions HTTP/1.1" 200 OK')])
     assert view.own_polling_lines == 2 and [line for _, line in view.log_lines][0].endswith('completions HTTP/1.1" 200 OK')
+
+
+def test_the_api_key_travels_in_the_environment_never_in_argv(tmp_path: Path) -> None:
+    write_profile(tmp_path, "v", '[engine]\nkind = "vllm"\nmodel = "m"\napi_key = "sk-secret"\n')
+    write_profile(tmp_path, "s", '[engine]\nkind = "sglang"\nmodel = "m"\napi_key = "sk-secret"\n')
+    store = ProfileStore(tmp_path)
+    engine = store.load("v").foreign
+    assert "sk-secret" not in " ".join(engine.argv()) and engine.child_env({})["VLLM_API_KEY"] == "sk-secret"
+    with pytest.raises(Exception) as info:
+        store.load("s")
+    assert "engine.api_key: SGLang reads its key only from its command line" in str(info.value)
+    assert "sk-secret" not in str(info.value)
