@@ -3,7 +3,8 @@
 # vendors, into a cache reused by later runs; prints the binary's path as its last line.
 #   scripts/build_llama_server.sh            # version pinned below
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 STRATA_CACHE_DIR=~/.cache/strata JOBS=2 scripts/build_llama_server.sh
-# Only the llama-server target is built (no Python extension, no other tools), which is the slow part's minimum.
+# Only the llama-server target is built (no Python extension, no other tools), at -O1 (OPT=-O3 for speed): the
+# binary serves tests on tiny models, where compile time is what counts.
 set -euo pipefail
 
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -11,6 +12,7 @@ cache_root="${STRATA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/strata}"
 dest="$cache_root/llama-server/$version"
 bin="$dest/bin/llama-server"
 jobs="${JOBS:-$(nproc)}"
+opt="${OPT:--O1}"
 python="${PYTHON:-python3}"
 
 if [[ -x "$bin" ]] && "$bin" --version >/dev/null 2>&1; then
@@ -36,6 +38,7 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$src" -B "$work/build" "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_C_FLAGS_RELEASE="$opt -DNDEBUG" -DCMAKE_CXX_FLAGS_RELEASE="$opt -DNDEBUG" \
     -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=OFF \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=OFF \

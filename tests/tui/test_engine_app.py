@@ -164,3 +164,17 @@ def test_the_api_key_travels_in_the_environment_never_in_argv(tmp_path: Path) ->
         store.load("s")
     assert "engine.api_key: SGLang reads its key only from its command line" in str(info.value)
     assert "sk-secret" not in str(info.value)
+
+
+def test_kind_needs_attach_and_every_attached_url_is_checked() -> None:
+    import subprocess
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "strata_tui.cli", *args], capture_output=True, text=True,
+                              timeout=60)
+
+    done = run("--kind", "vllm")
+    assert done.returncode == 2 and done.stderr.strip() == ("strata-tui: error: --kind vllm: only with --attach "
+                                                            "(a profile says its kind in [engine] kind)")
+    done = run("--attach", "http://a:8000,b:8000")
+    assert done.returncode == 2 and "expected an http:// or https:// URL" in done.stderr
