@@ -1,8 +1,9 @@
 """llama.cpp's `llama-server` (tools/server: /props, /slots with --slots, /metrics with --metrics).
 
-It is the one engine here with slots: each `/slots` entry has its context, the prompt it holds, how many of
-those tokens it has processed (prefill progress) and how many it decoded. Its metrics are counters and mean
-rates, no histograms, so it has no TTFT or inter-token latency quantiles."""
+It is the one engine here with slots: each `/slots` entry has its context, the tokens its cache holds (the
+prompt so far plus what it generated), how many prompt tokens it has processed and how many it decoded. The
+prompt's full length is not in `/slots` (only in its log), so prefill progress is a count of tokens processed,
+not a fraction. Its metrics are counters and mean rates, no histograms: no TTFT or inter-token quantiles."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from strata_tui.adapters.view import EndpointView, SlotRow
 CANNOT = {
     "latency": "llama.cpp exports no latency histograms (mean prompt and decode rates only)",
     "preemptions": "llama.cpp does not preempt: a request waits for a free slot (deferred)",
+    "prefill": "llama.cpp's /slots counts prompt tokens processed, not the prompt's length: no fraction",
 }
 
 
@@ -23,7 +25,7 @@ def slot_rows(data: list) -> list[SlotRow]:
         if not isinstance(slot, dict):
             continue
         processing = bool(slot.get("is_processing"))
-        prompt = slot.get("n_prompt_tokens")
+        held = slot.get("n_prompt_tokens")  # the slot's cache: prompt so far plus generated tokens
         done = slot.get("n_prompt_tokens_processed")
         cached = slot.get("n_prompt_tokens_cache") or 0
         next_token = (slot.get("next_token") or [{}])[0]
@@ -32,12 +34,12 @@ def slot_rows(data: list) -> list[SlotRow]:
             done = done + cached  # a cached prefix needs no processing: it counts as done
         if not processing:
             state = "idle"
-        elif prompt is not None and done is not None and done < prompt and not decoded:
+        elif not decoded:
             state = "prefill"
         else:
             state = "decode"
-        rows.append(SlotRow(int(slot.get("id", len(rows))), state, slot.get("n_ctx"), prompt, done, decoded,
-                            slot.get("id_task")))
+        rows.append(SlotRow(int(slot.get("id", len(rows))), state, slot.get("n_ctx"), None, done, decoded,
+                            slot.get("id_task"), held))
     return rows
 
 
@@ -55,8 +57,7 @@ class LlamacppAdapter(Adapter):
         response = await client.get("/slots")
         if response.status_code == 200:
             view.slots = slot_rows(response.json())
-            held = sum(min(s.context_tokens or 0, (s.prompt_tokens or 0) + (s.decoded_tokens or 0))
-                       for s in view.slots)
+            held = sum(min(s.context_tokens or 0, s.held_tokens or 0) for s in view.slots)
             context = sum(s.context_tokens or 0 for s in view.slots)
             view.kv_usage = held / context if context else None
             view.running = float(sum(1 for s in view.slots if s.state != "idle"))

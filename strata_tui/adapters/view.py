@@ -16,10 +16,11 @@ class SlotRow:
     id: int
     state: str  # idle | prefill | decode
     context_tokens: int | None  # the slot's n_ctx
-    prompt_tokens: int | None  # the prompt being (or last) processed
-    prompt_done_tokens: int | None  # of which processed so far (prefill progress); None where not exposed
+    prompt_tokens: int | None  # the prompt's full length; None where the engine does not say
+    prompt_done_tokens: int | None  # prompt tokens processed so far (a cached prefix counts as done)
     decoded_tokens: int | None
     task: int | None = None
+    held_tokens: int | None = None  # tokens in the slot's KV cache
 
     @property
     def prefill_fraction(self) -> float | None:

@@ -91,7 +91,7 @@ def spec_line(endpoint: EndpointView) -> Text | None:
 
 def slot_table(slots: list[SlotRow], narrow: bool) -> Table:
     table = Table(box=None, padding=(0, 1), show_edge=False, header_style="dim")
-    for name in ("slot", "state", "prefill", "prompt", "decoded", "context"):
+    for name in ("slot", "state", "prefill", "prompt done", "decoded", "held", "context"):
         table.add_column(name, no_wrap=True, overflow="ellipsis")
     width = 10 if narrow else 20
     for slot in slots:
@@ -99,16 +99,13 @@ def slot_table(slots: list[SlotRow], narrow: bool) -> Table:
         if slot.state != "prefill":
             progress = Text("")
         elif fraction is None:
-            progress = Text("not exposed", style="dim")
+            progress = Text("processing", style="yellow")
         else:
-            progress = bar(fraction, width, "yellow" if slot.state == "prefill" else "green")
+            progress = bar(fraction, width, "yellow")
             progress.append(f" {fraction * 100:3.0f}%")
-        prompt = ("—" if slot.prompt_tokens is None else
-                  f"{slot.prompt_done_tokens or 0:,}/{slot.prompt_tokens:,}" if slot.state == "prefill"
-                  else f"{slot.prompt_tokens:,}")
         style = {"prefill": "yellow", "decode": "green"}.get(slot.state, "dim")
-        table.add_row(str(slot.id), Text(slot.state, style=style), progress, prompt, count(slot.decoded_tokens),
-                      count(slot.context_tokens))
+        table.add_row(str(slot.id), Text(slot.state, style=style), progress, count(slot.prompt_done_tokens),
+                      count(slot.decoded_tokens), count(slot.held_tokens), count(slot.context_tokens))
     return table
 
 

@@ -51,12 +51,15 @@ async def test_sglang_without_enable_metrics_says_so_instead_of_zeros() -> None:
     assert "--enable-metrics" in view.cannot["requests"]
 
 
-async def test_llamacpp_slots_give_prefill_progress() -> None:
+async def test_llamacpp_slots_give_prefill_progress_as_tokens_processed() -> None:
     view = await read("llamacpp")
     slots = {s.id: s for s in view.slots}
     assert [s.state for s in view.slots] == ["prefill", "decode", "decode", "idle", "idle", "decode"]
-    assert slots[0].prefill_fraction == pytest.approx((14336 + 2048) / 40000)  # the cached prefix counts as done
-    assert slots[1].decoded_tokens == 233 and slots[0].context_tokens == 43690
+    assert slots[0].prompt_done_tokens == 14336 + 2048  # the cached prefix counts as done
+    assert slots[0].prompt_tokens is None and slots[0].prefill_fraction is None  # /slots has no prompt length
+    assert "not the prompt's length" in view.cannot["prefill"]
+    assert slots[1].decoded_tokens == 233 and slots[1].held_tokens == 1433 and slots[0].context_tokens == 43690
+    assert view.kv_usage == pytest.approx((16384 + 1433 + 961 + 3512 + 2212) / (6 * 43690))
     assert view.running == 4 and view.waiting == 2
     assert view.prefix_hit == pytest.approx(20480 / (61234 + 20480))
     assert view.ttft_p50_s is None and "no latency histograms" in view.cannot["latency"]

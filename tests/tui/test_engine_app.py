@@ -68,7 +68,7 @@ def test_crash_lines_prefer_the_root_cause() -> None:
     ("vllm", ["vLLM · 1 endpoint", "spec accepted per position 1:82%  2:63%  3:40%",
               "prefill: vLLM exposes no per-request prefill progress"]),
     ("sglang", ["SGLang · 1 endpoint", "mean length 2.61", "prefill: SGLang exposes no per-request prefill"]),
-    ("llamacpp", ["llama.cpp · 1 endpoint", "14,336", "latency: llama.cpp exports no latency histograms"]),
+    ("llamacpp", ["llama.cpp · 1 endpoint", "prefill  processing  16,384", "latency: llama.cpp exports no latency histograms"]),
 ])
 async def test_attach_detects_the_kind_and_fills_the_monitor(config_dir: Path, kind: str, shown: list[str]) -> None:
     with replay_server(routes_for(kind)) as server:
@@ -81,7 +81,7 @@ async def test_attach_detects_the_kind_and_fills_the_monitor(config_dir: Path, k
             text = screen_text(app)
             assert app.view.kind == kind
             for piece in shown:
-                assert piece.replace("14,336", "16,384/40,000") in text or piece in text, piece
+                assert piece in text, piece
             assert "Switches" not in text and "Graph cache" not in text  # Strata-only panels are gone
 
 

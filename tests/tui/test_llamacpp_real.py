@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -77,7 +78,7 @@ async def test_launch_slots_metrics_then_kill_9_in_the_crash_panel(config_dir: P
         ends = lambda: app.view.foreign.endpoints  # noqa: E731
         await wait_for(pilot, lambda: app.view.foreign and ends()[0].reachable and ends()[0].slots,
                        timeout_s=30, what="slots read")
-        assert [s.context_tokens for s in ends()[0].slots] == [1024, 1024]  # 2048 over two slots
+        assert len(ends()[0].slots) == 2 and all(1024 <= s.context_tokens <= 2048 for s in ends()[0].slots)
         result = await generate(f"http://127.0.0.1:{port}")
         assert result["tokens_predicted"] == 64
         await wait_for(pilot, lambda: any((s.decoded_tokens or 0) == 64 for s in ends()[0].slots or ()),
@@ -88,7 +89,7 @@ async def test_launch_slots_metrics_then_kill_9_in_the_crash_panel(config_dir: P
         await pilot.pause()
         text = screen_text(app)
         assert "llama.cpp · 1 endpoint" in text and f"127.0.0.1:{port}" in text and "slot  state" in text
-        assert any(line.split()[:2] == ["│", "0"] or " 64 " in line for line in text.splitlines())
+        assert re.search(r"\b(idle|decode)\b.*\b64\b", text), text  # the slot's decoded count on screen
         assert "llama.cpp exports no latency histograms" in text
         assert "Engine log" in text and "server is listening" in "\n".join(l for _, l in app.view.log_lines)
         await pilot.press("s")  # SIGTERM to its group: llama-server ends cleanly
@@ -140,10 +141,10 @@ async def test_attach_detects_llama_server_and_reads_prefill_from_slots(config_d
                            timeout_s=30, what="llama.cpp detected")
             await generate(url, max_tokens=8, prompt="abc " * 200)
             slots = lambda: app.view.foreign.endpoints[0].slots or []  # noqa: E731
-            await wait_for(pilot, lambda: any(s.prompt_tokens and s.prompt_done_tokens == s.prompt_tokens
-                                              for s in slots()), timeout_s=30, what="a prompt fully processed")
-            done = next(s for s in slots() if s.prompt_tokens)
-            assert done.prompt_tokens > 200 and done.prefill_fraction == 1.0
+            await wait_for(pilot, lambda: any((s.prompt_done_tokens or 0) >= 800 for s in slots()), timeout_s=30,
+                           what="the prompt's 801 tokens processed")
+            done = next(s for s in slots() if (s.prompt_done_tokens or 0) >= 800)
+            assert done.decoded_tokens == 8 and done.held_tokens >= 801
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
