@@ -84,7 +84,7 @@ SGLANG = KindSpec("sglang", ("python", "-m", "sglang.launch_server"), "--model-p
 LLAMACPP = KindSpec("llamacpp", ("llama-server",), "-m", "/health", (
     *_HOSTPORT,
     Option("parallel", int, "-np", "slots (parallel sequences)", minimum=1, maximum=4096),
-    Option("ctx_size", int, "-c", "context tokens over all slots", minimum=0, maximum=1 << 32),
+    Option("ctx_size", int, "-c", "context tokens over all slots", minimum=0, maximum=2**31 - 1),
     Option("n_gpu_layers", int, "-ngl", "layers on the GPU", minimum=-1, maximum=100000),
     Option("threads", int, "-t", "CPU threads", minimum=1, maximum=4096),
     Option("batch_size", int, "-b", "logical batch size", minimum=1, maximum=1 << 20),

@@ -109,8 +109,9 @@ async def test_launch_slots_metrics_then_kill_9_in_the_crash_panel(config_dir: P
 
 
 async def test_a_failed_allocation_is_the_crash_panels_error(config_dir: Path, tiny_gguf: Path) -> None:
-    # 4G tokens of KV on a 24 GiB machine: llama.cpp's buffer allocation fails and says so
-    write_profile(config_dir, tiny_gguf, free_port(), parallel=1, ctx_size=4_000_000_000)
+    # 2G tokens of KV (about 1 TB) on a 24 GiB machine: llama.cpp's buffer allocation fails and says so
+    write_profile(config_dir, tiny_gguf, free_port(), parallel=1, ctx_size=2_000_000_000,
+                  extra_args='["--fit", "off"]')
     app = offline_app(config_dir, profile="ll", launch=True)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.crash is not None, timeout_s=60, what="the failed start")
