@@ -178,3 +178,32 @@ def test_kind_needs_attach_and_every_attached_url_is_checked() -> None:
                                                             "(a profile says its kind in [engine] kind)")
     done = run("--attach", "http://a:8000,b:8000")
     assert done.returncode == 2 and "expected an http:// or https:// URL" in done.stderr
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+async def test_launch_ready_on_health_then_stop_and_restart(config_dir: Path, kind: str) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    program = ", ".join(f'"{p}"' for p in [sys.executable, str(Path(__file__).parent / "replay_engine.py"), kind])
+    write_profile(config_dir, "p", f'[engine]\nkind = "{kind}"\nmodel = "Qwen/Qwen3-8B"\nprogram = [{program}]\n'
+                                   f'port = {port}\n')
+    app = offline_app(config_dir, profile="p", launch=True, stop_timeout_s=3.0)
+    async with app.run_test(size=SIZE) as pilot:
+        ends = lambda: app.view.foreign.endpoints if app.view.foreign else []  # noqa: E731
+        await wait_for(pilot, lambda: app.view.monitor.engine_state == "ready" and ends() and ends()[0].reachable,
+                       timeout_s=30, what="ready on /health, then read")
+        assert f"--port {port}" in " ".join(app.process.argv) and ends()[0].running in (21, 17)
+        await pilot.press("s")
+        await wait_for(pilot, lambda: app.view.crash is not None, timeout_s=15, what="the stop")
+        assert app.view.crash.why_stopped == "you pressed s" and not app.process.running
+        app.screen.redraw(force=True)
+        await pilot.pause()
+        assert "engine stopped (you pressed s)" in screen_text(app)
+        first = app.process.pid
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.process.pid != first and app.view.crash is None
+                       and app.view.monitor.engine_state == "ready" and ends() and ends()[0].reachable,
+                       timeout_s=30, what="the restart")
