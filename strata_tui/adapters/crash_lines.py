@@ -30,7 +30,7 @@ CAUSES: dict[str, tuple[re.Pattern[str], ...]] = {
     "llamacpp": (
         re.compile(r"failed to allocate .*of size"),
         re.compile(r"failed to allocate"),
-        re.compile(r"error loading model|failed to open|GGUF|invalid magic", re.I),
+        re.compile(r"error loading model|failed to open|failed to read|invalid magic", re.I),
         *_COMMON,
         re.compile(r"\berror\b", re.I),
     ),
