@@ -20,6 +20,7 @@ from textual.screen import Screen
 from engine.switches import get_switch
 from strata_tui.commands import palette_commands
 from strata_tui.controls import DEFAULT_SCENARIO, Controls
+from strata_tui.foreign_app import ForeignEngines
 from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
 from strata_tui.messages import EngineNews
@@ -38,7 +39,7 @@ from strata_tui.workers import (engine_callbacks, poll_experts, read_state, run_
                                 stream_telemetry, watch_liveness)
 
 
-class StrataApp(App):
+class StrataApp(ForeignEngines, App):
     """Launches (or attaches to) strata-engine and shows it live."""
 
     TITLE = "Strata"
@@ -61,8 +62,10 @@ class StrataApp(App):
         gpu_interval_s: float = 1.0,
         stop_timeout_s: float = 5.0,
         handle_signals: bool = False,
+        attach_kind: str | None = None,
     ) -> None:
         super().__init__()
+        self.attach_kind = attach_kind  # --kind: skip detection
         self.store = store
         self.requested_profile = profile_name
         self.launch = launch and attach_url is None
@@ -128,7 +131,8 @@ class StrataApp(App):
         if self.attach_url:
             self.sub_title = f"attached to {self.attach_url}"
             self.view.monitor.engine_state = "attaching"
-            self._open_client(self.attach_url)
+            if not self.attach_foreign_or_detect():
+                self._open_client(self.attach_url)
         elif self.view.profile_error is not None:
             self.notify(str(self.view.profile_error), title="profile not usable", severity="error", timeout=15)
             self.push_screen(ProfilesScreen())
@@ -159,11 +163,15 @@ class StrataApp(App):
             self.view.changed()
             return
         self._set_profile(profile)
+        if profile.foreign is not None:
+            self.start_foreign(profile)
+            return
+        self.view.kind, self.view.foreign = "strata", None
         self.view.run += 1
         self._close_client()
         config = profile.engine
         argv = engine_argv(config, self.engine_program)
-        self.process = EngineProcess(argv, engine_env(config), cwd=self.engine_cwd,
+        self.process = EngineProcess(argv, {**engine_env(config), **profile.env}, cwd=self.engine_cwd,
                                      **engine_callbacks(self.post_message, self.run_id))
         self.view.monitor.reset_for_launch()
         self.view.crash, self.view.engine_url, self.view.telemetry_connected = None, None, None
@@ -208,7 +216,10 @@ class StrataApp(App):
         """Every worker message: the reducer folds it into the view; the effects it asks for happen here."""
         for effect in reduce(self.view, message, self.clock(), time.time()):
             if isinstance(effect, OpenClient):
-                self._open_client(effect.url)
+                if self.view.kind != "strata":  # vLLM / SGLang / llama.cpp: their own readers
+                    self.open_foreign(effect.url)
+                else:
+                    self._open_client(effect.url)
             elif isinstance(effect, CloseClientLater):
                 self.set_timer(effect.after_s, lambda run=effect.run: self._end_telemetry(run))
             elif isinstance(effect, Resync):

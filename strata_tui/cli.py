@@ -13,7 +13,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata-tui", description="Launch strata-engine from a saved profile and watch it live.")
     parser.add_argument("--profile", metavar="NAME", help="profile to open (default: the last used, else 'default')")
-    parser.add_argument("--attach", metavar="URL", help="monitor an engine already running at URL; launch nothing")
+    parser.add_argument("--attach", metavar="URL", help="monitor an engine already running at URL (several: "
+                        "URL,URL,... one row each); launch nothing")
+    parser.add_argument("--kind", choices=("strata", "vllm", "sglang", "llamacpp"),
+                        help="with --attach: the engine's kind (default: detected from the routes it answers)")
     parser.add_argument("--config-dir", metavar="DIR", type=Path,
                         help="profiles directory root (default: $STRATA_TUI_CONFIG_DIR or the platform's)")
     parser.add_argument("--no-launch", action="store_true", help="open the monitor without starting the engine")
@@ -26,8 +29,11 @@ def check_args(args: argparse.Namespace) -> str | None:
     from engine.errors import ConfigError
     from strata_tui.profiles import check_name, default_config_dir
 
-    if args.attach and not args.attach.startswith(("http://", "https://")):
-        return f"--attach {args.attach!r}: expected an http:// or https:// URL"
+    for url in (args.attach or "").split(","):
+        if args.attach and not url.strip().startswith(("http://", "https://")):
+            return f"--attach {args.attach!r}: expected an http:// or https:// URL"
+    if args.kind and not args.attach:
+        return f"--kind {args.kind}: only with --attach (a profile says its kind in [engine] kind)"
     if args.profile is not None:
         try:
             check_name(args.profile)
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         app = create_app(config_dir=args.config_dir, profile=args.profile, attach_url=args.attach,
-                         launch=not args.no_launch, handle_signals=True)
+                         launch=not args.no_launch, handle_signals=True, attach_kind=args.kind)
     except StrataError as exc:
         print(f"strata-tui: error: {exc}", file=sys.stderr)
         return 2

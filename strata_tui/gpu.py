@@ -10,9 +10,35 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 HISTORY_SAMPLES = 60  # one sample a second: a minute of history
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process holding memory on a GPU (a tensor-parallel rank of a server, say): NVML's per-process view."""
+
+    pid: int
+    name: str
+    used_mib: float | None
+
+
+def process_name(pid: int, proc: Path = Path("/proc")) -> str:
+    """The command as `ps` shows it, shortened: a retitled worker keeps its title ("VLLM::Worker_TP1"), a
+    Python program shows its module or script ("vllm serve", "sglang.launch_server")."""
+    try:
+        argv = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [a.decode(errors="replace") for a in argv if a]
+    if not words:
+        return "?"
+    if Path(words[0]).name.startswith("python"):
+        words = words[2:3] if len(words) > 2 and words[1] == "-m" else words[1:2]
+    words = [Path(words[0]).name, *words[1:2]] if words else ["python"]
+    return " ".join(words)[:28]
 
 
 @dataclass(frozen=True)
@@ -26,6 +52,7 @@ class GpuSample:
     util_pct: float | None
     temp_c: float | None
     power_w: float | None
+    processes: tuple[GpuProcess, ...] = ()  # who holds this card (empty where NVML cannot say)
 
 
 def _load_pynvml() -> Any:
@@ -77,6 +104,11 @@ class NvmlSampler:
         util = _field(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
         temp = _field(lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
         power_mw = _field(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        running = _field(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
+        processes = tuple(
+            GpuProcess(int(p.pid), process_name(int(p.pid)),
+                       p.usedGpuMemory / 2**20 if isinstance(getattr(p, "usedGpuMemory", None), int) else None)
+            for p in running)
         return GpuSample(
             index=index,
             name=name,
@@ -85,6 +117,7 @@ class NvmlSampler:
             util_pct=float(util.gpu) if util is not None else None,
             temp_c=float(temp) if temp is not None else None,
             power_w=power_mw / 1000.0 if power_mw is not None else None,
+            processes=processes,
         )
 
     def close(self) -> None:

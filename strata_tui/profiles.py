@@ -21,6 +21,7 @@ import platformdirs
 from engine.config import BUILTIN_MODEL, EngineConfig
 from engine.errors import ConfigError, StrataError
 from engine.switches import get_switch
+from strata_tui.kinds import ForeignEngine, env_table, parse_foreign
 
 CONFIG_DIR_ENV = "STRATA_TUI_CONFIG_DIR"
 DEFAULT_PROFILE = "default"
@@ -79,6 +80,8 @@ class Profile:
     name: str
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model=BUILTIN_MODEL, device="auto"))
     tui: TuiSettings = field(default_factory=TuiSettings)
+    env: Mapping[str, str] = field(default_factory=dict)  # `[env]`: into the engine's environment
+    foreign: ForeignEngine | None = None  # `[engine] kind = "vllm" | "sglang" | "llamacpp"` (strata_tui/kinds.py)
 
     def with_engine(self, **changes: Any) -> "Profile":
         """A copy with engine options changed (validated: raises ConfigError)."""
@@ -95,7 +98,9 @@ class Profile:
         engine = {k: v for k, v in self.engine.to_dict(reveal_secrets=True).items() if k != "switches"}
         switches = {get_switch(n).env_var: bool(v) for n, v in sorted(self.engine.switches.items())}
         tui = {f.name: getattr(self.tui, f.name) for f in fields(self.tui)}
-        return {"engine": engine, "switches": switches, "tui": tui}
+        if self.foreign is not None:
+            return {"engine": self.foreign.to_table(), "env": dict(self.foreign.env), "tui": tui}
+        return {"engine": engine, "switches": switches, "tui": tui, **({"env": dict(self.env)} if self.env else {})}
 
 
 def default_config_dir() -> Path:
@@ -139,13 +144,16 @@ def _parse_profile(name: str, text: str, path: Path) -> Profile:
         column = f" (column {match.group(2)})" if match else ""
         raise ProfileError(path, f"{message}{column}", line=line) from None
     for section in doc:
-        if section not in ("engine", "switches", "tui"):
-            raise ProfileError(path, "unknown section; expected [engine], [switches], [tui]",
+        if section not in ("engine", "switches", "tui", "env"):
+            raise ProfileError(path, "unknown section; expected [engine], [switches], [tui], [env]",
                                _line_of(text, section, table=True), section)
-    for section in ("engine", "switches", "tui"):
+    for section in ("engine", "switches", "tui", "env"):
         if not isinstance(doc.get(section, {}), dict):
             raise ProfileError(path, "expected a table", _line_of(text, section), section)
     engine_values = dict(doc.get("engine", {}))
+    kind = engine_values.pop("kind", "strata")
+    if kind != "strata":
+        return _parse_foreign_profile(name, kind, engine_values, doc, text, path)
     switches: dict[str, bool] = {}
     for var, value in doc.get("switches", {}).items():
         key = f"switches.{var}"
@@ -166,7 +174,27 @@ def _parse_profile(name: str, text: str, path: Path) -> Profile:
     except ConfigError as exc:
         raise ProfileError(path, f"{exc.reason} (value {exc.value!r})", _line_of(text, exc.param),
                            f"tui.{exc.param}") from None
-    return Profile(name=name, engine=engine, tui=tui)
+    try:
+        env = env_table(doc.get("env", {}))
+    except ConfigError as exc:
+        raise ProfileError(path, f"{exc.reason} (value {exc.value!r})", _line_of(text, exc.param[4:]), exc.param) from None
+    return Profile(name=name, engine=engine, tui=tui, env=env)
+
+
+def _parse_foreign_profile(name: str, kind: Any, engine_values: dict, doc: dict, text: str, path: Path) -> Profile:
+    """A vLLM / SGLang / llama.cpp profile: its own options (strata_tui/kinds.py); no Strata switches."""
+    if doc.get("switches"):
+        raise ProfileError(path, f"[switches] are Strata's; kind {kind!r} takes [env] and extra_args",
+                           _line_of(text, "switches", table=True), "switches")
+    try:
+        foreign = parse_foreign(kind, engine_values, doc.get("env", {}))
+        tui = TuiSettings.from_mapping(doc.get("tui", {}))
+    except ConfigError as exc:
+        param = exc.param if exc.param.startswith("env.") else f"engine.{exc.param}"
+        section = "tui." if exc.param in {f.name for f in fields(TuiSettings)} else ""
+        raise ProfileError(path, f"{exc.reason} (value {exc.value!r})", _line_of(text, exc.param.split(".")[-1]),
+                           f"{section}{exc.param}" if section else param) from None
+    return Profile(name=name, tui=tui, env=foreign.env, foreign=foreign)
 
 
 def _check_key_depth(text: str, path: Path) -> None:

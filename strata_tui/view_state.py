@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.telemetry import Event
+from strata_tui.adapters.crash_lines import pick_engine_error
+from strata_tui.adapters.view import ForeignView
 from strata_tui.gpu import GpuHistory
 from strata_tui.monitor_state import MonitorState
 from strata_tui.profiles import Profile, ProfileError, TuiSettings
@@ -26,7 +28,9 @@ _LEVEL = re.compile(r"\b(DEBUG|INFO|NOTICE|WARNING|WARN|ERROR|CRITICAL|FATAL)\b"
 _SERIOUS_LEVELS = {"WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"}
 # A line with no level that still states an error: a traceback's last line, a CUDA error, "error: ...".
 # An access-log line for one of this app's own polls (uvicorn's format: `"GET /health HTTP/1.1" 200`).
-_OWN_POLLING = re.compile(r'"GET /(health|strata/state|strata/events)[^"]*" \d{3}')
+# Another engine's routes this app reads every second (vLLM and SGLang log them through uvicorn too).
+_OWN_POLLING = re.compile(r'"GET /(health|strata/state|strata/events|metrics|version|get_server_info|props|slots)'
+                          r'[^"]*" \d{3}')
 _ERROR_TEXT = re.compile(r"(\berror\b[:\s]|^\w*(Error|Exception)\b|\bCUDA error\b)", re.IGNORECASE)
 
 
@@ -91,6 +95,8 @@ class ViewState:
     load_progress: str = ""  # its latest step
     load_result: str | None = None  # the last scenario's result, for its panel
     crash: CrashInfo | None = None
+    kind: str = "strata"  # the engine watched: strata | vllm | sglang | llamacpp (strata_tui/kinds.py)
+    foreign: ForeignView | None = None  # a non-Strata engine's endpoints, as its adapter reads them
     _changes: int = 0
 
     @property
@@ -131,7 +137,10 @@ class ViewState:
         self.changed()
 
     def last_error_text(self) -> str | None:
-        """The real error: the engine's last ErrorEvent, else its last WARNING/ERROR stderr line."""
+        """The real error: the engine's last ErrorEvent, else its last WARNING/ERROR stderr line (for another
+        engine kind, the root cause its own log names)."""
+        if self.kind != "strata":
+            return pick_engine_error(self.kind, (line for _, line in self.log_lines)) or pick_error_line(self.stderr_tail)
         event = self.monitor.last_error
         if event is not None:
             where = f"{event.where}: " if event.where else ""

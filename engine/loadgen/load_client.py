@@ -16,12 +16,12 @@ import httpx
 
 from engine.errors import ConfigError
 
-_VOCAB_KEYS = ("vocab_size",)
+_VOCAB_KEYS = ("vocab_size", "n_vocab")  # Strata's and vLLM's, then llama.cpp's (/v1/models "meta")
 FALLBACK_VOCAB_SIZE = 256
 # vLLM's extensions to the OpenAI body that the load client may send; a server without one refuses it by name
 _OPTIONAL_FIELDS = ("return_token_ids", "ignore_eos")
-_CONTEXT_KEYS = ("context_tokens", "max_model_len", "context")
-_SLOTS_KEYS = ("max_num_seqs", "batch", "slots")  # vLLM's name, then Strata's config and KV books
+_CONTEXT_KEYS = ("context_tokens", "max_model_len", "context", "n_ctx")  # n_ctx: a llama.cpp slot's (/props)
+_SLOTS_KEYS = ("max_num_seqs", "batch", "slots", "total_slots")  # vLLM's, Strata's config and books, llama.cpp's
 
 
 @dataclass
@@ -267,6 +267,10 @@ async def discover(load: LoadClient) -> ServerInfo:
         if state_status == 200:
             found.append(state)
             load.return_token_ids = True  # a Strata server: it knows the field
+        else:  # llama.cpp's /props says a slot's context and the slot count
+            props_status, props = await load.get_json("/props")
+            if props_status == 200 and isinstance(props, dict):
+                found.append(props)
     except httpx.HTTPError:
         pass  # the state route is a bonus: /v1/models may already say everything
     vocab = _find_number(found, _VOCAB_KEYS)

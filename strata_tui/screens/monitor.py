@@ -21,6 +21,7 @@ from engine.telemetry import AdmissionEvent
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.engine_log import EngineLog
+from strata_tui.widgets.engine_panel import EnginePanel
 from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
@@ -95,6 +96,8 @@ class MonitorScreen(Screen):
     MonitorScreen EngineLog { height: 1fr; min-height: 3; }
     MonitorScreen SwitchesPanel { width: 46%; max-width: 60; min-width: 44; height: 100%; }
     MonitorScreen CrashPanel { border: heavy $error; }
+    MonitorScreen.-foreign SlotsTable, MonitorScreen.-foreign GraphEventsTable,
+    MonitorScreen.-foreign SwitchesPanel, MonitorScreen.-foreign ExpertPanel { display: none; }
     """
 
     def __init__(self) -> None:
@@ -117,6 +120,7 @@ class MonitorScreen(Screen):
             yield CrashPanel(id="crash")
             yield GpuPanel(id="gpus", classes="panel")
             yield SlotsTable(id="slots", classes="panel")
+            yield EnginePanel(id="engine", classes="panel")
             with Horizontal(id="lower"):
                 with Vertical(id="left"):
                     yield LoadResultPanel(id="load-result")
@@ -156,6 +160,8 @@ class MonitorScreen(Screen):
             return self.strata.view.monitor.experts is not None
         if action == "cancel_load":
             return self.strata.view.load_running is not None
+        if action == "cycle_filter":  # the graph-cache events are Strata's
+            return self.strata.view.kind == "strata"
         return True
 
     def action_cancel_load(self) -> None:
@@ -231,6 +237,7 @@ class MonitorScreen(Screen):
             crash.hide()
         if self._slice_changed("load", view.load_result):
             self.query_one(LoadResultPanel).show(view.load_result)
+        self._show_foreign()
         self.draws += 1
         self.last_draw_s = time.time()
 
@@ -240,6 +247,21 @@ class MonitorScreen(Screen):
             return False
         self._slices[name] = key
         return True
+
+    def _show_foreign(self) -> None:
+        """A vLLM / SGLang / llama.cpp server: its panel replaces the Strata-only ones (slots events, graph
+        cache, switches, expert cache), which such an engine cannot feed."""
+        view = self.strata.view
+        foreign = view.foreign is not None or view.kind != "strata"
+        if foreign != self.has_class("-foreign"):
+            self.set_class(foreign, "-foreign")
+            self.refresh_bindings()
+        panel = self.query_one(EnginePanel)
+        if view.foreign is None:
+            panel.hide()
+            return
+        panel.show(view.foreign, max(1, self.app.size.height - 26))
+        panel.set_class(view.stale, "-stale")
 
     def _write_log(self) -> None:
         view = self.strata.view

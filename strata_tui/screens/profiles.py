@@ -111,6 +111,9 @@ class ProfilesScreen(Screen):
         if isinstance(entry, ProfileError):
             where = f"line {entry.line}" if entry.line else (entry.key or "see below")
             return (mark, name, Text(f"broken: {where}", style="bold red"), "", "", "", "", "", "", "")
+        if entry.foreign is not None:  # vLLM / SGLang / llama.cpp: the kind where the device is
+            return (mark, name, Text("ok", style="green"), entry.foreign.model, entry.foreign.name,
+                    "", "", "", "", "")
         e = entry.engine
         return (mark, name, Text("ok", style="green"), e.model, e.device, str(e.batch),
                 mtp_label(e.batch_mtp, e.mtp_depth), e.kv, f"{e.context:,}", str(e.vram_reserve_mib))
@@ -141,6 +144,10 @@ class ProfilesScreen(Screen):
             where = f"{entry.path}" + (f", line {entry.line}" if entry.line else "")
             body = Text.assemble(("broken profile (left untouched): ", "bold red"), where, "\n",
                                  (f"{entry.key}: " if entry.key else "", "bold"), entry.message)
+        elif entry.foreign is not None:
+            body = Text.assemble((f"{self.strata.store.path(entry.name)}\n", "dim"),
+                                 f"$ {' '.join(entry.foreign.argv())}\n",
+                                 ("env: ", "dim"), ", ".join(entry.foreign.env) or "none")
         else:
             e = entry.engine
             # What the engine will run: the profile's keys over each switch's default (defaults count too)
@@ -179,6 +186,10 @@ class ProfilesScreen(Screen):
             self._fail(entry)
             return
         if entry is None:
+            return
+        if entry.foreign is not None:  # the editor is generated from Strata's options
+            self.notify(f"kind {entry.foreign.kind}: edit its file by hand: {self.strata.store.path(entry.name)}",
+                        severity="warning", timeout=10)
             return
         edited = await self.app.push_screen_wait(ProfileEditor(entry))
         if edited is None:

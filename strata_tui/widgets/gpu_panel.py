@@ -76,6 +76,19 @@ def tier_line(tier: TierEvent) -> Text:
     return Text.assemble(("tier ", "dim"), (change, "cyan"), (f"  {tier.reason}", "dim"))
 
 
+def process_line(gpu: GpuSample, compact: bool) -> Text:
+    """Which processes hold this card and how much each (NVML per process): the ranks of one server."""
+    line = Text("  held by ", style="dim")
+    for i, proc in enumerate(sorted(gpu.processes, key=lambda p: -(p.used_mib or 0))):
+        if i:
+            line.append(" · ", style="dim")
+        line.append(f"{proc.pid} ", style="dim")
+        line.append(proc.name[:18] if compact else proc.name)
+        line.append(f" {_short_mib(proc.used_mib)}" if compact else f" {mib(proc.used_mib)}", style="cyan")
+    line.no_wrap, line.overflow = True, "ellipsis"
+    return line
+
+
 class GpuPanel(Static):
     """Draws GPU readings and the engine's VRAM breakdown; fed by `show()`, owns no I/O."""
 
@@ -104,6 +117,8 @@ class GpuPanel(Static):
             device = f"cuda:{gpu.index}"
             shown_devices.add(device)
             parts.append(self._gpu_table(gpu, history, width))
+            if gpu.processes:
+                parts.append(process_line(gpu, compact))
             if device in vram:
                 parts.append(self._engine_row(vram[device], "engine", compact))
         for device, event in sorted(vram.items()):

@@ -1,0 +1,52 @@
+"""Adapters for engines other than Strata: each maps one engine's routes and Prometheus metrics onto the same
+`EndpointView` the monitor draws (strata_tui/adapters/view.py). `detect()` tells which engine answers at a URL."""
+
+from __future__ import annotations
+
+import httpx
+
+from strata_tui.adapters.base import Adapter
+from strata_tui.adapters.llamacpp import LlamacppAdapter
+from strata_tui.adapters.sglang import SglangAdapter
+from strata_tui.adapters.vllm import VllmAdapter
+
+ADAPTERS: dict[str, type[Adapter]] = {"vllm": VllmAdapter, "sglang": SglangAdapter, "llamacpp": LlamacppAdapter}
+
+
+def adapter_for(kind: str, url: str) -> Adapter:
+    return ADAPTERS[kind](url)
+
+
+async def detect(client: httpx.AsyncClient) -> str | None:
+    """Which engine answers: Strata's /strata/state, llama.cpp's /props (with slots), SGLang's /get_server_info,
+    vLLM's /version beside `vllm:` metrics. None when none of them does (the caller names what was tried)."""
+
+    async def answers(path: str) -> httpx.Response | None:
+        try:
+            response = await client.get(path)
+        except httpx.HTTPError:
+            return None
+        return response if response.status_code == 200 else None
+
+    if await answers("/strata/state") is not None:
+        return "strata"
+    props = await answers("/props")
+    if props is not None and _json_has(props, ("total_slots", "default_generation_settings")):
+        return "llamacpp"
+    info = await answers("/get_server_info")
+    if info is not None and _json_has(info, ("model_path", "tp_size", "version")):
+        return "sglang"
+    version = await answers("/version")
+    if version is not None and _json_has(version, ("version",)):
+        metrics = await answers("/metrics")
+        if metrics is not None and "vllm:" in metrics.text:
+            return "vllm"
+    return None
+
+
+def _json_has(response: httpx.Response, keys: tuple[str, ...]) -> bool:
+    try:
+        data = response.json()
+    except ValueError:
+        return False
+    return isinstance(data, dict) and any(k in data for k in keys)

@@ -1,0 +1,102 @@
+"""The app's side of engines other than Strata: messages and worker bodies for detecting which engine answers,
+waiting for a launched one's health route, and reading every endpoint on its own loop (one unreachable node
+is marked while the others keep updating). Like strata_tui/workers.py, the bodies only call `post`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import httpx
+from textual.message import Message
+
+from strata_tui.adapters import adapter_for, detect
+from strata_tui.adapters.view import EndpointView, ForeignView
+from strata_tui.launcher import EngineProcess
+
+Post = Callable[[Any], Any]
+READ_INTERVAL_S = 1.0
+READ_TIMEOUT_S = 2.0
+READY_POLL_S = 0.25
+
+
+@dataclass
+class EndpointRead(Message):
+    """One endpoint's latest reading (or failure); `index` is its row."""
+
+    index: int
+    view: EndpointView
+
+
+@dataclass
+class KindDetected(Message):
+    """What answers at an attached URL: a kind, or None with what was tried."""
+
+    kind: str | None
+    reason: str = ""
+
+
+def split_urls(text: str) -> list[str]:
+    """`--attach URL[,URL...]`: several servers (data-parallel replicas, other hosts), one row each."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def detect_kind(post: Post, url: str, api_key: str | None = None, timeout_s: float = 3.0) -> None:
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
+            kind = await detect(client)
+    except httpx.HTTPError as exc:
+        post(KindDetected(None, f"{url}: {type(exc).__name__}: {exc}"))
+        return
+    why = "" if kind else (f"{url} answers none of /strata/state, /props (llama.cpp), /get_server_info (SGLang), "
+                           "/version with vllm: metrics (vLLM): say which with --kind")
+    post(KindDetected(kind, why))
+
+
+async def wait_ready(post: Post, process: EngineProcess, url: str, health_path: str, run: int,
+                     make_message: Callable[[str, int], Message]) -> None:
+    """Ask the engine's health route until it answers 200 (llama.cpp answers 503 while loading), then post
+    the ready message; gives up when the process ends."""
+    async with httpx.AsyncClient(base_url=url, timeout=2.0) as client:
+        while True:
+            await asyncio.sleep(READY_POLL_S)
+            if process.pid is not None and not process.running:
+                return
+            try:
+                response = await client.get(health_path)
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                process.ready_url = url
+                post(make_message(url, run))
+                return
+
+
+async def poll_endpoint(post: Post, kind: str, index: int, url: str, api_key: str | None = None,
+                        interval_s: float = READ_INTERVAL_S, timeout_s: float = READ_TIMEOUT_S) -> None:
+    """Read one endpoint every `interval_s` until cancelled. A failure posts a view with nothing but the
+    failure (no values carried over) and the time it began."""
+    adapter = adapter_for(kind, url)
+    since: float | None = None
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
+        while True:
+            started = time.monotonic()
+            try:
+                view = await adapter.read(client)
+                since = None
+            except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as exc:
+                since = since or time.time()
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                view = EndpointView(url, kind, reachable=False, error=reason[:120], unreachable_since=since)
+            post(EndpointRead(index, view))
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+def empty_view(kind: str, urls: list[str]) -> ForeignView:
+    return ForeignView(kind, [EndpointView(u, kind, error="not read yet") for u in urls])

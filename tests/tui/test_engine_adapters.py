@@ -1,0 +1,91 @@
+"""The vLLM, SGLang and llama.cpp adapters read a local server replaying each engine's routes and metrics
+(tests/tui/fixtures/engines/, version in the file name), and detection names each kind from the routes that
+answer."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from strata_tui.adapters import adapter_for, detect
+from strata_tui.adapters.prometheus import Metrics
+from tests.tui.engine_replay import replay_server, routes_for
+
+
+async def read(kind: str, routes=None):
+    with replay_server(routes or routes_for(kind)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            return await adapter_for(kind, server.url).read(client)
+
+
+async def test_vllm_maps_its_metrics_onto_the_panels() -> None:
+    view = await read("vllm")
+    assert view.reachable and view.version == "0.10.1.1" and view.model == "Qwen/Qwen3-8B"
+    assert view.running == 21 and view.waiting == 3  # two data-parallel engines, summed
+    assert view.kv_usage == pytest.approx((0.62 + 0.48) / 2)
+    assert view.prefix_hit == pytest.approx((702000 + 511000) / (1204000 + 998000))
+    assert view.preemptions == 5
+    assert view.spec_per_position == pytest.approx([0.82, 0.63, 0.40])
+    assert view.spec_mean_length == pytest.approx(1 + 37000 / 20000)
+    assert 0.1 < view.ttft_p50_s < 0.5 < view.ttft_p95_s
+    assert 0.025 < view.itl_p50_s < 0.05
+    assert view.slots is None and view.cannot["prefill"] == "vLLM exposes no per-request prefill progress"
+
+
+async def test_sglang_maps_its_metrics_and_says_what_it_cannot_feed() -> None:
+    view = await read("sglang")
+    assert view.version == "0.5.3" and view.running == 17 and view.waiting == 5
+    assert view.kv_usage == pytest.approx(0.57) and view.kv_label == "tokens"
+    assert view.prefix_hit == pytest.approx(0.41) and view.preemptions == 6
+    assert view.spec_per_position is None and view.spec_mean_length == pytest.approx(2.61)
+    assert "not per draft position" in view.cannot["spec"]
+    assert 0.1 < view.ttft_p50_s < 0.2 and 0.006 < view.itl_p50_s < 0.01
+    assert view.cannot["prefill"] == "SGLang exposes no per-request prefill progress"
+
+
+async def test_sglang_without_enable_metrics_says_so_instead_of_zeros() -> None:
+    routes = routes_for("sglang")
+    del routes["/metrics"]
+    view = await read("sglang", routes)
+    assert view.running is None and view.kv_usage is None and view.ttft_p50_s is None
+    assert "--enable-metrics" in view.cannot["requests"]
+
+
+async def test_llamacpp_slots_give_prefill_progress_as_tokens_processed() -> None:
+    view = await read("llamacpp")
+    slots = {s.id: s for s in view.slots}
+    assert [s.state for s in view.slots] == ["prefill", "decode", "decode", "idle", "idle", "decode"]
+    assert slots[0].prompt_done_tokens == 14336 + 2048  # the cached prefix counts as done
+    assert slots[0].prompt_tokens is None and slots[0].prefill_fraction is None  # /slots has no prompt length
+    assert "not the prompt's length" in view.cannot["prefill"]
+    assert slots[1].decoded_tokens == 233 and slots[1].held_tokens == 1433 and slots[0].context_tokens == 43690
+    assert view.kv_usage == pytest.approx((16384 + 1433 + 961 + 3512 + 2212) / (6 * 43690))
+    assert view.running == 4 and view.waiting == 2
+    assert view.prefix_hit == pytest.approx(20480 / (61234 + 20480))
+    assert view.ttft_p50_s is None and "no latency histograms" in view.cannot["latency"]
+    assert view.model == "qwen3-8b-q4_k_m.gguf"
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "llamacpp"])
+async def test_detect_names_each_kind(kind: str) -> None:
+    with replay_server(routes_for(kind)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            assert await detect(client) == kind
+
+
+async def test_detect_strata_and_nothing() -> None:
+    with replay_server({"/strata/state": (200, "application/json", "{}")}) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            assert await detect(client) == "strata"
+    with replay_server({"/version": (200, "application/json", '{"version": "1"}'),
+                        "/metrics": (200, "text/plain", "up 1\n")}) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            assert await detect(client) is None  # a /version alone is not vLLM
+
+
+def test_histogram_quantile_interpolates_inside_the_bucket() -> None:
+    metrics = Metrics('h_bucket{le="1.0"} 10\nh_bucket{le="2.0"} 30\nh_bucket{le="+Inf"} 30\nh_count 30\nh_sum 40\n')
+    hist = metrics.histogram("h")
+    assert hist.quantile(0.5) == pytest.approx(1.25)  # rank 15: 5 of the 20 in (1, 2]
+    assert hist.mean() == pytest.approx(40 / 30)
+    assert Metrics("").histogram("h") is None
