@@ -36,10 +36,12 @@ def status_text(view: ViewState) -> Text:
     if view.unreachable_since is None and view.telemetry_connected is not None:
         parts.append(Text.assemble(("telemetry ", "dim"), ("live", "green") if view.telemetry_connected
                                    else ("reconnecting", "yellow")))
-    if view.load_running and view.load_progress:
-        parts.append(Text(view.load_progress, style="cyan"))
+    # The latest note before the scenario's progress: on a narrow line the end is cut, and a refusal ("load
+    # seed is still running") says more than the progress it refers to.
     if view.status_note:
         parts.append(Text(view.status_note, style="italic"))
+    if view.load_running and view.load_progress:
+        parts.append(Text(view.load_progress, style="cyan"))
     return Text(" · ", style="dim").join(parts)
 
 
