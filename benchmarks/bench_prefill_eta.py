@@ -41,13 +41,19 @@ async def start_engine(args: argparse.Namespace) -> tuple[asyncio.subprocess.Pro
     argv = [sys.executable, "-m", "engine.cli", "serve", "--model", args.model, "--device", args.device,
             "--batch", str(args.decode_slots + 1), "--context", str(args.context), "--port", "0",
             "--prefill-chunk-tokens", str(args.chunk_tokens), "--step-token-budget", str(args.chunk_tokens * 2)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    # The checkout first, whatever else the caller's path holds (a machine without a package index carries its
+    # server wheels on PYTHONPATH).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT)
+    said: list[str] = []
     while True:
         line = (await asyncio.wait_for(proc.stdout.readline(), 600)).decode(errors="replace")
         if not line:
-            raise SystemExit(f"the engine exited before it was ready: {' '.join(argv)}")
+            last = "".join(said[-5:]).rstrip()
+            raise SystemExit(f"the engine exited before it was ready: {' '.join(argv)}\n{last}")
+        said.append(line)
         match = READY_RE.match(line.strip())
         if match:
             asyncio.create_task(_drain(proc.stdout))

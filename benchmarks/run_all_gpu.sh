@@ -57,8 +57,8 @@ compile_warm      named    the same again, the compiled kernels from the cache
 seed              named    the seed scenario through serve, SEED_RUNS runs (default 5)
 moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS runs (default 3)
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
-quant_decode      named    decode of an 8B shape with bf16, fp8 and int4 weights, batch 1, 16 and 128
-prefill_eta       named    strata-tui's prefill ETA at the halfway mark: 12K, 32K and 176K prompts, alone and beside 4 decodes
+quant_decode      named    decode of the 0.6B shape with bf16, fp8 and int4 weights, batch 1 and 16
+prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
 peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
 reuse_peer        named    two GPUs: bench reuse with the tier on cuda:0 and on cuda:1
@@ -103,7 +103,8 @@ SWITCH_NEW=${SWITCH_NEW:-128}
 LOG="$OUT/run_all_gpu.log"
 export STRATA_BENCH_CACHE=${STRATA_BENCH_CACHE:-/tmp/strata-bench-checkpoints}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if compgen -G ".whl/*.whl" >/dev/null; then  # a machine without a package index: the server's wheels carried along
+if ! "$PY" -c "import fastapi, uvicorn, textual" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+    # a machine without a package index: the server's wheels carried along
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
@@ -244,11 +245,12 @@ step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs "${MOE_RUNS:-3}" --de
     --prompt-tokens 32768 --out "$OUT/moe_seed.json" --extra --expert-cache-mib auto
 step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device "$DEVICE" --random-model 0.6b \
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
-# Quantized weights: one random 8B checkpoint, each format rounded at load, same run.
-run quant_decode 300 decode --model random:8b --device "$DEVICE" --batches 1,16,128 --weight-formats off,fp8,int4 \
-    --graph-modes on --prompt-tokens 128 --new-tokens 128
-step prefill_eta 300 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --prompt-tokens 12288 32768 180000 \
-    --context 184320 --decode-slots 0 4
+# Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
+run quant_decode 200 decode "${COMMON[@]}" --batches 1,16 --weight-formats off,fp8,int4 --graph-modes on \
+    --prompt-tokens 128 --new-tokens 128
+# Shorter prompts finish between two refreshes on a GPU: no halfway reading.
+step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --prompt-tokens 180000 --context 184320 \
+    --decode-slots 0 4 --refresh-s 0.1
 # The GPU tests: those marked gpu_shared (kernels and models against references) side by side, each other test
 # alone through tests/conftest.py's lock; --session-timeout ends the suite before the step's limit, so a long run
 # still prints its failures and durations.

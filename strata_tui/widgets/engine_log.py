@@ -1,7 +1,7 @@
 """The engine's stdout/stderr: ANSI-safe (escape codes become styles, never raw bytes) and bounded.
 
-A line is cut, not wrapped, so a logging line leads with its message: `2026-12-02 19:00:00,123 INFO
-engine.server.app: ready at ...` is shown as `ready at ...  19:00:00 engine.server.app` (in a 50-column panel the
+A line is cut, not wrapped, so a logging line leads with its message: `YYYY-MM-DD HH:MM:SS,mmm INFO
+engine.server.app: ready at ...` is shown as `ready at ...  HH:MM:SS engine.server.app` (in a 50-column panel the
 timestamp and the logger's name alone used to fill the line)."""
 
 from __future__ import annotations

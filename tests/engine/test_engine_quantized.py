@@ -38,7 +38,7 @@ def _mtp_on_equals_off(model, quantize: str, **kw) -> None:
     plain = make_engine(model, batch=3, quantize=quantize, **kw)
     try:
         expected = tokens_of(run_all(plain, PROMPTS, GREEDY))
-        vram = plain.state()["vram"][0]
+        vram = plain.state().to_json()["vram"][0]
     finally:
         plain.close()
     bus = EventBus(history=100000)

@@ -144,7 +144,7 @@ def test_moe_experts_quantize_and_run_in_the_reference_path_and_the_expert_cache
         engine = make_engine(src, batch=3, quantize="int4", expert_cache_mib=budget)
         try:
             outs.append(tokens_of(run_all(engine, prompts, params)))
-            assert engine.state()["vram"][0]["weight_format"].startswith("int4")
+            assert engine.state().to_json()["vram"][0]["weight_format"].startswith("int4")
         finally:
             engine.close()
     assert outs[0] == outs[1]
