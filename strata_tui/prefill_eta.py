@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.prefill_cost import fit_nonnegative, span_cost_s
+
 MAX_SAMPLES = 256
 
 
@@ -90,7 +92,7 @@ class PrefillTrack:
                 rows.append((float(x1 - x0), (x1 * x1 - x0 * x0) / 2.0, t1 - t0))
         if not rows:
             return None
-        return _fit_nonnegative(rows)
+        return fit_nonnegative(rows)
 
     def eta_s(self, now_received_s: float) -> float | None:
         """Seconds left, counted down from the last report on the local clock; None without an estimate.
@@ -114,33 +116,5 @@ class PrefillTrack:
         model = self.cost_model()
         if model is None:
             return self.engine_eta_s
-        a, b = model
-        return a * (total - x) + b / 2.0 * (total * total - x * x)
+        return span_cost_s(*model, x, total)
 
-
-def _fit_nonnegative(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Least squares for dt = a·dx + b·d(x²/2) with a, b >= 0 (two unknowns: solved in closed form).
-
-    Unweighted (absolute seconds): the latest, longest chunks count most, and they are the ones the rest
-    of the prompt resembles (weighting by relative error let the cheap first chunks set the slope, and the
-    ETA came out a third short on a CPU engine)."""
-    s11 = s12 = s22 = r1 = r2 = 0.0
-    for u, v, dt in rows:
-        w = 1.0
-        s11 += w * u * u
-        s12 += w * u * v
-        s22 += w * v * v
-        r1 += w * u * dt
-        r2 += w * v * dt
-    det = s11 * s22 - s12 * s12
-    if det > 1e-12 * max(s11 * s22, 1e-300):
-        a = (r1 * s22 - r2 * s12) / det
-        b = (s11 * r2 - s12 * r1) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    # One term only: whichever fits better (b = 0 is the constant-rate model).
-    a_only = r1 / s11 if s11 else 0.0
-    b_only = r2 / s22 if s22 else 0.0
-    err_a = sum((dt - a_only * u) ** 2 for u, _, dt in rows)
-    err_b = sum((dt - b_only * v) ** 2 for _, v, dt in rows)
-    return (max(a_only, 0.0), 0.0) if err_a <= err_b else (0.0, max(b_only, 0.0))

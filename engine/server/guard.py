@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from engine.config import EngineConfig
 from engine.server.auth import check_bearer, is_loopback
 from engine.server.errors import ApiError
+from engine.server.first_of import result_unless
 from engine.server.protocol import MAX_DECIMAL_DIGITS
 
 log = logging.getLogger("strata.server")
@@ -160,17 +161,8 @@ class RequestGuard:
 
 async def _first_of(receive: Receive, stalled: asyncio.Event) -> dict[str, Any]:
     """The next message, or a disconnect once the send stalled (whichever comes first)."""
-    getter = asyncio.ensure_future(receive())
-    stopper = asyncio.ensure_future(stalled.wait())
-    try:
-        await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopper.cancel()
-        if not getter.done():
-            getter.cancel()
-    if getter.done() and not getter.cancelled():
-        return getter.result()
-    return {"type": "http.disconnect"}
+    received, message = await result_unless(receive(), stalled)
+    return message if received else {"type": "http.disconnect"}
 
 
 def _host_name(host_header: str) -> str:

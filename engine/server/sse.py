@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from engine.server.first_of import result_unless
 from engine.server.protocol import decimal
 from engine.telemetry import EventBus
 
@@ -103,14 +104,5 @@ async def event_stream(
 
 async def _next_batch(sub: Any, stopping: asyncio.Event, timeout_s: float) -> list:
     """Events, or [] after `timeout_s` or when the server starts stopping (whichever is first)."""
-    getter = asyncio.ensure_future(sub.aget(timeout_s))
-    stopper = asyncio.ensure_future(stopping.wait())
-    try:
-        await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopper.cancel()
-        if not getter.done():
-            getter.cancel()
-    if getter.done() and not getter.cancelled():
-        return getter.result()
-    return sub.drain()
+    got, events = await result_unless(sub.aget(timeout_s), stopping)
+    return events if got else sub.drain()
