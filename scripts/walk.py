@@ -15,6 +15,7 @@ thread (helpers that return before the next stop included, and whatever else ran
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import inspect
@@ -225,7 +226,13 @@ WALKS = {"completions": completions, "reserve": reserve, "telemetry": telemetry}
 
 
 def main(argv: list[str]) -> int:
-    for name in argv or list(WALKS):
+    parser = argparse.ArgumentParser(prog="scripts/walk.py", description=__doc__.split("\n")[0])
+    parser.add_argument("walks", nargs="*", metavar="WALK", help=f"which walks (default all): {', '.join(WALKS)}")
+    names = parser.parse_args(argv).walks or list(WALKS)
+    unknown = [name for name in names if name not in WALKS]
+    if unknown:
+        parser.error(f"unknown walk {unknown[0]!r}: the walks are {', '.join(WALKS)}")
+    for name in names:
         walk = WALKS[name]()
         files = list(walk.seen)
         print(f"{name}: {len(files)} files on the path (the stacks at its stops)"
