@@ -14,17 +14,14 @@ import argparse
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import httpx
+from seed_process import EngineProcess
 
-ROOT = Path(__file__).resolve().parents[1]
-READY_PREFIX = "strata-engine: ready at"
 
 
 def load(url: str, body: bytes, seconds: float, results: Any) -> None:
@@ -75,20 +72,19 @@ def main() -> int:
     parser.add_argument("--body-mib", type=float, default=8.0, help="size of each token-id body (default 8)")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the senders keep sending")
     args = parser.parse_args()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
-                             "--log-level", "warning", "--max-body-mib", str(max(16, int(args.body_mib * 2)))],
-                            cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    engine = EngineProcess([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
+                            "--log-level", "warning", "--max-body-mib", str(max(16, int(args.body_mib * 2)))],
+                           {**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        line = proc.stdout.readline()
-        if not line.startswith(READY_PREFIX):
-            print(f"serve did not start: {line!r}", file=sys.stderr)
+        try:
+            url = engine.wait_ready(120)
+        except RuntimeError as exc:
+            print(f"serve did not start: {exc}", file=sys.stderr)
             return 1
-        url = line.split()[-1]
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         print(json.dumps(measure(url, model, args.clients, args.body_mib, args.seconds)), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        engine.stop(timeout_s=30)
     return 0
 
 

@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+from seed_process import EngineProcess
 
-ROOT = Path(__file__).resolve().parents[1]
-READY_PREFIX = "strata-engine: ready at"
 
 
 def bodies(model: str, body_mib: float) -> dict[str, bytes]:
@@ -73,21 +70,20 @@ def main() -> int:
     parser.add_argument("--body-mib", type=float, default=7.0, help="size of each hostile body (default 7)")
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
-                             "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    engine = EngineProcess([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
+                            "--log-level", "warning"],
+                           {**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        line = proc.stdout.readline()
-        if not line.startswith(READY_PREFIX):
-            print(f"serve did not start: {line!r}", file=sys.stderr)
+        try:
+            url = engine.wait_ready(120)
+        except RuntimeError as exc:
+            print(f"serve did not start: {exc}", file=sys.stderr)
             return 1
-        url = line.split()[-1]
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         for _ in range(args.rounds):
             print(json.dumps(measure(url, model, args.body_mib)), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        engine.stop(timeout_s=30)
     return 0
 
 
