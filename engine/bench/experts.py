@@ -6,12 +6,14 @@ row every other one is compared with. One engine per budget, the same prompts: a
 captures the graph buckets), then the timed one. Greedy, so every budget must emit the all-resident tokens
 (`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
 a cold cache; `policy` is lru, or lfu with STRATA_EXPERT_LFU=1), and for the timed run: misses, extra graph
-replays and eager re-runs after a miss, MiB copied and their copy ms. `--hf` adds transformers'
+replays and eager re-runs after a miss, MiB copied and their copy ms; `vs_belady` is the live hit rate over the
+oracle's. `--hf` adds transformers'
 Qwen3MoeForCausalLM `generate` (eager) on the same weights and prompts.
 
 Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
 budget of p % is close to p % and says little about trained models, whose routing is skewed (much higher hit
-rates at small budgets). `--trace-out` records the smallest budget's routing trace (engine.exec.experts.trace)
+rates at small budgets). A synthetic source (`--model random:moe-80b`, engine.model.synthetic) routes by a seeded
+Zipf prior that drifts with position, so its hit rates and `vs_belady` mean something. `--trace-out` records the smallest budget's routing trace (engine.exec.experts.trace)
 so a real model's trace can be replayed against the policy offline (`bench experts-replay --trace`).
 
 `--stores host,peer` (with `--peer-device cuda:N`) measures every budget below 100 % twice: the experts that do
@@ -32,7 +34,7 @@ from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
 COLUMNS = ("engine", "store", "policy", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s",
-           "vs_all_resident", "hit_rate", "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "load_ms",
+           "vs_all_resident", "hit_rate", "oracle_hit_rate", "vs_belady", "misses", "replays", "reruns", "loaded_mib", "load_ms",
            "same_tokens", "error")
 
 
@@ -86,6 +88,8 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
                "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
                "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
                "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],
+               # the live policy against Belady's optimal offline choice on the same trace (1.0: as good)
+               "vs_belady": (snap["hit_rate"] / snap["oracle_hit_rate"]) if snap["oracle_hit_rate"] else None,
                "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0,
                "loaded_mib": round(cache.stats.loaded_mib - l0, 1), "load_ms": round(cache.stats.load_ms - t0, 1),
                "graphs_active": bench.graphs_active, "token_ids": stats.token_ids, "error": None}
@@ -98,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
     """Every budget (largest first: the all-resident row is the reference), then the transformers peer."""
     device = device_of(args.device)
     path = prepare_model(args.model, device, args.dtype)
-    from engine.model import ModelConfig
-    from engine.model.loader import resolve_model_path
+    from engine.model.loader import model_config
+    from engine.model.synthetic import is_synthetic
 
-    config = ModelConfig.from_file(resolve_model_path(path) / "config.json")
+    config = model_config(path)
     if config.moe is None:
         raise ConfigError("model", args.model, "not a mixture-of-experts checkpoint (model_type qwen3_moe)")
     budgets = budget_list(args.budgets)
@@ -112,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     elem = 4 if checkpoint_dtype(args.dtype, device) == "float32" else 2
     moe = config.moe
     expert_mib = 3 * config.hidden_size * moe.moe_intermediate_size * elem / 2**20
-    sparse_layers = sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_hidden_layers))
+    # the MTP layers' blocks are sparse too, and the cache gives each its own pool
+    sparse_layers = sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_kv_layers))
     layer_mib = sparse_layers * expert_mib  # one slot in every sparse layer
     prompts = [random_prompt(args.prompt_tokens, config.vocab_size, seed=i) for i in range(args.batch)]
     warmup = [random_prompt(args.prompt_tokens, config.vocab_size, seed=100 + i) for i in range(args.batch)]
@@ -129,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                                                     "expert_mib": expert_mib, "slots": row["slots"]})
         save_partial(args, "experts", rows, device)
     _relative(rows)
-    if args.hf:
+    if args.hf and not is_synthetic(path):  # a synthetic source has no checkpoint for transformers to read
         rows.append(_hf_row(path, device, prompts, args))
     emit(args, "experts", rows, _summary(rows, expert_mib, sparse_layers, moe.num_experts), device, COLUMNS)
     return 0

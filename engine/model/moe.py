@@ -77,9 +77,16 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         self.intermediate_size = moe.moe_intermediate_size
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.moe_intermediate_size)
-                                     for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(() if moe.shared_store else (
+            Expert(config.hidden_size, moe.moe_intermediate_size) for _ in range(moe.num_experts)))
         self._provider: tuple[ExpertProvider, ...] = ()  # a tuple: not a submodule, never saved
+        # A synthetic source's experts (engine.model.synthetic): rows of a store shared by every layer, this
+        # layer's expert e at row store_rows[e]; None: the experts are this block's own parameters.
+        self.expert_store: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.store_rows: list[int] = []
+        # A synthetic source's skewed router: a [phases, E] prior added to the logits, by position phase.
+        self.router_prior: torch.Tensor | None = None
+        self.drift_tokens = 1
 
     def fuse(self) -> None:
         """Nothing to fuse here: an expert provider keeps gate/up concatenated in its own pool."""
@@ -87,27 +94,49 @@ class SparseMoE(nn.Module):
     def attach_provider(self, provider: ExpertProvider | None) -> None:
         self._provider = (provider,) if provider is not None else ()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (weights [N, k] in x's dtype, ids [N, k] long): softmax in fp32, top-k, optional
-        renormalisation, as transformers' Qwen3MoeTopKRouter."""
+    def set_expert_store(self, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int]) -> None:
+        """Serve the experts from a shared store (gate_up [R, 2I, H], down [R, H, I]; expert e is row rows[e])."""
+        if len(rows) != self.num_experts or min(rows) < 0 or max(rows) >= gate_up.shape[0]:
+            raise ValueError(f"rows: expected {self.num_experts} store rows in [0, {gate_up.shape[0]})")
+        self.expert_store, self.store_rows = (gate_up, down), list(rows)
+
+    def set_router_prior(self, prior: torch.Tensor, drift_tokens: int) -> None:
+        """Add prior[(position // drift_tokens) % phases] ([phases, E], fp32) to the router's logits."""
+        if prior.dim() != 2 or prior.shape[1] != self.num_experts or drift_tokens < 1:
+            raise ValueError(f"prior {tuple(prior.shape)}, drift_tokens={drift_tokens}: expected [phases, "
+                             f"{self.num_experts}] and drift_tokens >= 1")
+        self.router_prior, self.drift_tokens = prior, drift_tokens
+
+    def route(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] (positions [N], used by a router prior) -> (weights [N, k] in x's dtype, ids [N, k] long):
+        softmax in fp32, top-k, optional renormalisation, as transformers' Qwen3MoeTopKRouter."""
         logits = F.linear(x, self.gate.weight)
+        if self.router_prior is not None:
+            if positions is None:
+                raise ValueError("this router has a position prior: positions are required")
+            phase = torch.div(positions, self.drift_tokens, rounding_mode="floor") % self.router_prior.shape[0]
+            logits = logits.float() + self.router_prior[phase]  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+        return weights.to(x.dtype), ids
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert from this block's own parameters (a quantized expert
         dequantized to the router's dtype, the activations' one)."""
+        if self.expert_store is not None:
+            row = self.store_rows[expert]
+            return self.expert_store[0][row], self.expert_store[1][row]
         e, dtype = self.experts[expert], self.gate.weight.dtype
         return (torch.cat([dense_weight(e.gate_proj, dtype), dense_weight(e.up_proj, dtype)]),
                 dense_weight(e.down_proj, dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H] (positions [B, T]: the router prior's phase) -> [B, T, H]."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
-        weights, ids = self.route(flat)
+        weights, ids = self.route(flat, None if positions is None else positions.reshape(B * T))
         if self._provider:
             out = self._provider[0].moe_forward(self.moe_index, flat, ids, weights)
         else:

@@ -48,21 +48,42 @@ def _stream_capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _on_store(t: torch.Tensor, device: torch.device, pin: bool, moved: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A shared store tensor where the store lives (pinned when asked): as it is when it is there already, and
+    moved once for all the layers that share it (`moved`: by the source's address)."""
+    if t.device == device and (not pin or t.is_pinned()):
+        return t
+    key = t.data_ptr()
+    if key not in moved:
+        moved[key] = t.to(device).pin_memory() if pin else t.to(device)
+    return moved[key]
+
+
 class ExpertPool:
     """One sparse layer's slots on the device, its store (host or peer) and its slot policy."""
 
-    def __init__(self, block: SparseMoE, device: torch.device, store_device: torch.device, pin: bool) -> None:
+    def __init__(self, block: SparseMoE, device: torch.device, store_device: torch.device, pin: bool,
+                 moved: dict[int, torch.Tensor] | None = None) -> None:
         E, I = block.num_experts, block.intermediate_size
         # quantized experts are held dequantized, in the router's (the activations') dtype
         H, dtype = block.gate.in_features, block.gate.weight.dtype
         self.num_experts = E
-        self.store_gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=store_device, pin_memory=pin)
-        self.store_down = torch.empty(E, H, I, dtype=dtype, device=store_device, pin_memory=pin)
-        with torch.no_grad():
-            for e, expert in enumerate(block.experts):
-                self.store_gate_up[e, :I].copy_(dense_weight(expert.gate_proj, dtype))
-                self.store_gate_up[e, I:].copy_(dense_weight(expert.up_proj, dtype))
-                self.store_down[e].copy_(dense_weight(expert.down_proj, dtype))
+        self.store_rows = list(range(E))  # expert -> its row in the store
+        if block.expert_store is not None:
+            # a synthetic source's shared store (engine.model.synthetic): every layer's experts are rows of it,
+            # already generated where they live (pinned host memory, or a device); moved once when elsewhere
+            self.store_gate_up, self.store_down = (_on_store(t, store_device, pin, moved if moved is not None else {})
+                                                   for t in block.expert_store)
+            self.store_rows = list(block.store_rows)
+            block.expert_store = (self.store_gate_up, self.store_down)
+        else:
+            self.store_gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=store_device, pin_memory=pin)
+            self.store_down = torch.empty(E, H, I, dtype=dtype, device=store_device, pin_memory=pin)
+            with torch.no_grad():
+                for e, expert in enumerate(block.experts):
+                    self.store_gate_up[e, :I].copy_(dense_weight(expert.gate_proj, dtype))
+                    self.store_gate_up[e, I:].copy_(dense_weight(expert.up_proj, dtype))
+                    self.store_down[e].copy_(dense_weight(expert.down_proj, dtype))
         self.device = device
         self.policy = SlotPolicy(0)
         self.gate_up = self.down = self.table = torch.empty(0)
@@ -76,7 +97,8 @@ class ExpertPool:
         """(Re)allocate `slots` slots plus the miss slot, keeping the experts the policy ranks highest."""
         old_gate_up, old_down = self.gate_up, self.down
         kept = self.policy.resize(slots)
-        E, I2, H = self.store_gate_up.shape
+        I2, H = self.store_gate_up.shape[1:]
+        E = self.num_experts
         self.gate_up = self.down = None  # type: ignore[assignment]  # the old pool may go before the new one is made
         gate_up = torch.empty(slots + 1, I2, H, dtype=self.store_gate_up.dtype, device=self.device)
         down = torch.empty(slots + 1, H, I2 // 2, dtype=self.store_down.dtype, device=self.device)
@@ -117,7 +139,12 @@ class ExpertCache:
         self.copy_stream = torch.cuda.Stream(device) if on_cuda else None
         self.peer = store_device  # None: the store is pinned host memory
         store = torch.device("cpu") if store_device is None else store_device
-        self.pools = [ExpertPool(b, device, store, pin=on_cuda and store.type == "cpu") for b in self.blocks]
+        moved: dict[int, torch.Tensor] = {}  # a shared store (synthetic sources) moves once for every layer
+        self.pools = [ExpertPool(b, device, store, on_cuda and store.type == "cpu", moved) for b in self.blocks]
+        # the store's own bytes: every expert once, or a shared store's distinct rows once
+        distinct = {t.data_ptr(): t.numel() * t.element_size() for p in self.pools
+                    for t in (p.store_gate_up, p.store_down)}
+        self.store_mib = sum(distinct.values()) / MIB
         first = self.pools[0]
         self.num_experts = first.num_experts
         self.top_k = self.blocks[0].top_k
@@ -192,12 +219,12 @@ class ExpertCache:
 
     @property
     def host_mib(self) -> float:
-        return self.all_experts_mib if self.peer is None else 0.0
+        return self.store_mib if self.peer is None else 0.0
 
     @property
     def peer_mib(self) -> float:
         """The store on the --peer-device card (every expert once); 0 with a host store."""
-        return 0.0 if self.peer is None else self.all_experts_mib
+        return 0.0 if self.peer is None else self.store_mib
 
     # --- the claimant: shrink, grow ----------------------------------------------------------------------
 
@@ -268,6 +295,8 @@ class ExpertCache:
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.store_gate_up = pool.store_down = torch.empty(0)
+        for block in self.blocks:
+            block.expert_store = None  # a shared store (synthetic sources) is freed with the pools
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
@@ -318,8 +347,9 @@ class ExpertCache:
             start.record(self.copy_stream)
         t0 = time.perf_counter()
         for e, slot in loads:
-            self._copy(pool.gate_up[slot], pool.store_gate_up[e])
-            self._copy(pool.down[slot], pool.store_down[e])
+            row = pool.store_rows[e]
+            self._copy(pool.gate_up[slot], pool.store_gate_up[row])
+            self._copy(pool.down[slot], pool.store_down[row])
         pool.set_table([(e, pool.slots) for e in evicted] + list(loads))
         if self.copy_stream is not None:
             end.record(self.copy_stream)

@@ -57,9 +57,13 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
 
 def store_mib(model: torch.nn.Module) -> float:
     """MiB of every routed expert once (the store), from the model's sparse layers before the cache takes them."""
-    # the store holds each expert in the router's dtype (quantized experts dequantized): 3 matrices of I x H
-    return sum(3 * b.num_experts * b.intermediate_size * b.gate.in_features * b.gate.weight.element_size()
-               for b in sparse_blocks(model)) / 2**20
+    # the store holds each expert in the router's dtype (quantized experts dequantized): 3 matrices of I x H; a
+    # synthetic source's shared store (engine.model.synthetic) holds its distinct rows once
+    shared = {t.data_ptr(): t.numel() * t.element_size() for b in sparse_blocks(model) if b.expert_store is not None
+              for t in b.expert_store}
+    own = sum(3 * b.num_experts * b.intermediate_size * b.gate.in_features * b.gate.weight.element_size()
+              for b in sparse_blocks(model) if b.expert_store is None)
+    return (own + sum(shared.values())) / 2**20
 
 
 def check_min_budget(cache: ExpertCache, mib: Any, param: str) -> None:

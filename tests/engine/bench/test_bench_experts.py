@@ -66,3 +66,21 @@ def test_bench_experts_replay_synthetic_and_a_recorded_trace(tmp_path, capsys):
     assert "none.jsonl" in capsys.readouterr().err
     assert main(["bench", "experts-replay", "--half-life", "0", "--json", str(out)]) == 2
     assert "half_life=0.0: expected at least 0.01" in capsys.readouterr().err
+
+
+def test_bench_experts_on_a_synthetic_skewed_source(tmp_path, one_torch_thread):
+    # random:moe-synth-tiny has no file (engine.model.synthetic) and a skewed router: with part of the experts on
+    # the device the live LRU hits well above the resident fraction (a uniform router's rate), and is compared
+    # with Belady on the same trace
+    out = tmp_path / "experts.json"
+    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--budgets", "25",
+                 "--prompt-tokens", "24", "--new-tokens", "16", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    rows = {r["budget_pct"]: r for r in doc["rows"]}
+    assert sorted(rows) == [25, 100] and all(r["engine"] == "strata" for r in doc["rows"])  # no transformers peer
+    small = rows[25]
+    assert all(r["same_tokens"] for r in doc["rows"]) and small["slots"] < 16 and small["misses"] > 0
+    assert small["hit_rate"] > small["slots"] / 16 + 0.1
+    assert rows[25]["vs_belady"] == pytest.approx(rows[25]["hit_rate"] / rows[25]["oracle_hit_rate"])
+    assert 0 < rows[25]["vs_belady"] <= 1.0
