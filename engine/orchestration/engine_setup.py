@@ -202,6 +202,10 @@ class _PartsBuilder:
                                                tier_budget_mib, experts.peer_mib if experts is not None else 0.0,
                                                shared, keep_free_mib=graphs_mib)
         self.budgets[0].experts = experts
+        if experts is not None:
+            from engine.exec.experts.setup import AUTO
+
+            self.budgets[0].experts_first = config.expert_cache_mib == AUTO  # the claimant that fills the card
         self.budgets[0].weight_format = lm.weight_format
         if recapture:
             self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
