@@ -25,8 +25,9 @@ from engine.model.quant.linear import is_quantized
 class ExpertProvider(Protocol):
     """Who computes a sparse block's experts once the router has chosen them."""
 
-    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], ids [N, k] long, weights [N, k] (x's dtype) -> [N, H]."""
+    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], ids [N, k] long, weights [N, k] (x's dtype), positions [N] or None -> [N, H]."""
         ...
 
 
@@ -136,9 +137,10 @@ class SparseMoE(nn.Module):
         """x [B, T, H] (positions [B, T]: the router prior's phase) -> [B, T, H]."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
-        weights, ids = self.route(flat, None if positions is None else positions.reshape(B * T))
+        flat_positions = None if positions is None else positions.reshape(B * T)
+        weights, ids = self.route(flat, flat_positions)
         if self._provider:
-            out = self._provider[0].moe_forward(self.moe_index, flat, ids, weights)
+            out = self._provider[0].moe_forward(self.moe_index, flat, ids, weights, flat_positions)
         else:
             out = torch.zeros_like(flat)
             for expert in sorted(set(ids.flatten().tolist())):

@@ -166,6 +166,9 @@ class _PartsBuilder:
             # their padding rows load no expert and their accesses are counted as prefill steps
             runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
             follow_policy_switch(experts, board)  # EXPERT_LFU set at start
+            from engine.exec.experts.cold import cold_mode
+
+            experts.set_cold(cold_mode(board))  # EXPERT_CPU / EXPERT_PREFETCH: how a miss is served
         runner.release_memory = self.make_room
         chunks = None
         if overlap_wanted(config.prefill_overlap, device, config.kv_resident, moe=experts is not None):

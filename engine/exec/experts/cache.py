@@ -32,9 +32,10 @@ from typing import Callable
 
 import torch
 
+from engine.exec.experts.cold import COLD_MODES, add_expert_on_host, predicted_ids
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import SlotPolicy, adopt, groups_of
-from engine.model.moe import SparseMoE, add_expert, dense_weight, expert_mlp, sparse_blocks
+from engine.model.moe import SparseMoE, add_expert, dense_weight, expert_mlp, moe_index_of, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
@@ -88,6 +89,9 @@ class ExpertPool:
         self.policy = SlotPolicy(0)
         self.gate_up = self.down = self.table = torch.empty(0)
         self._table_host = [0] * E
+        # a copy into this pool's slots not waited for yet (cold `cpu` admissions, `prefetch`): the pool's next
+        # reader waits for it (engine.exec.experts.cold)
+        self.pending: torch.cuda.Event | None = None
 
     @property
     def slots(self) -> int:
@@ -165,6 +169,13 @@ class ExpertCache:
         self.capturing: Callable[[torch.Tensor], bool] = _stream_capturing
         self.force_eager = False
         self.served_this_step: set[int] = set()  # layers loaded between this step's replays (expert_steps)
+        self.cold = "copy"  # how a miss is served: copy | cpu | prefetch (engine.exec.experts.cold; set_cold)
+        config = getattr(model, "config", None)
+        # the sparse blocks of the main stack (an MTP block follows the last one in another forward: not predicted)
+        self.main_layers = n if config is None else sum(
+            moe_index_of(config, layer) is not None for layer in range(config.num_hidden_layers))
+        # prefetch under a CUDA graph: the experts each layer's next one would route to, counted on the device
+        self.dev_predicted = torch.zeros(n, self.num_experts, dtype=torch.float32, device=device)
         for block in self.blocks:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
@@ -181,6 +192,15 @@ class ExpertCache:
         the captured graphs reading them stay valid."""
         for pool in self.pools:
             pool.policy = adopt(pool.policy, name)
+
+    def set_cold(self, mode: str) -> None:
+        """Serve misses by `mode` (engine.exec.experts.cold.COLD_MODES); the captured graphs compute predictions
+        only under prefetch, so they are dropped when the mode changes."""
+        if mode not in COLD_MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {', '.join(COLD_MODES)}")
+        if mode != self.cold:
+            self.cold = mode
+            self.on_resize()
 
     # --- sizes -------------------------------------------------------------------------------------------
 
@@ -301,22 +321,26 @@ class ExpertCache:
     # --- the provider seam ---------------------------------------------------------------------------------
 
     @torch.compiler.disable
-    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], ids / weights [N, k] -> [N, H] (see the module docstring for the two paths).
+    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], ids / weights [N, k] (positions [N]: the next layer's router prior, for prefetch) -> [N, H]
+        (see the module docstring for the two paths).
 
         Never traced by torch.compile (COMPILE): Dynamo would specialize on `capturing()`, False at the warm-up,
         and compile the captured path during the capture itself, which CUDA refuses ("operation not permitted
         when stream is capturing"), and an MoE engine under COMPILE would lose the switch or die."""
         if not self.force_eager and self.capturing(x):
-            return self._captured_forward(moe_index, x, ids, weights)
-        return self._eager_forward(moe_index, x, ids, weights)
+            return self._captured_forward(moe_index, x, ids, weights, positions)
+        return self._eager_forward(moe_index, x, ids, weights, positions)
 
     def _rows(self, n: int) -> torch.Tensor | None:
         """The real-row mask of a step's N tokens (padding rows route too, but need no expert), or None."""
         return self.row_valid[:n] if self.valid_rows == n else None
 
-    def _eager_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _eager_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
         pool = self.pools[i]
+        self.wait_pending(pool)
         rows = self._rows(x.shape[0])
         routed = ids if rows is None else ids[rows]
         experts = sorted(set(routed.flatten().tolist()))  # the one host sync of this layer
@@ -329,17 +353,62 @@ class ExpertCache:
                 add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
             return out
         self.stats.record_access(i, experts, int(routed.shape[0]))
+        on_host = self.cold == "cpu"
+        predict = self.cold == "prefetch"
         for group in groups_of(experts, pool.slots):
             result = pool.policy.serve(group)
             self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
             if result.loads:
-                self._load(pool, result.loads, result.evicted)
+                # cpu: the copy goes behind this step (the layer's next access waits for it), the expert runs on
+                # the host meanwhile; copy: the layer waits for it
+                self._load(pool, result.loads, result.evicted, wait=not on_host)
+            if predict:  # once, after this layer's own loads: the layer does not wait for the next one's copies
+                predict = False
+                self._prefetch_next(i, x, positions, rows)
+            cold = {e for e, _ in result.loads} if on_host else set()
             for e in group:
+                if e in cold:
+                    row = pool.store_rows[e]
+                    add_expert_on_host(out, x, ids, weights, e, pool.store_gate_up[row], pool.store_down[row], rows)
+                    continue
                 slot = pool.policy.where[e]
                 add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
         return out
 
-    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int]) -> None:
+    def _prefetch_next(self, i: int, x: torch.Tensor, positions: torch.Tensor | None,
+                       rows: torch.Tensor | None) -> None:
+        """Copy in, on the side stream, the experts layer i+1's gate picks for layer i's input (see cold.py)."""
+        j = i + 1
+        if j >= self.main_layers or (self.blocks[j].router_prior is not None and positions is None):
+            return
+        predicted = predicted_ids(self.blocks[j], x, positions)
+        wanted = sorted(set((predicted if rows is None else predicted[rows]).flatten().tolist()))
+        self.prefetch(j, wanted)
+
+    def prefetch(self, j: int, experts: list[int]) -> None:
+        """Bring layer j's `experts` (predicted, not yet asked for) into its pool behind the step: no access is
+        recorded (the layer records its own when it runs), and at most the pool's slots are taken."""
+        pool = self.pools[j]
+        missing = [e for e in experts if not pool.policy.resident(e)][:pool.slots]
+        if not missing:
+            return
+        result = pool.policy.serve(missing)
+        self.stats.prefetched += len(result.loads)
+        self._load(pool, result.loads, result.evicted, wait=False)
+
+    def wait_pending(self, pool: ExpertPool) -> None:
+        """Make the compute stream wait for a copy into `pool` that went behind an earlier step."""
+        if pool.pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(pool.pending)
+            pool.pending = None
+
+    def wait_all_pending(self) -> None:
+        for pool in self.pools:
+            self.wait_pending(pool)
+
+    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int], wait: bool = True) -> None:
+        """Copy `loads` (expert, slot) in from the store on the side stream; `wait`: the compute stream waits for
+        them now, else the pool's next reader does (ExpertPool.pending)."""
         start = end = None
         if self.copy_stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -353,10 +422,14 @@ class ExpertCache:
         pool.set_table([(e, pool.slots) for e in evicted] + list(loads))
         if self.copy_stream is not None:
             end.record(self.copy_stream)
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            if wait:
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            else:
+                pool.pending = end
         self.stats.record_loads(len(loads), len(loads) * self.expert_mib, (start, end), time.perf_counter() - t0)
 
-    def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
         """Graph-safe: no host sync, static shapes. Misses read the zero slot and are counted for a re-run."""
         pool = self.pools[i]
         N, k = ids.shape
@@ -365,6 +438,11 @@ class ExpertCache:
         real = torch.ones_like(ids, dtype=torch.bool) if rows is None else rows[:, None].expand(N, k)
         self.dev_misses[i:i + 1] += ((slots == pool.slots) & real).sum().to(torch.float32)
         self.dev_counts[i].index_add_(0, ids.flatten(), real.flatten().to(torch.float32))
+        j = i + 1
+        if self.cold == "prefetch" and j < self.main_layers and (
+                self.blocks[j].router_prior is None or positions is not None):
+            predicted = predicted_ids(self.blocks[j], x, positions)  # [N, k] layer j's likely experts
+            self.dev_predicted[j].index_add_(0, predicted.flatten(), real.flatten().to(torch.float32))
         if N * k > _GATHER_MAX_ROUTES:
             return self._captured_slot_loop(pool, x, slots, weights)
         gate_up = pool.gate_up[slots]  # [N, k, 2I, H]
@@ -413,4 +491,5 @@ class ExpertCache:
         return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots,
                                    target_slots=self.target_slots, mib=self.mib, host_mib=self.host_mib,
                                    peer_mib=self.peer_mib, store_device=str(self.peer or "host"),
-                                   expert_mib=self.expert_mib, all_experts_mib=self.all_experts_mib, top_k=self.top_k)
+                                   expert_mib=self.expert_mib, all_experts_mib=self.all_experts_mib, top_k=self.top_k,
+                                   cold=self.cold)
