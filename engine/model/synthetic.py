@@ -26,7 +26,6 @@ ranking rolls by `drift_experts`, so the hot set moves slowly along a long promp
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,11 +173,3 @@ def synthetic_tokenizer() -> tuple[Tokenizer, tuple[int, ...]]:
     special = {"eos_token": im_end, "pad_token": endoftext, "bos_token": None, "chat_template": CHATML_TEMPLATE}
     tok = Tokenizer(HFTokenizer.from_str(toy_tokenizer_json(_TOKENIZER_VOCAB)), CHATML_TEMPLATE, special)
     return tok, (SPECIAL_TOKENS.index(im_end), SPECIAL_TOKENS.index(endoftext))
-
-
-def experts_gib(name: str, bytes_per_param: int = 2) -> float:
-    """GiB of every routed expert of `random:NAME` as distinct weights (what the device slots would hold)."""
-    cfg = SPECS[name].config
-    layers = cfg.num_hidden_layers + (cfg.mtp.num_layers if cfg.mtp else 0)
-    per_expert = 3 * cfg.hidden_size * cfg.moe.moe_intermediate_size * bytes_per_param
-    return layers * cfg.moe.num_experts * per_expert / math.pow(2, 30)

@@ -9,7 +9,7 @@ from engine.errors import ConfigError
 from engine.exec.experts.cache import ExpertCache
 from engine.model import load_checkpoint
 from engine.model.moe import sparse_blocks
-from engine.model.synthetic import SPECS, experts_gib, is_synthetic, tensor_seed
+from engine.model.synthetic import SPECS, is_synthetic, tensor_seed
 from engine.telemetry import EventBus
 
 TINY = "random:moe-synth-tiny"
@@ -77,6 +77,13 @@ def test_a_small_expert_cache_gives_the_all_resident_logits(tiny):
     assert cache.store_mib < cache.all_experts_mib  # the store holds its distinct rows once
     torch.testing.assert_close(_logits(model, ids), reference)
     assert sum(cache.stats.misses) > 0 and sum(cache.stats.evictions) > 0
+
+
+def experts_gib(name: str) -> float:
+    """GiB of every routed expert of `random:NAME` in bf16 as distinct weights (what all-resident slots hold)."""
+    cfg = SPECS[name].config
+    layers = cfg.num_hidden_layers + cfg.mtp.num_layers
+    return layers * cfg.moe.num_experts * 3 * cfg.hidden_size * cfg.moe.moe_intermediate_size * 2 / 2**30
 
 
 def test_names_and_sizes():
