@@ -445,10 +445,13 @@ class ExpertCache:
             self.dev_predicted[j].index_add_(0, predicted.flatten(), real.flatten().to(torch.float32))
         if N * k > _GATHER_MAX_ROUTES:
             return self._captured_slot_loop(pool, x, slots, weights)
-        gate_up = pool.gate_up[slots]  # [N, k, 2I, H]
-        h = torch.matmul(gate_up, x[:, None, :, None]).squeeze(-1)  # [N, k, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = torch.matmul(pool.down[slots], (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)  # [N, k, H]
+        # one routed position at a time: the gathered weights are [N, 2I, H], not [N, k, 2I, H] (at the seed's
+        # scale, k = 10 experts of 6 MiB for each of up to 25 rows would hold GiBs in every captured graph's pool)
+        y = torch.empty(N, k, x.shape[1], dtype=x.dtype, device=x.device)
+        for j in range(k):
+            h = torch.bmm(pool.gate_up[slots[:, j]], x[:, :, None]).squeeze(-1)  # [N, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            y[:, j] = torch.bmm(pool.down[slots[:, j]], (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
         return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def _captured_slot_loop(self, pool: ExpertPool, x: torch.Tensor, slots: torch.Tensor,
