@@ -99,3 +99,23 @@ def test_without_auto_the_tier_still_gives_first():
     slots = cache.slots
     budget.make_room(2 * tier.block_mib, "a step out of memory")
     assert tier.capacity_blocks == 6 and cache.slots == slots
+
+
+def test_an_auto_engine_books_the_cache_and_asks_it_first():
+    from tests.engine.engine_helpers import make_engine, one_thread
+
+    with one_thread():
+        engine = make_engine("random:moe-synth-tiny", batch=2, expert_cache_mib="auto")
+        try:
+            cache = engine.lm.model.expert_provider
+            books = engine.budget.breakdown()
+            assert engine.budget.experts_first and books.experts_mib == round(cache.mib, 1) > 0
+            assert cache.slots == cache.num_experts  # the host's free memory holds every expert of the tiny model
+        finally:
+            engine.close()
+    with one_thread():
+        engine = make_engine("random:moe-synth-tiny", batch=2, expert_cache_mib=1)
+        try:
+            assert not engine.budget.experts_first  # a budget the user gave: the tier gives first, as before
+        finally:
+            engine.close()
