@@ -65,6 +65,31 @@ def add_expert(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: t
     out.index_add_(0, token_idx, y.to(out.dtype))
 
 
+Route = tuple[torch.Tensor, torch.Tensor]  # (token_idx, pos): the (token, position) pairs routed to one expert
+
+
+def routes_by_expert(ids: torch.Tensor, rows: torch.Tensor | None = None) -> dict[int, Route]:
+    """ids [N, k] -> {expert: (token_idx, pos)} for every expert routed to (rows: only those tokens), experts
+    ascending and each expert's pairs in the order torch.where(ids == expert) gives them, with a few host syncs
+    for the whole layer instead of one per expert (a prompt chunk of a 512-expert layer routes to all of them)."""
+    N, k = ids.shape
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # grouped by expert, flat (token-major) order kept within a group
+    if rows is not None:
+        order = order[rows[:, None].expand(N, k).flatten()[order]]
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    groups = torch.split(order, counts.tolist())
+    return {e: (g // k, g % k) for e, g in zip(experts.tolist(), groups)}
+
+
+def add_routed(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, route: Route, w_gate_up: torch.Tensor,
+               w_down: torch.Tensor) -> None:
+    """out[t] += weights[t, j] * expert(x[t]) for the (t, j) of `route`: add_expert's sums, routes given."""
+    token_idx, pos = route
+    y = expert_mlp(x[token_idx], w_gate_up, w_down) * weights[token_idx, pos, None]
+    out.index_add_(0, token_idx, y.to(out.dtype))
+
+
 class SparseMoE(nn.Module):
     """Router + experts. `moe_index` numbers the sparse blocks of a model (main layers first, then MTP)."""
 

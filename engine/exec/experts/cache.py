@@ -32,10 +32,10 @@ from typing import Callable
 
 import torch
 
-from engine.exec.experts.cold import COLD_MODES, add_expert_on_host, predicted_ids
+from engine.exec.experts.cold import COLD_MODES, add_routed_on_host, predicted_ids
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import SlotPolicy, adopt, groups_of
-from engine.model.moe import SparseMoE, add_expert, dense_weight, expert_mlp, moe_index_of, sparse_blocks
+from engine.model.moe import SparseMoE, add_routed, dense_weight, expert_mlp, moe_index_of, routes_by_expert, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
@@ -342,17 +342,18 @@ class ExpertCache:
         pool = self.pools[i]
         self.wait_pending(pool)
         rows = self._rows(x.shape[0])
-        routed = ids if rows is None else ids[rows]
-        experts = sorted(set(routed.flatten().tolist()))  # the one host sync of this layer
+        routes = routes_by_expert(ids, rows)  # the layer's host syncs, a few for all its experts
+        experts = list(routes)  # ascending
         out = torch.zeros_like(x)
         if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
             # loaded between this step's replays and recorded then: compute only (a second serve would
             # reorder the policy and count the access twice)
             for e in experts:
                 slot = pool.policy.where[e]
-                add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
+                add_routed(out, x, weights, routes[e], pool.gate_up[slot], pool.down[slot])
             return out
-        self.stats.record_access(i, experts, int(routed.shape[0]))
+        tokens = x.shape[0] if rows is None else int(rows.sum())
+        self.stats.record_access(i, experts, tokens)
         on_host = self.cold == "cpu"
         predict = self.cold == "prefetch"
         for group in groups_of(experts, pool.slots):
@@ -369,10 +370,10 @@ class ExpertCache:
             for e in group:
                 if e in cold:
                     row = pool.store_rows[e]
-                    add_expert_on_host(out, x, ids, weights, e, pool.store_gate_up[row], pool.store_down[row], rows)
+                    add_routed_on_host(out, x, weights, routes[e], pool.store_gate_up[row], pool.store_down[row])
                     continue
                 slot = pool.policy.where[e]
-                add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
+                add_routed(out, x, weights, routes[e], pool.gate_up[slot], pool.down[slot])
         return out
 
     def _prefetch_next(self, i: int, x: torch.Tensor, positions: torch.Tensor | None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.moe import SparseMoE, expert_mlp
+from engine.model.moe import Route, SparseMoE, expert_mlp
 from engine.switches import SwitchBoard
 
 COLD_MODES = ("copy", "cpu", "prefetch")
@@ -36,17 +36,11 @@ def cold_mode(board: SwitchBoard | None) -> str:
     return "cpu" if on(CPU_SWITCH) else "prefetch" if on(PREFETCH_SWITCH) else "copy"
 
 
-def add_expert_on_host(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: int,
-                       w_gate_up: torch.Tensor, w_down: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """out[t] += weights[t, j] * expert(x[t]) for every (t, j) routed to `expert`, the expert computed where its
-    weights are (the host store): the tokens' rows go there and the result comes back (the same sums as
-    engine.model.moe.add_expert, in the same order)."""
-    hit = ids == expert
-    if rows is not None:
-        hit &= rows[:, None]
-    token_idx, pos = torch.where(hit)
-    if token_idx.numel() == 0:
-        return
+def add_routed_on_host(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, route: Route,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """engine.model.moe.add_routed with the expert computed where its weights are (the host store): the routed
+    tokens' rows go there and the result comes back (the same sums, in the same order)."""
+    token_idx, pos = route
     y = expert_mlp(x[token_idx].to(w_gate_up.device), w_gate_up, w_down).to(out.device)
     out.index_add_(0, token_idx, (y * weights[token_idx, pos, None]).to(out.dtype))
 
