@@ -50,6 +50,7 @@ def test_each_cold_path_gives_the_all_resident_tokens(prompts, resident_tokens, 
         assert snap["prefetched"] > 0  # the next layer's predicted experts were copied in ahead of it
     else:
         assert snap["prefetched"] == 0
+    assert (snap["host_runs"] > 0) == (mode == "cpu")  # misses computed on the CPU only in cpu mode
     if captured and mode == "cpu":
         assert snap["replays"] == 0 and snap["reruns"] > 0  # a miss runs the step eagerly, its misses on the host
 

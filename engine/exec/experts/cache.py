@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from engine.exec.experts.cold import COLD_MODES, add_routed_on_host, predicted_ids
+from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, add_routed_on_host, predicted_ids
 from engine.exec.experts.pool import ExpertPool
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import adopt, groups_of
@@ -275,21 +275,22 @@ class ExpertCache:
             return out
         tokens = x.shape[0] if rows is None else int(rows.sum())
         self.stats.record_access(i, experts, tokens)
-        on_host = self.cold == "cpu"
         predict = self.cold == "prefetch"
         for group in groups_of(experts, pool.slots):
             result = pool.policy.serve(group)
             self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
+            # cpu: a miss with few tokens runs on the host while its copy goes behind the step (the layer's next
+            # access waits for it); a miss with many (a prompt chunk's) is copied and waited for, as in copy mode
+            cold = {e for e, _ in result.loads if routes[e][0].numel() <= CPU_MAX_TOKENS} \
+                if self.cold == "cpu" else set()
             if result.loads:
-                # cpu: the copy goes behind this step (the layer's next access waits for it), the expert runs on
-                # the host meanwhile; copy: the layer waits for it
-                self._load(pool, result.loads, result.evicted, wait=not on_host)
+                self._load(pool, result.loads, result.evicted, wait=len(cold) < len(result.loads))
             if predict:  # once, after this layer's own loads: the layer does not wait for the next one's copies
                 predict = False
                 self._prefetch_next(i, x, positions, rows)
-            cold = {e for e, _ in result.loads} if on_host else set()
             for e in group:
                 if e in cold:
+                    self.stats.host_runs += 1
                     row = pool.store_rows[e]
                     add_routed_on_host(out, x, weights, routes[e], pool.store_gate_up[row], pool.store_down[row])
                     continue

@@ -6,7 +6,8 @@ since only where an expert's weights are read changes, never the sum or its orde
 - `cpu` (EXPERT_CPU): the miss runs on the CPU from the host store, this step (its tokens' rows go to the host and
   the result comes back), as llama.cpp's `--n-cpu-moe`; it is admitted to its slot on the side stream behind the
   step, and the layer's next access waits for that copy, not this one. A captured (graph) step that missed runs
-  again eagerly, which serves its misses this way;
+  again eagerly, which serves its misses this way. A miss routed more than CPU_MAX_TOKENS tokens (a prompt
+  chunk's) is copied and waited for instead: the CPU's time grows with the tokens, the copy's does not;
 - `prefetch` (EXPERT_PREFETCH): while layer L runs, layer L+1's gate applied to layer L's input predicts L+1's
   experts, and those not resident are copied in on the side stream before L+1 asks for them (eager steps); in a
   captured step the graph records the predictions, and after a miss the layers past the first missed one are
@@ -23,6 +24,9 @@ from engine.switches import SwitchBoard
 COLD_MODES = ("copy", "cpu", "prefetch")
 CPU_SWITCH = "EXPERT_CPU"
 PREFETCH_SWITCH = "EXPERT_PREFETCH"
+# cpu: the most tokens a miss may be routed and still run on the host (a decode or verify step's few rows); one
+# routed more (a prompt chunk's) is copied in, as in copy mode
+CPU_MAX_TOKENS = 8
 
 
 def cold_mode(board: SwitchBoard | None) -> str:
