@@ -76,6 +76,13 @@ def expert_lines(view: ExpertView, note: str = "", width: int = 0) -> list[Text]
         rates.append_text(Text.assemble(("  policy ", "dim"), (policy, "cyan")))
     runs = Text.assemble(("reruns ", "dim"), str(snap.get("reruns", NA)), ("  replays ", "dim"),
                          str(snap.get("replays", NA)))
+    cold = snap.get("cold")
+    if cold == "cpu":  # EXPERT_CPU: misses run on the host
+        runs.append_text(Text.assemble(("  cold ", "dim"), ("cpu", "cyan"), ("  on host ", "dim"),
+                                       str(snap.get("host_runs", NA))))
+    elif cold == "prefetch":  # EXPERT_PREFETCH: experts copied in ahead of their layer
+        runs.append_text(Text.assemble(("  cold ", "dim"), ("prefetch", "cyan"), ("  prefetched ", "dim"),
+                                       str(snap.get("prefetched", NA))))
     resize = view.last_resize
     if resize is not None:
         runs.append(f"  {resize.action} → {resize.slots}: {resize.reason}", style="dim")

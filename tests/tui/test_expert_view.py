@@ -84,3 +84,15 @@ def test_the_heat_row_keeps_every_layer_and_shows_a_shared_cell_at_its_worst() -
     assert all(h == 0.9 for i, h in enumerate(heat) if i not in (0, 23))
     row = heat_row(view, 48)
     assert len(row.plain) == 48 and row.plain[30] == "·" and row.plain[0] != row.plain[1]
+
+
+def test_the_panel_names_a_cold_mode_other_than_copy() -> None:
+    from strata_tui.widgets.expert_panel import expert_lines
+
+    view = ExpertView()
+    view.update({**_snap(), "cold": "copy"})
+    assert "cold" not in "\n".join(line.plain for line in expert_lines(view))  # the default says nothing
+    view.update({**_snap(), "cold": "cpu", "host_runs": 17})
+    assert "cold cpu  on host 17" in "\n".join(line.plain for line in expert_lines(view))
+    view.update({**_snap(), "cold": "prefetch", "prefetched": 40})
+    assert "cold prefetch  prefetched 40" in "\n".join(line.plain for line in expert_lines(view))
