@@ -13,8 +13,9 @@ Qwen3MoeForCausalLM `generate` (eager) on the same weights and prompts.
 Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
 budget of p % is close to p % and says little about trained models, whose routing is skewed (much higher hit
 rates at small budgets). A synthetic source (`--model random:moe-80b`, engine.model.synthetic) routes by a seeded
-Zipf prior that drifts with position, so its hit rates and `vs_belady` mean something. `--trace-out` records the smallest budget's routing trace (engine.exec.experts.trace)
-so a real model's trace can be replayed against the policy offline (`bench experts-replay --trace`).
+Zipf prior that drifts with position, so its hit rates and `vs_belady` mean something. `--trace-out` records the
+smallest budget's routing trace (engine.exec.experts.trace) so a real model's trace can be replayed against the
+policy offline (`bench experts-replay --trace`).
 
 `--cold copy,cpu,prefetch` measures every budget below 100 % once per cold-expert mode (engine.exec.experts.cold:
 the EXPERT_CPU and EXPERT_PREFETCH switches), side by side in one run; `--batches 1,6` repeats the table per
@@ -40,9 +41,9 @@ from engine.bench.engine_driver import build_engine, generate_all
 from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
-COLUMNS = ("engine", "model", "batch", "store", "cold", "policy", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s",
-           "vs_all_resident", "hit_rate", "oracle_hit_rate", "vs_belady", "misses", "replays", "reruns", "loaded_mib", "load_ms",
-           "same_tokens", "error")
+COLUMNS = ("engine", "model", "batch", "store", "cold", "policy", "budget_pct", "slots", "expert_cache_mib",
+           "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate", "oracle_hit_rate", "vs_belady", "misses", "replays",
+           "reruns", "loaded_mib", "load_ms", "same_tokens", "error")
 
 
 def cold_list(text: str) -> list[str]:
@@ -107,7 +108,8 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         cache.stats.publish_due(cache.mib, cache.slots, force=True, policy=cache.policy)  # times finished copies
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
-        row = {"engine": "strata", "model": args.model, "batch": len(prompts), "store": snap["store_device"], "cold": snap["cold"],
+        row = {"engine": "strata", "model": args.model, "batch": len(prompts), "store": snap["store_device"],
+               "cold": snap["cold"],
                "policy": snap["policy"], "budget_pct": pct, "prefetched": snap["prefetched"],
                "slots": cache.slots,
                "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
@@ -212,7 +214,8 @@ def _hf_row(path: str, device: Any, prompts: list[list[int]], args: argparse.Nam
 def _summary(rows: list[dict[str, Any]], expert_mib: float, sparse_layers: int, num_experts: int) -> dict[str, Any]:
     out: dict[str, Any] = {"expert_mib": expert_mib, "sparse_layers": sparse_layers, "num_experts": num_experts,
                            "all_experts_mib": expert_mib * sparse_layers * num_experts,
-                           "all_same_tokens": all(r.get("same_tokens") is not False for r in rows if r["engine"] == "strata")}
+                           "all_same_tokens": all(r.get("same_tokens") is not False
+                                                  for r in rows if r["engine"] == "strata")}
     strata = next((r for r in rows if r["engine"] == "strata" and r["budget_pct"] == 100), None)
     hf = next((r for r in rows if r["engine"] == "hf_eager"), None)
     if strata and hf and hf.get("tok_s"):

@@ -3,8 +3,8 @@ memory, or the --peer-device card (`store_device`: the experts that do not fit t
 a miss copies peer -> compute on the same side stream; tests on CPU pass the CPU as the "peer": the same path).
 
 Each sparse layer (engine.model.moe.SparseMoE, `moe_index` i) owns a pool (engine.exec.experts.pool) of `slots`
-experts on the device, `gate_up [slots + 1, 2I, H]` and `down [slots + 1, H, I]`, whose last row is a zero *miss slot*, and a device
-table `table[i] [E]` (expert -> its slot, or the miss slot). The store holds every expert once
+experts on the device, `gate_up [slots + 1, 2I, H]` and `down [slots + 1, H, I]`, whose last row is a zero
+*miss slot*, and a device table `table[i] [E]` (expert -> its slot, or the miss slot). The store holds every expert once
 (`[E, 2I, H]`, `[E, H, I]`; pinned when it is host memory for a CUDA device), so a miss is one slice copy each
 way, on a side stream.
 

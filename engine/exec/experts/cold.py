@@ -36,7 +36,8 @@ def cold_mode(board: SwitchBoard | None) -> str:
         return board is not None and name in board.states and board.enabled(name)
 
     if on(CPU_SWITCH) and on(PREFETCH_SWITCH):
-        board.mark_unavailable(PREFETCH_SWITCH, f"{CPU_SWITCH} is on: a cold expert runs on the CPU, none is prefetched")
+        board.mark_unavailable(PREFETCH_SWITCH,
+                               f"{CPU_SWITCH} is on: a cold expert runs on the CPU, none is prefetched")
     return "cpu" if on(CPU_SWITCH) else "prefetch" if on(PREFETCH_SWITCH) else "copy"
 
 

@@ -4,9 +4,9 @@
 - N: N MiB of pools (whole slots per layer, at least one slot per layer, at most every expert);
 - auto: one slot per layer at start, then, once the KV cache and the runner's buffers are allocated,
   AUTO_SHARE of what the books leave (free memory, measured with the weights, KV and any graphs captured so far
-  taken, minus the reserve), up to every expert. The prefix tier comes after it and takes only the rest, so with auto the experts fill the card by
-  design; and being the claimant that fills it, the cache is the first asked for room when a graph capture or a
-  step runs out of memory (VramBudget.experts_first), before the tier.
+  taken, minus the reserve), up to every expert. The prefix tier comes after it and takes only the rest, so with
+  auto the experts fill the card by design; and being the claimant that fills it, the cache is the first asked
+  for room when a graph capture or a step runs out of memory (VramBudget.experts_first), before the tier.
 A budget that cannot fit is a ConfigError naming the numbers, before anything is allocated.
 
 The experts that do not fit the slots stay in pinned host memory, or with `--peer-device` on that card (the
