@@ -76,6 +76,13 @@ def figures(docs: dict[str, dict]) -> dict[str, Any]:
         out["admission_ratio"] = min(ratios)
     for r in _rows(docs, "ttft"):
         out[f"ttft_s_{r['prompt_tokens']}"] = r["ttft_s"]
+    for r in _rows(docs, "experts_cold"):  # each cold-expert path against every expert on the card
+        if r.get("budget_pct") == 100:
+            continue  # the all-resident reference itself
+        if r.get("vs_all_resident") is not None:
+            out[f"experts_cold_{r['cold']}_vs_all_resident_b{r['batch']}"] = r["vs_all_resident"]
+        if r.get("cold") == "copy" and r.get("vs_belady") is not None:
+            out[f"experts_cold_copy_vs_belady_b{r['batch']}"] = r["vs_belady"]
     return out
 
 

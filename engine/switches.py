@@ -118,6 +118,20 @@ SWITCHES: tuple[Switch, ...] = (
         moe_only=True,
     ),
     Switch(
+        "EXPERT_CPU",
+        "MoE expert cache: a cold (not resident) expert runs on the CPU from the host store this step, as llama.cpp's "
+        "--n-cpu-moe, and is copied to its slot behind the step instead of the step waiting for the copy",
+        live=False,
+        moe_only=True,
+    ),
+    Switch(
+        "EXPERT_PREFETCH",
+        "MoE expert cache: layer L+1's gate applied to layer L's input predicts L+1's experts, and the cold ones are "
+        "copied in on the side stream while layer L runs (after a captured step's miss: before the replay)",
+        live=False,
+        moe_only=True,
+    ),
+    Switch(
         "FUSED_OPS",
         "a decoder layer's elementwise chains as one Triton kernel each: residual add + RMSNorm, q/k norm + RoPE, "
         "SiLU * up, and the KV write with int8 quantization; a decode step's narrow projections (o, down) as a "

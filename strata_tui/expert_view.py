@@ -113,6 +113,20 @@ class ExpertView:
     def layer_hit_rates(self) -> list[float | None]:
         return [layer.get("hit_rate") for layer in self.snapshot.get("layers") or [] if isinstance(layer, dict)]
 
+    def layer_heat(self, cells: int) -> list[float | None]:
+        """Per-layer hit rates in at most `cells` cells, in layer order: one layer a cell when they fit, else
+        consecutive layers share a cell that shows their *worst* rate (a cold layer is never averaged away);
+        None where no layer of the cell was accessed yet."""
+        rates = self.layer_hit_rates()
+        if cells <= 0 or not rates:
+            return []
+        n = min(cells, len(rates))
+        heat: list[float | None] = []
+        for c in range(n):
+            part = [r for r in rates[c * len(rates) // n:(c + 1) * len(rates) // n] if r is not None]
+            heat.append(min(part) if part else None)
+        return heat
+
     def worst_layers(self, n: int) -> list[tuple[int, float]]:
         """The `n` layers (sparse-layer index) with the lowest hit rates; layers with no access left out."""
         rates = [(i, r) for i, r in enumerate(self.layer_hit_rates()) if r is not None]

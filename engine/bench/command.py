@@ -203,6 +203,13 @@ def _experts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-out", default=None, metavar="PATH", help="write the smallest budget's routing trace")
     p.add_argument("--stores", default="host", help="where the experts that do not fit are held: host, peer "
                    "(peer needs --peer-device; host,peer measures both in one run)")
+    p.add_argument("--cold", default="copy", help="how a cold expert is served, each measured at every budget "
+                   "below 100: copy, cpu (EXPERT_CPU), prefetch (EXPERT_PREFETCH); copy,cpu,prefetch: side by side")
+    p.add_argument("--batches", type=int_list, default=None,
+                   help="batch sizes, each its own set of rows (default: --batch)")
+    p.add_argument("--all-resident-model", default=None, metavar="MODEL",
+                   help="measure the 100%% row on this model (one whose experts all fit the card, e.g. "
+                        "random:moe-80b-40l beside random:moe-80b) instead of --model")
 
 
 def _experts_replay(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,8 @@
 
 `--model random:0.6b` (or `random:tiny`, optionally `random:0.6b+mtp`) writes a random-weight checkpoint of that
 shape once per (size, dtype, MTP) into a cache directory and reuses it, so every benchmark of one GPU run, and
-every peer in it, measures the same weights.
+every peer in it, measures the same weights. A synthetic source (`random:moe-80b`: engine.model.synthetic) has
+no file: the engine generates it at load, the same weights every start.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def checkpoint_dtype(model_dtype: str, device: torch.device) -> str:
 
 def prepare_model(spec: str, device: torch.device, model_dtype: str = "auto") -> str:
     """A `--model` value the engine and the peers can both load: `random:SIZE[+mtp]` becomes a directory."""
-    if not spec.startswith(RANDOM_PREFIX):
+    from engine.model.synthetic import is_synthetic
+
+    if not spec.startswith(RANDOM_PREFIX) or is_synthetic(spec):  # a synthetic source is generated at load
         return spec
     size, _, extra = spec[len(RANDOM_PREFIX):].partition("+")
     if extra not in ("", "mtp"):

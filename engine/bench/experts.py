@@ -6,13 +6,23 @@ row every other one is compared with. One engine per budget, the same prompts: a
 captures the graph buckets), then the timed one. Greedy, so every budget must emit the all-resident tokens
 (`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
 a cold cache; `policy` is lru, or lfu with STRATA_EXPERT_LFU=1), and for the timed run: misses, extra graph
-replays and eager re-runs after a miss, MiB copied and their copy ms. `--hf` adds transformers'
+replays and eager re-runs after a miss, MiB copied and their copy ms; `vs_belady` is the live hit rate over the
+oracle's. `--hf` adds transformers'
 Qwen3MoeForCausalLM `generate` (eager) on the same weights and prompts.
 
 Random weights route near-uniformly: every expert is about equally likely for every token, so the hit rate of a
 budget of p % is close to p % and says little about trained models, whose routing is skewed (much higher hit
-rates at small budgets). `--trace-out` records the smallest budget's routing trace (engine.exec.experts.trace)
-so a real model's trace can be replayed against the policy offline (`bench experts-replay --trace`).
+rates at small budgets). A synthetic source (`--model random:moe-80b`, engine.model.synthetic) routes by a seeded
+Zipf prior that drifts with position, so its hit rates and `vs_belady` mean something. `--trace-out` records the
+smallest budget's routing trace (engine.exec.experts.trace) so a real model's trace can be replayed against the
+policy offline (`bench experts-replay --trace`).
+
+`--cold copy,cpu,prefetch` measures every budget below 100 % once per cold-expert mode (engine.exec.experts.cold:
+the EXPERT_CPU and EXPERT_PREFETCH switches), side by side in one run; `--batches 1,6` repeats the table per
+batch size; `--all-resident-model random:moe-80b-40l` takes the 100 % row from a model whose experts all fit
+the card (random:moe-80b's do not), so `vs_all_resident` compares ~85 % on the card with all of them. Under
+prefetch the experts copied in ahead of their layer are not accesses of the trace, so the live hit rate can
+pass the oracle's (`vs_belady` > 1); `prefetched` counts them.
 
 `--stores host,peer` (with `--peer-device cuda:N`) measures every budget below 100 % twice: the experts that do
 not fit the compute card in pinned host memory (`store` host, no peer device: the tier stays on the compute
@@ -31,9 +41,26 @@ from engine.bench.engine_driver import build_engine, generate_all
 from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
-COLUMNS = ("engine", "store", "policy", "budget_pct", "slots", "expert_cache_mib", "decode_tok_s", "tok_s",
-           "vs_all_resident", "hit_rate", "oracle_hit_rate", "misses", "replays", "reruns", "loaded_mib", "load_ms",
-           "same_tokens", "error")
+COLUMNS = ("engine", "model", "batch", "store", "cold", "policy", "budget_pct", "slots", "expert_cache_mib",
+           "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate", "oracle_hit_rate", "vs_belady", "misses", "replays",
+           "reruns", "loaded_mib", "load_ms", "same_tokens", "error")
+
+
+def cold_list(text: str) -> list[str]:
+    """`copy,cpu,prefetch` -> the cold-expert modes to measure (engine.exec.experts.cold), each once."""
+    from engine.exec.experts.cold import COLD_MODES
+
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in COLD_MODES for m in modes):
+        raise ConfigError("cold", text, f"expected comma-separated {', '.join(COLD_MODES)}")
+    return list(dict.fromkeys(modes))
+
+
+def cold_switches(mode: str) -> dict[str, bool]:
+    """The switches that select a cold-expert mode (both off: copy)."""
+    from engine.exec.experts.cold import CPU_SWITCH, PREFETCH_SWITCH
+
+    return {CPU_SWITCH: mode == "cpu", PREFETCH_SWITCH: mode == "prefetch"}
 
 
 def budget_list(text: str) -> list[int]:
@@ -63,15 +90,15 @@ def store_list(text: str, peer_device: str | None) -> list[str]:
 
 def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[list[int]],
                    warmup: list[list[int]], layer_mib: float, num_experts: int,
-                   store: str = "host") -> tuple[dict[str, Any], Any]:
-    """One engine at `pct` % of the expert bytes, its store on the host or the --peer-device: its row and the
-    cache (for the trace)."""
+                   store: str = "host", cold: str = "copy") -> tuple[dict[str, Any], Any]:
+    """One engine at `pct` % of the expert bytes, its store on the host or the --peer-device, its misses served
+    by the `cold` mode: its row and the cache (for the trace)."""
     slots = slots_for_pct(pct, num_experts)
     # +1 slot: each layer's miss slot; ceil keeps the MiB whole without adding a slot (a slot is >> 1 MiB/L)
     mib = None if slots >= num_experts else math.ceil((slots + 1) * layer_mib)
     bench = build_engine(args, model=path, batch=len(prompts), expert_cache_mib=mib,
                          context=args.prompt_tokens + args.new_tokens + _CONTEXT_MARGIN_TOKENS,
-                         peer_device=args.peer_device if store == "peer" else None)
+                         peer_device=args.peer_device if store == "peer" else None, switches=cold_switches(cold))
     try:
         cache = bench.engine.lm.model.expert_provider
         generate_all(bench, warmup, args.new_tokens)
@@ -81,11 +108,15 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         cache.stats.publish_due(cache.mib, cache.slots, force=True, policy=cache.policy)  # times finished copies
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
-        row = {"engine": "strata", "store": snap["store_device"], "policy": snap["policy"], "budget_pct": pct,
+        row = {"engine": "strata", "model": args.model, "batch": len(prompts), "store": snap["store_device"],
+               "cold": snap["cold"],
+               "policy": snap["policy"], "budget_pct": pct, "prefetched": snap["prefetched"],
                "slots": cache.slots,
                "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
                "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
                "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],
+               # the live policy against Belady's optimal offline choice on the same trace (1.0: as good)
+               "vs_belady": (snap["hit_rate"] / snap["oracle_hit_rate"]) if snap["oracle_hit_rate"] else None,
                "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0,
                "loaded_mib": round(cache.stats.loaded_mib - l0, 1), "load_ms": round(cache.stats.load_ms - t0, 1),
                "graphs_active": bench.graphs_active, "token_ids": stats.token_ids, "error": None}
@@ -94,50 +125,78 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         bench.close()
 
 
+def _expert_shape(config: Any, elem: int) -> tuple[float, int]:
+    """(MiB of one expert, sparse layers with a pool: the MTP layers' blocks are sparse too)."""
+    moe = config.moe
+    expert_mib = 3 * config.hidden_size * moe.moe_intermediate_size * elem / 2**20
+    return expert_mib, sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_kv_layers))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Every budget (largest first: the all-resident row is the reference), then the transformers peer."""
+    """Per batch size: every budget (largest first: the all-resident row is the reference, from this model or
+    from --all-resident-model), each cold-expert mode at the budgets below 100 %; then the transformers peer."""
     device = device_of(args.device)
     path = prepare_model(args.model, device, args.dtype)
-    from engine.model import ModelConfig
-    from engine.model.loader import resolve_model_path
+    from engine.model.loader import model_config
+    from engine.model.synthetic import is_synthetic
 
-    config = ModelConfig.from_file(resolve_model_path(path) / "config.json")
+    config = model_config(path)
     if config.moe is None:
         raise ConfigError("model", args.model, "not a mixture-of-experts checkpoint (model_type qwen3_moe)")
+    reference = getattr(args, "all_resident_model", None)
+    reference_path = prepare_model(reference, device, args.dtype) if reference else None
+    if reference_path is not None and model_config(reference_path).moe is None:
+        raise ConfigError("all_resident_model", reference, "not a mixture-of-experts checkpoint")
     budgets = budget_list(args.budgets)
     if 100 not in budgets:
         budgets.insert(0, 100)
     stores = store_list(getattr(args, "stores", "host"), getattr(args, "peer_device", None))
-    runs = [(store, pct) for store in stores for pct in budgets if store == stores[0] or pct < 100]
+    colds = cold_list(getattr(args, "cold", "copy"))
+    batches = getattr(args, "batches", None) or [args.batch]
+    runs = [(store, pct, cold) for store in stores for pct in budgets for cold in (colds if pct < 100 else ["copy"])
+            if store == stores[0] or pct < 100]
     elem = 4 if checkpoint_dtype(args.dtype, device) == "float32" else 2
     moe = config.moe
-    expert_mib = 3 * config.hidden_size * moe.moe_intermediate_size * elem / 2**20
-    sparse_layers = sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_hidden_layers))
+    expert_mib, sparse_layers = _expert_shape(config, elem)
     layer_mib = sparse_layers * expert_mib  # one slot in every sparse layer
-    prompts = [random_prompt(args.prompt_tokens, config.vocab_size, seed=i) for i in range(args.batch)]
-    warmup = [random_prompt(args.prompt_tokens, config.vocab_size, seed=100 + i) for i in range(args.batch)]
     rows: list[dict[str, Any]] = []
-    reference_tokens = None
-    for store, pct in runs:
-        row, cache = measure_budget(args, path, pct, prompts, warmup, layer_mib, moe.num_experts, store)
-        tokens = row.pop("token_ids")
-        reference_tokens = tokens if reference_tokens is None else reference_tokens  # the all-resident run's
-        row["same_tokens"] = tokens == reference_tokens
-        rows.append(row)
-        if args.trace_out and pct == budgets[-1] and store == stores[0]:
-            cache.stats.write_trace(args.trace_out, {"top_k": moe.num_experts_per_tok, "model": args.model,
-                                                    "expert_mib": expert_mib, "slots": row["slots"]})
-        save_partial(args, "experts", rows, device)
+    for batch in batches:
+        prompts = [random_prompt(args.prompt_tokens, config.vocab_size, seed=i) for i in range(batch)]
+        warmup = [random_prompt(args.prompt_tokens, config.vocab_size, seed=100 + i) for i in range(batch)]
+        reference_tokens = None
+        for store, pct, cold in runs:
+            if pct == 100 and reference_path is not None:
+                # this model's experts do not all fit: the all-resident row is the variant whose experts do
+                ref_config = model_config(reference_path)
+                ref_mib, ref_layers = _expert_shape(ref_config, elem)
+                row, cache = measure_budget(args, reference_path, 100, prompts, warmup, ref_layers * ref_mib,
+                                            ref_config.moe.num_experts, store)
+                row.pop("token_ids")
+                row["model"], row["same_tokens"] = reference, None  # another model: its tokens are its own
+                rows.append(row)
+                save_partial(args, "experts", rows, device)
+                continue
+            row, cache = measure_budget(args, path, pct, prompts, warmup, layer_mib, moe.num_experts, store, cold)
+            tokens = row.pop("token_ids")
+            reference_tokens = tokens if reference_tokens is None else reference_tokens  # the first run's
+            row["same_tokens"] = tokens == reference_tokens
+            rows.append(row)
+            if args.trace_out and pct == budgets[-1] and store == stores[0] and cold == colds[0] \
+                    and batch == batches[0]:
+                cache.stats.write_trace(args.trace_out, {"top_k": moe.num_experts_per_tok, "model": args.model,
+                                                        "expert_mib": expert_mib, "slots": row["slots"]})
+            save_partial(args, "experts", rows, device)
     _relative(rows)
-    if args.hf:
+    if args.hf and not is_synthetic(path):  # a synthetic source has no checkpoint for transformers to read
         rows.append(_hf_row(path, device, prompts, args))
     emit(args, "experts", rows, _summary(rows, expert_mib, sparse_layers, moe.num_experts), device, COLUMNS)
     return 0
 
 
 def _relative(rows: list[dict[str, Any]]) -> None:
-    base = next((r["decode_tok_s"] for r in rows if r["budget_pct"] == 100), None)
+    """vs_all_resident: each row's decode tok/s over the all-resident row's of the same batch size."""
     for r in rows:
+        base = next((b["decode_tok_s"] for b in rows if b["budget_pct"] == 100 and b["batch"] == r["batch"]), None)
         r["vs_all_resident"] = r["decode_tok_s"] / base if base and r["decode_tok_s"] else None
 
 
@@ -155,7 +214,8 @@ def _hf_row(path: str, device: Any, prompts: list[list[int]], args: argparse.Nam
 def _summary(rows: list[dict[str, Any]], expert_mib: float, sparse_layers: int, num_experts: int) -> dict[str, Any]:
     out: dict[str, Any] = {"expert_mib": expert_mib, "sparse_layers": sparse_layers, "num_experts": num_experts,
                            "all_experts_mib": expert_mib * sparse_layers * num_experts,
-                           "all_same_tokens": all(r.get("same_tokens", True) for r in rows if r["engine"] == "strata")}
+                           "all_same_tokens": all(r.get("same_tokens") is not False
+                                                  for r in rows if r["engine"] == "strata")}
     strata = next((r for r in rows if r["engine"] == "strata" and r["budget_pct"] == 100), None)
     hf = next((r for r in rows if r["engine"] == "hf_eager"), None)
     if strata and hf and hf.get("tok_s"):

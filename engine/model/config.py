@@ -71,6 +71,9 @@ class MoEConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # A synthetic source (engine.model.synthetic) serves its experts from a store shared by the layers: the blocks
+    # then hold no module per expert (48 x 512 of them would take seconds to build). Never read from a file.
+    shared_store: bool = False
 
     def is_sparse(self, layer_idx: int, num_hidden_layers: int) -> bool:
         """Transformers' rule for main layers; MTP layers (index >= num_hidden_layers) are sparse, as in

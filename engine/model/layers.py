@@ -196,7 +196,7 @@ class DecoderLayer(nn.Module):
             out, residual = self.forward_carry(x, None, cos, sin, positions, kv, layer_idx)
             return out + residual
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self._mlp(self.post_attention_layernorm(x), positions)
 
     def forward_carry(self, x, residual, cos, sin, positions, kv, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FUSED_OPS: (mlp output, residual stream) with the stream's last add left to the next layer's norm
@@ -205,4 +205,8 @@ class DecoderLayer(nn.Module):
         attended = self.self_attn(normed, cos, sin, positions, kv, layer_idx)
         norm = self.post_attention_layernorm
         normed, residual = self.ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
-        return self.mlp(normed), residual
+        return self._mlp(normed, positions), residual
+
+    def _mlp(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A routed block also sees the positions (a synthetic source's router prior drifts with them)."""
+        return self.mlp(x, positions) if isinstance(self.mlp, SparseMoE) else self.mlp(x)

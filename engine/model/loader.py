@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory (or builtin:NAME) into a CausalLM, with tokenizer and eos ids.
+"""Load a Hugging Face checkpoint directory (or builtin:NAME, or a synthetic random:NAME) into a CausalLM, with
+tokenizer and eos ids.
 
 The model is built on the meta device and each parameter is read from safetensors straight into its final
 dtype and device, so a checkpoint is never held twice in memory. Every failure names the file or tensor.
@@ -19,6 +20,8 @@ from engine.model.names import hf_name, optional_mtp_tensors
 from engine.model.causal_lm import CausalLM
 from engine.model.quant.formats import Scheme, read_linear, scheme_from_config
 from engine.model.quant.rtn import quantize_model
+from engine.model.synthetic import PREFIX as SYNTHETIC_PREFIX, SPECS as SYNTHETIC_SPECS
+from engine.model.synthetic import build_synthetic, is_synthetic, synthetic_tokenizer
 from engine.model.tensors import TensorSource
 from engine.model.tokenizer import Tokenizer
 
@@ -204,6 +207,8 @@ def load_checkpoint(
     round a 16/32-bit checkpoint's projections to nearest at load (engine.model.quant.rtn). A GGUF file (or a
     directory holding one) loads through engine.model.quant.gguf_file.
     Raises CheckpointError naming the file or tensor that is missing or does not fit."""
+    if is_synthetic(path_or_builtin):  # random:NAME without a file: generated on the device (synthetic.py)
+        return _load_synthetic(str(path_or_builtin), dtype, device, tokenizer, expert_device, quantize)
     path = resolve_model_path(path_or_builtin)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -226,6 +231,27 @@ def load_checkpoint(
     model.weight_format = weight_format
     tok = Tokenizer.from_dir(path) if tokenizer else None
     return LoadedModel(model, config, tok, read_eos_token_ids(path, tok), path, torch_dtype, dev, weight_format)
+
+
+def _load_synthetic(spec: str, dtype: str | torch.dtype, device: str | torch.device, tokenizer: bool,
+                    expert_device: str | torch.device | None, quantize: str | None) -> LoadedModel:
+    """A synthetic source (engine.model.synthetic): its weights generated on the device from their seeds."""
+    if quantize is not None:
+        raise ConfigError("quantize", quantize, f"{spec} is generated at load in 16/32-bit; it has no quantized form")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    name = spec[len(SYNTHETIC_PREFIX):]
+    model = build_synthetic(name, torch_dtype, dev, torch.device(expert_device) if expert_device else None)
+    model.weight_format = _DTYPE_NAMES[torch_dtype]
+    tok, eos = synthetic_tokenizer() if tokenizer else (None, synthetic_tokenizer()[1])
+    return LoadedModel(model, model.config, tok, eos, Path(spec), torch_dtype, dev, model.weight_format)
+
+
+def model_config(model: str | Path) -> ModelConfig:
+    """The ModelConfig of a `--model` value without loading it: a synthetic source's, or config.json's."""
+    if is_synthetic(model):
+        return SYNTHETIC_SPECS[str(model)[len(SYNTHETIC_PREFIX):]].config
+    return ModelConfig.from_file(resolve_model_path(model) / "config.json")
 
 
 def _raw_config(path: Path) -> dict:

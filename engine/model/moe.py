@@ -25,8 +25,9 @@ from engine.model.quant.linear import is_quantized
 class ExpertProvider(Protocol):
     """Who computes a sparse block's experts once the router has chosen them."""
 
-    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], ids [N, k] long, weights [N, k] (x's dtype) -> [N, H]."""
+    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], ids [N, k] long, weights [N, k] (x's dtype), positions [N] or None -> [N, H]."""
         ...
 
 
@@ -64,6 +65,31 @@ def add_expert(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: t
     out.index_add_(0, token_idx, y.to(out.dtype))
 
 
+Route = tuple[torch.Tensor, torch.Tensor]  # (token_idx, pos): the (token, position) pairs routed to one expert
+
+
+def routes_by_expert(ids: torch.Tensor, rows: torch.Tensor | None = None) -> dict[int, Route]:
+    """ids [N, k] -> {expert: (token_idx, pos)} for every expert routed to (rows: only those tokens), experts
+    ascending and each expert's pairs in the order torch.where(ids == expert) gives them, with a few host syncs
+    for the whole layer instead of one per expert (a prompt chunk of a 512-expert layer routes to all of them)."""
+    N, k = ids.shape
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # grouped by expert, flat (token-major) order kept within a group
+    if rows is not None:
+        order = order[rows[:, None].expand(N, k).flatten()[order]]
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    groups = torch.split(order, counts.tolist())
+    return {e: (g // k, g % k) for e, g in zip(experts.tolist(), groups)}
+
+
+def add_routed(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, route: Route, w_gate_up: torch.Tensor,
+               w_down: torch.Tensor) -> None:
+    """out[t] += weights[t, j] * expert(x[t]) for the (t, j) of `route`: add_expert's sums, routes given."""
+    token_idx, pos = route
+    y = expert_mlp(x[token_idx], w_gate_up, w_down) * weights[token_idx, pos, None]
+    out.index_add_(0, token_idx, y.to(out.dtype))
+
+
 class SparseMoE(nn.Module):
     """Router + experts. `moe_index` numbers the sparse blocks of a model (main layers first, then MTP)."""
 
@@ -77,9 +103,16 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         self.intermediate_size = moe.moe_intermediate_size
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.moe_intermediate_size)
-                                     for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(() if moe.shared_store else (
+            Expert(config.hidden_size, moe.moe_intermediate_size) for _ in range(moe.num_experts)))
         self._provider: tuple[ExpertProvider, ...] = ()  # a tuple: not a submodule, never saved
+        # A synthetic source's experts (engine.model.synthetic): rows of a store shared by every layer, this
+        # layer's expert e at row store_rows[e]; None: the experts are this block's own parameters.
+        self.expert_store: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.store_rows: list[int] = []
+        # A synthetic source's skewed router: a [phases, E] prior added to the logits, by position phase.
+        self.router_prior: torch.Tensor | None = None
+        self.drift_tokens = 1
 
     def fuse(self) -> None:
         """Nothing to fuse here: an expert provider keeps gate/up concatenated in its own pool."""
@@ -87,29 +120,52 @@ class SparseMoE(nn.Module):
     def attach_provider(self, provider: ExpertProvider | None) -> None:
         self._provider = (provider,) if provider is not None else ()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (weights [N, k] in x's dtype, ids [N, k] long): softmax in fp32, top-k, optional
-        renormalisation, as transformers' Qwen3MoeTopKRouter."""
+    def set_expert_store(self, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int]) -> None:
+        """Serve the experts from a shared store (gate_up [R, 2I, H], down [R, H, I]; expert e is row rows[e])."""
+        if len(rows) != self.num_experts or min(rows) < 0 or max(rows) >= gate_up.shape[0]:
+            raise ValueError(f"rows: expected {self.num_experts} store rows in [0, {gate_up.shape[0]})")
+        self.expert_store, self.store_rows = (gate_up, down), list(rows)
+
+    def set_router_prior(self, prior: torch.Tensor, drift_tokens: int) -> None:
+        """Add prior[(position // drift_tokens) % phases] ([phases, E], fp32) to the router's logits."""
+        if prior.dim() != 2 or prior.shape[1] != self.num_experts or drift_tokens < 1:
+            raise ValueError(f"prior {tuple(prior.shape)}, drift_tokens={drift_tokens}: expected [phases, "
+                             f"{self.num_experts}] and drift_tokens >= 1")
+        self.router_prior, self.drift_tokens = prior, drift_tokens
+
+    def route(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] (positions [N], used by a router prior) -> (weights [N, k] in x's dtype, ids [N, k] long):
+        softmax in fp32, top-k, optional renormalisation, as transformers' Qwen3MoeTopKRouter."""
         logits = F.linear(x, self.gate.weight)
+        if self.router_prior is not None:
+            if positions is None:
+                raise ValueError("this router has a position prior: positions are required")
+            phase = torch.div(positions, self.drift_tokens, rounding_mode="floor") % self.router_prior.shape[0]
+            logits = logits.float() + self.router_prior[phase]  # [N, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+        return weights.to(x.dtype), ids
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert from this block's own parameters (a quantized expert
         dequantized to the router's dtype, the activations' one)."""
+        if self.expert_store is not None:
+            row = self.store_rows[expert]
+            return self.expert_store[0][row], self.expert_store[1][row]
         e, dtype = self.experts[expert], self.gate.weight.dtype
         return (torch.cat([dense_weight(e.gate_proj, dtype), dense_weight(e.up_proj, dtype)]),
                 dense_weight(e.down_proj, dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H] (positions [B, T]: the router prior's phase) -> [B, T, H]."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
-        weights, ids = self.route(flat)
+        flat_positions = None if positions is None else positions.reshape(B * T)
+        weights, ids = self.route(flat, flat_positions)
         if self._provider:
-            out = self._provider[0].moe_forward(self.moe_index, flat, ids, weights)
+            out = self._provider[0].moe_forward(self.moe_index, flat, ids, weights, flat_positions)
         else:
             out = torch.zeros_like(flat)
             for expert in sorted(set(ids.flatten().tolist())):

@@ -166,6 +166,9 @@ class _PartsBuilder:
             # their padding rows load no expert and their accesses are counted as prefill steps
             runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
             follow_policy_switch(experts, board)  # EXPERT_LFU set at start
+            from engine.exec.experts.cold import cold_mode
+
+            experts.set_cold(cold_mode(board))  # EXPERT_CPU / EXPERT_PREFETCH: how a miss is served
         runner.release_memory = self.make_room
         chunks = None
         if overlap_wanted(config.prefill_overlap, device, config.kv_resident, moe=experts is not None):
@@ -202,6 +205,10 @@ class _PartsBuilder:
                                                tier_budget_mib, experts.peer_mib if experts is not None else 0.0,
                                                shared, keep_free_mib=graphs_mib)
         self.budgets[0].experts = experts
+        if experts is not None:
+            from engine.exec.experts.setup import AUTO
+
+            self.budgets[0].experts_first = config.expert_cache_mib == AUTO  # the claimant that fills the card
         self.budgets[0].weight_format = lm.weight_format
         if recapture:
             self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"

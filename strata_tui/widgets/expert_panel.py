@@ -1,7 +1,8 @@
 """Expert-cache panel (MoE engines only): the budget (slots per layer now and its target, device MiB, host
 MiB), the hit rate against the oracle's (Belady on the same trace: how much a better policy could gain),
-per-layer hit rates (a sparkline and the worst layers), misses per step, reruns and replays, and the budget
-keys. Every line is one terminal line, cut with an ellipsis, so the panel keeps its height at 100x30."""
+per-layer hit rates (a heat row: one cell a layer, or a cell for several showing their worst, bar height and
+colour the rate, and the worst layers), misses per step, reruns and replays, and the budget keys. Every line is
+one terminal line, cut with an ellipsis, so the panel keeps its height at 100x30 with 48 layers of 512 experts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from strata_tui.expert_view import ExpertView
-from strata_tui.widgets.format import NA, sparkline
+from strata_tui.widgets.format import NA
 
 KEYS_HINT = "</> budget"
 
@@ -32,7 +33,29 @@ def _one_line(text: Text) -> Text:
     return text
 
 
-def expert_lines(view: ExpertView, note: str = "") -> list[Text]:
+_BARS = "▁▂▃▄▅▆▇█"
+HEAT_CELLS = 48  # the heat row's cells at most (the panel narrows it to fit its width)
+_WORST_CHARS = 34  # "  worst L12 41% L7 52% L40 60%": what the heat row leaves room for on its line
+
+
+def _rate_style(rate: float) -> str:
+    return "green" if rate >= 0.9 else "yellow" if rate >= 0.6 else "red"
+
+
+def heat_row(view: ExpertView, cells: int) -> Text:
+    """The per-layer hit rates as one row of at most `cells` cells (ExpertView.layer_heat): bar height and colour
+    the rate, `·` a cell whose layers were not accessed yet."""
+    row = Text()
+    for rate in view.layer_heat(cells):
+        if rate is None:
+            row.append("·", style="dim")
+        else:
+            row.append(_BARS[min(len(_BARS) - 1, int(rate * (len(_BARS) - 1) + 0.5))], style=_rate_style(rate))
+    return row
+
+
+def expert_lines(view: ExpertView, note: str = "", width: int = 0) -> list[Text]:
+    """The panel's lines; `width` (the panel's content width, 0: unknown) narrows the heat row to fit."""
     slots, target, experts = view.slots, view.target_slots, view.num_experts
     budget = Text.assemble(("slots ", "dim"), (f"{slots}/{experts}", "bold"), (" a layer", "dim"))
     if target is not None and target != slots:
@@ -53,13 +76,21 @@ def expert_lines(view: ExpertView, note: str = "") -> list[Text]:
         rates.append_text(Text.assemble(("  policy ", "dim"), (policy, "cyan")))
     runs = Text.assemble(("reruns ", "dim"), str(snap.get("reruns", NA)), ("  replays ", "dim"),
                          str(snap.get("replays", NA)))
+    cold = snap.get("cold")
+    if cold == "cpu":  # EXPERT_CPU: misses run on the host
+        runs.append_text(Text.assemble(("  cold ", "dim"), ("cpu", "cyan"), ("  on host ", "dim"),
+                                       str(snap.get("host_runs", NA))))
+    elif cold == "prefetch":  # EXPERT_PREFETCH: experts copied in ahead of their layer
+        runs.append_text(Text.assemble(("  cold ", "dim"), ("prefetch", "cyan"), ("  prefetched ", "dim"),
+                                       str(snap.get("prefetched", NA))))
     resize = view.last_resize
     if resize is not None:
         runs.append(f"  {resize.action} → {resize.slots}: {resize.reason}", style="dim")
     layers = view.layer_hit_rates()
-    per_layer = Text("layers ", style="dim")
+    per_layer = Text(f"L0-{len(layers) - 1} " if len(layers) > 1 else "layers ", style="dim")
     if layers:
-        per_layer.append_text(sparkline([r or 0.0 for r in layers], min(len(layers), 24), upper=1.0))
+        cells = HEAT_CELLS if width <= 0 else max(8, min(HEAT_CELLS, width - len(per_layer) - _WORST_CHARS))
+        per_layer.append_text(heat_row(view, cells))
         worst = view.worst_layers(3)
         if worst:
             per_layer.append("  worst ", style="dim")
@@ -81,9 +112,21 @@ class ExpertPanel(Static):
     ExpertPanel.-stale { text-opacity: 45%; }
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._view: ExpertView | None = None
+        self._note = ""
+
     def show(self, view: ExpertView | None, note: str = "") -> None:
         self.set_class(view is not None, "-shown")
+        self._view, self._note = view, note
         if view is None:
             return
         self.border_subtitle = KEYS_HINT
-        self.update(Group(*expert_lines(view, note)))
+        self.refresh()
+
+    def render(self) -> Group:
+        """Drawn at the panel's width now, so the heat row follows a resize."""
+        if self._view is None:
+            return Group()
+        return Group(*expert_lines(self._view, self._note, self.content_size.width))

@@ -93,3 +93,39 @@ async def test_attach_mode_applies_the_budget_and_writes_nothing(config_dir: Pat
     finally:
         engine.kill()
         engine.wait()
+
+
+def _seed_scale_state(path: Path) -> Path:
+    """The recorded state grown to the seed's scale: 49 sparse layers (48 + MTP) x 512 experts, one cold layer."""
+    import json
+
+    doc = json.loads(MOE_STATE.read_text())
+    experts = doc["experts"]
+    rates = [0.95 - 0.01 * (i % 7) for i in range(49)]
+    rates[17] = 0.31  # one cold layer: it must show, not be averaged away or cut off
+    experts.update(num_layers=49, num_experts=512, slots=435, target_slots=435,
+                   layers=[{"layer": i, "hits": 0, "misses": 0, "evictions": 0, "hit_rate": r}
+                           for i, r in enumerate(rates)])
+    out = path / "moe_seed_scale.json"
+    out.write_text(json.dumps(doc))
+    return out
+
+
+async def test_the_panel_reads_well_at_48_layers_of_512_experts_at_100x30(config_dir: Path, monkeypatch,
+                                                                         tmp_path: Path) -> None:
+    monkeypatch.setenv("FAKE_ENGINE_EXPERTS", str(_seed_scale_state(tmp_path)))
+    ProfileStore(config_dir).save(Profile("default"))
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.view.monitor.experts is not None, what="the experts section")
+        await pilot.pause(0.3)
+        app.screen.redraw(force=True)
+        await pilot.pause()
+        panel = app.screen.query_one(ExpertPanel)
+        lines = [line for line in screen_text(app).splitlines() if "L0-48" in line]
+        assert len(lines) == 1, screen_text(app)  # the layers are one heat row, not 49 lines
+        row = lines[0]
+        assert "worst L17 31%" in row  # the cold layer is named, and the row still fits the panel's line
+        cells = row.split("L0-48 ", 1)[1].split("  worst", 1)[0]
+        assert 8 <= len(cells.strip()) <= min(49, panel.content_size.width)
+        assert "slots 435/512" in screen_text(app)

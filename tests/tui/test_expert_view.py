@@ -69,3 +69,30 @@ def test_the_panel_says_where_the_store_is_and_which_policy_runs() -> None:
     view.update({**_snap(), "host_mib": 0.0, "peer_mib": 1152.0, "store_device": "cuda:1", "policy": "lfu"})
     text = "\n".join(line.plain for line in expert_lines(view))
     assert "peer cuda:1 1152" in text and "host" not in text and "policy lfu" in text
+
+
+def test_the_heat_row_keeps_every_layer_and_shows_a_shared_cell_at_its_worst() -> None:
+    from strata_tui.widgets.expert_panel import heat_row
+
+    view = ExpertView()
+    rates = [0.9] * 48
+    rates[0], rates[47], rates[30] = 0.5, 0.6, None
+    view.update({**_snap(), "layers": [{"layer": i, "hit_rate": r} for i, r in enumerate(rates)]})
+    assert view.layer_heat(48) == rates  # one layer a cell when they fit
+    heat = view.layer_heat(24)  # two layers a cell: the worst of the two, the first and last layers kept
+    assert len(heat) == 24 and heat[0] == 0.5 and heat[-1] == 0.6 and heat[15] == 0.9
+    assert all(h == 0.9 for i, h in enumerate(heat) if i not in (0, 23))
+    row = heat_row(view, 48)
+    assert len(row.plain) == 48 and row.plain[30] == "·" and row.plain[0] != row.plain[1]
+
+
+def test_the_panel_names_a_cold_mode_other_than_copy() -> None:
+    from strata_tui.widgets.expert_panel import expert_lines
+
+    view = ExpertView()
+    view.update({**_snap(), "cold": "copy"})
+    assert "cold" not in "\n".join(line.plain for line in expert_lines(view))  # the default says nothing
+    view.update({**_snap(), "cold": "cpu", "host_runs": 17})
+    assert "cold cpu  on host 17" in "\n".join(line.plain for line in expert_lines(view))
+    view.update({**_snap(), "cold": "prefetch", "prefetched": 40})
+    assert "cold prefetch  prefetched 40" in "\n".join(line.plain for line in expert_lines(view))

@@ -2,9 +2,9 @@
 memory, or the --peer-device card (`store_device`: the experts that do not fit the compute card live there and
 a miss copies peer -> compute on the same side stream; tests on CPU pass the CPU as the "peer": the same path).
 
-Each sparse layer (engine.model.moe.SparseMoE, `moe_index` i) owns a pool of `slots` experts on the device,
-`gate_up [slots + 1, 2I, H]` and `down [slots + 1, H, I]`, whose last row is a zero *miss slot*, and a device
-table `table[i] [E]` (expert -> its slot, or the miss slot). The store holds every expert once
+Each sparse layer (engine.model.moe.SparseMoE, `moe_index` i) owns a pool (engine.exec.experts.pool) of `slots`
+experts on the device, `gate_up [slots + 1, 2I, H]` and `down [slots + 1, H, I]`, whose last row is a zero
+*miss slot*, and a device table `table[i] [E]` (expert -> its slot, or the miss slot). The store holds every expert once
 (`[E, 2I, H]`, `[E, H, I]`; pinned when it is host memory for a CUDA device), so a miss is one slice copy each
 way, on a side stream.
 
@@ -32,9 +32,11 @@ from typing import Callable
 
 import torch
 
+from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, add_routed_on_host, predicted_ids
+from engine.exec.experts.pool import ExpertPool
 from engine.exec.experts.stats import ExpertStats
-from engine.exec.experts.trace import SlotPolicy, adopt, groups_of
-from engine.model.moe import SparseMoE, add_expert, dense_weight, expert_mlp, sparse_blocks
+from engine.exec.experts.trace import adopt, groups_of
+from engine.model.moe import add_routed, expert_mlp, moe_index_of, routes_by_expert, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
@@ -46,61 +48,6 @@ _GATHER_MAX_ROUTES = 256
 
 def _stream_capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-class ExpertPool:
-    """One sparse layer's slots on the device, its store (host or peer) and its slot policy."""
-
-    def __init__(self, block: SparseMoE, device: torch.device, store_device: torch.device, pin: bool) -> None:
-        E, I = block.num_experts, block.intermediate_size
-        # quantized experts are held dequantized, in the router's (the activations') dtype
-        H, dtype = block.gate.in_features, block.gate.weight.dtype
-        self.num_experts = E
-        self.store_gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device=store_device, pin_memory=pin)
-        self.store_down = torch.empty(E, H, I, dtype=dtype, device=store_device, pin_memory=pin)
-        with torch.no_grad():
-            for e, expert in enumerate(block.experts):
-                self.store_gate_up[e, :I].copy_(dense_weight(expert.gate_proj, dtype))
-                self.store_gate_up[e, I:].copy_(dense_weight(expert.up_proj, dtype))
-                self.store_down[e].copy_(dense_weight(expert.down_proj, dtype))
-        self.device = device
-        self.policy = SlotPolicy(0)
-        self.gate_up = self.down = self.table = torch.empty(0)
-        self._table_host = [0] * E
-
-    @property
-    def slots(self) -> int:
-        return self.policy.slots
-
-    def allocate(self, slots: int, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """(Re)allocate `slots` slots plus the miss slot, keeping the experts the policy ranks highest."""
-        old_gate_up, old_down = self.gate_up, self.down
-        kept = self.policy.resize(slots)
-        E, I2, H = self.store_gate_up.shape
-        self.gate_up = self.down = None  # type: ignore[assignment]  # the old pool may go before the new one is made
-        gate_up = torch.empty(slots + 1, I2, H, dtype=self.store_gate_up.dtype, device=self.device)
-        down = torch.empty(slots + 1, H, I2 // 2, dtype=self.store_down.dtype, device=self.device)
-        gate_up[slots].zero_()
-        down[slots].zero_()
-        for e, old_slot in kept.items():
-            new_slot = self.policy.where[e]
-            copy(gate_up[new_slot], old_gate_up[old_slot])
-            copy(down[new_slot], old_down[old_slot])
-        self.gate_up, self.down = gate_up, down
-        self._table_host = [slots] * E
-        for e, s in self.policy.where.items():
-            self._table_host[e] = s
-        self.table = torch.tensor(self._table_host, dtype=torch.long, device=self.device)
-
-    def set_table(self, changes: list[tuple[int, int]]) -> None:
-        """Point `expert -> slot` for each change (slot = self.slots: not resident)."""
-        if not changes:
-            return
-        for e, s in changes:
-            self._table_host[e] = s
-        idx = torch.tensor([e for e, _ in changes], dtype=torch.long)
-        val = torch.tensor([s for _, s in changes], dtype=torch.long)
-        self.table.index_copy_(0, idx.to(self.device), val.to(self.device))
 
 
 class ExpertCache:
@@ -117,7 +64,12 @@ class ExpertCache:
         self.copy_stream = torch.cuda.Stream(device) if on_cuda else None
         self.peer = store_device  # None: the store is pinned host memory
         store = torch.device("cpu") if store_device is None else store_device
-        self.pools = [ExpertPool(b, device, store, pin=on_cuda and store.type == "cpu") for b in self.blocks]
+        moved: dict[int, torch.Tensor] = {}  # a shared store (synthetic sources) moves once for every layer
+        self.pools = [ExpertPool(b, device, store, on_cuda and store.type == "cpu", moved) for b in self.blocks]
+        # the store's own bytes: every expert once, or a shared store's distinct rows once
+        distinct = {t.data_ptr(): t.numel() * t.element_size() for p in self.pools
+                    for t in (p.store_gate_up, p.store_down)}
+        self.store_mib = sum(distinct.values()) / MIB
         first = self.pools[0]
         self.num_experts = first.num_experts
         self.top_k = self.blocks[0].top_k
@@ -138,6 +90,13 @@ class ExpertCache:
         self.capturing: Callable[[torch.Tensor], bool] = _stream_capturing
         self.force_eager = False
         self.served_this_step: set[int] = set()  # layers loaded between this step's replays (expert_steps)
+        self.cold = "copy"  # how a miss is served: copy | cpu | prefetch (engine.exec.experts.cold; set_cold)
+        config = getattr(model, "config", None)
+        # the sparse blocks of the main stack (an MTP block follows the last one in another forward: not predicted)
+        self.main_layers = n if config is None else sum(
+            moe_index_of(config, layer) is not None for layer in range(config.num_hidden_layers))
+        # prefetch under a CUDA graph: the experts each layer's next one would route to, counted on the device
+        self.dev_predicted = torch.zeros(n, self.num_experts, dtype=torch.float32, device=device)
         for block in self.blocks:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
@@ -154,6 +113,15 @@ class ExpertCache:
         the captured graphs reading them stay valid."""
         for pool in self.pools:
             pool.policy = adopt(pool.policy, name)
+
+    def set_cold(self, mode: str) -> None:
+        """Serve misses by `mode` (engine.exec.experts.cold.COLD_MODES); the captured graphs compute predictions
+        only under prefetch, so they are dropped when the mode changes."""
+        if mode not in COLD_MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {', '.join(COLD_MODES)}")
+        if mode != self.cold:
+            self.cold = mode
+            self.on_resize()
 
     # --- sizes -------------------------------------------------------------------------------------------
 
@@ -192,12 +160,12 @@ class ExpertCache:
 
     @property
     def host_mib(self) -> float:
-        return self.all_experts_mib if self.peer is None else 0.0
+        return self.store_mib if self.peer is None else 0.0
 
     @property
     def peer_mib(self) -> float:
         """The store on the --peer-device card (every expert once); 0 with a host store."""
-        return 0.0 if self.peer is None else self.all_experts_mib
+        return 0.0 if self.peer is None else self.store_mib
 
     # --- the claimant: shrink, grow ----------------------------------------------------------------------
 
@@ -268,49 +236,102 @@ class ExpertCache:
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.store_gate_up = pool.store_down = torch.empty(0)
+        for block in self.blocks:
+            block.expert_store = None  # a shared store (synthetic sources) is freed with the pools
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
     @torch.compiler.disable
-    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, H], ids / weights [N, k] -> [N, H] (see the module docstring for the two paths).
+    def moe_forward(self, moe_index: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], ids / weights [N, k] (positions [N]: the next layer's router prior, for prefetch) -> [N, H]
+        (see the module docstring for the two paths).
 
         Never traced by torch.compile (COMPILE): Dynamo would specialize on `capturing()`, False at the warm-up,
         and compile the captured path during the capture itself, which CUDA refuses ("operation not permitted
         when stream is capturing"), and an MoE engine under COMPILE would lose the switch or die."""
         if not self.force_eager and self.capturing(x):
-            return self._captured_forward(moe_index, x, ids, weights)
-        return self._eager_forward(moe_index, x, ids, weights)
+            return self._captured_forward(moe_index, x, ids, weights, positions)
+        return self._eager_forward(moe_index, x, ids, weights, positions)
 
     def _rows(self, n: int) -> torch.Tensor | None:
         """The real-row mask of a step's N tokens (padding rows route too, but need no expert), or None."""
         return self.row_valid[:n] if self.valid_rows == n else None
 
-    def _eager_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _eager_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
         pool = self.pools[i]
+        self.wait_pending(pool)
         rows = self._rows(x.shape[0])
-        routed = ids if rows is None else ids[rows]
-        experts = sorted(set(routed.flatten().tolist()))  # the one host sync of this layer
+        routes = routes_by_expert(ids, rows)  # the layer's host syncs, a few for all its experts
+        experts = list(routes)  # ascending
         out = torch.zeros_like(x)
         if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
             # loaded between this step's replays and recorded then: compute only (a second serve would
             # reorder the policy and count the access twice)
             for e in experts:
                 slot = pool.policy.where[e]
-                add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
+                add_routed(out, x, weights, routes[e], pool.gate_up[slot], pool.down[slot])
             return out
-        self.stats.record_access(i, experts, int(routed.shape[0]))
+        tokens = x.shape[0] if rows is None else int(rows.sum())
+        self.stats.record_access(i, experts, tokens)
+        predict = self.cold == "prefetch"
         for group in groups_of(experts, pool.slots):
             result = pool.policy.serve(group)
             self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
+            # cpu: a miss with few tokens runs on the host while its copy goes behind the step (the layer's next
+            # access waits for it); a miss with many (a prompt chunk's) is copied and waited for, as in copy mode
+            cold = {e for e, _ in result.loads if routes[e][0].numel() <= CPU_MAX_TOKENS} \
+                if self.cold == "cpu" else set()
             if result.loads:
-                self._load(pool, result.loads, result.evicted)
+                self._load(pool, result.loads, result.evicted, wait=len(cold) < len(result.loads))
+            if predict:  # once, after this layer's own loads: the layer does not wait for the next one's copies
+                predict = False
+                self._prefetch_next(i, x, positions, rows)
             for e in group:
+                if e in cold:
+                    self.stats.host_runs += 1
+                    row = pool.store_rows[e]
+                    add_routed_on_host(out, x, weights, routes[e], pool.store_gate_up[row], pool.store_down[row])
+                    continue
                 slot = pool.policy.where[e]
-                add_expert(out, x, ids, weights, e, pool.gate_up[slot], pool.down[slot], rows)
+                add_routed(out, x, weights, routes[e], pool.gate_up[slot], pool.down[slot])
         return out
 
-    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int]) -> None:
+    def _prefetch_next(self, i: int, x: torch.Tensor, positions: torch.Tensor | None,
+                       rows: torch.Tensor | None) -> None:
+        """Copy in, on the side stream, the experts layer i+1's gate picks for layer i's input (see cold.py)."""
+        j = i + 1
+        if j >= self.main_layers or (self.blocks[j].router_prior is not None and positions is None):
+            return
+        predicted = predicted_ids(self.blocks[j], x, positions)
+        wanted = sorted(set((predicted if rows is None else predicted[rows]).flatten().tolist()))
+        self.prefetch(j, wanted)
+
+    def prefetch(self, j: int, experts: list[int]) -> None:
+        """Bring layer j's `experts` (predicted, not yet asked for) into its pool behind the step: no access is
+        recorded (the layer records its own when it runs), and at most the pool's slots are taken."""
+        pool = self.pools[j]
+        missing = [e for e in experts if not pool.policy.resident(e)][:pool.slots]
+        if not missing:
+            return
+        result = pool.policy.serve(missing)
+        self.stats.prefetched += len(result.loads)
+        self._load(pool, result.loads, result.evicted, wait=False)
+
+    def wait_pending(self, pool: ExpertPool) -> None:
+        """Make the compute stream wait for a copy into `pool` that went behind an earlier step."""
+        if pool.pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(pool.pending)
+            pool.pending = None
+
+    def wait_all_pending(self) -> None:
+        for pool in self.pools:
+            self.wait_pending(pool)
+
+    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int], wait: bool = True) -> None:
+        """Copy `loads` (expert, slot) in from the store on the side stream; `wait`: the compute stream waits for
+        them now, else the pool's next reader does (ExpertPool.pending)."""
         start = end = None
         if self.copy_stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -318,15 +339,20 @@ class ExpertCache:
             start.record(self.copy_stream)
         t0 = time.perf_counter()
         for e, slot in loads:
-            self._copy(pool.gate_up[slot], pool.store_gate_up[e])
-            self._copy(pool.down[slot], pool.store_down[e])
+            row = pool.store_rows[e]
+            self._copy(pool.gate_up[slot], pool.store_gate_up[row])
+            self._copy(pool.down[slot], pool.store_down[row])
         pool.set_table([(e, pool.slots) for e in evicted] + list(loads))
         if self.copy_stream is not None:
             end.record(self.copy_stream)
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            if wait:
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            else:
+                pool.pending = end
         self.stats.record_loads(len(loads), len(loads) * self.expert_mib, (start, end), time.perf_counter() - t0)
 
-    def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
         """Graph-safe: no host sync, static shapes. Misses read the zero slot and are counted for a re-run."""
         pool = self.pools[i]
         N, k = ids.shape
@@ -335,12 +361,20 @@ class ExpertCache:
         real = torch.ones_like(ids, dtype=torch.bool) if rows is None else rows[:, None].expand(N, k)
         self.dev_misses[i:i + 1] += ((slots == pool.slots) & real).sum().to(torch.float32)
         self.dev_counts[i].index_add_(0, ids.flatten(), real.flatten().to(torch.float32))
+        j = i + 1
+        if self.cold == "prefetch" and j < self.main_layers and (
+                self.blocks[j].router_prior is None or positions is not None):
+            predicted = predicted_ids(self.blocks[j], x, positions)  # [N, k] layer j's likely experts
+            self.dev_predicted[j].index_add_(0, predicted.flatten(), real.flatten().to(torch.float32))
         if N * k > _GATHER_MAX_ROUTES:
             return self._captured_slot_loop(pool, x, slots, weights)
-        gate_up = pool.gate_up[slots]  # [N, k, 2I, H]
-        h = torch.matmul(gate_up, x[:, None, :, None]).squeeze(-1)  # [N, k, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = torch.matmul(pool.down[slots], (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)  # [N, k, H]
+        # one routed position at a time: the gathered weights are [N, 2I, H], not [N, k, 2I, H] (at the seed's
+        # scale, k = 10 experts of 6 MiB for each of up to 25 rows would hold GiBs in every captured graph's pool)
+        y = torch.empty(N, k, x.shape[1], dtype=x.dtype, device=x.device)
+        for j in range(k):
+            h = torch.bmm(pool.gate_up[slots[:, j]], x[:, :, None]).squeeze(-1)  # [N, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            y[:, j] = torch.bmm(pool.down[slots[:, j]], (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
         return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def _captured_slot_loop(self, pool: ExpertPool, x: torch.Tensor, slots: torch.Tensor,
@@ -383,4 +417,5 @@ class ExpertCache:
         return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots,
                                    target_slots=self.target_slots, mib=self.mib, host_mib=self.host_mib,
                                    peer_mib=self.peer_mib, store_device=str(self.peer or "host"),
-                                   expert_mib=self.expert_mib, all_experts_mib=self.all_experts_mib, top_k=self.top_k)
+                                   expert_mib=self.expert_mib, all_experts_mib=self.all_experts_mib, top_k=self.top_k,
+                                   cold=self.cold)

@@ -3,8 +3,10 @@
 - not given: every routed expert resident (the pools hold all of them; shrinking on request still works);
 - N: N MiB of pools (whole slots per layer, at least one slot per layer, at most every expert);
 - auto: one slot per layer at start, then, once the KV cache and the runner's buffers are allocated,
-  everything the books leave (free memory minus the reserve), up to every expert. The prefix tier comes after
-  it and takes what is left, so with auto the experts fill the card by design.
+  AUTO_SHARE of what the books leave (free memory, measured with the weights, KV and any graphs captured so far
+  taken, minus the reserve), up to every expert. The prefix tier comes after it and takes only the rest, so with
+  auto the experts fill the card by design; and being the claimant that fills it, the cache is the first asked
+  for room when a graph capture or a step runs out of memory (VramBudget.experts_first), before the tier.
 A budget that cannot fit is a ConfigError naming the numbers, before anything is allocated.
 
 The experts that do not fit the slots stay in pinned host memory, or with `--peer-device` on that card (the
@@ -23,6 +25,9 @@ from engine.model.moe import sparse_blocks
 from engine.telemetry import EventBus
 
 AUTO = "auto"
+# auto's share of what is left after the weights that must stay, KV, graphs and the reserve: the rest is room for
+# the graph pools captured later (decode buckets, MTP rounds) and the prefix tier's first blocks.
+AUTO_SHARE = 0.95
 
 
 def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device: torch.device, bus: EventBus,
@@ -57,9 +62,13 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
 
 def store_mib(model: torch.nn.Module) -> float:
     """MiB of every routed expert once (the store), from the model's sparse layers before the cache takes them."""
-    # the store holds each expert in the router's dtype (quantized experts dequantized): 3 matrices of I x H
-    return sum(3 * b.num_experts * b.intermediate_size * b.gate.in_features * b.gate.weight.element_size()
-               for b in sparse_blocks(model)) / 2**20
+    # the store holds each expert in the router's dtype (quantized experts dequantized): 3 matrices of I x H; a
+    # synthetic source's shared store (engine.model.synthetic) holds its distinct rows once
+    shared = {t.data_ptr(): t.numel() * t.element_size() for b in sparse_blocks(model) if b.expert_store is not None
+              for t in b.expert_store}
+    own = sum(3 * b.num_experts * b.intermediate_size * b.gate.in_features * b.gate.weight.element_size()
+              for b in sparse_blocks(model) if b.expert_store is None)
+    return (own + sum(shared.values())) / 2**20
 
 
 def check_min_budget(cache: ExpertCache, mib: Any, param: str) -> None:
@@ -70,9 +79,16 @@ def check_min_budget(cache: ExpertCache, mib: Any, param: str) -> None:
                           f"sparse layer x {cache.num_layers} layers, plus each layer's miss slot)")
 
 
+def auto_budget_mib(free_mib: float, reserve_mib: float, cache_mib: float) -> float:
+    """auto's budget: AUTO_SHARE of what is left (`free_mib`, measured with the weights, KV, runner buffers and
+    any graphs captured so far already taken, plus what the cache holds now, minus the reserve); the cache rounds
+    it down to whole slots and caps it at every expert."""
+    return AUTO_SHARE * max(0.0, free_mib + cache_mib - reserve_mib)
+
+
 def grow_auto(cache: ExpertCache, budget: Any, free_mib: float, reserve_mib: float) -> None:
-    """auto: take what the books leave now (after KV and the runner's buffers), up to every expert."""
+    """auto: take auto_budget_mib of what the books leave now, up to every expert (at least one slot a layer)."""
     if budget != AUTO:
         return
-    room = free_mib - reserve_mib + cache.mib
-    cache.set_budget(max(room, cache.mib_for(cache.min_slots)), "auto: what the VRAM books leave")
+    want = auto_budget_mib(free_mib, reserve_mib, cache.mib)
+    cache.set_budget(max(want, cache.mib_for(cache.min_slots)), "auto: what the VRAM books leave")

@@ -39,6 +39,8 @@ class ExpertStats:
         self.load_ms = 0.0
         self.reruns = 0  # captured steps run again eagerly because an expert was missing
         self.replays = 0  # extra graph replays after loading a captured step's first missed layer
+        self.prefetched = 0  # experts copied in ahead of their layer (the cold mode prefetch)
+        self.host_runs = 0  # misses run on the CPU from the host store (the cold mode cpu)
         self.steps = 0
         self.step_kind = ""
         self.trace: deque[Access] = deque(maxlen=trace_max)
@@ -133,7 +135,8 @@ class ExpertStats:
                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
                "evictions": sum(self.evictions), "loaded_experts": self.loaded_experts,
                "loaded_mib": round(self.loaded_mib, 3), "load_ms": round(self.load_ms, 3), "reruns": self.reruns,
-               "replays": self.replays,
+               "replays": self.replays, "prefetched": self.prefetched,
+               "host_runs": self.host_runs,
                "steps": self.steps, "trace_accesses": len(self.trace), "layers": layers}
         rates = self.oracle(int(sizes["slots"]), oracle_max_age_s, policy)
         out.update({k: None if v is None else round(v, 4) for k, v in rates.items()})

@@ -11,6 +11,9 @@ It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and
      loaded (when they fit its pool) and the graph is replayed again, up to MAX_EXTRA_REPLAYS times; after
      that, or when the layer's access is larger than its pool, the step runs again eagerly, which serves every
      layer itself. A step only writes KV at its own positions, so running it again is safe;
+   With the cold mode `cpu` a miss always runs the step again eagerly (its misses computed on the host); with
+   `prefetch` the layers past the first missed one are also loaded from the graph's predictions before the
+   replay (engine.exec.experts.cold);
 4. publishes the summed load / evict events about once a second.
 Everything else (release, invalidate, snapshot, precapture, ...) is the inner executor's.
 """
@@ -50,23 +53,29 @@ class ExpertStepExecutor:
         cache.served_this_step = set()
         self._mark_rows(inputs)
         try:
+            cache.wait_all_pending()  # copies that went behind an earlier step (cold cpu / prefetch)
             out = self.inner.run(kind, key, fn, inputs, owner)
             for extra in range(MAX_EXTRA_REPLAYS + 1):
                 counters = self._take_counters()
                 if counters is None:  # nothing captured ran (eager, or this call captured the graph)
                     break
-                misses, counts = counters
+                misses, counts, predicted = counters
                 first = next((i for i, m in enumerate(misses) if m > 0), None)
                 if first is None:
                     cache.touch_captured(counts)
                     break
                 experts = [e for e, c in enumerate(counts[first]) if c > 0]
-                if extra == MAX_EXTRA_REPLAYS or len(experts) > cache.pools[first].slots:
+                if extra == MAX_EXTRA_REPLAYS or len(experts) > cache.pools[first].slots or cache.cold == "cpu":
+                    # cpu: the eager run computes the misses on the host instead of waiting for their copies
                     cache.stats.reruns += 1
                     cache.force_eager = True
                     out = fn(inputs)  # eager: serves every layer not served yet, loading what is missing
                     break
                 cache.serve_captured_layer(first, experts, int(sum(counts[first])) // cache.top_k)
+                if predicted is not None:  # prefetch: the layers past the first missed one, from the predictions
+                    for j in range(first + 1, len(predicted)):
+                        cache.prefetch(j, [e for e, c in enumerate(predicted[j]) if c > 0])
+                    cache.wait_all_pending()
                 cache.stats.replays += 1
                 out = self.inner.run(kind, key, fn, inputs, owner)
         finally:
@@ -84,16 +93,25 @@ class ExpertStepExecutor:
         self.cache.row_valid[:n].copy_((positions < self.context_tokens).flatten())
         self.cache.valid_rows = n
 
-    def _take_counters(self) -> tuple[list[float], list[list[float]]] | None:
-        """Read and clear what captured layers counted: (misses per layer, route counts [layer][expert]),
-        or None when no captured layer ran since the last read."""
+    def _take_counters(self) -> tuple[list[float], list[list[float]], list[list[float]] | None] | None:
+        """Read and clear what captured layers counted: (misses per layer, route counts [layer][expert], and
+        under prefetch the predicted route counts [layer][expert]), or None when no captured layer ran since the
+        last read."""
         cache = self.cache
-        packed = torch.cat([cache.dev_misses[:, None], cache.dev_counts], dim=1).cpu()  # [L, 1 + E]
+        parts = [cache.dev_misses[:, None], cache.dev_counts]
+        if cache.cold == "prefetch":
+            parts.append(cache.dev_predicted)
+        packed = torch.cat(parts, dim=1).cpu()  # [L, 1 + E (+ E)]
         if not bool(packed.any()):
             return None
         cache.dev_misses.zero_()
         cache.dev_counts.zero_()
-        return packed[:, 0].tolist(), packed[:, 1:].tolist()
+        E = cache.num_experts
+        predicted = None
+        if cache.cold == "prefetch":
+            cache.dev_predicted.zero_()
+            predicted = packed[:, 1 + E:].tolist()
+        return packed[:, 0].tolist(), packed[:, 1:1 + E].tolist(), predicted
 
 
 def follow_policy_switch(cache: ExpertCache, board: SwitchBoard | None) -> None:

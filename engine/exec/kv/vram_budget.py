@@ -66,6 +66,10 @@ class VramBudget:
     # The MoE expert cache (engine.exec.experts.cache.ExpertCache) when the model has one: a second claimant
     # that shrinks on request (after the tier) and regrows towards its budget (before the tier).
     experts: Any = None
+    # --expert-cache-mib auto: the expert cache fills the card by design and the tier holds only the rest, so
+    # a step or capture that ran out of memory asks the experts first (the seed report's order: the claimant
+    # that fills the card gives first, then the tier).
+    experts_first: bool = False
     # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
     # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
     headroom_mib: float = 0.0
@@ -95,11 +99,17 @@ class VramBudget:
         return free - self.reserve_mib - self.headroom_mib
 
     def make_room(self, mib: float, reason: str) -> float:
-        """Free `mib` from the tier for a step that ran out of memory, and keep that much free from now on
-        (bounded by 4x the reserve) so the tier does not regrow into it. Returns the MiB freed."""
-        freed = self.tier.release(mib, reason) if self.tier is not None else 0.0
-        if freed < mib and self.experts is not None:
-            freed += self.experts.release(mib - freed, reason)
+        """Free `mib` for a step that ran out of memory, from the tier then the expert cache (the other way round
+        with `experts_first`), and keep that much free from now on (bounded by 4x the reserve) so neither regrows
+        into it. Returns the MiB freed."""
+        claimants = [c for c in (self.tier, self.experts) if c is not None]
+        if self.experts_first:
+            claimants.reverse()
+        freed = 0.0
+        for claimant in claimants:
+            if freed >= mib:
+                break
+            freed += claimant.release(mib - freed, reason)
         self.headroom_mib = min(self.headroom_mib + freed, 4 * max(self.reserve_mib, 256.0))
         return freed
 

@@ -66,3 +66,49 @@ def test_bench_experts_replay_synthetic_and_a_recorded_trace(tmp_path, capsys):
     assert "none.jsonl" in capsys.readouterr().err
     assert main(["bench", "experts-replay", "--half-life", "0", "--json", str(out)]) == 2
     assert "half_life=0.0: expected at least 0.01" in capsys.readouterr().err
+
+
+def test_bench_experts_on_a_synthetic_skewed_source(tmp_path, one_torch_thread):
+    # random:moe-synth-tiny has no file (engine.model.synthetic) and a skewed router: with part of the experts on
+    # the device the live LRU hits well above the resident fraction (a uniform router's rate), and is compared
+    # with Belady on the same trace
+    out = tmp_path / "experts.json"
+    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--budgets", "25",
+                 "--prompt-tokens", "24", "--new-tokens", "16", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    rows = {r["budget_pct"]: r for r in doc["rows"]}
+    assert sorted(rows) == [25, 100] and all(r["engine"] == "strata" for r in doc["rows"])  # no transformers peer
+    small = rows[25]
+    assert all(r["same_tokens"] for r in doc["rows"]) and small["slots"] < 16 and small["misses"] > 0
+    assert small["hit_rate"] > small["slots"] / 16 + 0.1
+    assert rows[25]["vs_belady"] == pytest.approx(rows[25]["hit_rate"] / rows[25]["oracle_hit_rate"])
+    assert 0 < rows[25]["vs_belady"] <= 1.0
+
+
+def test_bench_experts_runs_the_three_cold_paths_side_by_side(tmp_path, one_torch_thread):
+    # one run: every cold-expert mode at the budget below 100 %, batches 1 and 2, the 100 % row from another model
+    # (as random:moe-80b is compared with random:moe-80b-40l, whose experts all fit the card)
+    out = tmp_path / "cold.json"
+    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--budgets", "50",
+                 "--cold", "copy,cpu,prefetch", "--batches", "1,2", "--all-resident-model", "random:moe-small",
+                 "--prompt-tokens", "16", "--new-tokens", "8", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["summary"]["all_same_tokens"]
+    assert [(r["batch"], r["budget_pct"], r["cold"]) for r in rows] == [
+        (b, p, c) for b in (1, 2) for p, c in ((100, "copy"), (50, "copy"), (50, "cpu"), (50, "prefetch"))]
+    for r in rows:
+        if r["budget_pct"] == 100:
+            assert r["model"] == "random:moe-small" and r["misses"] == 0 and r["same_tokens"] is None
+        else:
+            assert r["model"] == "random:moe-synth-tiny" and r["same_tokens"] and r["hit_rate"] < 1.0
+            assert r["vs_all_resident"] is not None and (r["prefetched"] > 0) == (r["cold"] == "prefetch")
+
+
+def test_bench_experts_refuses_an_unknown_cold_mode(tmp_path, capsys):
+    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--cold", "copy,disk",
+                 "--json", str(tmp_path / "x.json")])
+    assert code == 2
+    assert "cold='copy,disk'" in capsys.readouterr().err

@@ -46,6 +46,10 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
                             {"mtp": "on", "batch": 1, "decode_tok_s": 145.0, "acceptance": [0.6, 0.3]}]),
         "admission": _doc([{"decode_ratio": 0.7}, {"decode_ratio": 0.45}]),
         "decode_compile": _doc([{"graphs": "on", "batch": 1, "decode_tok_s": 2100.0}]),
+        "experts_cold": _doc([{"batch": 6, "budget_pct": 100, "cold": "copy", "vs_all_resident": 1.0,
+                               "vs_belady": 1.0},
+                              {"batch": 6, "budget_pct": 85, "cold": "copy", "vs_all_resident": 0.7, "vs_belady": 0.93},
+                              {"batch": 6, "budget_pct": 85, "cold": "cpu", "vs_all_resident": 0.5, "vs_belady": 0.9}]),
     }
     for name, doc in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
@@ -61,6 +65,9 @@ def test_collector_recomputes_targets_from_rows(tmp_path: Path) -> None:
     assert summary["figures"]["mtp_best_speedup_b1"] == 1.45 and met["MTP speedup, batch 1"] is False
     assert summary["figures"]["mtp_acceptance_b1"] == [0.6, 0.3]
     assert summary["figures"]["admission_ratio"] == 0.45
+    assert summary["figures"]["experts_cold_copy_vs_all_resident_b6"] == 0.7  # the 85 % rows, not the reference
+    assert summary["figures"]["experts_cold_cpu_vs_all_resident_b6"] == 0.5
+    assert summary["figures"]["experts_cold_copy_vs_belady_b6"] == 0.93
     assert summary["figures"]["hf_static_compile_b1_error"] == "RuntimeError: boom"
     assert summary["partial"] == ["peers"] and "ttft" in summary["missing"]
     assert summary["unreadable"][0].startswith("broken.json")

@@ -120,3 +120,20 @@ def test_random_moe_checkpoint_with_mtp_round_trips(make_checkpoint, tmp_path):
     ids = ids % 500
     with torch.no_grad():
         assert torch.equal(lm.model(ids, positions), again.model(ids, positions))
+
+
+def test_routes_by_expert_are_torch_where_s_per_expert_with_padding_rows_left_out():
+    from engine.model.moe import routes_by_expert
+
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:3] for _ in range(37)])  # [37, 3], top-k: distinct
+    rows = torch.rand(37, generator=gen) > 0.3
+    for mask in (None, rows):
+        routes = routes_by_expert(ids, mask)
+        real = ids if mask is None else ids[mask]
+        assert list(routes) == sorted(set(real.flatten().tolist()))
+        for e, (token_idx, pos) in routes.items():
+            hit = ids == e if mask is None else (ids == e) & mask[:, None]
+            want_t, want_p = torch.where(hit)
+            assert torch.equal(token_idx, want_t) and torch.equal(pos, want_p)
+    assert routes_by_expert(ids, torch.zeros(37, dtype=torch.bool)) == {}
