@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.model.quant.linear import model_bytes
+from engine.model.quant.linear import is_quantized, model_bytes
 from engine.errors import ConfigError, StrataError
 from engine.exec.device_switches import settle_switches
 from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
@@ -135,6 +135,10 @@ class _PartsBuilder:
                              quantize=None if config.quantize == "off" else config.quantize)
         device = self.device = lm.device
         model = lm.model
+        if device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
+            from engine.model.quant.kernels import prepare  # Triton: CUDA only
+
+            prepare(device)  # the quantized kernels' split counters exist before any graph capture
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
         self.stage = "building the expert cache"
