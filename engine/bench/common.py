@@ -2,7 +2,8 @@
 
 `--model random:0.6b` (or `random:tiny`, optionally `random:0.6b+mtp`) writes a random-weight checkpoint of that
 shape once per (size, dtype, MTP) into a cache directory and reuses it, so every benchmark of one GPU run, and
-every peer in it, measures the same weights.
+every peer in it, measures the same weights. `random:8b` is not written: the engine draws its weights on the
+device at load, seeded (engine.model.random_source), the same weights at every start.
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def prepare_model(spec: str, device: torch.device, model_dtype: str = "auto") ->
 
     if size not in SIZES:
         raise ConfigError("model", spec, f"unknown random size; known: {', '.join(SIZES)}")
+    from engine.model.random_source import GENERATED_AT_LOAD
+
+    if size in GENERATED_AT_LOAD:  # the engine draws its weights on the device at load (no checkpoint)
+        return spec
     dtype = checkpoint_dtype(model_dtype, device)
     root = Path(os.environ.get(_CACHE_ENV) or Path(tempfile.gettempdir()) / "strata-bench-checkpoints")
     directory = root / f"{size}-{dtype}-{extra or 'nomtp'}"

@@ -131,8 +131,11 @@ class _PartsBuilder:
         self.tier_device = _tier_device(config, resolve_device(config.device))
         self.stage = f"loading the model {config.model}"
         # MoE: routed experts load to host memory; the expert cache gives them their device slots
-        lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device, expert_device="cpu",
-                             quantize=None if config.quantize == "off" else config.quantize)
+        from engine.model.random_source import RANDOM_PREFIX, load_random
+
+        load = load_random if config.model.startswith(RANDOM_PREFIX) else load_checkpoint  # random: drawn at load
+        lm = load(config.model, dtype=config.dtype, device=config.device, expert_device="cpu",
+                  quantize=None if config.quantize == "off" else config.quantize)
         device = self.device = lm.device
         model = lm.model
         if device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
