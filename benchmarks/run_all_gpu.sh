@@ -8,7 +8,8 @@
 #
 # A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that no longer
 # fit the budget are skipped and logged. Environment overrides: BUDGET_S (default 540), PYTHON, MODEL (default
-# random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
+# random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL (default random:8b), QUANT_SIZE (8b),
+# QUANT_TUNE, DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
 # SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
 # decode run; SEED_RUNS, MOE_RUNS, GPU_WORKERS for the seed and test-suite steps
 # (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
@@ -57,7 +58,9 @@ compile_warm      named    the same again, the compiled kernels from the cache
 seed              named    the seed scenario through serve, SEED_RUNS runs (default 5)
 moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS runs (default 3)
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
-quant_decode      named    decode of the 0.6B shape with bf16, fp8 and int4 weights, batch 1 and 16
+quant_linear      named    each quantized kernel against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
+quant_linear_small named   the same at the 0.6B shape
+quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8 and int4 weights, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
 peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
@@ -246,8 +249,14 @@ step moe_seed 330 "$PY" benchmarks/seed_scenario.py --runs "${MOE_RUNS:-3}" --de
 step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device "$DEVICE" --random-model 0.6b \
     --prompt-tokens 131072 --out "$OUT/kv_seed.json" --extra --kv-resident 16384
 # Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
-run quant_decode 200 decode "${COMMON[@]}" --batches 1,16 --weight-formats off,fp8,int4 --graph-modes on \
-    --prompt-tokens 128 --new-tokens 128
+# The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
+# decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).
+QUANT_TUNE=${QUANT_TUNE:-32x128x2x4x4,64x128x1x4x3,64x256x1x8x3,128x128x1x8x4}
+run quant_linear 180 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows 1,16 --iters 40 \
+    --quant fp8,fp8-block,int4 --quant-tune "$QUANT_TUNE"
+run quant_linear_small 120 linear --device "$DEVICE" --size 0.6b --rows 1,16 --iters 40 --quant fp8,fp8-block,int4
+run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
+    --weight-formats off,fp8,int4 --graph-modes on --prompt-tokens 128 --new-tokens 128
 # Shorter prompts finish between two refreshes on a GPU: no halfway reading.
 step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --prompt-tokens 180000 --context 184320 \
     --decode-slots 0 4 --refresh-s 0.1
