@@ -8,8 +8,8 @@
 #
 # A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that no longer
 # fit the budget are skipped and logged. Environment overrides: BUDGET_S (default 540), PYTHON, MODEL (default
-# random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL (default random:8b), QUANT_SIZE (8b),
-# QUANT_TUNE, DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
+# random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL and QUANT_PEER_MODEL (default random:8b),
+# QUANT_SIZE (8b), QUANT_TUNE, DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
 # SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
 # decode run; SEED_RUNS, MOE_RUNS, GPU_WORKERS for the seed and test-suite steps
 # (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
@@ -61,6 +61,7 @@ kv_seed           named    the seed scenario with --kv-resident 16384 (131K prom
 quant_linear      named    each quantized kernel against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
 quant_linear_small named   the same at the 0.6B shape
 quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8 and int4 weights, batch 1 and 16
+quant_peers       named    QUANT_PEER_MODEL (random:8b) written as an FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
 peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
@@ -257,6 +258,13 @@ run quant_linear 180 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows
 run quant_linear_small 120 linear --device "$DEVICE" --size 0.6b --rows 1,16 --iters 40 --quant fp8,fp8-block,int4
 run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
     --weight-formats off,fp8,int4 --graph-modes on --prompt-tokens 128 --new-tokens 128
+# transformers on the same FP8 checkpoint (compressed-tensors, per channel, as `strata-engine quantize` writes it;
+# its own FP8 path, or its error in the row), written once into the checkpoint cache.
+QUANT_DIR="$STRATA_BENCH_CACHE/fp8-$(tr -c 'a-z0-9.\n' - <<<"${QUANT_PEER_MODEL:-random:8b}")"
+step quant_peers 330 bash -c '[ -f "$2/config.json" ] || "$0" -m engine.cli quantize --model "$1" --format fp8 \
+    --out "$2" --device "$3" && "$0" -m engine.bench peers --model "$2" --device "$3" "${@:5}" --batches 1,16 \
+    --prompt-tokens 128 --new-tokens 128 --copy-mib 2048 --peers eager --json "$4"' \
+    "$PY" "${QUANT_PEER_MODEL:-random:8b}" "$QUANT_DIR" "$DEVICE" "$OUT/quant_peers.json" "${SPEED[@]}"
 # Shorter prompts finish between two refreshes on a GPU: no halfway reading.
 step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --prompt-tokens 180000 --context 184320 \
     --decode-slots 0 4 --refresh-s 0.1

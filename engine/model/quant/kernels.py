@@ -287,8 +287,11 @@ def quant_linear(x: torch.Tensor, layer, config: QuantConfig | None = None) -> t
         part = counters = out
     has_bias = layer.bias is not None
     scales = scale_mode(layer, cfg.block_k)
+    # a taller row tile keeps fewer steps in flight (its activation tiles fill the shared memory a step's
+    # pipeline holds); the stages change when loads are issued, never the order of the sums
+    stages = max(2, cfg.num_stages - (block_m // 32))
     launch = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=stages)
     if is_int:
         _int_group_kernel[grid](
             rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out, part,
