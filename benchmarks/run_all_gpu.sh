@@ -60,8 +60,8 @@ moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS run
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
 quant_linear      named    each quantized kernel against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
 quant_linear_small named   the same at the 0.6B shape
-quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8 and int4 weights, batch 1 and 16
-quant_peers       named    QUANT_PEER_MODEL (random:8b) written as an FP8 checkpoint: Strata against transformers on it, batch 1 and 16
+quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8, fp8-block and int4 weights, batch 1 and 16
+quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
 peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
@@ -257,11 +257,12 @@ run quant_linear 180 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows
     --quant fp8,fp8-block,int4 --quant-tune "$QUANT_TUNE"
 run quant_linear_small 120 linear --device "$DEVICE" --size 0.6b --rows 1,16 --iters 40 --quant fp8,fp8-block,int4
 run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
-    --weight-formats off,fp8,int4 --graph-modes on --prompt-tokens 128 --new-tokens 128
-# transformers on the same FP8 checkpoint (compressed-tensors, per channel, as `strata-engine quantize` writes it;
-# its own FP8 path, or its error in the row), written once into the checkpoint cache.
-QUANT_DIR="$STRATA_BENCH_CACHE/fp8-$(tr -c 'a-z0-9.\n' - <<<"${QUANT_PEER_MODEL:-random:8b}")"
-step quant_peers 330 bash -c '[ -f "$2/config.json" ] || "$0" -m engine.cli quantize --model "$1" --format fp8 \
+    --weight-formats off,fp8,fp8-block,int4 --graph-modes on --prompt-tokens 128 --new-tokens 128
+# transformers on the same FP8 checkpoint, in Qwen's block-FP8 layout (`strata-engine quantize --format fp8-block`,
+# which transformers runs through its own FP8 kernels; its error in the row if it cannot), written once into the
+# checkpoint cache.
+QUANT_DIR="$STRATA_BENCH_CACHE/fp8-block-$(tr -c 'a-z0-9.\n' - <<<"${QUANT_PEER_MODEL:-random:8b}")"
+step quant_peers 330 bash -c '[ -f "$2/config.json" ] || "$0" -m engine.cli quantize --model "$1" --format fp8-block \
     --out "$2" --device "$3" && "$0" -m engine.bench peers --model "$2" --device "$3" "${@:5}" --batches 1,16 \
     --prompt-tokens 128 --new-tokens 128 --copy-mib 2048 --peers eager --json "$4"' \
     "$PY" "${QUANT_PEER_MODEL:-random:8b}" "$QUANT_DIR" "$DEVICE" "$OUT/quant_peers.json" "${SPEED[@]}"

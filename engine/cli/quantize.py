@@ -14,7 +14,8 @@ from engine.errors import ConfigError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="PATH", help="checkpoint directory, builtin:NAME or random:SIZE")
     parser.add_argument("--format", required=True, choices=QUANTIZE_FORMATS,
-                        help="fp8: e4m3, a scale per output channel; int4: a scale and zero point per group of 128")
+                        help="fp8: e4m3, a scale per output channel (compressed-tensors); fp8-block: a scale per "
+                        "128x128 block (Qwen's FP8 layout); int4: a scale and zero point per group of 128")
     parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (must not hold a checkpoint)")
     parser.add_argument("--device", default="auto", metavar="DEVICE",
                         help="where to quantize: auto | cpu | cuda:N (default auto)")
