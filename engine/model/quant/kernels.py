@@ -248,12 +248,13 @@ def _native_fp8(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _layer_config(layer) -> QuantConfig:
-    """The layer's default launch shape, worked out at its first product and kept on it (no per-call work)."""
-    cfg = layer.__dict__.get("_quant_launch")
-    if cfg is None:
-        cfg = layer.__dict__["_quant_launch"] = default_config(layer)
-    return cfg
+def _layer_launch(layer) -> tuple[QuantConfig, int]:
+    """The layer's default launch shape and scale mode, worked out at its first product and kept on it."""
+    launch = layer.__dict__.get("_quant_launch")
+    if launch is None:
+        cfg = default_config(layer)
+        launch = layer.__dict__["_quant_launch"] = (cfg, scale_mode(layer, cfg.block_k))
+    return launch
 
 
 def prepare(device: torch.device | str) -> None:
@@ -274,7 +275,7 @@ def quant_linear(x: torch.Tensor, layer, config: QuantConfig | None = None) -> t
     m, k = rows.shape
     n = layer.out_features
     assert k == layer.in_features, (tuple(x.shape), k, layer.in_features)
-    cfg = config or _layer_config(layer)
+    cfg, scales = (config, scale_mode(layer, config.block_k)) if config is not None else _layer_launch(layer)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(m))
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
@@ -286,7 +287,6 @@ def quant_linear(x: torch.Tensor, layer, config: QuantConfig | None = None) -> t
     else:
         part = counters = out
     has_bias = layer.bias is not None
-    scales = scale_mode(layer, cfg.block_k)
     # a taller row tile keeps fewer steps in flight (its activation tiles fill the shared memory a step's
     # pipeline holds); the stages change when loads are issued, never the order of the sums
     stages = max(2, cfg.num_stages - (block_m // 32))
