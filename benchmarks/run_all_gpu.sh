@@ -30,6 +30,9 @@ switches_long     default  SPLIT_ATTN at batch 1 with a SPLIT_LONG prompt, VRAM 
 decode_compile    default  decode with FUSED_PROJ and COMPILE on
 peers_compile     default  HF static cache + torch.compile alone
 peers_static      named    Strata against HF static cache + torch.compile in the same run, batch 1 and 6
+llama_build       named    llama.cpp's llama-server with CUDA, built here from LLAMA_CPP_SRC (scripts/pack_llama_src.sh)
+peers_llamacpp    named    Strata against llama.cpp (CUDA) and HF static + compile on the same bf16 weights, batch 1, 6, 16
+peers_gguf        named    Strata against llama.cpp on one Q8_0 and one Q4_0 GGUF file, batch 1 and 16
 mtp_1             named    MTP off vs on at batch 1, depth 1 (the decode-vs-MTP table)
 mtp_2             named    the same at depth 2
 profile_b1        named    where a batch-1 decode step's time goes (0.6B)
@@ -205,6 +208,22 @@ run peers_compile 120 peers "${COMMON[@]}" "${SPEED[@]}" --batches 1,6 --prompt-
 
 # The named steps: the tables of docs/BENCHMARKS.md with serve's defaults (VRAM full), as measured there.
 run peers_static 200 peers "${COMMON[@]}" --batches 1,6 --peers static
+# llama.cpp as the C++ peer: built here (no registry: the trimmed sources travel as LLAMA_CPP_SRC), unless
+# STRATA_LLAMA_SERVER names a binary already; the peers steps below use what this step printed last.
+step llama_build 480 env CUDA=1 JOBS="${JOBS:-$(nproc)}" LLAMA_CPP_SRC="${LLAMA_CPP_SRC:-.whl/llama.cpp-src.tar.xz}" \
+    bash scripts/build_llama_server.sh
+if [ -z "${STRATA_LLAMA_SERVER:-}" ] && [ -f "$OUT/llama_build.log" ] && [ -x "$(tail -1 "$OUT/llama_build.log")" ]; then
+    export STRATA_LLAMA_SERVER=$(tail -1 "$OUT/llama_build.log")
+fi
+run peers_llamacpp 300 peers "${COMMON[@]}" "${SPEED[@]}" --batches 1,6,16 --prompt-tokens "$PROMPT" --new-tokens "$NEW" \
+    --copy-mib "$COPY_MIB" --peers llamacpp,static
+for qtype in q8_0 q4_0; do
+    wanted peers_gguf 60 && timeout 120 "$PY" -m engine.bench.gguf_export "$MODEL" "/tmp/strata-peer-$qtype.gguf" \
+        --type "$qtype" >>"$LOG" 2>&1
+    run peers_gguf 150 peers --model "/tmp/strata-peer-$qtype.gguf" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
+        --prompt-tokens "$PROMPT" --new-tokens "$NEW" --copy-mib "$COPY_MIB" --peers llamacpp
+    [ -f "$OUT/peers_gguf.json" ] && mv "$OUT/peers_gguf.json" "$OUT/peers_gguf_$qtype.json"
+done
 # MTP's ratio on strata-tiny moves with the host's speed: run these first on a fresh machine.
 run mtp_1 70 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1 --mtp-depth 1
 run mtp_2 70 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1 --mtp-depth 2

@@ -24,7 +24,7 @@ BENCHES = {
     "admission": ("engine.bench.admission", "decode rate of running slots while a fresh long prompt is admitted"),
     "graphs": ("engine.bench.graphs", "graph capture time and MiB per graph kind (GraphCache snapshot)"),
     "switches": ("engine.bench.switches", "each opt-in switch on vs off where it claims to help"),
-    "peers": ("engine.bench.peers", "HF transformers eager and static+compile, and the weight-bandwidth floor"),
+    "peers": ("engine.bench.peers", "HF transformers eager and static+compile, llama.cpp, and the weight-bandwidth floor"),
     "profile": ("engine.bench.profile", "where one steady decode step's time goes: host functions and kernels"),
     "experts": ("engine.bench.experts", "MoE decode tok/s and expert hit rate per expert-cache budget"),
     "experts-replay": ("engine.bench.experts_replay", "expert-cache hit rates of LRU, LFU and Belady replaying a "
@@ -165,7 +165,16 @@ def _peers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the device-to-device copy for bandwidth")
     p.add_argument("--peer-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="HF weights dtype (default bfloat16)")
-    p.add_argument("--peers", default="eager,static", help="HF peers to run: eager, static (default both)")
+    p.add_argument("--peers", default="eager,static",
+                   help="peers to run: eager, static (HF transformers), llamacpp (llama-server on the same weights "
+                        "as GGUF); default eager,static")
+    p.add_argument("--llama-server", default=None,
+                   help="the llama-server binary of the llamacpp peer (default $STRATA_LLAMA_SERVER)")
+    p.add_argument("--gguf-out", default=None,
+                   help="where the llamacpp peer's GGUF export goes (default beside the checkpoint)")
+    p.add_argument("--gguf-type", default="same", choices=("same", "q8_0", "q4_0"),
+                   help="the llamacpp peer's export: the checkpoint's own dtype (default), or quantized by gguf's "
+                        "quantizer (for one file both engines read, pass the .gguf as --model)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the static-cache peer (CUDA only; off: static cache alone)")
     p.add_argument("--skip-strata", action="store_true", help="measure only the peers")

@@ -128,10 +128,13 @@ def prepare_model(spec: str, device: torch.device, model_dtype: str = "auto") ->
 
 
 def weight_bytes(path: str) -> int:
-    """Bytes of the weights as stored (the safetensors files): what one decode step must read."""
+    """Bytes of the weights as stored (the safetensors files, or a GGUF file): what one decode step must read."""
     from engine.model.loader import resolve_model_path
 
-    return sum(f.stat().st_size for f in resolve_model_path(path).glob("*.safetensors"))
+    resolved = resolve_model_path(path)
+    if resolved.is_file():
+        return resolved.stat().st_size
+    return sum(f.stat().st_size for f in resolved.glob("*.safetensors"))
 
 
 def torch_env(device: torch.device) -> dict[str, Any]:

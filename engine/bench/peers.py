@@ -4,6 +4,8 @@ Peers:
 - `hf_eager`: Hugging Face transformers `generate` with the default dynamic cache (eager PyTorch).
 - `hf_static_compile`: `generate` with `cache_implementation="static"` and torch.compile (transformers compiles
   the forward itself when the cache is static and the device is CUDA); recorded with its error if it fails.
+- `llamacpp`: llama.cpp's `llama-server` (built by scripts/build_llama_server.sh, CUDA on a GPU machine) on the
+  same weights written as GGUF (engine.bench.llamacpp_peer); recorded with its error if it fails.
 - `floor`: the weight-bandwidth floor: a decode step must read every weight once, so batch-1 decode can be no
   faster than (device copy bandwidth) / (weight bytes). The copy bandwidth is measured in the same run with a
   large device-to-device copy, counting bytes read plus bytes written.
@@ -91,12 +93,15 @@ def hf_generate_tok_s(path: str, device: torch.device, dtype: torch.dtype, promp
             torch.cuda.empty_cache()
 
 
+PEERS = ("eager", "static", "llamacpp")
+
+
 def peer_names(text: str) -> set[str]:
     """`eager,static` -> {"eager", "static"}; an unknown name is a ConfigError naming it."""
     names = {n.strip() for n in text.split(",") if n.strip()}
-    unknown = names - {"eager", "static"}
+    unknown = names - set(PEERS)
     if unknown:
-        raise ConfigError("peers", text, f"unknown peer {sorted(unknown)[0]!r}; known: eager, static")
+        raise ConfigError("peers", text, f"unknown peer {sorted(unknown)[0]!r}; known: {', '.join(PEERS)}")
     return names
 
 
@@ -145,11 +150,12 @@ def run(args: argparse.Namespace) -> int:
     """Measure the floor, Strata and the chosen HF peers; print the table, write the JSON."""
     wanted = peer_names(args.peers)
     device = device_of(args.device)
+    llama_server = _llama_server(args) if "llamacpp" in wanted else None
     path = prepare_model(args.model, device, args.dtype)
-    from engine.model import ModelConfig
     from engine.model.loader import resolve_model_path
 
-    vocab = ModelConfig.from_file(resolve_model_path(path) / "config.json").vocab_size
+    gguf_file = resolve_model_path(path) if resolve_model_path(path).is_file() else None
+    vocab = _vocab_size(path)
     w_bytes = weight_bytes(path)
     bw_gb_s = copy_bandwidth_gb_s(device, args.copy_mib)
     floor_b1_tok_s = bw_gb_s * 1e9 / w_bytes
@@ -161,12 +167,18 @@ def run(args: argparse.Namespace) -> int:
         for batch in args.batches:
             rows.append({"engine": "strata", "batch": batch, **strata_generate_tok_s(args, path, prompts[batch])})
             save_partial(args, "peers", rows, device)
+    if llama_server is not None:
+        _add_llamacpp_rows(args, llama_server, path, prompts, device, rows)
     # transformers compiles a static-cache generate by itself only on accelerators
     compile_ = args.compile and device.type == "cuda"
     peers = [("hf_eager", False, False), ("hf_static_compile" if compile_ else "hf_static", True, compile_)]
     peers = [p for p, name in zip(peers, ("eager", "static")) if name in wanted]
     for name, static, compile_ in peers:
         for batch in args.batches:
+            if gguf_file is not None:  # transformers reads GGUF only by dequantizing it: not the same weights
+                rows.append({"engine": name, "batch": batch, "tok_s": None, "wall_s": None,
+                             "error": "not run: transformers would dequantize the GGUF file"})
+                continue
             result = hf_generate_tok_s(path, device, getattr(torch, args.peer_dtype), prompts[batch],
                                        args.new_tokens, static, compile_, args.repeats)
             rows.append({"engine": name, "batch": batch, **result})
@@ -174,6 +186,55 @@ def run(args: argparse.Namespace) -> int:
     emit(args, "peers", rows, _summary(rows, floor_b1_tok_s, bw_gb_s, w_bytes), device,
          ("engine", "batch", "tok_s", "wall_s", "decode_tok_s", "all_first_token_s", "steps", "error"))
     return 0
+
+
+def _vocab_size(path: str) -> int:
+    from engine.model import ModelConfig
+    from engine.model.loader import resolve_model_path
+
+    resolved = resolve_model_path(path)
+    if resolved.is_file():
+        import gguf
+
+        embedding = next(t for t in gguf.GGUFReader(str(resolved)).tensors if t.name == "token_embd.weight")
+        return int(embedding.shape[-1])
+    return ModelConfig.from_file(resolved / "config.json").vocab_size
+
+
+def _llama_server(args: argparse.Namespace) -> str:
+    """The llama-server binary a `llamacpp` peer needs, checked before anything is measured."""
+    from engine.bench.llamacpp_peer import server_path
+
+    found = server_path(args.llama_server)
+    if found is None:
+        raise ConfigError("llama-server", args.llama_server or "(unset)",
+                          "the llamacpp peer needs an executable llama-server: pass --llama-server PATH or set "
+                          "STRATA_LLAMA_SERVER (scripts/build_llama_server.sh builds one; CUDA=1 for the GPU)")
+    return found
+
+
+def _add_llamacpp_rows(args: argparse.Namespace, server: str, path: str, prompts: dict[int, list[list[int]]],
+                       device: torch.device, rows: list[dict[str, Any]]) -> None:
+    """The checkpoint exported once as GGUF beside itself, then one llama-server per batch size."""
+    from pathlib import Path
+
+    from engine.bench.gguf_export import export_gguf
+    from engine.bench.llamacpp_peer import llamacpp_generate_tok_s, server_version
+    from engine.model.loader import resolve_model_path
+
+    checkpoint = resolve_model_path(path)
+    if checkpoint.is_file():  # a GGUF model: both engines read this very file
+        gguf_path = checkpoint
+    else:
+        gguf_path = Path(args.gguf_out) if args.gguf_out else checkpoint / f"strata-peer-{args.gguf_type}.gguf"
+        if not gguf_path.is_file():
+            export_gguf(checkpoint, gguf_path, args.gguf_type)
+    version = server_version(server)
+    for batch in args.batches:
+        result = llamacpp_generate_tok_s(server, gguf_path, prompts[batch], args.new_tokens,
+                                         on_gpu=device.type == "cuda", repeats=args.repeats)
+        rows.append({"engine": "llamacpp", "batch": batch, "version": version, **result})
+        save_partial(args, "peers", rows, device)
 
 
 def _summary(rows: list[dict[str, Any]], floor_b1_tok_s: float, bw_gb_s: float, w_bytes: int) -> dict[str, Any]:
