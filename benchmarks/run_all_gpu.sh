@@ -61,7 +61,7 @@ compile_warm      named    the same again, the compiled kernels from the cache
 seed              named    the seed scenario through serve, SEED_RUNS runs (default 5)
 moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS runs (default 3)
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
-quant_linear      named    each quantized kernel against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
+quant_linear      named    each quantized kernel (fp8, fp8-block, int4 g128 / g32) against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
 quant_linear_small named   the same at the 0.6B shape
 quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8, fp8-block and int4 weights, batch 1 and 16
 quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
@@ -271,10 +271,11 @@ step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device "$DEVICE" -
 # Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
 # The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
 # decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).
-QUANT_TUNE=${QUANT_TUNE:-32x128x2x4x4,64x128x1x4x3,64x256x1x8x3,128x128x1x8x4}
-run quant_linear 180 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows 1,16 --iters 40 \
-    --quant fp8,fp8-block,int4 --quant-tune "$QUANT_TUNE"
-run quant_linear_small 120 linear --device "$DEVICE" --size 0.6b --rows 1,16 --iters 40 --quant fp8,fp8-block,int4
+QUANT_TUNE=${QUANT_TUNE:-32x128x2x4x4,64x128x1x4x3,64x256x1x8x3,128x128x1x8x4,64x32x2x4x4}
+run quant_linear 200 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows 1,16 --iters 40 \
+    --quant fp8,fp8-block,int4,int4-g32 --quant-tune "$QUANT_TUNE"
+run quant_linear_small 120 linear --device "$DEVICE" --size 0.6b --rows 1,16 --iters 40 \
+    --quant fp8,fp8-block,int4,int4-g32
 run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
     --weight-formats off,fp8,fp8-block,int4 --graph-modes on --prompt-tokens 128 --new-tokens 128
 # transformers on the same FP8 checkpoint, in Qwen's block-FP8 layout (`strata-engine quantize --format fp8-block`,

@@ -13,7 +13,8 @@ timed as `bench linear` times its rows (a CUDA graph of `--iters` products rotat
   `ideal` = bf16 bytes / the layout's bytes (the speedup a kernel at bf16's bandwidth would reach);
   `max_err`: the largest difference from the bf16 product of the dequantized weight, over its largest value.
 Formats: fp8 (per channel: `--quantize fp8`, compressed-tensors FP8), fp8-block (Qwen's 128x128 blocks), int4
-(group 128: `--quantize int4`, AWQ, GPTQ), int8 (group 128).
+(group 128: `--quantize int4`, AWQ, GPTQ), int4-g32 (groups of 32: GGUF's Q4_0 / Q4_K, whose scales the kernel
+expands per weight at the default step of 128, or per step at a `--quant-tune` step of 32), int8 (group 128).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from engine.bench.attention_common import launch_shapes, time_launch_shapes
 from engine.errors import ConfigError
 
-QUANT_FORMATS = ("fp8", "fp8-block", "int4", "int8")
+QUANT_FORMATS = ("fp8", "fp8-block", "int4", "int4-g32", "int8")
 _COLD_BYTES = 256 * 2**20  # copies of a weight rotate through this many bytes: over the L2 (50 MiB on an H200)
 _GROUP = 128
 
@@ -59,9 +60,10 @@ def quantized_layer(weight: torch.Tensor, fmt: str):
         scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
         q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(n, k).to(torch.float8_e4m3fn)
         return Fp8Linear(q, scale, (_GROUP, _GROUP))
-    if fmt == "int4":
-        codes, scale, zero = quantize_int4(weight, _GROUP)
-        return IntGroupLinear(codes, scale, -zero * scale, 4, _GROUP)
+    if fmt in ("int4", "int4-g32"):
+        group = 32 if fmt == "int4-g32" else _GROUP
+        codes, scale, zero = quantize_int4(weight, group)
+        return IntGroupLinear(codes, scale, -zero * scale, 4, group)
     # int8: symmetric codes shifted to unsigned, one scale per group of 128
     w = weight.float().view(n, k // _GROUP, _GROUP)
     scale = (w.abs().amax(dim=-1) / 127.0).clamp(min=1e-10)

@@ -14,19 +14,22 @@ from engine.bench.linear_quant import QUANT_FORMATS, quantized_layer
 from tests.engine.bench.test_bench import bench
 
 
-@pytest.mark.parametrize("fmt, max_rel_err", [("fp8", 0.07), ("fp8-block", 0.07), ("int4", 0.2), ("int8", 0.01)])
+@pytest.mark.parametrize("fmt, max_rel_err", [("fp8", 0.07), ("fp8-block", 0.07), ("int4", 0.2), ("int4-g32", 0.2),
+                                              ("int8", 0.01)])
 def test_each_format_is_a_quantized_layer_of_the_weight(fmt, max_rel_err):
     weight = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 0.02
     layer = quantized_layer(weight, fmt)
     assert layer.format == fmt.split("-")[0] and (layer.out_features, layer.in_features) == (256, 384)
     if fmt == "fp8-block":
         assert (layer.block_n, layer.block_k) == (128, 128)
+    if fmt.startswith("int"):
+        assert layer.group_size == (32 if fmt == "int4-g32" else 128)
     err = (layer.dequantize() - weight).abs().max() / weight.abs().max()
     assert err <= max_rel_err, err
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--quant", "fp9"], "quant='fp9': expected a comma-separated list of fp8, fp8-block, int4, int8"),
+    (["--quant", "fp9"], "quant='fp9': expected a comma-separated list of fp8, fp8-block, int4, int4-g32, int8"),
     (["--quant", "int4", "--quant-tune", "64x100x1x4x4"], "quant_tune='64x100x1x4x4'"),
     (["--quant-tune", "64x128x1x4x4"], "launch shapes of the quantized kernels need --quant"),
 ])
