@@ -96,6 +96,16 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+def median_of(repeats: int, one_call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """`repeats` timed calls: the call of median throughput (the lower middle one of an even count; its wall time
+    and other figures with it), and every call's throughput in `tok_s_runs` (the peers' rows: Strata's,
+    transformers', llama.cpp's)."""
+    calls = [one_call(run) for run in range(repeats)]
+    runs = [c["tok_s"] for c in calls]
+    middle = sorted(calls, key=lambda c: c["tok_s"])[(repeats - 1) // 2]
+    return {**middle, "tok_s_runs": runs}
+
+
 def checkpoint_dtype(model_dtype: str, device: torch.device) -> str:
     """The dtype a random checkpoint is written in: what the engine will run it in."""
     if model_dtype != "auto":
