@@ -8,7 +8,8 @@
 #
 # A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that no longer
 # fit the budget are skipped and logged. Environment overrides: BUDGET_S (default 540), PYTHON, MODEL (default
-# random:0.6b), MTP_MODEL (default builtin:strata-tiny), DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
+# random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL and QUANT_PEER_MODEL (default random:8b),
+# QUANT_SIZE (8b), QUANT_TUNE, DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
 # SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
 # decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps
 # (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
@@ -62,7 +63,10 @@ moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS run
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
 moe80b_seed       named    the seed scenario at seed scale: random:moe-80b, expert cache auto, fresh 176K prompt, MOE80B_RUNS or SEED_RUNS runs (default 1)
 experts_cold      named    random:moe-80b at 85 % of experts on the card: cold experts copied / on the CPU / prefetched, batch 1 and 6, against random:moe-80b-40l all resident
-quant_decode      named    decode of the 0.6B shape with bf16, fp8 and int4 weights, batch 1 and 16
+quant_linear      named    each quantized kernel (fp8, fp8-block, int4 g128 / g32) against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
+quant_linear_small named   the same at the 0.6B shape
+quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8, fp8-block and int4 weights, batch 1 and 16
+quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
 peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
@@ -287,8 +291,23 @@ run experts_cold 330 experts --device "$DEVICE" --model random:moe-80b --all-res
     --budgets 85 --cold copy,cpu,prefetch --batches 1,6 --prompt-tokens 32 --new-tokens 48 \
     --trace-out "$OUT/experts_cold_trace.jsonl"
 # Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
-run quant_decode 200 decode "${COMMON[@]}" --batches 1,16 --weight-formats off,fp8,int4 --graph-modes on \
-    --prompt-tokens 128 --new-tokens 128
+# The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
+# decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).
+QUANT_TUNE=${QUANT_TUNE:-32x128x2x4x4,64x128x1x4x3,64x256x1x8x3,128x128x1x8x4,64x32x2x4x4}
+run quant_linear 200 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows 1,16 --iters 40 \
+    --quant fp8,fp8-block,int4,int4-g32 --quant-tune "$QUANT_TUNE"
+run quant_linear_small 120 linear --device "$DEVICE" --size 0.6b --rows 1,16 --iters 40 \
+    --quant fp8,fp8-block,int4,int4-g32
+run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
+    --weight-formats off,fp8,fp8-block,int4 --graph-modes on --prompt-tokens 128 --new-tokens 128
+# transformers on the same FP8 checkpoint, in Qwen's block-FP8 layout (`strata-engine quantize --format fp8-block`,
+# which transformers runs through its own FP8 kernels; its error in the row if it cannot), written once into the
+# checkpoint cache.
+QUANT_DIR="$STRATA_BENCH_CACHE/fp8-block-$(tr -c 'a-z0-9.\n' - <<<"${QUANT_PEER_MODEL:-random:8b}")"
+step quant_peers 330 bash -c '[ -f "$2/config.json" ] || "$0" -m engine.cli quantize --model "$1" --format fp8-block \
+    --out "$2" --device "$3" && "$0" -m engine.bench peers --model "$2" --device "$3" "${@:5}" --batches 1,16 \
+    --prompt-tokens 128 --new-tokens 128 --copy-mib 2048 --peers eager --json "$4"' \
+    "$PY" "${QUANT_PEER_MODEL:-random:8b}" "$QUANT_DIR" "$DEVICE" "$OUT/quant_peers.json" "${SPEED[@]}"
 # Shorter prompts finish between two refreshes on a GPU: no halfway reading.
 step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --prompt-tokens 180000 --context 184320 \
     --decode-slots 0 4 --refresh-s 0.1

@@ -23,7 +23,7 @@ PREFILL_OVERLAP_MODES = ("auto", "on", "off")
 DECODE_AHEAD_MODES = ("auto", "on", "off")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-QUANTIZE_FORMATS = ("fp8", "int4")
+QUANTIZE_FORMATS = ("fp8", "fp8-block", "int4")
 QUANTIZE_MODES = ("off",) + QUANTIZE_FORMATS
 MAX_CONTEXT_TOKENS = 262144
 DEFAULT_VRAM_RESERVE_MIB = 1024
@@ -68,8 +68,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata=_opt("weights dtype (auto: bf16 on CUDA, fp32 on CPU)",
                                                       choices=MODEL_DTYPES))
     quantize: str = field(default="off", metadata=_opt(
-        "round a 16/32-bit checkpoint's projections to nearest at load: fp8 (e4m3, a scale per channel) or int4 "
-        "(a scale and zero point per group of 128); `strata-engine quantize` writes the result once",
+        "round a 16/32-bit checkpoint's projections to nearest at load: fp8 (e4m3, a scale per channel), fp8-block "
+        "(a scale per 128x128 block, as Qwen's FP8 checkpoints) or int4 (a scale and zero point per group of 128); "
+        "`strata-engine quantize` writes the result once",
         choices=QUANTIZE_MODES))
     batch: int = field(default=4, metadata=_opt("concurrent request slots", metavar="N"))
     batch_mtp: bool = field(default=False, metadata=_opt("batched MTP speculative drafting for all decoding slots"))

@@ -248,6 +248,10 @@ def _linear(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=50, help="products per captured graph")
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
                    "BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (32x256x1x4x4)")
+    p.add_argument("--quant", default="", help="time the quantized kernels instead, against cuBLAS bf16: "
+                   "a comma-separated list of fp8, fp8-block, int4, int4-g32, int8")
+    p.add_argument("--quant-tune", default="", help="the quantized kernels' launch shapes to time too: "
+                   "BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (64x128x2x4x4)")
 
 
 def _kvspill(p: argparse.ArgumentParser) -> None:

@@ -2,8 +2,9 @@
 
 `--model random:0.6b` (or `random:tiny`, optionally `random:0.6b+mtp`) writes a random-weight checkpoint of that
 shape once per (size, dtype, MTP) into a cache directory and reuses it, so every benchmark of one GPU run, and
-every peer in it, measures the same weights. A synthetic source (`random:moe-80b`: engine.model.synthetic) has
-no file: the engine generates it at load, the same weights every start.
+every peer in it, measures the same weights. `random:8b` is not written: the engine draws its weights on the
+device at load, seeded (engine.model.random_source), the same weights at every start; nor is a synthetic source
+(`random:moe-80b`: engine.model.synthetic), which the engine generates at load.
 """
 
 from __future__ import annotations
@@ -96,6 +97,16 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+def median_of(repeats: int, one_call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """`repeats` timed calls: the call of median throughput (the lower middle one of an even count; its wall time
+    and other figures with it), and every call's throughput in `tok_s_runs` (the peers' rows: Strata's,
+    transformers', llama.cpp's)."""
+    calls = [one_call(run) for run in range(repeats)]
+    runs = [c["tok_s"] for c in calls]
+    middle = sorted(calls, key=lambda c: c["tok_s"])[(repeats - 1) // 2]
+    return {**middle, "tok_s_runs": runs}
+
+
 def checkpoint_dtype(model_dtype: str, device: torch.device) -> str:
     """The dtype a random checkpoint is written in: what the engine will run it in."""
     if model_dtype != "auto":
@@ -116,6 +127,10 @@ def prepare_model(spec: str, device: torch.device, model_dtype: str = "auto") ->
 
     if size not in SIZES:
         raise ConfigError("model", spec, f"unknown random size; known: {', '.join(SIZES)}")
+    from engine.model.random_source import GENERATED_AT_LOAD
+
+    if size in GENERATED_AT_LOAD:  # the engine draws its weights on the device at load (no checkpoint)
+        return spec
     dtype = checkpoint_dtype(model_dtype, device)
     root = Path(os.environ.get(_CACHE_ENV) or Path(tempfile.gettempdir()) / "strata-bench-checkpoints")
     directory = root / f"{size}-{dtype}-{extra or 'nomtp'}"

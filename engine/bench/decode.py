@@ -55,7 +55,8 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
             generate_all(bench, warmup, new_tokens)  # captures every bucket the timed run needs
             stats = generate_all(bench, prompts, new_tokens)
             rows.append({
-                "weights": lm.weight_format, "weights_mib": round(model_bytes(lm.model) / 2**20, 3),
+                "weights": lm.weight_format, "quantize": overrides.get("quantize", "off"),
+                "weights_mib": round(model_bytes(lm.model) / 2**20, 3),
                 "graphs": "on" if graphs else "off", "graphs_active": bench.graphs_active, "batch": batch,
                 "decode_tok_s": stats.decode_tok_s,
                 "per_slot_tok_s": stats.decode_tok_s / batch if stats.decode_tok_s else None,
@@ -102,9 +103,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                    default=0.0)
 
     formats = list(dict.fromkeys(r["weights"] for r in rows))
+    names = {r["weights"]: r.get("quantize", "off") if r.get("quantize", "off") != "off" else r["weights"].split()[0]
+             for r in rows}  # fp8 and fp8-block share the word "fp8"
     for weights in formats[1:]:
         for batch in sorted({r["batch"] for r in rows}):
             if best(formats[0], batch) and best(weights, batch):
-                summary[f"{weights.split()[0]}_vs_{formats[0].split()[0]}_b{batch}"] = (
+                summary[f"{names[weights]}_vs_{names[formats[0]]}_b{batch}"] = (
                     best(weights, batch) / best(formats[0], batch))
     return summary

@@ -9,7 +9,8 @@ reads each weight once, from HBM: a product repeated on one weight would time th
 - `skinny`: engine.model.triton_linear at its default launch shape (`takes`: whether FUSED_OPS runs it there);
 - each `--tune` shape (`BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES`).
 `*_tb_s` is the weight's bytes over the time (the device copies at ~4.3 TB/s), `*_max_err` the largest
-difference from torch's output.
+difference from torch's output. With `--quant fp8,fp8-block,int4` it times the quantized layouts' kernels against
+cuBLAS bf16 instead (engine.bench.linear_quant).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 
 from engine.bench.attention_common import launch_shapes, time_launch_shapes, timed_row
 from engine.bench.common import device_of, emit
+from engine.bench.linear_quant import quant_case, quant_formats, quant_tune
+from engine.bench.linear_quant import summarize as quant_summary
 from engine.errors import ConfigError
 
 
@@ -80,11 +83,21 @@ def _case(name: str, n: int, k: int, rows: int, device: torch.device, iters: int
 def run(args: argparse.Namespace) -> int:
     from engine.model.triton_linear import LinearConfig
 
+    formats = quant_formats(args.quant) if args.quant else []
+    q_tune = quant_tune(args.quant_tune) if args.quant_tune else []
+    if q_tune and not formats:
+        raise ConfigError("quant_tune", args.quant_tune, "launch shapes of the quantized kernels need --quant")
     device = device_of(args.device)
     if device.type != "cuda":
         raise ConfigError("device", str(device), "the kernel is CUDA-only (its CPU check is the interpreter test)")
-    tune = launch_shapes("tune", args.tune, LinearConfig)
     weights = _weights(args.size)
+    if formats:  # the quantized kernels against cuBLAS bf16 (engine.bench.linear_quant)
+        layer = {name: shape for name, shape in weights.items() if name != "lm_head"}  # the head stays bf16
+        rows = [timed_row(lambda: quant_case(name, n, k, r, fmt, device, args.iters, q_tune))
+                for fmt in formats for name, (n, k) in layer.items() for r in args.rows]
+        emit(args, "linear", rows, quant_summary(rows), device)
+        return 0
+    tune = launch_shapes("tune", args.tune, LinearConfig)
     rows = [timed_row(lambda: _case(name, n, k, r, device, args.iters, tune))
             for name, (n, k) in weights.items() for r in args.rows]
     summary: dict[str, Any] = {}

@@ -41,7 +41,7 @@ def llamacpp_generate_tok_s(server: str, gguf_path: Path, prompts: list[list[int
                             on_gpu: bool, repeats: int) -> dict[str, Any]:
     """Start llama-server for len(prompts) parallel sequences, warm it up, time `repeats` calls; the median row or
     the error (with the server's last log lines) as the row's result."""
-    from engine.bench.peers import median_of
+    from engine.bench.common import median_of
 
     batch = len(prompts)
     context_tokens = batch * (max(len(p) for p in prompts) + new_tokens + 16)

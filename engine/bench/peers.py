@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from engine.bench.common import device_of, emit, prepare_model, random_prompt, save_partial, timed, weight_bytes
+from engine.bench.common import (device_of, emit, median_of, prepare_model, random_prompt, save_partial, timed,
+                                 weight_bytes)
 from engine.errors import ConfigError
 
 TARGET_B1_TOK_S = 1500.0
@@ -135,15 +136,6 @@ def strata_generate_tok_s(args: argparse.Namespace, path: str, prompts: list[lis
         return {**median_of(args.repeats, one_call), "error": None}
     finally:
         engine.close()
-
-
-def median_of(repeats: int, one_call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
-    """`repeats` timed calls: the call of median throughput (the lower middle one of an even count; its wall time
-    and other figures with it), and every call's throughput in `tok_s_runs`."""
-    calls = [one_call(run) for run in range(repeats)]
-    runs = [c["tok_s"] for c in calls]
-    middle = sorted(calls, key=lambda c: c["tok_s"])[(repeats - 1) // 2]
-    return {**middle, "tok_s_runs": runs}
 
 
 def run(args: argparse.Namespace) -> int:

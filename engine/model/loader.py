@@ -217,7 +217,8 @@ def load_checkpoint(
 
         if quantize is not None:
             raise ConfigError("quantize", quantize, f"{path} is a GGUF file, already quantized")
-        model, config, tok, eos, weight_format = read_gguf(path, torch_dtype, dev, tokenizer)
+        model, config, tok, eos, weight_format = read_gguf(path, torch_dtype, dev, tokenizer,
+                                                           torch.device(expert_device) if expert_device else None)
         return LoadedModel(model, config, tok, eos, path, torch_dtype, dev, weight_format)
     config = ModelConfig.from_file(path / "config.json")
     scheme = scheme_from_config(_raw_config(path / "config.json"), str(path / "config.json"))

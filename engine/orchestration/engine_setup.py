@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.model.quant.linear import model_bytes
+from engine.model.quant.linear import is_quantized, model_bytes
 from engine.errors import ConfigError, StrataError
 from engine.exec.device_switches import settle_switches
 from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
@@ -131,10 +131,17 @@ class _PartsBuilder:
         self.tier_device = _tier_device(config, resolve_device(config.device))
         self.stage = f"loading the model {config.model}"
         # MoE: routed experts load to host memory; the expert cache gives them their device slots
-        lm = load_checkpoint(config.model, dtype=config.dtype, device=config.device, expert_device="cpu",
-                             quantize=None if config.quantize == "off" else config.quantize)
+        from engine.model.random_source import RANDOM_PREFIX, load_random
+
+        load = load_random if config.model.startswith(RANDOM_PREFIX) else load_checkpoint  # random: drawn at load
+        lm = load(config.model, dtype=config.dtype, device=config.device, expert_device="cpu",
+                  quantize=None if config.quantize == "off" else config.quantize)
         device = self.device = lm.device
         model = lm.model
+        if device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
+            from engine.model.quant.kernels import prepare  # Triton: CUDA only
+
+            prepare(device)  # the quantized kernels' split counters exist before any graph capture
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
         self.stage = "building the expert cache"

@@ -66,3 +66,21 @@ def test_greedy_mtp_on_equals_off_and_the_books_name_the_format(fmt, ckpt, tmp_p
 def test_on_the_gpu_greedy_mtp_on_equals_off_for_every_format(fmt, ckpt, tmp_path_factory):
     model, quantize = _model(fmt, ckpt, tmp_path_factory)
     _mtp_on_equals_off(model, quantize, device="cuda", dtype="bfloat16", tier_budget_mib=64.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", ["fp8", "int4"])
+def test_on_the_gpu_split_k_products_keep_mtp_on_equal_off_without_fused_ops(quantize):
+    # the 0.6B shape's narrow products (o: K 2048 -> N 1024; down) split K in the quantized kernels, whose split
+    # counters must exist before the first capture even where FUSED_OPS (which makes them too) is off; the
+    # model is drawn on the GPU at start (random:, no checkpoint)
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from engine.model.quant import kernels
+
+    o_proj = SimpleNamespace(format="int4" if quantize == "int4" else "fp8", out_features=1024, in_features=2048,
+                             group_size=128, block_k=2048)
+    assert kernels.default_config(o_proj).split_k > 1
+    _mtp_on_equals_off(Path("random:0.6b+mtp"), quantize, device="cuda", dtype="bfloat16", tier_budget_mib=64.0,
+                       switches={"FUSED_OPS": False})

@@ -3,7 +3,9 @@
     model, config, tokenizer, eos_ids, weight_format = read_gguf(path, dtype, device, with_tokenizer=True)
 
 Architectures: `qwen3`, `qwen2`, `llama` (whose q/k rows llama.cpp's converter permuted for its interleaved
-rotary; they are put back here). Tensor types and where each goes (exactly: every code, scale and minimum of
+rotary; they are put back here), `qwen3moe` (Qwen3-MoE: the router `ffn_gate_inp` loads dense, each layer's
+`ffn_{gate,up,down}_exps` [experts, rows, K] splits into one quantized layer per expert, on the W4 / W8 layouts
+as below; a layer without a router is a dense MLP layer). Tensor types and where each goes (exactly: every code, scale and minimum of
 the file is kept, nothing is requantized):
 
 | GGUF type | internal layout |
@@ -19,6 +21,7 @@ the chat template from `tokenizer.chat_template`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ from engine.model.config import ModelConfig
 from engine.model.quant.linear import IntGroupLinear
 from engine.model.tokenizer import Tokenizer
 
-ARCHITECTURES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+ARCHITECTURES = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama", "qwen3moe": "qwen3_moe"}
 # llama.cpp's "qwen2" pre-tokenizer (Qwen2/Qwen3): its split regex, then byte-level without its own regex
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                r"|\s+(?!\S)|\s+")
@@ -42,7 +45,10 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # Qwen3-MoE's router
 }
+# Qwen3-MoE's routed experts: one 3-D tensor [experts, rows, K] per projection and layer
+_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj")
 
 
 def gguf_name(name: str) -> str:
@@ -60,9 +66,11 @@ def gguf_name(name: str) -> str:
     raise KeyError(name)
 
 
-def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True):
+def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokenizer: bool = True,
+              expert_device: torch.device | None = None):
     """(model, config, tokenizer or None, eos ids, weight format) of a GGUF file; CheckpointError (one line
-    naming the file, and the tensor where one is at fault) for what cannot load."""
+    naming the file, and the tensor where one is at fault) for what cannot load. A Qwen3-MoE file's routed
+    experts go to `expert_device` when given (the engine's expert cache places them), else with the rest."""
     import gguf
 
     try:
@@ -84,8 +92,16 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokeniz
         model = CausalLM(config)
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
     types: dict[str, int] = {}
+    converted: dict[str, Any] = {}  # the current layer's 3-D expert tensors, each converted once for its experts
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or name == "lm_head":
+        if not isinstance(module, nn.Linear) or name == "lm_head" or name.endswith(".mlp.gate"):
+            continue  # the head and a MoE router load dense below, with the embeddings and norms
+        expert = _EXPERTS.fullmatch(name)
+        if expert is not None:
+            layer = _expert_layer(tensors, converted, types, expert, module, config, path, dtype,
+                                  expert_device or device, scale_dtype)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, layer)
             continue
         t = _tensor(tensors, gguf_name(name) + ".weight", (module.out_features, module.in_features), path)
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -122,6 +138,33 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokeniz
     return model.eval(), config, tok, tuple(dict.fromkeys(eos)), fmt
 
 
+def _expert_layer(tensors: dict, converted: dict, types: dict, match: re.Match, module: nn.Linear,
+                  config: ModelConfig, path, dtype: torch.dtype, device: torch.device, scale_dtype: torch.dtype):
+    """One routed expert's projection from its layer's blk.N.ffn_{gate,up,down}_exps tensor: the expert's rows
+    of the tensor converted as a whole (the blocks run along K, so an expert's rows are its own blocks)."""
+    layer_idx, expert, kind = int(match.group(1)), int(match.group(2)), match.group(3)
+    name = f"blk.{layer_idx}.ffn_{kind}_exps.weight"
+    experts, n, k = config.moe.num_experts, module.out_features, module.in_features
+    if name not in converted:
+        if len(converted) >= 3:  # a new layer: the previous one's gate, up and down are done
+            converted.clear()
+        t = _tensor(tensors, name, (experts, n, k), path)
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + experts
+        if t.tensor_type in _PLAIN:
+            converted[name] = _dense(tensors, name, (experts, n, k), path, dtype, torch.device("cpu"))
+        else:
+            converted[name] = _CONVERTERS[t.tensor_type](_blocks(t), experts * n, k)
+    value = converted[name]
+    if isinstance(value, torch.Tensor):
+        layer = nn.Linear(k, n, bias=False, device="meta")
+        layer.weight = nn.Parameter(value[expert].to(device), requires_grad=False)
+        return layer
+    codes, scale, offset, bits, group = value
+    rows = slice(expert * n, (expert + 1) * n)
+    return IntGroupLinear(codes[rows], scale[rows], offset[rows], bits, group, None,
+                          scale_dtype=scale_dtype).to(device)
+
+
 def _field_value(field) -> Any:
     import gguf
 
@@ -149,7 +192,7 @@ def _config(meta: dict, arch: str, tensors: dict, where: str) -> ModelConfig:
     hidden = get("embedding_length")
     raw: dict[str, Any] = {
         "model_type": ARCHITECTURES[arch], "hidden_size": hidden, "num_hidden_layers": get("block_count"),
-        "intermediate_size": get("feed_forward_length"), "num_attention_heads": heads,
+        "intermediate_size": get("feed_forward_length", required=arch != "qwen3moe"), "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
         "head_dim": get("attention.key_length", hidden // heads),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
@@ -158,6 +201,12 @@ def _config(meta: dict, arch: str, tensors: dict, where: str) -> ModelConfig:
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in tensors and arch != "qwen2",
     }
+    if arch == "qwen3moe":  # llama.cpp's qwen3moe normalises the top-k weights, as Qwen3-MoE does
+        layers = range(raw["num_hidden_layers"])
+        raw.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length"), norm_topk_prob=True,
+                   mlp_only_layers=[i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
+        raw["intermediate_size"] = get("feed_forward_length", raw["moe_intermediate_size"], required=False)
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raw["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", 1.0),

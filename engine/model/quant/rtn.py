@@ -4,6 +4,8 @@
 
 * fp8: e4m3 with one scale per output channel (amax / 448): compressed-tensors' FP8 channel scheme, the one
   torch._scaled_mm multiplies row-wise on Hopper.
+* fp8-block: e4m3 with one scale per 128 x 128 block: the layout of Qwen's `*-FP8` checkpoints (and of
+  transformers' FP8 path, which `strata-engine quantize --format fp8-block` writes for).
 * int4: asymmetric, one scale and integer zero point per group of 128 inputs (64 or 32 where K is not a
   multiple of 128, one group of K where neither divides), codes 0..15: compressed-tensors' W4A16 asymmetric
   group scheme (value = (q - zero) * scale, zero = round(-min / scale)).
@@ -21,8 +23,9 @@ from torch import nn
 from engine.errors import ConfigError
 from engine.model.quant.linear import FP8_MAX, Fp8Linear, IntGroupLinear
 
-FORMATS = ("fp8", "int4")
+FORMATS = ("fp8", "fp8-block", "int4")
 INT4_GROUP = 128
+FP8_BLOCK = 128  # fp8-block: Qwen's *-FP8 blocks (128 x 128), one scale each
 
 
 def quantizable(name: str) -> bool:
@@ -40,6 +43,19 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.to(torch.float32)
     scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], fp32 scale [ceil(N/b), ceil(K/b)]): one scale per block (its amax maps to 448),
+    the edge blocks of a size that is no multiple of b padded with zeros, as Qwen's FP8 checkpoints are made."""
+    n, k = weight.shape
+    rows, cols = -(-n // block) * block, -(-k // block) * block
+    padded = torch.zeros(rows, cols, dtype=torch.float32, device=weight.device)
+    padded[:n, :k] = weight.to(torch.float32)
+    blocks = padded.view(rows // block, block, cols // block, block)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(rows, cols)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,6 +77,9 @@ def quantize_linear(linear: nn.Linear, fmt: str, scale_dtype: torch.dtype):
     if fmt == "fp8":
         q, scale = quantize_fp8(linear.weight.detach())
         return Fp8Linear(q, scale, (1, linear.in_features), bias)
+    if fmt == "fp8-block":
+        q, scale = quantize_fp8_block(linear.weight.detach())
+        return Fp8Linear(q, scale, (FP8_BLOCK, FP8_BLOCK), bias)
     group = int4_group_size(linear.in_features)
     codes, scale, zero = quantize_int4(linear.weight.detach(), group)
     return IntGroupLinear(codes, scale, -zero * scale, 4, group, bias, scale_dtype=scale_dtype)
@@ -78,4 +97,6 @@ def quantize_model(model: nn.Module, fmt: str) -> str:
             layer = quantize_linear(module, fmt, torch.float32 if dtype == torch.float32 else torch.float16)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, layer)
-    return "fp8 (per channel, quantized at load)" if fmt == "fp8" else f"int4 (group {INT4_GROUP}, quantized at load)"
+    return {"fp8": "fp8 (per channel, quantized at load)",
+            "fp8-block": f"fp8 (block {FP8_BLOCK}x{FP8_BLOCK}, quantized at load)"}.get(
+        fmt, f"int4 (group {INT4_GROUP}, quantized at load)")

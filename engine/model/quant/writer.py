@@ -1,10 +1,13 @@
 """Write a quantized model as a compressed-tensors checkpoint (`strata-engine quantize`), the layout llmcompressor
-writes and vLLM, SGLang and transformers read, so a model quantized once starts fast everywhere.
+writes and vLLM, SGLang and transformers read, so a model quantized once starts fast everywhere (block FP8 in
+Qwen's own FP8 layout).
 
     save_quantized(lm, "out/")   # config.json (+ quantization_config), model.safetensors, tokenizer files
 
 * fp8 (per channel): `weight` e4m3 [N, K], `weight_scale` [N, 1]; format float-quantized, the FP8_DYNAMIC
   scheme (activations quantized per token at run time, as the Hopper prompt path does).
+* fp8-block: Qwen's `*-FP8` layout instead (quant_method fp8, `weight_block_size` [128, 128]): `weight` e4m3,
+  `weight_scale_inv` [N/128, K/128]; layers left in 16 bits are stored as such (the loaders tell them by dtype).
 * int4 (group): `weight_packed` int32 [N, K/8] (dense: value i at bits 4i, plus 8), `weight_scale` [N, K/G],
   `weight_zero_point` packed along the output rows [N/8, K/G], `weight_shape`; format pack-quantized, the
   W4A16 asymmetric group scheme.
@@ -26,6 +29,11 @@ from engine.model.saver import write_config_files, write_tensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 IGNORED = ["lm_head", "re:.*eh_proj$", "re:.*mlp\\.gate$"]  # what rtn.quantizable leaves in 16 bits
+QWEN_FP8_BLOCK = 128
+
+
+def _qwen_blocks(layer: Fp8Linear) -> bool:
+    return (layer.block_n, layer.block_k) == (QWEN_FP8_BLOCK, QWEN_FP8_BLOCK)
 
 
 def quantized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -42,8 +50,11 @@ def quantized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _layer_tensors(layer: QuantLinear) -> list[tuple[str, torch.Tensor]]:
     if isinstance(layer, Fp8Linear):
+        if _qwen_blocks(layer):
+            return [("weight", layer.weight), ("weight_scale_inv", layer.weight_scale.to(torch.float32))]
         if (layer.block_n, layer.block_k) != (1, layer.in_features):
-            raise ValueError(f"only per-channel fp8 is written (this layer has blocks {layer.block_n}x{layer.block_k})")
+            raise ValueError(f"fp8 is written per channel or in blocks of {QWEN_FP8_BLOCK}x{QWEN_FP8_BLOCK} (this "
+                             f"layer has blocks {layer.block_n}x{layer.block_k})")
         return [("weight", layer.weight), ("weight_scale", layer.weight_scale.to(torch.float32))]
     assert isinstance(layer, IntGroupLinear) and layer.bits == 4 and layer.perm is None
     scale = layer.scales.to(torch.float32)
@@ -59,10 +70,13 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         raise ValueError("the model has no quantized layers")
-    kinds = {(m.format, getattr(m, "group_size", None)) for m in layers}
+    kinds = {(m.format, getattr(m, "group_size", None), isinstance(m, Fp8Linear) and _qwen_blocks(m)) for m in layers}
     if len(kinds) != 1:
         raise ValueError(f"one scheme per checkpoint: the layers mix {sorted(map(str, kinds))}")
-    fmt, group = kinds.pop()
+    fmt, group, blocks = kinds.pop()
+    if blocks:  # Qwen's FP8 layout (transformers' FineGrainedFP8, vLLM and SGLang read it)
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": [QWEN_FP8_BLOCK, QWEN_FP8_BLOCK]}
     if fmt == "fp8":
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False,
                    "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax"}

@@ -26,6 +26,9 @@ _OURS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
 
 
 def gguf_tensor_name(hf: str) -> str | None:
+    if hf.startswith("experts:"):  # _stack_experts' stacked tensors
+        _, layer, kind = hf.split(":")
+        return f"blk.{layer}.ffn_{kind}_exps.weight"
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -34,6 +37,8 @@ def gguf_tensor_name(hf: str) -> str | None:
         return "output.weight"
     parts = hf.split(".")  # model.layers.i.<module...>.<leaf>
     module, leaf = ".".join(parts[3:-1]), parts[-1]
+    if module == "mlp.gate":  # Qwen3-MoE's router
+        return f"blk.{parts[2]}.ffn_gate_inp.{leaf}"
     return f"blk.{parts[2]}.{_OURS[module]}.{leaf}" if module in _OURS else None
 
 
@@ -84,6 +89,18 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(x.shape[0], -1)
 
 
+def _stack_experts(tensors: dict[str, torch.Tensor], experts: int) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE's per-expert projections as llama.cpp stores them: one [experts, rows, K] tensor per projection
+    and layer, under a name gguf_tensor_name maps to blk.N.ffn_{gate,up,down}_exps."""
+    out = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    layers = {int(k.split(".")[2]) for k in tensors if ".mlp.experts." in k}
+    for layer in sorted(layers):
+        for kind in ("gate", "up", "down"):
+            out[f"experts:{layer}:{kind}"] = torch.stack(
+                [tensors[f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight"] for e in range(experts)])
+    return out
+
+
 def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
     if qtype == T.Q4_K:
         return encode_q4_k(x)
@@ -100,8 +117,13 @@ def write_gguf(src: Path, out: Path, choose: Chooser, pre: str = "gpt2") -> dict
     {gguf name: the fp32 values gguf.quants.dequantize reads back} for the quantized ones."""
     config = json.loads((src / "config.json").read_text())
     tensors = load_file(str(src / "model.safetensors"))
-    arch = config["model_type"]
+    arch = config["model_type"].replace("_", "")  # qwen3_moe -> llama.cpp's qwen3moe
     w = gguf.GGUFWriter(str(out), arch)
+    if config.get("num_experts"):
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        tensors = _stack_experts(tensors, config["num_experts"])
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config.get("max_position_embeddings", 4096))
     w.add_embedding_length(config["hidden_size"])
@@ -145,7 +167,8 @@ def write_gguf(src: Path, out: Path, choose: Chooser, pre: str = "gpt2") -> dict
         if qtype in (T.F32, T.F16):
             w.add_tensor(name, x.astype(np.float32 if qtype == T.F32 else np.float16))
             continue
-        data = quantize(x, qtype)
+        data = quantize(x.reshape(-1, x.shape[-1]), qtype)  # a 3-D experts tensor: its rows, blocks along K
+        data = data.reshape(*x.shape[:-1], data.shape[-1])
         w.add_tensor(name, data, raw_dtype=qtype)
         read_back[name] = gguf.quants.dequantize(data, qtype).reshape(x.shape)
     w.write_header_to_file()

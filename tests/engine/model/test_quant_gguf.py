@@ -18,7 +18,7 @@ from engine.errors import CheckpointError  # noqa: E402
 from engine.model.loader import MODELS_DIR, load_checkpoint  # noqa: E402
 from engine.model.quant.linear import IntGroupLinear  # noqa: E402
 from engine.model.random_checkpoint import write_random_checkpoint  # noqa: E402
-from tests.engine.model.gguf_files import write_gguf  # noqa: E402
+from tests.engine.model.gguf_files import gguf_tensor_name, write_gguf  # noqa: E402
 
 TINY = MODELS_DIR / "strata-tiny"
 
@@ -110,3 +110,54 @@ def test_a_corrupt_gguf_file_is_one_line_and_exit_2(tmp_path, tiny_gguf):
     done = _generate(str(path))
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert str(path) in done.stderr
+
+
+def _moe_types(name: str, shape) -> T:
+    """Qwen3-MoE as a Q4_K_M-like file: experts' gate Q4_K, up Q8_0, down Q6_K; the router F32."""
+    if "ffn_gate_inp" in name:
+        return T.F32
+    kind = name.split(".")[-2]
+    return {"ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q8_0, "ffn_down_exps": T.Q6_K}.get(kind, T.Q8_0)
+
+
+def test_a_qwen3_moe_gguf_loads_its_experts_quantized_with_the_dequantized_sources_logits(tmp_path):
+    from engine.model.config import MoEConfig
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    write_random_checkpoint(src, size="moe-tiny", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64,
+                            moe=MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                                          norm_topk_prob=True, mlp_only_layers=(1,)))
+    path = tmp_path / "moe.gguf"
+    read_back = write_gguf(src, path, _moe_types)
+    lm = load_checkpoint(path, dtype="float32", device="cpu", expert_device="cpu")
+    moe = lm.config.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (4, 2, 256)
+    assert moe.mlp_only_layers == (1,) and moe.norm_topk_prob
+    block = lm.model.layers[2].mlp
+    for kind, bits, group in (("gate", 4, 32), ("up", 8, 32), ("down", 8, 16)):
+        stacked = torch.from_numpy(read_back[f"blk.2.ffn_{kind}_exps.weight"])
+        for e in range(4):
+            layer = getattr(block.experts[e], f"{kind}_proj")
+            assert isinstance(layer, IntGroupLinear) and (layer.bits, layer.group_size) == (bits, group)
+            torch.testing.assert_close(layer.dequantize(), stacked[e], rtol=1e-3, atol=1e-5)
+    assert not isinstance(block.gate, IntGroupLinear)
+    assert "Q4_K" in lm.weight_format and "Q6_K" in lm.weight_format
+    # the source with every quantized weight replaced by what gguf's dequantize reads: the same logits
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in tensors:
+        if ".mlp.experts." in name:
+            layer, expert, kind = name.split(".")[2], int(name.split(".")[5]), name.split(".")[6][:-len("_proj")]
+            tensors[name] = torch.from_numpy(read_back[f"blk.{layer}.ffn_{kind}_exps.weight"][expert]).contiguous()
+        else:
+            theirs = gguf_tensor_name(name)
+            if theirs in read_back:
+                tensors[name] = torch.from_numpy(read_back[theirs]).contiguous()
+    save_file(tensors, str(src / "model.safetensors"))
+    source = load_checkpoint(src, dtype="float32", device="cpu")
+    ids = torch.tensor([[3, 17, 99, 250, 4, 8, 15, 16]])
+    torch.testing.assert_close(_logits(lm, ids), _logits(source, ids), rtol=1e-4, atol=1e-4)
+    # and the engine serves it (its expert cache takes the quantized experts)
+    done = _generate(str(path))
+    assert done.returncode == 0 and "[2 tokens" in done.stdout, done.stderr[-2000:]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,12 +66,18 @@ def kernels_check() -> None:
     layers = [_int_layer(4, 32), _int_layer(4, 128, perm=True), _int_layer(8, 16), _int_layer(8, 256, bias=False),
               _int_layer(4, 264, k=264), _int_layer(8, 64, k=320),
               _fp8_layer((128, 128)), _fp8_layer((1, 300)), _fp8_layer((40, 300))]
+    layers.append(_fp8_layer((128, 128), k=512))  # block scales applied per step
+    # the default launch shape, and others: split K (3 and 5 splits of unequal share, the last one empty), steps
+    # shorter than a group, a block or a word's 8 codes apart
+    configs = [None, kernels.QuantConfig(16, 64, 3, 4, 2), kernels.QuantConfig(32, 128, 2, 4, 3),
+               kernels.QuantConfig(16, 32, 5, 2, 1)]
     for layer in layers:
-        for rows in (1, 5, 20):
-            x = torch.randn(rows, layer.in_features)
-            ref, got = layer.reference(x), kernels.quant_linear(x, layer)
-            scale = ref.abs().max().item()
-            assert (ref - got).abs().max().item() <= 1e-5 * scale, (layer, rows)
+        for config in configs:
+            for rows in (1, 5, 20):
+                x = torch.randn(rows, layer.in_features)
+                ref, got = layer.reference(x), kernels.quant_linear(x, layer, config)
+                scale = ref.abs().max().item()
+                assert (ref - got).abs().max().item() <= 1e-5 * scale, (layer, config, rows)
     # every finite e4m3 value decodes exactly (subnormals and signs included)
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = every[every.float().isfinite()]
@@ -78,6 +85,37 @@ def kernels_check() -> None:
     w[:, :finite.numel()] = finite
     layer = Fp8Linear(w, torch.ones(16, 1), (1, 256))
     assert torch.equal(kernels.quant_linear(torch.eye(256), layer), layer.dequantize().t())
+
+
+def test_the_launch_shape_follows_the_weight_not_the_rows_and_splits_narrow_outputs():
+    from engine.model.quant import kernels
+
+    # the 8B shape's down projection (N 4096, K 12288): 64 column tiles split along K to reach the SMs
+    down = SimpleNamespace(format="int4", out_features=4096, in_features=12288, group_size=128)  # its shape only
+    config = kernels.default_config(down)
+    assert config.split_k > 1 and triton_cdiv(4096, config.block_n) * config.split_k >= 256
+    # its gate/up (N 24576) has programs enough without a split, and per-step scales (group 128 = one step)
+    assert kernels.default_config(SimpleNamespace(format="int4", out_features=24576, in_features=4096,
+                                                  group_size=128)).split_k == 1
+    assert kernels.scale_mode(down, config.block_k) == kernels.SCALE_PER_STEP
+    # GGUF's groups of 32 expand element by element; per-channel FP8 scales the finished sum once
+    assert kernels.scale_mode(_int_layer(4, 32), 128) == kernels.SCALE_PER_ELEMENT
+    assert kernels.scale_mode(_fp8_layer((1, 300)), 256) == kernels.SCALE_PER_COLUMN
+    assert kernels.scale_mode(_fp8_layer((128, 128), k=512), 128) == kernels.SCALE_PER_STEP
+    with pytest.raises(ValueError, match="block_k=48"):
+        kernels.QuantConfig(block_k=48)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def test_bf16_bits_0x4300_or_a_code_are_128_plus_the_code():
+    # the int4 kernel's integer-to-bf16 conversion (Marlin's magic number), here in torch: the interpreter has no
+    # bf16 arithmetic, the GPU test runs the kernel's
+    codes = torch.arange(16, dtype=torch.int32)
+    as_bf16 = (codes | 0x4300).to(torch.int16).view(torch.bfloat16)
+    assert torch.equal(as_bf16 - 128.0, codes.to(torch.bfloat16))
 
 
 def test_the_kernels_in_the_triton_interpreter_match_the_reference():

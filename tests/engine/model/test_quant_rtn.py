@@ -37,7 +37,8 @@ def _loss_and_top1(lm, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, max_loss_delta, min_top1", [("fp8", 0.005, 0.97), ("int4", 0.03, 0.88)])
+@pytest.mark.parametrize("fmt, max_loss_delta, min_top1", [("fp8", 0.005, 0.97), ("fp8-block", 0.005, 0.97),
+                                                          ("int4", 0.03, 0.88)])
 def test_the_embedded_model_quantized_stays_within_the_quality_bound(fmt, max_loss_delta, min_top1, heldout_ids):
     ids, base = heldout_ids
     base_loss, base_top1 = _loss_and_top1(base, ids)
@@ -98,6 +99,34 @@ def test_quantize_writes_a_compressed_tensors_checkpoint_that_loads_to_the_same_
         b = from_file.model.logits(from_file.model(ids, pos))
     torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)  # the file keeps int4 scales in fp16
     assert from_file.weight_format.startswith("compressed-tensors")
+
+
+def test_quantize_fp8_block_writes_qwens_fp8_layout_that_loads_to_the_same_model(source, tmp_path):
+    out = tmp_path / "q"
+    done = _cli("quantize", "--model", str(source), "--format", "fp8-block", "--out", str(out), "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    tensors = load_file(str(out / "model.safetensors"))
+    prefix = "model.layers.1.mlp.down_proj"  # [128, 256]: blocks of 128 x 128
+    assert tensors[f"{prefix}.weight"].dtype == torch.float8_e4m3fn
+    assert tuple(tensors[f"{prefix}.weight_scale_inv"].shape) == (1, 2)
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16  # embeddings (and head) stay in 16 bits
+    at_load = load_checkpoint(source, dtype="float32", device="cpu", quantize="fp8-block")
+    from_file = load_checkpoint(out, dtype="float32", device="cpu")
+    assert from_file.weight_format == "fp8 (block 128x128)"
+    layer = from_file.model.layers[1].mlp.down_proj
+    assert isinstance(layer, Fp8Linear) and (layer.block_n, layer.block_k) == (128, 128)
+    # the block's scale is its amax over 448: the largest code of each block is 448
+    w = at_load.model.layers[1].mlp.down_proj.weight.to(torch.float32)
+    assert w[:, :128].abs().max().item() == 448.0 and w[:, 128:].abs().max().item() == 448.0
+    torch.testing.assert_close(layer.dequantize(), at_load.model.layers[1].mlp.down_proj.dequantize())
+    ids = torch.tensor([[5, 9, 200, 31, 7]])
+    pos = torch.arange(5)[None]
+    with torch.no_grad():
+        a = at_load.model.logits(at_load.model(ids, pos))
+        b = from_file.model.logits(from_file.model(ids, pos))
+    torch.testing.assert_close(a, b)
 
 
 def test_quantize_refuses_a_quantized_checkpoint_and_an_occupied_directory(source, tmp_path):

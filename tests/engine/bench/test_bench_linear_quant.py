@@ -1,0 +1,54 @@
+"""`strata-engine bench linear --quant`: the quantized layers it times are the loaders' layouts of the weight,
+bad options are one line naming them, and on a GPU each format's row carries its time against cuBLAS bf16."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.bench.linear_quant import QUANT_FORMATS, quantized_layer
+from tests.engine.bench.test_bench import bench
+
+
+@pytest.mark.parametrize("fmt, max_rel_err", [("fp8", 0.07), ("fp8-block", 0.07), ("int4", 0.2), ("int4-g32", 0.2),
+                                              ("int8", 0.01)])
+def test_each_format_is_a_quantized_layer_of_the_weight(fmt, max_rel_err):
+    weight = torch.randn(256, 384, generator=torch.Generator().manual_seed(0)) * 0.02
+    layer = quantized_layer(weight, fmt)
+    assert layer.format == fmt.split("-")[0] and (layer.out_features, layer.in_features) == (256, 384)
+    if fmt == "fp8-block":
+        assert (layer.block_n, layer.block_k) == (128, 128)
+    if fmt.startswith("int"):
+        assert layer.group_size == (32 if fmt == "int4-g32" else 128)
+    err = (layer.dequantize() - weight).abs().max() / weight.abs().max()
+    assert err <= max_rel_err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quant", "fp9"], "quant='fp9': expected a comma-separated list of fp8, fp8-block, int4, int4-g32, int8"),
+    (["--quant", "int4", "--quant-tune", "64x100x1x4x4"], "quant_tune='64x100x1x4x4'"),
+    (["--quant-tune", "64x128x1x4x4"], "launch shapes of the quantized kernels need --quant"),
+])
+def test_bad_quant_options_are_one_line_and_exit_2(argv, message):
+    done = subprocess.run([sys.executable, "-m", "engine.bench", "linear", "--device", "cpu", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_shared
+def test_bench_linear_times_every_quantized_format_against_cublas(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["linear", "--device", "cuda:0", "--size", "0.6b", "--rows", "1,16", "--iters", "8",
+                           "--quant", ",".join(QUANT_FORMATS), "--quant-tune", "32x128x2x4x3"], device="cuda:0")
+    rows = doc["rows"]
+    assert {(r["format"], r["weight"], r["rows"]) for r in rows} == {
+        (f, w, n) for f in QUANT_FORMATS for w in ("qkv", "o", "gate_up", "down") for n in (1, 16)}
+    for row in rows:
+        assert row["torch_ms"] > 0 and row["quant_ms"] > 0 and row["t_32x128x2x4x3_ms"] > 0, row
+        assert row["quant_max_err"] <= 0.02 and row["t_32x128x2x4x3_max_err"] <= 0.02, row
+        assert row["ideal"] > 1.5
+    assert doc["summary"]["layer_int4_speedup_rows1"] > 0
