@@ -82,7 +82,15 @@ def load_random(spec: str, dtype: str | torch.dtype = "auto", device: str | torc
                 quantize: str | None = None, seed: int = SEED) -> LoadedModel:
     """The model of `spec`, its weights drawn on `device` (routed experts on `expert_device` when given), then
     rounded to `quantize` ("fp8" | "int4") when asked, one projection at a time (the 16-bit copy of a projection
-    is freed as its quantized one replaces it)."""
+    is freed as its quantized one replaces it). A synthetic source (random:moe-80b ...) is engine.model.synthetic's,
+    which load_checkpoint builds."""
+    from engine.model.synthetic import is_synthetic
+
+    if is_synthetic(spec):
+        from engine.model.loader import load_checkpoint
+
+        return load_checkpoint(spec, dtype=dtype, device=device, tokenizer=tokenizer, expert_device=expert_device,
+                               quantize=quantize)
     directory = source_dir(spec)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
