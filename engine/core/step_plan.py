@@ -1,6 +1,8 @@
-"""What one scheduler step plans: admissions, prefill chunks, decodes and prefix-cache fills. Pure Python.
+"""What one scheduler step plans (admissions, prefill chunks, decodes and prefix-cache fills) and what running
+it produced. Pure Python.
 
-The runner executes a StepPlan as docs/SCHEDULING.md describes; `engine.core.scheduler` builds them.
+`engine.core.scheduler` builds a StepPlan; `engine.exec.plan_executor` runs it as docs/SCHEDULING.md describes
+and returns a StepResult; `Scheduler.update` turns that into TokenOutputs.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.api import FinishReason
+from engine.core.prefill_pacer import StepTiming
 from engine.core.prefix_index import BlockRef
 from engine.core.request import Request
 
@@ -96,3 +100,62 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.prefill or self.decode)
+
+
+@dataclass
+class SampledTokens:
+    """One request's part of an executed step, in the order the step ran it: a prefill chunk that ran
+    (`prefilled_tokens`, at `ran_s`), the tokens sampled or accepted for it (none for a chunk before the last),
+    and MTP's verification round (`drafts`: proposed, accepted)."""
+
+    request: Request
+    token_ids: list[int]
+    ran_s: float
+    logprobs: list | None = None
+    prefilled_tokens: int = 0
+    first_token: bool = False  # sampled from a last prompt chunk: the request decodes from now on
+    drafts: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request whose own part of a step failed (the error event is already published): it alone ends."""
+
+    request: Request
+    message: str
+
+
+@dataclass
+class StepResult:
+    """What executing a StepPlan produced, for `Scheduler.update`: the executor never changes the requests.
+
+    `copied`: admissions whose cached blocks are in their slots now (their pins may go). `unfilled_block_ids`:
+    tier blocks a cache fill could not write. `draft_tokens`: the drafts a slot verifies from now on, when MTP
+    turned off during the step. `timing`: for the prefill pacing (None when the step failed). `error`: what
+    failed the whole step after the parts above had run (the engine ends the requests holding a slot)."""
+
+    tokens: list[SampledTokens] = field(default_factory=list)
+    failed: list[RequestFailure] = field(default_factory=list)
+    copied: list[Request] = field(default_factory=list)
+    unfilled_block_ids: list[int] = field(default_factory=list)
+    draft_tokens: int | None = None
+    timing: StepTiming | None = None
+    error: BaseException | None = None
+
+    def skips(self, request: Request) -> bool:
+        """The request has finished, or failed earlier in this step: the rest of its part does not run."""
+        return request.is_finished or any(f.request is request for f in self.failed)
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """`Scheduler.update`'s word on one request after a step: the tokens it kept (up to a stop token or
+    max_tokens), and the reason it finished (with `slot`, the slot it held) or None."""
+
+    request: Request
+    slot: int | None
+    token_ids: list[int]
+    logprobs: list | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_token: bool = False
