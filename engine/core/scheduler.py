@@ -30,14 +30,13 @@ from typing import Any, Callable
 
 from engine.api import FinishReason
 from engine.errors import ConfigError, QueueFull, RequestRejected
-from engine.core.prefill_pacer import DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
+from engine.core.prefill_pacer import (DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, ChunkTiming, PrefillPacer,
+                                      StepTiming)
 from engine.core.prefix_index import BlockRef, PrefixIndex, block_digests
 from engine.core.request import Request, RequestState
-from engine.core.step_plan import (WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan, StepResult,
-                                   TokenOutput)
+from engine.core.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan, TokenOutput
 
-__all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepResult", "StepTiming",
-           "TokenOutput"]
+__all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepTiming", "TokenOutput"]
 
 DEFAULT_BLOCK_TOKENS = 256
 _RETRY_AFTER_MIN_S = 0.1
@@ -287,10 +286,11 @@ class Scheduler:
         """What the last plan took to run (the engine measures it): feeds the prefill pacing."""
         self.pacer.record_step(timing)
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[TokenOutput]:
-        """Take what executing `plan` produced: the prefix pins its copies and fills no longer need, each
-        request's chunks, drafts and tokens (a stop token or max_tokens finishes it), the requests whose own part
-        failed (finished with "error"), and the step's timing. Returns each request's TokenOutput, in step order.
+    def update(self, plan: StepPlan, result: Any) -> list[TokenOutput]:
+        """Take what executing `plan` produced (engine.exec.plan_executor.StepResult, read by its fields): the
+        prefix pins its copies and fills no longer need, each request's chunks, drafts and tokens (a stop token
+        or max_tokens finishes it), the requests whose own part failed (finished with "error"), and the step's
+        timing. Returns each request's TokenOutput, in step order.
         """
         for req in result.copied:
             self.release_prefix(req)
@@ -315,8 +315,10 @@ class Scheduler:
             slot = failure.request.slot
             if self.finish(failure.request, "error"):
                 outputs.append(TokenOutput(failure.request, slot, [], finish_reason="error", error=failure.message))
-        if result.timing is not None:
-            self.record_step(result.timing)
+        if result.timed:
+            self.record_step(StepTiming(result.decode_s, len(plan.decode), [ChunkTiming(*c) for c in result.chunks_s],
+                                        result.fill_s, beside_chunk=result.beside_chunk,
+                                        landed=[ChunkTiming(*c) for c in result.landed_s]))
         return outputs
 
     def _append(self, req: Request, token_ids: list[int], now_s: float, logprobs: list | None,

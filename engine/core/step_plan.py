@@ -2,7 +2,8 @@
 it produced. Pure Python.
 
 `engine.core.scheduler` builds a StepPlan; `engine.exec.plan_executor` runs it as docs/SCHEDULING.md describes
-and returns a StepResult; `Scheduler.update` turns that into TokenOutputs.
+and returns its StepResult (defined there: the core and the executor never import each other, each reads the
+other's dataclass by its fields); `Scheduler.update` turns that into TokenOutputs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.api import FinishReason
-from engine.core.prefill_pacer import StepTiming
 from engine.core.prefix_index import BlockRef
 from engine.core.request import Request
 
@@ -100,51 +100,6 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.prefill or self.decode)
-
-
-@dataclass
-class SampledTokens:
-    """One request's part of an executed step, in the order the step ran it: a prefill chunk that ran
-    (`prefilled_tokens`, at `ran_s`), the tokens sampled or accepted for it (none for a chunk before the last),
-    and MTP's verification round (`drafts`: proposed, accepted)."""
-
-    request: Request
-    token_ids: list[int]
-    ran_s: float
-    logprobs: list | None = None
-    prefilled_tokens: int = 0
-    first_token: bool = False  # sampled from a last prompt chunk: the request decodes from now on
-    drafts: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """A request whose own part of a step failed (the error event is already published): it alone ends."""
-
-    request: Request
-    message: str
-
-
-@dataclass
-class StepResult:
-    """What executing a StepPlan produced, for `Scheduler.update`: the executor never changes the requests.
-
-    `copied`: admissions whose cached blocks are in their slots now (their pins may go). `unfilled_block_ids`:
-    tier blocks a cache fill could not write. `draft_tokens`: the drafts a slot verifies from now on, when MTP
-    turned off during the step. `timing`: for the prefill pacing (None when the step failed). `error`: what
-    failed the whole step after the parts above had run (the engine ends the requests holding a slot)."""
-
-    tokens: list[SampledTokens] = field(default_factory=list)
-    failed: list[RequestFailure] = field(default_factory=list)
-    copied: list[Request] = field(default_factory=list)
-    unfilled_block_ids: list[int] = field(default_factory=list)
-    draft_tokens: int | None = None
-    timing: StepTiming | None = None
-    error: BaseException | None = None
-
-    def skips(self, request: Request) -> bool:
-        """The request has finished, or failed earlier in this step: the rest of its part does not run."""
-        return request.is_finished or any(f.request is request for f in self.failed)
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from engine.api import SamplingParams
-from engine.core.prefill_pacer import ChunkTiming, StepTiming
-from engine.core.request import Request
-from engine.core.scheduler import Admission, PrefillChunk, Scheduler, StepPlan
-from engine.core.step_plan import RequestFailure, SampledTokens, StepResult
 from engine.exec.chunk_stream import ChunkStream
 from engine.exec.decode_ahead import DecodeAhead
 from engine.exec.drafter import MtpDrafter
@@ -39,13 +36,70 @@ from engine.exec.runner import ModelRunner, MtpUnavailable, Row
 from engine.exec.sampler import SampleResult, device_result, sample_isolating_rows, sample_with_drafts
 from engine.telemetry import AdmissionEvent, EventBus, WarningEvent
 
+# The scheduler's types (engine.core: StepPlan, its Admission / PrefillChunk / CacheFill, Request, the Scheduler)
+# are read here by their fields: the core and the executor never import each other (tests/test_layering.py).
+Request = Any
+StepPlan = Any
 SlotReport = Callable[[Request, int, str, float], None]  # (request, slot, state, now_s): a slot's state changed
+ChunkTime = tuple[int, int, float]  # a chunk as it ran: (start, num_tokens, seconds), core's ChunkTiming's fields
+
+
+@dataclass
+class SampledTokens:
+    """One request's part of an executed step, in the order the step ran it: a prefill chunk that ran
+    (`prefilled_tokens`, at `ran_s`), the tokens sampled or accepted for it (none for a chunk before the last),
+    and MTP's verification round (`drafts`: proposed, accepted)."""
+
+    request: Request
+    token_ids: list[int]
+    ran_s: float
+    logprobs: list | None = None
+    prefilled_tokens: int = 0
+    first_token: bool = False  # sampled from a last prompt chunk: the request decodes from now on
+    drafts: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request whose own part of a step failed (the error event is already published): it alone ends."""
+
+    request: Request
+    message: str
+
+
+@dataclass
+class StepResult:
+    """What executing a StepPlan produced, for `Scheduler.update`: the executor never changes a request.
+
+    `copied`: admissions whose cached blocks are in their slots now (their pins may go). `unfilled_block_ids`:
+    tier blocks a cache fill could not write. `draft_tokens`: the drafts a slot verifies from now on, when MTP
+    turned off during the step. The timings, for the prefill pacing (`timed` False when the step failed):
+    `decode_s` (None when nothing decoded), each chunk run between the steps, the cache fills, whether a chunk
+    ran beside the decode, and the chunks beside the steps that landed. `error`: what failed the whole step
+    after the parts above had run (the engine ends the requests holding a slot)."""
+
+    tokens: list[SampledTokens] = field(default_factory=list)
+    failed: list[RequestFailure] = field(default_factory=list)
+    copied: list[Request] = field(default_factory=list)
+    unfilled_block_ids: list[int] = field(default_factory=list)
+    draft_tokens: int | None = None
+    timed: bool = False
+    decode_s: float | None = None
+    chunks_s: list[ChunkTime] = field(default_factory=list)
+    fill_s: float = 0.0
+    beside_chunk: bool = False
+    landed_s: list[ChunkTime] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def skips(self, request: Request) -> bool:
+        """The request has finished, or failed earlier in this step: the rest of its part does not run."""
+        return request.is_finished or any(f.request is request for f in self.failed)
 
 
 class PlanExecutor:
     """`execute(plan) -> StepResult`; `release(request, slot)` once a request holding a slot has finished."""
 
-    def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, sched: Scheduler, kv: SlotKVCache,
+    def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, sched: Any, kv: SlotKVCache,
                  tier: AdaptiveTier, chunks: ChunkStream | None, ahead: DecodeAhead, executor: Any,
                  device: torch.device, bus: EventBus, report_slot: SlotReport) -> None:
         self.runner, self.drafter, self.sched = runner, drafter, sched
@@ -74,10 +128,10 @@ class PlanExecutor:
                 self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
                 for admission in plan.admitted:
                     self._isolated(admission.request, self._admit, admission, now_s)
-                timing = self._run_timed(plan)
-                timing.landed.extend(self._land_chunk())  # last: its request decodes from the next step on
+                self._run_timed(plan)
+                result.landed_s = self._land_chunk()  # last: its request decodes from the next step on
                 self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
-            result.timing = timing
+            result.timed = True
         except Exception as exc:  # noqa: BLE001 - the engine decides how bad (Engine._fail)
             result.error = exc
         return result
@@ -95,7 +149,7 @@ class PlanExecutor:
         self.kv.retire_slot(slot)
         self.tier.retire_slot(slot)
 
-    def _run_timed(self, plan: StepPlan) -> StepTiming:
+    def _run_timed(self, plan: StepPlan) -> None:
         """Decode, prefill and fill the plan, timing each part for the scheduler's prefill pacing.
 
         Each part ends on a device sync: a chunk's kernels would otherwise still be running when the next
@@ -116,19 +170,20 @@ class PlanExecutor:
             decode_s = (self._synced_clock() if plan.prefill and not beside else time.perf_counter()) - t0_s
             # a step taken ahead: its device time (the host only waited for its last part)
             decode_s = self.ahead.step_period_s() or decode_s
-        chunks: list[ChunkTiming] = []
+        chunks: list[ChunkTime] = []
         for chunk in plan.prefill:
             if self._result.skips(chunk.request) or chunk.beside_decode:  # failed or aborted, or launched above
                 continue
             t0_s = self._synced_clock()
             self._isolated(chunk.request, self._prefill, chunk)
-            chunks.append(ChunkTiming(chunk.start, chunk.num_tokens, self._synced_clock() - t0_s))
+            chunks.append((chunk.start, chunk.num_tokens, self._synced_clock() - t0_s))
         fill_s = 0.0
         if plan.cache_fill:
             t0_s = self._synced_clock()
             self._fill(plan.cache_fill)
             fill_s = self._synced_clock() - t0_s
-        return StepTiming(decode_s, len(plan.decode), chunks, fill_s, beside_chunk=beside)
+        self._result.decode_s, self._result.chunks_s, self._result.fill_s = decode_s, chunks, fill_s
+        self._result.beside_chunk = beside
 
     def _fill(self, fills: list) -> None:
         for fill in fills:
@@ -151,9 +206,9 @@ class PlanExecutor:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _land_chunk(self) -> list[ChunkTiming]:
+    def _land_chunk(self) -> list[ChunkTime]:
         """The chunk beside the steps, once its kernels are done (waited for when no slot decodes: nothing else
-        would run): its first token, its drafter prefill and its cache fill. Its timing, for StepTiming.landed."""
+        would run): its first token, its drafter prefill and its cache fill. Its timing, for the pacer (StepTiming.landed)."""
         if self.chunks is None or self.chunks.in_flight is None:
             return []
         if not self.chunks.ready() and self.sched.num_decoding:
@@ -165,9 +220,9 @@ class PlanExecutor:
             self._isolated(chunk.request, self._chunk_ran, chunk, flight.out)
         if fill is not None:
             self._fill([fill])
-        return [ChunkTiming(chunk.start, chunk.num_tokens, flight.seconds)]
+        return [(chunk.start, chunk.num_tokens, flight.seconds)]
 
-    def _admit(self, admission: Admission, now_s: float) -> None:
+    def _admit(self, admission: Any, now_s: float) -> None:
         req = admission.request
         if admission.cached_blocks:
             self.tier.load(admission.cached_blocks, admission.slot)
@@ -251,16 +306,16 @@ class PlanExecutor:
                 self.draft_accepted[position] += position < n
         return list(accepted)
 
-    def _prefill(self, chunk: PrefillChunk) -> None:
+    def _prefill(self, chunk: Any) -> None:
         with self.chunks.lane() if self.chunks is not None else contextlib.nullcontext():
             out = self._forward(chunk)
         self._chunk_ran(chunk, out)
 
-    def _forward(self, chunk: PrefillChunk) -> Any:
+    def _forward(self, chunk: Any) -> Any:
         """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch)."""
         return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)
 
-    def _chunk_ran(self, chunk: PrefillChunk, out: Any) -> None:
+    def _chunk_ran(self, chunk: Any, out: Any) -> None:
         """After a chunk's forward: the first token of a last chunk, and MTP's drafter prefill."""
         req = chunk.request
         prompt = req.prompt_token_ids

@@ -75,10 +75,10 @@ class MonitorScreen(Screen):
         Binding("f", "cycle_filter", "Filter"),
         Binding("escape", "close_result", "Close result", show=False),
         Binding("p", "app.show_profiles", "Profiles"),
-        Binding("plus,equals_sign", "app.reserve(1, False)", "Reserve +"),
-        Binding("minus", "app.reserve(-1, False)", "Reserve -"),
-        Binding("right_square_bracket", "app.reserve(1, True)", "Reserve ++", show=False),
-        Binding("left_square_bracket", "app.reserve(-1, True)", "Reserve --", show=False),
+        Binding("plus,equals_sign", "reserve(1, False)", "Reserve +"),
+        Binding("minus", "reserve(-1, False)", "Reserve -"),
+        Binding("right_square_bracket", "reserve(1, True)", "Reserve ++", show=False),
+        Binding("left_square_bracket", "reserve(-1, True)", "Reserve --", show=False),
         # Shown in the footer (one entry for both) only while the engine has an expert cache (check_action).
         Binding("greater_than_sign", "expert_budget(1)", "Experts +", group=_EXPERT_KEYS),
         Binding("less_than_sign", "expert_budget(-1)", "Experts -", group=_EXPERT_KEYS),
@@ -166,6 +166,9 @@ class MonitorScreen(Screen):
 
     def action_cancel_load(self) -> None:
         self.strata.action_cancel_load()
+
+    def action_reserve(self, direction: int, large: bool = False) -> None:
+        self.strata.controls.reserve(direction, large)
 
     def action_expert_budget(self, direction: int) -> None:
         self.strata.controls.expert_budget(direction)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import SamplingParams
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend, key_text
 from engine.exec.graphs.cache import GraphCache
 from engine.exec.runner import switch_for_key

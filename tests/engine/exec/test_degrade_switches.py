@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.exec.compile import StepCompiler
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend
 from engine.exec.graphs.cache import GraphCache, GraphSpec
 from engine.switches import SwitchBoard

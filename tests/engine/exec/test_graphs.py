@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.fault_injection import ENV_VAR, FaultPlan
+from tests.fault_injection import ENV_VAR, FaultPlan, installed
 from engine.exec.graphs.backends import CpuGraphBackend, default_backend
 from engine.exec.graphs.cache import GraphCache, GraphSpec
 from engine.switches import SwitchBoard
@@ -120,10 +120,20 @@ def test_precapture_captures_every_spec_once() -> None:
     assert [a for a, _, _ in _graph_events(cache)] == ["capture"] * 3  # served from the precaptured graph
 
 
-def test_fault_plan_comes_from_the_environment_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_VAR, "instantiate:decode:1:oom")
+def test_the_product_reads_no_faults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "instantiate:decode:*:sticky")
     cache = GraphCache("cpu", EventBus(), SwitchBoard.from_values({}), lambda mib, reason: 0.0, wait_polls=1,
                        wait_interval_s=0.0)
-    assert isinstance(cache.backend, CpuGraphBackend) and isinstance(default_backend("cpu"), CpuGraphBackend)
-    cache.run("decode", "b1", _affine, {"x": torch.zeros(1)})
-    assert cache.fault_plan is not None and cache.fault_plan.fired == ["instantiate:decode:1:oom"]
+    assert cache.fault_plan is None
+    assert torch.equal(cache.run("decode", "b1", _affine, {"x": torch.zeros(1)})["y"], torch.ones(1))
+
+
+def test_faults_a_test_installs_reach_the_caches_built_without_a_plan() -> None:
+    with installed("instantiate:decode:1:oom") as plan:
+        cache = GraphCache("cpu", EventBus(), SwitchBoard.from_values({}), lambda mib, reason: 0.0, wait_polls=1,
+                           wait_interval_s=0.0)
+        assert isinstance(cache.backend, CpuGraphBackend) and isinstance(default_backend("cpu"), CpuGraphBackend)
+        cache.run("decode", "b1", _affine, {"x": torch.zeros(1)})
+    assert cache.fault_plan is plan and plan.fired == ["instantiate:decode:1:oom"]
+    after = GraphCache("cpu", EventBus(), SwitchBoard.from_values({}), lambda mib, reason: 0.0)
+    assert after.fault_plan is None  # uninstalled when the block ends

@@ -17,7 +17,7 @@ import torch
 from engine.api import SamplingParams
 from engine.exec.drafter import MtpDrafter
 from engine.exec.executor import EagerExecutor
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend, default_backend
 from engine.exec.graphs.cache import GraphCache
 from engine.exec.kv.cache import KVGeometry, SlotKVCache

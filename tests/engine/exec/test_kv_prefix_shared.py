@@ -140,7 +140,7 @@ def test_an_abort_right_after_a_hand_over_unmaps_the_slot_and_a_release_takes_th
 
 
 def test_a_capture_out_of_memory_shrinks_the_pool_around_a_mapped_prefix_and_the_output_holds(ckpt):
-    from engine.exec.fault_injection import FaultPlan
+    from tests.fault_injection import FaultPlan
     from engine.exec.graphs.backends import CpuGraphBackend
     from engine.exec.graphs.cache import GraphCache
     from engine.exec.runner import switch_for_key

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.exec.executor import GraphDegraded
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.gpu_errors import StickyCudaError
 from engine.exec.graphs.backends import CpuGraphBackend
 from engine.exec.graphs.cache import GraphCache
