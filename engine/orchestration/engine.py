@@ -68,7 +68,6 @@ class Engine:
         self.vocab_size = int(self.lm.config.vocab_size)
         self.steps = 0
         self._failed_steps = 0  # since a request last finished normally
-        self.sched.eos_token_ids = self.eos_token_ids
         self.output = OutputProcessor()
         self.report = Reporter(bus, self.budgets, self.executor, self.output, kv=self.kv)
         self.stepper = PlanExecutor(runner=self.runner, drafter=self.drafter, sched=self.sched, kv=self.kv,

@@ -151,7 +151,7 @@ class _PartsBuilder:
         # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
         # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).
         self.stage = "building the scheduler, runner and drafter"
-        sched = Scheduler.from_config(config, index, draft_tokens=depth)
+        sched = Scheduler.from_config(config, index, draft_tokens=depth, eos_token_ids=tuple(lm.eos_token_ids))
         if executor is None:
             executor = _default_executor(config, bus, board, self.make_room, device)
         if experts is not None:
