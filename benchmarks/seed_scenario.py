@@ -239,7 +239,7 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
                   wall_s=round(time.monotonic() - start, 2))
     events = [e.to_json() for e in bus.history()]
     record.update(judge_events(events), events=len(events))
-    record["graphs"] = executor.snapshot() if hasattr(executor, "snapshot") else None
+    record["graphs"] = executor.snapshot().to_json() if hasattr(executor, "snapshot") else None
     record["passed"] = (health.ready and len(ok) == 7 and not record["bad_messages"]
                         and not any(e.get("fatal") for e in record["error_events"]))
     return record

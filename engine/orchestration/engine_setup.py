@@ -195,7 +195,7 @@ class _PartsBuilder:
         # A preallocated tier in the KV pool reallocates the pool tensors the graphs captured above read: drop
         # them first, keep their measured size free for the tier's budget, and capture them again after it.
         recapture = shared is not None and self.tier_device.type == "cuda" and board.enabled("CAPTURE_ALL")
-        graphs_mib = float(executor.snapshot().get("total_mib", 0.0)) if recapture else 0.0
+        graphs_mib = executor.snapshot().total_mib if recapture else 0.0
         if recapture:
             executor.release()
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,

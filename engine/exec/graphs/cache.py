@@ -29,6 +29,8 @@ from engine.exec.executor import GraphDegraded, StepFn
 from engine.exec.gpu_errors import classify, exception_chain, real_message, sticky_from
 from engine.exec.graphs.backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
 from engine.exec.graphs.inputs import Pack, fill_inputs, stage_inputs
+from engine.snapshot import DegradedGraph, GraphsSnapshot
+from engine.snapshot import GraphEntry as GraphSnapshotEntry
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent
 
@@ -161,18 +163,17 @@ class GraphCache:
         """Drop graphs whose (kind, key) match, e.g. after a live switch change alters the code path."""
         self._drop(lambda e: predicate(e.kind, e.key), action="release")
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> GraphsSnapshot:
         """For /strata/state: every graph's kind, key, owner, MiB, capture ms and replays, and the degraded."""
         with self._lock:
-            graphs = [
-                {"kind": e.kind, "key": key_text(e.key), "owner": e.owner, "mib": round(e.mib, 2),
-                 "capture_ms": round(e.capture_ms, 2), "replays": e.replays}
-                for e in self._entries.values()
-            ]
-            degraded = [{"kind": k, "key": key_text(key), "error": err} for (k, key), err in self._degraded.items()]
-        return {"enabled": True, "device": self.device, "graphs": graphs,
-                "total_mib": round(sum(g["mib"] for g in graphs), 2), "degraded": degraded,
-                **self.compiler.cache_stats()}
+            graphs = [GraphSnapshotEntry(kind=e.kind, key=key_text(e.key), owner=e.owner, mib=round(e.mib, 2),
+                                         capture_ms=round(e.capture_ms, 2), replays=e.replays)
+                      for e in self._entries.values()]
+            degraded = [DegradedGraph(kind=k, key=key_text(key), error=err)
+                        for (k, key), err in self._degraded.items()]
+        return GraphsSnapshot(enabled=True, device=self.device, graphs=graphs,
+                              total_mib=round(sum(g.mib for g in graphs), 2), degraded=degraded,
+                              **self.compiler.cache_stats())
 
     @property
     def total_mib(self) -> float:

@@ -111,15 +111,15 @@ def test_a_pool_resize_drops_the_captured_graphs_and_the_next_steps_recapture_th
     run_all(engine, [other], GREEDY, prefix="o")
     engine.add_request("b0", prompt, GREEDY)
     outs = list(engine.step())
-    assert cache.snapshot()["graphs"]
+    assert cache.snapshot().graphs
     pool_blocks = engine.kv.k[0].shape[1]
     assert engine.tier.release(100 * engine.tier.block_mib, "test") > 0
     assert engine.kv.k[0].shape[1] == engine.kv.geometry.num_blocks + 4 < pool_blocks  # the mapped blocks stay
-    assert cache.snapshot()["graphs"] == []  # they held the old pool tensors
+    assert cache.snapshot().graphs == []  # they held the old pool tensors
     while engine.has_work:
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == first
-    assert any(g["replays"] for g in cache.snapshot()["graphs"])  # recaptured on the new tensors, replayed
+    assert any(g.replays for g in cache.snapshot().graphs)  # recaptured on the new tensors, replayed
 
 
 def test_an_abort_right_after_a_hand_over_unmaps_the_slot_and_a_release_takes_the_discarded_blocks(ckpt):
