@@ -34,13 +34,12 @@ from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
 from engine.exec.runner import ModelRunner, MtpUnavailable, Row
 from engine.exec.sampler import SampleResult, device_result, sample_isolating_rows, sample_with_drafts
-from engine.telemetry import AdmissionEvent, EventBus, WarningEvent
+from engine.telemetry import EventBus, WarningEvent
 
 # The scheduler's types (engine.core: StepPlan, its Admission / PrefillChunk / CacheFill, Request, the Scheduler)
 # are read here by their fields: the core and the executor never import each other (tests/test_layering.py).
 Request = Any
 StepPlan = Any
-SlotReport = Callable[[Request, int, str, float], None]  # (request, slot, state, now_s): a slot's state changed
 ChunkTime = tuple[int, int, float]  # a chunk as it ran: (start, num_tokens, seconds), core's ChunkTiming's fields
 
 
@@ -71,7 +70,8 @@ class RequestFailure:
 class StepResult:
     """What executing a StepPlan produced, for `Scheduler.update`: the executor never changes a request.
 
-    `copied`: admissions whose cached blocks are in their slots now (their pins may go). `unfilled_block_ids`:
+    `admitted`: the plan's admissions that went through (the engine reports them). `copied`: admissions whose
+    cached blocks are in their slots now (their pins may go). `unfilled_block_ids`:
     tier blocks a cache fill could not write. `draft_tokens`: the drafts a slot verifies from now on, when MTP
     turned off during the step. The timings, for the prefill pacing (`timed` False when the step failed):
     `decode_s` (None when nothing decoded), each chunk run between the steps, the cache fills, whether a chunk
@@ -80,6 +80,7 @@ class StepResult:
 
     tokens: list[SampledTokens] = field(default_factory=list)
     failed: list[RequestFailure] = field(default_factory=list)
+    admitted: list[Any] = field(default_factory=list)  # the plan's Admissions whose slot is ready (KV copied in)
     copied: list[Request] = field(default_factory=list)
     unfilled_block_ids: list[int] = field(default_factory=list)
     draft_tokens: int | None = None
@@ -101,12 +102,11 @@ class PlanExecutor:
 
     def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, sched: Any, kv: SlotKVCache,
                  tier: AdaptiveTier, chunks: ChunkStream | None, ahead: DecodeAhead, executor: Any,
-                 device: torch.device, bus: EventBus, report_slot: SlotReport) -> None:
+                 device: torch.device, bus: EventBus) -> None:
         self.runner, self.drafter, self.sched = runner, drafter, sched
         self.kv, self.tier, self.chunks, self.ahead, self.executor = kv, tier, chunks, ahead, executor
         self.device = device
         self.bus = bus
-        self.report_slot = report_slot
         self.mtp_on = drafter is not None
         self.mtp_off_reason: str | None = None
         self.generators: dict[str, torch.Generator] = {}  # per request: its seeded sampling draws
@@ -123,11 +123,10 @@ class PlanExecutor:
         result = self._result = StepResult()
         try:
             with torch.inference_mode(), self.chunks.steps() if self._may_overlap(plan) else contextlib.nullcontext():
-                now_s = time.monotonic()
                 self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
                 self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
                 for admission in plan.admitted:
-                    self._isolated(admission.request, self._admit, admission, now_s)
+                    self._isolated(admission.request, self._admit, admission)
                 self._run_timed(plan)
                 result.landed_s = self._land_chunk()  # last: its request decodes from the next step on
                 self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
@@ -222,15 +221,11 @@ class PlanExecutor:
             self._fill([fill])
         return [(chunk.start, chunk.num_tokens, flight.seconds)]
 
-    def _admit(self, admission: Any, now_s: float) -> None:
-        req = admission.request
+    def _admit(self, admission: Any) -> None:
         if admission.cached_blocks:
             self.tier.load(admission.cached_blocks, admission.slot)
-            self._result.copied.append(req)
-        self.bus.publish(AdmissionEvent(request_id=req.request_id, slot=admission.slot, reuse=admission.reuse,
-                                        prompt_tokens=req.num_prompt_tokens, cached_tokens=admission.cached_tokens,
-                                        queued_s=round(req.queued_s or 0.0, 4)))
-        self.report_slot(req, admission.slot, "prefill", now_s)
+            self._result.copied.append(admission.request)
+        self._result.admitted.append(admission)
 
     def _decode(self, reqs: list[Request]) -> None:
         """Decode (or verify) every decoding slot: one batched forward per group of similar lengths."""

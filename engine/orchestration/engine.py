@@ -25,7 +25,7 @@ from engine.api import Health, HealthStatus, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.core.output import OutputProcessor, Track
 from engine.core.request import Request
-from engine.core.step_plan import TokenOutput
+from engine.core.step_plan import Admission, TokenOutput
 from engine.errors import EngineDead, NoExpertCache, RequestRejected
 from engine.exec.experts.setup import check_min_budget
 from engine.exec.experts.stats import ORACLE_REFRESH_S
@@ -38,7 +38,7 @@ from engine.orchestration.reporting import Reporter
 from engine.orchestration.state import build_snapshot
 from engine.snapshot import EngineSnapshot, MtpSnapshot
 from engine.switches import SwitchState
-from engine.telemetry import EngineEvent, EventBus, SlotEvent
+from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent
 
 # /strata/state is at most this stale while steps run; AsyncEngine publishes after each batch of commands
 SNAPSHOT_INTERVAL_S = 0.05
@@ -72,7 +72,7 @@ class Engine:
         self.report = Reporter(bus, self.budgets, self.executor, self.output, kv=self.kv)
         self.stepper = PlanExecutor(runner=self.runner, drafter=self.drafter, sched=self.sched, kv=self.kv,
                                     tier=self.tier, chunks=self.chunks, ahead=self.ahead, executor=self.executor,
-                                    device=self.device, bus=bus, report_slot=self.report.slot)
+                                    device=self.device, bus=bus)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
         self.report.vram()
@@ -209,7 +209,7 @@ class Engine:
         try:
             plan = self.sched.schedule()
             result = self.stepper.execute(plan)
-            outputs = self._deliver(self.sched.update(plan, result))
+            outputs = self._deliver(result.admitted, self.sched.update(plan, result))
             if result.error is not None:
                 raise result.error
             self.steps += 1
@@ -223,12 +223,22 @@ class Engine:
             self.publish_snapshot(force=True)
         return outputs
 
-    def _deliver(self, token_outputs: list[TokenOutput]) -> list[RequestOutput]:
-        """Each request's kept tokens, detokenized with stop strings cut, as RequestOutput increments; a request
-        that finished gives its final output and its slot back. A stop string ends its request the way an
-        abort does (with the reason "stop"); a failure in one request's output processing ends that request."""
+    def _deliver(self, admitted: list[Admission], token_outputs: list[TokenOutput]) -> list[RequestOutput]:
+        """The step's admissions reported, then each request's kept tokens, detokenized with stop strings cut, as
+        RequestOutput increments; a request that finished gives its final output and its slot back. A stop
+        string ends its request the way an abort does (with the reason "stop"); a failure in one request's
+        reporting or output processing ends that request."""
         outputs: list[RequestOutput] = []
         finished = False
+        for admission in admitted:
+            track = self.output.get(admission.request.request_id)
+            try:
+                self._report_admission(admission)
+            except Exception as exc:  # noqa: BLE001 - attributable to this request: it alone fails
+                if is_sticky(exc) or track is None:
+                    raise
+                outputs.append(self._fail_request(track, exc, admission.slot))
+                finished = True
         for out in token_outputs:
             track = self.output.get(out.request.request_id)
             if track is None:
@@ -239,9 +249,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - attributable to this request: it alone fails
                 if is_sticky(exc):
                     raise
-                event = error_event(exc, f"engine.request {out.request.request_id}", self.device)
-                self.bus.publish(event)
-                outputs.append(self._end(track, "error", out.slot, error=event.message))
+                outputs.append(self._fail_request(track, exc, out.slot))
                 finished = True
                 continue
             if out.finish_reason is not None or stopped:
@@ -255,6 +263,18 @@ class Engine:
         if finished:  # the step is over: what finished maps nothing now
             self.tier.reclaim_retired()
         return outputs
+
+    def _report_admission(self, admission: Admission) -> None:
+        req = admission.request
+        self.bus.publish(AdmissionEvent(request_id=req.request_id, slot=admission.slot, reuse=admission.reuse,
+                                        prompt_tokens=req.num_prompt_tokens, cached_tokens=admission.cached_tokens,
+                                        queued_s=round(req.queued_s or 0.0, 4)))
+        self.report.slot(req, admission.slot, "prefill", time.monotonic())
+
+    def _fail_request(self, track: Track, exc: BaseException, slot: int | None) -> RequestOutput:
+        event = error_event(exc, f"engine.request {track.request.request_id}", self.device)
+        self.bus.publish(event)
+        return self._end(track, "error", slot, error=event.message)
 
     def _end(self, track: Track, reason, slot: int | None, error: str | None = None) -> RequestOutput:
         """Finish a request in the scheduler (a no-op when `update` did already) and close it."""
