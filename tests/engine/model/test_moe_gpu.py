@@ -59,7 +59,7 @@ def test_gpu_expert_cache_under_cuda_graphs(moe_ckpt):
     assert small == resident
 
 
-def test_gpu_graph_capture_oom_shrinks_the_expert_cache(moe_ckpt, monkeypatch):
+def test_gpu_graph_capture_oom_shrinks_the_expert_cache(moe_ckpt):
     resident, _ = _engine_tokens(moe_ckpt)
     # The tier answers first and, on CUDA, takes every free MiB past the reserve at start and regrows into it
     # (the 2026-12-01 runs: with tier_budget_mib=0, and then with a reserve of all but 4 GiB, the tier gave the
