@@ -160,7 +160,7 @@ class MonitorScreen(Screen):
             return self.strata.view.monitor.experts is not None
         if action == "cancel_load":
             return self.strata.view.load_running is not None
-        if action == "cycle_filter":  # the graph-cache events are Strata's
+        if action in ("cycle_filter", "reserve"):  # the graph-cache events and the VRAM reserve are Strata's
             return self.strata.view.kind == "strata"
         return True
 
