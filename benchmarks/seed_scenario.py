@@ -10,8 +10,8 @@ reported with its real message (never empty, never "no error"), collected from /
     python benchmarks/seed_scenario.py --runs 1 --device cpu --prompt-tokens 4000       # CPU smoke test
     python benchmarks/seed_scenario.py ... --fault-inject "instantiate:draft_round:1-40:oom"
 
---fault-inject forces the out-of-memory path (engine/exec/fault_injection.py) where the real VRAM pressure does not
-happen to hit a capture. Writes a JSON report with --out; exits 0 only when every run passed.
+--fault-inject forces the out-of-memory path (tests/fault_injection.py, installed in the engine process by
+tests/fault_site/sitecustomize.py) where the real VRAM pressure does not happen to hit a capture. Writes a JSON report with --out; exits 0 only when every run passed.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-s", type=float, default=3.0)
     p.add_argument("--switches", default=",".join(s.name for s in SWITCHES),
                    help="switches to turn on (default: all; SPLIT_ATTN is the seed's)")
-    p.add_argument("--fault-inject", default="", help="STRATA_FAULT_INJECT for the engine (test only)")
+    p.add_argument("--fault-inject", default="", help="graph-capture faults for the engine process (tests/fault_injection.py rules)")
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--run-timeout-s", type=float, default=3600.0)
     p.add_argument("--in-process", action="store_true",
@@ -87,7 +87,9 @@ def serve_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     for name in filter(None, (n.strip() for n in args.switches.split(","))):
         env[get_switch(name).env_var] = "1"
     if args.fault_inject:
-        env["STRATA_FAULT_INJECT"] = args.fault_inject
+        from tests.fault_injection import engine_process_env
+
+        env = engine_process_env(args.fault_inject, env)
     return cmd, env
 
 
@@ -237,7 +239,7 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
                   wall_s=round(time.monotonic() - start, 2))
     events = [e.to_json() for e in bus.history()]
     record.update(judge_events(events), events=len(events))
-    record["graphs"] = executor.snapshot() if hasattr(executor, "snapshot") else None
+    record["graphs"] = executor.snapshot().to_json() if hasattr(executor, "snapshot") else None
     record["passed"] = (health.ready and len(ok) == 7 and not record["bad_messages"]
                         and not any(e.get("fatal") for e in record["error_events"]))
     return record

@@ -7,8 +7,8 @@ model, and the pictures are taken with App.save_screenshot while it runs.
   crash.svg                 the crash panel after the engine exits on a real error: on a GPU a CUDA error
                             (a device ordinal the machine does not have), on CPU a checkpoint cut short
 
-On a GPU (`--device cuda:0`) the GPU panel has NVML's readings, and `--fault-inject RULES` (engine's
-STRATA_FAULT_INJECT, injected errors are labelled so) makes graph captures fail so that the graph-cache pane
+On a GPU (`--device cuda:0`) the GPU panel has NVML's readings, and `--fault-inject RULES` (tests/fault_injection.py's
+rules, installed in the engine process the app starts; injected errors are labelled so) makes graph captures fail so that the graph-cache pane
 shows fail / evict / retry / wait next to the real captures. `--prefix gpu-` names the files apart.
 
     .venv/bin/python scripts/make_screenshots.py [--model PATH|builtin:strata-tiny] [--device cpu]
@@ -112,7 +112,9 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
     store.save(crash_profile(args, model, model_dir, workdir))
     (store.profiles_dir / "typo.toml").write_text('[engine]\nmodel = "builtin:strata-tiny"\nkv = "fp8"\n')
     if args.fault_inject:
-        os.environ["STRATA_FAULT_INJECT"] = args.fault_inject  # the engine child inherits it
+        from tests.fault_injection import engine_process_env
+
+        os.environ.update(engine_process_env(args.fault_inject))  # the engine child inherits it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = lambda stem: str(out / f"{args.prefix}{stem}.svg")  # noqa: E731
@@ -131,7 +133,7 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
         await wait_until(pilot, lambda: app.view.load_result is not None, 600, "the scenario's result")
         await pilot.pause(app.view.settings.refresh_s * 2)
         written.append(Path(app.save_screenshot(name("load-result"))))
-        os.environ.pop("STRATA_FAULT_INJECT", None)
+        os.environ.pop("STRATA_FAULT_INJECT", None)  # later engine processes start without faults
         await pilot.press("p")
         await pilot.pause(0.3)
         await pilot.press("down", "down")

@@ -252,9 +252,6 @@ class StrataApp(ForeignEngines, App):
     def action_toggle_switch(self, number: int) -> None:
         self.controls.toggle_switch(number)
 
-    def action_reserve(self, direction: int, large: bool = False) -> None:
-        self.controls.reserve(direction, large)
-
     def action_run_load(self, name: str = DEFAULT_SCENARIO) -> None:
         self.controls.run_load(name)
 

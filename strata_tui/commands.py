@@ -26,7 +26,7 @@ def palette_commands(app: "StrataHost") -> Iterable[SystemCommand]:
     for step, large in ((1, False), (-1, False), (1, True), (-1, True)):
         label = f"VRAM reserve {'up' if step > 0 else 'down'}{' (large step)' if large else ''}"
         yield SystemCommand(label, "Retune the reserve live and save it to the profile",
-                            lambda s=step, big=large: app.action_reserve(s, big))
+                            lambda s=step, big=large: app.controls.reserve(s, big))
     if app.view.monitor.experts is not None:  # MoE engines only
         for step in (1, -1):
             yield SystemCommand(f"Expert cache {'up' if step > 0 else 'down'}",

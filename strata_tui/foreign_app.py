@@ -15,7 +15,7 @@ from strata_tui.profiles import Profile
 from strata_tui.workers import engine_callbacks, run_engine
 
 
-STRATA_ONLY_ACTIONS = {"toggle_switch", "reserve", "expert_budget"}
+STRATA_ONLY_ACTIONS = {"toggle_switch", "expert_budget"}  # the monitor screen hides its reserve keys itself
 
 
 class ForeignEngines:

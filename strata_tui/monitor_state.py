@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from engine.snapshot import EngineSnapshot
 from engine.switches import SWITCHES
 from engine.telemetry import (
     AdmissionEvent,
@@ -198,35 +199,23 @@ class MonitorState:
         self._apply_switch(str(item["name"]), bool(item.get("enabled")), bool(item.get("degraded")),
                            str(item.get("reason", "")), snapshot=True, unavailable=bool(item.get("unavailable")))
 
-    def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
-        """Seed from `/strata/state`. Tolerant: reads the parts it recognises, ignores the rest."""
+    def apply_snapshot(self, snapshot: EngineSnapshot) -> None:
+        """Seed from `/strata/state` (its answer through `EngineSnapshot.from_json`): the switches, the slots the
+        engine has now (rows of slots it no longer has go), the VRAM books and the reserve in force, the experts."""
         self.version += 1
-        for item in _as_list(snapshot.get("switches")):
-            if isinstance(item, dict) and "name" in item:
-                self.apply_switch_state(item)
-        if "slots" in snapshot:  # the engine's slots now: rows of slots it no longer has go
-            slots = {}
-            for item in _as_list(snapshot.get("slots")):
-                if isinstance(item, dict) and "slot" in item:
-                    slots[int(item["slot"])] = _build(SlotEvent, item)
-            self.slots = slots
-        # The reserve in force: a top-level value, else the live VRAM books, else the configured start value
-        # (config is what the engine started with; a live change since shows only in the books).
-        config = snapshot.get("config")
-        if isinstance(config, dict) and isinstance(config.get("vram_reserve_mib"), int):
-            self.vram_reserve_mib = config["vram_reserve_mib"]
-        vram = snapshot.get("vram")
-        if vram is not None:
-            self.vram.clear()
-        for key, item in (vram.items() if isinstance(vram, dict) else enumerate(_as_list(vram))):
-            if isinstance(item, dict):
-                event = _build(VramEvent, {"device": str(key), **item})
-                self.vram[event.device or str(key)] = event
-                self.vram_reserve_mib = int(round(event.reserve_mib))
-        if isinstance(snapshot.get("vram_reserve_mib"), int):
-            self.vram_reserve_mib = snapshot["vram_reserve_mib"]
-        if "experts" in snapshot:
-            self.apply_experts(snapshot["experts"])
+        for switch in snapshot.switches:
+            self.apply_switch_state(switch.to_json())
+        self.slots = {event.slot: event for event in snapshot.slots}
+        # The reserve in force: the live VRAM books, else the configured start value (config is what the engine
+        # started with; a live change since shows only in the books).
+        reserve_mib = snapshot.config.get("vram_reserve_mib")
+        if isinstance(reserve_mib, int):
+            self.vram_reserve_mib = reserve_mib
+        self.vram.clear()
+        for event in snapshot.vram:
+            self.vram[event.device] = event
+            self.vram_reserve_mib = int(round(event.reserve_mib))
+        self.apply_experts(snapshot.experts)
 
     def apply_experts(self, experts: Any) -> None:
         """The `experts` section of a state snapshot (or a control answer); None: a dense model."""
@@ -245,16 +234,3 @@ class MonitorState:
 
     def filtered_graph_events(self, min_severity: int) -> list[GraphEvent]:
         return [e for e in self.graph_events if graph_severity(e) >= min_severity]
-
-
-def _as_list(value: Any) -> list[Any]:
-    if isinstance(value, list):
-        return value
-    if isinstance(value, dict):
-        return list(value.values())
-    return []
-
-
-def _build(cls: type, data: dict[str, Any]) -> Any:
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})

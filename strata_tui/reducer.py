@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.snapshot import EngineSnapshot
 from engine.telemetry import EngineEvent, ErrorEvent
 from strata_tui.messages import (
     EngineExited,
@@ -151,7 +152,7 @@ def _snapshot(view: ViewState, message: StateSnapshot, now_s: float, wall_s: flo
     if other:
         monitor.forget_engine()
         view.reserve_note, view.expert_note = "", ""
-    monitor.apply_snapshot(message.snapshot)
+    monitor.apply_snapshot(EngineSnapshot.from_json(message.snapshot))
     if monitor.vram_reserve_mib != reserve_before:
         view.reserve_note = ""  # "applied live" was about a value this engine does not have
     view.engine_instance = instance

@@ -200,7 +200,8 @@ def test_the_folders_have_no_loops() -> None:
 # kernels), then kv/, graphs/ and experts/ (beside each other, never importing one another), then the runner,
 # the drafter and what drives them.
 EXEC_SUBPACKAGES = ("engine.exec.kv", "engine.exec.graphs", "engine.exec.experts")
-EXEC_TOP = ("engine.exec.runner", "engine.exec.drafter", "engine.exec.decode_ahead", "engine.exec.device_switches")
+EXEC_TOP = ("engine.exec.runner", "engine.exec.drafter", "engine.exec.decode_ahead", "engine.exec.device_switches",
+            "engine.exec.plan_executor")
 
 
 def test_exec_is_in_floors() -> None:

@@ -103,8 +103,8 @@ class BenchEngine:
         return not isinstance(self.engine.executor, EagerExecutor)
 
     def graph_snapshot(self) -> dict[str, Any]:
-        executor = self.engine.executor
-        return executor.snapshot()
+        """The graph executor's snapshot in its JSON form, as the reports write it."""
+        return self.engine.executor.snapshot().to_json()
 
     def add(self, prompt: list[int], max_tokens: int) -> Request:
         """Queue one greedy request that generates exactly `max_tokens` (EOS ignored)."""

@@ -1,9 +1,10 @@
 """Output processing: sampled token ids in, RequestOutput increments out (vLLM v1's OutputProcessor).
 
-The engine's step loop hands each request's new tokens here; this module detokenizes them incrementally,
-cuts stop strings (holding back text while a stop string may still be forming), and builds the increments
-and the final output. Pure Python: the detokenizer is whatever `tokenizer.incremental_decoder()` returns,
-and finishing a request in the scheduler stays with the caller, which owns the slots.
+Where the engine delivers a step's outputs, each request's kept tokens (`Scheduler.update`'s TokenOutputs)
+come here: this module detokenizes them incrementally, cuts stop strings (holding back text while a stop
+string may still be forming), and builds the increments and the final output. Pure Python: the detokenizer is
+whatever `tokenizer.incremental_decoder()` returns; a stop string found here goes back to the engine, which
+ends the request the way it aborts one (with the reason "stop").
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ class Track:
 class OutputProcessor:
     """The active requests' output state; `append` turns new tokens into increments."""
 
-    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
-        self.eos_token_ids = eos_token_ids
+    def __init__(self) -> None:
         self._tracks: dict[str, Track] = {}
 
     def add(self, request: Request, decoder: Any) -> Track:
@@ -50,35 +50,33 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._tracks)
 
-    def append(self, track: Track, tokens: list[int], now_s: float, logprobs: list[Any] | None = None
-               ) -> tuple[RequestOutput | None, FinishReason | None]:
-        """Take a request's new tokens: (the increment to send now or None, the finish reason or None).
-
-        With a finish reason the caller finishes the request in the scheduler and calls `close`; the
-        increment is then None (close sends everything that is left).
+    def append(self, track: Track, token_ids: list[int], logprobs: list[Any] | None = None,
+               finishing: bool = False) -> tuple[RequestOutput | None, bool]:
+        """Take the tokens a request kept this step (`Scheduler.update`): (the increment to send now or None,
+        whether a stop string ends it). A request that is `finishing`, or that a stop string ends, gets no
+        increment here: the caller finishes it (a stop string through the engine's abort path) and `close`
+        sends everything that is left.
         """
         req = track.request
-        result = req.append_output(tokens, now_s, self.eos_token_ids)
-        reason = result.finish_reason
-        track.pending.extend(result.kept_token_ids)
-        if logprobs is not None:  # one per sampled token: keep those of the kept ones (a prefix)
-            track.pending_logprobs.extend(logprobs[:len(result.kept_token_ids)])
-        if track.decoder is not None and result.kept_token_ids:
-            track.text += track.decoder.push(result.kept_token_ids)
+        track.pending.extend(token_ids)
+        if logprobs is not None:  # one per kept token
+            track.pending_logprobs.extend(logprobs)
+        if track.decoder is not None and token_ids:
+            track.text += track.decoder.push(token_ids)
         stop_at = find_stop(track.text, req.params.stop, track.sent_chars)
         if stop_at is not None:
             track.text = track.text[:stop_at]
             track.cut_by_stop_string = True
-            reason = "stop"
-        if reason is not None:
-            return None, reason
+            return None, True
+        if finishing:
+            return None, False
         hold = max((len(s) for s in req.params.stop), default=1) - 1  # a stop string may be forming
         upto = max(track.sent_chars, len(track.text) - hold)
         if not track.pending and upto <= track.sent_chars:
-            return None, None
+            return None, False
         out = self._output(track, track.text[track.sent_chars:upto])
         track.sent_chars = upto
-        return out, None
+        return out, False
 
     def close(self, track: Track, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """The final output of a finished request (the rest of its text); forgets the request."""

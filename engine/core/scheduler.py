@@ -30,12 +30,13 @@ from typing import Any, Callable
 
 from engine.api import FinishReason
 from engine.errors import ConfigError, QueueFull, RequestRejected
-from engine.core.prefill_pacer import DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
+from engine.core.prefill_pacer import (DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, ChunkTiming, PrefillPacer,
+                                      StepTiming)
 from engine.core.prefix_index import BlockRef, PrefixIndex, block_digests
 from engine.core.request import Request, RequestState
-from engine.core.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan
+from engine.core.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan, TokenOutput
 
-__all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepTiming"]
+__all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepTiming", "TokenOutput"]
 
 DEFAULT_BLOCK_TOKENS = 256
 _RETRY_AFTER_MIN_S = 0.1
@@ -63,6 +64,7 @@ class Scheduler:
         chunk_granule_tokens: int | None = None,
         min_chunk_tokens: int | None = None,
         max_chunk_stall_s: float = DEFAULT_MAX_CHUNK_STALL_S,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         """`prefill_step_share` (default 0.45): the most of a step's time prefill may take while slots decode
         (0.45: decode keeps >= 55 % of its rate, a margin over the 50 % target; 1: no time limit). Paced chunks end on multiples of
@@ -92,6 +94,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.prefix_index = prefix_index
         self._clock = clock
+        self.eos_token_ids = tuple(eos_token_ids)  # the model's stop tokens: `update` ends a request at one
         granule = chunk_granule_tokens if chunk_granule_tokens is not None else self.block_tokens
         self.pacer = PrefillPacer(prefill_step_share, granule, min_chunk_tokens, max_chunk_stall_s=max_chunk_stall_s)
         self._draft_tokens = 0
@@ -282,6 +285,50 @@ class Scheduler:
     def record_step(self, timing: StepTiming) -> None:
         """What the last plan took to run (the engine measures it): feeds the prefill pacing."""
         self.pacer.record_step(timing)
+
+    def update(self, plan: StepPlan, result: Any) -> list[TokenOutput]:
+        """Take what executing `plan` produced (engine.exec.plan_executor.StepResult, read by its fields): the
+        prefix pins its copies and fills no longer need, each request's chunks, drafts and tokens (a stop token
+        or max_tokens finishes it), the requests whose own part failed (finished with "error"), and the step's
+        timing. Returns each request's TokenOutput, in step order.
+        """
+        for req in result.copied:
+            self.release_prefix(req)
+        if result.unfilled_block_ids and self.prefix_index is not None:
+            self.prefix_index.discard(result.unfilled_block_ids)
+        if result.draft_tokens is not None:
+            self.set_draft_tokens(result.draft_tokens)
+        outputs: list[TokenOutput] = []
+        failed = {f.request.request_id for f in result.failed}
+        for sampled in result.tokens:
+            req = sampled.request
+            if req.is_finished or req.request_id in failed:
+                continue
+            if sampled.prefilled_tokens:
+                req.chunk_ran(sampled.prefilled_tokens, sampled.ran_s)
+            if sampled.drafts is not None:
+                req.record_drafts(*sampled.drafts)
+            if sampled.token_ids:
+                outputs.append(self._append(req, sampled.token_ids, sampled.ran_s, sampled.logprobs,
+                                            sampled.first_token))
+        for failure in result.failed:
+            slot = failure.request.slot
+            if self.finish(failure.request, "error"):
+                outputs.append(TokenOutput(failure.request, slot, [], finish_reason="error", error=failure.message))
+        if result.timed:
+            self.record_step(StepTiming(result.decode_s, len(plan.decode), [ChunkTiming(*c) for c in result.chunks_s],
+                                        result.fill_s, beside_chunk=result.beside_chunk,
+                                        landed=[ChunkTiming(*c) for c in result.landed_s]))
+        return outputs
+
+    def _append(self, req: Request, token_ids: list[int], now_s: float, logprobs: list | None,
+                first_token: bool) -> TokenOutput:
+        appended = req.append_output(token_ids, now_s, self.eos_token_ids)
+        kept = logprobs[:len(appended.kept_token_ids)] if logprobs is not None else None
+        slot = req.slot
+        if appended.finish_reason is not None:
+            self.finish(req, appended.finish_reason)
+        return TokenOutput(req, slot, appended.kept_token_ids, kept, appended.finish_reason, first_token=first_token)
 
     def finish(self, req: Request, reason: FinishReason) -> bool:
         """End a request in any state: frees its queue place or slot and its prefix pins.

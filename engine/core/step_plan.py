@@ -1,6 +1,9 @@
-"""What one scheduler step plans: admissions, prefill chunks, decodes and prefix-cache fills. Pure Python.
+"""What one scheduler step plans (admissions, prefill chunks, decodes and prefix-cache fills) and what running
+it produced. Pure Python.
 
-The runner executes a StepPlan as docs/SCHEDULING.md describes; `engine.core.scheduler` builds them.
+`engine.core.scheduler` builds a StepPlan; `engine.exec.plan_executor` runs it as docs/SCHEDULING.md describes
+and returns its StepResult (defined there: the core and the executor never import each other, each reads the
+other's dataclass by its fields); `Scheduler.update` turns that into TokenOutputs.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.api import FinishReason
 from engine.core.prefix_index import BlockRef
 from engine.core.request import Request
 
@@ -96,3 +100,17 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.prefill or self.decode)
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """`Scheduler.update`'s word on one request after a step: the tokens it kept (up to a stop token or
+    max_tokens), and the reason it finished (with `slot`, the slot it held) or None."""
+
+    request: Request
+    slot: int | None
+    token_ids: list[int]
+    logprobs: list | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_token: bool = False

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol
 
+from engine.snapshot import GraphsSnapshot
+
 StepFn = Callable[[Mapping[str, Any]], dict[str, Any]]
 
 
@@ -44,8 +46,8 @@ class StepExecutor(Protocol):
         """Drop graphs whose (kind, key) match, e.g. after a live switch change alters the code path."""
         ...
 
-    def snapshot(self) -> dict[str, Any]:
-        """For /strata/state: {"enabled", "graphs": [...], "total_mib", ...} (engine.snapshot.GraphsSnapshot)."""
+    def snapshot(self) -> GraphsSnapshot:
+        """For /strata/state: the graphs held, their MiB, the degraded ones."""
         ...
 
     def precapture(self, specs: Iterable[Any]) -> dict[str, Any] | None:
@@ -65,8 +67,8 @@ class EagerExecutor:
     def invalidate(self, predicate: Callable[[str, Hashable], bool]) -> None:
         return None
 
-    def snapshot(self) -> dict[str, Any]:
-        return {"enabled": False, "graphs": [], "total_mib": 0.0}
+    def snapshot(self) -> GraphsSnapshot:
+        return GraphsSnapshot(enabled=False)
 
     def precapture(self, specs: Iterable[Any]) -> dict[str, Any] | None:
         return None

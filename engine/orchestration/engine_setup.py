@@ -158,7 +158,7 @@ class _PartsBuilder:
         # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
         # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).
         self.stage = "building the scheduler, runner and drafter"
-        sched = Scheduler.from_config(config, index, draft_tokens=depth)
+        sched = Scheduler.from_config(config, index, draft_tokens=depth, eos_token_ids=tuple(lm.eos_token_ids))
         if executor is None:
             executor = _default_executor(config, bus, board, self.make_room, device)
         if experts is not None:
@@ -205,7 +205,7 @@ class _PartsBuilder:
         # A preallocated tier in the KV pool reallocates the pool tensors the graphs captured above read: drop
         # them first, keep their measured size free for the tier's budget, and capture them again after it.
         recapture = shared is not None and self.tier_device.type == "cuda" and board.enabled("CAPTURE_ALL")
-        graphs_mib = float(executor.snapshot().get("total_mib", 0.0)) if recapture else 0.0
+        graphs_mib = executor.snapshot().total_mib if recapture else 0.0
         if recapture:
             executor.release()
         tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,

@@ -52,7 +52,7 @@ class Reporter:
         if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
             return
         self._last_vram_s = now_s
-        self.budgets[0].graphs_mib = float(self.executor.snapshot().get("total_mib", 0.0))
+        self.budgets[0].graphs_mib = self.executor.snapshot().total_mib
         for budget in self.budgets:
             budget.rebalance("periodic")
             self.bus.publish(budget.breakdown())

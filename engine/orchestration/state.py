@@ -16,7 +16,7 @@ from engine.core.scheduler import Scheduler
 from engine.exec.executor import StepExecutor
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier, VramBudget
-from engine.snapshot import (EngineSnapshot, GraphsSnapshot, HealthSnapshot, KvPagingSnapshot, KvSnapshot, MtpSnapshot,
+from engine.snapshot import (EngineSnapshot, HealthSnapshot, KvPagingSnapshot, KvSnapshot, MtpSnapshot,
                              QueueSnapshot, SwitchSnapshot, TierSnapshot)
 from engine.switches import SwitchBoard
 from engine.telemetry import SlotEvent
@@ -78,7 +78,7 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         switches=[SwitchSnapshot.from_json(s) for s in board.snapshot()],
         queue=QueueSnapshot(waiting=sched.num_waiting, queue_max=sched.queue_max,
                             prefill_tokens=sched.prefill_tokens_waiting()),
-        slots=slots, graphs=GraphsSnapshot.from_json(executor.snapshot()),
+        slots=slots, graphs=executor.snapshot(),
         vram=[budget.breakdown() for budget in budgets], tier=TierSnapshot.from_json(tier.snapshot()),
         kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,
                       slots=kv.geometry.num_slots,

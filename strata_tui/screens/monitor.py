@@ -75,10 +75,10 @@ class MonitorScreen(Screen):
         Binding("f", "cycle_filter", "Filter"),
         Binding("escape", "close_result", "Close result", show=False),
         Binding("p", "app.show_profiles", "Profiles"),
-        Binding("plus,equals_sign", "app.reserve(1, False)", "Reserve +"),
-        Binding("minus", "app.reserve(-1, False)", "Reserve -"),
-        Binding("right_square_bracket", "app.reserve(1, True)", "Reserve ++", show=False),
-        Binding("left_square_bracket", "app.reserve(-1, True)", "Reserve --", show=False),
+        Binding("plus,equals_sign", "reserve(1, False)", "Reserve +"),
+        Binding("minus", "reserve(-1, False)", "Reserve -"),
+        Binding("right_square_bracket", "reserve(1, True)", "Reserve ++", show=False),
+        Binding("left_square_bracket", "reserve(-1, True)", "Reserve --", show=False),
         # Shown in the footer (one entry for both) only while the engine has an expert cache (check_action).
         Binding("greater_than_sign", "expert_budget(1)", "Experts +", group=_EXPERT_KEYS),
         Binding("less_than_sign", "expert_budget(-1)", "Experts -", group=_EXPERT_KEYS),
@@ -160,12 +160,15 @@ class MonitorScreen(Screen):
             return self.strata.view.monitor.experts is not None
         if action == "cancel_load":
             return self.strata.view.load_running is not None
-        if action == "cycle_filter":  # the graph-cache events are Strata's
+        if action in ("cycle_filter", "reserve"):  # the graph-cache events and the VRAM reserve are Strata's
             return self.strata.view.kind == "strata"
         return True
 
     def action_cancel_load(self) -> None:
         self.strata.action_cancel_load()
+
+    def action_reserve(self, direction: int, large: bool = False) -> None:
+        self.strata.controls.reserve(direction, large)
 
     def action_expert_budget(self, direction: int) -> None:
         self.strata.controls.expert_budget(direction)

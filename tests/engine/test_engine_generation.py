@@ -167,3 +167,24 @@ def test_fused_chunk_attention_gives_the_same_tokens_as_the_default_path(ckpt):
     fused = make_engine(ckpt, batch=3, batch_mtp=True, mtp_depth=2)
     fused.kv.fused_prefill = True
     assert tokens_of(run_all(fused, prompts, GREEDY)) == plain
+
+
+def test_a_stop_string_ends_its_request_like_an_abort_in_the_step_that_found_it(ckpt):
+    """Stop strings are found where outputs are delivered, after the scheduler kept the step's tokens: the hit
+    still ends the request in that very step (its slot free, the slot's idle event out), with the reason "stop"
+    (not "abort": its prompt's cached blocks stay in the prefix tier)."""
+    prompt = random_prompts(1, seed=6)[0]
+    bus = EventBus(history=5000)
+    engine = make_engine(ckpt, batch=1, bus=bus)
+    full = run_all(engine, [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))["r0"]
+    text = "".join(o.text for o in full)
+    req = engine.add_request("cut", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                           stop=(text[5:8],)))
+    while True:
+        before = len(bus.history())
+        outs = engine.step()
+        if any(o.finished for o in outs):
+            break
+    assert [o.finish_reason for o in outs if o.finished] == ["stop"]
+    assert req.finish_reason == "stop" and engine.sched.slot_request(0) is None and not engine.has_work
+    assert any(e.type == "slot" and e.state == "idle" for e in bus.history()[before:])

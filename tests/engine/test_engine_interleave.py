@@ -85,15 +85,17 @@ def test_on_cuda_with_graphs_decoding_slots_keep_their_token_every_step(ckpt) ->
 
 @pytest.mark.parametrize("mtp", [False, True])
 def test_chunks_beside_the_steps_keep_every_slots_token_and_land_a_step_later(ckpt, mtp: bool) -> None:
-    """`prefill_overlap on` on a CPU: one stream, so each chunk runs at its launch and lands at the start of the
-    next step; the bookkeeping of a chunk in flight (no second chunk planned, the last chunk's request decoding
-    only once it landed) is what runs on a GPU with the chunk still computing."""
+    """`prefill_overlap on` on a CPU: one stream, so each chunk runs at its launch; held "not ready" through the
+    step that launched it (a GPU chunk longer than a step), it lands at the end of the next one. The bookkeeping
+    of a chunk in flight (no second chunk planned, the last chunk's request decoding only once it landed) is what
+    runs on a GPU with the chunk still computing."""
     engine = make_engine(ckpt, batch=5, context=4096, prefill_chunk_tokens=512, step_token_budget=1024,
                          block_tokens=BLOCK_TOKENS, batch_mtp=mtp, mtp_depth=2, prefill_overlap="on")
     assert engine.chunks is not None and engine.sched.overlap_chunks
     launched, landed = [], []
     launch, land = engine.chunks.launch, engine.sched.chunk_landed
     engine.chunks.launch = lambda chunk, run: (launched.append((engine.steps, chunk.start)), launch(chunk, run))
+    engine.chunks.ready = lambda: engine.steps > launched[-1][0]
     engine.sched.chunk_landed = lambda chunk, s: (landed.append((engine.steps, chunk.start)), land(chunk, s))[1]
     _admit_next_to_decoders(engine, fitted=False)
     long_chunks = [start for _, start in launched]
@@ -174,10 +176,12 @@ def test_a_request_aborted_with_its_chunk_in_flight_frees_its_slot_for_the_next(
     for _ in range(3):
         engine.step()
     long = engine.add_request("long", LONG[:1200], params)
+    engine.chunks.ready = lambda: False  # one stream on a CPU: a GPU chunk still computing while the slot decodes
     engine.step()  # admitted, its first chunk launched
     assert engine.chunks.holds(long) and engine.sched.chunk_in_flight
     engine.abort("long")
     assert engine.chunks.in_flight is None and not engine.sched.chunk_in_flight
+    del engine.chunks.ready  # the chunks from here on land as they run
     nxt = engine.add_request("next", SHORT[1], params)
     while not nxt.is_finished:
         engine.step()

@@ -170,7 +170,7 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
 def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, prompts, plain_tokens):
     # The graph cache's CPU backend with an injected capture OOM: recovery asks the VRAM books for room; the
     # tier (empty) has none, so the expert cache shrinks, the capture is retried, and the tokens do not change.
-    from engine.exec.fault_injection import FaultPlan
+    from tests.fault_injection import FaultPlan
     from engine.exec.graphs.backends import CpuGraphBackend
     from engine.exec.graphs.cache import GraphCache
     from engine.switches import SwitchBoard

@@ -63,7 +63,7 @@ def test_a_failure_while_adding_a_request_leaves_the_engine_as_it_was(ckpt, refe
         monkeypatch.setattr(engine.sched, "add", add)
     with pytest.raises((RequestRejected, QueueFull, Injected)):
         engine.add_request("bad", PROMPTS[0], SamplingParams(max_tokens=4, seed=666))
-    assert engine.output.get("bad") is None and "bad" not in engine._generators and not engine.has_work
+    assert engine.output.get("bad") is None and "bad" not in engine.stepper.generators and not engine.has_work
     if stage == "decoder":
         monkeypatch.undo()
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == reference
@@ -96,10 +96,10 @@ def test_a_fault_in_one_requests_part_of_a_step_fails_that_request_only(ckpt, re
     elif stage == "output":
         real_append = engine.output.append
 
-        def append(track, tokens, now_s, logprobs=None):
+        def append(track, tokens, logprobs=None, finishing=False):
             if track.request.params.presence_penalty == MARK and track.request.num_output_tokens >= 2:
                 raise Injected("detokenizer of the faulty request")
-            return real_append(track, tokens, now_s, logprobs)
+            return real_append(track, tokens, logprobs, finishing)
 
         monkeypatch.setattr(engine.output, "append", append)
     engine.add_request("bad", PROMPTS[1], FAULTY)

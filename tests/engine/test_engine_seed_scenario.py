@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import SamplingParams
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.cache import GraphCache
 from engine.exec.runner import switch_for_key
 from engine.telemetry import EventBus

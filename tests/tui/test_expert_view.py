@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.snapshot import EngineSnapshot
 from engine.telemetry import ExpertEvent, VramEvent
 from strata_tui.expert_view import ExpertView, budget_step_mib
 from strata_tui.monitor_state import MonitorState
@@ -44,9 +45,9 @@ def test_budget_steps_move_one_slot_per_layer_in_whole_mib() -> None:
 
 def test_monitor_state_shows_experts_only_for_an_moe_engine() -> None:
     state = MonitorState()
-    state.apply_snapshot({"slots": [], "experts": None})
+    state.apply_snapshot(EngineSnapshot.from_json({"slots": [], "experts": None}))
     assert state.experts is None
-    state.apply_snapshot({"slots": [], "experts": _snap()})
+    state.apply_snapshot(EngineSnapshot.from_json({"slots": [], "experts": _snap()}))
     assert state.experts is not None and state.experts.slots == 6
     state.apply(ExpertEvent(seq=5, action="shrink", mib=1.0, total_mib=2.2, slots=3, reason="expert cache set"))
     assert state.experts.slots == 3 and state.experts.mib == 2.2

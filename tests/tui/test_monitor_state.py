@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.snapshot import EngineSnapshot
 from engine.telemetry import GraphEvent, SlotEvent, SwitchEvent
 from strata_tui.monitor_state import MonitorState, graph_severity
 from tests.tui.conftest import recorded
@@ -51,12 +52,12 @@ def test_needs_restart_when_running_differs_from_profile() -> None:
 
 def test_snapshot_seeds_switches_slots_vram_and_reserve() -> None:
     state = MonitorState.for_profile({}, 1024)
-    state.apply_snapshot({
+    state.apply_snapshot(EngineSnapshot.from_json({
         "switches": [{"name": "SPLIT_ATTN", "enabled": False, "degraded": True, "reason": "oom"}],
         "slots": [SlotEvent(slot=2, state="decode", request_id="r").to_json()],
-        "vram": {"cuda:0": {"total_mib": 100.0, "reserve_mib": 512.0}},
+        "vram": [{"device": "cuda:0", "total_mib": 100.0, "reserve_mib": 512.0}],
         "unknown": 1,
-    })
+    }))
     assert state.switches["SPLIT_ATTN"].degraded and state.slots[2].request_id == "r"
     assert state.vram["cuda:0"].total_mib == 100.0 and state.vram_reserve_mib == 512
 

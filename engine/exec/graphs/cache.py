@@ -18,19 +18,19 @@ docs/GRAPHS.md describes the flow, the memory pools and the fault-injection hook
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol
 
 from engine.exec.compile import StepCompiler
 from engine.exec.executor import GraphDegraded, StepFn
-from engine.exec.fault_injection import FaultPlan
 from engine.exec.gpu_errors import classify, exception_chain, real_message, sticky_from
 from engine.exec.graphs.backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
 from engine.exec.graphs.inputs import Pack, fill_inputs, stage_inputs
+from engine.snapshot import DegradedGraph, GraphsSnapshot
+from engine.snapshot import GraphEntry as GraphSnapshotEntry
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent
 
@@ -38,6 +38,19 @@ __all__ = ["GraphCache", "GraphDegraded", "GraphSpec"]
 
 ReleaseTier = Callable[[float, str], float]
 SwitchForKey = Callable[[str, Hashable], "str | None"]
+
+
+class FaultHook(Protocol):
+    """Called at each capture stage ("capture", "instantiate") of a graph kind; raises to fail that attempt.
+    The out-of-memory paths only run when VRAM runs out at the wrong moment, which a test cannot arrange, so
+    tests fail attempts on purpose (tests/fault_injection.py's FaultPlan)."""
+
+    def check(self, stage: str, kind: str) -> None: ...
+
+
+# The hook a GraphCache built without one uses: None in a product run. Tests install theirs here, for the
+# caches an engine builds (tests/fault_injection.py, in process or, by sitecustomize, in an engine process).
+installed_faults: FaultHook | None = None
 _TRIED_MIB = re.compile(r"Tried to allocate ([0-9.]+) (KiB|MiB|GiB)")
 _UNIT_MIB = {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
 
@@ -91,7 +104,7 @@ class GraphCache:
         release_tier: ReleaseTier,
         wait_polls: int = 20,
         wait_interval_s: float = 0.08,
-        fault_plan: FaultPlan | None = None,
+        fault_plan: FaultHook | None = None,
         switch_for_key: SwitchForKey | None = None,
         backend: GraphBackend | None = None,
         compiler: StepCompiler | None = None,
@@ -104,7 +117,7 @@ class GraphCache:
         self.release_tier = release_tier
         self.wait_polls = max(0, int(wait_polls))
         self.wait_interval_s = float(wait_interval_s)
-        self.fault_plan = fault_plan if fault_plan is not None else FaultPlan.from_env(os.environ)
+        self.fault_plan = fault_plan if fault_plan is not None else installed_faults
         self.switch_for_key = switch_for_key or (lambda kind, key: None)
         self.backend = backend if backend is not None else default_backend(device)
         self.compiler = compiler if compiler is not None else StepCompiler(board, bus)
@@ -150,18 +163,17 @@ class GraphCache:
         """Drop graphs whose (kind, key) match, e.g. after a live switch change alters the code path."""
         self._drop(lambda e: predicate(e.kind, e.key), action="release")
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> GraphsSnapshot:
         """For /strata/state: every graph's kind, key, owner, MiB, capture ms and replays, and the degraded."""
         with self._lock:
-            graphs = [
-                {"kind": e.kind, "key": key_text(e.key), "owner": e.owner, "mib": round(e.mib, 2),
-                 "capture_ms": round(e.capture_ms, 2), "replays": e.replays}
-                for e in self._entries.values()
-            ]
-            degraded = [{"kind": k, "key": key_text(key), "error": err} for (k, key), err in self._degraded.items()]
-        return {"enabled": True, "device": self.device, "graphs": graphs,
-                "total_mib": round(sum(g["mib"] for g in graphs), 2), "degraded": degraded,
-                **self.compiler.cache_stats()}
+            graphs = [GraphSnapshotEntry(kind=e.kind, key=key_text(e.key), owner=e.owner, mib=round(e.mib, 2),
+                                         capture_ms=round(e.capture_ms, 2), replays=e.replays)
+                      for e in self._entries.values()]
+            degraded = [DegradedGraph(kind=k, key=key_text(key), error=err)
+                        for (k, key), err in self._degraded.items()]
+        return GraphsSnapshot(enabled=True, device=self.device, graphs=graphs,
+                              total_mib=round(sum(g.mib for g in graphs), 2), degraded=degraded,
+                              **self.compiler.cache_stats())
 
     @property
     def total_mib(self) -> float:

@@ -277,17 +277,19 @@ def test_module_entry_point_lists_every_benchmark_without_torch() -> None:
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_an_engine_that_dies_mid_benchmark_is_one_clear_error(tmp_path: Path, monkeypatch) -> None:
+def test_an_engine_that_dies_mid_benchmark_is_one_clear_error(tmp_path: Path) -> None:
     from engine.bench.engine_driver import EngineDied
 
     # A sticky CUDA error at the first decode graph's instantiate (the graph cache's fault injection, CPU
     # backend) kills the engine: the benchmark must stop with the engine's own reason, not hang or crash.
-    monkeypatch.setenv("STRATA_FAULT_INJECT", "instantiate:decode:1:sticky")
+    from tests.fault_injection import installed
+
     parser = argparse.ArgumentParser()
     cli_bench.add_arguments(parser)
     args = parser.parse_args(["graphs", *TINY, "--batches", "1", "--prompt-tokens", "8", "--new-tokens", "4",
                               "--json", str(tmp_path / "g.json")])
-    with pytest.raises(EngineDied, match="died during the benchmark: .*illegal memory access"):
+    with installed("instantiate:decode:1:sticky"), \
+            pytest.raises(EngineDied, match="died during the benchmark: .*illegal memory access"):
         cli_bench.run(args)
 
 

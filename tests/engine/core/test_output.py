@@ -20,13 +20,16 @@ class CharDecoder:
 
 
 def _run(params: SamplingParams, steps: list[list[int]]) -> tuple[list, object]:
-    proc = OutputProcessor((EOS,))
-    track = proc.add(Request("r", [1, 2, 3], params), CharDecoder())
+    """Each step's tokens as the engine hands them over: kept by the request (Scheduler.update), then delivered."""
+    proc = OutputProcessor()
+    req = Request("r", [1, 2, 3], params)
+    track = proc.add(req, CharDecoder())
     outs = []
     for tokens in steps:
-        out, reason = proc.append(track, tokens, 0.0)
-        if reason is not None:
-            outs.append(proc.close(track, reason))
+        appended = req.append_output(tokens, 0.0, (EOS,))
+        out, stopped = proc.append(track, appended.kept_token_ids, None, appended.finish_reason is not None)
+        if appended.finish_reason is not None or stopped:
+            outs.append(proc.close(track, appended.finish_reason or "stop"))
             return outs, proc
         if out is not None:
             outs.append(out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import SamplingParams
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend, key_text
 from engine.exec.graphs.cache import GraphCache
 from engine.exec.runner import switch_for_key
@@ -58,7 +58,7 @@ def test_every_spec_is_captured_at_start_and_generation_captures_nothing_new(ckp
     bus = EventBus(history=100000)
     engine, cache = _engine(ckpt, bus, True, batch_mtp=True, mtp_depth=2)
     specs = engine.runner.graph_specs() + engine.drafter.graph_specs(engine.config.prefill_chunk_tokens)
-    held = {(g["kind"], g["key"]) for g in cache.snapshot()["graphs"]}
+    held = {(g.kind, g.key) for g in cache.snapshot().graphs}
     wanted = {(s.kind, key_text(s.key)) for s in specs}
     assert wanted and wanted <= held
     # batch 3 -> buckets 1, 2, 4; context 1024 -> spans 256, 512, 1024; depth 2 -> one chain step kind.
@@ -71,7 +71,7 @@ def test_every_spec_is_captured_at_start_and_generation_captures_nothing_new(ckp
     later = [c for c in _captures(bus)[at_start:] if c[0] in PRECAPTURED_KINDS]
     assert later == []
     assert got == reference_mtp
-    replayed = {(g["kind"], g["key"]) for g in cache.snapshot()["graphs"] if g["replays"]}
+    replayed = {(g.kind, g.key) for g in cache.snapshot().graphs if g.replays}
     assert {k for k, _ in replayed} >= {"verify", "draft_round", "draft_step"}  # the captured graphs were used
 
 
@@ -96,7 +96,7 @@ def test_with_the_fused_step_the_buckets_it_replaces_are_not_captured(ckpt, refe
 def test_without_mtp_the_decode_buckets_are_captured_and_outputs_match(ckpt, reference_plain):
     bus = EventBus(history=100000)
     engine, cache = _engine(ckpt, bus, True)
-    kinds = {g["kind"] for g in cache.snapshot()["graphs"]}
+    kinds = {g.kind for g in cache.snapshot().graphs}
     assert kinds == {"decode"}
     at_start = len(_captures(bus))
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == reference_plain
@@ -106,7 +106,7 @@ def test_without_mtp_the_decode_buckets_are_captured_and_outputs_match(ckpt, ref
 def test_switch_off_captures_nothing_at_start(ckpt, reference_plain):
     bus = EventBus(history=100000)
     engine, cache = _engine(ckpt, bus, False)
-    assert cache.snapshot()["graphs"] == []
+    assert cache.snapshot().graphs == []
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == reference_plain
     assert _captures(bus)  # lazily, on first need
 
@@ -140,7 +140,7 @@ def test_a_failed_precapture_degrades_capture_all_and_generation_completes(ckpt,
     assert "draft_round" in state.reason and "out of memory" in state.reason
     assert [e.state for e in bus.history() if e.type == "switch" and e.name == "CAPTURE_ALL"][-1] == "degraded"
     assert engine.health().ready
-    assert cache.snapshot()["degraded"] == []  # the bucket stays capturable lazily, not eager for the run
+    assert cache.snapshot().degraded == []  # the bucket stays capturable lazily, not eager for the run
     got = tokens_of(run_all(engine, PROMPTS, GREEDY))
     assert got == reference_mtp
     assert engine.mtp_on  # the later lazy capture of draft_round succeeded

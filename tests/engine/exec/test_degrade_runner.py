@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend
 from engine.exec.graphs.cache import GraphCache
 from engine.model import load_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.exec.compile import StepCompiler
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend
 from engine.exec.graphs.cache import GraphCache, GraphSpec
 from engine.switches import SwitchBoard
@@ -71,7 +71,7 @@ def test_compile_failing_at_first_call_falls_back_to_the_plain_step() -> None:
     assert out["y"].tolist() == [6.0, 6.0] and calls == ["compiled"]
     assert cache.board.states["COMPILE"].degraded
     assert "BackendCompilerFailed" in cache.board.states["COMPILE"].reason
-    assert cache.snapshot()["degraded"] == []  # the graph is fine; only the switch went
+    assert cache.snapshot().degraded == []  # the graph is fine; only the switch went
 
 
 def test_capture_all_precapture_failure_degrades_capture_all_not_the_step() -> None:
@@ -87,5 +87,5 @@ def test_capture_all_precapture_failure_degrades_capture_all_not_the_step() -> N
     # The step itself was not marked degraded: it is captured lazily when memory allows.
     assert cache.run("verify", "b1", _step, {"x": torch.ones(1)})["y"].tolist() == [3.0]
     # decode shares verify's owner (the runner), so the recovery had evicted it to make room.
-    assert [(g["kind"], g["key"]) for g in cache.snapshot()["graphs"]] == [("verify", "b1")]
+    assert [(g.kind, g.key) for g in cache.snapshot().graphs] == [("verify", "b1")]
     assert [e.action for e in _of_type(cache, "graph")][:3] == ["capture", "evict", "retry"]

@@ -1,12 +1,17 @@
-"""The fault-injection plan (engine/exec/fault_injection.py): grammar, counting, real error types."""
+"""The fault-injection plan (tests/fault_injection.py): grammar, counting, real error types, and how a test
+installs it in an engine process it starts."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.exec.fault_injection import ENV_VAR, FaultPlan
+from tests.fault_injection import ENV_VAR, FaultPlan, engine_process_env
 
 
 def _fires(plan: FaultPlan, stage: str, kind: str) -> BaseException | None:
@@ -70,3 +75,20 @@ def test_from_env() -> None:
     plan = FaultPlan.from_env({ENV_VAR: "capture:draft_round:1:oom,instantiate:verify:2:sticky"})
     assert plan is not None and [r.spec() for r in plan.rules] == ["capture:draft_round:1:oom",
                                                                    "instantiate:verify:2:sticky"]
+
+
+def test_an_engine_process_a_test_starts_gets_the_plan_and_a_plain_one_does_not() -> None:
+    code = ("import engine.exec.graphs.cache as c; p = c.installed_faults; "
+            "print(None if p is None else ','.join(r.spec() for r in p.rules))")
+    root = Path(__file__).resolve().parents[3]
+    env = engine_process_env("capture:decode:1:sticky")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "capture:decode:1:sticky"
+    plain = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # the variable alone: the engine ignores it
+    out = subprocess.run([sys.executable, "-c", code], env=plain, cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
+
+
+def test_a_malformed_plan_fails_in_the_test_not_in_the_engine_process() -> None:
+    with pytest.raises(ConfigError):
+        engine_process_env("capture:decode:oops")

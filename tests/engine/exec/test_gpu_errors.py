@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.fault_injection import ERRORS
+from tests.fault_injection import ERRORS
 from engine.exec.gpu_errors import (StickyCudaError, classify, error_event, exception_chain, is_oom, is_sticky,
                                real_message, sticky_from, vram_free_mib)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.fault_injection import ENV_VAR, FaultPlan
+from tests.fault_injection import ENV_VAR, FaultPlan, installed
 from engine.exec.graphs.backends import CpuGraphBackend, default_backend
 from engine.exec.graphs.cache import GraphCache, GraphSpec
 from engine.switches import SwitchBoard
@@ -40,8 +40,8 @@ def test_replay_equals_eager_and_reuses_the_static_outputs() -> None:
         assert torch.equal(out["y"], x * 2 + 1)
         assert out["y"] is first["y"]  # the graph's static buffer, as the executor seam says
     assert _graph_events(cache) == [("capture", "decode", "(b8)")]
-    (graph,) = cache.snapshot()["graphs"]
-    assert graph["replays"] == 3 and graph["kind"] == "decode" and graph["owner"] is None
+    (graph,) = cache.snapshot().graphs
+    assert graph.replays == 3 and graph.kind == "decode" and graph.owner is None
 
 
 def test_replay_reads_new_inputs_not_the_captured_ones() -> None:
@@ -79,7 +79,7 @@ def test_a_broken_step_raises_its_own_error_not_a_degrade() -> None:
 
     with pytest.raises(IndexError, match="slot 7"):
         cache.run("decode", "b1", broken, {"x": torch.zeros(1)})
-    assert _graph_events(cache) == [] and cache.snapshot()["degraded"] == []
+    assert _graph_events(cache) == [] and cache.snapshot().degraded == []
     with pytest.raises(TypeError, match="must return a dict of outputs, got Tensor"):
         cache.run("decode", "b2", lambda ins: ins["x"], {"x": torch.zeros(1)})
 
@@ -91,15 +91,15 @@ def test_memory_is_measured_per_graph_and_given_back_by_owner() -> None:
     cache.run("draft_round", "b1", _affine, {"x": x}, owner="drafter")
     cache.run("draft_step", ("b1", 1), _affine, {"x": x}, owner="drafter")
     snap = cache.snapshot()
-    assert [g["mib"] for g in snap["graphs"]] == [2.0, 2.0, 2.0] and snap["total_mib"] == 6.0
+    assert [g.mib for g in snap.graphs] == [2.0, 2.0, 2.0] and snap.total_mib == 6.0
     assert cache.release("drafter") == pytest.approx(4.0)
-    assert [g["kind"] for g in cache.snapshot()["graphs"]] == ["decode"]
+    assert [g.kind for g in cache.snapshot().graphs] == ["decode"]
     released = [(e.action, e.kind, e.mib) for e in cache.bus.history() if e.type == "graph" and e.action == "release"]
     assert released == [("release", "draft_round", 2.0), ("release", "draft_step", 2.0)]
     # A released graph is captured again on next need.
     cache.run("draft_round", "b1", _affine, {"x": x}, owner="drafter")
     assert cache.total_mib == pytest.approx(4.0)
-    assert cache.release() == pytest.approx(4.0) and cache.snapshot()["graphs"] == []
+    assert cache.release() == pytest.approx(4.0) and cache.snapshot().graphs == []
 
 
 def test_invalidate_drops_only_matching_graphs() -> None:
@@ -107,7 +107,7 @@ def test_invalidate_drops_only_matching_graphs() -> None:
     for kind, key in (("decode", ("b1", "split")), ("decode", ("b1", "plain")), ("verify", ("b1", "split"))):
         cache.run(kind, key, _affine, {"x": torch.zeros(1)})
     cache.invalidate(lambda kind, key: "split" in key)
-    assert [(g["kind"], g["key"]) for g in cache.snapshot()["graphs"]] == [("decode", "(b1, plain)")]
+    assert [(g.kind, g.key) for g in cache.snapshot().graphs] == [("decode", "(b1, plain)")]
 
 
 def test_precapture_captures_every_spec_once() -> None:
@@ -120,10 +120,20 @@ def test_precapture_captures_every_spec_once() -> None:
     assert [a for a, _, _ in _graph_events(cache)] == ["capture"] * 3  # served from the precaptured graph
 
 
-def test_fault_plan_comes_from_the_environment_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_VAR, "instantiate:decode:1:oom")
+def test_the_product_reads_no_faults_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "instantiate:decode:*:sticky")
     cache = GraphCache("cpu", EventBus(), SwitchBoard.from_values({}), lambda mib, reason: 0.0, wait_polls=1,
                        wait_interval_s=0.0)
-    assert isinstance(cache.backend, CpuGraphBackend) and isinstance(default_backend("cpu"), CpuGraphBackend)
-    cache.run("decode", "b1", _affine, {"x": torch.zeros(1)})
-    assert cache.fault_plan is not None and cache.fault_plan.fired == ["instantiate:decode:1:oom"]
+    assert cache.fault_plan is None
+    assert torch.equal(cache.run("decode", "b1", _affine, {"x": torch.zeros(1)})["y"], torch.ones(1))
+
+
+def test_faults_a_test_installs_reach_the_caches_built_without_a_plan() -> None:
+    with installed("instantiate:decode:1:oom") as plan:
+        cache = GraphCache("cpu", EventBus(), SwitchBoard.from_values({}), lambda mib, reason: 0.0, wait_polls=1,
+                           wait_interval_s=0.0)
+        assert isinstance(cache.backend, CpuGraphBackend) and isinstance(default_backend("cpu"), CpuGraphBackend)
+        cache.run("decode", "b1", _affine, {"x": torch.zeros(1)})
+    assert cache.fault_plan is plan and plan.fired == ["instantiate:decode:1:oom"]
+    after = GraphCache("cpu", EventBus(), SwitchBoard.from_values({}), lambda mib, reason: 0.0)
+    assert after.fault_plan is None  # uninstalled when the block ends

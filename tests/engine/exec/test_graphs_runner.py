@@ -17,7 +17,7 @@ import torch
 from engine.api import SamplingParams
 from engine.exec.drafter import MtpDrafter
 from engine.exec.executor import EagerExecutor
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend, default_backend
 from engine.exec.graphs.cache import GraphCache
 from engine.exec.kv.cache import KVGeometry, SlotKVCache
@@ -95,8 +95,8 @@ def _compare(lm: Any, make_backend: Callable[[], Any], atol: float) -> GraphCach
         assert e.shape == g.shape, what
         assert torch.allclose(e.float(), g.float(), atol=atol, rtol=0), f"{what}: max diff {(e - g).abs().max()}"
     snap = cache.snapshot()
-    assert {g["kind"] for g in snap["graphs"]} == KINDS
-    assert sum(g["replays"] for g in snap["graphs"]) >= 4 and snap["degraded"] == []
+    assert {g.kind for g in snap.graphs} == KINDS
+    assert sum(g.replays for g in snap.graphs) >= 4 and snap.degraded == []
     # the runner packs a decode's and a verify's small inputs into one tensor: one copy refills them at a replay
     packed = {e.kind: [v[0] for v in e.packs[0].views] for e in cache._entries.values() if e.packs}
     assert sorted(packed["decode"]) == ["positions", "slots", "tokens"]
@@ -114,6 +114,5 @@ def test_cpu_graph_backend_replay_equals_eager_for_every_kind(tiny_checkpoint: P
 def test_cuda_graph_replay_equals_eager_for_every_kind(tiny_checkpoint: Path) -> None:
     lm = load_checkpoint(tiny_checkpoint, dtype="float32", device="cuda:0")
     cache = _compare(lm, lambda: default_backend(lm.device), atol=1e-4)
-    for g in cache.snapshot()["graphs"]:
-        print(f"graph {g['kind']:14s} {g['key']:22s} {g['mib']:8.2f} MiB {g['capture_ms']:8.1f} ms "
-              f"replays {g['replays']}")
+    for g in cache.snapshot().graphs:
+        print(f"graph {g.kind:14s} {g.key:22s} {g.mib:8.2f} MiB {g.capture_ms:8.1f} ms replays {g.replays}")

@@ -68,7 +68,7 @@ def test_slots_never_write_into_the_tier_blocks_they_map(ckpt):
     outs = run_all(engine, prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), prefix="b")
     assert [outs[f"b{i}"][-1].cached_tokens for i in range(3)] == [192, 256, 256]
     assert tier.shared_blocks == 4 + 3 + 4 and tier.copied_in_blocks == 0
-    assert sum(engine._draft_proposed) > sum(engine._draft_accepted) > 0  # drafts were rejected along the way
+    assert sum(engine.stepper.draft_proposed) > sum(engine.stepper.draft_accepted) > 0  # drafts were rejected along the way
     for b, phys in held.items():
         assert shared.physical(b) == phys
         for saved, pool in zip(before[b], engine.kv.pools()):
@@ -111,15 +111,15 @@ def test_a_pool_resize_drops_the_captured_graphs_and_the_next_steps_recapture_th
     run_all(engine, [other], GREEDY, prefix="o")
     engine.add_request("b0", prompt, GREEDY)
     outs = list(engine.step())
-    assert cache.snapshot()["graphs"]
+    assert cache.snapshot().graphs
     pool_blocks = engine.kv.k[0].shape[1]
     assert engine.tier.release(100 * engine.tier.block_mib, "test") > 0
     assert engine.kv.k[0].shape[1] == engine.kv.geometry.num_blocks + 4 < pool_blocks  # the mapped blocks stay
-    assert cache.snapshot()["graphs"] == []  # they held the old pool tensors
+    assert cache.snapshot().graphs == []  # they held the old pool tensors
     while engine.has_work:
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == first
-    assert any(g["replays"] for g in cache.snapshot()["graphs"])  # recaptured on the new tensors, replayed
+    assert any(g.replays for g in cache.snapshot().graphs)  # recaptured on the new tensors, replayed
 
 
 def test_an_abort_right_after_a_hand_over_unmaps_the_slot_and_a_release_takes_the_discarded_blocks(ckpt):
@@ -140,7 +140,7 @@ def test_an_abort_right_after_a_hand_over_unmaps_the_slot_and_a_release_takes_th
 
 
 def test_a_capture_out_of_memory_shrinks_the_pool_around_a_mapped_prefix_and_the_output_holds(ckpt):
-    from engine.exec.fault_injection import FaultPlan
+    from tests.fault_injection import FaultPlan
     from engine.exec.graphs.backends import CpuGraphBackend
     from engine.exec.graphs.cache import GraphCache
     from engine.exec.runner import switch_for_key

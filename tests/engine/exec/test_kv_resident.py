@@ -152,7 +152,7 @@ def test_captured_steps_replay_correctly_while_their_blocks_move(ckpt):
         assert kv.paging.placement_tokens(0, 640)[2] > 0, "slot 0 has nothing on the host"
         again = runner.decode([Row(0, 11, 640)]).logits.clone()
     assert kv.paging.stats.fetched_blocks > 0
-    assert sum(g["replays"] for g in graphs.snapshot()["graphs"]) >= 2
+    assert sum(g.replays for g in graphs.snapshot().graphs) >= 2
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 

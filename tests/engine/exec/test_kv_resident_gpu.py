@@ -37,7 +37,7 @@ def _tier_with_nothing_to_give(engine: Engine) -> Engine:
 
 
 def _replays(engine: Engine) -> int:
-    return sum(g["replays"] for g in engine.executor.snapshot()["graphs"])
+    return sum(g.replays for g in engine.executor.snapshot().graphs)
 
 
 @pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", True)])

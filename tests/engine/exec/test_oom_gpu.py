@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.exec.executor import GraphDegraded
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.cache import GraphCache
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.exec.executor import GraphDegraded
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.gpu_errors import StickyCudaError
 from engine.exec.graphs.backends import CpuGraphBackend
 from engine.exec.graphs.cache import GraphCache
@@ -76,7 +76,7 @@ def test_evict_own_graphs_and_retry_once_recovers_without_the_tier() -> None:
     evict_error = _errors(cache)[0]
     assert evict_error.startswith("draft_round graph (b4, 2) instantiate: RuntimeError: CUDA error: out of memory")
     # Only the owner's graphs went; decode (another owner) stayed.
-    assert sorted(g["kind"] for g in cache.snapshot()["graphs"]) == ["decode", "draft_round"]
+    assert sorted(g.kind for g in cache.snapshot().graphs) == ["decode", "draft_round"]
 
 
 def test_a_fresh_owner_with_nothing_to_free_waits_for_the_tier() -> None:
@@ -106,7 +106,7 @@ def test_persistent_oom_fails_degrades_and_never_captures_that_key_again() -> No
     assert sleeps == [0.08] * 3
     degrade = [e for e in cache.bus.history() if e.type == "graph" and e.action == "degrade"][0]
     assert degrade.error.startswith("mtp off: ")
-    assert cache.snapshot()["degraded"][0]["kind"] == "draft_round"
+    assert cache.snapshot().degraded[0].kind == "draft_round"
     # No retry storm: the key now runs eagerly, with no capture attempt and no event.
     before = len(cache.bus.history())
     out = cache.run("draft_round", "b1", _step, {"x": torch.ones(2)}, owner="drafter")
@@ -165,7 +165,7 @@ def test_real_capacity_nothing_to_free_degrades_and_keeps_other_owners_graphs() 
     cache.run("decode", "b1", _step, _mib_input())
     with pytest.raises(GraphDegraded):
         cache.run("draft_round", "r1", _step, _mib_input(), owner="drafter")
-    assert [g["kind"] for g in cache.snapshot()["graphs"]] == ["decode"]
+    assert [g.kind for g in cache.snapshot().graphs] == ["decode"]
     assert _events(cache)[1:] == [("wait", "draft_round"), ("fail", "draft_round"), ("degrade", "draft_round")]
     # Free VRAM never grew, so only the first and the last poll retried; the time bound still holds.
     assert cache.fault_plan.attempts("instantiate", "draft_round") == 1 + 2

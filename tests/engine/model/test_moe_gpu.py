@@ -11,6 +11,7 @@ from engine.telemetry import EventBus
 from tests.engine.engine_helpers import (make_engine, random_prompts, run_all, shared_lively_checkpoint,
                                         tier_starving_reserve_mib, tokens_of)
 from tests.engine.model.test_model_moe import _hf_moe, _prompt
+from tests.fault_injection import installed
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda:0"
@@ -58,16 +59,16 @@ def test_gpu_expert_cache_under_cuda_graphs(moe_ckpt):
     assert small == resident
 
 
-def test_gpu_graph_capture_oom_shrinks_the_expert_cache(moe_ckpt, monkeypatch):
+def test_gpu_graph_capture_oom_shrinks_the_expert_cache(moe_ckpt):
     resident, _ = _engine_tokens(moe_ckpt)
     # The tier answers first and, on CUDA, takes every free MiB past the reserve at start and regrows into it
     # (the 2026-12-01 runs: with tier_budget_mib=0, and then with a reserve of all but 4 GiB, the tier gave the
     # capture its room and the experts were never asked). A reserve that leaves the tier at most 64 MiB, less
     # than the 256 MiB a capture asks for, leaves the rest to the expert cache.
     reserve_mib = tier_starving_reserve_mib(lambda: make_engine(moe_ckpt, device=CUDA, dtype="float32", batch=3))
-    monkeypatch.setenv("STRATA_FAULT_INJECT", "capture:decode:1-2:oom")
     bus = EventBus()
-    tokens, snap = _engine_tokens(moe_ckpt, bus=bus, tier_budget_mib=0.0, vram_reserve_mib=reserve_mib)
+    with installed("capture:decode:1-2:oom"):
+        tokens, snap = _engine_tokens(moe_ckpt, bus=bus, tier_budget_mib=0.0, vram_reserve_mib=reserve_mib)
     events = [e for e in bus.history() if e.type == "expert"]
     print("expert events:", [(e.action, e.slots, e.reason) for e in events if e.action in ("shrink", "grow")])
     print("graph events:", [(e.action, e.kind, e.mib) for e in bus.history() if e.type == "graph"][:12])

@@ -14,6 +14,7 @@ import pytest
 
 from engine.cli.serve import READY_PREFIX
 from tests.engine.server.real import random_checkpoint
+from tests.fault_injection import engine_process_env
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(180)
@@ -88,7 +89,7 @@ def test_sticky_cuda_error_answers_503_then_exits_nonzero(tmp_path: Path) -> Non
     """A device-side fault (injected at the first decode graph capture) kills the engine: the request in
     flight gets 503 with the real CUDA message, /health says dead, and the process exits 1."""
     ckpt = str(random_checkpoint(tmp_path))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_FAULT_INJECT": "capture:decode:1:sticky"}
+    env = engine_process_env("capture:decode:1:sticky", {**os.environ, "PYTHONUNBUFFERED": "1"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "serve", "--model", ckpt, "--device", "cuda:0", "--port", "0",
          "--batch", "2", "--context", "256"],

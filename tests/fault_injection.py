@@ -1,9 +1,12 @@
-"""Test-only fault injection: make the Nth capture or instantiate of a graph kind fail with a real error.
+"""Fault injection for tests: make the Nth capture or instantiate of a graph kind fail with a real error.
 
 The out-of-memory path of the graph cache only runs when VRAM is exhausted at the wrong moment, which a
-test cannot arrange reliably on a GPU and never on a CPU. A FaultPlan makes it happen on purpose:
+test cannot arrange reliably on a GPU and never on a CPU. A FaultPlan makes it happen on purpose; the product
+never builds one. A test passes one to a GraphCache (`fault_plan=`), installs one for the caches an engine
+builds in process (`installed`), or starts an engine process with one (`engine_process_env`: the process
+runs tests/fault_site/sitecustomize.py, which installs the plan before the engine starts):
 
-    STRATA_FAULT_INJECT="capture:draft_round:1:oom,instantiate:verify:2+:sticky"
+    FaultPlan.parse("capture:draft_round:1:oom,instantiate:verify:2+:sticky")
 
 Each rule is `stage:kind:when:error`, comma separated:
   stage  `capture` (while the stream records the step) or `instantiate` (after capture ended)
@@ -13,18 +16,22 @@ Each rule is `stage:kind:when:error`, comma separated:
   error  one of ERRORS below
 
 The injected errors are the exception types and messages CUDA and PyTorch really raise, each suffixed with
-`[injected ...]` so a log never passes one off as a real failure. Never set this in production.
+`[injected ...]` so a log never passes one off as a real failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
 
 from engine.errors import ConfigError
 
-ENV_VAR = "STRATA_FAULT_INJECT"
+ENV_VAR = "STRATA_FAULT_INJECT"  # read by tests/fault_site/sitecustomize.py in an engine process a test starts
+SITE_DIR = Path(__file__).resolve().parent / "fault_site"
 STAGES = ("capture", "instantiate")
 
 _DRIVER_OOM = "CUDA error: out of memory"
@@ -129,6 +136,12 @@ class FaultPlan:
         spec = environ.get(ENV_VAR, "").strip()
         return cls.parse(spec) if spec else None
 
+    def install(self) -> None:
+        """The plan of every GraphCache built without one from now on (engine.exec.graphs.cache.installed_faults)."""
+        import engine.exec.graphs.cache as graph_cache
+
+        graph_cache.installed_faults = self
+
     def check(self, stage: str, kind: str) -> None:
         """Count one attempt of `stage` for `kind`; raise the planned error if a rule covers it."""
         with self._lock:
@@ -171,3 +184,26 @@ def _parse_rule(text: str, source: str) -> FaultRule:
     if first < 1 or (last is not None and last < first):
         raise ConfigError(source, text, f"when {when!r}: attempts count from 1 and N-M needs M >= N")
     return FaultRule(stage, kind, first, last, error)
+
+
+@contextlib.contextmanager
+def installed(spec: str) -> Iterator[FaultPlan]:
+    """The engines built inside get `spec`'s faults in their graph caches; none afterwards."""
+    import engine.exec.graphs.cache as graph_cache
+
+    plan = FaultPlan.parse(spec)
+    before, graph_cache.installed_faults = graph_cache.installed_faults, plan
+    try:
+        yield plan
+    finally:
+        graph_cache.installed_faults = before
+
+
+def engine_process_env(spec: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of an engine process (python -m engine.cli ..., or one a TUI starts) that fails graph
+    captures as `spec` says: tests/fault_site on PYTHONPATH, whose sitecustomize installs the plan."""
+    env = dict(os.environ if environ is None else environ)
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), path) if p)
+    env[ENV_VAR] = FaultPlan.parse(spec) and spec  # a malformed spec fails here, in the test, not in the child
+    return env

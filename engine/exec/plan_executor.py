@@ -1,0 +1,365 @@
+"""PlanExecutor: runs one StepPlan on the device and returns what it produced (a StepResult).
+
+The middle of the engine's three-call step (`schedule` -> `execute` -> `update`): map (or copy) reused prefix
+blocks into newly admitted slots, one batched decode of every decoding slot along the path that fits (MTP's
+fused verify + draft step, its separate verify + sample + draft round, a plain decode, or the step launched
+ahead by engine.exec.decode_ahead), the plan's prefill chunks with their first tokens and MTP's drafter prefill,
+then the cache fills. On CUDA, while slots decode, a prompt chunk instead runs beside the steps on a side stream
+(engine.exec.chunk_stream): the step that plans it launches it before its decode, and the end of a later step
+lands it (its first token, the drafter prefill, its cache fill) once its kernels are done.
+
+It never changes a request: the tokens, the chunks that ran and the drafts go back in the StepResult, and
+`Scheduler.update` does the bookkeeping. It reads the scheduler's counts (whether prompt work is left, how many
+slots decode) to choose a path, and tells it that a chunk beside the steps landed (`chunk_landed`: that chunk's
+cache fill must run before the slot can change hands). A failure inside one request's own part (its admission,
+a chunk, its sampling) fails that request only (`StepResult.failed`); anything else fails the step
+(`StepResult.error`), after the parts that ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from engine.api import SamplingParams
+from engine.exec.chunk_stream import ChunkStream
+from engine.exec.decode_ahead import DecodeAhead
+from engine.exec.drafter import MtpDrafter
+from engine.exec.gpu_errors import error_event, is_sticky, real_message
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.tier import AdaptiveTier
+from engine.exec.runner import ModelRunner, MtpUnavailable, Row
+from engine.exec.sampler import SampleResult, device_result, sample_isolating_rows, sample_with_drafts
+from engine.telemetry import EventBus, WarningEvent
+
+# The scheduler's types (engine.core: StepPlan, its Admission / PrefillChunk / CacheFill, Request, the Scheduler)
+# are read here by their fields: the core and the executor never import each other (tests/test_layering.py).
+Request = Any
+StepPlan = Any
+ChunkTime = tuple[int, int, float]  # a chunk as it ran: (start, num_tokens, seconds), core's ChunkTiming's fields
+
+
+@dataclass
+class SampledTokens:
+    """One request's part of an executed step, in the order the step ran it: a prefill chunk that ran
+    (`prefilled_tokens`, at `ran_s`), the tokens sampled or accepted for it (none for a chunk before the last),
+    and MTP's verification round (`drafts`: proposed, accepted)."""
+
+    request: Request
+    token_ids: list[int]
+    ran_s: float
+    logprobs: list | None = None
+    prefilled_tokens: int = 0
+    first_token: bool = False  # sampled from a last prompt chunk: the request decodes from now on
+    drafts: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request whose own part of a step failed (the error event is already published): it alone ends."""
+
+    request: Request
+    message: str
+
+
+@dataclass
+class StepResult:
+    """What executing a StepPlan produced, for `Scheduler.update`: the executor never changes a request.
+
+    `admitted`: the plan's admissions that went through (the engine reports them). `copied`: admissions whose
+    cached blocks are in their slots now (their pins may go). `unfilled_block_ids`:
+    tier blocks a cache fill could not write. `draft_tokens`: the drafts a slot verifies from now on, when MTP
+    turned off during the step. The timings, for the prefill pacing (`timed` False when the step failed):
+    `decode_s` (None when nothing decoded), each chunk run between the steps, the cache fills, whether a chunk
+    ran beside the decode, and the chunks beside the steps that landed. `error`: what failed the whole step
+    after the parts above had run (the engine ends the requests holding a slot)."""
+
+    tokens: list[SampledTokens] = field(default_factory=list)
+    failed: list[RequestFailure] = field(default_factory=list)
+    admitted: list[Any] = field(default_factory=list)  # the plan's Admissions whose slot is ready (KV copied in)
+    copied: list[Request] = field(default_factory=list)
+    unfilled_block_ids: list[int] = field(default_factory=list)
+    draft_tokens: int | None = None
+    timed: bool = False
+    decode_s: float | None = None
+    chunks_s: list[ChunkTime] = field(default_factory=list)
+    fill_s: float = 0.0
+    beside_chunk: bool = False
+    landed_s: list[ChunkTime] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def skips(self, request: Request) -> bool:
+        """The request has finished, or failed earlier in this step: the rest of its part does not run."""
+        return request.is_finished or any(f.request is request for f in self.failed)
+
+
+class PlanExecutor:
+    """`execute(plan) -> StepResult`; `release(request, slot)` once a request holding a slot has finished."""
+
+    def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, sched: Any, kv: SlotKVCache,
+                 tier: AdaptiveTier, chunks: ChunkStream | None, ahead: DecodeAhead, executor: Any,
+                 device: torch.device, bus: EventBus) -> None:
+        self.runner, self.drafter, self.sched = runner, drafter, sched
+        self.kv, self.tier, self.chunks, self.ahead, self.executor = kv, tier, chunks, ahead, executor
+        self.device = device
+        self.bus = bus
+        self.mtp_on = drafter is not None
+        self.mtp_off_reason: str | None = None
+        self.generators: dict[str, torch.Generator] = {}  # per request: its seeded sampling draws
+        depth = runner.mtp_depth if self.mtp_on else 0
+        self.draft_proposed = [0] * depth  # per draft position, since start (the metrics' counters)
+        self.draft_accepted = [0] * depth
+        self._ahead_slots: frozenset[int] = frozenset()  # the slots of the decode group that may have gone ahead
+        self._result = StepResult()
+
+    # --- the step ------------------------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run `plan`; a failure of the whole step comes back as `StepResult.error`, after the parts that ran."""
+        result = self._result = StepResult()
+        try:
+            with torch.inference_mode(), self.chunks.steps() if self._may_overlap(plan) else contextlib.nullcontext():
+                self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
+                self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
+                for admission in plan.admitted:
+                    self._isolated(admission.request, self._admit, admission)
+                self._run_timed(plan)
+                result.landed_s = self._land_chunk()  # last: its request decodes from the next step on
+                self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
+            result.timed = True
+        except Exception as exc:  # noqa: BLE001 - the engine decides how bad (Engine._fail)
+            result.error = exc
+        return result
+
+    def release(self, request: Request, slot: int | None, wait: bool = True) -> None:
+        """A request has finished: forget its generator; a chunk of it in flight ends (`wait`: for its kernels),
+        a step launched ahead over its slot is dropped, and its slot's blocks go back at the next step."""
+        self.generators.pop(request.request_id, None)
+        if self.chunks is not None and self.chunks.holds(request):
+            self.chunks.drop(wait=wait)  # its chunk writes the slot's blocks until it ends
+        if slot is None:
+            return
+        if self.ahead.pending and slot in self._ahead_slots:
+            self.ahead.drop()  # its slot's blocks go back at the next step: the step in flight writes them
+        self.kv.retire_slot(slot)
+        self.tier.retire_slot(slot)
+
+    def _run_timed(self, plan: StepPlan) -> None:
+        """Decode, prefill and fill the plan, timing each part for the scheduler's prefill pacing.
+
+        Each part ends on a device sync: a chunk's kernels would otherwise still be running when the next
+        part's clock starts, and its cost would be billed to decode. A decode ends on one already (sampling
+        copies its tokens to the host), and a step leaves the device idle, so a plain decode step pays for no
+        extra sync (each costs tens of microseconds of host time on a step of about a millisecond).
+        """
+        decode_s = None
+        t0_s = self._synced_clock() if plan.admitted else time.perf_counter()  # admissions queue KV copies
+        for chunk in plan.prefill:  # a chunk beside the steps first: the side stream starts on it at once
+            if chunk.beside_decode and not self._result.skips(chunk.request):
+                self._isolated(chunk.request, self.chunks.launch, chunk, lambda c=chunk: self._forward(c))
+        beside = self.chunks is not None and self.chunks.in_flight is not None
+        if plan.decode:
+            t0_s = self._synced_clock() if beside else t0_s  # the launch's host time is not decode's
+            self._decode(plan.decode)
+            # MTP's draft round runs after the sampling sync: drain it when a chunk's clock starts next.
+            decode_s = (self._synced_clock() if plan.prefill and not beside else time.perf_counter()) - t0_s
+            # a step taken ahead: its device time (the host only waited for its last part)
+            decode_s = self.ahead.step_period_s() or decode_s
+        chunks: list[ChunkTime] = []
+        for chunk in plan.prefill:
+            if self._result.skips(chunk.request) or chunk.beside_decode:  # failed or aborted, or launched above
+                continue
+            t0_s = self._synced_clock()
+            self._isolated(chunk.request, self._prefill, chunk)
+            chunks.append((chunk.start, chunk.num_tokens, self._synced_clock() - t0_s))
+        fill_s = 0.0
+        if plan.cache_fill:
+            t0_s = self._synced_clock()
+            self._fill(plan.cache_fill)
+            fill_s = self._synced_clock() - t0_s
+        self._result.decode_s, self._result.chunks_s, self._result.fill_s = decode_s, chunks, fill_s
+        self._result.beside_chunk = beside
+
+    def _fill(self, fills: list) -> None:
+        for fill in fills:
+            failed = self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
+            if failed:
+                self._result.unfilled_block_ids.extend(failed)
+
+    def _may_overlap(self, plan: StepPlan) -> bool:
+        """A chunk is in flight or may be launched this step: the step runs on the steps' stream (otherwise on
+        the caller's, which saves a plain decode step two stream waits; the streams are ordered either way)."""
+        return self.chunks is not None and (self.chunks.in_flight is not None or self.sched.has_prompt_work
+                                            or any(chunk.beside_decode for chunk in plan.prefill))
+
+    def _synced_clock(self) -> float:
+        """perf_counter after the device has finished the work queued so far (on the steps' stream only, where
+        chunks may run beside the steps: a chunk in flight keeps running)."""
+        if self.chunks is not None:
+            self.chunks.sync()
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _land_chunk(self) -> list[ChunkTime]:
+        """The chunk beside the steps, once its kernels are done (waited for when no slot decodes: nothing else
+        would run): its first token, its drafter prefill and its cache fill. Its timing, for the pacer (StepTiming.landed)."""
+        if self.chunks is None or self.chunks.in_flight is None:
+            return []
+        if not self.chunks.ready() and self.sched.num_decoding:
+            return []
+        flight = self.chunks.take()
+        chunk = flight.chunk
+        fill = self.sched.chunk_landed(chunk, flight.seconds)
+        if not self._result.skips(chunk.request):
+            self._isolated(chunk.request, self._chunk_ran, chunk, flight.out)
+        if fill is not None:
+            self._fill([fill])
+        return [(chunk.start, chunk.num_tokens, flight.seconds)]
+
+    def _admit(self, admission: Any) -> None:
+        if admission.cached_blocks:
+            self.tier.load(admission.cached_blocks, admission.slot)
+            self._result.copied.append(admission.request)
+        self._result.admitted.append(admission)
+
+    def _decode(self, reqs: list[Request]) -> None:
+        """Decode (or verify) every decoding slot: one batched forward per group of similar lengths."""
+        extra = self.runner.mtp_depth + 1 if self.mtp_on else 1
+        for group in self.runner.span_groups([req.num_tokens - 1 + extra for req in reqs]):
+            self._decode_group([reqs[i] for i in group])
+
+    def _decode_group(self, reqs: list[Request]) -> None:
+        rows = [Row(req.slot, req.output_token_ids[-1], req.num_tokens - 1) for req in reqs]
+        params = [req.params for req in reqs]
+        gens = [self.generators[req.request_id] for req in reqs]
+        histories = [(req.prompt_token_ids, req.output_token_ids) for req in reqs]
+        result = None
+        failed: dict[int, BaseException] = {}
+        drafts: list[int] | None = None
+        self._ahead_slots = frozenset(req.slot for req in reqs)
+        # The fused step samples on the device with temperature and top_p only: anything more takes the
+        # separate verify + sample + round path (same tokens, two graph kinds instead of one).
+        on_device = not any(p.penalized or p.top_k or p.min_p or p.logprobs is not None for p in params)
+        if self.mtp_on:
+            try:
+                if self.drafter.fused and on_device:
+                    step = self.ahead.take(rows, "verify")
+                    if step is None:
+                        step = self.drafter.verify_and_draft(rows, params, gens)
+                    if self._goes_ahead(reqs, params) and self.ahead.next_verify_fits(rows, step):
+                        result = self.ahead.read_and_launch_verify(rows, step)
+                    else:
+                        result = device_result(step.emitted, len(rows))
+                    drafts = self._record_drafts(result.accepted)
+                else:
+                    out = self.runner.verify(rows)
+                    result, failed = sample_isolating_rows(out.logits, out.drafts, params, gens, histories, is_sticky)
+                    drafts = self._record_drafts(result.accepted)
+                    pending = [Row(r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens)]
+                    self.drafter.round(pending, out.hidden, result.tokens, [r.position for r in rows])
+            except MtpUnavailable as exc:  # a verify that failed emitted nothing: result None, plain decode
+                self._mtp_off(exc)
+        if result is None:
+            out = self.ahead.take(rows)
+            out = self.runner.decode(rows) if out is None else out
+            if self._goes_ahead(reqs, params) and self.ahead.next_rows_fit(rows, out):
+                result = SampleResult([0] * len(rows), self.ahead.read_and_launch(rows, out))
+            else:
+                result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky, out.best)
+        now_s = time.monotonic()
+        logprobs = result.logprobs or [None] * len(reqs)
+        for i, (req, tokens) in enumerate(zip(reqs, result.tokens)):
+            if i in failed:
+                self._fail_request(req, failed[i])
+            else:
+                self._result.tokens.append(SampledTokens(req, tokens, now_s, logprobs[i], drafts=(
+                    (self.runner.mtp_depth, drafts[i]) if drafts is not None else None)))
+
+    def _goes_ahead(self, reqs: list[Request], params: list[SamplingParams]) -> bool:
+        """The next step may be launched before this one's tokens are read (engine.exec.decode_ahead): every
+        decoding slot is in this group, all greedy, each has room for another step (MTP's: K + 1 tokens more
+        than this one may emit), and no prompt chunk will run between the steps (chunks beside the steps run on
+        their own stream: a chunk that lands, making its request decode, drops the step launched ahead)."""
+        quiet = self.chunks is not None or not (self.sched.prompt_work_next or self.sched.chunk_in_flight)
+        room = 2 * (self.runner.mtp_depth + 1) if self.mtp_on else 1
+        return (self.ahead.enabled and len(reqs) == self.sched.num_decoding and quiet
+                and all(p.temperature <= 0 and not p.penalized and p.logprobs is None for p in params)
+                and all(req.num_output_tokens + room < req.max_tokens for req in reqs))
+
+    def _record_drafts(self, accepted: list[int]) -> list[int]:
+        """Count each row's accepted drafts in the engine's per-position counters; the requests' own counts go
+        back with their tokens."""
+        depth = self.runner.mtp_depth
+        for n in accepted:
+            for position in range(depth):
+                self.draft_proposed[position] += 1
+                self.draft_accepted[position] += position < n
+        return list(accepted)
+
+    def _prefill(self, chunk: Any) -> None:
+        with self.chunks.lane() if self.chunks is not None else contextlib.nullcontext():
+            out = self._forward(chunk)
+        self._chunk_ran(chunk, out)
+
+    def _forward(self, chunk: Any) -> Any:
+        """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch)."""
+        return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)
+
+    def _chunk_ran(self, chunk: Any, out: Any) -> None:
+        """After a chunk's forward: the first token of a last chunk, and MTP's drafter prefill."""
+        req = chunk.request
+        prompt = req.prompt_token_ids
+        ran_s = time.monotonic()
+        first: int | None = None
+        first_logprobs = None
+        if chunk.is_last:
+            generator = self.generators[req.request_id]
+            sampled = sample_with_drafts(out.logits, None, [req.params], [generator],
+                                         [(req.prompt_token_ids, req.output_token_ids)])
+            first = sampled.tokens[0][0]
+            first_logprobs = sampled.logprobs[0] if sampled.logprobs else None
+        if self.mtp_on:
+            nxt = prompt[chunk.start + 1:chunk.end] + ([first] if first is not None else [prompt[chunk.end]])
+            try:
+                self.drafter.prefill(chunk.slot, out.hidden, nxt, chunk.start, chunk.is_last)
+            except MtpUnavailable as exc:
+                self._mtp_off(exc)
+        self._result.tokens.append(SampledTokens(req, [first] if first is not None else [], ran_s, first_logprobs,
+                                                 prefilled_tokens=chunk.end - chunk.start,
+                                                 first_token=first is not None))
+
+    # --- failure paths -------------------------------------------------------------------------------------
+
+    def _isolated(self, req: Request, fn: Callable[..., None], *args: Any) -> None:
+        """Run one request's own part of a step (admission, a prefill chunk): a failure there ends that request
+        only. A sticky CUDA error still fails the step: nothing on the device can be trusted after one."""
+        try:
+            fn(*args)
+        except MtpUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - attributable to this request: it alone fails
+            if is_sticky(exc):
+                raise
+            self._fail_request(req, exc)
+
+    def _fail_request(self, req: Request, exc: BaseException) -> None:
+        event = error_event(exc, f"engine.request {req.request_id}", self.device)
+        self.bus.publish(event)
+        if not self._result.skips(req):
+            self._result.failed.append(RequestFailure(req, event.message))
+
+    def _mtp_off(self, exc: BaseException) -> None:
+        message = real_message(exc)
+        self.mtp_on = False
+        self.mtp_off_reason = message
+        self._result.draft_tokens = 0
+        # The drafter's graphs will never replay again: give their pool back (the tier can grow into it).
+        freed_mib = self.executor.release("drafter") if self.executor is not None else 0.0
+        self.bus.publish(WarningEvent(where="engine.mtp",
+                                      message=f"MTP drafting turned off for the rest of the run "
+                                              f"(freed {freed_mib:.0f} MiB of drafter graphs): {message}"))
