@@ -36,8 +36,8 @@ from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.core.request import Request
 from engine.core.prefill_pacer import ChunkTiming, StepTiming
 from engine.exec.runner import MtpUnavailable, Row
-from engine.exec.sampler import (SampleResult, device_result, request_generator, sample_isolating_rows,
-                                 sample_with_drafts)
+from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, request_generator,
+                                 sample_isolating_rows, sample_with_drafts)
 from engine.core.scheduler import Admission, PrefillChunk, StepPlan
 from engine.snapshot import EngineSnapshot, MtpSnapshot
 from engine.orchestration.reporting import Reporter
@@ -75,6 +75,7 @@ class Engine:
         self.mtp_off_reason: str | None = None
         self.steps = 0
         self._failed_steps = 0  # since a request last finished normally
+        self._non_finite_ended = False  # a request ended on NaN logits this step: the step's end scrubs the pool
         self.output = OutputProcessor(self.eos_token_ids)
         self._generators: dict[str, torch.Generator] = {}  # per request: its seeded sampling draws
         depth = self.runner.mtp_depth if self.mtp_on else 0
@@ -219,6 +220,9 @@ class Engine:
                     self._isolated(admission.request, outputs, self._admit, admission, now_s)
                 timing = self._run_timed(plan, outputs, landed)
                 self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
+                if self._non_finite_ended:  # a request ended on NaN logits: its blocks must not reach another
+                    self._non_finite_ended = False
+                    self.tier.scrub_non_finite(req.slot for req in self.sched.running())
             self.sched.record_step(timing)
             self.steps += 1
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
@@ -339,6 +343,7 @@ class Engine:
                         result = self.ahead.read_and_launch_verify(rows, step)
                     else:
                         result = device_result(step.emitted, len(rows))
+                    failed = non_finite_rows(result)  # the step's finite check, read with its tokens
                     self._record_drafts(reqs, result.accepted)
                 else:
                     out = self.runner.verify(rows)
@@ -353,6 +358,7 @@ class Engine:
             out = self.runner.decode(rows) if out is None else out
             if self._goes_ahead(reqs, params) and self.ahead.next_rows_fit(rows, out):
                 result = SampleResult([0] * len(rows), self.ahead.read_and_launch(rows, out))
+                failed = non_finite_rows(result)  # the step's finite check, read with its tokens
             else:
                 result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky, out.best)
         now_s = time.monotonic()
@@ -461,6 +467,7 @@ class Engine:
             self._fail_request(req, exc, outputs)
 
     def _fail_request(self, req: Request, exc: BaseException, outputs: list[RequestOutput]) -> None:
+        self._non_finite_ended |= isinstance(exc, NonFiniteLogits)
         event = error_event(exc, f"engine.request {req.request_id}", self.device)
         self.bus.publish(event)
         track = self.output.get(req.request_id)

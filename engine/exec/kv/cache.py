@@ -23,7 +23,7 @@ cache to a backend (the PyTorch reference, or the Triton kernels that read the p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -309,6 +309,33 @@ class SlotKVCache:
             for i in range(len(pools)):
                 if pools[i].shape[1] != num_blocks:
                     pools[i] = resized(pools, i, num_blocks, fill, stage)
+
+    def non_finite_blocks(self) -> set[int]:
+        """Physical blocks holding a NaN or inf in any layer's keys, values or scales (a pass over the pools: for
+        the rare step whose logits were not finite, never per step)."""
+        bad = torch.zeros(self.k[0].shape[1], dtype=torch.bool, device=self.device)
+        for pool in (*self.k, *self.v, *self.k_scale, *self.v_scale):
+            if pool.is_floating_point():
+                bad |= ~torch.isfinite(pool).transpose(0, 1).flatten(1).all(dim=1)
+        return set(bad.nonzero().flatten().tolist())
+
+    def blocks_of(self, slots: Iterable[int]) -> set[int]:
+        """The physical blocks the slots' table rows address."""
+        rows = list(slots)
+        if not rows:
+            return set()
+        return set(self.block_table[torch.tensor(rows, device=self.device)].flatten().tolist())
+
+    def zero_blocks(self, blocks: Iterable[int]) -> None:
+        """Zero physical blocks (scales to 1): what a fresh pool holds. Attention masks the positions past a row's
+        length, but a masked NaN still poisons P.V (0 * NaN), so a block handed to another slot must be finite."""
+        ids = sorted(blocks)
+        if not ids:
+            return
+        index = torch.tensor(ids, device=self.device)
+        for pools, fill in ((self.k, 0), (self.v, 0), (self.k_scale, 1.0), (self.v_scale, 1.0)):
+            for pool in pools:
+                pool.index_fill_(1, index, fill)
 
     # --- storage -------------------------------------------------------------------------------------------
 
