@@ -159,3 +159,41 @@ def test_nan_logits_in_a_prompts_first_forward_end_that_request_only(untied, mtp
     for rid in requests:
         assert got[rid] == clean[rid], (rid, got[rid], clean[rid])
     assert engine.health().ready
+
+
+GPU_PATHS = {  # on CUDA with graphs the defaults take these: the steps' finite checks run inside captured graphs
+    "decode ahead": {},
+    "fused greedy mtp ahead": {"batch_mtp": True, "mtp_depth": 2},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", list(GPU_PATHS))
+def test_gpu_graph_captured_steps_flag_nan_logits_and_the_engine_serves_on(untied, path):
+    from engine.config import EngineConfig
+    from engine.orchestration.engine import Engine
+    from engine.telemetry import EventBus
+
+    def engine():
+        config = EngineConfig(model=str(untied), device="cuda:0", dtype="float32", batch=4, context=1024,
+                              graphs=True, prefill_chunk_tokens=64, step_token_budget=128, **GPU_PATHS[path])
+        built = Engine(config, EventBus(), block_tokens=16)
+        assert type(built.executor).__name__ == "GraphCache" and built.ahead.enabled
+        assert not path.startswith("fused") or built.drafter.fused
+        return built
+
+    requests = {"victim": (PROMPTS[0], GREEDY), "beside": (PROMPTS[1], GREEDY), "beside_2": (PROMPTS[2], GREEDY)}
+    after = {"after": (PROMPTS[3], GREEDY), "after_sampled": (PROMPTS[4], SAMPLED)}
+    clean, clean_after = _run(engine(), requests), _run(engine(), after)
+    token, k = _pick_poison({**clean, **clean_after}, {**requests, **after}, "victim")
+    poisoned = engine()
+    flagged = _flagged_reads(poisoned, path)
+    _poison(poisoned, token)
+    got = _run(poisoned, requests)
+    victim = got["victim"]
+    assert victim["reason"] == "error" and ERROR in (victim["error"] or ""), victim
+    assert victim["tokens"] == clean["victim"]["tokens"][:len(victim["tokens"])] and len(victim["tokens"]) <= k + 1
+    assert flagged(), f"the {path} path did not read the flagged row"
+    assert got["beside"] == clean["beside"] and got["beside_2"] == clean["beside_2"]
+    assert poisoned.health().ready
+    assert _run(poisoned, after) == clean_after
