@@ -37,6 +37,8 @@ from engine.server.protocol import (
     ExpertCacheRequest,
     LARGE_BODY_BYTES,
     parse_body,
+    probe_bytes,
+    refuse_early,
 )
 from engine.server.serving import Serving
 from engine.switches import get_switch
@@ -81,11 +83,35 @@ async def _parsed(model: type[BodyT], request: Request) -> BodyT:
     pieces (json_chunked) and one at a time: each busy parser thread is one more contender for the GIL the
     loop needs between its pieces."""
     context_tokens = getattr(request.app.state.client, "context_tokens", None)
-    raw = await request.body()
+    raw = await _body(request, context_tokens)
     if len(raw) <= LARGE_BODY_BYTES:
         return await asyncio.to_thread(parse_body, model, raw, context_tokens)
     async with request.app.state.large_body_turn:
         return await asyncio.to_thread(parse_body, model, raw, context_tokens)
+
+
+async def _body(request: Request, context_tokens: int | None) -> bytes | bytearray:
+    """The request body. A large one (its Content-Length past LARGE_BODY_BYTES; the guard has held it to the
+    limit) is copied piece by piece, as each arrives, into one buffer of its length (Starlette's `body()` joins
+    the pieces at the end in one copy of the whole body, which held the event loop for milliseconds per body),
+    and once its first `probe_bytes` are in, they are looked at in a worker thread (protocol.refuse_early): an
+    array longer than the context is refused there, without the rest of the body, which uvicorn then drains
+    without handing it to the app."""
+    length = request.headers.get("content-length", "")
+    if not length.isascii() or not length.isdigit() or int(length) <= LARGE_BODY_BYTES:
+        return await request.body()
+    buffer = bytearray(int(length))
+    view, end = memoryview(buffer), 0
+    probe_at = probe_bytes(context_tokens)
+    async for piece in request.stream():
+        if end + len(piece) > len(buffer):  # h11 holds a body to its Content-Length: never, but never past it
+            raise invalid_param("Content-Length", length, "the body is longer than its Content-Length")
+        view[end:end + len(piece)] = piece
+        end += len(piece)
+        if probe_at is not None and probe_at <= end < len(buffer):
+            probe_at = None
+            await asyncio.to_thread(refuse_early, bytes(view[:end]), context_tokens)
+    return buffer if end == len(buffer) else buffer[:end]
 
 
 def _openai_routes(app: FastAPI, serving: Serving) -> None:
