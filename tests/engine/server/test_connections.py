@@ -152,3 +152,38 @@ def _read_response(sock: socket.socket) -> bytes:
     while len(rest) < length:
         rest += sock.recv(65536)
     return head + b"\r\n\r\n" + rest
+
+
+def test_a_large_body_trickled_in_does_not_hold_the_others(short_timeouts, monkeypatch) -> None:
+    """Large bodies are read one at a time, but one whose sender trickles it (a byte now and then, never long
+    enough to stall) holds the turn only LARGE_BODY_TURN_WAIT_S for the bodies behind it."""
+    import threading
+
+    from engine.server import app as app_module
+
+    monkeypatch.setattr(app_module, "LARGE_BODY_TURN_WAIT_S", 0.5)
+    with _serve(FakeEngine()) as url:
+        big = json.dumps({"model": MODEL, "prompt": [12] * (1 << 20), "max_tokens": 1}).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(big)).encode() + b"\r\n\r\n")
+        slow, stop = _connect(url), threading.Event()
+        slow.sendall(head + big[:300_000])  # past LARGE_BODY_BYTES: it takes the turn, then trickles
+
+        def trickle() -> None:
+            for i in range(300_000, len(big)):
+                if stop.wait(0.2):
+                    return
+                slow.sendall(big[i:i + 1])
+
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        time.sleep(0.5)
+        fast = _connect(url)
+        fast.sendall(head + big)
+        answer = _read_response(fast)
+        assert answer.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answer, answer[:300]
+        assert sender.is_alive()  # answered while the trickled body still held the turn
+        stop.set()
+        sender.join()
+        for sock in (slow, fast):
+            sock.close()
