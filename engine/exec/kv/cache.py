@@ -88,6 +88,9 @@ class KVGeometry:
         return self.bytes_per_token(storage, compute_dtype) * self.num_slots * self.columns
 
 
+SCRUB_CHUNK_BYTES = 16 << 20  # non_finite_blocks' mask: at most this many bytes at once
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(token, head) symmetric int8: x [..., D] -> (int8 [..., D], float32 scale [...])."""
     scale = x.abs().amax(dim=-1).float().clamp(min=1e-8) / _INT8_MAX
@@ -313,10 +316,16 @@ class SlotKVCache:
     def non_finite_blocks(self) -> set[int]:
         """Physical blocks holding a NaN or inf in any layer's keys, values or scales (a pass over the pools: for
         the rare step whose logits were not finite, never per step)."""
-        bad = torch.zeros(self.k[0].shape[1], dtype=torch.bool, device=self.device)
+        num_blocks = self.k[0].shape[1]
+        bad = torch.zeros(num_blocks, dtype=torch.bool, device=self.device)
         for pool in (*self.k, *self.v, *self.k_scale, *self.v_scale):
-            if pool.is_floating_point():
-                bad |= ~torch.isfinite(pool).transpose(0, 1).flatten(1).all(dim=1)
+            if not pool.is_floating_point():
+                continue
+            # a slice of blocks at a time: the check's mask is as large as what it checks, and VRAM is full by design
+            step = max(1, SCRUB_CHUNK_BYTES // max(1, pool[:, :1].numel()))
+            for start in range(0, num_blocks, step):
+                part = pool[:, start:start + step]  # [Hkv, n, bt(, D)]
+                bad[start:start + part.shape[1]] |= ~torch.isfinite(part).transpose(0, 1).flatten(1).all(dim=1)
         return set(bad.nonzero().flatten().tolist())
 
     def blocks_of(self, slots: Iterable[int]) -> set[int]:
