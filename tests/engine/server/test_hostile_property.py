@@ -76,11 +76,14 @@ def _set(body: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     node: Any = body
     for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if isinstance(node, list) and not node:  # an earlier mutation left an empty list: nothing to reach into
+            return
+        node = node[int(part) % len(node)] if isinstance(node, list) else node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
             return
     if isinstance(node, list):
-        node[int(last) % max(len(node), 1)] = value
+        if node:
+            node[int(last) % len(node)] = value
     elif isinstance(node, dict):
         node[last] = value
 
