@@ -150,15 +150,20 @@ def test_nan_logits_in_a_prompts_first_forward_end_that_request_only(untied, mtp
     clean = _run(make_engine(untied, **options), requests)
     seen = {t for row in clean.values() for t in row["tokens"]} | {t for p, _ in requests.values() for t in p}
     token = next(t for t in PROMPTS[7] if t not in seen)
+    # the token first, in a prompt longer than any that follows: NaN keys and values from its first position on
+    victim_prompt = [token] + [t for t in PROMPTS[7] + PROMPTS[6] + PROMPTS[5] if t != token]
     engine = make_engine(untied, **options)
     _poison(engine, token)
-    got = _run(engine, {**requests, "victim": (PROMPTS[7], GREEDY), "victim_logprobs": (
-        PROMPTS[7], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2))})
+    got = _run(engine, {**requests, "victim": (victim_prompt, GREEDY), "victim_logprobs": (
+        victim_prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=2))})
     for rid in ("victim", "victim_logprobs"):
         assert got[rid]["tokens"] == [] and got[rid]["reason"] == "error" and ERROR in got[rid]["error"], got[rid]
     for rid in requests:
         assert got[rid] == clean[rid], (rid, got[rid], clean[rid])
     assert engine.health().ready
+    # the slots the prompts' NaN keys and values were written to serve later requests as a clean engine does
+    after = {f"after{i}": (prompt[:8], GREEDY) for i, prompt in enumerate(PROMPTS[:4]) if token not in prompt[:8]}
+    assert _run(engine, after) == _run(make_engine(untied, **options), after)
 
 
 GPU_PATHS = {  # on CUDA with graphs the defaults take these: the steps' finite checks run inside captured graphs
