@@ -127,9 +127,10 @@ class DecodeAhead:
         return self.runner.step_span(max(r.position for r in rows) + k + 1 + 2 * k) == step.span
 
     def read_and_launch(self, rows: list[Row], out: StepOutput) -> list[list[int]]:
-        """Each row's greedy token of the step `out` (its argmax), with the step after it launched first."""
+        """Each row's greedy token of the step `out` (its argmax), with the step after it launched first. A row
+        whose logits were not finite reads sampler.NO_TOKEN (the step's `checked`: see sampler.non_finite_rows)."""
         n = len(rows)
-        host = self._copy_to_host(out.best)
+        host = self._copy_to_host(out.checked)
         launched = self._launch(rows, out.best)
         tokens = self._read(host)[:n].tolist()
         if launched is not None:
@@ -138,7 +139,8 @@ class DecodeAhead:
         return tokens
 
     def read_and_launch_verify(self, rows: list[Row], step: FusedStep) -> SampleResult:
-        """Each row's accepted count and tokens of MTP's fused greedy step, with the step after it launched first."""
+        """Each row's accepted count and tokens of MTP's fused greedy step, with the step after it launched first
+        (a row whose logits were not finite reads sampler.NO_TOKEN: FusedStep.emitted)."""
         host = self._copy_to_host(step.emitted)
         launched = self._launch_verify(step)
         result = device_result(self._read(host), len(rows))

@@ -27,14 +27,15 @@ from engine.exec.graphs.key import GraphKey
 from engine.exec.graphs.cache import GraphSpec
 from engine.exec.mtp_accept import chain_positions, greedy_acceptance, greedy_acceptance_kernel
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket, split_switches
-from engine.exec.sampler import sample_on_device, sampling_inputs
+from engine.exec.sampler import finite_rows, flag_non_finite, sample_on_device, sampling_inputs
 
 FUSED_KIND = "verify_draft"
 
 
 class FusedStep(NamedTuple):
     """What verify_and_draft gives, on the device: per row the accepted count [Bb], the tokens [Bb, K+1] (a row
-    emits tokens[:accepted + 1]) and the two side by side [Bb, K+2] (one copy to the host); for a greedy step the
+    emits tokens[:accepted + 1]) and the two side by side [Bb, K+2] (one copy to the host; a row whose logits were
+    not finite has sampler.NO_TOKEN for its tokens there, see sampler.non_finite_rows); for a greedy step the
     next step's packed inputs (`next_inputs`, runner.verify_inputs' columns: a step launched ahead of the host
     takes them as they are, engine.exec.decode_ahead), else None; and the step's span."""
 
@@ -123,16 +124,21 @@ class MtpDrafter:
             def fused_fn(x):
                 out = verify_fn(x)
                 next_inputs = None
+                # The finite check in the step: a row whose logits hold NaN or inf emits sampler.NO_TOKEN in
+                # `emitted`, the one copy the host reads (sampler.non_finite_rows), so it costs no sync of its own.
+                # `tokens` and `next_inputs` stay ids: the round below and a step launched ahead feed them on.
+                finite = finite_rows(out["logits"])  # [Bb]
                 if mode == "greedy":
                     tokens = out["logits"].argmax(dim=-1)  # [Bb, K+1]: accepted drafts equal it
                     # with the next step's inputs, for a step launched before the host reads this one
                     accepted, emitted, next_inputs, chain = acceptance(
-                        tokens, out["drafts"], x["slots"], x["draft_rows"], x["pending"], x["positions"], context)
+                        tokens, out["drafts"], x["slots"], x["draft_rows"], x["pending"], x["positions"], context,
+                        finite)
                 else:
                     accepted, tokens = sample_on_device(out["logits"], out["drafts"], x["temperature"], x["top_p"],
                                                         x["uniforms"], use_top_p=mode == "top_p")
-                    # accepted and tokens side by side as well: the host reads both with one copy, no cat after
-                    emitted = torch.cat([accepted.view(bb, 1), tokens], dim=1)
+                    # accepted and tokens side by side as well: the host reads both with one copy
+                    emitted = torch.cat([accepted.view(bb, 1), flag_non_finite(tokens, finite)], dim=1)
                     chain = chain_positions(x["positions"], accepted, k)
                 # The round over the verified positions n..n+K with the emitted tokens as next ids; past the
                 # accepted ones they are junk that the next round overwrites before anything reads it.

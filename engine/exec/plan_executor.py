@@ -33,7 +33,8 @@ from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
 from engine.exec.runner import ModelRunner, MtpUnavailable, Row
-from engine.exec.sampler import SampleResult, device_result, sample_isolating_rows, sample_with_drafts
+from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, sample_isolating_rows,
+                                 sample_with_drafts)
 from engine.telemetry import EventBus, WarningEvent
 
 # The scheduler's types (engine.core: StepPlan, its Admission / PrefillChunk / CacheFill, Request, the Scheduler)
@@ -115,6 +116,7 @@ class PlanExecutor:
         self.draft_accepted = [0] * depth
         self._ahead_slots: frozenset[int] = frozenset()  # the slots of the decode group that may have gone ahead
         self._result = StepResult()
+        self._non_finite_ended = False  # a request ended on NaN logits: the next step scrubs the pool first
 
     # --- the step ------------------------------------------------------------------------------------------
 
@@ -125,6 +127,10 @@ class PlanExecutor:
             with torch.inference_mode(), self.chunks.steps() if self._may_overlap(plan) else contextlib.nullcontext():
                 self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
                 self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
+                if self._non_finite_ended:  # a request ended on NaN logits (its slot is reclaimed now): its blocks
+                    self._non_finite_ended = False  # must reach no other request, this step's admissions included
+                    admitted = {admission.slot for admission in plan.admitted}
+                    self.tier.scrub_non_finite(req.slot for req in self.sched.running() if req.slot not in admitted)
                 for admission in plan.admitted:
                     self._isolated(admission.request, self._admit, admission)
                 self._run_timed(plan)
@@ -255,6 +261,7 @@ class PlanExecutor:
                         result = self.ahead.read_and_launch_verify(rows, step)
                     else:
                         result = device_result(step.emitted, len(rows))
+                    failed = non_finite_rows(result)  # the step's finite check, read with its tokens
                     drafts = self._record_drafts(result.accepted)
                 else:
                     out = self.runner.verify(rows)
@@ -269,6 +276,7 @@ class PlanExecutor:
             out = self.runner.decode(rows) if out is None else out
             if self._goes_ahead(reqs, params) and self.ahead.next_rows_fit(rows, out):
                 result = SampleResult([0] * len(rows), self.ahead.read_and_launch(rows, out))
+                failed = non_finite_rows(result)  # the step's finite check, read with its tokens
             else:
                 result, failed = sample_isolating_rows(out.logits, None, params, gens, histories, is_sticky, out.best)
         now_s = time.monotonic()
@@ -348,6 +356,7 @@ class PlanExecutor:
             self._fail_request(req, exc)
 
     def _fail_request(self, req: Request, exc: BaseException) -> None:
+        self._non_finite_ended |= isinstance(exc, NonFiniteLogits)
         event = error_event(exc, f"engine.request {req.request_id}", self.device)
         self.bus.publish(event)
         if not self._result.skips(req):

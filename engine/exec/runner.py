@@ -23,6 +23,7 @@ from engine.exec.graphs.key import GraphKey
 from engine.exec.graphs.cache import GraphSpec
 from engine.exec.gpu_errors import is_oom, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
+from engine.exec.sampler import finite_rows, flag_non_finite
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, WarningEvent
 
@@ -89,6 +90,9 @@ class StepOutput:
     drafts: torch.Tensor | None = None  # verify: [Bb, K] the drafts that were checked
     span_tokens: int = 0
     best: torch.Tensor | None = None  # decode: [Bb, 1] the argmax, in the step's graph (greedy rows read it)
+    # decode: [Bb, 1] the argmax, -1 where the row's logits hold NaN or inf (sampler.NO_TOKEN): what the host reads
+    # of a step launched ahead, whose `best` feeds the next step as it is (a -1 would be no token id there)
+    checked: torch.Tensor | None = None
 
 
 class PinnedStager:
@@ -357,7 +361,7 @@ class ModelRunner:
         if tokens is not None:
             inputs["tokens"][:len(rows)].copy_(tokens[:len(rows)])  # a device copy, queued before the step
         out = self.run("decode", self._decode_build(bb, span), inputs)
-        return StepOutput(out["logits"], out["hidden"], span_tokens=span, best=out["best"])
+        return StepOutput(out["logits"], out["hidden"], span_tokens=span, best=out["best"], checked=out["checked"])
 
     def _decode_inputs(self, slots: list[int], tokens: list[int], positions: list[list[int]],
                        pinned: bool = False) -> dict:
@@ -373,9 +377,12 @@ class ModelRunner:
 
             def decode_fn(x):
                 # the greedy token inside the replay: outside it, the argmax is one more launch and its host
-                # time on every step (a sampled row leaves it unread)
+                # time on every step (a sampled row leaves it unread); with the finite check beside it, so a
+                # step whose tokens are read without the sampler (engine.exec.decode_ahead) is checked too, in
+                # the copy the host makes anyway
                 out = forward(x)
-                return {**out, "best": out["logits"].argmax(dim=-1)}
+                best = out["logits"].argmax(dim=-1)  # [Bb, 1]
+                return {**out, "best": best, "checked": flag_non_finite(best, finite_rows(out["logits"]))}
 
             return key, decode_fn
 

@@ -30,6 +30,9 @@ History = tuple[Sequence[int], Sequence[int]]
 MIN_REPETITION_PENALTY = 1e-6  # logits / 1e-6 stay finite in float32 and make the seen maximum certain  # (prompt token ids, output token ids so far) of one row
 
 
+NO_TOKEN = -1  # a row's token id where its logits were not finite: flagged on the device, read with the tokens
+
+
 class NonFiniteLogits(RuntimeError):
     """The model's logits for a row hold NaN or inf: broken weights (or a config that does not match them)."""
 
@@ -249,7 +252,7 @@ def sample_with_drafts(
     """
     rows = len(params)
     raw = logits = logits[:rows]
-    finite = torch.isfinite(raw).all(dim=-1).all(dim=-1) if check_finite else None  # [B]
+    finite = finite_rows(raw) if check_finite else None  # [B]
     drafts = None if drafts is None else drafts[:rows]
     if any(p.penalized for p in params):
         if histories is None:
@@ -261,8 +264,8 @@ def sample_with_drafts(
         inputs = sampling_inputs(params, generators, logits.shape[1], logits.device)
         accepted, tokens = sample_on_device(logits, drafts, inputs.temperature, inputs.top_p, inputs.uniforms,
                                             inputs.use_top_p, inputs.top_k, inputs.min_p)
-        result = _to_host(accepted, _flag_non_finite(tokens, finite))
-    bad = [i for i, toks in enumerate(result.tokens) if any(t < 0 for t in toks)]
+        result = _to_host(accepted, flag_non_finite(tokens, finite))
+    bad = [i for i, toks in enumerate(result.tokens) if NO_TOKEN in toks]
     if bad:
         raise NonFiniteLogits(bad)
     if any(p.logprobs is not None for p in params):
@@ -291,11 +294,24 @@ def token_logprobs(logits: torch.Tensor, tokens: list[list[int]], params: list[S
     return out
 
 
-def _flag_non_finite(tokens: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
-    """tokens [B, T] with every token of a row whose logits were not finite set to -1 (on the device)."""
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[B] bool: row b's logits [B, T, V] hold no NaN or inf (one reduction on the device)."""
+    return torch.isfinite(logits).flatten(1).all(dim=-1)
+
+
+def flag_non_finite(tokens: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+    """tokens [B, T] with NO_TOKEN in every row whose logits were not finite (`finite` [B], from `finite_rows`).
+    Device ops only: a captured step computes it beside its tokens, and the host learns of broken logits from the
+    copy of the tokens it makes anyway (`non_finite_rows`), with no sync of its own."""
     if finite is None:
         return tokens
-    return torch.where(finite.view(-1, 1), tokens, torch.full_like(tokens, -1))
+    return torch.where(finite.view(-1, 1), tokens, NO_TOKEN)
+
+
+def non_finite_rows(result: SampleResult) -> dict[int, BaseException]:
+    """The rows of a result read from the device whose tokens carry NO_TOKEN (their logits were not finite),
+    each with its NonFiniteLogits, as `sample_isolating_rows` returns the rows that failed."""
+    return {i: NonFiniteLogits([i]) for i, toks in enumerate(result.tokens) if NO_TOKEN in toks}
 
 
 def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None, best: torch.Tensor | None = None,
@@ -303,7 +319,7 @@ def _greedy(logits: torch.Tensor, drafts: torch.Tensor | None, best: torch.Tenso
     """All rows greedy: the argmax at each position (`best`, when the step computed it); drafts are accepted
     while they equal it. Same result as the general path with one-hot distributions, in a handful of kernels
     (the common serving case)."""
-    best = _flag_non_finite(logits.argmax(dim=-1) if best is None else best, finite)  # [B, T]
+    best = flag_non_finite(logits.argmax(dim=-1) if best is None else best, finite)  # [B, T]
     k = best.shape[1] - 1
     if k > 0 and drafts is not None:
         accepted = (best[:, :k] == drafts).long().cumprod(dim=-1).sum(dim=-1)
@@ -341,13 +357,19 @@ def sample_isolating_rows(
 
     When the batch fails (and `is_fatal` says the device is fine), every row is sampled alone; a row that
     fails alone is returned in the dict (row index -> its error) with greedy stand-in tokens, so a draft
-    round can still run over the whole batch. The caller ends those requests.
+    round can still run over the whole batch. The caller ends those requests. Each row is sampled alone with the
+    draws its generator had before the batch was tried, so a seeded request beside a failing one gets the tokens
+    it would get without it.
     """
+    # the batch draws every row's uniforms before it can fail (a row's logits found NaN come back with its tokens)
+    states = [g.get_state() for g in generators] if any(p.temperature > 0 for p in params) else None
     try:
         return sample_with_drafts(logits, drafts, params, generators, histories, best), {}
     except Exception as exc:  # noqa: BLE001 - sorted out row by row below
         if is_fatal(exc):
             raise
+    for generator, state in zip(generators, states or ()):
+        generator.set_state(state)
     result = SampleResult([], [], [])
     failed: dict[int, BaseException] = {}
     for i, p in enumerate(params):

@@ -37,12 +37,15 @@ from engine.server.protocol import (
     ExpertCacheRequest,
     LARGE_BODY_BYTES,
     parse_body,
+    probe_bytes,
+    refuse_early,
 )
 from engine.server.serving import Serving
 from engine.switches import get_switch
 
 log = logging.getLogger("strata.server")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+LARGE_BODY_TURN_WAIT_S = 5.0  # a large body waits this long at most for the one before it (_turn)
 
 
 def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = sse.DEFAULT_KEEPALIVE_S) -> FastAPI:
@@ -65,7 +68,7 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.client = client
-    app.state.large_body_turn = asyncio.Semaphore(1)  # large bodies are parsed one at a time (_parsed)
+    app.state.large_body_turn = asyncio.Semaphore(1)  # large bodies are read and parsed one at a time (_parsed)
     _install_error_handlers(app)
     # Host, API key, Origin, Content-Type and body size are checked before any route runs (guard.py).
     app.add_middleware(RequestGuard, config=config)
@@ -81,11 +84,55 @@ async def _parsed(model: type[BodyT], request: Request) -> BodyT:
     pieces (json_chunked) and one at a time: each busy parser thread is one more contender for the GIL the
     loop needs between its pieces."""
     context_tokens = getattr(request.app.state.client, "context_tokens", None)
-    raw = await request.body()
-    if len(raw) <= LARGE_BODY_BYTES:
+    if not _large(request):
+        return await asyncio.to_thread(parse_body, model, await request.body(), context_tokens)
+    # One large body at a time, read and parsed: the others wait in their senders' sockets (uvicorn stops
+    # reading a connection whose app does not take its body), costing no CPU while /health is answered.
+    async with _turn(request.app.state.large_body_turn):
+        raw = await _large_body(request, context_tokens)
         return await asyncio.to_thread(parse_body, model, raw, context_tokens)
-    async with request.app.state.large_body_turn:
-        return await asyncio.to_thread(parse_body, model, raw, context_tokens)
+
+
+@contextlib.asynccontextmanager
+async def _turn(turn: asyncio.Semaphore) -> AsyncIterator[None]:
+    """The large-body turn, waited for at most LARGE_BODY_TURN_WAIT_S: a sender that trickles its body holds
+    the turn, and the bodies behind it then go on without it rather than wait for it."""
+    try:
+        await asyncio.wait_for(turn.acquire(), LARGE_BODY_TURN_WAIT_S)
+    except TimeoutError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        turn.release()
+
+
+def _large(request: Request) -> bool:
+    """The body's Content-Length is past LARGE_BODY_BYTES (the guard has held it to the limit)."""
+    length = request.headers.get("content-length", "")
+    return length.isascii() and length.isdigit() and int(length) > LARGE_BODY_BYTES
+
+
+async def _large_body(request: Request, context_tokens: int | None) -> bytearray:
+    """A large request body, copied piece by piece as each arrives into one buffer of its length (Starlette's
+    `body()` joins the pieces at the end in one copy of the whole body, which held the event loop for
+    milliseconds per body). Once its first `probe_bytes` are in they are looked at in a worker thread
+    (protocol.refuse_early): an array longer than the context is refused there, without the rest of the body,
+    which uvicorn then drains without handing it to the app."""
+    length = request.headers["content-length"]
+    buffer = bytearray(int(length))
+    view, end = memoryview(buffer), 0
+    probe_at = probe_bytes(context_tokens)
+    async for piece in request.stream():
+        if end + len(piece) > len(buffer):  # h11 holds a body to its Content-Length: never, but never past it
+            raise invalid_param("Content-Length", length, "the body is longer than its Content-Length")
+        view[end:end + len(piece)] = piece
+        end += len(piece)
+        if probe_at is not None and probe_at <= end < len(buffer):
+            probe_at = None
+            await asyncio.to_thread(refuse_early, bytes(view[:end]), context_tokens)
+    return buffer if end == len(buffer) else buffer[:end]
 
 
 def _openai_routes(app: FastAPI, serving: Serving) -> None:

@@ -125,8 +125,10 @@ class RequestGuard:
             if body_done:  # after the body only a disconnect comes: the client's, or a stalled send's
                 return await _first_of(receive, stalled)
             try:
-                message = await asyncio.wait_for(receive(), BODY_STALL_S)
-            except asyncio.TimeoutError:
+                # a deadline on this task, not wait_for's task per message: a large body arrives in hundreds
+                async with asyncio.timeout(BODY_STALL_S):
+                    message = await receive()
+            except TimeoutError:
                 raise ApiError(408, f"the request body stopped arriving for {BODY_STALL_S:.0f} s (after {seen} "
                                     f"bytes)", code="body_timeout") from None
             if message["type"] == "http.request":

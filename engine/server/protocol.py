@@ -34,6 +34,9 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 MIN_ARRAY_LIMIT = 1 << 16  # arrays in a large body are cut off past max(context, this)
 LARGE_BODY_BYTES = 256 << 10  # above this a body is parsed in pieces (json_chunked): the event loop keeps going
+# refuse_early looks at this many bytes per id of the limit: ids of up to six digits with a comma and a space
+# (a tokenizer's ids, as JSON writers space them); a body whose ids are longer is parsed whole, as before
+PROBE_BYTES_PER_ID = 8
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default limit; OpenAI's is 20 for chat)
 MAX_CHOICES = 16  # n: each choice is one engine request
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
@@ -271,8 +274,7 @@ def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None
         else:
             data = json.loads(raw)
     except json_chunked.TooManyItems as exc:
-        raise ApiError(400, f"{exc}; no prompt, message list or token-id list can be longer than the context "
-                            f"({max_prompt_ids} tokens)", code="context_length_exceeded") from None
+        raise _array_too_long(exc, max_prompt_ids) from None
     except RecursionError:
         raise malformed_json("nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
@@ -291,6 +293,29 @@ def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def probe_bytes(max_prompt_ids: int | None) -> int | None:
+    """How much of a large body `refuse_early` looks at (None: no context to hold arrays to)."""
+    return None if max_prompt_ids is None else max(max_prompt_ids, MIN_ARRAY_LIMIT) * PROBE_BYTES_PER_ID
+
+
+def refuse_early(prefix: bytes, max_prompt_ids: int) -> None:
+    """The 400 parse_body would give for an array past the context, when the first bytes of the body already
+    hold one; nothing otherwise (a body cut short is no error yet: the whole body is parsed when it is in). So
+    a body that cannot fit is refused before the rest of it is read. CPU-heavy: a worker thread calls it."""
+    limit = max(max_prompt_ids, MIN_ARRAY_LIMIT)
+    try:
+        json_chunked.loads(prefix, limit)
+    except json_chunked.TooManyItems as exc:
+        raise _array_too_long(exc, max_prompt_ids) from None
+    except (ValueError, RecursionError):
+        return
+
+
+def _array_too_long(exc: json_chunked.TooManyItems, max_prompt_ids: int | None) -> ApiError:
+    return ApiError(400, f"{exc}; no prompt, message list or token-id list can be longer than the context "
+                         f"({max_prompt_ids} tokens)", code="context_length_exceeded")
 
 
 def _check_unicode(data: Any) -> None:

@@ -66,7 +66,10 @@ class HeadTimeoutH11Protocol(H11Protocol):
         if not waiting_head and self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
-        elif waiting_head and self._head_timer is None and self.conn.trailing_data[0]:
+        elif waiting_head and self._head_timer is None and (self.conn.trailing_data[0]
+                                                             or self.timeout_keep_alive_task is None):
+            # part of the next head, or nothing and no keep-alive timer: the rest of a body refused before it
+            # was all read (engine.server.app._body) ended the last request after its answer, which armed none
             self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -76,7 +79,8 @@ class HeadTimeoutH11Protocol(H11Protocol):
 
     def _head_late(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE and self.cycle is None and not self.transport.is_closing():
+        idle = self.cycle is None or self.cycle.response_complete  # no request, or the last one answered
+        if self.conn.their_state is h11.IDLE and idle and not self.transport.is_closing():
             log.info("closing a connection from %s that sent no whole request head in %.0f s",
                      self.client, HEADER_TIMEOUT_S)
             self.transport.close()

@@ -23,7 +23,7 @@ cache to a backend (the PyTorch reference, or the Triton kernels that read the p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -86,6 +86,9 @@ class KVGeometry:
 
     def total_bytes(self, storage: str, compute_dtype: torch.dtype) -> int:
         return self.bytes_per_token(storage, compute_dtype) * self.num_slots * self.columns
+
+
+SCRUB_CHUNK_BYTES = 16 << 20  # non_finite_blocks' mask: at most this many bytes at once
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,6 +312,39 @@ class SlotKVCache:
             for i in range(len(pools)):
                 if pools[i].shape[1] != num_blocks:
                     pools[i] = resized(pools, i, num_blocks, fill, stage)
+
+    def non_finite_blocks(self) -> set[int]:
+        """Physical blocks holding a NaN or inf in any layer's keys, values or scales (a pass over the pools: for
+        the rare step whose logits were not finite, never per step)."""
+        num_blocks = self.k[0].shape[1]
+        bad = torch.zeros(num_blocks, dtype=torch.bool, device=self.device)
+        for pool in (*self.k, *self.v, *self.k_scale, *self.v_scale):
+            if not pool.is_floating_point():
+                continue
+            # a slice of blocks at a time: the check's mask is as large as what it checks, and VRAM is full by design
+            step = max(1, SCRUB_CHUNK_BYTES // max(1, pool[:, :1].numel()))
+            for start in range(0, num_blocks, step):
+                part = pool[:, start:start + step]  # [Hkv, n, bt(, D)]
+                bad[start:start + part.shape[1]] |= ~torch.isfinite(part).transpose(0, 1).flatten(1).all(dim=1)
+        return set(bad.nonzero().flatten().tolist())
+
+    def blocks_of(self, slots: Iterable[int]) -> set[int]:
+        """The physical blocks the slots' table rows address."""
+        rows = list(slots)
+        if not rows:
+            return set()
+        return set(self.block_table[torch.tensor(rows, device=self.device)].flatten().tolist())
+
+    def zero_blocks(self, blocks: Iterable[int]) -> None:
+        """Zero physical blocks (scales to 1): what a fresh pool holds. Attention masks the positions past a row's
+        length, but a masked NaN still poisons P.V (0 * NaN), so a block handed to another slot must be finite."""
+        ids = sorted(blocks)
+        if not ids:
+            return
+        index = torch.tensor(ids, device=self.device)
+        for pools, fill in ((self.k, 0), (self.v, 0), (self.k_scale, 1.0), (self.v_scale, 1.0)):
+            for pool in pools:
+                pool.index_fill_(1, index, fill)
 
     # --- storage -------------------------------------------------------------------------------------------
 

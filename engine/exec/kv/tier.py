@@ -19,7 +19,7 @@ the index's pool and frees the tensors of the ids the index released.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -202,6 +202,20 @@ class AdaptiveTier:
             # still holds the digest it was mapped with carries this mapping's pin.
             self.index.unpin(ref.block_id for ref in self.shared.reclaim()
                              if self.index.digest_of(ref.block_id) == ref.digest)
+
+    def scrub_non_finite(self, live_slots: Iterable[int]) -> int:
+        """After a request ended on logits that were not finite (and its slot was reclaimed): zero every pool block
+        holding a NaN or inf that no live slot reads, so no later request meets it through a masked position
+        (engine.exec.kv.cache.SlotKVCache.zero_blocks); cached prefix blocks among them are evicted first, as
+        they no longer hold their prompt's KV. Blocks a live slot reads keep what they hold: that request meets
+        its NaN itself and gets the error. Returns the blocks zeroed."""
+        bad = self.kv.non_finite_blocks() - self.kv.blocks_of(live_slots)
+        if self.shared is not None and bad:
+            held = {b for b, physical in self.shared.backing.items() if bad.intersection(physical)}
+            kept = held - set(self.index.evict(len(held), only=held.__contains__))  # pinned: a live slot maps it
+            bad -= {p for b in kept for p in self.shared.backing[b]}
+        self.kv.zero_blocks(bad)
+        return len(bad)
 
     def close(self, reason: str) -> None:
         """The engine closes: give every block back (pool blocks go with the KV cache's tensors)."""

@@ -137,3 +137,35 @@ def test_geometry_accounts_int8_scales():
     assert geo.bytes_per_token("int8", torch.bfloat16) == 2 * 4 * 8 * (128 + 4)
     cache = SlotKVCache(KVGeometry(2, 2, 2, 16, 100, 4), "int8", torch.float32, "cpu")
     assert cache.nbytes == cache.geometry.total_bytes("int8", torch.float32)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_non_finite_blocks_are_found_a_slice_at_a_time_and_zeroed(storage, monkeypatch):
+    """What a request that met NaN logits leaves behind: the blocks holding NaN or inf, in any layer's keys,
+    values or int8 scales, found however small the slices the check takes; zeroed, they hold a fresh pool's
+    data and the rest is untouched."""
+    import engine.exec.kv.cache as cache_module
+
+    cache = _cache(storage)
+    gen = torch.Generator().manual_seed(0)
+    for pool in (*cache.k, *cache.v):
+        pool.copy_(torch.randint(-50, 50, pool.shape, generator=gen).to(pool.dtype))
+    before = [p.clone() for p in (*cache.k, *cache.v, *cache.k_scale, *cache.v_scale)]
+    if storage == "int8":
+        cache.k_scale[1][0, 3, 5] = float("nan")
+        cache.v_scale[0][1, 7, 0] = float("inf")
+        want = {3, 7}
+    else:
+        cache.k[1][0, 3, 5, 2] = float("nan")
+        cache.v[0][1, 7, 0, 0] = float("-inf")
+        want = {3, 7}
+    monkeypatch.setattr(cache_module, "SCRUB_CHUNK_BYTES", 1)  # one block a slice
+    assert cache.non_finite_blocks() == want
+    cache.zero_blocks(want)
+    assert cache.non_finite_blocks() == set()
+    for old, new in zip(before, (*cache.k, *cache.v, *cache.k_scale, *cache.v_scale)):
+        keep = [b for b in range(new.shape[1]) if b not in want]
+        assert torch.equal(old[:, keep], new[:, keep])
+        fill = 1 if new.is_floating_point() and new.dim() == 3 and storage == "int8" else 0
+        assert bool((new[:, sorted(want)] == fill).all())
+    assert cache.blocks_of([1]) == set(cache.block_table[1].tolist())

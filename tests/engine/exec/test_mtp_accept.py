@@ -29,17 +29,24 @@ def _batch(k: int, seed: int, device: str = "cpu") -> dict:
     packed = torch.tensor([[row, row + 10, 7 * row + 1] + [starts[row] + j for j in range(k + 1)]
                            for row in range(bb)])
     tokens, buf, packed = tokens.to(device), buf.to(device), packed.to(device)
+    finite = torch.tensor([row != seed % bb for row in range(bb)], device=device)  # one row's logits were NaN
     return {"tokens": tokens, "drafts": buf[:, :k], "slots": packed[:, 0], "draft_rows": packed[:, 1],
-            "pending": packed[:, 2:3], "positions": packed[:, 3:], "context_tokens": CONTEXT}
+            "pending": packed[:, 2:3], "positions": packed[:, 3:], "context_tokens": CONTEXT, "finite": finite}
 
 
 def test_the_reference_acceptance_on_a_worked_batch():
     tokens = torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]])
     drafts = torch.tensor([[11, 12], [21, 99], [99, 32]])  # all kept; the first; none (a later match counts not)
     packed = torch.tensor([[0, 5, 10, 3, 4, 5], [1, 6, 20, 8, 9, 10], [2, 7, 30, CONTEXT, CONTEXT + 1, CONTEXT + 2]])
-    got = greedy_acceptance(tokens, drafts, packed[:, 0], packed[:, 1], packed[:, 2:3], packed[:, 3:], CONTEXT)
+    finite = torch.tensor([True, True, True])
+    got = greedy_acceptance(tokens, drafts, packed[:, 0], packed[:, 1], packed[:, 2:3], packed[:, 3:], CONTEXT, finite)
     assert got.accepted.tolist() == [2, 1, 0]
     assert got.emitted.tolist() == [[2, 11, 12, 13], [1, 21, 22, 23], [0, 31, 32, 33]]
+    # a row whose logits were not finite emits no token id the host could take for one; its next inputs stay ids
+    flagged = greedy_acceptance(tokens, drafts, packed[:, 0], packed[:, 1], packed[:, 2:3], packed[:, 3:], CONTEXT,
+                                torch.tensor([True, False, True]))
+    assert flagged.emitted.tolist() == [[2, 11, 12, 13], [1, -1, -1, -1], [0, 31, 32, 33]]
+    assert torch.equal(flagged.next_inputs, got.next_inputs) and torch.equal(flagged.accepted, got.accepted)
     # a real row's next pending token is tokens[accepted], its positions move by accepted + 1; padding stays
     assert got.next_inputs.tolist() == [[0, 5, 13, 6, 7, 8], [1, 6, 22, 10, 11, 12],
                                         [2, 7, 30, CONTEXT, CONTEXT + 1, CONTEXT + 2]]

@@ -107,3 +107,84 @@ def test_a_streaming_client_that_stops_reading_is_aborted(short_timeouts) -> Non
         # Never read: the socket buffers fill, uvicorn's send blocks, the guard gives up and the request ends.
         assert wait_until(lambda: engine.aborted, timeout_s=60), "generation went on for a client that stopped reading"
         sock.close()
+
+
+def test_a_token_id_body_past_the_context_is_refused_before_its_end_and_the_connection_serves_on(
+        short_timeouts) -> None:
+    """A large body whose first bytes already hold more ids than the context is answered 400 without the app
+    reading the rest (uvicorn drains it); the same connection then serves the next request, and once idle it is
+    closed like any connection waiting for a head."""
+    from engine.server import app as app_module
+
+    engine = FakeEngine()
+    reads: list[int] = []
+    real_refuse = app_module.refuse_early
+    app_module.refuse_early = lambda prefix, limit: (reads.append(len(prefix)), real_refuse(prefix, limit))[1]
+    try:
+        with _serve(engine) as url:
+            body = json.dumps({"model": MODEL, "prompt": [12] * (1 << 20), "max_tokens": 1}).encode()
+            request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            for then_idle in (False, True):
+                sock = _connect(url)
+                sock.sendall(request)
+                answer = _read_response(sock)
+                assert answer.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answer, answer[:300]
+                assert reads and reads[-1] < len(body) // 4, reads  # refused from a prefix of the body
+                if then_idle:  # the rest drained, no request: closed as a connection that sends no head
+                    closed, _ = _closed_within(sock, BOUND_S)
+                    assert closed
+                else:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                    assert _read_response(sock).startswith(b"HTTP/1.1 200")
+                sock.close()
+    finally:
+        app_module.refuse_early = real_refuse
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One HTTP response with a Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return head + b"\r\n\r\n" + rest
+
+
+def test_a_large_body_trickled_in_does_not_hold_the_others(short_timeouts, monkeypatch) -> None:
+    """Large bodies are read one at a time, but one whose sender trickles it (a byte now and then, never long
+    enough to stall) holds the turn only LARGE_BODY_TURN_WAIT_S for the bodies behind it."""
+    import threading
+
+    from engine.server import app as app_module
+
+    monkeypatch.setattr(app_module, "LARGE_BODY_TURN_WAIT_S", 0.5)
+    with _serve(FakeEngine()) as url:
+        big = json.dumps({"model": MODEL, "prompt": [12] * (1 << 20), "max_tokens": 1}).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(big)).encode() + b"\r\n\r\n")
+        slow, stop = _connect(url), threading.Event()
+        slow.sendall(head + big[:300_000])  # past LARGE_BODY_BYTES: it takes the turn, then trickles
+
+        def trickle() -> None:
+            for i in range(300_000, len(big)):
+                if stop.wait(0.2):
+                    return
+                slow.sendall(big[i:i + 1])
+
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        time.sleep(0.5)
+        fast = _connect(url)
+        fast.sendall(head + big)
+        answer = _read_response(fast)
+        assert answer.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answer, answer[:300]
+        assert sender.is_alive()  # answered while the trickled body still held the turn
+        stop.set()
+        sender.join()
+        for sock in (slow, fast):
+            sock.close()

@@ -3,7 +3,8 @@ JSON (huge and Unicode-digit integers, NaN, deep values, wrong types) and arbitr
 app on the tiny model (a real AsyncEngine on CPU behind uvicorn on loopback).
 
 The example count is bounded (STRATA_HOSTILE_EXAMPLES, default 120) so it stays well under a minute;
-raise it for a hostile run: `STRATA_HOSTILE_EXAMPLES=3000 pytest tests/engine/server/test_hostile_property.py`.
+raise it for a hostile run: `STRATA_HOSTILE_EXAMPLES=3000 pytest -s tests/engine/server/test_hostile_property.py`
+(`-s` shows each test's totals: requests, statuses, auth holes).
 """
 
 from __future__ import annotations
@@ -75,11 +76,14 @@ def _set(body: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     node: Any = body
     for part in parents:
-        node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if isinstance(node, list) and not node:  # an earlier mutation left an empty list: nothing to reach into
+            return
+        node = node[int(part) % len(node)] if isinstance(node, list) else node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
             return
     if isinstance(node, list):
-        node[int(last) % max(len(node), 1)] = value
+        if node:
+            node[int(last) % len(node)] = value
     elif isinstance(node, dict):
         node[last] = value
 
@@ -196,3 +200,75 @@ def test_special_token_text_in_a_text_prompt_is_text(server) -> None:
     assert resp.status_code == 200, resp.text
     prompt_ids = resp.json()["choices"][0]["prompt_token_ids"]
     assert len(prompt_ids) > 1 and 0 not in prompt_ids  # id 0 is <|endoftext|> in the tiny tokenizer
+
+
+KEY = "sk-hostile-0123456789abcdef"
+# Authorization values and whether each is the key (auth.check_bearer: the scheme in any case, the token trimmed)
+KEY_VARIANTS = [
+    (f"Bearer {KEY}", True), (f"bearer {KEY}", True), (f"BEARER  {KEY}", True), (f"Bearer {KEY}\t", True),
+    (KEY, False), (f"Bearer {KEY[:-1]}", False), (f"Bearer {KEY}x", False), (f"Basic {KEY}", False),
+    (f"Bearer {KEY.upper()}", False), ("Bearer", False), ("Bearer ", False), ("", False), (f"Token {KEY}", False),
+    (f"Bearer {KEY},Bearer x", False), (f"Bearer x {KEY}", False), (f"Bearer {KEY}\u00b2", False),
+    (f"Bearer {KEY[:8]}", False), (f"Bearer\t{KEY}", False), ("Bearer " + "A" * 5000, False),
+]
+OPEN_PATHS = {"/health"}
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory) -> Iterator[tuple[str, str]]:
+    root = tmp_path_factory.mktemp("hostile_keyed")
+    with real_server(str(random_checkpoint(root)), batch=2, context=128, api_key=KEY) as (url, client, _):
+        yield url, client.model_name
+
+
+def test_no_authorization_but_the_key_opens_a_route_and_the_key_is_in_no_answer(keyed_server) -> None:
+    """With --api-key: every route but /health answers 401 unless the request carries the key, whatever else it
+    holds (hostile bodies and headers as above), and no answer (status line, headers, body) holds the key."""
+    url, model = keyed_server
+    statuses: Counter = Counter()
+    holes: list[str] = []
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 200, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(hostile_requests(), st.sampled_from(KEY_VARIANTS + [(None, False)]))
+    def check(request, variant) -> None:
+        method, path, body, headers = request
+        value, is_key = variant
+        headers = [(k, v) for k, v in headers if k != b"authorization"]
+        if value is not None:
+            headers.append((b"authorization", value.encode("utf-8")))
+        status, answer = _send_keyed(url, model, method, path, body, headers)
+        statuses[status] += 1
+        assert status < 500, (status, method, path)
+        assert KEY.encode() not in answer, (method, path, value)
+        if path not in OPEN_PATHS and not is_key and 0 < status < 400:  # served without the key
+            holes.append(f"{status} {method} {path} authorization={value!r:.60}")
+        assert not holes, holes
+
+    for variant in KEY_VARIANTS:  # every variant against a read route and a generating one, every time
+        check = example(("GET", "/v1/models", None, []), variant)(check)
+        check = example(("POST", COMPLETIONS[1], dict(COMPLETIONS[2]), []), variant)(check)
+    check()
+    print(f"hostile keyed run: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}, "
+          f"auth holes {len(holes)}")
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def _send_keyed(url: str, model: str, method: str, path: str, body: dict | None,
+                headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    """(status, the whole answer: status line reason, headers and body; of an event stream its head)."""
+    if body is not None and "model" not in body:
+        body = {"model": model, **body}
+    content = None if body is None else json.dumps(body).encode("utf-8", "surrogatepass")
+    if content is not None and b"content-type" not in {k for k, _ in headers}:
+        headers = headers + [(b"content-type", b"application/json")]
+    headers = [(k, v) for k, v in headers if k != b"content-length"]
+    try:
+        with httpx.Client(timeout=60) as client:
+            with client.stream(method, url + path, content=content, headers=headers) as resp:
+                answer = resp.reason_phrase.encode() + b"".join(k + b": " + v for k, v in resp.headers.raw)
+                if path == "/strata/events" and resp.status_code == 200:
+                    return resp.status_code, answer  # an endless stream of telemetry: its head is what is tested
+                return resp.status_code, answer + resp.read()
+    except httpx.LocalProtocolError:
+        return 0, b""  # a header value httpx itself will not send
