@@ -116,11 +116,18 @@ async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float 
                          silence_s: float = LIVENESS_SILENCE_S) -> None:
     """Ask /health every `interval_s`: an engine that stops answering, even with its connections open
     (stopped, swapping, wedged), is reported `silence_s` after its last answer at the latest. Its event
-    stream can stay silent for many seconds when idle, so the stream alone cannot tell."""
+    stream can stay silent for many seconds when idle, so the stream alone cannot tell; but bytes on the
+    stream are an answer too: while a busy engine's events keep coming, no probe is sent (a probe costs the
+    app more CPU than a read of the stream does)."""
     answering: bool | None = None
     last_answer_s = time.monotonic()
     while True:
         started = time.monotonic()
+        heard_s = client.last_data_s
+        if answering and heard_s is not None and started - heard_s < interval_s:
+            last_answer_s = max(last_answer_s, heard_s)
+            await asyncio.sleep(interval_s)
+            continue
         # While it answers, a probe may take what is left of the silence allowed since the last answer.
         budget_s = max(0.05, last_answer_s + silence_s - started) if answering else silence_s
         try:
