@@ -2,7 +2,8 @@
 model, and the pictures are taken with App.save_screenshot while it runs.
 
   monitor-long-prompt.svg   the monitor while the seed scenario's fresh long prompt is admitted (short
-                            generations decoding, one slot prefilling with its ETA); also at 100x30
+                            generations decoding beside it until it is done, one slot prefilling with its
+                            ETA); also at 100x30
   profiles.svg              the profiles screen, with one broken profile reported by path and line
   crash.svg                 the crash panel after the engine exits on a real error: on a GPU a CUDA error
                             (a device ordinal the machine does not have), on CPU a checkpoint cut short
@@ -36,6 +37,7 @@ from strata_tui.profiles import Profile  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)
+SHOT_LOAD = {"short_max_tokens": 0}  # the seed's shorts decode until the long prompt is done (then are stopped)
 
 
 def default_checkpoint(workdir: Path) -> tuple[str, Path]:
@@ -120,7 +122,9 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
     app = create_app(config_dir=config_dir, profile="seed-repro", engine_cwd=str(ROOT))
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: bool(app.view.telemetry_connected), 300, "the engine to be ready")
-        app.action_run_load("seed")  # the app's own load action: six short generations, then a fresh long prompt
+        # The seed scenario (six short generations, then a fresh long prompt) with the shorts decoding until the
+        # long prompt is done: the `l` key's short generations end before the long prompt arrives on CPU.
+        app.controls.run_load("seed", overrides=SHOT_LOAD)
         await wait_until(pilot, lambda: long_prefill_visible(app), 600, "the long prompt's prefill")
         await pilot.pause(app.view.settings.refresh_s * 2)  # let the refresh tick draw it
         written.append(Path(app.save_screenshot(name("monitor-long-prompt"))))

@@ -133,6 +133,9 @@ async def test_fused_ops_from_the_palette_is_saved_for_the_next_start(config_dir
         command.callback()
         await wait_for(pilot, lambda: app.store.load("default").engine.switches.get("FUSED_OPS") is (not before),
                        what="FUSED_OPS saved")
+        # the note changes when the save's thread hands back, which may come a moment after the file is written
+        await wait_for(pilot, lambda: app.view.monitor.switches["FUSED_OPS"].note != "saving: applies at the next start",
+                       what="the note after the save")
         assert app.view.monitor.switches["FUSED_OPS"].note == "saved: applies at the next start"
 
 
