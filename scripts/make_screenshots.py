@@ -132,7 +132,7 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
         await pilot.pause(app.view.settings.refresh_s * 2)
         written.append(Path(app.save_screenshot(name("monitor-long-prompt-100x30"))))
         await pilot.resize_terminal(*SIZE)
-        await wait_until(pilot, lambda: app.view.load_result is not None, 600, "the scenario's result")
+        await wait_until(pilot, lambda: app.view.load_result is not None, 1800, "the scenario's result")
         await pilot.pause(app.view.settings.refresh_s * 2)
         written.append(Path(app.save_screenshot(name("load-result"))))
         os.environ.pop("STRATA_FAULT_INJECT", None)
@@ -155,7 +155,8 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint directory (default: builtin:strata-tiny if installed, else a "
                                         "random tiny Qwen3 with an MTP head)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--context", type=int, default=32768, help="tokens per slot (the long prompt fills it)")
+    parser.add_argument("--context", type=int, default=8192,
+                        help="tokens per slot (the long prompt fills it; on a CPU a longer one takes many minutes)")
     parser.add_argument("--chunk-tokens", type=int, default=512,
                         help="prefill chunk: small on CPU so the long prompt's admission lasts long enough to see")
     parser.add_argument("--fault-inject", default="", help="STRATA_FAULT_INJECT rules for the seed run")
