@@ -154,7 +154,6 @@ class SlotsTable(DataTable):
         self.updated: Counter[tuple[str, str]] = Counter()  # (row, column) -> updates, for the same reason
         self._row_version: dict[str, int] = {}  # row key -> changes so far (a drawn row is kept until it changes)
         self._drawn: dict[str | None, tuple[tuple, Strip]] = {}  # row key (None: the header) -> (look, strip)
-        self.rows_rendered = 0  # counted for tests: a refresh renders only the rows that changed
 
     def _fit_columns(self) -> bool:
         """Rebuild the columns when the width calls for another set; True when rebuilt."""
@@ -245,7 +244,6 @@ class SlotsTable(DataTable):
                 bgcolor=cursor_style.bgcolor if self.cursor_background_priority == "css" else None)
         strip = self._row_strip(cells, under, over).crop_extend(scroll_x, scroll_x + width, under)
         self._drawn[key] = (look, strip)
-        self.rows_rendered += 1
         return strip
 
     def _row_strip(self, cells: dict[str, Text | str], under: Style, over: Style | None) -> Strip:

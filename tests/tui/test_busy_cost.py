@@ -43,7 +43,12 @@ async def test_a_refresh_renders_only_the_rows_that_changed(monkeypatch) -> None
     slots cost some seventy cell renders a refresh. A row is now rendered once when it changes."""
     renders = []
     text_render = Text.render
-    monkeypatch.setattr(Text, "render", lambda self, *a, **k: (renders.append(self.plain), text_render(self, *a, **k))[1])
+
+    def counted_render(self, *args, **kwargs):
+        renders.append(self.plain)
+        return text_render(self, *args, **kwargs)
+
+    monkeypatch.setattr(Text, "render", counted_render)
     app = _TableApp()
     async with app.run_test(size=(160, 20)) as pilot:
         table = app.query_one(SlotsTable)
