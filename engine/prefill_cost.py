@@ -58,12 +58,15 @@ def fit_chunks(chunks: list[tuple[int, int, float]]) -> tuple[float, float] | No
 
     A chunk that took more than ONE_TIME_COST_RATIO times the fit's prediction paid a one-time cost (a kernel
     compiled or a graph captured for a new chunk size beside the decoding slots, the wait before the first chunk
-    ran): the curve is fitted again without such chunks, so their cost is not spread over the rest of the prompt."""
+    ran): the curve is fitted again without such chunks (but the latest), so their cost is not spread over the
+    rest of the prompt."""
     chunks = [(x0, x1, dt) for x0, x1, dt in chunks if x1 > x0 and dt >= 0]
     if not chunks:
         return None
     a, b = _fit(chunks)
-    usual = [c for c in chunks if c[2] <= ONE_TIME_COST_RATIO * span_cost_s(a, b, c[0], c[1])]
+    # The latest chunk stays whatever it took: it is the best word on the pace now (a step up in cost starts
+    # there), and a one-time cost it paid is left out once later chunks show it was one.
+    usual = [c for c in chunks[:-1] if c[2] <= ONE_TIME_COST_RATIO * span_cost_s(a, b, c[0], c[1])] + chunks[-1:]
     if MIN_USUAL_CHUNKS <= len(usual) < len(chunks):
         a, b = _fit(usual)
     return a, b
