@@ -242,6 +242,8 @@ class SlotsTable(DataTable):
             over = Style.from_color(
                 color=cursor_style.color if self.cursor_foreground_priority == "css" else None,
                 bgcolor=cursor_style.bgcolor if self.cursor_background_priority == "css" else None)
+        # A click reads the row from the style's meta, as on DataTable's own lines (it moves the row cursor).
+        under += Style.from_meta({"row": index, "column": 0})
         strip = self._row_strip(cells, under, over).crop_extend(scroll_x, scroll_x + width, under)
         self._drawn[key] = (look, strip)
         return strip

@@ -135,3 +135,15 @@ async def test_no_health_probe_while_the_event_stream_flows_and_a_silent_engine_
     worker.cancel()
     assert [n.answering for n in news] == [True, False] and isinstance(news[1], EngineLiveness)
     assert client.probes >= 2, "once the stream went quiet, /health was asked again"
+
+
+async def test_a_click_on_a_row_still_moves_the_row_cursor() -> None:
+    app = _TableApp()
+    async with app.run_test(size=(160, 20)) as pilot:
+        table = app.query_one(SlotsTable)
+        table.show(_decoding({n: 10 for n in range(6)}))
+        await pilot.pause(0.1)
+        assert table.cursor_row == 0
+        await pilot.click(SlotsTable, offset=(3, 4))  # the header is line 0: line 4 is slot 3's row
+        await pilot.pause(0.1)
+        assert table.cursor_row == 3
