@@ -154,6 +154,7 @@ class SlotsTable(DataTable):
         self.updated: Counter[tuple[str, str]] = Counter()  # (row, column) -> updates, for the same reason
         self._row_version: dict[str, int] = {}  # row key -> changes so far (a drawn row is kept until it changes)
         self._drawn: dict[str | None, tuple[tuple, Strip]] = {}  # row key (None: the header) -> (look, strip)
+        self._frame_styles: dict[str, Style] | None = None
 
     def _fit_columns(self) -> bool:
         """Rebuild the columns when the width calls for another set; True when rebuilt."""
@@ -210,12 +211,24 @@ class SlotsTable(DataTable):
 
     def notify_style_update(self) -> None:  # a CSS change (a class such as -stale) changes every row's look
         self._drawn.clear()
+        self._frame_styles = None
         super().notify_style_update()
+
+    def render_lines(self, crop):
+        self._frame_styles = None  # the widget's styles are read once a paint, not once a line
+        return super().render_lines(crop)
+
+    def _styles(self) -> dict[str, Style]:
+        if self._frame_styles is None:
+            self._frame_styles = {"base": self.rich_style, **{name: self.get_component_rich_style(name) for name in (
+                "datatable--header", "datatable--odd-row", "datatable--even-row", "datatable--cursor")}}
+        return self._frame_styles
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         scroll_x, scroll_y = self.scroll_offset
-        base = self.rich_style
+        styles = self._styles()
+        base = styles["base"]
         if self.show_header and y < self.header_height:
             key, index = None, -1
         else:
@@ -225,11 +238,11 @@ class SlotsTable(DataTable):
             key = list(self._cells)[index]
         component = "datatable--header" if key is None else (
             "datatable--odd-row" if index % 2 else "datatable--even-row")
-        row_style = base + self.get_component_rich_style(component)
+        row_style = base + styles[component]
         # The row cursor looks as DataTable draws it: its colours over the cells' own (foreground), under them
         # (background), per the table's cursor priorities.
         cursor = (key is not None and self.show_cursor and self.cursor_type == "row" and index == self.cursor_row)
-        cursor_style = self.get_component_rich_style("datatable--cursor") if cursor else None
+        cursor_style = styles["datatable--cursor"] if cursor else None
         look = (self._row_version.get(key, 0) if key is not None else self.columns_spec, index, width, scroll_x,
                 row_style, cursor_style)
         drawn = self._drawn.get(key)

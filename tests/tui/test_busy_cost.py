@@ -147,3 +147,46 @@ async def test_a_click_on_a_row_still_moves_the_row_cursor() -> None:
         await pilot.click(SlotsTable, offset=(3, 4))  # the header is line 0: line 4 is slot 3's row
         await pilot.pause(0.1)
         assert table.cursor_row == 3
+
+
+class _Stream:
+    """What stream_telemetry reads of a TelemetryClient: a connection's state, then batches of events."""
+
+    engine_restarts = 0
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    async def state(self) -> dict:
+        return {"instance_id": "x"}
+
+    async def events(self, on_status, on_connect):
+        await on_connect()
+        on_status(True, "connected")
+        seq = 0
+        for _ in range(self.batches):  # a busy engine: a read every 5 ms
+            await asyncio.sleep(0.005)
+            batch = []
+            for slot in range(6):
+                seq += 1
+                batch.append(SlotEvent(slot=slot, state="decode", generated_tokens=seq, seq=seq))
+            yield batch
+        on_status(False, "event stream ended")
+        await asyncio.sleep(3600)
+
+
+async def test_a_burst_of_reads_is_posted_in_few_batches_with_every_event_in_order() -> None:
+    from strata_tui.messages import StateSnapshot, TelemetryStatus
+    from strata_tui.workers import stream_telemetry
+
+    posted: list = []
+    worker = asyncio.create_task(stream_telemetry(posted.append, _Stream(100), batch_s=0.1))
+    while not any(isinstance(m, TelemetryStatus) and not m.connected for m in posted):
+        await asyncio.sleep(0.01)
+    worker.cancel()
+    batches = [m for m in posted if isinstance(m, TelemetryBatch)]
+    assert [e.seq for m in batches for e in m.events] == list(range(1, 601)), "every event, in order"
+    assert len(batches) < 100 / 2, f"{len(batches)} messages for 100 reads"
+    kinds = [type(m) for m in posted]
+    assert kinds[0] is StateSnapshot and kinds[1] is TelemetryStatus and kinds[-1] is TelemetryStatus
+    assert kinds.index(TelemetryStatus, 2) == len(kinds) - 1, "the events before the drop are posted before it"
