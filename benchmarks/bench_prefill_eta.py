@@ -159,11 +159,11 @@ def _longest_unchanged(shown: list[tuple[float, str]]) -> float:
 
 def replay(path: Path) -> list[dict]:
     """The halfway ETA the current cost model (engine/prefill_cost.py) gives on each recorded run's chunk curve
-    (a JSON line of this benchmark, its `chunks`), against the time that was really left then: a change of the
-    model is judged on curves recorded on a GPU without one."""
+    (a JSON line of this benchmark, its `chunks`; other lines are skipped), against the time that was really left
+    then: a change of the model is judged on curves recorded on a GPU without one."""
     out = []
     for line in path.read_text().splitlines():
-        if not line.strip():
+        if not line.startswith("{"):  # a step's log holds other lines too (benchmarks/run_all_gpu.sh)
             continue
         run = json.loads(line)
         total, points = run["prompt_tokens"], [(int(x), float(t)) for x, t in run.get("chunks", [])]

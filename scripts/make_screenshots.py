@@ -37,7 +37,9 @@ from strata_tui.profiles import Profile  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)
-SHOT_LOAD = {"short_max_tokens": 0}  # the seed's shorts decode until the long prompt is done (then are stopped)
+# The seed's shorts decode until the long prompt is done (then are stopped), and the long prompt comes late enough
+# for all of them to decode first on a busy CPU: the result then has their rate before it too.
+SHOT_LOAD = {"short_max_tokens": 0, "delay_s": 30.0}
 
 
 def default_checkpoint(workdir: Path) -> tuple[str, Path]:
