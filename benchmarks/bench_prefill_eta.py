@@ -13,6 +13,7 @@ decoding beside the long prompt (the prompt is then paced: its chunks share the 
         --chunk-tokens 1024 --decode-slots 0 2
     python3 benchmarks/bench_prefill_eta.py --device cuda:0 --prompt-tokens 12288 32768 180000 --context 184320 \
         --decode-slots 0 4   # a GPU
+    .venv/bin/python benchmarks/bench_prefill_eta.py --replay results.jsonl   # the model on recorded curves
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from engine.prefill_cost import fit_chunks, span_cost_s  # noqa: E402
 from strata_tui.launcher import READY_RE  # noqa: E402
 from strata_tui.monitor_state import MonitorState  # noqa: E402
 from strata_tui.telemetry_client import TelemetryClient  # noqa: E402
@@ -155,8 +157,33 @@ def _longest_unchanged(shown: list[tuple[float, str]]) -> float:
     return longest
 
 
+def replay(path: Path) -> list[dict]:
+    """The halfway ETA the current cost model (engine/prefill_cost.py) gives on each recorded run's chunk curve
+    (a JSON line of this benchmark, its `chunks`; other lines are skipped), against the time that was really left
+    then: a change of the model is judged on curves recorded on a GPU without one."""
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):  # a step's log holds other lines too (benchmarks/run_all_gpu.sh)
+            continue
+        run = json.loads(line)
+        total, points = run["prompt_tokens"], [(int(x), float(t)) for x, t in run.get("chunks", [])]
+        half = next((k for k, (x, _) in enumerate(points) if x >= total / 2), None)
+        if half is None:
+            continue
+        model = fit_chunks([(x0, x1, t1 - t0) for (x0, t0), (x1, t1) in zip(points[:half], points[1:half + 1])])
+        eta_s = span_cost_s(*model, points[half][0], total) if model else None
+        truth_s = run["true_remaining_s"]
+        out.append({"prompt_tokens": total, "decode_slots": run["decode_slots"], "device": run["device"],
+                    "true_remaining_s": truth_s, "recorded_tui_error_pct": run["tui_error_pct"],
+                    "replayed_eta_s": None if eta_s is None else round(eta_s, 2),
+                    "replayed_error_pct": None if eta_s is None else round(100 * (eta_s - truth_s) / truth_s, 1)})
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replay", type=Path, metavar="JSONL",
+                        help="no engine: the current model's halfway ETA on the chunk curves of earlier runs")
     parser.add_argument("--model", default="builtin:strata-tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[65536], help="one run per size")
@@ -169,6 +196,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
+    if args.replay is not None:
+        if not args.replay.is_file():
+            parser.error(f"--replay {args.replay}: no such file")
+        for result in replay(args.replay):
+            print(json.dumps(result), flush=True)
+        return 0
     sizes, slot_counts = args.prompt_tokens, args.decode_slots
     args.context = args.context or max(sizes) + 1024
     if max(sizes) + 64 > args.context:

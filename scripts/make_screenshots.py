@@ -2,7 +2,8 @@
 model, and the pictures are taken with App.save_screenshot while it runs.
 
   monitor-long-prompt.svg   the monitor while the seed scenario's fresh long prompt is admitted (short
-                            generations decoding, one slot prefilling with its ETA); also at 100x30
+                            generations decoding beside it until it is done, one slot prefilling with its
+                            ETA); also at 100x30
   profiles.svg              the profiles screen, with one broken profile reported by path and line
   crash.svg                 the crash panel after the engine exits on a real error: on a GPU a CUDA error
                             (a device ordinal the machine does not have), on CPU a checkpoint cut short
@@ -36,6 +37,9 @@ from strata_tui.profiles import Profile  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)
+# The seed's shorts decode until the long prompt is done (then are stopped), and the long prompt comes late enough
+# for all of them to decode first on a busy CPU: the result then has their rate before it too.
+SHOT_LOAD = {"short_max_tokens": 0, "delay_s": 30.0}
 
 
 def default_checkpoint(workdir: Path) -> tuple[str, Path]:
@@ -122,7 +126,9 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
     app = create_app(config_dir=config_dir, profile="seed-repro", engine_cwd=str(ROOT))
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: bool(app.view.telemetry_connected), 300, "the engine to be ready")
-        app.action_run_load("seed")  # the app's own load action: six short generations, then a fresh long prompt
+        # The seed scenario (six short generations, then a fresh long prompt) with the shorts decoding until the
+        # long prompt is done: the `l` key's short generations end before the long prompt arrives on CPU.
+        app.controls.run_load("seed", overrides=SHOT_LOAD)
         await wait_until(pilot, lambda: long_prefill_visible(app), 600, "the long prompt's prefill")
         await pilot.pause(app.view.settings.refresh_s * 2)  # let the refresh tick draw it
         written.append(Path(app.save_screenshot(name("monitor-long-prompt"))))
@@ -130,7 +136,7 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
         await pilot.pause(app.view.settings.refresh_s * 2)
         written.append(Path(app.save_screenshot(name("monitor-long-prompt-100x30"))))
         await pilot.resize_terminal(*SIZE)
-        await wait_until(pilot, lambda: app.view.load_result is not None, 600, "the scenario's result")
+        await wait_until(pilot, lambda: app.view.load_result is not None, 1800, "the scenario's result")
         await pilot.pause(app.view.settings.refresh_s * 2)
         written.append(Path(app.save_screenshot(name("load-result"))))
         os.environ.pop("STRATA_FAULT_INJECT", None)  # later engine processes start without faults
@@ -153,7 +159,8 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint directory (default: builtin:strata-tiny if installed, else a "
                                         "random tiny Qwen3 with an MTP head)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--context", type=int, default=32768, help="tokens per slot (the long prompt fills it)")
+    parser.add_argument("--context", type=int, default=8192,
+                        help="tokens per slot (the long prompt fills it; on a CPU a longer one takes many minutes)")
     parser.add_argument("--chunk-tokens", type=int, default=512,
                         help="prefill chunk: small on CPU so the long prompt's admission lasts long enough to see")
     parser.add_argument("--fault-inject", default="", help="STRATA_FAULT_INJECT rules for the seed run")

@@ -196,7 +196,9 @@ class StrataApp(ForeignEngines, App):
         self._close_client()
         self.client = TelemetryClient(url, api_key=self.api_key())
         post = self._post_for(self.run_id)
-        self.run_worker(stream_telemetry(post, self.client), group="telemetry", exit_on_error=False)
+        # Events are posted in batches of up to half a refresh interval: the screen shows them at its next refresh.
+        batch_s = self.view.settings.refresh_s / 2
+        self.run_worker(stream_telemetry(post, self.client, batch_s), group="telemetry", exit_on_error=False)
         self.run_worker(watch_liveness(post, self.client), group="telemetry", exit_on_error=False)
         self.run_worker(poll_experts(post, self.client), group="telemetry", exit_on_error=False)
 

@@ -271,8 +271,9 @@ class Controls:
 
     # --- load ----------------------------------------------------------------------------------------
 
-    def run_load(self, name: str = DEFAULT_SCENARIO) -> None:
-        """Play a named scenario from engine.loadgen.scenarios against the running engine; one at a time."""
+    def run_load(self, name: str = DEFAULT_SCENARIO, overrides: dict[str, Any] | None = None) -> None:
+        """Play a named scenario from engine.loadgen.scenarios against the running engine; one at a time.
+        `overrides` replace the scenario parameters the app would choose (load_params)."""
         if self.view.engine_url is None or self.view.monitor.engine_state not in ("ready", "running"):
             self._notify("the engine is not ready: no load sent", severity="warning")
             return
@@ -287,7 +288,8 @@ class Controls:
         api_key = self.view.profile.engine.api_key if self.view.profile else None
         self.view.load_running, self.view.load_progress = name, f"load {name}: starting"
         self.view.changed()
-        self._run_worker(run_load(self._post, name, self.view.engine_url, api_key, self.load_params(name)),
+        params = {**self.load_params(name), **(overrides or {})}
+        self._run_worker(run_load(self._post, name, self.view.engine_url, api_key, params),
                          group="load", exit_on_error=False)
 
     def load_params(self, name: str) -> dict[str, int]:

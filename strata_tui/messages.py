@@ -32,7 +32,7 @@ class EngineNews(Message):
 
 @dataclass
 class TelemetryBatch(EngineNews):
-    """Events from one read of the SSE stream."""
+    """Events from the SSE stream: the reads of up to `batch_s` (workers.stream_telemetry), in order."""
 
     events: list[Event]
 

@@ -4,8 +4,9 @@ The engine reports, per slot, how many prompt tokens have KV so far (cached + pr
 each step) and a time stamp. A chunk of prefill costs more the later it comes: every token attends to all
 the tokens before it, so the cost of the token at position p grows like `a + b·p`, and a chunk from x0
 to x1 costs `a·(x1 - x0) + b/2·(x1² - x0²)`. `PrefillTrack` fits a and b (least squares, both >= 0) to the
-chunks seen so far and integrates the rest of the prompt; a constant rate (the engine's own ETA) would
-promise the back half at the front half's speed. Between events the estimate counts down on the local
+chunks seen so far, leaving out those far over the fit (one-time costs such as a kernel compiled for a new
+chunk size beside decoding slots: engine/prefill_cost.py), and integrates the rest of the prompt; a constant
+rate would promise the back half at the front half's speed. Between events the estimate counts down on the local
 clock, so the number on screen moves every refresh instead of freezing for a chunk.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.prefill_cost import fit_nonnegative, span_cost_s
+from engine.prefill_cost import fit_chunks, span_cost_s
 
 MAX_SAMPLES = 256
 
@@ -83,16 +84,8 @@ class PrefillTrack:
 
     def cost_model(self) -> tuple[float, float] | None:
         """(a s/token, b s/token²) fitted to the chunks seen; None before two samples."""
-        if len(self.samples) < 2:
-            return None
-        rows = []
         points = list(self.samples)
-        for (t0, x0, _), (t1, x1, _) in zip(points, points[1:]):
-            if x1 > x0 and t1 >= t0:
-                rows.append((float(x1 - x0), (x1 * x1 - x0 * x0) / 2.0, t1 - t0))
-        if not rows:
-            return None
-        return fit_nonnegative(rows)
+        return fit_chunks([(x0, x1, t1 - t0) for (t0, x0, _), (t1, x1, _) in zip(points, points[1:])])
 
     def eta_s(self, now_received_s: float) -> float | None:
         """Seconds left, counted down from the last report on the local clock; None without an estimate.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -47,6 +48,7 @@ class TelemetryClient:
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self.reconnect_s = reconnect_s
         self.max_reconnect_s = max_reconnect_s
+        self.last_data_s: float | None = None  # monotonic time of the event stream's last bytes: the engine answers
         self.last_seq = 0
         self.last_event_id: str | None = None  # "EPOCH-SEQ": the engine resumes us, or replays after a restart
         self.epoch: str | None = None
@@ -127,6 +129,7 @@ class TelemetryClient:
                     parser = SSEParser()
                     first = True
                     async for chunk in response.aiter_text():
+                        self.last_data_s = time.monotonic()
                         batch = self._parse(parser.feed(chunk), first)
                         first = first and not batch
                         if batch:

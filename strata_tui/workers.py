@@ -62,26 +62,53 @@ def engine_callbacks(post: Post, run: int) -> dict[str, Any]:
     return {"on_output": on_output, "on_ready": on_ready}
 
 
-async def stream_telemetry(post: Post, client: TelemetryClient) -> None:
+async def stream_telemetry(post: Post, client: TelemetryClient, batch_s: float = 0.0) -> None:
     """Follow /strata/events (reconnecting) until cancelled. On every (re)connection `/strata/state` is
     read first and posted, because the engine answering now may not be the one from before (another
     process on the same port, restarted with other switches and reserve); when the event numbers show a
     restarted engine (one that names no instance), the state is read again and posted as a fresh engine's.
-    The client belongs to the run: the app closes it."""
+    The client belongs to the run: the app closes it.
+
+    With `batch_s`, the events of the reads within `batch_s` of the first one are posted as one batch: a busy
+    engine writes many small chunks, each message costs the app more than folding its events does, and the
+    screen draws them only at its refresh; every event is kept and in order, each waits at most `batch_s`."""
+    loop = asyncio.get_running_loop()
+    pending: list = []
+    flush_at: list[asyncio.TimerHandle] = []
+
+    def flush() -> None:
+        for handle in flush_at:
+            handle.cancel()
+        flush_at.clear()
+        if pending:
+            post(TelemetryBatch(pending.copy()))
+            pending.clear()
 
     def on_status(connected: bool, reason: str) -> None:
+        flush()  # what came before a drop is posted before the drop is
         post(TelemetryStatus(connected, reason))
 
     async def on_connect() -> None:
         # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
-        post(StateSnapshot(await client.state()))
+        snapshot = await client.state()
+        flush()
+        post(StateSnapshot(snapshot))
 
     restarts = client.engine_restarts
-    async for batch in client.events(on_status, on_connect):
-        if client.engine_restarts != restarts:
-            restarts = client.engine_restarts
-            post(StateSnapshot(await client.state(), fresh_engine=True))
-        post(TelemetryBatch(batch))
+    try:
+        async for batch in client.events(on_status, on_connect):
+            if client.engine_restarts != restarts:
+                restarts = client.engine_restarts
+                snapshot = await client.state()
+                flush()
+                post(StateSnapshot(snapshot, fresh_engine=True))
+            pending.extend(batch)
+            if batch_s <= 0:
+                flush()
+            elif not flush_at:
+                flush_at.append(loop.call_later(batch_s, flush))
+    finally:
+        flush()
 
 
 async def read_state(post: Post, client: TelemetryClient) -> None:
@@ -116,11 +143,18 @@ async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float 
                          silence_s: float = LIVENESS_SILENCE_S) -> None:
     """Ask /health every `interval_s`: an engine that stops answering, even with its connections open
     (stopped, swapping, wedged), is reported `silence_s` after its last answer at the latest. Its event
-    stream can stay silent for many seconds when idle, so the stream alone cannot tell."""
+    stream can stay silent for many seconds when idle, so the stream alone cannot tell; but bytes on the
+    stream are an answer too: while a busy engine's events keep coming, no probe is sent (a probe costs the
+    app more CPU than a read of the stream does)."""
     answering: bool | None = None
     last_answer_s = time.monotonic()
     while True:
         started = time.monotonic()
+        heard_s = client.last_data_s
+        if answering and heard_s is not None and started - heard_s < interval_s:
+            last_answer_s = max(last_answer_s, heard_s)
+            await asyncio.sleep(interval_s)
+            continue
         # While it answers, a probe may take what is left of the silence allowed since the last answer.
         budget_s = max(0.05, last_answer_s + silence_s - started) if answering else silence_s
         try:

@@ -5,15 +5,16 @@ The model (engine/prefill_cost.py, shared with strata-tui): a token at position 
 constant rate (tokens so far / time so far) promises the back half
 of a long prompt at the front half's speed: at 12K tokens on a CPU it said half the time that was left.
 `PrefillClock` keeps (tokens with KV, time) after each chunk, from admission on, fits a and b (least squares,
-both >= 0) to the last chunks' wall times (decode steps between the chunks included: they are part of the wait)
-and integrates the rest of the prompt.
+both >= 0) to the last chunks' wall times (decode steps between the chunks included: they are part of the wait),
+leaves out the chunks far over the fit (one-time costs: engine/prefill_cost.py) and integrates the rest of the
+prompt.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from engine.prefill_cost import fit_nonnegative, span_cost_s
+from engine.prefill_cost import fit_chunks, span_cost_s
 
 MAX_CHUNKS = 64  # the fit's window: enough chunks to see the slope, recent enough to follow a change of pace
 
@@ -32,9 +33,7 @@ class PrefillClock:
     def cost(self) -> tuple[float, float] | None:
         """(a s/token, b s/token²) fitted to the chunks so far; None before the first chunk."""
         points = list(self.samples)
-        rows = [(float(x1 - x0), (x1 * x1 - x0 * x0) / 2.0, t1 - t0)
-                for (x0, t0), (x1, t1) in zip(points, points[1:])]
-        return fit_nonnegative(rows) if rows else None
+        return fit_chunks([(x0, x1, t1 - t0) for (x0, t0), (x1, t1) in zip(points, points[1:])])
 
     def remaining_s(self, from_tokens: int, total_tokens: int) -> float | None:
         """Predicted seconds for prompt positions [from_tokens, total_tokens)."""

@@ -9,13 +9,23 @@ cached), never above 100 %; its ETA comes from `PrefillTrack` (growing chunk cos
 refresh). While decoding it is generated / max_tokens, and after the first token the row says how long
 that took (TTFT) and at what prompt rate. With `--kv-resident`, once some of a slot's KV lies on the host
 the cell says how much (and, when wide, how much is in VRAM).
+
+The table draws its own lines. DataTable renders each cell through Rich again after any change anywhere
+in the table (its render caches are keyed by the table's update count), several milliseconds a refresh
+for a few changed numbers; while slots decode every row changes every refresh, and that was most of the
+app's CPU. Here a row is one Text (its cells cut or padded to their column widths, as DataTable lays them
+out) rendered once per change of that row and kept as a Strip; the header and zebra stripes take the
+DataTable's own component styles. The DataTable still holds the cells (get_cell, rows, scrolling, focus).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
+from textual.strip import Strip
 from textual.widgets import DataTable
 
 from engine.telemetry import SlotEvent
@@ -142,6 +152,9 @@ class SlotsTable(DataTable):
         self.columns_spec: tuple[tuple[str, str, int], ...] = ()
         self.cell_updates = 0  # counted for tests and the benchmark: diffing keeps this small
         self.updated: Counter[tuple[str, str]] = Counter()  # (row, column) -> updates, for the same reason
+        self._row_version: dict[str, int] = {}  # row key -> changes so far (a drawn row is kept until it changes)
+        self._drawn: dict[str | None, tuple[tuple, Strip]] = {}  # row key (None: the header) -> (look, strip)
+        self._frame_styles: dict[str, Style] | None = None
 
     def _fit_columns(self) -> bool:
         """Rebuild the columns when the width calls for another set; True when rebuilt."""
@@ -151,6 +164,8 @@ class SlotsTable(DataTable):
         self.columns_spec = spec
         self.clear(columns=True)
         self._cells = {}
+        self._row_version.clear()
+        self._drawn.clear()
         for label, key, width in spec:
             self.add_column(label, key=key, width=width)
         return True
@@ -168,19 +183,98 @@ class SlotsTable(DataTable):
         for key in [k for k in self._cells if k not in wanted]:
             self.remove_row(key)
             del self._cells[key]
+            self._row_version.pop(key, None)
+            self._drawn.pop(key, None)
         for key, cells in wanted.items():
             old = self._cells.get(key)
             if old is None:
                 self.add_row(*(cells[c] for _, c, _ in self.columns_spec), key=key)
                 self.cell_updates += len(cells)
+                self._row_version[key] = self._row_version.get(key, 0) + 1
             else:
+                changed = False
                 for column, value in cells.items():
                     if old[column] != value:
                         self.update_cell(key, column, value)
                         self.cell_updates += 1
                         self.updated[(key, column)] += 1
+                        changed = True
+                if changed:
+                    self._row_version[key] += 1
             self._cells[key] = cells
         order = sorted(self._cells, key=int)
         if list(self._cells) != order:
             self.sort("slot", key=int)
             self._cells = {k: self._cells[k] for k in order}
+
+    # --- drawing: one Strip per row, rendered again only when the row changed ---------------------------
+
+    def notify_style_update(self) -> None:  # a CSS change (a class such as -stale) changes every row's look
+        self._drawn.clear()
+        self._frame_styles = None
+        super().notify_style_update()
+
+    def render_lines(self, crop):
+        self._frame_styles = None  # the widget's styles are read once a paint, not once a line
+        return super().render_lines(crop)
+
+    def _styles(self) -> dict[str, Style]:
+        if self._frame_styles is None:
+            self._frame_styles = {"base": self.rich_style, **{name: self.get_component_rich_style(name) for name in (
+                "datatable--header", "datatable--odd-row", "datatable--even-row", "datatable--cursor")}}
+        return self._frame_styles
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        scroll_x, scroll_y = self.scroll_offset
+        styles = self._styles()
+        base = styles["base"]
+        if self.show_header and y < self.header_height:
+            key, index = None, -1
+        else:
+            index = y - (self.header_height if self.show_header else 0) + scroll_y
+            if not 0 <= index < len(self._cells):
+                return Strip.blank(width, base)
+            key = list(self._cells)[index]
+        component = "datatable--header" if key is None else (
+            "datatable--odd-row" if index % 2 else "datatable--even-row")
+        row_style = base + styles[component]
+        # The row cursor looks as DataTable draws it: its colours over the cells' own (foreground), under them
+        # (background), per the table's cursor priorities.
+        cursor = (key is not None and self.show_cursor and self.cursor_type == "row" and index == self.cursor_row)
+        cursor_style = styles["datatable--cursor"] if cursor else None
+        look = (self._row_version.get(key, 0) if key is not None else self.columns_spec, index, width, scroll_x,
+                row_style, cursor_style)
+        drawn = self._drawn.get(key)
+        if drawn is not None and drawn[0] == look:
+            return drawn[1]
+        cells = ({c: Text(label) for label, c, _ in self.columns_spec} if key is None else self._cells[key])
+        under, over = row_style, None
+        if cursor_style is not None:
+            under = row_style + cursor_style
+            over = Style.from_color(
+                color=cursor_style.color if self.cursor_foreground_priority == "css" else None,
+                bgcolor=cursor_style.bgcolor if self.cursor_background_priority == "css" else None)
+        # A click reads the row from the style's meta, as on DataTable's own lines (it moves the row cursor).
+        under += Style.from_meta({"row": index, "column": 0})
+        strip = self._row_strip(cells, under, over).crop_extend(scroll_x, scroll_x + width, under)
+        self._drawn[key] = (look, strip)
+        return strip
+
+    def _row_strip(self, cells: dict[str, Text | str], under: Style, over: Style | None) -> Strip:
+        """One row as DataTable lays it out: each cell cut to its column's width, padded, one cell of padding
+        on either side; `under` beneath the cells' own styles, `over` (the cursor's colours) above them."""
+        line = Text(no_wrap=True, overflow="crop", end="")
+        pad = " " * self.cell_padding
+        for _, column, width in self.columns_spec:
+            value = cells.get(column, "")
+            cell = value.copy() if isinstance(value, Text) else Text(str(value))
+            cell.truncate(width, overflow="ellipsis")
+            line.append(pad)
+            line.append_text(cell)
+            line.append(" " * (width - cell.cell_len) + pad)
+        segments = []
+        for text, style, control in line.render(self.app.console):
+            style = under + style if style else under
+            segments.append(Segment(text, style + over if over else style, control))
+        return Strip(segments)

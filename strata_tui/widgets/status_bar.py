@@ -15,7 +15,18 @@ _STATE_STYLE = {"ready": "bold green", "starting": "yellow", "loading": "yellow"
 SEPARATOR = (" · ", "dim")
 
 
-def status_text(view: ViewState) -> Text:
+def status_text(view: ViewState, width: int | None = None) -> Text:
+    """The line; wider than `width` cells, it goes without the engine's URL, then without "telemetry live"
+    (both only while all is well): on a narrow terminal the line's end, the latest note and the scenario's
+    progress, says more."""
+    for with_url, with_live in ((True, True), (False, True), (False, False)):
+        text = _status_text(view, with_url, with_live)
+        if width is None or text.cell_len <= width:
+            break
+    return text
+
+
+def _status_text(view: ViewState, with_url: bool, with_live: bool) -> Text:
     parts: list[Text] = []
     if view.attached:
         parts.append(Text.assemble(("attached", "bold cyan"), (" to ", "dim"), (view.attach_url or "", "underline")))
@@ -31,9 +42,10 @@ def status_text(view: ViewState) -> Text:
         parts.append(Text.assemble(("engine ", "dim"), (f"unreachable since {clock}", "bold red"), (why, "red")))
     else:
         parts.append(Text.assemble(("engine ", "dim"), (state, _STATE_STYLE.get(state, ""))))
-    if view.engine_url and not view.attached:
+    if with_url and view.engine_url and not view.attached:
         parts.append(Text(view.engine_url, style="underline"))
-    if view.unreachable_since is None and view.telemetry_connected is not None:
+    if view.unreachable_since is None and view.telemetry_connected is not None and (
+            with_live or not view.telemetry_connected):
         parts.append(Text.assemble(("telemetry ", "dim"), ("live", "green") if view.telemetry_connected
                                    else ("reconnecting", "yellow")))
     # The latest note before the scenario's progress: on a narrow line the end is cut, and a refusal ("load
@@ -55,7 +67,7 @@ class StatusBar(Static):
     _shown: Text | None = None
 
     def show(self, view: ViewState) -> None:
-        text = status_text(view)
+        text = status_text(view, self.content_size.width or None)
         if text != self._shown:  # an unchanged line is not laid out and painted again
             self._shown = text
             self.update(text, layout=False)  # one line, always: nothing to lay out again

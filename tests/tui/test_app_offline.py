@@ -133,7 +133,10 @@ async def test_fused_ops_from_the_palette_is_saved_for_the_next_start(config_dir
         command.callback()
         await wait_for(pilot, lambda: app.store.load("default").engine.switches.get("FUSED_OPS") is (not before),
                        what="FUSED_OPS saved")
-        assert app.view.monitor.switches["FUSED_OPS"].note == "saved: applies at the next start"
+        # the note changes when the save's thread hands back, which may come a moment after the file is written
+        switch = app.view.monitor.switches["FUSED_OPS"]
+        await wait_for(pilot, lambda: switch.note != "saving: applies at the next start", what="the note after the save")
+        assert switch.note == "saved: applies at the next start"
 
 
 async def test_load_without_engine_says_why(config_dir: Path) -> None:

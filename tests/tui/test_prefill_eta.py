@@ -104,3 +104,25 @@ async def test_the_eta_on_screen_moves_every_refresh_without_new_events(config_d
         await pilot.pause(1.3)
         later = table.get_cell("0", "progress").plain
         assert first != later, (first, later)
+
+
+def test_chunks_that_paid_a_one_time_cost_do_not_flatten_the_eta() -> None:
+    """The engine's fit and this one share engine/prefill_cost.py: beside decoding slots the first chunks pay
+    one-time costs (a kernel compiled for each new chunk size); fitted as if every chunk paid them, the back
+    half was promised at a flat rate and the ETA at halfway came out a quarter short."""
+    a_s, b_s, total, chunk = 4.9e-6, 6.5e-11, 180_000, 2048
+    track = PrefillTrack("r", total, admitted_ts=1000.0)
+    t, x, ends = 0.0, 0, []
+    while x < total:
+        x1 = min(total, x + chunk)
+        t += 0.006 + a_s * (x1 - x) + b_s / 2 * (x1 * x1 - x * x) + (0.05 if len(ends) < 3 else 0.0)
+        ends.append((x1, t))
+        x = x1
+    for x1, end_s in ends:
+        track.add(1000.0 + end_s, x1, received_s=end_s)
+        if x1 >= total // 2:
+            half_s = end_s
+            break
+    truth_s = ends[-1][1] - half_s
+    eta = track.eta_s(now_received_s=half_s)
+    assert abs(eta - truth_s) / truth_s < 0.05, (eta, truth_s)

@@ -65,3 +65,14 @@ def test_a_dropped_stream_leaves_the_state_stale_until_it_is_read_again() -> Non
     assert view.stale and view.resyncing
     reduce(view, StateSnapshot({"instance_id": "a", "switches": [{"name": "SPLIT_ATTN", "enabled": True}]}), 0, 0)
     assert not view.stale and view.monitor.switches["SPLIT_ATTN"].running is True
+
+
+def test_a_narrow_status_line_keeps_the_scenarios_progress_and_drops_the_url() -> None:
+    """At 100x30 the line ended in `seed:`: the URL took the room of the scenario's progress."""
+    view = _launched()
+    view.engine_url, view.telemetry_connected = "http://127.0.0.1:33507", True
+    view.load_running, view.load_progress = "seed", "seed: short-5: first token after 31.47 s"
+    narrow = status_text(view, width=98).plain
+    assert "first token after 31.47 s" in narrow and "127.0.0.1" not in narrow and len(narrow) <= 98, narrow
+    wide = status_text(view, width=196).plain
+    assert "127.0.0.1:33507" in wide and "first token after 31.47 s" in wide

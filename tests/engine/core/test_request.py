@@ -164,3 +164,28 @@ def test_the_serving_core_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "False"
+
+
+def test_prefill_eta_leaves_out_chunks_that_paid_a_one_time_cost() -> None:
+    """Beside decoding slots the first chunks pay one-time costs (a kernel compiled or a graph captured for each
+    new chunk size, the wait before the first chunk): fitted as if every chunk paid them, the back half was
+    promised at a flat rate and the ETA at halfway came out a quarter short."""
+    a_s, b_s, total, chunk = 4.9e-6, 6.5e-11, 180_000, 2048
+    beside_s, once_s = 0.006, 0.05  # decode steps between the chunks; a new size's compile, the first three
+
+    def cost_s(x0: int, x1: int) -> float:
+        return beside_s + a_s * (x1 - x0) + b_s / 2 * (x1 * x1 - x0 * x0)
+
+    req = _req(total)
+    req.admitted_s = now_s = 100.0
+    ends = []
+    for i, x in enumerate(range(0, total, chunk)):
+        x1 = min(total, x + chunk)
+        now_s += cost_s(x, x1) + (once_s if i < 3 else 0.0)
+        ends.append((x1, now_s))
+    half = next(k for k, (x, _) in enumerate(ends) if x >= total // 2)
+    for x1, end_s in ends[:half + 1]:
+        req.num_prefilled_tokens = x1
+        req.chunk_ran(x1 - (req.num_prefill_ran_tokens or 0), now_s=end_s)
+    truth_s = ends[-1][1] - ends[half][1]
+    assert req.prefill_eta_s(ends[half][1]) == pytest.approx(truth_s, rel=0.05)

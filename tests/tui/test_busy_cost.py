@@ -1,0 +1,192 @@
+"""What the app renders and asks while the engine is busy: work per refresh follows what changed, not how
+many events came, and the events' values arrive exact (CPU itself is measured by benchmarks/bench_tui.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from rich.text import Text
+from textual.app import App
+from textual.widgets import DataTable
+
+from engine.telemetry import SlotEvent
+from strata_tui.messages import EngineLiveness, TelemetryBatch
+from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles import Profile
+from strata_tui.widgets.slots_table import SlotsTable
+from strata_tui.workers import watch_liveness
+from tests.tui.conftest import offline_app, recorded
+
+
+@pytest.fixture
+def seeded_dir(tmp_path: Path) -> Path:
+    ProfileStore(tmp_path).save(Profile("seed"))
+    return tmp_path
+
+
+def _decoding(generated: dict[int, int]) -> dict[int, SlotEvent]:
+    return {n: SlotEvent(slot=n, state="decode", request_id=f"busy-{n}", prompt_tokens=512, prefilled_tokens=512,
+                         generated_tokens=g, max_tokens=4096, decode_tok_s=30.0 + n, acceptance=0.7)
+            for n, g in generated.items()}
+
+
+class _TableApp(App):
+    def compose(self):
+        yield SlotsTable()
+
+
+async def test_a_refresh_renders_only_the_rows_that_changed(monkeypatch) -> None:
+    """DataTable rendered every cell of the table through Rich again after any one cell changed: six decoding
+    slots cost some seventy cell renders a refresh. A row is now rendered once when it changes."""
+    renders = []
+    text_render = Text.render
+
+    def counted_render(self, *args, **kwargs):
+        renders.append(self.plain)
+        return text_render(self, *args, **kwargs)
+
+    monkeypatch.setattr(Text, "render", counted_render)
+    app = _TableApp()
+    async with app.run_test(size=(160, 20)) as pilot:
+        table = app.query_one(SlotsTable)
+        generated = {n: 10 for n in range(6)}
+        table.show(_decoding(generated))
+        await pilot.pause(0.1)
+        renders.clear()
+        for _ in range(50):  # a burst of events for slot 3, folded into one refresh
+            generated[3] += 1
+        table.show(_decoding(generated))
+        await pilot.pause(0.1)
+        assert len(renders) == 1, renders
+        assert "60/4,096" in renders[0] and renders[0].lstrip().startswith("3 ")
+        assert "60/4,096" in table.get_cell("3", "progress").plain
+        renders.clear()
+        await pilot.pause(0.1)
+        table.refresh()  # a repaint with nothing new renders nothing again
+        await pilot.pause(0.1)
+        assert renders == []
+
+
+async def test_the_slots_table_looks_as_datatable_draws_it(seeded_dir) -> None:
+    """The table draws its own lines; character for character, colour and weight, they are DataTable's
+    (header, zebra stripes, the row cursor), focused or not, at each width's set of columns."""
+    for size in ((160, 48), (100, 30), (200, 55)):
+        app = offline_app(seeded_dir, profile="seed")
+        async with app.run_test(size=size) as pilot:
+            app.clock = lambda: 1000.0
+            app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
+            await pilot.pause(0.3)
+            app.screen.redraw(force=True)
+            await pilot.pause(0.2)
+            table = app.screen.query_one(SlotsTable)
+            assert table.row_count == 8
+            for focused in (False, True):
+                if focused:
+                    table.focus()
+                    await pilot.pause(0.1)
+                table._pseudo_class_state = table.get_pseudo_class_state()  # as DataTable.render_lines sets it
+                for y in range(table.size.height):
+                    ours, theirs = _cells(table.render_line(y)), _cells(DataTable.render_line(table, y))
+                    assert ours == theirs, (size, focused, y)
+
+
+def _cells(strip) -> list[tuple]:
+    return [(ch, seg.style.color, seg.style.bgcolor, bool(seg.style.bold), bool(seg.style.italic),
+             bool(seg.style.dim)) for seg in strip for ch in seg.text]
+
+
+class _Client:
+    """What watch_liveness reads of a TelemetryClient: the stream's last bytes, and /health."""
+
+    def __init__(self) -> None:
+        self.last_data_s: float | None = None
+        self.probes = 0
+        self.answer = True
+
+    async def health(self, timeout_s: float | None = None) -> tuple[bool, str]:
+        self.probes += 1
+        if not self.answer:
+            await asyncio.sleep(timeout_s or 0)
+            raise OSError("no answer")
+        return True, "ready"
+
+
+async def test_no_health_probe_while_the_event_stream_flows_and_a_silent_engine_is_still_seen() -> None:
+    client, news = _Client(), []
+    worker = asyncio.create_task(watch_liveness(news.append, client, interval_s=0.05, silence_s=0.3))
+
+    async def stream() -> None:  # a busy engine: bytes on the stream every 10 ms
+        while True:
+            client.last_data_s = time.monotonic()
+            await asyncio.sleep(0.01)
+
+    feeding = asyncio.create_task(stream())
+    await asyncio.sleep(0.6)
+    assert client.probes == 1, "only the first probe (whether it answers at all); the stream says the rest"
+    assert [n.answering for n in news] == [True]
+    feeding.cancel()
+    client.answer = False  # the engine stops: no more bytes, and /health does not answer
+    stopped_s = time.monotonic()
+    while len(news) < 2 and time.monotonic() - stopped_s < 5:
+        await asyncio.sleep(0.01)
+    worker.cancel()
+    assert [n.answering for n in news] == [True, False] and isinstance(news[1], EngineLiveness)
+    assert client.probes >= 2, "once the stream went quiet, /health was asked again"
+
+
+async def test_a_click_on_a_row_still_moves_the_row_cursor() -> None:
+    app = _TableApp()
+    async with app.run_test(size=(160, 20)) as pilot:
+        table = app.query_one(SlotsTable)
+        table.show(_decoding({n: 10 for n in range(6)}))
+        await pilot.pause(0.1)
+        assert table.cursor_row == 0
+        await pilot.click(SlotsTable, offset=(3, 4))  # the header is line 0: line 4 is slot 3's row
+        await pilot.pause(0.1)
+        assert table.cursor_row == 3
+
+
+class _Stream:
+    """What stream_telemetry reads of a TelemetryClient: a connection's state, then batches of events."""
+
+    engine_restarts = 0
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+
+    async def state(self) -> dict:
+        return {"instance_id": "x"}
+
+    async def events(self, on_status, on_connect):
+        await on_connect()
+        on_status(True, "connected")
+        seq = 0
+        for _ in range(self.batches):  # a busy engine: a read every 5 ms
+            await asyncio.sleep(0.005)
+            batch = []
+            for slot in range(6):
+                seq += 1
+                batch.append(SlotEvent(slot=slot, state="decode", generated_tokens=seq, seq=seq))
+            yield batch
+        on_status(False, "event stream ended")
+        await asyncio.sleep(3600)
+
+
+async def test_a_burst_of_reads_is_posted_in_few_batches_with_every_event_in_order() -> None:
+    from strata_tui.messages import StateSnapshot, TelemetryStatus
+    from strata_tui.workers import stream_telemetry
+
+    posted: list = []
+    worker = asyncio.create_task(stream_telemetry(posted.append, _Stream(100), batch_s=0.1))
+    while not any(isinstance(m, TelemetryStatus) and not m.connected for m in posted):
+        await asyncio.sleep(0.01)
+    worker.cancel()
+    batches = [m for m in posted if isinstance(m, TelemetryBatch)]
+    assert [e.seq for m in batches for e in m.events] == list(range(1, 601)), "every event, in order"
+    assert len(batches) < 100 / 2, f"{len(batches)} messages for 100 reads"
+    kinds = [type(m) for m in posted]
+    assert kinds[0] is StateSnapshot and kinds[1] is TelemetryStatus and kinds[-1] is TelemetryStatus
+    assert kinds.index(TelemetryStatus, 2) == len(kinds) - 1, "the events before the drop are posted before it"
