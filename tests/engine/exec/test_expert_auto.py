@@ -9,7 +9,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.exec.experts.setup import AUTO_SHARE, auto_budget_mib, grow_auto, start_expert_cache
-from engine.exec.fault_injection import FaultPlan
+from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend
 from engine.exec.graphs.cache import GraphCache
 from engine.exec.kv.tier import VramBudget
