@@ -61,7 +61,7 @@ compile_warm      named    the same again, the compiled kernels from the cache
 seed              named    the seed scenario through serve, SEED_RUNS runs (default 5)
 moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS runs (default 3)
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
-moe80b_seed       named    the seed scenario at seed scale: random:moe-80b, expert cache auto, fresh 176K prompt, MOE80B_RUNS or SEED_RUNS runs (default 1)
+moe80b_seed       named    the seed scenario at seed scale: random:moe-80b, expert cache auto, fresh 176K prompt, MOE80B_RUNS runs (default 1)
 experts_cold      named    random:moe-80b at 85 % of experts on the card: cold experts copied / on the CPU / prefetched, batch 1 and 6, against random:moe-80b-40l all resident
 quant_linear      named    each quantized kernel (fp8, fp8-block, int4 g128 / g32) against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
 quant_linear_small named   the same at the 0.6B shape
@@ -277,10 +277,11 @@ step kv_seed 300 "$PY" benchmarks/seed_scenario.py --runs 1 --device "$DEVICE" -
 # The seed's own scale (issue 44): 48 x 512 experts generated at load (no file), the expert cache sized auto fills
 # the card (~85 % of the experts), 6 MTP slots, int8 KV, a resident window of 16K tokens a slot, a fresh 176K
 # prompt. One run is start-up (the goal: ready within 60 s, `ready_s`) plus the 176K prefill streaming the experts
-# that do not fit through the pool: about 4 minutes. Runs: MOE80B_RUNS, else SEED_RUNS, else 1 (the goal's five
-# runs need a call of their own: STEPS=moe80b_seed SEED_RUNS=5 BUDGET_S=1300, past one 10-minute device command).
-_m80_runs=${MOE80B_RUNS:-${SEED_RUNS:-1}}
-step moe80b_seed $((60 + 240 * _m80_runs)) "$PY" benchmarks/seed_scenario.py --runs "$_m80_runs" --device "$DEVICE" \
+# that do not fit through the pool: about 4 minutes. Runs: MOE80B_RUNS (default 1) (the goal's five
+# runs need a call of their own: STEPS=moe80b_seed MOE80B_RUNS=5 BUDGET_S=1300 (limit 60 + 240 s a run), past one 10-minute device command).
+MOE80B_RUNS=${MOE80B_RUNS:-1}
+[ "$MOE80B_RUNS" -gt 1 ] && : "${MOE80B_LIMIT_S:=$((60 + 240 * MOE80B_RUNS))}"
+step moe80b_seed ${MOE80B_LIMIT_S:-300} "$PY" benchmarks/seed_scenario.py --runs "$MOE80B_RUNS" --device "$DEVICE" \
     --model random:moe-80b --prompt-tokens 176000 --ready-timeout-s 240 --switches "$MOE_SEED_SWITCHES" \
     --out "$OUT/moe80b_seed.json" \
     --extra --expert-cache-mib auto --kv-resident 16384

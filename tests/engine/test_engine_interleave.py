@@ -146,11 +146,13 @@ def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(
         for _ in range(4):
             engine.step()
         reqs = shorts + [engine.add_request(f"long{j}", LONG[j * 7:], _greedy(24)) for j in range(2)]
-        steps = 0
+        timings = []  # each step's timing as the scheduler records it: did a chunk run beside its decode?
+        record = engine.sched.record_step
+        engine.sched.record_step = lambda timing: (timings.append(timing), record(timing))
         while engine.has_work:
             engine.step()
-            steps += engine.chunks is not None and engine.chunks.in_flight is not None
             assert engine.health().ready, engine.health().reason
+        steps = sum(1 for timing in timings if timing.beside_chunk)
         outputs.append([list(r.output_token_ids) for r in reqs])
         beside_steps.append(steps)
         engine.close()
