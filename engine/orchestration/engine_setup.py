@@ -169,8 +169,9 @@ class _PartsBuilder:
             follow_policy_switch(experts, board)  # EXPERT_LFU set at start
         runner.release_memory = self.make_room
         chunks = None
-        if overlap_wanted(config.prefill_overlap, device, config.kv_resident, moe=experts is not None):
+        if overlap_wanted(config.prefill_overlap, device, moe=experts is not None):
             chunks = ChunkStream(device, chunk_sms_from_env(os.environ))
+            chunks.paging = kv.paging
             if chunks.note is not None:
                 bus.publish(WarningEvent(where="engine.chunks", message=chunks.note))
             runner.prefill_owner = CHUNK_OWNER
@@ -210,8 +211,8 @@ class _PartsBuilder:
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
         graphs = config.graphs and not isinstance(executor, EagerExecutor)
-        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, config.kv_resident,
-                                                 moe=experts is not None), drafter)
+        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, moe=experts is not None),
+                            drafter)
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, chunks,
                            ahead)
 

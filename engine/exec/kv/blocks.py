@@ -135,6 +135,17 @@ class BlockLedger:
         """Pool blocks `plan(wants)` would have to take from other slots (0: the free pool covers it)."""
         return max(0, sum(len(self._missing(slot, end)) for slot, end in wants.items()) - len(self._free_pool))
 
+    def maps_only(self, wants: dict[int, int]) -> bool:
+        """`plan(wants)` would copy nothing (no spill, no fetch) and need no pool growth: at most free blocks
+        mapped into the table (what a step launched ahead of the one in flight may do)."""
+        missing = 0
+        for slot, end in wants.items():
+            top = self.layout.blocks_for(end)
+            if any(j < top for j in self._on_host[slot]):
+                return False
+            missing += max(0, top - self._top[slot])
+        return missing <= len(self._free_pool)
+
     def table_row(self, slot: int) -> list[int]:
         """Physical block of each of the slot's logical blocks (scratch where unmapped or on the host)."""
         lay = self.layout

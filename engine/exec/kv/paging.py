@@ -203,6 +203,12 @@ class KVPaging:
         row = self.ledger.table_row(slot)
         return all(row[j] != self.layout.scratch_block for j in logical)
 
+    def maps_only(self, wants: dict[int, int]) -> bool:
+        """`prepare(wants)` would copy no block and grow nothing (engine.exec.decode_ahead: a step launched ahead
+        may map free blocks, an in-place table update ordered after the step in flight, but not move blocks or
+        reallocate the pool, which drops the graph it would replay)."""
+        return self.ledger.maps_only(wants)
+
     def sync_rows(self, slots: set[int]) -> None:
         """Copy the ledger's rows of `slots` into the device table, in place."""
         self._sync_rows(slots)
