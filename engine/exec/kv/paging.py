@@ -69,6 +69,8 @@ class PagingStats:
     spill_ms: float = 0.0
     fetch_ms: float = 0.0
     grown_blocks: int = 0
+    preemptions: int = 0  # slots whose blocks a spill took (one per slot per spill)
+    preemption_cause: str = ""
 
 
 class KVPaging:
@@ -144,8 +146,13 @@ class KVPaging:
     def snapshot(self) -> dict:
         self._finish_fetches(wait=False)
         s = self.stats
-        return {"resident_tokens": self.resident_tokens, "pool_blocks": self.ledger.pool_blocks,
-                "free_pool_blocks": self.ledger.free_pool_blocks, "block_tokens": self.layout.block_tokens,
+        ledger = self.ledger
+        used = sum(ledger.used_blocks(slot) for slot in range(self.layout.num_slots))
+        return {"resident_tokens": self.resident_tokens, "pool_blocks": ledger.pool_blocks,
+                "free_pool_blocks": ledger.free_pool_blocks, "used_blocks": used,
+                "tier_blocks": int(self.kv.tier_blocks), "borrowed_blocks": ledger.borrowed_blocks,
+                "preemptions": s.preemptions, "preemption_cause": s.preemption_cause,
+                "block_tokens": self.layout.block_tokens,
                 "host_mib": round(self.host_mib, 3), "host_blocks": self.ledger.host_held_blocks,
                 "spilled_mib": round(s.spilled_mib, 3), "fetched_mib": round(s.fetched_mib, 3),
                 "spill_ms": round(s.spill_ms, 3), "fetch_ms": round(s.fetch_ms, 3),
@@ -236,8 +243,10 @@ class KVPaging:
             self.host.ensure(self.ledger.host_blocks)
             self.host.spill(pools, [m.src for m in moves], [m.dst for m in moves])
             self._sync_device()
-            self._done("spill", len(moves), len(moves) * self.block_mib, (time.perf_counter() - t0) * 1e3,
-                       sorted({m.slot for m in moves}))
+            victims = sorted({m.slot for m in moves})
+            self.stats.preemptions += len(victims)
+            self.stats.preemption_cause = "the pool was short of blocks for a forward's slots"
+            self._done("spill", len(moves), len(moves) * self.block_mib, (time.perf_counter() - t0) * 1e3, victims)
         if plan.fetches:
             if self._copy_stream is None:
                 self._fetch_now(plan.fetches)
