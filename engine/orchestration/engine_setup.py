@@ -36,6 +36,8 @@ from engine.exec.kv.tier import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_F
 
 
 SHARED_SWITCH = "SHARED_PREFIX"
+# KV by use on a CPU: the pool's size at start (when every slot's whole context is more); it grows as slots use it
+CPU_START_POOL_MIB = 256.0
 
 
 class StartupError(StrataError):
@@ -305,9 +307,12 @@ def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCa
     layout = geometry.layout(resident)
     pool_blocks = layout.window_blocks
     cpu_grows = lm.device.type == "cpu" and config.kv_resident is None
-    if cpu_grows:
-        pool_blocks = min(layout.window_blocks, config.batch * -(-margin // layout.block_tokens))
     block_mib = geometry.bytes_per_token(config.kv, lm.dtype) * geometry.block_tokens / MIB
+    if cpu_grows:
+        # every slot's whole context when that is small (a pool that never grows drops no graph), else
+        # CPU_START_POOL_MIB or one prompt chunk per slot, whichever is more
+        chunk_blocks = config.batch * -(-margin // layout.block_tokens)
+        pool_blocks = min(config.batch * layout.window_blocks, max(chunk_blocks, int(CPU_START_POOL_MIB // block_mib)))
     kv_mib = layout.device_blocks(pool_blocks) * block_mib
     resident_tokens = layout.resident_blocks * layout.block_tokens
     name, value = ("kv_resident", config.kv_resident) if config.kv_resident is not None else ("context", config.context)
