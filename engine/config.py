@@ -107,13 +107,13 @@ class EngineConfig:
     prefill_chunk_tokens: int = field(default=2048, metadata=_opt("prompt tokens per prefill chunk", metavar="TOKENS"))
     step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
     prefill_overlap: str = field(default="auto", metadata=_opt(
-        "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless --kv-resident or "
+        "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless "
         "an MoE model; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
         "tests; off: between the steps, paced)", choices=PREFILL_OVERLAP_MODES))
     decode_ahead: str = field(default="auto", metadata=_opt(
         "launch the next decode step (or MTP's fused step) before this one's tokens reach the host when every "
         "decoding slot is greedy, so the host's work overlaps the device's (auto: with CUDA graphs, unless "
-        "--kv-resident or an MoE model; on: also eagerly and on a CPU, for tests; off: never)",
+        "an MoE model; on: also eagerly and on a CPU, for tests; off: never)",
         choices=DECODE_AHEAD_MODES))
     # CUDA graphs where the device has them; CPU always runs eagerly
     graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))
