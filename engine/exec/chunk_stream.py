@@ -215,6 +215,16 @@ class ChunkStream:
         if flight is not None:
             self._unhold(flight)
 
+    def settle(self) -> None:
+        """KV by use: a step cannot find its blocks without the held slot's: wait for the chunk's kernels (it still
+        lands at a later step, as usual) and lift the hold, so its blocks may be spilled like any other's."""
+        flight = self.in_flight
+        if flight is None:
+            return
+        if flight.end is not None:
+            flight.end.synchronize()
+        self._unhold(flight)
+
     def _unhold(self, flight: InFlight) -> None:
         if self.paging is not None:
             self.paging.unhold(flight.chunk.slot)

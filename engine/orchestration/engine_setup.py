@@ -174,6 +174,8 @@ class _PartsBuilder:
         if overlap_wanted(config.prefill_overlap, device, moe=experts is not None):
             chunks = ChunkStream(device, chunk_sms_from_env(os.environ))
             chunks.paging = kv.paging
+            if kv.paging is not None:
+                kv.paging.settle_held = chunks.settle
             if chunks.note is not None:
                 bus.publish(WarningEvent(where="engine.chunks", message=chunks.note))
             runner.prefill_owner = CHUNK_OWNER

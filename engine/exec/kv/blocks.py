@@ -135,6 +135,13 @@ class BlockLedger:
         """Pool blocks `plan(wants)` would have to take from other slots (0: the free pool covers it)."""
         return max(0, sum(len(self._missing(slot, end)) for slot, end in wants.items()) - len(self._free_pool))
 
+    def needs_held(self, wants: dict[int, int]) -> bool:
+        """`plan(wants)` cannot find its blocks without spilling a held slot's (a chunk beside the steps holds it)."""
+        if not self._held:
+            return False
+        needed = sum(len(self._missing(slot, end)) for slot, end in wants.items())
+        return needed - len(self._free_pool) > len(self._victims(wants))
+
     def maps_only(self, wants: dict[int, int]) -> bool:
         """`plan(wants)` would copy nothing (no spill, no fetch) and need no pool growth: at most free blocks
         mapped into the table (what a step launched ahead of the one in flight may do)."""

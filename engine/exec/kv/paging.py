@@ -91,6 +91,9 @@ class KVPaging:
         # The most pool blocks it may grow to without the tier (KV by use on a CPU: every slot's whole context, what
         # the reservation it replaces held); 0: only what the tier gives back.
         self.grow_limit_blocks = 0
+        # Set by the engine builder where chunks run beside the steps (engine.exec.chunk_stream.ChunkStream.settle):
+        # waits for the chunk in flight and lifts its hold, for a forward that cannot fit without its blocks.
+        self.settle_held: Callable[[], None] | None = None
         self._table = torch.tensor([self.ledger.table_row(s) for s in range(layout.num_slots)], dtype=torch.int32)
         # CUDA only: the stream fetches run on, one external event per KV layer (attend's layer index), and the
         # fetches whose timing is not read yet.
@@ -167,6 +170,8 @@ class KVPaging:
         short = self.ledger.shortfall(wants)
         if short > 0:
             self.grow(short, "the KV pool is short")
+            if self.settle_held is not None and self.ledger.needs_held(wants):
+                self.settle_held()  # the chunk's kernels are done: its blocks may go to the host like any other
         plan = self.ledger.plan(wants)
         if plan.spills or plan.fetches:
             self._copy(plan)

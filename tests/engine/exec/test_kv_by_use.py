@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from engine.api import SamplingParams
+from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LONGER = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[3]
 
 # One short request through a real engine in a fresh process: its peak resident memory (ru_maxrss, KiB on Linux).
@@ -113,3 +115,52 @@ def test_256_slots_run_at_once_on_the_tiny_model():
     engine.step()
     ledger = engine.kv.paging.ledger
     assert all(ledger.used_blocks(s) == 0 for s in range(256))
+
+
+def _overlap_engine(ckpt, bus=None, **kw):
+    from engine.config import EngineConfig
+    from engine.orchestration.engine import Engine
+
+    base = dict(model=str(ckpt), device="cpu", dtype="float32", batch=4, context=2048, prefill_chunk_tokens=256,
+                step_token_budget=512, prefill_overlap="on")
+    base.update(kw)
+    return Engine(EngineConfig(**base), bus or EventBus(history=100000), tier_budget_mib=0.0, block_tokens=64)
+
+
+def test_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
+    """Two slots decode while a long prompt's chunks run beside them on a pool too small for all three (a
+    resident window of 64, no tier to grow from): the steps spill the decoding slots' blocks, never the chunk's
+    slot's while the chunk may write them (a step that cannot fit without them waits for the chunk first: without
+    that its requests ended with an error), and every request gets the tokens of a run with room. On a CPU the
+    chunk runs at its launch and lands a step later: the bookkeeping; the GPU test runs the two streams."""
+    short = random_prompts(2, seed=190, lengths=(500, 600))
+    long = random_prompts(1, seed=191, lengths=(1800, 1801))
+    reference = _overlap_engine(ckpt, batch=3, kv_pool="reserved")
+    want = tokens_of(run_all(reference, short + long, LONGER))
+    bus = EventBus(history=100000)
+    engine = _overlap_engine(ckpt, bus=bus, batch=3, kv_resident=64)
+    engine.kv.paging.take_memory = lambda mib, reason: 0.0  # the tier has nothing to give: the pool must spill
+    assert engine.chunks is not None
+    held: list[set[int]] = []
+    plan = engine.kv.paging.ledger.plan
+
+    def watch(wants):
+        held.append(set(engine.kv.paging.ledger._held))
+        return plan(wants)
+
+    engine.kv.paging.ledger.plan = watch
+    for i, prompt in enumerate(short):
+        engine.add_request(f"r{i}", prompt, LONGER)
+    outs: dict[str, list] = {}
+    for _ in range(4):  # the short prompts are prefilled and decode
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    engine.add_request("r2", long[0], LONGER)
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert tokens_of(outs) == want
+    spills = [e for e in bus.history() if e.type == "kv" and e.action == "spill"]
+    assert spills, "the pool never filled"
+    assert any(held_slots for held_slots in held), "no chunk ran beside the steps"
+
