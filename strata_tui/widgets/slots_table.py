@@ -9,6 +9,10 @@ cached), never above 100 %; its ETA comes from `PrefillTrack` (growing chunk cos
 refresh). While decoding it is generated / max_tokens, and after the first token the row says how long
 that took (TTFT) and at what prompt rate. With `--kv-resident`, once some of a slot's KV lies on the host
 the cell says how much (and, when wide, how much is in VRAM).
+
+With more slots than `MAX_SLOT_ROWS` (`--batch` up to 256) the table shows the busiest: prefilling slots first
+(they have an ETA to watch), then decoding ones by rate, then the rest; one last row counts the slots left out by
+state, so a 256-slot engine is still one screen and one refresh touches a few dozen rows.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from strata_tui.prefill_eta import PrefillTrack
 from strata_tui.widgets.format import bar
 
 WIDE_AT = 140  # table width from which every column fits
+MAX_SLOT_ROWS = 24  # rows of slots at most; past it the busiest, and a row counting the rest
+REST_KEY = "rest"  # the row key of that count
 _STATE_STYLE = {"prefill": "yellow", "decode": "green", "idle": "dim", "finished": "blue",
                 "aborted": "magenta", "error": "bold red"}
 
@@ -128,6 +134,34 @@ def slot_cells(slot: SlotEvent, track: PrefillTrack | None = None, now_s: float 
     return {key: cells[key] for key in widths}
 
 
+def busiest(slots: dict[int, SlotEvent], limit: int = MAX_SLOT_ROWS) -> tuple[list[int], Counter[str]]:
+    """The slot numbers to show (all of them when they fit `limit` rows, else the busiest `limit - 1`, by slot
+    number) and, by state, the count of those left out."""
+    if len(slots) <= limit:
+        return sorted(slots), Counter()
+
+    def rank(n: int) -> tuple:
+        slot = slots[n]
+        order = {"prefill": 0, "decode": 1}.get(slot.state, 2 if slot.request_id else 3)
+        rate = slot.prefill_tok_s if slot.state == "prefill" else slot.decode_tok_s
+        return order, -(rate or 0.0), n
+
+    shown = sorted(sorted(slots, key=rank)[:limit - 1])
+    left = Counter(slots[n].state for n in slots if n not in set(shown))
+    return shown, left
+
+
+def rest_cells(left: Counter[str], columns: tuple[tuple[str, str, int], ...]) -> dict[str, Text | str]:
+    """The row counting the slots the table leaves out ("+232 more: 200 decode, 32 idle")."""
+    total = sum(left.values())
+    parts = ", ".join(f"{n} {state}" for state, n in sorted(left.items(), key=lambda kv: (-kv[1], kv[0])))
+    cells: dict[str, Text | str] = {key: "" for _, key, _ in columns}
+    cells["state"] = Text(f"+{total}", style="dim")
+    width = dict((k, w) for _, k, w in columns)["progress"]  # the widest column in either layout
+    cells["progress"] = Text(f"more: {parts}"[:width], style="dim")
+    return cells
+
+
 class SlotsTable(DataTable):
     """Slot rows keyed by slot number. `show()` adds, removes and updates only what changed."""
 
@@ -160,9 +194,12 @@ class SlotsTable(DataTable):
         """Make the table match `slots` (slot number -> latest SlotEvent); `tracks` by slot for ETAs."""
         self._fit_columns()
         tracks = tracks or {}
+        shown, left = busiest(slots)
+        wanted = {str(n): slot_cells(slots[n], tracks.get(n), now_s, self.columns_spec) for n in shown}
+        if left:
+            wanted[REST_KEY] = rest_cells(left, self.columns_spec)
         with self.app.batch_update():  # one repaint for all the cell changes
-            self._apply({str(n): slot_cells(slots[n], tracks.get(n), now_s, self.columns_spec)
-                         for n in sorted(slots)})
+            self._apply(wanted)
 
     def _apply(self, wanted: dict[str, dict[str, Text | str]]) -> None:
         for key in [k for k in self._cells if k not in wanted]:
@@ -180,7 +217,11 @@ class SlotsTable(DataTable):
                         self.cell_updates += 1
                         self.updated[(key, column)] += 1
             self._cells[key] = cells
-        order = sorted(self._cells, key=int)
+        order = sorted(self._cells, key=_row_order)
         if list(self._cells) != order:
-            self.sort("slot", key=int)
+            self.sort("slot", key=lambda value: int(value) if value else 1 << 30)  # the count of the rest last
             self._cells = {k: self._cells[k] for k in order}
+
+
+def _row_order(key: str) -> int:
+    return 1 << 30 if key == REST_KEY else int(key)

@@ -230,7 +230,8 @@ def test_mtp_fused_steps_go_ahead_beside_a_long_prompts_chunks_and_keep_plain_de
     engine.drafter.fused = True  # the CUDA default, forced on the CPU backend
     beside = []
     launch = engine.ahead._launch_verify
-    engine.ahead._launch_verify = lambda step: (beside.append(engine.chunks.in_flight is not None), launch(step))[1]
+    engine.ahead._launch_verify = lambda rows, step: (beside.append(engine.chunks.in_flight is not None),
+                                                      launch(rows, step))[1]
     assert _drive(engine, script) == plain
     assert sum(beside) >= 2, "fused steps launched ahead with a chunk in flight"
     assert engine.ahead.taken >= 5 and engine.ahead.dropped >= 1

@@ -86,7 +86,10 @@ def test_reserved_kv_every_token_is_resident_and_there_is_no_paging(ckpt):
     assert engine.kv.paging is None and engine.state().to_json()["kv"]["paging"] is None
 
 
-def test_kv_by_use_is_the_default_on_a_cpu_and_the_pool_grows_as_slots_use_it(ckpt):
+def test_kv_by_use_is_the_default_on_a_cpu_and_the_pool_grows_as_slots_use_it(ckpt, monkeypatch):
+    import engine.orchestration.engine_setup as setup
+
+    monkeypatch.setattr(setup, "CPU_START_POOL_MIB", 0.0)  # start at one prompt chunk per slot, not 256 MiB
     engine = make_engine(ckpt, **SMALL)
     paging = engine.kv.paging
     assert paging is not None and paging.layout.resident_blocks == 0
