@@ -330,6 +330,11 @@ class KVPaging:
         if blocks > 0:
             self._resize(blocks, reason)
 
+    def extend(self, blocks: int, reason: str) -> bool:
+        """Grow the pool tensors by `blocks` free blocks, past the headroom (the tier backing its blocks with memory
+        it has checked is free); False when the device ran out."""
+        return blocks <= 0 or self._resize(blocks, reason)
+
     def _resize(self, blocks: int, reason: str) -> bool:
         """Grow the pool tensors by `blocks` blocks; False when the device ran out (nothing changed then)."""
         self.join_fetches()  # the old tensors are copied, then freed: no fetch may still be writing them

@@ -3,8 +3,9 @@ so a reused prefix is still shared by reference, not copied.
 
 The same interface as engine.exec.kv.tier_pool.SharedTierBlocks (what engine.exec.kv.tier.AdaptiveTier calls),
 over one allocator instead of two: a tier block id is backed by `group` pool blocks taken from the ledger's free
-pool, and a dropped one gives them back to it. Nothing is reallocated to back or drop a tier block (the pool
-grows only when its free blocks are short: `KVPaging.grow`), and the slots' KV and the tier share one pool:
+pool, and a dropped one gives them back to it. Nothing is reallocated to drop a tier block, nor to back one while
+the pool has free blocks (past them it grows: a CPU's headroom, `KVPaging.grow`, else by the memory the tier
+checked is free, `KVPaging.extend`, as the reserved pool does), and the slots' KV and the tier share one pool:
 whatever the slots do not use, the tier may back blocks with, and a tier block it drops is a block a slot can
 take.
 
@@ -128,9 +129,11 @@ class LedgerTierBlocks:
             self.ledger.give_blocks(self.backing.pop(b))
         need = self.group * len(add)
         if need > self.ledger.free_pool_blocks:
+            reason = "the prefix-cache tier backs its blocks"
             with torch.inference_mode(False):
-                self.paging.grow(need - self.ledger.free_pool_blocks, "the prefix-cache tier backs a block",
-                                 ask_tier=False)
+                self.paging.grow(need - self.ledger.free_pool_blocks, reason, ask_tier=False)  # a CPU's headroom
+                # past it (CUDA): memory the tier has checked is free, as the reserved pool's tier blocks take it
+                self.paging.extend(need - self.ledger.free_pool_blocks, reason)
             if need > self.ledger.free_pool_blocks:
                 self.kv.tier_blocks = self.group * len(self.backing)
                 raise torch.OutOfMemoryError(f"the KV pool has {self.ledger.free_pool_blocks} free blocks; the tier "
