@@ -56,6 +56,8 @@ linear            named    a decode step's projections: cuBLAS against the skinn
 experts           named    a random Qwen3-MoE per expert-cache budget, and its routing trace
 kvspill           named    decode with half of the non-resident KV on the host, against the PCIe floor
 kvspill_six       named    the seed's six long prompts on a pool sized for two
+throughput        named    1..256 concurrent 1K-token prompts (KV by use): tok/s, TTFT, inter-token, floor, HF static peer
+throughput_mixed  named    the same with the seeded mixed set (128-8K prompts, 64-1K outputs), no peer
 compile_cold      named    FUSED_PROJ + COMPILE decode with an empty compile cache
 compile_warm      named    the same again, the compiled kernels from the cache
 seed              named    the seed scenario through serve, SEED_RUNS runs (default 5)
@@ -257,6 +259,10 @@ run linear 150 linear --device "$DEVICE" --rows 1,6,18 --iters 50 \
 run experts 200 experts --device "$DEVICE" --prompt-tokens 32 --new-tokens 64 --trace-out "$OUT/experts_trace.jsonl"
 run kvspill 100 kvspill "${COMMON[@]}" --kv int8 --prompt-tokens 8K --new-tokens 64 --kv-resident 1024
 run kvspill_six 150 kvspill "${COMMON[@]}" --kv int8 --slots 6 --prompt-tokens 8K --new-tokens 32 --kv-resident 1024
+run throughput 540 throughput "${COMMON[@]}" --kv-pool by-use --sets fixed --concurrency 1,8,32,64,128,256 \
+    --prompt-tokens 1K --new-tokens 256 --copy-mib "$COPY_MIB" --peer static --peer-timeout-s 60
+run throughput_mixed 540 throughput "${COMMON[@]}" --kv-pool by-use --sets mixed --concurrency 1,8,32,64,128,256 \
+    --copy-mib "$COPY_MIB" --peer none
 # COMPILE's start with an empty compile cache, then again with the kernels it kept
 [[ ",${STEPS:-}," == *",compile_cold,"* ]] && rm -rf /tmp/strata-compile-cache
 XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run compile_cold 150 decode "${COMMON[@]}" \

@@ -21,6 +21,7 @@ BUILTIN_MODEL = "builtin:strata-tiny"
 KV_DTYPES = ("bf16", "int8")
 PREFILL_OVERLAP_MODES = ("auto", "on", "off")
 DECODE_AHEAD_MODES = ("auto", "on", "off")
+KV_POOL_MODES = ("auto", "by-use", "reserved")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZE_FORMATS = ("fp8", "fp8-block", "int4")
@@ -76,11 +77,16 @@ class EngineConfig:
     batch_mtp: bool = field(default=False, metadata=_opt("batched MTP speculative drafting for all decoding slots"))
     mtp_depth: int = field(default=1, metadata=_opt("draft tokens per MTP round", metavar="K"))
     kv: str = field(default="bf16", metadata=_opt("KV cache dtype", choices=KV_DTYPES))
-    # None: every slot reserves its whole context on the device (docs/VRAM.md)
+    kv_pool: str = field(default="auto", metadata=_opt(
+        "how slots hold KV: by-use (one pool of blocks; a slot takes blocks as its tokens need them and gives them "
+        "back when its request ends, --context is a per-request limit) or reserved (every slot holds its whole "
+        "context from the start); auto: by-use on a CPU, reserved on CUDA (docs/KV.md)", choices=KV_POOL_MODES))
+    # None: no guaranteed window (KV by use) or every slot's whole context (reserved): docs/VRAM.md
     kv_resident: int | None = field(default=None, metadata=_opt(
         "tokens of each slot's KV guaranteed in VRAM (reserved at start, counted in the VRAM books); tokens past "
         "them take blocks from a shared pool that grows from the prefix-cache tier, and spill to host memory "
-        "when even that is short (lossless). Default: each slot's whole context in VRAM", metavar="TOKENS"))
+        "when even that is short (lossless). Default: no guaranteed window (--kv-pool decides how slots hold KV)",
+        metavar="TOKENS"))
     context: int = field(default=8192, metadata=_opt("context per slot", metavar="TOKENS"))
     vram_reserve_mib: int = field(default=DEFAULT_VRAM_RESERVE_MIB, metadata=_opt("VRAM the engine never takes",
                                                                                   metavar="MIB"))
@@ -102,13 +108,13 @@ class EngineConfig:
     prefill_chunk_tokens: int = field(default=2048, metadata=_opt("prompt tokens per prefill chunk", metavar="TOKENS"))
     step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
     prefill_overlap: str = field(default="auto", metadata=_opt(
-        "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless --kv-resident or "
+        "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless "
         "an MoE model; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
         "tests; off: between the steps, paced)", choices=PREFILL_OVERLAP_MODES))
     decode_ahead: str = field(default="auto", metadata=_opt(
         "launch the next decode step (or MTP's fused step) before this one's tokens reach the host when every "
         "decoding slot is greedy, so the host's work overlaps the device's (auto: with CUDA graphs, unless "
-        "--kv-resident or an MoE model; on: also eagerly and on a CPU, for tests; off: never)",
+        "an MoE model; on: also eagerly and on a CPU, for tests; off: never)",
         choices=DECODE_AHEAD_MODES))
     # CUDA graphs where the device has them; CPU always runs eagerly
     graphs: bool = field(default=True, metadata=_opt("CUDA graphs on GPU", flag="both"))
@@ -153,8 +159,13 @@ class EngineConfig:
         if self.prefill_overlap not in PREFILL_OVERLAP_MODES:
             raise ConfigError("prefill_overlap", self.prefill_overlap,
                               f"expected one of {', '.join(PREFILL_OVERLAP_MODES)}")
+        if self.kv_pool not in KV_POOL_MODES:
+            raise ConfigError("kv_pool", self.kv_pool, f"expected one of {', '.join(KV_POOL_MODES)}")
         if self.kv_resident is not None:
             _positive("kv_resident", self.kv_resident, upper=self.context)
+            if self.kv_pool == "reserved":
+                raise ConfigError("kv_pool", self.kv_pool, "--kv-resident takes blocks by use past its window: "
+                                                           "use --kv-pool by-use or auto")
         check_vram_reserve_mib(self.vram_reserve_mib)
         if self.expert_cache_mib is not None and self.expert_cache_mib != "auto":
             value = self.expert_cache_mib
@@ -177,6 +188,12 @@ class EngineConfig:
 
         for name in self.switches:
             get_switch(name)  # raises UnknownSwitch naming the typo
+
+    def kv_by_use(self, device_type: str) -> bool:
+        """Whether slots take KV blocks by use on a device of this type (`kv_pool`; `--kv-resident` implies it)."""
+        if self.kv_resident is not None or self.kv_pool == "by-use":
+            return True
+        return self.kv_pool == "auto" and device_type == "cpu"
 
     @staticmethod
     def options() -> list[Any]:

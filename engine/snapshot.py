@@ -160,11 +160,16 @@ class TierSnapshot(_Json):
 
 @dataclass(frozen=True)
 class KvPagingSnapshot(_Json):
-    """`--kv-resident`: the shared pool, host-held KV, and spill / fetch traffic since start."""
+    """KV by use (and `--kv-resident`): the shared pool, host-held KV, and spill / fetch traffic since start."""
 
     resident_tokens: int = 0  # per slot, guaranteed on the device
     pool_blocks: int = 0
     free_pool_blocks: int = 0
+    used_blocks: int = 0  # pool blocks slots hold as their own (on the device)
+    tier_blocks: int = 0  # pool blocks the prefix-cache tier backs its blocks with
+    borrowed_blocks: int = 0  # slots' table entries pointing at tier blocks (a prefix shared n times: n)
+    preemptions: int = 0  # since start: a running slot's blocks spilled to host memory to make room (cause below)
+    preemption_cause: str = ""  # why the last one happened
     block_tokens: int = 0
     host_mib: float = 0.0  # KV held in host memory now
     host_blocks: int = 0

@@ -33,6 +33,8 @@ BENCHES = {
                   "gather+SDPA, Triton paged, Flex"),
     "linear": ("engine.bench.linear", "a decode step's projections: cuBLAS against the FUSED_OPS skinny-matmul "
                "kernel, per weight and row count"),
+    "throughput": ("engine.bench.throughput", "N concurrent requests (1..256): output tok/s, TTFT and inter-token "
+                   "p50/p99 against the weights + live KV floor and a time-bounded HF peer"),
     "kvspill": ("engine.bench.kv_spill", "decode rate of slots whose KV is partly in host memory (--kv-resident) "
                 "vs with room, and the PCIe floor"),
 }
@@ -265,11 +267,35 @@ def _kvspill(p: argparse.ArgumentParser) -> None:
                         "the rest of their non-resident KV is on the host too (the seed's six long prompts: 6)")
 
 
+def _throughput(p: argparse.ArgumentParser) -> None:
+    _engine(p, model="random:0.6b")  # --kv-pool: by-use unless given (N slots of the whole context would not fit)
+    p.add_argument("--concurrency", type=int_list, default=[1, 8, 32, 64, 128, 256],
+                   help="concurrent requests, one engine of that many slots each (default 1,8,32,64,128,256)")
+    p.add_argument("--sets", default="fixed,mixed", help="request sets: fixed (--prompt-tokens, --new-tokens), "
+                   "mixed (seeded lengths in the --mixed-* ranges); default both")
+    p.add_argument("--prompt-tokens", type=token_count, default=_K, help="the fixed set's prompt tokens (1K)")
+    p.add_argument("--new-tokens", type=int, default=256, help="the fixed set's output tokens (256)")
+    p.add_argument("--mixed-prompt-tokens", type=int_list, default=[128, 8 * _K], metavar="MIN,MAX",
+                   help="the mixed set's prompt tokens, uniform (default 128,8K)")
+    p.add_argument("--mixed-new-tokens", type=int_list, default=[64, _K], metavar="MIN,MAX",
+                   help="the mixed set's output tokens, uniform (default 64,1K)")
+    p.add_argument("--seed", type=int, default=0, help="the mixed set's seed")
+    p.add_argument("--copy-mib", type=int, default=1024, help="size of the device-to-device copy for bandwidth")
+    p.add_argument("--peer", default="static", choices=("static", "eager", "none"),
+                   help="HF transformers' batched generate on the fixed set: static cache (+ torch.compile on "
+                        "CUDA), eager, or none (default static)")
+    p.add_argument("--peer-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="HF weights dtype (default bfloat16)")
+    p.add_argument("--peer-timeout-s", type=finite_float, default=300.0, metavar="S",
+                   help="seconds each peer call may take, its warm-up included, before it is killed and recorded "
+                        "as not finished (default 300)")
+
+
 _ADDERS = {
     "scenario": _scenario, "decode": _decode, "mtp": _mtp, "ttft": _ttft, "reuse": _reuse, "admission": _admission,
     "graphs": _graphs, "switches": _switches, "peers": _peers, "profile": _profile, "experts": _experts,
     "experts-replay": _experts_replay,
-    "attention": _attention, "linear": _linear, "kvspill": _kvspill,
+    "attention": _attention, "linear": _linear, "kvspill": _kvspill, "throughput": _throughput,
 }
 
 

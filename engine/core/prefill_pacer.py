@@ -28,6 +28,13 @@ either way, so the chunk that buys the most prompt per second of credit gives th
 a long prompt on a GPU that is a big chunk (what every chunk pays for the span is spread over more tokens); on a
 CPU, where attention's cost per token grows with the chunk, a small one. Every fourth such chunk is half that
 size, so the fit keeps seeing two sizes at one depth and can tell the per-key term from attention.
+
+The share is a floor for prefill, not a cap on it when prompts outnumber the decoding slots: a step's share is
+`max(prefill_step_share, prefilling / (prefilling + decoding))` (`step_share`), every request holding a slot
+getting an equal part of the device's time whether it waits for its first token or decodes. One long prompt
+beside six decoding slots keeps the configured share (decode keeps its rate); a burst of 128 short prompts next
+to the four that were admitted first is not held to 45 % of each step while 124 requests wait for a first token
+(their prefill was paced to a few tokens a step).
 """
 
 from __future__ import annotations
@@ -216,6 +223,7 @@ class PrefillPacer:
         self._decode_s: deque[float] = deque(maxlen=_DECODE_WINDOW_STEPS)
         self._beside_s: deque[float] = deque(maxlen=_BESIDE_WINDOW_STEPS)  # decode steps beside a chunk
         self._armed = False  # the engine has reported a step: measured pacing is possible
+        self._share = self.prefill_step_share  # this step's (step_share of the requests planned)
         self.credit_s = 0.0
         self._pacing = False
         self._no_decode_time = False
@@ -243,12 +251,30 @@ class PrefillPacer:
         """Recent decode step time (median of the last few), None before any."""
         return statistics.median(self._decode_s) if self._decode_s else None
 
-    def allowance_s(self) -> float | None:
-        """Prefill seconds one decoding step earns; None when unknown or unlimited (share 1)."""
+    def step_share(self, num_decoding: int, num_prefilling: int) -> float:
+        """Prefill's share of a step with `num_decoding` slots decoding and `num_prefilling` prompts in slots:
+        at least `prefill_step_share`, and each request's equal part when prompts outnumber decoding slots."""
+        if num_prefilling <= 0:
+            return self.prefill_step_share
+        return max(self.prefill_step_share, num_prefilling / (num_prefilling + num_decoding))
+
+    def allowance_s(self, share: float | None = None) -> float | None:
+        """Prefill seconds one decoding step earns at `share` (default: the share of the step being planned);
+        None when unknown or unlimited (share 1)."""
+        share = self._share if share is None else share
         decode_s = self.decode_s
-        if decode_s is None or self.prefill_step_share >= 1:
+        if decode_s is None or share >= 1:
             return None
-        return decode_s * self.prefill_step_share / (1 - self.prefill_step_share)
+        return decode_s * share / (1 - share)
+
+    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
+        """A chunk of `tokens` from `start` costs no more than one step's allowance at the share of such a step:
+        it can run between the steps without saving up. None while no decode time is known."""
+        share = self.step_share(num_decoding, num_prefilling)
+        if share >= 1:
+            return True
+        allowance = self.allowance_s(share)
+        return None if allowance is None else self.cost.predict_s(tokens, start) <= allowance
 
     def beside_gap_s(self, chunk_s: float) -> float:
         """After a chunk that ran beside the steps for `chunk_s`: how long the side stream stays idle so that
@@ -257,19 +283,21 @@ class PrefillPacer:
         beside chunks, since the steps that wait on a chunk's blocks cost decode their whole time, which a median
         leaves out); over the chunk and a gap g, (kept * chunk_s + g) / (chunk_s + g) must reach the target:
         g = chunk_s * (target - kept) / (1 - target). 0 while either time is unknown."""
-        if not self._decode_s or not self._beside_s or self.prefill_step_share >= 1:
+        if not self._decode_s or not self._beside_s or self._share >= 1:
             return 0.0
         kept = statistics.median(self._decode_s) / statistics.fmean(self._beside_s)
-        target = 1 - self.prefill_step_share
+        target = 1 - self._share
         return max(0.0, chunk_s * (target - kept) / (1 - target))
 
     # --- planning ------------------------------------------------------------------------------------------
 
-    def open_step(self, num_decoding: int, has_prefill: bool) -> bool:
-        """Start planning a step; True when its prefill is paced by time (slots decode, a prompt waits)."""
+    def open_step(self, num_decoding: int, has_prefill: bool, num_prefilling: int = 1) -> bool:
+        """Start planning a step; True when its prefill is paced by time (slots decode, a prompt waits).
+        `num_prefilling`: prompts in slots with chunks left (the step's share, `step_share`)."""
         self._unsettled_s = None  # a plan that was never recorded (a failed step) settles nothing
         self._planned_s, self._planned_chunks = 0.0, 0
-        self._pacing = self._armed and num_decoding > 0 and has_prefill and self.prefill_step_share < 1
+        self._share = self.step_share(num_decoding, num_prefilling if has_prefill else 0)
+        self._pacing = self._armed and num_decoding > 0 and has_prefill and self._share < 1
         if not self._pacing:
             self.credit_s = 0.0
             return False

@@ -13,8 +13,9 @@ Every `schedule()` returns one StepPlan, the whole of what the runner does in th
 5. While slots decode, chunks are also sized by measured cost (`engine.core.prefill_pacer`): the engine reports
    each step's timings (`record_step`), and the prefill part of a step is kept within `prefill_step_share` of
    it, because at 176K context a chunk's attention over the prefix costs far more than its token count says.
-   Or, where the engine runs chunks beside the steps (`overlap_chunks`, engine.exec.chunk_stream), one whole
-   chunk is in flight at a time while slots decode, and the pacer's gap between two keeps decode's share.
+   Or, where the engine runs chunks beside the steps (`overlap_chunks`, engine.exec.chunk_stream), a chunk
+   too dear for one step's allowance runs whole beside the steps, one in flight at a time, and the pacer's gap
+   between two keeps decode's share; chunks that fit run between the steps as above.
 
 The plan is a commitment: `schedule()` advances each request's prefill cursor as it plans the chunk, and a
 request whose last prompt chunk is planned decodes from the next step on. If a step fails, the engine ends
@@ -216,10 +217,10 @@ class Scheduler:
             plan.admitted.append(self._admit(self._waiting.popleft()))
         plan.decode = [req for req in self._slots if req is not None and req.state is RequestState.DECODE]
         budget_tokens = self.step_token_budget - plan.num_decode_tokens
-        if self.overlap_chunks and (plan.decode or self._in_flight is not None):
+        if self.overlap_chunks and (plan.decode or self._in_flight is not None) and self._goes_beside(plan):
             self._plan_beside(plan)
             return plan
-        paced = self.pacer.open_step(len(plan.decode), bool(self._prefilling))
+        paced = self.pacer.open_step(len(plan.decode), bool(self._prefilling), len(self._prefilling))
         for req in list(self._prefilling):
             if budget_tokens <= 0:
                 break
@@ -236,6 +237,23 @@ class Scheduler:
                 plan.cache_fill.append(fill)
         self.pacer.close_step()
         return plan
+
+    def _goes_beside(self, plan: StepPlan) -> bool:
+        """Chunks run beside the steps while one is in flight (one at a time: the two streams share the chunks'
+        graph pool and split counters) and when the next one would not fit one step's prefill allowance between
+        the steps (a long prompt deep into its context: what the side stream is for). A short prompt's chunk
+        that fits runs between the steps, paced, next to the other prompts' chunks: beside the steps, a burst of
+        short prompts took one chunk of one request per launch, land and gap (128 prompts of 1K tokens: 8,192
+        steps to their first tokens on an H200)."""
+        if self._in_flight is not None or not self._prefilling:
+            return True
+        req = self._prefilling[0]
+        tokens = min(self.prefill_chunk_tokens, req.remaining_prompt_tokens,
+                     max(1, self.step_token_budget - plan.num_decode_tokens))
+        fits = self.pacer.fits_one_step(tokens, req.num_computed_tokens, len(plan.decode), len(self._prefilling))
+        if fits is None:  # no decode step measured alone yet: a burst of prompts of one chunk each goes between
+            return not (len(self._prefilling) > 1 and req.remaining_prompt_tokens <= self.prefill_chunk_tokens)
+        return not fits
 
     def _plan_beside(self, plan: StepPlan) -> None:
         """Slots decode and chunks run beside them (`overlap_chunks`): the first prefilling request's next chunk,

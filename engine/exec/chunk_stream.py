@@ -14,8 +14,9 @@ What may not run at the same time is kept apart: prompt chunks capture their gra
 (ModelRunner.prefill_owner) and use their own split counters (`lane`: the skinny matmul's), and a KV pool
 reallocation waits for the device first (SlotKVCache.resize_pool). A slot whose request ends while its chunk is in
 flight waits for the chunk before the slot changes hands (`drop`). Where the two streams would share more than
-that, the overlap is off: `--kv-resident` (paging moves blocks under the chunk) and MoE models (the expert cache's
-slots are shared by every forward).
+that, the overlap is off: MoE models (the expert cache's slots are shared by every forward). With KV by use the
+chunk's slot is held while the chunk is in flight: a step short of blocks spills other slots' blocks, never its
+(a pool growth waits for the device first, as above).
 
 On a CPU there is one stream: with `prefill_overlap on` (the tests) `launch` runs the chunk then and there, and it
 lands at the start of the next step: the engine's bookkeeping of a chunk in flight, without the concurrency.
@@ -63,15 +64,13 @@ def chunk_sms_from_env(environ: Mapping[str, str]) -> int | None:
     return int(text)
 
 
-def overlap_wanted(mode: str, device: torch.device, kv_resident: int | None, moe: bool) -> bool:
-    """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, every slot's KV resident,
-    a dense model), `on` also on a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on`
-    where the streams would share state."""
+def overlap_wanted(mode: str, device: torch.device, moe: bool) -> bool:
+    """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, a dense model), `on` also on
+    a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on` where the streams would share
+    state. With KV by use the chunk's slot is held (`ChunkStream.paging`): no step spills its blocks meanwhile."""
     blocked = None
-    if kv_resident is not None or moe:
-        why = "--kv-resident pages blocks under a chunk in flight" if kv_resident is not None else \
-            "an MoE model's expert cache is shared by every forward"
-        blocked = f"cannot run chunks beside the steps here: {why}"
+    if moe:
+        blocked = "cannot run chunks beside the steps here: an MoE model's expert cache is shared by every forward"
     return mode_wanted("prefill_overlap", mode, device.type == "cuda", blocked)
 
 
@@ -138,6 +137,9 @@ class ChunkStream:
             if self._side is None:
                 self._side = torch.cuda.Stream(device, priority=_LOWEST_PRIORITY)
         self.in_flight: InFlight | None = None
+        # KV by use (engine.exec.kv.paging.KVPaging; the engine builder sets it): the chunk's slot is held from its
+        # launch until it is taken or dropped, so no step's prepare spills the blocks it writes.
+        self.paging: Any = None
 
     @contextlib.contextmanager
     def steps(self) -> Iterator[None]:
@@ -166,6 +168,8 @@ class ChunkStream:
         """Queue `run()` (the chunk's forward, returning a StepOutput) on the side stream, after everything the
         current stream has queued (the admission's block mapping, the previous chunk's landing)."""
         assert self.in_flight is None, "one chunk in flight at a time"
+        if self.paging is not None:
+            self.paging.hold(chunk.slot)
         if not self.cuda:
             t0_s = time.perf_counter()
             out = run()
@@ -191,6 +195,7 @@ class ChunkStream:
         as used there (the side stream must not reuse their memory before the current stream is done)."""
         flight, self.in_flight = self.in_flight, None
         assert flight is not None
+        self._unhold(flight)
         if flight.end is not None:
             flight.end.synchronize()
             current = torch.cuda.current_stream(self.device)
@@ -207,6 +212,22 @@ class ChunkStream:
         flight, self.in_flight = self.in_flight, None
         if flight is not None and flight.end is not None and wait:
             flight.end.synchronize()
+        if flight is not None:
+            self._unhold(flight)
+
+    def settle(self) -> None:
+        """KV by use: a step cannot find its blocks without the held slot's: wait for the chunk's kernels (it still
+        lands at a later step, as usual) and lift the hold, so its blocks may be spilled like any other's."""
+        flight = self.in_flight
+        if flight is None:
+            return
+        if flight.end is not None:
+            flight.end.synchronize()
+        self._unhold(flight)
+
+    def _unhold(self, flight: InFlight) -> None:
+        if self.paging is not None:
+            self.paging.unhold(flight.chunk.slot)
 
     def sync(self) -> None:
         """The current stream's work done (not the side stream's: a chunk in flight keeps running)."""

@@ -42,15 +42,15 @@ if TYPE_CHECKING:
     from engine.exec.runner import ModelRunner, StepOutput
 
 
-def ahead_wanted(mode: str, device: torch.device, graphs: bool, kv_resident: int | None, moe: bool) -> bool:
-    """`auto`: where it pays (CUDA graphs: an eager step's launches are the host work it would overlap), every
-    slot's KV resident and a dense model; `on` also on a CPU (one stream: the bookkeeping alone, for tests);
-    `off` never. ConfigError for `on` where a step's host side must see the step before it."""
+def ahead_wanted(mode: str, device: torch.device, graphs: bool, moe: bool) -> bool:
+    """`auto`: where it pays (CUDA graphs: an eager step's launches are the host work it would overlap) and a
+    dense model; `on` also on a CPU (one stream: the bookkeeping alone, for tests); `off` never. ConfigError for
+    `on` where a step's host side must see the step before it. With KV by use a step goes ahead only when its
+    blocks need no copy (`DecodeAhead.next_rows_fit`)."""
     blocked = None
-    if kv_resident is not None or moe:
-        why = "--kv-resident pages blocks between steps" if kv_resident is not None else \
-            "an MoE model's expert cache loads a step's experts from its routing"
-        blocked = f"cannot launch a decode step ahead here: {why}"
+    if moe:
+        blocked = "cannot launch a decode step ahead here: an MoE model's expert cache loads a step's experts from " \
+                  "its routing"
     return mode_wanted("decode_ahead", mode, device.type == "cuda" and graphs, blocked)
 
 
@@ -117,14 +117,26 @@ class DecodeAhead:
 
     def next_rows_fit(self, rows: list[Row], out: StepOutput) -> bool:
         """The next step of `rows` replays the graph this one did: the same span (on the paged kernels' path
-        always: ModelRunner.step_span)."""
-        return self.runner.step_span(max(r.position for r in rows) + 2) == out.span_tokens
+        always: ModelRunner.step_span), and, with KV by use, its blocks need no copy nor pool growth."""
+        return (self.runner.step_span(max(r.position for r in rows) + 2) == out.span_tokens
+                and self._blocks_ready(rows, 2))
 
     def next_verify_fits(self, rows: list[Row], step: FusedStep) -> bool:
         """The next fused step of `rows` (up to K + 1 tokens on) reads keys within this one's span, so it replays
-        this one's graph (on the paged kernels' path always: ModelRunner.step_span)."""
+        this one's graph (on the paged kernels' path always: ModelRunner.step_span); with KV by use, its blocks
+        need no copy nor pool growth."""
         k = self.runner.mtp_depth
-        return self.runner.step_span(max(r.position for r in rows) + k + 1 + 2 * k) == step.span
+        return (self.runner.step_span(max(r.position for r in rows) + k + 1 + 2 * k) == step.span
+                and self._blocks_ready(rows, 2 * (k + 1)))
+
+    def _blocks_ready(self, rows: list[Row], ahead_tokens: int) -> bool:
+        """KV by use: the step after this one may map free blocks (a table update queued after the step in
+        flight) but must not spill, fetch or grow the pool (a growth drops the graph it would replay)."""
+        paging = self.runner.kv.paging
+        if paging is None:
+            return True
+        lookahead = self.runner.lookahead_tokens
+        return paging.maps_only({r.slot: r.position + ahead_tokens + lookahead for r in rows})
 
     def read_and_launch(self, rows: list[Row], out: StepOutput) -> list[list[int]]:
         """Each row's greedy token of the step `out` (its argmax), with the step after it launched first. A row
@@ -142,7 +154,7 @@ class DecodeAhead:
         """Each row's accepted count and tokens of MTP's fused greedy step, with the step after it launched first
         (a row whose logits were not finite reads sampler.NO_TOKEN: FusedStep.emitted)."""
         host = self._copy_to_host(step.emitted)
-        launched = self._launch_verify(step)
+        launched = self._launch_verify(rows, step)
         result = device_result(self._read(host), len(rows))
         if launched is not None:
             nxt = tuple((r.slot, toks[-1], r.position + len(toks)) for r, toks in zip(rows, result.tokens))
@@ -174,9 +186,14 @@ class DecodeAhead:
             return None
         return out, self._record_done()
 
-    def _launch_verify(self, step: FusedStep) -> tuple[FusedStep, torch.cuda.Event | None] | None:
+    def _launch_verify(self, rows: list[Row], step: FusedStep) -> tuple[FusedStep, torch.cuda.Event | None] | None:
         """The fused step after `step`, from the inputs `step` computed on the device; None when it failed."""
         try:
+            # Its positions are on the device only: with KV by use, map every block it may write (its rows moved
+            # by up to K + 1, then K + 1 verified and the chain past them), free blocks only (next_verify_fits).
+            k1 = self.runner.mtp_depth + 1
+            lookahead = self.runner.lookahead_tokens
+            self.runner.kv.prepare({r.slot: r.position + 2 * k1 + lookahead for r in rows})
             # The step overwrites its rows' drafts; if it is dropped, the step run in its place verifies the
             # drafts it would have verified without it (the same acceptance, so the same steps, as without it)
             buf = self.runner.draft_buf

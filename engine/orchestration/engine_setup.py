@@ -24,6 +24,7 @@ from engine.exec.decode_ahead import DecodeAhead, ahead_wanted
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.tier_ledger import LedgerTierBlocks
 from engine.exec.kv.tier_pool import SharedTierBlocks
 from engine.core.prefix_index import PrefixIndex
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
@@ -35,6 +36,8 @@ from engine.exec.kv.tier import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_F
 
 
 SHARED_SWITCH = "SHARED_PREFIX"
+# KV by use on a CPU: the pool's size at start (when every slot's whole context is more); it grows as slots use it
+CPU_START_POOL_MIB = 256.0
 
 
 class StartupError(StrataError):
@@ -178,8 +181,11 @@ class _PartsBuilder:
             experts.set_cold(cold_mode(board))  # EXPERT_CPU / EXPERT_PREFETCH: how a miss is served
         runner.release_memory = self.make_room
         chunks = None
-        if overlap_wanted(config.prefill_overlap, device, config.kv_resident, moe=experts is not None):
+        if overlap_wanted(config.prefill_overlap, device, moe=experts is not None):
             chunks = ChunkStream(device, chunk_sms_from_env(os.environ))
+            chunks.paging = kv.paging
+            if kv.paging is not None:
+                kv.paging.settle_held = chunks.settle
             if chunks.note is not None:
                 bus.publish(WarningEvent(where="engine.chunks", message=chunks.note))
             runner.prefill_owner = CHUNK_OWNER
@@ -223,8 +229,8 @@ class _PartsBuilder:
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
         graphs = config.graphs and not isinstance(executor, EagerExecutor)
-        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, config.kv_resident,
-                                                 moe=experts is not None), drafter)
+        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, moe=experts is not None),
+                            drafter)
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, chunks,
                            ahead)
 
@@ -304,22 +310,37 @@ def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCa
     geometry = KVGeometry(num_layers, config.batch, mcfg.num_key_value_heads, mcfg.head_dim, config.context, margin)
     weights_mib = model_bytes(model) / MIB
     _, free_mib = device_memory_mib(lm.device)
-    if config.kv_resident is None:
+    if not config.kv_by_use(lm.device.type):
         kv_mib = geometry.total_bytes(config.kv, lm.dtype) / MIB
         check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "context", config.context)
         return SlotKVCache(geometry, config.kv, lm.dtype, lm.device), weights_mib
-    # --kv-resident: every slot's window, one scratch block, and a shared pool of one slot's window past it
-    # (a forward of one slot always fits); the pool grows from the tier, then spills to host memory.
-    layout = geometry.layout(config.kv_resident)
+    # By use: every slot's resident window (--kv-resident; none by default), one scratch block, and a shared pool.
+    # The pool starts at one slot's window (a forward of one slot always fits) and grows from the tier, then spills
+    # to host memory. Without --kv-resident on a CPU it starts at one prompt chunk per slot instead and grows as
+    # slots use it, up to what every slot's whole context would take: host memory is the tier's and the pool's
+    # alike, so there is nothing to take from the tier first.
+    resident = config.kv_resident or 0
+    layout = geometry.layout(resident)
+    pool_blocks = layout.window_blocks
+    cpu_grows = lm.device.type == "cpu" and config.kv_resident is None
     block_mib = geometry.bytes_per_token(config.kv, lm.dtype) * geometry.block_tokens / MIB
-    kv_mib = layout.device_blocks(layout.window_blocks) * block_mib
+    if cpu_grows:
+        # every slot's whole context when that is small (a pool that never grows drops no graph), else
+        # CPU_START_POOL_MIB or one prompt chunk per slot, whichever is more
+        chunk_blocks = config.batch * -(-margin // layout.block_tokens)
+        pool_blocks = min(config.batch * layout.window_blocks, max(chunk_blocks, int(CPU_START_POOL_MIB // block_mib)))
+    kv_mib = layout.device_blocks(pool_blocks) * block_mib
     resident_tokens = layout.resident_blocks * layout.block_tokens
-    check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "kv_resident", config.kv_resident,
+    name, value = ("kv_resident", config.kv_resident) if config.kv_resident is not None else ("context", config.context)
+    check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, name, value,
                   needs=(f"{config.batch} slot{'s' if config.batch != 1 else ''} x {resident_tokens} resident "
                          f"tokens plus a shared pool of "
-                         f"{layout.window_blocks * layout.block_tokens} tokens need"),
-                  hint="lower --kv-resident or --batch, use --kv int8, or lower --vram-reserve-mib")
-    return SlotKVCache(geometry, config.kv, lm.dtype, lm.device, config.kv_resident, layout.window_blocks), weights_mib
+                         f"{pool_blocks * layout.block_tokens} tokens need"),
+                  hint="lower --kv-resident, --context or --batch, use --kv int8, or lower --vram-reserve-mib")
+    kv = SlotKVCache(geometry, config.kv, lm.dtype, lm.device, resident, pool_blocks)
+    if cpu_grows:
+        kv.paging.grow_limit_blocks = config.batch * layout.window_blocks
+    return kv, weights_mib
 
 
 def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budget: VramBudget, executor: Any,
@@ -351,7 +372,8 @@ def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, inde
     if not board.enabled(SHARED_SWITCH):
         return None
     why = ("the tier is on another device (--peer-device)" if tier_device != device
-           else "--kv-resident owns the block table" if kv.paging is not None
+           else "--kv-resident's window blocks are fixed per slot"
+           if kv.paging is not None and kv.paging.layout.resident_blocks
            else "tier blocks are not whole pool blocks" if index.block_tokens % kv.geometry.block_tokens else None)
     if why is not None:
         reason = f"{why}: reused prefixes are copied"
@@ -359,6 +381,8 @@ def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, inde
         if asked:
             bus.publish(WarningEvent(where="engine.exec.kv.tier_pool", message=f"SHARED_PREFIX is off: {reason}"))
         return None
+    if kv.paging is not None:  # KV by use: the tier's blocks come from the slots' own pool
+        return LedgerTierBlocks(kv, index.block_tokens)
     shared = SharedTierBlocks(kv, index.block_tokens)
 
     def resized() -> None:  # the pool tensors were reallocated: graphs read the old ones' addresses

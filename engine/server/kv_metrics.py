@@ -9,6 +9,11 @@ whole context on the device).
     strata_kv_spilled_bytes_total / strata_kv_fetched_bytes_total   spill (device -> host) and fetch traffic
     strata_kv_spill_seconds_total / strata_kv_fetch_seconds_total   time spent in those copies
     strata_kv_slot_tokens{slot, where="resident"|"pooled"|"host"}   where each busy slot's KV lies
+    strata_kv_cache_usage_perc                fraction of the pool's blocks in use (slots' and the tier's), 0..1
+    strata_num_preemptions{cause="pool_short"}  running requests whose KV was spilled to make room (a counter)
+
+The last two are named as vLLM names its series (`vllm:kv_cache_usage_perc`, `vllm:num_preemptions`), under this
+project's prefix.
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ def kv_metric_families(state: EngineSnapshot) -> Iterator[Metric]:
     pool = GaugeMetricFamily("strata_kv_pool_blocks", "Blocks of the shared device KV pool", labels=["state"])
     pool.add_metric(["total"], float(snap.pool_blocks))
     pool.add_metric(["free"], float(snap.free_pool_blocks))
+    pool.add_metric(["used"], float(snap.used_blocks))
+    pool.add_metric(["tier"], float(snap.tier_blocks))
     yield pool
+    usage = (snap.pool_blocks - snap.free_pool_blocks) / snap.pool_blocks if snap.pool_blocks else 0.0
+    yield GaugeMetricFamily("strata_kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (0..1)",
+                            value=usage)
+    preemptions = CounterMetricFamily("strata_num_preemptions", "Running requests whose KV was spilled to host "
+                                      "memory to make room", labels=["cause"])
+    preemptions.add_metric(["pool_short"], float(snap.preemptions))  # the one cause: a forward's slots lacked blocks
+    yield preemptions
     for name, key, text in (("strata_kv_spilled_bytes", "spilled_mib", "KV copied from the device to host memory"),
                             ("strata_kv_fetched_bytes", "fetched_mib", "KV copied back from host memory")):
         yield CounterMetricFamily(name, text, value=float(getattr(snap, key)) * _MIB)

@@ -167,6 +167,10 @@ class _StateCollector(Collector):
         fam_w.add_metric([], float(waiting))
         yield fam_r
         yield fam_w
+        # the same counts under vLLM's names (vllm:num_requests_running / _waiting), with this project's prefix
+        for name, value, text in (("strata_num_requests_running", running, "Requests holding a slot"),
+                                  ("strata_num_requests_waiting", waiting, "Requests queued for a slot")):
+            yield GaugeMetricFamily(name, text, value=float(value))
         proposed, accepted = draft_counts(state)
         if proposed:
             fam_p = CounterMetricFamily("strata_draft_tokens_proposed", "MTP draft tokens proposed per position",

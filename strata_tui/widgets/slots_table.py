@@ -16,6 +16,10 @@ for a few changed numbers; while slots decode every row changes every refresh, a
 app's CPU. Here a row is one Text (its cells cut or padded to their column widths, as DataTable lays them
 out) rendered once per change of that row and kept as a Strip; the header and zebra stripes take the
 DataTable's own component styles. The DataTable still holds the cells (get_cell, rows, scrolling, focus).
+
+With more slots than `MAX_SLOT_ROWS` (`--batch` up to 256) the table shows the busiest: prefilling slots first
+(they have an ETA to watch), then decoding ones by rate, then the rest; one last row counts the slots left out by
+state, so a 256-slot engine is still one screen and one refresh touches a few dozen rows.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from strata_tui.prefill_eta import PrefillTrack
 from strata_tui.widgets.format import bar
 
 WIDE_AT = 140  # table width from which every column fits
+MAX_SLOT_ROWS = 24  # rows of slots at most; past it the busiest, and a row counting the rest
+REST_KEY = "rest"  # the row key of that count
 _STATE_STYLE = {"prefill": "yellow", "decode": "green", "idle": "dim", "finished": "blue",
                 "aborted": "magenta", "error": "bold red"}
 
@@ -138,6 +144,34 @@ def slot_cells(slot: SlotEvent, track: PrefillTrack | None = None, now_s: float 
     return {key: cells[key] for key in widths}
 
 
+def busiest(slots: dict[int, SlotEvent], limit: int = MAX_SLOT_ROWS) -> tuple[list[int], Counter[str]]:
+    """The slot numbers to show (all of them when they fit `limit` rows, else the busiest `limit - 1`, by slot
+    number) and, by state, the count of those left out."""
+    if len(slots) <= limit:
+        return sorted(slots), Counter()
+
+    def rank(n: int) -> tuple:
+        slot = slots[n]
+        order = {"prefill": 0, "decode": 1}.get(slot.state, 2 if slot.request_id else 3)
+        rate = slot.prefill_tok_s if slot.state == "prefill" else slot.decode_tok_s
+        return order, -(rate or 0.0), n
+
+    shown = sorted(sorted(slots, key=rank)[:limit - 1])
+    left = Counter(slots[n].state for n in slots if n not in set(shown))
+    return shown, left
+
+
+def rest_cells(left: Counter[str], columns: tuple[tuple[str, str, int], ...]) -> dict[str, Text | str]:
+    """The row counting the slots the table leaves out ("+232 more: 200 decode, 32 idle")."""
+    total = sum(left.values())
+    parts = ", ".join(f"{n} {state}" for state, n in sorted(left.items(), key=lambda kv: (-kv[1], kv[0])))
+    cells: dict[str, Text | str] = {key: "" for _, key, _ in columns}
+    cells["state"] = Text(f"+{total}", style="dim")
+    width = dict((k, w) for _, k, w in columns)["progress"]  # the widest column in either layout
+    cells["progress"] = Text(f"more: {parts}"[:width], style="dim")
+    return cells
+
+
 class SlotsTable(DataTable):
     """Slot rows keyed by slot number. `show()` adds, removes and updates only what changed."""
 
@@ -175,9 +209,12 @@ class SlotsTable(DataTable):
         """Make the table match `slots` (slot number -> latest SlotEvent); `tracks` by slot for ETAs."""
         self._fit_columns()
         tracks = tracks or {}
+        shown, left = busiest(slots)
+        wanted = {str(n): slot_cells(slots[n], tracks.get(n), now_s, self.columns_spec) for n in shown}
+        if left:
+            wanted[REST_KEY] = rest_cells(left, self.columns_spec)
         with self.app.batch_update():  # one repaint for all the cell changes
-            self._apply({str(n): slot_cells(slots[n], tracks.get(n), now_s, self.columns_spec)
-                         for n in sorted(slots)})
+            self._apply(wanted)
 
     def _apply(self, wanted: dict[str, dict[str, Text | str]]) -> None:
         for key in [k for k in self._cells if k not in wanted]:
@@ -202,9 +239,9 @@ class SlotsTable(DataTable):
                 if changed:
                     self._row_version[key] += 1
             self._cells[key] = cells
-        order = sorted(self._cells, key=int)
+        order = sorted(self._cells, key=_row_order)
         if list(self._cells) != order:
-            self.sort("slot", key=int)
+            self.sort("slot", key=lambda value: int(value) if value else 1 << 30)  # the count of the rest last
             self._cells = {k: self._cells[k] for k in order}
 
     # --- drawing: one Strip per row, rendered again only when the row changed ---------------------------
@@ -278,3 +315,7 @@ class SlotsTable(DataTable):
             style = under + style if style else under
             segments.append(Segment(text, style + over if over else style, control))
         return Strip(segments)
+
+
+def _row_order(key: str) -> int:
+    return 1 << 30 if key == REST_KEY else int(key)

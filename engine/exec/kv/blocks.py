@@ -1,5 +1,6 @@
-"""Who holds which KV block under `--kv-resident`: the ledger behind the block table. Pure Python (no torch), so
-it is unit-tested in milliseconds; engine.exec.kv.paging does the copies it plans.
+"""Who holds which KV block when slots take blocks by use (`--kv-pool by-use`, the default on CPU, and
+`--kv-resident`): the ledger behind the block table. Pure Python (no torch), so it is unit-tested in
+milliseconds; engine.exec.kv.paging does the copies it plans.
 
 Physical blocks of the device pool (`BlockLayout`):
 
@@ -13,6 +14,12 @@ block). `plan(wants)` makes every block a forward's slots address up to their en
 pool blocks first, then blocks of *other* slots spilled to the host (least recently used slot first, its lowest
 blocks first). A forward never spills its own slots' blocks, so it needs `sum(pool_need)` pool blocks at most:
 the runner splits forwards so that this fits (`engine.exec.runner.ModelRunner.span_groups`).
+
+With no resident window the prefix-cache tier's blocks live in the same pool (engine.exec.kv.tier_ledger): the
+ledger hands the tier pool blocks (`take_blocks` / `give_blocks`), a slot *borrows* the tier's blocks of a reused
+prefix (`borrow`: mapped in its row, never spilled nor freed by it) and *lends* the blocks it computed to the tier
+(`lend`: they stop being the slot's own). A slot whose chunk runs beside the steps is `hold`-ed: its blocks are
+never spilled while the chunk may write them.
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ class BlockLedger:
         self._last_use = [0] * layout.num_slots
         self._clock = 0
         self._retired: set[int] = set()
+        self._borrowed: list[dict[int, int]] = [{} for _ in range(layout.num_slots)]  # logical -> tier's pool block
+        self._held: set[int] = set()  # slots whose blocks a chunk beside the steps may be writing: never spilled
         self.add_pool(pool_blocks)
 
     # --- queries -------------------------------------------------------------------------------------------
@@ -113,9 +122,36 @@ class BlockLedger:
     def host_held_blocks(self) -> int:
         return self.host_blocks - len(self._free_host)
 
+    def used_blocks(self, slot: int) -> int:
+        """Pool blocks the slot holds on the device (borrowed tier blocks not counted: the tier holds them)."""
+        return len(self._owned[slot]) - len(self._on_host[slot])
+
+    @property
+    def borrowed_blocks(self) -> int:
+        """Table entries that point at a tier block (one tier block shared by n slots counts n times)."""
+        return sum(len(b) for b in self._borrowed)
+
     def shortfall(self, wants: dict[int, int]) -> int:
         """Pool blocks `plan(wants)` would have to take from other slots (0: the free pool covers it)."""
         return max(0, sum(len(self._missing(slot, end)) for slot, end in wants.items()) - len(self._free_pool))
+
+    def needs_held(self, wants: dict[int, int]) -> bool:
+        """`plan(wants)` cannot find its blocks without spilling a held slot's (a chunk beside the steps holds it)."""
+        if not self._held:
+            return False
+        needed = sum(len(self._missing(slot, end)) for slot, end in wants.items())
+        return needed - len(self._free_pool) > len(self._victims(wants))
+
+    def maps_only(self, wants: dict[int, int]) -> bool:
+        """`plan(wants)` would copy nothing (no spill, no fetch) and need no pool growth: at most free blocks
+        mapped into the table (what a step launched ahead of the one in flight may do)."""
+        missing = 0
+        for slot, end in wants.items():
+            top = self.layout.blocks_for(end)
+            if any(j < top for j in self._on_host[slot]):
+                return False
+            missing += max(0, top - self._top[slot])
+        return missing <= len(self._free_pool)
 
     def table_row(self, slot: int) -> list[int]:
         """Physical block of each of the slot's logical blocks (scratch where unmapped or on the host)."""
@@ -126,6 +162,8 @@ class BlockLedger:
         for j, (where, idx) in self._owned[slot].items():
             if where is Where.DEVICE:
                 row[j] = idx
+        for j, idx in self._borrowed[slot].items():
+            row[j] = idx
         return row
 
     def placement_tokens(self, slot: int, length_tokens: int) -> tuple[int, int, int]:
@@ -137,6 +175,7 @@ class BlockLedger:
 
         resident = sum(held(j) for j in range(self.layout.resident_blocks))
         pooled = sum(held(j) for j, (w, _) in self._owned[slot].items() if w is Where.DEVICE)
+        pooled += sum(held(j) for j in self._borrowed[slot])
         host = sum(held(j) for j, (w, _) in self._owned[slot].items() if w is Where.HOST)
         return resident, pooled, host
 
@@ -184,15 +223,59 @@ class BlockLedger:
         return plan
 
     def release(self, slot: int) -> bool:
-        """Give back every pool and host block of the slot (its request ended); True when it held any."""
+        """Give back every pool and host block of the slot (its request ended) and forget what it borrowed; True
+        when its row changes."""
         owned = self._owned[slot]
         for where, idx in owned.values():
             (self._free_pool if where is Where.DEVICE else self._free_host).append(idx)
+        borrowed = self._borrowed[slot]
         self._owned[slot] = {}
+        self._borrowed[slot] = {}
         self._top[slot] = self.layout.resident_blocks
         self._on_host[slot] = set()
         self._retired.discard(slot)
-        return bool(owned)
+        self._held.discard(slot)
+        return bool(owned) or bool(borrowed)
+
+    # --- the tier's blocks in the pool (engine.exec.kv.tier_ledger) and chunks beside the steps ---------------
+
+    def take_blocks(self, count: int) -> list[int]:
+        """`count` free pool blocks for the tier (fewer when the free pool is shorter)."""
+        count = min(count, len(self._free_pool))
+        return [self._free_pool.pop() for _ in range(count)]
+
+    def give_blocks(self, block_ids: list[int]) -> None:
+        """Pool blocks the tier no longer backs a block with: free again."""
+        self._free_pool.extend(sorted(block_ids, reverse=True))
+
+    def borrow(self, slot: int, blocks: dict[int, int]) -> None:
+        """Map the slot's logical blocks (a reused prefix from 0 on, past its resident window) at the tier's pool
+        blocks: read, never written, spilled or freed by the slot."""
+        if self._owned[slot] or self._borrowed[slot]:
+            raise RuntimeError(f"slot {slot} still holds blocks of its last request")
+        if any(j < self.layout.resident_blocks for j in blocks):
+            raise RuntimeError("a borrowed block inside the resident window")
+        self._borrowed[slot] = dict(blocks)
+        self._top[slot] = max([self._top[slot], *(j + 1 for j in blocks)])
+
+    def lend(self, slot: int, logical: list[int]) -> dict[int, int]:
+        """The slot's computed blocks become the tier's (it keeps mapping them, borrowed): returns {logical:
+        pool block} of those on the device; blocks spilled to the host since are not lent."""
+        lent: dict[int, int] = {}
+        for j in logical:
+            held = self._owned[slot].get(j)
+            if held is None or held[0] is not Where.DEVICE:
+                continue
+            del self._owned[slot][j]
+            self._borrowed[slot][j] = held[1]
+            lent[j] = held[1]
+        return lent
+
+    def hold(self, slot: int) -> None:
+        self._held.add(slot)
+
+    def unhold(self, slot: int) -> None:
+        self._held.discard(slot)
 
     def retire(self, slot: int) -> None:
         """The slot's request finished: its blocks are given back at the next `reclaim` (the engine calls it when
@@ -212,13 +295,14 @@ class BlockLedger:
         """Logical blocks below `end` tokens that are not on the device: host-held ones, then unmapped ones."""
         top = self.layout.blocks_for(end)
         held = sorted(j for j in self._on_host[slot] if j < top) if self._on_host[slot] else []
-        return held + list(range(self._top[slot], top))
+        return held + [j for j in range(self._top[slot], top) if j not in self._borrowed[slot]]
 
     def _victims(self, wants: dict[int, int]) -> list[tuple[int, int]]:
         """Device pool blocks a plan may spill: other slots' (least recently used slot first, lowest block
         first), then this forward's slots' blocks past what it addresses."""
         out: list[tuple[int, int]] = []
-        others = sorted((s for s in range(self.layout.num_slots) if s not in wants), key=lambda s: self._last_use[s])
+        others = sorted((s for s in range(self.layout.num_slots) if s not in wants and s not in self._held),
+                        key=lambda s: self._last_use[s])
         for slot in others:
             out += [(slot, j) for j in sorted(self._owned[slot]) if self._owned[slot][j][0] is Where.DEVICE]
         for slot, end in wants.items():

@@ -254,7 +254,7 @@ class SlotKVCache:
         assert self.slots is not None, "SlotKVCache.bind(slots) must precede the forward"
         if self.paging is not None:
             # Before the write, which may land in a partly filled block the copy stream is still fetching. In
-            # every forward (and captured graph) of a paging engine, fetch or not; never without --kv-resident.
+            # every forward (and captured graph) of a paging engine, fetch or not; never with every slot's context reserved.
             self.paging.wait_fetched(layer_idx)
         self._write(layer_idx, k, v, positions)
         return self.backend.attend(self, layer_idx, q, positions)

@@ -1,11 +1,16 @@
-"""`--kv-resident`: a guaranteed device window per slot, the rest from a shared pool, host memory as a last resort.
+"""KV by use (`--kv-pool by-use`, and `--kv-resident`: a guaranteed device window per slot): blocks from a shared pool
+as a slot's tokens need them, the pool growing into what the prefix-cache tier gives back (or, on a CPU, into
+host memory up to every slot's whole context), host memory as a last resort.
 
 The cache (engine.exec.kv.cache.SlotKVCache) keeps its pools and its device block table; this class decides what
 the table says. Before every forward the runner calls `prepare({slot: end_tokens})`:
 
 1. the ledger (engine.exec.kv.blocks) counts the pool blocks the forward's slots lack;
-2. if the free pool is short, the prefix-cache tier gives memory back first (`take_memory`, its release path)
-   and the pool tensors grow into it (captured graphs read the old tensors' addresses: `on_resize` drops them);
+2. if the free pool is short, the prefix-cache tier gives memory back first (`take_memory`, its release path:
+   a tier whose blocks are in this pool frees pool blocks, any other frees device memory the pool tensors grow
+   into; captured graphs read the old tensors' addresses: `on_resize` drops them), then the pool grows into its
+   own headroom (`grow_limit_blocks`: on a CPU, up to every slot's whole context; on CUDA none, the books gave
+   the rest to the tier);
 3. what is still short is taken from other slots: their blocks are copied to host memory (a spill), and the
    forward's own host-held blocks are copied back (a fetch) into the pool blocks the table then points at;
 4. the changed table rows are copied into the device table in place, so a captured step replays unchanged.
@@ -64,6 +69,8 @@ class PagingStats:
     spill_ms: float = 0.0
     fetch_ms: float = 0.0
     grown_blocks: int = 0
+    preemptions: int = 0  # slots whose blocks a spill took (one per slot per spill)
+    preemption_cause: str = ""
 
 
 class KVPaging:
@@ -81,6 +88,12 @@ class KVPaging:
         # and what must follow a pool reallocation (graphs dropped, the books' KV figure updated).
         self.take_memory: Callable[[float, str], float] | None = None
         self.on_resize: Callable[[], None] | None = None
+        # The most pool blocks it may grow to without the tier (KV by use on a CPU: every slot's whole context, what
+        # the reservation it replaces held); 0: only what the tier gives back.
+        self.grow_limit_blocks = 0
+        # Set by the engine builder where chunks run beside the steps (engine.exec.chunk_stream.ChunkStream.settle):
+        # waits for the chunk in flight and lifts its hold, for a forward that cannot fit without its blocks.
+        self.settle_held: Callable[[], None] | None = None
         self._table = torch.tensor([self.ledger.table_row(s) for s in range(layout.num_slots)], dtype=torch.int32)
         # CUDA only: the stream fetches run on, one external event per KV layer (attend's layer index), and the
         # fetches whose timing is not read yet.
@@ -117,7 +130,7 @@ class KVPaging:
         than one slot's window."""
         short = sum(self.layout.pool_need(e) for e in end_tokens) - self.ledger.pool_blocks
         if short > 0:
-            self._grow_from_tier(short, "slots addressing more KV than the pool holds")
+            self.grow(short, "slots addressing more KV than the pool holds")
         out: list[list[int]] = []
         for group in groups:
             used = self.ledger.pool_blocks + 1  # forces a new forward for the first row
@@ -136,8 +149,13 @@ class KVPaging:
     def snapshot(self) -> dict:
         self._finish_fetches(wait=False)
         s = self.stats
-        return {"resident_tokens": self.resident_tokens, "pool_blocks": self.ledger.pool_blocks,
-                "free_pool_blocks": self.ledger.free_pool_blocks, "block_tokens": self.layout.block_tokens,
+        ledger = self.ledger
+        used = sum(ledger.used_blocks(slot) for slot in range(self.layout.num_slots))
+        return {"resident_tokens": self.resident_tokens, "pool_blocks": ledger.pool_blocks,
+                "free_pool_blocks": ledger.free_pool_blocks, "used_blocks": used,
+                "tier_blocks": int(self.kv.tier_blocks), "borrowed_blocks": ledger.borrowed_blocks,
+                "preemptions": s.preemptions, "preemption_cause": s.preemption_cause,
+                "block_tokens": self.layout.block_tokens,
                 "host_mib": round(self.host_mib, 3), "host_blocks": self.ledger.host_held_blocks,
                 "spilled_mib": round(s.spilled_mib, 3), "fetched_mib": round(s.fetched_mib, 3),
                 "spill_ms": round(s.spill_ms, 3), "fetch_ms": round(s.fetch_ms, 3),
@@ -151,7 +169,9 @@ class KVPaging:
         self._finish_fetches(wait=False)
         short = self.ledger.shortfall(wants)
         if short > 0:
-            self._grow_from_tier(short, "the KV pool is short")
+            self.grow(short, "the KV pool is short")
+            if self.settle_held is not None and self.ledger.needs_held(wants):
+                self.settle_held()  # the chunk's kernels are done: its blocks may go to the host like any other
         plan = self.ledger.plan(wants)
         if plan.spills or plan.fetches:
             self._copy(plan)
@@ -183,6 +203,28 @@ class KVPaging:
     def retire(self, slot: int) -> None:
         self.ledger.retire(slot)
 
+    def hold(self, slot: int) -> None:
+        """A chunk beside the steps writes the slot's blocks until `unhold`: none of them is spilled meanwhile."""
+        self.ledger.hold(slot)
+
+    def unhold(self, slot: int) -> None:
+        self.ledger.unhold(slot)
+
+    def on_device(self, slot: int, logical: list[int]) -> bool:
+        """Every one of the slot's logical blocks `logical` is in a device pool block it owns (not on the host)."""
+        row = self.ledger.table_row(slot)
+        return all(row[j] != self.layout.scratch_block for j in logical)
+
+    def maps_only(self, wants: dict[int, int]) -> bool:
+        """`prepare(wants)` would copy no block and grow nothing (engine.exec.decode_ahead: a step launched ahead
+        may map free blocks, an in-place table update ordered after the step in flight, but not move blocks or
+        reallocate the pool, which drops the graph it would replay)."""
+        return self.ledger.maps_only(wants)
+
+    def sync_rows(self, slots: set[int]) -> None:
+        """Copy the ledger's rows of `slots` into the device table, in place."""
+        self._sync_rows(slots)
+
     def reclaim(self) -> None:
         changed = self.ledger.reclaim()
         if changed:
@@ -206,8 +248,10 @@ class KVPaging:
             self.host.ensure(self.ledger.host_blocks)
             self.host.spill(pools, [m.src for m in moves], [m.dst for m in moves])
             self._sync_device()
-            self._done("spill", len(moves), len(moves) * self.block_mib, (time.perf_counter() - t0) * 1e3,
-                       sorted({m.slot for m in moves}))
+            victims = sorted({m.slot for m in moves})
+            self.stats.preemptions += len(victims)
+            self.stats.preemption_cause = "the pool was short of blocks for a forward's slots"
+            self._done("spill", len(moves), len(moves) * self.block_mib, (time.perf_counter() - t0) * 1e3, victims)
         if plan.fetches:
             if self._copy_stream is None:
                 self._fetch_now(plan.fetches)
@@ -259,33 +303,53 @@ class KVPaging:
         reason = "room for a forward's slots" if action == "spill" else "a forward reads them"
         self._publish(action, blocks, mib, ms, slots, reason, host_mib)
 
-    def _grow_from_tier(self, short_blocks: int, reason: str) -> None:
-        """Ask the tier for `short_blocks` (at least one slot's window) of pool memory and grow into what it
-        gave; nothing when it has none (the caller then spills)."""
-        if self.take_memory is None:
+    def grow(self, short_blocks: int, reason: str, ask_tier: bool = True) -> None:
+        """Make `short_blocks` more pool blocks free: the pool grows into its own headroom first
+        (`grow_limit_blocks`: a CPU's, where evicting cached prefixes would buy nothing), then the tier gives back
+        (pool blocks, when its blocks are in this pool, or device memory the pool tensors grow into). Nothing
+        when neither has any (the caller then spills). `ask_tier` False: the tier itself asks (for its blocks)."""
+        headroom = self.grow_limit_blocks - self.ledger.pool_blocks
+        if headroom > 0:
+            # geometric: each growth copies the whole pool, so a pool filling up grows a few times, not per block
+            blocks = min(headroom, max(short_blocks, self.ledger.pool_blocks // 2))
+            if self._resize(blocks, reason):
+                short_blocks -= blocks
+        block_mib = self.block_mib
+        if short_blocks <= 0 or not ask_tier or self.take_memory is None or block_mib <= 0:
             return
         want = max(short_blocks, self.layout.window_blocks)
-        block_mib = self.block_mib
         # Growing reallocates one pool tensor at a time: on the device the largest one is briefly held twice.
         transient = 0.0
         if self.kv.device.type == "cuda":
             transient = max(p.numel() * p.element_size() for p in self.kv.pools()) / MIB
+        free_before = self.ledger.free_pool_blocks
         freed = self.take_memory(want * block_mib + transient, f"kv pool: {reason}")
-        blocks = min(want, int(max(0.0, freed - transient) // block_mib)) if block_mib > 0 else 0
-        if blocks <= 0:
-            return
+        gained = self.ledger.free_pool_blocks - free_before  # tier blocks that were in this pool: free now
+        freed -= gained * block_mib
+        blocks = min(want - gained, int(max(0.0, freed - transient) // block_mib))
+        if blocks > 0:
+            self._resize(blocks, reason)
+
+    def extend(self, blocks: int, reason: str) -> bool:
+        """Grow the pool tensors by `blocks` free blocks, past the headroom (the tier backing its blocks with memory
+        it has checked is free); False when the device ran out."""
+        return blocks <= 0 or self._resize(blocks, reason)
+
+    def _resize(self, blocks: int, reason: str) -> bool:
+        """Grow the pool tensors by `blocks` blocks; False when the device ran out (nothing changed then)."""
         self.join_fetches()  # the old tensors are copied, then freed: no fetch may still be writing them
         t0 = time.perf_counter()
         try:
             self.kv.resize_pool(self.layout.pool_base + self.ledger.pool_blocks + blocks)
         except torch.OutOfMemoryError:
-            return  # the tensors that did grow keep their (unused) rows; the forward spills instead
+            return False  # the tensors that did grow keep their (unused) rows; the forward spills instead
         self.ledger.add_pool(blocks)
         self.stats.grown_blocks += blocks
         if self.on_resize is not None:
             self.on_resize()
         self._sync_device()
-        self._publish("grow", blocks, blocks * block_mib, (time.perf_counter() - t0) * 1e3, [], reason)
+        self._publish("grow", blocks, blocks * self.block_mib, (time.perf_counter() - t0) * 1e3, [], reason)
+        return True
 
     def _sync_device(self) -> None:
         if self.kv.device.type == "cuda":

@@ -6,8 +6,9 @@ PrefixIndex's block ids. On a GPU it takes what is left after weights, KV, graph
 back through ONE call, `release(mib, reason)`, used by admission and by the graph cache's out-of-memory path.
 On CPU it holds host memory within a fixed budget, allocated as blocks are filled.
 
-Where the tier lives on the compute device and every slot owns its whole context (no `--kv-resident`), its
-blocks are blocks of the KV pool itself (engine.exec.kv.tier_pool.SharedTierBlocks, `shared`): a reused prefix is
+Where the tier lives on the compute device and no slot has a resident window (`--kv-resident`), its blocks are
+blocks of the KV pool itself (`shared`: engine.exec.kv.tier_pool.SharedTierBlocks where every slot reserves its
+whole context, engine.exec.kv.tier_ledger.LedgerTierBlocks where slots take blocks by use): a reused prefix is
 mapped into the admitted slot's block table instead of copied, and a computed prompt block becomes a tier block
 by handing its pool blocks over. Otherwise (a `--peer-device` tier, `--kv-resident`) the tier keeps its own
 tensors and copies blocks in and out of slots.
@@ -24,6 +25,7 @@ from typing import Callable, Iterable
 import torch
 
 from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.tier_ledger import LedgerTierBlocks
 from engine.exec.kv.tier_pool import SharedTierBlocks
 from engine.exec.kv.block_index import BlockIndex, BlockRef
 from engine.exec.kv.vram_budget import MIB, VramBudget, check_kv_fits, device_memory_mib
@@ -59,7 +61,7 @@ class AdaptiveTier:
 
     def __init__(self, index: BlockIndex, kv: SlotKVCache, bus: EventBus, device: torch.device,
                  budget_mib: float, preallocate: bool, room_mib: Callable[[], float] | None = None,
-                 room_check_mib: float = _ROOM_CHECK_MIB, shared: SharedTierBlocks | None = None,
+                 room_check_mib: float = _ROOM_CHECK_MIB, shared: SharedTierBlocks | LedgerTierBlocks | None = None,
                  pooled_mib: float | None = None) -> None:
         self.index = index
         # How much more memory the tier may take right now, measured (on CUDA: the driver's free memory minus
@@ -174,7 +176,10 @@ class AdaptiveTier:
             except torch.OutOfMemoryError:
                 failed = unbacked
                 live = [ref for ref in live if self.shared.is_backed(ref.block_id)]
-        self.shared.hand_over(slot, live)
+        refused = self.shared.hand_over(slot, live) or []  # KV by use: a block spilled to the host since
+        if refused:
+            failed += [ref.block_id for ref in refused]
+            live = [ref for ref in live if ref not in refused]
         self.index.pin(ref.block_id for ref in live)  # the slot maps them until its request ends
         self.filled_blocks += len(live)
         return failed

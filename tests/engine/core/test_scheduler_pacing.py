@@ -317,3 +317,81 @@ def test_the_long_prompt_moves_to_decode_and_the_credit_resets() -> None:
     plan = sched.schedule()
     assert len(plan.decode) == 7 and not plan.prefill
     assert sched.pacer.credit_s == 0.0
+
+
+# --- a burst of short prompts ---------------------------------------------------------------------------------
+
+# A small model on a fast device: 2 ms per chunk, 200K tokens/s through the layers.
+SHORT_PROMPT_COST = ChunkCost(fixed_s=2e-3, per_token_s=5e-6, per_token_key_s=5e-6 / 30_000)
+
+
+def burst_to_first_tokens(overlap: bool, requests: int = 128, prompt_tokens: int = 1024) -> list[StepPlan]:
+    """`requests` prompts arrive at once, a slot each; steps until every one has its first token. With `overlap`
+    the scheduler plans chunks beside the steps (engine.exec.chunk_stream), and a chunk so planned lands at the
+    start of the next step, as the engine's CPU stream does."""
+    device = SimDevice(decode_s=0.02, cost=SHORT_PROMPT_COST)
+    clock = [0.0]
+    sched = Scheduler(requests, requests, 2048, 4096, None, context_tokens=2048, block_tokens=64,
+                      clock=lambda: clock[0])
+    sched.overlap_chunks = overlap
+    reqs = [Request(f"r{i}", [i % 97 + 1] * prompt_tokens, params(256)) for i in range(requests)]
+    for r in reqs:
+        sched.add(r)
+    plans: list[StepPlan] = []
+    in_flight = None
+    while any(not r.output_token_ids for r in reqs):
+        assert len(plans) < 20 * requests, "the burst stopped making progress"
+        landed = []
+        if in_flight is not None:
+            chunk, seconds = in_flight
+            in_flight = None
+            sched.chunk_landed(chunk, seconds)
+            if chunk.is_last:
+                chunk.request.append_output([1], 0.0)
+            landed = [ChunkTiming(chunk.start, chunk.num_tokens, seconds)]
+        plan = sched.schedule()
+        between = [c for c in plan.prefill if not c.beside_decode]
+        for r in plan.decode + [c.request for c in between if c.is_last]:
+            r.append_output([1], 0.0)
+        timing = device.run(StepPlan(decode=plan.decode, prefill=between))
+        for chunk in plan.prefill:
+            if chunk.beside_decode:
+                in_flight = (chunk, SHORT_PROMPT_COST.predict_s(chunk.num_tokens, chunk.start))
+        sched.record_step(StepTiming(timing.decode_s, timing.num_decode_rows, timing.prefill, timing.other_prefill_s,
+                                     beside_chunk=sched.chunk_in_flight, landed=landed))
+        clock[0] += (timing.decode_s or 0.0) + timing.prefill_s
+        plans.append(plan)
+    return plans
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["between", "beside"])
+def test_a_burst_of_short_prompts_fills_the_step_budget_instead_of_a_few_tokens_a_step(overlap: bool) -> None:
+    """128 prompts of 1K tokens: 32 steps of the 4096-token budget at the least. Held to 45 % of each step next to
+    the few slots already decoding, the prompts took 65 steps; beside the steps, one request's chunk per launch
+    and landing, 126 (8,192 on an H200, where a chunk lands many steps after its launch)."""
+    plans = burst_to_first_tokens(overlap)
+    assert len(plans) <= 50, len(plans)
+    # The decoding slots still decode in every step.
+    assert all(len(p.decode) == sum(1 for q in plans[:i] for c in q.prefill if c.is_last) for i, p in
+               enumerate(plans) if not overlap)
+    # Past the first steps most of the budget goes to prompts while many wait.
+    assert sum(p.num_prefill_tokens for p in plans[2:20]) >= 18 * 3000
+
+
+def test_a_long_prompt_still_runs_beside_the_steps_once_decode_is_measured() -> None:
+    """The share grows with the prompts waiting, not for one long prompt next to decoding slots."""
+    clock = [0.0]
+    sched = Scheduler(7, 16, 2048, 4096, None, context_tokens=262_144, block_tokens=256, clock=lambda: clock[0])
+    sched.overlap_chunks = True
+    for i in range(6):
+        sched.add(Request(f"d{i}", list(range(i, i + 64)), params(100_000)))
+    plan = sched.schedule()
+    advance(plan)
+    sched.record_step(SimDevice().run(plan))
+    for _ in range(3):
+        plan = sched.schedule()
+        advance(plan)
+        sched.record_step(SimDevice(decode_s=0.005).run(plan))
+    sched.add(Request("long", [7] * 100_000, params(4)))
+    (chunk,) = sched.schedule().prefill
+    assert chunk.beside_decode and chunk.num_tokens == 2048

@@ -124,7 +124,8 @@ def test_graphs_are_captured_before_the_tier_takes_the_memory_left(ckpt):
 def test_precapture_does_not_disturb_real_slots(ckpt):
     """The warm-ups write only scratch columns: every slot's real KV columns stay untouched."""
     bus = EventBus()
-    engine, _ = _engine(ckpt, bus, True, batch_mtp=True, mtp_depth=2)
+    # every slot's own columns (reserved): by use, unmapped positions read the scratch block the warm-ups write
+    engine, _ = _engine(ckpt, bus, True, batch_mtp=True, mtp_depth=2, kv_pool="reserved")
     context = engine.kv.geometry.context_tokens
     assert all(not engine.kv.slot_keys(i)[:, :, :context].any() for i in range(len(engine.kv.k)))
     assert all(not engine.kv.slot_keys(i, values=True)[:, :, :context].any() for i in range(len(engine.kv.v)))

@@ -16,19 +16,47 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
 def test_auto_runs_chunks_beside_the_steps_on_cuda_only_where_the_streams_share_nothing() -> None:
-    assert overlap_wanted("auto", CUDA, None, moe=False)
-    assert not overlap_wanted("auto", CPU, None, moe=False)  # one stream: nothing to overlap
-    assert not overlap_wanted("auto", CUDA, 4096, moe=False)  # paging moves blocks under a chunk
-    assert not overlap_wanted("auto", CUDA, None, moe=True)  # the expert cache's slots are every forward's
-    assert overlap_wanted("on", CPU, None, moe=False)  # the bookkeeping, a step late (the CPU tests)
-    assert not overlap_wanted("off", CUDA, None, moe=False)
+    assert overlap_wanted("auto", CUDA, moe=False)  # KV by use too: the chunk's slot is held (below)
+    assert not overlap_wanted("auto", CPU, moe=False)  # one stream: nothing to overlap
+    assert not overlap_wanted("auto", CUDA, moe=True)  # the expert cache's slots are every forward's
+    assert overlap_wanted("on", CPU, moe=False)  # the bookkeeping, a step late (the CPU tests)
+    assert not overlap_wanted("off", CUDA, moe=False)
 
 
-@pytest.mark.parametrize(("kv_resident", "moe", "why"), [(4096, False, "--kv-resident"), (None, True, "MoE")])
-def test_on_where_the_streams_would_share_state_is_refused_naming_why(kv_resident, moe, why) -> None:
-    with pytest.raises(ConfigError, match=why) as err:
-        overlap_wanted("on", CUDA, kv_resident, moe=moe)
+def test_on_where_the_streams_would_share_state_is_refused_naming_why() -> None:
+    with pytest.raises(ConfigError, match="MoE") as err:
+        overlap_wanted("on", CUDA, moe=True)
     assert err.value.param == "prefill_overlap"
+
+
+def test_a_chunk_in_flight_holds_its_slot_so_no_step_spills_the_blocks_it_writes() -> None:
+    from engine.exec.kv.blocks import BlockLayout, BlockLedger
+
+    class Paging:  # the ledger behind KVPaging.hold / unhold
+        def __init__(self) -> None:
+            self.ledger = BlockLedger(BlockLayout(2, 5, 4, 0, 64), 4)
+
+        def hold(self, slot: int) -> None:
+            self.ledger.hold(slot)
+
+        def unhold(self, slot: int) -> None:
+            self.ledger.unhold(slot)
+
+    class Chunk:
+        slot = 0
+
+    paging = Paging()
+    ledger = paging.ledger
+    ledger.plan({0: 4 * 64})  # slot 0's chunk took the whole pool
+    stream = ChunkStream(CPU)
+    stream.paging = paging
+    stream.launch(Chunk(), lambda: None)
+    from engine.exec.kv.blocks import PoolTooSmall
+
+    with pytest.raises(PoolTooSmall):  # slot 1 may not spill the held slot's blocks
+        ledger.plan({1: 64})
+    stream.take()
+    assert len(ledger.plan({1: 64}).spills) == 1  # landed: its blocks may go to the host again
 
 
 def test_the_option_is_checked_where_every_option_is() -> None:

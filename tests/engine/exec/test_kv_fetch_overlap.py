@@ -34,7 +34,7 @@ def test_attend_waits_for_every_layers_fetch_when_paging_and_never_without(ckpt,
     assert set(waited) == set(range(num_layers))  # attend's layer index is the paging's layer index
 
     waited.clear()
-    run_all(make_engine(ckpt, batch_mtp=True, mtp_depth=2, **SMALL), prompts, GREEDY)
+    run_all(make_engine(ckpt, batch_mtp=True, mtp_depth=2, kv_pool="reserved", **SMALL), prompts, GREEDY)
     assert waited == []
 
 

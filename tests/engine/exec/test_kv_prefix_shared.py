@@ -105,7 +105,10 @@ def test_a_pool_resize_drops_the_captured_graphs_and_the_next_steps_recapture_th
     cache = GraphCache("cpu", bus, SwitchBoard.from_values({}), lambda mib, reason: 0.0, wait_polls=1,
                        wait_interval_s=0.0, switch_for_key=switch_for_key, backend=CpuGraphBackend(),
                        sleep=lambda s: None)
-    engine = make_engine(ckpt, bus=bus, batch=2, executor=cache, block_tokens=TIER_TOKENS, switches=SHARED)
+    # every slot's context reserved: the tier's blocks grow and shrink the pool tensors (by use they come from its
+    # free blocks, and a release reallocates nothing)
+    engine = make_engine(ckpt, bus=bus, batch=2, executor=cache, block_tokens=TIER_TOKENS, switches=SHARED,
+                         kv_pool="reserved")
     prompt, other = random_prompts(2, seed=44, lengths=(300, 301))
     first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
     run_all(engine, [other], GREEDY, prefix="o")
@@ -150,7 +153,8 @@ def test_a_capture_out_of_memory_shrinks_the_pool_around_a_mapped_prefix_and_the
     cache = GraphCache("cpu", bus, SwitchBoard.from_values({}), lambda mib, why: holder["tier"].release(mib, why),
                        wait_polls=2, wait_interval_s=0.0, fault_plan=FaultPlan(), switch_for_key=switch_for_key,
                        backend=CpuGraphBackend(), sleep=lambda s: None)
-    engine = make_engine(ckpt, bus=bus, batch=1, executor=cache, block_tokens=TIER_TOKENS, switches=SHARED)
+    engine = make_engine(ckpt, bus=bus, batch=1, executor=cache, block_tokens=TIER_TOKENS, switches=SHARED,
+                         kv_pool="reserved")  # the pool tensors shrink with the tier (by use they do not)
     holder["tier"] = engine.tier
     prompt, other = random_prompts(2, seed=46, lengths=(300, 301))
     first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
@@ -189,7 +193,8 @@ def test_a_long_prompts_blocks_grow_the_pool_once_not_once_per_chunk(ckpt):
     copies the whole pool (every layer's keys and values): a prompt handed over a chunk's blocks at a time grew it
     again and again on the way to its first token. The first fill makes room for the prompt's later blocks at once."""
     prompt = random_prompts(1, seed=47, lengths=(1500, 1501))[0]  # 23 tier blocks in 24 chunks of 64 tokens
-    engine = make_engine(ckpt, batch=2, context=2048, block_tokens=TIER_TOKENS, tier_budget_mib=64.0, switches=SHARED)
+    engine = make_engine(ckpt, batch=2, context=2048, block_tokens=TIER_TOKENS, tier_budget_mib=64.0, switches=SHARED,
+                         kv_pool="reserved")
     reallocations: list[int] = []
     resize = engine.kv.resize_pool
     engine.kv.resize_pool = lambda n, stage: (reallocations.append(n), resize(n, stage))[1]
@@ -198,3 +203,22 @@ def test_a_long_prompts_blocks_grow_the_pool_once_not_once_per_chunk(ckpt):
     second = run_all(engine, [prompt], GREEDY, prefix="b")["b0"]  # reused: its blocks map what was handed over
     assert second[-1].cached_tokens == 1472 and [t for o in second for t in o.token_ids] == first
     assert len(reallocations) == 1
+
+
+def test_by_use_the_tier_backs_its_blocks_with_free_pool_blocks_and_a_release_frees_them_for_the_slots(ckpt):
+    """KV by use (the CPU default): the tier's blocks come from the pool the slots take blocks from; a release puts
+    them back on its free list (no pool tensor is reallocated), and a reuse maps them as before."""
+    prompt = random_prompts(1, seed=48, lengths=(700, 701))[0]
+    engine = make_engine(ckpt, batch=2, context=2048, block_tokens=TIER_TOKENS, tier_budget_mib=64.0, switches=SHARED)
+    ledger = engine.kv.paging.ledger
+    first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
+    engine.step()  # the finished slot's blocks go back
+    tier_blocks = len(engine.tier.shared.backing)
+    assert tier_blocks == 10 and ledger.free_pool_blocks == ledger.pool_blocks - tier_blocks
+    second = run_all(engine, [prompt], GREEDY, prefix="b")["b0"]
+    assert second[-1].cached_tokens == 640 and [t for o in second for t in o.token_ids] == first
+    engine.step()
+    pool_tensor_blocks = engine.kv.k[0].shape[1]
+    assert engine.tier.release(100 * engine.tier.block_mib, "test") > 0
+    assert engine.tier.shared.backing == {} and ledger.free_pool_blocks == ledger.pool_blocks
+    assert engine.kv.k[0].shape[1] == pool_tensor_blocks

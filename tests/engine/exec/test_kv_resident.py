@@ -80,10 +80,24 @@ def test_slot_events_and_the_snapshot_say_where_each_slots_kv_lies(ckpt):
     assert engine.kv.paging.ledger.free_pool_blocks == 14 and engine.kv.paging.ledger.host_held_blocks == 0
 
 
-def test_without_kv_resident_every_token_is_resident_and_there_is_no_paging(ckpt):
-    engine = make_engine(ckpt, **SMALL)
+def test_reserved_kv_every_token_is_resident_and_there_is_no_paging(ckpt):
+    engine = make_engine(ckpt, kv_pool="reserved", **SMALL)
     run_all(engine, PROMPTS[:1], GREEDY)
     assert engine.kv.paging is None and engine.state().to_json()["kv"]["paging"] is None
+
+
+def test_kv_by_use_is_the_default_on_a_cpu_and_the_pool_grows_as_slots_use_it(ckpt, monkeypatch):
+    import engine.orchestration.engine_setup as setup
+
+    monkeypatch.setattr(setup, "CPU_START_POOL_MIB", 0.0)  # start at one prompt chunk per slot, not 256 MiB
+    engine = make_engine(ckpt, **SMALL)
+    paging = engine.kv.paging
+    assert paging is not None and paging.layout.resident_blocks == 0
+    start_blocks = paging.ledger.pool_blocks
+    assert start_blocks < 4 * paging.layout.window_blocks  # not every slot's whole context
+    got = tokens_of(run_all(engine, PROMPTS, GREEDY))
+    assert paging.ledger.pool_blocks > start_blocks and paging.stats.spilled_blocks == 0
+    assert got == tokens_of(run_all(make_engine(ckpt, kv_pool="reserved", **SMALL), PROMPTS, GREEDY))
 
 
 def test_the_tier_gives_memory_back_before_anything_spills(ckpt):
@@ -120,7 +134,7 @@ def test_a_context_too_large_for_the_device_starts_with_a_small_resident_window(
     # 8 MiB past the reserve: 4 slots x 8192 tokens need ~16 MiB; 4 x 256 resident + one slot's window ~4.4 MiB
     monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 8.0))
     with pytest.raises(ConfigError) as info:  # every slot's whole context: too much
-        make_engine(ckpt, batch=4, context=8192, vram_reserve_mib=1024)
+        make_engine(ckpt, batch=4, context=8192, vram_reserve_mib=1024, kv_pool="reserved")
     assert info.value.param == "context"
     engine = make_engine(ckpt, batch=4, context=8192, kv_resident=256, vram_reserve_mib=1024)
     assert engine.kv.mib < 8.0 and engine.budget.kv_mib == pytest.approx(engine.kv.mib)

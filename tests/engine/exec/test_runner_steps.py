@@ -50,7 +50,8 @@ def test_paged_attn_is_degraded_quietly_where_its_kernels_cannot_run(ckpt):
 
 def test_padded_rows_write_only_scratch_columns(ckpt):
     executor = RecordingExecutor()
-    engine = make_engine(ckpt, batch=4, context=512, executor=executor)
+    # every slot's own columns (reserved): by use, unmapped positions read the one scratch block padded rows write
+    engine = make_engine(ckpt, batch=4, context=512, executor=executor, kv_pool="reserved")
     runner, kv = engine.runner, engine.kv
     with torch.inference_mode():
         runner.prefill(0, list(range(10, 40)), 0)

@@ -49,6 +49,14 @@ def test_state_and_prometheus_series_of_an_engine_that_spilled(ckpt):
     assert "strata_kv_spilled_bytes_total" in text and "strata_kv_fetch_seconds_total" in text
     busy = next(s for s in state["slots"] if s["kv_host_tokens"])
     assert f'strata_kv_slot_tokens{{slot="{busy["slot"]}",where="host"}} {float(busy["kv_host_tokens"])}' in text
+    # vLLM's names under this project's prefix: pool use, preemptions (a slot spilled to make room), requests
+    paging = state["kv"]["paging"]
+    assert paging["preemptions"] > 0 and paging["preemption_cause"]
+    assert f'strata_num_preemptions_total{{cause="pool_short"}} {float(paging["preemptions"])}' in text
+    usage = (paging["pool_blocks"] - paging["free_pool_blocks"]) / paging["pool_blocks"]
+    assert f"strata_kv_cache_usage_perc {usage}" in text and 0 < usage <= 1
+    assert f"strata_num_requests_running {float(sum(s['state'] != 'idle' for s in state['slots']))}" in text
+    assert "strata_num_requests_waiting 0.0" in text
 
 
 def test_an_older_engines_state_without_paging_still_parses_and_yields_no_kv_series():

@@ -1,0 +1,69 @@
+"""`bench throughput` at tiny sizes on CPU: every set and concurrency is a row with its latencies, the floor counts
+the live KV as well as the weights, and the HF peer runs bounded in time (a peer past its limit is a row with
+its error, not a hang). No timing assertions."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from engine.bench.throughput import floor_tok_s, percentile, request_set
+from tests.engine.bench.test_bench import TINY, _checkpoint_cache_and_one_thread, bench  # noqa: F401 (fixture)
+
+SMALL = ["--prompt-tokens", "16", "--new-tokens", "4", "--mixed-prompt-tokens", "8,40", "--mixed-new-tokens", "2,6",
+         "--copy-mib", "8"]
+
+
+def test_throughput_rows_for_every_set_and_concurrency_with_the_peer(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "1,3", *SMALL, "--peer", "eager"])
+    by = {(r["set"], r["engine"], r["concurrency"]): r for r in doc["rows"]}
+    assert set(by) == {("fixed", "strata", 1), ("fixed", "strata", 3), ("mixed", "strata", 1), ("mixed", "strata", 3),
+                       ("fixed", "hf_eager", 1), ("fixed", "hf_eager", 3)}
+    for (set_name, engine, n), row in by.items():
+        assert row["error"] is None, row
+        assert row["tok_s"] > 0
+        if engine == "strata":
+            assert row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["all_first_token_s"]
+            assert row["itl_p50_s"] <= row["itl_p99_s"] and row["floor_tok_s"] > 0
+            assert row["preemptions"] == 0 and row["steps"] >= 4
+    assert by[("fixed", "strata", 3)]["output_tokens"] == 3 * 4
+    mixed = by[("mixed", "strata", 3)]["output_tokens"]
+    assert 3 * 2 <= mixed <= 3 * 6
+    assert doc["summary"]["peer_best"]["engine"] == "hf_eager"
+    assert doc["summary"]["decode_rises_with_concurrency"] in (True, False)
+
+
+def test_a_peer_past_its_time_limit_is_a_row_with_the_reason(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "1", "--sets", "fixed", *SMALL, "--peer", "static",
+                           "--peer-timeout-s", "0.01"])
+    peer = next(r for r in doc["rows"] if r["engine"].startswith("hf_"))
+    assert peer["tok_s"] is None and "did not finish within --peer-timeout-s" in peer["error"]
+
+
+def test_the_floor_reads_the_live_kv_as_well_as_the_weights() -> None:
+    weights_only = floor_tok_s(1_000_000, 0, 4, 1000.0, 1.0)
+    assert math.isclose(weights_only, 4 * 1e9 / 1_000_000)
+    with_kv = floor_tok_s(1_000_000, 100, 4, 1000.0, 1.0)  # 4 rows x 1000 tokens x 100 bytes: 400 KB more a step
+    assert math.isclose(with_kv, 4 * 1e9 / 1_400_000)
+
+
+def test_the_mixed_set_is_seeded_and_within_its_ranges() -> None:
+    import argparse
+
+    args = argparse.Namespace(seed=3, prompt_tokens=8, new_tokens=2, mixed_prompt_tokens=[128, 8192],
+                              mixed_new_tokens=[64, 1024])
+    one, again = request_set("mixed", 16, 1000, args), request_set("mixed", 16, 1000, args)
+    assert one == again
+    assert all(128 <= len(p) <= 8192 and 64 <= n <= 1024 for p, n in one)
+    assert len({len(p) for p, _ in one}) > 8
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
+
+
+def test_a_bad_range_names_the_option(tmp_path: Path) -> None:
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        bench(tmp_path, ["throughput", *TINY, "--concurrency", "1", "--mixed-new-tokens", "9,3"])
+    assert err.value.param == "mixed_new_tokens"

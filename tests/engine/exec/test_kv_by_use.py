@@ -1,0 +1,166 @@
+"""KV by use, the default on a CPU: slots take pool blocks as their tokens need them and give them back when their
+request ends (engine.exec.kv.blocks, paging). A long --context is a per-request limit, not a reservation: a real
+engine process serving six slots of 262,144 tokens stays small; an abort mid-prefill returns every block; 256
+slots run at once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.telemetry import EventBus
+from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LONGER = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+REPO = Path(__file__).resolve().parents[3]
+
+# One short request through a real engine in a fresh process: its peak resident memory (ru_maxrss, KiB on Linux).
+_RSS_SCRIPT = """
+import json, resource, sys
+import torch
+torch.set_num_threads(1)
+from engine.api import SamplingParams
+from engine.config import EngineConfig
+from engine.orchestration.engine import Engine
+from engine.telemetry import EventBus
+config = EngineConfig(model="builtin:strata-tiny", device="cpu", dtype="float32", batch=6, context=262144,
+                      kv_pool=sys.argv[1])
+engine = Engine(config, EventBus())
+engine.add_request("one", list(range(3, 11)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+tokens = []
+while engine.has_work:
+    tokens += [t for out in engine.step() for t in out.token_ids]
+print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "tokens": len(tokens),
+                  "pool_blocks": engine.kv.paging.ledger.pool_blocks if engine.kv.paging else None}))
+"""
+
+
+def test_six_slots_of_262k_context_serve_one_short_request_in_under_3_gb(tmp_path):
+    """Every slot reserving its whole context held 12.8 GB of resident memory for one 8-token request."""
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, "auto"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == 8
+    assert result["rss_mib"] < 3 * 1024, result
+
+
+def test_an_abort_mid_prefill_returns_every_block_of_its_slot(ckpt):
+    engine = make_engine(ckpt, batch=2, context=4096, prefill_chunk_tokens=64, step_token_budget=64, block_tokens=64)
+    ledger = engine.kv.paging.ledger
+    prompt = random_prompts(1, seed=90, lengths=(2000, 2001))[0]
+    engine.add_request("long", prompt, GREEDY)
+    for _ in range(5):
+        engine.step()
+    req = engine.sched.get("long")
+    scratch = engine.kv.paging.layout.scratch_block
+    slot = req.slot
+    mapped = [p for p in ledger.table_row(slot) if p != scratch]  # its own blocks and those lent to the tier
+    assert 0 < req.num_computed_tokens < len(prompt) and len(mapped) >= 5
+    engine.abort("long")
+    engine.step()  # idle: the retired slot is reclaimed at the step's start
+    assert ledger.used_blocks(slot) == 0 and ledger.host_held_blocks == 0
+    assert set(ledger.table_row(slot)) == {scratch}
+    shared = engine.tier.shared  # the tier's blocks in the same pool, where its blocks are whole pool blocks
+    tier_blocks = sum(len(b) for b in shared.backing.values()) if shared is not None else 0
+    assert ledger.free_pool_blocks + tier_blocks == ledger.pool_blocks
+    assert engine.kv.paging.snapshot()["free_pool_blocks"] == ledger.free_pool_blocks
+
+
+def test_a_request_that_finishes_gives_its_blocks_back_and_the_next_one_takes_them(ckpt):
+    engine = make_engine(ckpt, batch=1, context=4096, tier_budget_mib=0.0)
+    ledger = engine.kv.paging.ledger
+    first = tokens_of(run_all(engine, random_prompts(1, seed=91, lengths=(600, 601)), GREEDY, prefix="a"))
+    engine.step()
+    pool = ledger.pool_blocks
+    assert ledger.free_pool_blocks == pool
+    run_all(engine, random_prompts(1, seed=92, lengths=(600, 601)), GREEDY, prefix="b")
+    assert ledger.pool_blocks == pool  # no growth: the second request took the first one's blocks
+    again = tokens_of(run_all(engine, random_prompts(1, seed=91, lengths=(600, 601)), GREEDY, prefix="a"))
+    assert again == first
+
+
+def test_256_slots_run_at_once_on_the_tiny_model():
+    from engine.config import EngineConfig
+    from engine.orchestration.engine import Engine
+    from engine.telemetry import EventBus
+
+    config = EngineConfig(model="builtin:strata-tiny", device="cpu", dtype="float32", batch=256, context=512,
+                          queue_max=256)
+    engine = Engine(config, EventBus())
+    prompts = random_prompts(256, seed=93, lengths=(4, 24), vocab=200)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    most_running = 0
+    outs: dict[str, list] = {}
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        most_running = max(most_running, engine.sched.num_running)
+    assert not engine.has_work and most_running == 256
+    assert all(seq[-1].finish_reason == "length" and sum(len(o.token_ids) for o in seq) == 4
+               for seq in outs.values()) and len(outs) == 256
+    state = engine.state()
+    assert len([s for s in state.slots]) == 256
+    engine.step()
+    ledger = engine.kv.paging.ledger
+    assert all(ledger.used_blocks(s) == 0 for s in range(256))
+
+
+def _overlap_engine(ckpt, bus=None, **kw):
+    from engine.config import EngineConfig
+    from engine.orchestration.engine import Engine
+
+    base = dict(model=str(ckpt), device="cpu", dtype="float32", batch=4, context=2048, prefill_chunk_tokens=256,
+                step_token_budget=512, prefill_overlap="on")
+    base.update(kw)
+    return Engine(EngineConfig(**base), bus or EventBus(history=100000), tier_budget_mib=0.0, block_tokens=64)
+
+
+def test_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
+    """Two slots decode while a long prompt's chunks run beside them on a pool too small for all three (a
+    resident window of 64, no tier to grow from): the steps spill the decoding slots' blocks, never the chunk's
+    slot's while the chunk may write them (a step that cannot fit without them waits for the chunk first: without
+    that its requests ended with an error), and every request gets the tokens of a run with room. On a CPU the
+    chunk runs at its launch and lands a step later: the bookkeeping; the GPU test runs the two streams."""
+    short = random_prompts(2, seed=190, lengths=(500, 600))
+    long = random_prompts(1, seed=191, lengths=(1800, 1801))
+    reference = _overlap_engine(ckpt, batch=3, kv_pool="reserved")
+    want = tokens_of(run_all(reference, short + long, LONGER))
+    bus = EventBus(history=100000)
+    engine = _overlap_engine(ckpt, bus=bus, batch=3, kv_resident=64)
+    engine.kv.paging.take_memory = lambda mib, reason: 0.0  # the tier has nothing to give: the pool must spill
+    assert engine.chunks is not None
+    held: list[set[int]] = []
+    plan = engine.kv.paging.ledger.plan
+
+    def watch(wants):
+        held.append(set(engine.kv.paging.ledger._held))
+        return plan(wants)
+
+    engine.kv.paging.ledger.plan = watch
+    for i, prompt in enumerate(short):
+        engine.add_request(f"r{i}", prompt, LONGER)
+    outs: dict[str, list] = {}
+    for _ in range(4):  # the short prompts are prefilled and decode
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    engine.add_request("r2", long[0], LONGER)
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert tokens_of(outs) == want
+    spills = [e for e in bus.history() if e.type == "kv" and e.action == "spill"]
+    assert spills, "the pool never filled"
+    assert any(held_slots for held_slots in held), "no chunk ran beside the steps"
+

@@ -1,0 +1,57 @@
+"""The slot table at --batch 256: the busiest slots (prefilling first, then decoding by rate) and one row counting
+the rest by state, in a real Textual app; a refresh of the same slots touches no cell."""
+
+from __future__ import annotations
+
+from textual.app import App, ComposeResult
+
+from engine.telemetry import SlotEvent
+from strata_tui.widgets.slots_table import MAX_SLOT_ROWS, REST_KEY, SlotsTable, busiest
+
+
+def _slots(n: int) -> dict[int, SlotEvent]:
+    slots = {}
+    for i in range(n):
+        if i % 64 == 5:
+            slots[i] = SlotEvent(slot=i, state="prefill", request_id=f"p{i}", prompt_tokens=4000, prefilled_tokens=100,
+                                 prefill_tok_s=5000.0)
+        elif i < 200:
+            slots[i] = SlotEvent(slot=i, state="decode", request_id=f"d{i}", prompt_tokens=100, max_tokens=256,
+                                 generated_tokens=10, decode_tok_s=float(i))
+        else:
+            slots[i] = SlotEvent(slot=i)
+    return slots
+
+
+def test_the_busiest_are_prefilling_then_the_fastest_decoding_and_the_rest_are_counted() -> None:
+    slots = _slots(256)
+    shown, left = busiest(slots)
+    assert len(shown) == MAX_SLOT_ROWS - 1 and shown == sorted(shown)
+    prefilling = [n for n in slots if slots[n].state == "prefill"]
+    assert set(prefilling) <= set(shown)
+    decoding_shown = [n for n in shown if slots[n].state == "decode"]
+    assert min(decoding_shown) > max(n for n in slots if slots[n].state == "decode" and n not in shown)
+    assert left["idle"] == 56 and sum(left.values()) == 256 - len(shown)
+    assert busiest(_slots(6)) == (list(range(6)), {})
+
+
+class _One(App):
+    def compose(self) -> ComposeResult:
+        yield SlotsTable()
+
+
+async def test_a_256_slot_table_is_one_screen_with_a_row_counting_the_rest() -> None:
+    app = _One()
+    async with app.run_test(size=(160, 40)) as pilot:
+        table = app.query_one(SlotsTable)
+        slots = _slots(256)
+        table.show(slots)
+        await pilot.pause()
+        assert table.row_count == MAX_SLOT_ROWS
+        keys = [row.key.value for row in table.ordered_rows]
+        assert keys[-1] == REST_KEY and keys[:-1] == sorted(keys[:-1], key=int)
+        rest = table.get_row(REST_KEY)
+        assert str(rest[1]) == f"+{256 - MAX_SLOT_ROWS + 1}" and "56 idle" in "".join(str(c) for c in rest)
+        before = table.cell_updates
+        table.show(slots)
+        assert table.cell_updates == before  # nothing changed, nothing touched
