@@ -172,7 +172,7 @@ class MtpDrafter:
         tb = hidden.shape[1]
         assert tb == pow2_bucket(n, MIN_CHUNK_TOKENS), (tb, n)
         span = r.chunk_span(start + n)
-        positions = [start + j for j in range(n)] + [r.context_tokens + j for j in range(tb - n)]
+        positions = [start + j for j in range(n)] + [r.pad_start_tokens + j for j in range(tb - n)]
         inputs = {"slots": r.stage([slot]), "hidden": hidden, "next_ids": r.stage([list(next_ids) + [0] * (tb - n)]),
                   "positions": r.stage([positions]), "pick": r.stage([n - 1])}
 
@@ -194,7 +194,7 @@ class MtpDrafter:
         r.kv.prepare({row.slot: n + k1 + r.lookahead_tokens for row, n in zip(rows, base_positions)})
         next_ids = [list(e) + [0] * (k1 - len(e)) for e in emitted] + [[0] * k1] * (bb - len(rows))
         positions = [[n + j for j in range(k1)] for n in base_positions]
-        positions += [[r.context_tokens + j for j in range(k1)]] * (bb - len(rows))
+        positions += [[r.pad_start_tokens + j for j in range(k1)]] * (bb - len(rows))
         slots = [row.slot for row in rows] + [0] * (bb - len(rows))
         pick = [len(e) - 1 for e in emitted] + [0] * (bb - len(rows))
         # One host-to-device copy for every input ([Bb, 2 + 2 * k1] split into views): a round runs every
@@ -215,7 +215,7 @@ class MtpDrafter:
         drafts = [first]  # each [Bb]
         for j in range(1, self.depth):
             # Chain step j sits at pending position + j - 1 (the round's pick was at pending - 1).
-            pos = [row.position + j - 1 for row in rows] + [r.context_tokens] * (bb - len(rows))
+            pos = [row.position + j - 1 for row in rows] + [r.pad_start_tokens] * (bb - len(rows))
             span = r.step_span(max(row.position for row in rows) + j)
             inputs = {"slots": slots_t, "hidden": h, "next_ids": drafts[-1].view(bb, 1),
                       "positions": r.stage([[p] for p in pos]), "pick": r.stage([0] * bb)}

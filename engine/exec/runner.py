@@ -142,6 +142,7 @@ class ModelRunner:
         self.device = device
         self.num_slots = num_slots
         self.context_tokens = kv.geometry.context_tokens
+        self.pad_start_tokens = kv.geometry.pad_start_tokens  # padded rows write from here (the margin's blocks)
         self.mtp_depth = mtp_depth
         # Drafts waiting for verification, one row per slot plus a scratch row for padded batch rows.
         self.draft_buf = torch.zeros(num_slots + 1, max(1, mtp_depth), dtype=torch.long, device=device)
@@ -314,7 +315,7 @@ class ModelRunner:
 
     def pad_positions(self, bb: int, t: int) -> list[list[int]]:
         """Positions [bb, t] of rows that are all padding: scratch columns past the context, never a token."""
-        return [[self.context_tokens + j for j in range(t)] for _ in range(bb)]
+        return [[self.pad_start_tokens + j for j in range(t)] for _ in range(bb)]
 
     def graph_specs(self, verify: bool = True) -> list[GraphSpec]:
         """CAPTURE_ALL: a GraphSpec for every decode bucket (batch x length), or every verify bucket (with
@@ -347,7 +348,7 @@ class ModelRunner:
         self.kv.prepare({r.slot: r.position + t + self.lookahead_tokens for r in rows})
         slots = [r.slot for r in rows] + [0] * (bb - len(rows))
         positions = [[r.position + j for j in range(t)] for r in rows]
-        positions += [[self.context_tokens + j for j in range(t)]] * (bb - len(rows))
+        positions += [[self.pad_start_tokens + j for j in range(t)]] * (bb - len(rows))
         return slots, positions
 
     def decode(self, rows: list[Row], tokens: torch.Tensor | None = None) -> StepOutput:
@@ -430,7 +431,7 @@ class ModelRunner:
         self.kv.prepare({slot: start + n + self.lookahead_tokens})
         tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
         span = self.chunk_span(start + n)
-        positions = [start + j for j in range(n)] + [self.context_tokens + j for j in range(tb - n)]
+        positions = [start + j for j in range(n)] + [self.pad_start_tokens + j for j in range(tb - n)]
         inputs = {"slots": self.stage([slot]), "tokens": self.stage([list(token_ids) + [0] * (tb - n)]),
                   "positions": self.stage([positions]), "last": self.stage([n - 1])}
 

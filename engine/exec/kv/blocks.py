@@ -5,8 +5,11 @@ milliseconds; engine.exec.kv.paging does the copies it plans.
 Physical blocks of the device pool (`BlockLayout`):
 
     [0, slots * resident_blocks)   each slot's resident window: its logical blocks 0..resident_blocks-1, fixed
-    scratch_block                  one block every unmapped or host-held logical block points at (finite data,
-                                   never visible: a query at position p sees keys <= p, and p is always mapped)
+    scratch_block                  one block every unmapped or host-held logical block of the context points at:
+                                   nothing writes it, so it stays finite (a query at position p sees keys <= p, and
+                                   p is always mapped, but attention reads masked keys too, and 0 * NaN is NaN)
+    sink_block                     every slot's margin past the context points at it: padded batch rows write
+                                   there (whatever they compute, NaN included) and no real row reads it
     [pool_base, ...)               the shared pool: handed to slots on demand, grown from the tier, spilled
 
 A logical block past the resident window is unmapped, on the device (a pool block), or on the host (a host
@@ -43,8 +46,12 @@ class BlockLayout:
         return self.num_slots * self.resident_blocks
 
     @property
-    def pool_base(self) -> int:
+    def sink_block(self) -> int:
         return self.scratch_block + 1
+
+    @property
+    def pool_base(self) -> int:
+        return self.scratch_block + 2
 
     @property
     def window_blocks(self) -> int:
@@ -154,9 +161,10 @@ class BlockLedger:
         return missing <= len(self._free_pool)
 
     def table_row(self, slot: int) -> list[int]:
-        """Physical block of each of the slot's logical blocks (scratch where unmapped or on the host)."""
+        """Physical block of each of the slot's logical blocks (scratch where unmapped or on the host, the sink past
+        the context)."""
         lay = self.layout
-        row = [lay.scratch_block] * lay.blocks_per_slot
+        row = [lay.scratch_block] * lay.context_blocks + [lay.sink_block] * (lay.blocks_per_slot - lay.context_blocks)
         for j in range(min(lay.resident_blocks, lay.blocks_per_slot)):
             row[j] = slot * lay.resident_blocks + j
         for j, (where, idx) in self._owned[slot].items():

@@ -6,9 +6,9 @@ Layout per layer: `k[layer]`, `v[layer]` are pools `[Hkv, num_blocks, block_toke
 `blocks_per_slot` blocks of its own (the table starts as slot s -> blocks `s * blocks_per_slot + j`); the
 attention backends and the tier copies only ever go through the table, so a slot can map any block.
 
-The slot's last columns past `context` (the margin) are scratch: padded batch rows (a batch padded up to its
-bucket, a prefill chunk padded up to its length bucket) write there, so every forward has static shapes and no
-padded row ever touches a real token. Validity needs no length tensor: a query at position p sees keys 0..p of
+The slot's last blocks past `context` (the margin, from `pad_start_tokens`) are scratch: padded batch rows (a batch
+padded up to its bucket, a prefill chunk padded up to its length bucket) write there, so every forward has static
+shapes and no padded row ever touches a real token. Validity needs no length tensor: a query at position p sees keys 0..p of
 its slot, so KV left behind by a rejected draft or an earlier request is never visible and is overwritten when
 its position is reused.
 
@@ -57,7 +57,13 @@ class KVGeometry:
 
     @property
     def blocks_per_slot(self) -> int:
-        return -(-(self.context_tokens + self.margin_tokens) // self.block_tokens)
+        return self.context_blocks + -(-self.margin_tokens // self.block_tokens)
+
+    @property
+    def pad_start_tokens(self) -> int:
+        """Where padded rows write: the first column of the margin's whole blocks, so no block that holds a
+        position < context is ever written by a padded row (with KV by use an unmapped one is the shared scratch)."""
+        return self.context_blocks * self.block_tokens
 
     @property
     def columns(self) -> int:

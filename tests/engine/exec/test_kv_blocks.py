@@ -12,8 +12,8 @@ LAYOUT = BlockLayout(num_slots=3, blocks_per_slot=10, context_blocks=8, resident
 
 def test_resident_blocks_are_fixed_and_everything_else_starts_at_scratch():
     ledger = BlockLedger(LAYOUT, pool_blocks=6)
-    assert ledger.table_row(1) == [2, 3] + [LAYOUT.scratch_block] * 8
-    assert LAYOUT.scratch_block == 6 and LAYOUT.pool_base == 7 and LAYOUT.window_blocks == 6
+    assert ledger.table_row(1) == [2, 3] + [LAYOUT.scratch_block] * 6 + [LAYOUT.sink_block] * 2  # the margin: the sink
+    assert LAYOUT.scratch_block == 6 and LAYOUT.sink_block == 7 and LAYOUT.pool_base == 8 and LAYOUT.window_blocks == 6
 
 
 def test_blocks_past_the_window_are_handed_out_on_demand_and_given_back():

@@ -63,12 +63,12 @@ def test_an_abort_mid_prefill_returns_every_block_of_its_slot(ckpt):
     req = engine.sched.get("long")
     scratch = engine.kv.paging.layout.scratch_block
     slot = req.slot
-    mapped = [p for p in ledger.table_row(slot) if p != scratch]  # its own blocks and those lent to the tier
+    mapped = [p for p in ledger.table_row(slot) if p not in (scratch, engine.kv.paging.layout.sink_block)]  # its own blocks and those lent to the tier
     assert 0 < req.num_computed_tokens < len(prompt) and len(mapped) >= 5
     engine.abort("long")
     engine.step()  # idle: the retired slot is reclaimed at the step's start
     assert ledger.used_blocks(slot) == 0 and ledger.host_held_blocks == 0
-    assert set(ledger.table_row(slot)) == {scratch}
+    assert set(ledger.table_row(slot)) == {scratch, engine.kv.paging.layout.sink_block}
     shared = engine.tier.shared  # the tier's blocks in the same pool, where its blocks are whole pool blocks
     tier_blocks = sum(len(b) for b in shared.backing.values()) if shared is not None else 0
     assert ledger.free_pool_blocks + tier_blocks == ledger.pool_blocks
@@ -164,3 +164,23 @@ def test_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
     assert spills, "the pool never filled"
     assert any(held_slots for held_slots in held), "no chunk ran beside the steps"
 
+
+
+@pytest.mark.parametrize("context", [1024, 1000])  # 1000: the last context block also holds columns past it
+def test_padded_rows_never_write_the_scratch_block_every_unmapped_entry_reads(ckpt, context):
+    """Three requests in a batch bucket of four (one padded row a step) and prompt chunks padded to their bucket:
+    the scratch block that every slot's unmapped entries point at stays as made (zeros). A padded row writes the
+    margin's own sink block: it reads slot 0's keys, so what it writes is NaN once slot 0's are, and attention
+    reads masked keys too (0 * NaN is NaN): through the scratch block one slot's NaN would reach every slot."""
+    engine = make_engine(ckpt, batch=4, context=context, prefill_chunk_tokens=64, step_token_budget=128,
+                         block_tokens=16)
+    layout = engine.kv.paging.layout
+    assert engine.kv.geometry.pad_start_tokens % 16 == 0 and engine.kv.geometry.pad_start_tokens >= context
+    for pool in (*engine.kv.k, *engine.kv.v):  # as if padded rows had written there: the test's premise
+        pool[:, layout.sink_block] = 1.0
+    run_all(engine, random_prompts(3, seed=12, lengths=(20, 90)), LONGER)
+    assert all(pool[:, layout.sink_block].ne(1.0).any() for pool in (*engine.kv.k, *engine.kv.v))  # padded rows wrote
+    assert all(not pool[:, layout.scratch_block].any() for pool in (*engine.kv.k, *engine.kv.v))
+    row = engine.kv.paging.ledger.table_row(0)
+    assert set(row[:layout.context_blocks]) == {layout.scratch_block}
+    assert set(row[layout.context_blocks:]) == {layout.sink_block}

@@ -87,9 +87,12 @@ def test_tier_spans_move_through_the_block_table():
 
 def test_columns_round_up_to_whole_blocks_and_the_pool_is_accounted():
     geo = KVGeometry(2, 3, 2, 16, 200, 16, block_tokens=64)
-    assert geo.blocks_per_slot == 4 and geo.columns == 256 and geo.num_blocks == 12
+    # 4 blocks hold the context (positions 200..255 of the last are never a token), the margin starts a block of
+    # its own: padded rows never write a block that holds a position < context
+    assert geo.context_blocks == 4 and geo.pad_start_tokens == 256
+    assert geo.blocks_per_slot == 5 and geo.columns == 320 and geo.num_blocks == 15
     cache = SlotKVCache(geo, "int8", torch.float32, "cpu")
-    assert cache.k[0].shape == (2, 12, 64, 16) and cache.k_scale[0].shape == (2, 12, 64)
+    assert cache.k[0].shape == (2, 15, 64, 16) and cache.k_scale[0].shape == (2, 15, 64)
     assert cache.nbytes == geo.total_bytes("int8", torch.float32)
 
 
