@@ -105,7 +105,10 @@ def _tile(q, m_i, l_i, acc, k_src, v_src, ks_ptr, vs_ptr, table_ptr, slot, h, ti
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p * tl.load(vs_ptr + scale_off)[None, :]
+        if MASKED:  # a key past the span reads another block's scale (block 0, or past the row's end): 0 * NaN
+            p = p * tl.load(vs_ptr + scale_off, mask=in_span, other=0.0)[None, :]
+        else:
+            p = p * tl.load(vs_ptr + scale_off)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     else:
         if MASKED:
