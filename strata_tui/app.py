@@ -35,7 +35,7 @@ from strata_tui.shutdown import Shutdown
 from strata_tui.telemetry_client import TelemetryClient
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
 from strata_tui.view_state import ViewState
-from strata_tui.workers import (engine_callbacks, poll_experts, read_state, run_engine, sample_gpus,
+from strata_tui.workers import (engine_callbacks, poll_state, read_state, run_engine, sample_gpus,
                                 stream_telemetry, watch_liveness)
 
 
@@ -200,7 +200,7 @@ class StrataApp(ForeignEngines, App):
         batch_s = self.view.settings.refresh_s / 2
         self.run_worker(stream_telemetry(post, self.client, batch_s), group="telemetry", exit_on_error=False)
         self.run_worker(watch_liveness(post, self.client), group="telemetry", exit_on_error=False)
-        self.run_worker(poll_experts(post, self.client), group="telemetry", exit_on_error=False)
+        self.run_worker(poll_state(post, self.client), group="telemetry", exit_on_error=False)
 
     def _close_client(self) -> None:
         self.workers.cancel_group(self, "telemetry")

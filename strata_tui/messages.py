@@ -58,6 +58,17 @@ class ExpertsSnapshot(EngineNews):
 
 
 @dataclass
+class KvPoolSnapshot(EngineNews):
+    """The `kv.paging` section of `/strata/state` (KV by use: blocks used, free, the tier's, on the host), read
+    with the experts' poll; each one carries the whole picture, so a burst collapses to the newest."""
+
+    paging: dict | None
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, KvPoolSnapshot)
+
+
+@dataclass
 class TelemetryStatus(EngineNews):
     """The event stream connected or dropped (with why)."""
 

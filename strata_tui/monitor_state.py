@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from engine.snapshot import EngineSnapshot
+from engine.snapshot import EngineSnapshot, KvPagingSnapshot
 from engine.switches import SWITCHES
 from engine.telemetry import (
     AdmissionEvent,
@@ -80,6 +80,7 @@ class MonitorState:
     switches: dict[str, SwitchView] = field(default_factory=dict)
     vram_reserve_mib: int | None = None
     experts: ExpertView | None = None  # an MoE engine's expert cache; None: a dense model (no panel)
+    kv_pool: KvPagingSnapshot | None = None  # KV by use: the block pool's use; None: every slot holds its context
     prefills: OrderedDict[str, PrefillTrack] = field(default_factory=OrderedDict)  # by request id
     last_seq: int = 0
     version: int = 0
@@ -97,7 +98,7 @@ class MonitorState:
         self.slots.clear()
         self.vram.clear()
         self.tier, self.last_error, self.last_warning, self.last_admission = None, None, None, None
-        self.experts = None
+        self.experts, self.kv_pool = None, None
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -108,7 +109,7 @@ class MonitorState:
         """Another engine answers now (restarted elsewhere): nothing the old one said still holds."""
         self.slots.clear()
         self.vram.clear()
-        self.tier, self.last_admission, self.experts = None, None, None
+        self.tier, self.last_admission, self.experts, self.kv_pool = None, None, None, None
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -216,6 +217,15 @@ class MonitorState:
             self.vram[event.device] = event
             self.vram_reserve_mib = int(round(event.reserve_mib))
         self.apply_experts(snapshot.experts)
+        self.kv_pool = snapshot.kv.paging if snapshot.kv is not None else None
+
+    def apply_kv_pool(self, paging: Any) -> None:
+        """The `kv.paging` section of a state snapshot, read again while the engine serves (pool use changes every
+        step and travels in no event); None: the engine keeps every slot's whole context (no pool to show)."""
+        pool = KvPagingSnapshot.from_json(paging) if isinstance(paging, dict) else None
+        if pool != self.kv_pool:
+            self.kv_pool = pool
+            self.version += 1
 
     def apply_experts(self, experts: Any) -> None:
         """The `experts` section of a state snapshot (or a control answer); None: a dense model."""

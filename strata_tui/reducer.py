@@ -26,6 +26,7 @@ from strata_tui.messages import (
     EngineOutput,
     EngineReady,
     ExpertsSnapshot,
+    KvPoolSnapshot,
     GpuSampled,
     LoadProgress,
     StateSnapshot,
@@ -171,6 +172,11 @@ def _experts(view: ViewState, message: ExpertsSnapshot, now_s: float, wall_s: fl
     return []
 
 
+def _kv_pool(view: ViewState, message: KvPoolSnapshot, now_s: float, wall_s: float) -> list[Effect]:
+    view.monitor.apply_kv_pool(message.paging)  # bumps the monitor's version only when the pool's use changed
+    return []
+
+
 def _stream_status(view: ViewState, message: TelemetryStatus, now_s: float, wall_s: float) -> list[Effect]:
     if _ended(view):
         return []  # the engine is going or gone: its stream ending is not news
@@ -226,6 +232,7 @@ _HANDLERS: dict[type, Callable[[ViewState, Any, float, float], list[Effect]]] = 
     TelemetryBatch: _telemetry,
     StateSnapshot: _snapshot,
     ExpertsSnapshot: _experts,
+    KvPoolSnapshot: _kv_pool,
     TelemetryStatus: _stream_status,
     EngineLiveness: _liveness,
     GpuSampled: _gpu,

@@ -20,6 +20,7 @@ from strata_tui.messages import (
     EngineOutput,
     EngineReady,
     ExpertsSnapshot,
+    KvPoolSnapshot,
     GpuSampled,
     LoadProgress,
     StateSnapshot,
@@ -119,23 +120,28 @@ async def read_state(post: Post, client: TelemetryClient) -> None:
         pass  # the liveness probe and the event stream report an engine that does not answer
 
 
-async def poll_experts(post: Post, client: TelemetryClient, interval_s: float = 1.0,
-                       dense_interval_s: float = 10.0) -> None:
-    """Read `/strata/state` every `interval_s` while the engine has an expert cache and post its `experts`
-    section (hit and miss counters change every step but travel in no event); a dense model is asked again
-    only every `dense_interval_s` (a restarted engine may be an MoE one). The next read is scheduled when
-    one finishes, so reads never overlap."""
+async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.0,
+                     dense_interval_s: float = 10.0) -> None:
+    """Read `/strata/state` every `interval_s` while the engine has an expert cache or a KV block pool and post
+    their sections (hit counters and pool use change every step but travel in no event); an engine with neither
+    is asked again only every `dense_interval_s` (a restarted engine may have one). The next read is scheduled
+    when one finishes, so reads never overlap."""
     while True:
         started = time.monotonic()
-        experts = None
+        experts = paging = None
         try:
             state = await client.state()
-            experts = state.get("experts") if isinstance(state, dict) else None
+            if isinstance(state, dict):
+                experts = state.get("experts")
+                kv = state.get("kv")
+                paging = kv.get("paging") if isinstance(kv, dict) else None
         except (httpx.HTTPError, OSError, ValueError):
             pass  # the liveness probe and the event stream report an engine that does not answer
         if isinstance(experts, dict):
             post(ExpertsSnapshot(experts))
-        wait_s = interval_s if isinstance(experts, dict) else dense_interval_s
+        if isinstance(paging, dict):
+            post(KvPoolSnapshot(paging))
+        wait_s = interval_s if isinstance(experts, dict) or isinstance(paging, dict) else dense_interval_s
         await asyncio.sleep(max(0.0, wait_s - (time.monotonic() - started)))
 
 

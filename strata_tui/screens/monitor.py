@@ -26,7 +26,7 @@ from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
 from strata_tui.prefill_eta import PrefillTrack
-from strata_tui.widgets.slots_table import SlotsTable, first_token_text
+from strata_tui.widgets.slots_table import SlotsTable, first_token_text, slots_title
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
 from strata_tui.monitor_state import KEYED_SWITCHES
@@ -132,7 +132,7 @@ class MonitorScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one(GpuPanel).border_title = "GPUs"
-        self.query_one(SlotsTable).border_title = "Slots"
+        self.query_one(SlotsTable).border_title = slots_title(None)
         self.query_one(SwitchesPanel).border_title = "Switches"
         self.query_one(EngineLog).border_title = "Engine log"
         self.query_one(ExpertPanel).border_title = "Expert cache"
@@ -198,6 +198,9 @@ class MonitorScreen(Screen):
         slots = self.query_one(SlotsTable)
         if self._slice_changed("slots", tuple(state.slots.items())) or state.any_prefilling:
             slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self.strata.clock())
+        title = slots_title(state.kv_pool)
+        if slots.border_title != title:  # setting it repaints the border even when it is the same
+            slots.border_title = title
         admission = state.last_admission
         _set_subtitle(slots, admission_line(admission, state.prefills.get(admission.request_id)
                                             if admission else None))

@@ -32,6 +32,7 @@ from rich.text import Text
 from textual.strip import Strip
 from textual.widgets import DataTable
 
+from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import SlotEvent
 from strata_tui.prefill_eta import PrefillTrack
 from strata_tui.widgets.format import bar
@@ -315,6 +316,22 @@ class SlotsTable(DataTable):
             style = under + style if style else under
             segments.append(Segment(text, style + over if over else style, control))
         return Strip(segments)
+
+
+def slots_title(pool: KvPagingSnapshot | None) -> str:
+    """The slots panel's title: with KV by use, what the block pool holds (blocks slots use as their own, free,
+    backing the prefix tier and mapped into slots from it, on the host) and how many times a slot was preempted."""
+    if pool is None or not pool.pool_blocks:
+        return "Slots"
+    used = pool.pool_blocks - pool.free_pool_blocks
+    parts = [f"KV pool {used * 100 // pool.pool_blocks} % of {pool.pool_blocks:,} blocks: {pool.used_blocks:,} used, "
+             f"{pool.free_pool_blocks:,} free"]
+    if pool.tier_blocks or pool.borrowed_blocks:
+        parts.append(f"tier {pool.tier_blocks:,} ({pool.borrowed_blocks:,} shared)")
+    if pool.host_blocks:
+        parts.append(f"{pool.host_blocks:,} on host")
+    text = "Slots · " + ", ".join(parts)
+    return text + (f" · {pool.preemptions:,} preempted" if pool.preemptions else "")
 
 
 def _row_order(key: str) -> int:

@@ -55,3 +55,15 @@ async def test_a_256_slot_table_is_one_screen_with_a_row_counting_the_rest() -> 
         before = table.cell_updates
         table.show(slots)
         assert table.cell_updates == before  # nothing changed, nothing touched
+
+
+def test_the_slots_title_says_what_the_kv_pool_holds() -> None:
+    from engine.snapshot import KvPagingSnapshot
+    from strata_tui.widgets.slots_table import slots_title
+
+    assert slots_title(None) == "Slots"  # every slot holds its whole context: no pool to show
+    pool = KvPagingSnapshot(pool_blocks=1024, free_pool_blocks=600, used_blocks=400, tier_blocks=24,
+                            borrowed_blocks=9, host_blocks=0)
+    assert slots_title(pool) == "Slots · KV pool 41 % of 1,024 blocks: 400 used, 600 free, tier 24 (9 shared)"
+    spilled = KvPagingSnapshot(pool_blocks=64, free_pool_blocks=0, used_blocks=64, host_blocks=12, preemptions=3)
+    assert slots_title(spilled) == "Slots · KV pool 100 % of 64 blocks: 64 used, 0 free, 12 on host · 3 preempted"
