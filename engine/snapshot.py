@@ -108,6 +108,7 @@ class QueueSnapshot(_Json):
     waiting: int = 0
     queue_max: int = 0
     prefill_tokens: int = 0  # prompt tokens still to prefill: queued requests' and those in a slot
+    admission_wait: str = ""  # why the head of the queue waits while a slot is free (KV by use: the pool is full)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class KvPoolSnapshot(EngineNews):
     with the experts' poll; each one carries the whole picture, so a burst collapses to the newest."""
 
     paging: dict | None
+    admission_wait: str = ""  # `queue.admission_wait`: why the head of the queue waits while a slot is free
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, KvPoolSnapshot)

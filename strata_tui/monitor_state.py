@@ -81,6 +81,7 @@ class MonitorState:
     vram_reserve_mib: int | None = None
     experts: ExpertView | None = None  # an MoE engine's expert cache; None: a dense model (no panel)
     kv_pool: KvPagingSnapshot | None = None  # KV by use: the block pool's use; None: every slot holds its context
+    admission_wait: str = ""  # why the queue's head waits while a slot is free (KV by use: the pool is full)
     prefills: OrderedDict[str, PrefillTrack] = field(default_factory=OrderedDict)  # by request id
     last_seq: int = 0
     version: int = 0
@@ -98,7 +99,7 @@ class MonitorState:
         self.slots.clear()
         self.vram.clear()
         self.tier, self.last_error, self.last_warning, self.last_admission = None, None, None, None
-        self.experts, self.kv_pool = None, None
+        self.experts, self.kv_pool, self.admission_wait = None, None, ""
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -110,6 +111,7 @@ class MonitorState:
         self.slots.clear()
         self.vram.clear()
         self.tier, self.last_admission, self.experts, self.kv_pool = None, None, None, None
+        self.admission_wait = ""
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -218,13 +220,15 @@ class MonitorState:
             self.vram_reserve_mib = int(round(event.reserve_mib))
         self.apply_experts(snapshot.experts)
         self.kv_pool = snapshot.kv.paging if snapshot.kv is not None else None
+        self.admission_wait = snapshot.queue.admission_wait
 
-    def apply_kv_pool(self, paging: Any) -> None:
+    def apply_kv_pool(self, paging: Any, admission_wait: str = "") -> None:
         """The `kv.paging` section of a state snapshot, read again while the engine serves (pool use changes every
-        step and travels in no event); None: the engine keeps every slot's whole context (no pool to show)."""
+        step and travels in no event; None: the engine keeps every slot's whole context, no pool to show), and why
+        the queue waits for blocks, if it does."""
         pool = KvPagingSnapshot.from_json(paging) if isinstance(paging, dict) else None
-        if pool != self.kv_pool:
-            self.kv_pool = pool
+        if pool != self.kv_pool or admission_wait != self.admission_wait:
+            self.kv_pool, self.admission_wait = pool, admission_wait
             self.version += 1
 
     def apply_experts(self, experts: Any) -> None:

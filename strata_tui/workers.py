@@ -129,18 +129,20 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
     while True:
         started = time.monotonic()
         experts = paging = None
+        wait = ""
         try:
             state = await client.state()
             if isinstance(state, dict):
                 experts = state.get("experts")
-                kv = state.get("kv")
+                kv, queue = state.get("kv"), state.get("queue")
                 paging = kv.get("paging") if isinstance(kv, dict) else None
+                wait = str(queue.get("admission_wait") or "") if isinstance(queue, dict) else ""
         except (httpx.HTTPError, OSError, ValueError):
             pass  # the liveness probe and the event stream report an engine that does not answer
         if isinstance(experts, dict):
             post(ExpertsSnapshot(experts))
         if isinstance(paging, dict):
-            post(KvPoolSnapshot(paging))
+            post(KvPoolSnapshot(paging, wait))
         wait_s = interval_s if isinstance(experts, dict) or isinstance(paging, dict) else dense_interval_s
         await asyncio.sleep(max(0.0, wait_s - (time.monotonic() - started)))
 

@@ -107,6 +107,12 @@ class Scheduler:
         # Chunks beside the decoding slots' steps (the engine sets it: engine.exec.chunk_stream): one in flight
         # at a time, the next after the pacer's gap.
         self.overlap_chunks = False
+        # KV by use (the engine sets it: engine.exec.kv.paging.KVPaging.admission_wait): given the first chunks of
+        # the requests to admit this step and the tokens each decoding slot holds after its next step, why the next
+        # must wait for blocks (None: room).
+        # A request admitted into a full pool would take its blocks by spilling running requests' to the host.
+        self.admission_gate: Callable[[list[int], dict[int, int]], str | None] | None = None
+        self.admission_wait = ""  # why the head of the queue waits while a slot is free ("" when it does not)
         self._in_flight: Request | None = None
         self._next_launch_s = 0.0
         self._requests: dict[str, Request] = {}
@@ -213,8 +219,7 @@ class Scheduler:
         """Plan one step: end the last one (`end_step`), admit, decode every decoding slot, then prefill."""
         self.end_step()
         plan = StepPlan(draft_tokens=self._draft_tokens)
-        while self._free_slots and self._waiting:
-            plan.admitted.append(self._admit(self._waiting.popleft()))
+        self._admit_waiting(plan)
         plan.decode = [req for req in self._slots if req is not None and req.state is RequestState.DECODE]
         budget_tokens = self.step_token_budget - plan.num_decode_tokens
         if self.overlap_chunks and (plan.decode or self._in_flight is not None) and self._goes_beside(plan):
@@ -404,6 +409,26 @@ class Scheduler:
         self._fill_pins.clear()
 
     # --- internals ---------------------------------------------------------------------------------------
+
+    def _admit_waiting(self, plan: StepPlan) -> None:
+        """Queued requests into free slots, in order; with an admission gate, while their first chunks fit the KV
+        pool beside the running requests (with none running, the next is admitted whatever the gate says)."""
+        first_chunks: list[int] = []
+        decoding: dict[int, int] | None = None  # slot -> tokens it holds after its next step
+        self.admission_wait = ""
+        while self._free_slots and self._waiting:
+            req = self._waiting[0]
+            if self.admission_gate is not None and self.num_running:
+                chunk = min(self.prefill_chunk_tokens, req.num_prompt_tokens)
+                if decoding is None:
+                    decoding = {r.slot: r.num_tokens + self._draft_tokens + 1 for r in self._slots
+                                if r is not None and r.state is RequestState.DECODE}
+                why = self.admission_gate(first_chunks + [chunk], decoding)
+                if why is not None:
+                    self.admission_wait = why
+                    return
+                first_chunks.append(chunk)
+            plan.admitted.append(self._admit(self._waiting.popleft()))
 
     def _admit(self, req: Request) -> Admission:
         slot = heapq.heappop(self._free_slots)

@@ -180,6 +180,9 @@ class _PartsBuilder:
 
             experts.set_cold(cold_mode(board))  # EXPERT_CPU / EXPERT_PREFETCH: how a miss is served
         runner.release_memory = self.make_room
+        if kv.paging is not None and config.kv_resident is None:  # --kv-resident: spills make room, as documented
+            paging, lookahead = kv.paging, runner.lookahead_tokens
+            sched.admission_gate = lambda chunks, ends: paging.admission_wait(chunks, ends, lookahead)
         chunks = None
         if overlap_wanted(config.prefill_overlap, device, moe=experts is not None):
             chunks = ChunkStream(device, chunk_sms_from_env(os.environ))

@@ -77,7 +77,7 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         health=HealthSnapshot(ready=health.ready, reason=health.reason, status=health.status),
         switches=[SwitchSnapshot.from_json(s) for s in board.snapshot()],
         queue=QueueSnapshot(waiting=sched.num_waiting, queue_max=sched.queue_max,
-                            prefill_tokens=sched.prefill_tokens_waiting()),
+                            prefill_tokens=sched.prefill_tokens_waiting(), admission_wait=sched.admission_wait),
         slots=slots, graphs=executor.snapshot(),
         vram=[budget.breakdown() for budget in budgets], tier=TierSnapshot.from_json(tier.snapshot()),
         kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,

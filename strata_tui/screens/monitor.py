@@ -198,7 +198,7 @@ class MonitorScreen(Screen):
         slots = self.query_one(SlotsTable)
         if self._slice_changed("slots", tuple(state.slots.items())) or state.any_prefilling:
             slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self.strata.clock())
-        title = slots_title(state.kv_pool)
+        title = slots_title(state.kv_pool, state.admission_wait)
         if slots.border_title != title:  # setting it repaints the border even when it is the same
             slots.border_title = title
         admission = state.last_admission

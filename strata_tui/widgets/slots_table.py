@@ -318,9 +318,10 @@ class SlotsTable(DataTable):
         return Strip(segments)
 
 
-def slots_title(pool: KvPagingSnapshot | None) -> str:
+def slots_title(pool: KvPagingSnapshot | None, admission_wait: str = "") -> str:
     """The slots panel's title: with KV by use, what the block pool holds (blocks slots use as their own, free,
-    backing the prefix tier and mapped into slots from it, on the host) and how many times a slot was preempted."""
+    backing the prefix tier and mapped into slots from it, on the host), how many times a slot was preempted, and
+    that the queue waits for blocks while a slot is free."""
     if pool is None or not pool.pool_blocks:
         return "Slots"
     used = pool.pool_blocks - pool.free_pool_blocks
@@ -331,7 +332,8 @@ def slots_title(pool: KvPagingSnapshot | None) -> str:
     if pool.host_blocks:
         parts.append(f"{pool.host_blocks:,} on host")
     text = "Slots · " + ", ".join(parts)
-    return text + (f" · {pool.preemptions:,} preempted" if pool.preemptions else "")
+    text += f" · {pool.preemptions:,} preempted" if pool.preemptions else ""
+    return text + (" · queue waits for blocks" if admission_wait else "")
 
 
 def _row_order(key: str) -> int:

@@ -138,6 +138,10 @@ class BlockLedger:
         """Table entries that point at a tier block (one tier block shared by n slots counts n times)."""
         return sum(len(b) for b in self._borrowed)
 
+    def missing_blocks(self, wants: dict[int, int]) -> int:
+        """Pool blocks `plan(wants)` would map (logical blocks below each slot's end that are not on the device)."""
+        return sum(len(self._missing(slot, end)) for slot, end in wants.items())
+
     def shortfall(self, wants: dict[int, int]) -> int:
         """Pool blocks `plan(wants)` would have to take from other slots (0: the free pool covers it)."""
         return max(0, sum(len(self._missing(slot, end)) for slot, end in wants.items()) - len(self._free_pool))

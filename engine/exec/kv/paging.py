@@ -146,6 +146,24 @@ class KVPaging:
     def placement_tokens(self, slot: int, length_tokens: int) -> tuple[int, int, int]:
         return self.ledger.placement_tokens(slot, length_tokens)
 
+    def admission_wait(self, first_chunks_tokens: list[int], decoding_ends: dict[int, int],
+                       lookahead_tokens: int) -> str | None:
+        """Why the last of `first_chunks_tokens` (the first chunks of the requests a step admits) should wait (None:
+        admit it): their blocks, and those the decoding slots' next step maps (`decoding_ends`: slot -> tokens it
+        will hold), must come from free pool blocks, the pool's own headroom or the prefix tier's blocks in this
+        pool, never from running requests' (a spill to the host would preempt them to make room for a request that
+        could as well wait in the queue)."""
+        bt = self.layout.block_tokens
+        need = self.ledger.missing_blocks({slot: end + lookahead_tokens for slot, end in decoding_ends.items()})
+        need += sum(max(0, -(-(tokens + lookahead_tokens) // bt) - self.layout.resident_blocks)
+                    for tokens in first_chunks_tokens)
+        ledger = self.ledger
+        room = ledger.free_pool_blocks + max(0, self.grow_limit_blocks - ledger.pool_blocks) + int(self.kv.tier_blocks)
+        if need <= room:
+            return None
+        return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
+                f"and the decoding slots' next step")
+
     def snapshot(self) -> dict:
         self._finish_fetches(wait=False)
         s = self.stats

@@ -184,3 +184,40 @@ def test_padded_rows_never_write_the_scratch_block_every_unmapped_entry_reads(ck
     row = engine.kv.paging.ledger.table_row(0)
     assert set(row[:layout.context_blocks]) == {layout.scratch_block}
     assert set(row[layout.context_blocks:]) == {layout.sink_block}
+
+
+def test_a_request_waits_in_the_queue_for_blocks_rather_than_preempt_the_running_ones(ckpt, monkeypatch):
+    """A pool that cannot grow, full with two running requests: a third waits in the queue with the reason in the
+    snapshot (a slot is free), no running request is spilled to the host for it, and it is admitted once one of
+    them ends, with the tokens it gets alone."""
+    import engine.orchestration.engine_setup as engine_setup
+
+    prompts = random_prompts(3, seed=77, lengths=(80, 81))  # 88 tokens and the lookahead: two 64-token blocks
+    alone = make_engine(ckpt, batch=1, context=1024, tier_budget_mib=0.0)
+    want = tokens_of(run_all(alone, prompts[2:], GREEDY, prefix="c"))
+    # a pool of 4 blocks that cannot grow (no headroom, no tier to take from): the two running requests fill it
+    monkeypatch.setattr(engine_setup, "CPU_START_POOL_MIB", 4 * alone.kv.paging.block_mib)
+    engine = make_engine(ckpt, batch=3, context=1024, prefill_chunk_tokens=64, step_token_budget=128,
+                         tier_budget_mib=0.0)
+    paging = engine.kv.paging
+    paging.grow_limit_blocks = paging.ledger.pool_blocks
+    assert paging.ledger.pool_blocks == 4 and paging.layout.block_tokens == 64
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    while engine.sched.num_decoding < 2:
+        engine.step()
+    assert paging.ledger.free_pool_blocks == 0
+    engine.add_request("c0", prompts[2], GREEDY)
+    outs: dict[str, list] = {}
+    waited = []
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        engine.publish_snapshot(force=True)
+        waited.append(engine.snapshot.queue.admission_wait)
+        admitted = engine.sched.get("c0") is None or engine.sched.get("c0").slot is not None
+        assert not admitted or any(o.finished for rid in ("r0", "r1") for o in outs.get(rid, [])), "admitted early"
+    assert waited[0].startswith("KV pool full:"), waited[:3]
+    assert waited[-1] == ""
+    assert paging.stats.preemptions == 0 and paging.stats.spilled_blocks == 0
+    assert tokens_of({"c0": outs["c0"]}) == want
