@@ -133,3 +133,33 @@ def tier_starving_reserve_mib(build: Callable[[], Engine], slack_mib: float = 64
     gc.collect()
     torch.cuda.empty_cache()
     return int(device_memory_mib(device)[1] - weights_mib - kv_mib - slack_mib)
+
+
+def fill_the_pool_beside_a_chunk(engine: Engine, bus: EventBus, short: list[list[int]], long: list[int],
+                                 params: SamplingParams) -> tuple[dict[str, list[RequestOutput]], list, list[set[int]]]:
+    """KV by use with a pool that cannot grow (the tier gives nothing): the short prompts are prefilled and decode,
+    then the long one's chunks run beside their steps. Returns each request's outputs, the spill events, and the
+    slots held (a chunk in flight) at each ledger plan."""
+    engine.kv.paging.take_memory = lambda mib, reason: 0.0  # the tier has nothing to give: the pool must spill
+    assert engine.chunks is not None
+    ledger = engine.kv.paging.ledger
+    held: list[set[int]] = []
+    plan = ledger.plan
+
+    def watch(wants):
+        held.append(set(ledger._held))
+        return plan(wants)
+
+    ledger.plan = watch
+    for i, prompt in enumerate(short):
+        engine.add_request(f"r{i}", prompt, params)
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(4):  # the short prompts are prefilled and decode
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    engine.add_request(f"r{len(short)}", long, params)
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    spills = [e for e in bus.history() if e.type == "kv" and e.action == "spill"]
+    return outs, spills, held

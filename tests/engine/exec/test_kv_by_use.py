@@ -14,7 +14,8 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+from tests.engine.engine_helpers import (fill_the_pool_beside_a_chunk, make_engine, random_prompts, run_all,
+                                        tokens_of)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -132,38 +133,17 @@ def test_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
     resident window of 64, no tier to grow from): the steps spill the decoding slots' blocks, never the chunk's
     slot's while the chunk may write them (a step that cannot fit without them waits for the chunk first: without
     that its requests ended with an error), and every request gets the tokens of a run with room. On a CPU the
-    chunk runs at its launch and lands a step later: the bookkeeping; the GPU test runs the two streams."""
+    chunk runs at its launch and lands at the end of that step: the bookkeeping; the GPU test runs the two streams."""
     short = random_prompts(2, seed=190, lengths=(500, 600))
     long = random_prompts(1, seed=191, lengths=(1800, 1801))
     reference = _overlap_engine(ckpt, batch=3, kv_pool="reserved")
     want = tokens_of(run_all(reference, short + long, LONGER))
     bus = EventBus(history=100000)
     engine = _overlap_engine(ckpt, bus=bus, batch=3, kv_resident=64)
-    engine.kv.paging.take_memory = lambda mib, reason: 0.0  # the tier has nothing to give: the pool must spill
-    assert engine.chunks is not None
-    held: list[set[int]] = []
-    plan = engine.kv.paging.ledger.plan
-
-    def watch(wants):
-        held.append(set(engine.kv.paging.ledger._held))
-        return plan(wants)
-
-    engine.kv.paging.ledger.plan = watch
-    for i, prompt in enumerate(short):
-        engine.add_request(f"r{i}", prompt, LONGER)
-    outs: dict[str, list] = {}
-    for _ in range(4):  # the short prompts are prefilled and decode
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
-    engine.add_request("r2", long[0], LONGER)
-    while engine.has_work:
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
+    outs, spills, held = fill_the_pool_beside_a_chunk(engine, bus, short, long[0], LONGER)
     assert tokens_of(outs) == want
-    spills = [e for e in bus.history() if e.type == "kv" and e.action == "spill"]
     assert spills, "the pool never filled"
     assert any(held_slots for held_slots in held), "no chunk ran beside the steps"
-
 
 
 @pytest.mark.parametrize("context", [1024, 1000])  # 1000: the last context block also holds columns past it

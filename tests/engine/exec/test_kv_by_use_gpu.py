@@ -12,7 +12,7 @@ from engine.api import SamplingParams
 from engine.config import EngineConfig
 from engine.orchestration.engine import Engine
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import random_prompts, run_all, tokens_of
+from tests.engine.engine_helpers import fill_the_pool_beside_a_chunk, random_prompts, run_all, tokens_of
 
 pytestmark = pytest.mark.gpu
 
@@ -72,28 +72,8 @@ def test_gpu_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
     want = tokens_of(run_all(reference, short + long, GREEDY))
     bus = EventBus(history=100000)
     engine = _engine(ckpt, bus=bus, batch=3, kv_resident=64)
-    engine.kv.paging.take_memory = lambda mib, reason: 0.0  # the tier has nothing to give: the pool must spill
-    assert engine.chunks is not None
-    held: list[set[int]] = []
-    plan = engine.kv.paging.ledger.plan
-
-    def watch(wants):
-        held.append(set(engine.kv.paging.ledger._held))
-        return plan(wants)
-
-    engine.kv.paging.ledger.plan = watch
-    for i, prompt in enumerate(short):
-        engine.add_request(f"r{i}", prompt, GREEDY)
-    outs: dict[str, list] = {}
-    for _ in range(4):  # the short prompts are prefilled and decode
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
-    engine.add_request("r2", long[0], GREEDY)
-    while engine.has_work:
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
+    outs, spills, held = fill_the_pool_beside_a_chunk(engine, bus, short, long[0], GREEDY)
     assert tokens_of(outs) == want
-    spills = [e for e in bus.history() if e.type == "kv" and e.action == "spill"]
     assert spills, "the pool never filled"
     assert any(held_slots for held_slots in held), "no chunk ran beside the steps"
     torch.cuda.synchronize()
