@@ -10,8 +10,8 @@ suite. The tests that take the GPU alone all run in one process, in their collec
 `gpu_alone`): what one of them leaves warm for the next (a compiled kernel, torch's pinned-memory cache) is there
 as in a serial run. A worker that runs out of tests keeps its process (and its CUDA context) until the whole run
 ends, when xdist tears every worker down: no context is freed under a test that measures free VRAM, and a worker
-out of tests holds no lock (one held to its exit would keep the tests that take the GPU alone out for good: the
-hang of the seventeenth session's first run)."""
+out of tests holds no lock (one held to its exit would keep the tests that take the GPU alone out for good, and
+the run would hang)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _gpu_memory_freed() -> None:
     """GPU tests measure free VRAM (the tier fills it, pressure tests fill it to a margin). An engine a test
     dropped can live on in a reference cycle (bus subscribers, closures) with its KV, its tier and its graphs'
     private pools, which torch counts as cached and the books as free: the next test then sees memory it cannot
-    have (the 2026-12-01 suite: a tier that stopped 32 GiB short of full). Collected before and after each test,
+    have (a tier that stops GiBs short of full). Collected before and after each test,
     and what this process cached goes back to the driver."""
     import gc
 

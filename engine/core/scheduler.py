@@ -248,8 +248,8 @@ class Scheduler:
         graph pool and split counters) and when the next one would not fit one step's prefill allowance between
         the steps (a long prompt deep into its context: what the side stream is for). A short prompt's chunk
         that fits runs between the steps, paced, next to the other prompts' chunks: beside the steps, a burst of
-        short prompts took one chunk of one request per launch, land and gap (128 prompts of 1K tokens: 8,192
-        steps to their first tokens on an H200)."""
+        short prompts would get one chunk of one request per launch, land and gap, and on a GPU, where a chunk
+        lands many steps after its launch, wait many steps per prompt for first tokens a few steps could batch."""
         if self._in_flight is not None or not self._prefilling:
             return True
         req = self._prefilling[0]

@@ -52,7 +52,7 @@ def _encode_chunk(args: tuple[list[str], int]) -> np.ndarray:
 def pack_documents_parallel(texts: Sequence[str], tokenizer: Tokenizer, eot_id: int, workers: int | None = None) -> np.ndarray:
     """`pack_documents` over worker processes: the same array, in the same order.
 
-    The tokenizer's own thread pool scaled poorly on hundreds of MB (measured ~1.5x on 2 cores); processes
+    The tokenizer's own thread pool scales poorly on hundreds of MB (far below one core per thread); processes
     each holding a copy of the tokenizer scale with the cores a GPU machine has.
     """
     workers = workers or os.cpu_count() or 1

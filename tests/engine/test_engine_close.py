@@ -1,5 +1,5 @@
 """Engine.close gives its memory back even while something still holds the engine (benchmarks build one
-engine per configuration in one process; on the H200 a dropped engine's GPU-filling tier was still held)."""
+engine per configuration in one process, and a dropped engine still referenced keeps its GPU-filling tier)."""
 
 from __future__ import annotations
 

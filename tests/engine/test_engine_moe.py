@@ -302,8 +302,8 @@ def test_a_peer_without_room_for_the_expert_store_is_refused_before_allocating(m
 
 def test_torch_compile_traces_none_of_the_expert_cache(moe_ckpt):
     """Under COMPILE, Dynamo must not trace the expert cache: it would specialize on `capturing()` (False at the
-    warm-up) and compile the captured branch during the CUDA graph capture itself, which CUDA refuses (every MoE
-    seed run on the H200, 2026-12-01, lost COMPILE or its engine). The graphs Dynamo hands its backend hold the
+    warm-up) and compile the captured branch during the CUDA graph capture itself, which CUDA refuses (so a MoE
+    engine under COMPILE loses COMPILE or exits). The graphs Dynamo hands its backend hold the
     router but no operation from engine/exec/experts/cache.py, and the compiled block still computes the same."""
     import torch
 

@@ -1,5 +1,5 @@
-"""Start-up failures name their stage: a bare "CUDA error: out of memory" while the engine is being built (the
-H200 seed run's first failure, before the tier measured its room) says neither where nor how much was free."""
+"""Start-up failures name their stage: a bare "CUDA error: out of memory" while the engine is being built (as
+when memory runs out before the tier has measured its room) says neither where nor how much was free."""
 
 from __future__ import annotations
 

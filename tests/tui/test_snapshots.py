@@ -35,8 +35,8 @@ def snap_dir(utc) -> Path:
 
 async def _settle(pilot) -> None:
     """Handle every queued message, draw now instead of waiting for the refresh tick, then wait until two renders
-    50 ms apart agree: on a loaded runner a table's rows can land a refresh after the messages that filled it (a CI
-    run of 2026-12-01 caught the crash panel's graph-event rows blank)."""
+    50 ms apart agree: on a loaded runner a table's rows can land a refresh after the messages that filled it (the
+    crash panel's graph-event rows would then be read blank)."""
     await pilot.pause()
     pilot.app.screen.redraw(force=True)
     last = None

@@ -390,8 +390,8 @@ def test_kvspill_with_the_seeds_six_long_prompts_spills_every_step_and_keeps_the
 
 def test_each_tuned_launch_shape_reports_its_error_beside_its_time() -> None:
     """`--prefill-tune` picks launch shapes by speed: a faster shape must also be right, so each one's max error
-    against the reference is in its row (the 2026-12-01 H200 rows timed four shapes but checked only the
-    default)."""
+    against the reference is in its row (rows that time every shape but check only the default would let a
+    fast wrong shape win)."""
     import torch
 
     from engine.bench.attention_common import time_launch_shapes

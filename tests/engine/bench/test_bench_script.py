@@ -1,7 +1,7 @@
 """benchmarks/run_all_gpu.sh (the one GPU call the lead makes) and benchmarks/collect_results.py, on CPU.
 
 The script is run end to end with tiny sizes, so a broken flag or a benchmark that crashes shows up here and
-not in the single H200 run. No figure is asserted: only that every benchmark wrote its JSON and the
+not in the GPU run. No figure is asserted: only that every benchmark wrote its JSON and the
 collector read them.
 """
 

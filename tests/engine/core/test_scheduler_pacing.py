@@ -367,8 +367,8 @@ def burst_to_first_tokens(overlap: bool, requests: int = 128, prompt_tokens: int
 @pytest.mark.parametrize("overlap", [False, True], ids=["between", "beside"])
 def test_a_burst_of_short_prompts_fills_the_step_budget_instead_of_a_few_tokens_a_step(overlap: bool) -> None:
     """128 prompts of 1K tokens: 32 steps of the 4096-token budget at the least. Held to 45 % of each step next to
-    the few slots already decoding, the prompts took 65 steps; beside the steps, one request's chunk per launch
-    and landing, 126 (8,192 on an H200, where a chunk lands many steps after its launch)."""
+    the few slots already decoding, the prompts would take 65 steps; beside the steps, one request's chunk per
+    launch and landing, 126 (far more on a GPU, where a chunk lands many steps after its launch)."""
     plans = burst_to_first_tokens(overlap)
     assert len(plans) <= 50, len(plans)
     # The decoding slots still decode in every step.

@@ -94,8 +94,8 @@ def test_on_a_cpu_a_launched_chunk_is_done_and_taken_once() -> None:
 
 
 def test_an_immortal_object_is_never_destroyed_not_even_at_the_interpreters_exit() -> None:
-    """What keeps a green context alive past `serve`'s exit (its destroy at the interpreter's teardown aborted
-    the process on the H200): the object's destructor never runs, while a plain module global's does."""
+    """What keeps a green context alive past `serve`'s exit (its destroy at the interpreter's teardown aborts
+    the process on CUDA): the object's destructor never runs, while a plain module global's does."""
     import subprocess
     import sys
 

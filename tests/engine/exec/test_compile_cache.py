@@ -1,6 +1,6 @@
 """COMPILE's compiled kernels persist between runs: a second engine process on the same model shape takes its
-compiled graphs from the cache folder instead of compiling them again (issue 17: COMPILE cost 128 s of start-up
-on the H200, every start). Two real engine processes on CPU, whose graph cache compiles through Inductor's C++
+compiled graphs from the cache folder instead of compiling them again (issue 17: compiling costs minutes of
+start-up, at every start). Two real engine processes on CPU, whose graph cache compiles through Inductor's C++
 backend; the cache folder is Strata's user cache (XDG_CACHE_HOME here), not Inductor's /tmp default."""
 
 from __future__ import annotations

@@ -115,8 +115,8 @@ def test_allocator_advice_is_cut_but_its_figures_stay() -> None:
 
 
 # What torch appends to every CUDA error (c10/cuda), its third line included: "device-side assertions" in it
-# made every CUDA error sticky, an instantiate's out-of-memory and a capture that torch.compile broke alike (the
-# H200, 2026-12-01: a MoE seed run's engine exited on "operation not permitted when stream is capturing").
+# made every CUDA error sticky, an instantiate's out-of-memory and a capture that torch.compile broke alike (so an
+# engine under COMPILE would exit on "operation not permitted when stream is capturing" instead of degrading).
 TORCH_TAIL = BOILERPLATE + "\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
 
 

@@ -45,8 +45,8 @@ def _both(cache: SlotKVCache, hq: int, t: int, ends: list[int], span: int, confi
 BF16, FP32 = torch.bfloat16, torch.float32
 DEFAULT, WIDE, NARROW = KernelConfig(), KernelConfig(128, 8, 2), KernelConfig(32, 4, 2)
 BLOCK, TMA = KernelConfig(64, 4, 2, 1, "block"), KernelConfig(64, 4, 2, 1, "tma")  # a tile = one 64-token block
-CASES = [  # storage, compute dtype, Hq, Hkv, queries per row, launch shape (fp32 x 40 heads x 8 queries: 65 s of
-    # Triton compile on 2026-12-01 for a shape no engine runs, so 3 queries; 40 heads x 8 stays covered in bf16)
+CASES = [  # storage, compute dtype, Hq, Hkv, queries per row, launch shape (fp32 x 40 heads x 8 queries is a long
+    # Triton compile for a shape no engine runs, so 3 queries; 40 heads x 8 stays covered in bf16)
     ("bf16", BF16, 16, 8, 1, DEFAULT), ("bf16", BF16, 16, 8, 3, DEFAULT), ("int8", BF16, 16, 8, 1, DEFAULT),
     ("int8", BF16, 16, 8, 3, DEFAULT), ("bf16", BF16, 40, 8, 8, DEFAULT), ("int8", BF16, 40, 8, 2, DEFAULT),
     ("bf16", BF16, 4, 4, 1, DEFAULT), ("bf16", FP32, 16, 8, 3, DEFAULT), ("int8", FP32, 40, 8, 3, DEFAULT),

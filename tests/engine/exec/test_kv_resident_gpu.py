@@ -29,8 +29,8 @@ def _engine(ckpt, bus=None, tier_budget_mib=0.0, **kw) -> Engine:
 
 
 def _tier_with_nothing_to_give(engine: Engine) -> Engine:
-    """On CUDA the tier takes the free VRAM at start and gives it to the pool when asked (the 2026-12-01 run:
-    only `grow` events, nothing spilled). The seed's card is full by design and its tier has nothing left to
+    """On CUDA the tier takes the free VRAM at start and gives it to the pool when asked (so an engine with
+    free VRAM grows its pool instead of spilling). The seed's card is full by design and its tier has nothing left to
     give: the pool must spill. That state is made here by the pool's source answering 0 MiB."""
     engine.kv.paging.take_memory = lambda mib, reason: 0.0
     return engine
@@ -77,8 +77,8 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
         assert kv.paging.placement_tokens(0, 640)[2] > 0, "slot 0 has nothing on the host"
         fetched = kv.paging.stats.fetched_blocks
         again = runner.decode([Row(0, 11, 640)]).logits.clone()  # fetch back, replay the same graph
-        # A CUDA fetch is counted once its copy has completed (the H200, 2026-12-01: read right after the
-        # decode, the count was still 0), at the next prepare or snapshot.
+        # A CUDA fetch is counted once its copy has completed (the copy is asynchronous: read right after the
+        # decode, the count can still be 0), at the next prepare or snapshot.
         torch.cuda.synchronize()
         assert kv.paging.snapshot()["fetched_blocks"] > fetched
     assert _replays(engine) > replays
@@ -86,7 +86,7 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
 
-# ~0.25-0.5 s of GPU clock at the H200's 1.4-2 GHz: long enough that the host is far ahead when it looks.
+# A quarter to half a second at a 1-2 GHz GPU clock: long enough that the host is far ahead when it looks.
 _SLOW_COPY_CYCLES = 500_000_000
 
 

@@ -48,7 +48,7 @@ class FillerTier:
         while self.chunks and _free_mib(self.device) < reserve_mib:
             self.chunks.pop()
             torch.cuda.empty_cache()
-        # Popping a 1 GiB chunk overshoots by up to 1 GiB (on the H200: 3,207 MiB free for a 2,818 target):
+        # Popping a 1 GiB chunk can overshoot the reserve by up to 1 GiB, leaving that much more free than asked:
         # fill back down in small chunks, so free ends within one 10 MiB chunk above the reserve.
         for chunk_mib in (64, 10):
             while _free_mib(self.device) - chunk_mib >= reserve_mib:
@@ -101,10 +101,10 @@ def _captured_mib(bus: EventBus, kind: str, key: str) -> float:
 def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() -> None:
     """The premise is made exact: VRAM is filled to SHORT_MIB_MARGIN below what the new graph needs at least
     (its one intermediate, INTERMEDIATE_MIB) minus what evicting the drafter's graphs gives back, so the eviction
-    retry must fail and only the tier can help (on the H200 a fixed 300 MiB reserve plus the evicted pools
-    simply fit the graph). The need is the intermediate, not a roomy capture's measured pool: with room, that
-    pool also kept the warm-up's copy (the 2026-12-01 run: 4,100 MiB measured for a step that then captured in
-    2,048 MiB under pressure, so the premise was 2 GiB off)."""
+    retry must fail and only the tier can help (a fixed reserve can leave enough room that the evicted pools
+    simply fit the graph, and the tier is never asked). The need is the intermediate, not a roomy capture's
+    measured pool: with room, that pool also keeps the warm-up's copy, so it overstates what the same step
+    captures in under pressure by that copy, and a premise built on it is off by as much."""
     device = torch.device("cuda:0")
     bus, board, tier = EventBus(), SwitchBoard.from_values({}), FillerTier(device)
     cache = GraphCache(device, bus, board, tier.release, wait_polls=5, wait_interval_s=0.02, fault_plan=FaultPlan(),
@@ -159,8 +159,8 @@ def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() ->
 
 @pytest.mark.parametrize("cycles", [3, pytest.param(100, marks=pytest.mark.soak)])
 def test_capture_release_cycles_with_failures_leave_free_vram_where_it_was(cycles: int) -> None:
-    """3 cycles in the `-m gpu` suite (5 took 22-25 s of its 295-340 s on 2026-12-01); the 100-cycle soak (about
-    270 s on the H200) with `-m soak`."""
+    """3 cycles in the `-m gpu` suite (each cycle captures, fails and releases real graphs, so more would take
+    a large share of the suite's time limit); the 100-cycle soak with `-m soak`."""
     device = torch.device("cuda:0")
     bus, board = EventBus(), SwitchBoard.from_values({})
     plan = FaultPlan.parse("capture:draft_step:*:invalidated,instantiate:verify:*:driver_oom")

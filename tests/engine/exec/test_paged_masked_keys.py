@@ -1,8 +1,8 @@
 """The paged decode kernel never lets a key past a row's length into its output: such keys are masked out of the
 scores, but P.V still multiplies what they hold by 0, and 0 * NaN is NaN. With "gather" loads the keys past the
 length read pool block 0 (another slot's first block, or KV by use's scratch); with "block" loads they are the rest
-of the row's own last block. A NaN there (a slot whose request is ending on NaN logits) reached every other
-decoding row on the H200, under graphs and decode ahead. Run in Triton's interpreter (CPU tensors, fp32), skipped
+of the row's own last block. A NaN there (a slot whose request is ending on NaN logits) reaches every other
+decoding row, under graphs and decode ahead too. Run in Triton's interpreter (CPU tensors, fp32), skipped
 where Triton is not installed (CI); on the GPU by tests/engine/test_engine_nan_logits.py's gpu cases."""
 
 from __future__ import annotations

@@ -158,8 +158,8 @@ def test_own_blocks_are_copied_pool_blocks_shared_and_releases_take_own_blocks_f
 
 def test_a_tier_capped_at_its_block_limit_still_keeps_its_own_blocks(monkeypatch):
     """A tiny model on a large card: the budget is more blocks than MAX_TIER_BLOCKS, and the cap must come out of
-    the pool's share, not the own blocks' (on the H200, 2026-12-01: 262,144 blocks, every one in the pool, none of
-    its own, so each out-of-memory release would reallocate the pool and drop every captured graph)."""
+    the pool's share, not the own blocks' (taken from the own blocks, it leaves every block in the pool and none of
+    the tier's own, so each out-of-memory release would reallocate the pool and drop every captured graph)."""
     import engine.exec.kv.tier as vram
 
     monkeypatch.setattr(vram, "MAX_TIER_BLOCKS", 6)

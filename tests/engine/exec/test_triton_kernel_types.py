@@ -1,6 +1,6 @@
 """The paged attention kernels compile whatever type a caller gives their softmax scale: torch.compile (inductor)
-passes a Python float as fp64, which turned the running max fp64 and failed the prompt-chunk kernel's compile in
-a seed run under COMPILE on the H200 (2026-12-01). Triton's front end (source to IR) runs on CPU, no GPU needed;
+passes a Python float as fp64, which turned the running max fp64 and failed the prompt-chunk kernel's compile
+under COMPILE. Triton's front end (source to IR) runs on CPU, no GPU needed;
 skipped where Triton is not installed (CI)."""
 
 from __future__ import annotations

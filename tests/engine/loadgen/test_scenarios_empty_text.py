@@ -1,9 +1,9 @@
 """The seed scenario against a real server whose generated tokens decode to empty text.
 
 The random benchmark checkpoints (`--random-model 0.6b`, `moe-bench`) have a model vocabulary far larger than
-their tokenizer's, so most generated ids have no text. On the H200 the seed then reported PASS with no long-prompt
-TTFT and no decode rates: the load client saw no token until the final usage chunk. It must count tokens, not
-text. Here: the tiny shape with the 0.6b vocabulary, in-process (AsyncEngine on CPU behind a live uvicorn).
+their tokenizer's, so most generated ids have no text. A load client that counts text then sees no token until the
+final usage chunk, and the seed reports PASS with no long-prompt TTFT and no decode rates. It must count tokens,
+not text. Here: the tiny shape with the 0.6b vocabulary, in-process (AsyncEngine on CPU behind a live uvicorn).
 """
 
 from __future__ import annotations

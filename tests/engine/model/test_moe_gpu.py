@@ -62,8 +62,8 @@ def test_gpu_expert_cache_under_cuda_graphs(moe_ckpt):
 def test_gpu_graph_capture_oom_shrinks_the_expert_cache(moe_ckpt):
     resident, _ = _engine_tokens(moe_ckpt)
     # The tier answers first and, on CUDA, takes every free MiB past the reserve at start and regrows into it
-    # (the 2026-12-01 runs: with tier_budget_mib=0, and then with a reserve of all but 4 GiB, the tier gave the
-    # capture its room and the experts were never asked). A reserve that leaves the tier at most 64 MiB, less
+    # (so with tier_budget_mib=0 alone, or a reserve that leaves it a few GiB, the tier gives the capture its
+    # room and the experts are never asked). A reserve that leaves the tier at most 64 MiB, less
     # than the 256 MiB a capture asks for, leaves the rest to the expert cache.
     reserve_mib = tier_starving_reserve_mib(lambda: make_engine(moe_ckpt, device=CUDA, dtype="float32", batch=3))
     bus = EventBus()

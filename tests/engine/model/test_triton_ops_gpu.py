@@ -176,7 +176,7 @@ def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt):
 def test_kernels_address_a_pool_past_two_to_the_31_elements():
     """An int8 pool [Hkv, blocks, 16, D] whose last head starts past 2**31 elements while its head stride is below
     (Triton passes it as a 32-bit int): SHARED_PREFIX puts the prefix-cache tier's blocks in the pool, on a full
-    H200 an int8 pool passed that size, and h * the head stride overflowed 32 bits (an illegal memory access). The
+    H200 an int8 pool passes that size, and h * the head stride would overflow 32 bits (an illegal memory access). The
     write kernel stores to, and the decode kernel reads from, the last head's last blocks."""
     from engine.model.attention.triton_kv_write import write_kv
     from engine.model.attention.triton_paged import paged_decode_attention

@@ -108,10 +108,10 @@ def test_sticky_cuda_error_answers_503_then_exits_nonzero(tmp_path: Path) -> Non
 
 @pytest.mark.gpu
 def test_serve_on_cuda_exits_0_on_sigterm_after_chunks_ran_beside_a_decoding_slot(tmp_path: Path) -> None:
-    """A long prompt arrives while a slot decodes, so its chunks run on the side stream (a green context on the
-    H200); then SIGTERM. The process must exit 0 with no abort: in the eleventh session (2026-12-02) `serve`
-    exited -6 (SIGABRT) after this in the seed scenario, its green context destroyed at the interpreter's exit
-    while torch still freed memory of its stream."""
+    """A long prompt arrives while a slot decodes, so its chunks run on the side stream (a green context where
+    torch and the driver have them); then SIGTERM. The process must exit 0 with no abort: a green context
+    destroyed at the interpreter's exit while torch still frees memory of its stream ends `serve` with -6
+    (SIGABRT)."""
     ckpt = str(random_checkpoint(tmp_path))
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "serve", "--model", ckpt, "--device", "cuda:0", "--port", "0",
