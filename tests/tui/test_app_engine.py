@@ -133,8 +133,9 @@ async def test_l_asks_short_generations_and_c_cancels_the_running_scenario(confi
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         assert "Cancel load" not in screen_text(app)  # nothing to cancel
         await pilot.press("l")
+        # the scenario runs in a process of its own: its start (imports) takes seconds on a loaded machine
         await wait_for(pilot, lambda: any(s.request_id and s.max_tokens for s in app.view.monitor.slots.values()),
-                       what="the short generations")
+                       what="the short generations", timeout_s=30)
         asked = {s.max_tokens for s in app.view.monitor.slots.values() if s.request_id and s.max_tokens}
         assert max(asked) <= 256, asked  # short, whatever the profile's context (8192 here)
         await wait_for(pilot, lambda: "Cancel load" in screen_text(app), what="the cancel key in the footer")
