@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from textual.message import Message
 
+from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import Event
 from strata_tui.gpu import GpuSample
 
@@ -62,7 +63,7 @@ class KvPoolSnapshot(EngineNews):
     """The `kv.paging` section of `/strata/state` (KV by use: blocks used, free, the tier's, on the host), read
     with the experts' poll; each one carries the whole picture, so a burst collapses to the newest."""
 
-    paging: dict | None
+    paging: KvPagingSnapshot | None
     admission_wait: str = ""  # `queue.admission_wait`: why the head of the queue waits while a slot is free
 
     def can_replace(self, message: Message) -> bool:

@@ -222,11 +222,10 @@ class MonitorState:
         self.kv_pool = snapshot.kv.paging if snapshot.kv is not None else None
         self.admission_wait = snapshot.queue.admission_wait
 
-    def apply_kv_pool(self, paging: Any, admission_wait: str = "") -> None:
+    def apply_kv_pool(self, pool: KvPagingSnapshot | None, admission_wait: str = "") -> None:
         """The `kv.paging` section of a state snapshot, read again while the engine serves (pool use changes every
         step and travels in no event; None: the engine keeps every slot's whole context, no pool to show), and why
         the queue waits for blocks, if it does."""
-        pool = KvPagingSnapshot.from_json(paging) if isinstance(paging, dict) else None
         if pool != self.kv_pool or admission_wait != self.admission_wait:
             self.kv_pool, self.admission_wait = pool, admission_wait
             self.version += 1

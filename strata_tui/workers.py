@@ -12,6 +12,7 @@ from typing import Any, Callable
 import httpx
 from textual.worker import get_current_worker
 
+from engine.snapshot import EngineSnapshot
 from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import EngineProcess
 from strata_tui.messages import (
@@ -128,22 +129,18 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
     when one finishes, so reads never overlap."""
     while True:
         started = time.monotonic()
-        experts = paging = None
-        wait = ""
+        snapshot = None
         try:
-            state = await client.state()
-            if isinstance(state, dict):
-                experts = state.get("experts")
-                kv, queue = state.get("kv"), state.get("queue")
-                paging = kv.get("paging") if isinstance(kv, dict) else None
-                wait = str(queue.get("admission_wait") or "") if isinstance(queue, dict) else ""
+            snapshot = EngineSnapshot.from_json(await client.state())
         except (httpx.HTTPError, OSError, ValueError):
             pass  # the liveness probe and the event stream report an engine that does not answer
-        if isinstance(experts, dict):
+        experts = snapshot.experts if snapshot is not None else None
+        paging = snapshot.kv.paging if snapshot is not None and snapshot.kv is not None else None
+        if experts is not None:
             post(ExpertsSnapshot(experts))
-        if isinstance(paging, dict):
-            post(KvPoolSnapshot(paging, wait))
-        wait_s = interval_s if isinstance(experts, dict) or isinstance(paging, dict) else dense_interval_s
+        if paging is not None:
+            post(KvPoolSnapshot(paging, snapshot.queue.admission_wait))
+        wait_s = interval_s if experts is not None or paging is not None else dense_interval_s
         await asyncio.sleep(max(0.0, wait_s - (time.monotonic() - started)))
 
 

@@ -74,13 +74,18 @@ def test_the_slots_title_says_what_the_kv_pool_holds() -> None:
 async def test_the_pool_read_by_the_state_poll_reaches_the_slots_title(config_dir) -> None:
     """What `workers.poll_state` posts, through the reducer, is drawn in the slots panel's title at 100x30; an
     engine that answers no pool (every slot holds its context) shows `Slots` again."""
+    from engine.snapshot import EngineSnapshot
     from strata_tui.messages import KvPoolSnapshot
     from tests.tui.conftest import offline_app, screen_text, wait_for
 
     app = offline_app(config_dir)
     async with app.run_test(size=(100, 30)) as pilot:
-        pool = {"pool_blocks": 256, "free_pool_blocks": 0, "used_blocks": 250, "tier_blocks": 6, "borrowed_blocks": 2}
-        app.post_message(KvPoolSnapshot(pool, "KV pool full: 0 blocks free or reclaimable, 2 needed"))
+        # as `poll_state` reads it from /strata/state: the typed snapshot's `kv.paging` and `queue.admission_wait`
+        state = {"kv": {"paging": {"pool_blocks": 256, "free_pool_blocks": 0, "used_blocks": 250, "tier_blocks": 6,
+                                   "borrowed_blocks": 2}},
+                 "queue": {"admission_wait": "KV pool full: 0 blocks free or reclaimable, 2 needed"}}
+        snapshot = EngineSnapshot.from_json(state)
+        app.post_message(KvPoolSnapshot(snapshot.kv.paging, snapshot.queue.admission_wait))
         await wait_for(pilot, lambda: "KV pool 100 % of 256 blocks" in screen_text(app), what="the pool drawn")
         assert app.screen.query_one(SlotsTable).border_title.endswith("queue waits for blocks")
         app.post_message(KvPoolSnapshot(None))
