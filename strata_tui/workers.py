@@ -12,7 +12,7 @@ from typing import Any, Callable
 import httpx
 from textual.worker import get_current_worker
 
-from engine.snapshot import EngineSnapshot
+from engine.snapshot import KvSnapshot, QueueSnapshot
 from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import EngineProcess
 from strata_tui.messages import (
@@ -129,17 +129,21 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
     when one finishes, so reads never overlap."""
     while True:
         started = time.monotonic()
-        snapshot = None
+        state: dict = {}
         try:
-            snapshot = EngineSnapshot.from_json(await client.state())
+            answer = await client.state()
+            state = answer if isinstance(answer, dict) else {}
         except (httpx.HTTPError, OSError, ValueError):
             pass  # the liveness probe and the event stream report an engine that does not answer
-        experts = snapshot.experts if snapshot is not None else None
-        paging = snapshot.kv.paging if snapshot is not None and snapshot.kv is not None else None
+        # Only the sections read here are parsed (typed, as EngineSnapshot parses them): the slots, which the event
+        # stream carries, would cost a parse of every slot each second.
+        experts = state.get("experts")
+        kv = KvSnapshot.from_json(state["kv"]) if isinstance(state.get("kv"), dict) else None
+        paging = kv.paging if kv is not None else None
         if experts is not None:
             post(ExpertsSnapshot(experts))
         if paging is not None:
-            post(KvPoolSnapshot(paging, snapshot.queue.admission_wait))
+            post(KvPoolSnapshot(paging, QueueSnapshot.from_json(state.get("queue")).admission_wait))
         wait_s = interval_s if experts is not None or paging is not None else dense_interval_s
         await asyncio.sleep(max(0.0, wait_s - (time.monotonic() - started)))
 
