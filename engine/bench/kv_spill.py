@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str,
         paging = bench.engine.kv.paging
         # Synchronized first: a CUDA fetch's figures are counted once its copy has completed (engine.exec.kv.paging).
         sync(bench.engine.device)
-        before = dict(paging.snapshot()) if paging is not None else None
+        before = paging.snapshot().to_json() if paging is not None else None
         stats = generate_all(bench, [random_prompt(args.prompt_tokens, vocab, seed=i) for i in range(args.slots)],
                              args.new_tokens)
         row: dict[str, Any] = {"run": label, "context": bench.config.context,
@@ -80,7 +80,7 @@ def measure(args: argparse.Namespace, label: str, **overrides: Any) -> dict[str,
                                "steps": stats.steps, "tokens": stats.tokens, "token_ids": stats.token_ids}
         if paging is not None:
             sync(bench.engine.device)
-            after = paging.snapshot()
+            after = paging.snapshot().to_json()
             steps = max(1, stats.steps)
             row.update({key: (after[key] - before[key]) / steps for key in ("fetched_mib", "spilled_mib",
                                                                                "fetch_ms", "spill_ms")})

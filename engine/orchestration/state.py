@@ -82,5 +82,5 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         vram=[budget.breakdown() for budget in budgets], tier=TierSnapshot.from_json(tier.snapshot()),
         kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,
                       slots=kv.geometry.num_slots,
-                      paging=KvPagingSnapshot.from_json(kv.paging.snapshot()) if kv.paging is not None else None),
+                      paging=kv.paging.snapshot() if kv.paging is not None else None),
         experts=experts.snapshot(oracle_max_age_s) if experts is not None else None, mtp=mtp, steps=steps)

@@ -43,6 +43,7 @@ import torch
 
 from engine.exec.kv.blocks import BlockLayout, BlockLedger, Plan
 from engine.exec.kv.host import MIB, HostKVStore
+from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import EventBus, KvEvent
 
 
@@ -164,20 +165,19 @@ class KVPaging:
         return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
                 f"and the decoding slots' next step")
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> KvPagingSnapshot:
         self._finish_fetches(wait=False)
         s = self.stats
         ledger = self.ledger
         used = sum(ledger.used_blocks(slot) for slot in range(self.layout.num_slots))
-        return {"resident_tokens": self.resident_tokens, "pool_blocks": ledger.pool_blocks,
-                "free_pool_blocks": ledger.free_pool_blocks, "used_blocks": used,
-                "tier_blocks": int(self.kv.tier_blocks), "borrowed_blocks": ledger.borrowed_blocks,
-                "preemptions": s.preemptions, "preemption_cause": s.preemption_cause,
-                "block_tokens": self.layout.block_tokens,
-                "host_mib": round(self.host_mib, 3), "host_blocks": self.ledger.host_held_blocks,
-                "spilled_mib": round(s.spilled_mib, 3), "fetched_mib": round(s.fetched_mib, 3),
-                "spill_ms": round(s.spill_ms, 3), "fetch_ms": round(s.fetch_ms, 3),
-                "spilled_blocks": s.spilled_blocks, "fetched_blocks": s.fetched_blocks}
+        return KvPagingSnapshot(
+            resident_tokens=self.resident_tokens, pool_blocks=ledger.pool_blocks,
+            free_pool_blocks=ledger.free_pool_blocks, used_blocks=used, tier_blocks=int(self.kv.tier_blocks),
+            borrowed_blocks=ledger.borrowed_blocks, preemptions=s.preemptions, preemption_cause=s.preemption_cause,
+            block_tokens=self.layout.block_tokens, host_mib=round(self.host_mib, 3),
+            host_blocks=self.ledger.host_held_blocks, spilled_mib=round(s.spilled_mib, 3),
+            fetched_mib=round(s.fetched_mib, 3), spill_ms=round(s.spill_ms, 3), fetch_ms=round(s.fetch_ms, 3),
+            spilled_blocks=s.spilled_blocks, fetched_blocks=s.fetched_blocks)
 
     # --- commands ------------------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def test_an_abort_mid_prefill_returns_every_block_of_its_slot(ckpt):
     shared = engine.tier.shared  # the tier's blocks in the same pool, where its blocks are whole pool blocks
     tier_blocks = sum(len(b) for b in shared.backing.values()) if shared is not None else 0
     assert ledger.free_pool_blocks + tier_blocks == ledger.pool_blocks
-    assert engine.kv.paging.snapshot()["free_pool_blocks"] == ledger.free_pool_blocks
+    assert engine.kv.paging.snapshot().free_pool_blocks == ledger.free_pool_blocks
 
 
 def test_a_request_that_finishes_gives_its_blocks_back_and_the_next_one_takes_them(ckpt):

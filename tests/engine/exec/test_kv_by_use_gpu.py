@@ -28,7 +28,7 @@ def _engine(ckpt, bus=None, **kw) -> Engine:
 
 
 def _replays(engine: Engine) -> int:
-    return sum(g["replays"] for g in engine.executor.snapshot()["graphs"])
+    return sum(g.replays for g in engine.executor.snapshot().graphs)
 
 
 @pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", False), ("bf16", True), ("int8", True)])
@@ -56,10 +56,10 @@ def test_gpu_block_tables_change_under_replayed_graphs_as_requests_come_and_go(c
         assert got == tokens_of(run_all(reference, prompts, GREEDY, prefix=f"w{wave}_"))
         if wave == 0:
             replays = _replays(engine)
-            captures = len(engine.executor.snapshot()["graphs"])
+            captures = len(engine.executor.snapshot().graphs)
     assert _replays(engine) > replays
     assert engine.kv.paging.stats.grown_blocks == 0  # no growth: the graphs were never dropped
-    assert len(engine.executor.snapshot()["graphs"]) >= captures
+    assert len(engine.executor.snapshot().graphs) >= captures
 
 
 def test_gpu_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):

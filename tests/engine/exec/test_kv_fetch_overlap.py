@@ -71,10 +71,10 @@ def test_a_fetch_is_counted_and_published_once_its_copy_has_completed_and_only_o
         return [e for e in bus.history() if e.type == "kv" and e.action == "fetch"]
 
     paging.prepare({0: 16})
-    assert paging.snapshot()["fetched_blocks"] == 0 and fetch_events() == []  # still copying: nothing waited for
+    assert paging.snapshot().fetched_blocks == 0 and fetch_events() == []  # still copying: nothing waited for
     end.complete = True
     snap = paging.snapshot()
-    assert snap["fetched_blocks"] == 3 and snap["fetch_ms"] == 2.5 and snap["fetched_mib"] == 0.5
+    assert snap.fetched_blocks == 3 and snap.fetch_ms == 2.5 and snap.fetched_mib == 0.5
     [event] = fetch_events()
     assert (event.blocks, event.ms, event.mib, event.host_mib, event.slots) == (3, 2.5, 0.5, 1.25, [1])
     paging.prepare({0: 16})

@@ -55,7 +55,7 @@ def test_gpu_spilled_kv_through_the_paged_kernels_and_graphs_gives_the_tokens_of
     torch.cuda.synchronize()
     state = engine.kv.paging.snapshot()
     fetches = [e for e in bus.history() if e.type == "kv" and e.action == "fetch"]
-    assert state["fetched_blocks"] == sum(e.blocks for e in fetches) and all(e.ms > 0 for e in fetches)
+    assert state.fetched_blocks == sum(e.blocks for e in fetches) and all(e.ms > 0 for e in fetches)
 
 
 def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ckpt):
@@ -80,7 +80,7 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
         # A CUDA fetch is counted once its copy has completed (the copy is asynchronous: read right after the
         # decode, the count can still be 0), at the next prepare or snapshot.
         torch.cuda.synchronize()
-        assert kv.paging.snapshot()["fetched_blocks"] > fetched
+        assert kv.paging.snapshot().fetched_blocks > fetched
     assert _replays(engine) > replays
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
@@ -136,5 +136,5 @@ def test_gpu_a_replayed_decode_waits_for_a_slow_fetch_that_prepare_did_not_wait_
     assert _replays(engine) > replays, "the decode ran eagerly: the captured waits were not exercised"
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     state = paging.snapshot()  # the copy is done now: its time (the sleep included) is published
-    assert state["fetched_blocks"] > fetched and paging._pending == []
-    assert state["fetch_ms"] >= 100.0
+    assert state.fetched_blocks > fetched and paging._pending == []
+    assert state.fetch_ms >= 100.0
