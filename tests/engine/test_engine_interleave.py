@@ -121,6 +121,15 @@ def test_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt) ->
 
 
 @pytest.mark.gpu
+class _WholeChunksBeside(PrefillPacer):
+    """Unpaced (share 1: whole chunks, no gap after one beside the steps), and no chunk "fits one step": with
+    chunks beside the steps on, every chunk while slots decode goes beside them (the scheduler otherwise runs a
+    chunk that fits a step's allowance between the steps, and at share 1 every chunk fits)."""
+
+    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
+        return False
+
+
 def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt, monkeypatch) -> None:
     """bf16 with graphs and MTP: a long prompt's chunks on the side stream while three slots decode on the steps'
     stream give every request the tokens it gets with the chunks between the steps (all unpaced, so the chunks
@@ -141,7 +150,7 @@ def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(
         engine = Engine(config, EventBus(), block_tokens=BLOCK_TOKENS)
         assert (engine.chunks is not None) == (overlap == "auto")
         assert engine.chunks is None or (engine.chunks.chunk_sms, engine.chunks.note) == (chunk_sms, None)
-        engine.sched.pacer = PrefillPacer(1.0, granule_tokens=BLOCK_TOKENS)  # whole chunks between the steps too
+        engine.sched.pacer = _WholeChunksBeside(1.0, granule_tokens=BLOCK_TOKENS)
         shorts = [engine.add_request(f"s{i}", p, _greedy(400)) for i, p in enumerate(SHORT[:3])]
         for _ in range(4):
             engine.step()
