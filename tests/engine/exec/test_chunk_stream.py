@@ -19,7 +19,7 @@ def test_auto_runs_chunks_beside_the_steps_on_cuda_only_where_the_streams_share_
     assert overlap_wanted("auto", CUDA, moe=False)  # KV by use too: the chunk's slot is held (below)
     assert not overlap_wanted("auto", CPU, moe=False)  # one stream: nothing to overlap
     assert not overlap_wanted("auto", CUDA, moe=True)  # the expert cache's slots are every forward's
-    assert overlap_wanted("on", CPU, moe=False)  # the bookkeeping, a step late (the CPU tests)
+    assert overlap_wanted("on", CPU, moe=False)  # the bookkeeping alone (the CPU tests)
     assert not overlap_wanted("off", CUDA, moe=False)
 
 
