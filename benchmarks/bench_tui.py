@@ -14,6 +14,7 @@ state (call_after_refresh), on one clock (both processes on this machine).
     .venv/bin/python benchmarks/bench_tui.py --slots 6 --hz 60 --seconds 20
     .venv/bin/python benchmarks/bench_tui.py --real-engine --seconds 20
     .venv/bin/python benchmarks/bench_tui.py --idle --seconds 30   # an engine with nothing to say: the idle cost
+    .venv/bin/python benchmarks/bench_tui.py --real-engine --idle --kv-pool reserved   # no pool to read
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ async def run(args: argparse.Namespace) -> dict:
         from engine.model.random_checkpoint import write_random_checkpoint
 
         model = args.model or str(write_random_checkpoint(config_dir / "ckpt", mtp_layout="deepseek"))
-        profile = Profile("bench").with_engine(model=model, device="cpu", batch=args.slots, context=4096)
+        profile = Profile("bench").with_engine(model=model, device="cpu", batch=args.slots, context=4096,
+                                               kv_pool=args.kv_pool)
         program = None
     else:
         if args.idle:
@@ -124,7 +126,8 @@ async def run(args: argparse.Namespace) -> dict:
             await pilot.pause(0.1)
         # Long generations (the context minus the 32-token prompt) keep every slot decoding through the window.
         max_tokens = profile.engine.context - 64
-        load = asyncio.create_task(send_load(app.view.engine_url, args.slots, max_tokens)) if args.real_engine else None
+        load = (asyncio.create_task(send_load(app.view.engine_url, args.slots, max_tokens))
+                if args.real_engine and not args.idle else None)
         deadline = time.monotonic() + 120
         while not args.idle and sum(1 for s in app.view.monitor.slots.values() if s.state == "decode") < args.slots:
             if time.monotonic() > deadline or (load is not None and load.done()):
@@ -148,8 +151,8 @@ async def run(args: argparse.Namespace) -> dict:
         return ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000 if ordered else float("nan")
 
     return {
-        "source": "real engine (CPU)" if args.real_engine else "fake engine, idle" if args.idle
-        else f"fake engine {args.slots} slots x {args.hz} Hz",
+        "source": (f"real engine (CPU, --kv-pool {args.kv_pool}{', idle' if args.idle else ''})" if args.real_engine
+                   else "fake engine, idle" if args.idle else f"fake engine {args.slots} slots x {args.hz} Hz"),
         "refresh_s": profile.tui.refresh_s,
         "busy_slots": busy,
         "window_s": round(wall_s, 2),
@@ -171,7 +174,10 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--refresh-s", type=float, default=None, help="override the profile's refresh interval")
     parser.add_argument("--real-engine", action="store_true", help="launch the real strata-engine on CPU")
-    parser.add_argument("--idle", action="store_true", help="the fake engine publishes nothing: the idle cost")
+    parser.add_argument("--idle", action="store_true",
+                        help="no load (the fake engine publishes nothing, the real one gets no request): the idle cost")
+    parser.add_argument("--kv-pool", default="auto", choices=("auto", "by-use", "reserved"),
+                        help="--real-engine: how its slots hold KV (by use, the app also reads the pool once a second)")
     parser.add_argument("--model", help="checkpoint for --real-engine (default: a random tiny one)")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(run(args)), indent=2))

@@ -200,7 +200,8 @@ class StrataApp(ForeignEngines, App):
         batch_s = self.view.settings.refresh_s / 2
         self.run_worker(stream_telemetry(post, self.client, batch_s), group="telemetry", exit_on_error=False)
         self.run_worker(watch_liveness(post, self.client), group="telemetry", exit_on_error=False)
-        self.run_worker(poll_state(post, self.client), group="telemetry", exit_on_error=False)
+        self.run_worker(poll_state(post, self.client, busy=lambda: self.view.monitor.any_running()), group="telemetry",
+                        exit_on_error=False)
 
     def _close_client(self) -> None:
         self.workers.cancel_group(self, "telemetry")

@@ -180,6 +180,10 @@ class MonitorState:
     def track_of(self, slot: SlotEvent) -> PrefillTrack | None:
         return self.prefills.get(slot.request_id) if slot.request_id else None
 
+    def any_running(self) -> bool:
+        """A slot holds a request (prefilling or decoding)."""
+        return any(s.state in ("prefill", "decode") for s in self.slots.values())
+
     @property
     def any_prefilling(self) -> bool:
         return any(s.state == "prefill" for s in self.slots.values())

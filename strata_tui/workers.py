@@ -122,13 +122,19 @@ async def read_state(post: Post, client: TelemetryClient) -> None:
 
 
 async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.0,
-                     dense_interval_s: float = 10.0) -> None:
-    """Read `/strata/state` every `interval_s` while the engine has an expert cache or a KV block pool and post
-    their sections (hit counters and pool use change every step but travel in no event); an engine with neither
-    is asked again only every `dense_interval_s` (a restarted engine may have one). The next read is scheduled
-    when one finishes, so reads never overlap."""
+                     dense_interval_s: float = 10.0, busy: Callable[[], bool] = lambda: True) -> None:
+    """Read `/strata/state` every `interval_s` while the engine has an expert cache, or a KV block pool and
+    requests running (`busy`; once more after the last ends, for the blocks it gave back), and post those
+    sections (hit counters and pool use change every step but travel in no event); otherwise only every
+    `dense_interval_s` (an idle pool does not change; a restarted engine may have either). Reads never overlap."""
+    fast, was_busy, last_read_s = False, False, float("-inf")
     while True:
-        started = time.monotonic()
+        now_busy = busy()
+        if not (fast and (now_busy or was_busy)) and time.monotonic() - last_read_s < dense_interval_s:
+            await asyncio.sleep(interval_s)  # nothing to read yet: no request to the engine
+            continue
+        was_busy = now_busy
+        started = last_read_s = time.monotonic()
         state: dict = {}
         try:
             answer = await client.state()
@@ -144,8 +150,10 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
             post(ExpertsSnapshot(experts))
         if paging is not None:
             post(KvPoolSnapshot(paging, QueueSnapshot.from_json(state.get("queue")).admission_wait))
-        wait_s = interval_s if experts is not None or paging is not None else dense_interval_s
-        await asyncio.sleep(max(0.0, wait_s - (time.monotonic() - started)))
+        fast = paging is not None
+        if experts is not None:  # an expert cache's counters move while idle too (its oracle is replayed)
+            fast, was_busy = True, True
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
 async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float = LIVENESS_INTERVAL_S,

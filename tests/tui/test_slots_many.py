@@ -3,6 +3,8 @@ the rest by state, in a real Textual app; a refresh of the same slots touches no
 
 from __future__ import annotations
 
+import asyncio
+
 from textual.app import App, ComposeResult
 
 from engine.telemetry import SlotEvent
@@ -90,3 +92,34 @@ async def test_the_pool_read_by_the_state_poll_reaches_the_slots_title(config_di
         assert app.screen.query_one(SlotsTable).border_title.endswith("queue waits for blocks")
         app.post_message(KvPoolSnapshot(None))
         await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).border_title == "Slots", what="no pool")
+
+
+async def test_the_pool_is_read_while_requests_run_and_once_after_not_while_idle() -> None:
+    """`workers.poll_state` asks the engine once a second only while a slot holds a request, and once more after
+    the last one ends (the blocks it gave back); an idle engine's pool does not change, so it is not asked."""
+    import pytest
+
+    from strata_tui.messages import KvPoolSnapshot
+    from strata_tui.workers import poll_state
+
+    states = iter([False, True, True, False] + [False] * 8)  # busy() at each turn of the poll's loop
+
+    def busy() -> bool:
+        try:
+            return next(states)
+        except StopIteration:
+            raise asyncio.CancelledError from None
+
+    class Engine:
+        reads = 0
+
+        async def state(self) -> dict:
+            self.reads += 1
+            return {"kv": {"paging": {"pool_blocks": 8, "free_pool_blocks": 8 - self.reads}}, "queue": {}}
+
+    engine, posted = Engine(), []
+    with pytest.raises(asyncio.CancelledError):
+        await poll_state(posted.append, engine, interval_s=0.0, dense_interval_s=1e9, busy=busy)
+    # the first turn (what the engine has), two while busy, one after the last request: then 8 idle turns, no read
+    assert engine.reads == 4
+    assert [m.paging.free_pool_blocks for m in posted if isinstance(m, KvPoolSnapshot)] == [7, 6, 5, 4]
