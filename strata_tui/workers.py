@@ -151,7 +151,7 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
         if paging is not None:
             post(KvPoolSnapshot(paging, QueueSnapshot.from_json(state.get("queue")).admission_wait))
         fast = paging is not None
-        if experts is not None:  # an expert cache's counters move while idle too (its oracle is replayed)
+        if experts is not None:  # the expert panel is kept current once a second, busy or not
             fast, was_busy = True, True
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
