@@ -120,7 +120,6 @@ def test_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt) ->
     assert cached[0] == cached[1] > 1000, cached
 
 
-@pytest.mark.gpu
 class _WholeChunksBeside(PrefillPacer):
     """Unpaced (share 1: whole chunks, no gap after one beside the steps), and no chunk "fits one step": with
     chunks beside the steps on, every chunk while slots decode goes beside them (the scheduler otherwise runs a
@@ -130,6 +129,7 @@ class _WholeChunksBeside(PrefillPacer):
         return False
 
 
+@pytest.mark.gpu
 def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt, monkeypatch) -> None:
     """bf16 with graphs and MTP: a long prompt's chunks on the side stream while three slots decode on the steps'
     stream give every request the tokens it gets with the chunks between the steps (all unpaced, so the chunks
