@@ -39,17 +39,7 @@ def export_gguf(checkpoint: Path, out: Path, weight_type: str = "same") -> Path:
     partial = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(str(partial), arch)
     writer.add_name(checkpoint.name)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config.get("max_position_embeddings", 32768))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    add_hyperparameters(writer, config)
     _add_tokenizer(writer, checkpoint, config["vocab_size"])
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as tensors:
@@ -67,6 +57,22 @@ def export_gguf(checkpoint: Path, out: Path, weight_type: str = "same") -> Path:
     writer.close()
     partial.replace(out)
     return out
+
+
+def add_hyperparameters(writer, config: dict, default_context_tokens: int = 32768) -> None:
+    """The shape keys llama.cpp reads for a Qwen3-family model, from its HF config.json (head_dim derived where the
+    config leaves it out)."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config.get("max_position_embeddings", default_context_tokens))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
 
 
 def _layer_index(hf_name: str) -> int:

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 import gguf
 from gguf import GGMLQuantizationType as T
 
+from engine.bench.gguf_export import add_hyperparameters
+
 _OURS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -124,16 +126,7 @@ def write_gguf(src: Path, out: Path, choose: Chooser, pre: str = "gpt2") -> dict
         w.add_expert_used_count(config["num_experts_per_tok"])
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
         tensors = _stack_experts(tensors, config["num_experts"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config.get("max_position_embeddings", 4096))
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    add_hyperparameters(w, config, default_context_tokens=4096)  # the product's export writes the same keys
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     tokens = [None] * len(vocab)
