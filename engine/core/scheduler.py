@@ -109,8 +109,7 @@ class Scheduler:
         self.overlap_chunks = False
         # KV by use (the engine sets it: engine.exec.kv.paging.KVPaging.admission_wait): given the first chunks of
         # the requests to admit this step and the tokens each decoding slot holds after its next step, why the next
-        # must wait for blocks (None: room).
-        # A request admitted into a full pool would take its blocks by spilling running requests' to the host.
+        # must wait for blocks (None: room). Admitted into a full pool, it would spill running requests' blocks.
         self.admission_gate: Callable[[list[int], dict[int, int]], str | None] | None = None
         self.admission_wait = ""  # why the head of the queue waits while a slot is free ("" when it does not)
         self._in_flight: Request | None = None
