@@ -2,7 +2,7 @@
 
 Order of events: bind the socket (so --port 0 has a real port and a bad address fails before the model
 loads) -> build the engine client -> start uvicorn on that socket -> once uvicorn is started and
-`client.health()` is ready, print exactly `strata-engine: ready at http://HOST:PORT` on stdout. All logs go
+`client.health()` is ready, freeze the heap loaded so far (`freeze_startup_heap`) and print exactly `strata-engine: ready at http://HOST:PORT` on stdout. All logs go
 to stderr. SIGTERM/SIGINT: refuse new requests, abort running ones, end event streams, shut the engine down,
 exit 0. An engine that dies (sticky CUDA error): requests get 503 with the reason, then the process exits 1.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -132,6 +133,7 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
     try:
         failure = await _wait_ready(server, client, serve_task)
         if failure is None:
+            freeze_startup_heap()
             print(f"{READY_PREFIX} {ready_url(config.host, sock)}", flush=True)
             dead_reason = await _watch_health(client, serve_task)
             if dead_reason is not None:
@@ -155,6 +157,16 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
     if serve_task.exception() is not None and exit_code == 0:
         exit_code = 1
     return exit_code
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move every object alive now (the model, the tokenizer, the imported modules) out of
+    the collector's reach. A full collection walks every tracked object, and the collector runs it on whichever
+    thread allocates at that moment, often the event loop's: over the heap a loaded engine holds it stopped
+    the loop (and /health) far longer than any request. These objects live as long as the process, so the
+    collector has nothing to find among them."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _wait_ready(server: Any, client: EngineClient, serve_task: asyncio.Task) -> str | None:

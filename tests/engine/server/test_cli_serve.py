@@ -22,7 +22,7 @@ from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 _SCRIPT = """
-import argparse, sys, threading
+import argparse, gc, sys, threading
 from engine.cli.serve import add_arguments, run
 from tests.engine.server.fake_engine import FakeEngine
 parser = argparse.ArgumentParser()
@@ -34,7 +34,9 @@ def factory(config):
     if die_after_s > 0:
         threading.Timer(die_after_s, lambda: setattr(fake, "dead_reason", "CUDA error: an illegal memory access")).start()
     return fake
-sys.exit(run(args, client_factory=factory))
+code = run(args, client_factory=factory)
+print(f"frozen objects: {gc.get_freeze_count()}", file=sys.stderr)
+sys.exit(code)
 """
 
 
@@ -69,6 +71,9 @@ def test_ready_line_then_sigterm_drains_and_exits_zero() -> None:
         stdout, stderr = proc.communicate()
         assert stdout == "", "only the ready line may go to stdout"
         assert "SIGTERM" in stderr
+        # the heap loaded at start is out of the collector's reach: a full collection never walks it again
+        frozen = int(stderr.rpartition("frozen objects: ")[2].split()[0])
+        assert frozen > 10_000, stderr[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
