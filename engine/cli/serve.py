@@ -3,8 +3,9 @@
 Order of events: bind the socket (so --port 0 has a real port and a bad address fails before the model
 loads) -> build the engine client -> start uvicorn on that socket -> once uvicorn is started and
 `client.health()` is ready, freeze the heap loaded so far (`freeze_startup_heap`) and print exactly
-`strata-engine: ready at http://HOST:PORT` on stdout. All logs go to stderr. SIGTERM/SIGINT: refuse new requests, abort running ones, end event streams, shut the engine down,
-exit 0. An engine that dies (sticky CUDA error): requests get 503 with the reason, then the process exits 1.
+`strata-engine: ready at http://HOST:PORT` on stdout. All logs go to stderr. SIGTERM/SIGINT: refuse new
+requests, abort running ones, end event streams, shut the engine down, exit 0. An engine that dies (sticky
+CUDA error): requests get 503 with the reason, then the process exits 1.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -27,6 +27,7 @@ from engine.server import sse
 from engine.server.guard import RequestGuard
 from engine.server.errors import ApiError, from_exception, invalid_param
 from engine.server.handle import ClientGone
+from engine.server.json_chunked import Steps
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import (
     ChatCompletionRequest,
@@ -37,14 +38,16 @@ from engine.server.protocol import (
     ExpertCacheRequest,
     LARGE_BODY_BYTES,
     parse_body,
+    parse_body_steps,
     probe_bytes,
-    refuse_early,
+    refuse_early_steps,
 )
 from engine.server.serving import Serving
 from engine.switches import get_switch
 
 log = logging.getLogger("strata.server")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
 LARGE_BODY_TURN_WAIT_S = 5.0  # a large body waits this long at most for the one before it (_turn)
 
 
@@ -79,10 +82,11 @@ def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = 
 
 
 async def _parsed(model: type[BodyT], request: Request) -> BodyT:
-    """Read the body on the loop, parse and validate it in a worker thread: a large or hostile body costs
-    that thread its time, never the event loop (which keeps answering /health). Large bodies are parsed in
-    pieces (json_chunked) and one at a time: each busy parser thread is one more contender for the GIL the
-    loop needs between its pieces."""
+    """Read the body and parse and validate it, so that the event loop keeps answering /health meanwhile: a
+    small body in a worker thread; a large one on the loop itself, in steps (protocol.parse_body_steps) with
+    the loop's other work between two steps. A large body parsed in a worker thread contended for the GIL:
+    each time the loop took the GIL back it waited for the interpreter's switch interval. Large bodies are
+    also read and parsed one at a time."""
     context_tokens = getattr(request.app.state.client, "context_tokens", None)
     if not _large(request):
         return await asyncio.to_thread(parse_body, model, await request.body(), context_tokens)
@@ -90,7 +94,18 @@ async def _parsed(model: type[BodyT], request: Request) -> BodyT:
     # reading a connection whose app does not take its body), costing no CPU while /health is answered.
     async with _turn(request.app.state.large_body_turn):
         raw = await _large_body(request, context_tokens)
-        return await asyncio.to_thread(parse_body, model, raw, context_tokens)
+        return await run_steps(parse_body_steps(model, raw, context_tokens))
+
+
+async def run_steps(steps: Steps[T]) -> T:
+    """Drive `steps` on the event loop to its result, letting the loop run everything else that is ready
+    (other requests' I/O, /health) between two steps."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
 
 
 @contextlib.asynccontextmanager
@@ -117,9 +132,9 @@ def _large(request: Request) -> bool:
 async def _large_body(request: Request, context_tokens: int | None) -> bytearray:
     """A large request body, copied piece by piece as each arrives into one buffer of its length (Starlette's
     `body()` joins the pieces at the end in one copy of the whole body, which held the event loop for
-    milliseconds per body). Once its first `probe_bytes` are in they are looked at in a worker thread
-    (protocol.refuse_early): an array longer than the context is refused there, without the rest of the body,
-    which uvicorn then drains without handing it to the app."""
+    milliseconds per body). Once its first `probe_bytes` are in they are looked at, in steps on the loop
+    (protocol.refuse_early_steps): an array longer than the context is refused there, without the rest of
+    the body, which uvicorn then drains without handing it to the app."""
     length = request.headers["content-length"]
     buffer = bytearray(int(length))
     view, end = memoryview(buffer), 0
@@ -131,7 +146,7 @@ async def _large_body(request: Request, context_tokens: int | None) -> bytearray
         end += len(piece)
         if probe_at is not None and probe_at <= end < len(buffer):
             probe_at = None
-            await asyncio.to_thread(refuse_early, bytes(view[:end]), context_tokens)
+            await run_steps(refuse_early_steps(bytes(view[:end]), context_tokens))
     return buffer if end == len(buffer) else buffer[:end]
 
 

@@ -1,22 +1,33 @@
-"""`json.loads` for large request bodies, in pieces that each hold the GIL briefly.
+"""`json.loads` for large request bodies, in steps short enough to run on the event loop between requests.
 
-`json.loads` is one C call: on an 8 MiB array of token ids it holds the GIL for a tenth of a second, and a
-worker thread parsing it stalls the event loop (and /health) just as long; five such bodies at once stalled
-it for most of a second. This parser walks objects and arrays itself, decodes each scalar with the json
-module's own C scanner (so it accepts and refuses exactly what `json.loads` does), and parses runs of plain
-numbers inside arrays CHUNK_CHARS at a time with one `json.loads` each: between two pieces the interpreter
-can switch threads. Nesting is bounded by Python's recursion limit, as in `json.loads` (RecursionError).
+`json.loads` is one C call: on an 8 MiB array of token ids it holds the GIL for a tenth of a second, and
+whatever thread runs it stops the event loop (and /health) just as long. This parser walks objects and
+arrays itself, decodes each scalar with the json module's own C scanner (so it accepts and refuses exactly
+what `json.loads` does), and parses runs of plain numbers inside arrays CHUNK_CHARS at a time with one
+`json.loads` each. `loads_steps` is a generator that yields after CHUNK_CHARS of text or ITEMS_PER_STEP
+elements, whichever comes first, so the event loop itself drives a parse and answers other requests between
+two pieces: a worker thread would contend for the GIL instead, and the loop would wait up to the
+interpreter's switch interval each time it takes the GIL back. A single string is one step (one C call).
+Nesting is bounded by Python's recursion limit, as in `json.loads` (RecursionError).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from typing import Any, Generator, TypeVar
 
 CHUNK_CHARS = 1 << 16  # a piece: ~10k token ids, well under a millisecond of C
+ITEMS_PER_STEP = 1 << 8  # elements parsed one by one (strings, objects, short number runs) between two yields
+MIN_PIECE_CHARS = 64  # a shorter run of numbers is parsed element by element (cheaper than a piece)
 _WS = " \t\n\r"
-_NUMBER_RUN = str.maketrans("", "", "0123456789-+.eE \t\n\r,")
+_NUMBER_RUN = re.compile(r"[0-9+\-.eE \t\n\r,]*")  # what a run of plain numbers may hold
+_NUMBER_STARTS = tuple("-0123456789")
+_OPENERS = ("{", "[")
 _DECODER = json.JSONDecoder()
+
+T = TypeVar("T")
+Steps = Generator[None, None, T]  # yields between pieces of work; returns the result
 
 
 class TooManyItems(ValueError):
@@ -27,14 +38,51 @@ class TooManyItems(ValueError):
         self.max_items = max_items
 
 
+class _Walk:
+    """What one parse carries through its recursion: the text, the array limit and when it next yields."""
+
+    __slots__ = ("text", "max_items", "yield_at", "items_left")
+
+    def __init__(self, text: str, max_items: int | None) -> None:
+        self.text = text
+        self.max_items = max_items
+        self.yield_at = CHUNK_CHARS
+        self.items_left = ITEMS_PER_STEP
+
+    def due(self, i: int, items: int) -> bool:
+        """Count `items` more elements parsed, the walk now at `i`: True when it is time to yield (and the
+        next step's budget starts)."""
+        self.items_left -= items
+        if self.items_left > 0 and i < self.yield_at:
+            return False
+        self.items_left = ITEMS_PER_STEP
+        self.yield_at = i + CHUNK_CHARS
+        return True
+
+
+def finish(steps: Steps[T]) -> T:
+    """Run `steps` to its end at once and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def loads(raw: bytes | str, max_items: int | None = None) -> Any:
     """What `json.loads(raw)` returns (ValueError where it raises one), without one long hold of the GIL.
     `max_items`: TooManyItems as soon as an array passes it (an 8 MiB prompt of ids is refused after the
     first few thousand, not after all of it)."""
+    return finish(loads_steps(raw, max_items))
+
+
+def loads_steps(raw: bytes | str, max_items: int | None = None) -> Steps[Any]:
+    """`loads` as steps: a generator that yields between pieces and returns the value."""
     text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw), "surrogatepass")
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    value, end = _value(text, _skip(text, 0), max_items)
+    walk = _Walk(text, max_items)
+    value, end = yield from _value(walk, _skip(text, 0))
     end = _skip(text, end)
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
@@ -48,18 +96,16 @@ def _skip(text: str, i: int) -> int:
     return i
 
 
-def _value(text: str, i: int, max_items: int | None) -> tuple[Any, int]:
-    if i >= len(text):
-        raise json.JSONDecodeError("Expecting value", text, i)
-    head = text[i]
-    if head == "{":
-        return _object(text, i + 1, max_items)
-    if head == "[":
-        return _array(text, i + 1, max_items)
-    return _DECODER.raw_decode(text, i)  # a string, number or literal: the C scanner
+def _value(walk: _Walk, i: int) -> Steps[tuple[Any, int]]:
+    if walk.text.startswith("{", i):
+        return (yield from _object(walk, i + 1))
+    if walk.text.startswith("[", i):
+        return (yield from _array(walk, i + 1))
+    return _DECODER.raw_decode(walk.text, i)  # a string, number or literal: the C scanner
 
 
-def _object(text: str, i: int, max_items: int | None) -> tuple[dict, int]:
+def _object(walk: _Walk, i: int) -> Steps[tuple[dict, int]]:
+    text = walk.text
     out: dict = {}
     i = _skip(text, i)
     if i < len(text) and text[i] == "}":
@@ -71,53 +117,67 @@ def _object(text: str, i: int, max_items: int | None) -> tuple[dict, int]:
         i = _skip(text, i)
         if i >= len(text) or text[i] != ":":
             raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-        out[key], i = _value(text, _skip(text, i + 1), max_items)
+        i = _skip(text, i + 1)
+        if text.startswith(_OPENERS, i):
+            out[key], i = yield from _value(walk, i)
+        else:
+            out[key], i = _DECODER.raw_decode(text, i)
         i = _skip(text, i)
         if i < len(text) and text[i] == ",":
             i = _skip(text, i + 1)
+            if walk.due(i, 1):
+                yield
             continue
         if i < len(text) and text[i] == "}":
             return out, i + 1
         raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
 
 
-def _array(text: str, i: int, max_items: int | None) -> tuple[list, int]:
+def _array(walk: _Walk, i: int) -> Steps[tuple[list, int]]:
+    text, max_items = walk.text, walk.max_items
     out: list = []
     i = _skip(text, i)
     if i < len(text) and text[i] == "]":
         return out, i + 1
     while True:
-        i = _number_run(text, i, out, max_items)
-        item, i = _value(text, i, max_items)
+        if text.startswith(_NUMBER_STARTS, i):
+            i, count = _number_piece(text, i, out)
+            if count:
+                if max_items is not None and len(out) > max_items:
+                    raise TooManyItems(max_items)
+                if walk.due(i, count):
+                    yield
+                continue
+        if text.startswith(_OPENERS, i):
+            item, i = yield from _value(walk, i)
+        else:
+            item, i = _DECODER.raw_decode(text, i)
         out.append(item)
         if max_items is not None and len(out) > max_items:
             raise TooManyItems(max_items)
         i = _skip(text, i)
         if i < len(text) and text[i] == ",":
             i = _skip(text, i + 1)
+            if walk.due(i, 1):
+                yield
             continue
         if i < len(text) and text[i] == "]":
             return out, i + 1
         raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
 
 
-def _number_run(text: str, i: int, out: list, max_items: int | None) -> int:
-    """Append the plain numbers that start at `i`, a piece at a time; return where the rest begins (the start
-    of one more element). Anything else in a piece (a string, a nested array, an error) leaves that piece to
-    the element-by-element path, which words errors as json.loads does."""
-    while True:
-        window = text[i:i + CHUNK_CHARS]
-        cut = window.rfind(",")
-        if cut <= 0 or len(window) < 2:
-            return i
-        piece = window[:cut]
-        if piece.translate(_NUMBER_RUN):  # something other than numbers, commas and spaces
-            return i
-        try:
-            numbers = json.loads("[" + piece + "]")
-        except ValueError:
-            return i
-        out.extend(numbers)
-        if max_items is not None and len(out) > max_items:
-            raise TooManyItems(max_items)
-        i = _skip(text, i + cut + 1)
+def _number_piece(text: str, i: int, out: list) -> tuple[int, int]:
+    """Append the plain numbers of the piece that starts at `i` (at most CHUNK_CHARS): where the rest begins
+    (the start of one more element) and how many were appended (0: none, the elements are left to the
+    element-by-element path, which words errors as json.loads does). A piece ends at the last comma before
+    the first character no number, comma or space holds, so finding it costs only what it covers."""
+    run_end = _NUMBER_RUN.match(text, i, i + CHUNK_CHARS).end()
+    cut = text.rfind(",", i, run_end)
+    if cut - i < MIN_PIECE_CHARS:
+        return i, 0
+    try:
+        numbers = json.loads("[" + text[i:cut] + "]")
+    except ValueError:
+        return i, 0
+    out.extend(numbers)
+    return _skip(text, cut + 1), len(numbers)

@@ -18,6 +18,7 @@ from engine.config import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
 from engine.server import json_chunked
 from engine.server.errors import ApiError, from_exception, from_validation_error, invalid_param, malformed_json
+from engine.server.json_chunked import Steps
 
 # One rule for every integer the server reads from text (a logit_bias key, a Last-Event-ID): ASCII digits
 # only and at most MAX_DECIMAL_DIGITS of them. Python's int() also takes "²" or "①" (and raises on some)
@@ -37,6 +38,7 @@ LARGE_BODY_BYTES = 256 << 10  # above this a body is parsed in pieces (json_chun
 # refuse_early looks at this many bytes per id of the limit: ids of up to six digits with a comma and a space
 # (a tokenizer's ids, as JSON writers space them); a body whose ids are longer is parsed whole, as before
 PROBE_BYTES_PER_ID = 8
+ID_CHECK_PIECE = 1 << 14  # a token-id prompt longer than this is checked this many ids per step
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default limit; OpenAI's is 20 for chat)
 MAX_CHOICES = 16  # n: each choice is one engine request
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
@@ -264,13 +266,19 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None) -> BodyT:
     """Parse a JSON body into `model`; malformed JSON and invalid fields raise ApiError (400).
 
-    CPU-heavy for a large body: the routes call it in a worker thread. `max_prompt_ids` (the context) refuses
-    a token-id prompt that cannot fit before the validator walks it (a validator holds the GIL throughout)."""
+    `max_prompt_ids` (the context) refuses a token-id prompt that cannot fit before the validator walks it.
+    The routes run a small body in a worker thread and a large one as `parse_body_steps` on the event loop."""
+    return json_chunked.finish(parse_body_steps(model, raw, max_prompt_ids))
+
+
+def parse_body_steps(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None) -> Steps[BodyT]:
+    """`parse_body` as steps (json_chunked.Steps): a large body is parsed, and a long token-id prompt
+    checked, a piece per step, so the event loop can drive it and answer other requests between pieces."""
     try:
         if len(raw) > LARGE_BODY_BYTES:
             # No array a request may hold (a prompt, messages, stop ids) can outgrow the context: stop there.
             limit = None if max_prompt_ids is None else max(max_prompt_ids, MIN_ARRAY_LIMIT)
-            data = json_chunked.loads(raw, limit)
+            data = yield from json_chunked.loads_steps(raw, limit)
         else:
             data = json.loads(raw)
     except json_chunked.TooManyItems as exc:
@@ -284,29 +292,50 @@ def parse_body(model: type[BodyT], raw: bytes, max_prompt_ids: int | None = None
     if not raw.isascii() or b"\\u" in raw:  # else no string can hold a surrogate: a big body skips the walk
         _check_unicode(data)
     prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+    nested = isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list)
+    if nested:
         prompt = prompt[0]  # [[ids]]: one prompt of ids
     if max_prompt_ids is not None and isinstance(prompt, list) and len(prompt) > max_prompt_ids:
         if all(type(t) is int for t in prompt[:16]):  # ids, not a batch of prompts (refused by name later)
             raise from_exception(PromptTooLong(len(prompt), max_prompt_ids))
+    ids = prompt if "prompt" in model.model_fields and isinstance(prompt, list) else None
+    if ids is None or len(ids) <= ID_CHECK_PIECE or not (yield from _token_ids(ids)):
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+    # Every id is one TokenId allows: the validator would only copy the list, in one call as long as the
+    # list is. It validates the rest of the body around an empty prompt of the same shape instead.
     try:
-        return model.model_validate(data)
+        body = model.model_validate({**data, "prompt": [[]] if nested else []})
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    body.prompt = [ids] if nested else ids  # type: ignore[attr-defined]
+    return body
+
+
+def _token_ids(items: list) -> Steps[bool]:
+    """Whether every item is an int TokenId allows (bool is not one), checked ID_CHECK_PIECE items a step."""
+    for start in range(0, len(items), ID_CHECK_PIECE):
+        piece = items[start:start + ID_CHECK_PIECE]
+        if set(map(type, piece)) != {int} or min(piece) < 0 or max(piece) > INT64_MAX:
+            return False
+        yield
+    return True
 
 
 def probe_bytes(max_prompt_ids: int | None) -> int | None:
-    """How much of a large body `refuse_early` looks at (None: no context to hold arrays to)."""
+    """How much of a large body `refuse_early_steps` looks at (None: no context to hold arrays to)."""
     return None if max_prompt_ids is None else max(max_prompt_ids, MIN_ARRAY_LIMIT) * PROBE_BYTES_PER_ID
 
 
-def refuse_early(prefix: bytes, max_prompt_ids: int) -> None:
+def refuse_early_steps(prefix: bytes, max_prompt_ids: int) -> Steps[None]:
     """The 400 parse_body would give for an array past the context, when the first bytes of the body already
     hold one; nothing otherwise (a body cut short is no error yet: the whole body is parsed when it is in). So
-    a body that cannot fit is refused before the rest of it is read. CPU-heavy: a worker thread calls it."""
+    a body that cannot fit is refused before the rest of it is read. Steps, as `parse_body_steps`."""
     limit = max(max_prompt_ids, MIN_ARRAY_LIMIT)
     try:
-        json_chunked.loads(prefix, limit)
+        yield from json_chunked.loads_steps(prefix, limit)
     except json_chunked.TooManyItems as exc:
         raise _array_too_long(exc, max_prompt_ids) from None
     except (ValueError, RecursionError):

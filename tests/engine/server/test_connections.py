@@ -118,8 +118,8 @@ def test_a_token_id_body_past_the_context_is_refused_before_its_end_and_the_conn
 
     engine = FakeEngine()
     reads: list[int] = []
-    real_refuse = app_module.refuse_early
-    app_module.refuse_early = lambda prefix, limit: (reads.append(len(prefix)), real_refuse(prefix, limit))[1]
+    real_refuse = app_module.refuse_early_steps
+    app_module.refuse_early_steps = lambda prefix, limit: (reads.append(len(prefix)), real_refuse(prefix, limit))[1]
     try:
         with _serve(engine) as url:
             body = json.dumps({"model": MODEL, "prompt": [12] * (1 << 20), "max_tokens": 1}).encode()
@@ -139,7 +139,7 @@ def test_a_token_id_body_past_the_context_is_refused_before_its_end_and_the_conn
                     assert _read_response(sock).startswith(b"HTTP/1.1 200")
                 sock.close()
     finally:
-        app_module.refuse_early = real_refuse
+        app_module.refuse_early_steps = real_refuse
 
 
 def _read_response(sock: socket.socket) -> bytes:
