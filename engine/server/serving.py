@@ -9,6 +9,7 @@ Routes (app.py) only parse, call one method here and turn ApiError into a respon
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import uuid
 from dataclasses import dataclass, replace
@@ -211,10 +212,9 @@ class Serving:
         if not ids:
             raise invalid_param("prompt", ids, "the prompt is empty")
         vocab = getattr(self.client, "vocab_size", None)
-        if vocab is not None:
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise invalid_param("prompt", bad[:8], f"token ids must be below the vocabulary size {vocab}")
+        if vocab is not None and max(ids) >= vocab:  # one C pass on the loop, not a Python loop over every id
+            bad = list(itertools.islice((t for t in ids if t >= vocab), 8))
+            raise invalid_param("prompt", bad, f"token ids must be below the vocabulary size {vocab}")
         return ids
 
     async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:

@@ -126,3 +126,14 @@ def test_steps_stay_short_for_arrays_of_any_element() -> None:
             yields += 1
         bound = len(text) // json_chunked.CHUNK_CHARS if numbers else len(items) // json_chunked.ITEMS_PER_STEP
         assert yields >= bound - 1, (items[:2], yields, bound)
+
+
+def test_ids_past_the_vocabulary_are_refused_naming_the_first_of_them(monkeypatch) -> None:
+    engine = FakeEngine(context_tokens=1 << 20)  # its vocabulary: 256 ids
+    ids = [12] * 100_000 + list(range(256, 266)) + [12]
+    body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1}).encode()
+    resp, _, _ = _events_while_posting(engine, body, monkeypatch)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "prompt" and "[256, 257, 258, 259, 260, 261, 262, 263]" in error["message"], error
+    assert not engine.requests
