@@ -91,7 +91,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0", "--log-level", "warning",
            "--max-body-mib", str(max(16, int(body_mib * 2)))]
     if args.past_vocab:
-        cmd += ["--context", str(ids + 64)]
+        cmd += ["--context", str(ids)]
     engine = EngineProcess(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         try:
