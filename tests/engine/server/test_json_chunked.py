@@ -59,3 +59,18 @@ def test_an_array_past_max_items_is_refused_before_the_rest_is_parsed() -> None:
         json_chunked.loads(text, max_items=70_000)
     with pytest.raises(json_chunked.TooManyItems):
         json_chunked.loads(json.dumps([["x"] * 10]), max_items=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=False, allow_infinity=False)),
+                min_size=40, max_size=400),
+       st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(list('[]{},:"-+.eE 0x'))), max_size=3))
+def test_long_number_runs_with_a_flaw_anywhere_are_refused_or_parsed_like_json_loads(numbers, flaws) -> None:
+    text = json.dumps(numbers)
+    for at, char in flaws:
+        at %= len(text)
+        text = text[:at] + char + text[at:]
+    try:
+        _same(text)
+    except RecursionError:
+        pass
