@@ -61,7 +61,15 @@ class HeadTimeoutH11Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        rest = self._past_answered_body(data)
+        if rest is None:  # all of it belongs to a body already answered, and more of that body is to come
+            self._unset_keepalive_if_required()
+            return
+        if rest or len(rest) == len(data):  # bytes for h11, or nothing dropped
+            super().data_received(rest)
+        else:  # that body ended exactly here: h11 hands over its end and the connection waits for a head
+            self._unset_keepalive_if_required()
+            self.handle_events()
         waiting_head = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
         if not waiting_head and self._head_timer is not None:
             self._head_timer.cancel()
@@ -71,6 +79,26 @@ class HeadTimeoutH11Protocol(H11Protocol):
             # part of the next head, or nothing and no keep-alive timer: the rest of a body refused before it
             # was all read (engine.server.app._body) ended the last request after its answer, which armed none
             self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
+
+    def _past_answered_body(self, data: bytes) -> bytes | None:
+        """What of `data` follows the body of a request already answered (a body refused from its first bytes,
+        engine.server.app._large_body): h11 would buffer and copy every byte of that body's rest only for
+        uvicorn to drop it, the most work the event loop did under senders of large refused bodies. So the
+        rest's length is counted off h11's Content-Length reader here and the bytes are dropped unread. None:
+        all of `data` was dropped and the body goes on. Anything else (no such body, a chunked one, bytes h11
+        still holds, another h11 whose reader has no `_remaining`) is left to h11 whole."""
+        conn = self.conn
+        if conn.our_state is not h11.DONE or conn.their_state is not h11.SEND_BODY:
+            return data
+        reader = getattr(conn, "_reader", None)
+        remaining = getattr(reader, "_remaining", None)
+        if type(remaining) is not int or remaining <= 0 or conn.trailing_data[0]:
+            return data
+        dropped = min(remaining, len(data))
+        reader._remaining = remaining - dropped  # type: ignore[union-attr]
+        if reader._remaining:  # type: ignore[union-attr]
+            return None
+        return data[dropped:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:

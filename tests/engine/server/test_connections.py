@@ -142,6 +142,34 @@ def test_a_token_id_body_past_the_context_is_refused_before_its_end_and_the_conn
         app_module.refuse_early_steps = real_refuse
 
 
+def test_the_rest_of_a_refused_body_is_dropped_without_h11_and_the_connection_serves_on(monkeypatch) -> None:
+    """The rest of a body answered from its first bytes is counted off and dropped as it arrives, not buffered
+    and copied by h11; the request after it, sent in the same packet as the body's last bytes, is served."""
+    import h11
+
+    into_h11: list[int] = []
+    real_receive = h11.Connection.receive_data
+
+    def counted(self, data: bytes) -> None:
+        into_h11.append(len(data))
+        real_receive(self, data)
+
+    monkeypatch.setattr(h11.Connection, "receive_data", counted)
+    with _serve(FakeEngine()) as url:
+        body = json.dumps({"model": MODEL, "prompt": [12] * (1 << 20), "max_tokens": 1}).encode()
+        sock = _connect(url)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                     + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answers = b""
+        while answers.count(b"HTTP/1.1 ") < 2:  # both responses (the second may come in the first's packet)
+            answers += sock.recv(65536)
+        assert answers.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answers, answers[:300]
+        assert b"HTTP/1.1 200" in answers, answers[-300:]
+        sock.close()
+    assert sum(into_h11) < len(body) // 2, f"h11 took {sum(into_h11)} of the body's {len(body)} bytes"
+
+
 def _read_response(sock: socket.socket) -> bytes:
     """One HTTP response with a Content-Length body."""
     data = b""
