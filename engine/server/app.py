@@ -132,21 +132,22 @@ def _large(request: Request) -> bool:
 async def _large_body(request: Request, context_tokens: int | None) -> bytearray:
     """A large request body, copied piece by piece as each arrives into one buffer of its length (Starlette's
     `body()` joins the pieces at the end in one copy of the whole body, which held the event loop for
-    milliseconds per body). Once its first `probe_bytes` are in they are looked at, in steps on the loop
-    (protocol.refuse_early_steps): an array longer than the context is refused there, without the rest of
-    the body, which uvicorn then drains without handing it to the app."""
+    milliseconds per body). Each time the next of its `probe_bytes` are in, what is in is looked at, in steps
+    on the loop (protocol.refuse_early_steps): a prompt or array longer than the context is refused there,
+    without the rest of the body, which uvicorn_server drops as it arrives."""
     length = request.headers["content-length"]
     buffer = bytearray(int(length))
     view, end = memoryview(buffer), 0
-    probe_at = probe_bytes(context_tokens)
+    probes = list(probe_bytes(context_tokens))
     async for piece in request.stream():
         if end + len(piece) > len(buffer):  # h11 holds a body to its Content-Length: never, but never past it
             raise invalid_param("Content-Length", length, "the body is longer than its Content-Length")
         view[end:end + len(piece)] = piece
         end += len(piece)
-        if probe_at is not None and probe_at <= end < len(buffer):
-            probe_at = None
-            await run_steps(refuse_early_steps(bytes(view[:end]), context_tokens))
+        if probes and probes[0] <= end < len(buffer):
+            while probes and probes[0] <= end:
+                probes.pop(0)
+            await run_steps(refuse_early_steps(bytes(view[:end]), context_tokens))  # type: ignore[arg-type]
     return buffer if end == len(buffer) else buffer[:end]
 
 

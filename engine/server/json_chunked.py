@@ -33,19 +33,22 @@ Steps = Generator[None, None, T]  # yields between pieces of work; returns the r
 class TooManyItems(ValueError):
     """An array longer than `max_items`: refused once the parser passes the limit, the rest unparsed."""
 
-    def __init__(self, max_items: int) -> None:
+    def __init__(self, max_items: int, member: str | None = None) -> None:
         super().__init__(f"an array holds more than {max_items} items")
         self.max_items = max_items
+        self.member = member  # the top-level member whose own limit (member_items) it passed, if one did
 
 
 class _Walk:
     """What one parse carries through its recursion: the text, the array limit and when it next yields."""
 
-    __slots__ = ("text", "max_items", "yield_at", "items_left")
+    __slots__ = ("text", "max_items", "member_items", "member", "yield_at", "items_left")
 
-    def __init__(self, text: str, max_items: int | None) -> None:
+    def __init__(self, text: str, max_items: int | None, member_items: dict[str, int]) -> None:
         self.text = text
         self.max_items = max_items
+        self.member_items = member_items
+        self.member: str | None = None  # the top-level member being parsed under its own limit
         self.yield_at = CHUNK_CHARS
         self.items_left = ITEMS_PER_STEP
 
@@ -69,20 +72,25 @@ def finish(steps: Steps[T]) -> T:
             return done.value
 
 
-def loads(raw: bytes | str, max_items: int | None = None) -> Any:
+def loads(raw: bytes | str, max_items: int | None = None, member_items: dict[str, int] | None = None) -> Any:
     """What `json.loads(raw)` returns (ValueError where it raises one), without one long hold of the GIL.
     `max_items`: TooManyItems as soon as an array passes it (an 8 MiB prompt of ids is refused after the
     first few thousand, not after all of it)."""
-    return finish(loads_steps(raw, max_items))
+    return finish(loads_steps(raw, max_items, member_items))
 
 
-def loads_steps(raw: bytes | str, max_items: int | None = None) -> Steps[Any]:
-    """`loads` as steps: a generator that yields between pieces and returns the value."""
+def loads_steps(raw: bytes | str, max_items: int | None = None,
+                member_items: dict[str, int] | None = None) -> Steps[Any]:
+    """`loads` as steps: a generator that yields between pieces and returns the value. `member_items`: a
+    lower limit for the arrays in some members of the top-level object (TooManyItems names the member)."""
     text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw), "surrogatepass")
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    walk = _Walk(text, max_items)
-    value, end = yield from _value(walk, _skip(text, 0))
+    walk = _Walk(text, max_items, member_items or {})
+    if text.startswith("{", _skip(text, 0)):
+        value, end = yield from _object(walk, _skip(text, 0) + 1, top=True)
+    else:
+        value, end = yield from _value(walk, _skip(text, 0))
     end = _skip(text, end)
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
@@ -104,7 +112,7 @@ def _value(walk: _Walk, i: int) -> Steps[tuple[Any, int]]:
     return _DECODER.raw_decode(walk.text, i)  # a string, number or literal: the C scanner
 
 
-def _object(walk: _Walk, i: int) -> Steps[tuple[dict, int]]:
+def _object(walk: _Walk, i: int, top: bool = False) -> Steps[tuple[dict, int]]:
     text = walk.text
     out: dict = {}
     i = _skip(text, i)
@@ -118,7 +126,13 @@ def _object(walk: _Walk, i: int) -> Steps[tuple[dict, int]]:
         if i >= len(text) or text[i] != ":":
             raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
         i = _skip(text, i + 1)
-        if text.startswith(_OPENERS, i):
+        own_limit = walk.member_items.get(key) if top else None
+        if own_limit is not None and text.startswith(_OPENERS, i):
+            outer_limit, walk.member = walk.max_items, key
+            walk.max_items = own_limit if outer_limit is None else min(own_limit, outer_limit)
+            out[key], i = yield from _value(walk, i)
+            walk.max_items, walk.member = outer_limit, None
+        elif text.startswith(_OPENERS, i):
             out[key], i = yield from _value(walk, i)
         else:
             out[key], i = _DECODER.raw_decode(text, i)
@@ -144,7 +158,7 @@ def _array(walk: _Walk, i: int) -> Steps[tuple[list, int]]:
             i, count = _number_piece(text, i, out)
             if count:
                 if max_items is not None and len(out) > max_items:
-                    raise TooManyItems(max_items)
+                    raise TooManyItems(max_items, walk.member)
                 if walk.due(i, count):
                     yield
                 continue
@@ -154,7 +168,7 @@ def _array(walk: _Walk, i: int) -> Steps[tuple[list, int]]:
             item, i = _DECODER.raw_decode(text, i)
         out.append(item)
         if max_items is not None and len(out) > max_items:
-            raise TooManyItems(max_items)
+            raise TooManyItems(max_items, walk.member)
         i = _skip(text, i)
         if i < len(text) and text[i] == ",":
             i = _skip(text, i + 1)

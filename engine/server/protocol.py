@@ -324,19 +324,27 @@ def _token_ids(items: list) -> Steps[bool]:
     return True
 
 
-def probe_bytes(max_prompt_ids: int | None) -> int | None:
-    """How much of a large body `refuse_early_steps` looks at (None: no context to hold arrays to)."""
-    return None if max_prompt_ids is None else max(max_prompt_ids, MIN_ARRAY_LIMIT) * PROBE_BYTES_PER_ID
+def probe_bytes(max_prompt_ids: int | None) -> tuple[int, ...]:
+    """After how many bytes of a large body `refuse_early_steps` looks at what is in (none: no context to hold
+    arrays to): once a prompt of ids past the context could be in, and once any array past the arrays' limit."""
+    if max_prompt_ids is None:
+        return ()
+    return tuple(sorted({(max_prompt_ids + 1) * PROBE_BYTES_PER_ID,
+                         max(max_prompt_ids, MIN_ARRAY_LIMIT) * PROBE_BYTES_PER_ID}))
 
 
 def refuse_early_steps(prefix: bytes, max_prompt_ids: int) -> Steps[None]:
-    """The 400 parse_body would give for an array past the context, when the first bytes of the body already
-    hold one; nothing otherwise (a body cut short is no error yet: the whole body is parsed when it is in). So
-    a body that cannot fit is refused before the rest of it is read. Steps, as `parse_body_steps`."""
+    """The 400 for a prompt longer than the context, or an array past the limit parse_body holds every array
+    to, when the first bytes of the body already hold one; nothing otherwise (a body cut short is no error
+    yet: the whole body is parsed when it is in). So a body that cannot fit is refused before the rest of it
+    is read, and after parsing no more of it than the context's worth of ids. Steps, as `parse_body_steps`."""
     limit = max(max_prompt_ids, MIN_ARRAY_LIMIT)
     try:
-        yield from json_chunked.loads_steps(prefix, limit)
+        yield from json_chunked.loads_steps(prefix, limit, {"prompt": max_prompt_ids})
     except json_chunked.TooManyItems as exc:
+        if exc.member == "prompt":
+            raise ApiError(400, f"prompt holds more than {exc.max_items} items; this engine's context is "
+                                f"{max_prompt_ids} tokens", param="prompt", code="context_length_exceeded") from None
         raise _array_too_long(exc, max_prompt_ids) from None
     except (ValueError, RecursionError):
         return

@@ -72,12 +72,36 @@ def test_an_in_context_token_id_prompt_is_parsed_on_the_loop_between_its_other_w
 
 
 def test_a_prompt_past_the_context_is_refused_from_steps_on_the_loop(monkeypatch) -> None:
-    engine = FakeEngine()  # 64 tokens of context: the arrays' limit is protocol.MIN_ARRAY_LIMIT
-    body = json.dumps({"model": MODEL, "prompt": [12] * (4 * protocol.MIN_ARRAY_LIMIT), "max_tokens": 1}).encode()
+    engine = FakeEngine(context_tokens=100_000)
+    body = json.dumps({"model": MODEL, "prompt": [12] * 400_000, "max_tokens": 1}).encode()
     resp, log, loop_thread = _events_while_posting(engine, body, monkeypatch)
-    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt", error
+    assert "more than 100000" in error["message"], error
     _assert_pieces_on_the_loop_between_its_turns(log, loop_thread, at_least=3)
     assert not engine.requests
+
+
+def test_a_long_array_other_than_the_prompt_is_refused_at_the_arrays_limit(monkeypatch) -> None:
+    engine = FakeEngine()  # 64 tokens of context: arrays are held to protocol.MIN_ARRAY_LIMIT
+    body = json.dumps({"model": MODEL, "stop_token_ids": [12] * (4 * protocol.MIN_ARRAY_LIMIT),
+                       "prompt": [1], "max_tokens": 1}).encode()
+    resp, _, _ = _events_while_posting(engine, body, monkeypatch)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "context_length_exceeded" and f"more than {protocol.MIN_ARRAY_LIMIT}" in error["message"]
+
+
+def test_a_member_limit_holds_only_that_members_arrays() -> None:
+    text = json.dumps({"stop": [1] * 50, "prompt": [[2] * 10], "n": [3] * 50})
+    assert json_chunked.loads(text, None, {"prompt": 10}) == json.loads(text)
+    with pytest.raises(json_chunked.TooManyItems) as refused:
+        json_chunked.loads(text, None, {"prompt": 9})
+    assert refused.value.member == "prompt" and refused.value.max_items == 9
+    with pytest.raises(json_chunked.TooManyItems) as refused:
+        json_chunked.loads(text, 40, {"prompt": 9})
+    assert refused.value.member is None and refused.value.max_items == 40  # "stop" comes first
 
 
 def _validator_alone(raw: bytes) -> CompletionRequest | str:
