@@ -3,7 +3,8 @@
 Starts `strata-engine serve` (builtin:strata-tiny on CPU) in its own process; CLIENTS senders each send
 token-id prompts back to back for SECONDS from their own processes, while this process polls /health every
 10 ms. Prints one JSON line: /health p50/p99/max in ms, how many polls, how many bodies were answered with
-which status, and the machine's load average (1 min) before and after (the figures mean little without it).
+which status, the server process's CPU time meanwhile (in all, and per body answered) and the machine's load
+average (1 min) before and after (the latencies mean little without it).
 
 Two kinds of body:
 - `--body-mib 8` (default): ids far past the context; each is refused with 400 from its first bytes.
@@ -45,9 +46,17 @@ def load(url: str, body: bytes, seconds: float, results: Any) -> None:
     results.put(dict(statuses))
 
 
-def measure(url: str, model: str, clients: int, ids: int, token_id: int, seconds: float) -> dict:
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) the process has used: /proc/PID/stat's utime and stime."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, model: str, clients: int, ids: int, token_id: int, seconds: float, server_pid: int) -> dict:
     body = json.dumps({"model": model, "prompt": [token_id] * ids, "max_tokens": 1}).encode()
     load_before = os.getloadavg()[0]
+    cpu_before = cpu_s(server_pid)
     results: Any = multiprocessing.Queue()
     senders = [multiprocessing.Process(target=load, args=(url, body, seconds, results)) for _ in range(clients)]
     for p in senders:
@@ -65,12 +74,14 @@ def measure(url: str, model: str, clients: int, ids: int, token_id: int, seconds
         statuses.update(results.get(timeout=300))
     for p in senders:
         p.join()
+    server_cpu_s = cpu_s(server_pid) - cpu_before
     latencies_ms.sort()
     pick = lambda q: round(latencies_ms[min(len(latencies_ms) - 1, int(q * len(latencies_ms)))], 1)  # noqa: E731
     return {"clients": clients, "ids": ids, "token_id": token_id, "body_bytes": len(body), "seconds": seconds,
             "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "health_polls": len(latencies_ms),
             "health_p50_ms": pick(0.5), "health_p99_ms": pick(0.99), "health_max_ms": round(latencies_ms[-1], 1),
-            "bodies": {str(k): v for k, v in sorted(statuses.items(), key=str)}}
+            "bodies": {str(k): v for k, v in sorted(statuses.items(), key=str)}, "server_cpu_s": round(server_cpu_s, 2),
+            "server_cpu_ms_per_body": round(1000 * server_cpu_s / max(1, sum(statuses.values())), 2)}
 
 
 def main() -> int:
@@ -101,7 +112,8 @@ def main() -> int:
             return 1
         card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
         token_id = card["vocab_size"] if args.past_vocab else 12
-        print(json.dumps(measure(url, card["id"], args.clients, ids, token_id, args.seconds)), flush=True)
+        print(json.dumps(measure(url, card["id"], args.clients, ids, token_id, args.seconds, engine.proc.pid)),
+              flush=True)
     finally:
         engine.stop(timeout_s=30)
     return 0
