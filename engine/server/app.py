@@ -144,10 +144,10 @@ async def _large_body(request: Request, context_tokens: int | None) -> bytearray
             raise invalid_param("Content-Length", length, "the body is longer than its Content-Length")
         view[end:end + len(piece)] = piece
         end += len(piece)
-        if probes and probes[0] <= end < len(buffer):
+        if context_tokens is not None and probes and probes[0] <= end < len(buffer):
             while probes and probes[0] <= end:
                 probes.pop(0)
-            await run_steps(refuse_early_steps(bytes(view[:end]), context_tokens))  # type: ignore[arg-type]
+            await run_steps(refuse_early_steps(bytes(view[:end]), context_tokens))
     return buffer if end == len(buffer) else buffer[:end]
 
 

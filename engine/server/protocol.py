@@ -35,7 +35,7 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 MIN_ARRAY_LIMIT = 1 << 16  # arrays in a large body are cut off past max(context, this)
 LARGE_BODY_BYTES = 256 << 10  # above this a body is parsed in pieces (json_chunked): the event loop keeps going
-# refuse_early looks at this many bytes per id of the limit: ids of up to six digits with a comma and a space
+# refuse_early_steps looks after this many bytes per id of a limit: ids of up to six digits with a comma and a space
 # (a tokenizer's ids, as JSON writers space them); a body whose ids are longer is parsed whole, as before
 PROBE_BYTES_PER_ID = 8
 ID_CHECK_PIECE = 1 << 14  # a token-id prompt longer than this is checked this many ids per step
