@@ -12,7 +12,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from engine.snapshot import EngineSnapshot, KvPagingSnapshot
+from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, KvPagingSnapshot
 from engine.switches import SWITCHES
 from engine.telemetry import (
     AdmissionEvent,
@@ -234,10 +234,10 @@ class MonitorState:
             self.kv_pool, self.admission_wait = pool, admission_wait
             self.version += 1
 
-    def apply_experts(self, experts: Any) -> None:
+    def apply_experts(self, experts: ExpertCacheSnapshot | None) -> None:
         """The `experts` section of a state snapshot (or a control answer); None: a dense model."""
         self.version += 1
-        if not isinstance(experts, dict):
+        if experts is None:
             self.experts = None
             return
         if self.experts is None:

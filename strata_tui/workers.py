@@ -12,7 +12,7 @@ from typing import Any, Callable
 import httpx
 from textual.worker import get_current_worker
 
-from engine.snapshot import KvSnapshot, QueueSnapshot
+from engine.snapshot import ExpertCacheSnapshot, KvSnapshot, QueueSnapshot
 from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import EngineProcess
 from strata_tui.messages import (
@@ -143,7 +143,7 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
             pass  # the liveness probe and the event stream report an engine that does not answer
         # Only the sections read here are parsed (typed, as EngineSnapshot parses them): the slots, which the event
         # stream carries, would cost a parse of every slot each second.
-        experts = state.get("experts")
+        experts = ExpertCacheSnapshot.from_json(state["experts"]) if isinstance(state.get("experts"), dict) else None
         kv = KvSnapshot.from_json(state["kv"]) if isinstance(state.get("kv"), dict) else None
         paging = kv.paging if kv is not None else None
         if experts is not None:

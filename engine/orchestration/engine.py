@@ -36,7 +36,7 @@ from engine.exec.sampler import request_generator
 from engine.orchestration.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.orchestration.reporting import Reporter
 from engine.orchestration.state import build_snapshot
-from engine.snapshot import EngineSnapshot, MtpSnapshot
+from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, MtpSnapshot
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent
 
@@ -60,6 +60,7 @@ class Engine:
         self.sched, self.runner, self.drafter, self.board = parts.sched, parts.runner, parts.drafter, parts.board
         self.executor = parts.executor
         self.device = parts.device
+        self.streams = parts.streams  # the CUDA streams and each launch's lane (engine.exec.streams)
         self.chunks = parts.chunks  # prompt chunks beside the steps (engine.exec.chunk_stream), or None
         self.ahead = parts.ahead  # the next greedy decode step in flight (engine.exec.decode_ahead)
         self.model_name = config.model
@@ -71,8 +72,8 @@ class Engine:
         self.output = OutputProcessor()
         self.report = Reporter(bus, self.budgets, self.executor, self.output, kv=self.kv)
         self.stepper = PlanExecutor(runner=self.runner, drafter=self.drafter, sched=self.sched, kv=self.kv,
-                                    tier=self.tier, chunks=self.chunks, ahead=self.ahead, executor=self.executor,
-                                    device=self.device, bus=bus)
+                                    tier=self.tier, streams=self.streams, chunks=self.chunks, ahead=self.ahead,
+                                    executor=self.executor, device=self.device, bus=bus)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
         self.report.vram()
@@ -162,7 +163,7 @@ class Engine:
         self.report.vram(force=True)
         return int(self.budget.reserve_mib)
 
-    def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
+    def set_expert_cache_mib(self, mib: int) -> ExpertCacheSnapshot:
         """Retune the MoE expert cache's budget live (engine.exec.kv.tier.VramBudget.set_expert_budget); returns the
         cache's snapshot afterwards. NoExpertCache for a dense model, ConfigError (mib) below one slot a layer."""
         cache = self.lm.model.expert_provider

@@ -136,7 +136,7 @@ def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(
     fall at the same positions); chunks up to 512 tokens replay graphs of their own pool, beside the decode and
     drafter graphs. The side stream: a plain low-priority one (STRATA_CHUNK_SMS=0), then the default, a green
     context's on a share of the SMs."""
-    from engine.exec.chunk_stream import default_chunk_sms
+    from engine.exec.streams import default_chunk_sms
 
     outputs, beside_steps = [], []
     for overlap, chunk_sms in (("off", None), ("auto", 0), ("auto", default_chunk_sms(torch.device("cuda:0")))):
@@ -149,7 +149,7 @@ def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(
                               prefill_overlap=overlap)
         engine = Engine(config, EventBus(), block_tokens=BLOCK_TOKENS)
         assert (engine.chunks is not None) == (overlap == "auto")
-        assert engine.chunks is None or (engine.chunks.chunk_sms, engine.chunks.note) == (chunk_sms, None)
+        assert engine.chunks is None or (engine.streams.chunk_sms, engine.streams.note) == (chunk_sms, None)
         engine.sched.pacer = _WholeChunksBeside(1.0, granule_tokens=BLOCK_TOKENS)
         shorts = [engine.add_request(f"s{i}", p, _greedy(400)) for i, p in enumerate(SHORT[:3])]
         for _ in range(4):

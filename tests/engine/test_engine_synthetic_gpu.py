@@ -56,9 +56,9 @@ def _tokens(bus=None, **kw):
 def test_gpu_each_cold_path_gives_the_all_resident_tokens_under_cuda_graphs(mode):
     resident, _ = _tokens()
     tokens, snap = _tokens(expert_cache_mib=1, switches=SWITCH[mode])
-    print(f"{mode}: slots {snap['slots']}, hit rate {snap['hit_rate']}, oracle {snap['oracle_hit_rate']}, "
-          f"replays {snap['replays']}, reruns {snap['reruns']}, prefetched {snap['prefetched']} of {snap['steps']} steps")
-    assert snap["cold"] == mode and snap["misses"] > 0
+    print(f"{mode}: slots {snap.slots}, hit rate {snap.hit_rate}, oracle {snap.oracle_hit_rate}, "
+          f"replays {snap.replays}, reruns {snap.reruns}, prefetched {snap.prefetched} of {snap.steps} steps")
+    assert snap.cold == mode and snap.misses > 0
     assert tokens == resident
 
 
