@@ -83,6 +83,15 @@ def test_on_cuda_with_graphs_decoding_slots_keep_their_token_every_step(ckpt) ->
     print(f"the 2,500-token admission took {steps} steps")
 
 
+class _WholeChunksBeside(PrefillPacer):
+    """Unpaced (share 1: whole chunks, no gap after one beside the steps), and no chunk "fits one step": with
+    chunks beside the steps on, every chunk while slots decode goes beside them (the scheduler otherwise runs a
+    chunk that fits a step's allowance between the steps, and at share 1 every chunk fits)."""
+
+    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
+        return False
+
+
 @pytest.mark.parametrize("mtp", [False, True])
 def test_chunks_beside_the_steps_keep_every_slots_token_and_land_a_step_later(ckpt, mtp: bool) -> None:
     """`prefill_overlap on` on a CPU: one stream, so each chunk runs at its launch; held "not ready" through the
@@ -92,6 +101,9 @@ def test_chunks_beside_the_steps_keep_every_slots_token_and_land_a_step_later(ck
     engine = make_engine(ckpt, batch=5, context=4096, prefill_chunk_tokens=512, step_token_budget=1024,
                          block_tokens=BLOCK_TOKENS, batch_mtp=mtp, mtp_depth=2, prefill_overlap="on")
     assert engine.chunks is not None and engine.sched.overlap_chunks
+    # every chunk beside the steps: the default pacer would run one that its timings say fits a step between them,
+    # and on a loaded machine those timings vary
+    engine.sched.pacer = _WholeChunksBeside(1.0, granule_tokens=BLOCK_TOKENS)
     launched, landed = [], []
     launch, land = engine.chunks.launch, engine.sched.chunk_landed
     engine.chunks.launch = lambda chunk, run: (launched.append((engine.steps, chunk.start)), launch(chunk, run))
@@ -118,15 +130,6 @@ def test_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt) ->
             engine.step()
     assert outputs[0] == outputs[1]
     assert cached[0] == cached[1] > 1000, cached
-
-
-class _WholeChunksBeside(PrefillPacer):
-    """Unpaced (share 1: whole chunks, no gap after one beside the steps), and no chunk "fits one step": with
-    chunks beside the steps on, every chunk while slots decode goes beside them (the scheduler otherwise runs a
-    chunk that fits a step's allowance between the steps, and at share 1 every chunk fits)."""
-
-    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
-        return False
 
 
 @pytest.mark.gpu
