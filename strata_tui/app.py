@@ -32,11 +32,10 @@ from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profiles import ProfilesScreen
 from strata_tui.shutdown import Shutdown
-from strata_tui.telemetry_client import TelemetryClient
+from strata_tui.telemetry_client import TelemetryClient, stream_telemetry
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
 from strata_tui.view_state import ViewState
-from strata_tui.workers import (engine_callbacks, poll_state, read_state, run_engine, sample_gpus,
-                                stream_telemetry, watch_liveness)
+from strata_tui.workers import engine_callbacks, poll_state, read_state, run_engine, sample_gpus, watch_liveness
 
 
 class StrataApp(ForeignEngines, App):

@@ -177,7 +177,7 @@ class _Stream:
 
 async def test_a_burst_of_reads_is_posted_in_few_batches_with_every_event_in_order() -> None:
     from strata_tui.messages import StateSnapshot, TelemetryStatus
-    from strata_tui.workers import stream_telemetry
+    from strata_tui.telemetry_client import stream_telemetry
 
     posted: list = []
     worker = asyncio.create_task(stream_telemetry(posted.append, _Stream(100), batch_s=0.1))
