@@ -81,7 +81,7 @@ class Engine:
                                     device=self.device, bus=bus)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
-        self.publish_vram()
+        self._publish_vram()
         self.publish_snapshot(force=True)
         bus.publish(EngineEvent(state="ready", detail=f"model {config.model} on {self.device}"))
 
@@ -165,7 +165,7 @@ class Engine:
         self.ahead.drop()  # the tier may give blocks back to the pool
         for budget in self.budgets:
             budget.set_reserve(mib)
-        self.publish_vram(force=True)
+        self._publish_vram(force=True)
         return int(self.budget.reserve_mib)
 
     def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
@@ -177,7 +177,7 @@ class Engine:
         check_min_budget(cache, mib, "mib")
         budget = next(b for b in self.budgets if b.experts is cache)
         budget.set_expert_budget(mib, f"expert cache set to {mib} MiB")
-        self.publish_vram(force=True)
+        self._publish_vram(force=True)
         return cache.snapshot()
 
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
@@ -202,7 +202,7 @@ class Engine:
     def idle_tick(self) -> None:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
         if self._dead_reason is None:
-            self.publish_vram()
+            self._publish_vram()
         self.publish_snapshot()
 
     # --- telemetry: published where the state changes, paced ------------------------------------------------
@@ -220,9 +220,9 @@ class Engine:
             req = track.request
             if req.slot is not None and now_s - track.last_event_s >= self.slot_interval_s:
                 self._publish_slot(req, req.slot, None, now_s)
-        self.publish_vram()
+        self._publish_vram()
 
-    def publish_vram(self, force: bool = False) -> None:
+    def _publish_vram(self, force: bool = False) -> None:
         """The VRAM books of every device, each device's tier rebalanced first; at most every
         VRAM_EVENT_INTERVAL_S unless `force` (a reserve or expert budget just changed)."""
         now_s = time.monotonic()

@@ -202,7 +202,7 @@ class SlotsTable(DataTable):
     SlotsTable.-stale { text-opacity: 45%; }
     """
 
-    def __init__(self, view: "ViewState | None" = None, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, view: ViewState | None = None, clock: Callable[[], float] = time.monotonic,
                  **kwargs) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self._view = view  # the app's view state, read on each tick; None: drawn only by show()
