@@ -33,7 +33,7 @@ class EngineNews(Message):
 
 @dataclass
 class TelemetryBatch(EngineNews):
-    """Events from the SSE stream: the reads of up to `batch_s` (workers.stream_telemetry), in order."""
+    """Events from the SSE stream: the reads of up to `batch_s` (telemetry_client.stream_telemetry), in order."""
 
     events: list[Event]
 
