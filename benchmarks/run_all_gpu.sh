@@ -321,8 +321,8 @@ step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --
 # The GPU tests: those marked gpu_shared (kernels and models against references) side by side, each other test
 # alone through tests/conftest.py's lock; --session-timeout ends the suite before the step's limit, so a long run
 # still prints its failures and durations.
-step gpu_suite 400 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
-    --durations=0 --session-timeout=370 --junitxml="$OUT/gpu_suite.xml" tests
+step gpu_suite 590 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
+    --durations=0 --session-timeout=560 --junitxml="$OUT/gpu_suite.xml" tests
 
 # Two GPUs: the prefix-cache tier and the MoE expert store on cuda:1.
 step peer_tests 150 "$PY" -m pytest -m gpu -q -s -rA -p no:cacheprovider tests/engine/test_engine_gpu.py \

@@ -159,8 +159,9 @@ class EngineClient(Protocol):
 
     async def set_vram_reserve(self, mib: int) -> int: ...
 
-    async def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
-        """Retune the MoE expert cache's budget; returns its snapshot. NoExpertCache for a dense model."""
+    async def set_expert_cache_mib(self, mib: int) -> "ExpertCacheSnapshot":
+        """Retune the MoE expert cache's budget; returns its snapshot (engine.snapshot.ExpertCacheSnapshot).
+        NoExpertCache for a dense model."""
         ...
 
     async def shutdown(self, wait_s: float | None = None) -> None:

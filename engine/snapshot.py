@@ -214,6 +214,61 @@ class SwitchSnapshot(_Json):
 
 
 @dataclass(frozen=True)
+class ExpertLayerSnapshot(_Json):
+    """One sparse layer's expert counters since start."""
+
+    layer: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    hit_rate: float | None = None  # None: no access yet
+
+
+@dataclass(frozen=True)
+class ExpertCacheSnapshot(_Json):
+    """An MoE model's expert cache (engine.exec.experts.cache.ExpertCache.snapshot): its size, its counters since
+    start, and the oracle's replays of the recorded routing (engine.exec.experts.stats)."""
+
+    slots: int = 0  # per sparse layer, held now
+    target_slots: int = 0  # per sparse layer, what the budget aims for
+    mib: float = 0.0  # the slot pools on the device
+    host_mib: float = 0.0  # the host (pinned) store: every expert once (0 with a peer store)
+    peer_mib: float = 0.0  # the store on the --peer-device card
+    store_device: str = "host"
+    expert_mib: float = 0.0  # one expert's weights
+    all_experts_mib: float = 0.0
+    top_k: int = 0
+    cold: str = ""  # how a miss is served (engine.exec.experts.cold)
+    num_layers: int = 0
+    num_experts: int = 0
+    policy: str = "lru"
+    device: str = ""
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float | None = None  # None: no access yet
+    evictions: int = 0
+    loaded_experts: int = 0
+    loaded_mib: float = 0.0
+    load_ms: float = 0.0
+    reruns: int = 0  # captured steps run again eagerly because an expert was missing
+    replays: int = 0  # extra graph replays after loading a captured step's first missed layer
+    prefetched: int = 0  # experts copied in ahead of their layer (the cold mode prefetch)
+    host_runs: int = 0  # misses run on the CPU from the host store (the cold mode cpu)
+    steps: int = 0
+    trace_accesses: int = 0
+    layers: list[ExpertLayerSnapshot] = field(default_factory=list)
+    oracle_hit_rate: float | None = None  # Belady's replay of the trace at the current slots
+    lru_replay_hit_rate: float | None = None
+    lfu_replay_hit_rate: float | None = None  # only while the live policy is LFU (EXPERT_LFU)
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if self.policy == "lru":  # the wire carries a replay of the live policy only where it is not LRU's
+            out.pop("lfu_replay_hit_rate")
+        return out
+
+
+@dataclass(frozen=True)
 class EngineSnapshot(_Json):
     """What /strata/state answers. A loading or dead engine fills model, config and health only."""
 
@@ -230,4 +285,4 @@ class EngineSnapshot(_Json):
     kv: KvSnapshot | None = None
     mtp: MtpSnapshot = field(default_factory=MtpSnapshot)
     steps: int = 0
-    experts: dict[str, Any] | None = None  # MoE: the expert cache (engine.exec.experts.cache.ExpertCache.snapshot)
+    experts: ExpertCacheSnapshot | None = None  # MoE: the expert cache; None: a dense model

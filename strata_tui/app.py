@@ -3,7 +3,8 @@ screens draw lives in one ViewState (`app.view`); what the keys do lives in Cont
 
 `create_app()` is the factory the CLI and the tests share. Data flows one way: workers post messages up;
 one handler hands each to the reducer (`strata_tui/reducer.py`), which folds it into the ViewState and says
-what to do about it; the monitor screen's refresh tick pushes the changed state down into its widgets.
+what to do about it; the monitor screen's refresh tick pushes the changed state down into its widgets (the
+slots table reads its own slice on its tick).
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profiles import ProfilesScreen
 from strata_tui.shutdown import Shutdown
-from strata_tui.telemetry_client import TelemetryClient
+from strata_tui.telemetry_client import TelemetryClient, stream_telemetry
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
 from strata_tui.view_state import ViewState
-from strata_tui.workers import (engine_callbacks, poll_state, read_state, run_engine, sample_gpus,
-                                stream_telemetry, watch_liveness)
+from strata_tui.workers import engine_callbacks, poll_state, read_state, run_engine, sample_gpus, watch_liveness
 
 
 class StrataApp(ForeignEngines, App):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from engine.config import VRAM_RESERVE_MAX_MIB
 from engine.errors import StrataError
+from engine.snapshot import ExpertCacheSnapshot
 from engine.switches import SWITCHES, get_switch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
@@ -259,7 +260,7 @@ class Controls:
         result = await client.set_expert_cache_mib(mib)
         if result.ok:
             if isinstance(result.body, dict) and isinstance(result.body.get("experts"), dict):
-                self.view.monitor.apply_experts(result.body["experts"])
+                self.view.monitor.apply_experts(ExpertCacheSnapshot.from_json(result.body["experts"]))
             experts = self.view.monitor.experts
             short = experts is not None and experts.slots is not None and experts.slots < (experts.target_slots or 0)
             self.view.expert_note = (f"{mib} MiB applied live" + (": growing as VRAM frees" if short else "")

@@ -9,16 +9,18 @@ not the whole run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from engine.snapshot import ExpertCacheSnapshot
 from engine.telemetry import ExpertEvent
 
 
-def _slot_mib(snapshot: dict[str, Any]) -> float:
+def _slot_mib(snapshot: ExpertCacheSnapshot) -> float:
     """Device MiB of one slot in every sparse layer (what one step of the budget keys moves)."""
-    return float(snapshot.get("num_layers") or 0) * float(snapshot.get("expert_mib") or 0.0)
+    return float(snapshot.num_layers) * float(snapshot.expert_mib)
 
 
 def _slots_for(mib: float, slot_mib: float) -> int:
@@ -26,13 +28,13 @@ def _slots_for(mib: float, slot_mib: float) -> int:
     return max(0, int(mib // slot_mib) - 1)
 
 
-def budget_step_mib(snapshot: dict[str, Any], direction: int) -> int | None:
+def budget_step_mib(snapshot: ExpertCacheSnapshot, direction: int) -> int | None:
     """The whole-MiB budget one slot per layer above (+1) or below (-1) the current target, or None at
     the ends (every expert resident; one slot per layer). Budgets are whole MiB, so with small experts
     one step may move several slots: the nearest whole MiB that changes the slot count."""
     slot_mib = _slot_mib(snapshot)
-    target = int(snapshot.get("target_slots") or snapshot.get("slots") or 0)
-    num_experts = int(snapshot.get("num_experts") or 0)
+    target = int(snapshot.target_slots or snapshot.slots or 0)
+    num_experts = snapshot.num_experts
     if slot_mib <= 0 or not num_experts:
         return None
     if direction > 0:
@@ -54,25 +56,26 @@ def budget_step_mib(snapshot: dict[str, Any], direction: int) -> int | None:
 class ExpertView:
     """The expert cache as the panel shows it (see the module docstring)."""
 
-    snapshot: dict[str, Any] = field(default_factory=dict)
+    snapshot: ExpertCacheSnapshot | None = None  # None: no `experts` section read yet
     misses_per_step: float | None = None
     last_resize: ExpertEvent | None = None
     loads_last: int = 0  # experts loaded in the last summed `load` event (about a second)
     load_mib_last: float = 0.0
 
-    def update(self, snapshot: dict[str, Any]) -> None:
+    def update(self, snapshot: ExpertCacheSnapshot) -> None:
         """A new `experts` section: counters replace the old ones; misses per step from the difference."""
         before = self.snapshot
-        steps, misses = snapshot.get("steps"), snapshot.get("misses")
-        if before and isinstance(steps, int) and isinstance(misses, int) and steps > before.get("steps", 0):
-            self.misses_per_step = (misses - int(before.get("misses", 0))) / (steps - int(before.get("steps", 0)))
-        elif self.misses_per_step is None and isinstance(steps, int) and steps and isinstance(misses, int):
+        steps, misses = snapshot.steps, snapshot.misses
+        if before is not None and steps > before.steps:
+            self.misses_per_step = (misses - before.misses) / (steps - before.steps)
+        elif self.misses_per_step is None and steps:
             self.misses_per_step = misses / steps
-        self.snapshot = dict(snapshot)
+        self.snapshot = snapshot
 
     def apply(self, event: ExpertEvent) -> None:
         if event.action in ("shrink", "grow"):
-            self.snapshot["slots"], self.snapshot["mib"] = event.slots, event.total_mib
+            if self.snapshot is not None:
+                self.snapshot = dataclasses.replace(self.snapshot, slots=event.slots, mib=event.total_mib)
             self.last_resize = event
         elif event.action == "load":
             self.loads_last, self.load_mib_last = event.experts, event.mib
@@ -80,7 +83,7 @@ class ExpertView:
     # --- what the panel reads ------------------------------------------------------------------------
 
     def _get(self, key: str) -> Any:
-        return self.snapshot.get(key)
+        return getattr(self.snapshot, key) if self.snapshot is not None else None
 
     @property
     def slots(self) -> int | None:
@@ -111,7 +114,7 @@ class ExpertView:
         return self._get("oracle_hit_rate")
 
     def layer_hit_rates(self) -> list[float | None]:
-        return [layer.get("hit_rate") for layer in self.snapshot.get("layers") or [] if isinstance(layer, dict)]
+        return [layer.hit_rate for layer in self.snapshot.layers] if self.snapshot is not None else []
 
     def layer_heat(self, cells: int) -> list[float | None]:
         """Per-layer hit rates in at most `cells` cells, in layer order: one layer a cell when they fit, else

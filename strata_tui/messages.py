@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from textual.message import Message
 
-from engine.snapshot import KvPagingSnapshot
+from engine.snapshot import ExpertCacheSnapshot, KvPagingSnapshot
 from engine.telemetry import Event
 from strata_tui.gpu import GpuSample
 
@@ -33,7 +33,7 @@ class EngineNews(Message):
 
 @dataclass
 class TelemetryBatch(EngineNews):
-    """Events from the SSE stream: the reads of up to `batch_s` (workers.stream_telemetry), in order."""
+    """Events from the SSE stream: the reads of up to `batch_s` (telemetry_client.stream_telemetry), in order."""
 
     events: list[Event]
 
@@ -52,7 +52,7 @@ class ExpertsSnapshot(EngineNews):
     """The `experts` section of `/strata/state`, polled about once a second for an MoE engine (its hit
     counters are in no event); each one carries the whole picture, so a burst collapses to the newest."""
 
-    experts: dict
+    experts: ExpertCacheSnapshot
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, ExpertsSnapshot)

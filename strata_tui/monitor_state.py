@@ -1,8 +1,9 @@
 """What the monitor knows about the engine, built from telemetry events. Pure Python, no Textual.
 
 The telemetry worker feeds events in (`apply`), the `/strata/state` snapshot seeds it (`apply_snapshot`),
-and the monitor screen reads it on each refresh tick and pushes the parts down into its widgets. Keeping
-this apart from the widgets makes the event-to-meaning step testable in milliseconds.
+and the monitor screen reads it on each refresh tick and pushes the parts down into its widgets (the slots
+table reads its slots on its own tick). Keeping this apart from the widgets makes the event-to-meaning step
+testable in milliseconds.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from engine.snapshot import EngineSnapshot, KvPagingSnapshot
+from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, KvPagingSnapshot
 from engine.switches import SWITCHES
 from engine.telemetry import (
     AdmissionEvent,
@@ -234,10 +235,10 @@ class MonitorState:
             self.kv_pool, self.admission_wait = pool, admission_wait
             self.version += 1
 
-    def apply_experts(self, experts: Any) -> None:
+    def apply_experts(self, experts: ExpertCacheSnapshot | None) -> None:
         """The `experts` section of a state snapshot (or a control answer); None: a dense model."""
         self.version += 1
-        if not isinstance(experts, dict):
+        if experts is None:
             self.experts = None
             return
         if self.experts is None:

@@ -3,7 +3,8 @@
 `events()` streams `/strata/events` with httpx, parses SSE incrementally, and reconnects after a dropped
 connection with `Last-Event-ID` set to the last sequence number it saw, so the engine's history ring fills
 the gap. It yields batches (every event completed by one network read), which keeps message traffic into
-the UI proportional to reads, not to events.
+the UI proportional to reads, not to events. `stream_telemetry` is the worker body that follows it and posts
+the batches to the app: the stream is read, parsed and posted in this one file.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import httpx
 
 from engine.telemetry import Event, event_from_json
+from strata_tui.messages import StateSnapshot, TelemetryBatch, TelemetryStatus
 from strata_tui.sse import SSEParser
+
+Post = Callable[[Any], Any]  # the app's post_message (bound to the run): how a worker reports
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,55 @@ class TelemetryClient:
             self.last_seq = max(self.last_seq, event.seq)
             batch.append(event)
         return batch
+
+
+async def stream_telemetry(post: Post, client: TelemetryClient, batch_s: float = 0.0) -> None:
+    """Follow /strata/events (reconnecting) until cancelled. On every (re)connection `/strata/state` is
+    read first and posted, because the engine answering now may not be the one from before (another
+    process on the same port, restarted with other switches and reserve); when the event numbers show a
+    restarted engine (one that names no instance), the state is read again and posted as a fresh engine's.
+    The client belongs to the run: the app closes it.
+
+    With `batch_s`, the events of the reads within `batch_s` of the first one are posted as one batch: a busy
+    engine writes many small chunks, each message costs the app more than folding its events does, and the
+    screen draws them only at its refresh; every event is kept and in order, each waits at most `batch_s`."""
+    loop = asyncio.get_running_loop()
+    pending: list = []
+    flush_at: list[asyncio.TimerHandle] = []
+
+    def flush() -> None:
+        for handle in flush_at:
+            handle.cancel()
+        flush_at.clear()
+        if pending:
+            post(TelemetryBatch(pending.copy()))
+            pending.clear()
+
+    def on_status(connected: bool, reason: str) -> None:
+        flush()  # what came before a drop is posted before the drop is
+        post(TelemetryStatus(connected, reason))
+
+    async def on_connect() -> None:
+        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
+        snapshot = await client.state()
+        flush()
+        post(StateSnapshot(snapshot))
+
+    restarts = client.engine_restarts
+    try:
+        async for batch in client.events(on_status, on_connect):
+            if client.engine_restarts != restarts:
+                restarts = client.engine_restarts
+                snapshot = await client.state()
+                flush()
+                post(StateSnapshot(snapshot, fresh_engine=True))
+            pending.extend(batch)
+            if batch_s <= 0:
+                flush()
+            elif not flush_at:
+                flush_at.append(loop.call_later(batch_s, flush))
+    finally:
+        flush()
 
 
 def _json_or_none(response: httpx.Response) -> Any:

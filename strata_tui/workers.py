@@ -1,6 +1,7 @@
-"""The app's I/O, each piece a worker body: the engine process, the telemetry stream, NVML sampling and
-the load scenario. They report by calling `post` (the app's post_message) and never touch widgets or the
-app, so each can be run and tested on its own; the app starts each with `run_worker` in its own group.
+"""The app's I/O, each piece a worker body: the engine process, the state reads, the liveness probe, NVML
+sampling and the load scenario (the event stream's is `telemetry_client.stream_telemetry`, beside its read
+loop). They report by calling `post` (the app's post_message) and never touch widgets or the app, so each
+can be run and tested on its own; the app starts each with `run_worker` in its own group.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Callable
 import httpx
 from textual.worker import get_current_worker
 
-from engine.snapshot import KvSnapshot, QueueSnapshot
+from engine.snapshot import ExpertCacheSnapshot, KvSnapshot, QueueSnapshot
 from strata_tui.gpu import NvmlSampler
 from strata_tui.launcher import EngineProcess
 from strata_tui.messages import (
@@ -25,12 +26,9 @@ from strata_tui.messages import (
     GpuSampled,
     LoadProgress,
     StateSnapshot,
-    TelemetryBatch,
-    TelemetryStatus,
 )
-from strata_tui.telemetry_client import TelemetryClient
+from strata_tui.telemetry_client import Post, TelemetryClient
 
-Post = Callable[[Any], Any]
 # A stop is seen within LIVENESS_SILENCE_S: each probe may take what is left of that since the last answer,
 # so a probe every 0.25 s (not every 0.1 s: each costs the app a few milliseconds of CPU, most of its idle
 # cost) still notices a stopped engine as soon as a faster probe would. An engine busy with a long chunk
@@ -64,55 +62,6 @@ def engine_callbacks(post: Post, run: int) -> dict[str, Any]:
     return {"on_output": on_output, "on_ready": on_ready}
 
 
-async def stream_telemetry(post: Post, client: TelemetryClient, batch_s: float = 0.0) -> None:
-    """Follow /strata/events (reconnecting) until cancelled. On every (re)connection `/strata/state` is
-    read first and posted, because the engine answering now may not be the one from before (another
-    process on the same port, restarted with other switches and reserve); when the event numbers show a
-    restarted engine (one that names no instance), the state is read again and posted as a fresh engine's.
-    The client belongs to the run: the app closes it.
-
-    With `batch_s`, the events of the reads within `batch_s` of the first one are posted as one batch: a busy
-    engine writes many small chunks, each message costs the app more than folding its events does, and the
-    screen draws them only at its refresh; every event is kept and in order, each waits at most `batch_s`."""
-    loop = asyncio.get_running_loop()
-    pending: list = []
-    flush_at: list[asyncio.TimerHandle] = []
-
-    def flush() -> None:
-        for handle in flush_at:
-            handle.cancel()
-        flush_at.clear()
-        if pending:
-            post(TelemetryBatch(pending.copy()))
-            pending.clear()
-
-    def on_status(connected: bool, reason: str) -> None:
-        flush()  # what came before a drop is posted before the drop is
-        post(TelemetryStatus(connected, reason))
-
-    async def on_connect() -> None:
-        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
-        snapshot = await client.state()
-        flush()
-        post(StateSnapshot(snapshot))
-
-    restarts = client.engine_restarts
-    try:
-        async for batch in client.events(on_status, on_connect):
-            if client.engine_restarts != restarts:
-                restarts = client.engine_restarts
-                snapshot = await client.state()
-                flush()
-                post(StateSnapshot(snapshot, fresh_engine=True))
-            pending.extend(batch)
-            if batch_s <= 0:
-                flush()
-            elif not flush_at:
-                flush_at.append(loop.call_later(batch_s, flush))
-    finally:
-        flush()
-
-
 async def read_state(post: Post, client: TelemetryClient) -> None:
     """Read `/strata/state` once and post it (the engine answers again after a gap: it may be another one)."""
     try:
@@ -143,7 +92,7 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
             pass  # the liveness probe and the event stream report an engine that does not answer
         # Only the sections read here are parsed (typed, as EngineSnapshot parses them): the slots, which the event
         # stream carries, would cost a parse of every slot each second.
-        experts = state.get("experts")
+        experts = ExpertCacheSnapshot.from_json(state["experts"]) if isinstance(state.get("experts"), dict) else None
         kv = KvSnapshot.from_json(state["kv"]) if isinstance(state.get("kv"), dict) else None
         paging = kv.paging if kv is not None else None
         if experts is not None:

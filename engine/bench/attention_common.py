@@ -11,6 +11,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.streams import Streams
 
 HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
 
@@ -22,7 +23,7 @@ def graph_ms(fn: Callable[[], Any], iters: int) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - t0) * 1e3 / iters
-    stream = torch.cuda.Stream()
+    stream = Streams(torch.device("cuda")).capture  # one capture stream, as the engine's graphs have
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()

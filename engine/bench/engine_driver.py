@@ -93,7 +93,7 @@ class BenchEngine:
         eng = self.engine
         cache = GraphCache(eng.device, self.bus, eng.board, release_tier=eng.tier.release,
                            wait_polls=self.config.tier_wait_polls, wait_interval_s=self.config.tier_wait_interval_s,
-                           switch_for_key=switch_for_key)
+                           switch_for_key=switch_for_key, streams=eng.streams)
         eng.executor = cache
         eng.runner.executor = cache
         self.executor_wiring = "bench"

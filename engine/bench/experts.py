@@ -108,15 +108,15 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         cache.stats.publish_due(cache.mib, cache.slots, force=True, policy=cache.policy)  # times finished copies
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
-        row = {"engine": "strata", "model": args.model, "batch": len(prompts), "store": snap["store_device"],
-               "cold": snap["cold"],
-               "policy": snap["policy"], "budget_pct": pct, "prefetched": snap["prefetched"],
+        row = {"engine": "strata", "model": args.model, "batch": len(prompts), "store": snap.store_device,
+               "cold": snap.cold,
+               "policy": snap.policy, "budget_pct": pct, "prefetched": snap.prefetched,
                "slots": cache.slots,
                "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
-               "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap["hit_rate"],
-               "oracle_hit_rate": snap["oracle_hit_rate"], "lru_replay_hit_rate": snap["lru_replay_hit_rate"],
+               "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap.hit_rate,
+               "oracle_hit_rate": snap.oracle_hit_rate, "lru_replay_hit_rate": snap.lru_replay_hit_rate,
                # the live policy against Belady's optimal offline choice on the same trace (1.0: as good)
-               "vs_belady": (snap["hit_rate"] / snap["oracle_hit_rate"]) if snap["oracle_hit_rate"] else None,
+               "vs_belady": (snap.hit_rate / snap.oracle_hit_rate) if snap.oracle_hit_rate else None,
                "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0,
                "loaded_mib": round(cache.stats.loaded_mib - l0, 1), "load_ms": round(cache.stats.load_ms - t0, 1),
                "graphs_active": bench.graphs_active, "token_ids": stats.token_ids, "error": None}

@@ -3,15 +3,17 @@
 Between steps, a prompt chunk stops every decoding slot for as long as it runs, so time slicing cannot give a
 fresh long prompt its first token in less than twice its time alone while the slots keep half their rate
 (docs/BENCHMARKS.md, "A fresh 176K prompt beside six decoding slots"). Here, while slots decode, the engine
-launches a chunk on a side stream and goes back to the slots at once; their steps run on a high-priority stream. The engine lands the chunk (samples the first token, prefills MTP's drafter, hands full blocks to the prefix tier)
+launches a chunk on a side stream and goes back to the slots at once; their steps run on a high-priority stream.
+The engine lands the chunk (samples the first token, prefills MTP's drafter, hands full blocks to the prefix tier)
 at the start of a later step, once its event has completed, and only then plans the next one.
 
-On CUDA the side stream is a green context's, on CHUNK_SM_SHARE of the SMs, so the other SMs stay free for the
-steps' kernels. Priority alone (a low-priority side stream on every SM) did not keep the slots going: a decode
-kernel waits for a whole chunk thread block to retire before it gets an SM.
+The streams are the engine's (engine.exec.streams.Streams: `steps` and `side`). On CUDA the side stream is a green
+context's, on CHUNK_SM_SHARE of the SMs, so the other SMs stay free for the steps' kernels. Priority alone (a
+low-priority side stream on every SM) did not keep the slots going: a decode kernel waits for a whole chunk thread
+block to retire before it gets an SM.
 
 What may not run at the same time is kept apart: prompt chunks capture their graphs into their own pool
-(ModelRunner.prefill_owner) and use their own split counters (`lane`: the skinny matmul's), and a KV pool
+(ModelRunner.prefill_owner) and use their own split counters (the "chunks" lane: `Streams.on`), and a KV pool
 reallocation waits for the device first (SlotKVCache.resize_pool). A slot whose request ends while its chunk is in
 flight waits for the chunk before the slot changes hands (`drop`). Where the two streams would share more than
 that, the overlap is off: MoE models (the expert cache's slots are shared by every forward). With KV by use the
@@ -24,33 +26,18 @@ lands at the start of the next step: the engine's bookkeeping of a chunk in flig
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from engine.config import mode_wanted
 from engine.errors import ConfigError
+from engine.exec.streams import Streams
 
 CHUNK_SMS_ENV = "STRATA_CHUNK_SMS"
-# The chunks' share of the SMs: the rest stays free for the decoding slots' kernels. Fewer SMs slow the chunks
-# (the first token comes later); more leave decode less of its rate and do not speed the chunks up
-# (docs/BENCHMARKS.md, "A fresh 176K prompt beside six decoding slots").
-CHUNK_SM_SHARE = 0.75
-_SM_GROUP = 8
 CHUNK_OWNER = "chunks"  # the graph pool of prompt chunks while they may overlap the steps' graphs
-_HIGHEST_PRIORITY = -100  # torch maps a priority past the device's range to its highest (lower is higher)
-_LOWEST_PRIORITY = 0
-
-
-def default_chunk_sms(device: torch.device) -> int:
-    """The chunks' SM share: CHUNK_SM_SHARE of the device's SMs, in whole groups of _SM_GROUP (what a green
-    context is split by)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return int(sms * CHUNK_SM_SHARE) // _SM_GROUP * _SM_GROUP
 
 
 def chunk_sms_from_env(environ: Mapping[str, str]) -> int | None:
@@ -74,33 +61,6 @@ def overlap_wanted(mode: str, device: torch.device, moe: bool) -> bool:
     return mode_wanted("prefill_overlap", mode, device.type == "cuda", blocked)
 
 
-# One green context per (device, SMs), never destroyed: tensors the side stream allocated outlive an engine in
-# torch's allocator cache, and freeing one after its stream's context was destroyed aborts the process ("CUDA
-# error: context is destroyed" from the allocator). That includes the interpreter's exit,
-# which would destroy the context while graphs and weights are still being freed: `serve` ended by SIGTERM would exit
-# -6 (SIGABRT) instead of 0. So each context keeps one reference no module teardown drops,
-# and the driver releases it with the process.
-_GREEN_STREAMS: dict[tuple[int, int], tuple[Any, torch.cuda.Stream]] = {}
-
-
-def _immortal(obj: Any) -> Any:
-    """`obj` with one reference that nothing ever releases (its destructor never runs, not even at exit)."""
-    incref = ctypes.pythonapi.Py_IncRef
-    incref.argtypes, incref.restype = [ctypes.py_object], None
-    incref(obj)
-    return obj
-
-
-def _green_stream(device_index: int, sms: int) -> torch.cuda.Stream:
-    key = (device_index, sms)
-    if key not in _GREEN_STREAMS:
-        from torch.cuda.green_contexts import GreenContext
-
-        context = GreenContext.create(num_sms=sms, device_id=device_index)
-        _GREEN_STREAMS[key] = _immortal((context, context.Stream()))
-    return _GREEN_STREAMS[key][1]
-
-
 @dataclass
 class InFlight:
     """The chunk on the side stream: what it will return, and the events around its kernels."""
@@ -113,56 +73,20 @@ class InFlight:
 
 
 class ChunkStream:
-    """The side stream, the steps' stream and the one chunk in flight (see the module docstring)."""
+    """The one chunk in flight beside the steps, on the engine's side stream (see the module docstring)."""
 
-    def __init__(self, device: torch.device, chunk_sms: int | None = None) -> None:
-        """The side stream belongs to a CUDA green context of `chunk_sms` SMs (torch's GreenContext; None: the
-        default share, `default_chunk_sms`), so a chunk's kernels never hold the other SMs, which the steps'
-        kernels find free; 0, or a torch or driver without green contexts (`note` says why): a plain
-        low-priority stream, where the steps' kernels get an SM only as a chunk's thread blocks retire."""
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.note: str | None = None
-        self.chunk_sms = 0
-        self._steps = self._side = None
-        if self.cuda:
-            self._steps = torch.cuda.Stream(device, priority=_HIGHEST_PRIORITY)
-            sms = default_chunk_sms(device) if chunk_sms is None else chunk_sms
-            if sms:
-                try:
-                    self._side, self.chunk_sms = _green_stream(device.index or 0, sms), sms
-                except Exception as exc:  # noqa: BLE001 - an older torch or driver: the priority stream serves
-                    self.note = (f"prompt chunks beside the steps without an SM share: no green context of {sms} "
-                                 f"SMs ({type(exc).__name__}: {exc})")
-            if self._side is None:
-                self._side = torch.cuda.Stream(device, priority=_LOWEST_PRIORITY)
+    def __init__(self, streams: Streams) -> None:
+        """`streams`: the engine's (engine.exec.streams), built with the overlap on: their `side` stream runs the
+        chunks and their `steps` stream the steps."""
+        if not streams.overlap:
+            raise ValueError("ChunkStream needs Streams built with overlap=True (a side stream for the chunks)")
+        self.streams = streams
+        self.device = streams.device
+        self.cuda = streams.cuda
         self.in_flight: InFlight | None = None
         # KV by use (engine.exec.kv.paging.KVPaging; the engine builder sets it): the chunk's slot is held from its
         # launch until it is taken or dropped, so no step's prepare spills the blocks it writes.
         self.paging: Any = None
-
-    @contextlib.contextmanager
-    def steps(self) -> Iterator[None]:
-        """The engine's own work runs inside on the high-priority stream, ordered after what the caller's stream
-        queued before and before what it queues after."""
-        if not self.cuda:
-            yield
-            return
-        outer = torch.cuda.current_stream(self.device)
-        self._steps.wait_stream(outer)
-        try:
-            with torch.cuda.stream(self._steps):
-                yield
-        finally:
-            outer.wait_stream(self._steps)
-
-    def lane(self) -> contextlib.AbstractContextManager:
-        """Every prompt chunk's launches (beside the steps or not): the chunks' split counters."""
-        if not self.cuda:
-            return contextlib.nullcontext()
-        from engine.model.triton_linear import counter_lane  # Triton: CUDA builds only
-
-        return counter_lane("chunks")
 
     def launch(self, chunk: Any, run: Callable[[], Any]) -> None:
         """Queue `run()` (the chunk's forward, returning a StepOutput) on the side stream, after everything the
@@ -175,9 +99,8 @@ class ChunkStream:
             out = run()
             self.in_flight = InFlight(chunk, out, None, None, time.perf_counter() - t0_s)
             return
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self._side), self.lane():
+        with self.streams.on("chunks", beside=True):
             start.record()
             out = run()
             end.record()

@@ -27,6 +27,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.exec.chunk_stream import ChunkStream
+from engine.exec.streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
 from engine.exec.drafter import MtpDrafter
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
@@ -102,10 +103,11 @@ class PlanExecutor:
     """`execute(plan) -> StepResult`; `release(request, slot)` once a request holding a slot has finished."""
 
     def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, sched: Any, kv: SlotKVCache,
-                 tier: AdaptiveTier, chunks: ChunkStream | None, ahead: DecodeAhead, executor: Any,
-                 device: torch.device, bus: EventBus) -> None:
+                 tier: AdaptiveTier, streams: Streams, chunks: ChunkStream | None, ahead: DecodeAhead,
+                 executor: Any, device: torch.device, bus: EventBus) -> None:
         self.runner, self.drafter, self.sched = runner, drafter, sched
         self.kv, self.tier, self.chunks, self.ahead, self.executor = kv, tier, chunks, ahead, executor
+        self.streams = streams  # the steps' stream, and each launch's split-counter lane
         self.device = device
         self.bus = bus
         self.mtp_on = drafter is not None
@@ -124,7 +126,8 @@ class PlanExecutor:
         """Run `plan`; a failure of the whole step comes back as `StepResult.error`, after the parts that ran."""
         result = self._result = StepResult()
         try:
-            with torch.inference_mode(), self.chunks.steps() if self._may_overlap(plan) else contextlib.nullcontext():
+            on_steps = self.streams.on("steps") if self._may_overlap(plan) else contextlib.nullcontext()
+            with torch.inference_mode(), on_steps:
                 self.kv.reclaim_retired()  # finished requests' pool and host blocks (--kv-resident)
                 self.tier.reclaim_retired()  # finished requests' mapped tier blocks (a shared tier)
                 if self._non_finite_ended:  # a request ended on NaN logits (its slot is reclaimed now): its blocks
@@ -310,7 +313,7 @@ class PlanExecutor:
         return list(accepted)
 
     def _prefill(self, chunk: Any) -> None:
-        with self.chunks.lane() if self.chunks is not None else contextlib.nullcontext():
+        with self.streams.on("chunks"):  # the current stream, the chunks' lane where chunks may run beside steps
             out = self._forward(chunk)
         self._chunk_ran(chunk, out)
 

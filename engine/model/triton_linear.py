@@ -96,7 +96,9 @@ def _store_out(acc, b_ptr, out_ptr, rm, rn, n_ok, tile_ok, stride_om, HAS_BIAS: 
 _COUNTERS = 1 << 16  # split counters per device: one per output tile of a launch (an LM head has ~10K)
 # One counter array per lane: launches of one lane run one after the other (one stream), but a prompt chunk may
 # run on a side stream beside the decoding slots' steps (engine.exec.chunk_stream), and two launches sharing
-# counters at once would each see the other's splits finish.
+# counters at once would each see the other's splits finish. The lane is set only by the owner of the engine's
+# streams (engine.exec.streams.Streams.on), which switches stream and lane together; a ContextVar carries it to
+# the launches deep in the model.
 COUNTER_LANES = ("steps", "chunks")
 _lane: contextvars.ContextVar[str] = contextvars.ContextVar("strata_counter_lane", default="steps")
 _counters: dict[tuple[torch.device, str], torch.Tensor] = {}
@@ -104,7 +106,8 @@ _counters: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 @contextlib.contextmanager
 def counter_lane(lane: str) -> Iterator[None]:
-    """Launches (and graph captures) inside use `lane`'s split counters: "chunks" for prompt chunks."""
+    """Launches (and graph captures) inside use `lane`'s split counters: "chunks" for prompt chunks. Called by
+    engine.exec.streams.Streams.on only (tests/engine/exec/test_streams.py holds that)."""
     if lane not in COUNTER_LANES:
         raise ValueError(f"unknown counter lane {lane!r} (expected one of {', '.join(COUNTER_LANES)})")
     token = _lane.set(lane)

@@ -24,7 +24,7 @@ from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
 from engine.config import EngineConfig, check_expert_cache_mib, check_vram_reserve_mib
 from engine.errors import EngineDead
 from engine.exec.gpu_errors import real_message
-from engine.snapshot import EngineSnapshot, HealthSnapshot
+from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, HealthSnapshot
 from engine.switches import SwitchState
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
 
@@ -162,7 +162,7 @@ class AsyncEngine:
         check_vram_reserve_mib(mib)
         return await self._call(lambda: self._require_engine().set_vram_reserve(mib))
 
-    async def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
+    async def set_expert_cache_mib(self, mib: int) -> ExpertCacheSnapshot:
         check_expert_cache_mib(mib)
         return await self._call(lambda: self._require_engine().set_expert_cache_mib(mib))
 

@@ -6,6 +6,10 @@ chunks beside the steps, sampling, fills), `outputs = sched.update(plan, result)
 finishing). The engine then delivers them: detokenized, stop strings cut (a stop string ends its request the way
 an abort does), finished requests' slots given back (the RequestOutput increments `step` returns).
 
+Telemetry is published here, where the slots change: an admission, a first token and an end at once, progress
+paced (at most every SLOT_EVENT_INTERVAL_S a slot), the VRAM books about once a second (the events themselves
+are built in `state.py` and the budgets).
+
 Not thread-safe: one thread steps it (engine.orchestration.async_engine.AsyncEngine runs it in its engine thread).
 Failures, from mild to fatal: a graph that cannot be captured degrades its switch or turns MTP off (runner);
 an eager out-of-memory gets room from the tier and is retried once (runner); anything else inside a step is
@@ -34,14 +38,15 @@ from engine.exec.gpu_errors import error_event, is_sticky
 from engine.exec.plan_executor import PlanExecutor
 from engine.exec.sampler import request_generator
 from engine.orchestration.engine_setup import EngineParts, build_parts, release_device_memory
-from engine.orchestration.reporting import Reporter
-from engine.orchestration.state import build_snapshot
-from engine.snapshot import EngineSnapshot, MtpSnapshot
+from engine.orchestration.state import build_snapshot, slot_event
+from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, MtpSnapshot
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent
 
 # /strata/state is at most this stale while steps run; AsyncEngine publishes after each batch of commands
 SNAPSHOT_INTERVAL_S = 0.05
+SLOT_EVENT_INTERVAL_S = 0.1  # progress events per slot at most ~10 Hz
+VRAM_EVENT_INTERVAL_S = 1.0  # the VRAM books (each device's tier rebalanced first) about once a second
 MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in between: then the engine gives up
 
 
@@ -60,6 +65,7 @@ class Engine:
         self.sched, self.runner, self.drafter, self.board = parts.sched, parts.runner, parts.drafter, parts.board
         self.executor = parts.executor
         self.device = parts.device
+        self.streams = parts.streams  # the CUDA streams and each launch's lane (engine.exec.streams)
         self.chunks = parts.chunks  # prompt chunks beside the steps (engine.exec.chunk_stream), or None
         self.ahead = parts.ahead  # the next greedy decode step in flight (engine.exec.decode_ahead)
         self.model_name = config.model
@@ -69,13 +75,14 @@ class Engine:
         self.steps = 0
         self._failed_steps = 0  # since a request last finished normally
         self.output = OutputProcessor()
-        self.report = Reporter(bus, self.budgets, self.executor, self.output, kv=self.kv)
+        self.slot_interval_s = SLOT_EVENT_INTERVAL_S
+        self._last_vram_s = 0.0
         self.stepper = PlanExecutor(runner=self.runner, drafter=self.drafter, sched=self.sched, kv=self.kv,
-                                    tier=self.tier, chunks=self.chunks, ahead=self.ahead, executor=self.executor,
-                                    device=self.device, bus=bus)
+                                    tier=self.tier, streams=self.streams, chunks=self.chunks, ahead=self.ahead,
+                                    executor=self.executor, device=self.device, bus=bus)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
-        self.report.vram()
+        self._publish_vram()
         self.publish_snapshot(force=True)
         bus.publish(EngineEvent(state="ready", detail=f"model {config.model} on {self.device}"))
 
@@ -159,10 +166,10 @@ class Engine:
         self.ahead.drop()  # the tier may give blocks back to the pool
         for budget in self.budgets:
             budget.set_reserve(mib)
-        self.report.vram(force=True)
+        self._publish_vram(force=True)
         return int(self.budget.reserve_mib)
 
-    def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
+    def set_expert_cache_mib(self, mib: int) -> ExpertCacheSnapshot:
         """Retune the MoE expert cache's budget live (engine.exec.kv.tier.VramBudget.set_expert_budget); returns the
         cache's snapshot afterwards. NoExpertCache for a dense model, ConfigError (mib) below one slot a layer."""
         cache = self.lm.model.expert_provider
@@ -171,7 +178,7 @@ class Engine:
         check_min_budget(cache, mib, "mib")
         budget = next(b for b in self.budgets if b.experts is cache)
         budget.set_expert_budget(mib, f"expert cache set to {mib} MiB")
-        self.report.vram(force=True)
+        self._publish_vram(force=True)
         return cache.snapshot()
 
     def set_switch(self, name: str, enabled: bool) -> SwitchState:
@@ -196,8 +203,37 @@ class Engine:
     def idle_tick(self) -> None:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
         if self._dead_reason is None:
-            self.report.vram()
+            self._publish_vram()
         self.publish_snapshot()
+
+    # --- telemetry: published where the state changes, paced ------------------------------------------------
+
+    def _publish_slot(self, req: Request, slot: int, state: str | None, now_s: float) -> None:
+        """A slot's state now (a change of state, or progress when `state` is None)."""
+        self.bus.publish(slot_event(req, slot, state, now_s, self.kv))
+        track = self.output.get(req.request_id)
+        if track is not None:
+            track.last_event_s = now_s
+
+    def _publish_progress(self, now_s: float) -> None:
+        """After a step: progress of every slot not reported for a while, and the books when due."""
+        for track in self.output:
+            req = track.request
+            if req.slot is not None and now_s - track.last_event_s >= self.slot_interval_s:
+                self._publish_slot(req, req.slot, None, now_s)
+        self._publish_vram()
+
+    def _publish_vram(self, force: bool = False) -> None:
+        """The VRAM books of every device, each device's tier rebalanced first; at most every
+        VRAM_EVENT_INTERVAL_S unless `force` (a reserve or expert budget just changed)."""
+        now_s = time.monotonic()
+        if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
+            return
+        self._last_vram_s = now_s
+        self.budget.graphs_mib = self.executor.snapshot().total_mib
+        for budget in self.budgets:
+            budget.rebalance("periodic")
+            self.bus.publish(budget.breakdown())
 
     # --- the step ------------------------------------------------------------------------------------------
 
@@ -215,7 +251,7 @@ class Engine:
             self.steps += 1
             if any(o.finished and o.finish_reason not in ("abort", "error") for o in outputs):
                 self._failed_steps = 0  # a request made it to its end: whatever failed before is not every step
-            self.report.progress(time.monotonic())
+            self._publish_progress(time.monotonic())
             # slots taken or freed are published at once; progress alone at most every SNAPSHOT_INTERVAL_S
             self.publish_snapshot(force=bool(plan.admitted) or any(o.finished for o in outputs))
         except Exception as exc:  # noqa: BLE001 - any failure inside a step is reported; _fail decides how bad
@@ -259,7 +295,7 @@ class Engine:
             if increment is not None:
                 outputs.append(increment)
             if out.first_token:
-                self.report.slot(out.request, out.slot, "decode", time.monotonic())
+                self._publish_slot(out.request, out.slot, "decode", time.monotonic())
         if finished:  # the step is over: what finished maps nothing now
             self.tier.reclaim_retired()
         return outputs
@@ -269,7 +305,7 @@ class Engine:
         self.bus.publish(AdmissionEvent(request_id=req.request_id, slot=admission.slot, reuse=admission.reuse,
                                         prompt_tokens=req.num_prompt_tokens, cached_tokens=admission.cached_tokens,
                                         queued_s=round(req.queued_s or 0.0, 4)))
-        self.report.slot(req, admission.slot, "prefill", time.monotonic())
+        self._publish_slot(req, admission.slot, "prefill", time.monotonic())
 
     def _fail_request(self, track: Track, exc: BaseException, slot: int | None) -> RequestOutput:
         event = error_event(exc, f"engine.request {track.request.request_id}", self.device)
@@ -287,7 +323,7 @@ class Engine:
         self.stepper.release(track.request, slot, wait=self._dead_reason is None)
         if slot is not None:
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
-            self.report.slot(track.request, slot, state, time.monotonic())
+            self._publish_slot(track.request, slot, state, time.monotonic())
             self.bus.publish(SlotEvent(slot=slot, state="idle"))
         return final
 

@@ -20,6 +20,7 @@ from engine.model.quant.linear import is_quantized, model_bytes
 from engine.errors import ConfigError, StrataError
 from engine.exec.device_switches import settle_switches
 from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
+from engine.exec.streams import Streams
 from engine.exec.decode_ahead import DecodeAhead, ahead_wanted
 from engine.exec.executor import EagerExecutor
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
@@ -79,6 +80,7 @@ class EngineParts:
     board: SwitchBoard
     executor: Any
     device: torch.device
+    streams: Streams  # every CUDA stream of the engine, and the lane of each launch (engine.exec.streams)
     chunks: ChunkStream | None  # prompt chunks beside the steps (--prefill-overlap)
     ahead: DecodeAhead  # the next greedy decode step launched early (--decode-ahead)
 
@@ -141,6 +143,12 @@ class _PartsBuilder:
                   quantize=None if config.quantize == "off" else config.quantize)
         device = self.device = lm.device
         model = lm.model
+        # The one owner of the engine's streams: every component below that queues work off the current stream
+        # takes its stream from here.
+        overlap = overlap_wanted(config.prefill_overlap, device, moe=lm.config.moe is not None)
+        streams = Streams(device, overlap, chunk_sms_from_env(os.environ) if overlap else None)
+        if streams.note is not None:
+            bus.publish(WarningEvent(where="engine.chunks", message=streams.note))
         if device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
             from engine.model.quant.kernels import prepare  # Triton: CUDA only
 
@@ -148,14 +156,14 @@ class _PartsBuilder:
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
         self.stage = "building the expert cache"
-        experts = self.experts = _expert_cache(config, lm, bus, self.tier_device)
+        experts = self.experts = _expert_cache(config, lm, bus, self.tier_device, streams)
         depth = 0
         if config.batch_mtp:
             if model.mtp is None:
                 raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
             depth = config.mtp_depth
         self.stage = "allocating the KV cache"
-        kv, weights_mib = _sized_kv_cache(config, lm, depth)
+        kv, weights_mib = _sized_kv_cache(config, lm, depth, streams)
         settle_switches(board, bus, config, model, kv, has_experts=experts is not None)
         index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
         # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
@@ -163,7 +171,7 @@ class _PartsBuilder:
         self.stage = "building the scheduler, runner and drafter"
         sched = Scheduler.from_config(config, index, draft_tokens=depth, eos_token_ids=tuple(lm.eos_token_ids))
         if executor is None:
-            executor = _default_executor(config, bus, board, self.make_room, device)
+            executor = _default_executor(config, bus, board, self.make_room, streams)
         if experts is not None:
             from engine.exec.experts.steps import ExpertStepExecutor, follow_policy_switch
 
@@ -184,13 +192,11 @@ class _PartsBuilder:
             paging, lookahead = kv.paging, runner.lookahead_tokens
             sched.admission_gate = lambda chunks, ends: paging.admission_wait(chunks, ends, lookahead)
         chunks = None
-        if overlap_wanted(config.prefill_overlap, device, moe=experts is not None):
-            chunks = ChunkStream(device, chunk_sms_from_env(os.environ))
+        if overlap:
+            chunks = ChunkStream(streams)
             chunks.paging = kv.paging
             if kv.paging is not None:
                 kv.paging.settle_held = chunks.settle
-            if chunks.note is not None:
-                bus.publish(WarningEvent(where="engine.chunks", message=chunks.note))
             runner.prefill_owner = CHUNK_OWNER
             sched.overlap_chunks = True
         runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
@@ -234,8 +240,8 @@ class _PartsBuilder:
         graphs = config.graphs and not isinstance(executor, EagerExecutor)
         ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, moe=experts is not None),
                             drafter)
-        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, chunks,
-                           ahead)
+        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, streams,
+                           chunks, ahead)
 
 
 def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, model: torch.nn.Module,
@@ -288,7 +294,7 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
         f"{summary['ms']:.0f} ms")))
 
 
-def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device) -> Any:
+def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device, streams: Streams) -> Any:
     """An MoE model's expert cache at its start-up size (engine.exec.experts.setup), its store on the
     --peer-device card when one is given (`peer` is the compute device otherwise); None for a dense model."""
     if lm.config.moe is None:
@@ -302,10 +308,10 @@ def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.devi
     store = peer if peer != lm.device else None
     peer_free_mib = device_memory_mib(store)[1] if store is not None else 0.0
     return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib,
-                              store, peer_free_mib)
+                              store, peer_free_mib, streams=streams)
 
 
-def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCache, float]:
+def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int, streams: Streams) -> tuple[SlotKVCache, float]:
     """The slot KV cache for every slot's whole context (+ MTP layers), after the fit check; and weights MiB."""
     mcfg, model = lm.config, lm.model
     num_layers = mcfg.num_hidden_layers + (model.mtp_depth_layers if depth else 0)
@@ -340,7 +346,7 @@ def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int) -> tuple[SlotKVCa
                          f"tokens plus a shared pool of "
                          f"{pool_blocks * layout.block_tokens} tokens need"),
                   hint="lower --kv-resident, --context or --batch, use --kv int8, or lower --vram-reserve-mib")
-    kv = SlotKVCache(geometry, config.kv, lm.dtype, lm.device, resident, pool_blocks)
+    kv = SlotKVCache(geometry, config.kv, lm.dtype, lm.device, resident, pool_blocks, streams=streams)
     if cpu_grows:
         kv.paging.grow_limit_blocks = config.batch * layout.window_blocks
     return kv, weights_mib
@@ -434,12 +440,12 @@ def _tier_device(config: EngineConfig, device: torch.device) -> torch.device:
 
 
 def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, release: Any,
-                      device: torch.device) -> Any:
+                      streams: Streams) -> Any:
     """The graph cache on CUDA with --graphs (its OOM path shrinks the tier through `release`, i.e.
     VramBudget.make_room: what it frees stays free as headroom); else eager."""
-    if device.type != "cuda" or not config.graphs:
+    if not streams.cuda or not config.graphs:
         return EagerExecutor()
     from engine.exec.graphs.cache import GraphCache
 
-    return GraphCache(device, bus, board, release_tier=release, wait_polls=config.tier_wait_polls,
-                      wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key)
+    return GraphCache(streams.device, bus, board, release_tier=release, wait_polls=config.tier_wait_polls,
+                      wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key, streams=streams)

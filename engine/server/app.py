@@ -217,7 +217,7 @@ def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepali
     async def set_expert_cache(request: Request) -> JSONResponse:
         body = await _parsed(ExpertCacheRequest, request)
         snapshot = await client.set_expert_cache_mib(body.mib)
-        return JSONResponse({"expert_cache_mib": body.mib, "experts": jsonable_encoder(snapshot)})
+        return JSONResponse({"expert_cache_mib": body.mib, "experts": snapshot.to_json()})
 
 
 def _respond(result: Any) -> Response:

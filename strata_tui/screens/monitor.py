@@ -1,7 +1,9 @@
 """The monitor screen: composes the live widgets and redraws them from the app's state on a timer.
 
 Redrawing on a tick (the profile's `[tui] refresh_s`) rather than per event bounds the app's CPU use when
-the engine publishes hundreds of events a second; the tick skips all work when nothing changed.
+the engine publishes hundreds of events a second; the tick skips all work when nothing changed. The slots
+table, which the slot events feed, is handed the view state and reads its slice on its own tick of the same
+interval (strata_tui/widgets/slots_table.py); a forced redraw (a resize, a test) draws it now too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header
 
 from engine.switches import SWITCHES
-from engine.telemetry import AdmissionEvent
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.engine_log import EngineLog
@@ -25,25 +26,13 @@ from strata_tui.widgets.engine_panel import EnginePanel
 from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
-from strata_tui.prefill_eta import PrefillTrack
-from strata_tui.widgets.slots_table import SlotsTable, first_token_text, slots_title
+from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
 from strata_tui.monitor_state import KEYED_SWITCHES
 
 if TYPE_CHECKING:
     from strata_tui.host import StrataHost
-
-
-def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = None) -> str:
-    """The latest admission, the moment the seed report is about: fresh or reused, and, once its first
-    token came, how long that took and at what prompt rate."""
-    if event is None:
-        return ""
-    cached = f", {event.cached_tokens:,} cached" if event.cached_tokens else ""
-    first = first_token_text(track)
-    return (f"last admission: {event.request_id[:20]} → slot {event.slot}, {event.reuse}, "
-            f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
 
 
 def _set_subtitle(widget: object, text: str) -> None:
@@ -119,7 +108,7 @@ class MonitorScreen(Screen):
             yield StatusBar(id="status")
             yield CrashPanel(id="crash")
             yield GpuPanel(id="gpus", classes="panel")
-            yield SlotsTable(id="slots", classes="panel")
+            yield SlotsTable(self.strata.view, lambda: self.strata.clock(), id="slots", classes="panel")
             yield EnginePanel(id="engine", classes="panel")
             with Horizontal(id="lower"):
                 with Vertical(id="left"):
@@ -132,7 +121,6 @@ class MonitorScreen(Screen):
 
     def on_mount(self) -> None:
         self.query_one(GpuPanel).border_title = "GPUs"
-        self.query_one(SlotsTable).border_title = slots_title(None)
         self.query_one(SwitchesPanel).border_title = "Switches"
         self.query_one(EngineLog).border_title = "Engine log"
         self.query_one(ExpertPanel).border_title = "Expert cache"
@@ -181,8 +169,7 @@ class MonitorScreen(Screen):
     def redraw(self, force: bool = False) -> None:
         """Push the view state down into the widgets, if anything changed since the last draw."""
         view = self.strata.view
-        # A prefilling slot's ETA counts down every tick, even with no new events.
-        if view.version == self._drawn_version and not force and not view.monitor.any_prefilling:
+        if view.version == self._drawn_version and not force:
             return
         self._drawn_version = view.version
         if force:
@@ -195,15 +182,8 @@ class MonitorScreen(Screen):
         if self._slice_changed("gpus", (id(view.gpu_history.latest), view.gpu_unavailable, tuple(state.vram.items()),
                                         state.tier, gpus.content_size.width)):
             gpus.show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
-        slots = self.query_one(SlotsTable)
-        if self._slice_changed("slots", tuple(state.slots.items())) or state.any_prefilling:
-            slots.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self.strata.clock())
-        title = slots_title(state.kv_pool, state.admission_wait)
-        if slots.border_title != title:  # setting it repaints the border even when it is the same
-            slots.border_title = title
-        admission = state.last_admission
-        _set_subtitle(slots, admission_line(admission, state.prefills.get(admission.request_id)
-                                            if admission else None))
+        if force:
+            self.query_one(SlotsTable).redraw(force=True)
         graph = self.query_one(GraphEventsTable)
         if self._slice_changed("graph", (len(state.graph_events), state.graph_events[-1].seq
                                          if state.graph_events else 0)):
@@ -229,7 +209,7 @@ class MonitorScreen(Screen):
         if shown_keys != self._keys_shown:  # the footer's conditional keys (experts, cancel load)
             self._keys_shown = shown_keys
             self.refresh_bindings()
-        for widget in (slots, gpus, self.query_one(SwitchesPanel), experts):
+        for widget in (self.query_one(SlotsTable), gpus, self.query_one(SwitchesPanel), experts):
             widget.set_class(view.stale, "-stale")
         self._write_log()
         crash = self.query_one(CrashPanel)

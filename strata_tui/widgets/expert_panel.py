@@ -10,6 +10,7 @@ from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
+from engine.snapshot import ExpertCacheSnapshot
 from strata_tui.expert_view import ExpertView
 from strata_tui.widgets.format import NA
 
@@ -60,29 +61,28 @@ def expert_lines(view: ExpertView, note: str = "", width: int = 0) -> list[Text]
     budget = Text.assemble(("slots ", "dim"), (f"{slots}/{experts}", "bold"), (" a layer", "dim"))
     if target is not None and target != slots:
         budget.append(f" → {target}", style="yellow")
-    store = view.snapshot.get("store_device") or "host"
+    snap = view.snapshot or ExpertCacheSnapshot()
+    store = snap.store_device or "host"
     where = ("  host ", "dim"), _mib(view.host_mib)
     if store != "host":  # --peer-device: the experts that do not fit are on the second card
-        where = (f"  peer {store} ", "dim"), _mib(view.snapshot.get("peer_mib"))
+        where = (f"  peer {store} ", "dim"), _mib(snap.peer_mib)
     budget.append_text(Text.assemble(("  device ", "dim"), (_mib(view.mib), "bright_magenta"), *where))
     hit = view.hit_rate
     style = "green" if hit is not None and hit >= 0.9 else "yellow" if hit is not None and hit >= 0.6 else "red"
-    snap = view.snapshot
     per_step = NA if view.misses_per_step is None else f"{view.misses_per_step:.2f}"
     rates = Text.assemble(("hits ", "dim"), (_pct(hit), style), ("  oracle ", "dim"), _pct(view.oracle_hit_rate),
                           ("  misses/step ", "dim"), per_step)
-    policy = snap.get("policy")
+    policy = snap.policy
     if policy and policy != "lru":  # EXPERT_LFU on: say which policy the hit rate is of
         rates.append_text(Text.assemble(("  policy ", "dim"), (policy, "cyan")))
-    runs = Text.assemble(("reruns ", "dim"), str(snap.get("reruns", NA)), ("  replays ", "dim"),
-                         str(snap.get("replays", NA)))
-    cold = snap.get("cold")
+    runs = Text.assemble(("reruns ", "dim"), str(snap.reruns), ("  replays ", "dim"), str(snap.replays))
+    cold = snap.cold
     if cold == "cpu":  # EXPERT_CPU: misses run on the host
         runs.append_text(Text.assemble(("  cold ", "dim"), ("cpu", "cyan"), ("  on host ", "dim"),
-                                       str(snap.get("host_runs", NA))))
+                                       str(snap.host_runs)))
     elif cold == "prefetch":  # EXPERT_PREFETCH: experts copied in ahead of their layer
         runs.append_text(Text.assemble(("  cold ", "dim"), ("prefetch", "cyan"), ("  prefetched ", "dim"),
-                                       str(snap.get("prefetched", NA))))
+                                       str(snap.prefetched)))
     resize = view.last_resize
     if resize is not None:
         runs.append(f"  {resize.action} → {resize.slots}: {resize.reason}", style="dim")

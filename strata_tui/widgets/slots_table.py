@@ -20,11 +20,17 @@ DataTable's own component styles. The DataTable still holds the cells (get_cell,
 With more slots than `MAX_SLOT_ROWS` (`--batch` up to 256) the table shows the busiest: prefilling slots first
 (they have an ETA to watch), then decoding ones by rate, then the rest; one last row counts the slots left out by
 state, so a 256-slot engine is still one screen and one refresh touches a few dozen rows.
+
+Given the app's view state, the table reads its own slice of it (the slots, the pool in its title, the last
+admission under it) on its own refresh tick, the profile's `[tui] refresh_s`: the high-rate slot events reach
+their cells without the screen passing them down, and a prefilling slot's ETA counts down every tick here.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from typing import TYPE_CHECKING, Callable
 
 from rich.segment import Segment
 from rich.style import Style
@@ -33,9 +39,12 @@ from textual.strip import Strip
 from textual.widgets import DataTable
 
 from engine.snapshot import KvPagingSnapshot
-from engine.telemetry import SlotEvent
+from engine.telemetry import AdmissionEvent, SlotEvent
 from strata_tui.prefill_eta import PrefillTrack
 from strata_tui.widgets.format import bar
+
+if TYPE_CHECKING:
+    from strata_tui.view_state import ViewState
 
 WIDE_AT = 140  # table width from which every column fits
 MAX_SLOT_ROWS = 24  # rows of slots at most; past it the busiest, and a row counting the rest
@@ -81,6 +90,17 @@ def first_token_text(track: PrefillTrack | None) -> str:
         return ""
     rate = format_rate(track.prompt_tok_s)
     return f"TTFT {format_eta(track.ttft_s)}" + (f" @ {rate}" if rate else "")
+
+
+def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = None) -> str:
+    """The latest admission, the moment the seed report is about: fresh or reused, and, once its first
+    token came, how long that took and at what prompt rate."""
+    if event is None:
+        return ""
+    cached = f", {event.cached_tokens:,} cached" if event.cached_tokens else ""
+    first = first_token_text(track)
+    return (f"last admission: {event.request_id[:20]} → slot {event.slot}, {event.reuse}, "
+            f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
 
 
 def _tokens_short(n: int) -> str:
@@ -174,15 +194,21 @@ def rest_cells(left: Counter[str], columns: tuple[tuple[str, str, int], ...]) ->
 
 
 class SlotsTable(DataTable):
-    """Slot rows keyed by slot number. `show()` adds, removes and updates only what changed."""
+    """Slot rows keyed by slot number. `show()` adds, removes and updates only what changed; with a `view`,
+    `redraw()` shows the view's slots on every refresh tick that has something new."""
 
     DEFAULT_CSS = """
     SlotsTable { height: auto; max-height: 16; }
     SlotsTable.-stale { text-opacity: 45%; }
     """
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, view: ViewState | None = None, clock: Callable[[], float] = time.monotonic,
+                 **kwargs) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+        self._view = view  # the app's view state, read on each tick; None: drawn only by show()
+        self._clock = clock  # the local monotonic clock the ETAs count down on
+        self._drawn_version: tuple = ()  # (monitor state, view version) last drawn: a quiet tick does nothing
+        self._drawn_slots: tuple = ()
         self._cells: dict[str, dict[str, Text | str]] = {}
         self.columns_spec: tuple[tuple[str, str, int], ...] = ()
         self.cell_updates = 0  # counted for tests and the benchmark: diffing keeps this small
@@ -190,6 +216,35 @@ class SlotsTable(DataTable):
         self._row_version: dict[str, int] = {}  # row key -> changes so far (a drawn row is kept until it changes)
         self._drawn: dict[str | None, tuple[tuple, Strip]] = {}  # row key (None: the header) -> (look, strip)
         self._frame_styles: dict[str, Style] | None = None
+
+    def on_mount(self) -> None:
+        self.border_title = slots_title(None)
+        if self._view is not None:
+            self.set_interval(self._view.settings.refresh_s, self.redraw)
+            self.redraw()
+
+    def redraw(self, force: bool = False) -> None:
+        """Draw the view's slots, the pool in the title and the last admission under the table, when any of it
+        changed since the last tick (always while a slot prefills: its ETA counts down)."""
+        view = self._view
+        if view is None:
+            return
+        state = view.monitor
+        version = (id(state), view.version)
+        if version == self._drawn_version and not force and not state.any_prefilling:
+            return
+        self._drawn_version = version
+        slots = tuple(state.slots.items())
+        if slots != self._drawn_slots or force or state.any_prefilling:
+            self._drawn_slots = slots
+            self.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self._clock())
+        title = slots_title(state.kv_pool, state.admission_wait)
+        if self.border_title != title:  # setting it repaints the border even when it is the same
+            self.border_title = title
+        admission = state.last_admission
+        subtitle = admission_line(admission, state.prefills.get(admission.request_id) if admission else None)
+        if self.border_subtitle != subtitle:
+            self.border_subtitle = subtitle
 
     def _fit_columns(self) -> bool:
         """Rebuild the columns when the width calls for another set; True when rebuilt."""

@@ -76,3 +76,42 @@ def test_publishing_again_resolves_no_annotations(ckpt, monkeypatch):
     assert calls == first, "a second publish resolved annotations again"
     data = engine.state().to_json()
     assert EngineSnapshot.from_json(data).to_json() == data  # the cached hints parse as before
+
+
+# The `experts` section's keys on the wire (the TUI, the Prometheus series and scripts read them by name).
+_EXPERT_KEYS = {"slots", "target_slots", "mib", "host_mib", "peer_mib", "store_device", "expert_mib",
+                "all_experts_mib", "top_k", "cold", "num_layers", "num_experts", "policy", "device", "hits", "misses",
+                "hit_rate", "evictions", "loaded_experts", "loaded_mib", "load_ms", "reruns", "replays", "prefetched",
+                "host_runs", "steps", "trace_accesses", "layers", "oracle_hit_rate", "lru_replay_hit_rate"}
+
+
+def _expert_stats_snapshot(policy: str):
+    from engine.exec.experts.stats import ExpertStats
+    from engine.telemetry import EventBus
+
+    stats = ExpertStats(num_layers=2, num_experts=4, bus=EventBus(), device="cpu")
+    for step in range(3):
+        stats.begin_step("decode")
+        for layer in range(2):
+            stats.record_access(layer, [step % 4, (step + 1) % 4], tokens=1)
+    stats.hits, stats.misses, stats.evictions = [3, 0], [1, 0], [1, 0]
+    return stats.snapshot(0.0, policy=policy, slots=2, target_slots=3, mib=1.23456789, host_mib=9.0, peer_mib=0.0,
+                          store_device="host", expert_mib=0.1875, all_experts_mib=1.5, top_k=2, cold="copy")
+
+
+def test_the_expert_cache_snapshot_is_typed_and_sends_the_keys_it_always_sent():
+    from engine.snapshot import ExpertCacheSnapshot, ExpertLayerSnapshot
+
+    snap = _expert_stats_snapshot("lru")
+    assert isinstance(snap, ExpertCacheSnapshot) and all(isinstance(x, ExpertLayerSnapshot) for x in snap.layers)
+    assert (snap.hits, snap.misses, snap.hit_rate, snap.mib, snap.trace_accesses) == (3, 1, 0.75, 1.2346, 6)
+    assert [(x.layer, x.hit_rate) for x in snap.layers] == [(0, 0.75), (1, None)]
+    wire = snap.to_json()
+    assert set(wire) == _EXPERT_KEYS  # no LFU replay while the live policy is LRU
+    assert set(wire["layers"][0]) == {"layer", "hits", "misses", "evictions", "hit_rate"}
+    assert ExpertCacheSnapshot.from_json(wire) == snap
+    lfu = _expert_stats_snapshot("lfu").to_json()
+    assert set(lfu) == _EXPERT_KEYS | {"lfu_replay_hit_rate"} and lfu["lfu_replay_hit_rate"] is not None
+    parsed = EngineSnapshot.from_json({"experts": wire})
+    assert parsed.experts == snap and EngineSnapshot.from_json({"experts": None}).experts is None
+    assert parsed.to_json()["experts"] == wire

@@ -36,7 +36,7 @@ def _run(prompts, captured: bool = False, **kw):
 @pytest.fixture(scope="module")
 def resident_tokens(prompts):
     tokens, snap = _run(prompts)
-    assert snap["misses"] == 0 and snap["cold"] == "copy"
+    assert snap.misses == 0 and snap.cold == "copy"
     return tokens
 
 
@@ -44,21 +44,21 @@ def resident_tokens(prompts):
 @pytest.mark.parametrize("mode", ["copy", "cpu", "prefetch"])
 def test_each_cold_path_gives_the_all_resident_tokens(prompts, resident_tokens, mode, captured):
     tokens, snap = _run(prompts, captured, expert_cache_mib=1, switches=SWITCH[mode])
-    assert snap["cold"] == mode and snap["slots"] < snap["num_experts"] and snap["misses"] > 0
+    assert snap.cold == mode and snap.slots < snap.num_experts and snap.misses > 0
     assert tokens == resident_tokens
     if mode == "prefetch":
-        assert snap["prefetched"] > 0  # the next layer's predicted experts were copied in ahead of it
+        assert snap.prefetched > 0  # the next layer's predicted experts were copied in ahead of it
     else:
-        assert snap["prefetched"] == 0
-    assert (snap["host_runs"] > 0) == (mode == "cpu")  # misses computed on the CPU only in cpu mode
+        assert snap.prefetched == 0
+    assert (snap.host_runs > 0) == (mode == "cpu")  # misses computed on the CPU only in cpu mode
     if captured and mode == "cpu":
-        assert snap["replays"] == 0 and snap["reruns"] > 0  # a miss runs the step eagerly, its misses on the host
+        assert snap.replays == 0 and snap.reruns > 0  # a miss runs the step eagerly, its misses on the host
 
 
 def test_prefetch_predicts_well_on_the_skewed_model(prompts):
     _, copy = _run(prompts, expert_cache_mib=1)
     _, prefetch = _run(prompts, expert_cache_mib=1, switches=SWITCH["prefetch"])
-    assert prefetch["hit_rate"] > copy["hit_rate"]  # predicted experts were resident when their layer asked
+    assert prefetch.hit_rate > copy.hit_rate  # predicted experts were resident when their layer asked
 
 
 def test_both_switches_on_serve_misses_on_the_cpu_and_say_why_prefetch_is_off():
@@ -72,7 +72,7 @@ def test_both_switches_on_serve_misses_on_the_cpu_and_say_why_prefetch_is_off():
 
 def test_the_skewed_model_hits_the_cache_as_its_trace_predicts(prompts):
     _, snap = _run(prompts, expert_cache_mib=1)
-    assert snap["lru_replay_hit_rate"] == snap["hit_rate"]  # the recorded trace replayed gives the live counts
-    assert snap["hit_rate"] <= snap["oracle_hit_rate"]
+    assert snap.lru_replay_hit_rate == snap.hit_rate  # the recorded trace replayed gives the live counts
+    assert snap.hit_rate <= snap.oracle_hit_rate
     # a uniform router would hit about the resident fraction; the Zipf prior concentrates the routes
-    assert snap["hit_rate"] > snap["slots"] / snap["num_experts"] + 0.1
+    assert snap.hit_rate > snap.slots / snap.num_experts + 0.1

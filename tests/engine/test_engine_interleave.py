@@ -83,6 +83,15 @@ def test_on_cuda_with_graphs_decoding_slots_keep_their_token_every_step(ckpt) ->
     print(f"the 2,500-token admission took {steps} steps")
 
 
+class _WholeChunksBeside(PrefillPacer):
+    """Unpaced (share 1: whole chunks, no gap after one beside the steps), and no chunk "fits one step": with
+    chunks beside the steps on, every chunk while slots decode goes beside them (the scheduler otherwise runs a
+    chunk that fits a step's allowance between the steps, and at share 1 every chunk fits)."""
+
+    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
+        return False
+
+
 @pytest.mark.parametrize("mtp", [False, True])
 def test_chunks_beside_the_steps_keep_every_slots_token_and_land_a_step_later(ckpt, mtp: bool) -> None:
     """`prefill_overlap on` on a CPU: one stream, so each chunk runs at its launch; held "not ready" through the
@@ -92,6 +101,9 @@ def test_chunks_beside_the_steps_keep_every_slots_token_and_land_a_step_later(ck
     engine = make_engine(ckpt, batch=5, context=4096, prefill_chunk_tokens=512, step_token_budget=1024,
                          block_tokens=BLOCK_TOKENS, batch_mtp=mtp, mtp_depth=2, prefill_overlap="on")
     assert engine.chunks is not None and engine.sched.overlap_chunks
+    # every chunk beside the steps: the default pacer would run one that its timings say fits a step between them,
+    # and on a loaded machine those timings vary
+    engine.sched.pacer = _WholeChunksBeside(1.0, granule_tokens=BLOCK_TOKENS)
     launched, landed = [], []
     launch, land = engine.chunks.launch, engine.sched.chunk_landed
     engine.chunks.launch = lambda chunk, run: (launched.append((engine.steps, chunk.start)), launch(chunk, run))
@@ -120,15 +132,6 @@ def test_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt) ->
     assert cached[0] == cached[1] > 1000, cached
 
 
-class _WholeChunksBeside(PrefillPacer):
-    """Unpaced (share 1: whole chunks, no gap after one beside the steps), and no chunk "fits one step": with
-    chunks beside the steps on, every chunk while slots decode goes beside them (the scheduler otherwise runs a
-    chunk that fits a step's allowance between the steps, and at share 1 every chunk fits)."""
-
-    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
-        return False
-
-
 @pytest.mark.gpu
 def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt, monkeypatch) -> None:
     """bf16 with graphs and MTP: a long prompt's chunks on the side stream while three slots decode on the steps'
@@ -136,7 +139,7 @@ def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(
     fall at the same positions); chunks up to 512 tokens replay graphs of their own pool, beside the decode and
     drafter graphs. The side stream: a plain low-priority one (STRATA_CHUNK_SMS=0), then the default, a green
     context's on a share of the SMs."""
-    from engine.exec.chunk_stream import default_chunk_sms
+    from engine.exec.streams import default_chunk_sms
 
     outputs, beside_steps = [], []
     for overlap, chunk_sms in (("off", None), ("auto", 0), ("auto", default_chunk_sms(torch.device("cuda:0")))):
@@ -149,7 +152,7 @@ def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(
                               prefill_overlap=overlap)
         engine = Engine(config, EventBus(), block_tokens=BLOCK_TOKENS)
         assert (engine.chunks is not None) == (overlap == "auto")
-        assert engine.chunks is None or (engine.chunks.chunk_sms, engine.chunks.note) == (chunk_sms, None)
+        assert engine.chunks is None or (engine.streams.chunk_sms, engine.streams.note) == (chunk_sms, None)
         engine.sched.pacer = _WholeChunksBeside(1.0, granule_tokens=BLOCK_TOKENS)
         shorts = [engine.add_request(f"s{i}", p, _greedy(400)) for i, p in enumerate(SHORT[:3])]
         for _ in range(4):

@@ -55,24 +55,24 @@ def _run(moe_ckpt, prompts, **kw):
 def test_all_resident_by_default_never_misses(moe_ckpt, prompts, plain_tokens):
     tokens, snap, _ = _run(moe_ckpt, prompts)
     assert tokens == plain_tokens
-    assert snap["slots"] == snap["num_experts"] == 16 and snap["misses"] == 0 and snap["hits"] > 0
+    assert snap.slots == snap.num_experts == 16 and snap.misses == 0 and snap.hits > 0
 
 
 def test_small_expert_cache_misses_and_gives_the_all_resident_tokens(moe_ckpt, prompts, plain_tokens):
     tokens, snap, _ = _run(moe_ckpt, prompts, expert_cache_mib=1)
-    assert snap["slots"] == 6  # 1 MiB / (3 sparse layers x 48 KiB), less each layer's miss slot
-    assert snap["misses"] > 0 and snap["evictions"] > 0 and snap["loaded_mib"] > snap["all_experts_mib"]
+    assert snap.slots == 6  # 1 MiB / (3 sparse layers x 48 KiB), less each layer's miss slot
+    assert snap.misses > 0 and snap.evictions > 0 and snap.loaded_mib > snap.all_experts_mib
     assert tokens == plain_tokens
     # the live LRU counts are what replaying the recorded trace through the same policy gives
-    assert snap["lru_replay_hit_rate"] == snap["hit_rate"]
-    assert snap["hit_rate"] <= snap["oracle_hit_rate"] < 1.0
-    assert all(layer["hits"] + layer["misses"] > 0 for layer in snap["layers"][:2])
+    assert snap.lru_replay_hit_rate == snap.hit_rate
+    assert snap.hit_rate <= snap.oracle_hit_rate < 1.0
+    assert all(layer.hits + layer.misses > 0 for layer in snap.layers[:2])
 
 
 def test_small_expert_cache_with_mtp_is_lossless(moe_ckpt, prompts, plain_tokens):
     tokens, snap, _ = _run(moe_ckpt, prompts, expert_cache_mib=1, batch_mtp=True, mtp_depth=2)
     assert tokens == plain_tokens
-    assert snap["layers"][2]["hits"] + snap["layers"][2]["misses"] > 0  # the MTP block's experts are cached too
+    assert snap.layers[2].hits + snap.layers[2].misses > 0  # the MTP block's experts are cached too
 
 
 def test_captured_path_misses_are_rerun_between_steps(moe_ckpt, prompts, plain_tokens):
@@ -88,9 +88,9 @@ def test_captured_path_misses_are_rerun_between_steps(moe_ckpt, prompts, plain_t
         finally:
             engine.close()
     assert tokens == plain_tokens
-    assert snap["replays"] > 0 and snap["reruns"] > 0  # missed layers loaded and replayed; streaming layers re-run
-    assert snap["reruns"] < snap["steps"]  # some steps hit everywhere, or were fixed by replays
-    assert snap["lru_replay_hit_rate"] == snap["hit_rate"]  # the offline replay still gives the live counts
+    assert snap.replays > 0 and snap.reruns > 0  # missed layers loaded and replayed; streaming layers re-run
+    assert snap.reruns < snap.steps  # some steps hit everywhere, or were fixed by replays
+    assert snap.lru_replay_hit_rate == snap.hit_rate  # the offline replay still gives the live counts
 
 
 def test_books_shrink_the_cache_on_request_and_it_regrows(moe_ckpt, prompts, plain_tokens):
@@ -229,11 +229,11 @@ def test_expert_lfu_switch_gives_the_all_resident_tokens_and_its_own_counts(moe_
         finally:
             engine.close()
     assert tokens == plain_tokens
-    assert snap["policy"] == "lfu" and snap["misses"] > 0 and snap["evictions"] > 0
-    assert snap["lfu_replay_hit_rate"] == snap["hit_rate"]  # the live counts are LRFU's on the recorded trace
+    assert snap.policy == "lfu" and snap.misses > 0 and snap.evictions > 0
+    assert snap.lfu_replay_hit_rate == snap.hit_rate  # the live counts are LRFU's on the recorded trace
     # and so are the experts left resident, which LRU would have evicted differently
-    assert live == [_residents_after(trace, layer, snap["slots"], "lfu") for layer in range(3)]
-    assert live != [_residents_after(trace, layer, snap["slots"], "lru") for layer in range(3)]
+    assert live == [_residents_after(trace, layer, snap.slots, "lfu") for layer in range(3)]
+    assert live != [_residents_after(trace, layer, snap.slots, "lru") for layer in range(3)]
     assert any(e.type == "expert" and e.action == "evict" and e.reason == "lfu" for e in bus.history())
 
 
@@ -245,7 +245,7 @@ def test_expert_lfu_switch_toggles_live_without_moving_an_expert(moe_ckpt, promp
             run_all(engine, prompts[:1], GREEDY, prefix="warm")
             residents = [dict(pool.policy.where) for pool in cache.pools]
             assert cache.policy == "lru" and engine.set_switch("EXPERT_LFU", True).enabled
-            assert cache.snapshot()["policy"] == "lfu"  # at once, before the next step
+            assert cache.snapshot().policy == "lfu"  # at once, before the next step
             assert [dict(pool.policy.where) for pool in cache.pools] == residents
             tokens = tokens_of(run_all(engine, prompts, GREEDY))
             assert cache.policy == "lfu"
@@ -279,8 +279,8 @@ def test_expert_store_on_a_peer_device_gives_the_all_resident_tokens(moe_ckpt, p
                         lambda *a, **kw: real(*a[:6], peer=torch.device("cpu"), peer_free_mib=0.0))
     tokens, snap, _ = _run(moe_ckpt, prompts, expert_cache_mib=1)
     assert tokens == plain_tokens
-    assert snap["store_device"] == "cpu" and snap["host_mib"] == 0.0
-    assert snap["peer_mib"] == snap["all_experts_mib"] and snap["misses"] > 0 and snap["loaded_mib"] > 0
+    assert snap.store_device == "cpu" and snap.host_mib == 0.0
+    assert snap.peer_mib == snap.all_experts_mib and snap.misses > 0 and snap.loaded_mib > 0
 
 
 def test_a_peer_without_room_for_the_expert_store_is_refused_before_allocating(moe_ckpt):

@@ -9,7 +9,7 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+from tests.engine.engine_helpers import beside_others_reserve_mib, make_engine, random_prompts, run_all, tokens_of
 from tests.engine.model import quant_files
 
 PROMPTS = random_prompts(6, seed=7, lengths=(3, 90))
@@ -62,13 +62,15 @@ def test_greedy_mtp_on_equals_off_and_the_books_name_the_format(fmt, ckpt, tmp_p
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_shared  # its engines keep to 4 GiB (beside_others_reserve_mib)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_on_the_gpu_greedy_mtp_on_equals_off_for_every_format(fmt, ckpt, tmp_path_factory):
     model, quantize = _model(fmt, ckpt, tmp_path_factory)
-    _mtp_on_equals_off(model, quantize, device="cuda", dtype="bfloat16", tier_budget_mib=64.0)
+    _mtp_on_equals_off(model, quantize, device="cuda", dtype="bfloat16", tier_budget_mib=64.0,
+                       vram_reserve_mib=beside_others_reserve_mib())
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu  # alone: the 0.6B shape's random weights are drawn on the GPU at start, past a 4 GiB share
 @pytest.mark.parametrize("quantize", ["fp8", "int4"])
 def test_on_the_gpu_split_k_products_keep_mtp_on_equal_off_without_fused_ops(quantize):
     # the 0.6B shape's narrow products (o: K 2048 -> N 1024; down) split K in the quantized kernels, whose split

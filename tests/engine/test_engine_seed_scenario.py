@@ -53,7 +53,8 @@ def _faulty_engine(ckpt, bus: EventBus, faults: str):
     # Every instantiate attempt in `faults` fails for memory: the first failing key needs 4 attempts to
     # degrade (capture, retry after freeing its own graphs, 2 polls for tier room).
     cache = GraphCache(engine.device, bus, engine.board, release_tier=engine.tier.release, wait_polls=2,
-                       wait_interval_s=0.0, fault_plan=FaultPlan.parse(faults), switch_for_key=switch_for_key)
+                       wait_interval_s=0.0, fault_plan=FaultPlan.parse(faults), switch_for_key=switch_for_key,
+                       streams=engine.streams)
     engine.executor = engine.runner.executor = cache
     return engine
 

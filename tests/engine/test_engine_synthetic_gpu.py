@@ -13,6 +13,7 @@ from engine.model import load_checkpoint
 from engine.model.moe import sparse_blocks
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
+from tests.fault_injection import installed
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda:0"
@@ -55,17 +56,17 @@ def _tokens(bus=None, **kw):
 def test_gpu_each_cold_path_gives_the_all_resident_tokens_under_cuda_graphs(mode):
     resident, _ = _tokens()
     tokens, snap = _tokens(expert_cache_mib=1, switches=SWITCH[mode])
-    print(f"{mode}: slots {snap['slots']}, hit rate {snap['hit_rate']}, oracle {snap['oracle_hit_rate']}, "
-          f"replays {snap['replays']}, reruns {snap['reruns']}, prefetched {snap['prefetched']} of {snap['steps']} steps")
-    assert snap["cold"] == mode and snap["misses"] > 0
+    print(f"{mode}: slots {snap.slots}, hit rate {snap.hit_rate}, oracle {snap.oracle_hit_rate}, "
+          f"replays {snap.replays}, reruns {snap.reruns}, prefetched {snap.prefetched} of {snap.steps} steps")
+    assert snap.cold == mode and snap.misses > 0
     assert tokens == resident
 
 
-def test_gpu_capture_oom_shrinks_the_auto_expert_cache_before_the_tier(monkeypatch):
+def test_gpu_capture_oom_shrinks_the_auto_expert_cache_before_the_tier():
     resident, _ = _tokens()
-    monkeypatch.setenv("STRATA_FAULT_INJECT", "capture:decode:1-2:oom")
     bus = EventBus()
-    tokens, snap = _tokens(bus=bus, expert_cache_mib="auto")
+    with installed("capture:decode:1-2:oom"):  # the engine built in process reads no environment for faults
+        tokens, snap = _tokens(bus=bus, expert_cache_mib="auto")
     shrinks = [(e.seq, e) for e in bus.history() if e.type == "expert" and e.action == "shrink"]
     tier_shrinks = [e.seq for e in bus.history() if e.type == "tier" and e.action == "shrink"]
     print("expert shrinks:", [(e.slots, e.reason) for _, e in shrinks], "tier shrinks:", len(tier_shrinks))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine.api import SamplingParams
-from engine.orchestration.reporting import SLOT_EVENT_INTERVAL_S
+from engine.orchestration.engine import SLOT_EVENT_INTERVAL_S
 from engine.telemetry import EventBus, event_from_json
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 
@@ -95,7 +95,7 @@ def test_a_peer_device_without_a_second_gpu_is_a_config_error(ckpt):
 def test_a_long_prefill_reports_progress_rate_and_eta(ckpt, monkeypatch):
     bus = EventBus(history=100000)
     engine = make_engine(ckpt, bus=bus, batch=1, prefill_chunk_tokens=32, step_token_budget=32)
-    engine.report.slot_interval_s = 0.0  # every step, so this short run shows progress
+    engine.slot_interval_s = 0.0  # every step, so this short run shows progress
     engine.add_request("long", random_prompts(1, seed=54, lengths=(400, 401))[0],
                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_work:

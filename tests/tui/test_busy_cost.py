@@ -12,10 +12,12 @@ from rich.text import Text
 from textual.app import App
 from textual.widgets import DataTable
 
-from engine.telemetry import SlotEvent
+from engine.telemetry import AdmissionEvent, SlotEvent
 from strata_tui.messages import EngineLiveness, TelemetryBatch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
+from strata_tui.reducer import reduce
+from strata_tui.view_state import ViewState
 from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.workers import watch_liveness
 from tests.tui.conftest import offline_app, recorded
@@ -36,6 +38,37 @@ def _decoding(generated: dict[int, int]) -> dict[int, SlotEvent]:
 class _TableApp(App):
     def compose(self):
         yield SlotsTable()
+
+
+class _ViewApp(App):
+    """A slots table handed the view state, with no screen to pass anything down to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.view = ViewState(mode="attached")
+
+    def compose(self):
+        yield SlotsTable(self.view, lambda: 0.0)
+
+
+async def test_the_slots_table_reads_its_slice_of_the_view_state_on_its_own_tick() -> None:
+    """An event folded into the view state by the reducer reaches its cells with no screen relaying it; a tick
+    with nothing new touches no cell."""
+    app = _ViewApp()
+    async with app.run_test(size=(160, 20)) as pilot:
+        table = app.query_one(SlotsTable)
+        events = [AdmissionEvent(request_id="busy-2", slot=2, prompt_tokens=512, seq=1),
+                  *_decoding({2: 40}).values()]
+        reduce(app.view, TelemetryBatch(events), 0.0, 0.0)
+        await pilot.pause(app.view.settings.refresh_s * 2)
+        assert "40/4,096" in table.get_cell("2", "progress").plain
+        assert "last admission: busy-2 → slot 2" in str(table.border_subtitle)
+        drawn = table.cell_updates
+        await pilot.pause(app.view.settings.refresh_s * 3)
+        assert table.cell_updates == drawn, "a quiet tick touched cells"
+        reduce(app.view, TelemetryBatch(list(_decoding({2: 41}).values())), 0.0, 0.0)
+        await pilot.pause(app.view.settings.refresh_s * 2)
+        assert "41/4,096" in table.get_cell("2", "progress").plain
 
 
 async def test_a_refresh_renders_only_the_rows_that_changed(monkeypatch) -> None:
@@ -177,7 +210,7 @@ class _Stream:
 
 async def test_a_burst_of_reads_is_posted_in_few_batches_with_every_event_in_order() -> None:
     from strata_tui.messages import StateSnapshot, TelemetryStatus
-    from strata_tui.workers import stream_telemetry
+    from strata_tui.telemetry_client import stream_telemetry
 
     posted: list = []
     worker = asyncio.create_task(stream_telemetry(posted.append, _Stream(100), batch_s=0.1))

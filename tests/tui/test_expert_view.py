@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-from engine.snapshot import EngineSnapshot
+from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot
 from engine.telemetry import ExpertEvent, VramEvent
 from strata_tui.expert_view import ExpertView, budget_step_mib
 from strata_tui.monitor_state import MonitorState
 
 
-def _snap(slots=6, target=8, misses=40, steps=20, hits=160, layers=(0.9, 0.55, 0.8)) -> dict:
+def _json(slots=6, target=8, misses=40, steps=20, hits=160, layers=(0.9, 0.55, 0.8)) -> dict:
+    """The `experts` section as /strata/state sends it."""
     return {"slots": slots, "target_slots": target, "mib": 3.94, "host_mib": 9.0, "expert_mib": 0.1875,
             "num_layers": 3, "num_experts": 16, "device": "cpu", "hits": hits, "misses": misses,
             "hit_rate": round(hits / (hits + misses), 4), "oracle_hit_rate": 0.91, "lru_replay_hit_rate": 0.8,
             "reruns": 2, "replays": 7, "steps": steps,
             "layers": [{"layer": i, "hits": 0, "misses": 0, "evictions": 0, "hit_rate": r}
                        for i, r in enumerate(layers)]}
+
+
+def _snap(**kw) -> ExpertCacheSnapshot:
+    return ExpertCacheSnapshot.from_json(_json(**kw))
 
 
 def test_misses_per_step_come_from_the_counters_between_two_snapshots() -> None:
@@ -47,7 +52,7 @@ def test_monitor_state_shows_experts_only_for_an_moe_engine() -> None:
     state = MonitorState()
     state.apply_snapshot(EngineSnapshot.from_json({"slots": [], "experts": None}))
     assert state.experts is None
-    state.apply_snapshot(EngineSnapshot.from_json({"slots": [], "experts": _snap()}))
+    state.apply_snapshot(EngineSnapshot.from_json({"slots": [], "experts": _json()}))
     assert state.experts is not None and state.experts.slots == 6
     state.apply(ExpertEvent(seq=5, action="shrink", mib=1.0, total_mib=2.2, slots=3, reason="expert cache set"))
     assert state.experts.slots == 3 and state.experts.mib == 2.2
@@ -67,7 +72,8 @@ def test_the_panel_says_where_the_store_is_and_which_policy_runs() -> None:
     view.update(_snap())
     text = "\n".join(line.plain for line in expert_lines(view))
     assert "host 9.00 MiB" in text and "peer" not in text and "policy" not in text  # LRU, host store: as before
-    view.update({**_snap(), "host_mib": 0.0, "peer_mib": 1152.0, "store_device": "cuda:1", "policy": "lfu"})
+    view.update(ExpertCacheSnapshot.from_json({**_json(), "host_mib": 0.0, "peer_mib": 1152.0, "store_device": "cuda:1",
+                                               "policy": "lfu"}))
     text = "\n".join(line.plain for line in expert_lines(view))
     assert "peer cuda:1 1152" in text and "host" not in text and "policy lfu" in text
 
@@ -78,7 +84,8 @@ def test_the_heat_row_keeps_every_layer_and_shows_a_shared_cell_at_its_worst() -
     view = ExpertView()
     rates = [0.9] * 48
     rates[0], rates[47], rates[30] = 0.5, 0.6, None
-    view.update({**_snap(), "layers": [{"layer": i, "hit_rate": r} for i, r in enumerate(rates)]})
+    view.update(ExpertCacheSnapshot.from_json({**_json(), "layers": [{"layer": i, "hit_rate": r}
+                                                                     for i, r in enumerate(rates)]}))
     assert view.layer_heat(48) == rates  # one layer a cell when they fit
     heat = view.layer_heat(24)  # two layers a cell: the worst of the two, the first and last layers kept
     assert len(heat) == 24 and heat[0] == 0.5 and heat[-1] == 0.6 and heat[15] == 0.9
@@ -91,9 +98,9 @@ def test_the_panel_names_a_cold_mode_other_than_copy() -> None:
     from strata_tui.widgets.expert_panel import expert_lines
 
     view = ExpertView()
-    view.update({**_snap(), "cold": "copy"})
+    view.update(ExpertCacheSnapshot.from_json({**_json(), "cold": "copy"}))
     assert "cold" not in "\n".join(line.plain for line in expert_lines(view))  # the default says nothing
-    view.update({**_snap(), "cold": "cpu", "host_runs": 17})
+    view.update(ExpertCacheSnapshot.from_json({**_json(), "cold": "cpu", "host_runs": 17}))
     assert "cold cpu  on host 17" in "\n".join(line.plain for line in expert_lines(view))
-    view.update({**_snap(), "cold": "prefetch", "prefetched": 40})
+    view.update(ExpertCacheSnapshot.from_json({**_json(), "cold": "prefetch", "prefetched": 40}))
     assert "cold prefetch  prefetched 40" in "\n".join(line.plain for line in expert_lines(view))

@@ -9,7 +9,7 @@ from engine.telemetry import AdmissionEvent, SlotEvent
 from strata_tui.messages import TelemetryBatch
 from strata_tui.monitor_state import MonitorState
 from strata_tui.prefill_eta import PrefillTrack
-from strata_tui.screens.monitor import admission_line
+from strata_tui.widgets.slots_table import admission_line
 from strata_tui.widgets.slots_table import SlotsTable, columns_for, slot_cells
 from tests.tui.conftest import offline_app, wait_for
 

@@ -36,6 +36,8 @@ from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, add_routed_on_h
 from engine.exec.experts.pool import ExpertPool
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import adopt, groups_of
+from engine.exec.streams import Streams
+from engine.snapshot import ExpertCacheSnapshot
 from engine.model.moe import add_routed, expert_mlp, moe_index_of, routes_by_expert, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
 
@@ -54,14 +56,20 @@ class ExpertCache:
     """Per-layer expert pools behind the ExpertProvider seam of engine.model.moe (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bus: EventBus, slots: int,
-                 min_slots: int = 1, policy: str = "lru", store_device: torch.device | None = None) -> None:
+                 min_slots: int = 1, policy: str = "lru", store_device: torch.device | None = None,
+                 streams: Streams | None = None) -> None:
+        """`streams`: the engine's (engine.exec.streams), whose `expert_copy` stream the loads run on; needed on
+        CUDA (None on a CPU, where a load copies in order)."""
         self.blocks = sparse_blocks(model)
         if not self.blocks:
             raise ValueError("the model has no sparse MoE layers")
         self.device = device
         self.bus = bus
         on_cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if on_cuda else None
+        if on_cuda and (streams is None or not streams.cuda):
+            raise ValueError(f"an expert cache on device={str(device)!r} needs the engine's streams "
+                             "(engine.exec.streams.Streams) for its loads")
+        self.copy_stream = streams.expert_copy if on_cuda else None
         self.peer = store_device  # None: the store is pinned host memory
         store = torch.device("cpu") if store_device is None else store_device
         moved: dict[int, torch.Tensor] = {}  # a shared store (synthetic sources) moves once for every layer
@@ -411,7 +419,7 @@ class ExpertCache:
                 result = pool.policy.serve(group)  # all resident: hits only, nothing moves
                 self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
 
-    def snapshot(self, oracle_max_age_s: float = 0.0) -> dict:
+    def snapshot(self, oracle_max_age_s: float = 0.0) -> ExpertCacheSnapshot:
         """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to
         `oracle_max_age_s` old: see ExpertStats.oracle)."""
         return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots,

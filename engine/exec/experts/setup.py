@@ -21,6 +21,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.exec.experts.cache import ExpertCache
+from engine.exec.streams import Streams
 from engine.model.moe import sparse_blocks
 from engine.telemetry import EventBus
 
@@ -32,7 +33,7 @@ AUTO_SHARE = 0.95
 
 def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device: torch.device, bus: EventBus,
                        free_mib: float, reserve_mib: float, peer: torch.device | None = None,
-                       peer_free_mib: float = 0.0) -> ExpertCache:
+                       peer_free_mib: float = 0.0, streams: Streams | None = None) -> ExpertCache:
     """The cache with its start-up size (see the module docstring); `free_mib` is the device's free memory,
     `peer_free_mib` the --peer-device's (where the store goes when `peer` is given)."""
     if peer is not None and peer.type == "cuda":
@@ -42,7 +43,7 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
                               f"the routed experts need {need:.0f} MiB there but only {peer_free_mib - reserve_mib:.0f} "
                               f"MiB are available ({peer_free_mib:.0f} MiB free, minus the {reserve_mib:.0f} MiB "
                               "reserve); without --peer-device they stay in host memory")
-    cache = ExpertCache(model, device, bus, slots=1, store_device=peer)
+    cache = ExpertCache(model, device, bus, slots=1, store_device=peer, streams=streams)
     if budget == AUTO:
         return cache
     want_mib = cache.all_experts_mib + cache.mib_for(0) if budget is None else float(budget)

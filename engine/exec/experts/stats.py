@@ -15,6 +15,7 @@ from collections import deque
 from typing import Any
 
 from engine.exec.experts.trace import Access, hit_rate, replay, write_trace
+from engine.snapshot import ExpertCacheSnapshot, ExpertLayerSnapshot
 from engine.telemetry import EventBus, ExpertEvent
 
 EVENT_INTERVAL_S = 1.0  # load / evict events are summed over about this long
@@ -124,20 +125,19 @@ class ExpertStats:
     def write_trace(self, path: str, header: dict) -> None:
         write_trace(path, {"num_layers": self.num_layers, "num_experts": self.num_experts, **header}, self.trace)
 
-    def snapshot(self, oracle_max_age_s: float = 0.0, policy: str = "lru", **sizes: Any) -> dict[str, Any]:
+    def snapshot(self, oracle_max_age_s: float = 0.0, policy: str = "lru", **sizes: Any) -> ExpertCacheSnapshot:
+        """The counters, with the cache's `sizes` (ExpertCacheSnapshot's size fields) and the oracle's replays
+        at its slots (up to `oracle_max_age_s` old)."""
         hits, misses = sum(self.hits), sum(self.misses)
-        layers = [{"layer": i, "hits": h, "misses": m, "evictions": ev,
-                   "hit_rate": round(h / (h + m), 4) if h + m else None}
+        layers = [ExpertLayerSnapshot(layer=i, hits=h, misses=m, evictions=ev,
+                                      hit_rate=round(h / (h + m), 4) if h + m else None)
                   for i, (h, m, ev) in enumerate(zip(self.hits, self.misses, self.evictions))]
-        out = {**{k: round(v, 4) if isinstance(v, float) else v for k, v in sizes.items()},
-               "num_layers": self.num_layers, "num_experts": self.num_experts, "policy": policy,
-               "device": self.device, "hits": hits, "misses": misses,
-               "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-               "evictions": sum(self.evictions), "loaded_experts": self.loaded_experts,
-               "loaded_mib": round(self.loaded_mib, 3), "load_ms": round(self.load_ms, 3), "reruns": self.reruns,
-               "replays": self.replays, "prefetched": self.prefetched,
-               "host_runs": self.host_runs,
-               "steps": self.steps, "trace_accesses": len(self.trace), "layers": layers}
         rates = self.oracle(int(sizes["slots"]), oracle_max_age_s, policy)
-        out.update({k: None if v is None else round(v, 4) for k, v in rates.items()})
-        return out
+        return ExpertCacheSnapshot(
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in sizes.items()},
+            num_layers=self.num_layers, num_experts=self.num_experts, policy=policy, device=self.device,
+            hits=hits, misses=misses, hit_rate=round(hits / (hits + misses), 4) if hits + misses else None,
+            evictions=sum(self.evictions), loaded_experts=self.loaded_experts, loaded_mib=round(self.loaded_mib, 3),
+            load_ms=round(self.load_ms, 3), reruns=self.reruns, replays=self.replays, prefetched=self.prefetched,
+            host_runs=self.host_runs, steps=self.steps, trace_accesses=len(self.trace), layers=layers,
+            **{k: None if v is None else round(v, 4) for k, v in rates.items()})

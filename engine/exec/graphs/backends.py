@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping, Protocol
+from typing import Any, Callable, Hashable, Mapping, Protocol, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.exec.streams import Streams
 
 MIB = float(1 << 20)
 StageHook = Callable[[str], None]
@@ -164,18 +167,17 @@ class CudaGraphBackend:
     the static outputs, and the captured step copies into them, so the pool holds only intermediates.
     """
 
-    def __init__(self, device: Any, lean_free_mib: float = 4096.0) -> None:
+    def __init__(self, streams: Streams, lean_free_mib: float = 4096.0) -> None:
+        """`streams`: the engine's (engine.exec.streams); warm-ups and captures run on their `capture` stream."""
         import torch
 
         self._torch = torch
-        self._dev = torch.device(device)
-        if self._dev.type != "cuda":
-            raise ValueError(f"CudaGraphBackend needs a CUDA device, got device={device!r}")
-        if self._dev.index is None:
-            self._dev = torch.device("cuda", torch.cuda.current_device())
+        if not streams.cuda:
+            raise ValueError(f"CudaGraphBackend needs a CUDA device, got device={str(streams.device)!r}")
+        self._dev = streams.device
         self.device = str(self._dev)
         self.lean_free_mib = lean_free_mib
-        self._stream = torch.cuda.Stream(self._dev)
+        self._stream = streams.capture
         self._pools: dict[str | None, Any] = {}
         self._separate_instantiate = True
         self.stale_recordings_cleared = 0  # a health figure: should stay 0
@@ -328,11 +330,14 @@ class CudaGraphBackend:
             pass
 
 
-def default_backend(device: Any) -> GraphBackend:
-    """CUDA backend for a CUDA device, the CPU backend otherwise."""
-    text = str(device)
-    if text.startswith("cuda"):
-        return CudaGraphBackend(device)
+def default_backend(device: Any, streams: Streams | None = None) -> GraphBackend:
+    """CUDA backend for a CUDA device (capturing on the capture stream of `streams`, the engine's), the CPU
+    backend otherwise."""
+    if str(device).startswith("cuda"):
+        if streams is None:
+            raise ValueError(f"a CUDA graph backend on device={str(device)!r} needs the engine's streams "
+                             "(engine.exec.streams.Streams)")
+        return CudaGraphBackend(streams)
     return CpuGraphBackend()
 
 

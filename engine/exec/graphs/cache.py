@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol, TYPE_CHECKING
 
 from engine.exec.compile import StepCompiler
 from engine.exec.executor import GraphDegraded, StepFn
@@ -33,6 +33,9 @@ from engine.snapshot import DegradedGraph, GraphsSnapshot
 from engine.snapshot import GraphEntry as GraphSnapshotEntry
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent
+
+if TYPE_CHECKING:
+    from engine.exec.streams import Streams
 
 __all__ = ["GraphCache", "GraphDegraded", "GraphSpec"]
 
@@ -110,7 +113,10 @@ class GraphCache:
         compiler: StepCompiler | None = None,
         default_need_mib: float = 256.0,
         sleep: Callable[[float], None] = time.sleep,
+        streams: Streams | None = None,
     ) -> None:
+        """`streams`: the engine's (engine.exec.streams), whose capture stream a CUDA device's captures run on
+        (needed there unless `backend` is given; None on a CPU)."""
         self.device = str(device)
         self.bus = bus
         self.board = board
@@ -119,7 +125,7 @@ class GraphCache:
         self.wait_interval_s = float(wait_interval_s)
         self.fault_plan = fault_plan if fault_plan is not None else installed_faults
         self.switch_for_key = switch_for_key or (lambda kind, key: None)
-        self.backend = backend if backend is not None else default_backend(device)
+        self.backend = backend if backend is not None else default_backend(device, streams)
         self.compiler = compiler if compiler is not None else StepCompiler(board, bus)
         self.default_need_mib = default_need_mib
         self._sleep = sleep

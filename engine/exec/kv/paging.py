@@ -43,6 +43,7 @@ import torch
 
 from engine.exec.kv.blocks import BlockLayout, BlockLedger, Plan
 from engine.exec.kv.host import MIB, HostKVStore
+from engine.exec.streams import Streams
 from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import EventBus, KvEvent
 
@@ -77,7 +78,10 @@ class PagingStats:
 class KVPaging:
     """The block table's owner under `--kv-resident` (see the module docstring)."""
 
-    def __init__(self, kv, layout: BlockLayout, pool_blocks: int, resident_tokens: int) -> None:
+    def __init__(self, kv, layout: BlockLayout, pool_blocks: int, resident_tokens: int,
+                 streams: Streams | None = None) -> None:
+        """`streams`: the engine's (engine.exec.streams), whose `kv_copy` stream the fetches run on; needed on
+        CUDA (None on a CPU, where a fetch copies in order)."""
         self.kv = kv
         self.layout = layout
         self.resident_tokens = resident_tokens
@@ -102,7 +106,10 @@ class KVPaging:
         self._layer_fetched: list[torch.cuda.Event] = []
         self._pending: list[_PendingFetch] = []
         if kv.device.type == "cuda":
-            self._copy_stream = torch.cuda.Stream(kv.device)
+            if streams is None or not streams.cuda:
+                raise ValueError(f"KV by use on device={str(kv.device)!r} needs the engine's streams "
+                                 "(engine.exec.streams.Streams) for its fetches")
+            self._copy_stream = streams.kv_copy
             # torch/cuda/streams.py (Event): "external (bool, optional): indicates whether this event should create
             # event record and event wait nodes, or create an internal cross-stream dependency, when captured in a
             # cuda graph" (pytorch/pytorch#155372); CUDA's cudaGraphAddEventWaitNode: "The graph node will wait for

@@ -85,18 +85,18 @@ def _paged_decode_kernel(
     n = tl.arange(0, BLOCK_N)
     for tile in range(first_tile, last_tile):
         keys = tile * BLOCK_N + n
-        # Keys past the row's length are loaded as zeros, never read: their scores are masked out below, but
-        # P.V would still multiply what they hold by 0, and 0 * NaN is NaN. They live in block 0 (LOADS 0: the
-        # table entry is not read) or past the row's end in its own block, where another slot's NaN or a
-        # request that ended on NaN logits may have left it.
+        # Values past the row's length are loaded as zeros, never read: their scores are masked out below (a NaN
+        # key's score too: `where` replaces it), but P.V would still multiply what the values hold by 0, and
+        # 0 * NaN is NaN. They live in block 0 (LOADS 0: the table entry is not read) or past the row's end in its
+        # own block, where another slot's NaN or a request that ended on NaN logits may have left it.
         in_len = keys < kv_len
-        kv_ok = in_len[:, None] & d_ok[None, :]
+        v_ok = in_len[:, None] & d_ok[None, :]
         if LOADS == 0:
             # A tile of BLOCK_N keys may span several pool blocks (or part of one): each key finds its own block.
             phys = tl.load(table_ptr + slot * stride_tab + keys // PAGE, mask=in_len, other=0).to(tl.int64)
             k_off = h_pool + phys[:, None] * stride_kb + (keys % PAGE)[:, None] * D + d[None, :]
-            k = tl.load(k_ptr + k_off, mask=kv_ok, other=0)
-            v = tl.load(v_ptr + k_off, mask=kv_ok, other=0)
+            k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
+            v = tl.load(v_ptr + k_off, mask=v_ok, other=0)
             scale_off = h * stride_sh + phys * stride_sb + keys % PAGE
         else:
             # The tile lies inside one pool block: one table entry.
@@ -104,16 +104,16 @@ def _paged_decode_kernel(
             in_block = (tile * BLOCK_N) % PAGE + n
             if LOADS == 1:
                 k_off = h_pool + phys * stride_kb + in_block[:, None] * D + d[None, :]
-                k = tl.load(k_ptr + k_off, mask=kv_ok, other=0)
-                v = tl.load(v_ptr + k_off, mask=kv_ok, other=0)
+                k = tl.load(k_ptr + k_off, mask=d_ok[None, :], other=0)
+                v = tl.load(v_ptr + k_off, mask=v_ok, other=0)
             else:
                 row = ((h * head_rows + phys) * PAGE + (tile * BLOCK_N) % PAGE).to(tl.int32)
-                k = tl.where(in_len[:, None], k_ptr.load([row, 0]), 0)
+                k = k_ptr.load([row, 0])
                 v = tl.where(in_len[:, None], v_ptr.load([row, 0]), 0)
             scale_off = h * stride_sh + phys * stride_sb + in_block
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if INT8:
-            ks = tl.load(ks_ptr + scale_off, mask=in_len, other=0.0)
+            ks = tl.load(ks_ptr + scale_off)
             s = s * ks[None, :]
         s = s * sm_scale
         visible = keys[None, :] <= pos[:, None]

@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.exec.chunk_stream import ChunkStream, chunk_sms_from_env, overlap_wanted
+from engine.exec.streams import Streams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -27,6 +28,11 @@ def test_on_where_the_streams_would_share_state_is_refused_naming_why() -> None:
     with pytest.raises(ConfigError, match="MoE") as err:
         overlap_wanted("on", CUDA, moe=True)
     assert err.value.param == "prefill_overlap"
+
+
+def test_a_chunk_stream_needs_streams_with_a_side_stream() -> None:
+    with pytest.raises(ValueError, match="overlap=True"):
+        ChunkStream(Streams(CPU))
 
 
 def test_a_chunk_in_flight_holds_its_slot_so_no_step_spills_the_blocks_it_writes() -> None:
@@ -48,7 +54,7 @@ def test_a_chunk_in_flight_holds_its_slot_so_no_step_spills_the_blocks_it_writes
     paging = Paging()
     ledger = paging.ledger
     ledger.plan({0: 4 * 64})  # slot 0's chunk took the whole pool
-    stream = ChunkStream(CPU)
+    stream = ChunkStream(Streams(CPU, overlap=True))
     stream.paging = paging
     stream.launch(Chunk(), lambda: None)
     from engine.exec.kv.blocks import PoolTooSmall
@@ -76,9 +82,10 @@ def test_strata_chunk_sms_is_a_whole_number_or_unset() -> None:
 
 
 def test_on_a_cpu_a_launched_chunk_is_done_and_taken_once() -> None:
-    stream = ChunkStream(CPU, chunk_sms=64)
-    assert stream.chunk_sms == 0 and stream.note is None  # no SMs to share on a CPU
-    with stream.steps():
+    streams = Streams(CPU, overlap=True, chunk_sms=64)
+    assert streams.chunk_sms == 0 and streams.note is None  # no SMs to share on a CPU
+    stream = ChunkStream(streams)
+    with streams.on("steps"):
         pass
     assert not stream.ready()
     chunk = type("Chunk", (), {"request": object()})()
@@ -99,7 +106,7 @@ def test_an_immortal_object_is_never_destroyed_not_even_at_the_interpreters_exit
     import subprocess
     import sys
 
-    code = ("from engine.exec.chunk_stream import _immortal\n"
+    code = ("from engine.exec.streams import _immortal\n"
             "class Noisy:\n"
             "    def __init__(self, name): self.name = name\n"
             "    def __del__(self): print('destroyed', self.name, flush=True)\n"

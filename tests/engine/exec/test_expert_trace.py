@@ -74,10 +74,10 @@ def test_a_paced_snapshot_reuses_a_recent_oracle_and_a_fresh_one_replays_the_tra
         stats.begin_step("decode")
         stats.record_access(0, [step % 5, (step + 2) % 8], tokens=1)
     first = stats.snapshot(oracle_max_age_s=60.0, slots=2)
-    assert replays == ["belady", "lru"] and first["oracle_hit_rate"] is not None
+    assert replays == ["belady", "lru"] and first.oracle_hit_rate is not None
     stats.begin_step("decode")
     stats.record_access(0, [7, 6], tokens=1)
-    assert stats.snapshot(oracle_max_age_s=60.0, slots=2)["oracle_hit_rate"] == first["oracle_hit_rate"]
+    assert stats.snapshot(oracle_max_age_s=60.0, slots=2).oracle_hit_rate == first.oracle_hit_rate
     assert len(replays) == 2  # paced: the recent replay is reused
     stats.snapshot(oracle_max_age_s=0.0, slots=2)
     assert len(replays) == 4  # fresh (Engine.state): the trace changed, so it is replayed again

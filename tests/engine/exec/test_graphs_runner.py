@@ -24,6 +24,7 @@ from engine.exec.kv.cache import KVGeometry, SlotKVCache
 from engine.model import load_checkpoint
 from engine.exec.runner import ModelRunner, Row, switch_for_key
 from engine.exec.sampler import make_generator
+from engine.exec.streams import Streams
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 
@@ -113,6 +114,6 @@ def test_cpu_graph_backend_replay_equals_eager_for_every_kind(tiny_checkpoint: P
 @pytest.mark.gpu_shared
 def test_cuda_graph_replay_equals_eager_for_every_kind(tiny_checkpoint: Path) -> None:
     lm = load_checkpoint(tiny_checkpoint, dtype="float32", device="cuda:0")
-    cache = _compare(lm, lambda: default_backend(lm.device), atol=1e-4)
+    cache = _compare(lm, lambda: default_backend(lm.device, Streams(lm.device)), atol=1e-4)
     for g in cache.snapshot().graphs:
         print(f"graph {g.kind:14s} {g.key:22s} {g.mib:8.2f} MiB {g.capture_ms:8.1f} ms replays {g.replays}")

@@ -129,7 +129,7 @@ def test_gpu_a_replayed_decode_waits_for_a_slow_fetch_that_prepare_did_not_wait_
         again = runner.decode([Row(0, 11, 640)]).logits.clone()  # fetch back, replay the same graph
         torch.cuda.synchronize()
 
-    assert streams == [paging._copy_stream.cuda_stream], "the fetch ran on the copy stream, once"
+    assert streams == [engine.streams.kv_copy.cuda_stream], "the fetch ran on the engine's KV copy stream, once"
     [(layers_done, pending_done)] = after_prepare
     assert not any(layers_done), "prepare waited for the copy"
     assert pending_done == [False]  # left pending: its telemetry comes once the copy is done

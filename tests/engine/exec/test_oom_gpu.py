@@ -15,6 +15,7 @@ import torch
 from engine.exec.executor import GraphDegraded
 from tests.fault_injection import FaultPlan
 from engine.exec.graphs.cache import GraphCache
+from engine.exec.streams import Streams
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 
@@ -108,7 +109,8 @@ def test_real_pressure_evicts_waits_for_the_tier_degrades_and_keeps_serving() ->
     device = torch.device("cuda:0")
     bus, board, tier = EventBus(), SwitchBoard.from_values({}), FillerTier(device)
     cache = GraphCache(device, bus, board, tier.release, wait_polls=5, wait_interval_s=0.02, fault_plan=FaultPlan(),
-                       switch_for_key=lambda kind, key: "SPLIT_ATTN" if kind == "verify" else None)
+                       switch_for_key=lambda kind, key: "SPLIT_ATTN" if kind == "verify" else None,
+                       streams=Streams(device))
     x = torch.randn(1024, device=device)
     y = x + 1.0
     big = _step(INTERMEDIATE_MIB)
@@ -165,7 +167,7 @@ def test_capture_release_cycles_with_failures_leave_free_vram_where_it_was(cycle
     bus, board = EventBus(), SwitchBoard.from_values({})
     plan = FaultPlan.parse("capture:draft_step:*:invalidated,instantiate:verify:*:driver_oom")
     cache = GraphCache(device, bus, board, lambda mib, reason: 0.0, wait_polls=1, wait_interval_s=0.0,
-                       fault_plan=plan)
+                       fault_plan=plan, streams=Streams(device))
     x = torch.randn(1024, device=device)
 
     def cycle(i: int) -> None:

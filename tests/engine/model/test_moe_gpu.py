@@ -52,10 +52,10 @@ def _engine_tokens(moe_ckpt, bus=None, **kw):
 def test_gpu_expert_cache_under_cuda_graphs(moe_ckpt):
     resident, snap_all = _engine_tokens(moe_ckpt)
     small, snap = _engine_tokens(moe_ckpt, expert_cache_mib=1)
-    print(f"all resident: {snap_all['hits']} hits; 1 MiB: slots {snap['slots']}, hit rate {snap['hit_rate']}, "
-          f"oracle {snap['oracle_hit_rate']}, replays {snap['replays']}, reruns {snap['reruns']} of {snap['steps']} steps")
-    assert snap_all["misses"] == 0 and snap_all["reruns"] == 0
-    assert snap["misses"] > 0 and snap["replays"] + snap["reruns"] > 0 and snap["reruns"] < snap["steps"]
+    print(f"all resident: {snap_all.hits} hits; 1 MiB: slots {snap.slots}, hit rate {snap.hit_rate}, "
+          f"oracle {snap.oracle_hit_rate}, replays {snap.replays}, reruns {snap.reruns} of {snap.steps} steps")
+    assert snap_all.misses == 0 and snap_all.reruns == 0
+    assert snap.misses > 0 and snap.replays + snap.reruns > 0 and snap.reruns < snap.steps
     assert small == resident
 
 
@@ -95,12 +95,12 @@ def test_gpu_expert_store_on_the_peer_device_under_cuda_graphs(moe_ckpt):
         vram = {v["device"]: v for v in engine.state().to_json()["vram"]}
     finally:
         engine.close()
-    print(f"peer store: {snap['peer_mib']:.1f} MiB on cuda:1, hit rate {snap['hit_rate']}, loaded "
-          f"{snap['loaded_mib']:.1f} MiB in {snap['load_ms']:.1f} ms, replays {snap['replays']}, reruns {snap['reruns']}")
+    print(f"peer store: {snap.peer_mib:.1f} MiB on cuda:1, hit rate {snap.hit_rate}, loaded "
+          f"{snap.loaded_mib:.1f} MiB in {snap.load_ms:.1f} ms, replays {snap.replays}, reruns {snap.reruns}")
     assert tokens == resident  # misses copied cuda:1 -> cuda:0 (replays and eager re-runs) change nothing
-    assert snap["store_device"] == "cuda:1" and snap["host_mib"] == 0.0 and snap["peer_mib"] > 0
-    assert snap["misses"] > 0 and snap["loaded_mib"] > 0
-    assert vram["cuda:1"]["weights_mib"] == round(snap["peer_mib"], 1)  # the peer's books count the store
+    assert snap.store_device == "cuda:1" and snap.host_mib == 0.0 and snap.peer_mib > 0
+    assert snap.misses > 0 and snap.loaded_mib > 0
+    assert vram["cuda:1"]["weights_mib"] == round(snap.peer_mib, 1)  # the peer's books count the store
 
 
 @two_gpus

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
 from engine.errors import EngineDead, NoExpertCache, PromptTooLong, QueueFull
-from engine.snapshot import EngineSnapshot, MtpSnapshot, SwitchSnapshot
+from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, MtpSnapshot, SwitchSnapshot
 from engine.switches import SwitchBoard, SwitchState
 from engine.telemetry import AdmissionEvent, EventBus, SlotEvent, SwitchEvent, VramEvent
 
@@ -110,7 +110,7 @@ class FakeEngine:
         self.vram_reserve_mib = mib
         return mib
 
-    async def set_expert_cache_mib(self, mib: int) -> dict[str, Any]:
+    async def set_expert_cache_mib(self, mib: int) -> ExpertCacheSnapshot:
         raise NoExpertCache(f"the model {self.model_name} has no MoE layers: there is no expert cache to resize")
 
     async def shutdown(self, wait_s: float | None = None) -> None:
