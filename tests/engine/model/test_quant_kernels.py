@@ -77,8 +77,9 @@ def kernels_check() -> None:
             for rows in (1, 5, 20):
                 x = torch.randn(rows, layer.in_features)
                 ref, got = layer.reference(x), kernels.quant_linear(x, layer, config)
-                scale = ref.abs().max().item()
-                assert (ref - got).abs().max().item() <= 1e-5 * scale, (layer, config, rows)
+                scale, error = ref.abs().max().item(), (ref - got).abs().max().item()
+                assert error <= 1e-5 * scale, (layer, config, rows, f"max error {error:.3g} of {scale:.3g}",
+                                               f"at {divmod((ref - got).abs().argmax().item(), layer.out_features)}")
     # every finite e4m3 value decodes exactly (subnormals and signs included)
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = every[every.float().isfinite()]
