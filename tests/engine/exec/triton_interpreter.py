@@ -18,9 +18,9 @@ def run_in_interpreter(module: str, check: str, *args: object) -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     code = f"from {module} import {check}; {check}({', '.join(repr(a) for a in args)})"
-    # The interpreter's dots are numpy's: one BLAS thread, as its programs run one at a time anyway. A threaded
-    # BLAS on a loaded machine is the one part of such a run that is not the same every time (a seeded check once
-    # read NaN from a dot there).
+    # The interpreter's dots are numpy's: one BLAS thread, as its programs run one at a time anyway. A seeded check
+    # read NaN now and then only on a loaded machine, and a threaded BLAS is the one part of such a run whose work
+    # depends on the machine's load.
     env = {**os.environ, "TRITON_INTERPRET": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
