@@ -11,7 +11,8 @@
 # random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL and QUANT_PEER_MODEL (default random:8b),
 # QUANT_SIZE (8b), QUANT_TUNE, DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
 # SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
-# decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps
+# decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps; LIMIT_SCALE (default 1)
+# multiplies every step's own limit (a slower or busier machine; the budget still caps each step)
 # (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
 set -uo pipefail
 
@@ -82,7 +83,7 @@ DEFAULT_STEPS=$(awk '$2 == "default" {print $1}' <<<"$STEP_LIST" | tr '\n' ',')
 
 case "${1:-}" in
     --list) echo "$STEP_LIST"; exit 0 ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     "") ;;
     *) STEPS=$1 ;;
 esac
@@ -133,7 +134,7 @@ wanted() {
         log "SKIP $1: only ${left}s of the ${BUDGET_S}s budget left"
         return 1
     fi
-    limit=$2
+    limit=$(($2 * ${LIMIT_SCALE:-1}))
     [ "$limit" -gt "$left" ] && limit=$left
     return 0
 }

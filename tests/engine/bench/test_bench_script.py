@@ -79,9 +79,10 @@ def test_gpu_script_runs_every_benchmark_on_cpu_at_tiny_sizes(tmp_path: Path) ->
                MTP_MODEL="random:tiny+mtp", PROMPT="16", NEW="6", LONG="200", TTFT_SIZES="64,128",
                SWITCH_LONG="40", SPLIT_LONG="48", SWITCH_NEW="6", GRAPH_NEW="6", COPY_MIB="4", OMP_NUM_THREADS="1",
                DECODE_COMPILE="0",
-               PYTHON=sys.executable, STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), BUDGET_S="400")
+               PYTHON=sys.executable, STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), BUDGET_S="800",
+               LIMIT_SCALE="4")  # the steps' limits are an H200's; a loaded CPU runs the tiny sizes slower
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=420)
+                          capture_output=True, text=True, timeout=840)
     log = (tmp_path / "out" / "run_all_gpu.log").read_text()
     assert proc.returncode == 0, log[-3000:]
     for name in EXPECTED:
@@ -91,3 +92,17 @@ def test_gpu_script_runs_every_benchmark_on_cpu_at_tiny_sizes(tmp_path: Path) ->
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["missing"] == ["decode_compile"] and summary["partial"] == []  # DECODE_COMPILE=0 here
     assert all(t["measured"] is not None for t in summary["targets"])
+
+
+@pytest.mark.parametrize("scale, limit_s", [(None, 120), ("3", 360)])
+def test_limit_scale_multiplies_a_steps_own_limit(tmp_path: Path, scale: str | None, limit_s: int) -> None:
+    """`true` stands in for Python: each step "runs" at once, and the log names the limit it ran under."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON="true", STEPS="attention_decode", BUDGET_S="1000")
+    env.pop("LIMIT_SCALE", None)
+    if scale is not None:
+        env["LIMIT_SCALE"] = scale
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    log = (tmp_path / "run_all_gpu.log").read_text()
+    assert proc.returncode == 0, log
+    assert f"START attention_decode (limit {limit_s}s)" in log, log
