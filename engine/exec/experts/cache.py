@@ -36,7 +36,7 @@ from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, add_routed_on_h
 from engine.exec.experts.pool import ExpertPool
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import adopt, groups_of
-from engine.exec.streams import Streams
+from engine.exec.streams import Streams, required
 from engine.snapshot import ExpertCacheSnapshot
 from engine.model.moe import add_routed, expert_mlp, moe_index_of, routes_by_expert, sparse_blocks
 from engine.telemetry import EventBus, ExpertEvent
@@ -66,10 +66,7 @@ class ExpertCache:
         self.device = device
         self.bus = bus
         on_cuda = device.type == "cuda"
-        if on_cuda and (streams is None or not streams.cuda):
-            raise ValueError(f"an expert cache on device={str(device)!r} needs the engine's streams "
-                             "(engine.exec.streams.Streams) for its loads")
-        self.copy_stream = streams.expert_copy if on_cuda else None
+        self.copy_stream = required(streams, device, "an expert cache").expert_copy if on_cuda else None
         self.peer = store_device  # None: the store is pinned host memory
         store = torch.device("cpu") if store_device is None else store_device
         moved: dict[int, torch.Tensor] = {}  # a shared store (synthetic sources) moves once for every layer

@@ -334,10 +334,9 @@ def default_backend(device: Any, streams: Streams | None = None) -> GraphBackend
     """CUDA backend for a CUDA device (capturing on the capture stream of `streams`, the engine's), the CPU
     backend otherwise."""
     if str(device).startswith("cuda"):
-        if streams is None:
-            raise ValueError(f"a CUDA graph backend on device={str(device)!r} needs the engine's streams "
-                             "(engine.exec.streams.Streams)")
-        return CudaGraphBackend(streams)
+        from engine.exec.streams import required  # it imports torch, which this module takes only for CUDA
+
+        return CudaGraphBackend(required(streams, device, "a CUDA graph backend"))
     return CpuGraphBackend()
 
 

@@ -43,7 +43,7 @@ import torch
 
 from engine.exec.kv.blocks import BlockLayout, BlockLedger, Plan
 from engine.exec.kv.host import MIB, HostKVStore
-from engine.exec.streams import Streams
+from engine.exec.streams import Streams, required
 from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import EventBus, KvEvent
 
@@ -106,10 +106,7 @@ class KVPaging:
         self._layer_fetched: list[torch.cuda.Event] = []
         self._pending: list[_PendingFetch] = []
         if kv.device.type == "cuda":
-            if streams is None or not streams.cuda:
-                raise ValueError(f"KV by use on device={str(kv.device)!r} needs the engine's streams "
-                                 "(engine.exec.streams.Streams) for its fetches")
-            self._copy_stream = streams.kv_copy
+            self._copy_stream = required(streams, kv.device, "KV by use").kv_copy
             # torch/cuda/streams.py (Event): "external (bool, optional): indicates whether this event should create
             # event record and event wait nodes, or create an internal cross-stream dependency, when captured in a
             # cuda graph" (pytorch/pytorch#155372); CUDA's cudaGraphAddEventWaitNode: "The graph node will wait for
