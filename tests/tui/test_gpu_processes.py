@@ -4,6 +4,7 @@ of one server). NVML is faked at the pynvml boundary (no driver here); the proce
 from __future__ import annotations
 
 import subprocess
+import time
 import types
 from pathlib import Path
 
@@ -13,9 +14,19 @@ from tests.tui.conftest import offline_app, screen_text, wait_for
 from tests.tui.test_gpu import fake_nvml
 
 
+def _wait_until_exec(pid: int) -> None:
+    """Popen returns once the child is forked; until it has exec'd, /proc shows no argv (a loaded machine was seen
+    sampling in that window), and the name asserted below is sleep's, not the gap's."""
+    deadline = time.monotonic() + 30
+    while process_name(pid) != "sleep 30" and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_ranks_are_read_per_card_with_their_memory(tmp_path: Path) -> None:
     ranks = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
     try:
+        for rank in ranks:
+            _wait_until_exec(rank.pid)
         nvml = fake_nvml(count=2)
         per_card = {0: [types.SimpleNamespace(pid=ranks[0].pid, usedGpuMemory=70 * 1024 * 2**20)],
                     1: [types.SimpleNamespace(pid=ranks[1].pid, usedGpuMemory=69 * 1024 * 2**20),
