@@ -19,6 +19,7 @@ object. It loads no model. Behaviour comes from the environment:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -43,6 +44,7 @@ BOARD = SwitchBoard.from_values(switches_from_env(os.environ))
 for _name in filter(None, os.environ.get("FAKE_ENGINE_UNAVAILABLE", "").split(",")):
     BOARD.mark_unavailable(_name, "needs a CUDA device with Triton (this engine runs on cpu)")  # as on CPU
 RESERVE = {"mib": 1024}
+REQUESTS = itertools.count()  # next() is atomic under the GIL: the handler threads share it
 CONTEXT_TOKENS = 8192
 
 
@@ -154,7 +156,7 @@ class Handler(BaseHTTPRequestHandler):
         prompt = body.get("prompt") or []
         prompt_tokens = len(prompt) if isinstance(prompt, list) else 8
         max_tokens = int(body.get("max_tokens", 8))
-        slot = threading.get_ident() % 4
+        slot = next(REQUESTS) % 4  # requests take turns over 4 slots (a thread's id is aligned: always 0 mod 4)
         rid = f"cmpl-{BUS.last_seq}"
         BUS.publish(SlotEvent(slot=slot, state="prefill", request_id=rid, prompt_tokens=prompt_tokens,
                               max_tokens=max_tokens, eta_s=0.1))

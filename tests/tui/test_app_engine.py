@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.telemetry import SlotEvent
+from strata_tui.monitor_state import MonitorState
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
 from strata_tui.widgets.crash_panel import CrashPanel
@@ -129,14 +131,23 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
 
 async def test_l_asks_short_generations_and_c_cancels_the_running_scenario(config_dir: Path, monkeypatch) -> None:
     app = fake_engine_app(config_dir, monkeypatch, events=None)
+    # Every slot event the app folds in, seen on its way through (a short generation's slot may be busy and free
+    # again between two looks at the table on a loaded machine, so the table alone could miss it).
+    seen: list[SlotEvent] = []
+    apply = MonitorState.apply
+
+    def seeing(state: MonitorState, event, received_s=None) -> None:
+        if isinstance(event, SlotEvent) and event.request_id and event.max_tokens:
+            seen.append(event)
+        apply(state, event, received_s)
+
+    monkeypatch.setattr(MonitorState, "apply", seeing)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         assert "Cancel load" not in screen_text(app)  # nothing to cancel
         await pilot.press("l")
-        # the scenario runs in a process of its own: its start (imports) takes seconds on a loaded machine
-        await wait_for(pilot, lambda: any(s.request_id and s.max_tokens for s in app.view.monitor.slots.values()),
-                       what="the short generations", timeout_s=30)
-        asked = {s.max_tokens for s in app.view.monitor.slots.values() if s.request_id and s.max_tokens}
+        await wait_for(pilot, lambda: bool(seen), what="the short generations", timeout_s=30)
+        asked = {event.max_tokens for event in seen}
         assert max(asked) <= 256, asked  # short, whatever the profile's context (8192 here)
         await wait_for(pilot, lambda: "Cancel load" in screen_text(app), what="the cancel key in the footer")
         assert app.view.load_running == "seed"
