@@ -1,6 +1,7 @@
 """GPU panel: every GPU NVML sees (name, memory bar, util, temperature, power, a minute of history) and,
 beside it, the engine's own VRAM breakdown for that device (weights, KV, graphs, tier, the MoE expert cache
-when there is one, reserve, free). Handed the app's view state, it reads them on its own tick (widgets/view_bound.py)."""
+when there is one, reserve, free). Handed the app's view state, it reads them on its own tick
+(widgets/view_bound.py)."""
 
 from __future__ import annotations
 
