@@ -61,8 +61,9 @@ PANELS = {
                                                                        num_layers=2, expert_mib=4.0, mib=72.0))),
                 ["slots 8/64"]),
     "graph events": (GraphEventsTable, _fold(TelemetryBatch([GraphEvent(action="fail", kind="decode", key="b8",
-                                                                        error="out of memory", seq=1)])),
-                     ["fail", "out of memory"]),
+                                                                        error="out of memory", seq=1),
+                                                             WarningEvent(where="tier", message="shrunk", seq=2)])),
+                     ["fail", "out of memory", "last warning: tier: shrunk"]),
     "engine log": (EngineLog, _fold(EngineOutput([("stderr", "Traceback: the kernel broke")])),
                    ["Traceback: the kernel broke"]),
     "crash": (CrashPanel, _fold(EngineExited(3, requested=False, error="CUDA error: out of memory")),
@@ -74,7 +75,10 @@ PANELS = {
 
 
 class _PanelApp(App):
-    """One panel handed the view state, and no screen to pass anything down to it."""
+    """One panel handed the view state, and no screen to pass anything down to it (the graph-cache table
+    bordered, as on the monitor: the last warning is on its border)."""
+
+    CSS = "GraphEventsTable { border: round $primary; }"
 
     def __init__(self, panel: type[Widget]) -> None:
         super().__init__()
