@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.telemetry import Event
-from strata_tui.view_state import CrashInfo, ViewState
+from strata_tui.view_state import CrashInfo
 from strata_tui.widgets.view_bound import ViewBound
 
 _NOISE = ("v", "ts", "seq", "type")
@@ -55,10 +55,6 @@ class CrashPanel(ViewBound, Static):
     CrashPanel { height: auto; max-height: 14; border: heavy $error; padding: 0 1; display: none; }
     CrashPanel.-visible { display: block; }
     """
-
-    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.bind_view(view)
 
     def redraw(self, force: bool = False) -> None:
         """Show the view's crash when it changed (late events may bring its real error); hide it once gone."""

@@ -48,8 +48,7 @@ class EngineLog(ViewBound, RichLog):
     """
 
     def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(max_lines=MAX_LOG_LINES, wrap=False, markup=False, highlight=False, **kwargs)
-        self.bind_view(view)
+        super().__init__(view, max_lines=MAX_LOG_LINES, wrap=False, markup=False, highlight=False, **kwargs)
         self.lines_written = 0
         self._taken = 0  # the view's `log_total` when its lines were last written here
 

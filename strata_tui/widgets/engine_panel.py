@@ -15,7 +15,6 @@ from textual.widgets import Static
 
 from strata_tui.adapters.view import EndpointView, ForeignView, SlotRow
 from strata_tui.kinds import KIND_NAMES
-from strata_tui.view_state import ViewState
 from strata_tui.widgets.format import bar
 from strata_tui.widgets.view_bound import ViewBound
 
@@ -124,10 +123,6 @@ class EnginePanel(ViewBound, Static):
 
     dims_when_stale = True
     TAKEN_ROWS = 26  # the terminal's rows the monitor's other panels keep: the slot rows get the rest
-
-    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.bind_view(view)
 
     def redraw(self, force: bool = False) -> None:
         """The readings change in place (the foreign reader updates them): every tick that has news draws."""

@@ -119,8 +119,7 @@ class ExpertPanel(ViewBound, Static):
     dims_when_stale = True
 
     def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.bind_view(view)
+        super().__init__(view, **kwargs)
         self._cache: ExpertView | None = None  # what is drawn
         self._note = ""
 

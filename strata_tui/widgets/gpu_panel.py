@@ -14,7 +14,6 @@ from textual.widgets import Static
 
 from engine.telemetry import TierEvent, VramEvent
 from strata_tui.gpu import GpuHistory, GpuSample
-from strata_tui.view_state import ViewState
 from strata_tui.widgets.format import NA, bar, mib, num, sparkline
 from strata_tui.widgets.view_bound import ViewBound
 
@@ -103,10 +102,6 @@ class GpuPanel(ViewBound, Static):
 
     dims_when_stale = True
     _lines = 0
-
-    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.bind_view(view)
 
     def redraw(self, force: bool = False) -> None:
         """Draw the latest readings and the engine's books, when they (or the panel's width) changed."""

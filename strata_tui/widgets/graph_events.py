@@ -39,8 +39,7 @@ class GraphEventsTable(ViewBound, DataTable):
     """Show events at or above this severity (0 all, 1 warnings and errors, 2 errors only)."""
 
     def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(cursor_type="row", **kwargs)
-        self.bind_view(view)
+        super().__init__(view, cursor_type="row", **kwargs)
         self._shown: list[int] = []  # seq of each row, oldest first
         self._events: list[GraphEvent] = []
 

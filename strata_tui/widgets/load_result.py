@@ -6,7 +6,6 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from strata_tui.view_state import ViewState
 from strata_tui.widgets.view_bound import ViewBound
 
 
@@ -17,10 +16,6 @@ class LoadResultPanel(ViewBound, Static):
     LoadResultPanel { height: auto; max-height: 14; border: round $success; padding: 0 1; display: none; }
     LoadResultPanel.-visible { display: block; }
     """
-
-    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.bind_view(view)
 
     def redraw(self, force: bool = False) -> None:
         view = self.changed_view(force)

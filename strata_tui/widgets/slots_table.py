@@ -206,8 +206,7 @@ class SlotsTable(ViewBound, DataTable):
 
     def __init__(self, view: ViewState | None = None, clock: Callable[[], float] = time.monotonic,
                  **kwargs) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
-        self.bind_view(view)
+        super().__init__(view, cursor_type="row", zebra_stripes=True, **kwargs)
         self._clock = clock  # the local monotonic clock the ETAs count down on
         self._cells: dict[str, dict[str, Text | str]] = {}
         self.columns_spec: tuple[tuple[str, str, int], ...] = ()

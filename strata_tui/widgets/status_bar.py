@@ -68,10 +68,6 @@ class StatusBar(ViewBound, Static):
 
     _shown: Text | None = None
 
-    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.bind_view(view)
-
     def redraw(self, force: bool = False) -> None:
         view = self.changed_view(force)
         if view is not None:

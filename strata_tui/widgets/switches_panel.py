@@ -14,7 +14,6 @@ from textual.widgets import Static
 
 from engine.switches import SWITCHES
 from strata_tui.monitor_state import KEYED_SWITCHES, MonitorState, SwitchView
-from strata_tui.view_state import ViewState
 from strata_tui.widgets.view_bound import ViewBound
 
 
@@ -74,10 +73,6 @@ class SwitchesPanel(ViewBound, Static):
     """
 
     dims_when_stale = True
-
-    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.bind_view(view)
 
     def redraw(self, force: bool = False) -> None:
         """Draw the listed switches, the reserve, its steps and the last answers, when any of them changed."""

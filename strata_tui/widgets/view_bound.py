@@ -6,9 +6,10 @@ version did not move does nothing, and a widget whose slice did not change is no
 out and paints the widget, and a tick that repainted every panel for one changed number was most of the app's
 CPU). A forced redraw (a resize, a test) draws it now whatever the keys say.
 
-The widget keeps its own `redraw`, which asks `changed_view` (did the view move?) and `slice_changed` (did my
-part of it?), so a walk from an event to a cell passes through the widget's file only. Without a view, a widget
-draws only what its `show` is given (tests, and panels drawn outside the monitor).
+The widget keeps its own `redraw(force=False)`, which asks `changed_view` (did the view move?) and
+`slice_changed` (did my part of it?) and then draws: the path from a tick to the cells stays in the widget's own
+file (docs/ARCHITECTURE.md counts the files an event walks through to the screen). Without a view, a widget draws
+only what its `show` is given (tests, and panels drawn outside the monitor).
 """
 
 from __future__ import annotations
@@ -22,13 +23,16 @@ _NOTHING = object()  # no slice drawn yet: differs from every key, None included
 
 
 class ViewBound:
-    """Mixin for a Textual widget (listed before the widget class). Its `on_mount` runs after the widget's own
-    (Textual calls each class's handler along the MRO), so the first draw finds the widget set up."""
+    """Mixin for a Textual widget that defines `redraw(force=False)` (listed before the widget class). Its
+    `on_mount` runs after the widget's own (Textual calls each class's handler along the MRO), so the first draw
+    finds the widget set up."""
 
     dims_when_stale = False  # True: the `-stale` class follows `view.stale` (what telemetry said may be old)
 
-    def bind_view(self, view: ViewState | None) -> None:
-        """Called from the widget's `__init__`; None: drawn only by `show()`."""
+    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
+        """`view`: the app's view state, read on each tick; None: drawn only by `show()`. The rest goes on to the
+        widget class."""
+        super().__init__(**kwargs)
         self.view = view
         self._seen_version: tuple[int, int] | None = None  # (monitor state, view version) last looked at
         self._drawn_key: object = _NOTHING
