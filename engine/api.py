@@ -135,11 +135,15 @@ class EngineClient(Protocol):
     vocab_size: int | None  # token ids in a prompt must be below it (checked before the engine thread sees them)
     bus: EventBus
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """A user's text as ids. Raises PromptTooLong past `context_tokens`, before the ids are listed."""
+        ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The rendered chat prompt's ids; PromptTooLong past `context_tokens`, as `encode`."""
+        ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Admit (or queue) the request and yield its outputs. Raises RequestRejected / QueueFull /

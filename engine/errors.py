@@ -41,11 +41,16 @@ class RequestRejected(StrataError):
 
 
 class PromptTooLong(RequestRejected):
-    def __init__(self, prompt_tokens: int, context_tokens: int) -> None:
+    """`at_least`: only part of the prompt was counted (a text far past the context), so `prompt_tokens` is
+    a lower bound."""
+
+    def __init__(self, prompt_tokens: int, context_tokens: int, at_least: bool = False) -> None:
         self.prompt_tokens = prompt_tokens
         self.context_tokens = context_tokens
+        self.at_least = at_least
         super().__init__(
-            f"prompt is {prompt_tokens} tokens; this engine's context is {context_tokens} tokens",
+            f"prompt is {'at least ' if at_least else ''}{prompt_tokens} tokens; "
+            f"this engine's context is {context_tokens} tokens",
             param="prompt",
             code="context_length_exceeded",
         )

@@ -96,14 +96,15 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer().encode(text, specials_in_text=False)  # a user's text, never control tokens
+        # a user's text, never control tokens; past the context it is refused before its ids are listed
+        return self._tokenizer().encode(text, specials_in_text=False, max_tokens=self.context_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer().decode(token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         tok = self._tokenizer()
-        return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False, max_tokens=self.context_tokens)
 
     # --- requests ------------------------------------------------------------------------------------------
 

@@ -110,6 +110,18 @@ async def test_live_controls_reserve_and_switch(ckpt):
         assert outs[-1].completion_tokens == 4
 
 
+async def test_text_past_the_context_is_refused_by_its_count_as_text_and_as_chat(tiny_checkpoint):
+    async with running(tiny_checkpoint, context=64) as engine:
+        fits = engine.encode("hello world " * 4)
+        assert 0 < len(fits) <= 64
+        with pytest.raises(PromptTooLong) as info:
+            engine.encode("hello world " * 200)
+        assert info.value.context_tokens == 64 and info.value.prompt_tokens > 64
+        with pytest.raises(PromptTooLong) as info:
+            engine.apply_chat_template([{"role": "user", "content": "hello world " * 200}])
+        assert info.value.context_tokens == 64 and info.value.prompt_tokens > 64
+
+
 async def test_a_failed_load_reports_dead_with_the_reason(tmp_path):
     engine = AsyncEngine(small_config(tmp_path), EventBus())
     health = await engine.ready(timeout_s=30)

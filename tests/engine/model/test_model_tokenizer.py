@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from engine.errors import CheckpointError
-from engine.model import Tokenizer
+import engine
+
+from engine.errors import CheckpointError, PromptTooLong
+from engine.model import Tokenizer, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -16,6 +20,42 @@ def tok(tiny_checkpoint) -> Tokenizer:
 @pytest.mark.parametrize("text", ["Hello, world!", "  two spaces\nand a newline", "ünïcödé 日本語 🙂", ""])
 def test_round_trip(tok, text):
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_a_text_past_max_tokens_is_refused_with_its_count(tok):
+    text = "Paris 日本語 🙂 done " * 40
+    ids = tok.encode(text)
+    assert tok.encode(text, max_tokens=len(ids)) == ids  # at the limit: the same ids
+    with pytest.raises(PromptTooLong) as info:
+        tok.encode(text, max_tokens=len(ids) - 1)
+    assert (info.value.prompt_tokens, info.value.context_tokens) == (len(ids), len(ids) - 1)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_a_text_far_past_max_tokens_is_refused_from_its_head_with_a_lower_bound(tok):
+    text = "Paris 日本語 🙂 done " * 2000
+    whole = len(tok.encode(text))
+    with pytest.raises(PromptTooLong) as info:
+        tok.encode(text, max_tokens=100)
+    assert info.value.at_least and 100 < info.value.prompt_tokens < whole  # counted from the head only
+    assert "at least" in info.value.message
+
+
+def test_a_long_text_without_spaces_or_with_few_tokens_is_counted_whole(tok):
+    unspaced = "日本語" * 4000
+    with pytest.raises(PromptTooLong) as info:
+        tok.encode(unspaced, max_tokens=100)
+    assert not info.value.at_least and info.value.prompt_tokens == len(tok.encode(unspaced))
+    # many characters a token (the embedded model's BPE merges runs of spaces): its head is counted and does
+    # not settle it, so the text is counted whole
+    builtin = Tokenizer.from_dir(Path(engine.__file__).parent / "models" / "strata-tiny")
+    sparse = ("x" + " " * 200) * 200
+    ids = builtin.encode(sparse)
+    assert len(sparse) > tokenizer._HEAD_CHARS_PER_TOKEN * (len(ids) + tokenizer._CUT_SLACK_TOKENS)
+    assert builtin.encode(sparse, max_tokens=len(ids)) == ids
+    with pytest.raises(PromptTooLong) as info:
+        builtin.encode(sparse, max_tokens=len(ids) - 1)
+    assert not info.value.at_least and info.value.prompt_tokens == len(ids)
 
 
 def test_chat_template_renders_chatml(tok):
