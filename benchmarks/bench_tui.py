@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from strata_tui.app import create_app  # noqa: E402
 from strata_tui.profile_store import ProfileStore  # noqa: E402
 from strata_tui.profiles import Profile  # noqa: E402
-from strata_tui.screens.monitor import MonitorScreen  # noqa: E402
+from strata_tui.widgets.slots_table import SlotsTable  # noqa: E402
 
 FAKE_ENGINE = [sys.executable, str(ROOT / "tests" / "tui" / "fake_engine.py")]
 
@@ -42,8 +42,9 @@ FAKE_ENGINE = [sys.executable, str(ROOT / "tests" / "tui" / "fake_engine.py")]
 def instrument(latencies_s: list[float]) -> None:
     """Time every event from its publish stamp to the end of the first screen refresh that painted it.
 
-    Events are folded into state when their batch arrives and drawn on the next refresh tick; so each
-    event's latency is: network + parse + wait for the tick + redraw + paint."""
+    Events are folded into state when their batch arrives and drawn on the slots table's next refresh tick (the
+    table reads its slice of the state on its own tick); so each event's latency is: network + parse + wait for
+    the tick + redraw + paint."""
     from strata_tui.app import StrataApp
 
     from strata_tui.messages import TelemetryBatch
@@ -57,12 +58,12 @@ def instrument(latencies_s: list[float]) -> None:
         on_news(self, message)
 
     StrataApp.on_engine_news = on_engine_news
-    original = MonitorScreen.redraw
+    original = SlotsTable.redraw
 
-    def redraw(self: MonitorScreen, force: bool = False) -> None:
-        before = self._drawn_version
+    def redraw(self: SlotsTable, force: bool = False) -> None:
+        before = self._seen_version
         original(self, force)
-        if self._drawn_version == before or not pending_ts:
+        if self._seen_version == before or not pending_ts:
             return
         drawn = list(pending_ts)
         pending_ts.clear()
@@ -73,7 +74,7 @@ def instrument(latencies_s: list[float]) -> None:
 
         self.call_after_refresh(painted)
 
-    MonitorScreen.redraw = redraw
+    SlotsTable.redraw = redraw
 
 
 async def send_load(url: str, slots: int, max_tokens: int) -> None:

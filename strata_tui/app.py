@@ -3,8 +3,8 @@ screens draw lives in one ViewState (`app.view`); what the keys do lives in Cont
 
 `create_app()` is the factory the CLI and the tests share. Data flows one way: workers post messages up;
 one handler hands each to the reducer (`strata_tui/reducer.py`), which folds it into the ViewState and says
-what to do about it; the monitor screen's refresh tick pushes the changed state down into its widgets (the
-slots table reads its own slice on its tick).
+what to do about it; each of the monitor screen's widgets reads its own slice of the view on its own refresh
+tick (strata_tui/widgets/view_bound.py).
 """
 
 from __future__ import annotations

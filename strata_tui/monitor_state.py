@@ -1,9 +1,8 @@
 """What the monitor knows about the engine, built from telemetry events. Pure Python, no Textual.
 
 The telemetry worker feeds events in (`apply`), the `/strata/state` snapshot seeds it (`apply_snapshot`),
-and the monitor screen reads it on each refresh tick and pushes the parts down into its widgets (the slots
-table reads its slots on its own tick). Keeping this apart from the widgets makes the event-to-meaning step
-testable in milliseconds.
+and each of the monitor's widgets reads its part of it on its own refresh tick (strata_tui/widgets/
+view_bound.py). Keeping this apart from the widgets makes the event-to-meaning step testable in milliseconds.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Everything the screens draw, in one object. Pure Python, no Textual.
 
-The reducer (`strata_tui/reducer.py`) folds the workers' news into it and Controls its keys; the screens
-read it on their refresh tick and push the parts down into their widgets (the slots table, handed it,
-reads its own slice). `version` moves on every change,
-so a tick with nothing new does nothing. The engine as seen through telemetry is `monitor` (MonitorState);
-the rest is what the app itself knows: the profile, the process and connection, GPU readings, the log, the
-crash, notes to show.
+The reducer (`strata_tui/reducer.py`) folds the workers' news into it and Controls its keys; each of the
+monitor's widgets is handed it and reads its own slice on its own refresh tick (strata_tui/widgets/view_bound.py).
+`version` moves on every change, so a tick with nothing new does nothing. The engine as seen through telemetry
+is `monitor` (MonitorState); the rest is what the app itself knows: the profile, the process and connection, GPU
+readings, the log, the crash, notes to show.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The panel shown when the engine ends: how (stopped by you, killed by a signal, exit code), the last real
-error (a WARNING/ERROR line or error event, never an INFO line), the last events, and the restart key."""
+error (a WARNING/ERROR line or error event, never an INFO line), the last events, and the restart key. Handed the
+app's view state, the panel shows itself while the view has a crash, on its own tick (widgets/view_bound.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from textual.widgets import Static
 
 from engine.telemetry import Event
 from strata_tui.view_state import CrashInfo
+from strata_tui.widgets.view_bound import ViewBound
 
 _NOISE = ("v", "ts", "seq", "type")
 _ZERO_MEANS_SOMETHING = ("slot", "exit_code", "index")  # slot 0 is a slot, exit code 0 is a clean exit
@@ -46,13 +48,27 @@ def how_it_ended(crash: CrashInfo) -> str:
     return f"{ended}, {detail}" if ended else f"exited with {detail}"
 
 
-class CrashPanel(Static):
+class CrashPanel(ViewBound, Static):
     """Why the engine stopped. Hidden until `show()` is called; `hide()` after a restart."""
 
     DEFAULT_CSS = """
     CrashPanel { height: auto; max-height: 14; border: heavy $error; padding: 0 1; display: none; }
     CrashPanel.-visible { display: block; }
     """
+
+    def redraw(self, force: bool = False) -> None:
+        """Show the view's crash when it changed (late events may bring its real error); hide it once gone."""
+        view = self.changed_view(force)
+        if view is None:
+            return
+        crash = view.crash
+        if crash is not None:
+            if self.slice_changed((id(crash), crash.returncode, crash.error, len(crash.recent), crash.requested,
+                                   crash.why_stopped), force):
+                self.show(crash)
+        elif self.visible_now:
+            self.forget_slice()
+            self.hide()
 
     def show(self, crash: CrashInfo) -> None:
         lines: list = [Text.assemble((f"engine {how_it_ended(crash)}", "bold red"), ("    press r to restart", "bold"))]

@@ -2,7 +2,8 @@
 
 A line is cut, not wrapped, so a logging line leads with its message: `YYYY-MM-DD HH:MM:SS,mmm INFO
 engine.server.app: ready at ...` is shown as `ready at ...  HH:MM:SS engine.server.app` (in a 50-column panel the
-timestamp and the logger's name alone used to fill the line)."""
+timestamp and the logger's name alone used to fill the line). Handed the app's view state, the log writes the
+lines the view took in since its last tick (widgets/view_bound.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import re
 
 from rich.text import Text
 from textual.widgets import RichLog
+
+from strata_tui.view_state import ViewState
+from strata_tui.widgets.view_bound import ViewBound
 
 MAX_LOG_LINES = 2000
 
@@ -36,16 +40,28 @@ def message_first(line: str) -> Text:
     return out
 
 
-class EngineLog(RichLog):
+class EngineLog(ViewBound, RichLog):
     """A bounded log of engine output; stderr lines are tinted so errors stand out."""
 
     DEFAULT_CSS = """
     EngineLog { height: 1fr; min-height: 4; }
     """
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(max_lines=MAX_LOG_LINES, wrap=False, markup=False, highlight=False, **kwargs)
+    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
+        super().__init__(view, max_lines=MAX_LOG_LINES, wrap=False, markup=False, highlight=False, **kwargs)
         self.lines_written = 0
+        self._taken = 0  # the view's `log_total` when its lines were last written here
+
+    def redraw(self, force: bool = False) -> None:
+        """Write the lines the view took in since the last tick (those still in its bounded deque)."""
+        view = self.changed_view(force)
+        if view is None:
+            return
+        new = view.log_total - self._taken
+        if new <= 0:
+            return
+        self.add_lines(list(view.log_lines)[-min(new, len(view.log_lines)):])
+        self._taken = view.log_total
 
     def add_lines(self, lines: list[tuple[str, str]]) -> None:
         """Append (stream, line) pairs."""

@@ -1,7 +1,8 @@
 """The panel for a vLLM, SGLang or llama.cpp server: one row per endpoint (requests, KV use, prefix-cache hits,
 TTFT and inter-token latency quantiles, preemptions), an aggregate line over the endpoints that answer, then
 the first answering endpoint's speculative acceptance per position and its slots (llama.cpp) with prefill
-progress. Whatever an engine cannot feed is one dim line saying so, never a zero."""
+progress. Whatever an engine cannot feed is one dim line saying so, never a zero. Handed the app's view state,
+the panel reads the endpoints' readings on its own tick (widgets/view_bound.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from textual.widgets import Static
 from strata_tui.adapters.view import EndpointView, ForeignView, SlotRow
 from strata_tui.kinds import KIND_NAMES
 from strata_tui.widgets.format import bar
+from strata_tui.widgets.view_bound import ViewBound
 
 NARROW_BELOW = 130
 _PANEL_ORDER = ("requests", "kv", "prefix", "spec", "latency", "preemptions", "slots", "prefill")
@@ -109,14 +111,28 @@ def slot_table(slots: list[SlotRow], narrow: bool) -> Table:
     return table
 
 
-class EnginePanel(Static):
-    """Fed by `show()` with the ForeignView; owns no I/O. Hidden for a Strata engine."""
+class EnginePanel(ViewBound, Static):
+    """Draws the view's ForeignView on its tick, or what `show()` is given; owns no I/O. Hidden for a Strata
+    engine."""
 
     DEFAULT_CSS = """
     EnginePanel { height: auto; max-height: 24; padding: 0 1; display: none; }
     EnginePanel.-visible { display: block; }
     EnginePanel.-stale { text-opacity: 45%; }
     """
+
+    dims_when_stale = True
+    TAKEN_ROWS = 26  # the terminal's rows the monitor's other panels keep: the slot rows get the rest
+
+    def redraw(self, force: bool = False) -> None:
+        """The readings change in place (the foreign reader updates them): every tick that has news draws."""
+        view = self.changed_view(force)
+        if view is None:
+            return
+        if view.foreign is None:
+            self.hide()
+        else:
+            self.show(view.foreign, max(1, self.app.size.height - self.TAKEN_ROWS))
 
     def show(self, view: ForeignView, height_rows: int) -> None:
         width = self.content_size.width or self.app.size.width - 4

@@ -2,7 +2,9 @@
 MiB), the hit rate against the oracle's (Belady on the same trace: how much a better policy could gain),
 per-layer hit rates (a heat row: one cell a layer, or a cell for several showing their worst, bar height and
 colour the rate, and the worst layers), misses per step, reruns and replays, and the budget keys. Every line is
-one terminal line, cut with an ellipsis, so the panel keeps its height at 100x30 with 48 layers of 512 experts."""
+one terminal line, cut with an ellipsis, so the panel keeps its height at 100x30 with 48 layers of 512 experts.
+Handed the app's view state, the panel reads the cache and the budget keys' last answer on its own tick
+(widgets/view_bound.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from textual.widgets import Static
 
 from engine.snapshot import ExpertCacheSnapshot
 from strata_tui.expert_view import ExpertView
+from strata_tui.view_state import ViewState
 from strata_tui.widgets.format import NA
+from strata_tui.widgets.view_bound import ViewBound
 
 KEYS_HINT = "</> budget"
 
@@ -103,7 +107,7 @@ def expert_lines(view: ExpertView, note: str = "", width: int = 0) -> list[Text]
     return lines
 
 
-class ExpertPanel(Static):
+class ExpertPanel(ViewBound, Static):
     """Draws the expert cache; hidden for a dense model. The monitor binds the budget keys (< and >)."""
 
     DEFAULT_CSS = """
@@ -112,21 +116,32 @@ class ExpertPanel(Static):
     ExpertPanel.-stale { text-opacity: 45%; }
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._view: ExpertView | None = None
+    dims_when_stale = True
+
+    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
+        super().__init__(view, **kwargs)
+        self._cache: ExpertView | None = None  # what is drawn
         self._note = ""
 
-    def show(self, view: ExpertView | None, note: str = "") -> None:
-        self.set_class(view is not None, "-shown")
-        self._view, self._note = view, note
+    def redraw(self, force: bool = False) -> None:
+        """Draw the cache and the last answer about its budget, when either changed."""
+        view = self.changed_view(force)
         if view is None:
+            return
+        experts = view.monitor.experts
+        if self.slice_changed((dict(vars(experts)) if experts is not None else None, view.expert_note), force):
+            self.show(experts, view.expert_note)
+
+    def show(self, cache: ExpertView | None, note: str = "") -> None:
+        self.set_class(cache is not None, "-shown")
+        self._cache, self._note = cache, note
+        if cache is None:
             return
         self.border_subtitle = KEYS_HINT
         self.refresh()
 
     def render(self) -> Group:
         """Drawn at the panel's width now, so the heat row follows a resize."""
-        if self._view is None:
+        if self._cache is None:
             return Group()
-        return Group(*expert_lines(self._view, self._note, self.content_size.width))
+        return Group(*expert_lines(self._cache, self._note, self.content_size.width))

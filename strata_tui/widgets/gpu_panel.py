@@ -1,6 +1,7 @@
 """GPU panel: every GPU NVML sees (name, memory bar, util, temperature, power, a minute of history) and,
 beside it, the engine's own VRAM breakdown for that device (weights, KV, graphs, tier, the MoE expert cache
-when there is one, reserve, free)."""
+when there is one, reserve, free). Handed the app's view state, it reads them on its own tick
+(widgets/view_bound.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from textual.widgets import Static
 from engine.telemetry import TierEvent, VramEvent
 from strata_tui.gpu import GpuHistory, GpuSample
 from strata_tui.widgets.format import NA, bar, mib, num, sparkline
+from strata_tui.widgets.view_bound import ViewBound
 
 BREAKDOWN = (("weights", "weights_mib", "blue"), ("KV", "kv_mib", "green"), ("graphs", "graphs_mib", "magenta"),
              ("tier", "tier_mib", "cyan"), ("experts", "experts_mib", "bright_magenta"),
@@ -89,15 +91,27 @@ def process_line(gpu: GpuSample, compact: bool) -> Text:
     return line
 
 
-class GpuPanel(Static):
-    """Draws GPU readings and the engine's VRAM breakdown; fed by `show()`, owns no I/O."""
+class GpuPanel(ViewBound, Static):
+    """Draws GPU readings and the engine's VRAM breakdown: the view's, on its tick, or what `show()` is given; owns
+    no I/O."""
 
     DEFAULT_CSS = """
     GpuPanel { height: auto; padding: 0 1; }
     GpuPanel.-stale { text-opacity: 45%; }
     """
 
+    dims_when_stale = True
     _lines = 0
+
+    def redraw(self, force: bool = False) -> None:
+        """Draw the latest readings and the engine's books, when they (or the panel's width) changed."""
+        view = self.changed_view(force)
+        if view is None:
+            return
+        state = view.monitor
+        if self.slice_changed((id(view.gpu_history.latest), view.gpu_unavailable, tuple(state.vram.items()),
+                               state.tier, self.content_size.width), force):
+            self.show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
 
     def show(
         self,

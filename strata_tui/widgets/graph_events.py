@@ -1,5 +1,6 @@
 """Graph-cache events (capture, evict, retry, wait, fail, degrade) with kind, MiB, time and the real error
-string, colored by severity and filtered by a minimum severity."""
+string, colored by severity and filtered by a minimum severity; the engine's last warning on the bottom border.
+Handed the app's view state, the table reads them on its own tick (widgets/view_bound.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from textual.widgets import DataTable
 
 from engine.telemetry import GraphEvent
 from strata_tui.monitor_state import graph_severity
+from strata_tui.view_state import ViewState
+from strata_tui.widgets.view_bound import ViewBound
 
 SEVERITY_STYLE = ("", "yellow", "bold red")
 COLUMNS = (("time", "time"), ("action", "action"), ("kind", "kind"), ("key", "key"), ("MiB", "mib"),
@@ -25,7 +28,7 @@ def graph_cells(event: GraphEvent) -> list[Text]:
     return [Text(v, style=style) for v in values]
 
 
-class GraphEventsTable(DataTable):
+class GraphEventsTable(ViewBound, DataTable):
     """Newest events at the bottom; `min_severity` (0 info, 1 warning, 2 error) hides the quieter ones."""
 
     DEFAULT_CSS = """
@@ -35,8 +38,8 @@ class GraphEventsTable(DataTable):
     min_severity: reactive[int] = reactive(0, init=False)
     """Show events at or above this severity (0 all, 1 warnings and errors, 2 errors only)."""
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(cursor_type="row", **kwargs)
+    def __init__(self, view: ViewState | None = None, **kwargs) -> None:
+        super().__init__(view, cursor_type="row", **kwargs)
         self._shown: list[int] = []  # seq of each row, oldest first
         self._events: list[GraphEvent] = []
 
@@ -51,6 +54,21 @@ class GraphEventsTable(DataTable):
     def on_mount(self) -> None:
         for label, key in COLUMNS:
             self.add_column(label, key=key)
+
+    def redraw(self, force: bool = False) -> None:
+        """Match the rows to the state's graph events when a new one came (or one aged out); the last warning
+        under the table."""
+        view = self.changed_view(force)
+        if view is None:
+            return
+        state = view.monitor
+        events = state.graph_events
+        if self.slice_changed((len(events), events[-1].seq if events else 0), force):
+            self.show(list(events))
+        warning = state.last_warning
+        subtitle = f"last warning: {warning.where}: {warning.message}"[:90] if warning else ""
+        if self.border_subtitle != subtitle:  # setting it repaints the border even when it is the same
+            self.border_subtitle = subtitle
 
     def watch_min_severity(self) -> None:
         self.clear()

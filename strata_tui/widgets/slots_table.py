@@ -22,8 +22,9 @@ With more slots than `MAX_SLOT_ROWS` (`--batch` up to 256) the table shows the b
 state, so a 256-slot engine is still one screen and one refresh touches a few dozen rows.
 
 Given the app's view state, the table reads its own slice of it (the slots, the pool in its title, the last
-admission under it) on its own refresh tick, the profile's `[tui] refresh_s`: the high-rate slot events reach
-their cells without the screen passing them down, and a prefilling slot's ETA counts down every tick here.
+admission under it) on its own refresh tick, the profile's `[tui] refresh_s` (widgets/view_bound.py): the high-rate
+slot events reach their cells without the screen passing them down, and a prefilling slot's ETA counts down every
+tick here.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import AdmissionEvent, SlotEvent
 from strata_tui.prefill_eta import PrefillTrack
 from strata_tui.widgets.format import bar
+from strata_tui.widgets.view_bound import ViewBound
 
 if TYPE_CHECKING:
     from strata_tui.view_state import ViewState
@@ -193,7 +195,7 @@ def rest_cells(left: Counter[str], columns: tuple[tuple[str, str, int], ...]) ->
     return cells
 
 
-class SlotsTable(DataTable):
+class SlotsTable(ViewBound, DataTable):
     """Slot rows keyed by slot number. `show()` adds, removes and updates only what changed; with a `view`,
     `redraw()` shows the view's slots on every refresh tick that has something new."""
 
@@ -204,11 +206,8 @@ class SlotsTable(DataTable):
 
     def __init__(self, view: ViewState | None = None, clock: Callable[[], float] = time.monotonic,
                  **kwargs) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
-        self._view = view  # the app's view state, read on each tick; None: drawn only by show()
+        super().__init__(view, cursor_type="row", zebra_stripes=True, **kwargs)
         self._clock = clock  # the local monotonic clock the ETAs count down on
-        self._drawn_version: tuple = ()  # (monitor state, view version) last drawn: a quiet tick does nothing
-        self._drawn_slots: tuple = ()
         self._cells: dict[str, dict[str, Text | str]] = {}
         self.columns_spec: tuple[tuple[str, str, int], ...] = ()
         self.cell_updates = 0  # counted for tests and the benchmark: diffing keeps this small
@@ -217,26 +216,22 @@ class SlotsTable(DataTable):
         self._drawn: dict[str | None, tuple[tuple, Strip]] = {}  # row key (None: the header) -> (look, strip)
         self._frame_styles: dict[str, Style] | None = None
 
+    dims_when_stale = True
+
     def on_mount(self) -> None:
         self.border_title = slots_title(None)
-        if self._view is not None:
-            self.set_interval(self._view.settings.refresh_s, self.redraw)
-            self.redraw()
+
+    def keeps_moving(self, view: ViewState) -> bool:
+        return view.monitor.any_prefilling  # its ETA counts down
 
     def redraw(self, force: bool = False) -> None:
         """Draw the view's slots, the pool in the title and the last admission under the table, when any of it
         changed since the last tick (always while a slot prefills: its ETA counts down)."""
-        view = self._view
+        view = self.changed_view(force)
         if view is None:
             return
         state = view.monitor
-        version = (id(state), view.version)
-        if version == self._drawn_version and not force and not state.any_prefilling:
-            return
-        self._drawn_version = version
-        slots = tuple(state.slots.items())
-        if slots != self._drawn_slots or force or state.any_prefilling:
-            self._drawn_slots = slots
+        if self.slice_changed(tuple(state.slots.items()), force or state.any_prefilling):
             self.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self._clock())
         title = slots_title(state.kv_pool, state.admission_wait)
         if self.border_title != title:  # setting it repaints the border even when it is the same

@@ -1,5 +1,6 @@
 """One line under the header: whose engine (profile or attached URL), its state, the URL, whether it
-answers, and the latest note. Fields are joined with " · " so they never run together."""
+answers, and the latest note. Fields are joined with " · " so they never run together. Handed the app's view
+state, the bar reads it on its own tick (widgets/view_bound.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from strata_tui.view_state import ViewState
+from strata_tui.widgets.view_bound import ViewBound
 
 _STATE_STYLE = {"ready": "bold green", "starting": "yellow", "loading": "yellow", "exited": "bold red",
                 "stopping": "yellow", "not started": "dim", "attaching": "yellow"}
@@ -57,14 +59,19 @@ def _status_text(view: ViewState, with_url: bool, with_live: bool) -> Text:
     return Text(" · ", style="dim").join(parts)
 
 
-class StatusBar(Static):
-    """Where the app stands, drawn from the view state handed down by the screen."""
+class StatusBar(ViewBound, Static):
+    """Where the app stands, drawn from the view state on every tick that has something new."""
 
     DEFAULT_CSS = """
     StatusBar { height: 1; padding: 0 1; background: $boost; }
     """
 
     _shown: Text | None = None
+
+    def redraw(self, force: bool = False) -> None:
+        view = self.changed_view(force)
+        if view is not None:
+            self.show(view)  # the line is most of the view: `show` compares the text it makes instead
 
     def show(self, view: ViewState) -> None:
         text = status_text(view, self.content_size.width or None)
