@@ -63,6 +63,13 @@ class EngineLog(ViewBound, RichLog):
         self.add_lines(list(view.log_lines)[-min(new, len(view.log_lines)):])
         self._taken = view.log_total
 
+    def on_resize(self) -> None:
+        """Keep following the tail when the panel changes height: the crash panel appearing shrinks the log, and
+        the lines it would push out of view are the last ones the engine wrote (its traceback). A write scrolls to
+        the end anyway (RichLog's auto_scroll), so a resize follows the same rule."""
+        if self.auto_scroll:
+            self.scroll_end(animate=False, immediate=False, x_axis=False)
+
     def add_lines(self, lines: list[tuple[str, str]]) -> None:
         """Append (stream, line) pairs."""
         for stream, line in lines:

@@ -25,9 +25,9 @@ async def test_recorded_events_reach_the_slots_table(config_dir: Path) -> None:
     app = offline_app(config_dir)
     async with app.run_test(size=SIZE) as pilot:
         app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
-        await pilot.pause(0.6)
         table = app.screen.query_one(SlotsTable)
-        assert table.row_count == 8
+        await wait_for(pilot, lambda: table.row_count == 8 and "ETA" in str(table.get_cell("6", "progress")),
+                       what="the slots drawn")
         assert "prefill" in str(table.get_cell("6", "state")) and "ETA" in str(table.get_cell("6", "progress"))
         before = dict(table.updated)
         app.post_message(TelemetryBatch(recorded("seed_run.jsonl")[-2:]))  # same values again
@@ -67,8 +67,8 @@ async def test_filter_cycles_graph_events(config_dir: Path) -> None:
     app = offline_app(config_dir)
     async with app.run_test(size=SIZE) as pilot:
         app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
-        await pilot.pause(0.6)
         table = app.screen.query_one(GraphEventsTable)
+        await wait_for(pilot, lambda: table.shown_count > 0, what="the graph events drawn")
         counts = [table.shown_count]
         for _ in range(3):
             await pilot.press("f")
@@ -241,8 +241,7 @@ async def test_edit_rejects_bad_value_naming_it_then_saves(config_dir: Path) -> 
         editor.query_one("#f-device", Input).value = "cpu"
         editor.query_one("#s-SPLIT_ATTN").value = True
         await pilot.press("ctrl+s")
-        await pilot.pause(0.3)
-        assert isinstance(app.screen, ProfilesScreen)
+        await wait_for(pilot, lambda: isinstance(app.screen, ProfilesScreen), what="the editor closed on save")
         saved = app.store.load("default").engine
         assert (saved.batch, saved.kv_resident, saved.device, saved.switches["SPLIT_ATTN"]) == (6, 4096, "cpu", True)
         assert app.view.monitor.switches["SPLIT_ATTN"].wanted
@@ -288,8 +287,8 @@ async def test_command_palette_runs_an_action(config_dir: Path) -> None:
         await pilot.press(*"Toggle COMPILE")
         await pilot.pause(0.5)
         await pilot.press("enter")
-        await pilot.pause(0.3)
-        assert app.store.load("default").engine.switches.get("COMPILE") is True
+        await wait_for(pilot, lambda: app.store.load("default").engine.switches.get("COMPILE") is True,
+                       what="COMPILE saved on")
 
 
 def test_pick_error_line_skips_logger_names_and_info_records() -> None:
@@ -327,8 +326,8 @@ async def test_attached_engine_exit_event_opens_the_crash_panel(config_dir: Path
     app = offline_app(config_dir, attach_url="http://127.0.0.1:9")
     async with app.run_test(size=SIZE) as pilot:
         app.post_message(TelemetryBatch(recorded("crash_run.jsonl")))
-        await pilot.pause(0.6)
-        assert app.view.crash is not None and app.view.crash.returncode == 1
+        await wait_for(pilot, lambda: app.view.crash is not None, what="the exit event folded in")
+        assert app.view.crash.returncode == 1
         assert "illegal memory access" in app.view.crash.error and "VRAM free 1 MiB" in app.view.crash.error
 
 
@@ -342,6 +341,6 @@ async def test_error_event_arriving_after_the_exit_still_reaches_the_crash_panel
         await pilot.pause()
         assert "illegal memory access" not in (app.view.crash.error or "")
         app.post_message(TelemetryBatch(recorded("crash_run.jsonl")))
-        await pilot.pause(0.6)
+        await wait_for(pilot, lambda: app.view.crash.recent, what="the engine's events folded in")
         assert "illegal memory access" in app.view.crash.error
         assert app.view.crash.recent[-1].type == "engine"

@@ -20,7 +20,7 @@ from strata_tui.reducer import reduce
 from strata_tui.view_state import ViewState
 from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.workers import watch_liveness
-from tests.tui.conftest import offline_app, recorded
+from tests.tui.conftest import offline_app, recorded, wait_for
 
 
 @pytest.fixture
@@ -33,6 +33,11 @@ def _decoding(generated: dict[int, int]) -> dict[int, SlotEvent]:
     return {n: SlotEvent(slot=n, state="decode", request_id=f"busy-{n}", prompt_tokens=512, prefilled_tokens=512,
                          generated_tokens=g, max_tokens=4096, decode_tok_s=30.0 + n, acceptance=0.7)
             for n, g in generated.items()}
+
+
+def _progress(table: SlotsTable, row: str) -> str:
+    """The row's progress cell as text, "" while the row is not drawn yet."""
+    return table.get_cell(row, "progress").plain if row in table.rows else ""
 
 
 class _TableApp(App):
@@ -60,15 +65,13 @@ async def test_the_slots_table_reads_its_slice_of_the_view_state_on_its_own_tick
         events = [AdmissionEvent(request_id="busy-2", slot=2, prompt_tokens=512, seq=1),
                   *_decoding({2: 40}).values()]
         reduce(app.view, TelemetryBatch(events), 0.0, 0.0)
-        await pilot.pause(app.view.settings.refresh_s * 2)
-        assert "40/4,096" in table.get_cell("2", "progress").plain
+        await wait_for(pilot, lambda: "40/4,096" in _progress(table, "2"), what="the first tick")
         assert "last admission: busy-2 → slot 2" in str(table.border_subtitle)
         drawn = table.cell_updates
         await pilot.pause(app.view.settings.refresh_s * 3)
         assert table.cell_updates == drawn, "a quiet tick touched cells"
         reduce(app.view, TelemetryBatch(list(_decoding({2: 41}).values())), 0.0, 0.0)
-        await pilot.pause(app.view.settings.refresh_s * 2)
-        assert "41/4,096" in table.get_cell("2", "progress").plain
+        await wait_for(pilot, lambda: "41/4,096" in _progress(table, "2"), what="the next tick")
 
 
 async def test_a_refresh_renders_only_the_rows_that_changed(monkeypatch) -> None:
@@ -87,11 +90,13 @@ async def test_a_refresh_renders_only_the_rows_that_changed(monkeypatch) -> None
         table = app.query_one(SlotsTable)
         generated = {n: 10 for n in range(6)}
         table.show(_decoding(generated))
+        await wait_for(pilot, lambda: sum("10/4,096" in r for r in renders) >= 6, what="the six rows rendered")
         await pilot.pause(0.1)
         renders.clear()
         for _ in range(50):  # a burst of events for slot 3, folded into one refresh
             generated[3] += 1
         table.show(_decoding(generated))
+        await wait_for(pilot, lambda: renders, what="the changed row rendered")
         await pilot.pause(0.1)
         assert len(renders) == 1, renders
         assert "60/4,096" in renders[0] and renders[0].lstrip().startswith("3 ")
@@ -111,11 +116,10 @@ async def test_the_slots_table_looks_as_datatable_draws_it(seeded_dir) -> None:
         async with app.run_test(size=size) as pilot:
             app.clock = lambda: 1000.0
             app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
-            await pilot.pause(0.3)
+            table = app.screen.query_one(SlotsTable)
+            await wait_for(pilot, lambda: table.row_count == 8, what="the slots drawn")
             app.screen.redraw(force=True)
             await pilot.pause(0.2)
-            table = app.screen.query_one(SlotsTable)
-            assert table.row_count == 8
             for focused in (False, True):
                 if focused:
                     table.focus()
@@ -178,8 +182,7 @@ async def test_a_click_on_a_row_still_moves_the_row_cursor() -> None:
         await pilot.pause(0.1)
         assert table.cursor_row == 0
         await pilot.click(SlotsTable, offset=(3, 4))  # the header is line 0: line 4 is slot 3's row
-        await pilot.pause(0.1)
-        assert table.cursor_row == 3
+        await wait_for(pilot, lambda: table.cursor_row == 3, what="the clicked row")
 
 
 class _Stream:

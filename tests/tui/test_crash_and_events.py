@@ -27,8 +27,7 @@ async def test_s_reads_stopped_you_pressed_s(config_dir: Path, monkeypatch) -> N
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
         await pilot.press("s")
         await wait_for(pilot, lambda: app.view.crash is not None, what="stopped")
-        await pilot.pause(0.4)
-        assert "engine stopped (you pressed s)" in screen_text(app)
+        await wait_for(pilot, lambda: "engine stopped (you pressed s)" in screen_text(app), what="the crash on screen")
 
 
 async def test_kill_9_reads_killed_by_sigkill(config_dir: Path, monkeypatch) -> None:
@@ -43,16 +42,35 @@ async def test_kill_9_reads_killed_by_sigkill(config_dir: Path, monkeypatch) -> 
         await wait_for(pilot, lambda: "engine killed by SIGKILL" in screen_text(app), what="the crash on screen")
 
 
+def _at_tail(log: EngineLog) -> bool:
+    return log.scroll_y >= log.max_scroll_y - 1
+
+
 async def test_the_log_keeps_following_its_tail_after_a_crash(config_dir: Path) -> None:
     app = offline_app(config_dir)
     async with app.run_test(size=SIZE) as pilot:
         app.post_message(EngineOutput([("stdout", f"line {i}") for i in range(200)]))
-        await pilot.pause(0.4)
+        log = app.screen.query_one(EngineLog)
+        await wait_for(pilot, lambda: log.lines_written == 200, what="the first lines")
         app.post_message(EngineExited(1, False, None, app.run_id))
         app.post_message(EngineOutput([("stderr", f"after {i}") for i in range(50)]))
-        await pilot.pause(0.6)
+        # the log scrolls after the screen's next refresh, which a loaded machine can put off for a while
+        await wait_for(pilot, lambda: _at_tail(log) and "after 49" in screen_text(app), what="the log at its tail")
+
+
+async def test_the_crash_panel_appearing_does_not_hide_the_last_lines(config_dir: Path) -> None:
+    """The engine's last lines (its traceback) come before its exit; the crash panel then takes rows from the log,
+    which must still show its tail, not the lines above it."""
+    app = offline_app(config_dir)
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(EngineOutput([("stderr", f"trace {i}") for i in range(250)]))
         log = app.screen.query_one(EngineLog)
-        assert log.scroll_y >= log.max_scroll_y - 1 and "after 49" in screen_text(app)
+        await wait_for(pilot, lambda: log.lines_written == 250 and _at_tail(log), what="the lines, at the tail")
+        height = log.size.height
+        app.post_message(EngineExited(1, False, None, app.run_id))
+        await wait_for(pilot, lambda: log.size.height < height, what="the crash panel taking rows from the log")
+        await wait_for(pilot, lambda: _at_tail(log) and "trace 249" in screen_text(app), timeout_s=5,
+                       what="the last line still in view")
 
 
 async def test_l_while_a_scenario_runs_is_refused_and_the_first_result_arrives(config_dir: Path, monkeypatch) -> None:
