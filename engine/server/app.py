@@ -54,7 +54,7 @@ LARGE_BODY_TURN_WAIT_S = 5.0  # a large body waits this long at most for the one
 def create_app(client: EngineClient, config: EngineConfig, keepalive_s: float = sse.DEFAULT_KEEPALIVE_S) -> FastAPI:
     """The HTTP app for one engine client. The caller owns the client (and shuts it down)."""
     metrics = ServerMetrics(client)
-    serving = Serving(client, metrics=metrics)
+    serving = Serving(client, metrics=metrics, slots=config.batch)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -196,7 +196,8 @@ def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepali
         raw = request.headers.get("last-event-id") or last_event_id
         resume = sse.parse_last_event_id(raw)
         if raw is not None and resume is None:
-            raise invalid_param("Last-Event-ID", raw, "expected EPOCH-SEQ (an event id) or a sequence number")
+            shown = raw if "last-event-id" not in request.headers else _header_text(raw)
+            raise invalid_param("Last-Event-ID", shown, "expected EPOCH-SEQ (an event id) or a sequence number")
         stream = sse.event_stream(client.bus, resume, serving.events_closed, keepalive_s=keepalive_s)
         return StreamingResponse(stream, media_type="text/event-stream", headers=_SSE_HEADERS)
 
@@ -218,6 +219,12 @@ def _strata_routes(app: FastAPI, client: EngineClient, serving: Serving, keepali
         body = await _parsed(ExpertCacheRequest, request)
         snapshot = await client.set_expert_cache_mib(body.mib)
         return JSONResponse({"expert_cache_mib": body.mib, "experts": snapshot.to_json()})
+
+
+def _header_text(value: str) -> str:
+    """A header value as its sender wrote it: Starlette decodes header bytes as latin-1, so UTF-8 text would be
+    echoed back as mojibake."""
+    return value.encode("latin-1", "replace").decode("utf-8", "replace")
 
 
 def _respond(result: Any) -> Response:

@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from engine.api import EngineClient
-from engine.server.errors import ApiError, unsupported_param
+from engine.server.errors import ApiError, invalid_param, unsupported_param
 
 
 def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -32,9 +32,11 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
         else:
             pieces = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise unsupported_param(f"messages[{i}].content[{j}].type", part.type,
                                             "only text content parts are supported")
+                if part.text is None:
+                    raise invalid_param(f"messages[{i}].content[{j}].text", None, "a text part needs its text")
                 pieces.append(part.text)
             text = "\n".join(pieces)
         for key, value in (msg.model_extra or {}).items():

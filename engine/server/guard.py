@@ -9,6 +9,11 @@ Checks run before routing and before a body byte is read, cheapest first:
 - Content-Type: a request with a body must say `application/json` (415 otherwise): a form or a
   `text/plain` body is what a page can send cross-origin without asking first.
 - Body size: a Content-Length above the limit is 413 at once; a chunked body is counted as it arrives.
+- Head size: a request head past MAX_HEAD_BYTES is 431 (h11 refuses only a head that arrives in pieces).
+- Load: past the server's connection limit (uvicorn_server.BoundedH11Protocol says so in the scope), 503 with
+  Retry-After for every route but /health.
+An answer given before the request's body was all read carries `Connection: close`: the connection cannot
+serve on without reading the rest, and uvicorn_server drops that rest (bounded) and closes it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ from engine.server.protocol import MAX_DECIMAL_DIGITS
 
 log = logging.getLogger("strata.server")
 BODY_STALL_S = 30.0  # a request body that stops arriving for this long: 408
+# A body that keeps arriving, but slowly: it must be in by BODY_BASE_S plus a second per BODY_MIN_RATE_BYTES_S
+# received (a byte every few seconds never stalls, and held a connection for ever): 408.
+BODY_BASE_S = 10.0
+BODY_MIN_RATE_BYTES_S = 16 << 10
+MAX_HEAD_BYTES = 64 << 10  # a request head (request line and headers) past this: 431
+OVER_LIMIT_KEY = "strata.over_connection_limit"  # scope["extensions"]: set by uvicorn_server's protocol
+OVER_LIMIT_RETRY_S = 1
 SEND_STALL_S = 30.0  # a response the client stops reading for this long: the request is aborted
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -62,14 +74,23 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        body = _BodyState(_has_body(headers))
+        send = _closing_unless_read(send, body)
         try:
+            if _head_bytes(scope) > MAX_HEAD_BYTES:
+                raise ApiError(431, f"the request head is {_head_bytes(scope)} bytes; the limit is {MAX_HEAD_BYTES}",
+                               code="head_too_large")
+            if scope.get("extensions", {}).get(OVER_LIMIT_KEY) and scope["path"] not in OPEN_PATHS:
+                raise ApiError(503, "the server has as many connections open as it takes; retry shortly",
+                               type="server_unavailable", code="too_many_connections",
+                               headers={"Retry-After": str(OVER_LIMIT_RETRY_S)})
             self.check(scope["method"], scope["path"], headers)
         except ApiError as err:
             await _answer(err, send)
             return
         stalled = asyncio.Event()  # set when the client stops taking the response: it reads as a disconnect
         try:
-            await self.app(scope, self._counting(receive, stalled), self._stall_checked(send, stalled))
+            await self.app(scope, self._counting(receive, stalled, body), self._stall_checked(send, stalled))
         except SendStalled:
             # Its request was aborted when the stream closed; uvicorn drops the unfinished connection.
             log.info("%s %s: the client stopped reading for %.0f s; the request was aborted",
@@ -113,31 +134,39 @@ class RequestGuard:
         raise ApiError(403, f"cross-origin request from {origin!r} refused (set --api-key to allow clients "
                             f"that hold the key)", param="Origin", code="cross_origin_refused")
 
-    def _counting(self, receive: Receive, stalled: asyncio.Event) -> Receive:
-        """`receive` that refuses a body (chunked, or lying about its length) once it passes the limit, and
-        one that stops arriving for BODY_STALL_S (408: a half-sent upload held its connection forever)."""
+    def _counting(self, receive: Receive, stalled: asyncio.Event, body: "_BodyState") -> Receive:
+        """`receive` that refuses a body (chunked, or lying about its length) once it passes the limit, one
+        that stops arriving for BODY_STALL_S (408: a half-sent upload held its connection forever), and one
+        that arrives slower than BODY_MIN_RATE_BYTES_S after BODY_BASE_S (408: a trickle never stalls)."""
         seen = 0
         limit = self.max_body_bytes
-        body_done = False
+        started: float | None = None
 
         async def wrapped() -> dict[str, Any]:
-            nonlocal seen, body_done
-            if body_done:  # after the body only a disconnect comes: the client's, or a stalled send's
+            nonlocal seen, started
+            if body.done:  # after the body only a disconnect comes: the client's, or a stalled send's
                 return await _first_of(receive, stalled)
+            now = asyncio.get_running_loop().time()
+            started = now if started is None else started
+            due_in_s = started + BODY_BASE_S + seen / BODY_MIN_RATE_BYTES_S - now
             try:
                 # a deadline on this task, not wait_for's task per message: a large body arrives in hundreds
-                async with asyncio.timeout(BODY_STALL_S):
+                async with asyncio.timeout(max(0.0, min(BODY_STALL_S, due_in_s))):
                     message = await receive()
             except TimeoutError:
+                if due_in_s <= BODY_STALL_S:
+                    raise ApiError(408, f"the request body arrived too slowly ({seen} bytes in {now - started:.0f}"
+                                        f" s; at least {BODY_MIN_RATE_BYTES_S} bytes a second after the first "
+                                        f"{BODY_BASE_S:.0f} s)", code="body_timeout") from None
                 raise ApiError(408, f"the request body stopped arriving for {BODY_STALL_S:.0f} s (after {seen} "
                                     f"bytes)", code="body_timeout") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     raise BodyTooLarge(limit, f"over {seen} bytes")
-                body_done = not message.get("more_body", False)
+                body.done = not message.get("more_body", False)
             else:
-                body_done = True
+                body.done = True
             return message
 
         return wrapped
@@ -159,6 +188,36 @@ class RequestGuard:
                 raise SendStalled() from None
 
         return wrapped
+
+
+class _BodyState:
+    """Whether the request's body has been read to its end (a request without one has)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, has_body: bool) -> None:
+        self.done = not has_body
+
+
+def _has_body(headers: dict[str, str]) -> bool:
+    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() not in ("0", "")
+
+
+def _closing_unless_read(send: Send, body: _BodyState) -> Send:
+    """`send` that marks an answer `Connection: close` when the request's body was not read to its end."""
+
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and not body.done:
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return wrapped
+
+
+def _head_bytes(scope: Scope) -> int:
+    """The size of the request head as sent (request line and header lines)."""
+    line = len(scope["method"]) + len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 12
+    return line + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", [])) + 2
 
 
 async def _first_of(receive: Receive, stalled: asyncio.Event) -> dict[str, Any]:

@@ -80,9 +80,10 @@ class Collected:
 class Serving:
     """OpenAI completions and chat completions over one engine client."""
 
-    def __init__(self, client: EngineClient, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, client: EngineClient, metrics: ServerMetrics | None = None, slots: int | None = None) -> None:
         self.client = client
         self.metrics = metrics
+        self.slots = slots  # requests the engine runs at once (--batch): a stream's choices must fit in them
         self.stopping = asyncio.Event()  # set: new requests are refused
         self.events_closed = asyncio.Event()  # set: telemetry streams flush and end
         self._inflight: dict[str, RequestHandle] = {}
@@ -254,6 +255,12 @@ class Serving:
         if req.stream_options is not None and not req.stream:
             raise invalid_param("stream_options", req.stream_options.model_dump(), "only allowed with stream=true")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream and self.slots is not None and req.n > self.slots:
+            # A stream starts once every choice has its first token: past the slots one would wait for another
+            # choice's whole generation, and the client would see nothing, not even headers, meanwhile.
+            raise invalid_param("n", req.n, f"a stream runs its choices together and this engine runs "
+                                            f"{self.slots} requests at once (--batch {self.slots}); ask for at "
+                                            f"most {self.slots} choices, or for more without stream")
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.stream, include_usage, req.n,
                         logprobs_top)
 

@@ -51,9 +51,9 @@ def parse_last_event_id(raw: str | None) -> EventId | None:
     """What a reconnecting client has seen: `EPOCH-SEQ` or a bare `SEQ`; None when absent or malformed."""
     if raw is None:
         return None
-    epoch, _, seq = raw.strip().rpartition("-")
+    epoch, dash, seq = raw.strip().rpartition("-")
     seq_n = decimal(seq)
-    if seq_n is None or (epoch and decimal(epoch) is None):
+    if seq_n is None or (dash and decimal(epoch) is None):  # "-1": a dash with no epoch is no id
         return None
     return EventId(epoch or None, seq_n)
 

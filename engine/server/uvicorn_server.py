@@ -19,6 +19,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from engine.server.guard import MAX_HEAD_BYTES, OVER_LIMIT_KEY
+
 log = logging.getLogger("strata.serve")
 
 
@@ -39,70 +41,104 @@ class DrainingServer(uvicorn.Server):
 
 
 HEADER_TIMEOUT_S = 10.0  # a connection that has not sent a whole request head by then is closed
-MAX_HEAD_BYTES = 64 << 10  # h11's limit on a request head (request line and headers)
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this long
-MAX_CONNECTIONS = 1024  # open connections plus running requests; beyond it uvicorn answers 503
+MAX_CONNECTIONS = 1024  # open connections, or running requests, past which requests but /health get 503
 GRACEFUL_S = 1  # after a stop signal: how long open connections may still take their last bytes
+# After an answer given before the request's body was all read (a refusal), the connection closes; its rest is
+# read and dropped first, so that the client, still sending, reads the answer instead of a reset. Bounded: a
+# chunked body has no end to wait for.
+LINGER_S = 10.0
+LINGER_CHUNKED_BYTES = 1 << 20  # what is dropped of a chunked body's rest (a sized one: its declared length)
 
 
 def server_config(app: Any, log_level: int | str = logging.INFO) -> uvicorn.Config:
-    """uvicorn's settings for the Strata server: its connection limits (documented in docs/API.md)."""
-    return uvicorn.Config(app, log_config=None, log_level=log_level, lifespan="on", http=HeadTimeoutH11Protocol,
+    """uvicorn's settings for the Strata server: its connection limits (documented in docs/API.md). The
+    connection limit is Strata's own (BoundedH11Protocol): uvicorn's would answer /health 503 too."""
+    return uvicorn.Config(app, log_config=None, log_level=log_level, lifespan="on", http=BoundedH11Protocol,
                           timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=KEEP_ALIVE_S,
-                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, limit_concurrency=MAX_CONNECTIONS)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, limit_concurrency=None)
 
 
-class HeadTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, plus a deadline for the request head: uvicorn arms its keep-alive timer only
-    after a response, so a connection that sends nothing, or half a request line, was held open forever."""
+class _ClosingTransport:
+    """The connection's transport as uvicorn sees it: the same, except that `close()` asks the protocol how to
+    close (uvicorn closes at once after a `Connection: close` answer, which resets a client still sending)."""
+
+    def __init__(self, transport: asyncio.Transport, on_close: Callable[[], None]) -> None:
+        self._transport = transport
+        self._on_close = on_close
+        self._closing = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._closing or self._transport.is_closing()
+
+    def close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._on_close()
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with Strata's bounds on a connection:
+    - a deadline for the request head: uvicorn arms its keep-alive timer only after a response, so a connection
+      that sends nothing, or half a request line, was held open forever;
+    - a lingering close after an answer given before the body was all read (LINGER_S, LINGER_CHUNKED_BYTES):
+      the rest is dropped unparsed, then the connection closes, however much more the client would send;
+    - the connection limit: past MAX_CONNECTIONS, requests get a JSON 503 from the guard, but /health is
+      answered (a liveness probe that got 503 would restart a healthy engine)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._routes = self.app
+        self.app = self._app_with_load
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_left: int | None = None  # bytes still to drop before closing; None: not lingering
+        self._linger_timer: asyncio.TimerHandle | None = None
+
+    async def _app_with_load(self, scope: dict, receive: Any, send: Any) -> None:
+        """The app, told (scope's extensions) whether the server is past its connection limit: the guard
+        refuses every route but the open ones then."""
+        over = len(self.connections) > MAX_CONNECTIONS or len(self.tasks) > MAX_CONNECTIONS
+        scope.setdefault("extensions", {})[OVER_LIMIT_KEY] = over
+        await self._routes(scope, receive, send)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
+        self._real_transport = transport
+        super().connection_made(_ClosingTransport(transport, self._close))  # type: ignore[arg-type]
+        self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
 
     def data_received(self, data: bytes) -> None:
-        rest = self._past_answered_body(data)
-        if rest is None:  # all of it belongs to a body already answered, and more of that body is to come
-            self._unset_keepalive_if_required()
+        if self._linger_left is not None:  # the rest of a body already answered: dropped, never parsed
+            self._linger_left -= len(data)
+            if self._linger_left <= 0:
+                self._real_transport.close()
             return
-        if rest or len(rest) == len(data):  # bytes for h11, or nothing dropped
-            super().data_received(rest)
-        else:  # that body ended exactly here: h11 hands over its end and the connection waits for a head
-            self._unset_keepalive_if_required()
-            self.handle_events()
+        super().data_received(data)
         waiting_head = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
         if not waiting_head and self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
-        elif waiting_head and self._head_timer is None and (self.conn.trailing_data[0]
-                                                             or self.timeout_keep_alive_task is None):
-            # part of the next head, or nothing and no keep-alive timer: the rest of a body refused before it
-            # was all read (engine.server.app._body) ended the last request after its answer, which armed none
-            self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
+        elif waiting_head and self._head_timer is None and self.conn.trailing_data[0]:
+            self._head_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)  # part of the next head
 
-    def _past_answered_body(self, data: bytes) -> bytes | None:
-        """What of `data` follows the body of a request already answered (a body refused from its first bytes,
-        engine.server.app._large_body): h11 would buffer and copy every byte of that body's rest only for
-        uvicorn to drop it, the most work the event loop did under senders of large refused bodies. So the
-        rest's length is counted off h11's Content-Length reader here and the bytes are dropped unread. None:
-        all of `data` was dropped and the body goes on. Anything else (no such body, a chunked one, bytes h11
-        still holds, another h11 whose reader has no `_remaining`) is left to h11 whole."""
-        conn = self.conn
-        if conn.our_state is not h11.DONE or conn.their_state is not h11.SEND_BODY:
-            return data
-        reader = getattr(conn, "_reader", None)
-        remaining = getattr(reader, "_remaining", None)
-        if type(remaining) is not int or remaining <= 0 or conn.trailing_data[0]:
-            return data
-        dropped = min(remaining, len(data))
-        reader._remaining = remaining - dropped  # type: ignore[union-attr]
-        if reader._remaining:  # type: ignore[union-attr]
-            return None
-        return data[dropped:]
+    def _close(self) -> None:
+        """uvicorn closes the connection. With the request's body still arriving (the answer came first), the
+        answer is sent, our side shut, and the rest read and dropped until the client closes or a bound."""
+        transport = self._real_transport
+        if self.conn.their_state is not h11.SEND_BODY or transport.is_closing() or not transport.can_write_eof():
+            transport.close()
+            return
+        self._linger_left = _declared_length(self.headers or []) or LINGER_CHUNKED_BYTES
+        transport.write_eof()
+        transport.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
+        for timer in (self._head_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
 
     def _head_late(self) -> None:
@@ -112,3 +148,11 @@ class HeadTimeoutH11Protocol(H11Protocol):
             log.info("closing a connection from %s that sent no whole request head in %.0f s",
                      self.client, HEADER_TIMEOUT_S)
             self.transport.close()
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's Content-Length, None for a chunked body (or none)."""
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit() and len(value) <= 12:
+            return int(value)
+    return None

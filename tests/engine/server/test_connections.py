@@ -109,43 +109,15 @@ def test_a_streaming_client_that_stops_reading_is_aborted(short_timeouts) -> Non
         sock.close()
 
 
-def test_a_token_id_body_past_the_context_is_refused_before_its_end_and_the_connection_serves_on(
-        short_timeouts) -> None:
+def test_a_token_id_body_past_the_context_is_refused_before_its_end_and_its_rest_dropped_unparsed(
+        short_timeouts, monkeypatch) -> None:
     """A large body whose first bytes already hold more ids than the context is answered 400 without the app
-    reading the rest (uvicorn drains it); the same connection then serves the next request, and once idle it is
-    closed like any connection waiting for a head."""
-    from engine.server import app as app_module
-
-    engine = FakeEngine()
-    reads: list[int] = []
-    real_refuse = app_module.refuse_early_steps
-    app_module.refuse_early_steps = lambda prefix, limit: (reads.append(len(prefix)), real_refuse(prefix, limit))[1]
-    try:
-        with _serve(engine) as url:
-            body = json.dumps({"model": MODEL, "prompt": [12] * (1 << 20), "max_tokens": 1}).encode()
-            request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            for then_idle in (False, True):
-                sock = _connect(url)
-                sock.sendall(request)
-                answer = _read_response(sock)
-                assert answer.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answer, answer[:300]
-                assert reads and reads[-1] < len(body) // 4, reads  # refused from a prefix of the body
-                if then_idle:  # the rest drained, no request: closed as a connection that sends no head
-                    closed, _ = _closed_within(sock, BOUND_S)
-                    assert closed
-                else:
-                    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                    assert _read_response(sock).startswith(b"HTTP/1.1 200")
-                sock.close()
-    finally:
-        app_module.refuse_early_steps = real_refuse
-
-
-def test_the_rest_of_a_refused_body_is_dropped_without_h11_and_the_connection_serves_on(monkeypatch) -> None:
-    """The rest of a body answered from its first bytes is counted off and dropped as it arrives, not buffered
-    and copied by h11; the request after it, sent in the same packet as the body's last bytes, is served."""
+    reading the rest; the rest is dropped as it arrives, never handed to h11, the client (which sends the whole
+    body before it reads) gets the whole answer, not a reset, and the connection then closes: it cannot serve
+    on without parsing the rest."""
     import h11
+
+    from engine.server import app as app_module
 
     into_h11: list[int] = []
     real_receive = h11.Connection.receive_data
@@ -155,18 +127,22 @@ def test_the_rest_of_a_refused_body_is_dropped_without_h11_and_the_connection_se
         real_receive(self, data)
 
     monkeypatch.setattr(h11.Connection, "receive_data", counted)
+    reads: list[int] = []
+    real_refuse = app_module.refuse_early_steps
+    monkeypatch.setattr(app_module, "refuse_early_steps",
+                        lambda prefix, limit: (reads.append(len(prefix)), real_refuse(prefix, limit))[1])
     with _serve(FakeEngine()) as url:
         body = json.dumps({"model": MODEL, "prompt": [12] * (1 << 20), "max_tokens": 1}).encode()
         sock = _connect(url)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-                     + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        answers = b""
-        while answers.count(b"HTTP/1.1 ") < 2:  # both responses (the second may come in the first's packet)
-            answers += sock.recv(65536)
-        assert answers.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answers, answers[:300]
-        assert b"HTTP/1.1 200" in answers, answers[-300:]
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answer = _read_response(sock)
+        closed, _ = _closed_within(sock, BOUND_S)
         sock.close()
+    assert answer.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answer, answer[:300]
+    assert b"connection: close" in answer.lower()
+    assert closed
+    assert reads and reads[-1] < len(body) // 4, reads  # refused from a prefix of the body
     assert sum(into_h11) < len(body) // 2, f"h11 took {sum(into_h11)} of the body's {len(body)} bytes"
 
 
@@ -174,12 +150,16 @@ def _read_response(sock: socket.socket) -> bytes:
     """One HTTP response with a Content-Length body."""
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a whole response: {data[:300]!r}"
+        data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
     while len(rest) < length:
-        rest += sock.recv(65536)
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed inside a response: {head[:300]!r}"
+        rest += chunk
     return head + b"\r\n\r\n" + rest
 
 

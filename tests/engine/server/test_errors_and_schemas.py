@@ -200,6 +200,16 @@ def test_chat_bad_messages_are_400_naming_the_path(url: str, messages: list, par
     assert _error(resp)["param"] == param
 
 
+def test_a_text_part_without_text_is_400_naming_its_text(url: str) -> None:
+    """Not "only text content parts are supported" for a part that is text: what it lacks is its `text`."""
+    resp = _post(url, "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text"}]}]})
+    assert resp.status_code == 400, resp.text
+    error = _error(resp)
+    assert error["param"] == "messages[0].content[0].text", error
+    assert "only text content parts" not in error["message"]
+
+
 def test_streaming_completion_ends_with_done_and_usage(url: str) -> None:
     body = {"model": MODEL, "prompt": "a", "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}

@@ -330,3 +330,17 @@ def test_builtin_model_streams_the_same_text_with_and_without_mtp() -> None:
             assert chunks[-1].usage.completion_tokens == 16
             texts[mtp] = "".join(c.choices[0].text for c in chunks if c.choices)
     assert texts[True] == texts[False] and texts[False].strip()
+
+
+def test_a_stream_of_more_choices_than_slots_is_refused_naming_n(oai: openai.OpenAI, model: str, served) -> None:
+    """A stream sends nothing until every choice has a slot, so n past --batch would stay silent until a choice
+    ended (a minute on a long generation): refused at once, naming n and the slots; without stream it runs."""
+    batch = served[2].batch
+    with pytest.raises(openai.BadRequestError) as many:
+        oai.completions.create(model=model, prompt="x", max_tokens=2, n=batch + 1, stream=True, extra_body=EXACT)
+    assert many.value.body["param"] == "n" and str(batch) in many.value.body["message"]
+    assert "--batch" in many.value.body["message"]
+    whole = oai.completions.create(model=model, prompt="x", max_tokens=2, n=batch + 1, extra_body=EXACT)
+    assert len(whole.choices) == batch + 1
+    streamed = oai.completions.create(model=model, prompt="x", max_tokens=2, n=batch, stream=True, extra_body=EXACT)
+    assert {c.index for chunk in streamed for c in chunk.choices} == set(range(batch))

@@ -127,6 +127,11 @@ def test_events_stream_gives_history_then_live_then_resumes() -> None:
         assert ids == [3, 4]
         bad = httpx.get(url + "/strata/events", headers={"Last-Event-ID": "soon"}, timeout=10)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+        with httpx.stream("GET", url + "/strata/events", headers={"Last-Event-ID": "-1"}, timeout=10) as negative:
+            assert negative.status_code == 400, "Last-Event-ID -1 was read as 1"
+        accented = httpx.get(url + "/strata/events", headers={"Last-Event-ID": "é-1".encode()}, timeout=10)
+        assert accented.status_code == 400
+        assert "é-1" in accented.json()["error"]["message"], accented.json()  # as sent, not mojibake
 
 
 async def test_slow_subscriber_loses_oldest_events_with_a_count_and_never_blocks_the_publisher() -> None:
