@@ -1,7 +1,8 @@
 """`strata-engine serve`: start the engine and the HTTP server; print one ready line; stop cleanly.
 
-Order of events: bind the socket (so --port 0 has a real port and a bad address fails before the model
-loads) -> build the engine client -> start uvicorn on that socket -> once uvicorn is started and
+Order of events: check the checkpoint's files (config and tensor headers, no weights read: a bad checkpoint is
+one line and exit 2 before anything binds) -> bind the socket (so --port 0 has a real port and a bad address
+fails before the model loads) -> build the engine client -> start uvicorn on that socket -> once uvicorn is started and
 `client.health()` is ready, freeze the heap loaded so far (`freeze_startup_heap`) and print exactly
 `strata-engine: ready at http://HOST:PORT` on stdout. All logs go to stderr. SIGTERM/SIGINT: refuse new
 requests, abort running ones, end event streams, shut the engine down, exit 0. An engine that dies (sticky
@@ -48,6 +49,10 @@ def run(args: argparse.Namespace, client_factory: ClientFactory | None = None) -
     _setup_logging(getattr(args, "log_level", "info"))
     config = config_from_args(args)
     warn_if_exposed(config)
+    if client_factory is None:
+        from engine.model.loader import check_checkpoint
+
+        check_checkpoint(config.model, None if config.quantize == "off" else config.quantize)
     sock = bind_socket(config.host, config.port)
     code = asyncio.run(serve(config, sock, client_factory or default_client_factory))
     if client_factory is None or _engine_thread_busy():

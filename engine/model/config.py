@@ -8,6 +8,7 @@ with a CheckpointError naming config.json and the key, never silently approximat
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -28,6 +29,15 @@ _ARCH_BY_CLASS = {
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "llama",
 }
+# Bounds on the sizes a config may declare, far past any published model: a config past them is broken, and
+# building it would hang the start (a trillion layers are a trillion modules, even on the meta device).
+MAX_SIZES = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1024,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 24,
+    "num_experts": 1 << 14, "num_local_experts": 1 << 14, "num_experts_per_tok": 1 << 14,
+    "moe_intermediate_size": 1 << 20, "decoder_sparse_step": 1024,
+}
+MAX_MTP_LAYERS = 16
 _MTP_KEYS = (
     ("num_nextn_predict_layers", "deepseek"),
     ("num_mtp_layers", "qwen3_next"),
@@ -197,29 +207,50 @@ def _arch_of(raw: Mapping[str, Any], source: str) -> str:
     )
 
 
-def _req(raw: Mapping[str, Any], key: str, source: str, kind: type = int) -> Any:
+def _req(raw: Mapping[str, Any], key: str, source: str) -> int:
     if key not in raw or raw[key] is None:
         raise CheckpointError(source, f"missing required key {key!r}")
-    value = raw[key]
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise CheckpointError(source, f"{key}={value!r}: expected a positive whole number")
+    return _size(raw[key], key, source)
+
+
+def _size(value: Any, key: str, source: str) -> int:
+    """A positive whole number within MAX_SIZES[key]."""
+    upper = MAX_SIZES.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or (upper is not None and value > upper):
+        bound = f"1..{upper}" if upper is not None else "a positive whole number"
+        raise CheckpointError(source, f"{key}={_short(value)}: expected a whole number in {bound}")
     return value
+
+
+def _number(value: Any, key: str, source: str, positive: bool = True) -> float:
+    """A finite number (JSON has no NaN or Infinity, but Python's json reads them): a NaN epsilon or rope base
+    loads fine and makes every logit NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        raise CheckpointError(source, f"{key}={_short(value)}: expected a finite number"
+                                      + (" above 0" if positive else ""))
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
     arch = _arch_of(raw, source)
     hidden = _req(raw, "hidden_size", source)
     heads = _req(raw, "num_attention_heads", source)
-    kv_heads = raw.get("num_key_value_heads") or heads
+    kv_heads = _size(raw.get("num_key_value_heads") or heads, "num_key_value_heads", source)
     if heads % kv_heads:
         raise CheckpointError(source, f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    head_dim = raw.get("head_dim") or hidden // heads
+    head_dim = _size(raw.get("head_dim") or max(1, hidden // heads), "head_dim", source)
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(source, f"hidden_act={act!r}: only silu (SwiGLU) is supported")
     if raw.get("use_sliding_window"):
         raise CheckpointError(source, "use_sliding_window=true: sliding-window attention is not supported")
-    max_pos = int(raw.get("max_position_embeddings") or 32768)
+    max_pos = _size(raw.get("max_position_embeddings") or 32768, "max_position_embeddings", source)
     return ModelConfig(
         arch=arch,
         vocab_size=_req(raw, "vocab_size", source),
@@ -229,7 +260,7 @@ def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v bias (and no config key for it); Qwen3 and Llama declare it
@@ -270,7 +301,7 @@ def _parse_rope(raw: Mapping[str, Any], source: str) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = _number(merged.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", source)
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(
@@ -283,18 +314,24 @@ def _parse_rope(raw: Mapping[str, Any], source: str) -> RopeConfig:
         original = raw.get("max_position_embeddings")
     if rope_type == "llama3" and original is None:
         raise CheckpointError(source, "rope_scaling type 'llama3' needs original_max_position_embeddings")
+    def number(key: str, default: float | None, positive: bool = True) -> float | None:
+        value = merged.get(key)
+        return default if value is None else _number(value, f"rope_scaling.{key}", source, positive)
+
+    if original is not None:
+        original = _size(original, "max_position_embeddings", source)
     return RopeConfig(
         theta=theta,
         type=rope_type,
-        factor=float(merged.get("factor") or 1.0),
-        original_max_position_embeddings=int(original) if original is not None else None,
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        attention_factor=merged.get("attention_factor"),
-        mscale=merged.get("mscale"),
-        mscale_all_dim=merged.get("mscale_all_dim"),
+        factor=number("factor", 1.0) or 1.0,
+        original_max_position_embeddings=original,
+        low_freq_factor=number("low_freq_factor", 1.0),
+        high_freq_factor=number("high_freq_factor", 4.0),
+        beta_fast=number("beta_fast", 32.0),
+        beta_slow=number("beta_slow", 1.0),
+        attention_factor=number("attention_factor", None),
+        mscale=number("mscale", None, positive=False),
+        mscale_all_dim=number("mscale_all_dim", None, positive=False),
         truncate=bool(merged.get("truncate", True)),
     )
 
@@ -304,8 +341,9 @@ def _parse_mtp(raw: Mapping[str, Any], source: str) -> MTPConfig | None:
         value = raw.get(key)
         if value in (None, 0):
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CheckpointError(source, f"{key}={value!r}: expected a whole number of MTP layers")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_MTP_LAYERS:
+            raise CheckpointError(source, f"{key}={_short(value)}: expected a whole number of MTP layers "
+                                          f"(0..{MAX_MTP_LAYERS})")
         return MTPConfig(num_layers=value, layout=layout)
     return None
 

@@ -8,6 +8,7 @@ dtype and device, so a checkpoint is never held twice in memory. Every failure n
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from engine.errors import CheckpointError, ConfigError
 from engine.model.config import ModelConfig, read_small_file
 from engine.model.names import hf_name, optional_mtp_tensors
 from engine.model.causal_lm import CausalLM
-from engine.model.quant.formats import Scheme, read_linear, scheme_from_config
+from engine.model.quant.formats import FLOAT_DTYPES, Scheme, check_linear, read_linear, scheme_from_config
 from engine.model.quant.rtn import quantize_model
 from engine.model.synthetic import PREFIX as SYNTHETIC_PREFIX, SPECS as SYNTHETIC_SPECS
 from engine.model.synthetic import build_synthetic, is_synthetic, synthetic_tokenizer
@@ -98,11 +99,10 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     """Build the model on meta and fill every parameter from the checkpoint's safetensors; routed experts
     (MoE) go to `expert_device` when given (the expert cache then places them). With a quantization `scheme`
     (config.json's quantization_config) each projection the checkpoint stores quantized becomes a quantized
-    layer (engine.model.quant.formats)."""
+    layer (engine.model.quant.formats). Every tensor's shape and dtype is checked from the headers before
+    the first is read."""
     with TensorSource(path) as source:
-        with torch.device("meta"):
-            model = CausalLM(config)
-        _attach_optional_mtp_modules(model, config, source)
+        model = _checked_meta_model(config, source, scheme)
         if scheme is not None:
             _load_quantized_linears(model, config, source, scheme, dtype, device, expert_device)
         for name, param in list(model.named_parameters()):
@@ -114,6 +114,71 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     model.rotary.reset_parameters(device)
     model.requires_grad_(False)  # inference by default; a trainer calls model.requires_grad_(True)
     return model.eval()
+
+
+def _checked_meta_model(config: ModelConfig, source: TensorSource, scheme: Scheme | None) -> CausalLM:
+    """The model on the meta device (no memory), once the checkpoint's tensors hold what it needs: every
+    layer the config counts, and every tensor of the shape and dtype the config gives (headers only)."""
+    _check_layer_count(config, source)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    _attach_optional_mtp_modules(model, config, source)
+    quantized: set[str] = set()
+    if scheme is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                prefix = hf_name(f"{name}.weight", config)[:-len(".weight")]
+                if check_linear(source, prefix, scheme, (module.out_features, module.in_features)):
+                    quantized.add(f"{name}.weight")
+    for name, param in model.named_parameters():
+        if name not in quantized:
+            _check_tensor(source, hf_name(name, config), tuple(param.shape))
+    return model
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+
+
+def _check_layer_count(config: ModelConfig, source: TensorSource) -> None:
+    """The config's layer and expert counts against what the tensors hold, before a module is built for each."""
+    present = {int(m.group(1)) for m in map(_LAYER_INDEX.match, source.file_of) if m is not None}
+    missing = next((i for i in range(config.num_hidden_layers) if i not in present), None)
+    if missing is not None:
+        held = f"layers 0..{max(present)}" if present else "no layers"
+        raise CheckpointError(source.where, f"config.json says num_hidden_layers={config.num_hidden_layers}, but "
+                                            f"the tensors hold {len(present)} layers ({held}; model.layers.{missing} "
+                                            f"is missing)")
+    if config.moe is not None and any(config.moe.is_sparse(i, config.num_hidden_layers)
+                                      for i in range(config.num_hidden_layers)):
+        experts = {int(m.group(1)) for m in map(_EXPERT_INDEX.match, source.file_of) if m is not None}
+        if len(experts) < config.moe.num_experts:
+            raise CheckpointError(source.where, f"config.json says num_experts={config.moe.num_experts}, but the "
+                                                f"tensors hold {len(experts)} experts")
+
+
+def check_checkpoint(path_or_builtin: str | Path, quantize: str | None = None) -> None:
+    """Everything `load_checkpoint` would refuse about a checkpoint's files, found from its config and tensor
+    headers without reading the weights or allocating the model: `strata-engine serve` calls it before it
+    binds its port, so a bad checkpoint is one line and exit 2, not a server that starts and then fails."""
+    from engine.model.random_source import RANDOM_PREFIX
+
+    if is_synthetic(path_or_builtin) or str(path_or_builtin).startswith(RANDOM_PREFIX):
+        return  # generated at load: no files to check
+    path = resolve_model_path(path_or_builtin)
+    if path.is_file():
+        from engine.model.quant.gguf_file import check_gguf  # imports the gguf package
+
+        if quantize is not None:
+            raise ConfigError("quantize", quantize, f"{path} is a GGUF file, already quantized")
+        check_gguf(path)
+        return
+    config = ModelConfig.from_file(path / "config.json")
+    scheme = scheme_from_config(_raw_config(path / "config.json"), str(path / "config.json"))
+    if scheme is not None and quantize is not None:
+        raise ConfigError("quantize", quantize, f"{path} is already quantized ({scheme.describe()})")
+    with TensorSource(path) as source:
+        _checked_meta_model(config, source, scheme)
 
 
 def _load_quantized_linears(model: CausalLM, config: ModelConfig, source: TensorSource, scheme: Scheme,
@@ -134,7 +199,13 @@ def _load_quantized_linears(model: CausalLM, config: ModelConfig, source: Tensor
             setattr(model.get_submodule(parent), leaf, layer)
 
 
-def _read_tensor(source: TensorSource, name: str, expected: tuple[int, ...], dtype, device) -> torch.Tensor:
+_DTYPE_WORDS = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+                "F8_E4M3": "fp8 (e4m3)", "F8_E5M2": "fp8 (e5m2)"}
+
+
+def _check_tensor(source: TensorSource, name: str, expected: tuple[int, ...]) -> None:
+    """A plain tensor: present, of the config's shape, holding floats (an int8 or fp8 weight in a checkpoint
+    whose config declares no quantization would be read as its raw codes)."""
     if name not in source:
         raise CheckpointError(source.where, f"missing tensor {name} (expected shape {list(expected)})")
     shape = source.shape(name)
@@ -142,6 +213,15 @@ def _read_tensor(source: TensorSource, name: str, expected: tuple[int, ...], dty
         raise CheckpointError(
             source.path_of(name), f"tensor {name} has shape {list(shape)}, expected {list(expected)} from config.json"
         )
+    stored = source.dtype(name)
+    if stored not in FLOAT_DTYPES:
+        raise CheckpointError(source.path_of(name), f"tensor {name} holds {_DTYPE_WORDS.get(stored, stored)} values; "
+                                                    f"config.json declares no quantization for it (a plain tensor "
+                                                    f"is float32, float16 or bfloat16)")
+
+
+def _read_tensor(source: TensorSource, name: str, expected: tuple[int, ...], dtype, device) -> torch.Tensor:
+    _check_tensor(source, name, expected)
     return source.get(name).to(device=device, dtype=dtype)
 
 
@@ -257,7 +337,7 @@ def model_config(model: str | Path) -> ModelConfig:
 
 def _raw_config(path: Path) -> dict:
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(read_small_file(path))
     except (OSError, ValueError) as exc:
         raise CheckpointError(str(path), f"cannot read JSON: {exc}") from None
     return raw if isinstance(raw, dict) else {}

@@ -62,6 +62,10 @@ class TensorSource:
         """The stored shape, read from the header without loading the data."""
         return tuple(self._handle(self.file_of[name]).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype as the safetensors header names it (F32, BF16, I8, F8_E4M3, ...), without the data."""
+        return str(self._handle(self.file_of[name]).get_slice(name).get_dtype())
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor, in its stored dtype, on the CPU."""
         return self._handle(self.file_of[name]).get_tensor(name)

@@ -106,33 +106,118 @@ def _compressed_tensors_scheme(qc: dict[str, Any], where: str) -> Scheme:
                                  "is not supported (float-quantized fp8, pack-quantized int4/int8 are)")
 
 
-def read_linear(source: TensorSource, prefix: str, scheme: Scheme, shape: tuple[int, int],
-                bias: torch.Tensor | None, device: torch.device, scale_dtype: torch.dtype) -> QuantLinear | None:
-    """The projection `prefix` ([N, K] = shape) as a quantized layer, or None when it is stored plain."""
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # what a plain (unquantized) tensor may hold
+_PACKED_DTYPES = ("I32", "U32")  # int4/int8 codes packed into 32-bit words
+_FP8_DTYPE = "F8_E4M3"
+
+
+def check_linear(source: TensorSource, prefix: str, scheme: Scheme, shape: tuple[int, int]) -> bool:
+    """Whether the projection `prefix` ([N, K] = shape) is stored quantized, with every tensor it needs present
+    and of the shape and dtype its format gives, from the headers alone (nothing is read but a 2-value
+    `weight_shape`); False where it is stored plain (the loader then checks the plain `weight`). A
+    CheckpointError names the file and tensor at fault, before anything is allocated for the model."""
     n, k = shape
     if scheme.method in ("fp8", "compressed-tensors") and f"{prefix}.weight" in source:
-        weight = source.get(f"{prefix}.weight")
-        if weight.dtype != torch.float8_e4m3fn:
-            return None  # an ignored layer, kept in 16 bits
-        _check_shape(source, f"{prefix}.weight", tuple(weight.shape), (n, k))
-        scale_name = f"{prefix}.weight_scale_inv" if scheme.method == "fp8" else f"{prefix}.weight_scale"
-        scale = _get(source, scale_name).to(torch.float32)
-        block = _fp8_block(source, scale_name, scale, scheme, n, k)
-        return Fp8Linear(weight, scale.reshape(math.ceil(n / block[0]), math.ceil(k / block[1])), block,
-                         bias).to(device)
+        if source.dtype(f"{prefix}.weight") != _FP8_DTYPE:
+            return False  # an ignored layer, kept in 16 bits
+        _expect(source, f"{prefix}.weight", (n, k))
+        scale = f"{prefix}.weight_scale_inv" if scheme.method == "fp8" else f"{prefix}.weight_scale"
+        _check_fp8_scale(source, scale, scheme, n, k)
+        return True
     if scheme.method == "compressed-tensors" and f"{prefix}.weight_packed" in source:
-        return _compressed_int(source, prefix, scheme, n, k, bias, scale_dtype).to(device)
-    if scheme.method == "awq" and f"{prefix}.qweight" in source:
-        return _awq(source, prefix, scheme, n, k, bias, scale_dtype).to(device)
-    if scheme.method == "gptq" and f"{prefix}.qweight" in source:
-        return _gptq(source, prefix, scheme, n, k, bias, scale_dtype).to(device)
-    return None
+        _check_compressed_int(source, prefix, scheme, n, k)
+        return True
+    if scheme.method in ("awq", "gptq") and f"{prefix}.qweight" in source:
+        g = scheme.group_size if scheme.group_size > 0 else k
+        if n % 8 or k % 8:
+            raise CheckpointError(source.path_of(f"{prefix}.qweight"), f"tensor {prefix}.qweight packs [{n}, {k}]: "
+                                                                       f"both must be multiples of 8")
+        if scheme.method == "awq":
+            if k % g:
+                raise CheckpointError(scheme.where, f"quantization_config.group_size={g} does not divide K={k} of "
+                                                    f"{prefix}")
+            _expect(source, f"{prefix}.qweight", (k, n // 8), _PACKED_DTYPES)
+            _expect(source, f"{prefix}.scales", (k // g, n), FLOAT_DTYPES)
+            _expect(source, f"{prefix}.qzeros", (k // g, n // 8), _PACKED_DTYPES)
+        else:
+            groups = math.ceil(k / g)
+            _expect(source, f"{prefix}.qweight", (k // 8, n), _PACKED_DTYPES)
+            _expect(source, f"{prefix}.scales", (groups, n), FLOAT_DTYPES)
+            _expect(source, f"{prefix}.qzeros", (groups, n // 8), _PACKED_DTYPES)
+            if f"{prefix}.g_idx" in source:
+                _expect(source, f"{prefix}.g_idx", (k,), ("I32", "I64"))
+        return True
+    return False
 
 
-def _get(source: TensorSource, name: str) -> torch.Tensor:
+def _check_fp8_scale(source: TensorSource, name: str, scheme: Scheme, n: int, k: int) -> None:
+    if scheme.block is not None:
+        _expect(source, name, (math.ceil(n / scheme.block[0]), math.ceil(k / scheme.block[1])), FLOAT_DTYPES)
+        return
+    _require(source, name)
+    got = source.shape(name)
+    if got not in ((), (1,), (1, 1), (n,), (n, 1)):
+        raise CheckpointError(source.path_of(name), f"tensor {name} has shape {list(got)}: expected [{n}, 1] (a "
+                                                    f"scale per output row of the [{n}, {k}] weight) or [1] (one "
+                                                    f"for the tensor)")
+    _expect_dtype(source, name, FLOAT_DTYPES)
+
+
+def _check_compressed_int(source: TensorSource, prefix: str, scheme: Scheme, n: int, k: int) -> None:
+    bits = scheme.bits
+    group = scheme.group_size or k
+    if k % group:
+        raise CheckpointError(scheme.where, f"quantization_config group_size={group} does not divide K={k} of {prefix}")
+    _expect(source, f"{prefix}.weight_packed", (n, math.ceil(k * bits / 32)), _PACKED_DTYPES)
+    _expect(source, f"{prefix}.weight_scale", (n, k // group), FLOAT_DTYPES)
+    if not scheme.symmetric:  # zero points packed along dim 0 (output rows)
+        _expect(source, f"{prefix}.weight_zero_point", (math.ceil(n * bits / 32), k // group), _PACKED_DTYPES)
+    declared = f"{prefix}.weight_shape"
+    if declared in source:
+        _expect(source, declared, (2,), ("I32", "I64"))
+        values = [int(v) for v in source.get(declared).tolist()]
+        if values != [n, k]:
+            raise CheckpointError(source.path_of(declared), f"tensor {declared} says the weight is {values}; the "
+                                                            f"model's config gives [{n}, {k}]")
+
+
+def _require(source: TensorSource, name: str) -> None:
     if name not in source:
         raise CheckpointError(source.where, f"missing tensor {name} (a quantized projection needs it)")
-    return source.get(name)
+
+
+def _expect(source: TensorSource, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] | None = None) -> None:
+    _require(source, name)
+    _check_shape(source, name, source.shape(name), shape)
+    if dtypes is not None:
+        _expect_dtype(source, name, dtypes)
+
+
+def _expect_dtype(source: TensorSource, name: str, dtypes: tuple[str, ...]) -> None:
+    got = source.dtype(name)
+    if got not in dtypes:
+        raise CheckpointError(source.path_of(name), f"tensor {name} is {got}; expected {' or '.join(dtypes)}")
+
+
+def read_linear(source: TensorSource, prefix: str, scheme: Scheme, shape: tuple[int, int],
+                bias: torch.Tensor | None, device: torch.device, scale_dtype: torch.dtype) -> QuantLinear | None:
+    """The projection `prefix` ([N, K] = shape) as a quantized layer, or None when it is stored plain. Every
+    tensor is checked (check_linear) before any is read."""
+    n, k = shape
+    if not check_linear(source, prefix, scheme, shape):
+        return None
+    if scheme.method in ("fp8", "compressed-tensors") and f"{prefix}.weight" in source:
+        weight = source.get(f"{prefix}.weight")
+        scale_name = f"{prefix}.weight_scale_inv" if scheme.method == "fp8" else f"{prefix}.weight_scale"
+        scale = source.get(scale_name).to(torch.float32)
+        block = _fp8_block(scheme, scale, n, k)
+        return Fp8Linear(weight, scale.reshape(math.ceil(n / block[0]), math.ceil(k / block[1])), block,
+                         bias).to(device)
+    if scheme.method == "compressed-tensors":
+        return _compressed_int(source, prefix, scheme, n, k, bias, scale_dtype).to(device)
+    if scheme.method == "awq":
+        return _awq(source, prefix, scheme, n, k, bias, scale_dtype).to(device)
+    return _gptq(source, prefix, scheme, n, k, bias, scale_dtype).to(device)
 
 
 def _check_shape(source: TensorSource, name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
@@ -140,21 +225,11 @@ def _check_shape(source: TensorSource, name: str, got: tuple[int, ...], expected
         raise CheckpointError(source.path_of(name), f"tensor {name} has shape {list(got)}, expected {list(expected)}")
 
 
-def _fp8_block(source, name, scale, scheme: Scheme, n: int, k: int) -> tuple[int, int]:
+def _fp8_block(scheme: Scheme, scale: torch.Tensor, n: int, k: int) -> tuple[int, int]:
+    """The block one scale covers (check_linear has held the scale to one of these layouts)."""
     if scheme.block is not None:
-        block = (int(scheme.block[0]), int(scheme.block[1]))
-    elif scale.numel() == 1:
-        block = (n, k)  # per tensor
-    elif scale.numel() == n:
-        block = (1, k)  # per output channel
-    else:
-        raise CheckpointError(source.path_of(name), f"tensor {name} has shape {list(scale.shape)}: not a "
-                                                    f"per-tensor, per-channel or block scale of a [{n}, {k}] weight")
-    expected = math.ceil(n / block[0]) * math.ceil(k / block[1])
-    if scale.numel() != expected:
-        raise CheckpointError(source.path_of(name), f"tensor {name} has {scale.numel()} scales, expected {expected} "
-                                                    f"(blocks of {block[0]}x{block[1]} over [{n}, {k}])")
-    return block
+        return int(scheme.block[0]), int(scheme.block[1])
+    return (n, k) if scale.numel() == 1 else (1, k)
 
 
 def unpack_dense(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
@@ -168,27 +243,22 @@ def unpack_dense(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 def _compressed_int(source, prefix, scheme: Scheme, n, k, bias, scale_dtype) -> IntGroupLinear:
     bits = scheme.bits
-    packed = _get(source, f"{prefix}.weight_packed")
-    _check_shape(source, f"{prefix}.weight_packed", tuple(packed.shape), (n, math.ceil(k * bits / 32)))
+    packed = source.get(f"{prefix}.weight_packed")
     codes = unpack_dense(packed, bits, k)  # value + 2^(b-1): the library's unsigned offset
-    scale = _get(source, f"{prefix}.weight_scale").to(torch.float32)
+    scale = source.get(f"{prefix}.weight_scale").to(torch.float32)
     group = scheme.group_size or k
-    _check_shape(source, f"{prefix}.weight_scale", tuple(scale.shape), (n, k // group))
     mid = 1 << (bits - 1)
     if scheme.symmetric:
         zero = torch.full_like(scale, float(mid))
     else:  # zero points packed along dim 0 (output rows), in the signed range
-        zp = _get(source, f"{prefix}.weight_zero_point")
+        zp = source.get(f"{prefix}.weight_zero_point")
         zero = unpack_dense(zp.t().contiguous(), bits, n).t().to(torch.float32)
     return IntGroupLinear(codes, scale, -zero * scale, bits, group, bias, scale_dtype=scale_dtype)
 
 
 def _awq(source, prefix, scheme: Scheme, n, k, bias, scale_dtype) -> IntGroupLinear:
     g = scheme.group_size if scheme.group_size > 0 else k
-    qweight, qzeros, scales = (_get(source, f"{prefix}.{t}") for t in ("qweight", "qzeros", "scales"))
-    _check_shape(source, f"{prefix}.qweight", tuple(qweight.shape), (k, n // 8))
-    _check_shape(source, f"{prefix}.scales", tuple(scales.shape), (k // g, n))
-    _check_shape(source, f"{prefix}.qzeros", tuple(qzeros.shape), (k // g, n // 8))
+    qweight, qzeros, scales = (source.get(f"{prefix}.{t}") for t in ("qweight", "qzeros", "scales"))
     codes = _unpack_columns(qweight, AWQ_ORDER)  # [K, N]
     zeros = _unpack_columns(qzeros, AWQ_ORDER).to(torch.float32)  # [K/G, N]
     s = scales.to(torch.float32)
@@ -197,11 +267,7 @@ def _awq(source, prefix, scheme: Scheme, n, k, bias, scale_dtype) -> IntGroupLin
 
 def _gptq(source, prefix, scheme: Scheme, n, k, bias, scale_dtype) -> IntGroupLinear:
     g = scheme.group_size if scheme.group_size > 0 else k
-    qweight, qzeros, scales = (_get(source, f"{prefix}.{t}") for t in ("qweight", "qzeros", "scales"))
-    _check_shape(source, f"{prefix}.qweight", tuple(qweight.shape), (k // 8, n))
-    groups = math.ceil(k / g)
-    _check_shape(source, f"{prefix}.scales", tuple(scales.shape), (groups, n))
-    _check_shape(source, f"{prefix}.qzeros", tuple(qzeros.shape), (groups, n // 8))
+    qweight, qzeros, scales = (source.get(f"{prefix}.{t}") for t in ("qweight", "qzeros", "scales"))
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     codes = ((qweight.to(torch.int32).unsqueeze(1) >> shifts[None, :, None]) & 0xF).reshape(k, n)  # [K, N]
     zeros = _unpack_columns(qzeros, tuple(range(8))).to(torch.float32) + (1 if scheme.gptq_v1_zeros else 0)

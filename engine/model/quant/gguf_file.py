@@ -32,6 +32,7 @@ from torch import nn
 from engine.errors import CheckpointError
 from engine.model.causal_lm import CausalLM
 from engine.model.config import ModelConfig
+from engine.model.quant.gguf_header import check_gguf_structure
 from engine.model.quant.linear import IntGroupLinear
 from engine.model.tokenizer import Tokenizer
 
@@ -70,26 +71,8 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokeniz
               expert_device: torch.device | None = None):
     """(model, config, tokenizer or None, eos ids, weight format) of a GGUF file; CheckpointError (one line
     naming the file, and the tensor where one is at fault) for what cannot load. A Qwen3-MoE file's routed
-    experts go to `expert_device` when given (the engine's expert cache places them), else with the rest."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the package raises ValueError / struct errors for a corrupt header
-        raise CheckpointError(str(path), f"cannot read as GGUF: {exc}") from None
-    meta = {f.name: _field_value(f) for f in reader.fields.values()}
-    tensors = {t.name: t for t in reader.tensors}
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(str(path), f"GGUF architecture {arch!r} is not supported "
-                                         f"(supported: {', '.join(ARCHITECTURES)})")
-    for t in reader.tensors:
-        if t.tensor_type not in _CONVERTERS and t.tensor_type not in _PLAIN:
-            raise CheckpointError(str(path), f"tensor {t.name} has type {t.tensor_type.name}, which Strata does not "
-                                             f"load (supported: {', '.join(sorted(SUPPORTED_TYPES))})")
-    config = _config(meta, arch, tensors, str(path))
-    with torch.device("meta"):
-        model = CausalLM(config)
+    experts go to `expert_device` when given (the expert cache places them), else with the rest."""
+    meta, tensors, config, model = _checked(path)
     scale_dtype = torch.float32 if dtype == torch.float32 else torch.float16
     types: dict[str, int] = {}
     converted: dict[str, Any] = {}  # the current layer's 3-D expert tensors, each converted once for its experts
@@ -125,8 +108,7 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokeniz
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue
-        theirs = "token_embd.weight" if name == "lm_head.weight" and "output.weight" not in tensors else gguf_name(name)
-        value = _dense(tensors, theirs, tuple(param.shape), path, dtype, device)
+        value = _dense(tensors, _dense_name(name, tensors), tuple(param.shape), path, dtype, device)
         module_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf, nn.Parameter(value, requires_grad=False))
     model.rotary.reset_parameters(device)
@@ -136,6 +118,60 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokeniz
     tok = _tokenizer(meta, str(path)) if with_tokenizer else None
     eos = tuple(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta)
     return model.eval(), config, tok, tuple(dict.fromkeys(eos)), fmt
+
+
+def check_gguf(path: Path) -> None:
+    """Everything `read_gguf` would refuse about a file, from its header alone (nothing is converted)."""
+    _checked(path)
+
+
+def _checked(path: Path) -> tuple[dict, dict, ModelConfig, CausalLM]:
+    """The file's metadata, tensors (gguf's ReaderTensor, by name), config and the model on the meta device,
+    once the file's structure, its architecture, every tensor's type and every shape the model needs are
+    checked."""
+    import gguf
+
+    check_gguf_structure(path)  # the header's claims against the file, before gguf trusts them
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the package raises ValueError / struct errors for a corrupt header
+        raise CheckpointError(str(path), f"cannot read as GGUF: {exc}") from None
+    meta = {f.name: _field_value(f) for f in reader.fields.values()}
+    tensors = {t.name: t for t in reader.tensors}
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(str(path), f"GGUF architecture {arch!r} is not supported "
+                                         f"(supported: {', '.join(ARCHITECTURES)})")
+    for t in reader.tensors:
+        if t.tensor_type not in _CONVERTERS and t.tensor_type not in _PLAIN:
+            raise CheckpointError(str(path), f"tensor {t.name} has type {t.tensor_type.name}, which Strata does not "
+                                             f"load (supported: {', '.join(sorted(SUPPORTED_TYPES))})")
+    config = _config(meta, arch, tensors, str(path))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    linears = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name == "lm_head" or name.endswith(".mlp.gate"):
+            continue
+        linears.add(name)
+        expert = _EXPERTS.fullmatch(name)
+        if expert is not None:
+            layer_idx, kind = expert.group(1), expert.group(3)
+            _tensor(tensors, f"blk.{layer_idx}.ffn_{kind}_exps.weight",
+                    (config.moe.num_experts, module.out_features, module.in_features), path)
+            continue
+        _tensor(tensors, gguf_name(name) + ".weight", (module.out_features, module.in_features), path)
+        if module.bias is not None:
+            _plain_tensor(tensors, gguf_name(name) + ".bias", (module.out_features,), path)
+    for name, param in model.named_parameters():
+        if name.rpartition(".")[0] not in linears:
+            _tensor(tensors, _dense_name(name, tensors), tuple(param.shape), path)
+    return meta, tensors, config, model
+
+
+def _dense_name(name: str, tensors: dict) -> str:
+    """The GGUF tensor a dense parameter loads from (a tied head: the token embeddings)."""
+    return "token_embd.weight" if name == "lm_head.weight" and "output.weight" not in tensors else gguf_name(name)
 
 
 def _expert_layer(tensors: dict, converted: dict, types: dict, match: re.Match, module: nn.Linear,
@@ -225,10 +261,15 @@ def _tensor(tensors: dict, name: str, shape: tuple[int, ...], path) -> Any:
     return t
 
 
-def _plain(tensors, name, shape, path, dtype, device) -> torch.Tensor:
+def _plain_tensor(tensors, name, shape, path) -> Any:
     t = _tensor(tensors, name, shape, path)
     if t.tensor_type not in _PLAIN:
         raise CheckpointError(str(path), f"tensor {name} has type {t.tensor_type.name}: expected F32, F16 or BF16")
+    return t
+
+
+def _plain(tensors, name, shape, path, dtype, device) -> torch.Tensor:
+    _plain_tensor(tensors, name, shape, path)
     return _dense(tensors, name, shape, path, dtype, device)
 
 
