@@ -37,6 +37,10 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _CUDA_RE = re.compile(r"^cuda(:\d+)?$")
 
 
+MAX_QUEUE = 1 << 16  # requests waiting for a slot; each holds its prompt in memory
+MAX_TIER_WAIT_POLLS = 10_000
+MAX_TIER_WAIT_INTERVAL_S = 60.0
+MAX_DIGITS = 20  # an integer option is ASCII digits, at most this many (a seed goes to 2^64 - 1) (int() of 5,000 digits is slow too)
 VRAM_RESERVE_MAX_MIB = 1 << 20  # the reserve's range is 0..this, wherever it is set (CLI, profile, live route)
 EXPERT_CACHE_MAX_MIB = 1 << 24  # an expert-cache budget's range is 1..this (CLI, profile, live route)
 
@@ -132,10 +136,10 @@ class EngineConfig:
         _positive("batch", self.batch, upper=256)
         _positive("mtp_depth", self.mtp_depth, upper=8)
         _positive("context", self.context, upper=MAX_CONTEXT_TOKENS)
-        _positive("queue_max", self.queue_max)
-        _positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
-        _positive("step_token_budget", self.step_token_budget)
-        _positive("tier_wait_polls", self.tier_wait_polls, lower=0)
+        _positive("queue_max", self.queue_max, upper=MAX_QUEUE)
+        _positive("prefill_chunk_tokens", self.prefill_chunk_tokens, upper=MAX_CONTEXT_TOKENS)
+        _positive("step_token_budget", self.step_token_budget, upper=MAX_CONTEXT_TOKENS)
+        _positive("tier_wait_polls", self.tier_wait_polls, upper=MAX_TIER_WAIT_POLLS, lower=0)
         _positive("max_body_mib", self.max_body_mib, upper=1024)
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
                                              and self.api_key.strip() == self.api_key):
@@ -182,8 +186,11 @@ class EngineConfig:
                 self.prefill_chunk_tokens,
                 f"must not exceed step_token_budget ({self.step_token_budget})",
             )
-        if self.tier_wait_interval_s < 0:
-            raise ConfigError("tier_wait_interval_s", self.tier_wait_interval_s, "must be >= 0")
+        interval = self.tier_wait_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not math.isfinite(interval) \
+                or not 0 <= interval <= MAX_TIER_WAIT_INTERVAL_S:
+            raise ConfigError("tier_wait_interval_s", interval, f"expected a number of seconds, "
+                                                                f"0..{MAX_TIER_WAIT_INTERVAL_S:.0f}")
         from engine.switches import get_switch
 
         for name in self.switches:
@@ -280,9 +287,9 @@ def _coerce(name: str, type_hint: Any, value: Any) -> Any:
             raise ConfigError(name, value, "expected a whole number")
         if isinstance(value, int):
             return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
-        raise ConfigError(name, value, "expected a whole number")
+        if isinstance(value, str) and _decimal(value.strip()) is not None:
+            return _decimal(value.strip())
+        raise ConfigError(name, value, "expected a whole number (ASCII digits)")
     if hint.startswith("float"):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -312,19 +319,39 @@ def check_vram_reserve_mib(value: Any) -> int:
     return value
 
 
+def _decimal(text: str) -> int | None:
+    """The integer `text` spells in ASCII digits (an optional leading minus), else None: int() also reads
+    Arabic-Indic, fullwidth and other Unicode digits, which no option means."""
+    digits = text[1:] if text.startswith("-") else text
+    if not 0 < len(digits) <= MAX_DIGITS or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(text)
+
+
+def whole_number(text: str) -> int:
+    """An integer option (argparse type): ASCII digits only, at most MAX_DIGITS of them."""
+    value = _decimal(text.strip())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected a whole number in ASCII digits (at most {MAX_DIGITS}), "
+                                         f"got {text[:40]!r}")
+    return value
+
+
 def finite_float(text: str) -> float:
     """A float option: NaN and infinities are refused (every comparison with NaN is False, so NaN would slip
     past each range check after it)."""
     try:
+        if not text.isascii() or len(text) > 64:  # float() also reads Unicode digits
+            raise ValueError(text)
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
-_ARG_TYPES = {"int": int, "int | None": int, "float": finite_float, "str": str, "str | None": str,
+_ARG_TYPES = {"int": whole_number, "int | None": whole_number, "float": finite_float, "str": str, "str | None": str,
               "int | str | None": str}  # a number or a word (expert_cache_mib: N or auto): EngineConfig decides
 
 

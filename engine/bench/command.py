@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from engine.config import add_engine_options, finite_float
+from engine.config import add_engine_options, finite_float, whole_number
 from engine.errors import ConfigError
 
 _K = 1024
@@ -47,7 +47,7 @@ def int_list(text: str) -> list[int]:
         item = item.strip()
         scale = _K if item[-1:] in ("k", "K") else 1
         digits = item[:-1] if scale != 1 else item
-        if not digits.isdigit() or int(digits) <= 0:
+        if not digits.isascii() or not digits.isdigit() or len(digits) > 12 or int(digits) <= 0:
             raise argparse.ArgumentTypeError(f"{item!r} is not a positive whole number (in {text!r})")
         values.append(int(digits) * scale)
     return values
@@ -89,14 +89,14 @@ def _engine(p: argparse.ArgumentParser, model: str | None = None) -> None:
     add_engine_options(p)
     if model is not None:
         p.set_defaults(model=model)
-    p.add_argument("--warmup-steps", type=int, default=4, help="engine steps run before timing starts")
+    p.add_argument("--warmup-steps", type=whole_number, default=4, help="engine steps run before timing starts")
 
 
 def _decode(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes (default 1,6)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--prompt-tokens", type=whole_number, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=whole_number, default=256, help="tokens generated per request")
     p.add_argument("--graph-modes", default="on,off", help="on,off | on | off (CUDA graphs; CPU is always eager)")
     p.add_argument("--weight-formats", default=None, metavar="LIST",
                    help="one engine per --quantize value, e.g. off,fp8,int4 (default: --quantize's value)")
@@ -105,8 +105,8 @@ def _decode(p: argparse.ArgumentParser) -> None:
 def _mtp(p: argparse.ArgumentParser) -> None:
     _engine(p)
     p.add_argument("--batches", type=int_list, default=[1], help="batch sizes (default 1)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--prompt-tokens", type=whole_number, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=whole_number, default=256, help="tokens generated per request")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per mode; decode_tok_s is their median")
     p.add_argument("--warmup-s", type=finite_float, default=2.0, metavar="S",
                    help="seconds of untimed decoding each engine runs before its timed runs, after one run that "
@@ -126,7 +126,7 @@ def _reuse(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.add_argument("--prompt-sizes", type=int_list, default=[32 * _K],
                    help="prompt lengths in tokens, each sent fresh then again (default 32K)")
-    p.add_argument("--pairs", type=int, default=3,
+    p.add_argument("--pairs", type=whole_number, default=3,
                    help="distinct prompts per size, each fresh then again, one after the other; the row's figures "
                         "are the last pair's (a reused prompt's tail chunk replays a graph from its bucket's third "
                         "sight on), every pair's in the `_each` lists (default 3)")
@@ -134,18 +134,20 @@ def _reuse(p: argparse.ArgumentParser) -> None:
 
 def _admission(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
-    p.add_argument("--slots", type=int, default=6, help="short generations decoding when the long prompt arrives")
-    p.add_argument("--short-prompt-tokens", type=int, default=128, help="prompt tokens of each short generation")
+    p.add_argument("--slots", type=whole_number, default=6,
+                   help="short generations decoding when the long prompt arrives")
+    p.add_argument("--short-prompt-tokens", type=whole_number, default=128,
+                   help="prompt tokens of each short generation")
     p.add_argument("--long-tokens", type=int_list, default=[176 * _K], help="fresh long prompt length(s)")
-    p.add_argument("--baseline-steps", type=int, default=32, help="decode steps timed before the long prompt")
+    p.add_argument("--baseline-steps", type=whole_number, default=32, help="decode steps timed before the long prompt")
     p.add_argument("--no-alone", action="store_true",
                    help="skip the first token of the same prompt length alone (the TTFT ratio's denominator)")
 
 
 def _graphs(p: argparse.ArgumentParser) -> None:
     _engine(p)
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (drives capture)")
+    p.add_argument("--prompt-tokens", type=whole_number, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=whole_number, default=64, help="tokens generated per request (drives capture)")
     p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes whose graphs get captured")
 
 
@@ -153,18 +155,19 @@ def _switches(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.add_argument("--only", default="", help="comma-separated switch names (default: every registered switch)")
     p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes (default 1,6)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--prompt-tokens", type=whole_number, default=128, help="prompt tokens per request")
     p.add_argument("--long-prompt-tokens", type=token_count, default=32 * _K,
                    help="prompt length for switches that claim to help long-context decode")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--new-tokens", type=whole_number, default=128, help="tokens generated per request")
 
 
 def _peers(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.add_argument("--batches", type=int_list, default=[1, 6], help="batch sizes (default 1,6)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
-    p.add_argument("--copy-mib", type=int, default=1024, help="size of the device-to-device copy for bandwidth")
+    p.add_argument("--prompt-tokens", type=whole_number, default=128, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=whole_number, default=256, help="tokens generated per request")
+    p.add_argument("--copy-mib", type=whole_number, default=1024,
+                   help="size of the device-to-device copy for bandwidth")
     p.add_argument("--peer-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="HF weights dtype (default bfloat16)")
     p.add_argument("--peers", default="eager,static",
@@ -189,17 +192,17 @@ def _profile(p: argparse.ArgumentParser) -> None:
     p.set_defaults(batch=1)  # the engine's --batch: here both its slots and the decoding requests
     # 1,100 + warm-up + 3 passes of 64 steps x up to 4 tokens stays inside one length bucket (1,025..2,048),
     # so no pass captures a graph.
-    p.add_argument("--prompt-tokens", type=int, default=1100, help="prompt tokens per request")
-    p.add_argument("--steps", type=int, default=64, help="steps per pass (wall, cProfile, torch.profiler)")
-    p.add_argument("--top", type=int, default=25, help="host functions and kernels listed")
+    p.add_argument("--prompt-tokens", type=whole_number, default=1100, help="prompt tokens per request")
+    p.add_argument("--steps", type=whole_number, default=64, help="steps per pass (wall, cProfile, torch.profiler)")
+    p.add_argument("--top", type=whole_number, default=25, help="host functions and kernels listed")
 
 
 def _experts(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:moe-bench")
     p.set_defaults(batch=1)  # the engine's --batch: here both its slots and the decoding requests
     p.add_argument("--budgets", default="5,15,30,50,100", help="percent of the routed experts' bytes (100: all)")
-    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per request")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--prompt-tokens", type=whole_number, default=64, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=whole_number, default=128, help="tokens generated per request")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers' eager generate on the same weights")
     p.add_argument("--trace-out", default=None, metavar="PATH", help="write the smallest budget's routing trace")
@@ -230,7 +233,7 @@ def _attention(p: argparse.ArgumentParser) -> None:
                    "prefill rows also cudnn, flash (CUDA: vendor SDPA over the gathered prefix), cudnnNk / flashNk "
                    "(its keys N K at a time), dense / gather_dense (CUDA: a Triton flash kernel over contiguous "
                    "keys, gathered once / in every read; denseQxTxWxS at a launch shape)")
-    p.add_argument("--iters", type=int, default=20, help="reads per captured graph")
+    p.add_argument("--iters", type=whole_number, default=20, help="reads per captured graph")
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
                    "TILExWARPSxSTAGESxMIN_SPLIT_TILES[xLOADS],... (128x4x2x1, 64x4x2x1xtma)")
     p.add_argument("--rows", default="decode,prefill", help="decode (few queries per row), prefill (one chunk "
@@ -247,7 +250,7 @@ def _linear(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cuda:N (the kernel is CUDA-only)")
     p.add_argument("--size", default="0.6b", help="the random model size whose weight shapes to time (0.6b)")
     p.add_argument("--rows", type=int_list, default=[1, 6, 18], help="rows per product (1,6,18)")
-    p.add_argument("--iters", type=int, default=50, help="products per captured graph")
+    p.add_argument("--iters", type=whole_number, default=50, help="products per captured graph")
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
                    "BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (32x256x1x4x4)")
     p.add_argument("--quant", default="", help="time the quantized kernels instead, against cuBLAS bf16: "
@@ -259,10 +262,10 @@ def _linear(p: argparse.ArgumentParser) -> None:
 def _kvspill(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")  # --kv-resident: the spilling run's window (default 1024)
     p.add_argument("--prompt-tokens", type=token_count, default=16 * _K, help="prompt tokens per slot (default 16K)")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per slot")
+    p.add_argument("--new-tokens", type=whole_number, default=128, help="tokens generated per slot")
     p.add_argument("--host-fraction", type=finite_float, default=0.5,
                    help="share of a slot's non-resident KV on the host when its forward starts (default 0.5)")
-    p.add_argument("--slots", type=int, default=2,
+    p.add_argument("--slots", type=whole_number, default=2,
                    help="slots decoding a prompt each (default 2); the pool stays sized for two, so with more "
                         "the rest of their non-resident KV is on the host too (the seed's six long prompts: 6)")
 
@@ -274,13 +277,14 @@ def _throughput(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sets", default="fixed,mixed", help="request sets: fixed (--prompt-tokens, --new-tokens), "
                    "mixed (seeded lengths in the --mixed-* ranges); default both")
     p.add_argument("--prompt-tokens", type=token_count, default=_K, help="the fixed set's prompt tokens (1K)")
-    p.add_argument("--new-tokens", type=int, default=256, help="the fixed set's output tokens (256)")
+    p.add_argument("--new-tokens", type=whole_number, default=256, help="the fixed set's output tokens (256)")
     p.add_argument("--mixed-prompt-tokens", type=int_list, default=[128, 8 * _K], metavar="MIN,MAX",
                    help="the mixed set's prompt tokens, uniform (default 128,8K)")
     p.add_argument("--mixed-new-tokens", type=int_list, default=[64, _K], metavar="MIN,MAX",
                    help="the mixed set's output tokens, uniform (default 64,1K)")
-    p.add_argument("--seed", type=int, default=0, help="the mixed set's seed")
-    p.add_argument("--copy-mib", type=int, default=1024, help="size of the device-to-device copy for bandwidth")
+    p.add_argument("--seed", type=whole_number, default=0, help="the mixed set's seed")
+    p.add_argument("--copy-mib", type=whole_number, default=1024,
+                   help="size of the device-to-device copy for bandwidth")
     p.add_argument("--peer", default="static", choices=("static", "eager", "none"),
                    help="HF transformers' batched generate on the fixed set: static cache (+ torch.compile on "
                         "CUDA), eager, or none (default static)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import add_engine_options, config_from_args, finite_float
+from engine.config import MAX_CONTEXT_TOKENS, add_engine_options, config_from_args, finite_float, whole_number
 from engine.errors import ConfigError
 
 
@@ -19,15 +19,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_options(parser)
     g = parser.add_argument_group("generation")
     g.add_argument("--prompt", required=True, help="the prompt text")
-    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    g.add_argument("--max-tokens", type=whole_number, default=64, help="tokens to generate at most (default 64)")
     g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--seed", type=whole_number, default=None, help="sampling seed (default: random)")
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if args.max_tokens <= 0:
-        raise ConfigError("max_tokens", args.max_tokens, "expected a positive whole number")
+    if not 0 < args.max_tokens <= MAX_CONTEXT_TOKENS:
+        raise ConfigError("max_tokens", args.max_tokens, f"expected 1..{MAX_CONTEXT_TOKENS}")
+    if args.seed is not None and not -(1 << 63) <= args.seed < 1 << 64:
+        raise ConfigError("seed", args.seed, "expected -2^63..2^64-1 (the range of torch's generators)")
     if args.temperature < 0:
         raise ConfigError("temperature", args.temperature, "expected >= 0 (0 is greedy)")
     if not 0 < args.top_p <= 1:

@@ -46,6 +46,19 @@ def test_from_mapping_coerces_and_rejects_unknown_keys() -> None:
     assert info.value.param == "batch_mtp"
 
 
+@pytest.mark.parametrize(("values", "param"), [
+    ({"queue_max": 10 ** 23}, "queue_max"), ({"step_token_budget": 10 ** 23}, "step_token_budget"),
+    ({"tier_wait_polls": 10 ** 23}, "tier_wait_polls"), ({"tier_wait_interval_s": float("nan")}, "tier_wait_interval_s"),
+    ({"tier_wait_interval_s": 1e30}, "tier_wait_interval_s"), ({"context": "٤"}, "context"),
+    ({"batch": "²"}, "batch"),
+])
+def test_a_profile_number_past_its_bounds_or_in_other_digits_is_refused(values: dict, param: str) -> None:
+    """A profile's [engine] table goes through the same checks as argv (from_mapping)."""
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_mapping(values)
+    assert info.value.param == param
+
+
 def test_argv_round_trips_through_the_cli_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 

@@ -16,13 +16,13 @@ ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 90  # a start that is refused takes a second or two; one that hangs is what these tests catch
 
 
-def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _cli(*argv: str, env: dict[str, str] | None = None, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     try:
         return subprocess.run([sys.executable, "-m", "engine.cli", *argv], cwd=ROOT, env=full_env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
+                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"strata-engine {' '.join(argv)} did not stop within {TIMEOUT_S} s: it started "
+        raise AssertionError(f"strata-engine {' '.join(argv)} did not stop within {timeout_s} s: it started "
                              f"(stderr: {exc.stderr!r:.400})") from None
 
 
@@ -83,3 +83,29 @@ def test_a_huge_config_json_is_refused(tmp_path) -> None:
     _one_line_error(_cli("generate", "--model", str(model), "--device", "cpu", "--prompt", "hi"),
                     "config.json", "bytes")
     shutil.rmtree(model)
+
+
+HUGE = "99999999999999999999999"
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--queue-max", HUGE], "--queue-max"),
+    (["--step-token-budget", HUGE], "--step-token-budget"),
+    (["--tier-wait-polls", HUGE], "--tier-wait-polls"),
+    (["--tier-wait-interval-s", HUGE], "--tier-wait-interval-s"),
+    (["--prefill-chunk-tokens", HUGE], "--prefill-chunk-tokens"),
+    (["--context", "٤"], "--context"),  # an Arabic-Indic four: int() takes it
+    (["--batch", "²"], "--batch"),
+    (["--port", "８０８０"], "--port"),  # fullwidth digits
+])
+def test_every_number_option_is_bounded_and_ascii(argv, option) -> None:
+    """A start that accepted these served with a queue no memory holds, or read a digit no person typed."""
+    line = _one_line_error(_cli("serve", "--device", "cpu", "--port", "0", *argv, timeout_s=30))
+    assert option in line or option[2:].replace("-", "_") in line, line
+    assert "usage:" not in line
+
+
+@pytest.mark.parametrize("argv", [["--max-tokens", "٤"], ["--seed", HUGE + HUGE]])
+def test_generate_numbers_are_ascii_and_bounded(argv) -> None:
+    line = _one_line_error(_cli("generate", "--device", "cpu", "--prompt", "hi", *argv, timeout_s=30))
+    assert argv[0] in line or argv[0][2:].replace("-", "_") in line, line
