@@ -9,6 +9,7 @@ tick (strata_tui/widgets/view_bound.py).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -116,9 +117,11 @@ class StrataApp(ForeignEngines, App):
         # Only the real terminal driver is replaced (tests run headless; TEXTUAL_DRIVER still wins).
         return HangupAwareDriver if driver.__name__ == "LinuxDriver" else driver
 
-    def on_mount(self) -> None:
+    async def on_mount(self) -> None:
         self.shutdown.install_signal_handlers()
-        opened = self.store.open_initial(self.requested_profile, write=not self.attach_url)
+        # Off the UI thread: the files are read with a size cap and never block (profile_files.py), but a config
+        # folder on a slow or hung network mount still must not keep the app from drawing or quitting.
+        opened = await asyncio.to_thread(self.store.open_initial, self.requested_profile, not self.attach_url)
         if isinstance(opened, ProfileError):
             self.view.profile_error = opened
         else:

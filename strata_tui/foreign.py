@@ -13,12 +13,14 @@ import httpx
 from textual.message import Message
 
 from strata_tui.adapters import adapter_for, detect
+from strata_tui.adapters.base import READING, TooLarge
 from strata_tui.adapters.view import EndpointView, ForeignView
 from strata_tui.launcher import EngineProcess
 
 Post = Callable[[Any], Any]
 READ_INTERVAL_S = 1.0
-READ_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 2.0  # httpx's: connecting, and each wait for bytes
+READ_DEADLINE_S = 5.0  # one whole reading (every route it asks): a server that trickles never trips the above
 READY_POLL_S = 0.25
 
 
@@ -47,12 +49,14 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def detect_kind(post: Post, url: str, api_key: str | None = None, timeout_s: float = 3.0) -> None:
+async def detect_kind(post: Post, url: str, api_key: str | None = None, timeout_s: float = 3.0,
+                      deadline_s: float = 4 * READ_DEADLINE_S) -> None:
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
-            kind = await detect(client)
-    except httpx.HTTPError as exc:
-        post(KindDetected(None, f"{url}: {type(exc).__name__}: {exc}"))
+        async with asyncio.timeout(deadline_s):
+            async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
+                kind = await detect(client)
+    except (httpx.HTTPError, TimeoutError) as exc:
+        post(KindDetected(None, f"{url}: {failure_reason(exc, deadline_s)}"))
         return
     why = "" if kind else (f"{url} answers none of /strata/state, /props (llama.cpp), /get_server_info (SGLang), "
                            "/version with vllm: metrics (vLLM): say which with --kind")
@@ -79,23 +83,38 @@ async def wait_ready(post: Post, process: EngineProcess, url: str, health_path: 
 
 
 async def poll_endpoint(post: Post, kind: str, index: int, url: str, api_key: str | None = None,
-                        interval_s: float = READ_INTERVAL_S, timeout_s: float = READ_TIMEOUT_S) -> None:
-    """Read one endpoint every `interval_s` until cancelled. A failure posts a view with nothing but the
-    failure (no values carried over) and the time it began."""
+                        interval_s: float = READ_INTERVAL_S, timeout_s: float = READ_TIMEOUT_S,
+                        deadline_s: float = READ_DEADLINE_S) -> None:
+    """Read one endpoint every `interval_s` until cancelled, each reading within `deadline_s`. A failure posts
+    a view with nothing but the failure, in words (no values carried over), and the time it began."""
     adapter = adapter_for(kind, url)
     since: float | None = None
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
         while True:
             started = time.monotonic()
             try:
-                view = await adapter.read(client)
+                async with asyncio.timeout(deadline_s):
+                    view = await adapter.read(client)
                 since = None
-            except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever a server's answer trips is said on its row
                 since = since or time.time()
-                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                view = EndpointView(url, kind, reachable=False, error=reason[:120], unreachable_since=since)
+                view = EndpointView(url, kind, reachable=False, error=failure_reason(exc, deadline_s)[:160],
+                                    unreachable_since=since)
             post(EndpointRead(index, view))
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+def failure_reason(exc: BaseException, deadline_s: float) -> str:
+    """Why a reading failed, in a line: the route it was reading and what went wrong."""
+    route = READING.get()
+    if isinstance(exc, TimeoutError):
+        return f"no whole answer from {route or 'the server'} in {deadline_s:.0f} s"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{route or 'the server'}: timed out ({type(exc).__name__})"
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, TooLarge):
+        text = str(exc)
+    return f"{route}: {text}" if route and route not in text else text
 
 
 def empty_view(kind: str, urls: list[str]) -> ForeignView:

@@ -15,6 +15,7 @@ Blocking I/O: the app calls these methods from a thread (`asyncio.to_thread`), n
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -34,13 +35,22 @@ from strata_tui.profile_files import (MAX_PROFILE_BYTES, TEMP_SUFFIX, Unreadable
 from strata_tui.profiles import (DEFAULT_PROFILE, Profile, ProfileError, check_name, default_config_dir,
                                  parse_profile)
 
-__all__ = ["MAX_PROFILE_BYTES", "ProfileStore", "diff_profiles"]
+__all__ = ["MAX_PROFILE_BYTES", "ProfileChanged", "ProfileStore", "diff_profiles"]
 
 _STATE_FILE = "state.toml"
+MAX_STATE_BYTES = 4096  # the state file holds one name
 STALE_TEMP_S = 10.0  # older than any save takes: a temp file this old belongs to a save that was killed
 
 # A change set: section -> key -> new value (None removes the key). Keys are TOML keys (switches by variable).
 Changes = Mapping[str, Mapping[str, Any]]
+
+
+class ProfileChanged(ProfileError):
+    """A save of a profile read before the file last changed: nothing was written."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, "changed on disk since this profile was read (another save or an editor): "
+                               "nothing written; read it again and apply the change to that")
 
 
 class ProfileStore:
@@ -80,7 +90,8 @@ class ProfileStore:
 
     def load(self, name: str) -> Profile:
         """Read and validate one profile as it is on disk now; raises ProfileError (missing, broken)."""
-        return parse_profile(name, self.read_text(name), self.path(name))
+        text = self.read_text(name)
+        return replace(parse_profile(name, text, self.path(name)), origin=_digest(text))
 
     def load_all(self) -> list[Profile | ProfileError]:
         """Every profile in name order; a broken one comes back as its ProfileError."""
@@ -104,7 +115,7 @@ class ProfileStore:
         with self._lock, locked(path):
             text = self.read_text(name)
             try:
-                before = parse_profile(name, text, path)
+                before = replace(parse_profile(name, text, path), origin=_digest(text))
             except ProfileError as exc:
                 raise ProfileError(path, f"not overwriting a broken profile (fix or delete it first): "
                                          f"{exc.message}", exc.line, exc.key) from None
@@ -118,7 +129,7 @@ class ProfileStore:
             if new_text == text:
                 return before
             try:
-                profile = parse_profile(name, new_text, path)
+                profile = replace(parse_profile(name, new_text, path), origin=_digest(new_text))
             except ProfileError as exc:
                 raise ProfileError(path, f"not saved: {exc.message}", None, exc.key) from None
             write_atomic(path, new_text)
@@ -136,12 +147,21 @@ class ProfileStore:
         return self.update(after.name, diff_profiles(before, after))
 
     def save(self, profile: Profile) -> Path:
-        """Make the file say what `profile` says: a new file, or only the differing keys of an existing one."""
+        """Make the file say what `profile` says: a new file, or only the differing keys of an existing one.
+        A profile read from the file (load, update) is saved only while the file still holds the text it was
+        read from: one read before another save would write that save's keys back to their old values (a lost
+        update), so it is refused (ProfileChanged) and the caller reads the file again. `update` with a change
+        computed from the disk is the path that never needs a retry."""
         path = self.path(profile.name)
         try:
             write_atomic(path, tomlkit.dumps(_new_document(profile)), exclusive=True)
         except FileExistsError:
-            self.update(profile.name, lambda on_disk: diff_profiles(on_disk, profile))
+            def changes(on_disk: Profile) -> Changes:
+                if profile.origin is not None and on_disk.origin != profile.origin:
+                    raise ProfileChanged(path)
+                return diff_profiles(on_disk, profile)
+
+            self.update(profile.name, changes)
         return path
 
     # --- whole files ---------------------------------------------------------------------------------
@@ -208,10 +228,12 @@ class ProfileStore:
     # --- last used -----------------------------------------------------------------------------------
 
     def last_used(self) -> str | None:
+        """The name in `state.toml`, read as a profile is (a FIFO there would block open() for ever, deaf to
+        `q` and SIGTERM; a huge file would take seconds): None when it is not a small regular file naming one."""
         try:
-            doc = tomllib.loads((self.config_dir / _STATE_FILE).read_text(encoding="utf-8"))
+            doc = tomllib.loads(read_profile_text(self.config_dir / _STATE_FILE, MAX_STATE_BYTES))
             return check_name(doc.get("last_profile"))
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError, ConfigError):
+        except (OSError, UnreadableProfile, tomllib.TOMLDecodeError, RecursionError, ConfigError):
             return None
 
     def set_last_used(self, name: str) -> None:
@@ -257,6 +279,10 @@ def diff_profiles(before: Profile, after: Profile) -> dict[str, dict[str, Any]]:
             if was != now:
                 changes.setdefault(section, {})[key] = new[section].get(key)
     return changes
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
 
 def _new_document(profile: Profile) -> tomlkit.TOMLDocument:

@@ -82,6 +82,9 @@ class Profile:
     tui: TuiSettings = field(default_factory=TuiSettings)
     env: Mapping[str, str] = field(default_factory=dict)  # `[env]`: into the engine's environment
     foreign: ForeignEngine | None = None  # `[engine] kind = "vllm" | "sglang" | "llamacpp"` (strata_tui/kinds.py)
+    # The digest of the file text this profile was read from (None: built in code). A save of a profile read
+    # before the file changed is refused (ProfileStore.save): it would write stale values back.
+    origin: str | None = field(default=None, compare=False, repr=False)
 
     def with_engine(self, **changes: Any) -> "Profile":
         """A copy with engine options changed (validated: raises ConfigError)."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import httpx
 
-from strata_tui.adapters.base import Adapter
+import json
+
+from strata_tui.adapters.base import Adapter, fetch
 from strata_tui.adapters.llamacpp import LlamacppAdapter
 from strata_tui.adapters.sglang import SglangAdapter
 from strata_tui.adapters.vllm import VllmAdapter
@@ -21,12 +23,12 @@ async def detect(client: httpx.AsyncClient) -> str | None:
     """Which engine answers: Strata's /strata/state, llama.cpp's /props (with slots), SGLang's /get_server_info,
     vLLM's /version beside `vllm:` metrics. None when none of them does (the caller names what was tried)."""
 
-    async def answers(path: str) -> httpx.Response | None:
+    async def answers(path: str) -> bytes | None:
         try:
-            response = await client.get(path)
-        except httpx.HTTPError:
+            status, body = await fetch(client, path)  # at most MAX_BODY_BYTES of whatever answers
+        except (httpx.HTTPError, ValueError):
             return None
-        return response if response.status_code == 200 else None
+        return body if status == 200 else None
 
     if await answers("/strata/state") is not None:
         return "strata"
@@ -39,14 +41,14 @@ async def detect(client: httpx.AsyncClient) -> str | None:
     version = await answers("/version")
     if version is not None and _json_has(version, ("version",)):
         metrics = await answers("/metrics")
-        if metrics is not None and "vllm:" in metrics.text:
+        if metrics is not None and b"vllm:" in metrics:
             return "vllm"
     return None
 
 
-def _json_has(response: httpx.Response, keys: tuple[str, ...]) -> bool:
+def _json_has(body: bytes, keys: tuple[str, ...]) -> bool:
     try:
-        data = response.json()
+        data = json.loads(body)
     except ValueError:
         return False
     return isinstance(data, dict) and any(k in data for k in keys)

@@ -7,9 +7,12 @@ not a fraction. Its metrics are counters and mean rates, no histograms: no TTFT 
 
 from __future__ import annotations
 
+import json
+import math
+
 import httpx
 
-from strata_tui.adapters.base import Adapter, get_json, get_metrics
+from strata_tui.adapters.base import MAX_COUNT, Adapter, fetch, get_json, get_metrics
 from strata_tui.adapters.view import EndpointView, SlotRow
 
 CANNOT = {
@@ -25,11 +28,12 @@ def slot_rows(data: list) -> list[SlotRow]:
         if not isinstance(slot, dict):
             continue
         processing = bool(slot.get("is_processing"))
-        held = slot.get("n_prompt_tokens")  # the slot's cache: prompt so far plus generated tokens
-        done = slot.get("n_prompt_tokens_processed")
-        cached = slot.get("n_prompt_tokens_cache") or 0
-        next_token = (slot.get("next_token") or [{}])[0]
-        decoded = next_token.get("n_decoded")
+        held = _count(slot.get("n_prompt_tokens"))  # the slot's cache: prompt so far plus generated tokens
+        done = _count(slot.get("n_prompt_tokens_processed"))
+        cached = _count(slot.get("n_prompt_tokens_cache")) or 0
+        next_token = (slot.get("next_token") or [{}])
+        next_token = next_token[0] if isinstance(next_token, list) and isinstance(next_token[0], dict) else {}
+        decoded = _count(next_token.get("n_decoded"))
         if done is not None:
             done = done + cached  # a cached prefix needs no processing: it counts as done
         if not processing:
@@ -38,9 +42,17 @@ def slot_rows(data: list) -> list[SlotRow]:
             state = "prefill"
         else:
             state = "decode"
-        rows.append(SlotRow(int(slot.get("id", len(rows))), state, slot.get("n_ctx"), None, done, decoded,
-                            slot.get("id_task"), held))
+        slot_id = _count(slot.get("id"))
+        rows.append(SlotRow(len(rows) if slot_id is None else slot_id, state, _count(slot.get("n_ctx")), None, done,
+                            decoded, _count(slot.get("id_task")), held))
     return rows
+
+
+def _count(value) -> int | None:
+    """A count from the server's JSON, or None where it is not one (a string, NaN, negative, astronomic)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value) if 0 <= value <= MAX_COUNT else None
 
 
 class LlamacppAdapter(Adapter):
@@ -54,9 +66,10 @@ class LlamacppAdapter(Adapter):
         view.version = str(props.get("build_info") or "") or None
         path = props.get("model_path") or ""
         view.model = path.rsplit("/", 1)[-1] or props.get("model_alias")
-        response = await client.get("/slots")
-        if response.status_code == 200:
-            view.slots = slot_rows(response.json())
+        status, body = await fetch(client, "/slots")
+        if status == 200:
+            data = json.loads(body)
+            view.slots = slot_rows(data if isinstance(data, list) else [])
             held = sum(min(s.context_tokens or 0, s.held_tokens or 0) for s in view.slots)
             context = sum(s.context_tokens or 0 for s in view.slots)
             view.kv_usage = held / context if context else None
@@ -65,7 +78,7 @@ class LlamacppAdapter(Adapter):
             why = "llama-server serves no /slots: launch it with --slots"
             view.cannot["slots"] = view.cannot["prefill"] = why
             view.cannot["kv"] = "llama.cpp's context use is read from /slots: launch it with --slots"
-        metrics = await get_metrics(client)
+        metrics = await get_metrics(client, view)
         if metrics is None:
             for panel in ("prefix", "spec"):
                 view.cannot[panel] = "llama-server serves no /metrics: launch it with --metrics"

@@ -1,6 +1,12 @@
 """Prometheus text exposition, read for the few families the adapters need: samples by name with their
 labels, sums over labels (data-parallel engines and ranks are labels), and quantiles of histograms from
-their cumulative buckets (as PromQL's histogram_quantile interpolates them)."""
+their cumulative buckets (as PromQL's histogram_quantile interpolates them).
+
+The families the adapters read are counts, ratios and seconds: a sample that is NaN, infinite or below zero,
+or a series given twice (a sum would count it twice), makes its family invalid: `invalid[name]` says why,
+and every sum, mean or histogram of that family is NaN, which the adapters' range check shows as invalid. Only
+the families read are reported (`reported`): a NaN in a family no panel shows (an empty summary's quantile)
+is nobody's business."""
 
 from __future__ import annotations
 
@@ -24,32 +30,58 @@ class Metrics:
 
     def __init__(self, text: str) -> None:
         self.samples: dict[str, list[Sample]] = defaultdict(list)
+        self.invalid: dict[str, str] = {}  # family name -> why its values cannot be shown
+        self.reported: dict[str, str] = {}  # the invalid families read so far (the adapters show these)
+        seen: set[tuple[str, str]] = set()
+        repeats: dict[str, int] = defaultdict(int)
         for line in text.splitlines():
             if not line or line.startswith("#"):
                 continue
             match = _SAMPLE.match(line)
             if match is None:
                 continue
+            name, raw = match.group(1), match.group(4)
             try:
-                value = float(match.group(4))
+                value = float(raw)
             except ValueError:
                 continue
+            series = (name, match.group(3) or "")
+            if series in seen:
+                repeats[name] += 1
+                continue
+            seen.add(series)
+            if not math.isfinite(value) or value < 0:
+                self.invalid.setdefault(name, f"{name} is {raw[:24]}")
+                continue
             labels = dict(_LABEL.findall(match.group(3) or ""))
-            self.samples[match.group(1)].append(Sample(labels, value))
+            self.samples[name].append(Sample(labels, value))
+        for name, count in repeats.items():
+            self.invalid.setdefault(name, f"{name} repeats a series {count:,} times")
 
     def has(self, name: str) -> bool:
-        return name in self.samples
+        return name in self.samples or name in self.invalid
+
+    def _poisoned(self, name: str | None) -> bool:
+        """Whether family `name` is invalid (and, read now, reported)."""
+        if name is None or name not in self.invalid:
+            return False
+        self.reported[name] = self.invalid[name]
+        return True
 
     def first(self, *names: str) -> str | None:
         """The first of `names` this scrape has (a renamed metric: the new name, then the old)."""
-        return next((n for n in names if n in self.samples), None)
+        return next((n for n in names if self.has(n)), None)
 
     def sum(self, name: str | None) -> float | None:
+        if self._poisoned(name):
+            return math.nan
         if name is None or name not in self.samples:
             return None
         return sum(s.value for s in self.samples[name])
 
     def mean(self, name: str | None) -> float | None:
+        if self._poisoned(name):
+            return math.nan
         if name is None or name not in self.samples:
             return None
         values = [s.value for s in self.samples[name]]
@@ -60,10 +92,15 @@ class Metrics:
         for sample in self.samples.get(name, ()):
             if label in sample.labels:
                 out[sample.labels[label]] += sample.value
+        if self._poisoned(name):
+            return {key: math.nan for key in out} or {"1": math.nan}
         return dict(out)
 
     def histogram(self, base: str) -> "Histogram | None":
-        """`base`_bucket summed over every label set but `le`; None when the scrape has no such family."""
+        """`base`_bucket summed over every label set but `le`; None when the scrape has no such family (a
+        family with invalid samples: a histogram whose count is NaN)."""
+        if [part for part in ("bucket", "count", "sum") if self._poisoned(f"{base}_{part}")]:
+            return Histogram([], math.nan, math.nan)
         buckets = self.samples.get(f"{base}_bucket")
         if not buckets:
             return None
@@ -85,7 +122,10 @@ class Histogram:
     total: float
 
     def quantile(self, q: float) -> float | None:
-        """Linear interpolation inside the bucket that holds rank q·count; None with no observations."""
+        """Linear interpolation inside the bucket that holds rank q·count; None with no observations (NaN
+        from an invalid family)."""
+        if math.isnan(self.count):
+            return math.nan
         if self.count <= 0 or not self.buckets:
             return None
         rank = q * self.count

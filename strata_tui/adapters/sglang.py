@@ -30,7 +30,7 @@ class SglangAdapter(Adapter):
             speculative = info.get("speculative_algorithm")
         except (httpx.HTTPError, ValueError, AttributeError):
             speculative = None
-        metrics = await get_metrics(client)
+        metrics = await get_metrics(client, view)
         if metrics is None:
             for panel in ("requests", "kv", "prefix", "spec", "latency", "preemptions"):
                 view.cannot[panel] = "SGLang serves no /metrics: launch it with --enable-metrics"

@@ -56,6 +56,7 @@ class EndpointView:
     decode_tokens_s: float | None = None
     slots: list[SlotRow] | None = None
     cannot: dict[str, str] = field(default_factory=dict)  # panel -> one line on why the engine cannot feed it
+    invalid: dict[str, str] = field(default_factory=dict)  # field or metric -> the value it had, out of its range
     read_at: float = 0.0  # wall clock of the last successful read
 
     @property

@@ -26,7 +26,7 @@ class VllmAdapter(Adapter):
             view.version = str((await get_json(client, "/version")).get("version"))
         except (httpx.HTTPError, ValueError, AttributeError):
             view.version = None
-        metrics = await get_metrics(client)
+        metrics = await get_metrics(client, view)
         if metrics is None:
             for panel in ("requests", "kv", "prefix", "spec", "latency", "preemptions"):
                 view.cannot[panel] = "vLLM answered no /metrics"

@@ -53,12 +53,17 @@ def endpoint_table(view: ForeignView, narrow: bool) -> Table:
     for endpoint in view.endpoints:
         if endpoint.reachable:
             state = _cell("up " + (endpoint.version or "")[:14], "green")
-            kv = pct(endpoint.kv_usage) + ("" if endpoint.kv_label == "KV" else f" {endpoint.kv_label}")
-            ttft = secs(endpoint.ttft_p50_s) if narrow else f"{secs(endpoint.ttft_p50_s)}/{secs(endpoint.ttft_p95_s)}"
-            itl = secs(endpoint.itl_p50_s) if narrow else f"{secs(endpoint.itl_p50_s)}/{secs(endpoint.itl_p95_s)}"
-            row = [count(endpoint.running), count(endpoint.waiting), kv, pct(endpoint.prefix_hit), ttft, itl,
-                   count(endpoint.preemptions)]
-            table.add_row(_cell(endpoint.host), state, *[_cell(c) for c in row])
+
+            def shown(name: str, fmt) -> str:
+                return "invalid" if name in endpoint.invalid else fmt(getattr(endpoint, name))
+
+            kv = shown("kv_usage", pct) + ("" if endpoint.kv_label == "KV" else f" {endpoint.kv_label}")
+            ttft = shown("ttft_p50_s", secs) + ("" if narrow else "/" + shown("ttft_p95_s", secs))
+            itl = shown("itl_p50_s", secs) + ("" if narrow else "/" + shown("itl_p95_s", secs))
+            row = [shown("running", count), shown("waiting", count), kv, shown("prefix_hit", pct), ttft, itl,
+                   shown("preemptions", count)]
+            table.add_row(_cell(endpoint.host), state,
+                          *[_cell(c, "yellow" if c.startswith("invalid") else "") for c in row])
         else:
             if endpoint.unreachable_since is not None:
                 clock = time.strftime("%H:%M:%S", time.localtime(endpoint.unreachable_since))
@@ -67,6 +72,18 @@ def endpoint_table(view: ForeignView, narrow: bool) -> Table:
                 state = _cell(endpoint.error or "not read yet", "dim")
             table.add_row(_cell(endpoint.host, "dim"), state, *[_cell("", "dim")] * 7)
     return table
+
+
+def problem_lines(view: ForeignView) -> list[Text]:
+    """What went wrong with each endpoint, in words: why it could not be read, which values were invalid."""
+    lines = []
+    for endpoint in view.endpoints:
+        if not endpoint.reachable and endpoint.unreachable_since is not None and endpoint.error:
+            lines.append(_cell(f"{endpoint.host}: {endpoint.error}", "red"))
+        if endpoint.reachable and endpoint.invalid:
+            reasons = "; ".join(r for r in endpoint.invalid.values() if r) or "values out of range"
+            lines.append(_cell(f"{endpoint.host}: invalid: {reasons}", "yellow"))
+    return lines
 
 
 def aggregate_line(view: ForeignView) -> Text:
@@ -140,7 +157,7 @@ class EnginePanel(ViewBound, Static):
         self.add_class("-visible")
         self.border_title = f"{KIND_NAMES.get(view.kind, view.kind)} · {len(view.endpoints)} endpoint" + \
             ("s" if len(view.endpoints) != 1 else "")
-        parts: list = [endpoint_table(view, narrow)]
+        parts: list = [endpoint_table(view, narrow), *problem_lines(view)]
         if len(view.endpoints) > 1:
             parts.append(aggregate_line(view))
         first = next((e for e in view.endpoints if e.reachable), None)

@@ -89,3 +89,19 @@ def test_histogram_quantile_interpolates_inside_the_bucket() -> None:
     assert hist.quantile(0.5) == pytest.approx(1.25)  # rank 15: 5 of the 20 in (1, 2]
     assert hist.mean() == pytest.approx(40 / 30)
     assert Metrics("").histogram("h") is None
+
+
+async def test_nan_negative_huge_and_repeated_values_are_invalid_not_a_failure_or_a_number() -> None:
+    """The endpoint answers: it is read (not "unreachable"), and each value out of its range is left out
+    with what it was, never summed, printed or turned into an error."""
+    from tests.tui.hostile_server import BAD_VALUES, DUPLICATE_LINE
+
+    text = "text/plain; version=0.0.4"
+    routes = {"/version": (200, "application/json", '{"version": "0.10.1.1"}'),
+              "/metrics": (200, text, BAD_VALUES + DUPLICATE_LINE.decode() * 3)}
+    view = await read("vllm", routes)
+    assert view.reachable
+    assert view.waiting is None and "-7" in view.invalid["vllm:num_requests_waiting"]
+    assert view.kv_usage is None and "1e+300" in view.invalid["kv_usage"]
+    assert view.ttft_p50_s is None and "NaN" in view.invalid["vllm:time_to_first_token_seconds_count"]
+    assert view.running is None and "repeats a series 3 times" in view.invalid["vllm:num_requests_running"]

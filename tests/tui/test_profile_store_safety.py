@@ -160,3 +160,29 @@ def test_saving_keeps_a_profiles_own_mode(config_dir: Path) -> None:
     path.chmod(0o640)
     store.set_engine("box", batch=2)
     assert stat.S_IMODE(path.stat().st_mode) == 0o640 and store.load("box").engine.batch == 2
+
+
+def test_saves_of_profiles_read_before_a_concurrent_save_lose_no_update(config_dir: Path) -> None:
+    """Read, change, save, in two threads at once: a save of a profile read before the other thread's save
+    would write its stale values back (a lost update); it is refused instead, and the caller reads again."""
+    store = ProfileStore(config_dir)
+    store.save(Profile("box").with_engine(vram_reserve_mib=0))
+    rounds, refused = 100, []
+
+    def bump() -> None:
+        for _ in range(rounds):
+            while True:
+                read = store.load("box")
+                try:
+                    store.save(read.with_engine(vram_reserve_mib=read.engine.vram_reserve_mib + 1))
+                    break
+                except ProfileError as exc:
+                    refused.append(exc)
+
+    threads = [threading.Thread(target=bump) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert store.load("box").engine.vram_reserve_mib == 2 * rounds, f"{len(refused)} saves were refused"
+    assert all("changed on disk" in str(exc) for exc in refused), refused[:1]
