@@ -51,8 +51,10 @@ def run(args: argparse.Namespace, client_factory: ClientFactory | None = None) -
     warn_if_exposed(config)
     if client_factory is None:
         from engine.model.loader import check_checkpoint
+        from engine.model.random_source import RANDOM_PREFIX
 
-        check_checkpoint(config.model, None if config.quantize == "off" else config.quantize)
+        if not config.model.startswith(RANDOM_PREFIX):  # a random:SIZE source is drawn at load: no files
+            check_checkpoint(config.model, None if config.quantize == "off" else config.quantize)
     sock = bind_socket(config.host, config.port)
     code = asyncio.run(serve(config, sock, client_factory or default_client_factory))
     if client_factory is None or _engine_thread_busy():

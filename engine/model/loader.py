@@ -161,9 +161,7 @@ def check_checkpoint(path_or_builtin: str | Path, quantize: str | None = None) -
     """Everything `load_checkpoint` would refuse about a checkpoint's files, found from its config and tensor
     headers without reading the weights or allocating the model: `strata-engine serve` calls it before it
     binds its port, so a bad checkpoint is one line and exit 2, not a server that starts and then fails."""
-    from engine.model.random_source import RANDOM_PREFIX
-
-    if is_synthetic(path_or_builtin) or str(path_or_builtin).startswith(RANDOM_PREFIX):
+    if is_synthetic(path_or_builtin):
         return  # generated at load: no files to check
     path = resolve_model_path(path_or_builtin)
     if path.is_file():
