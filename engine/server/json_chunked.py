@@ -7,12 +7,15 @@ what `json.loads` does), and parses runs of plain numbers inside arrays CHUNK_CH
 `json.loads` each. `loads_steps` is a generator that yields after CHUNK_CHARS of text or ITEMS_PER_STEP
 elements, whichever comes first, so the event loop itself drives a parse and answers other requests between
 two pieces: a worker thread would contend for the GIL instead, and the loop would wait up to the
-interpreter's switch interval each time it takes the GIL back. A single string is one step (one C call).
+interpreter's switch interval each time it takes the GIL back. A string longer than CHUNK_CHARS (a prompt of
+megabytes) is scanned and decoded CHUNK_CHARS at a time too (`_long_string`): one C call over all of it held
+the loop for tens of milliseconds on a loaded machine. The body's bytes are decoded to text in pieces as well.
 Nesting is bounded by Python's recursion limit, as in `json.loads` (RecursionError).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from typing import Any, Generator, TypeVar
@@ -23,6 +26,10 @@ MIN_PIECE_CHARS = 64  # a shorter run of numbers is parsed element by element (c
 _WS = " \t\n\r"
 _NUMBER_RUN = re.compile(r"[0-9+\-.eE \t\n\r,]*")  # what a run of plain numbers may hold
 _NUMBER_STARTS = tuple("-0123456789")
+# A cut with no backslash in the 6 characters before it splits no escape (\uXXXX is the longest) and no
+# surrogate pair (a high half that ended at the cut would hold a backslash there)
+_ESCAPE_CHARS = 6
+_SLASH_RUN = 64  # backslashes before a quote counted here; a longer run is left to the C scanner
 _OPENERS = ("{", "[")
 _DECODER = json.JSONDecoder()
 
@@ -83,7 +90,7 @@ def loads_steps(raw: bytes | str, max_items: int | None = None,
                 member_items: dict[str, int] | None = None) -> Steps[Any]:
     """`loads` as steps: a generator that yields between pieces and returns the value. `member_items`: a
     lower limit for the arrays in some members of the top-level object (TooManyItems names the member)."""
-    text = raw if isinstance(raw, str) else raw.decode(json.detect_encoding(raw), "surrogatepass")
+    text = raw if isinstance(raw, str) else (yield from _decoded(raw))
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
     walk = _Walk(text, max_items, member_items or {})
@@ -95,6 +102,66 @@ def loads_steps(raw: bytes | str, max_items: int | None = None,
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
     return value
+
+
+def _decoded(raw: bytes | bytearray) -> Steps[str]:
+    """`raw` as text (the encoding json.loads detects), a piece per step."""
+    if len(raw) <= CHUNK_CHARS:
+        return raw.decode(json.detect_encoding(raw), "surrogatepass")
+    decoder = codecs.getincrementaldecoder(json.detect_encoding(raw))("surrogatepass")
+    view, parts = memoryview(raw), []
+    for start in range(0, len(raw), CHUNK_CHARS * 4):
+        parts.append(decoder.decode(view[start:start + CHUNK_CHARS * 4]))
+        yield
+    parts.append(decoder.decode(b"", final=True))
+    return "".join(parts)
+
+
+def _long_string(text: str, i: int) -> Steps[tuple[str, int]]:
+    """The string that starts at `i` (a quote), what `raw_decode` gives for it, a piece a step: its closing
+    quote is found CHUNK_CHARS at a time, then it is decoded piece by piece by the json module's own scanner
+    (cut where no escape or surrogate pair is split). Anything that is not valid JSON is left to `raw_decode`,
+    which words the error as json.loads does."""
+    n, pos = len(text), i + 1
+    while True:
+        quote = text.find('"', pos, min(n, pos + CHUNK_CHARS))
+        if quote == -1:
+            if pos + CHUNK_CHARS >= n:
+                return _DECODER.raw_decode(text, i)  # no closing quote
+            pos += CHUNK_CHARS
+            yield
+            continue
+        before = text[max(pos, quote - _SLASH_RUN):quote]
+        slashes = len(before) - len(before.rstrip("\\"))
+        if slashes == _SLASH_RUN:
+            return _DECODER.raw_decode(text, i)  # a run of backslashes: the C scanner counts it
+        if slashes % 2 == 0:
+            break  # an unescaped quote: the end
+        pos = quote + 1
+    end = quote
+    parts, start = [], i + 1
+    try:
+        while start < end:
+            cut = min(end, start + CHUNK_CHARS)
+            while cut < end and text.rfind("\\", cut - _ESCAPE_CHARS, cut) != -1:
+                cut -= 1
+                if cut - _ESCAPE_CHARS <= start:  # escapes everywhere: no safe cut
+                    return _DECODER.raw_decode(text, i)
+            parts.append(_DECODER.decode('"' + text[start:cut] + '"'))
+            start = cut
+            yield
+    except ValueError:
+        return _DECODER.raw_decode(text, i)  # a control character or a bad escape: json's own error
+    return "".join(parts), end + 1
+
+
+def _scalar(text: str, i: int) -> Steps[tuple[Any, int]]:
+    """A string, number or literal at `i`: the C scanner, a long string in pieces."""
+    if text.startswith('"', i):
+        quote = text.find('"', i + 1, i + CHUNK_CHARS)
+        if quote == -1 or text[quote - 1] == "\\":  # long, or an escaped quote: maybe long
+            return (yield from _long_string(text, i))
+    return _DECODER.raw_decode(text, i)
 
 
 def _skip(text: str, i: int) -> int:
@@ -109,7 +176,7 @@ def _value(walk: _Walk, i: int) -> Steps[tuple[Any, int]]:
         return (yield from _object(walk, i + 1))
     if walk.text.startswith("[", i):
         return (yield from _array(walk, i + 1))
-    return _DECODER.raw_decode(walk.text, i)  # a string, number or literal: the C scanner
+    return (yield from _scalar(walk.text, i))  # a string, number or literal
 
 
 def _object(walk: _Walk, i: int, top: bool = False) -> Steps[tuple[dict, int]]:
@@ -121,7 +188,7 @@ def _object(walk: _Walk, i: int, top: bool = False) -> Steps[tuple[dict, int]]:
     while True:
         if i >= len(text) or text[i] != '"':
             raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
-        key, i = _DECODER.raw_decode(text, i)
+        key, i = yield from _scalar(text, i)
         i = _skip(text, i)
         if i >= len(text) or text[i] != ":":
             raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
@@ -135,7 +202,7 @@ def _object(walk: _Walk, i: int, top: bool = False) -> Steps[tuple[dict, int]]:
         elif text.startswith(_OPENERS, i):
             out[key], i = yield from _value(walk, i)
         else:
-            out[key], i = _DECODER.raw_decode(text, i)
+            out[key], i = yield from _scalar(text, i)
         i = _skip(text, i)
         if i < len(text) and text[i] == ",":
             i = _skip(text, i + 1)
@@ -165,7 +232,7 @@ def _array(walk: _Walk, i: int) -> Steps[tuple[list, int]]:
         if text.startswith(_OPENERS, i):
             item, i = yield from _value(walk, i)
         else:
-            item, i = _DECODER.raw_decode(text, i)
+            item, i = yield from _scalar(text, i)
         out.append(item)
         if max_items is not None and len(out) > max_items:
             raise TooManyItems(max_items, walk.member)

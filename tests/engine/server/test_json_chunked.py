@@ -74,3 +74,18 @@ def test_long_number_runs_with_a_flaw_anywhere_are_refused_or_parsed_like_json_l
         _same(text)
     except RecursionError:
         pass
+
+
+@pytest.mark.parametrize("piece", ["word ", "line\n", 'say \\"hi\\" ', "é€😀", "\ud800", "\\\\" * 7 + "x"])
+def test_strings_longer_than_a_piece_parse_to_the_same_value_in_steps(piece) -> None:
+    """A prompt of megabytes is one string: it is scanned and decoded a piece a step, to what json.loads gives
+    (escapes, surrogate pairs and lone surrogates, backslash runs cut anywhere), and refused where it refuses."""
+    for ensure_ascii in (False, True):
+        text = json.dumps({"prompt": piece * (3 * json_chunked.CHUNK_CHARS // len(piece) + 7)},
+                          ensure_ascii=ensure_ascii)
+        _same(text)
+        steps = sum(1 for _ in json_chunked.loads_steps(text))
+        assert steps >= 2, "a long string was parsed in one step"
+    long = "a" * (2 * json_chunked.CHUNK_CHARS)
+    for broken in ('{"p": "' + long + '\x01"}', '{"p": "' + long + '\\q"}', '{"p": "' + long, '["' + long + '\\'):
+        _same(broken)
