@@ -55,11 +55,32 @@ def run(args: argparse.Namespace, client_factory: ClientFactory | None = None) -
 
         if not config.model.startswith(RANDOM_PREFIX):  # a random:SIZE source is drawn at load: no files
             check_checkpoint(config.model, None if config.quantize == "off" else config.quantize)
+    raise_open_files_limit()
     sock = bind_socket(config.host, config.port)
     code = asyncio.run(serve(config, sock, client_factory or default_client_factory))
     if client_factory is None or _engine_thread_busy():
         leave_now(code)
     return code
+
+
+OPEN_FILES_WANTED = 1 << 16
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open files towards the hard one: each connection is a file, and the common soft
+    limit of 1,024 would leave the server unable to accept /health (EMFILE) well before its own connection
+    limit (uvicorn_server.MAX_CONNECTIONS) answers anything."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            log.info("could not raise the open-files limit from %d to %d", soft, wanted)
 
 
 def _engine_thread_busy() -> bool:

@@ -194,3 +194,44 @@ def test_a_refused_content_length_body_is_drained_then_the_connection_closes() -
         sock.close()
     assert data.startswith(b"HTTP/1.1 401"), data[:200]
     assert b"connection: close" in data.lower()
+
+
+def test_a_real_server_under_a_1024_open_files_limit_answers_health_past_1030_connections() -> None:
+    """A stock account's soft limit of 1,024 open files: the server raises it itself, so with 1,030 connections
+    each holding a half-sent body it still accepts and answers /health (before, accept() failed: EMFILE)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.skip(f"the hard open-files limit is {hard}")
+    if soft < 2 * 1030 + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
+                             "--log-level", "warning"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, preexec_fn=low_limit, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    socks: list[socket.socket] = []
+    try:
+        line = proc.stdout.readline()
+        assert "ready at" in line, line
+        url = line.split()[-1]
+        socks = _open_trickling(url, 1030)
+        statuses = []
+        for _ in range(5):
+            probe = _connect(url)
+            probe.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            statuses.append(_response_head(probe)[:12])
+            probe.close()
+        assert statuses == [b"HTTP/1.1 200"] * 5, statuses
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.terminate()
+        proc.wait(30)
