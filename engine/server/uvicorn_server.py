@@ -5,6 +5,10 @@ generation, /strata/events) would keep theirs open until the graceful timeout. S
 starts the drain (`on_signal`: abort requests, stop the engine, end the event streams). And uvicorn
 re-raises a captured signal after its shutdown, which would end the process with -15 instead of 0: a
 graceful stop is a success here, so it does not.
+
+And uvicorn's h11 protocol with Strata's bounds on what one connection can hold (BoundedH11Protocol): a deadline
+for the request head, a bounded lingering close after an answer given before the body was read, and a
+connection limit that never refuses /health. Only public h11 state is read (`their_state`, `trailing_data`).
 """
 
 from __future__ import annotations
