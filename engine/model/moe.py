@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.moe_route import top_k_route
 from engine.model.quant.linear import is_quantized
 
 
@@ -82,14 +83,6 @@ def routes_by_expert(ids: torch.Tensor, rows: torch.Tensor | None = None) -> dic
     return {e: (g // k, g % k) for e, g in zip(experts.tolist(), groups)}
 
 
-def add_routed(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, route: Route, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor) -> None:
-    """out[t] += weights[t, j] * expert(x[t]) for the (t, j) of `route`: add_expert's sums, routes given."""
-    token_idx, pos = route
-    y = expert_mlp(x[token_idx], w_gate_up, w_down) * weights[token_idx, pos, None]
-    out.index_add_(0, token_idx, y.to(out.dtype))
-
-
 class SparseMoE(nn.Module):
     """Router + experts. `moe_index` numbers the sparse blocks of a model (main layers first, then MTP)."""
 
@@ -135,18 +128,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] (positions [N], used by a router prior) -> (weights [N, k] in x's dtype, ids [N, k] long):
-        softmax in fp32, top-k, optional renormalisation, as transformers' Qwen3MoeTopKRouter."""
-        logits = F.linear(x, self.gate.weight)
-        if self.router_prior is not None:
-            if positions is None:
-                raise ValueError("this router has a position prior: positions are required")
-            phase = torch.div(positions, self.drift_tokens, rounding_mode="floor") % self.router_prior.shape[0]
-            logits = logits.float() + self.router_prior[phase]  # [N, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        softmax in fp32, top-k, optional renormalisation, as transformers' Qwen3MoeTopKRouter (one launch after
+        the gate's product on CUDA: engine.model.moe_route)."""
+        if self.router_prior is not None and positions is None:
+            raise ValueError("this router has a position prior: positions are required")
+        return top_k_route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, self.router_prior,
+                           positions, self.drift_tokens)
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert from this block's own parameters (a quantized expert
