@@ -94,9 +94,12 @@ def backend_for(x: torch.Tensor) -> str:
 
 def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: torch.Tensor,
                    weights: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None,
-                   launch: MoELaunch | None = None) -> torch.Tensor:
+                   launch: MoELaunch | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
     """x [N, H], gate_up [S, 2I, H], down [S, H, I], slots [N, k] (long; < 0: skip), weights [N, k] ->
-    out [N, k, H] (zeros where skipped when `out` is None) with out[n, j] = weights[n, j] * expert(x[n])."""
+    out [N, k, H] (zeros where skipped when `out` is None) with out[n, j] = weights[n, j] * expert(x[n]).
+    `scales` (gate_up [S, 2I], down [S, H], fp32): the pools hold FP8 (e4m3) weights with one scale per output
+    channel, the Triton kernels apply it to each finished sum (the other backends dequantize first)."""
     N, H = x.shape
     k = slots.shape[1]
     if out is None:
@@ -105,8 +108,12 @@ def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, s
         return out
     backend = backend or backend_for(x)
     if backend == "triton":
-        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k))
-    elif backend == "grouped_mm":
+        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k), scales)
+        return out
+    if scales is not None:  # per-channel dequantization, as engine.model.quant.linear.Fp8Linear's reference
+        gate_up = (gate_up.to(torch.float32) * scales[0][..., None]).to(x.dtype)
+        down = (down.to(torch.float32) * scales[1][..., None]).to(x.dtype)
+    if backend == "grouped_mm":
         _routed_grouped_mm(x, gate_up, down, slots, weights, out)
     elif backend == "torch":
         _routed_torch(x, gate_up, down, slots, weights, out)
@@ -214,10 +221,10 @@ if triton is not None:
         return tl.where(lead, slot, -1), routes, ok
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, act_ptr,
-                        R, H, I, TOP_K, stride_xn, stride_ws, stride_wn, stride_ar,
+    def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
+                        act_ptr, R, H, I, TOP_K, stride_xn, stride_ws, stride_wn, stride_ss, stride_ar,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
-                        SCAN_R: tl.constexpr, PRECISION: tl.constexpr):
+                        SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
         slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
                                          tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
         if slot < 0:
@@ -235,10 +242,14 @@ if triton is not None:
             k_ok = kk < H
             a = tl.load(a_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
             w_ok = k_ok[:, None] & n_ok[None, :]
-            wg = tl.load(w_gate + kk[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
-            wu = tl.load(w_up + kk[:, None], mask=w_ok, other=0.0)
+            wg = tl.load(w_gate + kk[:, None], mask=w_ok, other=0.0).to(a.dtype)  # [BLOCK_K, BLOCK_N]
+            wu = tl.load(w_up + kk[:, None], mask=w_ok, other=0.0).to(a.dtype)  # (e4m3 -> bf16 is exact)
             acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
             acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+        if SCALED:  # one scale per output channel: applied once to the finished sums
+            s_row = scale_ptr + slot.to(tl.int64) * stride_ss + rn
+            acc_gate *= tl.load(s_row, mask=n_ok, other=0.0)[None, :]
+            acc_up *= tl.load(s_row + I, mask=n_ok, other=0.0)[None, :]
         dtype = act_ptr.dtype.element_ty
         # rounded where the reference rounds: F.linear's outputs, then F.silu's, then the product
         gate = acc_gate.to(dtype).to(tl.float32)
@@ -249,10 +260,10 @@ if triton is not None:
                  mask=ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, rw_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, y_ptr,
-                     R, H, I, stride_ar, stride_ws, stride_wn, stride_yr,
+    def _down_kernel(act_ptr, w_ptr, scale_ptr, rw_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
+                     y_ptr, R, H, I, stride_ar, stride_ws, stride_wn, stride_ss, stride_yr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
-                     SCAN_R: tl.constexpr, PRECISION: tl.constexpr):
+                     SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
         slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
                                          tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
         if slot < 0:
@@ -267,15 +278,18 @@ if triton is not None:
             kk = k0 + rk
             k_ok = kk < I
             a = tl.load(a_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w = tl.load(w_rows + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(a.dtype)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SCALED:
+            acc *= tl.load(scale_ptr + slot.to(tl.int64) * stride_ss + rn, mask=n_ok, other=0.0)[None, :]
         dtype = y_ptr.dtype.element_ty
         routing = tl.load(rw_ptr + routes, mask=ok, other=0.0).to(tl.float32)
         y = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
         tl.store(y_ptr + routes.to(tl.int64)[:, None] * stride_yr + rn[None, :], y, mask=ok[:, None] & n_ok[None, :])
 
 
-def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch) -> None:
+def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     N, k = slots.shape
     S, I2, H = gate_up.shape
     I = I2 // 2
@@ -292,12 +306,16 @@ def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch) -> 
         sorted_slots, routes, starts = sorted_blocks(flat, S, launch.block_m)
         blocks, scan_r = starts.numel(), 1
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    gate_up_scale, down_scale = scales if scales is not None else (gate_up, down)  # unread when not SCALED
     common = dict(BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, SCAN=launch.scan, SCAN_R=scan_r,
-                  PRECISION=precision, num_warps=launch.num_warps, num_stages=launch.num_stages)
+                  PRECISION=precision, SCALED=scales is not None, num_warps=launch.num_warps,
+                  num_stages=launch.num_stages)
     _gate_up_kernel[(blocks, triton.cdiv(I, launch.gate_up_n))](
-        x, gate_up, flat, sorted_slots, routes, starts, act, R, H, I, k,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), BLOCK_N=launch.gate_up_n, **common)
+        x, gate_up, gate_up_scale, flat, sorted_slots, routes, starts, act, R, H, I, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), act.stride(0),
+        BLOCK_N=launch.gate_up_n, **common)
     y = out.view(R, H)
     _down_kernel[(blocks, triton.cdiv(H, launch.down_n))](
-        act, down, w_flat, flat, sorted_slots, routes, starts, y, R, H, I,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_N=launch.down_n, **common)
+        act, down, down_scale, w_flat, flat, sorted_slots, routes, starts, y, R, H, I,
+        act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), y.stride(0),
+        BLOCK_N=launch.down_n, **common)

@@ -54,6 +54,24 @@ def _check_backend(backend: str, N: int, k: int, S: int, H: int, I: int, seed: i
     assert torch.equal(got[~served], poison[~served])
 
 
+def _fp8_pools(gate_up: torch.Tensor, down: torch.Tensor):
+    """Per-channel e4m3 pools and their scales (as `--quantize fp8` rounds a projection)."""
+    def one(w):
+        scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 448.0
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale.to(torch.float32)
+    (q_gu, s_gu), (q_d, s_d) = one(gate_up), one(down)
+    return q_gu, q_d, (s_gu, s_d)
+
+
+def _check_fp8(backend: str, N: int, k: int, S: int, seed: int) -> None:
+    x, gate_up, down, slots, weights = _case(N, k, S, 64, 32, seed, hot=2)
+    q_gu, q_d, scales = _fp8_pools(gate_up, down)
+    got = routed_experts(x, q_gu, q_d, slots, weights, backend=backend, scales=scales)
+    dq_gu = q_gu.to(torch.float32) * scales[0][..., None]
+    dq_d = q_d.to(torch.float32) * scales[1][..., None]
+    torch.testing.assert_close(got, _reference(x, dq_gu, dq_d, slots, weights), rtol=1e-4, atol=1e-5)
+
+
 def _check_route(N: int, E: int, k: int, norm: bool, prior: bool, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(N, E, generator=gen)
@@ -91,6 +109,8 @@ def kernels_check() -> None:
     _check_backend("triton", 150, 2, 6, 32, 16, seed=4, hot=3, skip_every=5)  # 300 routes: the sorted layout
     _check_backend("triton", 9, 3, 7, 64, 32, seed=5, launch="32x16x32x32x4x2")
     _check_backend("triton", 150, 2, 6, 32, 16, seed=6, launch="16x16x16x16x4x2")
+    _check_fp8("triton", 6, 4, 9, seed=7)  # FP8 pools: the scale applied to each finished sum
+    _check_fp8("triton", 150, 2, 6, seed=8)
     _check_route(7, 24, 5, norm=True, prior=False, seed=0)  # E not a power of two
     _check_route(3, 16, 2, norm=False, prior=True, seed=1)
     _check_books(9, 3, 20, with_valid=False, seed=0)
@@ -105,6 +125,11 @@ def test_triton_kernels_in_the_interpreter():
 @pytest.mark.parametrize("N,k,S,hot,skip", [(1, 4, 9, 0, 0), (6, 4, 9, 2, 0), (40, 2, 5, 1, 3), (150, 2, 6, 3, 5)])
 def test_torch_backends_against_the_reference(backend, N, k, S, hot, skip):
     _check_backend(backend, N, k, S, 64, 32, seed=N, hot=hot, skip_every=skip)
+
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+def test_fp8_pools_through_the_torch_backends(backend):
+    _check_fp8(backend, 6, 4, 9, seed=7)
 
 
 def test_sorted_blocks_cover_each_route_once_in_blocks_of_one_slot():
@@ -144,3 +169,15 @@ def test_gpu_backends_against_the_reference_in_bf16(backend, N, k, hot):
     err = (got[:ref.shape[0]].float() - ref).norm() / ref.norm()
     assert err < 2e-2, f"{backend}: relative error {err:.3g}"
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_shared
+@pytest.mark.parametrize("N", [1, 6, 2048])
+def test_gpu_fp8_pools_against_their_dequantized_weights(N):
+    x, gate_up, down, slots, weights = _case(N, 10, 65, 2048, 512, seed=N, dtype=torch.bfloat16, device="cuda")
+    q_gu, q_d, scales = _fp8_pools(gate_up.float(), down.float())
+    got = routed_experts(x, q_gu, q_d, slots, weights, backend="triton", scales=scales)
+    want = routed_experts(x, q_gu, q_d, slots, weights, backend="grouped_mm", scales=scales)  # dequantized first
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < 2e-2, f"relative error {err:.3g}"
