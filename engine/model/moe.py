@@ -103,6 +103,8 @@ class SparseMoE(nn.Module):
         # layer's expert e at row store_rows[e]; None: the experts are this block's own parameters.
         self.expert_store: tuple[torch.Tensor, torch.Tensor] | None = None
         self.store_rows: list[int] = []
+        # an FP8 store's scales, one per output channel (gate_up [R, 2I], down [R, H], fp32); None: 16/32-bit
+        self.expert_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         # A synthetic source's skewed router: a [phases, E] prior added to the logits, by position phase.
         self.router_prior: torch.Tensor | None = None
         self.drift_tokens = 1
@@ -113,11 +115,13 @@ class SparseMoE(nn.Module):
     def attach_provider(self, provider: ExpertProvider | None) -> None:
         self._provider = (provider,) if provider is not None else ()
 
-    def set_expert_store(self, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int]) -> None:
-        """Serve the experts from a shared store (gate_up [R, 2I, H], down [R, H, I]; expert e is row rows[e])."""
+    def set_expert_store(self, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int],
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Serve the experts from a shared store (gate_up [R, 2I, H], down [R, H, I]; expert e is row rows[e]);
+        `scales` (gate_up [R, 2I], down [R, H]): the store is e4m3 with one scale per output channel."""
         if len(rows) != self.num_experts or min(rows) < 0 or max(rows) >= gate_up.shape[0]:
             raise ValueError(f"rows: expected {self.num_experts} store rows in [0, {gate_up.shape[0]})")
-        self.expert_store, self.store_rows = (gate_up, down), list(rows)
+        self.expert_store, self.store_rows, self.expert_scales = (gate_up, down), list(rows), scales
 
     def set_router_prior(self, prior: torch.Tensor, drift_tokens: int) -> None:
         """Add prior[(position // drift_tokens) % phases] ([phases, E], fp32) to the router's logits."""
@@ -140,7 +144,12 @@ class SparseMoE(nn.Module):
         dequantized to the router's dtype, the activations' one)."""
         if self.expert_store is not None:
             row = self.store_rows[expert]
-            return self.expert_store[0][row], self.expert_store[1][row]
+            gate_up, down = self.expert_store[0][row], self.expert_store[1][row]
+            if self.expert_scales is None:
+                return gate_up, down
+            dtype = self.gate.weight.dtype
+            return tuple((w.to(torch.float32) * s[row][:, None]).to(dtype)
+                         for w, s in ((gate_up, self.expert_scales[0]), (down, self.expert_scales[1])))
         e, dtype = self.experts[expert], self.gate.weight.dtype
         return (torch.cat([dense_weight(e.gate_proj, dtype), dense_weight(e.up_proj, dtype)]),
                 dense_weight(e.down_proj, dtype))

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, predicted_ids, routed_on_host
-from engine.exec.experts.pool import ExpertPool
+from engine.exec.experts.pool import ExpertPool, expert_bytes
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import adopt, groups_of
 from engine.exec.streams import Streams, required
@@ -72,13 +72,13 @@ class ExpertCache:
         self.pools = [ExpertPool(b, device, store, on_cuda and store.type == "cpu", moved) for b in self.blocks]
         # the store's own bytes: every expert once, or a shared store's distinct rows once
         distinct = {t.data_ptr(): t.numel() * t.element_size() for p in self.pools
-                    for t in (p.store_gate_up, p.store_down)}
+                    for t in (p.store_gate_up, p.store_down, *(p.store_scales or ()))}
         self.store_mib = sum(distinct.values()) / MIB
         first = self.pools[0]
         self.num_experts = first.num_experts
         self.top_k = self.blocks[0].top_k
-        self.expert_mib = (first.store_gate_up[0].numel() + first.store_down[0].numel()) \
-            * first.store_gate_up.element_size() / MIB
+        self.expert_mib = expert_bytes(self.blocks[0]) / MIB
+        self.dtype = self.blocks[0].gate.weight.dtype  # the activations': what a dequantized expert computes in
         self.min_slots = max(1, min_slots)
         self.target_slots = self.num_experts  # what regrowth aims for (the configured budget)
         self.on_resize: Callable[[], None] = lambda: None
@@ -241,8 +241,9 @@ class ExpertCache:
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.store_gate_up = pool.store_down = torch.empty(0)
+            pool.scales = pool.store_scales = None
         for block in self.blocks:
-            block.expert_store = None  # a shared store (synthetic sources) is freed with the pools
+            block.expert_store = block.expert_scales = None  # a shared store is freed with the pools
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
@@ -296,8 +297,7 @@ class ExpertCache:
             self._run_resident(y, pool, x, ids, weights, rows, None if len(on_device) == len(experts) else on_device)
             for e in sorted(cold):
                 self.stats.host_runs += 1
-                row = pool.store_rows[e]
-                routed_on_host(y, x, weights, routes[e], pool.store_gate_up[row], pool.store_down[row])
+                routed_on_host(y, x, weights, routes[e], *pool.host_weights(e, self.dtype))
         return y.sum(dim=1)
 
     @staticmethod
@@ -312,7 +312,7 @@ class ExpertCache:
             slots = torch.where(torch.isin(ids, torch.tensor(experts, device=ids.device)), slots, -1)
         if rows is not None:
             slots = torch.where(rows[:, None], slots, -1)
-        routed_experts(x, pool.gate_up, pool.down, slots, weights, out=y)
+        routed_experts(x, pool.gate_up, pool.down, slots, weights, out=y, scales=pool.scales)
 
     def _prefetch_next(self, i: int, x: torch.Tensor, positions: torch.Tensor | None,
                        rows: torch.Tensor | None) -> None:
@@ -355,9 +355,7 @@ class ExpertCache:
             start.record(self.copy_stream)
         t0 = time.perf_counter()
         for e, slot in loads:
-            row = pool.store_rows[e]
-            self._copy(pool.gate_up[slot], pool.store_gate_up[row])
-            self._copy(pool.down[slot], pool.store_down[row])
+            pool.load(slot, e, self._copy)
         pool.set_table([(e, pool.slots) for e in evicted] + list(loads))
         if self.copy_stream is not None:
             end.record(self.copy_stream)
@@ -380,7 +378,7 @@ class ExpertCache:
             predicted = predicted_ids(self.blocks[j], x, positions)  # [N, k] layer j's likely experts
             nxt = self.pools[j]  # its predicted experts counted as the layer's own routes are (misses unread)
             slots_and_counts(predicted, nxt.table, nxt.slots, rows, self.dev_predicted[j], self._predicted_misses)
-        return routed_experts(x, pool.gate_up, pool.down, slots, weights).sum(dim=1)
+        return routed_experts(x, pool.gate_up, pool.down, slots, weights, scales=pool.scales).sum(dim=1)
 
     def serve_captured_layer(self, i: int, experts: list[int], tokens: int) -> None:
         """Load what a captured step's *first* missed layer routed to (its routing is right: every layer before
