@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, predicted_ids, routed_on_host
@@ -102,6 +103,9 @@ class ExpertCache:
         # prefetch under a CUDA graph: the experts each layer's next one would route to, counted on the device
         self.dev_predicted = torch.zeros(n, self.num_experts, dtype=torch.float32, device=device)
         self._predicted_misses = torch.zeros(1, dtype=torch.float32, device=device)
+        # route counts read a step late (count_late): two pinned buffers in turn, and the one in flight
+        self._late_buffers: list[torch.Tensor] = []
+        self._late: tuple[torch.Tensor, torch.cuda.Event, int, str] | None = None
         for block in self.blocks:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
@@ -237,6 +241,7 @@ class ExpertCache:
 
     def close(self) -> None:
         """Free the pools and the store (Engine.close), after publishing the last load / evict sums."""
+        self.flush_late_counts()
         self.stats.publish_due(self.mib, self.slots, force=True, policy=self.policy)
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
@@ -391,22 +396,61 @@ class ExpertCache:
             self._load(pool, result.loads, result.evicted)
         self.served_this_step.add(i)
 
-    def touch_captured(self, counts: list[list[float]]) -> None:
+    def touch_captured(self, counts: np.ndarray, step: int | None = None, kind: str | None = None) -> None:
         """A captured step that hit everywhere: record its accesses and refresh the policy's recency and counts
-        (layers served between its replays are recorded already)."""
-        for i, row in enumerate(counts):
-            experts = [e for e, c in enumerate(row) if c > 0]
-            if not experts or i in self.served_this_step:
+        (layers served between its replays are recorded already). counts [L, E]: its routes per expert; `step`
+        and `kind`: the step's, when its counters are read a step late (ExpertStepExecutor)."""
+        for i in np.flatnonzero(counts.any(axis=1)).tolist():
+            if i in self.served_this_step:
                 continue
+            row = counts[i]
+            experts = np.flatnonzero(row).tolist()
             pool = self.pools[i]
-            self.stats.record_access(i, experts, int(sum(row)) // self.top_k)
+            self.stats.record_access(i, experts, int(row.sum()) // self.top_k, step, kind)
             for group in groups_of(experts, pool.slots):
                 result = pool.policy.serve(group)  # all resident: hits only, nothing moves
                 self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
 
+    # --- a captured step's counters read a step late ------------------------------------------------------
+
+    def counts_late_ok(self) -> bool:
+        """Whether a replay stands unchecked: every pool holds every expert (no route can miss), on CUDA (where
+        the copy can go behind the step), and no prefetch predictions to read."""
+        return (self.device.type == "cuda" and self.cold != "prefetch" and not self.force_eager
+                and all(pool.slots >= pool.num_experts for pool in self.pools))
+
+    def count_late(self) -> None:
+        """Copy this step's route counts to pinned memory behind it and clear them; record the step before's,
+        whose copy is long done (the host read that step's tokens since), while this one computes."""
+        if not self._late_buffers:
+            self._late_buffers = [torch.empty(self.dev_counts.shape, pin_memory=True) for _ in range(2)]
+        buffer = self._late_buffers[self.stats.steps % 2]
+        buffer.copy_(self.dev_counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.dev_counts.zero_()
+        self.dev_misses.zero_()  # nothing can miss; cleared all the same, for the next checked step
+        before, self._late = self._late, (buffer, done, self.stats.steps, self.stats.step_kind)
+        if before is not None:
+            self._record_late(before)
+
+    def flush_late_counts(self) -> None:
+        """Record the counts still in flight (before a checked step, and before a snapshot is read)."""
+        if self._late is not None:
+            before, self._late = self._late, None
+            self._record_late(before)
+
+    def _record_late(self, late: tuple[torch.Tensor, torch.cuda.Event, int, str]) -> None:
+        buffer, done, step, kind = late
+        done.synchronize()
+        counts = buffer.numpy()
+        if counts.any():  # an eager step records its own accesses
+            self.touch_captured(counts, step, kind)
+
     def snapshot(self, oracle_max_age_s: float = 0.0) -> ExpertCacheSnapshot:
         """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to
         `oracle_max_age_s` old: see ExpertStats.oracle)."""
+        self.flush_late_counts()
         return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots,
                                    target_slots=self.target_slots, mib=self.mib, host_mib=self.host_mib,
                                    peer_mib=self.peer_mib, store_device=str(self.peer or "host"),
