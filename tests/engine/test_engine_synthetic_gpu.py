@@ -113,3 +113,19 @@ def test_gpu_mtp_on_gives_the_mtp_off_tokens_at_batch_6(cache_mib):
     mtp, snap = _batch_tokens(6, "float32", expert_cache_mib=cache_mib, batch_mtp=True, mtp_depth=2)
     assert mtp == plain
     assert (snap.misses > 0) == (cache_mib is not None)
+
+
+def test_gpu_every_expert_resident_goes_ahead_with_the_tokens_of_a_run_without_it():
+    """All resident on CUDA: decode ahead is on by default and the replays' counts are read a step late; the
+    tokens are those of a run with neither."""
+    plain, _ = _batch_tokens(6, decode_ahead="off")
+    engine = make_engine(MODEL, device=CUDA, dtype="bfloat16", batch=6)
+    try:
+        assert engine.ahead.enabled
+        ahead = tokens_of(run_all(engine, random_prompts(6, seed=11, lengths=(20, 90)), GREEDY))
+        assert engine.ahead.taken > 0, (engine.ahead.taken, engine.ahead.dropped)
+        snap = engine.lm.model.expert_provider.snapshot()
+        assert snap.misses == 0 and snap.hits > 0
+    finally:
+        engine.close()
+    assert ahead == plain

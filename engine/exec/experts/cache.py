@@ -413,11 +413,16 @@ class ExpertCache:
 
     # --- a captured step's counters read a step late ------------------------------------------------------
 
+    @property
+    def every_expert_resident(self) -> bool:
+        """Every pool holds every expert: no route can miss."""
+        return all(pool.slots >= pool.num_experts for pool in self.pools)
+
     def counts_late_ok(self) -> bool:
-        """Whether a replay stands unchecked: every pool holds every expert (no route can miss), on CUDA (where
-        the copy can go behind the step), and no prefetch predictions to read."""
-        return (self.device.type == "cuda" and self.cold != "prefetch" and not self.force_eager
-                and all(pool.slots >= pool.num_experts for pool in self.pools))
+        """Whether a replay stands unchecked: every expert resident, on CUDA (where the copy can go behind the
+        step), and no prefetch predictions to read."""
+        return self.device.type == "cuda" and self.cold != "prefetch" and not self.force_eager \
+            and self.every_expert_resident
 
     def count_late(self) -> None:
         """Copy this step's route counts to pinned memory behind it and clear them; record the step before's,
