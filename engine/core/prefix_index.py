@@ -20,20 +20,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from engine.errors import ConfigError
+from engine.step import BlockRef
 
 _DIGEST_BYTES = 16
 _ROOT = b"strata-prefix-v1"
 assert array("I").itemsize == 4, "token ids are hashed as 32-bit unsigned ints"
-
-
-@dataclass(frozen=True)
-class BlockRef:
-    """One cached block: `index` is its position in the prompt (tokens [index*block_tokens, +block_tokens)),
-    `block_id` the tier block holding its KV, `digest` its hash-chain key."""
-
-    index: int
-    block_id: int
-    digest: bytes
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def make_engine(model: Path, bus: EventBus | None = None, **kw) -> Engine:
     executor = kw.pop("executor", None)
     tier_mib = kw.pop("tier_budget_mib", 64.0)
     block_tokens = kw.pop("block_tokens", 16)
-    return Engine(small_config(model, **kw), bus or EventBus(), executor=executor, tier_budget_mib=tier_mib,
+    return Engine(small_config(model, **kw), bus or EventBus(), graphs=executor, tier_budget_mib=tier_mib,
                   block_tokens=block_tokens)
 
 

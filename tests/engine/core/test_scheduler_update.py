@@ -1,6 +1,5 @@
 """`Scheduler.update`: what an executed plan produced, into the requests (the bookkeeping the engine did itself
-before the step was three calls). The results are the executor's own dataclass (engine.exec.plan_executor),
-which the core reads by its fields."""
+before the step was three calls). The results are the contract's typed StepResult (engine.step)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from engine.api import SamplingParams
 from engine.core.prefix_index import PrefixIndex
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
-from engine.exec.plan_executor import RequestFailure, SampledTokens, StepResult
+from engine.step import RequestFailure, SampledTokens, StepResult
 
 BT = 16
 EOS = 7

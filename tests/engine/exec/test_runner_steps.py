@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
-from engine.exec.executor import EagerExecutor
+from engine.exec.step_fns import EagerExecutor
 from engine.exec.graphs.key import GraphKey
 from engine.exec.runner import Row, pow2_bucket, switch_for_key
 from tests.engine.engine_helpers import make_engine
