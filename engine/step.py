@@ -146,10 +146,6 @@ class StepPlan:
         """Tokens this step computes: the quantity `step_token_budget` bounds."""
         return self.num_prefill_tokens + self.num_decode_tokens
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.prefill or self.decode)
-
 
 # --- the result ----------------------------------------------------------------------------------------------
 

@@ -102,10 +102,6 @@ class PrefixIndex:
     def used_blocks(self) -> int:
         return len(self._lru)
 
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
     def stats(self) -> PrefixStats:
         return PrefixStats(
             lookups=self._lookups,
@@ -128,10 +124,6 @@ class PrefixIndex:
     def free_block_ids(self) -> list[int]:
         """Ids the index owns that hold nothing now."""
         return sorted(self._free)
-
-    def lru_block_ids(self) -> list[int]:
-        """Cached block ids, least recently used first (the eviction order, pinned ones included)."""
-        return list(self._lru.values())
 
     def match(self, token_ids: Sequence[int]) -> list[BlockRef]:
         """The longest cached prefix of `token_ids`, as refs for blocks 0..k-1; marks them recently used.

@@ -154,10 +154,6 @@ class Scheduler:
         return queued + sum(req.remaining_prompt_tokens for req in running if req is not None)
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
-    @property
     def has_work(self) -> bool:
         """True while anything is queued or holds a slot: the engine keeps stepping."""
         return bool(self._waiting) or self.num_running > 0
@@ -172,13 +168,6 @@ class Scheduler:
 
     def slot_request(self, slot: int) -> Request | None:
         return self._slots[slot]
-
-    def pinned_block_ids(self) -> set[int]:
-        """Tier blocks this scheduler holds pinned now (reused blocks being copied, new blocks being filled)."""
-        pinned = {ref.block_id for req in self._awaiting_copy if req.blocks_pinned for ref in req.cached_blocks}
-        for block_ids in self._fill_pins.values():
-            pinned.update(block_ids)
-        return pinned
 
     def get(self, request_id: str) -> Request | None:
         """A queued or running request by id (finished ones are forgotten)."""

@@ -155,7 +155,8 @@ class PlanExecutor:
         """Run the cache fills; returns the tier block ids that could not be filled."""
         unfilled: list[int] = []
         for fill in fills:
-            unfilled += self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
+            if fill.should_fill:  # its request was aborted or failed: the scheduler discarded its blocks
+                unfilled += self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
         return unfilled
 
     def _may_overlap(self, plan: StepPlan) -> bool:

@@ -54,7 +54,7 @@ def _admit_next_to_decoders(engine, context: int = 4096, fitted: bool = True) ->
     pacer = engine.sched.pacer
     assert pacer.decode_s is not None and pacer.decode_s > 0
     if fitted:  # chunks between the steps: the pacer fits their cost (beside them, it does not)
-        assert pacer.cost.num_samples > 0 and pacer.cost.predict_s(256, 2000) > 0
+        assert pacer.cost.coefficients() is not pacer.cost.prior and pacer.cost.predict_s(256, 2000) > 0
     for r in shorts:
         engine.abort(r.request_id)
     while engine.has_work:

@@ -249,9 +249,6 @@ class SlotKVCache:
         self.k, self.v, self.k_scale, self.v_scale = [], [], [], []
         self.slots = self._where = None
 
-    def set_split(self, enabled: bool) -> None:
-        self.split_attn = bool(enabled)
-
     def set_path(self, split: bool, paged: bool, paged_prefill: bool = False) -> None:
         """The attention path of the forward about to run: SPLIT_ATTN (reference backend), PAGED_ATTN (the
         in-place kernels, where `kernel` exists) and PAGED_PREFILL (prompt chunks through the kernels too)."""
@@ -405,15 +402,6 @@ class SlotKVCache:
         return kk, vv
 
     # --- whole-slot copies: prefix blocks in and out of the tier -------------------------------------------
-
-    def slot_keys(self, layer: int, values: bool = False) -> torch.Tensor:
-        """Every slot's raw stored keys (or values) in logical order, [slots, Hkv, columns, D] (a copy through
-        the block table, for tests and inspection: the serving paths never build it)."""
-        g = self.geometry
-        self.join_fetches()
-        pool = self.v[layer] if values else self.k[layer]
-        picked = pool.index_select(1, self.block_table.reshape(-1).long())
-        return picked.view(g.num_kv_heads, g.num_slots, g.columns, g.head_dim).transpose(0, 1)
 
     def _slot_tokens(self, slot: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n, device=self.device)
