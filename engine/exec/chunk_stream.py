@@ -65,7 +65,7 @@ def overlap_wanted(mode: str, device: torch.device, moe: bool) -> bool:
 class InFlight:
     """The chunk on the side stream: what it will return, and the events around its kernels."""
 
-    chunk: Any  # engine.core.step_plan.PrefillChunk
+    chunk: Any  # engine.step.PrefillChunk
     out: Any  # engine.exec.runner.StepOutput (its tensors written by the side stream)
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
