@@ -272,8 +272,8 @@ class _PartsBuilder:
 
             grow_auto(experts, config.expert_cache_mib, device_memory_mib(lm.device)[1], config.vram_reserve_mib)
         uses_graphs = config.graphs and not isinstance(graphs, EagerExecutor)
-        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, lm.device, uses_graphs, moe=experts is not None),
-                            drafter)
+        may_miss = experts is not None and not experts.every_expert_resident  # a replay must then be checked
+        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, lm.device, uses_graphs, moe=may_miss), drafter)
         return _Executors(sched, runner, drafter, chunks, ahead)
 
     def _tier(self, lm: Any, kv: SlotKVCache, index: PrefixIndex, graphs: StepExecutor, weights_mib: float,
