@@ -11,7 +11,7 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.errors import ConfigError
-from engine.exec.executor import EagerExecutor
+from engine.exec.step_fns import EagerExecutor
 from tests.engine.engine_helpers import lively_checkpoint, make_engine, random_prompts, small_config, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -113,7 +113,7 @@ def test_a_launch_ahead_that_fails_costs_that_launch_only(lively):
     on = _drive(engine, script)
     assert on == off
     assert engine.health().ready
-    assert engine.executor.decodes > 6 and engine.ahead.taken >= 8
+    assert engine.graphs.decodes > 6 and engine.ahead.taken >= 8
 
 
 def test_off_and_mtp_without_its_fused_step_never_launch_ahead(lively):
@@ -258,3 +258,16 @@ def test_kv_by_use_steps_go_ahead_while_slots_take_blocks_and_spill_each_other(l
         assert engine.kv.paging.stats.spilled_blocks > 0, "the pool was never short: nothing moved"
     want = tokens_of(run_all(make_engine(lively, decode_ahead="off", kv_pool="reserved", **small), prompts, params))
     assert got == want
+
+
+def test_an_moe_engine_with_every_expert_resident_goes_ahead_and_one_that_may_miss_says_why():
+    """Every expert resident: no route can miss, so a step may go ahead as on a dense model (same tokens). An
+    expert cache that may miss loads a step's experts from its routing: `on` is refused naming that."""
+    prompts = random_prompts(3, seed=4, lengths=(10, 30))
+    script = {0: [_add(f"r{i}", p, _greedy(10 + 3 * i)) for i, p in enumerate(prompts)]}
+    off = _drive(make_engine("random:moe-synth-tiny", decode_ahead="off", batch=3), script)
+    engine = make_engine("random:moe-synth-tiny", decode_ahead="on", batch=3)
+    assert _drive(engine, script) == off
+    assert engine.ahead.taken > 0
+    with pytest.raises(ConfigError, match="does not hold every expert"):
+        make_engine("random:moe-synth-tiny", decode_ahead="on", batch=3, expert_cache_mib=1)
