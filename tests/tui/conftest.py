@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -36,6 +40,20 @@ def utc(monkeypatch: pytest.MonkeyPatch) -> None:
     yield
     monkeypatch.undo()
     time.tzset()
+
+
+@contextlib.contextmanager
+def fixed_config_dir(path: Path) -> Iterator[Path]:
+    """A config folder at a fixed path (snapshots show it), empty for one test at a time: xdist's workers take
+    turns on an exclusive lock beside it, so one worker's clean-up never deletes another's profiles mid-test."""
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def offline_app(config_dir: Path, **options) -> StrataApp:

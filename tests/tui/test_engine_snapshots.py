@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ from strata_tui.adapters.view import EndpointView, ForeignView
 from strata_tui.gpu import GpuProcess, GpuSample
 from strata_tui.kinds import KIND_NAMES
 from strata_tui.messages import EngineOutput
-from tests.tui.conftest import offline_app, screen_text
+from tests.tui.conftest import fixed_config_dir, offline_app, screen_text
 from tests.tui.engine_replay import replay_server, routes_for
 
 SNAP_CONFIG = Path("/tmp/strata-tui-engine-snapshot-config")
@@ -60,9 +59,8 @@ def gpus() -> list[GpuSample]:
 
 @pytest.fixture
 def snap_dir(utc) -> Path:
-    shutil.rmtree(SNAP_CONFIG, ignore_errors=True)
-    yield SNAP_CONFIG
-    shutil.rmtree(SNAP_CONFIG, ignore_errors=True)
+    with fixed_config_dir(SNAP_CONFIG) as path:
+        yield path
 
 
 @pytest.mark.parametrize("size", [(200, 55), (100, 30)], ids=["200x55", "100x30"])

@@ -5,7 +5,6 @@ Update after an intended change: pytest tests/tui/test_snapshots.py --snapshot-u
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from strata_tui.gpu import GpuSample
 from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
 from strata_tui.profile_store import ProfileStore
 from strata_tui.profiles import Profile
-from tests.tui.conftest import offline_app, recorded, screen_text, wait_for
+from tests.tui.conftest import fixed_config_dir, offline_app, recorded, screen_text, wait_for
 
 SIZE = (160, 48)
 # A fixed directory: the profiles screen shows its path, and a tmp path would change every run.
@@ -28,9 +27,8 @@ LOG = [("stdout", "strata-engine: loading builtin:strata-tiny on cuda:0"),
 
 @pytest.fixture
 def snap_dir(utc) -> Path:
-    shutil.rmtree(SNAP_CONFIG, ignore_errors=True)
-    yield SNAP_CONFIG
-    shutil.rmtree(SNAP_CONFIG, ignore_errors=True)
+    with fixed_config_dir(SNAP_CONFIG) as path:
+        yield path
 
 
 async def _settle(pilot) -> None:
