@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from strata_tui.adapters.prometheus import Histogram, Metrics
+from strata_tui.adapters.rates import CounterRates
 from strata_tui.adapters.view import EndpointView
 
 
@@ -18,6 +19,7 @@ class Adapter:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.rates = CounterRates()  # token counters between reads: the rates (strata_tui/adapters/rates.py)
 
     async def read(self, client: httpx.AsyncClient) -> EndpointView:
         view = EndpointView(self.url, self.kind)
@@ -43,6 +45,18 @@ async def get_metrics(client: httpx.AsyncClient, path: str = "/metrics") -> Metr
         return None
     response.raise_for_status()
     return Metrics(response.text)
+
+
+def token_rates(view: EndpointView, rates: CounterRates, metrics: Metrics, prompt_counter: str,
+                decode_counter: str, prompt_gauge: str | None = None, decode_gauge: str | None = None) -> None:
+    """Prompt and decode tok/s from the token counters between this read and the last; a gauge only where the
+    engine exports no counter (the first read, with nothing to compare yet, shows the gauge or nothing)."""
+    for attr, counter, gauge in (("prompt_tokens_s", prompt_counter, prompt_gauge),
+                                 ("decode_tokens_s", decode_counter, decode_gauge)):
+        value = rates.rate(counter, metrics.sum(counter))
+        if value is None and not metrics.has(counter) and gauge is not None:
+            value = metrics.sum(gauge)
+        setattr(view, attr, value)
 
 
 def latency(view: EndpointView, ttft: Histogram | None, itl: Histogram | None) -> None:
