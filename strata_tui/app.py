@@ -23,6 +23,8 @@ from strata_tui.commands import palette_commands
 from strata_tui.controls import DEFAULT_SCENARIO, Controls
 from strata_tui.foreign_app import ForeignEngines
 from strata_tui.gpu import NvmlSampler
+from strata_tui.history import sample as sample_history
+from strata_tui.host_stats import HostSampler
 from strata_tui.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
 from strata_tui.messages import EngineNews
 from strata_tui.monitor_state import MonitorState
@@ -37,6 +39,9 @@ from strata_tui.telemetry_client import TelemetryClient, stream_telemetry
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
 from strata_tui.view_state import ViewState
 from strata_tui.workers import engine_callbacks, poll_state, read_state, run_engine, sample_gpus, watch_liveness
+
+
+HISTORY_TICK_S = 1.0
 
 
 class StrataApp(ForeignEngines, App):
@@ -83,6 +88,7 @@ class StrataApp(ForeignEngines, App):
         self.process: EngineProcess | None = None
         self.client: TelemetryClient | None = None  # one per engine run (or attachment)
         self.clock = time.monotonic  # local time for ETAs counting down (tests freeze it)
+        self.host_sampler: HostSampler | None = None  # made on mount (its first reading starts the interval)
 
     # --- what the screens and controls read ----------------------------------------------------------
 
@@ -124,6 +130,8 @@ class StrataApp(ForeignEngines, App):
         else:
             self._set_profile(opened)
         self.push_screen(MonitorScreen())
+        self.host_sampler = HostSampler()
+        self.set_interval(HISTORY_TICK_S, self.sample_history)
         if self.sampler_factory is not None:
             factory = self.sampler_factory
             self.run_worker(lambda: sample_gpus(self.post_message, self.gpu_interval_s, factory()), thread=True,
@@ -138,6 +146,18 @@ class StrataApp(ForeignEngines, App):
             self.push_screen(ProfilesScreen())
         elif self.launch:
             self.start_engine()
+
+    def sample_history(self) -> None:
+        """One sample a second for the history panel: what the view holds now, and the engine's CPU and memory
+        (its process tree when this app launched it, else the host's) when it runs on the CPU."""
+        from strata_tui.history import on_cpu
+
+        host = None
+        if self.host_sampler is not None and on_cpu(self.view):
+            pid = self.process.pid if self.process is not None and self.process.running else None
+            host = self.host_sampler.read(pid if not self.attach_url else None)
+        values, labels = sample_history(self.view, host)
+        self.view.history.add(values, labels)
 
     def _set_profile(self, profile: Profile) -> None:
         self.view.profile, self.view.profile_error = profile, None
@@ -174,6 +194,7 @@ class StrataApp(ForeignEngines, App):
         self.process = EngineProcess(argv, {**engine_env(config), **profile.env}, cwd=self.engine_cwd,
                                      **engine_callbacks(self.post_message, self.run_id))
         self.view.monitor.reset_for_launch()
+        self.view.history.clear()
         self.view.crash, self.view.engine_url, self.view.telemetry_connected = None, None, None
         self.view.unreachable_since, self.view.unreachable_reason = None, ""
         self.view.resyncing, self.view.engine_instance, self.view.stopping_why = False, None, ""

@@ -173,7 +173,7 @@ def _experts(view: ViewState, message: ExpertsSnapshot, now_s: float, wall_s: fl
 
 
 def _kv_pool(view: ViewState, message: KvPoolSnapshot, now_s: float, wall_s: float) -> list[Effect]:
-    view.monitor.apply_kv_pool(message.paging, message.admission_wait)  # bumps the monitor's version only when the pool's use changed
+    view.monitor.apply_kv_pool(message.paging, message.admission_wait, message.waiting)  # bumps the monitor's version only when the pool's use changed
     return []
 
 

@@ -72,10 +72,10 @@ async def read_state(post: Post, client: TelemetryClient) -> None:
 
 async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.0,
                      dense_interval_s: float = 10.0, busy: Callable[[], bool] = lambda: True) -> None:
-    """Read `/strata/state` every `interval_s` while the engine has an expert cache, or a KV block pool and
-    requests running (`busy`; once more after the last ends, for the blocks it gave back), and post those
-    sections (hit counters and pool use change every step but travel in no event); otherwise only every
-    `dense_interval_s` (an idle pool does not change; a restarted engine may have either). Reads never overlap."""
+    """Read `/strata/state` every `interval_s` while the engine has an expert cache, or requests running (`busy`;
+    once more after the last ends, for the blocks it gave back), and post those sections (hit counters, pool use
+    and the queue's depth change every step but travel in no event); otherwise only every `dense_interval_s` (an
+    idle engine does not change; a restarted engine may have either). Reads never overlap."""
     fast, was_busy, last_read_s = False, False, float("-inf")
     while True:
         now_busy = busy()
@@ -97,9 +97,10 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
         paging = kv.paging if kv is not None else None
         if experts is not None:
             post(ExpertsSnapshot(experts))
-        if paging is not None:
-            post(KvPoolSnapshot(paging, QueueSnapshot.from_json(state.get("queue")).admission_wait))
-        fast = paging is not None
+        if state:
+            queue = QueueSnapshot.from_json(state.get("queue"))
+            post(KvPoolSnapshot(paging, queue.admission_wait, queue.waiting))
+        fast = True  # the queue's depth (and a pool's use) is read once a second while requests run
         if experts is not None:  # the expert panel is kept current once a second, busy or not
             fast, was_busy = True, True
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -9,6 +9,8 @@ another engine kind. A forced redraw (a resize, a test) draws every widget now.
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from textual.app import ComposeResult
@@ -19,11 +21,13 @@ from textual.widgets import Footer, Header
 
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.load_result import LoadResultPanel
-from strata_tui.widgets.engine_log import EngineLog
+from strata_tui.widgets.engine_log import EngineLog, plain, save_log
+from strata_tui.screens.dialogs import FilterDialog
 from strata_tui.widgets.engine_panel import EnginePanel
 from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
+from strata_tui.widgets.history_panel import HistoryPanel
 from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
@@ -58,6 +62,12 @@ class MonitorScreen(Screen):
         Binding("f", "cycle_filter", "Filter"),
         Binding("escape", "close_result", "Close result", show=False),
         Binding("p", "app.show_profiles", "Profiles"),
+        Binding("z", "zoom_history", "Zoom"),
+        Binding("slash", "filter_log", "Filter log", key_display="/"),
+        Binding("space", "pause_log", "Pause log", show=False),
+        Binding("y", "copy_line", "Copy line", show=False),
+        Binding("e", "copy_error", "Copy error", show=False),
+        Binding("w", "save_log", "Save log", show=False),
         Binding("plus,equals_sign", "reserve(1, False)", "Reserve +"),
         Binding("minus", "reserve(-1, False)", "Reserve -"),
         Binding("right_square_bracket", "reserve(1, True)", "Reserve ++", show=False),
@@ -101,6 +111,7 @@ class MonitorScreen(Screen):
             yield GpuPanel(view, id="gpus", classes="panel")
             yield SlotsTable(view, lambda: self.strata.clock(), id="slots", classes="panel")
             yield EnginePanel(view, id="engine", classes="panel")
+            yield HistoryPanel(view, id="history", classes="panel")
             with Horizontal(id="lower"):
                 with Vertical(id="left"):
                     yield LoadResultPanel(view, id="load-result")
@@ -113,7 +124,6 @@ class MonitorScreen(Screen):
     def on_mount(self) -> None:
         self.query_one(GpuPanel).border_title = "GPUs"
         self.query_one(SwitchesPanel).border_title = "Switches"
-        self.query_one(EngineLog).border_title = "Engine log"
         self.query_one(ExpertPanel).border_title = "Expert cache"
         self.query_one(CrashPanel).border_title = "Engine stopped"
         self._set_graph_title()
@@ -151,6 +161,58 @@ class MonitorScreen(Screen):
 
     def action_expert_budget(self, direction: int) -> None:
         self.strata.controls.expert_budget(direction)
+
+    # --- the engine log: filter, pause, copy, save -------------------------------------------------------------
+
+    def action_filter_log(self) -> None:
+        log = self.query_one(EngineLog)
+
+        def apply(pattern: str | None) -> None:
+            if pattern is not None:
+                log.set_filter(pattern)
+
+        self.app.push_screen(FilterDialog(log.pattern), apply)
+
+    def action_pause_log(self) -> None:
+        self.query_one(EngineLog).toggle_pause()
+
+    def action_copy_line(self) -> None:
+        line = self.query_one(EngineLog).current_line()
+        if line is None:
+            self.notify("the engine log is empty: nothing to copy", severity="warning")
+            return
+        self.app.copy_to_clipboard(line)
+        self.notify(f"copied: {line[:120]}", title="clipboard (OSC 52)")
+
+    def action_copy_error(self) -> None:
+        error = self.strata.view.last_error_text()
+        if not error:
+            self.notify("no error so far: nothing to copy", severity="warning")
+            return
+        self.app.copy_to_clipboard(error)
+        self.notify(f"copied: {error[:120]}", title="clipboard (OSC 52)")
+
+    def action_save_log(self) -> None:
+        log = self.query_one(EngineLog)
+        lines = [plain(line) for line in log.shown]
+        name = self.strata.view.profile_name
+
+        def write() -> Path:
+            return save_log(lines, name)
+
+        async def save() -> None:
+            try:
+                path = await asyncio.to_thread(write)
+            except OSError as exc:
+                self.notify(f"log not saved: {exc}", severity="error", timeout=10)
+                return
+            what = f"{len(lines):,} lines" + (f" matching {log.pattern!r}" if log.pattern else "")
+            self.notify(f"saved {what} to {path}", title="engine log", timeout=10)
+
+        self.run_worker(save(), group="save-log", exit_on_error=False)
+
+    def action_zoom_history(self) -> None:
+        self.query_one(HistoryPanel).zoom()
 
     def action_cycle_filter(self) -> None:
         table = self.query_one(GraphEventsTable)
