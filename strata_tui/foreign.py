@@ -14,6 +14,7 @@ from textual.message import Message
 
 from strata_tui.adapters import adapter_for, detect
 from strata_tui.adapters.view import EndpointView, ForeignView
+from strata_tui.http_errors import describe_http_error
 from strata_tui.launcher import EngineProcess
 
 Post = Callable[[Any], Any]
@@ -52,7 +53,7 @@ async def detect_kind(post: Post, url: str, api_key: str | None = None, timeout_
         async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
             kind = await detect(client)
     except httpx.HTTPError as exc:
-        post(KindDetected(None, f"{url}: {type(exc).__name__}: {exc}"))
+        post(KindDetected(None, f"{url}: {describe_http_error(exc)}"))
         return
     why = "" if kind else (f"{url} answers none of /strata/state, /props (llama.cpp), /get_server_info (SGLang), "
                            "/version with vllm: metrics (vLLM): say which with --kind")
@@ -92,7 +93,8 @@ async def poll_endpoint(post: Post, kind: str, index: int, url: str, api_key: st
                 since = None
             except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as exc:
                 since = since or time.time()
-                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                reason = describe_http_error(exc) if isinstance(exc, (httpx.HTTPError, OSError)) else (
+                    f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
                 view = EndpointView(url, kind, reachable=False, error=reason[:120], unreachable_since=since)
             post(EndpointRead(index, view))
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

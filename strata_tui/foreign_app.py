@@ -47,7 +47,8 @@ class ForeignEngines:
     def on_kind_detected(self, message: KindDetected) -> None:
         urls = split_urls(self.view.attach_url or "")
         if message.kind is None:
-            self.view.status_note = message.reason[:100]
+            # the status line already names the URL: the reason alone, so a narrow line keeps it
+            self.view.status_note = message.reason.removeprefix(f"{urls[0]}: ") if urls else message.reason
             self.view.monitor.engine_state = "not detected"
             self.notify(message.reason, title="attach", severity="error", timeout=15)
             self.view.changed()

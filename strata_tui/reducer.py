@@ -35,7 +35,8 @@ from strata_tui.messages import (
 )
 from strata_tui.view_state import CrashInfo, ViewState
 
-TELEMETRY_DRAIN_S = 1.0  # an exited engine's stream may still hold its last events (the fatal error)
+TELEMETRY_DRAIN_S = 1.0
+RESULT_HINT = "result in the panel below (escape closes it)"  # an exited engine's stream may still hold its last events (the fatal error)
 
 
 @dataclass(frozen=True)
@@ -217,8 +218,10 @@ def _load(view: ViewState, message: LoadProgress, now_s: float, wall_s: float) -
     effects: list[Effect] = []
     if message.done:
         view.load_running, view.load_result, view.load_progress = None, message.text, ""
-        view.status_note = "load failed: see the result panel" if message.failed else "load done: see below"
-        effects.append(Notify(message.text.splitlines()[0], "load", "error" if message.failed else "information"))
+        view.status_note = f"load {'failed' if message.failed else 'done'}: {RESULT_HINT}"
+        # the pop-up words the hint as the status line does
+        effects.append(Notify(f"{message.text.splitlines()[0]}\n{RESULT_HINT}", "load",
+                              "error" if message.failed else "information"))
     else:
         view.load_progress = message.text[:120]
     view.changed()

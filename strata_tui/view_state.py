@@ -49,6 +49,12 @@ def pick_error_line(lines: Iterable[str]) -> str | None:
     return None
 
 
+def severity_of(line: str) -> str:
+    """"warning" for a WARNING record, else "error": what the crash panel calls the line it shows."""
+    level = _LEVEL.search(line)
+    return "warning" if level is not None and level.group(1) in ("WARNING", "WARN") else "error"
+
+
 @dataclass
 class CrashInfo:
     """What the crash panel shows about the engine's end."""

@@ -24,6 +24,8 @@ async def detect(client: httpx.AsyncClient) -> str | None:
     async def answers(path: str) -> httpx.Response | None:
         try:
             response = await client.get(path)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            raise  # nothing answers there at all: the caller says why (connection refused), not "none of these"
         except httpx.HTTPError:
             return None
         return response if response.status_code == 200 else None

@@ -119,13 +119,21 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
-        assert app.controls.load_params("seed") == {"long_tokens": 8192 - 16, "short_max_tokens": 128}
+        assert app.controls.load_params("seed") == {"short_max_tokens": 128}
         await pilot.press("l")
         await wait_for(pilot, lambda: app.view.load_result is not None, timeout_s=60, what="scenario")
         assert "done in" in app.view.load_result and ": ok" in app.view.load_result.splitlines()[0]
+        # the long prompt was fitted to the context the server reports (8192), less what it generates
+        assert _log_has(app, f"POST /v1/completions prompt_tokens={8192 - 16} "), list(app.view.log_lines)[-12:]
         await wait_for(pilot, lambda: "Load result" in screen_text(app), what="the load result on screen")
         shown = screen_text(app)
         assert "e+0" not in shown and "e+1" not in shown
+        # the status line and the pop-up word the hint alike
+        from strata_tui.reducer import RESULT_HINT
+        assert RESULT_HINT in app.view.status_note
+        assert any(RESULT_HINT in n.message for n in app._notifications), [n.message for n in app._notifications]
+        for line in app.view.load_result.splitlines()[1:]:
+            assert not line.rstrip().endswith("n/a"), line  # a metric it could not measure says why
         assert app.view.monitor.last_seq > 20, "the scenario's requests must show up as slot events"
 
 
