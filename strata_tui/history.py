@@ -124,7 +124,8 @@ def _strata(view: "ViewState") -> dict[str, float | None]:
                for s in slots if s.state in ("prefill", "decode"))
     pool = monitor.kv_pool
     if pool is not None and pool.pool_blocks:
-        kv: float | None = pool.used_blocks / pool.pool_blocks
+        # every slot idle: the blocks still counted are finished requests', given back at the next step
+        kv: float | None = pool.used_blocks / pool.pool_blocks if monitor.any_running() else 0.0
     elif monitor.context_tokens and slots:
         held = sum(s.prefilled_tokens + s.generated_tokens for s in slots if s.state in ("prefill", "decode"))
         kv = held / (monitor.context_tokens * len(monitor.slots))

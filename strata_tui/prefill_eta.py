@@ -76,11 +76,14 @@ class PrefillTrack:
             return
         self.first_token_ts = engine_ts
         start = self.admitted_ts if self.admitted_ts is not None else (self.samples[0][0] if self.samples else None)
-        if start is not None and engine_ts > start:
-            self.ttft_s = engine_ts - start
-            self.prompt_tok_s = engine_prompt_tok_s or (self.to_prefill_tokens / self.ttft_s)
-        elif engine_prompt_tok_s:
-            self.prompt_tok_s = engine_prompt_tok_s
+        span_s = engine_ts - start if start is not None and engine_ts > start else None
+        # The events of one step are published together after it: a prompt prefilled in one chunk has its admission
+        # and its first token stamped a fraction of a millisecond apart. The engine's own prompt rate says how long
+        # the chunk took; the time to first token is never shorter than that.
+        rate_s = self.to_prefill_tokens / engine_prompt_tok_s if engine_prompt_tok_s else None
+        if span_s is not None or rate_s is not None:
+            self.ttft_s = max(span_s or 0.0, rate_s or 0.0)
+            self.prompt_tok_s = engine_prompt_tok_s or (self.to_prefill_tokens / self.ttft_s if self.ttft_s else None)
 
     def cost_model(self) -> tuple[float, float] | None:
         """(a s/token, b s/token²) fitted to the chunks seen; None before two samples."""

@@ -77,6 +77,8 @@ def format_eta(eta_s: float | None) -> str:
         return ""
     if eta_s >= 60:
         return f"{int(eta_s // 60)}m{int(eta_s % 60):02d}s"
+    if eta_s < 0.95:  # under a second in milliseconds: a one-chunk prompt's 46 ms is not "0.0s"
+        return f"{eta_s * 1000:.0f}ms"
     return f"{eta_s:.0f}s" if eta_s >= 10 else f"{eta_s:.1f}s"
 
 
@@ -233,7 +235,7 @@ class SlotsTable(ViewBound, DataTable):
         state = view.monitor
         if self.slice_changed(tuple(state.slots.items()), force or state.any_prefilling):
             self.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self._clock())
-        title = slots_title(state.kv_pool, state.admission_wait)
+        title = slots_title(state.kv_pool, state.admission_wait, idle=bool(state.slots) and not state.any_running())
         if self.border_title != title:  # setting it repaints the border even when it is the same
             self.border_title = title
         admission = state.last_admission
@@ -368,14 +370,22 @@ class SlotsTable(ViewBound, DataTable):
         return Strip(segments)
 
 
-def slots_title(pool: KvPagingSnapshot | None, admission_wait: str = "") -> str:
+def slots_title(pool: KvPagingSnapshot | None, admission_wait: str = "", idle: bool = False) -> str:
     """The slots panel's title: with KV by use, what the block pool holds (blocks slots use as their own, free,
     backing the prefix tier and mapped into slots from it, on the host), how many times a slot was preempted, and
-    that the queue waits for blocks while a slot is free."""
+    that the queue waits for blocks while a slot is free.
+
+    `idle`: every slot is idle. A finished request's blocks go back to the pool when the engine's next step starts
+    (what that step may still copy from them stays valid until then), so an engine with nothing to do still
+    counts its last requests' blocks as held: they are shown as such, not as in use."""
     if pool is None or not pool.pool_blocks:
         return "Slots"
     used = pool.pool_blocks - pool.free_pool_blocks
-    parts = [f"KV pool {used * 100 // pool.pool_blocks} % of {pool.pool_blocks:,} blocks: {pool.used_blocks:,} used, "
+    held = f"{pool.used_blocks:,} used"
+    if idle and pool.used_blocks:
+        used -= pool.used_blocks
+        held = f"0 used ({pool.used_blocks:,} of finished requests, free at the next step)"
+    parts = [f"KV pool {used * 100 // pool.pool_blocks} % of {pool.pool_blocks:,} blocks: {held}, "
              f"{pool.free_pool_blocks:,} free"]
     if pool.tier_blocks or pool.borrowed_blocks:
         parts.append(f"tier {pool.tier_blocks:,} ({pool.borrowed_blocks:,} shared)")
