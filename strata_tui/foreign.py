@@ -16,6 +16,7 @@ from strata_tui.adapters import adapter_for, detect
 from strata_tui.adapters.view import EndpointView, ForeignView
 from strata_tui.http_errors import describe_http_error
 from strata_tui.launcher import EngineProcess
+from strata_tui.messages import EngineNews
 
 Post = Callable[[Any], Any]
 READ_INTERVAL_S = 1.0
@@ -24,23 +25,24 @@ READY_POLL_S = 0.25
 
 
 @dataclass
-class EndpointRead(Message):
-    """One endpoint's latest reading (or failure); `index` is its row."""
+class EndpointRead(EngineNews):
+    """One endpoint's latest reading (or failure); `index` is its row. Folded in by the reducer, as every engine's
+    news is."""
 
     index: int
     view: EndpointView
 
 
 @dataclass
-class KindDetected(Message):
-    """What answers at an attached URL: a kind, or None with what was tried."""
+class KindsDetected(Message):
+    """What answers at each attached URL: a kind, or None with what was tried (`reasons`, same order)."""
 
-    kind: str | None
-    reason: str = ""
+    kinds: list[str | None]
+    reasons: list[str]
 
 
 def split_urls(text: str) -> list[str]:
-    """`--attach URL[,URL...]`: several servers (data-parallel replicas, other hosts), one row each."""
+    """`--attach URL[,URL...]`: several servers (data-parallel replicas, other hosts, other kinds), one row each."""
     return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
 
 
@@ -48,16 +50,22 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def detect_kind(post: Post, url: str, api_key: str | None = None, timeout_s: float = 3.0) -> None:
+async def _detect_one(url: str, api_key: str | None, timeout_s: float) -> tuple[str | None, str]:
     try:
         async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
             kind = await detect(client)
     except httpx.HTTPError as exc:
-        post(KindDetected(None, f"{url}: {describe_http_error(exc)}"))
-        return
+        return None, f"{url}: {describe_http_error(exc)}"
     why = "" if kind else (f"{url} answers none of /strata/state, /props (llama.cpp), /get_server_info (SGLang), "
                            "/version with vllm: metrics (vLLM): say which with --kind")
-    post(KindDetected(kind, why))
+    return kind, why
+
+
+async def detect_kinds(post: Post, urls: list[str], api_key: str | None = None, timeout_s: float = 3.0) -> None:
+    """Which engine answers at each URL, all at once (a Strata engine and a vLLM server may be watched side by
+    side); one message with every answer."""
+    found = await asyncio.gather(*(_detect_one(url, api_key, timeout_s) for url in urls))
+    post(KindsDetected([kind for kind, _ in found], [why for _, why in found]))
 
 
 async def wait_ready(post: Post, process: EngineProcess, url: str, health_path: str, run: int,
@@ -100,5 +108,10 @@ async def poll_endpoint(post: Post, kind: str, index: int, url: str, api_key: st
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
-def empty_view(kind: str, urls: list[str]) -> ForeignView:
-    return ForeignView(kind, [EndpointView(u, kind, error="not read yet") for u in urls])
+def empty_view(kind: str, urls: list[str], kinds: list[str | None] | None = None,
+               reasons: list[str] | None = None) -> ForeignView:
+    """Rows for `urls` before their first reading; a URL whose kind was not detected says why in its row."""
+    kinds = kinds or [kind] * len(urls)
+    reasons = reasons or [""] * len(urls)
+    return ForeignView(kind, [EndpointView(u, k or "?", error="not read yet" if k else f"not detected: {why}")
+                              for u, k, why in zip(urls, kinds, reasons)])

@@ -33,6 +33,7 @@ from strata_tui.messages import (
     TelemetryBatch,
     TelemetryStatus,
 )
+from strata_tui.foreign import EndpointRead
 from strata_tui.view_state import CrashInfo, ViewState
 
 TELEMETRY_DRAIN_S = 1.0
@@ -206,6 +207,25 @@ def _liveness(view: ViewState, message: EngineLiveness, now_s: float, wall_s: fl
     return [RedrawNow()]
 
 
+def _endpoint(view: ViewState, message: EndpointRead, now_s: float, wall_s: float) -> list[Effect]:
+    """One endpoint's reading (another engine kind's, or a row beside a Strata engine): its row; the first
+    endpoint of another kind also says whether the engine answers (a Strata engine's liveness has its probe)."""
+    foreign = view.foreign
+    if (foreign is None or message.index >= len(foreign.endpoints)
+            or message.view.kind != foreign.endpoints[message.index].kind):
+        return []
+    foreign.endpoints[message.index] = message.view
+    if message.index == 0 and view.kind != "strata":
+        if message.view.reachable:
+            view.unreachable_since = None
+            if view.monitor.engine_state in ("attaching", "starting", "not started"):
+                view.monitor.engine_state = "ready"
+        elif view.unreachable_since is None and not (view.crash is not None and not view.attached):
+            view.unreachable_since = message.view.unreachable_since
+    view.changed()
+    return []
+
+
 def _gpu(view: ViewState, message: GpuSampled, now_s: float, wall_s: float) -> list[Effect]:
     view.gpu_history.add(message.samples)
     if message.samples or view.gpu_unavailable != message.unavailable:
@@ -240,4 +260,5 @@ _HANDLERS: dict[type, Callable[[ViewState, Any, float, float], list[Effect]]] = 
     EngineLiveness: _liveness,
     GpuSampled: _gpu,
     LoadProgress: _load,
+    EndpointRead: _endpoint,
 }

@@ -8,9 +8,11 @@ import httpx
 from strata_tui.adapters.base import Adapter
 from strata_tui.adapters.llamacpp import LlamacppAdapter
 from strata_tui.adapters.sglang import SglangAdapter
+from strata_tui.adapters.strata import StrataAdapter
 from strata_tui.adapters.vllm import VllmAdapter
 
-ADAPTERS: dict[str, type[Adapter]] = {"vllm": VllmAdapter, "sglang": SglangAdapter, "llamacpp": LlamacppAdapter}
+ADAPTERS: dict[str, type[Adapter]] = {"strata": StrataAdapter, "vllm": VllmAdapter, "sglang": SglangAdapter,
+                                      "llamacpp": LlamacppAdapter}
 
 
 def adapter_for(kind: str, url: str) -> Adapter:

@@ -239,7 +239,7 @@ class MonitorScreen(Screen):
             self.refresh_bindings()
         # A vLLM / SGLang / llama.cpp server: its panel replaces the Strata-only ones (slots events, graph cache,
         # switches, expert cache), which such an engine cannot feed.
-        foreign = view.foreign is not None or view.kind != "strata"
+        foreign = view.kind != "strata"  # (a Strata engine keeps its panels beside other endpoints' rows)
         if foreign != self.has_class("-foreign"):
             self.set_class(foreign, "-foreign")
             self.refresh_bindings()

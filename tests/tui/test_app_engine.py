@@ -270,3 +270,21 @@ async def test_restart_ends_the_previous_runs_telemetry(config_dir: Path, monkey
         streams = [w for w in app.workers if w.group == "telemetry" and not w.is_finished]
         assert streams == [], "the first run's event stream must end with it"
         assert "ConnectError" not in app.view.status_note
+
+
+async def test_attach_to_a_strata_url_and_a_vllm_url_shows_both(config_dir: Path, running_engine: str) -> None:
+    """`--attach STRATA,VLLM`: the Strata engine keeps its own panels (slots), and the endpoint table has a row for
+    each URL, each read by its own kind's adapter (it used to name the vLLM URL in the title only)."""
+    from tests.tui.engine_replay import replay_server, routes_for
+
+    ProfileStore(config_dir).save(Profile("default"))
+    with replay_server(routes_for("vllm")) as vllm:
+        app = create_app(config_dir=config_dir, attach_url=f"{running_engine},{vllm.url}", sampler_factory=None)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).row_count == 8, what="Strata's slots")
+            host = vllm.url.split("://")[1]
+            await wait_for(pilot, lambda: "up vLLM 0.10.1.1" in screen_text(app), 15, "the vLLM row")
+            text = screen_text(app)
+            assert host in text and "Strata + vLLM · 2 endpoints" in text, text
+            assert "up Strata" in text, text
+            await pilot.press("q")
