@@ -31,6 +31,7 @@ MONITOR_KEYS = (
     ("escape", "close the load result"),
     ("f", "filter graph-cache events: all, warnings and errors, errors only"),
     ("z", "history: zoom out to the last 1, 5 or 15 minutes"),
+    ("v", "on a short terminal: show the next of the panels left out (history, graph cache, engine log)"),
     ("/", "filter the engine log (a regular expression; empty shows every line)"),
     ("space", "pause the engine log (new lines wait); up / down then move a cursor over its lines"),
     ("y", "copy the log's cursor line (the last line while it follows) to the clipboard (OSC 52)"),

@@ -22,7 +22,7 @@ from strata_tui.widgets.view_bound import ViewBound
 _BARS = " ▁▂▃▄▅▆▇█"
 BEFORE = float("-inf")  # a cell from before the first sample: blank (a None is a sample the engine could not give)
 TWO_ROWS_FROM = 48  # terminal rows from which each chart is two rows high
-COLUMNS_FROM = (0, 100, 170)  # terminal columns from which the panel has 1, 2, 3 charts a line
+COLUMNS_FROM = (0, 70, 150)  # the panel's width from which it has 1, 2, 3 charts a line
 
 
 def buckets(values: list[float | None], cells: int) -> list[float | None]:
@@ -62,15 +62,23 @@ def chart(cells: list[float | None], rows: int, upper: float, style: str) -> lis
     return lines
 
 
+LABEL_CELLS = 18  # one-row charts: "tok/s 1,234" beside its line
+
+
 def metric_block(metric: Metric, values: list[float | None], width: int, rows: int, label: str) -> list[Text]:
-    """One metric: its label, latest value and the window's peak, then its chart `width` cells wide."""
+    """One metric: its label, latest value and the window's peak, then its chart `width` cells wide (one row:
+    label and value, then the chart on the same line)."""
     seen = [v for v in values if v is not None]
     latest = next((v for v in reversed(values) if v is not None), None)
     head = Text.assemble((f"{label} ", "bold"), (metric.show(latest) if latest is not None else "—", metric.style))
+    upper = metric.upper or (max(seen) if seen else 1.0) or 1.0
+    if rows == 1:
+        head.truncate(LABEL_CELLS, overflow="ellipsis", pad=True)
+        line = head + Text(" ") + chart(buckets(values, max(4, width - LABEL_CELLS - 1)), 1, upper, metric.style)[0]
+        return [line]
     if seen:
         head.append(f"  peak {metric.show(max(seen))}", style="dim")
     head.truncate(width, overflow="ellipsis")
-    upper = metric.upper or (max(seen) if seen else 1.0) or 1.0
     return [head, *chart(buckets(values, width), rows, upper, metric.style)]
 
 
@@ -107,7 +115,7 @@ class HistoryPanel(ViewBound, Static):
     def show(self, history: History) -> None:
         width = self.content_size.width or self.app.size.width - 4
         metrics = history.shown()
-        columns = max(1, sum(1 for start in COLUMNS_FROM if self.app.size.width >= start))
+        columns = max(1, sum(1 for start in COLUMNS_FROM if width >= start))
         rows = 2 if self.app.size.height >= TWO_ROWS_FROM else 1
         cell = max(10, (width - 2 * (columns - 1)) // columns)
         blocks = [metric_block(m, history.window(m.key, self.window_s), cell, rows, history.labels.get(m.key, m.label))

@@ -55,8 +55,17 @@ _STATE_STYLE = {"prefill": "yellow", "decode": "green", "idle": "dim", "finished
                 "aborted": "magenta", "error": "bold red"}
 
 
+NARROW_BELOW = 94  # table width under which the request, prompt and cached columns go (80x24)
+
+
 def columns_for(width: int) -> tuple[tuple[str, str, int], ...]:
-    """(label, key, width) for a table `width` cells wide (each column adds 2 cells of padding)."""
+    """(label, key, width) for a table `width` cells wide (each column adds 2 cells of padding). Narrow (80
+    columns): slot, state, progress, tok/s and MTP only; the title says where the rest went (the admission line
+    under the table names the last request, its prompt and what was cached)."""
+    if width < NARROW_BELOW:
+        fixed = (("slot", "slot", 4), ("state", "state", 7), ("tok/s", "tok_s", 7), ("MTP", "acceptance", 4))
+        progress = max(16, width - 4 - sum(w + 2 for _, _, w in fixed) - 2)
+        return fixed[:2] + (("progress", "progress", progress),) + fixed[2:]
     if width < WIDE_AT:
         fixed = (("slot", "slot", 4), ("state", "state", 7), ("request", "request", 10), ("prompt", "prompt", 9),
                  ("cached", "cached", 8), ("tok/s", "tok_s", 7), ("MTP", "acceptance", 4))
@@ -217,6 +226,7 @@ class SlotsTable(ViewBound, DataTable):
         self._row_version: dict[str, int] = {}  # row key -> changes so far (a drawn row is kept until it changes)
         self._drawn: dict[str | None, tuple[tuple, Strip]] = {}  # row key (None: the header) -> (look, strip)
         self._frame_styles: dict[str, Style] | None = None
+        self.row_limit = MAX_SLOT_ROWS  # slot rows at most (the monitor lowers it on a short terminal)
 
     dims_when_stale = True
 
@@ -236,6 +246,8 @@ class SlotsTable(ViewBound, DataTable):
         if self.slice_changed(tuple(state.slots.items()), force or state.any_prefilling):
             self.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self._clock())
         title = slots_title(state.kv_pool, state.admission_wait, idle=bool(state.slots) and not state.any_running())
+        if self.columns_spec and len(self.columns_spec) < 7:
+            title += " · request, prompt, cached: from 100 columns (last admission below)"
         if self.border_title != title:  # setting it repaints the border even when it is the same
             self.border_title = title
         admission = state.last_admission
@@ -262,7 +274,7 @@ class SlotsTable(ViewBound, DataTable):
         """Make the table match `slots` (slot number -> latest SlotEvent); `tracks` by slot for ETAs."""
         self._fit_columns()
         tracks = tracks or {}
-        shown, left = busiest(slots)
+        shown, left = busiest(slots, self.row_limit)
         wanted = {str(n): slot_cells(slots[n], tracks.get(n), now_s, self.columns_spec) for n in shown}
         if left:
             wanted[REST_KEY] = rest_cells(left, self.columns_spec)
