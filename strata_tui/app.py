@@ -68,8 +68,10 @@ class StrataApp(ForeignEngines, App):
         stop_timeout_s: float = 5.0,
         handle_signals: bool = False,
         attach_kind: str | None = None,
+        history_interval_s: float | None = HISTORY_TICK_S,
     ) -> None:
         super().__init__()
+        self.history_interval_s = history_interval_s  # None: no sampling (snapshot tests fill the history)
         self.attach_kind = attach_kind  # --kind: skip detection
         self.store = store
         self.requested_profile = profile_name
@@ -131,7 +133,8 @@ class StrataApp(ForeignEngines, App):
             self._set_profile(opened)
         self.push_screen(MonitorScreen())
         self.host_sampler = HostSampler()
-        self.set_interval(HISTORY_TICK_S, self.sample_history)
+        if self.history_interval_s is not None:
+            self.set_interval(self.history_interval_s, self.sample_history)
         if self.sampler_factory is not None:
             factory = self.sampler_factory
             self.run_worker(lambda: sample_gpus(self.post_message, self.gpu_interval_s, factory()), thread=True,
