@@ -176,7 +176,8 @@ class MonitorState:
         track.prompt_tokens, track.cached_tokens = event.prompt_tokens, event.cached_tokens
         if event.state == "prefill":
             # no prefill rate yet = no chunk has run: its tokens are planned, not computed
-            track.add(event.ts, event.prefilled_tokens, received_s, event.eta_s, chunk_ran=bool(event.prefill_tok_s))
+            track.add(event.ts, event.prefilled_tokens, received_s, event.eta_s, chunk_ran=bool(event.prefill_tok_s),
+                      chunk_tok_s=event.prefill_tok_s or None)
         elif not track.done:
             track.first_token(event.ts, event.prefill_tok_s or None)
 
