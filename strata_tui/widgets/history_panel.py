@@ -96,6 +96,7 @@ class HistoryPanel(ViewBound, Static):
         super().__init__(view, **kwargs)
         self.window_s = WINDOWS_S[0]
         self._shown_history = -1
+        self._lines = -1  # lines drawn last (a change of height lays the screen out again)
 
     def zoom(self) -> None:
         """The next window: 1 → 5 → 15 minutes → 1."""
@@ -129,13 +130,19 @@ class HistoryPanel(ViewBound, Static):
             self.border_title = title
         if not blocks:
             self.update(Text("no samples yet: one a second once the engine serves", style="dim"))
+            self._lines = 1
             return
         grid = Table.grid(padding=(0, 2))
         for _ in range(columns):
             grid.add_column(width=cell, no_wrap=True)
+        lines = 0
         for start in range(0, len(blocks), columns):
             group = blocks[start:start + columns]
             for line in range(len(group[0])):
                 grid.add_row(*[b[line] for b in group], *[""] * (columns - len(group)))
-        self.update(Group(grid))
+                lines += 1
+        # The screen is laid out again only when the panel's height changes (a layout pass costs more than
+        # painting the panel, and the numbers change every second while the engine works).
+        self.update(Group(grid), layout=lines != self._lines)
+        self._lines = lines
 
