@@ -82,7 +82,8 @@ class StrataApp(ForeignEngines, App):
         self.gpu_interval_s = gpu_interval_s
         self.stop_timeout_s = stop_timeout_s
         mode = "attached" if attach_url else ("launched" if self.launch else "offline")
-        self.view = ViewState(mode=mode, attach_url=attach_url, engine_url=attach_url,
+        first_url = attach_url.split(",")[0].strip().rstrip("/") if attach_url else None  # several: the first's
+        self.view = ViewState(mode=mode, attach_url=attach_url, engine_url=first_url,
                               gpu_unavailable=None if sampler_factory else "GPU sampling off")
         self.controls = Controls(self.view, store, self.engine_client, self.run_worker, self.notify,
                                  self.post_message)
