@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from strata_tui.host_stats import HostReading
-    from strata_tui.view_state import ViewState
+
+# The ViewState (strata_tui/view_state.py, which holds a History: typed as Any here, not imported, so the two
+# modules do not import each other).
+ViewState = Any
 
 HISTORY_S = 900  # 15 minutes of one-second samples
 WINDOWS_S = (60, 300, 900)  # what the zoom key steps through
@@ -89,7 +92,7 @@ class History:
         return [m for m in METRICS if any(v is not None for v in self.series[m.key])]
 
 
-def on_cpu(view: "ViewState") -> bool:
+def on_cpu(view: ViewState) -> bool:
     """The engine runs on this host's CPU: its VRAM books are the CPU's, or its profile says so, or (another
     engine's kind) NVML sees no GPU here."""
     if "cpu" in view.monitor.vram:
@@ -100,7 +103,7 @@ def on_cpu(view: "ViewState") -> bool:
     return view.gpu_unavailable is not None and not view.gpu_history.latest
 
 
-def sample(view: "ViewState", host: "HostReading | None" = None) -> tuple[dict[str, float | None], dict[str, str]]:
+def sample(view: ViewState, host: "HostReading | None" = None) -> tuple[dict[str, float | None], dict[str, str]]:
     """One sample of every metric from what the view holds now, and the labels that say whose (host or engine)."""
     out: dict[str, float | None] = dict.fromkeys(BY_KEY)
     if not view.stale:
@@ -117,7 +120,7 @@ def sample(view: "ViewState", host: "HostReading | None" = None) -> tuple[dict[s
     return out, labels
 
 
-def _strata(view: "ViewState") -> dict[str, float | None]:
+def _strata(view: ViewState) -> dict[str, float | None]:
     monitor = view.monitor
     slots = monitor.slots.values()
     rate = sum((s.prefill_tok_s if s.state == "prefill" else s.decode_tok_s) or 0.0
@@ -136,7 +139,7 @@ def _strata(view: "ViewState") -> dict[str, float | None]:
             "expert_hit": experts.recent_hit_rate if experts is not None else None}
 
 
-def _foreign(view: "ViewState") -> dict[str, float | None]:
+def _foreign(view: ViewState) -> dict[str, float | None]:
     live = [e for e in view.foreign.endpoints if e.reachable]
 
     def total(*attrs: str) -> float | None:
