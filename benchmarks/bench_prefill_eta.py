@@ -37,7 +37,7 @@ from engine.prefill_cost import fit_chunks, span_cost_s  # noqa: E402
 from strata_tui.launcher import READY_RE  # noqa: E402
 from strata_tui.monitor_state import MonitorState  # noqa: E402
 from strata_tui.telemetry_client import TelemetryClient  # noqa: E402
-from strata_tui.widgets.slots_table import format_eta  # noqa: E402
+from strata_tui.widgets.slot_cells import format_eta  # noqa: E402
 
 
 async def start_engine(args: argparse.Namespace) -> tuple[asyncio.subprocess.Process, str]:

@@ -28,7 +28,8 @@ from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
 from strata_tui.widgets.history_panel import HistoryPanel
-from strata_tui.widgets.slots_table import MAX_SLOT_ROWS, SlotsTable
+from strata_tui.widgets.slot_cells import MAX_SLOT_ROWS
+from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
 from strata_tui.widgets.view_bound import ViewBound

@@ -9,8 +9,9 @@ from engine.telemetry import AdmissionEvent, SlotEvent
 from strata_tui.messages import TelemetryBatch
 from strata_tui.monitor_state import MonitorState
 from strata_tui.prefill_eta import PrefillTrack
-from strata_tui.widgets.slots_table import admission_line
-from strata_tui.widgets.slots_table import SlotsTable, columns_for, slot_cells
+from strata_tui.widgets.slot_cells import admission_line
+from strata_tui.widgets.slot_cells import columns_for, slot_cells
+from strata_tui.widgets.slots_table import SlotsTable
 from tests.tui.conftest import offline_app, wait_for
 
 PROMPT = 150_000
