@@ -71,3 +71,25 @@ async def test_history_panel_draws_tok_s_and_z_zooms(config_dir: Path, monkeypat
             await wait_for(pilot, lambda: f"History · last {minutes} min" in screen_text(app), 10, f"{minutes} min")
         assert panel.window_s == 60
         await pilot.press("q")
+
+
+async def test_an_engine_on_the_cpu_has_its_cpu_and_memory_in_the_history(config_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile with `device = "cpu"`: the history adds the engine process tree's CPU (100 % is one core) and its
+    resident memory, read with psutil from the process the app launched."""
+    import psutil
+
+    from strata_tui.profile_store import ProfileStore
+    from strata_tui.profiles import Profile
+
+    ProfileStore(config_dir).save(Profile("default").with_engine(device="cpu"))
+    monkeypatch.setenv("FAKE_ENGINE_BUSY", "6:30")
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "engine RAM" in screen_text(app), 30, "the engine's RAM in the history")
+        assert "engine CPU" in screen_text(app)
+        ram = [v for v in app.view.history.window("ram_mib", 60) if v]
+        rss = psutil.Process(app.process.pid).memory_info().rss / 2**20
+        assert ram and 0.5 * rss < ram[-1] < 2 * rss + 64, (ram[-1], rss)
+        await wait_for(pilot, lambda: any(v for v in app.view.history.window("cpu_pct", 60)), 20, "a CPU reading")
+        await pilot.press("q")
