@@ -89,8 +89,8 @@ class SlotsTable(ViewBound, DataTable):
         if self.slice_changed(tuple(state.slots.items()), force or state.any_prefilling):
             self.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self._clock())
         title = slots_title(state.kv_pool, state.admission_wait, idle=bool(state.slots) and not state.any_running())
-        if self.columns_spec and len(self.columns_spec) < 7:
-            title += " · request, prompt, cached: from 100 columns (last admission below)"
+        if self.columns_spec and len(self.columns_spec) < 7:  # first, so a long pool line cannot cut it off
+            title = "Slots (request, prompt, cached: 100+ columns)" + title.removeprefix("Slots")
         if self.border_title != title:  # setting it repaints the border even when it is the same
             self.border_title = title
         admission = state.last_admission

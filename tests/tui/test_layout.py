@@ -107,7 +107,7 @@ async def test_80x24_keeps_every_switch_and_the_slot_rates_and_says_where_the_re
             assert (sw.name in text) != sw.moe_only, f"switch {sw.name} at 80x24"
         assert "VRAM reserve" in text
         assert "tok/s" in text and "MTP" in text and "27.0" in text, text
-        assert "request, prompt, cached: from 100 columns" in text, text
+        assert "Slots (request, prompt, cached: 100+ columns)" in text, text
         assert "v shows: history, graph cache" in text, text
         table = app.screen.query_one(SlotsTable)
         assert table.virtual_size.width <= table.scrollable_content_region.width, "the slots table scrolls sideways"
