@@ -111,7 +111,7 @@ def test_sticky_cuda_error_answers_503_then_exits_nonzero(tmp_path: Path) -> Non
          "--batch", "2", "--context", "256"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = proc.stdout.readline().split()[-1]
+        url = ready_line_url(proc.stdout.readline())
         resp = httpx.post(url + "/v1/completions", timeout=60,
                           json={"model": ckpt, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
         assert resp.status_code == 503, resp.text
