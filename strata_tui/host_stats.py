@@ -20,8 +20,13 @@ class HostSampler:
     """Reads the CPU and memory of a process tree, or of the host; keeps the psutil handles between reads (CPU
     percentages are the CPU time between two reads of the same handle)."""
 
+    TREE_EVERY = 10  # reads between two walks of the process tree (a walk reads every process in /proc)
+
     def __init__(self) -> None:
         self._procs: dict[int, psutil.Process] = {}
+        self._tree: list[int] = []
+        self._root: int | None = None
+        self._reads = 0
         psutil.cpu_percent(None)  # the host's first reading starts the interval
 
     def read(self, pid: int | None) -> HostReading | None:
@@ -29,22 +34,28 @@ class HostSampler:
             memory = psutil.virtual_memory()
             return HostReading(psutil.cpu_percent(None) * (psutil.cpu_count() or 1), (memory.total - memory.available)
                                / 2**20, "host")
-        try:
-            root = self._handle(pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            self._procs.clear()
-            return None
+        if pid != self._root or self._reads % self.TREE_EVERY == 0:
+            try:
+                root = self._handle(pid)
+                self._tree = [pid, *(child.pid for child in root.children(recursive=True))]
+            except psutil.Error:
+                self._procs.clear()
+                return None
+            self._root = pid
+        self._reads += 1
         cpu, rss = 0.0, 0.0
         alive = set()
-        for proc in tree:
+        for member in self._tree:
             try:
-                handle = self._handle(proc.pid)
-                cpu += handle.cpu_percent(None)
-                rss += handle.memory_info().rss
-                alive.add(proc.pid)
+                handle = self._handle(member)
+                with handle.oneshot():
+                    cpu += handle.cpu_percent(None)
+                    rss += handle.memory_info().rss
+                alive.add(member)
             except psutil.Error:
                 continue
+        if pid not in alive:
+            return None
         self._procs = {p: h for p, h in self._procs.items() if p in alive}
         return HostReading(cpu, rss / 2**20, "engine")
 

@@ -11,8 +11,9 @@ when what it shows changes: a window of one unchanged value does not repaint eve
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
@@ -62,6 +63,16 @@ def chart(cells: list[float | None], rows: int, upper: float, style: str) -> lis
     return lines
 
 
+IDLE_REDRAW_S = 5.0  # while no request runs, the panel is drawn this often (each draw repaints it: ~4 ms)
+
+
+def _busy(view) -> bool:
+    """A request runs on the engine (or on any endpoint of another kind)."""
+    if view.foreign is not None:
+        return any((e.running or 0) > 0 for e in view.foreign.endpoints if e.reachable)
+    return view.monitor.any_running()
+
+
 LABEL_CELLS = 18  # one-row charts: "tok/s 1,234" beside its line
 
 
@@ -97,6 +108,7 @@ class HistoryPanel(ViewBound, Static):
         self.window_s = WINDOWS_S[0]
         self._shown_history = -1
         self._lines = -1  # lines drawn last (a change of height lays the screen out again)
+        self._drawn_s = float("-inf")
 
     def zoom(self) -> None:
         """The next window: 1 → 5 → 15 minutes → 1."""
@@ -109,6 +121,10 @@ class HistoryPanel(ViewBound, Static):
             return
         if view.history.version == self._shown_history and not force:
             return
+        now = time.monotonic()
+        if not force and not _busy(view) and now - self._drawn_s < IDLE_REDRAW_S:
+            return  # nothing runs: the lines only drift (the host's CPU noise); drawn every few seconds
+        self._drawn_s = now
         self._shown_history = view.history.version
         self.changed_view(force=True)  # the stale class follows the view
         self.show(view.history)
@@ -132,17 +148,22 @@ class HistoryPanel(ViewBound, Static):
             self.update(Text("no samples yet: one a second once the engine serves", style="dim"))
             self._lines = 1
             return
-        grid = Table.grid(padding=(0, 2))
-        for _ in range(columns):
-            grid.add_column(width=cell, no_wrap=True)
-        lines = 0
+        # Each line one Text of padded cells (a Rich Table measures its columns again at every render: twice the
+        # cost, once a second).
+        rows: list[Text] = []
         for start in range(0, len(blocks), columns):
             group = blocks[start:start + columns]
             for line in range(len(group[0])):
-                grid.add_row(*[b[line] for b in group], *[""] * (columns - len(group)))
-                lines += 1
+                row = Text(no_wrap=True, overflow="crop")
+                for i, block in enumerate(group):
+                    part = block[line].copy()
+                    part.truncate(cell, pad=True)
+                    row.append_text(part)
+                    if i < len(group) - 1:
+                        row.append("  ")
+                rows.append(row)
         # The screen is laid out again only when the panel's height changes (a layout pass costs more than
         # painting the panel, and the numbers change every second while the engine works).
-        self.update(Group(grid), layout=lines != self._lines)
-        self._lines = lines
+        self.update(Group(*rows), layout=len(rows) != self._lines)
+        self._lines = len(rows)
 
