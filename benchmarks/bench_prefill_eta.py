@@ -6,7 +6,8 @@ Starts `strata-engine serve` (the embedded builtin:strata-tiny unless --model sa
 slot row would show. At the halfway mark (the first refresh at which half of the prompt has KV) it notes
 that ETA, and the engine's own `eta_s` from its latest slot event; when the first token arrives it compares
 both with the time that was really left. It also reports the longest stretch during which the shown ETA did
-not change, and how many chunks had run when the first ETA showed. `--decode-slots N` keeps N other requests
+not change, how many chunks had run when the first ETA showed, and the largest jump of the shown ETA between
+two refreshes (against what counting down alone would show; the goal is under 2x). `--decode-slots N` keeps N other requests
 decoding beside the long prompt (the prompt is then paced: its chunks share the steps with them).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_prefill_eta.py --prompt-tokens 12288 32768 --context 33792 \
@@ -36,7 +37,7 @@ from engine.prefill_cost import fit_chunks, span_cost_s  # noqa: E402
 from strata_tui.launcher import READY_RE  # noqa: E402
 from strata_tui.monitor_state import MonitorState  # noqa: E402
 from strata_tui.telemetry_client import TelemetryClient  # noqa: E402
-from strata_tui.widgets.slots_table import format_eta  # noqa: E402
+from strata_tui.widgets.slot_cells import format_eta  # noqa: E402
 
 
 async def start_engine(args: argparse.Namespace) -> tuple[asyncio.subprocess.Process, str]:
@@ -88,6 +89,7 @@ async def measure(args: argparse.Namespace) -> dict:
             half = first_eta = None
             last_track = None
             shown: list[tuple[float, str]] = []
+            etas: list[tuple[float, float, float]] = []  # (local time, ETA shown, progress) at every refresh
             while not request.done():
                 await asyncio.sleep(args.refresh_s)
                 now_s = time.monotonic()
@@ -97,6 +99,8 @@ async def measure(args: argparse.Namespace) -> dict:
                     continue
                 eta = track.eta_s(now_s)
                 shown.append((now_s, format_eta(eta)))
+                if eta is not None:
+                    etas.append((now_s, eta, track.progress))
                 last_track = track
                 if first_eta is None and eta is not None:
                     first_eta = {"chunks_run": max(0, len(track.samples) - 1), "progress": round(track.progress, 3)}
@@ -127,6 +131,7 @@ async def measure(args: argparse.Namespace) -> dict:
         "engine_error_pct": None if half["engine_eta_s"] is None
         else round(100 * (half["engine_eta_s"] - truth_s) / truth_s, 1),
         "longest_unchanged_eta_s": round(_longest_unchanged(shown), 2),
+        "largest_jump": _largest_jump(etas),
         # (tokens with KV, engine seconds since admission) after each chunk: the cost curve, for replaying
         "chunks": [[x, round(t - last_track.admitted_ts, 3)] for t, x, _ in last_track.samples]
         if last_track is not None and last_track.admitted_ts else [],
@@ -146,6 +151,21 @@ async def _decode(http: httpx.AsyncClient, model: str, rng: random.Random, args:
 async def _follow(client: TelemetryClient, state: MonitorState) -> None:
     async for batch in client.events():
         state.apply_all(batch)
+
+
+def _largest_jump(etas: list[tuple[float, float, float]], floor_s: float = 1.0) -> dict | None:
+    """The largest change of the shown ETA between two refreshes, as a ratio, against what counting down alone
+    would show (the earlier ETA less the time between): 1.0 is a clock that only counts down. ETAs under
+    `floor_s` are taken as `floor_s` (the last second's countdown is no jump)."""
+    worst = None
+    for (t0, e0, p0), (t1, e1, p1) in zip(etas, etas[1:]):
+        expected = max(floor_s, e0 - (t1 - t0))
+        shown = max(floor_s, e1)
+        ratio = max(expected, shown) / min(expected, shown)
+        if worst is None or ratio > worst["ratio"]:
+            worst = {"ratio": round(ratio, 2), "from_eta_s": round(e0, 1), "to_eta_s": round(e1, 1),
+                     "at_progress": round(p1, 3)}
+    return worst
 
 
 def _longest_unchanged(shown: list[tuple[float, str]]) -> float:

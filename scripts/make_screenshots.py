@@ -3,7 +3,7 @@ model, and the pictures are taken with App.save_screenshot while it runs.
 
   monitor-long-prompt.svg   the monitor while the seed scenario's fresh long prompt is admitted (short
                             generations decoding beside it until it is done, one slot prefilling with its
-                            ETA); also at 100x30
+                            ETA, the history of the run so far); also at 100x30 and 80x24
   profiles.svg              the profiles screen, with one broken profile reported by path and line
   crash.svg                 the crash panel after the engine exits on a real error: on a GPU a CUDA error
                             (a device ordinal the machine does not have), on CPU a checkpoint cut short
@@ -135,6 +135,9 @@ async def shoot(args: argparse.Namespace, workdir: Path) -> list[Path]:
         await pilot.resize_terminal(100, 30)
         await pilot.pause(app.view.settings.refresh_s * 2)
         written.append(Path(app.save_screenshot(name("monitor-long-prompt-100x30"))))
+        await pilot.resize_terminal(80, 24)  # one lower-left panel (the log), every switch, the narrow slot columns
+        await pilot.pause(app.view.settings.refresh_s * 2)
+        written.append(Path(app.save_screenshot(name("monitor-long-prompt-80x24"))))
         await pilot.resize_terminal(*SIZE)
         await wait_until(pilot, lambda: app.view.load_result is not None, 1800, "the scenario's result")
         await pilot.pause(app.view.settings.refresh_s * 2)

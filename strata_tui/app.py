@@ -24,6 +24,8 @@ from strata_tui.commands import palette_commands
 from strata_tui.controls import DEFAULT_SCENARIO, Controls
 from strata_tui.foreign_app import ForeignEngines
 from strata_tui.gpu import NvmlSampler
+from strata_tui.history import sample as sample_history
+from strata_tui.host_stats import HostSampler
 from strata_tui.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
 from strata_tui.messages import EngineNews
 from strata_tui.monitor_state import MonitorState
@@ -38,6 +40,9 @@ from strata_tui.telemetry_client import TelemetryClient, stream_telemetry
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
 from strata_tui.view_state import ViewState
 from strata_tui.workers import engine_callbacks, poll_state, read_state, run_engine, sample_gpus, watch_liveness
+
+
+HISTORY_TICK_S = 1.0
 
 
 class StrataApp(ForeignEngines, App):
@@ -64,8 +69,10 @@ class StrataApp(ForeignEngines, App):
         stop_timeout_s: float = 5.0,
         handle_signals: bool = False,
         attach_kind: str | None = None,
+        history_interval_s: float | None = HISTORY_TICK_S,
     ) -> None:
         super().__init__()
+        self.history_interval_s = history_interval_s  # None: no sampling (snapshot tests fill the history)
         self.attach_kind = attach_kind  # --kind: skip detection
         self.store = store
         self.requested_profile = profile_name
@@ -76,7 +83,8 @@ class StrataApp(ForeignEngines, App):
         self.gpu_interval_s = gpu_interval_s
         self.stop_timeout_s = stop_timeout_s
         mode = "attached" if attach_url else ("launched" if self.launch else "offline")
-        self.view = ViewState(mode=mode, attach_url=attach_url, engine_url=attach_url,
+        first_url = attach_url.split(",")[0].strip().rstrip("/") if attach_url else None  # several: the first's
+        self.view = ViewState(mode=mode, attach_url=attach_url, engine_url=first_url,
                               gpu_unavailable=None if sampler_factory else "GPU sampling off")
         self.controls = Controls(self.view, store, self.engine_client, self.run_worker, self.notify,
                                  self.post_message)
@@ -84,6 +92,7 @@ class StrataApp(ForeignEngines, App):
         self.process: EngineProcess | None = None
         self.client: TelemetryClient | None = None  # one per engine run (or attachment)
         self.clock = time.monotonic  # local time for ETAs counting down (tests freeze it)
+        self.host_sampler: HostSampler | None = None  # made on mount (its first reading starts the interval)
 
     # --- what the screens and controls read ----------------------------------------------------------
 
@@ -127,6 +136,9 @@ class StrataApp(ForeignEngines, App):
         else:
             self._set_profile(opened)
         self.push_screen(MonitorScreen())
+        self.host_sampler = HostSampler()
+        if self.history_interval_s is not None:
+            self.set_interval(self.history_interval_s, self.sample_history)
         if self.sampler_factory is not None:
             factory = self.sampler_factory
             self.run_worker(lambda: sample_gpus(self.post_message, self.gpu_interval_s, factory()), thread=True,
@@ -141,6 +153,18 @@ class StrataApp(ForeignEngines, App):
             self.push_screen(ProfilesScreen())
         elif self.launch:
             self.start_engine()
+
+    def sample_history(self) -> None:
+        """One sample a second for the history panel: what the view holds now, and the engine's CPU and memory
+        (its process tree when this app launched it, else the host's) when it runs on the CPU."""
+        from strata_tui.history import on_cpu
+
+        host = None
+        if self.host_sampler is not None and on_cpu(self.view):
+            pid = self.process.pid if self.process is not None and self.process.running else None
+            host = self.host_sampler.read(pid if not self.attach_url else None)
+        values, labels = sample_history(self.view, host)
+        self.view.history.add(values, labels)
 
     def _set_profile(self, profile: Profile) -> None:
         self.view.profile, self.view.profile_error = profile, None
@@ -177,6 +201,7 @@ class StrataApp(ForeignEngines, App):
         self.process = EngineProcess(argv, {**engine_env(config), **profile.env}, cwd=self.engine_cwd,
                                      **engine_callbacks(self.post_message, self.run_id))
         self.view.monitor.reset_for_launch()
+        self.view.history.clear()
         self.view.crash, self.view.engine_url, self.view.telemetry_connected = None, None, None
         self.view.unreachable_since, self.view.unreachable_reason = None, ""
         self.view.resyncing, self.view.engine_instance, self.view.stopping_why = False, None, ""

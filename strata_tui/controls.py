@@ -61,6 +61,14 @@ class Controls:
             return
         switch = SWITCHES[number - 1]
         view = self.view.monitor.switches[switch.name]
+        if switch.moe_only and self._dense_engine() and not view.wanted and not view.running:
+            # It would change nothing this model does: say so, write nothing (its panel line is not even shown).
+            key = str(number) if number <= 9 else "ctrl+p"
+            self.view.status_note = (f"{key} {switch.name}: MoE only, and this engine's model is dense (no expert "
+                                     f"cache): not changed")
+            self._notify(self.view.status_note, severity="warning")
+            self.view.changed()
+            return
         if self.view.attached:
             # Only against what the engine serving now said: after a reconnect the old one's value is no guide.
             if view.running is None or self.view.resyncing:
@@ -86,6 +94,11 @@ class Controls:
         self.view.changed()
         self._run_worker(self._switch(switch.name, wanted, client, self.view.engine_instance),
                          group=f"switch-{switch.name}", exclusive=True, exit_on_error=False)
+
+    def _dense_engine(self) -> bool:
+        """The engine serving now has said what it runs (its state was read) and has no expert cache."""
+        engine_said = any(v.running is not None for v in self.view.monitor.switches.values())
+        return engine_said and self._client() is not None and self.view.monitor.experts is None
 
     async def _switch(self, name: str, wanted: bool, client: TelemetryClient | None, instance: str | None) -> None:
         view = self.view.monitor.switches[name]
@@ -290,19 +303,18 @@ class Controls:
         self.view.load_running, self.view.load_progress = name, f"load {name}: starting"
         self.view.changed()
         params = {**self.load_params(name), **(overrides or {})}
-        self._run_worker(run_load(self._post, name, self.view.engine_url, api_key, params),
+        self._run_worker(run_load(self._post, name, self.view.engine_url, api_key, params, self.view.kind),
                          group="load", exit_on_error=False)
 
     def load_params(self, name: str) -> dict[str, int]:
-        """Fit a scenario's long prompt to this engine's context (the seed's 150K needs --context >= 150K)."""
-        if self.view.profile is None or name not in ("seed", "reuse"):
+        """The scenario parameters the app chooses; the long prompt is fitted to the context the server reports
+        when the scenario starts (workers.fit_to_server: the seed's 150K needs a context of 150K)."""
+        if name not in ("seed", "reuse"):
             return {}
         from engine.loadgen.scenarios import get_scenario
 
         defaults = {p.name: p.default for p in get_scenario(name).params}
-        max_tokens = int(defaults.get("long_max_tokens", defaults.get("max_tokens", 16)))
-        room = self.view.profile.engine.context - max_tokens
-        params = {"long_tokens": int(min(defaults["long_tokens"], room))}
+        params: dict[str, int] = {}
         if "short_max_tokens" in defaults:
             # The scenario's default decodes the shorts until the long prompt is done, asking max_tokens = the
             # whole context each (a 16K profile showed an 18-minute ETA on every short row): short means short.

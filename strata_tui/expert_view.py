@@ -62,14 +62,22 @@ class ExpertView:
     loads_last: int = 0  # experts loaded in the last summed `load` event (about a second)
     load_mib_last: float = 0.0
 
+    recent_hit_rate: float | None = None  # hits / lookups between the last two snapshots (the history's line)
+
     def update(self, snapshot: ExpertCacheSnapshot) -> None:
-        """A new `experts` section: counters replace the old ones; misses per step from the difference."""
+        """A new `experts` section: counters replace the old ones; misses per step and the recent hit rate from the
+        difference."""
         before = self.snapshot
         steps, misses = snapshot.steps, snapshot.misses
         if before is not None and steps > before.steps:
             self.misses_per_step = (misses - before.misses) / (steps - before.steps)
         elif self.misses_per_step is None and steps:
             self.misses_per_step = misses / steps
+        if before is not None and snapshot.hits + snapshot.misses > before.hits + before.misses:
+            hits = snapshot.hits - before.hits
+            self.recent_hit_rate = hits / (hits + snapshot.misses - before.misses)
+        elif self.recent_hit_rate is None:
+            self.recent_hit_rate = snapshot.hit_rate
         self.snapshot = snapshot
 
     def apply(self, event: ExpertEvent) -> None:

@@ -15,7 +15,9 @@ from textual.message import Message
 from strata_tui.adapters import adapter_for, detect
 from strata_tui.adapters.base import READING, TooLarge
 from strata_tui.adapters.view import EndpointView, ForeignView
+from strata_tui.http_errors import describe_http_error
 from strata_tui.launcher import EngineProcess
+from strata_tui.messages import EngineNews
 
 Post = Callable[[Any], Any]
 READ_INTERVAL_S = 1.0
@@ -25,23 +27,24 @@ READY_POLL_S = 0.25
 
 
 @dataclass
-class EndpointRead(Message):
-    """One endpoint's latest reading (or failure); `index` is its row."""
+class EndpointRead(EngineNews):
+    """One endpoint's latest reading (or failure); `index` is its row. Folded in by the reducer, as every engine's
+    news is."""
 
     index: int
     view: EndpointView
 
 
 @dataclass
-class KindDetected(Message):
-    """What answers at an attached URL: a kind, or None with what was tried."""
+class KindsDetected(Message):
+    """What answers at each attached URL: a kind, or None with what was tried (`reasons`, same order)."""
 
-    kind: str | None
-    reason: str = ""
+    kinds: list[str | None]
+    reasons: list[str]
 
 
 def split_urls(text: str) -> list[str]:
-    """`--attach URL[,URL...]`: several servers (data-parallel replicas, other hosts), one row each."""
+    """`--attach URL[,URL...]`: several servers (data-parallel replicas, other hosts, other kinds), one row each."""
     return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
 
 
@@ -49,18 +52,24 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def detect_kind(post: Post, url: str, api_key: str | None = None, timeout_s: float = 3.0,
-                      deadline_s: float = 4 * READ_DEADLINE_S) -> None:
+async def _detect_one(url: str, api_key: str | None, timeout_s: float, deadline_s: float) -> tuple[str | None, str]:
     try:
-        async with asyncio.timeout(deadline_s):
+        async with asyncio.timeout(deadline_s):  # a server that trickles never trips a read timeout
             async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=_headers(api_key)) as client:
                 kind = await detect(client)
     except (httpx.HTTPError, TimeoutError) as exc:
-        post(KindDetected(None, f"{url}: {failure_reason(exc, deadline_s)}"))
-        return
+        return None, f"{url}: {failure_reason(exc, deadline_s)}"
     why = "" if kind else (f"{url} answers none of /strata/state, /props (llama.cpp), /get_server_info (SGLang), "
                            "/version with vllm: metrics (vLLM): say which with --kind")
-    post(KindDetected(kind, why))
+    return kind, why
+
+
+async def detect_kinds(post: Post, urls: list[str], api_key: str | None = None, timeout_s: float = 3.0,
+                       deadline_s: float = 4 * READ_DEADLINE_S) -> None:
+    """Which engine answers at each URL, all at once (a Strata engine and a vLLM server may be watched side by
+    side), each within `deadline_s`; one message with every answer."""
+    found = await asyncio.gather(*(_detect_one(url, api_key, timeout_s, deadline_s) for url in urls))
+    post(KindsDetected([kind for kind, _ in found], [why for _, why in found]))
 
 
 async def wait_ready(post: Post, process: EngineProcess, url: str, health_path: str, run: int,
@@ -105,17 +114,24 @@ async def poll_endpoint(post: Post, kind: str, index: int, url: str, api_key: st
 
 
 def failure_reason(exc: BaseException, deadline_s: float) -> str:
-    """Why a reading failed, in a line: the route it was reading and what went wrong."""
+    """Why a reading failed, in a line: the route it was reading and what went wrong ("connection refused"
+    rather than httpx's words, where the OS gave a reason)."""
     route = READING.get()
     if isinstance(exc, TimeoutError):
         return f"no whole answer from {route or 'the server'} in {deadline_s:.0f} s"
-    if isinstance(exc, httpx.TimeoutException):
-        return f"{route or 'the server'}: timed out ({type(exc).__name__})"
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if isinstance(exc, TooLarge):
         text = str(exc)
+    elif isinstance(exc, (httpx.HTTPError, OSError)):
+        text = describe_http_error(exc)
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return f"{route}: {text}" if route and route not in text else text
 
 
-def empty_view(kind: str, urls: list[str]) -> ForeignView:
-    return ForeignView(kind, [EndpointView(u, kind, error="not read yet") for u in urls])
+def empty_view(kind: str, urls: list[str], kinds: list[str | None] | None = None,
+               reasons: list[str] | None = None) -> ForeignView:
+    """Rows for `urls` before their first reading; a URL whose kind was not detected says why in its row."""
+    kinds = kinds or [kind] * len(urls)
+    reasons = reasons or [""] * len(urls)
+    return ForeignView(kind, [EndpointView(u, k or "?", error="not read yet" if k else f"not detected: {why}")
+                              for u, k, why in zip(urls, kinds, reasons)])

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 
-from strata_tui.foreign import (EndpointRead, KindDetected, detect_kind, empty_view, poll_endpoint, split_urls,
-                                wait_ready)
+from strata_tui.foreign import KindsDetected, detect_kinds, empty_view, poll_endpoint, split_urls, wait_ready
 from strata_tui.kinds import KIND_NAMES, SPECS
 from strata_tui.launcher import EngineProcess
 from strata_tui.messages import EngineReady
@@ -32,58 +31,62 @@ class ForeignEngines:
     # --- attach --------------------------------------------------------------------------------------
 
     def attach_foreign_or_detect(self) -> bool:
-        """On mount with --attach: a named non-Strata kind starts its readers now; no kind starts detection.
-        Returns True when this took the attachment over (the Strata path then does nothing)."""
+        """On mount with --attach: a named non-Strata kind starts its readers now; no kind starts detection (of
+        every URL: they may be of different kinds). Returns True when this took the attachment over (the Strata
+        path then does nothing)."""
         urls = split_urls(self.view.attach_url or "")
         if self.attach_kind == "strata":
+            if len(urls) > 1:
+                self._watch_foreign("strata", urls, ["strata"] * len(urls))
             return False
         if self.attach_kind is None:
-            self.run_worker(detect_kind(self.post_message, urls[0], self.api_key()), group="detect",
+            self.run_worker(detect_kinds(self.post_message, urls, self.api_key()), group="detect",
                             exit_on_error=False)
             return True
         self._watch_foreign(self.attach_kind, urls)
         return True
 
-    def on_kind_detected(self, message: KindDetected) -> None:
+    def on_kinds_detected(self, message: KindsDetected) -> None:
+        """The first URL's kind decides the panels (Strata's, or the endpoint panel); every URL gets a row of its
+        own kind in the endpoint table when there are several."""
         urls = split_urls(self.view.attach_url or "")
-        if message.kind is None:
-            self.view.status_note = message.reason[:100]
+        kind = message.kinds[0]
+        if kind is None:
+            reason = message.reasons[0]
+            # the status line already names the URL: the reason alone, so a narrow line keeps it
+            self.view.status_note = reason.removeprefix(f"{urls[0]}: ")
             self.view.monitor.engine_state = "not detected"
-            self.notify(message.reason, title="attach", severity="error", timeout=15)
+            self.notify(reason, title="attach", severity="error", timeout=15)
             self.view.changed()
-        elif message.kind == "strata":
+            return
+        if kind == "strata":
             self._open_client(urls[0])  # the Strata path: events, liveness, experts
+            if len(urls) > 1:
+                self._watch_foreign("strata", urls, message.kinds, message.reasons)
         else:
-            self._watch_foreign(message.kind, urls)
+            self._watch_foreign(kind, urls, message.kinds, message.reasons)
 
-    def _watch_foreign(self, kind: str, urls: list[str]) -> None:
+    def _watch_foreign(self, kind: str, urls: list[str], kinds: list[str | None] | None = None,
+                       reasons: list[str] | None = None) -> None:
+        """Read every endpoint on its own loop, each by its kind's adapter. `kind`: the first's, which decides the
+        panels (a Strata engine keeps its own; its row sits in the endpoint table beside the others)."""
+        kinds = kinds or [kind] * len(urls)
         self.view.kind = kind
-        self.view.foreign = empty_view(kind, urls)
-        self.view.engine_url = urls[0]  # the load scenario (`l`) speaks OpenAI to the first one
-        self.sub_title = f"{KIND_NAMES[kind]} · " + (f"attached to {', '.join(urls)}" if self.attach_url
-                                                      else f"profile {self.view.profile_name}")
+        self.view.foreign = empty_view(kind, urls, kinds, reasons)
+        if kind != "strata":
+            self.view.engine_url = urls[0]  # the load scenario (`l`) speaks OpenAI to the first one
+        names = " + ".join(dict.fromkeys(KIND_NAMES[k] for k in kinds if k))
+        self.sub_title = f"{names} · " + (f"attached to {', '.join(urls)}" if self.attach_url
+                                          else f"profile {self.view.profile_name}")
         self.workers.cancel_group(self, "foreign")
         engine = self.view.profile.foreign if self.view.profile is not None and not self.attach_url else None
         key = (engine.api_key if engine is not None else None) or self.api_key()
-        for index, url in enumerate(urls):
-            self.run_worker(poll_endpoint(self.post_message, kind, index, url, key), group="foreign",
+        for index, (url, endpoint_kind) in enumerate(zip(urls, kinds)):
+            if endpoint_kind is None:
+                continue  # not detected: its row says why
+            self.run_worker(poll_endpoint(self.post_message, endpoint_kind, index, url, key), group="foreign",
                             exit_on_error=False)
         self.view.changed()
-
-    def on_endpoint_read(self, message: EndpointRead) -> None:
-        foreign = self.view.foreign
-        if foreign is None or message.index >= len(foreign.endpoints) or message.view.kind != foreign.kind:
-            return
-        foreign.endpoints[message.index] = message.view
-        view = self.view
-        if message.index == 0:
-            if message.view.reachable:
-                view.unreachable_since = None
-                if view.monitor.engine_state in ("attaching", "starting", "not started"):
-                    view.monitor.engine_state = "ready"
-            elif view.unreachable_since is None and not (view.crash is not None and not self.attach_url):
-                view.unreachable_since = message.view.unreachable_since
-        view.changed()
 
     # --- launch --------------------------------------------------------------------------------------
 

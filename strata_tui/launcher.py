@@ -4,7 +4,7 @@ The engine runs in its own process group (start_new_session=True) so a stop reac
 started; stop is SIGTERM to the group, then SIGKILL after a timeout. stdin is closed. stdout and stderr are
 read in chunks and split on \\r and \\n by `LineSplitter`, so a progress bar that redraws with \\r becomes
 lines and a huge line cannot hit a reader's line-length limit. The ready line
-`strata-engine: ready at http://HOST:PORT` is recognised here and reported through `on_ready`.
+`strata-engine: ready at http://HOST:PORT ...` is recognised here and reported through `on_ready`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import engine
 from engine.config import EngineConfig
 from engine.switches import SWITCHES
 
-READY_RE = re.compile(r"^strata-engine: ready at (https?://\S+)\s*$")
+# The URL is the fourth word; what the engine set up follows it (KV capacity, VRAM books).
+READY_RE = re.compile(r"^strata-engine: ready at (https?://\S+)(?:\s.*)?$")
 _READ_CHUNK_BYTES = 64 * 1024
 _LINE_END = re.compile(r"\r\n|\r|\n")
 _MAX_LINE_CHARS = 16 * 1024  # a longer line is cut into pieces of this size so the log stays bounded

@@ -60,11 +60,13 @@ class ExpertsSnapshot(EngineNews):
 
 @dataclass
 class KvPoolSnapshot(EngineNews):
-    """The `kv.paging` section of `/strata/state` (KV by use: blocks used, free, the tier's, on the host), read
-    with the experts' poll; each one carries the whole picture, so a burst collapses to the newest."""
+    """The `kv.paging` and `queue` sections of `/strata/state` (KV by use: blocks used, free, the tier's, on the host;
+    the requests waiting), read with the experts' poll; each one carries the whole picture, so a burst collapses
+    to the newest."""
 
     paging: KvPagingSnapshot | None
     admission_wait: str = ""  # `queue.admission_wait`: why the head of the queue waits while a slot is free
+    waiting: int | None = None  # `queue.waiting`: requests waiting for a slot
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, KvPoolSnapshot)

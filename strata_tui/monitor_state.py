@@ -82,6 +82,8 @@ class MonitorState:
     experts: ExpertView | None = None  # an MoE engine's expert cache; None: a dense model (no panel)
     kv_pool: KvPagingSnapshot | None = None  # KV by use: the block pool's use; None: every slot holds its context
     admission_wait: str = ""  # why the queue's head waits while a slot is free (KV by use: the pool is full)
+    queue_waiting: int | None = None  # requests waiting for a slot (`queue.waiting` of the last state read)
+    context_tokens: int | None = None  # each slot's context (the engine's `config.context`)
     prefills: OrderedDict[str, PrefillTrack] = field(default_factory=OrderedDict)  # by request id
     last_seq: int = 0
     version: int = 0
@@ -100,6 +102,7 @@ class MonitorState:
         self.vram.clear()
         self.tier, self.last_error, self.last_warning, self.last_admission = None, None, None, None
         self.experts, self.kv_pool, self.admission_wait = None, None, ""
+        self.queue_waiting, self.context_tokens = None, None
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -111,7 +114,7 @@ class MonitorState:
         self.slots.clear()
         self.vram.clear()
         self.tier, self.last_admission, self.experts, self.kv_pool = None, None, None, None
-        self.admission_wait = ""
+        self.admission_wait, self.queue_waiting, self.context_tokens = "", None, None
         self.prefills.clear()
         self.last_seq = 0
         for view in self.switches.values():
@@ -173,7 +176,8 @@ class MonitorState:
         track.prompt_tokens, track.cached_tokens = event.prompt_tokens, event.cached_tokens
         if event.state == "prefill":
             # no prefill rate yet = no chunk has run: its tokens are planned, not computed
-            track.add(event.ts, event.prefilled_tokens, received_s, event.eta_s, chunk_ran=bool(event.prefill_tok_s))
+            track.add(event.ts, event.prefilled_tokens, received_s, event.eta_s, chunk_ran=bool(event.prefill_tok_s),
+                      chunk_tok_s=event.prefill_tok_s or None)
         elif not track.done:
             track.first_token(event.ts, event.prefill_tok_s or None)
 
@@ -183,6 +187,11 @@ class MonitorState:
     def any_running(self) -> bool:
         """A slot holds a request (prefilling or decoding)."""
         return any(s.state in ("prefill", "decode") for s in self.slots.values())
+
+    def last_ttft_s(self) -> float | None:
+        """The time to first token of the request whose first token came last (None before any)."""
+        done = [t for t in self.prefills.values() if t.ttft_s is not None and t.first_token_ts is not None]
+        return max(done, key=lambda t: t.first_token_ts).ttft_s if done else None
 
     @property
     def any_prefilling(self) -> bool:
@@ -218,6 +227,8 @@ class MonitorState:
         reserve_mib = snapshot.config.get("vram_reserve_mib")
         if isinstance(reserve_mib, int):
             self.vram_reserve_mib = reserve_mib
+        context = snapshot.config.get("context")
+        self.context_tokens = context if isinstance(context, int) and context > 0 else None
         self.vram.clear()
         for event in snapshot.vram:
             self.vram[event.device] = event
@@ -225,11 +236,15 @@ class MonitorState:
         self.apply_experts(snapshot.experts)
         self.kv_pool = snapshot.kv.paging if snapshot.kv is not None else None
         self.admission_wait = snapshot.queue.admission_wait
+        self.queue_waiting = snapshot.queue.waiting
 
-    def apply_kv_pool(self, pool: KvPagingSnapshot | None, admission_wait: str = "") -> None:
+    def apply_kv_pool(self, pool: KvPagingSnapshot | None, admission_wait: str = "", waiting: int | None = None) -> None:
         """The `kv.paging` section of a state snapshot, read again while the engine serves (pool use changes every
-        step and travels in no event; None: the engine keeps every slot's whole context, no pool to show), and why
-        the queue waits for blocks, if it does."""
+        step and travels in no event; None: the engine keeps every slot's whole context, no pool to show), why
+        the queue waits for blocks, if it does, and how many requests wait."""
+        if waiting is not None and waiting != self.queue_waiting:
+            self.queue_waiting = waiting
+            self.version += 1
         if pool != self.kv_pool or admission_wait != self.admission_wait:
             self.kv_pool, self.admission_wait = pool, admission_wait
             self.version += 1

@@ -33,9 +33,11 @@ from strata_tui.messages import (
     TelemetryBatch,
     TelemetryStatus,
 )
+from strata_tui.foreign import EndpointRead
 from strata_tui.view_state import CrashInfo, ViewState
 
-TELEMETRY_DRAIN_S = 1.0  # an exited engine's stream may still hold its last events (the fatal error)
+TELEMETRY_DRAIN_S = 1.0
+RESULT_HINT = "result in the panel below (escape closes it)"  # an exited engine's stream may still hold its last events (the fatal error)
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ def _experts(view: ViewState, message: ExpertsSnapshot, now_s: float, wall_s: fl
 
 
 def _kv_pool(view: ViewState, message: KvPoolSnapshot, now_s: float, wall_s: float) -> list[Effect]:
-    view.monitor.apply_kv_pool(message.paging, message.admission_wait)  # bumps the monitor's version only when the pool's use changed
+    view.monitor.apply_kv_pool(message.paging, message.admission_wait, message.waiting)  # bumps the monitor's version only when the pool's use changed
     return []
 
 
@@ -205,6 +207,25 @@ def _liveness(view: ViewState, message: EngineLiveness, now_s: float, wall_s: fl
     return [RedrawNow()]
 
 
+def _endpoint(view: ViewState, message: EndpointRead, now_s: float, wall_s: float) -> list[Effect]:
+    """One endpoint's reading (another engine kind's, or a row beside a Strata engine): its row; the first
+    endpoint of another kind also says whether the engine answers (a Strata engine's liveness has its probe)."""
+    foreign = view.foreign
+    if (foreign is None or message.index >= len(foreign.endpoints)
+            or message.view.kind != foreign.endpoints[message.index].kind):
+        return []
+    foreign.endpoints[message.index] = message.view
+    if message.index == 0 and view.kind != "strata":
+        if message.view.reachable:
+            view.unreachable_since = None
+            if view.monitor.engine_state in ("attaching", "starting", "not started"):
+                view.monitor.engine_state = "ready"
+        elif view.unreachable_since is None and not (view.crash is not None and not view.attached):
+            view.unreachable_since = message.view.unreachable_since
+    view.changed()
+    return []
+
+
 def _gpu(view: ViewState, message: GpuSampled, now_s: float, wall_s: float) -> list[Effect]:
     view.gpu_history.add(message.samples)
     if message.samples or view.gpu_unavailable != message.unavailable:
@@ -217,8 +238,10 @@ def _load(view: ViewState, message: LoadProgress, now_s: float, wall_s: float) -
     effects: list[Effect] = []
     if message.done:
         view.load_running, view.load_result, view.load_progress = None, message.text, ""
-        view.status_note = "load failed: see the result panel" if message.failed else "load done: see below"
-        effects.append(Notify(message.text.splitlines()[0], "load", "error" if message.failed else "information"))
+        view.status_note = f"load {'failed' if message.failed else 'done'}: {RESULT_HINT}"
+        # the pop-up words the hint as the status line does
+        effects.append(Notify(f"{message.text.splitlines()[0]}\n{RESULT_HINT}", "load",
+                              "error" if message.failed else "information"))
     else:
         view.load_progress = message.text[:120]
     view.changed()
@@ -237,4 +260,5 @@ _HANDLERS: dict[type, Callable[[ViewState, Any, float, float], list[Effect]]] = 
     EngineLiveness: _liveness,
     GpuSampled: _gpu,
     LoadProgress: _load,
+    EndpointRead: _endpoint,
 }

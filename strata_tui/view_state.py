@@ -18,6 +18,7 @@ from engine.telemetry import Event
 from strata_tui.adapters.crash_lines import pick_engine_error
 from strata_tui.adapters.view import ForeignView
 from strata_tui.gpu import GpuHistory
+from strata_tui.history import History
 from strata_tui.monitor_state import MonitorState
 from strata_tui.profiles import Profile, ProfileError, TuiSettings
 
@@ -48,6 +49,12 @@ def pick_error_line(lines: Iterable[str]) -> str | None:
     return None
 
 
+def severity_of(line: str) -> str:
+    """"warning" for a WARNING record, else "error": what the crash panel calls the line it shows."""
+    level = _LEVEL.search(line)
+    return "warning" if level is not None and level.group(1) in ("WARNING", "WARN") else "error"
+
+
 @dataclass
 class CrashInfo:
     """What the crash panel shows about the engine's end."""
@@ -70,6 +77,7 @@ class ViewState:
     profile_error: ProfileError | None = None
     gpu_history: GpuHistory = field(default_factory=GpuHistory)
     gpu_unavailable: str | None = None
+    history: History = field(default_factory=History)  # one sample a second of what the engine did
     log_lines: deque[tuple[str, str]] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
     log_total: int = 0
     own_polling_lines: int = 0  # access-log lines of this app's own polling, kept out of the log view

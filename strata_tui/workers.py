@@ -15,6 +15,7 @@ from textual.worker import get_current_worker
 
 from engine.snapshot import ExpertCacheSnapshot, KvSnapshot, QueueSnapshot
 from strata_tui.gpu import NvmlSampler
+from strata_tui.http_errors import describe_http_error, plain_error
 from strata_tui.launcher import EngineProcess
 from strata_tui.messages import (
     EngineExited,
@@ -72,10 +73,10 @@ async def read_state(post: Post, client: TelemetryClient) -> None:
 
 async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.0,
                      dense_interval_s: float = 10.0, busy: Callable[[], bool] = lambda: True) -> None:
-    """Read `/strata/state` every `interval_s` while the engine has an expert cache, or a KV block pool and
-    requests running (`busy`; once more after the last ends, for the blocks it gave back), and post those
-    sections (hit counters and pool use change every step but travel in no event); otherwise only every
-    `dense_interval_s` (an idle pool does not change; a restarted engine may have either). Reads never overlap."""
+    """Read `/strata/state` every `interval_s` while the engine has an expert cache, or requests running (`busy`;
+    once more after the last ends, for the blocks it gave back), and post those sections (hit counters, pool use
+    and the queue's depth change every step but travel in no event); otherwise only every `dense_interval_s` (an
+    idle engine does not change; a restarted engine may have either). Reads never overlap."""
     fast, was_busy, last_read_s = False, False, float("-inf")
     while True:
         now_busy = busy()
@@ -97,9 +98,10 @@ async def poll_state(post: Post, client: TelemetryClient, interval_s: float = 1.
         paging = kv.paging if kv is not None else None
         if experts is not None:
             post(ExpertsSnapshot(experts))
-        if paging is not None:
-            post(KvPoolSnapshot(paging, QueueSnapshot.from_json(state.get("queue")).admission_wait))
-        fast = paging is not None
+        if state:
+            queue = QueueSnapshot.from_json(state.get("queue"))
+            post(KvPoolSnapshot(paging, queue.admission_wait, queue.waiting))
+        fast = True  # the queue's depth (and a pool's use) is read once a second while requests run
         if experts is not None:  # the expert panel is kept current once a second, busy or not
             fast, was_busy = True, True
         await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
@@ -128,7 +130,7 @@ async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float 
             now, reason = True, "answering"
             last_answer_s = time.monotonic()
         except (httpx.HTTPError, OSError) as exc:
-            now, reason = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            now, reason = False, describe_http_error(exc)
         if now != answering:
             answering = now
             post(EngineLiveness(now, reason))
@@ -152,31 +154,89 @@ def sample_gpus(post: Post, interval_s: float, sampler: NvmlSampler) -> None:
         sampler.close()
 
 
-async def run_load(post: Post, name: str, base_url: str, api_key: str | None, params: dict[str, Any]) -> None:
+async def run_load(post: Post, name: str, base_url: str, api_key: str | None, params: dict[str, Any],
+                   kind: str = "strata") -> None:
     """Play a named scenario from engine.loadgen.scenarios against the running engine, reporting progress."""
     from engine.loadgen import scenarios  # torch-free; imported here so a missing bench part only disables this
 
     def progress(step: Any) -> None:
-        post(LoadProgress(f"{step.scenario}: {step.message}"))
+        post(LoadProgress(plain_error(f"{step.scenario}: {step.message}")))
 
     try:
+        params = await fit_to_server(name, base_url, api_key, params, kind)
         result = await scenarios.run_scenario(name, base_url, api_key, on_progress=progress, **params)
     except Exception as exc:  # ConfigError (does not fit), an unreachable engine: say it, keep the app
-        post(LoadProgress(f"load {name}: {type(exc).__name__}: {exc}", done=True, failed=True))
+        post(LoadProgress(plain_error(f"load {name}: {type(exc).__name__}: {exc}"), done=True, failed=True))
         return
     post(LoadProgress(scenario_report(result), done=True, failed=not result.ok))
 
 
+# How to give each engine kind more context per request, for the advice when a scenario's prompt cannot fit.
+CONTEXT_ADVICE = {"strata": "start it with --context {need} or more",
+                  "vllm": "start it with --max-model-len {need} or more",
+                  "sglang": "start it with --context-length {need} or more",
+                  "llamacpp": "start it with -c (ctx_size) of at least {need} per slot (-c is shared by the -np "
+                              "slots: -np 4 needs -c {need4})"}
+MIN_LONG_TOKENS = 256  # a long prompt shorter than this measures nothing the short ones do not
+
+
+async def fit_to_server(name: str, base_url: str, api_key: str | None, params: dict[str, Any],
+                        kind: str) -> dict[str, Any]:
+    """The seed and reuse scenarios' long prompt fitted to the context the server itself reports (not to a local
+    profile: an attached engine, or another kind, has its own), so `l` fits whatever answers; a context too
+    small for any long prompt raises ConfigError with that engine kind's own flag."""
+    if name not in ("seed", "reuse") or "long_tokens" in params:
+        return params
+    from engine.errors import ConfigError
+    from engine.loadgen.load_client import LoadClient, discover
+    from engine.loadgen.scenarios import get_scenario
+
+    defaults = {p.name: p.default for p in get_scenario(name).params}
+    max_tokens = int(defaults.get("long_max_tokens", defaults.get("max_tokens", 16)))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+        info = await discover(LoadClient(client, base_url, headers))
+    if info.context_tokens is None:
+        return params  # the scenario's own default; its check says what does not fit
+    room = info.context_tokens - max_tokens
+    if room < MIN_LONG_TOKENS:
+        need = MIN_LONG_TOKENS + max_tokens
+        advice = CONTEXT_ADVICE.get(kind, CONTEXT_ADVICE["strata"]).format(need=need, need4=need * 4)
+        raise ConfigError("long_tokens", room, f"the server's context is {info.context_tokens} tokens per request: "
+                          f"no room for a long prompt of {MIN_LONG_TOKENS} tokens and {max_tokens} to generate; "
+                          f"{advice}")
+    return {**params, "long_tokens": int(min(defaults["long_tokens"], room))}
+
+
 def scenario_report(result: Any) -> str:
     """A scenario's result as lines for its panel: the verdict, then one metric per line; counts as whole
-    numbers with separators (never 1.2e+04), times and rates with two decimals."""
+    numbers with separators (never 1.2e+04), times and rates with two decimals; a metric the run could not
+    measure says why."""
     summary = "ok" if result.ok else "; ".join(result.errors[:3]) or f"health after: {result.health_after}"
-    lines = [f"load {result.name} done in {result.wall_s:.1f} s: {summary}"]
+    lines = [plain_error(f"load {result.name} done in {result.wall_s:.1f} s: {summary}")]
     width = max((len(key) for key in result.metrics), default=0)
     for key, value in result.metrics.items():
-        lines.append(f"  {key:<{width}}  {format_metric(key, value)}")
-    lines.extend(f"  note: {note}" for note in getattr(result, "notes", [])[:5])
+        shown = format_metric(key, value)
+        if value is None:
+            shown += f" ({NOT_MEASURED.get(key, 'the run gave nothing to measure it from')})"
+        lines.append(f"  {key:<{width}}  {shown}")
+    lines.extend(f"  note: {plain_error(note)}" for note in getattr(result, "notes", [])[:5])
     return "\n".join(lines)
+
+
+# Why a scenario's metric can be missing (engine.loadgen.scenarios computes them).
+NOT_MEASURED = {
+    "long_ttft_s": "the long prompt got no first token: see its error above",
+    "short_decode_tok_s_before": "no short generation was decoding before the long prompt was sent",
+    "short_decode_tok_s_during_long_prefill": "no short generation decoded while the long prompt was prefilled",
+    "decode_ratio": "needs both short decode rates, before and during the long prefill",
+    "aggregate_tok_s": "no request finished",
+    "ttft_p50_s": "no request got a first token",
+    "ttft_max_s": "no request got a first token",
+    "first_ttft_s": "the first request got no first token",
+    "second_ttft_s": "the second request got no first token",
+    "ttft_speedup": "needs both requests' time to first token",
+}
 
 
 def format_metric(key: str, value: Any) -> str:

@@ -31,7 +31,10 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine import __version__
+
     parser = OneLineParser(prog="strata-engine", description="Strata inference engine")
+    parser.add_argument("--version", action="version", version=f"strata-engine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)

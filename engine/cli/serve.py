@@ -3,8 +3,10 @@
 Order of events: check the checkpoint's files (config and tensor headers, no weights read: a bad checkpoint is
 one line and exit 2 before anything binds) -> bind the socket (so --port 0 has a real port and a bad address
 fails before the model loads) -> build the engine client -> start uvicorn on that socket -> once uvicorn is started and
-`client.health()` is ready, freeze the heap loaded so far (`freeze_startup_heap`) and print exactly
-`strata-engine: ready at http://HOST:PORT` on stdout. All logs go to stderr. SIGTERM/SIGINT: refuse new
+`client.health()` is ready, freeze the heap loaded so far (`freeze_startup_heap`) and print exactly one line on
+stdout: `strata-engine: ready at http://HOST:PORT`, then what was set up, as vLLM and llama.cpp print theirs: the KV
+capacity in tokens and each device's VRAM books (`ready_line`; the URL is always the fourth word, `ready_line_url`).
+All logs go to stderr. SIGTERM/SIGINT: refuse new
 requests, abort running ones, end event streams, shut the engine down, exit 0. An engine that dies (sticky
 CUDA error): requests get 503 with the reason, then the process exits 1.
 """
@@ -135,6 +137,41 @@ def ready_url(host: str, sock: socket.socket) -> str:
     return f"http://{shown}:{port}"
 
 
+def ready_line(url: str, snapshot: Any) -> str:
+    """The ready line: the URL, the KV capacity in tokens (every slot's context, or the block pool's size where
+    slots take KV by use) and each device's VRAM books, from the engine's first state snapshot."""
+    parts = [f"{READY_PREFIX} {url}"]
+    kv = getattr(snapshot, "kv", None)
+    if kv is not None and kv.slots:
+        paging = kv.paging
+        if paging is not None and paging.pool_blocks:
+            capacity = paging.pool_blocks * paging.block_tokens
+            shape = (f"a pool of {paging.pool_blocks:,} blocks x {paging.block_tokens} shared by {kv.slots} slots "
+                     f"of up to {kv.context_tokens:,}")
+        else:
+            capacity = kv.slots * kv.context_tokens
+            shape = f"{kv.slots} slots x {kv.context_tokens:,}"
+        parts.append(f"KV {capacity:,} tokens ({shape}, {kv.storage}, {_mib_text(kv.mib)})")
+    for vram in getattr(snapshot, "vram", ()) or ():
+        books = ", ".join(f"{label} {_mib_text(value)}" for label, value in (
+            ("weights", vram.weights_mib), ("KV", vram.kv_mib), ("graphs", vram.graphs_mib), ("tier", vram.tier_mib),
+            ("experts", vram.experts_mib), ("reserve", vram.reserve_mib)) if value or label != "experts")
+        parts.append(f"{vram.device or '?'}: {books}, free {_mib_text(vram.free_mib)} of {_mib_text(vram.total_mib)}")
+    return " · ".join(parts)
+
+
+def ready_line_url(line: str) -> str | None:
+    """The URL of a ready line (its fourth word), or None for any other line."""
+    if not line.startswith(READY_PREFIX + " "):
+        return None
+    words = line.split()
+    return words[3] if len(words) > 3 else None
+
+
+def _mib_text(mib: float) -> str:
+    return f"{mib / 1024:,.1f} GiB" if mib >= 10 * 1024 else f"{mib:,.0f} MiB"
+
+
 def default_client_factory(config: EngineConfig) -> EngineClient:
     from engine.orchestration.async_engine import AsyncEngine
 
@@ -163,7 +200,7 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
         failure = await _wait_ready(server, client, serve_task)
         if failure is None:
             freeze_startup_heap()
-            print(f"{READY_PREFIX} {ready_url(config.host, sock)}", flush=True)
+            print(ready_line(ready_url(config.host, sock), _first_state(client)), flush=True)
             dead_reason = await _watch_health(client, serve_task)
             if dead_reason is not None:
                 log.error("engine is dead (%s); answering 503 for %.1f s, then exiting", dead_reason, DEAD_GRACE_S)
@@ -186,6 +223,15 @@ async def serve(config: EngineConfig, sock: socket.socket, client_factory: Clien
     if serve_task.exception() is not None and exit_code == 0:
         exit_code = 1
     return exit_code
+
+
+def _first_state(client: EngineClient) -> Any:
+    """The engine's state for the ready line; None (the line is then the URL alone) when it cannot give one."""
+    try:
+        return client.state()
+    except Exception as exc:  # a test double without state(), or one that fails: the URL still has to go out
+        log.debug("no state for the ready line: %s", exc)
+        return None
 
 
 def freeze_startup_heap() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -60,14 +61,24 @@ def write_tensors(
         total_bytes += nbytes
     if written == 0:
         save_file(shards[-1], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        _mode_as_created(directory / "model.safetensors")
         return
     _write_shard(directory, shards[-1], written)
     count = written + 1
     names = {i: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)}
     for i in range(count):
         (directory / f"shard-{i}.tmp").rename(directory / names[i])
+        _mode_as_created(directory / names[i])
     index = {"metadata": {"total_size": total_bytes}, "weight_map": {n: names[i] for n, i in weight_map.items()}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _mode_as_created(path: Path) -> None:
+    """The mode any file this process creates gets (0644 under the usual umask): safetensors writes its files 0600,
+    so a quantized checkpoint's weights were unreadable to the other users its config and tokenizer files serve."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
 
 
 def _write_shard(directory: Path, shard: dict[str, torch.Tensor], index: int) -> None:

@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
-import httpx
-
 import json
+
+import httpx
 
 from strata_tui.adapters.base import Adapter, fetch
 from strata_tui.adapters.llamacpp import LlamacppAdapter
 from strata_tui.adapters.sglang import SglangAdapter
+from strata_tui.adapters.strata import StrataAdapter
 from strata_tui.adapters.vllm import VllmAdapter
 
-ADAPTERS: dict[str, type[Adapter]] = {"vllm": VllmAdapter, "sglang": SglangAdapter, "llamacpp": LlamacppAdapter}
+ADAPTERS: dict[str, type[Adapter]] = {"strata": StrataAdapter, "vllm": VllmAdapter, "sglang": SglangAdapter,
+                                      "llamacpp": LlamacppAdapter}
 
 
 def adapter_for(kind: str, url: str) -> Adapter:
@@ -26,6 +28,8 @@ async def detect(client: httpx.AsyncClient) -> str | None:
     async def answers(path: str) -> bytes | None:
         try:
             status, body = await fetch(client, path)  # at most MAX_BODY_BYTES of whatever answers
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            raise  # nothing answers there at all: the caller says why (connection refused), not "none of these"
         except (httpx.HTTPError, ValueError):
             return None
         return body if status == 200 else None

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from strata_tui.adapters.prometheus import Histogram, Metrics
+from strata_tui.adapters.rates import CounterRates
 from strata_tui.adapters.view import EndpointView
 
 MAX_BODY_BYTES = 4 << 20  # a vLLM /metrics with every label set is about 1 MiB
@@ -38,6 +39,7 @@ class Adapter:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.rates = CounterRates()  # token counters between reads: the rates (strata_tui/adapters/rates.py)
 
     async def read(self, client: httpx.AsyncClient) -> EndpointView:
         view = EndpointView(self.url, self.kind)
@@ -87,6 +89,18 @@ async def get_metrics(client: httpx.AsyncClient, view: EndpointView, path: str =
     metrics = await asyncio.to_thread(Metrics, text)  # a big scrape parses for long: not on the UI's loop
     metrics.reported = view.invalid  # what the adapter reads of an invalid family is listed on the view
     return metrics
+
+
+def token_rates(view: EndpointView, rates: CounterRates, metrics: Metrics, prompt_counter: str,
+                decode_counter: str, prompt_gauge: str | None = None, decode_gauge: str | None = None) -> None:
+    """Prompt and decode tok/s from the token counters between this read and the last; a gauge only where the
+    engine exports no counter (the first read, with nothing to compare yet, shows the gauge or nothing)."""
+    for attr, counter, gauge in (("prompt_tokens_s", prompt_counter, prompt_gauge),
+                                 ("decode_tokens_s", decode_counter, decode_gauge)):
+        value = rates.rate(counter, metrics.sum(counter))
+        if value is None and not metrics.has(counter) and gauge is not None:
+            value = metrics.sum(gauge)
+        setattr(view, attr, value)
 
 
 def latency(view: EndpointView, ttft: Histogram | None, itl: Histogram | None) -> None:

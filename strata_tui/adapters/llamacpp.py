@@ -12,7 +12,7 @@ import math
 
 import httpx
 
-from strata_tui.adapters.base import MAX_COUNT, Adapter, fetch, get_json, get_metrics
+from strata_tui.adapters.base import MAX_COUNT, Adapter, fetch, get_json, get_metrics, token_rates
 from strata_tui.adapters.view import EndpointView, SlotRow
 
 CANNOT = {
@@ -105,5 +105,6 @@ class LlamacppAdapter(Adapter):
             view.cannot["spec"] = "llama.cpp reports a mean acceptance, not per draft position"
         else:
             view.cannot["spec"] = "speculative decoding off (no drafts)"
-        view.prompt_tokens_s = metrics.sum("llamacpp:prompt_tokens_seconds")
-        view.decode_tokens_s = metrics.sum("llamacpp:predicted_tokens_seconds")
+        # Its rate gauges are means over the requests finished since the last scrape: 0 while slots decode.
+        token_rates(view, self.rates, metrics, "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total",
+                    "llamacpp:prompt_tokens_seconds", "llamacpp:predicted_tokens_seconds")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 
-from strata_tui.adapters.base import Adapter, get_json, get_metrics, latency
+from strata_tui.adapters.base import Adapter, get_json, get_metrics, latency, token_rates
 from strata_tui.adapters.view import EndpointView
 
 CANNOT = {
@@ -43,6 +43,8 @@ class SglangAdapter(Adapter):
             view.cannot["prefix"] = "SGLang reports no cache hit rate"
         view.preemptions = metrics.sum(metrics.first("sglang:num_retracted_requests_total",
                                                      "sglang:num_retracted_reqs"))
+        token_rates(view, self.rates, metrics, "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+                    decode_gauge="sglang:gen_throughput")
         length = metrics.mean("sglang:spec_accept_length")
         if speculative and length:
             view.spec_mean_length = length

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 
-from strata_tui.adapters.base import Adapter, get_json, get_metrics, latency
+from strata_tui.adapters.base import Adapter, get_json, get_metrics, latency, token_rates
 from strata_tui.adapters.view import EndpointView
 
 CANNOT = {
@@ -46,6 +46,7 @@ class VllmAdapter(Adapter):
         else:
             view.cannot["prefix"] = "no prefix-cache lookups yet"
         view.preemptions = metrics.sum("vllm:num_preemptions_total")
+        token_rates(view, self.rates, metrics, "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
         drafts = metrics.sum("vllm:spec_decode_num_drafts_total")
         if drafts is None:
             view.cannot["spec"] = "speculative decoding off (no vllm:spec_decode_* metrics)"

@@ -1,4 +1,4 @@
-"""Small modal dialogs: ask for a profile name (and do what it is for), confirm a deletion."""
+"""Small modal dialogs: ask for a profile name (and do what it is for), a log filter, confirm a deletion."""
 
 from __future__ import annotations
 
@@ -73,6 +73,35 @@ class NameDialog(ModalScreen[str | None]):
 
     def _refused(self, reason: str) -> None:
         self.query_one("#error", Label).update(reason)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class FilterDialog(ModalScreen[str | None]):
+    """The engine log's `/`: a pattern (a regular expression, case-insensitive), enter applies it, an empty one
+    shows every line again, escape leaves the filter as it was."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    DEFAULT_CSS = """
+    FilterDialog { align: center bottom; }
+    FilterDialog > Vertical { width: 90%; max-width: 90; height: auto; border: thick $accent; background: $surface;
+                              padding: 0 1; margin-bottom: 2; }
+    """
+
+    def __init__(self, pattern: str = "") -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Label("filter the engine log (a regular expression; empty: every line) · enter · escape",
+                        markup=False)
+            yield Input(value=self.pattern, id="pattern")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.value.strip())
 
     def action_cancel(self) -> None:
         self.dismiss(None)

@@ -20,7 +20,8 @@ from strata_tui.monitor_state import KEYED_SWITCHES
 CLOSE_HINT = "escape · q · ? close"
 
 MONITOR_KEYS = (
-    ("1-9", "toggle switch N below (live where the engine allows it, else saved for the next start)"),
+    ("1-9", "toggle switch N below (live where the engine allows it, else saved for the next start; a switch that "
+            "does not apply to this engine's model says so and is not changed)"),
     ("ctrl+p", "command palette: every action, every switch (those past the ninth too), every scenario"),
     ("+ / -", "VRAM reserve up / down by the small step (live, saved to the profile)"),
     ("] / [", "VRAM reserve up / down by the large step"),
@@ -29,11 +30,19 @@ MONITOR_KEYS = (
     ("c", "cancel the running load scenario (its requests are closed)"),
     ("escape", "close the load result"),
     ("f", "filter graph-cache events: all, warnings and errors, errors only"),
+    ("z", "history: zoom out to the last 1, 5 or 15 minutes"),
+    ("v", "on a short terminal: show the next of the panels left out (history, graph cache, engine log)"),
+    ("/", "filter the engine log (a regular expression; empty shows every line)"),
+    ("space", "pause the engine log (new lines wait); up / down then move a cursor over its lines"),
+    ("y", "copy the log's cursor line (the last line while it follows) to the clipboard (OSC 52)"),
+    ("e", "copy the engine's last error to the clipboard (OSC 52)"),
+    ("w", "save the engine log's lines shown to a file (its path is shown)"),
     ("r", "restart the engine (applies start-only switches and edited options)"),
     ("s", "stop the engine"),
     ("p", "profiles"),
-    ("?", "this help"),
-    ("q", "quit (stops the engine it launched)"),
+    ("? / f1", "this help"),
+    ("q / ctrl+q", "quit (stops the engine it launched)"),
+    ("ctrl+c", "does not quit (it copies in a text field): says which key does"),
 )
 PROFILE_KEYS = (
     ("enter", "use the selected profile (relaunch with it)"),

@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.telemetry import Event
-from strata_tui.view_state import CrashInfo
+from strata_tui.view_state import CrashInfo, severity_of
 from strata_tui.widgets.view_bound import ViewBound
 
 _NOISE = ("v", "ts", "seq", "type")
@@ -72,8 +72,10 @@ class CrashPanel(ViewBound, Static):
 
     def show(self, crash: CrashInfo) -> None:
         lines: list = [Text.assemble((f"engine {how_it_ended(crash)}", "bold red"), ("    press r to restart", "bold"))]
-        lines.append(Text.assemble(("last error: ", "bold"),
-                                   (crash.error or "none reported", "red" if crash.error else "dim")))
+        severity = severity_of(crash.error) if crash.error else "error"
+        lines.append(Text.assemble((f"last {severity}: ", "bold"),
+                                   (crash.error or "none reported",
+                                    ("yellow" if severity == "warning" else "red") if crash.error else "dim")))
         if crash.recent:
             height = self.app.size.height
             shown = 8 if height >= 40 else 3 if height >= 34 else 1  # a short terminal keeps the switches in view

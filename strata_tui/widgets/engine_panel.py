@@ -50,9 +50,11 @@ def endpoint_table(view: ForeignView, narrow: bool) -> Table:
     for name in columns:
         table.add_column(name, no_wrap=True, overflow="ellipsis",
                          max_width=26 if name == "endpoint" else (18 if narrow and name == "state" else None))
+    mixed = len({e.kind for e in view.endpoints}) > 1
     for endpoint in view.endpoints:
         if endpoint.reachable:
-            state = _cell("up " + (endpoint.version or "")[:14], "green")
+            kind = f"{KIND_NAMES.get(endpoint.kind, endpoint.kind)} " if mixed else ""
+            state = _cell(f"up {kind}" + (endpoint.version or "")[:14], "green")
 
             def shown(name: str, fmt) -> str:
                 return "invalid" if name in endpoint.invalid else fmt(getattr(endpoint, name))
@@ -155,7 +157,8 @@ class EnginePanel(ViewBound, Static):
         width = self.content_size.width or self.app.size.width - 4
         narrow = width < NARROW_BELOW
         self.add_class("-visible")
-        self.border_title = f"{KIND_NAMES.get(view.kind, view.kind)} · {len(view.endpoints)} endpoint" + \
+        names = " + ".join(dict.fromkeys(KIND_NAMES.get(e.kind, e.kind) for e in view.endpoints if e.kind != "?"))
+        self.border_title = f"{names or KIND_NAMES.get(view.kind, view.kind)} · {len(view.endpoints)} endpoint" + \
             ("s" if len(view.endpoints) != 1 else "")
         parts: list = [endpoint_table(view, narrow), *problem_lines(view)]
         if len(view.endpoints) > 1:

@@ -178,8 +178,10 @@ class GpuPanel(ViewBound, Static):
     @staticmethod
     def _engine_row(vram: VramEvent, label: str, compact: bool) -> Table:
         table = Table.grid(padding=(0, 1))
-        if compact:  # the GPU line above already has a bar: the books alone fit on one line
-            table.add_row(Text(f"  {label}", style="dim"), breakdown_text(vram, compact=True))
+        if compact:  # the GPU line above already has a bar: the books alone, one line (cut, never wrapped)
+            books = breakdown_text(vram, compact=True)
+            books.no_wrap, books.overflow = True, "ellipsis"
+            table.add_row(Text(f"  {label}", style="dim"), books)
         else:
             table.add_row(Text(f"  {label}", style="dim"), breakdown_bar(vram, 20), breakdown_text(vram))
         return table

@@ -1,4 +1,5 @@
-"""Slots table: one row per engine slot, diffed by row key so a refresh touches only changed cells.
+"""Slots table: one row per engine slot, diffed by row key so a refresh touches only changed cells. What each cell
+says is strata_tui/widgets/slot_cells.py's; this file draws it.
 
 Columns are fitted to the table's width: at 100 columns the low-value ones go first (generated count,
 which the progress cell already shows, and the first-token column, which moves into the progress cell),
@@ -39,161 +40,14 @@ from rich.text import Text
 from textual.strip import Strip
 from textual.widgets import DataTable
 
-from engine.snapshot import KvPagingSnapshot
-from engine.telemetry import AdmissionEvent, SlotEvent
+from engine.telemetry import SlotEvent
 from strata_tui.prefill_eta import PrefillTrack
-from strata_tui.widgets.format import bar
+from strata_tui.widgets.slot_cells import (MAX_SLOT_ROWS, REST_KEY, admission_line, busiest, columns_for, rest_cells,
+                                           slot_cells, slots_title)  # what each cell says
 from strata_tui.widgets.view_bound import ViewBound
 
 if TYPE_CHECKING:
     from strata_tui.view_state import ViewState
-
-WIDE_AT = 140  # table width from which every column fits
-MAX_SLOT_ROWS = 24  # rows of slots at most; past it the busiest, and a row counting the rest
-REST_KEY = "rest"  # the row key of that count
-_STATE_STYLE = {"prefill": "yellow", "decode": "green", "idle": "dim", "finished": "blue",
-                "aborted": "magenta", "error": "bold red"}
-
-
-def columns_for(width: int) -> tuple[tuple[str, str, int], ...]:
-    """(label, key, width) for a table `width` cells wide (each column adds 2 cells of padding)."""
-    if width < WIDE_AT:
-        fixed = (("slot", "slot", 4), ("state", "state", 7), ("request", "request", 10), ("prompt", "prompt", 9),
-                 ("cached", "cached", 8), ("tok/s", "tok_s", 7), ("MTP", "acceptance", 4))
-        progress = max(22, width - 4 - sum(w + 2 for _, _, w in fixed) - 2)
-        return fixed[:5] + (("progress", "progress", progress),) + fixed[5:]
-    fixed = (("slot", "slot", 4), ("state", "state", 8), ("prompt", "prompt", 9), ("cached", "cached", 9),
-             ("gen", "generated", 8), ("tok/s", "tok_s", 8), ("MTP acc", "acceptance", 7),
-             ("first token", "first_token", 26))
-    room = width - 4 - sum(w + 2 for _, _, w in fixed) - 4
-    request = min(36, max(20, room // 3))
-    progress = min(60, max(30, room - request))
-    return (fixed[:2] + (("request", "request", request),) + fixed[2:4] + (("progress", "progress", progress),)
-            + fixed[4:])
-
-
-def format_eta(eta_s: float | None) -> str:
-    if eta_s is None:
-        return ""
-    if eta_s >= 60:
-        return f"{int(eta_s // 60)}m{int(eta_s % 60):02d}s"
-    return f"{eta_s:.0f}s" if eta_s >= 10 else f"{eta_s:.1f}s"
-
-
-def format_rate(tok_s: float | None) -> str:
-    if not tok_s:
-        return ""
-    return f"{tok_s / 1000:.1f}k tok/s" if tok_s >= 10000 else f"{tok_s:,.0f} tok/s"
-
-
-def first_token_text(track: PrefillTrack | None) -> str:
-    """"TTFT 41.2s @ 3,640 tok/s" once the first token came, else ""."""
-    if track is None or track.ttft_s is None:
-        return ""
-    rate = format_rate(track.prompt_tok_s)
-    return f"TTFT {format_eta(track.ttft_s)}" + (f" @ {rate}" if rate else "")
-
-
-def admission_line(event: AdmissionEvent | None, track: PrefillTrack | None = None) -> str:
-    """The latest admission, the moment the seed report is about: fresh or reused, and, once its first
-    token came, how long that took and at what prompt rate."""
-    if event is None:
-        return ""
-    cached = f", {event.cached_tokens:,} cached" if event.cached_tokens else ""
-    first = first_token_text(track)
-    return (f"last admission: {event.request_id[:20]} → slot {event.slot}, {event.reuse}, "
-            f"{event.prompt_tokens:,} prompt tokens{cached}" + (f" · {first}" if first else ""))
-
-
-def _tokens_short(n: int) -> str:
-    return f"{n / 1000:.1f}K" if n >= 1000 else str(n)
-
-
-def kv_place_text(slot: SlotEvent, wide: bool) -> str:
-    """--kv-resident: where the slot's KV lies, once some of it is on the host ("" while all is in VRAM)."""
-    if not slot.kv_host_tokens:
-        return ""
-    host = f"{_tokens_short(slot.kv_host_tokens)} host"
-    if not wide:
-        return f" {host}"
-    return f" · {_tokens_short(slot.kv_resident_tokens + slot.kv_pooled_tokens)} VRAM {host}"
-
-
-def progress_cell(slot: SlotEvent, track: PrefillTrack | None, now_s: float, width: int, wide: bool) -> Text:
-    if slot.state == "prefill" and slot.prompt_tokens:
-        to_do = max(0, slot.prompt_tokens - slot.cached_tokens)
-        fraction = (min(1.0, max(0.0, (slot.prefilled_tokens - slot.cached_tokens) / to_do)) if to_do else 1.0)
-        eta = track.eta_s(now_s) if track is not None else slot.eta_s
-        tail = f" {fraction * 100:3.0f}%" + (f" ETA {format_eta(eta)}" if eta is not None else "")
-        place = kv_place_text(slot, wide)
-        text = bar(fraction, max(4, min(20, width - len(tail) - len(place))), "yellow")
-        text.append(tail[:4], style="")
-        text.append(tail[4:], style="yellow")
-        text.append(place, style="magenta")
-        return text
-    if slot.state == "decode" and slot.max_tokens:
-        counts = f" {slot.generated_tokens:,}/{slot.max_tokens:,}"
-        ttft = "" if wide else first_token_text(track).split(" @ ")[0]
-        place = kv_place_text(slot, wide)
-        tail = counts + (f" {ttft}" if ttft and not place else "")  # where the KV lies says more than TTFT
-        width_left = width - len(tail) - len(place)
-        text = bar(slot.generated_tokens / slot.max_tokens, min(20, width_left), "green") if width_left >= 4 else Text()
-        text.append(tail)
-        text.append(place, style="magenta")
-        return text
-    return Text("")
-
-
-def slot_cells(slot: SlotEvent, track: PrefillTrack | None = None, now_s: float = 0.0,
-               columns: tuple[tuple[str, str, int], ...] | None = None) -> dict[str, Text | str]:
-    """The cells of one slot's row, keyed by column key. Equal inputs give equal cells (for diffing)."""
-    columns = columns or columns_for(200)
-    widths = {key: width for _, key, width in columns}
-    prefilling = slot.state == "prefill"
-    rate = slot.prefill_tok_s if prefilling else slot.decode_tok_s
-    wide = "first_token" in widths
-    cells: dict[str, Text | str] = {
-        "slot": str(slot.slot),
-        "state": Text(slot.state, style=_STATE_STYLE.get(slot.state, "")),
-        "request": (slot.request_id or "")[:widths.get("request", 20)],
-        "prompt": f"{slot.prompt_tokens:,}" if slot.request_id else "",
-        "cached": f"{slot.cached_tokens:,}" if slot.request_id else "",
-        "progress": progress_cell(slot, track, now_s, widths.get("progress", 30), wide),
-        "generated": f"{slot.generated_tokens:,}" if slot.request_id else "",
-        "tok_s": (f"{rate:,.0f}" if rate >= 1000 else f"{rate:.1f}") if rate else "",
-        "acceptance": f"{slot.acceptance * 100:.0f}%" if slot.acceptance is not None else "",
-        "first_token": first_token_text(track) if slot.request_id else "",
-    }
-    return {key: cells[key] for key in widths}
-
-
-def busiest(slots: dict[int, SlotEvent], limit: int = MAX_SLOT_ROWS) -> tuple[list[int], Counter[str]]:
-    """The slot numbers to show (all of them when they fit `limit` rows, else the busiest `limit - 1`, by slot
-    number) and, by state, the count of those left out."""
-    if len(slots) <= limit:
-        return sorted(slots), Counter()
-
-    def rank(n: int) -> tuple:
-        slot = slots[n]
-        order = {"prefill": 0, "decode": 1}.get(slot.state, 2 if slot.request_id else 3)
-        rate = slot.prefill_tok_s if slot.state == "prefill" else slot.decode_tok_s
-        return order, -(rate or 0.0), n
-
-    shown = sorted(sorted(slots, key=rank)[:limit - 1])
-    left = Counter(slots[n].state for n in slots if n not in set(shown))
-    return shown, left
-
-
-def rest_cells(left: Counter[str], columns: tuple[tuple[str, str, int], ...]) -> dict[str, Text | str]:
-    """The row counting the slots the table leaves out ("+232 more: 200 decode, 32 idle")."""
-    total = sum(left.values())
-    parts = ", ".join(f"{n} {state}" for state, n in sorted(left.items(), key=lambda kv: (-kv[1], kv[0])))
-    cells: dict[str, Text | str] = {key: "" for _, key, _ in columns}
-    cells["state"] = Text(f"+{total}", style="dim")
-    width = dict((k, w) for _, k, w in columns)["progress"]  # the widest column in either layout
-    cells["progress"] = Text(f"more: {parts}"[:width], style="dim")
-    return cells
-
 
 class SlotsTable(ViewBound, DataTable):
     """Slot rows keyed by slot number. `show()` adds, removes and updates only what changed; with a `view`,
@@ -215,6 +69,7 @@ class SlotsTable(ViewBound, DataTable):
         self._row_version: dict[str, int] = {}  # row key -> changes so far (a drawn row is kept until it changes)
         self._drawn: dict[str | None, tuple[tuple, Strip]] = {}  # row key (None: the header) -> (look, strip)
         self._frame_styles: dict[str, Style] | None = None
+        self.row_limit = MAX_SLOT_ROWS  # slot rows at most (the monitor lowers it on a short terminal)
 
     dims_when_stale = True
 
@@ -233,7 +88,9 @@ class SlotsTable(ViewBound, DataTable):
         state = view.monitor
         if self.slice_changed(tuple(state.slots.items()), force or state.any_prefilling):
             self.show(state.slots, {n: state.track_of(s) for n, s in state.slots.items()}, self._clock())
-        title = slots_title(state.kv_pool, state.admission_wait)
+        title = slots_title(state.kv_pool, state.admission_wait, idle=bool(state.slots) and not state.any_running())
+        if self.columns_spec and len(self.columns_spec) < 7:  # first, so a long pool line cannot cut it off
+            title = "Slots (request, prompt, cached: 100+ columns)" + title.removeprefix("Slots")
         if self.border_title != title:  # setting it repaints the border even when it is the same
             self.border_title = title
         admission = state.last_admission
@@ -260,7 +117,7 @@ class SlotsTable(ViewBound, DataTable):
         """Make the table match `slots` (slot number -> latest SlotEvent); `tracks` by slot for ETAs."""
         self._fit_columns()
         tracks = tracks or {}
-        shown, left = busiest(slots)
+        shown, left = busiest(slots, self.row_limit)
         wanted = {str(n): slot_cells(slots[n], tracks.get(n), now_s, self.columns_spec) for n in shown}
         if left:
             wanted[REST_KEY] = rest_cells(left, self.columns_spec)
@@ -366,24 +223,6 @@ class SlotsTable(ViewBound, DataTable):
             style = under + style if style else under
             segments.append(Segment(text, style + over if over else style, control))
         return Strip(segments)
-
-
-def slots_title(pool: KvPagingSnapshot | None, admission_wait: str = "") -> str:
-    """The slots panel's title: with KV by use, what the block pool holds (blocks slots use as their own, free,
-    backing the prefix tier and mapped into slots from it, on the host), how many times a slot was preempted, and
-    that the queue waits for blocks while a slot is free."""
-    if pool is None or not pool.pool_blocks:
-        return "Slots"
-    used = pool.pool_blocks - pool.free_pool_blocks
-    parts = [f"KV pool {used * 100 // pool.pool_blocks} % of {pool.pool_blocks:,} blocks: {pool.used_blocks:,} used, "
-             f"{pool.free_pool_blocks:,} free"]
-    if pool.tier_blocks or pool.borrowed_blocks:
-        parts.append(f"tier {pool.tier_blocks:,} ({pool.borrowed_blocks:,} shared)")
-    if pool.host_blocks:
-        parts.append(f"{pool.host_blocks:,} on host")
-    text = "Slots · " + ", ".join(parts)
-    text += f" · {pool.preemptions:,} preempted" if pool.preemptions else ""
-    return text + (" · queue waits for blocks" if admission_wait else "")
 
 
 def _row_order(key: str) -> int:

@@ -74,3 +74,44 @@ async def test_tui_launches_engine_and_shows_slots_changing(tmp_path: Path, chec
         while process.running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     assert not process.running
+
+
+async def test_ttft_agrees_with_the_engines_prompt_rate_and_an_idle_pool_holds_nothing_in_use(
+        tmp_path: Path, checkpoint: Path) -> None:
+    """A 64-token prompt is prefilled in one chunk: its admission and first token are published in one step, a
+    fraction of a millisecond apart, so the time between them read `TTFT 0.0s @ 69 tok/s` (the engine's own rate
+    says 64 tokens took ~0.9 s). And once every slot is idle, the blocks the finished request held (given back at
+    the engine's next step) are not shown as in use."""
+    config_dir = tmp_path / "config"
+    ProfileStore(config_dir).save(Profile("e2e").with_engine(
+        model=str(checkpoint), device="cpu", batch=2, context=2048, kv_pool="by-use", port=0))
+    app = create_app(config_dir=config_dir, profile="e2e", engine_cwd=str(ROOT), sampler_factory=None)
+    async with app.run_test(size=(160, 48)) as pilot:
+        deadline = time.monotonic() + 180
+        while not app.view.telemetry_connected:
+            assert app.view.crash is None, f"engine exited: {app.view.crash.error}"
+            assert time.monotonic() < deadline, "engine never became ready"
+            await pilot.pause(0.2)
+        async with httpx.AsyncClient(base_url=app.view.engine_url, timeout=120) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            body = {"model": model, "prompt": [5 + j for j in range(64)], "max_tokens": 16, "temperature": 0.0,
+                    "ignore_eos": True}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        deadline = time.monotonic() + 30
+        while True:
+            admission = app.view.monitor.last_admission
+            track = app.view.monitor.prefills.get(admission.request_id) if admission else None
+            idle = app.view.monitor.slots and not app.view.monitor.any_running()
+            if track is not None and track.ttft_s is not None and idle and app.view.monitor.kv_pool is not None:
+                break
+            assert time.monotonic() < deadline, "no first token, or the slots never went idle"
+            await pilot.pause(0.1)
+        # the TTFT shown covers at least the prompt's tokens at the engine's own prompt rate
+        assert track.prompt_tok_s and track.ttft_s >= 0.95 * 64 / track.prompt_tok_s, (track.ttft_s, track.prompt_tok_s)
+        shown = re.search(r"TTFT ([\d.]+)(ms|s)\b", screen_text(app))
+        assert shown and float(shown.group(1)) > 0, screen_text(app)
+        # idle: nothing in use in the slots' title (on CPU the pool is read once more after the last request ends)
+        await pilot.pause(1.5)
+        title = app.screen.query_one("#slots").border_title
+        assert " 0 used" in title or "KV pool" not in title, title
+        await pilot.press("q")

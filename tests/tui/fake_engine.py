@@ -9,6 +9,7 @@ object. It loads no model. Behaviour comes from the environment:
   FAKE_ENGINE_MODE    serve (default) | crash (exit 1 with a real-looking error after ready)
                       | fail-start (exit 2 at once) | ignore-term (ignore SIGTERM: tests the SIGKILL path)
                       | slow-term (on SIGTERM: log for 3 s, as an engine finishing a long chunk does, then exit 0)
+                      | warn-term (on SIGTERM: a WARNING record on stderr, as uvicorn's while requests run, then exit 0)
   FAKE_ENGINE_BUSY    "SLOTS:HZ": keep SLOTS slots decoding, each publishing HZ slot events a second,
                       plus a VRAM event a second (the TUI benchmark's steady load)
   FAKE_ENGINE_EXPERTS a recorded /strata/state (fixtures/moe_state.json): an MoE engine whose state has that
@@ -157,6 +158,7 @@ class Handler(BaseHTTPRequestHandler):
         prompt_tokens = len(prompt) if isinstance(prompt, list) else 8
         max_tokens = int(body.get("max_tokens", 8))
         slot = next(REQUESTS) % 4  # requests take turns over 4 slots (a thread's id is aligned: always 0 mod 4)
+        log(f"POST /v1/completions prompt_tokens={prompt_tokens} max_tokens={max_tokens} slot={slot}")
         rid = f"cmpl-{BUS.last_seq}"
         BUS.publish(SlotEvent(slot=slot, state="prefill", request_id=rid, prompt_tokens=prompt_tokens,
                               max_tokens=max_tokens, eta_s=0.1))
@@ -216,6 +218,12 @@ def slow_stop() -> None:
     os._exit(0)
 
 
+def warn_stop() -> None:
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')},123 WARNING strata.serve: stopping with 2 requests running: "
+          "they are aborted", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("command")
@@ -232,6 +240,8 @@ def main() -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode == "slow-term":
         signal.signal(signal.SIGTERM, lambda *_: slow_stop())
+    if mode == "warn-term":
+        signal.signal(signal.SIGTERM, lambda *_: warn_stop())
     switches_on = ",".join(n for n, s in BOARD.states.items() if s.enabled) or "none"
     log(f"\x1b[32mfake engine\x1b[0m argv={' '.join(sys.argv[1:])} switches={switches_on}")
     sys.stdout.write("loading 10%\rloading 60%\rloading 100%\n")
@@ -255,7 +265,7 @@ def main() -> int:
         print("mtp: round capture: CUDA error: an illegal memory access was encountered", file=sys.stderr,
               flush=True)
         return 1
-    signal.signal(signal.SIGTERM, signal.SIG_DFL) if mode not in ("ignore-term", "slow-term") else None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL) if mode not in ("ignore-term", "slow-term", "warn-term") else None
     while True:
         time.sleep(3600)
 

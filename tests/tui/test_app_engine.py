@@ -119,13 +119,21 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
     app = fake_engine_app(config_dir, monkeypatch, events=None)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="telemetry")
-        assert app.controls.load_params("seed") == {"long_tokens": 8192 - 16, "short_max_tokens": 128}
+        assert app.controls.load_params("seed") == {"short_max_tokens": 128}
         await pilot.press("l")
         await wait_for(pilot, lambda: app.view.load_result is not None, timeout_s=60, what="scenario")
         assert "done in" in app.view.load_result and ": ok" in app.view.load_result.splitlines()[0]
+        # the long prompt was fitted to the context the server reports (8192), less what it generates
+        assert _log_has(app, f"POST /v1/completions prompt_tokens={8192 - 16} "), list(app.view.log_lines)[-12:]
         await wait_for(pilot, lambda: "Load result" in screen_text(app), what="the load result on screen")
         shown = screen_text(app)
         assert "e+0" not in shown and "e+1" not in shown
+        # the status line and the pop-up word the hint alike
+        from strata_tui.reducer import RESULT_HINT
+        assert RESULT_HINT in app.view.status_note
+        assert any(RESULT_HINT in n.message for n in app._notifications), [n.message for n in app._notifications]
+        for line in app.view.load_result.splitlines()[1:]:
+            assert not line.rstrip().endswith("n/a"), line  # a metric it could not measure says why
         assert app.view.monitor.last_seq > 20, "the scenario's requests must show up as slot events"
 
 
@@ -262,3 +270,21 @@ async def test_restart_ends_the_previous_runs_telemetry(config_dir: Path, monkey
         streams = [w for w in app.workers if w.group == "telemetry" and not w.is_finished]
         assert streams == [], "the first run's event stream must end with it"
         assert "ConnectError" not in app.view.status_note
+
+
+async def test_attach_to_a_strata_url_and_a_vllm_url_shows_both(config_dir: Path, running_engine: str) -> None:
+    """`--attach STRATA,VLLM`: the Strata engine keeps its own panels (slots), and the endpoint table has a row for
+    each URL, each read by its own kind's adapter (it used to name the vLLM URL in the title only)."""
+    from tests.tui.engine_replay import replay_server, routes_for
+
+    ProfileStore(config_dir).save(Profile("default"))
+    with replay_server(routes_for("vllm")) as vllm:
+        app = create_app(config_dir=config_dir, attach_url=f"{running_engine},{vllm.url}", sampler_factory=None)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).row_count == 8, what="Strata's slots")
+            host = vllm.url.split("://")[1]
+            await wait_for(pilot, lambda: "up vLLM 0.10.1.1" in screen_text(app), 15, "the vLLM row")
+            text = screen_text(app)
+            assert host in text and "Strata + vLLM · 2 endpoints" in text, text
+            assert "up Strata" in text, text
+            await pilot.press("q")

@@ -88,6 +88,7 @@ async def test_help_opens_and_closes(config_dir: Path) -> None:
 
 
 async def test_help_lists_every_key_and_switch_and_says_how_to_close(config_dir: Path) -> None:
+    from textual.app import App
     from textual.keys import key_to_character
 
     from engine.switches import SWITCHES
@@ -105,14 +106,15 @@ async def test_help_lists_every_key_and_switch_and_says_how_to_close(config_dir:
         page = help_text().plain
         keys = {part.strip() for line in page.splitlines() if line.startswith("  ")
                 for part in line.split("  ")[1].split(" / ")}
-        named = {"plus": "+", "minus": "-"}
-        for binding in [*MonitorScreen.BINDINGS, *StrataApp.BINDINGS]:
-            key = binding.key.split(",")[0]
-            if key.isdigit():
-                assert "1-9" in keys
-                continue
-            char = named.get(key) or (key if key == "escape" else key_to_character(key)) or key
-            assert char in keys, (binding, sorted(keys))
+        named = {"plus": "+", "minus": "-", "space": "space", "equals_sign": "+", "slash": "/"}
+        # every key of every binding (f1 beside ?), Textual's own app keys too (ctrl+q quits, ctrl+c does not)
+        for binding in [*MonitorScreen.BINDINGS, *StrataApp.BINDINGS, *App.BINDINGS]:
+            for key in binding.key.split(","):
+                if key.isdigit():
+                    assert "1-9" in keys
+                    continue
+                char = named.get(key) or (key if key == "escape" else key_to_character(key)) or key
+                assert char in keys, (binding, sorted(keys))
         for sw in SWITCHES:  # every switch, the ones past the ninth (no key) too
             assert sw.env_var in page, sw.name
         titles = [command.title for command in palette_commands(app)]

@@ -105,3 +105,44 @@ async def test_nan_negative_huge_and_repeated_values_are_invalid_not_a_failure_o
     assert view.kv_usage is None and "1e+300" in view.invalid["kv_usage"]
     assert view.ttft_p50_s is None and "NaN" in view.invalid["vllm:time_to_first_token_seconds_count"]
     assert view.running is None and "repeats a series 3 times" in view.invalid["vllm:num_requests_running"]
+
+
+async def _two_reads(kind: str, counters: dict[str, tuple[float, float]], pause_s: float = 0.3):
+    """Read an endpoint twice while its token counters grow between the reads (name -> (first, second))."""
+    routes = routes_for(kind)
+    metrics = routes["/metrics"][2]
+    with replay_server(routes) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            adapter = adapter_for(kind, server.url)
+            views = []
+            for step in (0, 1):
+                text = metrics
+                for name, values in counters.items():
+                    text = "\n".join(f"{line.split(' ')[0]} {values[step]}" if line.split("{")[0].split(" ")[0] == name
+                                     else line for line in text.splitlines())
+                routes["/metrics"] = (200, routes["/metrics"][1], text)
+                views.append(await adapter.read(client))
+                if step == 0:
+                    await __import__("asyncio").sleep(pause_s)
+    return views
+
+
+async def test_llamacpp_decode_rate_comes_from_its_token_counter_while_its_gauge_reads_zero() -> None:
+    """A busy llama-server's rate gauge reads 0 while its slots decode (it averages finished requests only); the
+    counter of predicted tokens grew by 600 in the pause: the rate shown is that growth over the time between."""
+    counters = {"llamacpp:tokens_predicted_total": (2096, 2696), "llamacpp:prompt_tokens_total": (61234, 61234),
+                "llamacpp:predicted_tokens_seconds": (0, 0)}
+    first, second = await _two_reads("llamacpp", counters)
+    assert first.decode_tokens_s is None  # nothing to compare with yet: no figure rather than the gauge's 0
+    # the time between the reads is at least the pause (more on a loaded machine): the rate at most 600 / pause
+    assert second.decode_tokens_s is not None and 0 < second.decode_tokens_s < 600 / 0.3 * 1.01
+    assert second.prompt_tokens_s == 0
+
+
+@pytest.mark.parametrize("kind,counter", [("vllm", "vllm:generation_tokens_total"),
+                                          ("sglang", "sglang:generation_tokens_total")])
+async def test_vllm_and_sglang_decode_rates_come_from_their_token_counters(kind: str, counter: str) -> None:
+    samples = sum(1 for line in routes_for(kind)["/metrics"][2].splitlines() if line.startswith(counter))
+    first, second = await _two_reads(kind, {counter: (1000, 1900)})
+    assert first.decode_tokens_s is None  # vLLM has no gauge; SGLang's counter wins over it
+    assert second.decode_tokens_s is not None and 0 < second.decode_tokens_s < 900 * samples / 0.3 * 1.01

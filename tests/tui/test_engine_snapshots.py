@@ -67,7 +67,7 @@ def snap_dir(utc) -> Path:
 @pytest.mark.parametrize("kind", ["vllm", "sglang", "llamacpp"])
 def test_monitor_of_each_engine_kind(snap_compare, snap_dir: Path, kind: str, size: tuple[int, int]) -> None:
     view = foreign_view(kind)
-    app = offline_app(snap_dir)
+    app = offline_app(snap_dir, history_interval_s=None)
 
     async def run_before(pilot) -> None:
         app.sub_title = f"{KIND_NAMES[kind]} · attached"
@@ -75,6 +75,11 @@ def test_monitor_of_each_engine_kind(snap_compare, snap_dir: Path, kind: str, si
         app.view.gpu_unavailable = None
         app.view.kind, app.view.foreign = kind, view
         app.view.monitor.engine_state = "ready"
+        first = view.endpoints[0]
+        for second in range(60):  # a minute of readings: the decode rate (from the token counters) rises and falls
+            first.prompt_tokens_s = 2000.0 if second % 20 < 3 else 0.0
+            first.decode_tokens_s = 400.0 + 25 * (second % 12)
+            app.sample_history()
         app.post_message(EngineOutput([("stderr", line) for line in LOGS[kind]]))
         await pilot.pause()
         app.screen.redraw(force=True)

@@ -85,3 +85,38 @@ async def test_log_lines_lead_with_their_message_and_the_footer_keeps_quit_and_h
     assert "WARNING graph capture retried" in shown, shown
     footer = shown.rstrip("\n").splitlines()[-1]
     assert "q Quit" in footer and "? Help" in footer, footer
+
+
+async def test_80x24_keeps_every_switch_and_the_slot_rates_and_says_where_the_rest_went(seeded: Path) -> None:
+    """At 80x24 the monitor chooses what to drop: the lower left shows one panel (the log) and a line names the
+    others and the key that shows them; the slots table drops the request, prompt and cached columns and says so
+    in its title; every switch and each slot's tok/s stay on screen, nothing scrolls sideways."""
+    from strata_tui.screens.monitor import MonitorScreen
+
+    app = offline_app(seeded, profile="seed")
+    async with app.run_test(size=(80, 24)) as pilot:
+        app.clock = lambda: 1000.0
+        _gpu_minute(app)
+        app.post_message(EngineOutput(LOG))
+        app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
+        await _settle(pilot)
+        text = screen_text(app)
+        lines = text.splitlines()
+        assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
+        for sw in SWITCHES:
+            assert (sw.name in text) != sw.moe_only, f"switch {sw.name} at 80x24"
+        assert "VRAM reserve" in text
+        assert "tok/s" in text and "MTP" in text and "27.0" in text, text
+        assert "Slots (request, prompt, cached: 100+ columns)" in text, text
+        assert "v shows: history, graph cache" in text, text
+        table = app.screen.query_one(SlotsTable)
+        assert table.virtual_size.width <= table.scrollable_content_region.width, "the slots table scrolls sideways"
+        assert "+" in text and "more:" in text  # the slots left out are counted
+        await pilot.press("v")
+        await _settle(pilot)
+        text = screen_text(app)
+        assert "History · last 1 min" in text and "v shows: graph cache, engine log" in text, text
+        await pilot.press("v")
+        await _settle(pilot)
+        assert "Graph cache" in screen_text(app)
+        assert isinstance(app.screen, MonitorScreen)

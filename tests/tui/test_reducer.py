@@ -76,3 +76,25 @@ def test_a_narrow_status_line_keeps_the_scenarios_progress_and_drops_the_url() -
     assert "first token after 31.47 s" in narrow and "127.0.0.1" not in narrow and len(narrow) <= 98, narrow
     wide = status_text(view, width=196).plain
     assert "127.0.0.1:33507" in wide and "first token after 31.47 s" in wide
+
+
+def test_another_engines_reading_takes_the_same_path_as_strata_news() -> None:
+    """A vLLM / SGLang / llama.cpp endpoint's reading is folded in by the reducer, as Strata's events are (it used to
+    be changed in foreign_app.py directly): its row, and the first endpoint saying the engine answers."""
+    from strata_tui.adapters.view import EndpointView
+    from strata_tui.foreign import EndpointRead, empty_view
+
+    view = ViewState(mode="attached", attach_url="http://a:8000,http://b:8000")
+    view.kind, view.foreign = "vllm", empty_view("vllm", ["http://a:8000", "http://b:8000"])
+    view.monitor.engine_state = "attaching"
+    before = view.version
+    reading = EndpointView("http://a:8000", "vllm", reachable=True, running=3.0, decode_tokens_s=420.0)
+    assert reduce(view, EndpointRead(0, reading), 0, 1000.0) == []
+    assert view.foreign.endpoints[0] is reading and view.monitor.engine_state == "ready" and view.version > before
+    failed = EndpointView("http://a:8000", "vllm", reachable=False, error="connection refused",
+                          unreachable_since=1001.0)
+    reduce(view, EndpointRead(0, failed), 0, 1001.0)
+    assert view.unreachable_since == 1001.0
+    other_kind = EndpointView("http://b:8000", "sglang", reachable=True)  # not the kind that row was detected as
+    reduce(view, EndpointRead(1, other_kind), 0, 1002.0)
+    assert view.foreign.endpoints[1] is not other_kind

@@ -8,7 +8,8 @@ import asyncio
 from textual.app import App, ComposeResult
 
 from engine.telemetry import SlotEvent
-from strata_tui.widgets.slots_table import MAX_SLOT_ROWS, REST_KEY, SlotsTable, busiest
+from strata_tui.widgets.slot_cells import MAX_SLOT_ROWS, REST_KEY, busiest
+from strata_tui.widgets.slots_table import SlotsTable
 
 
 def _slots(n: int) -> dict[int, SlotEvent]:
@@ -61,7 +62,7 @@ async def test_a_256_slot_table_is_one_screen_with_a_row_counting_the_rest() -> 
 
 def test_the_slots_title_says_what_the_kv_pool_holds() -> None:
     from engine.snapshot import KvPagingSnapshot
-    from strata_tui.widgets.slots_table import slots_title
+    from strata_tui.widgets.slot_cells import slots_title
 
     assert slots_title(None) == "Slots"  # every slot holds its whole context: no pool to show
     pool = KvPagingSnapshot(pool_blocks=1024, free_pool_blocks=600, used_blocks=400, tier_blocks=24,

@@ -46,26 +46,40 @@ async def _settle(pilot) -> None:
         last = now
 
 
+def _gpu_second(app, second: int) -> None:
+    used = 120_000.0 + 300 * second
+    app.view.gpu_history.add([
+        GpuSample(0, "NVIDIA H200", used, 143771.0, 60.0 + second % 30, 58.0 + second % 5, 480.0),
+        GpuSample(1, "NVIDIA H200", 9000.0, 143771.0, None, 41.0, None),
+    ])
+    app.view.gpu_unavailable = None
+
+
 def _gpu_minute(app) -> None:
     for second in range(60):
-        used = 120_000.0 + 300 * second
-        app.view.gpu_history.add([
-            GpuSample(0, "NVIDIA H200", used, 143771.0, 60.0 + second % 30, 58.0 + second % 5, 480.0),
-            GpuSample(1, "NVIDIA H200", 9000.0, 143771.0, None, 41.0, None),
-        ])
-    app.view.gpu_unavailable = None
+        _gpu_second(app, second)
+
+
+def _history_of(app, events: list, seconds: int = 60) -> None:
+    """The recorded run folded in over `seconds` one-second samples (as the app's history tick takes them), so the
+    history panel shows the run as it went; the GPU readings move with it."""
+    step = max(1, len(events) // seconds)
+    for second in range(seconds):
+        app.view.monitor.apply_all(events[second * step:(second + 1) * step], 1000.0)
+        _gpu_second(app, second)
+        app.sample_history()
 
 
 @pytest.mark.parametrize("size", [SIZE, (100, 30), (200, 55)], ids=["160x48", "100x30", "200x55"])
 def test_monitor_during_long_prompt_admission(snap_compare, snap_dir: Path, size: tuple[int, int]) -> None:
     ProfileStore(snap_dir).save(Profile("seed").with_switch("SPLIT_ATTN", True))
-    app = offline_app(snap_dir, profile="seed")
+    app = offline_app(snap_dir, profile="seed", history_interval_s=None)
 
     async def run_before(pilot) -> None:
         app.clock = lambda: 1000.0  # the ETA counts down on this clock: frozen, the picture is fixed
-        _gpu_minute(app)
         app.post_message(EngineOutput(LOG))
-        app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
+        _history_of(app, recorded("seed_run.jsonl"))
+        app.view.changed()
         await _settle(pilot)
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
@@ -78,7 +92,7 @@ def test_profiles_with_a_broken_file(snap_compare, snap_dir: Path) -> None:
                                                   context=262144, vram_reserve_mib=1280)
                .with_switch("SPLIT_ATTN", True))
     (store.profiles_dir / "typo.toml").write_text('[engine]\nmodel = "builtin:strata-tiny"\nkv = "fp8"\n')
-    app = offline_app(snap_dir)
+    app = offline_app(snap_dir, history_interval_s=None)
 
     async def run_before(pilot) -> None:
         await pilot.press("p")
@@ -93,7 +107,7 @@ def test_profiles_with_a_broken_file(snap_compare, snap_dir: Path) -> None:
 
 @pytest.mark.parametrize("size", [SIZE, (100, 30)], ids=["160x48", "100x30"])
 def test_crash_panel(snap_compare, snap_dir: Path, size: tuple[int, int]) -> None:
-    app = offline_app(snap_dir)
+    app = offline_app(snap_dir, history_interval_s=None)
 
     async def run_before(pilot) -> None:
         app.clock = lambda: 1000.0
@@ -115,7 +129,7 @@ def test_monitor_with_an_moe_engine_at_100x30(snap_compare, snap_dir: Path) -> N
     from tests.tui.conftest import FIXTURES
 
     ProfileStore(snap_dir).save(Profile("moe"))
-    app = offline_app(snap_dir, profile="moe")
+    app = offline_app(snap_dir, profile="moe", history_interval_s=None)
     state = json.loads((FIXTURES / "moe_state.json").read_text())
 
     async def run_before(pilot) -> None:

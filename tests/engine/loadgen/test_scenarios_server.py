@@ -44,7 +44,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith(READY_PREFIX):
-                url.append(line[len(READY_PREFIX):].strip())
+                url.append(line[len(READY_PREFIX):].split()[0])
                 return
 
     reader = threading.Thread(target=read_ready, daemon=True)

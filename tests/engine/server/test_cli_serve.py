@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli.serve import READY_PREFIX, bind_socket, ready_url, warn_if_exposed
+from engine.cli.serve import READY_PREFIX, ready_line_url, bind_socket, ready_url, warn_if_exposed
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 
@@ -52,7 +52,7 @@ def _start(die_after_s: float = 0.0, *extra: str) -> subprocess.Popen:
 def _ready_url(proc: subprocess.Popen) -> str:
     line = proc.stdout.readline().rstrip("\n")
     assert line.startswith(READY_PREFIX + " http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
-    return line.split()[-1]
+    return ready_line_url(line)
 
 
 def test_ready_line_then_sigterm_drains_and_exits_zero() -> None:

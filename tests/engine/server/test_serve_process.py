@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli.serve import READY_PREFIX
+from engine.cli.serve import READY_PREFIX, ready_line_url
 from tests.engine.server.real import random_checkpoint
 from tests.fault_injection import engine_process_env
 
@@ -35,8 +35,9 @@ def _check_serves_then_stops(proc: subprocess.Popen) -> str:
         line = proc.stdout.readline()
         assert line.startswith(READY_PREFIX + " http://127.0.0.1:"), (line, proc.poll(), proc.stderr.read()
                                                                     if proc.poll() is not None else "")
-        url = line.split()[-1]
+        url = ready_line_url(line)
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ready"
+        _check_ready_line_states_what_was_set_up(line, httpx.get(url + "/strata/state", timeout=10).json())
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         resp = httpx.post(url + "/v1/completions", timeout=60,
                           json={"model": model, "prompt": "hello", "max_tokens": 3, "ignore_eos": True})
@@ -53,6 +54,21 @@ def _check_serves_then_stops(proc: subprocess.Popen) -> str:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _check_ready_line_states_what_was_set_up(line: str, state: dict) -> None:
+    """The ready line states the KV capacity in tokens and each device's VRAM books, as the engine's state has them
+    (vLLM and llama.cpp print theirs at start-up)."""
+    kv = state["kv"]
+    paging = kv.get("paging")
+    capacity = (paging["pool_blocks"] * paging["block_tokens"] if paging and paging["pool_blocks"]
+                else kv["slots"] * kv["context_tokens"])
+    assert f" · KV {capacity:,} tokens (" in line, (line, kv)
+    for vram in state["vram"]:
+        books = line.split(f" · {vram['device']}: ", 1)
+        assert len(books) == 2, (line, vram)
+        assert books[1].startswith(f"weights {vram['weights_mib']:,.0f} MiB, KV {vram['kv_mib']:,.0f} MiB"), line
+        assert "reserve " in books[1] and "free " in books[1], line
 
 
 def test_serve_prints_one_ready_line_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
@@ -95,7 +111,7 @@ def test_sticky_cuda_error_answers_503_then_exits_nonzero(tmp_path: Path) -> Non
          "--batch", "2", "--context", "256"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = proc.stdout.readline().split()[-1]
+        url = ready_line_url(proc.stdout.readline())
         resp = httpx.post(url + "/v1/completions", timeout=60,
                           json={"model": ckpt, "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
         assert resp.status_code == 503, resp.text
@@ -121,7 +137,7 @@ def test_serve_on_cuda_exits_0_on_sigterm_after_chunks_ran_beside_a_decoding_slo
     try:
         line = proc.stdout.readline()
         assert line.startswith(READY_PREFIX), (line, proc.poll())
-        url = line.split()[-1]
+        url = ready_line_url(line)
         short = {"model": ckpt, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=short, timeout=120) as stream:
             lines = stream.iter_lines()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli.serve import READY_PREFIX
+from engine.cli.serve import READY_PREFIX, ready_line_url
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(240)
@@ -32,7 +32,7 @@ def test_sigterm_during_a_long_prefill_exits_0_soon_after_the_server_finishes() 
     try:
         line = proc.stdout.readline()
         assert line.startswith(READY_PREFIX), (line, proc.poll())
-        url = line.split()[-1]
+        url = ready_line_url(line)
 
         def long_prompt() -> None:
             body = {"model": "builtin:strata-tiny", "prompt": [7] * 12000, "max_tokens": 4, "stream": True}

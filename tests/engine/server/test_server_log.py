@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.cli.serve import ready_line_url
 from engine.server.logs import EventLogger
 from engine.telemetry import ErrorEvent, EventBus, GraphEvent, SwitchEvent, VramEvent, WarningEvent
 
@@ -46,7 +47,7 @@ def test_serve_logs_every_warning_and_error_event_once_and_quiets_monitoring_acc
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        url = proc.stdout.readline().split()[-1]
+        url = ready_line_url(proc.stdout.readline())
         for path in ("/health", "/metrics", "/strata/state"):
             assert httpx.get(url + path, timeout=10).status_code == 200
         assert httpx.post(url + "/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2},

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.cli.serve import READY_PREFIX
+from engine.cli.serve import READY_PREFIX, ready_line_url
 from tests.engine.server.real import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -42,7 +42,7 @@ def test_sigterm_while_prefilling_answers_every_client_and_exits_fast() -> None:
     try:
         line = proc.stdout.readline()
         assert line.startswith(READY_PREFIX), (line, proc.stderr.read() if proc.poll() is not None else "")
-        url = line.split()[-1]
+        url = ready_line_url(line)
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         answers: dict[int, tuple[int | str, str]] = {}
 
