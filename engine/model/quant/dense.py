@@ -163,16 +163,27 @@ def blockwise_mm(rows: torch.Tensor, weight: torch.Tensor, weight_scales: torch.
                        output_dtype=torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
+_blockwise: dict[torch.device, bool] = {}
+
+
 def blockwise_works(device: torch.device) -> bool:
     """Whether the block-scaled FP8 GEMM runs on `device` and agrees with the dequantized product (CUDA 12.9 and
     Hopper); tried once per device, by `prepare` before any graph capture."""
-    if device.type != "cuda" or _capability(device) < (9, 0) or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or _capability(device) < (9, 0):
         return False
+    if device not in _blockwise:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the block-scaled FP8 GEMM is tried before any CUDA graph capture "
+                               "(engine.model.quant.kernels.prepare)")
+        _blockwise[device] = _try_blockwise(device)
+    return _blockwise[device]
+
+
+def _try_blockwise(device: torch.device) -> bool:
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         w = torch.randn(256, 384, device=device, generator=gen)
-        x = torch.randn(48, 384, device=device, generator=gen, dtype=torch.bfloat16)
+        x = torch.randn(48, 384, device=device, generator=gen).to(torch.bfloat16)
         blocks = w.view(2, 128, 3, 128)
         scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
         wq = (blocks / scale[:, None, :, None]).view(256, 384).to(torch.float8_e4m3fn)

@@ -128,14 +128,24 @@ def plan(layer) -> Launch:
         device = layer.scale_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         entry = launch_table.lookup(name, launch_table.layer_format(layer), layer.out_features, layer.in_features)
-        family = "fp8" if layer.format == "fp8" else "int"
         launch = layer.__dict__["_quant_launch"] = Launch(
             gemv=QuantConfig.parse(entry["gemv"]) if "gemv" in entry else default_config(layer, "gemv"),
             tc=QuantConfig.parse(entry["tc"]) if "tc" in entry else default_config(layer, "tc"),
             gemv_rows=int(entry.get("gemv_rows", GEMV_MAX_ROWS)),
-            tc_rows=int(entry.get("tc_rows", DEFAULT_TC_ROWS[family])),
+            tc_rows=int(entry.get("tc_rows", _default_tc_rows(layer, device))),
             backend=entry.get("backend", "triton") if layer.format == "int4" else "triton")
     return launch
+
+
+def _default_tc_rows(layer, device: torch.device) -> int:
+    """FP8 prompt chunks past 64 rows multiply in FP8 where cuBLAS can (reading 1 byte a weight, at FP8's rate);
+    the rest leave the tensor-core kernel at 256 rows, where the bf16 weight one kernel writes costs less than
+    the tiles of rows re-reading the quantized one."""
+    from engine.model.quant import dense
+
+    if layer.format == "fp8" and (dense.rowwise_takes(layer, device) or dense.blockwise_takes(layer, device)):
+        return DEFAULT_TC_ROWS["fp8"]
+    return DEFAULT_TC_ROWS["int"]
 
 
 def path_of(layer, rows: int) -> str:

@@ -154,8 +154,8 @@ def test_the_path_follows_the_rows_and_the_launch_shape_follows_the_weight():
     layer = _int_layer(4, 128, n=4096, k=12288)
     assert [kernels.path_of(layer, r) for r in (1, 4, 5, 64, 256, 257, 2048)] == \
         ["gemv", "gemv", "tc", "tc", "tc", "dense", "dense"]
-    fp8 = _fp8_layer((128, 128), 256, 1024)
-    assert [kernels.path_of(fp8, r) for r in (4, 5, 64, 65)] == ["gemv", "tc", "tc", "dense"]
+    fp8 = _fp8_layer((128, 128), 256, 1024)  # no FP8 GEMM for its prompt chunks here: they start at 257 rows too
+    assert [kernels.path_of(fp8, r) for r in (4, 5, 65, 256, 257)] == ["gemv", "tc", "tc", "tc", "dense"]
     # the 8B shape's down projection (N 4096, K 12288): 64 column tiles split along K to reach the SMs
     for path in ("gemv", "tc"):
         config = kernels.default_config(layer, path)
@@ -215,50 +215,3 @@ def test_the_kernels_in_the_triton_interpreter_match_the_reference():
 
 def test_the_prompt_chunk_kernels_in_the_triton_interpreter_match_the_reference():
     run_in_interpreter("tests.engine.model.test_quant_kernels", "dense_check")
-
-
-@pytest.mark.gpu
-@pytest.mark.gpu_shared
-@pytest.mark.parametrize("make", ["int4-g128", "int4-g32-perm", "int8-g16", "fp8-block", "fp8-channel"])
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_the_kernels_on_the_gpu_match_the_reference_in_bf16(make, rows):
-    from engine.model.quant import kernels
-
-    n, k = 4096, 2048
-    layer = {
-        "int4-g128": lambda: _int_layer(4, 128, n, k, device="cuda"),
-        "int4-g32-perm": lambda: _int_layer(4, 32, n, k, perm=True, device="cuda"),
-        "int8-g16": lambda: _int_layer(8, 16, n, k, device="cuda"),
-        "fp8-block": lambda: _fp8_layer((128, 128), n, k, device="cuda"),
-        "fp8-channel": lambda: _fp8_layer((1, k), n, k, device="cuda"),
-    }[make]()
-    layer.bias.data = layer.bias.data.bfloat16()
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    ref = torch.nn.functional.linear(x.float()[:, layer.perm] if getattr(layer, "perm", None) is not None
-                                     else x.float(), layer.dequantize(torch.float32), layer.bias.float())
-    got = kernels.quant_linear(x, layer).float()
-    assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    # capturable: a CUDA graph replays the same product
-    static_x = x.clone()
-    kernels.quant_linear(static_x, layer)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernels.quant_linear(static_x, layer)
-    graph.replay()
-    torch.testing.assert_close(out.float(), got)
-
-
-@pytest.mark.gpu
-@pytest.mark.gpu_shared
-def test_fp8_per_channel_prompt_chunks_multiply_in_fp8_on_hopper():
-    from engine.model.quant import kernels
-
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("torch._scaled_mm row-wise needs a Hopper-class device")
-    layer = _fp8_layer((1, 2048), 4096, 2048, device="cuda")
-    layer.bias = None
-    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
-    assert kernels.scaled_mm_takes(x, layer)
-    ref = x.float() @ layer.dequantize(torch.float32).t()
-    got = layer(x).float()
-    assert (got - ref).abs().max().item() <= 5e-2 * ref.abs().max().item()
