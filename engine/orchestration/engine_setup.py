@@ -143,6 +143,10 @@ class _PartsBuilder:
                   quantize=None if config.quantize == "off" else config.quantize)
         device = self.device = lm.device
         model = lm.model
+        if config.quantize_head:
+            from engine.model.quant.rtn import quantize_head
+
+            lm.weight_format = f"{lm.weight_format}, {quantize_head(model)}"
         # The one owner of the engine's streams: every component below that queues work off the current stream
         # takes its stream from here.
         overlap = overlap_wanted(config.prefill_overlap, device, moe=lm.config.moe is not None)

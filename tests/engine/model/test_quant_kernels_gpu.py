@@ -118,3 +118,20 @@ def test_greedy_decoding_on_quantized_weights_is_the_same_with_mtp_on(ckpt):
     off = tokens_of(run_all(engine(), prompts, params))
     mtp = engine(batch_mtp=True, mtp_depth=1)
     assert tokens_of(run_all(mtp, prompts, params)) == off and mtp.mtp_on
+
+
+@pytest.mark.gpu_shared
+@pytest.mark.parametrize("rows", [1, 4, 16, 300])
+def test_the_fp8_head_gives_the_bf16_heads_logits(rows):
+    """--quantize-head through the kernels (a decode step's rows, a chunk's) against the bf16 head's logits."""
+    from engine.model.loader import load_checkpoint
+    from engine.model.quant.rtn import quantize_head
+
+    lm = load_checkpoint("builtin:strata-tiny", dtype="bfloat16", device="cuda", tokenizer=False)
+    hidden = torch.randn(1, rows, lm.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ref = lm.model.logits(hidden).float()
+    quantize_head(lm.model)
+    got = lm.model.logits(hidden).float()
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 0.06 * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
