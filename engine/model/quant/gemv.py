@@ -30,14 +30,20 @@ import triton.language as tl
 
 from engine.model.quant.tensor_core import finish
 
-_MAGIC = 0x4B000000  # fp32 bits of 2^23: a value in the low 23 bits of the mantissa is an exact integer above it
-_MAGIC_F = 8388608.0
+_MAGIC = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: a value in the low 23 bits of the mantissa is an exact integer above it
+_MAGIC_F = tl.constexpr(8388608.0)
 
 
 @triton.jit
 def _code_f32(src, BITS: tl.constexpr, Q: tl.constexpr):
     """Code Q of `src`'s low 16 bits as the exact fp32 code * 2^(BITS*Q) (one lop3 and one add)."""
     return ((src & (((1 << BITS) - 1) << (BITS * Q))) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_F
+
+
+@triton.jit
+def _unscaled(x, BITS: tl.constexpr, Q: tl.constexpr):
+    """x * 2^-(BITS*Q): exact (a power of two), so (code * 2^(BITS*Q)) * this is code * x exactly."""
+    return x * (1.0 / (1 << (BITS * Q)))
 
 
 @triton.jit
@@ -64,7 +70,7 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
                     stride_xm, stride_qn, stride_sn, stride_om,
                     GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, SCALES: tl.constexpr,
                     ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS  # codes per word
     HALF: tl.constexpr = CPW // 2  # codes per 16-bit half of a word
     pid_n = tl.program_id(0)
@@ -81,7 +87,7 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
     w_start = split * kw_per_split
     for w0 in range(w_start, w_start + kw_per_split, BLOCK_KW):
         ws = w0 + wi
-        w_ok = ws < KW
+        w_ok = (ws < KW) | EVEN_K  # EVEN_K: every step whole, no mask along K (fewer instructions a code)
         words = tl.load(q_rows + ws[None, :], mask=n_ok[:, None] & w_ok[None, :], other=0)
         hi = words >> 16
         base = (ws // RUN) * (RUN * CPW) + ws % RUN  # the input of each word's slot 0
@@ -94,31 +100,30 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
         xs2 = tl.zeros([BLOCK_KW], dtype=tl.float32)
         xs3 = tl.zeros([BLOCK_KW], dtype=tl.float32)
         for j in tl.static_range(CPW):
-            Q: tl.constexpr = j % HALF
-            UNSCALE: tl.constexpr = 1.0 / (1 << (BITS * Q))
+            # slot j: code j % HALF of the word's low or high 16 bits; its activation scaled by 2^-(BITS * that)
             if j < HALF:
-                f = _code_f32(words, BITS, Q)
+                f = _code_f32(words, BITS, j % HALF)
             else:
-                f = _code_f32(hi, BITS, Q)
+                f = _code_f32(hi, BITS, j % HALF)
             k = base + RUN * j
-            k_ok = w_ok & (k < K)
+            k_ok = w_ok & ((k < K) | EVEN_K)
             x = _x_slot(x_ptr, stride_xm, 0, k, k_ok)
             xs0 += x
-            p0 += f * (x * UNSCALE)[None, :]
+            p0 += f * _unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 1:
                 x = _x_slot(x_ptr, stride_xm, 1, k, k_ok)
                 xs1 += x
-                p1 += f * (x * UNSCALE)[None, :]
+                p1 += f * _unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 2:
                 x = _x_slot(x_ptr, stride_xm, 2, k, k_ok)
                 xs2 += x
-                p2 += f * (x * UNSCALE)[None, :]
+                p2 += f * _unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 3:
                 x = _x_slot(x_ptr, stride_xm, 3, k, k_ok)
                 xs3 += x
-                p3 += f * (x * UNSCALE)[None, :]
+                p3 += f * _unscaled(x, BITS, j % HALF)[None, :]
         if SCALES == 1:  # the whole step lies in one group: a scale and an offset per column
-            g = (w0 * CPW) // GROUP
+            g = (tl.minimum(w0, KW - 1) * CPW) // GROUP  # a split's last step may lie past K (an empty product)
             s = tl.load(s_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             o = tl.load(o_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         else:  # a group per run of words
@@ -173,9 +178,9 @@ def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M,
             w = tl.where((bits & 0x80) != 0, -w, w)
         x_scale = 1.0
         if X_SCALED:
-            x_scale = tl.load(s_block + k0 // SCALE_BLOCK_K)
+            x_scale = tl.load(s_block + tl.minimum(k0, K - 1) // SCALE_BLOCK_K)  # (a step past K: its last block)
         elif SCALES == 1:
-            w = w * tl.load(s_rows + k0 // SCALE_BLOCK_K, mask=n_ok, other=0.0)[:, None]
+            w = w * tl.load(s_rows + tl.minimum(k0, K - 1) // SCALE_BLOCK_K, mask=n_ok, other=0.0)[:, None]
         elif SCALES == 2:
             w = w * tl.load(s_rows[:, None] + (ks // SCALE_BLOCK_K)[None, :], mask=tile_ok, other=0.0)
         x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale

@@ -36,6 +36,10 @@ from engine.model.triton_linear import COUNTER_LANES, split_counters
 
 PATHS = ("gemv", "tc", "dense", "tinygemm")
 GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator per row
+# Defaults where the launch table has no entry. The GEMV's instructions per weight, compiled for sm_90: FP8 3.6
+# at 1 row, 8 at 4 (a byte a weight leaves ~7 per weight at full bandwidth); int4 6 at 1 row, 13 at 4, where the
+# tensor-core kernel spends 7.6 for up to 16 rows (half a byte a weight: ~3.5 at full bandwidth)
+DEFAULT_GEMV_ROWS = {"fp8": 4, "int": 1}
 DEFAULT_TC_ROWS = {"fp8": 64, "int": 256}  # past these, prompt chunks go to cuBLAS (engine.model.quant.dense)
 _TC_MAX_BLOCK_M = 128
 _TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough loads in flight to stream the weight
@@ -100,10 +104,9 @@ def default_config(layer, path: str = "tc") -> QuantConfig:
         # gemv: 16-byte loads along K, 8 threads a row at 128 codes; tc: a step of one block-FP8 scale block
         block_n, block_k = (32, 128) if path == "gemv" else (32, 256 if layer.block_k >= k else 128)
     elif path == "gemv":
-        block_n, block_k = 64, 32 * (32 // layer.bits)  # 32 words a row per step: 8 threads of one 16-byte run
-        fit = layer.group_size & -layer.group_size  # a step inside one group is scaled per column, not per run
-        if layer.group_size % block_k and fit >= 16 * (32 // layer.bits):
-            block_k = fit
+        # 16 words a row per step (4 threads of one 16-byte run each), 4 rows of the weight a thread: the
+        # activations' share of the work (loads, scaling, sums) spread over them; 4 rows at most without spills
+        block_n, block_k = 128, 16 * (32 // layer.bits)
     else:
         block_n, block_k = 64, 16 * (32 // layer.bits)  # 16 words: each slot's dot is one k16 MMA deep
     return QuantConfig(block_n=block_n, block_k=block_k, split_k=_split(n, k, block_n, block_k),
@@ -131,7 +134,7 @@ def plan(layer) -> Launch:
         launch = layer.__dict__["_quant_launch"] = Launch(
             gemv=QuantConfig.parse(entry["gemv"]) if "gemv" in entry else default_config(layer, "gemv"),
             tc=QuantConfig.parse(entry["tc"]) if "tc" in entry else default_config(layer, "tc"),
-            gemv_rows=int(entry.get("gemv_rows", GEMV_MAX_ROWS)),
+            gemv_rows=int(entry.get("gemv_rows", DEFAULT_GEMV_ROWS["fp8" if layer.format == "fp8" else "int"])),
             tc_rows=int(entry.get("tc_rows", _default_tc_rows(layer, device))),
             backend=entry.get("backend", "triton") if layer.format == "int4" else "triton")
     return launch
@@ -242,7 +245,8 @@ def _gemv(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
         rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out, part,
         counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
         out.stride(0), GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
-        SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw, **common)
+        SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw,
+        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
     return out
 
 
@@ -266,8 +270,10 @@ def _tc(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
     has_bias = layer.bias is not None
     # a taller row tile keeps fewer steps in flight (its activation tiles fill the shared memory a step's
     # pipeline holds); the stages change when loads are issued, never the order of the sums
+    # a row tile of 64 and up takes 8 warps at least (at 4 its accumulators and activation tiles spill: sm_90's
+    # register counts, compiled); warps change which thread sums what, never the order of a column's sums
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
-                  num_warps=cfg.num_warps, num_stages=max(2, cfg.num_stages - block_m // 64))
+                  num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages)
     if layer.format == "fp8":
         native = _native_fp8(rows.device)
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -285,5 +291,11 @@ def _tc(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
         rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out, part,
         counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
         out.stride(0), GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
-        SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw, **common)
+        SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw,
+        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
     return out
+
+
+def _even(layer, words: int, kw_per_split: int, split: int) -> bool:
+    """Whether every K step of every split is whole (no padding code, no step past K): no mask along K."""
+    return words * (32 // layer.bits) == layer.in_features and kw_per_split * split == words

@@ -23,8 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_MAGIC = 0x4B000000
-_MAGIC_F = 8388608.0
+_MAGIC = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: a code or-ed into the low mantissa is 2^23 + code
+_MAGIC_F = tl.constexpr(8388608.0)
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
                   stride_xm, stride_qn, stride_sn, stride_om,
                   GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, SCALES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = CPW // 2
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -50,12 +50,13 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
     w_start = split * kw_per_split
     for w0 in range(w_start, w_start + kw_per_split, BLOCK_KW):
         ws = w0 + tl.arange(0, BLOCK_KW)
-        w_ok = ws < KW
-        words = tl.load(q_rows + ws[None, :], mask=n_ok[:, None] & w_ok[None, :], other=0)
+        w_ok = (ws < KW) | EVEN_K  # EVEN_K: every step whole, no mask along K (fewer instructions a code)
+        # unsigned, so that a shift right brings in zeros (one shift and one mask a code)
+        words = tl.load(q_rows + ws[None, :], mask=n_ok[:, None] & w_ok[None, :], other=0).to(tl.uint32, bitcast=True)
         base = (ws // RUN) * (RUN * CPW) + ws % RUN  # the input of each word's slot 0
         if SCALES == 1:
             step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            x_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            x_sum = tl.zeros([BLOCK_M, BLOCK_KW], dtype=tl.float32)  # summed over the slots, reduced once a step
         else:
             g = ((ws // RUN) * (RUN * CPW)) // GROUP
             g_ok = n_ok[:, None] & w_ok[None, :]
@@ -65,17 +66,17 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
             code = (words >> (BITS * j)) & MASK
             u = (code | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_F
             k = base + RUN * j
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (w_ok & (k < K))[None, :], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (w_ok & ((k < K) | EVEN_K))[None, :], other=0.0)
             if SCALES == 1:
                 step = tl.dot(x, tl.trans(u.to(x.dtype)), step)
-                x_sum += tl.sum(x.to(tl.float32), axis=1)
+                x_sum += x.to(tl.float32)
             else:
                 acc = tl.dot(x, tl.trans((u * s + o).to(x.dtype)), acc)
         if SCALES == 1:
-            g = (w0 * CPW) // GROUP
+            g = (tl.minimum(w0, KW - 1) * CPW) // GROUP  # a split's last step may lie past K (an empty product)
             s = tl.load(s_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
-            acc += step * s[None, :] + x_sum[:, None] * o[None, :]
+            acc += step * s[None, :] + tl.sum(x_sum, axis=1)[:, None] * o[None, :]
     finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, rm, rn, m_ok, n_ok, M, N, split, stride_om, SPLIT, HAS_BIAS)
 
 
@@ -114,7 +115,8 @@ def fp8_tc_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N
             s = tl.load(s_rows[:, None] + (ks // SCALE_BLOCK_K)[None, :], mask=tile_ok, other=0.0)
             acc += tl.dot(x, tl.trans((w.to(tl.float32) * s).to(x.dtype)))
         elif SCALES == 1:
-            s = tl.load(s_rows + k0 // SCALE_BLOCK_K, mask=n_ok, other=0.0)
+            # a split's last step may lie past K (an empty product): its scale index stays in the tensor
+            s = tl.load(s_rows + tl.minimum(k0, K - 1) // SCALE_BLOCK_K, mask=n_ok, other=0.0)
             acc += tl.dot(x, tl.trans(w.to(x.dtype))) * s[None, :]
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
