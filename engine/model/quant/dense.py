@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.model.quant.linear import blockwise_scales
+from engine.model.quant.block_scales import blockwise_scales
 
 FP8_MAX = 448.0
 _DEQUANT_BLOCK_N = 32

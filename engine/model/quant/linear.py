@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.quant.block_scales import blockwise_scales
+
 FP8_MAX = 448.0  # the largest finite e4m3 value
 RUN_WORDS = (4, 2, 1)  # words of a run (16 bytes, one vector load), the longest the group and K allow
 
@@ -183,12 +185,6 @@ class IntGroupLinear(QuantLinear):
         return out
 
 
-def blockwise_scales(scale: torch.Tensor) -> torch.Tensor:
-    """A [N/128, K/128] block-scale tensor as cuBLAS's BlockWise128x128 GEMM reads it: K's blocks padded to a
-    multiple of 4, K-major underneath, seen as [K4, N/128]."""
-    return F.pad(scale.float(), (0, -scale.shape[1] % 4)).contiguous().t()
-
-
 def _concat_bias(parts: list[QuantLinear]) -> torch.Tensor | None:
     if all(p.bias is None for p in parts):
         return None
@@ -243,15 +239,6 @@ def _or_reduce(shifted: torch.Tensor) -> torch.Tensor:
     # the last nibble) without a signed overflow
     total = shifted.to(torch.int64).sum(dim=-1)
     return torch.where(total >= 2**31, total - 2**32, total).to(torch.int32).contiguous()
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of pack_codes: int32 codes [N, K]."""
-    if bits == 8:
-        return packed.to(torch.int32)
-    n, words = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).view(n, words * 8)
 
 
 Linear = nn.Linear | QuantLinear
