@@ -30,7 +30,8 @@ import triton.language as tl
 
 from engine.model.quant.tensor_core import finish
 
-_MAGIC = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: a value in the low 23 bits of the mantissa is an exact integer above it
+# fp32 bits of 2^23: a value or-ed into the low 23 bits of the mantissa is an exact integer above 2^23
+_MAGIC = tl.constexpr(0x4B000000)
 _MAGIC_F = tl.constexpr(8388608.0)
 
 
