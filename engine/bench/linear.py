@@ -98,16 +98,16 @@ def run(args: argparse.Namespace) -> int:
     weights = _weights(args.size)
     if formats:  # the quantized kernels against cuBLAS bf16 (engine.bench.linear_quant)
         layer = {name: shape for name, shape in weights.items() if name != "lm_head"}  # the head stays bf16
-        rows = []
+        rows: list[dict[str, Any]] = []
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         for fmt in formats:
             for name, (n, k) in layer.items():
                 for r in args.rows:
                     rows.append(timed_row(lambda: quant_case(name, n, k, r, fmt, device, args.iters, q_tune)))
                     save_partial(args, "linear", rows, device)
-        extra = {}
-        if args.table_out:
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            extra["table_out"] = str(write_table(args.table_out, rows, name))
+                    if args.table_out:  # after every row: a run stopped at its time limit leaves its table so far
+                        write_table(args.table_out, rows, device_name)
+        extra = {"table_out": str(write_table(args.table_out, rows, device_name))} if args.table_out else {}
         emit(args, "linear", rows, quant_summary(rows), device, extra=extra)
         return 0
     tune = launch_shapes("tune", args.tune, LinearConfig)

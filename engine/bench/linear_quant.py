@@ -12,6 +12,8 @@ timed as `bench linear` times its rows (a CUDA graph of `--iters` products rotat
 - `gemlite_ms`: gemlite's kernel, where the package is importable (it is not a dependency);
 - each `--quant-tune` shape (`BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES`) on the GEMV (`g_<shape>_ms`, 1-4 rows) and the
   tensor-core path (`t_<shape>_ms`, 5-256 rows): one GPU run times every candidate;
+- `chunk_gemm`: what the prompt-chunk path runs here (an FP8 GEMM row-wise or block-scaled, or dequantize +
+  cuBLAS bf16: the block-scaled GEMM where the device ran it right once, `kernels.prepare`);
 - `*_max_err`: the largest difference from cuBLAS's product of the dequantized weight, over its largest value;
   `quant_tb_s`: the layout's bytes (codes and scales) over `quant_ms`; `speedup` = torch_ms / quant_ms; `ideal`
   = bf16 bytes / the layout's bytes (the speedup a kernel at bf16's bandwidth would reach).
@@ -123,8 +125,8 @@ def quant_case(name: str, n: int, k: int, rows: int, fmt: str, device: torch.dev
     row: dict[str, Any] = {"weight": name, "format": fmt, "n": n, "k": k, "rows": rows, "copies": len(layers),
                            "mib": round(q_bytes / 2**20, 2), "ideal": round(n * k * 2 / q_bytes, 3),
                            "path": kernels.path_of(first, rows), "gemv_config": launch.gemv.label(),
-                           "tc_config": launch.tc.label(),
-                           "class": f"{_layer_class(first)}"}
+                           "tc_config": launch.tc.label(), "class": _layer_class(first),
+                           "chunk_gemm": _chunk_gemm(first, device)}
     expected = F.linear(x, weights[0])  # cuBLAS on the dequantized weight: the error's reference
     shapes: list[tuple[str, Callable[[], Callable[[], Any]]]] = [
         ("torch", rotating(weights, lambda w: F.linear(x, w))),
@@ -161,6 +163,18 @@ def quant_case(name: str, n: int, k: int, rows: int, fmt: str, device: torch.dev
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _chunk_gemm(layer, device: torch.device) -> str:
+    """What the prompt-chunk path runs for `layer` here: an FP8 GEMM (row-wise / block-scaled) or dequantize +
+    cuBLAS bf16."""
+    from engine.model.quant import dense
+
+    if layer.format == "fp8" and dense.rowwise_takes(layer, device):
+        return "fp8 row-wise"
+    if layer.format == "fp8" and dense.blockwise_takes(layer, device):
+        return "fp8 block-scaled"
+    return "dequantize + bf16"
 
 
 def _layer_class(layer) -> str:
