@@ -15,7 +15,9 @@ By the product's rows (the thresholds are per weight class and device, engine.mo
   up to `tc_rows`, on the layer's weight repacked once (engine.model.quant.tinygemm).
 
 The launch shape is a function of the weight's shape only, never of the row count (so a row's output does not
-depend on the other rows of its step), found in the committed table or worked out here (`default_config`): enough
+depend on the other rows of its path: a decode step's row and the same row in a verify step of up to `gemv_rows`
+rows are computed alike; across the paths' thresholds they agree to rounding, not bit for bit), found in the
+committed table or worked out here (`default_config`): enough
 programs to keep every SM streaming (K split where the output is narrow). No autotuning at run time, no host
 synchronisation, no allocation but the output and the split-K partial sums: the launches are capturable in CUDA
 graphs. The same kernels run in Triton's interpreter on CPU (the tests' oracle is the layer's `reference`).
@@ -36,10 +38,12 @@ from engine.model.triton_linear import COUNTER_LANES, split_counters
 
 PATHS = ("gemv", "tc", "dense", "tinygemm")
 GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator per row
-# Defaults where the launch table has no entry. The GEMV's instructions per weight, compiled for sm_90: FP8 3.6
-# at 1 row, 8 at 4 (a byte a weight leaves ~7 per weight at full bandwidth); int4 6 at 1 row, 13 at 4, where the
-# tensor-core kernel spends 7.6 for up to 16 rows (half a byte a weight: ~3.5 at full bandwidth)
-DEFAULT_GEMV_ROWS = {"fp8": 4, "int": 1}
+# Defaults where the launch table has no entry. The GEMV takes 1-4 rows: a verify step of up to 4 rows (MTP at
+# batch x (depth + 1) <= 4) then computes each row exactly as the 1-row decode step does, so greedy decoding is
+# the same with MTP on. Its instructions per weight, compiled for sm_90: FP8 3.6 at 1 row, 8 at 4 (a byte a weight
+# leaves ~7 at full bandwidth); int4 6 at 1 row, 13 at 4, where the tensor-core kernel spends 7.6 for up to 16
+# rows (half a byte a weight: ~3.5 at full bandwidth): a table entry may give int4's 2-4 rows to the tensor cores.
+DEFAULT_GEMV_ROWS = {"fp8": 4, "int": 4}
 DEFAULT_TC_ROWS = {"fp8": 64, "int": 256}  # past these, prompt chunks go to cuBLAS (engine.model.quant.dense)
 _TC_MAX_BLOCK_M = 128
 _TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough loads in flight to stream the weight

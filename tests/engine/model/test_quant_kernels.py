@@ -153,8 +153,8 @@ def test_the_path_follows_the_rows_and_the_launch_shape_follows_the_weight():
     from engine.model.quant import kernels
 
     layer = _int_layer(4, 128, n=4096, k=12288)
-    assert [kernels.path_of(layer, r) for r in (1, 2, 5, 64, 256, 257, 2048)] == \
-        ["gemv", "tc", "tc", "tc", "tc", "dense", "dense"]
+    assert [kernels.path_of(layer, r) for r in (1, 4, 5, 64, 256, 257, 2048)] == \
+        ["gemv", "gemv", "tc", "tc", "tc", "dense", "dense"]
     fp8 = _fp8_layer((128, 128), 256, 1024)  # no FP8 GEMM for its prompt chunks here: they start at 257 rows too
     assert [kernels.path_of(fp8, r) for r in (1, 4, 5, 65, 256, 257)] == ["gemv", "gemv", "tc", "tc", "tc", "dense"]
     # the 8B shape's down projection (N 4096, K 12288): 64 column tiles split along K to reach the SMs
