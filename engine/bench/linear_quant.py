@@ -17,8 +17,8 @@ timed as `bench linear` times its rows (a CUDA graph of `--iters` products rotat
 - `*_max_err`: the largest difference from cuBLAS's product of the dequantized weight, over its largest value;
   `quant_tb_s`: the layout's bytes (codes and scales) over `quant_ms`; `speedup` = torch_ms / quant_ms; `ideal`
   = bf16 bytes / the layout's bytes (the speedup a kernel at bf16's bandwidth would reach).
-`--table-out FILE`: the fastest measured shape per weight class and path, and the row thresholds, as a launch
-table (engine.model.quant.launch_table), merged into FILE's entries for other devices.
+`--table-out FILE`: the fastest measured shape per weight class and path, the tensor-core / prompt-chunk threshold
+and the int4 backend, as a launch table (engine.model.quant.launch_table), merged into FILE's other devices.
 Formats: fp8 (per channel: `--quantize fp8`, compressed-tensors FP8), fp8-block (Qwen's 128x128 blocks), int4
 (group 128: `--quantize int4`, AWQ, GPTQ), int4-g32 (GGUF's Q4_0 / Q4_K), int8 (group 128), int8-g32 (Q8_0).
 """
@@ -219,9 +219,8 @@ def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, d
                     totals[label] = totals.get(label, 0.0) + ms
             if totals:
                 entry[path] = min(totals, key=totals.get)
-        small = [r for r in mine if r["rows"] <= 4 and "gemv_ms" in r and "tc_ms" in r]
-        if small:
-            entry["gemv_rows"] = max([0] + [r["rows"] for r in small if r["gemv_ms"] <= r["tc_ms"]])
+        # gemv_rows is left to the reader: below 4 it is faster where `tc_ms` beats `gemv_ms` at 2-4 rows, but a
+        # verify step of that many rows then no longer computes its rows exactly as a decode step does
         chunked = [r for r in mine if "tc_ms" in r and "dense_ms" in r]
         if chunked:
             wins = [r["rows"] for r in chunked if r["tc_ms"] <= r["dense_ms"]]
