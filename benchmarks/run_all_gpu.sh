@@ -9,7 +9,8 @@
 # A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that no longer
 # fit the budget are skipped and logged. Environment overrides: BUDGET_S (default 540), PYTHON, MODEL (default
 # random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL and QUANT_PEER_MODEL (default random:8b),
-# QUANT_SIZE (8b), QUANT_SMALL_SIZE (0.6b), QUANT_TUNE, QUANT_ROWS, QUANT_FORMATS, DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
+# QUANT_SIZE (8b), QUANT_SMALL_SIZE (0.6b), QUANT_TUNE, QUANT_ROWS, QUANT_FORMATS, MOE_TOKENS, MOE_TUNE, DEVICE, the
+# sizes PROMPT, NEW, LONG, TTFT_SIZES,
 # SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
 # decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps; LIMIT_SCALE (default 1)
 # multiplies every step's own limit (a slower or busier machine; the budget still caps each step)
@@ -55,6 +56,8 @@ attention_split   named    a 256-token chunk 8K-128K deep: split keys (the defau
 attention_sdpa    named    the prefill kernel against cuDNN's and flash's SDPA over the gathered prefix
 linear            named    a decode step's projections: cuBLAS against the skinny matmul
 experts           named    a random Qwen3-MoE per expert-cache budget, and its routing trace
+experts_kernels   named    one random:moe-80b layer's routed experts per backend (Triton, torch._grouped_mm, gather) at 1-2,048 tokens, against the floor
+experts_resident  named    random:moe-80b-40l with every expert on the card, decode batch 1 and 6, against its bandwidth floor
 kvspill           named    decode with half of the non-resident KV on the host, against the PCIe floor
 kvspill_six       named    the seed's six long prompts on a pool sized for two
 throughput        named    1..256 concurrent 1K-token prompts (KV by use): tok/s, TTFT, inter-token, floor, HF static peer
@@ -258,7 +261,14 @@ run attention_sdpa 120 attention --device "$DEVICE" --rows prefill --iters 5 --p
     --backends torch,triton,cudnn,cudnn32k,flash,flash32k
 run linear 150 linear --device "$DEVICE" --rows 1,6,18 --iters 50 \
     --tune 32x256x1x4x4,64x256x1x4x4,64x128x1x8x4,128x128x1x8x3
-run experts 200 experts --device "$DEVICE" --prompt-tokens 32 --new-tokens 64 --trace-out "$OUT/experts_trace.jsonl"
+run experts 200 experts --device "$DEVICE" --prompt-tokens 32 --new-tokens 64 --copy-mib "$COPY_MIB" \
+    --trace-out "$OUT/experts_trace.jsonl"
+# One seed-scale layer's expert products per backend (no engine): the kernels' choice, and MOE_TUNE's shapes
+run experts_kernels 150 experts --device "$DEVICE" --model random:moe-80b --kernels "${MOE_TOKENS:-1,6,12,64,2048}" \
+    --copy-mib "$COPY_MIB" --moe-tune "${MOE_TUNE:-}" --iters 20
+# The seed-scale model with every expert on the card (40 of its 48 layers fit): decode against the floor
+run experts_resident 240 experts --device "$DEVICE" --model random:moe-80b-40l --budgets 100 --batches 1,6 \
+    --prompt-tokens 32 --new-tokens 48 --copy-mib "$COPY_MIB" --no-hf
 run kvspill 100 kvspill "${COMMON[@]}" --kv int8 --prompt-tokens 8K --new-tokens 64 --kv-resident 1024
 run kvspill_six 150 kvspill "${COMMON[@]}" --kv int8 --slots 6 --prompt-tokens 8K --new-tokens 32 --kv-resident 1024
 run throughput 540 throughput "${COMMON[@]}" --kv-pool by-use --sets fixed --concurrency 1,8,32,64,128,256 \
@@ -297,7 +307,7 @@ step moe80b_seed ${MOE80B_LIMIT_S:-300} "$PY" benchmarks/seed_scenario.py --runs
 # card), decode tok/s at batch 1 and 6 against random:moe-80b-40l with every expert on the card; the copy rows'
 # vs_belady is the default policy's hit rate over Belady's on the same skewed trace.
 run experts_cold 330 experts --device "$DEVICE" --model random:moe-80b --all-resident-model random:moe-80b-40l \
-    --budgets 85 --cold copy,cpu,prefetch --batches 1,6 --prompt-tokens 32 --new-tokens 48 \
+    --budgets 85 --cold copy,cpu,prefetch --batches 1,6 --prompt-tokens 32 --new-tokens 48 --copy-mib "$COPY_MIB" \
     --trace-out "$OUT/experts_cold_trace.jsonl"
 # Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
 # The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
@@ -341,7 +351,7 @@ run reuse_peer 90 reuse "${COMMON[@]}" --prompt-sizes 32K --peer-device cuda:1
 step seed_peer 300 "$PY" benchmarks/seed_scenario.py --runs "${SEED_RUNS:-5}" --device "$DEVICE" --prompt-tokens 32768 \
     --out "$OUT/seed_peer.json" --extra --peer-device cuda:1
 run experts_peer 300 experts --device "$DEVICE" --peer-device cuda:1 --stores host,peer --budgets 5,15,30,50 \
-    --prompt-tokens 32 --new-tokens 64 --no-hf
+    --prompt-tokens 32 --new-tokens 64 --copy-mib "$COPY_MIB" --no-hf
 step screenshots 120 "$PY" scripts/make_screenshots.py --device "$DEVICE" --context 65536 --chunk-tokens 1024 \
     --fault-inject capture:draft_round:1-2:oom --prefix gpu- --out "$OUT/shots"
 

@@ -212,6 +212,14 @@ def _experts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-resident-model", default=None, metavar="MODEL",
                    help="measure the 100%% row on this model (one whose experts all fit the card, e.g. "
                         "random:moe-80b-40l beside random:moe-80b) instead of --model")
+    p.add_argument("--copy-mib", type=int, default=1024,
+                   help="size of the device-to-device copy that measures the bandwidth of the floor")
+    p.add_argument("--kernels", type=int_list, default=None, metavar="TOKENS,...",
+                   help="time one sparse layer's routed experts per backend (Triton, torch._grouped_mm, the "
+                        "per-route gather) at these token counts instead of running engines")
+    p.add_argument("--moe-tune", default="", help="with --kernels: the Triton kernels' launch shapes to time too, "
+                   "BLOCK_MxGATE_UP_NxDOWN_NxBLOCK_KxWARPSxSTAGES,... (16x32x64x128x4x4)")
+    p.add_argument("--iters", type=int, default=20, help="with --kernels: layers per captured graph")
 
 
 def _experts_replay(p: argparse.ArgumentParser) -> None:

@@ -42,8 +42,8 @@ from engine.errors import ConfigError
 
 _CONTEXT_MARGIN_TOKENS = 64
 COLUMNS = ("engine", "model", "batch", "store", "cold", "policy", "budget_pct", "slots", "expert_cache_mib",
-           "decode_tok_s", "tok_s", "vs_all_resident", "hit_rate", "oracle_hit_rate", "vs_belady", "misses", "replays",
-           "reruns", "loaded_mib", "load_ms", "same_tokens", "error")
+           "decode_tok_s", "floor_tok_s", "of_floor", "tok_s", "vs_all_resident", "hit_rate", "oracle_hit_rate",
+           "vs_belady", "misses", "replays", "reruns", "loaded_mib", "load_ms", "same_tokens", "error")
 
 
 def cold_list(text: str) -> list[str]:
@@ -88,9 +88,28 @@ def store_list(text: str, peer_device: str | None) -> list[str]:
     return list(dict.fromkeys(stores))
 
 
+def step_floor_tok_s(model: Any, cache: Any, first_step: int, batch: int, bandwidth_gb_s: float) -> float | None:
+    """The bandwidth floor of the decode steps since `first_step`: a step reads every dense weight once (the
+    embedding only a row a token, the MTP head not at all) and each distinct expert its tokens routed to once,
+    so `batch` tokens a step can come no faster than bandwidth / those bytes (the KV of these short prompts is
+    left out). The distinct experts are the steps' own, from the cache's routing trace."""
+    dense = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if not name.startswith(("embed_tokens", "mtp.")))
+    per_step: dict[int, int] = {}
+    for a in cache.stats.trace:
+        if a.step >= first_step and a.kind == "decode" and a.layer < cache.main_layers:
+            per_step[a.step] = per_step.get(a.step, 0) + len(a.experts)
+    if not per_step:
+        return None
+    expert_bytes = cache.expert_mib * 2**20
+    step_bytes = dense + expert_bytes * sum(per_step.values()) / len(per_step)
+    return batch * bandwidth_gb_s * 1e9 / step_bytes
+
+
 def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[list[int]],
                    warmup: list[list[int]], layer_mib: float, num_experts: int,
-                   store: str = "host", cold: str = "copy") -> tuple[dict[str, Any], Any]:
+                   store: str = "host", cold: str = "copy",
+                   bandwidth_gb_s: float | None = None) -> tuple[dict[str, Any], Any]:
     """One engine at `pct` % of the expert bytes, its store on the host or the --peer-device, its misses served
     by the `cold` mode: its row and the cache (for the trace)."""
     slots = slots_for_pct(pct, num_experts)
@@ -104,7 +123,10 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         generate_all(bench, warmup, args.new_tokens)
         m0, r0, l0, p0 = sum(cache.stats.misses), cache.stats.reruns, cache.stats.loaded_mib, cache.stats.replays
         t0 = cache.stats.load_ms
+        first_step = cache.stats.steps + 1
         stats = generate_all(bench, prompts, args.new_tokens)
+        floor = step_floor_tok_s(bench.engine.lm.model, cache, first_step, len(prompts), bandwidth_gb_s) \
+            if bandwidth_gb_s else None
         cache.stats.publish_due(cache.mib, cache.slots, force=True, policy=cache.policy)  # times finished copies
         snap = cache.snapshot()  # hit rates over both runs from a cold cache: the oracle replays the same trace
         misses = sum(cache.stats.misses) - m0
@@ -113,6 +135,7 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
                "policy": snap.policy, "budget_pct": pct, "prefetched": snap.prefetched,
                "slots": cache.slots,
                "expert_cache_mib": round(cache.mib, 1), "decode_tok_s": stats.decode_tok_s,
+               "floor_tok_s": floor, "of_floor": stats.decode_tok_s / floor if floor and stats.decode_tok_s else None,
                "tok_s": stats.tokens / stats.wall_s, "hit_rate": snap.hit_rate,
                "oracle_hit_rate": snap.oracle_hit_rate, "lru_replay_hit_rate": snap.lru_replay_hit_rate,
                # the live policy against Belady's optimal offline choice on the same trace (1.0: as good)
@@ -143,6 +166,13 @@ def run(args: argparse.Namespace) -> int:
     config = model_config(path)
     if config.moe is None:
         raise ConfigError("model", args.model, "not a mixture-of-experts checkpoint (model_type qwen3_moe)")
+    if getattr(args, "kernels", None):  # one layer's expert products per backend, no engine
+        from engine.bench.experts_kernels import run_kernels
+
+        return run_kernels(args, config, device)
+    from engine.bench.peers import copy_bandwidth_gb_s
+
+    bandwidth = copy_bandwidth_gb_s(device, args.copy_mib)  # the floor's, as `bench peers` measures it
     reference = getattr(args, "all_resident_model", None)
     reference_path = prepare_model(reference, device, args.dtype) if reference else None
     if reference_path is not None and model_config(reference_path).moe is None:
@@ -170,13 +200,14 @@ def run(args: argparse.Namespace) -> int:
                 ref_config = model_config(reference_path)
                 ref_mib, ref_layers = _expert_shape(ref_config, elem)
                 row, cache = measure_budget(args, reference_path, 100, prompts, warmup, ref_layers * ref_mib,
-                                            ref_config.moe.num_experts, store)
+                                            ref_config.moe.num_experts, store, bandwidth_gb_s=bandwidth)
                 row.pop("token_ids")
                 row["model"], row["same_tokens"] = reference, None  # another model: its tokens are its own
                 rows.append(row)
                 save_partial(args, "experts", rows, device)
                 continue
-            row, cache = measure_budget(args, path, pct, prompts, warmup, layer_mib, moe.num_experts, store, cold)
+            row, cache = measure_budget(args, path, pct, prompts, warmup, layer_mib, moe.num_experts, store, cold,
+                                        bandwidth)
             tokens = row.pop("token_ids")
             reference_tokens = tokens if reference_tokens is None else reference_tokens  # the first run's
             row["same_tokens"] = tokens == reference_tokens

@@ -43,14 +43,16 @@ if TYPE_CHECKING:
 
 
 def ahead_wanted(mode: str, device: torch.device, graphs: bool, moe: bool) -> bool:
-    """`auto`: where it pays (CUDA graphs: an eager step's launches are the host work it would overlap) and a
-    dense model; `on` also on a CPU (one stream: the bookkeeping alone, for tests); `off` never. ConfigError for
-    `on` where a step's host side must see the step before it. With KV by use a step goes ahead only when its
-    blocks need no copy (`DecodeAhead.next_rows_fit`)."""
+    """`auto`: where it pays (CUDA graphs: an eager step's launches are the host work it would overlap) and no
+    expert cache that may miss (`moe`: an MoE model whose cache does not hold every expert at start; with every
+    expert resident a replay stands unchecked, and should the cache shrink later each step is checked again
+    before it stands); `on` also on a CPU (one stream: the bookkeeping alone, for tests); `off` never.
+    ConfigError for `on` where a step's host side must see the step before it. With KV by use a step goes ahead
+    only when its blocks need no copy (`DecodeAhead.next_rows_fit`)."""
     blocked = None
     if moe:
-        blocked = "cannot launch a decode step ahead here: an MoE model's expert cache loads a step's experts from " \
-                  "its routing"
+        blocked = "cannot launch a decode step ahead here: an MoE model's expert cache that does not hold every " \
+                  "expert loads a step's experts from its routing"
     return mode_wanted("decode_ahead", mode, device.type == "cuda" and graphs, blocked)
 
 

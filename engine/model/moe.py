@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.moe_route import top_k_route
 from engine.model.quant.linear import is_quantized
 
 
@@ -82,14 +83,6 @@ def routes_by_expert(ids: torch.Tensor, rows: torch.Tensor | None = None) -> dic
     return {e: (g // k, g % k) for e, g in zip(experts.tolist(), groups)}
 
 
-def add_routed(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, route: Route, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor) -> None:
-    """out[t] += weights[t, j] * expert(x[t]) for the (t, j) of `route`: add_expert's sums, routes given."""
-    token_idx, pos = route
-    y = expert_mlp(x[token_idx], w_gate_up, w_down) * weights[token_idx, pos, None]
-    out.index_add_(0, token_idx, y.to(out.dtype))
-
-
 class SparseMoE(nn.Module):
     """Router + experts. `moe_index` numbers the sparse blocks of a model (main layers first, then MTP)."""
 
@@ -110,6 +103,8 @@ class SparseMoE(nn.Module):
         # layer's expert e at row store_rows[e]; None: the experts are this block's own parameters.
         self.expert_store: tuple[torch.Tensor, torch.Tensor] | None = None
         self.store_rows: list[int] = []
+        # an FP8 store's scales, one per output channel (gate_up [R, 2I], down [R, H], fp32); None: 16/32-bit
+        self.expert_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         # A synthetic source's skewed router: a [phases, E] prior added to the logits, by position phase.
         self.router_prior: torch.Tensor | None = None
         self.drift_tokens = 1
@@ -120,11 +115,13 @@ class SparseMoE(nn.Module):
     def attach_provider(self, provider: ExpertProvider | None) -> None:
         self._provider = (provider,) if provider is not None else ()
 
-    def set_expert_store(self, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int]) -> None:
-        """Serve the experts from a shared store (gate_up [R, 2I, H], down [R, H, I]; expert e is row rows[e])."""
+    def set_expert_store(self, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int],
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Serve the experts from a shared store (gate_up [R, 2I, H], down [R, H, I]; expert e is row rows[e]);
+        `scales` (gate_up [R, 2I], down [R, H]): the store is e4m3 with one scale per output channel."""
         if len(rows) != self.num_experts or min(rows) < 0 or max(rows) >= gate_up.shape[0]:
             raise ValueError(f"rows: expected {self.num_experts} store rows in [0, {gate_up.shape[0]})")
-        self.expert_store, self.store_rows = (gate_up, down), list(rows)
+        self.expert_store, self.store_rows, self.expert_scales = (gate_up, down), list(rows), scales
 
     def set_router_prior(self, prior: torch.Tensor, drift_tokens: int) -> None:
         """Add prior[(position // drift_tokens) % phases] ([phases, E], fp32) to the router's logits."""
@@ -135,25 +132,24 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] (positions [N], used by a router prior) -> (weights [N, k] in x's dtype, ids [N, k] long):
-        softmax in fp32, top-k, optional renormalisation, as transformers' Qwen3MoeTopKRouter."""
-        logits = F.linear(x, self.gate.weight)
-        if self.router_prior is not None:
-            if positions is None:
-                raise ValueError("this router has a position prior: positions are required")
-            phase = torch.div(positions, self.drift_tokens, rounding_mode="floor") % self.router_prior.shape[0]
-            logits = logits.float() + self.router_prior[phase]  # [N, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        softmax in fp32, top-k, optional renormalisation, as transformers' Qwen3MoeTopKRouter (one launch after
+        the gate's product on CUDA: engine.model.moe_route)."""
+        if self.router_prior is not None and positions is None:
+            raise ValueError("this router has a position prior: positions are required")
+        return top_k_route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, self.router_prior,
+                           positions, self.drift_tokens)
 
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert from this block's own parameters (a quantized expert
         dequantized to the router's dtype, the activations' one)."""
         if self.expert_store is not None:
             row = self.store_rows[expert]
-            return self.expert_store[0][row], self.expert_store[1][row]
+            gate_up, down = self.expert_store[0][row], self.expert_store[1][row]
+            if self.expert_scales is None:
+                return gate_up, down
+            dtype = self.gate.weight.dtype
+            return tuple((w.to(torch.float32) * s[row][:, None]).to(dtype)
+                         for w, s in ((gate_up, self.expert_scales[0]), (down, self.expert_scales[1])))
         e, dtype = self.experts[expert], self.gate.weight.dtype
         return (torch.cat([dense_weight(e.gate_proj, dtype), dense_weight(e.up_proj, dtype)]),
                 dense_weight(e.down_proj, dtype))

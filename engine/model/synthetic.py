@@ -35,10 +35,12 @@ from torch import nn
 from engine.model.causal_lm import CausalLM
 from engine.model.config import MoEConfig, MTPConfig, ModelConfig, RopeConfig
 from engine.model.moe import sparse_blocks
+from engine.model.quant.linear import FP8_MAX
 from engine.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 from engine.model.toy_tokenizer import SPECIAL_TOKENS, toy_tokenizer_json
 
 PREFIX = "random:"
+Scales = tuple[torch.Tensor, torch.Tensor]  # an FP8 store's per-channel scales: gate_up [R, 2I], down [R, H]
 _INIT_STD = 0.02
 _TOKENIZER_VOCAB = 512
 _CHUNK_ROWS = 64  # store rows generated on the device at once before their copy to the host
@@ -114,30 +116,47 @@ def router_prior(spec: SyntheticSpec, moe_index: int, device: torch.device) -> t
     return (-spec.router_skew * torch.log1p(rank.to(torch.float32))).to(device)
 
 
+def _per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (e4m3 [..., N, K], fp32 scale [..., N]): each output channel's amax maps to e4m3's 448, as
+    `--quantize fp8` rounds a projection (engine.model.quant.rtn.quantize_fp8)."""
+    w = w.to(torch.float32)
+    scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def _store(spec: SyntheticSpec, dtype: torch.dtype, gen_device: torch.device, where: torch.device,
-           pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared expert store: `store_rows` experts, generated on `gen_device` a chunk at a time into `where`."""
+           pin: bool, fp8: bool = False) -> tuple[tuple[torch.Tensor, torch.Tensor], Scales | None]:
+    """The shared expert store: `store_rows` experts, generated on `gen_device` a chunk at a time into `where`
+    (`fp8`: each chunk rounded to e4m3 per output channel before it moves; then also the scales)."""
     cfg = spec.config
     H, I, R = cfg.hidden_size, cfg.moe.moe_intermediate_size, spec.store_rows
-    gate_up = torch.empty(R, 2 * I, H, dtype=dtype, device=where, pin_memory=pin)
-    down = torch.empty(R, H, I, dtype=dtype, device=where, pin_memory=pin)
+    held = torch.float8_e4m3fn if fp8 else dtype
+    gate_up = torch.empty(R, 2 * I, H, dtype=held, device=where, pin_memory=pin)
+    down = torch.empty(R, H, I, dtype=held, device=where, pin_memory=pin)
+    scales = (torch.empty(R, 2 * I, device=where, pin_memory=pin), torch.empty(R, H, device=where, pin_memory=pin)) \
+        if fp8 else None
     for start in range(0, R, _CHUNK_ROWS):
         end = min(R, start + _CHUNK_ROWS)
         chunk_gu = torch.stack([seeded_normal((2 * I, H), f"experts.{r}.gate_up", spec.seed, dtype, gen_device)
                                 for r in range(start, end)])
         chunk_dn = torch.stack([seeded_normal((H, I), f"experts.{r}.down", spec.seed, dtype, gen_device)
                                 for r in range(start, end)])
+        if scales is not None:
+            (chunk_gu, gu_scale), (chunk_dn, dn_scale) = _per_channel_fp8(chunk_gu), _per_channel_fp8(chunk_dn)
+            scales[0][start:end].copy_(gu_scale, non_blocking=pin)
+            scales[1][start:end].copy_(dn_scale, non_blocking=pin)
         gate_up[start:end].copy_(chunk_gu, non_blocking=pin)
         down[start:end].copy_(chunk_dn, non_blocking=pin)
     if gen_device.type == "cuda":
         torch.cuda.synchronize(gen_device)  # the pinned copies are asynchronous; the chunks are freed after
-    return gate_up, down
+    return (gate_up, down), scales
 
 
 def build_synthetic(name: str, dtype: torch.dtype, device: torch.device,
-                    expert_device: torch.device | None = None) -> CausalLM:
+                    expert_device: torch.device | None = None, fp8_experts: bool = False) -> CausalLM:
     """The model of `random:NAME`, every parameter generated from its seed on `device`; the routed experts in the
-    shared store on `expert_device` (pinned host memory when that is the CPU and `device` is CUDA)."""
+    shared store on `expert_device` (pinned host memory when that is the CPU and `device` is CUDA), in e4m3 with
+    per-channel scales when `fp8_experts` (the values the 16-bit store holds, rounded)."""
     spec = SPECS[name]
     cfg = spec.config
     with torch.device("meta"):
@@ -153,11 +172,11 @@ def build_synthetic(name: str, dtype: torch.dtype, device: torch.device,
         setattr(model.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
     where = expert_device or device
     pin = where.type == "cpu" and device.type == "cuda"
-    gate_up, down = _store(spec, dtype, device, where, pin)
+    (gate_up, down), scales = _store(spec, dtype, device, where, pin, fp8_experts)
     for block in blocks:
         gen = torch.Generator().manual_seed(tensor_seed(spec.seed, f"store_rows.{block.moe_index}"))
         rows = torch.randint(spec.store_rows, (block.num_experts,), generator=gen)
-        block.set_expert_store(gate_up, down, rows.tolist())
+        block.set_expert_store(gate_up, down, rows.tolist(), scales)
         if spec.router_skew:
             block.set_router_prior(router_prior(spec, block.moe_index, device), spec.drift_tokens)
     model.rotary.reset_parameters(device)

@@ -242,8 +242,8 @@ class _PartsBuilder:
         if kv.paging is not None:
             _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
         graphs = config.graphs and not isinstance(executor, EagerExecutor)
-        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, moe=experts is not None),
-                            drafter)
+        may_miss = experts is not None and not experts.every_expert_resident
+        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, moe=may_miss), drafter)
         return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, streams,
                            chunks, ahead)
 

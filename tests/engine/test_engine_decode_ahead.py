@@ -258,3 +258,16 @@ def test_kv_by_use_steps_go_ahead_while_slots_take_blocks_and_spill_each_other(l
         assert engine.kv.paging.stats.spilled_blocks > 0, "the pool was never short: nothing moved"
     want = tokens_of(run_all(make_engine(lively, decode_ahead="off", kv_pool="reserved", **small), prompts, params))
     assert got == want
+
+
+def test_an_moe_engine_with_every_expert_resident_goes_ahead_and_one_that_may_miss_says_why():
+    """Every expert resident: no route can miss, so a step may go ahead as on a dense model (same tokens). An
+    expert cache that may miss loads a step's experts from its routing: `on` is refused naming that."""
+    prompts = random_prompts(3, seed=4, lengths=(10, 30))
+    script = {0: [_add(f"r{i}", p, _greedy(10 + 3 * i)) for i, p in enumerate(prompts)]}
+    off = _drive(make_engine("random:moe-synth-tiny", decode_ahead="off", batch=3), script)
+    engine = make_engine("random:moe-synth-tiny", decode_ahead="on", batch=3)
+    assert _drive(engine, script) == off
+    assert engine.ahead.taken > 0
+    with pytest.raises(ConfigError, match="does not hold every expert"):
+        make_engine("random:moe-synth-tiny", decode_ahead="on", batch=3, expert_cache_mib=1)

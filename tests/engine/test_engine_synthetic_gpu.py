@@ -74,3 +74,58 @@ def test_gpu_capture_oom_shrinks_the_auto_expert_cache_before_the_tier():
     assert not tier_shrinks or tier_shrinks[0] > shrinks[0][0]  # the experts gave first
     assert any(e.type == "graph" and e.action == "wait" and e.mib > 0 for e in bus.history())
     assert tokens == resident  # serving went on, with the same tokens
+
+
+def _batch_tokens(batch: int, dtype: str = "bfloat16", slots: int | None = None, **kw):
+    engine = make_engine(MODEL, device=CUDA, dtype=dtype, batch=batch, **kw)
+    if slots is not None:  # a budget in slots (bf16 experts of this model are KiBs: 1 MiB holds them all)
+        cache = engine.lm.model.expert_provider
+        cache.set_budget(cache.mib_for(slots), "test")
+    try:
+        tokens = tokens_of(run_all(engine, random_prompts(batch, seed=11, lengths=(20, 90)), GREEDY))
+        return tokens, engine.lm.model.expert_provider.snapshot()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_gpu_bf16_cold_paths_give_the_all_resident_tokens(batch):
+    """In bf16, where another sum order can flip a greedy token: each route's product comes from one kernel at a
+    launch shape fixed by the step's route count, and the block sums a token's routes once, in one order
+    (engine.model.moe_kernels), so a replay, its eager re-run and a copied or prefetched expert all give the
+    all-resident bits."""
+    resident, snap = _batch_tokens(batch)
+    # every expert resident: replays stand unchecked, their counts recorded a step late; none is lost
+    assert snap.misses == 0 and snap.hits > 0 and snap.hit_rate == 1.0
+    assert snap.trace_accesses >= snap.num_layers * GREEDY.max_tokens // 2, (snap.trace_accesses, snap.num_layers)
+    for mode in ("copy", "prefetch"):
+        tokens, snap = _batch_tokens(batch, slots=4, switches=SWITCH[mode])
+        print(f"batch {batch} {mode}: replays {snap.replays}, reruns {snap.reruns}, prefetched {snap.prefetched}")
+        assert snap.misses > 0 and snap.reruns + snap.replays > 0
+        assert tokens == resident, mode
+
+
+@pytest.mark.parametrize("cache_mib", [None, 1], ids=["resident", "cold"])
+def test_gpu_mtp_on_gives_the_mtp_off_tokens_at_batch_6(cache_mib):
+    """MTP's verify rows route through the same kernels as decode rows (fp32, as the dense MTP check runs: cuBLAS
+    picks other bf16 algorithms for two rows than for one)."""
+    plain, _ = _batch_tokens(6, "float32", expert_cache_mib=cache_mib)
+    mtp, snap = _batch_tokens(6, "float32", expert_cache_mib=cache_mib, batch_mtp=True, mtp_depth=2)
+    assert mtp == plain
+    assert (snap.misses > 0) == (cache_mib is not None)
+
+
+def test_gpu_every_expert_resident_goes_ahead_with_the_tokens_of_a_run_without_it():
+    """All resident on CUDA: decode ahead is on by default and the replays' counts are read a step late; the
+    tokens are those of a run with neither."""
+    plain, _ = _batch_tokens(6, decode_ahead="off")
+    engine = make_engine(MODEL, device=CUDA, dtype="bfloat16", batch=6)
+    try:
+        assert engine.ahead.enabled
+        ahead = tokens_of(run_all(engine, random_prompts(6, seed=11, lengths=(20, 90)), GREEDY))
+        assert engine.ahead.taken > 0, (engine.ahead.taken, engine.ahead.dropped)
+        snap = engine.lm.model.expert_provider.snapshot()
+        assert snap.misses == 0 and snap.hits > 0
+    finally:
+        engine.close()
+    assert ahead == plain

@@ -30,22 +30,22 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
-from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, add_routed_on_host, predicted_ids
-from engine.exec.experts.pool import ExpertPool
+from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, predicted_ids, routed_on_host
+from engine.exec.experts.pool import ExpertPool, expert_bytes
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import adopt, groups_of
 from engine.exec.streams import Streams, required
 from engine.snapshot import ExpertCacheSnapshot
-from engine.model.moe import add_routed, expert_mlp, moe_index_of, routes_by_expert, sparse_blocks
+from engine.model.moe import moe_index_of, routes_by_expert, sparse_blocks
+from engine.model.moe_kernels import routed_experts
+from engine.model.moe_route import slots_and_counts
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
 MAX_STEP_ROWS = 1 << 16  # tokens one step may route (chunk buckets, verify rows): the valid-row mask's size
-# A captured step gathers each routed expert's weights per token up to this many (token, expert) routes (a
-# decode or verify batch); beyond it (a captured prompt chunk) it loops over the pool's slots instead.
-_GATHER_MAX_ROUTES = 256
 
 
 def _stream_capturing(x: torch.Tensor) -> bool:
@@ -73,13 +73,13 @@ class ExpertCache:
         self.pools = [ExpertPool(b, device, store, on_cuda and store.type == "cpu", moved) for b in self.blocks]
         # the store's own bytes: every expert once, or a shared store's distinct rows once
         distinct = {t.data_ptr(): t.numel() * t.element_size() for p in self.pools
-                    for t in (p.store_gate_up, p.store_down)}
+                    for t in (p.store_gate_up, p.store_down, *(p.store_scales or ()))}
         self.store_mib = sum(distinct.values()) / MIB
         first = self.pools[0]
         self.num_experts = first.num_experts
         self.top_k = self.blocks[0].top_k
-        self.expert_mib = (first.store_gate_up[0].numel() + first.store_down[0].numel()) \
-            * first.store_gate_up.element_size() / MIB
+        self.expert_mib = expert_bytes(self.blocks[0]) / MIB
+        self.dtype = self.blocks[0].gate.weight.dtype  # the activations': what a dequantized expert computes in
         self.min_slots = max(1, min_slots)
         self.target_slots = self.num_experts  # what regrowth aims for (the configured budget)
         self.on_resize: Callable[[], None] = lambda: None
@@ -102,6 +102,10 @@ class ExpertCache:
             moe_index_of(config, layer) is not None for layer in range(config.num_hidden_layers))
         # prefetch under a CUDA graph: the experts each layer's next one would route to, counted on the device
         self.dev_predicted = torch.zeros(n, self.num_experts, dtype=torch.float32, device=device)
+        self._predicted_misses = torch.zeros(1, dtype=torch.float32, device=device)
+        # route counts read a step late (count_late): two pinned buffers in turn, and the one in flight
+        self._late_buffers: list[torch.Tensor] = []
+        self._late: tuple[torch.Tensor, torch.cuda.Event, int, str] | None = None
         for block in self.blocks:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
@@ -237,12 +241,14 @@ class ExpertCache:
 
     def close(self) -> None:
         """Free the pools and the store (Engine.close), after publishing the last load / evict sums."""
+        self.flush_late_counts()
         self.stats.publish_due(self.mib, self.slots, force=True, policy=self.policy)
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.store_gate_up = pool.store_down = torch.empty(0)
+            pool.scales = pool.store_scales = None
         for block in self.blocks:
-            block.expert_store = None  # a shared store (synthetic sources) is freed with the pools
+            block.expert_store = block.expert_scales = None  # a shared store is freed with the pools
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
@@ -267,18 +273,17 @@ class ExpertCache:
                        positions: torch.Tensor | None = None) -> torch.Tensor:
         pool = self.pools[i]
         self.wait_pending(pool)
-        rows = self._rows(x.shape[0])
+        N, k = ids.shape
+        rows = self._rows(N)
         routes = routes_by_expert(ids, rows)  # the layer's host syncs, a few for all its experts
         experts = list(routes)  # ascending
-        out = torch.zeros_like(x)
+        y = torch.zeros(N, k, x.shape[1], dtype=x.dtype, device=x.device)  # [N, k, H]: each route's product
         if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
             # loaded between this step's replays and recorded then: compute only (a second serve would
             # reorder the policy and count the access twice)
-            for e in experts:
-                slot = pool.policy.where[e]
-                add_routed(out, x, weights, routes[e], pool.gate_up[slot], pool.down[slot])
-            return out
-        tokens = x.shape[0] if rows is None else int(rows.sum())
+            self._run_resident(y, pool, x, ids, weights, rows, None)
+            return y.sum(dim=1)
+        tokens = N if rows is None else int(rows.sum())
         self.stats.record_access(i, experts, tokens)
         predict = self.cold == "prefetch"
         for group in groups_of(experts, pool.slots):
@@ -293,15 +298,26 @@ class ExpertCache:
             if predict:  # once, after this layer's own loads: the layer does not wait for the next one's copies
                 predict = False
                 self._prefetch_next(i, x, positions, rows)
-            for e in group:
-                if e in cold:
-                    self.stats.host_runs += 1
-                    row = pool.store_rows[e]
-                    add_routed_on_host(out, x, weights, routes[e], pool.store_gate_up[row], pool.store_down[row])
-                    continue
-                slot = pool.policy.where[e]
-                add_routed(out, x, weights, routes[e], pool.gate_up[slot], pool.down[slot])
-        return out
+            on_device = [e for e in group if e not in cold]
+            self._run_resident(y, pool, x, ids, weights, rows, None if len(on_device) == len(experts) else on_device)
+            for e in sorted(cold):
+                self.stats.host_runs += 1
+                routed_on_host(y, x, weights, routes[e], *pool.host_weights(e, self.dtype))
+        return y.sum(dim=1)
+
+    @staticmethod
+    def _run_resident(y: torch.Tensor, pool: ExpertPool, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      rows: torch.Tensor | None, experts: list[int] | None) -> None:
+        """y[n, j] = weights[n, j] * expert(x[n]) for the routes to `experts` (None: every route; all resident),
+        through the pool's slots in place (engine.model.moe_kernels); padding rows are left out."""
+        if experts is not None and not experts:
+            return
+        slots = pool.table[ids]  # [N, k]
+        if experts is not None:
+            slots = torch.where(torch.isin(ids, torch.tensor(experts, device=ids.device)), slots, -1)
+        if rows is not None:
+            slots = torch.where(rows[:, None], slots, -1)
+        routed_experts(x, pool.gate_up, pool.down, slots, weights, out=y, scales=pool.scales)
 
     def _prefetch_next(self, i: int, x: torch.Tensor, positions: torch.Tensor | None,
                        rows: torch.Tensor | None) -> None:
@@ -344,9 +360,7 @@ class ExpertCache:
             start.record(self.copy_stream)
         t0 = time.perf_counter()
         for e, slot in loads:
-            row = pool.store_rows[e]
-            self._copy(pool.gate_up[slot], pool.store_gate_up[row])
-            self._copy(pool.down[slot], pool.store_down[row])
+            pool.load(slot, e, self._copy)
         pool.set_table([(e, pool.slots) for e in evicted] + list(loads))
         if self.copy_stream is not None:
             end.record(self.copy_stream)
@@ -360,37 +374,16 @@ class ExpertCache:
                           positions: torch.Tensor | None = None) -> torch.Tensor:
         """Graph-safe: no host sync, static shapes. Misses read the zero slot and are counted for a re-run."""
         pool = self.pools[i]
-        N, k = ids.shape
-        slots = pool.table[ids]  # [N, k]
-        rows = self._rows(N)
-        real = torch.ones_like(ids, dtype=torch.bool) if rows is None else rows[:, None].expand(N, k)
-        self.dev_misses[i:i + 1] += ((slots == pool.slots) & real).sum().to(torch.float32)
-        self.dev_counts[i].index_add_(0, ids.flatten(), real.flatten().to(torch.float32))
+        rows = self._rows(ids.shape[0])
+        # slots [N, k] (padding rows -1: no expert's weights read for them); misses and route counts on the device
+        slots = slots_and_counts(ids, pool.table, pool.slots, rows, self.dev_counts[i], self.dev_misses[i:i + 1])
         j = i + 1
         if self.cold == "prefetch" and j < self.main_layers and (
                 self.blocks[j].router_prior is None or positions is not None):
             predicted = predicted_ids(self.blocks[j], x, positions)  # [N, k] layer j's likely experts
-            self.dev_predicted[j].index_add_(0, predicted.flatten(), real.flatten().to(torch.float32))
-        if N * k > _GATHER_MAX_ROUTES:
-            return self._captured_slot_loop(pool, x, slots, weights)
-        # one routed position at a time: the gathered weights are [N, 2I, H], not [N, k, 2I, H] (at the seed's
-        # scale, k = 10 experts of 6 MiB for each of up to 25 rows would hold GiBs in every captured graph's pool)
-        y = torch.empty(N, k, x.shape[1], dtype=x.dtype, device=x.device)
-        for j in range(k):
-            h = torch.bmm(pool.gate_up[slots[:, j]], x[:, :, None]).squeeze(-1)  # [N, 2I]
-            gate, up = h.chunk(2, dim=-1)
-            y[:, j] = torch.bmm(pool.down[slots[:, j]], (torch.nn.functional.silu(gate) * up)[..., None]).squeeze(-1)
-        return (y * weights[..., None]).sum(dim=1).to(x.dtype)
-
-    def _captured_slot_loop(self, pool: ExpertPool, x: torch.Tensor, slots: torch.Tensor,
-                            weights: torch.Tensor) -> torch.Tensor:
-        """Many tokens (a captured prompt chunk): every slot runs over all tokens with its routing weight (zero
-        where not routed), instead of gathering N x k copies of expert weights."""
-        out = torch.zeros_like(x)
-        for s in range(pool.slots):
-            w = (weights * (slots == s)).sum(dim=1, keepdim=True)  # [N, 1]
-            out += (expert_mlp(x, pool.gate_up[s], pool.down[s]) * w).to(x.dtype)
-        return out
+            nxt = self.pools[j]  # its predicted experts counted as the layer's own routes are (misses unread)
+            slots_and_counts(predicted, nxt.table, nxt.slots, rows, self.dev_predicted[j], self._predicted_misses)
+        return routed_experts(x, pool.gate_up, pool.down, slots, weights, scales=pool.scales).sum(dim=1)
 
     def serve_captured_layer(self, i: int, experts: list[int], tokens: int) -> None:
         """Load what a captured step's *first* missed layer routed to (its routing is right: every layer before
@@ -403,22 +396,66 @@ class ExpertCache:
             self._load(pool, result.loads, result.evicted)
         self.served_this_step.add(i)
 
-    def touch_captured(self, counts: list[list[float]]) -> None:
+    def touch_captured(self, counts: np.ndarray, step: int | None = None, kind: str | None = None) -> None:
         """A captured step that hit everywhere: record its accesses and refresh the policy's recency and counts
-        (layers served between its replays are recorded already)."""
-        for i, row in enumerate(counts):
-            experts = [e for e, c in enumerate(row) if c > 0]
-            if not experts or i in self.served_this_step:
+        (layers served between its replays are recorded already). counts [L, E]: its routes per expert; `step`
+        and `kind`: the step's, when its counters are read a step late (ExpertStepExecutor)."""
+        for i in np.flatnonzero(counts.any(axis=1)).tolist():
+            if i in self.served_this_step:
                 continue
+            row = counts[i]
+            experts = np.flatnonzero(row).tolist()
             pool = self.pools[i]
-            self.stats.record_access(i, experts, int(sum(row)) // self.top_k)
+            self.stats.record_access(i, experts, int(row.sum()) // self.top_k, step, kind)
             for group in groups_of(experts, pool.slots):
                 result = pool.policy.serve(group)  # all resident: hits only, nothing moves
                 self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
 
+    # --- a captured step's counters read a step late ------------------------------------------------------
+
+    @property
+    def every_expert_resident(self) -> bool:
+        """Every pool holds every expert: no route can miss."""
+        return all(pool.slots >= pool.num_experts for pool in self.pools)
+
+    def counts_late_ok(self) -> bool:
+        """Whether a replay stands unchecked: every expert resident, on CUDA (where the copy can go behind the
+        step), and no prefetch predictions to read."""
+        return self.device.type == "cuda" and self.cold != "prefetch" and not self.force_eager \
+            and self.every_expert_resident
+
+    def count_late(self) -> None:
+        """Copy this step's route counts to pinned memory behind it and clear them; record the step before's,
+        whose copy is long done (the host read that step's tokens since), while this one computes."""
+        if not self._late_buffers:
+            self._late_buffers = [torch.empty(self.dev_counts.shape, pin_memory=True) for _ in range(2)]
+        buffer = self._late_buffers[self.stats.steps % 2]
+        buffer.copy_(self.dev_counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.dev_counts.zero_()
+        self.dev_misses.zero_()  # nothing can miss; cleared all the same, for the next checked step
+        before, self._late = self._late, (buffer, done, self.stats.steps, self.stats.step_kind)
+        if before is not None:
+            self._record_late(before)
+
+    def flush_late_counts(self) -> None:
+        """Record the counts still in flight (before a checked step, and before a snapshot is read)."""
+        if self._late is not None:
+            before, self._late = self._late, None
+            self._record_late(before)
+
+    def _record_late(self, late: tuple[torch.Tensor, torch.cuda.Event, int, str]) -> None:
+        buffer, done, step, kind = late
+        done.synchronize()
+        counts = buffer.numpy()
+        if counts.any():  # an eager step records its own accesses
+            self.touch_captured(counts, step, kind)
+
     def snapshot(self, oracle_max_age_s: float = 0.0) -> ExpertCacheSnapshot:
         """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to
         `oracle_max_age_s` old: see ExpertStats.oracle)."""
+        self.flush_late_counts()
         return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots,
                                    target_slots=self.target_slots, mib=self.mib, host_mib=self.host_mib,
                                    peer_mib=self.peer_mib, store_device=str(self.peer or "host"),

@@ -41,13 +41,13 @@ def cold_mode(board: SwitchBoard | None) -> str:
     return "cpu" if on(CPU_SWITCH) else "prefetch" if on(PREFETCH_SWITCH) else "copy"
 
 
-def add_routed_on_host(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, route: Route,
-                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
-    """engine.model.moe.add_routed with the expert computed where its weights are (the host store): the routed
-    tokens' rows go there and the result comes back (the same sums, in the same order)."""
+def routed_on_host(y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, route: Route,
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """y[t, j] = weights[t, j] * expert(x[t]) for the (t, j) of `route`, the expert computed where its weights
+    are (the host store): the routed tokens' rows go there and the result comes back."""
     token_idx, pos = route
-    y = expert_mlp(x[token_idx].to(w_gate_up.device), w_gate_up, w_down).to(out.device)
-    out.index_add_(0, token_idx, (y * weights[token_idx, pos, None]).to(out.dtype))
+    h = expert_mlp(x[token_idx].to(w_gate_up.device), w_gate_up, w_down).to(y.device)
+    y[token_idx, pos] = (h * weights[token_idx, pos, None]).to(y.dtype)
 
 
 def predicted_ids(block: SparseMoE, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.exec.experts.cache import ExpertCache
+from engine.exec.experts.pool import expert_bytes
 from engine.exec.streams import Streams
 from engine.model.moe import sparse_blocks
 from engine.telemetry import EventBus
@@ -63,12 +64,11 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
 
 def store_mib(model: torch.nn.Module) -> float:
     """MiB of every routed expert once (the store), from the model's sparse layers before the cache takes them."""
-    # the store holds each expert in the router's dtype (quantized experts dequantized): 3 matrices of I x H; a
-    # synthetic source's shared store (engine.model.synthetic) holds its distinct rows once
+    # the store holds each expert as the cache will (engine.exec.experts.pool.expert_bytes); a synthetic source's
+    # shared store (engine.model.synthetic) holds its distinct rows once
     shared = {t.data_ptr(): t.numel() * t.element_size() for b in sparse_blocks(model) if b.expert_store is not None
-              for t in b.expert_store}
-    own = sum(3 * b.num_experts * b.intermediate_size * b.gate.in_features * b.gate.weight.element_size()
-              for b in sparse_blocks(model) if b.expert_store is None)
+              for t in (*b.expert_store, *(b.expert_scales or ()))}
+    own = sum(b.num_experts * expert_bytes(b) for b in sparse_blocks(model) if b.expert_store is None)
     return (own + sum(shared.values())) / 2**20
 
 

@@ -56,8 +56,11 @@ class ExpertStats:
         self.steps += 1
         self.step_kind = kind
 
-    def record_access(self, layer: int, experts: list[int], tokens: int) -> None:
-        self.trace.append(Access(self.steps, layer, tuple(experts), tokens, self.step_kind))
+    def record_access(self, layer: int, experts: list[int], tokens: int, step: int | None = None,
+                      kind: str | None = None) -> None:
+        """One layer's access in this step (or in `step` of `kind`, for counters read a step late)."""
+        self.trace.append(Access(self.steps if step is None else step, layer, tuple(experts), tokens,
+                                 self.step_kind if kind is None else kind))
 
     def record_group(self, layer: int, hits: int, misses: int, evicted: int) -> None:
         self.hits[layer] += hits

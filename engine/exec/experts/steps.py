@@ -15,6 +15,9 @@ It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and
    `prefetch` the layers past the first missed one are also loaded from the graph's predictions before the
    replay (engine.exec.experts.cold);
 4. publishes the summed load / evict events about once a second.
+When every pool holds every expert (on CUDA, not under prefetch) no route can miss, so a replay stands without a
+check: its counters go to pinned host memory behind it and are recorded while the next step computes, instead of
+the host waiting for the step to read them and the device waiting for the host to record them.
 Everything else (release, invalidate, snapshot, precapture, ...) is the inner executor's.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Mapping
 
+import numpy as np
 import torch
 
 from engine.exec.executor import StepFn
@@ -55,16 +59,22 @@ class ExpertStepExecutor:
         try:
             cache.wait_all_pending()  # copies that went behind an earlier step (cold cpu / prefetch)
             out = self.inner.run(kind, key, fn, inputs, owner)
-            for extra in range(MAX_EXTRA_REPLAYS + 1):
+            late = cache.counts_late_ok()
+            if late:
+                cache.count_late()
+            else:
+                cache.flush_late_counts()
+            for extra in range(0 if late else MAX_EXTRA_REPLAYS + 1):
                 counters = self._take_counters()
                 if counters is None:  # nothing captured ran (eager, or this call captured the graph)
                     break
                 misses, counts, predicted = counters
-                first = next((i for i, m in enumerate(misses) if m > 0), None)
-                if first is None:
+                missed = np.flatnonzero(misses)
+                if not missed.size:
                     cache.touch_captured(counts)
                     break
-                experts = [e for e, c in enumerate(counts[first]) if c > 0]
+                first = int(missed[0])
+                experts = np.flatnonzero(counts[first]).tolist()
                 if extra == MAX_EXTRA_REPLAYS or len(experts) > cache.pools[first].slots or cache.cold == "cpu":
                     # cpu: the eager run computes the misses on the host instead of waiting for their copies
                     cache.stats.reruns += 1
@@ -74,7 +84,7 @@ class ExpertStepExecutor:
                 cache.serve_captured_layer(first, experts, int(sum(counts[first])) // cache.top_k)
                 if predicted is not None:  # prefetch: the layers past the first missed one, from the predictions
                     for j in range(first + 1, len(predicted)):
-                        cache.prefetch(j, [e for e, c in enumerate(predicted[j]) if c > 0])
+                        cache.prefetch(j, np.flatnonzero(predicted[j]).tolist())
                     cache.wait_all_pending()
                 cache.stats.replays += 1
                 out = self.inner.run(kind, key, fn, inputs, owner)
@@ -93,16 +103,15 @@ class ExpertStepExecutor:
         self.cache.row_valid[:n].copy_((positions < self.context_tokens).flatten())
         self.cache.valid_rows = n
 
-    def _take_counters(self) -> tuple[list[float], list[list[float]], list[list[float]] | None] | None:
-        """Read and clear what captured layers counted: (misses per layer, route counts [layer][expert], and
-        under prefetch the predicted route counts [layer][expert]), or None when no captured layer ran since the
-        last read."""
+    def _take_counters(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """Read and clear what captured layers counted: (misses per layer [L], route counts [L, E], and under
+        prefetch the predicted route counts [L, E]), or None when no captured layer ran since the last read."""
         cache = self.cache
         parts = [cache.dev_misses[:, None], cache.dev_counts]
         if cache.cold == "prefetch":
             parts.append(cache.dev_predicted)
-        packed = torch.cat(parts, dim=1).cpu()  # [L, 1 + E (+ E)]
-        if not bool(packed.any()):
+        packed = torch.cat(parts, dim=1).cpu().numpy()  # [L, 1 + E (+ E)]
+        if not packed.any():
             return None
         cache.dev_misses.zero_()
         cache.dev_counts.zero_()
@@ -110,9 +119,8 @@ class ExpertStepExecutor:
         predicted = None
         if cache.cold == "prefetch":
             cache.dev_predicted.zero_()
-            predicted = packed[:, 1 + E:].tolist()
-        return packed[:, 0].tolist(), packed[:, 1:1 + E].tolist(), predicted
-
+            predicted = packed[:, 1 + E:]
+        return packed[:, 0], packed[:, 1:1 + E], predicted
 
 def follow_policy_switch(cache: ExpertCache, board: SwitchBoard | None) -> None:
     """Give the cache the slot policy the EXPERT_LFU switch asks for (no change: nothing happens). Called at

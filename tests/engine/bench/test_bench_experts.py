@@ -14,10 +14,15 @@ def test_bench_experts_runs_every_budget(tmp_path, monkeypatch, one_torch_thread
     monkeypatch.setenv("STRATA_BENCH_CACHE", str(tmp_path / "ckpts"))
     out, trace = tmp_path / "experts.json", tmp_path / "trace.jsonl"
     code = main(["bench", "experts", "--model", "random:moe-small", "--device", "cpu", "--budgets", "10,50",
-                 "--prompt-tokens", "16", "--new-tokens", "12", "--no-hf", "--json", str(out), "--trace-out", str(trace)])
+                 "--prompt-tokens", "16", "--new-tokens", "12", "--no-hf", "--json", str(out), "--trace-out", str(trace),
+                 "--copy-mib", "8"])
     assert code == 0
     doc = json.loads(out.read_text())
     rows = {r["budget_pct"]: r for r in doc["rows"]}
+    # the floor: the dense weights plus the step's distinct experts over the measured copy bandwidth; no run
+    # reaches it (a CPU step is bound by its launches), and the all-resident run is the closest
+    assert all(r["floor_tok_s"] > 0 and 0 < r["of_floor"] < 1 for r in doc["rows"])
+    assert rows[100]["of_floor"] >= rows[10]["of_floor"]
     assert sorted(rows) == [10, 50, 100]
     assert rows[100]["slots"] == 32 and rows[100]["misses"] == 0 and rows[100]["hit_rate"] == 1.0
     assert rows[50]["slots"] == 16 and rows[10]["slots"] == 3
@@ -32,6 +37,10 @@ def test_bench_experts_refuses_a_dense_model_and_a_peer_store_without_a_peer(tmp
     code = main(["bench", "experts", "--model", "random:tiny", "--device", "cpu", "--json", str(tmp_path / "x.json")])
     assert code == 2
     assert "not a mixture-of-experts checkpoint" in capsys.readouterr().err
+    code = main(["bench", "experts", "--model", "random:moe-small", "--device", "cpu", "--kernels", "1,6",
+                 "--json", str(tmp_path / "x.json")])
+    assert code == 2
+    assert "timed on CUDA" in capsys.readouterr().err
     code = main(["bench", "experts", "--model", "random:moe-small", "--device", "cpu", "--stores", "host,peer",
                  "--json", str(tmp_path / "x.json")])
     assert code == 2
@@ -73,7 +82,7 @@ def test_bench_experts_on_a_synthetic_skewed_source(tmp_path, one_torch_thread):
     # the device the live LRU hits well above the resident fraction (a uniform router's rate), and is compared
     # with Belady on the same trace
     out = tmp_path / "experts.json"
-    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--budgets", "25",
+    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--copy-mib", "8", "--budgets", "25",
                  "--prompt-tokens", "24", "--new-tokens", "16", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
@@ -90,7 +99,7 @@ def test_bench_experts_runs_the_three_cold_paths_side_by_side(tmp_path, one_torc
     # one run: every cold-expert mode at the budget below 100 %, batches 1 and 2, the 100 % row from another model
     # (as random:moe-80b is compared with random:moe-80b-40l, whose experts all fit the card)
     out = tmp_path / "cold.json"
-    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--budgets", "50",
+    code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--copy-mib", "8", "--budgets", "50",
                  "--cold", "copy,cpu,prefetch", "--batches", "1,2", "--all-resident-model", "random:moe-small",
                  "--prompt-tokens", "16", "--new-tokens", "8", "--json", str(out)])
     assert code == 0

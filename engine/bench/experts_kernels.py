@@ -1,0 +1,123 @@
+"""`strata-engine bench experts --kernels 1,6,2048`: one sparse layer's routed experts per backend, at the model's
+shape, against the bytes-read floor.
+
+For each token count N (k routed experts a token, from the model's config): the time of one layer's expert
+products for N tokens, replayed from a CUDA graph of `--iters` layers whose routings rotate over a pool of every
+expert (a decode step reads each routed expert once, from HBM: one routing repeated would time the L2), as
+- `triton`: engine.model.moe_kernels at its default launch shape for N x k routes, and each `--moe-tune` shape;
+- `grouped_mm`: torch._grouped_mm (CUTLASS grouped GEMM) over the routes sorted by slot;
+- `gather` (N x k <= 256): the former captured path, each routed position's expert weights gathered into a new
+  tensor, then bmm (kept as the baseline the fused kernels replace);
+- `triton_fp8`: the Triton kernels on the same pools in e4m3 with per-channel scales (its floor: half the bytes).
+`floor_us` is the distinct experts' bytes over the device's measured copy bandwidth (`bench peers`' figure), and
+`NAME_of_floor` the floor over each backend's time (1.0: at the bandwidth floor). The routings are drawn
+uniformly, so N tokens share experts only by chance (a trained router's skew makes larger N cheaper).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.bench.attention_common import time_launch_shapes, timed_row
+from engine.bench.common import emit
+from engine.errors import ConfigError
+
+_ROUTINGS = 16  # routings rotated over by the timed layers (each touches other experts of the pool)
+_GATHER_MAX_ROUTES = 256  # the former captured path's own limit
+
+
+def _gather(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+    N, k = slots.shape
+    y = torch.empty(N, k, x.shape[1], dtype=x.dtype, device=x.device)
+    for j in range(k):
+        h = torch.bmm(gate_up[slots[:, j]], x[:, :, None]).squeeze(-1)  # [N, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y[:, j] = torch.bmm(down[slots[:, j]], (F.silu(gate) * up)[..., None]).squeeze(-1)
+    return y * weights[..., None]
+
+
+def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, device: torch.device,
+                iters: int, bandwidth_gb_s: float, tune: list[str], gate_up: torch.Tensor,
+                down: torch.Tensor, fp8: tuple | None = None) -> dict[str, Any]:
+    from engine.model.moe_kernels import MoELaunch, default_launch, routed_experts
+
+    gen = torch.Generator(device="cpu").manual_seed(tokens)
+    routings = [torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).to(device)
+                for _ in range(_ROUTINGS)]
+    x = torch.randn(tokens, hidden, device=device, dtype=gate_up.dtype)
+    weights = torch.softmax(torch.randn(tokens, top_k, device=device), dim=-1).to(gate_up.dtype)
+    R = tokens * top_k
+    distinct = sum(int(torch.unique(r).numel()) for r in routings) / len(routings)
+    expert_bytes = 3 * hidden * inter * gate_up.element_size()
+    row: dict[str, Any] = {"tokens": tokens, "routes": R, "distinct_experts": round(distinct, 1),
+                           "default": default_launch(R).label(),
+                           "floor_us": round(distinct * expert_bytes / (bandwidth_gb_s * 1e3), 2)}
+
+    def rotating(product: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], Callable[[], torch.Tensor]]:
+        def build() -> Callable[[], torch.Tensor]:
+            calls = iter(range(10**9))
+            return lambda: product(routings[next(calls) % len(routings)])
+        return build
+
+    shapes: list[tuple[str, Callable[[], Callable[[], Any]]]] = [
+        ("triton", rotating(lambda s: routed_experts(x, gate_up, down, s, weights, backend="triton"))),
+        ("grouped_mm", rotating(lambda s: routed_experts(x, gate_up, down, s, weights, backend="grouped_mm")))]
+    if R <= _GATHER_MAX_ROUTES:
+        shapes.append(("gather", rotating(lambda s: _gather(x, gate_up, down, s, weights))))
+    if fp8 is not None:  # the same pools in e4m3 with per-channel scales: half the bytes
+        shapes.append(("triton_fp8", rotating(
+            lambda s: routed_experts(x, fp8[0], fp8[1], s, weights, backend="triton", scales=fp8[2]))))
+    for text in tune:
+        launch = MoELaunch.parse(text, R)
+        shapes.append((f"t{launch.label()}", rotating(
+            lambda s, launch=launch: routed_experts(x, gate_up, down, s, weights, backend="triton", launch=launch))))
+    expected = _gather(x, gate_up, down, routings[0], weights) if R <= _GATHER_MAX_ROUTES else \
+        routed_experts(x, gate_up, down, routings[0], weights, backend="grouped_mm")
+    time_launch_shapes(row, shapes, iters, expected)
+    for key in [c for c in row if c.endswith("_ms")]:
+        floor_us = row["floor_us"] * (0.5 if key.startswith("triton_fp8") else 1.0)  # one byte a weight
+        row[key.replace("_ms", "_of_floor")] = round(floor_us / (row[key] * 1e3), 3)
+    timed = {k[:-3]: v for k, v in row.items() if k.endswith("_ms")}
+    if timed:
+        row["best"] = min(timed, key=timed.get)
+    return row
+
+
+def _fp8_pools(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The pools in e4m3 with one fp32 scale per output channel (as `--quantize fp8` rounds a projection)."""
+    def one(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = w.abs().amax(dim=-1).float().clamp(min=1e-12) / 448.0
+        return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+    (q_gu, s_gu), (q_d, s_d) = one(gate_up), one(down)
+    return q_gu, q_d, (s_gu, s_d)
+
+
+def run_kernels(args: argparse.Namespace, config: Any, device: torch.device) -> int:
+    from engine.bench.peers import copy_bandwidth_gb_s
+
+    if device.type != "cuda":
+        raise ConfigError("device", str(device), "the kernels are timed on CUDA (their CPU check is the "
+                          "interpreter test, tests/engine/model/test_moe_kernels.py)")
+    moe = config.moe
+    tune = [t.strip() for t in (args.moe_tune or "").split(",") if t.strip()]
+    H, I, E, k = config.hidden_size, moe.moe_intermediate_size, moe.num_experts, moe.num_experts_per_tok
+    bandwidth = copy_bandwidth_gb_s(device, args.copy_mib)
+    gen = torch.Generator(device=device).manual_seed(0)
+    # one layer's pool: every expert plus the miss slot, as the expert cache holds it
+    gate_up = torch.empty(E + 1, 2 * I, H, device=device, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    down = torch.empty(E + 1, H, I, device=device, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+    fp8 = _fp8_pools(gate_up, down)
+    rows = [timed_row(lambda n=n: kernel_case(n, k, E, H, I, device, args.iters, bandwidth, tune, gate_up, down,
+                                              fp8)) for n in args.kernels]
+    summary = {"copy_bandwidth_gb_s": bandwidth, "hidden": H, "moe_intermediate": I, "num_experts": E, "top_k": k,
+               "best": {r["tokens"]: r.get("best") for r in rows}}
+    emit(args, "experts", rows, summary, device,
+         ("tokens", "routes", "distinct_experts", "floor_us", "triton_ms", "triton_of_floor", "grouped_mm_ms",
+          "grouped_mm_of_floor", "gather_ms", "gather_of_floor", "best"))
+    return 0

@@ -1,0 +1,321 @@
+"""Routed experts in two launches: every (token, expert) pair of a step, each expert's weights read in place.
+
+    y = routed_experts(x, gate_up, down, slots, weights)   # x [N, H], slots / weights [N, k] -> y [N, k, H]
+    out = y.sum(dim=1)                                     # the MoE block's output
+
+`gate_up [S, 2I, H]` (gate rows first) and `down [S, H, I]` are a pool of S expert slots (the expert cache's, or
+an all-resident stack); `slots[n, j]` is the slot of token n's j-th routed expert, and a negative slot leaves
+`y[n, j]` as it was (a route another path serves, or a padding row). `y[n, j] = weights[n, j] * expert(x[n])`,
+rounded as the reference path rounds it (engine.model.moe.expert_mlp, then the routing weight, in x's dtype), and
+the block's sum over j happens once, in one order, whatever served each route: so the all-resident, cold-copy,
+prefetch and eager re-run paths give the same bits.
+
+Backends:
+- `triton` (CUDA; the tests run it in Triton's interpreter): the routes are grouped by slot into blocks of at
+  most BLOCK_M routes, and one program per (block, column tile) multiplies the block's rows by its expert's
+  weight tile, which it reads once from the pool. Gate and up share the A tile and the program, SiLU x up is
+  applied before the store; the down product applies the routing weight before its store. A row's result does
+  not depend on the other rows of its block (tensor-core tiles accumulate each output over K alone), and the
+  launch shape depends on the route count only, so a route gets the same bits in a decode step, its eager re-run
+  and a verify step of the same size. Blocks are found without a host sync, so the launches are capturable:
+  with few routes (a decode or verify step) each program scans the step's routes for the other routes of its
+  slot (no sort, no extra launch); with many (a prompt chunk) a sort by slot lays the blocks out first.
+- `grouped_mm`: `torch._grouped_mm` (CUTLASS grouped GEMM on Hopper) over the routes sorted by slot, the
+  library alternative measured beside it by `strata-engine bench experts --moe-backends`.
+- `torch`: one batched product per distinct slot, with a host sync to list them; the CPU's path and the tests'
+  reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the torch backend serves then
+    triton = None
+
+BACKENDS = ("triton", "grouped_mm", "torch")
+# At most this many routes a step (N * k) and the programs find their blocks by scanning the routes; above it a
+# sort lays the blocks out (the scan's work grows with the square of the routes).
+SCAN_MAX_ROUTES = 256
+
+
+@dataclass(frozen=True)
+class MoELaunch:
+    """One step's launch shape: routes per block, column tiles of the two products, K per loop step, warps,
+    stages, and whether blocks are found by scanning the routes (few) or by a sort (many)."""
+
+    block_m: int
+    gate_up_n: int
+    down_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    scan: bool
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "gate_up_n", "down_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value}: a power of two, at least 16 (the tensor cores' tile)")
+
+    def label(self) -> str:
+        return f"{self.block_m}x{self.gate_up_n}x{self.down_n}x{self.block_k}x{self.num_warps}x{self.num_stages}"
+
+    @staticmethod
+    def parse(text: str, routes: int) -> "MoELaunch":
+        """`16x32x64x128x4x4` (block_m x gate_up_n x down_n x block_k x warps x stages) for `routes` routes."""
+        try:
+            bm, gn, dn, bk, warps, stages = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"launch {text!r}: expected BLOCK_MxGATE_UP_NxDOWN_NxBLOCK_KxWARPSxSTAGES, "
+                             "e.g. 16x32x64x128x4x4") from None
+        return MoELaunch(bm, gn, dn, bk, warps, stages, scan=routes <= SCAN_MAX_ROUTES)
+
+
+def default_launch(routes: int) -> MoELaunch:
+    """The launch shape for a step of `routes` routes (a function of the count alone: see the module doc).
+    Few routes: the weights' bytes bound the step, so narrow column tiles give every SM a share of them; many:
+    the products are compute-bound, so wide blocks reuse each weight tile over many rows."""
+    if routes <= SCAN_MAX_ROUTES:
+        return MoELaunch(16, 32, 64, 64, 4, 5, scan=True)
+    return MoELaunch(64, 64, 128, 64, 4, 3, scan=False)
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """The backend a tensor's device runs: the Triton kernels on CUDA, the torch loop elsewhere."""
+    return "triton" if x.is_cuda and triton is not None else "torch"
+
+
+def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: torch.Tensor,
+                   weights: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None,
+                   launch: MoELaunch | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """x [N, H], gate_up [S, 2I, H], down [S, H, I], slots [N, k] (long; < 0: skip), weights [N, k] ->
+    out [N, k, H] (zeros where skipped when `out` is None) with out[n, j] = weights[n, j] * expert(x[n]).
+    `scales` (gate_up [S, 2I], down [S, H], fp32): the pools hold FP8 (e4m3) weights with one scale per output
+    channel, the Triton kernels apply it to each finished sum (the other backends dequantize first)."""
+    N, H = x.shape
+    k = slots.shape[1]
+    if out is None:
+        out = torch.zeros(N, k, H, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return out
+    backend = backend or backend_for(x)
+    if backend == "triton":
+        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k), scales)
+        return out
+    if scales is not None:  # per-channel dequantization, as engine.model.quant.linear.Fp8Linear's reference
+        gate_up = (gate_up.to(torch.float32) * scales[0][..., None]).to(x.dtype)
+        down = (down.to(torch.float32) * scales[1][..., None]).to(x.dtype)
+    if backend == "grouped_mm":
+        _routed_grouped_mm(x, gate_up, down, slots, weights, out)
+    elif backend == "torch":
+        _routed_torch(x, gate_up, down, slots, weights, out)
+    else:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    return out
+
+
+# --- torch: one product per distinct slot (host sync) -----------------------------------------------------------
+
+
+def _expert_rows(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def _routed_torch(x, gate_up, down, slots, weights, out) -> None:
+    N, k = slots.shape
+    flat, w_flat, y = slots.flatten(), weights.flatten(), out.view(N * k, -1)
+    for s in torch.unique(flat[flat >= 0]).tolist():
+        routes = torch.nonzero(flat == s).flatten()
+        y[routes] = (_expert_rows(x[routes // k], gate_up[s], down[s]) * w_flat[routes, None]).to(out.dtype)
+
+
+# --- blocks by sort (many routes; graph-safe) -------------------------------------------------------------------
+
+
+def sorted_blocks(slots: torch.Tensor, num_slots: int, block_m: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """slots [R] (< 0: skip) -> (sorted slots [R], their routes [R], block starts [B]): routes sorted by slot
+    (skipped ones last), and the sorted position of each block's first route, a block being at most `block_m`
+    routes of one slot; unused starts are R. B is a bound fixed by R, S and block_m: no host sync."""
+    R = slots.numel()
+    key = torch.where(slots < 0, num_slots, slots)
+    sorted_slots, routes = torch.sort(key, stable=True)
+    pos = torch.arange(R, device=slots.device)
+    starts_group = torch.ones(R, dtype=torch.bool, device=slots.device)
+    starts_group[1:] = sorted_slots[1:] != sorted_slots[:-1]
+    group_start = torch.cummax(torch.where(starts_group, pos, 0), dim=0).values
+    leads = ((pos - group_start) % block_m == 0) & (sorted_slots < num_slots)
+    bound = min(R, -(-R // block_m) + num_slots)
+    starts = torch.sort(torch.where(leads, pos, R)).values[:bound]
+    return sorted_slots, routes, starts
+
+
+# --- grouped_mm (the library comparison) ------------------------------------------------------------------------
+
+
+def _routed_grouped_mm(x, gate_up, down, slots, weights, out) -> None:
+    N, k = slots.shape
+    S, I2, H = gate_up.shape
+    R = N * k
+    key = torch.where(slots.flatten() < 0, S, slots.flatten())
+    sorted_slots, routes = torch.sort(key, stable=True)
+    # offs[g]: the end of group g in the sorted routes; skipped routes (key S) lie past the last end
+    offs = torch.searchsorted(sorted_slots, torch.arange(S, device=x.device), right=True).to(torch.int32)
+    a = x[routes // k]  # [R, H]
+    h = torch._grouped_mm(a, gate_up.transpose(-2, -1), offs=offs)  # [R, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    o = torch._grouped_mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offs=offs)  # [R, H]
+    o = (o * weights.flatten()[routes, None]).to(out.dtype)
+    y = out.view(R, H)
+    served = (sorted_slots < S)[:, None]
+    y[routes] = torch.where(served, o, y[routes])
+
+
+# --- triton -------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _vector(flag, like):
+        """A scalar flag as a vector shaped like `like` (Triton's interpreter widens `vector & scalar` to int32,
+        which a load then refuses as a mask)."""
+        return (like * 0 + flag.to(tl.int32)) > 0
+
+    @triton.jit
+    def _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, pid,
+                      BLOCK_M: tl.constexpr, SCAN: tl.constexpr, SCAN_R: tl.constexpr):
+        """(slot, routes [BLOCK_M], ok [BLOCK_M]) of program `pid`'s block; slot < 0: this program has none.
+        SCAN: program pid is route pid, and leads a block when it is its slot's (multiple of BLOCK_M)-th route;
+        its block is the routes of the same slot ranked after it. Else pid reads its block's start from the
+        sorted layout (sorted_blocks)."""
+        offs_m = tl.arange(0, BLOCK_M)
+        if SCAN:
+            r_all = tl.arange(0, SCAN_R)
+            s_all = tl.load(slots_ptr + r_all, mask=r_all < R, other=-1)
+            slot = tl.load(slots_ptr + pid)
+            same = (s_all == slot) & (r_all < R)
+            rank = tl.cumsum(same.to(tl.int32), 0) - 1  # rank of each same-slot route among them
+            my_rank = tl.sum(tl.where(r_all == pid, rank, 0), 0)
+            lead = (slot >= 0) & (my_rank % BLOCK_M == 0)
+            match = same[None, :] & (rank[None, :] == my_rank + offs_m[:, None])  # [BLOCK_M, SCAN_R]
+            routes = tl.sum(tl.where(match, r_all[None, :], 0), 1)
+            ok = (tl.sum(match.to(tl.int32), 1) > 0) & _vector(lead, offs_m)
+        else:
+            start = tl.load(starts_ptr + pid)
+            lead = start < R
+            first = tl.where(lead, start, 0)
+            slot = tl.load(sorted_slots_ptr + first)
+            pos = first + offs_m
+            ok = (pos < R) & _vector(lead, offs_m)
+            ok = ok & (tl.load(sorted_slots_ptr + pos, mask=ok, other=-1) == slot)
+            routes = tl.load(sorted_routes_ptr + pos, mask=ok, other=0)
+        return tl.where(lead, slot, -1), routes, ok
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
+                        act_ptr, R, H, I, TOP_K, stride_xn, stride_ws, stride_wn, stride_ss, stride_ar,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
+                        SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
+        slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
+                                         tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
+        if slot < 0:
+            return
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < I
+        rk = tl.arange(0, BLOCK_K)
+        a_rows = x_ptr + (routes // TOP_K).to(tl.int64)[:, None] * stride_xn
+        w_gate = w_ptr + slot.to(tl.int64) * stride_ws + rn[None, :] * stride_wn  # [1, BLOCK_N] row starts
+        w_up = w_gate + I * stride_wn
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < H
+            a = tl.load(a_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = k_ok[:, None] & n_ok[None, :]
+            wg = tl.load(w_gate + kk[:, None], mask=w_ok, other=0.0).to(a.dtype)  # [BLOCK_K, BLOCK_N]
+            wu = tl.load(w_up + kk[:, None], mask=w_ok, other=0.0).to(a.dtype)  # (e4m3 -> bf16 is exact)
+            acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+        if SCALED:  # one scale per output channel: applied once to the finished sums
+            s_row = scale_ptr + slot.to(tl.int64) * stride_ss + rn
+            acc_gate *= tl.load(s_row, mask=n_ok, other=0.0)[None, :]
+            acc_up *= tl.load(s_row + I, mask=n_ok, other=0.0)[None, :]
+        dtype = act_ptr.dtype.element_ty
+        # rounded where the reference rounds: F.linear's outputs, then F.silu's, then the product
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        act = (silu * up).to(dtype)
+        tl.store(act_ptr + routes.to(tl.int64)[:, None] * stride_ar + rn[None, :], act,
+                 mask=ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(act_ptr, w_ptr, scale_ptr, rw_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
+                     y_ptr, R, H, I, stride_ar, stride_ws, stride_wn, stride_ss, stride_yr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
+                     SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
+        slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
+                                         tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
+        if slot < 0:
+            return
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < H
+        rk = tl.arange(0, BLOCK_K)
+        a_rows = act_ptr + routes.to(tl.int64)[:, None] * stride_ar
+        w_rows = w_ptr + slot.to(tl.int64) * stride_ws + rn[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < I
+            a = tl.load(a_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(a.dtype)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SCALED:
+            acc *= tl.load(scale_ptr + slot.to(tl.int64) * stride_ss + rn, mask=n_ok, other=0.0)[None, :]
+        dtype = y_ptr.dtype.element_ty
+        routing = tl.load(rw_ptr + routes, mask=ok, other=0.0).to(tl.float32)
+        y = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
+        tl.store(y_ptr + routes.to(tl.int64)[:, None] * stride_yr + rn[None, :], y, mask=ok[:, None] & n_ok[None, :])
+
+
+def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    N, k = slots.shape
+    S, I2, H = gate_up.shape
+    I = I2 // 2
+    R = N * k
+    if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("routed_experts: the pool's rows must be contiguous (stride 1 along K)")
+    flat = slots.reshape(R).contiguous()
+    w_flat = weights.reshape(R).contiguous()
+    x = x.contiguous()
+    act = torch.empty(R, I, dtype=x.dtype, device=x.device)
+    if launch.scan:
+        blocks, sorted_slots, routes, starts, scan_r = R, flat, flat, flat, triton.next_power_of_2(R)
+    else:
+        sorted_slots, routes, starts = sorted_blocks(flat, S, launch.block_m)
+        blocks, scan_r = starts.numel(), 1
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    gate_up_scale, down_scale = scales if scales is not None else (gate_up, down)  # unread when not SCALED
+    common = dict(BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, SCAN=launch.scan, SCAN_R=scan_r,
+                  PRECISION=precision, SCALED=scales is not None, num_warps=launch.num_warps,
+                  num_stages=launch.num_stages)
+    _gate_up_kernel[(blocks, triton.cdiv(I, launch.gate_up_n))](
+        x, gate_up, gate_up_scale, flat, sorted_slots, routes, starts, act, R, H, I, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), act.stride(0),
+        BLOCK_N=launch.gate_up_n, **common)
+    y = out.view(R, H)
+    _down_kernel[(blocks, triton.cdiv(H, launch.down_n))](
+        act, down, down_scale, w_flat, flat, sorted_slots, routes, starts, y, R, H, I,
+        act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), y.stride(0),
+        BLOCK_N=launch.down_n, **common)

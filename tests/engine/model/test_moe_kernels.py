@@ -1,0 +1,183 @@
+"""engine.model.moe_kernels: every backend against the reference path's per-expert products (engine.model.moe),
+routes to one slot shared by several tokens, more routes of a slot than a block holds, skipped routes left as
+they were, padding-sized shapes; the Triton kernels in Triton's interpreter on CPU (fp32), on the GPU in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.moe import expert_mlp
+from engine.model.moe_kernels import MoELaunch, default_launch, routed_experts, sorted_blocks
+from engine.model.moe_route import slots_and_counts, top_k_route
+from tests.engine.exec.triton_interpreter import run_in_interpreter
+
+
+def _case(N: int, k: int, S: int, H: int, I: int, seed: int, dtype=torch.float32, device="cpu", hot: int = 0):
+    """x, gate_up, down, slots, weights; `hot` > 0 routes every token's first choice to slot 0..hot-1 (reuse)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=gen)
+    gate_up = torch.randn(S, 2 * I, H, generator=gen) / H ** 0.5
+    down = torch.randn(S, H, I, generator=gen) / I ** 0.5
+    slots = torch.stack([torch.randperm(S, generator=gen)[:k] for _ in range(N)])
+    if hot:
+        slots[:, 0] = torch.arange(N) % hot
+        slots[:, 1:] = torch.where(slots[:, 1:] < hot, slots[:, 1:] + hot, slots[:, 1:]) % S
+    weights = torch.softmax(torch.randn(N, k, generator=gen), dim=-1)
+    return [t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+            for t in (x, gate_up, down, slots, weights)]
+
+
+def _reference(x, gate_up, down, slots, weights):
+    """out[n, j] = weights[n, j] * expert_mlp(x[n]) one route at a time (skipped routes: NaN, to be ignored)."""
+    N, k = slots.shape
+    out = torch.full((N, k, x.shape[1]), float("nan"), dtype=x.dtype)
+    for n in range(N):
+        for j in range(k):
+            s = int(slots[n, j])
+            if s >= 0:
+                out[n, j] = (expert_mlp(x[n:n + 1], gate_up[s], down[s])[0] * weights[n, j]).to(x.dtype)
+    return out
+
+
+def _check_backend(backend: str, N: int, k: int, S: int, H: int, I: int, seed: int, hot: int = 0,
+                   skip_every: int = 0, launch: str | None = None) -> None:
+    x, gate_up, down, slots, weights = _case(N, k, S, H, I, seed, hot=hot)
+    if skip_every:
+        slots.view(-1)[::skip_every] = -1  # another path's routes: left as they were
+    poison = torch.full((N, k, H), 7.0)
+    got = routed_experts(x, gate_up, down, slots, weights, out=poison.clone(), backend=backend,
+                         launch=MoELaunch.parse(launch, N * k) if launch else None)
+    want = _reference(x, gate_up, down, slots, weights)
+    served = slots >= 0
+    torch.testing.assert_close(got[served], want[served], rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[~served], poison[~served])
+
+
+def _fp8_pools(gate_up: torch.Tensor, down: torch.Tensor):
+    """Per-channel e4m3 pools and their scales (as `--quantize fp8` rounds a projection)."""
+    def one(w):
+        scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 448.0
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale.to(torch.float32)
+    (q_gu, s_gu), (q_d, s_d) = one(gate_up), one(down)
+    return q_gu, q_d, (s_gu, s_d)
+
+
+def _check_fp8(backend: str, N: int, k: int, S: int, seed: int) -> None:
+    x, gate_up, down, slots, weights = _case(N, k, S, 64, 32, seed, hot=2)
+    q_gu, q_d, scales = _fp8_pools(gate_up, down)
+    got = routed_experts(x, q_gu, q_d, slots, weights, backend=backend, scales=scales)
+    dq_gu = q_gu.to(torch.float32) * scales[0][..., None]
+    dq_d = q_d.to(torch.float32) * scales[1][..., None]
+    torch.testing.assert_close(got, _reference(x, dq_gu, dq_d, slots, weights), rtol=1e-4, atol=1e-5)
+
+
+def _check_route(N: int, E: int, k: int, norm: bool, prior: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, E, generator=gen)
+    logits[0, 1] = logits[0, 3] = logits[0].max() + 1  # a tie at the top: the lower expert first
+    args = (torch.randn(5, E, generator=gen), torch.randint(0, 1000, (N,), generator=gen), 64) if prior else ()
+    w_t, ids_t = top_k_route(logits, k, norm, *args, backend="triton")
+    w_ref, ids_ref = top_k_route(logits, k, norm, *args, backend="torch")
+    assert torch.equal(ids_t, ids_ref), (ids_t, ids_ref)
+    torch.testing.assert_close(w_t, w_ref, rtol=1e-5, atol=1e-7)
+    if not prior:
+        assert ids_t[0, :2].tolist() == [1, 3]
+
+
+def _check_books(N: int, k: int, E: int, with_valid: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    table = torch.randint(0, 5, (E,), generator=gen)  # slot 4: the miss slot
+    valid = (torch.rand(N, generator=gen) < 0.7) if with_valid else None
+    got = [torch.zeros(E), torch.zeros(1)]
+    want = [torch.zeros(E), torch.zeros(1)]
+    slots = slots_and_counts(ids, table, 4, valid, *got, backend="triton")
+    ref = slots_and_counts(ids, table, 4, valid, *want, backend="torch")
+    assert torch.equal(slots, ref)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and want[1].item() > 0
+
+
+def kernels_check() -> None:
+    """In Triton's interpreter: the scan layout (few routes) and the sorted one (many), reuse across tokens, more
+    routes of one slot than a block holds, skipped routes, odd sizes, and other launch shapes; the router's tail
+    and the cache's route books against their torch ops."""
+    _check_backend("triton", 1, 4, 9, 64, 32, seed=0)  # batch 1: one route a block
+    _check_backend("triton", 6, 4, 9, 64, 32, seed=1, hot=2)  # tokens sharing a slot share a block
+    _check_backend("triton", 40, 2, 5, 64, 32, seed=2, hot=1)  # 40 routes of slot 0: three blocks of 16
+    _check_backend("triton", 5, 3, 7, 48, 24, seed=3, skip_every=4)  # odd H / I, skipped routes
+    _check_backend("triton", 150, 2, 6, 32, 16, seed=4, hot=3, skip_every=5)  # 300 routes: the sorted layout
+    _check_backend("triton", 9, 3, 7, 64, 32, seed=5, launch="32x16x32x32x4x2")
+    _check_backend("triton", 150, 2, 6, 32, 16, seed=6, launch="16x16x16x16x4x2")
+    _check_fp8("triton", 6, 4, 9, seed=7)  # FP8 pools: the scale applied to each finished sum
+    _check_fp8("triton", 150, 2, 6, seed=8)
+    _check_route(7, 24, 5, norm=True, prior=False, seed=0)  # E not a power of two
+    _check_route(3, 16, 2, norm=False, prior=True, seed=1)
+    _check_books(9, 3, 20, with_valid=False, seed=0)
+    _check_books(300, 4, 20, with_valid=True, seed=1)  # several programs' atomics into the same counts
+
+
+def test_triton_kernels_in_the_interpreter():
+    run_in_interpreter("tests.engine.model.test_moe_kernels", "kernels_check")
+
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+@pytest.mark.parametrize("N,k,S,hot,skip", [(1, 4, 9, 0, 0), (6, 4, 9, 2, 0), (40, 2, 5, 1, 3), (150, 2, 6, 3, 5)])
+def test_torch_backends_against_the_reference(backend, N, k, S, hot, skip):
+    _check_backend(backend, N, k, S, 64, 32, seed=N, hot=hot, skip_every=skip)
+
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+def test_fp8_pools_through_the_torch_backends(backend):
+    _check_fp8(backend, 6, 4, 9, seed=7)
+
+
+def test_sorted_blocks_cover_each_route_once_in_blocks_of_one_slot():
+    slots = torch.tensor([3, 0, 3, -1, 3, 3, 0, 2, 3, -1])
+    sorted_slots, routes, starts = sorted_blocks(slots, num_slots=4, block_m=2)
+    R = slots.numel()
+    assert sorted_slots.tolist()[:8] == [0, 0, 2, 3, 3, 3, 3, 3]
+    assert routes.tolist()[:8] == [1, 6, 7, 0, 2, 4, 5, 8]  # stable: a slot's routes in route order
+    used = [s for s in starts.tolist() if s < R]
+    assert used == [0, 2, 3, 5, 7]  # slot 0 (2 routes), slot 2 (1), slot 3 (5 routes: blocks of 2, 2, 1)
+    assert starts.numel() <= min(R, -(-R // 2) + 4)
+
+
+def test_the_launch_shape_depends_on_the_route_count_only_and_bad_shapes_are_refused():
+    assert default_launch(60) == default_launch(60) and default_launch(10).scan and not default_launch(2048).scan
+    with pytest.raises(ValueError, match="block_k=24"):
+        MoELaunch(16, 32, 64, 24, 4, 4, scan=True)
+    with pytest.raises(ValueError, match="BLOCK_MxGATE_UP_N"):
+        MoELaunch.parse("16x32", 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_shared
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("N,k,hot", [(1, 10, 0), (6, 10, 0), (6, 10, 3), (25, 10, 4), (2048, 10, 0)])
+def test_gpu_backends_against_the_reference_in_bf16(backend, N, k, hot):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    S, H, I = 65, 2048, 512
+    x, gate_up, down, slots, weights = _case(N, k, S, H, I, seed=N + hot, dtype=torch.bfloat16, device="cuda",
+                                             hot=hot)
+    got = routed_experts(x, gate_up, down, slots, weights, backend=backend)
+    # the reference in fp32 from the same bf16 inputs: bf16 rounding of the kernel's result is the only gap
+    ref = torch.stack([torch.stack([
+        (expert_mlp(x[n:n + 1].float(), gate_up[int(slots[n, j])].float(), down[int(slots[n, j])].float())[0]
+         * weights[n, j].float()) for j in range(k)]) for n in range(min(N, 64))])
+    err = (got[:ref.shape[0]].float() - ref).norm() / ref.norm()
+    assert err < 2e-2, f"{backend}: relative error {err:.3g}"
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_shared
+@pytest.mark.parametrize("N", [1, 6, 2048])
+def test_gpu_fp8_pools_against_their_dequantized_weights(N):
+    x, gate_up, down, slots, weights = _case(N, 10, 65, 2048, 512, seed=N, dtype=torch.bfloat16, device="cuda")
+    q_gu, q_d, scales = _fp8_pools(gate_up.float(), down.float())
+    got = routed_experts(x, q_gu, q_d, slots, weights, backend="triton", scales=scales)
+    want = routed_experts(x, q_gu, q_d, slots, weights, backend="grouped_mm", scales=scales)  # dequantized first
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < 2e-2, f"relative error {err:.3g}"
