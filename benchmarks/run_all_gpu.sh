@@ -70,7 +70,7 @@ kv_seed           named    the seed scenario with --kv-resident 16384 (131K prom
 moe80b_seed       named    the seed scenario at seed scale: random:moe-80b, expert cache auto, fresh 176K prompt, MOE80B_RUNS runs (default 1)
 experts_cold      named    random:moe-80b at 85 % of experts on the card: cold experts copied / on the CPU / prefetched, batch 1 and 6, against random:moe-80b-40l all resident
 quant_tests       named    the quantized kernels' GPU tests (every path against cuBLAS, capture, FP8 prompt GEMMs, MTP on = off), in GPU_WORKERS processes
-quant_linear      named    each path of the quantized kernels (GEMV, tensor cores, prompt chunks) beside tinygemm and cuBLAS bf16 at the QUANT_SIZE (8b) shapes, rows 1-2048, QUANT_TUNE's launch shapes, the launch table they give
+quant_linear      named    each path of the quantized kernels (GEMV, tensor cores, prompt chunks) beside tinygemm and cuBLAS bf16 at the QUANT_SIZE (8b) shapes, QUANT_ROWS (1,4,16,128,2048), QUANT_TUNE's launch shapes, the launch table they give
 quant_linear_small named   every quantized format (GGUF's groups too) at the 0.6B shape, rows 1, 16, 128
 quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8, fp8-block and int4 weights, batch 1 and 16
 quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
@@ -313,13 +313,13 @@ run experts_cold 330 experts --device "$DEVICE" --model random:moe-80b --all-res
 # The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
 # decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).
 # The quantized kernels' GPU tests first: a kernel that does not compile or is wrong fails here, named.
-step quant_tests 300 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
+step quant_tests 240 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
     --durations=10 --junitxml="$OUT/quant_tests.xml" tests/engine/model/test_quant_kernels_gpu.py \
     tests/engine/bench/test_bench_linear_quant.py
 # Each launch shape of QUANT_TUNE on the GEMV (1-4 rows) and the tensor-core path (5-256 rows), every path and
 # tinygemm side by side; quant_launch_table.json is the launch table they measured (engine/model/quant/).
-QUANT_TUNE=${QUANT_TUNE:-64x128x2x4x2,128x128x1x4x2,64x256x4x4x3,32x256x8x2x2,128x256x2x8x3}
-run quant_linear 300 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows "${QUANT_ROWS:-1,2,4,16,64,128,2048}" \
+QUANT_TUNE=${QUANT_TUNE:-256x128x2x8x2,64x128x4x4x3,128x256x2x4x3,32x128x8x2x4}
+run quant_linear 330 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows "${QUANT_ROWS:-1,4,16,128,2048}" \
     --iters 40 --quant "${QUANT_FORMATS:-fp8,fp8-block,int4}" --quant-tune "$QUANT_TUNE" \
     --table-out "$OUT/quant_launch_table.json"
 run quant_linear_small 150 linear --device "$DEVICE" --size "${QUANT_SMALL_SIZE:-0.6b}" --rows 1,16,128 --iters 40 \
