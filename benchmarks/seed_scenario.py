@@ -195,11 +195,11 @@ def in_process_run(args: argparse.Namespace, index: int) -> dict[str, Any]:
     config = config_from_args(parser.parse_args(cmd[cmd.index("serve") + 1:]))
     bus, holder = EventBus(history=100_000), {}
     executor = _graph_cache(args, config, bus, holder)
-    engine = Engine(config, bus, executor=executor)
+    engine = Engine(config, bus, graphs=executor)
     holder["engine"] = engine
     if executor is not None:
         executor.board = executor.compiler.board = engine.board
-    executor = engine.executor
+    executor = engine.graphs
     vocab = engine.lm.config.vocab_size
     rng = random.Random(index)
     done: dict[str, Any] = {}

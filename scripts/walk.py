@@ -1,41 +1,69 @@
-"""Count the files a reader walks through, from the running code: docs/ARCHITECTURE.md's three walks.
+"""Count the product files the data passes through, from the running code: docs/ARCHITECTURE.md's three walks,
+checked against docs/STYLE.md's limits by tests/test_walks.py.
 
     python scripts/walk.py [completions|reserve|telemetry ...]
 
-Each walk runs the real thing on CPU (the embedded model behind a real server on a loopback port; the TUI in
-attach mode under Textual's pilot) with a profiler that, at each of the walk's stops (a function or a whole
-module), notes the files of engine/ and strata_tui/ on the call stack: the walk's path is those files in the
-order first met. It also counts every file any call entered between the start and the last stop, in any
-thread (helpers that return before the next stop included, and whatever else ran meanwhile). Stops:
+Each walk runs the real thing on CPU (the embedded model behind a real server on a loopback port; the TUI in attach
+mode under Textual's pilot) under a profiler in every thread, and follows its data from stop to stop. A file of
+engine/ or strata_tui/ is on the walk's path when
 
-  completions  POST /v1/completions -> the request handed to the engine thread -> the first token sampled
+- the data comes down the call stack through it to a stop (a function the data is known to reach), or one of the
+  calls on the stack at a stop holds the data in its frame;
+- or one of its functions is a station on the way: handed the data (or something made from it) as an argument,
+  it made something that the data reached the last stop in (followed back from the last stop's arguments through
+  what each object was made from).
+
+What a function handed the data returns is data too, and so is an object constructed from it. Not a station: a
+method of the data itself (a Request's property, a plan's field: the data's own type is where it lives), and a
+function that only looks at the data (the telemetry of a request, its metrics: nothing it made reaches the end).
+A stop counts once the stops before it were met and it is handed the data; the first starts the data, and a
+bridge starts it again (the other side of a socket; a number, which no profiler can follow by identity). Stops:
+
+  completions  POST /v1/completions -> handed to the engine thread -> the first token sampled -> kept by the
+               scheduler -> handed back to the server
   reserve      `+` on the monitor (the file binding it) -> the action -> the HTTP POST -> VramBudget.set_reserve
-  telemetry    a SlotEvent published -> its SSE frame -> parsed back in the TUI -> the slots table's cells
+               (a number of MiB: every stop a bridge)
+  telemetry    a SlotEvent made -> published -> its SSE frame -> parsed back in the TUI (a bridge) -> the reducer ->
+               folded into the monitor's state -> the slots table's cells
+
+The script also prints every file any call entered between the first stop and the last, in any thread (the
+helpers, and whatever else ran meanwhile): not the path, a bound on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import inspect
+import itertools
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from types import CodeType, ModuleType
+from types import CodeType, FrameType, ModuleType
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PACKAGES = ("engine", "strata_tui")
+_SCALARS = (int, float, bool, str, bytes, type(None))  # hold nothing
+_LOOK_INTO = 16  # elements of a container (or fields of a dataclass) looked at for data
+PROMPT = "The capital of France is"
 
 
 class Walk:
-    """Files on the stack at each stop, over every thread, while armed."""
+    """The walk's path over every thread, while armed (see the module docstring)."""
 
-    def __init__(self, stops: list[Callable[..., Any] | ModuleType]) -> None:
+    def __init__(self, stops: list[Callable[..., Any] | ModuleType],
+                 bridges: tuple[Callable[..., Any] | ModuleType, ...] = (), born: bool = False) -> None:
+        """`stops`: where the data is to be met, in order. The first, and each of `bridges` (the other side of a
+        socket, or a number that no profiler can follow), starts the data afresh from its arguments, and the
+        whole stack there counts (the data came down it), unless the data is `born` at the first stop (then only
+        its callers that hold the data count). Any other stop counts once it is handed data, with the callers on
+        its stack that hold the data."""
         self.codes: set[CodeType] = set()
         self.files: set[str] = set()
         for stop in stops:
@@ -43,45 +71,147 @@ class Walk:
                 self.files.add(str(Path(stop.__file__).resolve()))
             else:
                 self.codes.add(inspect.unwrap(stop).__code__)
-        self.seen: dict[str, None] = {}  # ordered set: first met first
+        self.seeds = {_key_of(stop) for stop in (stops[0], *bridges)}
+        self.born = _key_of(stops[0]) if born else None
+        self._seq = itertools.count()  # the order files are met in
+        self.met: dict[str, int] = {}  # a file on the path -> when it was first met
+        self.order = [_key_of(stop) for stop in stops]
         self.hit: set[CodeType | str] = set()
         self.lock = threading.Lock()
-        self.armed = False  # the profiler is on in every thread from the start; stops count once armed
+        self.armed = False  # the profiler is on in every thread from the start; the walk counts once armed
         self.last = stops[-1]
         self.entered: dict[str, None] = {}  # every file a call entered while armed, in any thread
+        self._data: dict[int, Any] = {}  # id -> the object (held, so that no id is reused while the walk runs)
+        # frames handed data (what they return is data): the station they may be, and the data they were handed
+        self._carriers: dict[int, tuple[str | None, list[int]]] = {}
+        # data id -> what made it: (the station's file, its function, when) or None, and the data it was made from
+        self._sources: dict[int, list[tuple[tuple[str, str, int] | None, list[int]]]] = {}
+        self.stations: dict[str, str] = {}  # a station's file -> the function that made it one
 
-    def _profile(self, frame: Any, event: str, arg: Any) -> None:
-        if event != "call" or not self.armed:
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if not self.armed:
+            return
+        if event == "return":
+            if id(frame) in self._carriers:
+                with self.lock:
+                    station, inputs = self._carriers.pop(id(frame))
+                    if _carries(arg, frame):
+                        self._adopt(arg)
+                        self._made(arg, station and (station, frame.f_code.co_qualname, next(self._seq)), inputs)
+            return
+        if event != "call":
             return
         code = frame.f_code
         rel = _relative(code.co_filename)
-        if rel is not None and rel not in self.entered:
+        if rel is None:
+            return
+        if rel not in self.entered:
             with self.lock:
                 self.entered.setdefault(rel, None)
         key = code if code in self.codes else code.co_filename if code.co_filename in self.files else None
-        if key is None or (key == self._last_key() and self.missed() > 1):
-            return  # the last stop counts once every other stop was reached
-        stack = []
-        while frame is not None:
-            stack.append(frame.f_code.co_filename)
-            frame = frame.f_back
+        if key is not None and self._due(key):
+            self._at_stop(frame, key)
+            if not self.armed:
+                return
+        self._follow(frame, rel)
+
+    def _due(self, key: CodeType | str) -> bool:
+        """A stop counts once the stops before it were met (the data goes through them in order)."""
+        return all(earlier in self.hit for earlier in self.order[:self.order.index(key)])
+
+    def _at_stop(self, frame: FrameType, key: CodeType | str) -> None:
+        args = _arguments(frame)[1]
+        with self.lock:
+            if key not in self.seeds and not any(self._found(value) for value in args):
+                return  # not the walk's data: this stop is met later
         with self.lock:
             self.hit.add(key)
+            if key in self.seeds:
+                for value in args:
+                    self._adopt(value)
+            whole = key in self.seeds and key != self.born
+            stack = []
+            outer: FrameType | None = frame
+            while outer is not None:
+                if outer is frame or whole or any(self._found(v, 2) for v in list(outer.f_locals.values())):
+                    stack.append(outer.f_code.co_filename)
+                outer = outer.f_back
             for name in reversed(stack):
                 rel = _relative(name)
                 if rel is not None:
-                    self.seen.setdefault(rel, None)
-            if key == self._last_key():
+                    self.met.setdefault(rel, next(self._seq))
+            if key == self._last:
                 self.armed = False  # the walk ends at its last stop
+                self._trace_back(args)
+
+    def _follow(self, frame: FrameType, rel: str) -> None:
+        """A product function handed data is a station when what it returns carries the data on (an object, not
+        None or a number), unless the data is only the object whose method it is (the data's own type is where it
+        lives) or it constructs an object from the data. What a call handed data returns is data too."""
+        receiver, args = _arguments(frame)
+        with self.lock:
+            inputs = [found for value in args for found in self._found(value)]
+            own = receiver is not None and id(receiver) in self._data
+            if not inputs and not own:
+                return
+            if inputs and frame.f_code.co_name in ("__init__", "__post_init__"):
+                self._adopt(receiver)  # made from the data
+                self._made(receiver, None, inputs)
+                return
+            station = rel if inputs and not own else None
+            self._carriers[id(frame)] = (station, inputs + ([id(receiver)] if own else []))
+
+    def _found(self, value: Any, depth: int = 3) -> list[int]:
+        """The data `value` is or holds a few levels down (a container's elements, a dataclass's fields)."""
+        if id(value) in self._data:
+            return [id(value)]
+        if depth == 0 or isinstance(value, _SCALARS):
+            return []
+        return [found for child in _children(value) for found in self._found(child, depth - 1)]
+
+    def _adopt(self, value: Any, depth: int = 2) -> None:
+        """`value` is data from now on, and so are its parts (a Prepared's requests, a request's parameters). Not
+        what is shared by everything: numbers, None, short strings, empty containers (the empty tuple is one
+        object), classes, modules and functions."""
+        if id(value) in self._data or not _adoptable(value):
+            return
+        self._data[id(value)] = value
+        if depth:
+            for child in _children(value):
+                if id(child) not in self._data:  # a part first met inside `value` came with it
+                    self._adopt(child, depth - 1)
+                    self._made(child, None, [id(value)])
+
+    def _made(self, value: Any, station: tuple[str, str, int] | None, inputs: list[int]) -> None:
+        """`value` was made from `inputs` (by a function of `station`'s file, or by the data itself)."""
+        if id(value) in self._data:
+            self._sources.setdefault(id(value), []).append((station, inputs))
+
+    def _trace_back(self, ends: list[Any]) -> None:
+        """The stations on the way from the walk's first data to its end: back from the last stop's arguments
+        through what each was made from. A function that only looks at the data (telemetry of a request, its
+        metrics) made nothing that reached the end."""
+        todo = [found for value in ends for found in self._found(value)]
+        done: set[int] = set()
+        while todo:
+            item = todo.pop()
+            if item in done:
+                continue
+            done.add(item)
+            for station, inputs in self._sources.get(item, ()):
+                if station is not None:
+                    self.stations.setdefault(station[0], station[1])
+                    self.met[station[0]] = min(self.met.get(station[0], station[2]), station[2])
+                todo.extend(inputs)
+
+    @property
+    def path(self) -> list[str]:
+        """The files on the path, in the order first met."""
+        return sorted(self.met, key=self.met.__getitem__)
 
     @functools.cached_property
     def _last(self) -> CodeType | str:
-        if isinstance(self.last, ModuleType):
-            return str(Path(self.last.__file__).resolve())
-        return inspect.unwrap(self.last).__code__
-
-    def _last_key(self) -> CodeType | str:
-        return self._last
+        return _key_of(self.last)
 
     def install(self) -> None:
         """Profile every thread started from now on (the engine's and the server's)."""
@@ -97,10 +227,61 @@ class Walk:
 
     def first(self, path: str) -> None:
         """A file the walk starts in that is on no stack (a key binding is a declaration, not a call)."""
-        self.seen = {path: None, **self.seen}
+        self.met[path] = -1
 
     def missed(self) -> int:
         return len(self.codes | self.files) - len(self.hit)
+
+
+def _key_of(stop: Callable[..., Any] | ModuleType) -> CodeType | str:
+    if isinstance(stop, ModuleType):
+        return str(Path(stop.__file__).resolve())
+    return inspect.unwrap(stop).__code__
+
+
+def _arguments(frame: FrameType) -> tuple[Any, list[Any]]:
+    """A call's receiver (`self` or `cls`, or None) and its other arguments."""
+    code = frame.f_code
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    names = code.co_varnames[:count]
+    local = frame.f_locals
+    values = [local[name] for name in names if name in local]
+    if names and names[0] in ("self", "cls") and values:
+        return values[0], values[1:]
+    return None, values
+
+
+def _adoptable(value: Any) -> bool:
+    if isinstance(value, str):  # a prompt or a reply; not a word or a short string: those are shared (interned)
+        return len(value) > 3 and not value.isidentifier()
+    if isinstance(value, (int, float, bool, bytes, type(None), type, ModuleType)) or callable(value):
+        return False
+    return not (isinstance(value, (tuple, list, dict, set, frozenset)) and not value)
+
+
+def _carries(result: Any, frame: FrameType) -> bool:
+    """A call's result can carry the data on: an object, or each value a generator or coroutine yields (not
+    None, a number or a flag: what a function that only looks at the data, to publish or count it, returns)."""
+    if frame.f_code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR):
+        return result is not None
+    return not isinstance(result, (int, float, bool, type(None)))
+
+
+def _children(value: Any) -> list[Any]:
+    closure = getattr(value, "__closure__", None)
+    if closure:  # a function made to carry the data (a command for the engine thread)
+        return [cell.cell_contents for cell in closure[:_LOOK_INTO] if cell.cell_contents is not None]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(itertools.islice(value, _LOOK_INTO))
+    if isinstance(value, dict):
+        return list(itertools.islice(value.values(), _LOOK_INTO))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name, None) for f in dataclasses.fields(value)[:_LOOK_INTO]]
+    fields = getattr(type(value), "model_fields", None)  # a pydantic model (the HTTP bodies)
+    if isinstance(fields, dict):
+        return [getattr(value, name, None) for name in fields]
+    return []
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,14 +331,16 @@ def completions() -> Walk:
     import httpx
 
     import engine.exec.sampler as sampler
+    from engine.core.scheduler import Scheduler
     from engine.orchestration.async_engine import AsyncEngine
     from engine.server.serving import Serving
 
-    walk = Walk([Serving.completion, AsyncEngine._submit, sampler.sample_with_drafts])
+    walk = Walk([Serving.completion, AsyncEngine._submit, sampler.sample_with_drafts, Scheduler.update,
+                 AsyncEngine._deliver, Serving._observe])
     walk.install()
     with _Server() as server, walk:
         reply = httpx.post(server.url + "/v1/completions", timeout=120,
-                           json={"model": server.config.model, "prompt": "Hello", "max_tokens": 1})
+                           json={"model": server.config.model, "prompt": PROMPT, "max_tokens": 1})
         reply.raise_for_status()
     return walk
 
@@ -169,8 +352,8 @@ def reserve() -> Walk:
     from strata_tui.controls import Controls
     from strata_tui.telemetry_client import TelemetryClient
 
-    walk = Walk([Controls.reserve, TelemetryClient.set_vram_reserve, AsyncEngine.set_vram_reserve,
-                 VramBudget.set_reserve])
+    stops = [Controls.reserve, TelemetryClient.set_vram_reserve, AsyncEngine.set_vram_reserve, VramBudget.set_reserve]
+    walk = Walk(stops, bridges=tuple(stops))  # the data is a number of MiB: met at each stop
     walk.install()
 
     async def press(url: str, config_dir: str) -> str:
@@ -190,13 +373,17 @@ def reserve() -> Walk:
 
 def telemetry() -> Walk:
     import engine.server.sse as sse
+    from engine.orchestration.state import slot_event
     from engine.telemetry import EventBus, event_from_json
     from strata_tui.app import create_app
+    from strata_tui.monitor_state import MonitorState
+    from strata_tui.reducer import reduce
     from strata_tui.widgets.slots_table import SlotsTable
 
     import httpx
 
-    walk = Walk([EventBus.publish, sse.sse_event, event_from_json, SlotsTable._apply])
+    walk = Walk([slot_event, EventBus.publish, sse.sse_event, event_from_json, reduce, MonitorState.apply,
+                 SlotsTable._apply], bridges=(event_from_json,), born=True)  # read back from the socket in the TUI
     walk.install()
 
     async def watch(url: str, config_dir: str) -> None:
@@ -206,7 +393,7 @@ def telemetry() -> Walk:
             with walk:
                 async with httpx.AsyncClient() as http:
                     await http.post(url + "/v1/completions", timeout=120,
-                                    json={"model": "builtin:strata-tiny", "prompt": "Hello", "max_tokens": 8})
+                                    json={"model": "builtin:strata-tiny", "prompt": PROMPT, "max_tokens": 8})
                 await _until(pilot, lambda: not walk.armed)
 
     with _Server() as server, tempfile.TemporaryDirectory() as config_dir:
@@ -234,13 +421,15 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown walk {unknown[0]!r}: the walks are {', '.join(WALKS)}")
     for name in names:
         walk = WALKS[name]()
-        files = list(walk.seen)
-        print(f"{name}: {len(files)} files on the path (the stacks at its stops)"
+        files = walk.path
+        print(f"{name}: {len(files)} files on the path"
               + (f"; {walk.missed()} stops never reached" if walk.missed() else ""))
         for path in files:
-            print(f"  {path}")
+            print(f"  {path}" + (f"  ({walk.stations[path]})" if path in walk.stations else ""))
         entered = sorted(walk.entered)
         print(f"{name}: {len(entered)} files entered by any call on the way, in any thread: {' '.join(entered)}")
+        if walk.missed():
+            return 1
     return 0
 
 

@@ -248,6 +248,3 @@ class MonitorState:
         """The launcher saw the process end."""
         self.engine_state, self.exit_code = "exited", returncode
         self.version += 1
-
-    def filtered_graph_events(self, min_severity: int) -> list[GraphEvent]:
-        return [e for e in self.graph_events if graph_severity(e) >= min_severity]

@@ -8,6 +8,10 @@ never run again and only SIGKILL ends the process. `HangupAwareDriver` ends inpu
 the app, and gives the output thread a file that drops writes once the terminal is gone.
 
 `hard_exit` is the last resort the app's watchdog thread uses when a graceful quit overruns its deadline.
+
+Textual has no public hook into its input loop, so `run_input_thread` is Textual's own loop with the end-of-file
+case changed, and it uses what that loop uses: Textual's private `_xterm_parser.XTermParser` and
+`_parser.ParseError`. tests/tui/test_terminal_textual.py fails when Textual changes either or its loop.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import threading
 from codecs import getincrementaldecoder
 from typing import IO, Callable
 
-from textual._loop import loop_last
 from textual._parser import ParseError
 from textual._xterm_parser import XTermParser
 from textual.drivers.linux_driver import LinuxDriver
@@ -97,7 +100,8 @@ class HangupAwareDriver(LinuxDriver):
 
         def process(selector_events: list[tuple[selectors.SelectorKey, int]], final: bool = False) -> None:
             nonlocal at_eof
-            for last, (_key, mask) in loop_last(selector_events):
+            for index, (_key, mask) in enumerate(selector_events):
+                last = index == len(selector_events) - 1
                 if mask & selectors.EVENT_READ:
                     try:
                         data = os.read(self.fileno, 4096)

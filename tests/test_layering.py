@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = ("engine.telemetry", "engine.switches", "engine.config", "engine.errors", "engine.api", "engine.snapshot",
-            "engine.prefill_cost")
+            "engine.prefill_cost", "engine.step")
 LOADGEN = ("engine.loadgen.scenarios", "engine.loadgen.scenario_types", "engine.loadgen.load_client")
 TORCH_FREE_ENGINE = CONTRACT + LOADGEN + tuple(
     f"engine.core.{p.stem}" for p in sorted((ROOT / "engine" / "core").glob("*.py")) if p.stem != "__init__")
@@ -83,7 +83,7 @@ def test_engine_model_imports_torch_and_itself_only() -> None:
 
 def test_the_serving_core_is_pure_python() -> None:
     paths = sorted((ROOT / "engine" / "core").glob("*.py"))
-    assert {p.stem for p in paths} >= {"scheduler", "request", "prefix_index", "prefill_pacer", "step_plan"}
+    assert {p.stem for p in paths} >= {"scheduler", "request", "prefix_index", "prefill_pacer"}
     for path in paths:
         for name in _imports(path):
             assert name.split(".")[0] not in ("torch", "numpy"), f"{path} imports {name}"

@@ -11,7 +11,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.exec.kv.cache import KVGeometry, SlotKVCache
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 
 HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention
 

@@ -10,7 +10,7 @@ The prefix is gathered through the block table into query-head order (GQA expand
 dequantized in it), `segment_tokens` keys at a time so the copy stays bounded at any depth; each segment's
 output merges into the running one. CUDA only. `bench attention --rows prefill --backends cudnn,flash` times it
 against the engine's own prefill kernel (engine.model.attention.triton_prefill), which is faster
-(docs/BENCHMARKS.md, "Why these kernels"), so the engine does not use it.
+(docs/MODEL.md, "Why these kernels"), so the engine does not use it.
 """
 
 from __future__ import annotations

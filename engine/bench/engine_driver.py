@@ -20,7 +20,7 @@ from engine.api import SamplingParams
 from engine.bench.common import device_of, prepare_model
 from engine.config import EngineConfig, config_from_args
 from engine.errors import StrataError
-from engine.exec.executor import EagerExecutor
+from engine.exec.step_fns import EagerExecutor
 from engine.core.request import Request
 from engine.telemetry import EventBus
 
@@ -79,7 +79,7 @@ class BenchEngine:
         self.engine = Engine(config, self.bus, tier_budget_mib=tier_budget_mib)
         self.executor_wiring = "engine"
         wants_graphs = config.graphs and (self.engine.device.type == "cuda" or graph_cache_on_cpu)
-        if wants_graphs and isinstance(self.engine.executor, EagerExecutor):
+        if wants_graphs and isinstance(self.engine.graphs, EagerExecutor):
             self._wire_graph_cache()
         self._ids = 0
         self.mib_left_after_close: float | None = None
@@ -94,17 +94,17 @@ class BenchEngine:
         cache = GraphCache(eng.device, self.bus, eng.board, release_tier=eng.tier.release,
                            wait_polls=self.config.tier_wait_polls, wait_interval_s=self.config.tier_wait_interval_s,
                            switch_for_key=switch_for_key, streams=eng.streams)
-        eng.executor = cache
-        eng.runner.executor = cache
+        eng.graphs = cache
+        eng.runner.graphs = cache
         self.executor_wiring = "bench"
 
     @property
     def graphs_active(self) -> bool:
-        return not isinstance(self.engine.executor, EagerExecutor)
+        return not isinstance(self.engine.graphs, EagerExecutor)
 
     def graph_snapshot(self) -> dict[str, Any]:
         """The graph executor's snapshot in its JSON form, as the reports write it."""
-        return self.engine.executor.snapshot().to_json()
+        return self.engine.graphs.snapshot().to_json()
 
     def add(self, prompt: list[int], max_tokens: int) -> Request:
         """Queue one greedy request that generates exactly `max_tokens` (EOS ignored)."""

@@ -149,9 +149,11 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
 
 
 def _expert_shape(config: Any, elem: int) -> tuple[float, int]:
-    """(MiB of one expert, sparse layers with a pool: the MTP layers' blocks are sparse too)."""
+    """(MiB of one expert as the cache holds it, sparse layers with a pool: the MTP layers' blocks are sparse
+    too); elem 1: FP8 experts, with a 4-byte scale per output channel."""
     moe = config.moe
-    expert_mib = 3 * config.hidden_size * moe.moe_intermediate_size * elem / 2**20
+    H, I = config.hidden_size, moe.moe_intermediate_size
+    expert_mib = (3 * H * I * elem + (4 * (2 * I + H) if elem == 1 else 0)) / 2**20
     return expert_mib, sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_kv_layers))
 
 
@@ -185,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     batches = getattr(args, "batches", None) or [args.batch]
     runs = [(store, pct, cold) for store in stores for pct in budgets for cold in (colds if pct < 100 else ["copy"])
             if store == stores[0] or pct < 100]
-    elem = 4 if checkpoint_dtype(args.dtype, device) == "float32" else 2
+    elem = 1 if getattr(args, "quantize", "off") == "fp8" else 4 if checkpoint_dtype(args.dtype, device) == "float32" \
+        else 2
     moe = config.moe
     expert_mib, sparse_layers = _expert_shape(config, elem)
     layer_mib = sparse_layers * expert_mib  # one slot in every sparse layer

@@ -136,10 +136,6 @@ class ChunkCostModel:
         self._samples: deque[ChunkTiming] = deque(maxlen=window_chunks)
         self._fitted: ChunkCost | None = prior
 
-    @property
-    def num_samples(self) -> int:
-        return len(self._samples)
-
     def record(self, timing: ChunkTiming) -> None:
         """Add a measured chunk (non-positive times and empty chunks carry no information and are skipped)."""
         if timing.num_tokens > 0 and timing.seconds > 0:

@@ -20,20 +20,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from engine.errors import ConfigError
+from engine.step import BlockRef
 
 _DIGEST_BYTES = 16
 _ROOT = b"strata-prefix-v1"
 assert array("I").itemsize == 4, "token ids are hashed as 32-bit unsigned ints"
-
-
-@dataclass(frozen=True)
-class BlockRef:
-    """One cached block: `index` is its position in the prompt (tokens [index*block_tokens, +block_tokens)),
-    `block_id` the tier block holding its KV, `digest` its hash-chain key."""
-
-    index: int
-    block_id: int
-    digest: bytes
 
 
 @dataclass(frozen=True)
@@ -111,10 +102,6 @@ class PrefixIndex:
     def used_blocks(self) -> int:
         return len(self._lru)
 
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free)
-
     def stats(self) -> PrefixStats:
         return PrefixStats(
             lookups=self._lookups,
@@ -137,10 +124,6 @@ class PrefixIndex:
     def free_block_ids(self) -> list[int]:
         """Ids the index owns that hold nothing now."""
         return sorted(self._free)
-
-    def lru_block_ids(self) -> list[int]:
-        """Cached block ids, least recently used first (the eviction order, pinned ones included)."""
-        return list(self._lru.values())
 
     def match(self, token_ids: Sequence[int]) -> list[BlockRef]:
         """The longest cached prefix of `token_ids`, as refs for blocks 0..k-1; marks them recently used.

@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from engine.api import FinishReason, GenerationRequest, SamplingParams
+from engine.api import FinishReason, SamplingParams
 from engine.errors import MaxTokensTooLarge, PromptTooLong, RequestRejected
 from engine.core.prefill_eta import PrefillClock
 from engine.core.prefix_index import BlockRef
@@ -68,11 +68,6 @@ class Request:
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
 
-    @classmethod
-    def from_generation(cls, request: GenerationRequest, arrival_s: float) -> "Request":
-        """The engine-side state of a GenerationRequest from the client interface."""
-        return cls(request.request_id, request.prompt_token_ids, request.params, arrival_s)
-
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.state.name}, slot={self.slot}, "
                 f"prompt={self.num_prompt_tokens}, computed={self.num_computed_tokens}, "
@@ -113,16 +108,6 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         return self.remaining_prompt_tokens == 0
-
-    @property
-    def prefill_progress(self) -> float:
-        """Fraction of the prompt whose KV exists, 0..1."""
-        return self.num_computed_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 1.0
-
-    @property
-    def reused(self) -> bool:
-        """True when admission found a cached prefix."""
-        return self.num_cached_tokens > 0
 
     @property
     def queued_s(self) -> float | None:

@@ -33,9 +33,10 @@ from engine.api import FinishReason
 from engine.errors import ConfigError, QueueFull, RequestRejected
 from engine.core.prefill_pacer import (DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, ChunkTiming, PrefillPacer,
                                       StepTiming)
-from engine.core.prefix_index import BlockRef, PrefixIndex, block_digests
+from engine.core.prefix_index import PrefixIndex, block_digests
 from engine.core.request import Request, RequestState
-from engine.core.step_plan import WORK_LOST_REASONS, Admission, CacheFill, PrefillChunk, StepPlan, TokenOutput
+from engine.step import (WORK_LOST_REASONS, Admission, BlockRef, CacheFill, PrefillChunk, StepPlan, StepResult,
+                         TokenOutput)
 
 __all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepTiming", "TokenOutput"]
 
@@ -66,11 +67,18 @@ class Scheduler:
         min_chunk_tokens: int | None = None,
         max_chunk_stall_s: float = DEFAULT_MAX_CHUNK_STALL_S,
         eos_token_ids: tuple[int, ...] = (),
+        overlap_chunks: bool = False,
+        admission_gate: Callable[[list[int], dict[int, int]], str | None] | None = None,
     ) -> None:
         """`prefill_step_share` (default 0.45): the most of a step's time prefill may take while slots decode
         (0.45: decode keeps >= 55 % of its rate, a margin over the 50 % target; 1: no time limit). Paced chunks end on multiples of
         `chunk_granule_tokens` (default: block_tokens) and are at least `min_chunk_tokens` (default: one granule).
-        `max_chunk_stall_s` (default 0.2): the longest a chunk that steps saved up for may take (engine.prefill_pacer)."""
+        `max_chunk_stall_s` (default 0.2): the longest a chunk that steps saved up for may take (engine.prefill_pacer).
+        `overlap_chunks`: the engine runs chunks beside the decoding slots' steps (engine.exec.chunk_stream): one in
+        flight at a time, the next after the pacer's gap. `admission_gate`: KV by use
+        (engine.exec.kv.paging.KVPaging.admission_wait): given the first chunks of the requests to admit this step
+        and the tokens each decoding slot holds after its next step, why the next must wait for blocks (None: room);
+        admitted into a full pool, it would spill running requests' blocks."""
         for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
                             ("prefill_chunk_tokens", prefill_chunk_tokens),
                             ("step_token_budget", step_token_budget), ("context_tokens", context_tokens)):
@@ -104,13 +112,8 @@ class Scheduler:
         self._slots: list[Request | None] = [None] * num_slots
         self._free_slots: list[int] = list(range(num_slots))
         self._prefilling: list[Request] = []  # admission order: the FIFO order of prefill chunks
-        # Chunks beside the decoding slots' steps (the engine sets it: engine.exec.chunk_stream): one in flight
-        # at a time, the next after the pacer's gap.
-        self.overlap_chunks = False
-        # KV by use (the engine sets it: engine.exec.kv.paging.KVPaging.admission_wait): given the first chunks of
-        # the requests to admit this step and the tokens each decoding slot holds after its next step, why the next
-        # must wait for blocks (None: room). Admitted into a full pool, it would spill running requests' blocks.
-        self.admission_gate: Callable[[list[int], dict[int, int]], str | None] | None = None
+        self.overlap_chunks = overlap_chunks
+        self.admission_gate = admission_gate
         self.admission_wait = ""  # why the head of the queue waits while a slot is free ("" when it does not)
         self._in_flight: Request | None = None
         self._next_launch_s = 0.0
@@ -151,10 +154,6 @@ class Scheduler:
         return queued + sum(req.remaining_prompt_tokens for req in running if req is not None)
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
-    @property
     def has_work(self) -> bool:
         """True while anything is queued or holds a slot: the engine keeps stepping."""
         return bool(self._waiting) or self.num_running > 0
@@ -169,13 +168,6 @@ class Scheduler:
 
     def slot_request(self, slot: int) -> Request | None:
         return self._slots[slot]
-
-    def pinned_block_ids(self) -> set[int]:
-        """Tier blocks this scheduler holds pinned now (reused blocks being copied, new blocks being filled)."""
-        pinned = {ref.block_id for req in self._awaiting_copy if req.blocks_pinned for ref in req.cached_blocks}
-        for block_ids in self._fill_pins.values():
-            pinned.update(block_ids)
-        return pinned
 
     def get(self, request_id: str) -> Request | None:
         """A queued or running request by id (finished ones are forgotten)."""
@@ -223,7 +215,7 @@ class Scheduler:
         budget_tokens = self.step_token_budget - plan.num_decode_tokens
         if self.overlap_chunks and (plan.decode or self._in_flight is not None) and self._goes_beside(plan):
             self._plan_beside(plan)
-            return plan
+            return self._state_after(plan)
         paced = self.pacer.open_step(len(plan.decode), bool(self._prefilling), len(self._prefilling))
         for req in list(self._prefilling):
             if budget_tokens <= 0:
@@ -240,6 +232,15 @@ class Scheduler:
             if fill is not None:
                 plan.cache_fill.append(fill)
         self.pacer.close_step()
+        return self._state_after(plan)
+
+    def _state_after(self, plan: StepPlan) -> StepPlan:
+        """The plan, with what this scheduler holds once it is made (the executor chooses its path by it)."""
+        plan.running_slots = [req.slot for req in self._slots if req is not None]
+        plan.num_decoding = self.num_decoding
+        plan.prompt_work = self.has_prompt_work
+        plan.prompt_work_next = self.prompt_work_next
+        plan.chunk_in_flight = self.chunk_in_flight
         return plan
 
     def _goes_beside(self, plan: StepPlan) -> bool:
@@ -308,8 +309,8 @@ class Scheduler:
         """What the last plan took to run (the engine measures it): feeds the prefill pacing."""
         self.pacer.record_step(timing)
 
-    def update(self, plan: StepPlan, result: Any) -> list[TokenOutput]:
-        """Take what executing `plan` produced (engine.exec.plan_executor.StepResult, read by its fields): the
+    def update(self, plan: StepPlan, result: StepResult) -> list[TokenOutput]:
+        """Take what executing `plan` produced (engine.step.StepResult): the
         prefix pins its copies and fills no longer need, each request's chunks, drafts and tokens (a stop token
         or max_tokens finishes it), the requests whose own part failed (finished with "error"), and the step's
         timing. Returns each request's TokenOutput, in step order.

@@ -7,7 +7,7 @@ launches a chunk on a side stream and goes back to the slots at once; their step
 The engine lands the chunk (samples the first token, prefills MTP's drafter, hands full blocks to the prefix tier)
 at the start of a later step, once its event has completed, and only then plans the next one.
 
-The streams are the engine's (engine.exec.streams.Streams: `steps` and `side`). On CUDA the side stream is a green
+The streams are the engine's (engine.exec.cuda_streams.Streams: `steps` and `side`). On CUDA the side stream is a green
 context's, on CHUNK_SM_SHARE of the SMs, so the other SMs stay free for the steps' kernels. Priority alone (a
 low-priority side stream on every SM) did not keep the slots going: a decode kernel waits for a whole chunk thread
 block to retire before it gets an SM.
@@ -34,7 +34,7 @@ import torch
 
 from engine.config import mode_wanted
 from engine.errors import ConfigError
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 
 CHUNK_SMS_ENV = "STRATA_CHUNK_SMS"
 CHUNK_OWNER = "chunks"  # the graph pool of prompt chunks while they may overlap the steps' graphs
@@ -65,7 +65,7 @@ def overlap_wanted(mode: str, device: torch.device, moe: bool) -> bool:
 class InFlight:
     """The chunk on the side stream: what it will return, and the events around its kernels."""
 
-    chunk: Any  # engine.core.step_plan.PrefillChunk
+    chunk: Any  # engine.step.PrefillChunk
     out: Any  # engine.exec.runner.StepOutput (its tensors written by the side stream)
     start: torch.cuda.Event | None
     end: torch.cuda.Event | None
@@ -75,25 +75,24 @@ class InFlight:
 class ChunkStream:
     """The one chunk in flight beside the steps, on the engine's side stream (see the module docstring)."""
 
-    def __init__(self, streams: Streams) -> None:
-        """`streams`: the engine's (engine.exec.streams), built with the overlap on: their `side` stream runs the
-        chunks and their `steps` stream the steps."""
+    def __init__(self, streams: Streams, paging: Any = None) -> None:
+        """`streams`: the engine's (engine.exec.cuda_streams), built with the overlap on: their `side` stream runs the
+        chunks and their `steps` stream the steps. `paging`: KV by use (engine.exec.kv.paging.KVPaging): the chunk's
+        slot is held from its launch until it is taken or dropped, so no step's prepare spills the blocks it writes."""
         if not streams.overlap:
             raise ValueError("ChunkStream needs Streams built with overlap=True (a side stream for the chunks)")
         self.streams = streams
         self.device = streams.device
         self.cuda = streams.cuda
         self.in_flight: InFlight | None = None
-        # KV by use (engine.exec.kv.paging.KVPaging; the engine builder sets it): the chunk's slot is held from its
-        # launch until it is taken or dropped, so no step's prepare spills the blocks it writes.
-        self.paging: Any = None
+        self.paging = paging
 
     def launch(self, chunk: Any, run: Callable[[], Any]) -> None:
         """Queue `run()` (the chunk's forward, returning a StepOutput) on the side stream, after everything the
         current stream has queued (the admission's block mapping, the previous chunk's landing)."""
         assert self.in_flight is None, "one chunk in flight at a time"
         if self.paging is not None:
-            self.paging.hold(chunk.slot)
+            self.paging.hold(chunk.slot, self.settle)
         if not self.cuda:
             t0_s = time.perf_counter()
             out = run()

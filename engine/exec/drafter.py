@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.exec.executor import EagerExecutor
+from engine.exec.step_fns import EagerExecutor
 from engine.exec.graphs.key import GraphKey
 from engine.exec.graphs.cache import GraphSpec
 from engine.exec.mtp_accept import chain_positions, greedy_acceptance, greedy_acceptance_kernel
@@ -60,7 +60,7 @@ class MtpDrafter:
         # device-to-host copy per step instead of two replays, a host round trip and the round's input
         # copies); the separate kinds stay for CPU unless forced.
         if fused is None:
-            fused = runner.device.type == "cuda" and not isinstance(runner.executor, EagerExecutor)
+            fused = runner.device.type == "cuda" and not isinstance(runner.graphs, EagerExecutor)
         self.fused = fused
 
     # --- the fused step ---------------------------------------------------------------------------------------

@@ -1,112 +1,57 @@
-"""PlanExecutor: runs one StepPlan on the device and returns what it produced (a StepResult).
+"""PlanExecutor: runs one StepPlan on the device and returns what it produced (a StepResult; both in engine.step).
 
-The middle of the engine's three-call step (`schedule` -> `execute` -> `update`): map (or copy) reused prefix
-blocks into newly admitted slots, one batched decode of every decoding slot along the path that fits (MTP's
-fused verify + draft step, its separate verify + sample + draft round, a plain decode, or the step launched
-ahead by engine.exec.decode_ahead), the plan's prefill chunks with their first tokens and MTP's drafter prefill,
-then the cache fills. On CUDA, while slots decode, a prompt chunk instead runs beside the steps on a side stream
+The middle of the engine's step (`schedule` -> `execute` -> `update`): map (or copy) reused prefix blocks into
+newly admitted slots, one batched decode of every decoding slot along the path that fits (MTP's fused verify +
+draft step, its separate verify + sample + draft round, a plain decode, or the step launched ahead by
+engine.exec.decode_ahead), the plan's prefill chunks with their first tokens and MTP's drafter prefill, then the
+cache fills. On CUDA, while slots decode, a prompt chunk instead runs beside the steps on a side stream
 (engine.exec.chunk_stream): the step that plans it launches it before its decode, and the end of a later step
-lands it (its first token, the drafter prefill, its cache fill) once its kernels are done.
+lands it (its first token and the drafter prefill; `StepResult.landed`, whose cache fill the scheduler plans and
+`fill_landed` runs before the slot can change hands) once its kernels are done.
 
-It never changes a request: the tokens, the chunks that ran and the drafts go back in the StepResult, and
-`Scheduler.update` does the bookkeeping. It reads the scheduler's counts (whether prompt work is left, how many
-slots decode) to choose a path, and tells it that a chunk beside the steps landed (`chunk_landed`: that chunk's
-cache fill must run before the slot can change hands). A failure inside one request's own part (its admission,
-a chunk, its sampling) fails that request only (`StepResult.failed`); anything else fails the step
-(`StepResult.error`), after the parts that ran.
+It never sees the scheduler and never changes a request: it reads the plan (which also says what the scheduler
+holds: slots taken, requests decoding, prompt work left) and returns the tokens, the chunks that ran and the
+drafts in the StepResult, and `Scheduler.update` does the bookkeeping. A failure inside one request's own part
+(its admission, a chunk, its sampling) fails that request only (`StepResult.failed`); anything else fails the
+step (`StepResult.error`), after the parts that ran.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from engine.api import SamplingParams
 from engine.exec.chunk_stream import ChunkStream
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
 from engine.exec.drafter import MtpDrafter
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
-from engine.exec.runner import ModelRunner, MtpUnavailable, Row
+from engine.exec.runner import ModelRunner, MtpUnavailable, Row, StepOutput
+from engine.exec.step_fns import StepExecutor
 from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, sample_isolating_rows,
                                  sample_with_drafts)
+from engine.step import (Admission, CacheFill, ChunkTime, PrefillChunk, RequestFailure, SampledTokens, StepPlan,
+                         StepRequest, StepResult)
 from engine.telemetry import EventBus, WarningEvent
-
-# The scheduler's types (engine.core: StepPlan, its Admission / PrefillChunk / CacheFill, Request, the Scheduler)
-# are read here by their fields: the core and the executor never import each other (tests/test_layering.py).
-Request = Any
-StepPlan = Any
-ChunkTime = tuple[int, int, float]  # a chunk as it ran: (start, num_tokens, seconds), core's ChunkTiming's fields
-
-
-@dataclass
-class SampledTokens:
-    """One request's part of an executed step, in the order the step ran it: a prefill chunk that ran
-    (`prefilled_tokens`, at `ran_s`), the tokens sampled or accepted for it (none for a chunk before the last),
-    and MTP's verification round (`drafts`: proposed, accepted)."""
-
-    request: Request
-    token_ids: list[int]
-    ran_s: float
-    logprobs: list | None = None
-    prefilled_tokens: int = 0
-    first_token: bool = False  # sampled from a last prompt chunk: the request decodes from now on
-    drafts: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class RequestFailure:
-    """A request whose own part of a step failed (the error event is already published): it alone ends."""
-
-    request: Request
-    message: str
-
-
-@dataclass
-class StepResult:
-    """What executing a StepPlan produced, for `Scheduler.update`: the executor never changes a request.
-
-    `admitted`: the plan's admissions that went through (the engine reports them). `copied`: admissions whose
-    cached blocks are in their slots now (their pins may go). `unfilled_block_ids`:
-    tier blocks a cache fill could not write. `draft_tokens`: the drafts a slot verifies from now on, when MTP
-    turned off during the step. The timings, for the prefill pacing (`timed` False when the step failed):
-    `decode_s` (None when nothing decoded), each chunk run between the steps, the cache fills, whether a chunk
-    ran beside the decode, and the chunks beside the steps that landed. `error`: what failed the whole step
-    after the parts above had run (the engine ends the requests holding a slot)."""
-
-    tokens: list[SampledTokens] = field(default_factory=list)
-    failed: list[RequestFailure] = field(default_factory=list)
-    admitted: list[Any] = field(default_factory=list)  # the plan's Admissions whose slot is ready (KV copied in)
-    copied: list[Request] = field(default_factory=list)
-    unfilled_block_ids: list[int] = field(default_factory=list)
-    draft_tokens: int | None = None
-    timed: bool = False
-    decode_s: float | None = None
-    chunks_s: list[ChunkTime] = field(default_factory=list)
-    fill_s: float = 0.0
-    beside_chunk: bool = False
-    landed_s: list[ChunkTime] = field(default_factory=list)
-    error: BaseException | None = None
-
-    def skips(self, request: Request) -> bool:
-        """The request has finished, or failed earlier in this step: the rest of its part does not run."""
-        return request.is_finished or any(f.request is request for f in self.failed)
 
 
 class PlanExecutor:
-    """`execute(plan) -> StepResult`; `release(request, slot)` once a request holding a slot has finished."""
+    """`execute(plan) -> StepResult`; `fill_landed(fill, result)` for a landed chunk's blocks; `release(request,
+    slot)` once a request holding a slot has finished."""
 
-    def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, sched: Any, kv: SlotKVCache,
-                 tier: AdaptiveTier, streams: Streams, chunks: ChunkStream | None, ahead: DecodeAhead,
-                 executor: Any, device: torch.device, bus: EventBus) -> None:
-        self.runner, self.drafter, self.sched = runner, drafter, sched
-        self.kv, self.tier, self.chunks, self.ahead, self.executor = kv, tier, chunks, ahead, executor
+    def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, kv: SlotKVCache, tier: AdaptiveTier,
+                 streams: Streams, chunks: ChunkStream | None, ahead: DecodeAhead, graphs: StepExecutor,
+                 device: torch.device, bus: EventBus) -> None:
+        """`graphs`: the step executor the runner replays its graphs through (MTP turned off gives the drafter's
+        back)."""
+        self.runner, self.drafter = runner, drafter
+        self.kv, self.tier, self.chunks, self.ahead, self.graphs = kv, tier, chunks, ahead, graphs
         self.streams = streams  # the steps' stream, and each launch's split-counter lane
         self.device = device
         self.bus = bus
@@ -133,18 +78,31 @@ class PlanExecutor:
                 if self._non_finite_ended:  # a request ended on NaN logits (its slot is reclaimed now): its blocks
                     self._non_finite_ended = False  # must reach no other request, this step's admissions included
                     admitted = {admission.slot for admission in plan.admitted}
-                    self.tier.scrub_non_finite(req.slot for req in self.sched.running() if req.slot not in admitted)
+                    self.tier.scrub_non_finite(slot for slot in plan.running_slots if slot not in admitted)
                 for admission in plan.admitted:
                     self._isolated(admission.request, self._admit, admission)
                 self._run_timed(plan)
-                result.landed_s = self._land_chunk()  # last: its request decodes from the next step on
+                self._land_chunk(plan)  # last: its request decodes from the next step on
                 self.tier.reclaim_retired()  # the step's fills are done: what finished maps nothing now
             result.timed = True
         except Exception as exc:  # noqa: BLE001 - the engine decides how bad (Engine._fail)
             result.error = exc
         return result
 
-    def release(self, request: Request, slot: int | None, wait: bool = True) -> None:
+    def fill_landed(self, fill: CacheFill | None, result: StepResult) -> None:
+        """The cache fill of `result.landed` (the scheduler planned it when it heard of the landing), before the
+        slot can change hands; a failure fails the step (`result.error`), like any fill inside `execute`. Nothing
+        after a step that failed: its requests holding a slot end, and their unfilled blocks are discarded."""
+        if fill is None or result.error is not None:
+            return
+        try:
+            with torch.inference_mode(), self.streams.on("steps"):  # where the chunk was taken, like any fill
+                result.unfilled_block_ids.extend(self._fill([fill]))
+                self.tier.reclaim_retired()
+        except Exception as exc:  # noqa: BLE001 - the engine decides how bad (Engine._fail)
+            result.error = result.error or exc
+
+    def release(self, request: StepRequest, slot: int | None, wait: bool = True) -> None:
         """A request has finished: forget its generator; a chunk of it in flight ends (`wait`: for its kernels),
         a step launched ahead over its slot is dropped, and its slot's blocks go back at the next step."""
         self.generators.pop(request.request_id, None)
@@ -173,7 +131,7 @@ class PlanExecutor:
         beside = self.chunks is not None and self.chunks.in_flight is not None
         if plan.decode:
             t0_s = self._synced_clock() if beside else t0_s  # the launch's host time is not decode's
-            self._decode(plan.decode)
+            self._decode(plan.decode, plan)
             # MTP's draft round runs after the sampling sync: drain it when a chunk's clock starts next.
             decode_s = (self._synced_clock() if plan.prefill and not beside else time.perf_counter()) - t0_s
             # a step taken ahead: its device time (the host only waited for its last part)
@@ -188,21 +146,23 @@ class PlanExecutor:
         fill_s = 0.0
         if plan.cache_fill:
             t0_s = self._synced_clock()
-            self._fill(plan.cache_fill)
+            self._result.unfilled_block_ids.extend(self._fill(plan.cache_fill))
             fill_s = self._synced_clock() - t0_s
         self._result.decode_s, self._result.chunks_s, self._result.fill_s = decode_s, chunks, fill_s
         self._result.beside_chunk = beside
 
-    def _fill(self, fills: list) -> None:
+    def _fill(self, fills: list[CacheFill]) -> list[int]:
+        """Run the cache fills; returns the tier block ids that could not be filled."""
+        unfilled: list[int] = []
         for fill in fills:
-            failed = self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
-            if failed:
-                self._result.unfilled_block_ids.extend(failed)
+            if fill.should_fill:  # its request was aborted or failed: the scheduler discarded its blocks
+                unfilled += self.tier.fill(fill.blocks, fill.slot, fill.later_blocks(self.tier.block_tokens))
+        return unfilled
 
     def _may_overlap(self, plan: StepPlan) -> bool:
         """A chunk is in flight or may be launched this step: the step runs on the steps' stream (otherwise on
         the caller's, which saves a plain decode step two stream waits; the streams are ordered either way)."""
-        return self.chunks is not None and (self.chunks.in_flight is not None or self.sched.has_prompt_work
+        return self.chunks is not None and (self.chunks.in_flight is not None or plan.prompt_work
                                             or any(chunk.beside_decode for chunk in plan.prefill))
 
     def _synced_clock(self) -> float:
@@ -214,35 +174,33 @@ class PlanExecutor:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _land_chunk(self) -> list[ChunkTime]:
+    def _land_chunk(self, plan: StepPlan) -> None:
         """The chunk beside the steps, once its kernels are done (waited for when no slot decodes: nothing else
-        would run): its first token, its drafter prefill and its cache fill. Its timing, for the pacer (StepTiming.landed)."""
+        would run): its first token and its drafter prefill; `result.landed` and its timing (StepTiming.landed)."""
         if self.chunks is None or self.chunks.in_flight is None:
-            return []
-        if not self.chunks.ready() and self.sched.num_decoding:
-            return []
+            return
+        if not self.chunks.ready() and plan.num_decoding:
+            return
         flight = self.chunks.take()
         chunk = flight.chunk
-        fill = self.sched.chunk_landed(chunk, flight.seconds)
+        self._result.landed = chunk
+        self._result.landed_s = [(chunk.start, chunk.num_tokens, flight.seconds)]
         if not self._result.skips(chunk.request):
             self._isolated(chunk.request, self._chunk_ran, chunk, flight.out)
-        if fill is not None:
-            self._fill([fill])
-        return [(chunk.start, chunk.num_tokens, flight.seconds)]
 
-    def _admit(self, admission: Any) -> None:
+    def _admit(self, admission: Admission) -> None:
         if admission.cached_blocks:
             self.tier.load(admission.cached_blocks, admission.slot)
             self._result.copied.append(admission.request)
         self._result.admitted.append(admission)
 
-    def _decode(self, reqs: list[Request]) -> None:
+    def _decode(self, reqs: list[StepRequest], plan: StepPlan) -> None:
         """Decode (or verify) every decoding slot: one batched forward per group of similar lengths."""
         extra = self.runner.mtp_depth + 1 if self.mtp_on else 1
         for group in self.runner.span_groups([req.num_tokens - 1 + extra for req in reqs]):
-            self._decode_group([reqs[i] for i in group])
+            self._decode_group([reqs[i] for i in group], plan)
 
-    def _decode_group(self, reqs: list[Request]) -> None:
+    def _decode_group(self, reqs: list[StepRequest], plan: StepPlan) -> None:
         rows = [Row(req.slot, req.output_token_ids[-1], req.num_tokens - 1) for req in reqs]
         params = [req.params for req in reqs]
         gens = [self.generators[req.request_id] for req in reqs]
@@ -260,7 +218,7 @@ class PlanExecutor:
                     step = self.ahead.take(rows, "verify")
                     if step is None:
                         step = self.drafter.verify_and_draft(rows, params, gens)
-                    if self._goes_ahead(reqs, params) and self.ahead.next_verify_fits(rows, step):
+                    if self._goes_ahead(reqs, params, plan) and self.ahead.next_verify_fits(rows, step):
                         result = self.ahead.read_and_launch_verify(rows, step)
                     else:
                         result = device_result(step.emitted, len(rows))
@@ -277,7 +235,7 @@ class PlanExecutor:
         if result is None:
             out = self.ahead.take(rows)
             out = self.runner.decode(rows) if out is None else out
-            if self._goes_ahead(reqs, params) and self.ahead.next_rows_fit(rows, out):
+            if self._goes_ahead(reqs, params, plan) and self.ahead.next_rows_fit(rows, out):
                 result = SampleResult([0] * len(rows), self.ahead.read_and_launch(rows, out))
                 failed = non_finite_rows(result)  # the step's finite check, read with its tokens
             else:
@@ -291,14 +249,14 @@ class PlanExecutor:
                 self._result.tokens.append(SampledTokens(req, tokens, now_s, logprobs[i], drafts=(
                     (self.runner.mtp_depth, drafts[i]) if drafts is not None else None)))
 
-    def _goes_ahead(self, reqs: list[Request], params: list[SamplingParams]) -> bool:
+    def _goes_ahead(self, reqs: list[StepRequest], params: list[SamplingParams], plan: StepPlan) -> bool:
         """The next step may be launched before this one's tokens are read (engine.exec.decode_ahead): every
         decoding slot is in this group, all greedy, each has room for another step (MTP's: K + 1 tokens more
         than this one may emit), and no prompt chunk will run between the steps (chunks beside the steps run on
         their own stream: a chunk that lands, making its request decode, drops the step launched ahead)."""
-        quiet = self.chunks is not None or not (self.sched.prompt_work_next or self.sched.chunk_in_flight)
+        quiet = self.chunks is not None or not (plan.prompt_work_next or plan.chunk_in_flight)
         room = 2 * (self.runner.mtp_depth + 1) if self.mtp_on else 1
-        return (self.ahead.enabled and len(reqs) == self.sched.num_decoding and quiet
+        return (self.ahead.enabled and len(reqs) == plan.num_decoding and quiet
                 and all(p.temperature <= 0 and not p.penalized and p.logprobs is None for p in params)
                 and all(req.num_output_tokens + room < req.max_tokens for req in reqs))
 
@@ -312,16 +270,16 @@ class PlanExecutor:
                 self.draft_accepted[position] += position < n
         return list(accepted)
 
-    def _prefill(self, chunk: Any) -> None:
+    def _prefill(self, chunk: PrefillChunk) -> None:
         with self.streams.on("chunks"):  # the current stream, the chunks' lane where chunks may run beside steps
             out = self._forward(chunk)
         self._chunk_ran(chunk, out)
 
-    def _forward(self, chunk: Any) -> Any:
+    def _forward(self, chunk: PrefillChunk) -> StepOutput:
         """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch)."""
         return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)
 
-    def _chunk_ran(self, chunk: Any, out: Any) -> None:
+    def _chunk_ran(self, chunk: PrefillChunk, out: StepOutput) -> None:
         """After a chunk's forward: the first token of a last chunk, and MTP's drafter prefill."""
         req = chunk.request
         prompt = req.prompt_token_ids
@@ -346,7 +304,7 @@ class PlanExecutor:
 
     # --- failure paths -------------------------------------------------------------------------------------
 
-    def _isolated(self, req: Request, fn: Callable[..., None], *args: Any) -> None:
+    def _isolated(self, req: StepRequest, fn: Callable[..., None], *args: Any) -> None:
         """Run one request's own part of a step (admission, a prefill chunk): a failure there ends that request
         only. A sticky CUDA error still fails the step: nothing on the device can be trusted after one."""
         try:
@@ -358,7 +316,7 @@ class PlanExecutor:
                 raise
             self._fail_request(req, exc)
 
-    def _fail_request(self, req: Request, exc: BaseException) -> None:
+    def _fail_request(self, req: StepRequest, exc: BaseException) -> None:
         self._non_finite_ended |= isinstance(exc, NonFiniteLogits)
         event = error_event(exc, f"engine.request {req.request_id}", self.device)
         self.bus.publish(event)
@@ -371,7 +329,7 @@ class PlanExecutor:
         self.mtp_off_reason = message
         self._result.draft_tokens = 0
         # The drafter's graphs will never replay again: give their pool back (the tier can grow into it).
-        freed_mib = self.executor.release("drafter") if self.executor is not None else 0.0
+        freed_mib = self.graphs.release("drafter")
         self.bus.publish(WarningEvent(where="engine.mtp",
                                       message=f"MTP drafting turned off for the rest of the run "
                                               f"(freed {freed_mib:.0f} MiB of drafter graphs): {message}"))

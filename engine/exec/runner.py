@@ -18,7 +18,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from engine.exec.executor import EagerExecutor, GraphDegraded, StepExecutor
+from engine.exec.step_fns import EagerExecutor, GraphDegraded, StepExecutor
 from engine.exec.graphs.key import GraphKey
 from engine.exec.graphs.cache import GraphSpec
 from engine.exec.gpu_errors import is_oom, is_sticky, real_message
@@ -132,11 +132,19 @@ StepBuilder = Callable[[bool], tuple[Hashable, Callable]]
 class ModelRunner:
     """Runs prefill chunks, batched decode and MTP verify forwards over the slot KV cache."""
 
-    def __init__(self, model: torch.nn.Module, kv: SlotKVCache, executor: StepExecutor, board: SwitchBoard,
-                 bus: EventBus, device: torch.device, num_slots: int, mtp_depth: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, kv: SlotKVCache, graphs: StepExecutor, board: SwitchBoard,
+                 bus: EventBus, device: torch.device, num_slots: int, mtp_depth: int = 0, *,
+                 eager: StepExecutor | None = None, prefill_owner: str | None = None,
+                 release_memory: Callable[[float, str], float] | None = None, oom_release_mib: float = 1024.0) -> None:
+        """`graphs`: the step executor (the graph cache, or eager). `eager`: the one for prompt chunks that take
+        the fused (flash) chunk attention: it bakes the chunk's start into the step, so a graph of it would never
+        be replayed (and a chunk's compute dwarfs launch cost). `prefill_owner`: the graph pool of prompt chunks,
+        their own ("chunks") where a chunk may run beside the steps' graphs (engine.exec.chunk_stream), since
+        graphs of one pool must never replay at the same time. `release_memory(mib, reason) -> freed`: where an
+        out-of-memory step gets room before its one retry, `oom_release_mib` at a time."""
         self.model = model
         self.kv = kv
-        self.executor = executor
+        self.graphs = graphs
         self.board = board
         self.bus = bus
         self.device = device
@@ -148,15 +156,10 @@ class ModelRunner:
         self.draft_buf = torch.zeros(num_slots + 1, max(1, mtp_depth), dtype=torch.long, device=device)
         self.pad_row = num_slots
         self._stager: PinnedStager | None = None
-        # Prompt chunks that take the fused (flash) chunk attention run eagerly: it bakes the chunk's start
-        # into the step, so a graph of it would never be replayed (and a chunk's compute dwarfs launch cost).
-        self._eager = EagerExecutor()
-        # The graph pool of prompt chunks: their own ("chunks") where a chunk may run beside the steps' graphs
-        # (engine.exec.chunk_stream), since graphs of one pool must never replay at the same time.
-        self.prefill_owner: str | None = None
-        # Where an out-of-memory step gets room before its one retry (the tier's release), and how much.
-        self.release_memory: Callable[[float, str], float] | None = None
-        self.oom_release_mib = 1024.0
+        self._eager = eager if eager is not None else EagerExecutor()
+        self.prefill_owner = prefill_owner
+        self.release_memory = release_memory
+        self.oom_release_mib = oom_release_mib
         # Positions a forward may write past its rows' last token (the MTP round and chain steps): mapped with it.
         self.lookahead_tokens = 2 * mtp_depth + 2
         self._chunk_buckets_seen: set[tuple[int, int]] = set()  # (tokens, span) buckets of short prompt chunks
@@ -257,7 +260,7 @@ class ModelRunner:
         while True:
             key, fn = self.on_path(*build(self.split_enabled()))
             try:
-                out = self._run_with_room(kind, key, fn, inputs, owner, executor or self.executor)
+                out = self._run_with_room(kind, key, fn, inputs, owner, executor or self.graphs)
                 break
             except GraphDegraded as exc:
                 if exc.switch is not None and self.board.enabled(exc.switch):
@@ -297,7 +300,7 @@ class ModelRunner:
 
     def on_switch_changed(self, name: str) -> None:
         """A live switch changed: drop the graphs whose captured code depends on it."""
-        self.executor.invalidate(lambda kind, key: isinstance(key, GraphKey) and key.depends_on(name))
+        self.graphs.invalidate(lambda kind, key: isinstance(key, GraphKey) and key.depends_on(name))
 
     # --- CAPTURE_ALL ---------------------------------------------------------------------------------------
 

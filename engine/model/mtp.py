@@ -64,10 +64,6 @@ class MTPHead(nn.Module):
             raise ValueError(f"depth={depth}: expected >= 0")
         return depth % len(self.layers)
 
-    def kv_layer_idx(self, depth: int) -> int:
-        """The KV layer index the MTP layer for `depth` uses: num_hidden_layers + its layer index."""
-        return self.config.num_hidden_layers + self.layer_index(depth)
-
     def forward(
         self,
         hidden: torch.Tensor,

@@ -97,7 +97,7 @@ _COUNTERS = 1 << 16  # split counters per device: one per output tile of a launc
 # One counter array per lane: launches of one lane run one after the other (one stream), but a prompt chunk may
 # run on a side stream beside the decoding slots' steps (engine.exec.chunk_stream), and two launches sharing
 # counters at once would each see the other's splits finish. The lane is set only by the owner of the engine's
-# streams (engine.exec.streams.Streams.on), which switches stream and lane together; a ContextVar carries it to
+# streams (engine.exec.cuda_streams.Streams.on), which switches stream and lane together; a ContextVar carries it to
 # the launches deep in the model.
 COUNTER_LANES = ("steps", "chunks")
 _lane: contextvars.ContextVar[str] = contextvars.ContextVar("strata_counter_lane", default="steps")
@@ -107,7 +107,7 @@ _counters: dict[tuple[torch.device, str], torch.Tensor] = {}
 @contextlib.contextmanager
 def counter_lane(lane: str) -> Iterator[None]:
     """Launches (and graph captures) inside use `lane`'s split counters: "chunks" for prompt chunks. Called by
-    engine.exec.streams.Streams.on only (tests/engine/exec/test_streams.py holds that)."""
+    engine.exec.cuda_streams.Streams.on only (tests/engine/exec/test_streams.py holds that)."""
     if lane not in COUNTER_LANES:
         raise ValueError(f"unknown counter lane {lane!r} (expected one of {', '.join(COUNTER_LANES)})")
     token = _lane.set(lane)

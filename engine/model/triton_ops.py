@@ -7,7 +7,7 @@ them in Triton's interpreter on CPU tensors).
     cos, sin_rot = rope_tables(positions, inv_freq, scaling, dtype)  # RotaryEmbedding's tables, one kernel
     y = linear(x, weight, bias)                                # F.linear; a narrow one in Triton (triton_linear)
 
-A batch-1 decode step is bound by its kernel count, not its bytes (docs/BENCHMARKS.md, "Why these kernels"):
+A batch-1 decode step is bound by its kernel count, not its bytes (docs/MODEL.md, "Why these kernels"):
 in eager PyTorch the residual add and RMSNorm with its weight are three kernels, the q/k norm and the rotation
 about seven, SiLU and the product two, a forward's rotary tables ten. Each kernel here computes in fp32 and rounds
 to the storage dtype at the points where the PyTorch ops of engine.model.layers round (the sum, the normalised

@@ -1,9 +1,11 @@
 """Engine: add_request / step / abort over the scheduler, the runner, the MTP drafter and the adaptive tier.
 
-A step is three calls: `plan = sched.schedule()` (engine.core.scheduler: admissions, decodes, prefill chunks,
-cache fills), `result = stepper.execute(plan)` (engine.exec.plan_executor: runs it on the device, the decode path,
-chunks beside the steps, sampling, fills), `outputs = sched.update(plan, result)` (token bookkeeping and
-finishing). The engine then delivers them: detokenized, stop strings cut (a stop string ends its request the way
+A step is three calls over the typed step data of engine.step: `plan = sched.schedule()` (engine.core.scheduler:
+admissions, decodes, prefill chunks, cache fills), `result = executor.execute(plan)` (engine.exec.plan_executor:
+runs it on the device, the decode path, chunks beside the steps, sampling, fills; it never sees the scheduler),
+`outputs = sched.update(plan, result)` (token bookkeeping and finishing). A chunk beside the steps that landed
+in the step goes between the last two: the scheduler plans its cache fill and the executor runs it before the
+slot can change hands. The engine then delivers them: detokenized, stop strings cut (a stop string ends its request the way
 an abort does), finished requests' slots given back (the RequestOutput increments `step` returns).
 
 Telemetry is published here, where the slots change: an admission, a first token and an end at once, progress
@@ -23,23 +25,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any
 
 from engine.api import Health, HealthStatus, RequestOutput, SamplingParams
 from engine.config import EngineConfig
 from engine.core.output import OutputProcessor, Track
 from engine.core.request import Request
-from engine.core.step_plan import Admission, TokenOutput
 from engine.errors import EngineDead, NoExpertCache, RequestRejected
 from engine.exec.experts.setup import check_min_budget
 from engine.exec.experts.stats import ORACLE_REFRESH_S
 from engine.exec.experts.steps import follow_policy_switch
 from engine.exec.gpu_errors import error_event, is_sticky
-from engine.exec.plan_executor import PlanExecutor
 from engine.exec.sampler import request_generator
+from engine.exec.step_fns import StepExecutor
 from engine.orchestration.engine_setup import EngineParts, build_parts, release_device_memory
 from engine.orchestration.state import build_snapshot, slot_event
 from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, MtpSnapshot
+from engine.step import Admission, TokenOutput
 from engine.switches import SwitchState
 from engine.telemetry import AdmissionEvent, EngineEvent, EventBus, SlotEvent
 
@@ -53,19 +54,21 @@ MAX_FAILED_STEPS = 3  # non-sticky step failures with no request finishing in be
 class Engine:
     """The serving core. `step()` returns this step's RequestOutput increments."""
 
-    def __init__(self, config: EngineConfig, bus: EventBus, *, executor: Any = None,
+    def __init__(self, config: EngineConfig, bus: EventBus, *, graphs: StepExecutor | None = None,
                  tier_budget_mib: float | None = None, block_tokens: int | None = None) -> None:
+        """`graphs`: a step executor of the caller's (a graph cache with a fault plan) instead of the default."""
         self.config = config
         self.bus = bus
         self._dead_reason: str | None = None
         bus.publish(EngineEvent(state="loading", detail=f"model {config.model}"))
-        parts: EngineParts = build_parts(config, bus, executor, tier_budget_mib, block_tokens)
+        parts: EngineParts = build_parts(config, bus, graphs, tier_budget_mib, block_tokens)
         self.lm, self.kv, self.tier, self.budgets = parts.lm, parts.kv, parts.tier, parts.budgets
         self.budget = self.budgets[0]
         self.sched, self.runner, self.drafter, self.board = parts.sched, parts.runner, parts.drafter, parts.board
-        self.executor = parts.executor
+        self.graphs = parts.graphs  # the graph cache (eager where there are no graphs): engine.exec.step_fns
+        self.executor = parts.executor  # runs each step's plan: engine.exec.plan_executor
         self.device = parts.device
-        self.streams = parts.streams  # the CUDA streams and each launch's lane (engine.exec.streams)
+        self.streams = parts.streams  # the CUDA streams and each launch's lane (engine.exec.cuda_streams)
         self.chunks = parts.chunks  # prompt chunks beside the steps (engine.exec.chunk_stream), or None
         self.ahead = parts.ahead  # the next greedy decode step in flight (engine.exec.decode_ahead)
         self.model_name = config.model
@@ -77,9 +80,6 @@ class Engine:
         self.output = OutputProcessor()
         self.slot_interval_s = SLOT_EVENT_INTERVAL_S
         self._last_vram_s = 0.0
-        self.stepper = PlanExecutor(runner=self.runner, drafter=self.drafter, sched=self.sched, kv=self.kv,
-                                    tier=self.tier, streams=self.streams, chunks=self.chunks, ahead=self.ahead,
-                                    executor=self.executor, device=self.device, bus=bus)
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
         self._publish_vram()
@@ -95,11 +95,11 @@ class Engine:
 
     @property
     def mtp_on(self) -> bool:
-        return self.stepper.mtp_on
+        return self.executor.mtp_on
 
     @property
     def mtp_off_reason(self) -> str | None:
-        return self.stepper.mtp_off_reason
+        return self.executor.mtp_off_reason
 
     @property
     def has_work(self) -> bool:
@@ -119,11 +119,11 @@ class Engine:
             return
         self._last_snapshot_s = now_s
         mtp = MtpSnapshot(enabled=self.mtp_on, depth=self.config.mtp_depth if self.config.batch_mtp else 0,
-                          disabled_reason=self.mtp_off_reason, draft_proposed=list(self.stepper.draft_proposed),
-                          draft_accepted=list(self.stepper.draft_accepted))
+                          disabled_reason=self.mtp_off_reason, draft_proposed=list(self.executor.draft_proposed),
+                          draft_accepted=list(self.executor.draft_accepted))
         self.snapshot = build_snapshot(
             model=self.model_name, config=self.config, health=self.health(), board=self.board, sched=self.sched,
-            executor=self.executor, budgets=self.budgets, tier=self.tier, kv=self.kv, mtp=mtp, steps=self.steps,
+            graphs=self.graphs, budgets=self.budgets, tier=self.tier, kv=self.kv, mtp=mtp, steps=self.steps,
             experts=self.lm.model.expert_provider, oracle_max_age_s=0.0 if fresh else ORACLE_REFRESH_S, now_s=now_s)
 
     # --- commands ------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class Engine:
         decoder = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None
         self.sched.add(req)  # the commit point: it validates before it queues, so a refusal leaves nothing
         self.output.add(req, decoder)
-        self.stepper.generators[request_id] = generator
+        self.executor.generators[request_id] = generator
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -198,7 +198,7 @@ class Engine:
         if self.chunks is not None:
             with contextlib.suppress(Exception):  # a failed chunk: closing gives its memory back all the same
                 self.chunks.drop(wait=True)
-        release_device_memory(self.executor, self.tier, self.kv, self.lm.model, self.device)
+        release_device_memory(self.graphs, self.tier, self.kv, self.lm.model, self.device)
 
     def idle_tick(self) -> None:
         """Between steps when there is no work: keep the VRAM books and events (~1/s) and the tier size fresh."""
@@ -230,7 +230,7 @@ class Engine:
         if not force and now_s - self._last_vram_s < VRAM_EVENT_INTERVAL_S:
             return
         self._last_vram_s = now_s
-        self.budget.graphs_mib = self.executor.snapshot().total_mib
+        self.budget.graphs_mib = self.graphs.snapshot().total_mib
         for budget in self.budgets:
             budget.rebalance("periodic")
             self.bus.publish(budget.breakdown())
@@ -244,7 +244,9 @@ class Engine:
         outputs: list[RequestOutput] = []
         try:
             plan = self.sched.schedule()
-            result = self.stepper.execute(plan)
+            result = self.executor.execute(plan)
+            if result.landed is not None:  # its blocks go to the tier now, before its slot can change hands
+                self.executor.fill_landed(self.sched.chunk_landed(result.landed, result.landed_s[0][2]), result)
             outputs = self._deliver(result.admitted, self.sched.update(plan, result))
             if result.error is not None:
                 raise result.error
@@ -320,7 +322,7 @@ class Engine:
     def _close(self, track: Track, reason, slot: int | None, error: str | None = None) -> RequestOutput:
         """The final output of a finished request; frees its engine-side state and tells its slot's watchers."""
         final = self.output.close(track, reason, error)
-        self.stepper.release(track.request, slot, wait=self._dead_reason is None)
+        self.executor.release(track.request, slot, wait=self._dead_reason is None)
         if slot is not None:
             state = {"abort": "aborted", "error": "error"}.get(reason, "finished")
             self._publish_slot(track.request, slot, state, time.monotonic())

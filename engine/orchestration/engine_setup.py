@@ -1,40 +1,51 @@
-"""Building an Engine's parts from an EngineConfig: model, KV cache sized against the VRAM budget, tier,
-scheduler, runner and drafter. Separate from engine.py so the step loop reads on its own.
+"""Building an Engine's parts from an EngineConfig, in stages, each part handed what it needs when it is made:
 
-Memory is never silently overcommitted: the KV cache is sized from `--batch`, `--context` and `--kv`, and a
-config whose KV does not fit next to the weights and the reserve raises ConfigError naming the numbers.
+1. load: the model on its device, the CUDA streams (engine.exec.cuda_streams), the step executor (the graph
+   cache on CUDA, else eager) and, for an MoE model, the expert cache;
+2. KV: the cache sized from `--batch`, `--context` and `--kv` against the free memory (a config whose KV does not
+   fit next to the weights and the reserve raises ConfigError naming the numbers: memory is never silently
+   overcommitted);
+3. executors: scheduler, runner, MTP drafter, prompt chunks beside the steps, the step launched ahead;
+4. graphs: CAPTURE_ALL captures every bucket now, before the tier, so the graph pools take free memory first;
+5. tier: the prefix cache, the per-device books, and the PlanExecutor that joins them all (graphs captured again
+   when the tier's blocks reallocated the KV pool).
+
+Two needs point forward, to parts made later: a KV pool growth takes memory from the tier, and a step or capture
+that ran out of memory asks the books for room. Those get a method of the builder (`_tier_release`,
+`make_room`), which answers once the part exists.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
 from engine.config import EngineConfig
-from engine.model.quant.linear import is_quantized, model_bytes
+from engine.core.prefix_index import PrefixIndex
+from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.errors import ConfigError, StrataError
-from engine.exec.device_switches import settle_switches
 from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead, ahead_wanted
-from engine.exec.executor import EagerExecutor
+from engine.exec.device_switches import settle_switches
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.tier import CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_FACTOR, AdaptiveTier, check_kv_fits
 from engine.exec.kv.tier_ledger import LedgerTierBlocks
 from engine.exec.kv.tier_pool import SharedTierBlocks
-from engine.core.prefix_index import PrefixIndex
+from engine.exec.kv.vram_budget import DeviceRoom, VramBudget, device_memory_mib
+from engine.exec.plan_executor import PlanExecutor
 from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, pow2_bucket, switch_for_key
-from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
+from engine.exec.step_fns import EagerExecutor, StepExecutor
+from engine.model.quant.linear import is_quantized, model_bytes
 from engine.switches import SwitchBoard
 from engine.telemetry import EngineEvent, EventBus, WarningEvent
-from engine.exec.kv.tier import (CPU_TIER_DEFAULT_MIB, MIB, OWN_BLOCKS_RESERVE_FACTOR, AdaptiveTier, VramBudget,
-                              check_kv_fits, device_memory_mib)
-
 
 SHARED_SWITCH = "SHARED_PREFIX"
 # KV by use on a CPU: the pool's size at start (when every slot's whole context is more); it grows as slots use it
@@ -78,16 +89,18 @@ class EngineParts:
     runner: ModelRunner
     drafter: Any
     board: SwitchBoard
-    executor: Any
+    graphs: StepExecutor  # the graph cache (eager where there are no graphs), as the runner runs its steps
+    executor: PlanExecutor  # runs each step's plan
     device: torch.device
-    streams: Streams  # every CUDA stream of the engine, and the lane of each launch (engine.exec.streams)
+    streams: Streams  # every CUDA stream of the engine, and the lane of each launch (engine.exec.cuda_streams)
     chunks: ChunkStream | None  # prompt chunks beside the steps (--prefill-overlap)
     ahead: DecodeAhead  # the next greedy decode step launched early (--decode-ahead)
 
 
-def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_mib: float | None,
+def build_parts(config: EngineConfig, bus: EventBus, graphs: StepExecutor | None, tier_budget_mib: float | None,
                 block_tokens: int | None) -> EngineParts:
-    """Load the model and build everything around it (see the module docstring).
+    """Load the model and build everything around it (see the module docstring); `graphs`: a step executor of
+    the caller's instead of the default one.
 
     A failure that is not already a StrataError (those name the option or file) is raised as StartupError
     naming the stage, the innermost engine frame and the VRAM free: a bare "CUDA error: out of memory" at
@@ -95,7 +108,7 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
     """
     builder = _PartsBuilder(config, bus)
     try:
-        return builder.build(executor, tier_budget_mib, block_tokens)
+        return builder.build(graphs, tier_budget_mib, block_tokens)
     except StrataError:
         raise
     except Exception as exc:
@@ -105,18 +118,37 @@ def build_parts(config: EngineConfig, bus: EventBus, executor: Any, tier_budget_
             from exc
 
 
+def _every_graph(kind: str, key: Hashable) -> bool:
+    return True
+
+
+@dataclass
+class _Executors:
+    """What the executors stage makes."""
+
+    sched: Scheduler
+    runner: ModelRunner
+    drafter: Any
+    chunks: ChunkStream | None
+    ahead: DecodeAhead
+
+
 class _PartsBuilder:
-    """Builds the parts in order, remembering the stage it is in (for StartupError) and the books once they
-    exist (a graph capture's out-of-memory path asks them for room, but only after the tier is made)."""
+    """Builds the parts stage by stage, remembering the stage it is in (for StartupError) and the parts that a
+    forward need reaches (the tier, the books, the expert cache) once they exist."""
 
     def __init__(self, config: EngineConfig, bus: EventBus) -> None:
         self.config = config
         self.bus = bus
         self.stage = "starting"
-        self.budgets: list[VramBudget] | None = None
-        self.experts: Any = None  # an MoE model's expert cache (engine.exec.experts.cache), built after the load
+        self.board = SwitchBoard.from_values(config.switches)
         self.device: torch.device | None = None
         self.tier_device: torch.device | None = None
+        self.experts: Any = None  # an MoE model's expert cache (engine.exec.experts.cache), made at the load
+        self.tier: AdaptiveTier | None = None
+        self.budgets: list[VramBudget] | None = None
+
+    # --- the forward needs ---------------------------------------------------------------------------------
 
     def make_room(self, mib: float, reason: str) -> float:
         """Room on the compute device from the tier, through the books, so what was freed stays free as
@@ -127,83 +159,113 @@ class _PartsBuilder:
             return self.experts.release(mib, reason) if self.experts is not None else 0.0
         return self.budgets[0].make_room(mib, reason)
 
-    def build(self, executor: Any, tier_budget_mib: float | None, block_tokens: int | None) -> EngineParts:
-        from engine.model import load_checkpoint, resolve_device
+    def _tier_release(self, mib: float, reason: str) -> float:
+        """A KV pool growth asks the tier on the compute device for memory first (none before the tier exists)."""
+        if self.tier is None or self.tier_device != self.device:
+            return 0.0
+        return self.tier.release(mib, reason)
 
-        config, bus = self.config, self.bus
-        board = SwitchBoard.from_values(config.switches)
-        # a bad --peer-device fails before the load
-        self.tier_device = _tier_device(config, resolve_device(config.device))
-        self.stage = f"loading the model {config.model}"
-        # MoE: routed experts load to host memory; the expert cache gives them their device slots
+    # --- the stages ----------------------------------------------------------------------------------------
+
+    def build(self, graphs: StepExecutor | None, tier_budget_mib: float | None,
+              block_tokens: int | None) -> EngineParts:
+        config, bus, board = self.config, self.bus, self.board
+        lm, streams, graphs = self._load(graphs)
+        self.stage = "allocating the KV cache"
+        depth = config.mtp_depth if config.batch_mtp else 0
+        kv, weights_mib = _sized_kv_cache(config, lm, depth, streams, bus=bus, take_memory=self._tier_release,
+                                          on_resize=functools.partial(self._kv_pool_resized, graphs))
+        settle_switches(board, bus, config, lm.model, kv, has_experts=self.experts is not None)
+        index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
+        # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
+        # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).
+        self.stage = "building the scheduler, runner and drafter"
+        graphs, eager = self._expert_steps(graphs, kv)
+        ex = self._executors(lm, kv, index, streams, graphs, eager, depth)
+        if board.enabled("CAPTURE_ALL"):
+            # Before the tier: the graphs take their pools from free memory, and the tier then takes the rest,
+            # instead of every capture running out of memory against a full tier and evicting its siblings.
+            self.stage = "capturing every graph bucket (CAPTURE_ALL)"
+            precapture_all(config, bus, board, graphs, ex.runner, ex.drafter)
+        self.stage = "allocating the adaptive tier"
+        tier, budgets, recapture = self._tier(lm, kv, index, graphs, weights_mib, tier_budget_mib)
+        if recapture:
+            self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
+            precapture_all(config, bus, board, graphs, ex.runner, ex.drafter)
+        executor = PlanExecutor(runner=ex.runner, drafter=ex.drafter, kv=kv, tier=tier, streams=streams,
+                                chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus)
+        return EngineParts(lm, kv, tier, budgets, ex.sched, ex.runner, ex.drafter, board, graphs, executor,
+                           lm.device, streams, ex.chunks, ex.ahead)
+
+    def _load(self, graphs: StepExecutor | None) -> tuple[Any, Streams, StepExecutor]:
+        """The model on its device, the engine's streams, the step executor, the expert cache (MoE)."""
+        from engine.model import load_checkpoint, resolve_device
         from engine.model.random_source import RANDOM_PREFIX, load_random
 
+        config, bus, board = self.config, self.bus, self.board
+        self.tier_device = _tier_device(config, resolve_device(config.device))  # a bad --peer-device fails first
+        self.stage = f"loading the model {config.model}"
         load = load_random if config.model.startswith(RANDOM_PREFIX) else load_checkpoint  # random: drawn at load
+        # MoE: routed experts load to host memory; the expert cache gives them their device slots
         lm = load(config.model, dtype=config.dtype, device=config.device, expert_device="cpu",
                   quantize=None if config.quantize == "off" else config.quantize)
-        device = self.device = lm.device
+        self.device = lm.device
         model = lm.model
         if config.quantize_head:
             from engine.model.quant.rtn import quantize_head
 
             lm.weight_format = f"{lm.weight_format}, {quantize_head(model)}"
+        if config.batch_mtp and model.mtp is None:
+            raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
         # The one owner of the engine's streams: every component below that queues work off the current stream
         # takes its stream from here.
-        overlap = overlap_wanted(config.prefill_overlap, device, moe=lm.config.moe is not None)
-        streams = Streams(device, overlap, chunk_sms_from_env(os.environ) if overlap else None)
+        overlap = overlap_wanted(config.prefill_overlap, lm.device, moe=lm.config.moe is not None)
+        streams = Streams(lm.device, overlap, chunk_sms_from_env(os.environ) if overlap else None)
         if streams.note is not None:
             bus.publish(WarningEvent(where="engine.chunks", message=streams.note))
-        if device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
+        if lm.device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
             from engine.model.quant.kernels import prepare  # Triton: CUDA only
 
-            prepare(device)  # the quantized kernels' split counters exist before any graph capture
+            prepare(lm.device)  # the quantized kernels' split counters exist before any graph capture
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
+        if graphs is None:
+            graphs = _default_graphs(config, bus, board, self.make_room, streams)
         self.stage = "building the expert cache"
-        experts = self.experts = _expert_cache(config, lm, bus, self.tier_device, streams)
-        depth = 0
-        if config.batch_mtp:
-            if model.mtp is None:
-                raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
-            depth = config.mtp_depth
-        self.stage = "allocating the KV cache"
-        kv, weights_mib = _sized_kv_cache(config, lm, depth, streams)
-        settle_switches(board, bus, config, model, kv, has_experts=experts is not None)
-        index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)
-        # The runner's and drafter's own buffers first: the tier then takes what is left after them, so the
-        # reserve it leaves is really free (nothing allocated at start-up after it can find VRAM full).
-        self.stage = "building the scheduler, runner and drafter"
-        sched = Scheduler.from_config(config, index, draft_tokens=depth, eos_token_ids=tuple(lm.eos_token_ids))
-        if executor is None:
-            executor = _default_executor(config, bus, board, self.make_room, streams)
-        if experts is not None:
-            from engine.exec.experts.steps import ExpertStepExecutor, follow_policy_switch
+        self.experts = _expert_cache(config, lm, bus, self.tier_device, streams,
+                                     on_resize=functools.partial(graphs.invalidate, _every_graph))
+        return lm, streams, graphs
 
-            inner = executor
-            experts.on_resize = lambda: inner.invalidate(lambda kind, key: True)  # graphs read the old pools
-            executor = ExpertStepExecutor(inner, experts, kv.geometry.context_tokens)
-        runner = ModelRunner(model, kv, executor, board, bus, device, config.batch, depth)
-        if experts is not None:
-            # prompt chunks with the fused chunk attention run on the runner's own eager executor: wrap it too, so
-            # their padding rows load no expert and their accesses are counted as prefill steps
-            runner._eager = ExpertStepExecutor(runner._eager, experts, kv.geometry.context_tokens)
-            follow_policy_switch(experts, board)  # EXPERT_LFU set at start
-            from engine.exec.experts.cold import cold_mode
+    def _expert_steps(self, graphs: StepExecutor, kv: SlotKVCache) -> tuple[StepExecutor, StepExecutor]:
+        """The step executors the runner takes: the graphs, and the eager one of prompt chunks with the fused chunk
+        attention; for an MoE model both wrapped in the expert cache's steps (their padding rows load no expert,
+        and their accesses are counted: engine.exec.experts.steps)."""
+        eager: StepExecutor = EagerExecutor()
+        experts = self.experts
+        if experts is None:
+            return graphs, eager
+        from engine.exec.experts.cold import cold_mode
+        from engine.exec.experts.steps import ExpertStepExecutor, follow_policy_switch
 
-            experts.set_cold(cold_mode(board))  # EXPERT_CPU / EXPERT_PREFETCH: how a miss is served
-        runner.release_memory = self.make_room
+        follow_policy_switch(experts, self.board)  # EXPERT_LFU set at start
+        experts.set_cold(cold_mode(self.board))  # EXPERT_CPU / EXPERT_PREFETCH: how a miss is served
+        context_tokens = kv.geometry.context_tokens
+        return ExpertStepExecutor(graphs, experts, context_tokens), ExpertStepExecutor(eager, experts, context_tokens)
+
+    def _executors(self, lm: Any, kv: SlotKVCache, index: PrefixIndex, streams: Streams, graphs: StepExecutor,
+                   eager: StepExecutor, depth: int) -> _Executors:
+        """Scheduler, runner, drafter, the chunks beside the steps and the step launched ahead."""
+        config, experts = self.config, self.experts
+        overlap = streams.overlap
+        runner = ModelRunner(lm.model, kv, graphs, self.board, self.bus, lm.device, config.batch, depth, eager=eager,
+                             prefill_owner=CHUNK_OWNER if overlap else None, release_memory=self.make_room,
+                             oom_release_mib=float(max(256, config.vram_reserve_mib)))
+        gate = None
         if kv.paging is not None and config.kv_resident is None:  # --kv-resident: spills make room, as documented
-            paging, lookahead = kv.paging, runner.lookahead_tokens
-            sched.admission_gate = lambda chunks, ends: paging.admission_wait(chunks, ends, lookahead)
-        chunks = None
-        if overlap:
-            chunks = ChunkStream(streams)
-            chunks.paging = kv.paging
-            if kv.paging is not None:
-                kv.paging.settle_held = chunks.settle
-            runner.prefill_owner = CHUNK_OWNER
-            sched.overlap_chunks = True
-        runner.oom_release_mib = float(max(256, config.vram_reserve_mib))
+            gate = functools.partial(kv.paging.admission_wait, lookahead_tokens=runner.lookahead_tokens)
+        sched = Scheduler.from_config(config, index, draft_tokens=depth, eos_token_ids=tuple(lm.eos_token_ids),
+                                      overlap_chunks=overlap, admission_gate=gate)
+        chunks = ChunkStream(streams, paging=kv.paging) if overlap else None
         drafter = None
         if depth:
             from engine.exec.drafter import MtpDrafter
@@ -212,48 +274,71 @@ class _PartsBuilder:
         if experts is not None:
             from engine.exec.experts.setup import grow_auto
 
-            grow_auto(experts, config.expert_cache_mib, device_memory_mib(device)[1], config.vram_reserve_mib)
-        if board.enabled("CAPTURE_ALL"):
-            # Before the tier: the graphs take their pools from free memory, and the tier then takes the rest,
-            # instead of every capture running out of memory against a full tier and evicting its siblings.
-            self.stage = "capturing every graph bucket (CAPTURE_ALL)"
-            precapture_all(config, bus, board, executor, runner, drafter)
-        self.stage = "allocating the adaptive tier"
-        shared = _shared_tier_blocks(board, bus, kv, index, device, self.tier_device, executor, runner,
+            grow_auto(experts, config.expert_cache_mib, device_memory_mib(lm.device)[1], config.vram_reserve_mib)
+        uses_graphs = config.graphs and not isinstance(graphs, EagerExecutor)
+        may_miss = experts is not None and not experts.every_expert_resident  # a replay must then be checked
+        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, lm.device, uses_graphs, moe=may_miss), drafter)
+        return _Executors(sched, runner, drafter, chunks, ahead)
+
+    def _tier(self, lm: Any, kv: SlotKVCache, index: PrefixIndex, graphs: StepExecutor, weights_mib: float,
+              tier_budget_mib: float | None) -> tuple[AdaptiveTier, list[VramBudget], bool]:
+        """The adaptive tier (on the compute device or --peer-device), the per-device books (an MoE model's
+        expert store on the peer counts as its weights), and whether the graphs must be captured again."""
+        config, bus, device, tier_device = self.config, self.bus, lm.device, self.tier_device
+        shared = _shared_tier_blocks(self.board, bus, kv, index, device, tier_device, graphs,
                                      asked=bool(config.switches.get(SHARED_SWITCH)))
         # A preallocated tier in the KV pool reallocates the pool tensors the graphs captured above read: drop
         # them first, keep their measured size free for the tier's budget, and capture them again after it.
-        recapture = shared is not None and self.tier_device.type == "cuda" and board.enabled("CAPTURE_ALL")
-        graphs_mib = executor.snapshot().total_mib if recapture else 0.0
+        recapture = shared is not None and tier_device.type == "cuda" and self.board.enabled("CAPTURE_ALL")
+        keep_free_mib = graphs.snapshot().total_mib if recapture else 0.0
         if recapture:
-            executor.release()
-        tier, self.budgets = _tier_and_budgets(config, bus, kv, index, weights_mib, device, self.tier_device,
-                                               tier_budget_mib, experts.peer_mib if experts is not None else 0.0,
-                                               shared, keep_free_mib=graphs_mib)
-        self.budgets[0].experts = experts
+            graphs.release()
+        reserve_mib = float(config.vram_reserve_mib)
+        rooms = [DeviceRoom(device, reserve_mib)]
+        if tier_device != device:  # --peer-device: the prefix-cache tier (and an MoE expert store) on the second GPU
+            rooms.append(DeviceRoom(tier_device, reserve_mib))
+        if tier_budget_mib is None:
+            _, free_mib = device_memory_mib(tier_device)
+            if tier_device.type == "cuda":
+                tier_budget_mib = max(0.0, free_mib - reserve_mib - keep_free_mib)  # all of it, up front
+            else:
+                tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_mib / 8)
+        on_gpu = tier_device.type == "cuda"
+        own_mib = OWN_BLOCKS_RESERVE_FACTOR * max(reserve_mib, 1024.0)
+        kv_mib = kv.mib  # the books count the slots' KV; a tier's blocks in the pool are the tier's
+        tier = self.tier = AdaptiveTier(
+            index, kv, bus, tier_device, tier_budget_mib, preallocate=on_gpu,
+            room_mib=rooms[-1].driver_room_mib if on_gpu else None, shared=shared,
+            pooled_mib=max(0.0, tier_budget_mib - own_mib) if on_gpu else None)
+        experts = self.experts
+        experts_first = False  # --expert-cache-mib auto: the claimant that fills the card gives first
         if experts is not None:
             from engine.exec.experts.setup import AUTO
 
-            self.budgets[0].experts_first = config.expert_cache_mib == AUTO  # the claimant that fills the card
-        self.budgets[0].weight_format = lm.weight_format
-        if recapture:
-            self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
-            precapture_all(config, bus, board, executor, runner, drafter)
-        if kv.paging is not None:
-            _wire_paging(kv, bus, tier if self.tier_device == device else None, self.budgets[0], executor, runner)
-        graphs = config.graphs and not isinstance(executor, EagerExecutor)
-        may_miss = experts is not None and not experts.every_expert_resident
-        ahead = DecodeAhead(runner, ahead_wanted(config.decode_ahead, device, graphs, moe=may_miss), drafter)
-        return EngineParts(lm, kv, tier, self.budgets, sched, runner, drafter, board, executor, device, streams,
-                           chunks, ahead)
+            experts_first = config.expert_cache_mib == AUTO
+        budgets = [VramBudget(device, weights_mib=weights_mib, kv_mib=kv_mib, room=rooms[0],
+                              tier=tier if tier_device == device else None, experts=experts,
+                              experts_first=experts_first, kv_paging=kv.paging, weight_format=lm.weight_format)]
+        if tier_device != device:
+            budgets.append(VramBudget(tier_device, weights_mib=experts.peer_mib if experts is not None else 0.0,
+                                      room=rooms[1], tier=tier))
+        self.budgets = budgets
+        return tier, budgets, recapture
+
+    def _kv_pool_resized(self, graphs: StepExecutor) -> None:
+        """A KV pool growth (KV by use) reallocated the pool tensors: the captured graphs read the old ones, and the
+        books' KV figure follows the pool (once the books exist)."""
+        graphs.invalidate(_every_graph)
+        if self.budgets is not None:
+            self.budgets[0].kv_pool_resized()
 
 
-def release_device_memory(executor: Any, tier: AdaptiveTier, kv: SlotKVCache, model: torch.nn.Module,
+def release_device_memory(graphs: StepExecutor, tier: AdaptiveTier, kv: SlotKVCache, model: torch.nn.Module,
                           device: torch.device) -> None:
     """Free an engine's graphs, tier blocks, KV buffers and weights explicitly rather than by dropping the engine:
     a dropped engine's tier (it fills the GPU) is still held when the next engine of the same process checks its
     KV fit, which then sees about the reserve free."""
-    executor.release()
+    graphs.release()
     tier.close("engine closed")
     kv.free()
     experts = model.expert_provider  # an MoE model's expert cache: pools and host store
@@ -298,9 +383,11 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
         f"{summary['ms']:.0f} ms")))
 
 
-def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device, streams: Streams) -> Any:
+def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device, streams: Streams,
+                  on_resize: Any) -> Any:
     """An MoE model's expert cache at its start-up size (engine.exec.experts.setup), its store on the
-    --peer-device card when one is given (`peer` is the compute device otherwise); None for a dense model."""
+    --peer-device card when one is given (`peer` is the compute device otherwise); None for a dense model.
+    `on_resize`: drops the captured graphs (they read the old pools)."""
     if lm.config.moe is None:
         if config.expert_cache_mib is not None:
             raise ConfigError("expert_cache_mib", config.expert_cache_mib,
@@ -312,11 +399,13 @@ def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.devi
     store = peer if peer != lm.device else None
     peer_free_mib = device_memory_mib(store)[1] if store is not None else 0.0
     return start_expert_cache(config.expert_cache_mib, lm.model, lm.device, bus, free_mib, config.vram_reserve_mib,
-                              store, peer_free_mib, streams=streams)
+                              store, peer_free_mib, streams=streams, on_resize=on_resize)
 
 
-def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int, streams: Streams) -> tuple[SlotKVCache, float]:
-    """The slot KV cache for every slot's whole context (+ MTP layers), after the fit check; and weights MiB."""
+def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int, streams: Streams,
+                    **paging: Any) -> tuple[SlotKVCache, float]:
+    """The slot KV cache for every slot's whole context (+ MTP layers), after the fit check; and weights MiB.
+    `paging`: KV by use's needs (engine.exec.kv.paging.KVPaging: the bus, `take_memory`, `on_resize`)."""
     mcfg, model = lm.config, lm.model
     num_layers = mcfg.num_hidden_layers + (model.mtp_depth_layers if depth else 0)
     margin = max(pow2_bucket(config.prefill_chunk_tokens, MIN_CHUNK_TOKENS), 2 * depth + 2)
@@ -350,33 +439,41 @@ def _sized_kv_cache(config: EngineConfig, lm: Any, depth: int, streams: Streams)
                          f"tokens plus a shared pool of "
                          f"{pool_blocks * layout.block_tokens} tokens need"),
                   hint="lower --kv-resident, --context or --batch, use --kv int8, or lower --vram-reserve-mib")
-    kv = SlotKVCache(geometry, config.kv, lm.dtype, lm.device, resident, pool_blocks, streams=streams)
-    if cpu_grows:
-        kv.paging.grow_limit_blocks = config.batch * layout.window_blocks
+    grow_limit_blocks = config.batch * layout.window_blocks if cpu_grows else 0
+    kv = SlotKVCache(geometry, config.kv, lm.dtype, lm.device, resident, pool_blocks, streams=streams,
+                     grow_limit_blocks=grow_limit_blocks, **paging)
     return kv, weights_mib
 
 
-def _wire_paging(kv: SlotKVCache, bus: EventBus, tier: AdaptiveTier | None, budget: VramBudget, executor: Any,
-                 runner: ModelRunner) -> None:
-    """--kv-resident: the pool asks the tier (on this device) for memory first, and a pool that grew drops the
-    captured graphs (they read the old pool tensors) and updates the books' KV figure."""
-    paging = kv.paging
-    paging.bus = bus
-    budget.kv_paging = paging
-    if tier is not None:
-        paging.take_memory = tier.release
+def _tier_device(config: EngineConfig, device: torch.device) -> torch.device:
+    """The compute device, or --peer-device (validated against the CUDA devices torch sees)."""
+    if config.peer_device is None:
+        return device
+    peer = torch.device(config.peer_device)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type != "cuda" or peer.index is None or peer.index >= count or peer == device:
+        raise ConfigError("peer_device", config.peer_device,
+                          f"needs a second CUDA device besides the compute device {device}; torch sees {count}")
+    return peer
 
-    def resized() -> None:
-        for ex in (executor, runner._eager):
-            ex.invalidate(lambda kind, key: True)
-        budget.kv_mib = kv.mib
 
-    paging.on_resize = resized
+
+
+def _default_graphs(config: EngineConfig, bus: EventBus, board: SwitchBoard, make_room: Any,
+                    streams: Streams) -> StepExecutor:
+    """The graph cache on CUDA with --graphs (its OOM path gets room through `make_room`, i.e.
+    VramBudget.make_room: what it frees stays free as headroom); else eager."""
+    if not streams.cuda or not config.graphs:
+        return EagerExecutor()
+    from engine.exec.graphs.cache import GraphCache
+
+    return GraphCache(streams.device, bus, board, release_tier=make_room, wait_polls=config.tier_wait_polls,
+                      wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key, streams=streams)
 
 
 def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, device: torch.device,
-                        tier_device: torch.device, executor: Any, runner: ModelRunner,
-                        asked: bool = False) -> SharedTierBlocks | None:
+                        tier_device: torch.device, graphs: StepExecutor,
+                        asked: bool = False) -> SharedTierBlocks | LedgerTierBlocks | None:
     """With SHARED_PREFIX on, the tier's blocks in the KV pool (a reused prefix shared by reference), where the
     compute device's kernels can read them: the tier on the compute device, every slot owning its context (no
     --kv-resident: its ledger owns the table), and tier blocks of whole pool blocks. Otherwise None: the tier
@@ -394,62 +491,7 @@ def _shared_tier_blocks(board: SwitchBoard, bus: EventBus, kv: SlotKVCache, inde
         if asked:
             bus.publish(WarningEvent(where="engine.exec.kv.tier_pool", message=f"SHARED_PREFIX is off: {reason}"))
         return None
-    if kv.paging is not None:  # KV by use: the tier's blocks come from the slots' own pool
+    if kv.paging is not None:  # KV by use: the tier's blocks come from the slots' own pool (its growth drops graphs)
         return LedgerTierBlocks(kv, index.block_tokens)
-    shared = SharedTierBlocks(kv, index.block_tokens)
-
-    def resized() -> None:  # the pool tensors were reallocated: graphs read the old ones' addresses
-        for ex in (executor, runner._eager):
-            ex.invalidate(lambda kind, key: True)
-
-    shared.on_resize = resized
-    return shared
-
-
-def _tier_and_budgets(config: EngineConfig, bus: EventBus, kv: SlotKVCache, index: PrefixIndex, weights_mib: float,
-                      device: torch.device, tier_device: torch.device, tier_budget_mib: float | None,
-                      peer_weights_mib: float = 0.0, shared: SharedTierBlocks | None = None,
-                      keep_free_mib: float = 0.0) -> tuple[AdaptiveTier, list[VramBudget]]:
-    """The adaptive tier (on the compute device or --peer-device) and the per-device books (an MoE model's
-    expert store on the peer counts as its weights: `peer_weights_mib`). `keep_free_mib`: memory the tier's
-    default budget leaves free beyond the reserve (graphs to be captured again right after it)."""
-    budgets = [VramBudget(device, float(config.vram_reserve_mib), weights_mib, kv.mib)]
-    if tier_device != device:  # --peer-device: the prefix-cache tier (and an MoE expert store) on the second GPU
-        budgets.append(VramBudget(tier_device, float(config.vram_reserve_mib), peer_weights_mib, 0.0))
-    if tier_budget_mib is None:
-        _, free_mib = device_memory_mib(tier_device)
-        if tier_device.type == "cuda":
-            tier_budget_mib = max(0.0, free_mib - config.vram_reserve_mib - keep_free_mib)  # all of it, up front
-        else:
-            tier_budget_mib = min(CPU_TIER_DEFAULT_MIB, free_mib / 8)
-    on_gpu = tier_device.type == "cuda"
-    own_mib = OWN_BLOCKS_RESERVE_FACTOR * max(float(config.vram_reserve_mib), 1024.0)
-    tier = AdaptiveTier(index, kv, bus, tier_device, tier_budget_mib, preallocate=on_gpu,
-                        room_mib=budgets[-1].driver_room_mib if on_gpu else None, shared=shared,
-                        pooled_mib=max(0.0, tier_budget_mib - own_mib) if on_gpu else None)
-    budgets[-1].tier = tier
-    return tier, budgets
-
-
-def _tier_device(config: EngineConfig, device: torch.device) -> torch.device:
-    """The compute device, or --peer-device (validated against the CUDA devices torch sees)."""
-    if config.peer_device is None:
-        return device
-    peer = torch.device(config.peer_device)
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.type != "cuda" or peer.index is None or peer.index >= count or peer == device:
-        raise ConfigError("peer_device", config.peer_device,
-                          f"needs a second CUDA device besides the compute device {device}; torch sees {count}")
-    return peer
-
-
-def _default_executor(config: EngineConfig, bus: EventBus, board: SwitchBoard, release: Any,
-                      streams: Streams) -> Any:
-    """The graph cache on CUDA with --graphs (its OOM path shrinks the tier through `release`, i.e.
-    VramBudget.make_room: what it frees stays free as headroom); else eager."""
-    if not streams.cuda or not config.graphs:
-        return EagerExecutor()
-    from engine.exec.graphs.cache import GraphCache
-
-    return GraphCache(streams.device, bus, board, release_tier=release, wait_polls=config.tier_wait_polls,
-                      wait_interval_s=config.tier_wait_interval_s, switch_for_key=switch_for_key, streams=streams)
+    # the pool tensors reallocated: the graphs read the old ones' addresses
+    return SharedTierBlocks(kv, index.block_tokens, on_resize=functools.partial(graphs.invalidate, _every_graph))

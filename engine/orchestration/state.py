@@ -13,7 +13,7 @@ from engine.api import Health
 from engine.config import EngineConfig
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
-from engine.exec.executor import StepExecutor
+from engine.exec.step_fns import StepExecutor
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier, VramBudget
 from engine.snapshot import (EngineSnapshot, HealthSnapshot, KvPagingSnapshot, KvSnapshot, MtpSnapshot,
@@ -57,7 +57,7 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
 
 
 def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: SwitchBoard, sched: Scheduler,
-                   executor: StepExecutor, budgets: list[VramBudget], tier: AdaptiveTier, kv: SlotKVCache,
+                   graphs: StepExecutor, budgets: list[VramBudget], tier: AdaptiveTier, kv: SlotKVCache,
                    mtp: MtpSnapshot, steps: int, experts: Any = None, oracle_max_age_s: float = 0.0,
                    now_s: float | None = None) -> EngineSnapshot:
     """The /strata/state snapshot of this moment. Runs on the engine thread only (it reads the scheduler, the
@@ -78,7 +78,7 @@ def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: S
         switches=[SwitchSnapshot.from_json(s) for s in board.snapshot()],
         queue=QueueSnapshot(waiting=sched.num_waiting, queue_max=sched.queue_max,
                             prefill_tokens=sched.prefill_tokens_waiting(), admission_wait=sched.admission_wait),
-        slots=slots, graphs=executor.snapshot(),
+        slots=slots, graphs=graphs.snapshot(),
         vram=[budget.breakdown() for budget in budgets], tier=TierSnapshot.from_json(tier.snapshot()),
         kv=KvSnapshot(storage=kv.storage, mib=round(kv.mib, 2), context_tokens=kv.geometry.context_tokens,
                       slots=kv.geometry.num_slots,

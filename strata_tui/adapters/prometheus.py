@@ -37,9 +37,6 @@ class Metrics:
             labels = dict(_LABEL.findall(match.group(3) or ""))
             self.samples[match.group(1)].append(Sample(labels, value))
 
-    def has(self, name: str) -> bool:
-        return name in self.samples
-
     def first(self, *names: str) -> str | None:
         """The first of `names` this scrape has (a renamed metric: the new name, then the old)."""
         return next((n for n in names if n in self.samples), None)

@@ -47,10 +47,6 @@ class GraphEventsTable(ViewBound, DataTable):
     def filter_name(self) -> str:
         return ("all", "warnings+", "errors")[self.min_severity]
 
-    @property
-    def shown_count(self) -> int:
-        return len(self._shown)
-
     def on_mount(self) -> None:
         for label, key in COLUMNS:
             self.add_column(label, key=key)

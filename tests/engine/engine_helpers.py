@@ -106,7 +106,7 @@ def make_engine(model: Path, bus: EventBus | None = None, **kw) -> Engine:
     executor = kw.pop("executor", None)
     tier_mib = kw.pop("tier_budget_mib", 64.0)
     block_tokens = kw.pop("block_tokens", 16)
-    return Engine(small_config(model, **kw), bus or EventBus(), executor=executor, tier_budget_mib=tier_mib,
+    return Engine(small_config(model, **kw), bus or EventBus(), graphs=executor, tier_budget_mib=tier_mib,
                   block_tokens=block_tokens)
 
 
@@ -163,3 +163,13 @@ def fill_the_pool_beside_a_chunk(engine: Engine, bus: EventBus, short: list[list
             outs.setdefault(out.request_id, []).append(out)
     spills = [e for e in bus.history() if e.type == "kv" and e.action == "spill"]
     return outs, spills, held
+
+
+def slot_keys(kv, layer: int, values: bool = False) -> torch.Tensor:
+    """Every slot's raw stored keys (or values) of a SlotKVCache in logical order, [slots, Hkv, columns, D]: a copy
+    through the block table (the serving paths never build one)."""
+    g = kv.geometry
+    kv.join_fetches()
+    pool = kv.v[layer] if values else kv.k[layer]
+    picked = pool.index_select(1, kv.block_table.reshape(-1).long())
+    return picked.view(g.num_kv_heads, g.num_slots, g.columns, g.head_dim).transpose(0, 1)

@@ -18,7 +18,7 @@ def test_registry_has_split_attn_and_five_switches_with_descriptions() -> None:
 
 def test_each_effect_says_why_not_when_or_on_which_machine() -> None:
     """`effect` travels to the TUI over /strata/state: it is the switch's reason, the figures stay in
-    docs/SWITCHES.md with their machine and date."""
+    docs/SWITCHES.md with their machine and command."""
     for switch in SWITCHES:
         assert switch.effect, switch.name
         assert not re.search(r"\bH[12]00\b|20\d\d-\d\d-\d\d|session|\bcall \d", switch.effect), (switch.name, switch.effect)

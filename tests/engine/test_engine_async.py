@@ -132,7 +132,7 @@ async def test_a_failed_load_reports_dead_with_the_reason(tmp_path):
 
 
 async def test_a_step_failure_ends_the_stream_with_the_error_and_health_goes_dead(ckpt):
-    from engine.exec.executor import EagerExecutor
+    from engine.exec.step_fns import EagerExecutor
 
     class Broken(EagerExecutor):
         def run(self, kind, key, fn, inputs, owner=None):
@@ -141,7 +141,7 @@ async def test_a_step_failure_ends_the_stream_with_the_error_and_health_goes_dea
             return fn(inputs)
 
     def factory(cfg, bus):
-        return Engine(cfg, bus, executor=Broken(), tier_budget_mib=8.0, block_tokens=16)
+        return Engine(cfg, bus, graphs=Broken(), tier_budget_mib=8.0, block_tokens=16)
 
     engine = AsyncEngine(small_config(ckpt, batch=1), EventBus(), engine_factory=factory)
     assert (await engine.ready(timeout_s=60)).ready

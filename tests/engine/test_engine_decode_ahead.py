@@ -11,7 +11,7 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.errors import ConfigError
-from engine.exec.executor import EagerExecutor
+from engine.exec.step_fns import EagerExecutor
 from tests.engine.engine_helpers import lively_checkpoint, make_engine, random_prompts, small_config, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -113,7 +113,7 @@ def test_a_launch_ahead_that_fails_costs_that_launch_only(lively):
     on = _drive(engine, script)
     assert on == off
     assert engine.health().ready
-    assert engine.executor.decodes > 6 and engine.ahead.taken >= 8
+    assert engine.graphs.decodes > 6 and engine.ahead.taken >= 8
 
 
 def test_off_and_mtp_without_its_fused_step_never_launch_ahead(lively):

@@ -9,7 +9,7 @@ from typing import Any, Callable, Hashable
 import pytest
 
 from engine.api import SamplingParams
-from engine.exec.executor import EagerExecutor, GraphDegraded
+from engine.exec.step_fns import EagerExecutor, GraphDegraded
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of
 

@@ -31,13 +31,13 @@ def test_gpu_greedy_with_graphs_matches_eager_and_mtp_is_lossless(ckpt):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     eager = tokens_of(run_all(_engine(ckpt, graphs=False), prompts, params))
     graphs = _engine(ckpt, graphs=True)
-    assert type(graphs.executor).__name__ == "GraphCache"
+    assert type(graphs.graphs).__name__ == "GraphCache"
     assert tokens_of(run_all(graphs, prompts, params)) == eager
     # the next greedy step went ahead of the host's reading (engine.exec.decode_ahead) and was taken
     assert graphs.ahead.enabled and graphs.ahead.taken > 0, (graphs.ahead.taken, graphs.ahead.dropped)
     # short prompt chunks replay captured graphs (the prompt-chunk kernel needs no chunk start baked in): an eager
     # 28-layer chunk is bound by the host's launches
-    kinds = {(g.kind, g.replays > 0) for g in graphs.executor.snapshot().graphs}
+    kinds = {(g.kind, g.replays > 0) for g in graphs.graphs.snapshot().graphs}
     assert ("prefill", True) in kinds, kinds
     mtp = _engine(ckpt, graphs=True, batch_mtp=True, mtp_depth=2)
     assert tokens_of(run_all(mtp, prompts, params)) == eager

@@ -183,7 +183,7 @@ def test_gpu_graph_captured_steps_flag_nan_logits_and_the_engine_serves_on(untie
         config = EngineConfig(model=str(untied), device="cuda:0", dtype="float32", batch=4, context=1024,
                               graphs=True, prefill_chunk_tokens=64, step_token_budget=128, **GPU_PATHS[path])
         built = Engine(config, EventBus(), block_tokens=16)
-        assert type(built.executor).__name__ == "GraphCache" and built.ahead.enabled
+        assert type(built.graphs).__name__ == "GraphCache" and built.ahead.enabled
         assert not path.startswith("fused") or built.drafter.fused
         return built
 

@@ -63,7 +63,7 @@ def test_a_failure_while_adding_a_request_leaves_the_engine_as_it_was(ckpt, refe
         monkeypatch.setattr(engine.sched, "add", add)
     with pytest.raises((RequestRejected, QueueFull, Injected)):
         engine.add_request("bad", PROMPTS[0], SamplingParams(max_tokens=4, seed=666))
-    assert engine.output.get("bad") is None and "bad" not in engine.stepper.generators and not engine.has_work
+    assert engine.output.get("bad") is None and "bad" not in engine.executor.generators and not engine.has_work
     if stage == "decoder":
         monkeypatch.undo()
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == reference

@@ -55,7 +55,7 @@ def _faulty_engine(ckpt, bus: EventBus, faults: str):
     cache = GraphCache(engine.device, bus, engine.board, release_tier=engine.tier.release, wait_polls=2,
                        wait_interval_s=0.0, fault_plan=FaultPlan.parse(faults), switch_for_key=switch_for_key,
                        streams=engine.streams)
-    engine.executor = engine.runner.executor = cache
+    engine.graphs = engine.runner.graphs = cache
     return engine
 
 

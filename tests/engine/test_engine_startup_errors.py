@@ -25,7 +25,7 @@ def test_a_failure_while_building_names_the_stage_the_real_error_and_the_engine_
     assert text.startswith("while building the scheduler, runner and drafter: RuntimeError: CUDA error: out of memory")
     assert "asynchronously" not in text  # PyTorch's boilerplate is not the news
     assert info.value.where is not None and info.value.where.startswith("engine/orchestration/engine_setup.py:")
-    assert info.value.where.endswith("in build") and f"at {info.value.where}" in text
+    assert info.value.where.endswith("in _executors") and f"at {info.value.where}" in text  # the stage's method
     assert isinstance(info.value.__cause__, RuntimeError)
     # What /health and the serve's one-line error show: the cause once, not repeated after the wrapper.
     from engine.exec.gpu_errors import real_message

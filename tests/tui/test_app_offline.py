@@ -68,12 +68,12 @@ async def test_filter_cycles_graph_events(config_dir: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
         table = app.screen.query_one(GraphEventsTable)
-        await wait_for(pilot, lambda: table.shown_count > 0, what="the graph events drawn")
-        counts = [table.shown_count]
+        await wait_for(pilot, lambda: table.row_count > 0, what="the graph events drawn")
+        counts = [table.row_count]
         for _ in range(3):
             await pilot.press("f")
             await pilot.pause()
-            counts.append(table.shown_count)
+            counts.append(table.row_count)
         assert counts[0] > counts[1] > counts[2] > 0 and counts[3] == counts[0]
         assert "all" in table.border_title
 

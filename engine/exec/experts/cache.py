@@ -37,7 +37,7 @@ from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, predicted_ids, 
 from engine.exec.experts.pool import ExpertPool, expert_bytes
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import adopt, groups_of
-from engine.exec.streams import Streams, required
+from engine.exec.cuda_streams import Streams, required
 from engine.snapshot import ExpertCacheSnapshot
 from engine.model.moe import moe_index_of, routes_by_expert, sparse_blocks
 from engine.model.moe_kernels import routed_experts
@@ -57,9 +57,10 @@ class ExpertCache:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bus: EventBus, slots: int,
                  min_slots: int = 1, policy: str = "lru", store_device: torch.device | None = None,
-                 streams: Streams | None = None) -> None:
-        """`streams`: the engine's (engine.exec.streams), whose `expert_copy` stream the loads run on; needed on
-        CUDA (None on a CPU, where a load copies in order)."""
+                 streams: Streams | None = None, on_resize: Callable[[], None] | None = None) -> None:
+        """`streams`: the engine's (engine.exec.cuda_streams), whose `expert_copy` stream the loads run on; needed on
+        CUDA (None on a CPU, where a load copies in order). `on_resize`: drops the captured graphs (they read the
+        old pools)."""
         self.blocks = sparse_blocks(model)
         if not self.blocks:
             raise ValueError("the model has no sparse MoE layers")
@@ -82,7 +83,7 @@ class ExpertCache:
         self.dtype = self.blocks[0].gate.weight.dtype  # the activations': what a dequantized expert computes in
         self.min_slots = max(1, min_slots)
         self.target_slots = self.num_experts  # what regrowth aims for (the configured budget)
-        self.on_resize: Callable[[], None] = lambda: None
+        self.on_resize: Callable[[], None] = on_resize or (lambda: None)
         self.stats = ExpertStats(len(self.pools), self.num_experts, bus, str(device))
         n = len(self.pools)
         # Written by captured steps (engine.exec.experts.steps reads them between steps).

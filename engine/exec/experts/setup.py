@@ -15,14 +15,14 @@ store: every routed expert once), which must have room for all of them (a Config
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from engine.errors import ConfigError
 from engine.exec.experts.cache import ExpertCache
 from engine.exec.experts.pool import expert_bytes
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 from engine.model.moe import sparse_blocks
 from engine.telemetry import EventBus
 
@@ -34,9 +34,10 @@ AUTO_SHARE = 0.95
 
 def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device: torch.device, bus: EventBus,
                        free_mib: float, reserve_mib: float, peer: torch.device | None = None,
-                       peer_free_mib: float = 0.0, streams: Streams | None = None) -> ExpertCache:
+                       peer_free_mib: float = 0.0, streams: Streams | None = None,
+                       on_resize: Callable[[], None] | None = None) -> ExpertCache:
     """The cache with its start-up size (see the module docstring); `free_mib` is the device's free memory,
-    `peer_free_mib` the --peer-device's (where the store goes when `peer` is given)."""
+    `peer_free_mib` the --peer-device's (where the store goes when `peer` is given); `on_resize`: ExpertCache's."""
     if peer is not None and peer.type == "cuda":
         need = store_mib(model)
         if need > peer_free_mib - reserve_mib:
@@ -44,7 +45,7 @@ def start_expert_cache(budget: int | str | None, model: torch.nn.Module, device:
                               f"the routed experts need {need:.0f} MiB there but only {peer_free_mib - reserve_mib:.0f} "
                               f"MiB are available ({peer_free_mib:.0f} MiB free, minus the {reserve_mib:.0f} MiB "
                               "reserve); without --peer-device they stay in host memory")
-    cache = ExpertCache(model, device, bus, slots=1, store_device=peer, streams=streams)
+    cache = ExpertCache(model, device, bus, slots=1, store_device=peer, streams=streams, on_resize=on_resize)
     if budget == AUTO:
         return cache
     want_mib = cache.all_experts_mib + cache.mib_for(0) if budget is None else float(budget)

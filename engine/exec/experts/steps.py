@@ -28,7 +28,7 @@ from typing import Any, Hashable, Mapping
 import numpy as np
 import torch
 
-from engine.exec.executor import StepFn
+from engine.exec.step_fns import StepFn
 from engine.exec.experts.cache import MAX_STEP_ROWS, ExpertCache
 from engine.switches import SwitchBoard
 

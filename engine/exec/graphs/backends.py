@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Protocol, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.exec.streams import Streams
+    from engine.exec.cuda_streams import Streams
 
 MIB = float(1 << 20)
 StageHook = Callable[[str], None]
@@ -168,7 +168,7 @@ class CudaGraphBackend:
     """
 
     def __init__(self, streams: Streams, lean_free_mib: float = 4096.0) -> None:
-        """`streams`: the engine's (engine.exec.streams); warm-ups and captures run on their `capture` stream."""
+        """`streams`: the engine's (engine.exec.cuda_streams); warm-ups and captures run on their `capture` stream."""
         import torch
 
         self._torch = torch
@@ -334,7 +334,7 @@ def default_backend(device: Any, streams: Streams | None = None) -> GraphBackend
     """CUDA backend for a CUDA device (capturing on the capture stream of `streams`, the engine's), the CPU
     backend otherwise."""
     if str(device).startswith("cuda"):
-        from engine.exec.streams import required  # it imports torch, which this module takes only for CUDA
+        from engine.exec.cuda_streams import required  # it imports torch, which this module takes only for CUDA
 
         return CudaGraphBackend(required(streams, device, "a CUDA graph backend"))
     return CpuGraphBackend()

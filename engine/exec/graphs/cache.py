@@ -1,6 +1,6 @@
 """The graph cache: capture each step once, replay it after, and survive running out of memory doing so.
 
-`GraphCache` implements `engine.exec.executor.StepExecutor`. On the first `run(kind, key, ...)` it stages static
+`GraphCache` implements `engine.exec.step_fns.StepExecutor`. On the first `run(kind, key, ...)` it stages static
 input buffers, captures the step through a backend (`engine.exec.graphs.backends`: CUDA graphs on a GPU, recorded
 closures on CPU), records the graph's measured MiB and capture ms and emits `GraphEvent(capture)`; later
 calls copy inputs in and replay.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol, TYPE_CHECKING
 
 from engine.exec.compile import StepCompiler
-from engine.exec.executor import GraphDegraded, StepFn
+from engine.exec.step_fns import GraphDegraded, StepFn
 from engine.exec.gpu_errors import classify, exception_chain, real_message, sticky_from
 from engine.exec.graphs.backends import CapturedGraph, GraphBackend, default_backend, delta_mib, key_text
 from engine.exec.graphs.inputs import Pack, fill_inputs, stage_inputs
@@ -35,7 +35,7 @@ from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, GraphEvent
 
 if TYPE_CHECKING:
-    from engine.exec.streams import Streams
+    from engine.exec.cuda_streams import Streams
 
 __all__ = ["GraphCache", "GraphDegraded", "GraphSpec"]
 
@@ -115,7 +115,7 @@ class GraphCache:
         sleep: Callable[[float], None] = time.sleep,
         streams: Streams | None = None,
     ) -> None:
-        """`streams`: the engine's (engine.exec.streams), whose capture stream a CUDA device's captures run on
+        """`streams`: the engine's (engine.exec.cuda_streams), whose capture stream a CUDA device's captures run on
         (needed there unless `backend` is given; None on a CPU)."""
         self.device = str(device)
         self.bus = bus

@@ -6,16 +6,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Protocol
 
+from engine.step import BlockRef
 
-class BlockRef(Protocol):
-    """One cached block: its position in the prompt, the tier block holding its KV, its hash-chain key."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def block_id(self) -> int: ...
-    @property
-    def digest(self) -> bytes: ...
+__all__ = ["BlockIndex", "BlockRef", "IndexStats", "ResizeOutcome"]
 
 
 class IndexStats(Protocol):

@@ -30,7 +30,7 @@ import torch
 from engine.exec.kv.blocks import BlockLayout
 from engine.exec.kv.paging import KVPaging
 from engine.exec.kv.pool_resize import resized
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 from engine.model.attention.backends import TorchAttention, kernel_backend
 from engine.model.attention.reference import flash_accepts
 
@@ -122,7 +122,10 @@ class SlotKVCache:
     """
 
     def __init__(self, geometry: KVGeometry, storage: str, compute_dtype: torch.dtype, device: torch.device | str,
-                 resident_tokens: int | None = None, pool_blocks: int = 0, streams: Streams | None = None) -> None:
+                 resident_tokens: int | None = None, pool_blocks: int = 0, streams: Streams | None = None,
+                 **paging: Any) -> None:
+        """With `resident_tokens`, `paging` holds KVPaging's keyword arguments (what a pool growth takes memory
+        from and what follows it, how far it may grow alone)."""
         if storage not in KV_STORAGE:
             raise ValueError(f"kv storage {storage!r}: expected one of {KV_STORAGE}")
         self.geometry = geometry
@@ -148,7 +151,7 @@ class SlotKVCache:
         # Pool blocks the prefix-cache tier holds when its blocks live in this pool (engine.exec.kv.tier_pool).
         self.tier_blocks = 0
         if layout is not None:
-            self.paging = KVPaging(self, layout, pool_blocks, int(resident_tokens), streams)
+            self.paging = KVPaging(self, layout, pool_blocks, int(resident_tokens), streams, **paging)
             self.block_table = self.paging._table.to(self.device, copy=True)  # the device table: synced in place
         self.slots: torch.Tensor | None = None
         self.span_tokens = geometry.context_tokens
@@ -245,9 +248,6 @@ class SlotKVCache:
             self.paging.free()  # first: a fetch still in flight writes the pools
         self.k, self.v, self.k_scale, self.v_scale = [], [], [], []
         self.slots = self._where = None
-
-    def set_split(self, enabled: bool) -> None:
-        self.split_attn = bool(enabled)
 
     def set_path(self, split: bool, paged: bool, paged_prefill: bool = False) -> None:
         """The attention path of the forward about to run: SPLIT_ATTN (reference backend), PAGED_ATTN (the
@@ -402,15 +402,6 @@ class SlotKVCache:
         return kk, vv
 
     # --- whole-slot copies: prefix blocks in and out of the tier -------------------------------------------
-
-    def slot_keys(self, layer: int, values: bool = False) -> torch.Tensor:
-        """Every slot's raw stored keys (or values) in logical order, [slots, Hkv, columns, D] (a copy through
-        the block table, for tests and inspection: the serving paths never build it)."""
-        g = self.geometry
-        self.join_fetches()
-        pool = self.v[layer] if values else self.k[layer]
-        picked = pool.index_select(1, self.block_table.reshape(-1).long())
-        return picked.view(g.num_kv_heads, g.num_slots, g.columns, g.head_dim).transpose(0, 1)
 
     def _slot_tokens(self, slot: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n, device=self.device)

@@ -43,7 +43,7 @@ import torch
 
 from engine.exec.kv.blocks import BlockLayout, BlockLedger, Plan
 from engine.exec.kv.host import MIB, HostKVStore
-from engine.exec.streams import Streams, required
+from engine.exec.cuda_streams import Streams, required
 from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import EventBus, KvEvent
 
@@ -79,26 +79,27 @@ class KVPaging:
     """The block table's owner under `--kv-resident` (see the module docstring)."""
 
     def __init__(self, kv, layout: BlockLayout, pool_blocks: int, resident_tokens: int,
-                 streams: Streams | None = None) -> None:
-        """`streams`: the engine's (engine.exec.streams), whose `kv_copy` stream the fetches run on; needed on
-        CUDA (None on a CPU, where a fetch copies in order)."""
+                 streams: Streams | None = None, *, bus: EventBus | None = None,
+                 take_memory: Callable[[float, str], float] | None = None,
+                 on_resize: Callable[[], None] | None = None, grow_limit_blocks: int = 0) -> None:
+        """`streams`: the engine's (engine.exec.cuda_streams), whose `kv_copy` stream the fetches run on; needed on
+        CUDA (None on a CPU, where a fetch copies in order). `take_memory(mib, reason) -> freed`: memory the
+        prefix-cache tier gives back; `on_resize`: what must follow a pool reallocation (graphs dropped, the books'
+        KV figure updated); `grow_limit_blocks`: the most pool blocks it may grow to without the tier (KV by use on
+        a CPU: every slot's whole context, what the reservation it replaces held; 0: only what the tier gives)."""
         self.kv = kv
         self.layout = layout
         self.resident_tokens = resident_tokens
         self.ledger = BlockLedger(layout, pool_blocks)
         self.host = HostKVStore(kv.pools(), pinned=kv.device.type == "cuda")
         self.stats = PagingStats()
-        self.bus: EventBus | None = None
-        # Set by the engine builder once the tier exists: memory the tier gives back (MiB asked, reason) -> freed,
-        # and what must follow a pool reallocation (graphs dropped, the books' KV figure updated).
-        self.take_memory: Callable[[float, str], float] | None = None
-        self.on_resize: Callable[[], None] | None = None
-        # The most pool blocks it may grow to without the tier (KV by use on a CPU: every slot's whole context, what
-        # the reservation it replaces held); 0: only what the tier gives back.
-        self.grow_limit_blocks = 0
-        # Set by the engine builder where chunks run beside the steps (engine.exec.chunk_stream.ChunkStream.settle):
-        # waits for the chunk in flight and lifts its hold, for a forward that cannot fit without its blocks.
-        self.settle_held: Callable[[], None] | None = None
+        self.bus = bus
+        self.take_memory = take_memory
+        self.on_resize = on_resize
+        self.grow_limit_blocks = grow_limit_blocks
+        # The held slot's settle (engine.exec.chunk_stream.ChunkStream.settle, handed over with `hold`): waits for
+        # the chunk in flight and lifts its hold, for a forward that cannot fit without its blocks.
+        self._settle_held: Callable[[], None] | None = None
         self._table = torch.tensor([self.ledger.table_row(s) for s in range(layout.num_slots)], dtype=torch.int32)
         # CUDA only: the stream fetches run on, one external event per KV layer (attend's layer index), and the
         # fetches whose timing is not read yet.
@@ -192,8 +193,8 @@ class KVPaging:
         short = self.ledger.shortfall(wants)
         if short > 0:
             self.grow(short, "the KV pool is short")
-            if self.settle_held is not None and self.ledger.needs_held(wants):
-                self.settle_held()  # the chunk's kernels are done: its blocks may go to the host like any other
+            if self._settle_held is not None and self.ledger.needs_held(wants):
+                self._settle_held()  # the chunk's kernels are done: its blocks may go to the host like any other
         plan = self.ledger.plan(wants)
         if plan.spills or plan.fetches:
             self._copy(plan)
@@ -225,12 +226,15 @@ class KVPaging:
     def retire(self, slot: int) -> None:
         self.ledger.retire(slot)
 
-    def hold(self, slot: int) -> None:
-        """A chunk beside the steps writes the slot's blocks until `unhold`: none of them is spilled meanwhile."""
+    def hold(self, slot: int, settle: Callable[[], None] | None = None) -> None:
+        """A chunk beside the steps writes the slot's blocks until `unhold`: none of them is spilled meanwhile,
+        unless a forward cannot fit without them: then `settle` (it waits for the chunk, then unholds) runs first."""
         self.ledger.hold(slot)
+        self._settle_held = settle
 
     def unhold(self, slot: int) -> None:
         self.ledger.unhold(slot)
+        self._settle_held = None
 
     def on_device(self, slot: int, logical: list[int]) -> bool:
         """Every one of the slot's logical blocks `logical` is in a device pool block it owns (not on the host)."""

@@ -43,7 +43,8 @@ _MOVE_BLOCKS = 256  # blocks one compaction copy moves (its scratch: that many b
 class SharedTierBlocks:
     """Block bookkeeping and pool resizing for a tier whose blocks live in the KV pool (see the module doc)."""
 
-    def __init__(self, kv, tier_block_tokens: int) -> None:
+    def __init__(self, kv, tier_block_tokens: int, on_resize: Callable[[], None] | None = None) -> None:
+        """`on_resize`: what must follow a pool reallocation (captured graphs read the old tensors: dropped)."""
         g = kv.geometry
         if kv.paging is not None or tier_block_tokens % g.block_tokens:
             raise ValueError("tier blocks share the pool only without --kv-resident and in whole pool blocks")
@@ -55,8 +56,7 @@ class SharedTierBlocks:
         self.mapped: list[dict[int, BlockRef]] = [{} for _ in range(g.num_slots)]  # slot -> {prompt block: ref}
         self._retired: set[int] = set()
         self._table = kv.block_table.to("cpu", copy=True)
-        # What must follow a pool reallocation: captured graphs dropped, the books' figures updated.
-        self.on_resize: Callable[[], None] | None = None
+        self.on_resize = on_resize
 
     # --- queries -------------------------------------------------------------------------------------------
 

@@ -54,28 +54,66 @@ def check_kv_fits(kv_mib: float, weights_mib: float, reserve_mib: float, free_mi
 
 
 @dataclass
-class VramBudget:
-    """One device's books: what each part holds, the reserve, and what is free. Feeds VramEvent and the tier."""
+class DeviceRoom:
+    """What one device keeps free, and the room that leaves. The reserve (the user's, retuned live) and the
+    headroom learned on top of it: memory a step needed that the reserve did not cover (an eager out-of-memory
+    the tier had to answer), kept out of the tier so the next such step does not run out again. The books
+    (VramBudget) change it; the tier, built before the books, measures its growth against it (`driver_room_mib`)."""
 
     device: torch.device
     reserve_mib: float
-    weights_mib: float
-    kv_mib: float
-    tier: Any = None  # engine.exec.kv.tier.AdaptiveTier
-    graphs_mib: float = 0.0
-    # The MoE expert cache (engine.exec.experts.cache.ExpertCache) when the model has one: a second claimant
-    # that shrinks on request (after the tier) and regrows towards its budget (before the tier).
-    experts: Any = None
-    # --expert-cache-mib auto: the expert cache fills the card by design and the tier holds only the rest, so
-    # a step or capture that ran out of memory asks the experts first (the seed report's order: the claimant
-    # that fills the card gives first, then the tier).
-    experts_first: bool = False
-    # Learned on top of the reserve: memory a step needed that the reserve did not cover (an eager
-    # out-of-memory the tier had to answer). Kept out of the tier so the next such step does not OOM again.
     headroom_mib: float = 0.0
-    # --kv-resident paging (engine.exec.kv.paging.KVPaging): its host-held KV is reported beside the books.
-    kv_paging: Any = None
-    weight_format: str = ""  # how the weights on this device are stored (bf16, fp8 ..., int4 ...)
+
+    def driver_room_mib(self) -> float:
+        """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps
+        cached, which fragments can leave unusable) minus the reserve and the learned headroom."""
+        free_b, _ = torch.cuda.mem_get_info(self.device)
+        return free_b / MIB - self.reserve_mib - self.headroom_mib
+
+    def tier_room_mib(self) -> float:
+        """How far the tier may grow (positive) or must shrink (negative) to keep the reserve free (CUDA)."""
+        _, free = device_memory_mib(self.device)
+        return free - self.reserve_mib - self.headroom_mib
+
+
+class VramBudget:
+    """One device's books: what each part holds, the reserve, and what is free. Feeds VramEvent and the tier.
+
+    `room`: what the device keeps free (made from `reserve_mib` when not given; given when the tier was built
+    against it first). `tier`: the adaptive tier on this device (engine.exec.kv.tier.AdaptiveTier). `experts`: the
+    MoE expert cache (engine.exec.experts.cache.ExpertCache) when the model has one: a second claimant that shrinks
+    on request (after the tier) and regrows towards its budget (before the tier); `experts_first` (with
+    --expert-cache-mib auto: the expert cache fills the card by design and the tier holds only the rest): a step or
+    capture that ran out of memory asks the experts first (the claimant that fills the card gives first). `kv_paging`:
+    KV by use (engine.exec.kv.paging.KVPaging), whose host-held KV is reported beside the books. `weight_format`:
+    how the weights on this device are stored (bf16, fp8 ..., int4 ...)."""
+
+    def __init__(self, device: torch.device, reserve_mib: float | None = None, weights_mib: float = 0.0,
+                 kv_mib: float = 0.0, tier: Any = None, graphs_mib: float = 0.0, experts: Any = None,
+                 experts_first: bool = False, kv_paging: Any = None, weight_format: str = "",
+                 room: DeviceRoom | None = None) -> None:
+        if room is None:
+            if reserve_mib is None:
+                raise ValueError("VramBudget needs reserve_mib or a DeviceRoom")
+            room = DeviceRoom(device, float(reserve_mib))
+        self.device = device
+        self.room = room
+        self.weights_mib = weights_mib
+        self.kv_mib = kv_mib
+        self.tier = tier
+        self.graphs_mib = graphs_mib
+        self.experts = experts
+        self.experts_first = experts_first
+        self.kv_paging = kv_paging
+        self.weight_format = weight_format
+
+    @property
+    def reserve_mib(self) -> float:
+        return self.room.reserve_mib
+
+    @property
+    def headroom_mib(self) -> float:
+        return self.room.headroom_mib
 
     def breakdown(self) -> VramEvent:
         total, free = device_memory_mib(self.device)
@@ -88,15 +126,14 @@ class VramBudget:
                          weight_format=self.weight_format)
 
     def driver_room_mib(self) -> float:
-        """What a preallocating tier may still take: the driver's free memory (not counting memory torch keeps
-        cached, which fragments can leave unusable) minus the reserve and the learned headroom."""
-        free_b, _ = torch.cuda.mem_get_info(self.device)
-        return free_b / MIB - self.reserve_mib - self.headroom_mib
+        return self.room.driver_room_mib()
+
+    def kv_pool_resized(self) -> None:
+        """KV by use: the pool tensors grew; the books' KV figure follows them."""
+        self.kv_mib = self.kv_paging.kv.mib
 
     def tier_room_mib(self) -> float:
-        """How far the tier may grow (positive) or must shrink (negative) to keep the reserve free (CUDA)."""
-        _, free = device_memory_mib(self.device)
-        return free - self.reserve_mib - self.headroom_mib
+        return self.room.tier_room_mib()
 
     def make_room(self, mib: float, reason: str) -> float:
         """Free `mib` for a step that ran out of memory, from the tier then the expert cache (the other way round
@@ -110,7 +147,7 @@ class VramBudget:
             if freed >= mib:
                 break
             freed += claimant.release(mib - freed, reason)
-        self.headroom_mib = min(self.headroom_mib + freed, 4 * max(self.reserve_mib, 256.0))
+        self.room.headroom_mib = min(self.headroom_mib + freed, 4 * max(self.reserve_mib, 256.0))
         return freed
 
     def rebalance(self, reason: str = "rebalance") -> None:
@@ -146,5 +183,5 @@ class VramBudget:
 
     def set_reserve(self, mib: float) -> None:
         """Retune the reserve live; the tier shrinks at once when the new reserve is not free."""
-        self.reserve_mib = float(mib)
+        self.room.reserve_mib = float(mib)
         self.rebalance(f"vram reserve set to {mib} MiB")

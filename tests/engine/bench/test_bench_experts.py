@@ -20,9 +20,8 @@ def test_bench_experts_runs_every_budget(tmp_path, monkeypatch, one_torch_thread
     doc = json.loads(out.read_text())
     rows = {r["budget_pct"]: r for r in doc["rows"]}
     # the floor: the dense weights plus the step's distinct experts over the measured copy bandwidth; no run
-    # reaches it (a CPU step is bound by its launches), and the all-resident run is the closest
+    # reaches it (a CPU step is bound by its launches)
     assert all(r["floor_tok_s"] > 0 and 0 < r["of_floor"] < 1 for r in doc["rows"])
-    assert rows[100]["of_floor"] >= rows[10]["of_floor"]
     assert sorted(rows) == [10, 50, 100]
     assert rows[100]["slots"] == 32 and rows[100]["misses"] == 0 and rows[100]["hit_rate"] == 1.0
     assert rows[50]["slots"] == 16 and rows[10]["slots"] == 3

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.api import GenerationRequest, SamplingParams
+from engine.api import SamplingParams
 from engine.core.request import Request, RequestState
 
 
@@ -23,7 +23,7 @@ def test_new_request_is_waiting_with_nothing_computed() -> None:
     assert req.num_prompt_tokens == 10
     assert req.num_computed_tokens == 0
     assert req.remaining_prompt_tokens == 10
-    assert not req.is_finished and not req.is_prefill_done and not req.reused
+    assert not req.is_finished and not req.is_prefill_done and req.num_cached_tokens == 0
     assert req.finish_reason is None
     assert req.first_token_s is None and req.queued_s is None
 
@@ -34,10 +34,8 @@ def test_computed_tokens_are_cached_plus_prefilled() -> None:
     req.num_prefilled_tokens = 20
     assert req.num_computed_tokens == 84
     assert req.remaining_prompt_tokens == 16
-    assert req.prefill_progress == pytest.approx(0.84)
-    assert req.reused
     req.num_prefilled_tokens = 36
-    assert req.is_prefill_done and req.prefill_progress == 1.0
+    assert req.is_prefill_done and req.remaining_prompt_tokens == 0
 
 
 def test_append_output_counts_tokens_and_stamps_first_token_once() -> None:
@@ -149,14 +147,6 @@ def test_rates_come_from_the_timestamps() -> None:
     assert req.decode_tok_s(now_s=105.0) == pytest.approx(4 / 2.0)
     req.finished_s = 107.0
     assert req.decode_tok_s(now_s=999.0) == pytest.approx(4 / 4.0)  # a finished request's rate is frozen
-
-
-def test_from_generation_keeps_the_client_request() -> None:
-    gen = GenerationRequest("g1", [5, 6, 7], SamplingParams(max_tokens=9))
-    req = Request.from_generation(gen, arrival_s=3.5)
-    assert (req.request_id, req.prompt_token_ids, req.max_tokens, req.arrival_s) == ("g1", [5, 6, 7], 9, 3.5)
-    gen.prompt_token_ids.append(8)  # the engine's copy does not move with the caller's list
-    assert req.num_prompt_tokens == 3
 
 
 def test_the_serving_core_imports_no_torch() -> None:

@@ -1,6 +1,5 @@
 """`Scheduler.update`: what an executed plan produced, into the requests (the bookkeeping the engine did itself
-before the step was three calls). The results are the executor's own dataclass (engine.exec.plan_executor),
-which the core reads by its fields."""
+before the step was three calls). The results are the contract's typed StepResult (engine.step)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from engine.api import SamplingParams
 from engine.core.prefix_index import PrefixIndex
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
-from engine.exec.plan_executor import RequestFailure, SampledTokens, StepResult
+from engine.step import RequestFailure, SampledTokens, StepResult
 
 BT = 16
 EOS = 7
@@ -51,7 +50,7 @@ def test_a_stop_token_or_max_tokens_finishes_the_request_and_names_the_slot_it_h
     outs = sched.update(plan, StepResult(tokens=[SampledTokens(eos, [EOS, 9], 2.0), SampledTokens(short, [4], 2.0)]))
     assert [(o.request.request_id, o.slot, o.token_ids, o.finish_reason) for o in outs] == [
         ("eos", 0, [EOS], "stop"), ("short", 1, [4], "length")]
-    assert eos.is_finished and short.is_finished and sched.num_free_slots == 2 and not sched.has_work
+    assert eos.is_finished and short.is_finished and sched.num_running == 0 and not sched.has_work
 
 
 def test_a_request_whose_part_failed_ends_with_its_error_and_the_others_keep_their_tokens() -> None:

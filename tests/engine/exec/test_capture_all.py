@@ -16,7 +16,7 @@ from engine.exec.graphs.cache import GraphCache
 from engine.exec.runner import switch_for_key
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of
+from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of, slot_keys
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -127,8 +127,8 @@ def test_precapture_does_not_disturb_real_slots(ckpt):
     # every slot's own columns (reserved): by use, unmapped positions read the scratch block the warm-ups write
     engine, _ = _engine(ckpt, bus, True, batch_mtp=True, mtp_depth=2, kv_pool="reserved")
     context = engine.kv.geometry.context_tokens
-    assert all(not engine.kv.slot_keys(i)[:, :, :context].any() for i in range(len(engine.kv.k)))
-    assert all(not engine.kv.slot_keys(i, values=True)[:, :, :context].any() for i in range(len(engine.kv.v)))
+    assert all(not slot_keys(engine.kv, i)[:, :, :context].any() for i in range(len(engine.kv.k)))
+    assert all(not slot_keys(engine.kv, i, values=True)[:, :, :context].any() for i in range(len(engine.kv.v)))
     assert not engine.runner.draft_buf[: engine.runner.num_slots].any()
 
 

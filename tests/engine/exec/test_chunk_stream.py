@@ -11,7 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.exec.chunk_stream import ChunkStream, chunk_sms_from_env, overlap_wanted
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -42,7 +42,7 @@ def test_a_chunk_in_flight_holds_its_slot_so_no_step_spills_the_blocks_it_writes
         def __init__(self) -> None:
             self.ledger = BlockLedger(BlockLayout(2, 5, 4, 0, 64), 4)
 
-        def hold(self, slot: int) -> None:
+        def hold(self, slot: int, settle=None) -> None:
             self.ledger.hold(slot)
 
         def unhold(self, slot: int) -> None:
@@ -54,8 +54,7 @@ def test_a_chunk_in_flight_holds_its_slot_so_no_step_spills_the_blocks_it_writes
     paging = Paging()
     ledger = paging.ledger
     ledger.plan({0: 4 * 64})  # slot 0's chunk took the whole pool
-    stream = ChunkStream(Streams(CPU, overlap=True))
-    stream.paging = paging
+    stream = ChunkStream(Streams(CPU, overlap=True), paging=paging)
     stream.launch(Chunk(), lambda: None)
     from engine.exec.kv.blocks import PoolTooSmall
 
@@ -106,7 +105,7 @@ def test_an_immortal_object_is_never_destroyed_not_even_at_the_interpreters_exit
     import subprocess
     import sys
 
-    code = ("from engine.exec.streams import _immortal\n"
+    code = ("from engine.exec.cuda_streams import _immortal\n"
             "class Noisy:\n"
             "    def __init__(self, name): self.name = name\n"
             "    def __del__(self): print('destroyed', self.name, flush=True)\n"

@@ -11,7 +11,7 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.exec.drafter import FUSED_KIND
-from engine.exec.executor import GraphDegraded
+from engine.exec.step_fns import GraphDegraded
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 from tests.engine.test_engine_faults import OOM, FailingExecutor

@@ -16,7 +16,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.exec.drafter import MtpDrafter
-from engine.exec.executor import EagerExecutor
+from engine.exec.step_fns import EagerExecutor
 from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend, default_backend
 from engine.exec.graphs.cache import GraphCache
@@ -24,7 +24,7 @@ from engine.exec.kv.cache import KVGeometry, SlotKVCache
 from engine.model import load_checkpoint
 from engine.exec.runner import ModelRunner, Row, switch_for_key
 from engine.exec.sampler import make_generator
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

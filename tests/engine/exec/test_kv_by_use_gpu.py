@@ -28,7 +28,7 @@ def _engine(ckpt, bus=None, **kw) -> Engine:
 
 
 def _replays(engine: Engine) -> int:
-    return sum(g.replays for g in engine.executor.snapshot().graphs)
+    return sum(g.replays for g in engine.graphs.snapshot().graphs)
 
 
 @pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", False), ("bf16", True), ("int8", True)])
@@ -37,7 +37,7 @@ def test_gpu_by_use_gives_the_tokens_of_reserved_with_graphs_chunks_beside_and_s
                                  GREEDY))
     engine = _engine(ckpt, kv=kv, batch_mtp=mtp, mtp_depth=2, kv_pool="by-use")
     assert engine.kv.paging is not None and engine.chunks is not None
-    assert engine.ahead.enabled and type(engine.executor).__name__ == "GraphCache"
+    assert engine.ahead.enabled and type(engine.graphs).__name__ == "GraphCache"
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == reserved
     assert _replays(engine) > 0
     engine.step()
@@ -56,10 +56,10 @@ def test_gpu_block_tables_change_under_replayed_graphs_as_requests_come_and_go(c
         assert got == tokens_of(run_all(reference, prompts, GREEDY, prefix=f"w{wave}_"))
         if wave == 0:
             replays = _replays(engine)
-            captures = len(engine.executor.snapshot().graphs)
+            captures = len(engine.graphs.snapshot().graphs)
     assert _replays(engine) > replays
     assert engine.kv.paging.stats.grown_blocks == 0  # no growth: the graphs were never dropped
-    assert len(engine.executor.snapshot().graphs) >= captures
+    assert len(engine.graphs.snapshot().graphs) >= captures
 
 
 def test_gpu_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):

@@ -44,7 +44,7 @@ def test_attention_paths_match_dense_reference(path):
     lengths = {0: 530, 2: 97}
     written = {s: _fill(cache, s, 1, n, gen) for s, n in lengths.items()}
     if path == "split":
-        cache.set_split(True)
+        cache.set_path(True, cache.paged, cache.paged_prefill)
         cache.split_tokens = 128
     if path == "blocked":
         cache.block_scores_bytes = 1  # every multi-token forward attends a few queries at a time

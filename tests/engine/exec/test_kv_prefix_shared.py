@@ -68,7 +68,7 @@ def test_slots_never_write_into_the_tier_blocks_they_map(ckpt):
     outs = run_all(engine, prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), prefix="b")
     assert [outs[f"b{i}"][-1].cached_tokens for i in range(3)] == [192, 256, 256]
     assert tier.shared_blocks == 4 + 3 + 4 and tier.copied_in_blocks == 0
-    assert sum(engine.stepper.draft_proposed) > sum(engine.stepper.draft_accepted) > 0  # drafts were rejected along the way
+    assert sum(engine.executor.draft_proposed) > sum(engine.executor.draft_accepted) > 0  # drafts were rejected along the way
     for b, phys in held.items():
         assert shared.physical(b) == phys
         for saved, pool in zip(before[b], engine.kv.pools()):

@@ -37,7 +37,7 @@ def _tier_with_nothing_to_give(engine: Engine) -> Engine:
 
 
 def _replays(engine: Engine) -> int:
-    return sum(g.replays for g in engine.executor.snapshot().graphs)
+    return sum(g.replays for g in engine.graphs.snapshot().graphs)
 
 
 @pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", True)])
@@ -46,7 +46,7 @@ def test_gpu_spilled_kv_through_the_paged_kernels_and_graphs_gives_the_tokens_of
     bus = EventBus(history=100000)
     engine = _tier_with_nothing_to_give(_engine(ckpt, bus=bus, kv=kv, batch_mtp=mtp, mtp_depth=2, kv_resident=128))
     assert engine.runner.paged_enabled(), "the Triton paged kernels should read the pool here"
-    assert type(engine.executor).__name__ == "GraphCache"
+    assert type(engine.graphs).__name__ == "GraphCache"
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == roomy
     kinds = [e.action for e in bus.history() if e.type == "kv"]
     assert "spill" in kinds and "fetch" in kinds

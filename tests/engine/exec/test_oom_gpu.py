@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from engine.exec.executor import GraphDegraded
+from engine.exec.step_fns import GraphDegraded
 from tests.fault_injection import FaultPlan
 from engine.exec.graphs.cache import GraphCache
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus
 

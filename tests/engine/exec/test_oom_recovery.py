@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.executor import GraphDegraded
+from engine.exec.step_fns import GraphDegraded
 from tests.fault_injection import FaultPlan
 from engine.exec.gpu_errors import StickyCudaError
 from engine.exec.graphs.backends import CpuGraphBackend

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
-from engine.exec.executor import EagerExecutor
+from engine.exec.step_fns import EagerExecutor
 from engine.exec.graphs.key import GraphKey
 from engine.exec.runner import Row, pow2_bucket, switch_for_key
-from tests.engine.engine_helpers import make_engine
+from tests.engine.engine_helpers import make_engine, slot_keys
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -55,13 +55,13 @@ def test_padded_rows_write_only_scratch_columns(ckpt):
     runner, kv = engine.runner, engine.kv
     with torch.inference_mode():
         runner.prefill(0, list(range(10, 40)), 0)
-        before = [kv.slot_keys(i)[:, :, :512].clone() for i in range(len(kv.k))]
+        before = [slot_keys(kv, i)[:, :, :512].clone() for i in range(len(kv.k))]
         out = runner.decode([Row(0, 5, 30), Row(1, 6, 0), Row(2, 7, 0)])  # 3 rows -> bucket 4
     assert out.logits.shape[0] == 4
     kind, key, shapes = executor.calls[-1]
     assert kind == "decode" and key == GraphKey.of("b4", "L256") and shapes["tokens"] == (4, 1)
     for layer, old in enumerate(before):
-        new = kv.slot_keys(layer)[:, :, :512]
+        new = slot_keys(kv, layer)[:, :, :512]
         changed = (new != old).any(dim=-1).any(dim=1).nonzero().tolist()  # [slot, position] pairs
         assert sorted(changed) == [[0, 30], [1, 0], [2, 0]]  # slot 3 and the real history untouched
 

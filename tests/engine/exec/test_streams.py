@@ -1,4 +1,4 @@
-"""The one owner of the engine's CUDA streams and of each launch's split-counter lane (engine.exec.streams): which
+"""The one owner of the engine's CUDA streams and of each launch's split-counter lane (engine.exec.cuda_streams): which
 stream and lane each user gets, that the engine builder makes exactly one and hands it down, and that nothing else
 in the engine makes a stream or sets a lane. The CUDA streams themselves: the `gpu` tests at the end."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.exec.graphs.backends import default_backend
-from engine.exec.streams import Streams
+from engine.exec.cuda_streams import Streams
 from tests.engine.engine_helpers import make_engine, shared_lively_checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,7 +49,7 @@ def test_a_prompt_chunk_uses_the_chunks_lane_only_where_chunks_may_run_beside_th
 
 def test_the_owner_knows_every_lane_the_kernels_keep_counters_for() -> None:
     pytest.importorskip("triton")
-    from engine.exec.streams import LANES
+    from engine.exec.cuda_streams import LANES
     from engine.model.triton_linear import COUNTER_LANES
 
     assert LANES == COUNTER_LANES
@@ -86,7 +86,7 @@ def test_the_engine_builder_makes_one_and_hands_it_to_every_user(tiny_checkpoint
     engine = make_engine(tiny_checkpoint, prefill_overlap="on")
     try:
         assert made == [engine.streams] and engine.streams.overlap
-        assert engine.stepper.streams is engine.streams and engine.chunks.streams is engine.streams
+        assert engine.executor.streams is engine.streams and engine.chunks.streams is engine.streams
     finally:
         engine.close()
     made.clear()
@@ -113,12 +113,12 @@ def _calls(pattern: str) -> list[str]:
 
 def test_only_the_owner_makes_a_stream() -> None:
     makes = _calls(r"\bStream\(")  # torch.cuda.Stream(...) and a green context's context.Stream()
-    assert makes and all(m.startswith("engine/exec/streams.py:") for m in makes), makes
+    assert makes and all(m.startswith("engine/exec/cuda_streams.py:") for m in makes), makes
 
 
 def test_only_the_owner_sets_a_lane() -> None:
     sets = [c for c in _calls(r"\bcounter_lane\(") if not c.startswith("engine/model/triton_linear.py:")]
-    assert sets and all(c.startswith("engine/exec/streams.py:") for c in sets), sets
+    assert sets and all(c.startswith("engine/exec/cuda_streams.py:") for c in sets), sets
 
 
 # --- CUDA --------------------------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_gpu_every_user_runs_on_the_owners_stream(ckpt: Path) -> None:
         assert all(s is not None for s in kinds)
         assert len({s.cuda_stream for s in kinds}) == len(kinds), "five distinct streams"
         assert streams.steps.priority < streams.side.priority or streams.chunk_sms > 0
-        assert engine.executor.backend._stream is streams.capture
+        assert engine.graphs.backend._stream is streams.capture
         assert engine.kv.paging._copy_stream is streams.kv_copy
         assert engine.chunks.streams is streams
     finally:

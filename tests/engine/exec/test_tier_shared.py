@@ -179,7 +179,7 @@ def test_growth_stops_where_the_measured_room_ends():
     transient = shared.transient_mib(shared.num_blocks)
     tier = AdaptiveTier(index, kv, EventBus(), torch.device("cpu"), 40 * block_mib, True,
                         room_mib=lambda: 7.5 * block_mib + transient, shared=shared)
-    assert tier.capacity_blocks == len(shared.backing) == 7 and index.free_blocks == 7
+    assert tier.capacity_blocks == len(shared.backing) == 7 and len(index.free_block_ids()) == 7
 
 
 def test_a_discarded_fill_is_not_handed_over_and_its_pins_are_left_alone():

@@ -31,7 +31,7 @@ def test_gpu_reuse_maps_the_pool_tier_blocks_under_graphs_and_matches_the_fresh_
     engine = _engine(ckpt, batch_mtp=True, mtp_depth=2)
     tier = engine.tier
     assert tier.shared is not None and tier.preallocate and len(tier.shared.backing) > 0
-    assert type(engine.executor).__name__ == "GraphCache"
+    assert type(engine.graphs).__name__ == "GraphCache"
     prompt = random_prompts(1, seed=95, lengths=(1100, 1101))[0]
     first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
 
@@ -55,18 +55,18 @@ def test_gpu_a_release_reaching_the_pool_reallocates_it_and_keeps_what_a_slot_ma
     run_all(engine, [other], GREEDY, prefix="o")
     engine.add_request("b0", prompt, GREEDY)
     outs = list(engine.step())  # admitted: its 4 prefix blocks are mapped
-    assert engine.executor.snapshot().graphs
+    assert engine.graphs.snapshot().graphs
     pool_blocks = kv.k[0].shape[1]
     free_before = torch.cuda.mem_get_info()[0]
     freed = tier.release(tier.mib, "test")  # own blocks first, then the pool's: it is reallocated
     assert freed > 0 and kv.k[0].shape[1] < pool_blocks
     assert len(tier.shared.backing) == 4 and tier._blocks == {}  # only the mapped blocks stay
-    assert engine.executor.snapshot().graphs == []  # they read the old pool tensors: dropped
+    assert engine.graphs.snapshot().graphs == []  # they read the old pool tensors: dropped
     assert torch.cuda.mem_get_info()[0] > free_before
     while engine.has_work:
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == first
-    assert engine.executor.snapshot().graphs  # recaptured on the new pool
+    assert engine.graphs.snapshot().graphs  # recaptured on the new pool
     engine.close()
 
 
@@ -75,7 +75,7 @@ def test_gpu_capture_all_graphs_are_captured_again_after_the_pool_grew_for_the_t
     engine = _engine(ckpt, bus=bus, switches={"CAPTURE_ALL": True, "SHARED_PREFIX": True})
     assert engine.tier.shared is not None and len(engine.tier.shared.backing) > 0
     assert not engine.board.states["CAPTURE_ALL"].degraded
-    held = {(g.kind, g.key) for g in engine.executor.snapshot().graphs}
+    held = {(g.kind, g.key) for g in engine.graphs.snapshot().graphs}
     assert {kind for kind, _ in held} == {"decode"}  # captured again on the grown pool, not just dropped
     at_start = len([e for e in bus.history() if e.type == "graph" and e.action == "capture"])
     run_all(engine, random_prompts(3, seed=97, lengths=(20, 300)), GREEDY)
@@ -93,11 +93,11 @@ def test_gpu_a_small_release_takes_own_blocks_and_keeps_the_pool_and_the_graphs(
           f"{[(e.action, e.mib, e.reason) for e in engine.bus.history() if e.type == 'tier'][:8]}")
     assert tier._blocks and tier.shared.backing  # own blocks (4 x max(reserve, 1 GiB)) beside the pool's
     run_all(engine, random_prompts(2, seed=98, lengths=(300, 700)), GREEDY)
-    graphs = {(g.kind, g.key) for g in engine.executor.snapshot().graphs}
+    graphs = {(g.kind, g.key) for g in engine.graphs.snapshot().graphs}
     pool_blocks, backed = kv.k[0].shape[1], len(tier.shared.backing)
     free_before = torch.cuda.mem_get_info()[0]
     assert tier.release(256.0, "test") >= 256.0
     assert kv.k[0].shape[1] == pool_blocks and len(tier.shared.backing) == backed  # the pool was not touched
-    assert {(g.kind, g.key) for g in engine.executor.snapshot().graphs} == graphs
+    assert {(g.kind, g.key) for g in engine.graphs.snapshot().graphs} == graphs
     assert torch.cuda.mem_get_info()[0] > free_before
     engine.close()

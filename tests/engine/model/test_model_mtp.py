@@ -103,7 +103,7 @@ def test_mtp_kv_path_matches_kv_none_and_chains(tiny_checkpoint):
     model, L = lm.model, lm.config.num_hidden_layers
     ids, positions = _inputs(lm, tokens=10)
     kv = DenseKVCache.for_config(lm.config, 2, 16)
-    assert kv.num_layers == L + 1 and model.mtp.kv_layer_idx(0) == L and model.mtp.kv_layer_idx(3) == L
+    assert kv.num_layers == L + 1 and L + model.mtp.layer_index(0) == L and L + model.mtp.layer_index(3) == L
     with torch.no_grad():
         hidden = model(ids, positions)
         reference = model.mtp(hidden[:, :-1], ids[:, 1:], positions[:, :-1], None)

@@ -96,6 +96,9 @@ def test_names_and_sizes():
             cfg.vocab_size) == (48, 512, 10, 2048, 512, 16, 2, 256, 151936)
 
 
-def test_quantize_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="quantize"):
-        load_checkpoint(TINY, device="cpu", quantize="fp8")
+def test_quantize_takes_fp8_and_refuses_the_other_forms_in_one_line():
+    """FP8 is generated into the store (tests/engine/test_engine_fp8_experts.py); the other forms have none."""
+    for fmt in ("int4", "fp8-block"):
+        with pytest.raises(ConfigError, match="fp8 \\(per channel\\) only") as err:
+            load_checkpoint(TINY, device="cpu", quantize=fmt)
+        assert err.value.param == "quantize" and fmt in str(err.value)

@@ -253,7 +253,7 @@ def test_dead_engine_answers_503_with_the_real_error(checkpoint) -> None:
         def sticky_error(*_args, **_kwargs):  # what a device-side fault looks like from PyTorch
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-        client.engine.stepper._decode = sticky_error  # test-only fault injection into the engine, not the server
+        client.engine.executor._decode = sticky_error  # test-only fault injection into the engine, not the server
         with pytest.raises(openai.APIStatusError) as dead:
             oai.completions.create(model=model, prompt="trigger", max_tokens=4, extra_body=EXACT)
         assert dead.value.status_code == 503

@@ -81,7 +81,7 @@ def required(streams: "Streams | None", device: object, user: str) -> "Streams":
     """The engine's `streams` for `user`, a component on the CUDA `device`; ValueError naming both when they were
     not handed down (the component would otherwise have to make a stream of its own)."""
     if streams is None or not streams.cuda:
-        raise ValueError(f"{user} on device={str(device)!r} needs the engine's streams (engine.exec.streams.Streams)")
+        raise ValueError(f"{user} on device={str(device)!r} needs the engine's streams (engine.exec.cuda_streams.Streams)")
     return streams
 
 
