@@ -17,10 +17,12 @@ where the group spans the whole step, per column.
 FP8: the e4m3 bytes convert to fp32 (the hardware's conversion on sm_89 and up); a per-channel scale multiplies
 the finished sum, a block scale the activations of its step (every column of a program lies in one scale block).
 
-Split K as in engine.model.triton_linear: each split stores its rows' fp32 partial sums and the last split to
-finish adds them in split order. A row's arithmetic does not depend on the other rows (each has its own
-accumulator; the launch shape follows the weight), so a verify step of 2-4 rows computes each row exactly as a
-decode step of one row does.
+Rows come in groups of 4, a program per group and column tile (a group's weight slab read once; the groups of
+a tile run side by side, so its later reads are the L2's). Split K as in engine.model.triton_linear: each split
+stores its rows' fp32 partial sums and the last split to finish adds them in split order. A row's arithmetic does
+not depend on the other rows (each has its own accumulator; the launch shape follows the weight), so a verify
+step computes each row exactly as a decode step of one row does (engine.model.quant.kernels picks the path of a
+step by its sequences, so both take this one).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def _unscaled(x, BITS: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
-def _x_slot(x_ptr, stride_xm, row: tl.constexpr, k, k_ok):
-    return tl.load(x_ptr + row * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+def _x_slot(x_ptr, row_offset, k, k_ok):
+    return tl.load(x_ptr + row_offset + k, mask=k_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -76,6 +78,9 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
     HALF: tl.constexpr = CPW // 2  # codes per 16-bit half of a word
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    row0 = tl.program_id(2) * 4  # this program's group of (up to) 4 rows
+    x_ptr += row0 * stride_xm
+    last = M - row0 - 1  # rows past the last read the last one's activations: computed, never stored
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rn64 = rn.to(tl.int64)
@@ -108,19 +113,19 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
                 f = _code_f32(hi, BITS, j % HALF)
             k = base + RUN * j
             k_ok = w_ok & ((k < K) | EVEN_K)
-            x = _x_slot(x_ptr, stride_xm, 0, k, k_ok)
+            x = _x_slot(x_ptr, 0, k, k_ok)
             xs0 += x
             p0 += f * _unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 1:
-                x = _x_slot(x_ptr, stride_xm, 1, k, k_ok)
+                x = _x_slot(x_ptr, stride_xm * tl.minimum(1, last), k, k_ok)
                 xs1 += x
                 p1 += f * _unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 2:
-                x = _x_slot(x_ptr, stride_xm, 2, k, k_ok)
+                x = _x_slot(x_ptr, stride_xm * tl.minimum(2, last), k, k_ok)
                 xs2 += x
                 p2 += f * _unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 3:
-                x = _x_slot(x_ptr, stride_xm, 3, k, k_ok)
+                x = _x_slot(x_ptr, stride_xm * tl.minimum(3, last), k, k_ok)
                 xs3 += x
                 p3 += f * _unscaled(x, BITS, j % HALF)[None, :]
         if SCALES == 1:  # the whole step lies in one group: a scale and an offset per column
@@ -141,7 +146,7 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
             acc3 += p3 * s + xs3[None, :] * o
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                       ROWS, RB)
-    rm = tl.arange(0, RB)
+    rm = row0 + tl.arange(0, RB)
     finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, rm, rn, rm < M, n_ok, M, N, split, stride_om, SPLIT, HAS_BIAS)
 
 
@@ -153,6 +158,9 @@ def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M,
                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
+    row0 = tl.program_id(2) * 4  # this program's group of (up to) 4 rows
+    x_ptr += row0 * stride_xm
+    last = M - row0 - 1  # rows past the last read the last one's activations: computed, never stored
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
@@ -187,17 +195,17 @@ def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M,
         x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale
         acc0 += w * x[None, :]
         if ROWS > 1:
-            x = tl.load(x_ptr + stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale
+            x = tl.load(x_ptr + tl.minimum(1, last) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale
             acc1 += w * x[None, :]
         if ROWS > 2:
-            x = tl.load(x_ptr + 2 * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale
+            x = tl.load(x_ptr + tl.minimum(2, last) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale
             acc2 += w * x[None, :]
         if ROWS > 3:
-            x = tl.load(x_ptr + 3 * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale
+            x = tl.load(x_ptr + tl.minimum(3, last) * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32) * x_scale
             acc3 += w * x[None, :]
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                       ROWS, RB)
     if SCALES == 0:
         acc = acc * tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
-    rm = tl.arange(0, RB)
+    rm = row0 + tl.arange(0, RB)
     finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, rm, rn, rm < M, n_ok, M, N, split, stride_om, SPLIT, HAS_BIAS)

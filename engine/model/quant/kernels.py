@@ -4,8 +4,8 @@
     y = quant_linear(x, layer, "gemv", config)      # one path at another launch shape (`bench linear --quant`)
 
 By the product's rows (the thresholds are per weight class and device, engine.model.quant.launch_table):
-- 1-4 rows (`gemv`, engine.model.quant.gemv): a decode step. fp32 multiply-adds on the weight as loaded, no
-  tensor-core dot: a step is bound by how fast the SM turns quantized bytes into products.
+- 1-4 rows, or a decode / verify step of 1-4 sequences (`gemv`, engine.model.quant.gemv): fp32 multiply-adds on
+  the weight as loaded, no tensor-core dot: a step is bound by how fast the SM turns quantized bytes into products.
 - up to `tc_rows` (`tc`, engine.model.quant.tensor_core): verify steps, batches, short prompt chunks. Tensor-core
   dots on weights unpacked in registers by shifts and masks; the weight is read once per 16-64 rows, never
   written back as bf16.
@@ -37,7 +37,8 @@ from engine.model.quant.tensor_core import fp8_tc_kernel, int_tc_kernel
 from engine.model.triton_linear import COUNTER_LANES, split_counters
 
 PATHS = ("gemv", "tc", "dense", "tinygemm")
-GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator per row
+GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator per row, for a group of 4 rows a program
+VERIFY_TOKENS = 8  # an input [B, T, K] with T up to this is a decode / verify step: its path follows B
 # Defaults where the launch table has no entry. The GEMV takes 1-4 rows: a verify step of up to 4 rows (MTP at
 # batch x (depth + 1) <= 4) then computes each row exactly as the 1-row decode step does, so greedy decoding is
 # the same with MTP on. Its instructions per weight, compiled for sm_90: FP8 3.6 at 1 row, 8 at 4 (a byte a weight
@@ -155,14 +156,15 @@ def _default_tc_rows(layer, device: torch.device) -> int:
     return DEFAULT_TC_ROWS["int"]
 
 
-def path_of(layer, rows: int) -> str:
-    """Which path a product of `rows` rows takes through `layer`."""
+def path_of(layer, rows: int, sequences: int | None = None) -> str:
+    """Which path a product of `rows` rows takes through `layer`; a decode or verify step (`sequences`: its batch)
+    by its sequences, so that a verify step's rows take the path the decode step's do (MTP: the same tokens)."""
     launch = plan(layer)
     if rows > launch.tc_rows:
         return "dense"
     if launch.backend == "tinygemm":
         return "tinygemm"
-    return "gemv" if rows <= launch.gemv_rows else "tc"
+    return "gemv" if (rows if sequences is None else sequences) <= launch.gemv_rows else "tc"
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,7 +195,9 @@ def quant_linear(x: torch.Tensor, layer, path: str | None = None, config: QuantC
         rows = rows.contiguous()
     m, k = rows.shape
     assert k == layer.in_features, (tuple(x.shape), k, layer.in_features)
-    path = path or path_of(layer, m)
+    # [B, T, K] with a few tokens a sequence: a decode (T = 1) or verify (T = depth + 1) step of B sequences
+    sequences = x.shape[0] if x.dim() == 3 and x.shape[1] <= VERIFY_TOKENS else None
+    path = path or path_of(layer, m, sequences)
     if path == "dense":
         from engine.model.quant.dense import dense_linear
 
@@ -223,15 +227,14 @@ def _partials(rows: torch.Tensor, n: int, cfg: QuantConfig, tiles: int):
 def _gemv(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
     m, k = rows.shape
     n = layer.out_features
-    if not 1 <= m <= GEMV_MAX_ROWS:
-        raise ValueError(f"the GEMV takes 1 to {GEMV_MAX_ROWS} rows, not {m}")
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, 1)
-    part, counters = _partials(rows, n, cfg, grid[0])
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, GEMV_MAX_ROWS))  # a program per 4 rows
+    part, counters = _partials(rows, n, cfg, grid[0] * grid[2])
     part, counters = (out, out) if part is None else (part, counters)
     has_bias = layer.bias is not None
-    common = dict(ROWS=m, RB=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    group = min(m, GEMV_MAX_ROWS)
+    common = dict(ROWS=group, RB=triton.next_power_of_2(group), BLOCK_N=cfg.block_n, SPLIT=cfg.split_k,
+                  HAS_BIAS=has_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if layer.format == "fp8":
         native = _native_fp8(rows.device)
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k

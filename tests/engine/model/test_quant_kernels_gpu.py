@@ -82,6 +82,10 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_its_path(make):
     x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
     one = kernels.quant_linear(x[:1], layer, "gemv")
     assert torch.equal(kernels.quant_linear(x[:3], layer, "gemv")[:1], one)  # a verify step's rows as decode's
+    steps = x[:12].view(4, 3, K)  # 4 sequences verifying 3 tokens: each row as its decode step computes it
+    verify = kernels.quant_linear(steps, layer)
+    assert all(torch.equal(kernels.quant_linear(steps[b:b + 1, t:t + 1], layer)[0, 0], verify[b, t])
+               for b in range(4) for t in range(3))
     assert torch.equal(kernels.quant_linear(x[:5], layer, "tc")[:5], kernels.quant_linear(x, layer, "tc")[:5])
 
 
