@@ -9,7 +9,8 @@
 # A benchmark that hits its limit still leaves its rows so far (JSON with "partial": true). Steps that no longer
 # fit the budget are skipped and logged. Environment overrides: BUDGET_S (default 540), PYTHON, MODEL (default
 # random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL and QUANT_PEER_MODEL (default random:8b),
-# QUANT_SIZE (8b), QUANT_TUNE, MOE_TOKENS, MOE_TUNE, DEVICE, the sizes PROMPT, NEW, LONG, TTFT_SIZES,
+# QUANT_SIZE (8b), QUANT_SMALL_SIZE (0.6b), QUANT_TUNE, QUANT_ROWS, QUANT_FORMATS, MOE_TOKENS, MOE_TUNE, DEVICE, the
+# sizes PROMPT, NEW, LONG, TTFT_SIZES,
 # SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
 # decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps; LIMIT_SCALE (default 1)
 # multiplies every step's own limit (a slower or busier machine; the budget still caps each step)
@@ -68,8 +69,9 @@ moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS run
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
 moe80b_seed       named    the seed scenario at seed scale: random:moe-80b, expert cache auto, fresh 176K prompt, MOE80B_RUNS runs (default 1)
 experts_cold      named    random:moe-80b at 85 % of experts on the card: cold experts copied / on the CPU / prefetched, batch 1 and 6, against random:moe-80b-40l all resident
-quant_linear      named    each quantized kernel (fp8, fp8-block, int4 g128 / g32) against cuBLAS bf16 at the QUANT_SIZE (8b) projection shapes, rows 1 and 16
-quant_linear_small named   the same at the 0.6B shape
+quant_tests       named    the quantized kernels' GPU tests (every path against cuBLAS, capture, FP8 prompt GEMMs, MTP on = off), in GPU_WORKERS processes
+quant_linear      named    each path of the quantized kernels (GEMV, tensor cores, prompt chunks) beside tinygemm and cuBLAS bf16 at the QUANT_SIZE (8b) shapes, QUANT_ROWS (1,4,16,128,2048), QUANT_TUNE's launch shapes, the launch table they give
+quant_linear_small named   every quantized format (GGUF's groups too) at the 0.6B shape, rows 1, 16, 128
 quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8, fp8-block and int4 weights, batch 1 and 16
 quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
@@ -310,11 +312,18 @@ run experts_cold 330 experts --device "$DEVICE" --model random:moe-80b --all-res
 # Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
 # The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
 # decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).
-QUANT_TUNE=${QUANT_TUNE:-32x128x2x4x4,64x128x1x4x3,64x256x1x8x3,128x128x1x8x4,64x32x2x4x4}
-run quant_linear 200 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows 1,16 --iters 40 \
-    --quant fp8,fp8-block,int4,int4-g32 --quant-tune "$QUANT_TUNE"
-run quant_linear_small 120 linear --device "$DEVICE" --size 0.6b --rows 1,16 --iters 40 \
-    --quant fp8,fp8-block,int4,int4-g32
+# The quantized kernels' GPU tests first: a kernel that does not compile or is wrong fails here, named.
+step quant_tests 240 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
+    --durations=10 --junitxml="$OUT/quant_tests.xml" tests/engine/model/test_quant_kernels_gpu.py \
+    tests/engine/bench/test_bench_linear_quant.py
+# Each launch shape of QUANT_TUNE on the GEMV (1-4 rows) and the tensor-core path (5-256 rows), every path and
+# tinygemm side by side; quant_launch_table.json is the launch table they measured (engine/model/quant/).
+QUANT_TUNE=${QUANT_TUNE:-256x128x2x8x2,64x128x4x4x3,128x256x2x4x3,32x128x8x2x4}
+run quant_linear 330 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows "${QUANT_ROWS:-1,4,16,128,2048}" \
+    --iters 40 --quant "${QUANT_FORMATS:-fp8,fp8-block,int4}" --quant-tune "$QUANT_TUNE" \
+    --table-out "$OUT/quant_launch_table.json"
+run quant_linear_small 150 linear --device "$DEVICE" --size "${QUANT_SMALL_SIZE:-0.6b}" --rows 1,16,128 --iters 40 \
+    --quant fp8,fp8-block,int4,int4-g32,int8,int8-g32
 run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
     --weight-formats off,fp8,fp8-block,int4 --graph-modes on --prompt-tokens 128 --new-tokens 128
 # transformers on the same FP8 checkpoint, in Qwen's block-FP8 layout (`strata-engine quantize --format fp8-block`,

@@ -77,6 +77,9 @@ class EngineConfig:
         "(a scale per 128x128 block, as Qwen's FP8 checkpoints) or int4 (a scale and zero point per group of 128); "
         "`strata-engine quantize` writes the result once",
         choices=QUANTIZE_MODES))
+    quantize_head: bool = field(default=False, metadata=_opt(
+        "the LM head in FP8 at load (e4m3, a scale per vocabulary row; the embeddings stay as loaded): the head is "
+        "the largest weight a decode step reads"))
     batch: int = field(default=4, metadata=_opt("concurrent request slots", metavar="N"))
     batch_mtp: bool = field(default=False, metadata=_opt("batched MTP speculative drafting for all decoding slots"))
     mtp_depth: int = field(default=1, metadata=_opt("draft tokens per MTP round", metavar="K"))

@@ -262,9 +262,11 @@ def _linear(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune", default="", help="kernel launch shapes to time too: "
                    "BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (32x256x1x4x4)")
     p.add_argument("--quant", default="", help="time the quantized kernels instead, against cuBLAS bf16: "
-                   "a comma-separated list of fp8, fp8-block, int4, int4-g32, int8")
-    p.add_argument("--quant-tune", default="", help="the quantized kernels' launch shapes to time too: "
-                   "BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (64x128x2x4x4)")
+                   "a comma-separated list of fp8, fp8-block, int4, int4-g32, int8, int8-g32")
+    p.add_argument("--quant-tune", default="", help="the quantized kernels' launch shapes to time too, on the 1-4 "
+                   "row GEMV and the tensor-core path: BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (64x128x2x4x3)")
+    p.add_argument("--table-out", default="", help="write the fastest measured launch shapes and row thresholds "
+                   "per weight class as a launch table (merged into the file's other devices)")
 
 
 def _kvspill(p: argparse.ArgumentParser) -> None:

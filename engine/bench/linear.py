@@ -10,20 +10,21 @@ reads each weight once, from HBM: a product repeated on one weight would time th
 - each `--tune` shape (`BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES`).
 `*_tb_s` is the weight's bytes over the time (the device copies at ~4.3 TB/s), `*_max_err` the largest
 difference from torch's output. With `--quant fp8,fp8-block,int4` it times the quantized layouts' kernels against
-cuBLAS bf16 instead (engine.bench.linear_quant).
+cuBLAS bf16 and the libraries instead, every path side by side (engine.bench.linear_quant).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.bench.attention_common import launch_shapes, time_launch_shapes, timed_row
-from engine.bench.common import device_of, emit
-from engine.bench.linear_quant import quant_case, quant_formats, quant_tune
+from engine.bench.common import device_of, emit, save_partial
+from engine.bench.linear_quant import quant_case, quant_formats, quant_tune, write_table
 from engine.bench.linear_quant import summarize as quant_summary
 from engine.errors import ConfigError
 
@@ -85,17 +86,29 @@ def run(args: argparse.Namespace) -> int:
 
     formats = quant_formats(args.quant) if args.quant else []
     q_tune = quant_tune(args.quant_tune) if args.quant_tune else []
-    if q_tune and not formats:
-        raise ConfigError("quant_tune", args.quant_tune, "launch shapes of the quantized kernels need --quant")
+    if (q_tune or args.table_out) and not formats:
+        raise ConfigError("quant_tune" if q_tune else "table_out", args.quant_tune or args.table_out,
+                          "the quantized kernels' launch shapes need --quant")
     device = device_of(args.device)
-    if device.type != "cuda":
+    # The quantized kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1): the GPU script's
+    # steps are tried on CPU at tiny sizes so, there, their figures are no speeds at all
+    interpreted = formats and os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
         raise ConfigError("device", str(device), "the kernel is CUDA-only (its CPU check is the interpreter test)")
     weights = _weights(args.size)
     if formats:  # the quantized kernels against cuBLAS bf16 (engine.bench.linear_quant)
         layer = {name: shape for name, shape in weights.items() if name != "lm_head"}  # the head stays bf16
-        rows = [timed_row(lambda: quant_case(name, n, k, r, fmt, device, args.iters, q_tune))
-                for fmt in formats for name, (n, k) in layer.items() for r in args.rows]
-        emit(args, "linear", rows, quant_summary(rows), device)
+        rows: list[dict[str, Any]] = []
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        for fmt in formats:
+            for name, (n, k) in layer.items():
+                for r in args.rows:
+                    rows.append(timed_row(lambda: quant_case(name, n, k, r, fmt, device, args.iters, q_tune)))
+                    save_partial(args, "linear", rows, device)
+                    if args.table_out:  # after every row: a run stopped at its time limit leaves its table so far
+                        write_table(args.table_out, rows, device_name)
+        extra = {"table_out": str(write_table(args.table_out, rows, device_name))} if args.table_out else {}
+        emit(args, "linear", rows, quant_summary(rows), device, extra=extra)
         return 0
     tune = launch_shapes("tune", args.tune, LinearConfig)
     rows = [timed_row(lambda: _case(name, n, k, r, device, args.iters, tune))

@@ -1,24 +1,33 @@
-"""`strata-engine bench linear --quant fp8,fp8-block,int4`: a decode step's projections with quantized weights,
-each layout's Triton kernel (engine.model.quant.kernels) against cuBLAS on the same shape in bf16.
+"""`strata-engine bench linear --quant fp8,fp8-block,int4`: a model's projections with quantized weights, each path
+of engine.model.quant.kernels side by side with the libraries on the same shape.
 
 Per weight of one decoder layer (qkv and gate/up fused, as FUSED_PROJ runs them; o; down), row count and format,
 timed as `bench linear` times its rows (a CUDA graph of `--iters` products rotating through copies that fill
 256 MiB, so each product reads its weight from HBM, not from the L2):
-- `torch_ms`: F.linear on the bf16 weight (cuBLAS), the figure the quantized kernel must beat;
-- `quant_ms`: the layout's kernel at its default launch shape (`config`), and each `--quant-tune` shape
-  (`BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES`) as `t_<shape>_ms`;
-- `scaled_mm_ms` (fp8 per channel, where torch._scaled_mm runs: Hopper): the activations quantized per row,
-  then cuBLAS in FP8 (the prompt-chunk path), with its quantization kernels in the time;
-- `quant_tb_s`: the layout's bytes (codes and scales) over `quant_ms`; `speedup` = torch_ms / quant_ms;
-  `ideal` = bf16 bytes / the layout's bytes (the speedup a kernel at bf16's bandwidth would reach);
-  `max_err`: the largest difference from the bf16 product of the dequantized weight, over its largest value.
+- `torch_ms`: F.linear on the bf16 weight (cuBLAS), the figure the quantized kernels must beat;
+- `quant_ms`: what the engine runs (`path`: the path the rows take, `gemv` / `tc` / `dense` / `tinygemm`);
+- `gemv_ms` (1-4 rows), `tc_ms` (5-256 rows; 16 and up where the GEMV also runs), `dense_ms` (16 rows and up):
+  each path at its launch shape of the committed table (or the default), so the thresholds can be read off;
+- `tinygemm_ms` (int4, groups tinygemm takes): PyTorch's own `torch._weight_int4pack_mm` on the weight repacked;
+- `gemlite_ms`: gemlite's kernel, where the package is importable (it is not a dependency);
+- each `--quant-tune` shape (`BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES`) on the GEMV (`g_<shape>_ms`, 1-4 rows) and the
+  tensor-core path (`t_<shape>_ms`, 5-256 rows): one GPU run times every candidate;
+- `chunk_gemm`: what the prompt-chunk path runs here (an FP8 GEMM row-wise or block-scaled, or dequantize +
+  cuBLAS bf16: the block-scaled GEMM where the device ran it right once, `kernels.prepare`);
+- `*_max_err`: the largest difference from cuBLAS's product of the dequantized weight, over its largest value;
+  `quant_tb_s`: the layout's bytes (codes and scales) over `quant_ms`; `speedup` = torch_ms / quant_ms; `ideal`
+  = bf16 bytes / the layout's bytes (the speedup a kernel at bf16's bandwidth would reach).
+`--table-out FILE`: the fastest measured shape per weight class and path, the tensor-core / prompt-chunk threshold
+and the int4 backend, as a launch table (engine.model.quant.launch_table), merged into FILE's other devices.
 Formats: fp8 (per channel: `--quantize fp8`, compressed-tensors FP8), fp8-block (Qwen's 128x128 blocks), int4
-(group 128: `--quantize int4`, AWQ, GPTQ), int4-g32 (groups of 32: GGUF's Q4_0 / Q4_K, whose scales the kernel
-expands per weight at the default step of 128, or per step at a `--quant-tune` step of 32), int8 (group 128).
+(group 128: `--quantize int4`, AWQ, GPTQ), int4-g32 (GGUF's Q4_0 / Q4_K), int8 (group 128), int8-g32 (Q8_0).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -27,9 +36,11 @@ import torch.nn.functional as F
 from engine.bench.attention_common import launch_shapes, time_launch_shapes
 from engine.errors import ConfigError
 
-QUANT_FORMATS = ("fp8", "fp8-block", "int4", "int4-g32", "int8")
+QUANT_FORMATS = ("fp8", "fp8-block", "int4", "int4-g32", "int8", "int8-g32")
 _COLD_BYTES = 256 * 2**20  # copies of a weight rotate through this many bytes: over the L2 (50 MiB on an H200)
 _GROUP = 128
+_TC_MAX_ROWS = 256
+_DENSE_MIN_ROWS = 16
 
 
 def quant_formats(text: str) -> list[str]:
@@ -48,43 +59,58 @@ def quant_tune(text: str) -> list:
 
 def quantized_layer(weight: torch.Tensor, fmt: str):
     """A quantized layer of `weight` [N, K] (bf16, on the device) in `fmt`, as the loaders build them."""
-    from engine.model.quant.linear import FP8_MAX, Fp8Linear, IntGroupLinear
-    from engine.model.quant.rtn import quantize_fp8, quantize_int4
+    from engine.model.quant.linear import Fp8Linear, IntGroupLinear
+    from engine.model.quant.rtn import int4_group_size, quantize_fp8, quantize_fp8_block, quantize_int4
 
     n, k = weight.shape
     if fmt == "fp8":
         q, scale = quantize_fp8(weight)
         return Fp8Linear(q, scale, (1, k))
     if fmt == "fp8-block":
-        blocks = weight.float().view(n // _GROUP, _GROUP, k // _GROUP, _GROUP)
-        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-        q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(n, k).to(torch.float8_e4m3fn)
+        q, scale = quantize_fp8_block(weight, _GROUP)
         return Fp8Linear(q, scale, (_GROUP, _GROUP))
     if fmt in ("int4", "int4-g32"):
-        group = 32 if fmt == "int4-g32" else _GROUP
+        group = 32 if fmt == "int4-g32" else int4_group_size(k)
         codes, scale, zero = quantize_int4(weight, group)
         return IntGroupLinear(codes, scale, -zero * scale, 4, group)
-    # int8: symmetric codes shifted to unsigned, one scale per group of 128
-    w = weight.float().view(n, k // _GROUP, _GROUP)
+    # int8: symmetric codes shifted to unsigned, one scale per group (Q8_0's layout at group 32)
+    group = 32 if fmt == "int8-g32" else next(g for g in (_GROUP, 64, 32, k) if k % g == 0)
+    w = weight.float().view(n, k // group, group)
     scale = (w.abs().amax(dim=-1) / 127.0).clamp(min=1e-10)
     codes = (torch.round(w / scale[..., None]).clamp(-127, 127) + 128).view(n, k)
-    return IntGroupLinear(codes, scale, -128.0 * scale, 8, _GROUP)
+    return IntGroupLinear(codes, scale, -128.0 * scale, 8, group)
+
+
+def _gemlite(layer, dtype: torch.dtype):
+    """gemlite's layer for `layer` where the package is importable and knows the format, else None (its error is
+    the row's `gemlite_error`)."""
+    if importlib.util.find_spec("gemlite") is None:
+        return None
+    from gemlite.helper import A16W4, A16W8  # noqa: PLC0415 - optional, never a dependency
+
+    w = layer.dequantize(dtype)
+    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, device=w.device, dtype=dtype)
+    linear.weight.data.copy_(w)
+    if layer.format == "int4":
+        return A16W4(device=str(w.device)).from_linear(linear)
+    return A16W8(device=str(w.device)).from_linear(linear)
 
 
 def quant_case(name: str, n: int, k: int, rows: int, fmt: str, device: torch.device, iters: int,
                tune: list) -> dict[str, Any]:
-    """One row: a weight shape at a row count in one format, its kernel against cuBLAS bf16."""
-    from engine.model.quant.kernels import default_config, quant_linear, scaled_mm_linear, scaled_mm_takes
+    """One row: a weight shape at a row count in one format, every path and peer against cuBLAS bf16."""
+    from engine.model.quant import kernels, tinygemm
 
-    dtype = torch.bfloat16
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter computes in fp32
     gen = torch.Generator(device=device).manual_seed(n * 7 + k)
     source = torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02
     first = quantized_layer(source, fmt)
     q_bytes = first.weight_bytes
-    copies = max(1, min(iters, -(-_COLD_BYTES // q_bytes)))
+    # prompt-chunk rows are compute-bound: one copy of the weight is as good as many, and far cheaper to make
+    copies = 1 if rows > _TC_MAX_ROWS else max(1, min(iters, -(-_COLD_BYTES // q_bytes)))
     layers = [first] + [quantized_layer(torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02, fmt)
                         for _ in range(copies - 1)]
-    bf16_copies = max(1, min(iters, -(-_COLD_BYTES // (n * k * 2))))
+    bf16_copies = 1 if rows > _TC_MAX_ROWS else max(1, min(iters, -(-_COLD_BYTES // (n * k * 2))))
     weights = [first.dequantize(dtype)] + [torch.randn(n, k, device=device, dtype=dtype, generator=gen) * 0.02
                                            for _ in range(bf16_copies - 1)]
     x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
@@ -95,17 +121,36 @@ def quant_case(name: str, n: int, k: int, rows: int, fmt: str, device: torch.dev
             return lambda: product(items[next(calls) % len(items)])
         return build
 
-    config = default_config(first)
+    launch = kernels.plan(first)
     row: dict[str, Any] = {"weight": name, "format": fmt, "n": n, "k": k, "rows": rows, "copies": len(layers),
                            "mib": round(q_bytes / 2**20, 2), "ideal": round(n * k * 2 / q_bytes, 3),
-                           "config": config.label()}
-    expected = F.linear(x, weights[0])  # the bf16 product of the dequantized weight: the error's reference
+                           "path": kernels.path_of(first, rows), "gemv_config": launch.gemv.label(),
+                           "tc_config": launch.tc.label(), "class": _layer_class(first),
+                           "chunk_gemm": _chunk_gemm(first, device)}
+    expected = F.linear(x, weights[0])  # cuBLAS on the dequantized weight: the error's reference
     shapes: list[tuple[str, Callable[[], Callable[[], Any]]]] = [
         ("torch", rotating(weights, lambda w: F.linear(x, w))),
-        ("quant", rotating(layers, lambda layer: quant_linear(x, layer)))]
-    shapes += [(f"t_{c.label()}", rotating(layers, lambda layer, c=c: quant_linear(x, layer, c))) for c in tune]
-    if scaled_mm_takes(x, first):
-        shapes.append(("scaled_mm", rotating(layers, lambda layer: scaled_mm_linear(x, layer))))
+        ("quant", rotating(layers, lambda layer: kernels.quant_linear(x, layer)))]
+    if rows <= kernels.GEMV_MAX_ROWS:
+        shapes.append(("gemv", rotating(layers, lambda layer: kernels.quant_linear(x, layer, "gemv"))))
+        shapes += [(f"g_{c.label()}", rotating(layers, lambda layer, c=c: kernels.quant_linear(x, layer, "gemv", c)))
+                   for c in tune]
+    if 4 < rows <= _TC_MAX_ROWS or rows in (4, _DENSE_MIN_ROWS):
+        shapes.append(("tc", rotating(layers, lambda layer: kernels.quant_linear(x, layer, "tc"))))
+    if 4 < rows <= _TC_MAX_ROWS:
+        shapes += [(f"t_{c.label()}", rotating(layers, lambda layer, c=c: kernels.quant_linear(x, layer, "tc", c)))
+                   for c in tune]
+    if rows >= _DENSE_MIN_ROWS:
+        shapes.append(("dense", rotating(layers, lambda layer: kernels.quant_linear(x, layer, "dense"))))
+    if tinygemm.takes(first) and device.type == "cuda":
+        shapes.append(("tinygemm", rotating(layers, lambda layer: kernels.quant_linear(x, layer, "tinygemm"))))
+    if fmt in ("int4", "int8") and device.type == "cuda":
+        try:
+            peer = _gemlite(first, dtype)
+            if peer is not None:
+                shapes.append(("gemlite", lambda: lambda: peer(x)))
+        except Exception as exc:  # noqa: BLE001 - an optional peer that cannot run this shape is a result too
+            row["gemlite_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     time_launch_shapes(row, shapes, iters, expected)
     scale = expected.float().abs().max().item()
     for key in [c for c in row if c.endswith("_max_err")]:
@@ -115,8 +160,27 @@ def quant_case(name: str, n: int, k: int, rows: int, fmt: str, device: torch.dev
         if "torch_ms" in row:
             row["speedup"] = round(row["torch_ms"] / row["quant_ms"], 3)
     del layers, weights
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return row
+
+
+def _chunk_gemm(layer, device: torch.device) -> str:
+    """What the prompt-chunk path runs for `layer` here: an FP8 GEMM (row-wise / block-scaled) or dequantize +
+    cuBLAS bf16."""
+    from engine.model.quant import dense
+
+    if layer.format == "fp8" and dense.rowwise_takes(layer, device):
+        return "fp8 row-wise"
+    if layer.format == "fp8" and dense.blockwise_takes(layer, device):
+        return "fp8 block-scaled"
+    return "dequantize + bf16"
+
+
+def _layer_class(layer) -> str:
+    from engine.model.quant.launch_table import layer_format, shape_class
+
+    return shape_class(layer_format(layer), layer.out_features, layer.in_features)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -133,3 +197,47 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 summary[f"layer_{fmt}_us_rows{count}"] = round(quant_us, 2)
                 summary[f"layer_{fmt}_speedup_rows{count}"] = round(bf16_us / quant_us, 3)
     return summary
+
+
+def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, dict[str, Any]]:
+    """The launch-table entries (engine.model.quant.launch_table) the rows measured, per weight class: each path's
+    fastest shape (summed over the row counts measured), and the thresholds where the next path is faster."""
+    entries: dict[str, dict[str, Any]] = {}
+    for cls in dict.fromkeys(r["class"] for r in rows):
+        mine = sorted((r for r in rows if r["class"] == cls), key=lambda r: r["rows"])
+        entry: dict[str, Any] = {}
+        for path, prefix, rng in (("gemv", "g", range(1, 5)), ("tc", "t", range(5, _TC_MAX_ROWS + 1))):
+            totals: dict[str, float] = {}
+            for r in (r for r in mine if r["rows"] in rng):
+                best = {}
+                if f"{path}_ms" in r:
+                    best[r[f"{path}_config"]] = r[f"{path}_ms"]
+                for key, value in r.items():
+                    if key.startswith(f"{prefix}_") and key.endswith("_ms") and r.get(key[:-3] + "_max_err", 0) <= 0.02:
+                        best[key[len(prefix) + 1:-3]] = value
+                for label, ms in best.items():
+                    totals[label] = totals.get(label, 0.0) + ms
+            if totals:
+                entry[path] = min(totals, key=totals.get)
+        # gemv_rows is left to the reader: below 4 it is faster where `tc_ms` beats `gemv_ms` at 2-4 rows, but a
+        # verify step of that many rows then no longer computes its rows exactly as a decode step does
+        chunked = [r for r in mine if "tc_ms" in r and "dense_ms" in r]
+        if chunked:
+            wins = [r["rows"] for r in chunked if r["tc_ms"] <= r["dense_ms"]]
+            entry["tc_rows"] = max(wins) if wins else min(r["rows"] for r in chunked) - 1
+        decode = [r for r in mine if r["rows"] <= entry.get("tc_rows", _TC_MAX_ROWS) and "tinygemm_ms" in r]
+        if decode and all(r["tinygemm_ms"] < min(r.get("gemv_ms", float("inf")), r.get("tc_ms", float("inf")))
+                          for r in decode):
+            entry["backend"] = "tinygemm"
+        entries[cls] = entry
+    return entries
+
+
+def write_table(path: str, rows: list[dict[str, Any]], device_name: str) -> Path:
+    """`--table-out`: the measured entries for `device_name`, beside the other devices' entries already in `path`
+    (the committed table's, when it is given)."""
+    out = Path(path)
+    table = json.loads(out.read_text()) if out.is_file() else {"devices": {}}
+    table.setdefault("devices", {})[device_name] = launch_table_of(rows, device_name)
+    out.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    return out

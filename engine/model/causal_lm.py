@@ -59,8 +59,13 @@ class CausalLM(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The [V, H] output projection: lm_head's weight, or the embedding when tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """The [V, H] output projection: lm_head's weight, or the embedding when tied (an FP8 head, --quantize-head:
+        dequantized)."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        if getattr(self.lm_head, "quantized", False):
+            return self.lm_head.dequantize(self.embed_tokens.weight.dtype)
+        return self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv=None) -> torch.Tensor:
         """input_ids, positions [B, T] long -> hidden [B, T, H] after the final norm."""
@@ -78,7 +83,9 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, H] -> logits [B, T, V] through the (tied or untied) head."""
+        """hidden [B, T, H] -> logits [B, T, V] through the (tied or untied, or FP8) head."""
+        if getattr(self.lm_head, "quantized", False):  # --quantize-head: the quantized kernels
+            return self.lm_head(hidden)
         return F.linear(hidden, self.head_weight)
 
     def draft_logits(self, h_mtp: torch.Tensor, depth: int = 0) -> torch.Tensor:

@@ -17,6 +17,7 @@ that ran out of memory asks the books for room. Those get a method of the builde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import os
@@ -211,6 +212,10 @@ class _PartsBuilder:
                   quantize=None if config.quantize == "off" else config.quantize)
         self.device = lm.device
         model = lm.model
+        if config.quantize_head:  # the head in FP8 too: a model the loader made, its format text a new record
+            from engine.model.quant.rtn import quantize_head
+
+            lm = dataclasses.replace(lm, weight_format=f"{lm.weight_format}, {quantize_head(model)}")
         if config.batch_mtp and model.mtp is None:
             raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
         # The one owner of the engine's streams: every component below that queues work off the current stream

@@ -11,13 +11,20 @@ Two layouts cover every format the loaders read (engine.model.quant.formats maps
 * `IntGroupLinear` (format "int4" or "int8"): unsigned codes u and, per group of `group_size` inputs along K, a
   scale and an offset: `w = u * scale + offset`. AWQ, GPTQ and compressed-tensors' zero points fold into the
   offset (`offset = -zero * scale`); GGUF's Q4_K (scale and min per 32), Q8_0 and Q6_K map onto it exactly.
-  4-bit codes are packed 8 to an int32 along K (code j of a word in bits 4j..4j+3), 8-bit ones are uint8.
   GPTQ's act-order checkpoints (a g_idx that is not k // group) are stored with their K columns sorted by group
   and `perm` gathers the input's columns in the same order.
 
-On CPU, and for the many rows of a prompt chunk, the forward dequantizes and multiplies (the reference). On CUDA
-a decode or verify step (up to MAX_ROWS rows) runs the Triton kernels of engine.model.quant.kernels, which
-dequantize in registers and stream the quantized bytes once: a decode step is bound by weight bytes.
+The kernels' layout of the codes (`kernel_pack`, made here at construction, the one place any loader's codes
+become it): int32 words along K, 8 four-bit or 4 eight-bit codes a word, in runs of `run` words (4 where the
+group allows): slot j of word w of a run holds the code of input `run * j + w` of the run's 32 (16) inputs. A
+thread that loads one run (16 bytes) then finds the inputs of each slot side by side, so its activations load
+as short vectors too, and unpacking a slot is one mask (the kernels' 1-4 row path) or a shift and a mask (the
+tensor-core path), never an interleave. A run lies in one group, so one scale covers a word. The checkpoint
+layouts are unchanged: `codes()` unpacks, and the writer packs them again as its format wants.
+
+On CPU the forward dequantizes and multiplies (the reference). On CUDA every row count runs through
+engine.model.quant.kernels: a decode or verify step dequantizes in registers and streams the quantized bytes once
+(a step is bound by weight bytes); a prompt chunk takes FP8 matmuls or one dequantizing kernel into cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 64  # rows up to this take the dequantize-in-registers kernels on CUDA (a decode / verify step)
+from engine.model.quant.block_scales import blockwise_scales
+
 FP8_MAX = 448.0  # the largest finite e4m3 value
+RUN_WORDS = (4, 2, 1)  # words of a run (16 bytes, one vector load), the longest the group and K allow
 
 
 class QuantLinear(nn.Module):
@@ -60,10 +69,7 @@ class QuantLinear(nn.Module):
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             from engine.model.quant import kernels  # Triton: imported only where a GPU runs the model
 
-            if x.numel() // max(1, x.shape[-1]) <= MAX_ROWS:
-                return kernels.quant_linear(x, self)
-            if kernels.scaled_mm_takes(x, self):
-                return kernels.scaled_mm_linear(x, self)
+            return kernels.quant_linear(x, self)
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +96,8 @@ class Fp8Linear(QuantLinear):
                              f"{[n, k]} in blocks of {self.block_n}x{self.block_k}")
         self.register_buffer("weight", weight.to(torch.float8_e4m3fn).contiguous())
         self.register_buffer("weight_scale", scale.to(torch.float32).contiguous())
+        if (self.block_n, self.block_k) == (128, 128):  # a prompt chunk's block-scaled FP8 GEMM reads them so
+            self.register_buffer("weight_scale_blocks", blockwise_scales(self.weight_scale), persistent=False)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.weight.shape
@@ -122,18 +130,22 @@ class IntGroupLinear(QuantLinear):
             raise ValueError(f"bits={bits}: the integer layouts are 4- and 8-bit")
         if k % group_size or (bits == 4 and k % 8):
             raise ValueError(f"in_features={k} is not a multiple of the group size {group_size}")
+        if group_size != k and group_size % (32 // bits):
+            raise ValueError(f"group_size={group_size}: {bits}-bit codes are packed {32 // bits} to a word, and a "
+                             "word's codes share a group")
         if tuple(scale.shape) != (n, k // group_size) or scale.shape != offset.shape:
             raise ValueError(f"scale {list(scale.shape)} / offset {list(offset.shape)}, expected {[n, k // group_size]}")
         self.bits, self.group_size = bits, group_size
         self.format = f"int{bits}"
-        self.register_buffer("qweight", pack_codes(codes, bits))
+        self.run = run_words(bits, group_size, k)
+        self.register_buffer("qweight", kernel_pack(codes, bits, self.run))
         self.register_buffer("scales", scale.to(scale_dtype).contiguous())
         self.register_buffer("offsets", offset.to(scale_dtype).contiguous())
         self.register_buffer("perm", perm.to(torch.int64).contiguous() if perm is not None else None)
 
     def codes(self) -> torch.Tensor:
         """The unsigned codes [N, K] as int32."""
-        return unpack_codes(self.qweight, self.bits)
+        return kernel_unpack(self.qweight, self.bits, self.run, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g = self.group_size
@@ -166,7 +178,7 @@ class IntGroupLinear(QuantLinear):
             return None
         out = IntGroupLinear.__new__(IntGroupLinear)
         QuantLinear.__init__(out, first.in_features, sum(p.out_features for p in parts), _concat_bias(parts))
-        out.bits, out.group_size, out.format = first.bits, first.group_size, first.format
+        out.bits, out.group_size, out.format, out.run = first.bits, first.group_size, first.format, first.run
         for name in ("qweight", "scales", "offsets"):
             out.register_buffer(name, torch.cat([getattr(p, name) for p in parts]).contiguous())
         out.register_buffer("perm", perms[0])
@@ -180,8 +192,40 @@ def _concat_bias(parts: list[QuantLinear]) -> torch.Tensor | None:
                       for p in parts])
 
 
+def run_words(bits: int, group: int, k: int) -> int:
+    """Words of a run in the kernel layout: the most (4, 2, 1) whose codes lie in one group and divide K's words."""
+    per_word = 32 // bits
+    words = -(-k // per_word)
+    return next(r for r in RUN_WORDS if words % r == 0 and (group == k or group % (r * per_word) == 0))
+
+
+def kernel_pack(codes: torch.Tensor, bits: int, run: int) -> torch.Tensor:
+    """Unsigned codes [N, K] -> int32 words [N, ceil(K / per_word)] in the kernels' layout (module docstring): K
+    padded with zero codes to whole words, slot j of word w of each run of `run` words holding input run*j + w of
+    the run, in bits [bits*j, bits*j + bits)."""
+    per_word = 32 // bits
+    n, k = codes.shape
+    words = -(-k // per_word)
+    c = codes.to(torch.int32)
+    if words * per_word != k:
+        c = torch.cat([c, c.new_zeros(n, words * per_word - k)], dim=1)
+    c = c.view(n, words // run, per_word, run).transpose(2, 3)  # [N, runs, w, j]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=codes.device)
+    return _or_reduce(c << shifts).view(n, words)
+
+
+def kernel_unpack(packed: torch.Tensor, bits: int, run: int, k: int) -> torch.Tensor:
+    """The inverse of kernel_pack: int32 codes [N, K]."""
+    per_word = 32 // bits
+    n, words = packed.shape
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    c = (packed.view(n, words // run, run, 1) >> shifts) & ((1 << bits) - 1)  # [N, runs, w, j]
+    return c.transpose(2, 3).reshape(n, words * per_word)[:, :k]
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes [N, K] -> int32 [N, K / 8] (4-bit: code j of a word in bits 4j..) or uint8 [N, K] (8-bit)."""
+    """Unsigned codes [N, K] -> int32 [N, K / 8] (4-bit: code j of a word in bits 4j..) or uint8 [N, K] (8-bit):
+    compressed-tensors' dense packing (the writer's)."""
     if bits == 8:
         return codes.to(torch.uint8).contiguous()
     n, k = codes.shape
@@ -195,15 +239,6 @@ def _or_reduce(shifted: torch.Tensor) -> torch.Tensor:
     # the last nibble) without a signed overflow
     total = shifted.to(torch.int64).sum(dim=-1)
     return torch.where(total >= 2**31, total - 2**32, total).to(torch.int32).contiguous()
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of pack_codes: int32 codes [N, K]."""
-    if bits == 8:
-        return packed.to(torch.int32)
-    n, words = packed.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).view(n, words * 8)
 
 
 Linear = nn.Linear | QuantLinear

@@ -12,7 +12,7 @@
 
 The projections of attention and of the MLP (dense, experts, the MTP block's) are quantized; embeddings, the LM
 head, the MoE router and the MTP head's eh_proj stay in the model's dtype, as the published quantized
-checkpoints keep them.
+checkpoints keep them. `--quantize-head` (`quantize_head`) makes the LM head FP8 too, per vocabulary row.
 """
 
 from __future__ import annotations
@@ -100,3 +100,13 @@ def quantize_model(model: nn.Module, fmt: str) -> str:
     return {"fp8": "fp8 (per channel, quantized at load)",
             "fp8-block": f"fp8 (block {FP8_BLOCK}x{FP8_BLOCK}, quantized at load)"}.get(
         fmt, f"int4 (group {INT4_GROUP}, quantized at load)")
+
+
+def quantize_head(model: nn.Module) -> str:
+    """`--quantize-head`: the LM head as per-channel FP8 (a scale per vocabulary row), in place. A tied head gets
+    its own FP8 copy (the embedding table stays as loaded); an untied one is replaced."""
+    if isinstance(model.lm_head, Fp8Linear):
+        return "fp8 head"
+    q, scale = quantize_fp8(model.head_weight.detach())
+    model.lm_head = Fp8Linear(q, scale, (1, q.shape[1]))
+    return "fp8 head"

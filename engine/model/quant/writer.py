@@ -60,7 +60,7 @@ def _layer_tensors(layer: QuantLinear) -> list[tuple[str, torch.Tensor]]:
     scale = layer.scales.to(torch.float32)
     zero = torch.round(-layer.offsets.to(torch.float32) / scale).clamp(0, 15).to(torch.int32)  # unsigned zero
     zero_packed = pack_codes(zero.t().contiguous(), 4).t().contiguous()  # along the output rows
-    return [("weight_packed", layer.qweight), ("weight_scale", scale),
+    return [("weight_packed", pack_codes(layer.codes(), 4)), ("weight_scale", scale),  # the kernels' layout unpacked
             ("weight_zero_point", zero_packed),
             ("weight_shape", torch.tensor([layer.out_features, layer.in_features], dtype=torch.int64))]
 

@@ -177,3 +177,43 @@ def test_moe_experts_quantize_and_run_in_the_reference_path_and_the_expert_cache
         finally:
             engine.close()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.slow
+def test_the_fp8_head_keeps_the_logits_of_the_unquantized_one(heldout_ids):
+    """--quantize-head: the embedded model's held-out loss and top-1 tokens with its (tied) head in FP8, against
+    the same model's own head; the embedding table it is tied to stays as loaded."""
+    from engine.model.quant.rtn import quantize_head
+
+    ids, base = heldout_ids
+    base_loss, base_top1 = _loss_and_top1(base, ids)
+    lm = load_checkpoint("builtin:strata-tiny", dtype="float32", device="cpu")
+    embedding = lm.model.embed_tokens.weight.clone()
+    assert quantize_head(lm.model) == "fp8 head" and isinstance(lm.model.lm_head, Fp8Linear)
+    assert torch.equal(lm.model.embed_tokens.weight, embedding)
+    loss, top1 = _loss_and_top1(lm, ids)
+    delta = (loss - base_loss) / base_loss
+    agreement = (top1 == base_top1).float().mean().item()
+    print(f"fp8 head: held-out loss {base_loss:.4f} -> {loss:.4f} ({delta:+.2%}), top-1 agreement {agreement:.4f}")
+    assert abs(delta) <= 0.005 and agreement >= 0.97, (delta, agreement)
+    hidden = base.model(ids[:1, :64], torch.arange(64)[None])
+    ref, got = base.model.logits(hidden), lm.model.logits(hidden)
+    assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+def test_quantize_head_is_an_engine_option_whose_head_decodes(tmp_path):
+    from engine.api import SamplingParams
+    from engine.config import EngineConfig
+    from engine.orchestration.engine import Engine
+    from engine.telemetry import EventBus
+
+    engine = Engine(EngineConfig(model="builtin:strata-tiny", device="cpu", batch=1, context=256,
+                                 quantize_head=True), EventBus(history=1000))
+    try:
+        assert isinstance(engine.lm.model.lm_head, Fp8Linear) and "fp8 head" in engine.lm.weight_format
+        req = engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        while not req.is_finished:
+            engine.step()
+        assert req.num_output_tokens == 4
+    finally:
+        engine.close()

@@ -1,0 +1,203 @@
+"""Prompt chunks through quantized weights: the path of a product with more rows than the tensor-core kernels take.
+
+A chunk of hundreds of rows is compute-bound, so it should run on cuBLAS's tuned GEMMs, not on a kernel that
+expands the weight in registers for every tile of rows:
+- FP8 with a scale per channel: the rows quantized per token, then torch._scaled_mm in FP8 (row-wise scales);
+- FP8 in Qwen's 128x128 blocks: the rows quantized per token and block of 128, then cuBLAS's block-scaled FP8
+  GEMM (torch's scaled_mm, BlockWise1x128 x BlockWise128x128; CUDA 12.9 and Hopper), where `prepare` found it
+  to work on the device, else as the integer layouts:
+- everything else: one Triton kernel writes the bf16 (fp16) weight, then one cuBLAS GEMM.
+The rows' quantization is one Triton kernel too (the amax and the cast of each row's block), where the torch ops
+would be six launches and as many passes over the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.model.quant.block_scales import blockwise_scales
+
+FP8_MAX = 448.0
+_DEQUANT_BLOCK_N = 32
+_DEQUANT_BLOCK_WORDS = 64  # words of one program's row slab: 512 4-bit codes
+_DEQUANT_BLOCK_K = 256  # fp8 bytes of one program's row slab
+_QUANT_BLOCK = 128  # activations per step of the rows' quantization
+
+
+@triton.jit
+def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, KW, stride_qn, stride_sn, stride_on,
+                        GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_KW: tl.constexpr):
+    CPW: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ws = tl.program_id(1) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+    n_ok = rn < N
+    w_ok = ws < KW
+    rn64 = rn.to(tl.int64)
+    tile_ok = n_ok[:, None] & w_ok[None, :]
+    words = tl.load(q_ptr + rn64[:, None] * stride_qn + ws[None, :], mask=tile_ok, other=0)
+    base = (ws // RUN) * (RUN * CPW) + ws % RUN
+    g = ((ws // RUN) * (RUN * CPW)) // GROUP
+    s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(CPW):
+        u = (((words >> (BITS * j)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        k = base + RUN * j
+        tl.store(out_ptr + rn64[:, None] * stride_on + k[None, :], (u * s + o).to(out_ptr.dtype.element_ty),
+                 mask=tile_ok & (k < K)[None, :])
+
+
+@triton.jit
+def _dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                        SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn64 = rn.to(tl.int64)
+    tile_ok = (rn < N)[:, None] & (ks < K)[None, :]
+    w = tl.load(w_ptr + rn64[:, None] * stride_wn + ks[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (rn // SCALE_BLOCK_N).to(tl.int64)[:, None] * stride_sn + (ks // SCALE_BLOCK_K)[None, :],
+                mask=tile_ok, other=0.0)
+    tl.store(out_ptr + rn64[:, None] * stride_on + ks[None, :], (w * s).to(out_ptr.dtype.element_ty), mask=tile_ok)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, group_len, stride_xm, stride_qm, stride_sm, stride_sg,
+                          BLOCK: tl.constexpr):
+    """Row m's inputs [g * group_len, (g + 1) * group_len) to e4m3 with one scale (amax / 448)."""
+    m = tl.program_id(0)
+    g = tl.program_id(1)
+    start = g * group_len
+    end = tl.minimum(start + group_len, K)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(start, end, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + m * stride_xm + ks, mask=ks < end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    for k0 in range(start, end, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + m * stride_xm + ks, mask=ks < end, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(q_ptr + m * stride_qm + ks, q.to(q_ptr.dtype.element_ty), mask=ks < end)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale)
+
+
+def dequantize(layer, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's [N, K] weight in `dtype`, written by one kernel (the reference's arithmetic, fp32 then one
+    rounding)."""
+    n, k = layer.out_features, layer.in_features
+    out = torch.empty(n, k, dtype=dtype, device=layer.scale_device)
+    if layer.format == "fp8":
+        if not _native_fp8(out.device):  # Triton converts e4m3 on sm_89 and up only
+            return layer.dequantize(dtype)
+        grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(k, _DEQUANT_BLOCK_K))
+        weight = layer.weight
+        _dequant_fp8_kernel[grid](weight, layer.weight_scale, out, n, k, weight.stride(0),
+                                  layer.weight_scale.stride(0), out.stride(0), SCALE_BLOCK_N=layer.block_n,
+                                  SCALE_BLOCK_K=layer.block_k, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K)
+        return out
+    words = layer.qweight.shape[1]
+    grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(words, _DEQUANT_BLOCK_WORDS))
+    _dequant_int_kernel[grid](layer.qweight, layer.scales, layer.offsets, out, n, k, words, layer.qweight.stride(0),
+                              layer.scales.stride(0), out.stride(0), GROUP=layer.group_size, BITS=layer.bits,
+                              RUN=layer.run, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_KW=_DEQUANT_BLOCK_WORDS)
+    return out
+
+
+def quantize_rows(rows: torch.Tensor, group: int, scales_column_major: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K / group)]): one scale per row and group of `group`
+    inputs (group >= K: per row), amax / 448. `scales_column_major`: the scales laid out [groups, M] underneath
+    (cuBLAS's block-scaled GEMM reads them so)."""
+    m, k = rows.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=rows.device)
+    if scales_column_major:
+        scales = torch.empty(groups, m, dtype=torch.float32, device=rows.device).t()
+    else:
+        scales = torch.empty(m, groups, dtype=torch.float32, device=rows.device)
+    _quantize_rows_kernel[(m, groups)](rows, q, scales, k, min(group, k), rows.stride(0), q.stride(0),
+                                       scales.stride(0), scales.stride(1), BLOCK=_QUANT_BLOCK)
+    return q, scales
+
+
+def dense_linear(rows: torch.Tensor, layer) -> torch.Tensor:
+    """rows [M, K] (bf16 / fp16, CUDA; act-order columns already gathered) through `layer` -> [M, N]."""
+    bias = layer.bias.to(rows.dtype) if layer.bias is not None else None
+    if layer.format == "fp8" and rows.dtype == torch.bfloat16:
+        if rowwise_takes(layer, rows.device):
+            q, scales = quantize_rows(rows, layer.in_features)
+            return torch._scaled_mm(q, layer.weight.t(), scale_a=scales, scale_b=layer.weight_scale.view(1, -1),
+                                    out_dtype=torch.bfloat16, bias=bias)
+        if blockwise_takes(layer, rows.device):
+            out = blockwise_mm(rows, layer.weight, layer.weight_scale_blocks)
+            return out + bias if bias is not None else out
+    return F.linear(rows, dequantize(layer, rows.dtype), bias)
+
+
+def rowwise_takes(layer, device: torch.device) -> bool:
+    """Per-channel FP8 on a Hopper-class device, sizes multiples of 16: torch._scaled_mm with row-wise scales."""
+    return (layer.block_n == 1 and layer.block_k >= layer.in_features and layer.in_features % 16 == 0
+            and layer.out_features % 16 == 0 and _capability(device) >= (9, 0))
+
+
+def blockwise_takes(layer, device: torch.device) -> bool:
+    """Qwen's 128x128 blocks, whole blocks, where cuBLAS's block-scaled FP8 GEMM ran right on `device`."""
+    return ((layer.block_n, layer.block_k) == (128, 128) and layer.in_features % 128 == 0
+            and layer.out_features % 128 == 0 and blockwise_works(device))
+
+
+def blockwise_mm(rows: torch.Tensor, weight: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, N] = rows quantized per (row, 128 inputs) times an e4m3 weight [N, K] in 128x128 blocks."""
+    from torch.nn.functional import ScalingType
+
+    q, scales = quantize_rows(rows, 128, scales_column_major=True)
+    return F.scaled_mm(q, weight.t(), scales, ScalingType.BlockWise1x128, weight_scales, ScalingType.BlockWise128x128,
+                       output_dtype=torch.bfloat16)
+
+
+_blockwise: dict[torch.device, bool] = {}
+
+
+def blockwise_works(device: torch.device) -> bool:
+    """Whether the block-scaled FP8 GEMM runs on `device` and agrees with the dequantized product (CUDA 12.9 and
+    Hopper); tried once per device, by `prepare` before any graph capture."""
+    if device.type != "cuda" or _capability(device) < (9, 0):
+        return False
+    if device not in _blockwise:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the block-scaled FP8 GEMM is tried before any CUDA graph capture "
+                               "(engine.model.quant.kernels.prepare)")
+        _blockwise[device] = _try_blockwise(device)
+    return _blockwise[device]
+
+
+def _try_blockwise(device: torch.device) -> bool:
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(256, 384, device=device, generator=gen)
+        x = torch.randn(48, 384, device=device, generator=gen).to(torch.bfloat16)
+        blocks = w.view(2, 128, 3, 128)
+        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+        wq = (blocks / scale[:, None, :, None]).view(256, 384).to(torch.float8_e4m3fn)
+        got = blockwise_mm(x, wq, blockwise_scales(scale)).float()
+        ref = x.float() @ (wq.float().view(2, 128, 3, 128) * scale[:, None, :, None]).view(256, 384).t()
+        return bool((got - ref).abs().max() <= 0.05 * ref.abs().max())
+    except (RuntimeError, NotImplementedError, ImportError, TypeError, ValueError):
+        return False
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_fp8(device: torch.device) -> bool:
+    return device.type != "cuda" or _capability(device) >= (8, 9)

@@ -1,0 +1,72 @@
+"""The quantized kernels' committed launch table: per device and class of weight, the launch shape of each path
+and the row counts where one path hands over to the next. Read once; never tuned at run time (a launch shape is
+a function of the weight, so a captured CUDA graph stays valid and a start costs no search).
+
+    entry = lookup("NVIDIA H200", "int4", 4096, 12288)   # {} where the table has none: the defaults apply
+
+launch_table.json beside this file: {"devices": {DEVICE NAME: {CLASS: ENTRY}}}, CLASS `FORMAT/nN/kK` with N and K
+rounded up to powers of two (the 8B shape's gate/up, 24576 x 4096, is `int4/n32768/k4096`), FORMAT one of
+`fp8` (a scale per channel), `fp8-block` (blocks along K), `int4`, `int8` (groups of 128 and up, or one group),
+`int4-g32`, `int8-g32`, `int8-g16` (GGUF's smaller groups). ENTRY's keys, each optional:
+- `gemv`, `tc`: launch shapes `BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES` of the 1-4 row and the tensor-core paths;
+- `gemv_rows` (0-4): the most rows the GEMV takes; `tc_rows`: the most the tensor-core kernel takes (more rows:
+  the prompt-chunk path, engine.model.quant.dense);
+- `backend`: `triton` (these kernels) or `tinygemm` (int4: torch._weight_int4pack_mm up to `tc_rows`).
+`strata-engine bench linear --quant ... --quant-tune ... --table-out FILE` writes a table of this form from the
+fastest shape it measured per class and row count.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+TABLE_PATH = Path(__file__).with_name("launch_table.json")
+ENTRY_KEYS = ("gemv", "tc", "gemv_rows", "tc_rows", "backend")
+BACKENDS = ("triton", "tinygemm")
+
+
+def pow2_at_least(value: int) -> int:
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+def shape_class(fmt: str, n: int, k: int) -> str:
+    return f"{fmt}/n{pow2_at_least(n)}/k{pow2_at_least(k)}"
+
+
+def layer_format(layer) -> str:
+    """The table's FORMAT of a quantized layer."""
+    if layer.format == "fp8":
+        return "fp8" if layer.block_k >= layer.in_features else "fp8-block"
+    group = layer.group_size
+    return layer.format if group >= 128 or group == layer.in_features else f"{layer.format}-g{group}"
+
+
+def load() -> dict[str, dict[str, dict[str, Any]]]:
+    """The committed table's devices; a table that is not of the form above is a ValueError naming the file and
+    key."""
+    return read(TABLE_PATH)
+
+
+@functools.lru_cache(maxsize=4)
+def read(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    raw = json.loads(path.read_text())
+    devices = raw.get("devices") if isinstance(raw, dict) else None
+    if not isinstance(devices, dict):
+        raise ValueError(f"{path}: expected {{\"devices\": {{DEVICE: {{CLASS: ENTRY}}}}}}")
+    for device, classes in devices.items():
+        for cls, entry in classes.items():
+            where = f"{path}: devices.{device}.{cls}"
+            if not isinstance(entry, dict) or set(entry) - set(ENTRY_KEYS):
+                raise ValueError(f"{where}: an entry has only the keys {', '.join(ENTRY_KEYS)}")
+            if entry.get("backend", "triton") not in BACKENDS:
+                raise ValueError(f"{where}.backend={entry['backend']!r}: expected one of {', '.join(BACKENDS)}")
+            if not 0 <= int(entry.get("gemv_rows", 4)) <= 4:
+                raise ValueError(f"{where}.gemv_rows={entry['gemv_rows']}: the GEMV takes 0 to 4 rows")
+    return devices
+
+
+def lookup(device_name: str, fmt: str, n: int, k: int) -> dict[str, Any]:
+    return dict(load().get(device_name, {}).get(shape_class(fmt, n, k), {}))

@@ -1,0 +1,84 @@
+"""The quantized kernels compiled for an H200 (sm_90) on CPU, by the Triton wheel's own compiler and ptxas: Triton's
+interpreter (the CPU tests' runner) accepts code that the GPU compiler refuses, and a kernel that spills its
+registers to local memory loses the speed it exists for. Each kernel at the launch shapes the engine uses by
+default for the 8B model's shapes: it compiles, and its registers fit (no stack, no local memory)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+_INT = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "b_ptr": "*fp16", "out_ptr": "*bf16",
+        "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "KW": "i32",
+        "kw_per_split": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_om": "i32"}
+_FP8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16",
+        "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
+        "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32"}
+
+
+def _cases():
+    from engine.model.quant import dense, gemv, tensor_core
+
+    cases = []
+    for bits, group, scales in ((4, 128, 1), (4, 32, 2), (8, 32, 2), (8, 16, 2)):
+        for rows in (1, 4):
+            cases.append((f"int{bits}-g{group} gemv rows {rows}", gemv.int_gemv_kernel, _INT, 4, 2, dict(
+                GROUP=group, BITS=bits, RUN=4, SCALES=scales, ROWS=rows, RB=rows, BLOCK_N=128, BLOCK_KW=16, SPLIT=4,
+                HAS_BIAS=False, EVEN_K=True)))
+        for block_m, warps in ((16, 4), (64, 8), (128, 8)):
+            cases.append((f"int{bits}-g{group} tc {block_m} rows", tensor_core.int_tc_kernel, _INT, warps, 3, dict(
+                GROUP=group, BITS=bits, RUN=4, SCALES=scales, BLOCK_M=block_m, BLOCK_N=64, BLOCK_KW=16, SPLIT=2,
+                HAS_BIAS=True, EVEN_K=True)))
+    for name, sbn, sbk, scales in (("fp8", 1, 4096, 0), ("fp8-block", 128, 128, 1)):
+        for rows in (1, 4):
+            cases.append((f"{name} gemv rows {rows}", gemv.fp8_gemv_kernel, _FP8, 4, 2, dict(
+                SCALE_BLOCK_N=sbn, SCALE_BLOCK_K=sbk, SCALES=scales, NATIVE_FP8=True, ROWS=rows, RB=rows, BLOCK_N=32,
+                BLOCK_K=128, SPLIT=2, HAS_BIAS=False)))
+        for block_m, warps in ((16, 4), (64, 8), (128, 8)):
+            cases.append((f"{name} tc {block_m} rows", tensor_core.fp8_tc_kernel, _FP8, warps, 3, dict(
+                SCALE_BLOCK_N=sbn, SCALE_BLOCK_K=sbk, SCALES=scales, NATIVE_FP8=True, BLOCK_M=block_m, BLOCK_N=32,
+                BLOCK_K=128, SPLIT=2, HAS_BIAS=False)))
+    cases.append(("int4 dequantize", dense._dequant_int_kernel, {
+        "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "KW": "i32",
+        "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}, 4, 1,
+        dict(GROUP=128, BITS=4, RUN=4, BLOCK_N=32, BLOCK_KW=64)))
+    cases.append(("fp8 dequantize", dense._dequant_fp8_kernel, {
+        "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+        "stride_sn": "i32", "stride_on": "i32"}, 4, 1, dict(SCALE_BLOCK_N=128, SCALE_BLOCK_K=128, BLOCK_N=32,
+                                                           BLOCK_K=256)))
+    cases.append(("rows to fp8", dense._quantize_rows_kernel, {
+        "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "group_len": "i32", "stride_xm": "i32",
+        "stride_qm": "i32", "stride_sm": "i32", "stride_sg": "i32"}, 4, 1, dict(BLOCK=128)))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(len(_cases())))
+def test_each_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    label, kernel, signature, warps, stages, constants = _cases()[case]
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    # as a launch on the 8B shapes specializes them: pointers, sizes and strides divisible by 16 (rows: not)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+             if kind != "constexpr" and name != "M"}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           timeout=60).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    assert found, usage
+    registers, stack, local = int(found.group(1)), int(found.group(2)), int(found.group(4))
+    print(f"{label}: {registers} registers, {compiled.metadata.shared} bytes of shared memory")
+    assert stack == 0 and local == 0, f"{label} spills: {usage}"
