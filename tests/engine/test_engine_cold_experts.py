@@ -76,3 +76,38 @@ def test_the_skewed_model_hits_the_cache_as_its_trace_predicts(prompts):
     assert snap.hit_rate <= snap.oracle_hit_rate
     # a uniform router would hit about the resident fraction; the Zipf prior concentrates the routes
     assert snap.hit_rate > snap.slots / snap.num_experts + 0.1
+
+
+def _trace_run(prompts, late: bool, monkeypatch, **kw):
+    """All resident, the captured (graph-safe) path run eagerly; `late`: its counts read a step late (the
+    default), else checked after every step as when an expert can miss."""
+    from engine.exec.experts.cache import ExpertCache
+
+    if not late:
+        monkeypatch.setattr(ExpertCache, "counts_late_ok", lambda self: False)
+    with one_thread():
+        engine = make_engine(MODEL, batch=3, **kw)
+        cache = engine.lm.model.expert_provider
+        cache.capturing = lambda x: True
+        try:
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            snap = cache.snapshot()
+            cache.flush_late_counts()
+            trace = [(a.step, a.layer, a.experts, a.tokens, a.kind) for a in cache.stats.trace]
+            return tokens, snap, trace
+        finally:
+            engine.close()
+            monkeypatch.undo()
+
+
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_counts_read_a_step_late_lose_nothing(prompts, resident_tokens, monkeypatch, ahead):
+    """Every expert resident: a captured step's route counts are recorded while the next one runs (and a step
+    may go ahead); the trace, the hits and the tokens are those of a run checked after every step."""
+    checked, checked_snap, checked_trace = _trace_run(prompts, False, monkeypatch)
+    tokens, snap, trace = _trace_run(prompts, True, monkeypatch, decode_ahead=ahead)
+    assert tokens == checked == resident_tokens
+    assert snap.misses == 0 and snap.hit_rate == 1.0
+    if ahead == "off":  # a step launched ahead and dropped is counted too: the traces match without it
+        assert trace == checked_trace and len(trace) > 3 * snap.num_layers
+        assert snap.hits >= checked_snap.hits - 2 * snap.num_layers  # the last step may still be in flight

@@ -106,7 +106,7 @@ class ExpertCache:
         self._predicted_misses = torch.zeros(1, dtype=torch.float32, device=device)
         # route counts read a step late (count_late): two pinned buffers in turn, and the one in flight
         self._late_buffers: list[torch.Tensor] = []
-        self._late: tuple[torch.Tensor, torch.cuda.Event, int, str] | None = None
+        self._late: tuple[torch.Tensor, torch.cuda.Event | None, int, str] | None = None
         for block in self.blocks:
             block.experts = torch.nn.ModuleList()  # the host store has them now: no second copy
             block.attach_provider(self)
@@ -420,35 +420,40 @@ class ExpertCache:
         return all(pool.slots >= pool.num_experts for pool in self.pools)
 
     def counts_late_ok(self) -> bool:
-        """Whether a replay stands unchecked: every expert resident, on CUDA (where the copy can go behind the
-        step), and no prefetch predictions to read."""
-        return self.device.type == "cuda" and self.cold != "prefetch" and not self.force_eager \
-            and self.every_expert_resident
+        """Whether a step stands unchecked: every expert resident (no route can miss) and no prefetch
+        predictions to read."""
+        return self.cold != "prefetch" and not self.force_eager and self.every_expert_resident
 
     def count_late(self) -> None:
-        """Copy this step's route counts to pinned memory behind it and clear them; record the step before's,
-        whose copy is long done (the host read that step's tokens since), while this one computes."""
+        """Copy this step's route counts to host memory behind it (pinned, on CUDA) and clear them; record the
+        step before's, whose copy is long done (the host read that step's tokens since), while this one
+        computes."""
+        on_cuda = self.device.type == "cuda"
         if not self._late_buffers:
-            self._late_buffers = [torch.empty(self.dev_counts.shape, pin_memory=True) for _ in range(2)]
+            self._late_buffers = [torch.empty(self.dev_counts.shape, pin_memory=on_cuda) for _ in range(2)]
         buffer = self._late_buffers[self.stats.steps % 2]
-        buffer.copy_(self.dev_counts, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        buffer.copy_(self.dev_counts, non_blocking=on_cuda)
+        done = None
+        if on_cuda:
+            done = torch.cuda.Event()
+            done.record()
         self.dev_counts.zero_()
         self.dev_misses.zero_()  # nothing can miss; cleared all the same, for the next checked step
         before, self._late = self._late, (buffer, done, self.stats.steps, self.stats.step_kind)
         if before is not None:
             self._record_late(before)
 
-    def flush_late_counts(self) -> None:
-        """Record the counts still in flight (before a checked step, and before a snapshot is read)."""
-        if self._late is not None:
+    def flush_late_counts(self, wait: bool = True) -> None:
+        """Record the counts still in flight (before a checked step or a close; a snapshot passes wait=False and
+        takes them only when their copy is done, so it never waits for a step in flight)."""
+        if self._late is not None and (wait or self._late[1] is None or self._late[1].query()):
             before, self._late = self._late, None
             self._record_late(before)
 
-    def _record_late(self, late: tuple[torch.Tensor, torch.cuda.Event, int, str]) -> None:
+    def _record_late(self, late: tuple[torch.Tensor, torch.cuda.Event | None, int, str]) -> None:
         buffer, done, step, kind = late
-        done.synchronize()
+        if done is not None:
+            done.synchronize()
         counts = buffer.numpy()
         if counts.any():  # an eager step records its own accesses
             self.touch_captured(counts, step, kind)
@@ -456,7 +461,7 @@ class ExpertCache:
     def snapshot(self, oracle_max_age_s: float = 0.0) -> ExpertCacheSnapshot:
         """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to
         `oracle_max_age_s` old: see ExpertStats.oracle)."""
-        self.flush_late_counts()
+        self.flush_late_counts(wait=False)
         return self.stats.snapshot(oracle_max_age_s, policy=self.policy, slots=self.slots,
                                    target_slots=self.target_slots, mib=self.mib, host_mib=self.host_mib,
                                    peer_mib=self.peer_mib, store_device=str(self.peer or "host"),

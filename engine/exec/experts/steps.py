@@ -15,9 +15,9 @@ It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and
    `prefetch` the layers past the first missed one are also loaded from the graph's predictions before the
    replay (engine.exec.experts.cold);
 4. publishes the summed load / evict events about once a second.
-When every pool holds every expert (on CUDA, not under prefetch) no route can miss, so a replay stands without a
-check: its counters go to pinned host memory behind it and are recorded while the next step computes, instead of
-the host waiting for the step to read them and the device waiting for the host to record them.
+When every pool holds every expert (not under prefetch) no route can miss, so a replay stands without a check:
+its counters go to (pinned) host memory behind it and are recorded while the next step computes, instead of the
+host waiting for the step to read them and the device waiting for the host to record them.
 Everything else (release, invalidate, snapshot, precapture, ...) is the inner executor's.
 """
 
