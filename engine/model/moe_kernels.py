@@ -221,16 +221,23 @@ if triton is not None:
         return tl.where(lead, slot, -1), routes, ok
 
     @triton.jit
+    def _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, N, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SCAN: tl.constexpr, SCAN_R: tl.constexpr):
+        """This program's block (slot, routes, ok: _block_routes) and its output columns (rn, n_ok) of N."""
+        slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
+                                         tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return slot, routes, ok, rn, rn < N
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
                         act_ptr, R, H, I, TOP_K, stride_xn, stride_ws, stride_wn, stride_ss, stride_ar,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
                         SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
-        slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
-                                         tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
+        slot, routes, ok, rn, n_ok = _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, I,
+                                              BLOCK_M, BLOCK_N, SCAN, SCAN_R)
         if slot < 0:
             return
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < I
         rk = tl.arange(0, BLOCK_K)
         a_rows = x_ptr + (routes // TOP_K).to(tl.int64)[:, None] * stride_xn
         w_gate = w_ptr + slot.to(tl.int64) * stride_ws + rn[None, :] * stride_wn  # [1, BLOCK_N] row starts
@@ -264,12 +271,10 @@ if triton is not None:
                      y_ptr, R, H, I, stride_ar, stride_ws, stride_wn, stride_ss, stride_yr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
                      SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
-        slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
-                                         tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
+        slot, routes, ok, rn, n_ok = _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, H,
+                                              BLOCK_M, BLOCK_N, SCAN, SCAN_R)
         if slot < 0:
             return
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < H
         rk = tl.arange(0, BLOCK_K)
         a_rows = act_ptr + routes.to(tl.int64)[:, None] * stride_ar
         w_rows = w_ptr + slot.to(tl.int64) * stride_ws + rn[None, :] * stride_wn

@@ -225,7 +225,7 @@ def _partials(rows: torch.Tensor, n: int, cfg: QuantConfig, tiles: int):
 
 
 def _gemv(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
-    m, k = rows.shape
+    m = rows.shape[0]
     n = layer.out_features
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, GEMV_MAX_ROWS))  # a program per 4 rows
@@ -235,26 +235,7 @@ def _gemv(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
     group = min(m, GEMV_MAX_ROWS)
     common = dict(ROWS=group, RB=triton.next_power_of_2(group), BLOCK_N=cfg.block_n, SPLIT=cfg.split_k,
                   HAS_BIAS=has_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if layer.format == "fp8":
-        native = _native_fp8(rows.device)
-        k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-        fp8_gemv_kernel[grid](
-            rows, layer.weight if native else layer.weight.view(torch.uint8), layer.weight_scale,
-            layer.bias if has_bias else layer.weight_scale, out, part, counters, m, n, k, k_per_split,
-            rows.stride(0), layer.weight.stride(0), layer.weight_scale.stride(0), out.stride(0),
-            SCALE_BLOCK_N=layer.block_n, SCALE_BLOCK_K=layer.block_k, SCALES=scale_mode(layer, cfg.block_k),
-            NATIVE_FP8=native, BLOCK_K=cfg.block_k, **common)
-        return out
-    block_kw = _block_words(layer, cfg, 4)
-    words = layer.qweight.shape[1]
-    kw_per_split = triton.cdiv(triton.cdiv(words, cfg.split_k), block_kw) * block_kw
-    int_gemv_kernel[grid](
-        rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out, part,
-        counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
-        out.stride(0), GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
-        SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw,
-        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
-    return out
+    return _launch(fp8_gemv_kernel, int_gemv_kernel, 4, grid, rows, layer, cfg, out, part, counters, common)
 
 
 def _block_words(layer, cfg: QuantConfig, least: int) -> int:
@@ -267,7 +248,7 @@ def _block_words(layer, cfg: QuantConfig, least: int) -> int:
 
 
 def _tc(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
-    m, k = rows.shape
+    m = rows.shape[0]
     n = layer.out_features
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
     block_m = min(_TC_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
@@ -281,20 +262,30 @@ def _tc(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
     # register counts, compiled); warps change which thread sums what, never the order of a column's sums
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
                   num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages)
+    return _launch(fp8_tc_kernel, int_tc_kernel, 16, grid, rows, layer, cfg, out, part, counters, common)
+
+
+def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.Tensor, layer, cfg: QuantConfig,
+            out: torch.Tensor, part: torch.Tensor, counters: torch.Tensor, common: dict) -> torch.Tensor:
+    """One path's launch (the GEMV's or the tensor cores': their kernels, grid and launch options) for the
+    layer's format; an int path steps at least `least_words` words of codes."""
+    m, k = rows.shape
+    n = layer.out_features
+    has_bias = layer.bias is not None
     if layer.format == "fp8":
         native = _native_fp8(rows.device)
         k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-        fp8_tc_kernel[grid](
+        fp8_kernel[grid](
             rows, layer.weight if native else layer.weight.view(torch.uint8), layer.weight_scale,
             layer.bias if has_bias else layer.weight_scale, out, part, counters, m, n, k, k_per_split,
             rows.stride(0), layer.weight.stride(0), layer.weight_scale.stride(0), out.stride(0),
             SCALE_BLOCK_N=layer.block_n, SCALE_BLOCK_K=layer.block_k, SCALES=scale_mode(layer, cfg.block_k),
             NATIVE_FP8=native, BLOCK_K=cfg.block_k, **common)
         return out
-    block_kw = _block_words(layer, cfg, 16)
+    block_kw = _block_words(layer, cfg, least_words)
     words = layer.qweight.shape[1]
     kw_per_split = triton.cdiv(triton.cdiv(words, cfg.split_k), block_kw) * block_kw
-    int_tc_kernel[grid](
+    int_kernel[grid](
         rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out, part,
         counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
         out.stride(0), GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,

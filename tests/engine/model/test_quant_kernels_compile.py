@@ -6,11 +6,10 @@ default for the 8B model's shapes: it compiles, and its registers fit (no stack,
 from __future__ import annotations
 
 import importlib.util
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
+
+from tests.engine.model.sm90_compile import compile_for_sm90
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -61,24 +60,7 @@ def _cases():
 
 @pytest.mark.parametrize("case", range(len(_cases())))
 def test_each_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     label, kernel, signature, warps, stages, constants = _cases()[case]
-    signature = {**signature, **{name: "constexpr" for name in constants}}
-    # as a launch on the 8B shapes specializes them: pointers, sizes and strides divisible by 16 (rows: not)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
-             if kind != "constexpr" and name != "M"}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                           timeout=60).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    assert found, usage
-    registers, stack, local = int(found.group(1)), int(found.group(2)), int(found.group(4))
-    print(f"{label}: {registers} registers, {compiled.metadata.shared} bytes of shared memory")
-    assert stack == 0 and local == 0, f"{label} spills: {usage}"
+    registers, stack, local, shared = compile_for_sm90(kernel, signature, constants, warps, stages, tmp_path)
+    print(f"{label}: {registers} registers, {shared} bytes of shared memory")
+    assert stack == 0 and local == 0, f"{label} spills: stack {stack}, local {local}"

@@ -1,0 +1,32 @@
+"""Compile a Triton kernel for an H200 (sm_90) on CPU with the Triton wheel's own compiler and ptxas, and read its
+resource use: Triton's interpreter (the CPU tests' runner) accepts code that the GPU compiler refuses, and a kernel
+that spills its registers to local memory loses the speed it exists for."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+
+def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int,
+                     tmp_path: Path, unaligned: tuple[str, ...] = ("M",)) -> tuple[int, int, int, int]:
+    """(registers, stack bytes, local bytes, shared bytes) of `kernel` compiled at these launch options; pointers,
+    sizes and strides specialized as divisible by 16 (as a launch on real shapes does), but those in `unaligned`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
+             if kind != "constexpr" and name not in unaligned}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           timeout=60).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    assert found, usage
+    return int(found.group(1)), int(found.group(2)), int(found.group(4)), compiled.metadata.shared
