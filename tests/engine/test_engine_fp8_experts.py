@@ -82,3 +82,30 @@ def test_a_synthetic_source_refuses_the_formats_it_has_no_form_of():
 
     with pytest.raises(ConfigError, match="fp8 \\(per channel\\) only"):
         load_checkpoint(MODEL, dtype="float32", device="cpu", quantize="int4")
+
+
+def test_a_checkpoint_quantized_to_fp8_at_load_keeps_its_experts_fp8_in_the_cache(tmp_path_factory):
+    """`--quantize fp8` on a Qwen3-MoE checkpoint: each expert's projections become per-channel FP8 modules, and
+    the cache keeps them FP8 (weights and scales) instead of dequantizing; a small budget gives the all-resident
+    tokens."""
+    from tests.engine.engine_helpers import shared_lively_checkpoint
+
+    ckpt = shared_lively_checkpoint(tmp_path_factory, size="moe-tiny")
+    prompts = random_prompts(2, seed=6, lengths=(12, 30))
+    runs = []
+    for slots in (None, 3):
+        with one_thread():
+            engine = make_engine(ckpt, batch=2, quantize="fp8")
+            cache = engine.lm.model.expert_provider
+            if slots is not None:
+                cache.set_budget(cache.mib_for(slots), "test")
+            try:
+                pool = cache.pools[0]
+                assert pool.store_gate_up.dtype == pool.gate_up.dtype == torch.float8_e4m3fn
+                assert pool.scales is not None and pool.scales[0].shape == (pool.slots + 1, pool.gate_up.shape[1])
+                runs.append((tokens_of(run_all(engine, prompts, GREEDY)), cache.snapshot().misses))
+            finally:
+                engine.close()
+    (resident, no_misses), (small, misses) = runs
+    assert no_misses == 0 and misses > 0
+    assert small == resident
