@@ -5,7 +5,7 @@ one line and exit 2 before anything binds) -> bind the socket (so --port 0 has a
 fails before the model loads) -> build the engine client -> start uvicorn on that socket -> once uvicorn is started and
 `client.health()` is ready, freeze the heap loaded so far (`freeze_startup_heap`) and print exactly one line on
 stdout: `strata-engine: ready at http://HOST:PORT`, then what was set up, as vLLM and llama.cpp print theirs: the KV
-capacity in tokens and each device's VRAM books (`ready_line`; the URL is always the fourth word, `ready_line_url`).
+capacity in tokens and each device's VRAM books (`ready_line`; the URL is always the fourth word).
 All logs go to stderr. SIGTERM/SIGINT: refuse new
 requests, abort running ones, end event streams, shut the engine down, exit 0. An engine that dies (sticky
 CUDA error): requests get 503 with the reason, then the process exits 1.
@@ -158,14 +158,6 @@ def ready_line(url: str, snapshot: Any) -> str:
             ("experts", vram.experts_mib), ("reserve", vram.reserve_mib)) if value or label != "experts")
         parts.append(f"{vram.device or '?'}: {books}, free {_mib_text(vram.free_mib)} of {_mib_text(vram.total_mib)}")
     return " · ".join(parts)
-
-
-def ready_line_url(line: str) -> str | None:
-    """The URL of a ready line (its fourth word), or None for any other line."""
-    if not line.startswith(READY_PREFIX + " "):
-        return None
-    words = line.split()
-    return words[3] if len(words) > 3 else None
 
 
 def _mib_text(mib: float) -> str:

@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli.serve import READY_PREFIX, ready_line_url, bind_socket, ready_url, warn_if_exposed
+from engine.cli.serve import READY_PREFIX, bind_socket, ready_url, warn_if_exposed
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from tests.engine.server.ready import ready_line_url
 
 ROOT = Path(__file__).resolve().parents[3]
 _SCRIPT = """

@@ -19,6 +19,7 @@ from engine.server import guard, uvicorn_server
 from engine.server.app import create_app
 from tests.engine.server.fake_engine import FakeEngine
 from tests.engine.server.live import LiveServer
+from tests.engine.server.ready import ready_line_url
 
 BOUND_S = 20.0  # generous: the shortened timeouts are about 1 s
 POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -220,8 +221,8 @@ def test_a_real_server_under_a_1024_open_files_limit_answers_health_past_1030_co
     socks: list[socket.socket] = []
     try:
         line = proc.stdout.readline()
-        assert "ready at" in line, line
-        url = line.split()[-1]
+        url = ready_line_url(line)
+        assert url, line
         socks = _open_trickling(url, 1030)
         statuses = []
         for _ in range(5):

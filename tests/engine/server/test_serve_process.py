@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli.serve import READY_PREFIX, ready_line_url
+from engine.cli.serve import READY_PREFIX
+from tests.engine.server.ready import ready_line_url
 from tests.engine.server.real import random_checkpoint
 from tests.fault_injection import engine_process_env
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cli.serve import READY_PREFIX, ready_line_url
+from engine.cli.serve import READY_PREFIX
+from tests.engine.server.ready import ready_line_url
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(240)

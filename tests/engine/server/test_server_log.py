@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.cli.serve import ready_line_url
+from tests.engine.server.ready import ready_line_url
 from engine.server.logs import EventLogger
 from engine.telemetry import ErrorEvent, EventBus, GraphEvent, SwitchEvent, VramEvent, WarningEvent
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.cli.serve import READY_PREFIX, ready_line_url
+from engine.cli.serve import READY_PREFIX
+from tests.engine.server.ready import ready_line_url
 from tests.engine.server.real import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
