@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from engine.prefill_cost import fit_chunks, span_cost_s  # noqa: E402
-from engine.telemetry import SlotEvent  # noqa: E402
 from strata_tui.launcher import READY_RE  # noqa: E402
 from strata_tui.monitor_state import MonitorState  # noqa: E402
 from strata_tui.telemetry_client import TelemetryClient  # noqa: E402
@@ -160,7 +159,7 @@ async def _follow(client: TelemetryClient, state: MonitorState, ends: dict[str, 
     async for batch in client.events():
         state.apply_all(batch)
         for event in batch:  # max_tokens=1: the slot goes from prefill to finished (no decode event)
-            if isinstance(event, SlotEvent) and event.request_id and event.state in ("decode", "finished"):
+            if event.type == "slot" and event.request_id and event.state in ("decode", "finished"):
                 ends.setdefault(event.request_id, event.ts)
 
 
