@@ -215,11 +215,11 @@ class ExpertCache:
         before, t0 = self.mib, time.perf_counter()
         if self.pools[0].gate_up.numel() and slots == self.slots:
             return
-        for pool in self.pools:  # layer by layer: the peak is one layer's old and new pool, not the whole cache
+        for i, pool in enumerate(self.pools):  # layer by layer: the peak is one layer's old and new pool
             pool.allocate(slots, self._copy)
             if slots >= self.num_experts:  # every expert fits: load them all now, so none ever misses
                 missing = [e for e in range(self.num_experts) if not pool.policy.resident(e)]
-                self._load(pool, missing and pool.policy.serve(missing).loads or [], [])
+                self._load(pool, missing and pool.policy.serve(missing).loads or [], [], layer=i)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             torch.cuda.empty_cache()
@@ -295,7 +295,7 @@ class ExpertCache:
             cold = {e for e, _ in result.loads if routes[e][0].numel() <= CPU_MAX_TOKENS} \
                 if self.cold == "cpu" else set()
             if result.loads:
-                self._load(pool, result.loads, result.evicted, wait=len(cold) < len(result.loads))
+                self._load(pool, result.loads, result.evicted, wait=len(cold) < len(result.loads), layer=i)
             if predict:  # once, after this layer's own loads: the layer does not wait for the next one's copies
                 predict = False
                 self._prefetch_next(i, x, positions, rows)
@@ -339,7 +339,7 @@ class ExpertCache:
             return
         result = pool.policy.serve(missing)
         self.stats.prefetched += len(result.loads)
-        self._load(pool, result.loads, result.evicted, wait=False)
+        self._load(pool, result.loads, result.evicted, wait=False, layer=j)
 
     def wait_pending(self, pool: ExpertPool) -> None:
         """Make the compute stream wait for a copy into `pool` that went behind an earlier step."""
@@ -351,9 +351,10 @@ class ExpertCache:
         for pool in self.pools:
             self.wait_pending(pool)
 
-    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int], wait: bool = True) -> None:
-        """Copy `loads` (expert, slot) in from the store on the side stream; `wait`: the compute stream waits for
-        them now, else the pool's next reader does (ExpertPool.pending)."""
+    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int], wait: bool = True, *,
+              layer: int) -> None:
+        """Copy `loads` (expert, slot) in from the store into `pool` (layer `layer`'s) on the side stream; `wait`:
+        the compute stream waits for them now, else the pool's next reader does (ExpertPool.pending)."""
         start = end = None
         if self.copy_stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -369,7 +370,8 @@ class ExpertCache:
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             else:
                 pool.pending = end
-        self.stats.record_loads(len(loads), len(loads) * self.expert_mib, (start, end), time.perf_counter() - t0)
+        self.stats.record_loads(layer, len(loads), len(loads) * self.expert_mib, (start, end),
+                                time.perf_counter() - t0)
 
     def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -394,7 +396,7 @@ class ExpertCache:
         result = pool.policy.serve(experts)
         self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
         if result.loads:
-            self._load(pool, result.loads, result.evicted)
+            self._load(pool, result.loads, result.evicted, layer=i)
         self.served_this_step.add(i)
 
     def touch_captured(self, counts: np.ndarray, step: int | None = None, kind: str | None = None) -> None:

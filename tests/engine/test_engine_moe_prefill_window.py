@@ -1,0 +1,103 @@
+"""A long prompt on an MoE model whose experts do not all fit the expert cache (CPU, the synthetic skewed model):
+the prompt's chunks run layer by layer over a window (engine/exec/experts/window.py), so each cold expert is
+copied to its layer's pool once per window, not once per chunk; the expert cache counts the copies per layer
+and the prompt steps' share (`layers[i].prompt_loaded`, `prompt_loaded_mib`); and the tokens are the
+chunk-by-chunk run's, greedy, with short requests decoding beside the long one and with MTP drafting."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.errors import ConfigError
+from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, small_config, tokens_of
+
+MODEL = "random:moe-synth-tiny"  # 3 sparse layers + an MTP one, 16 experts (top-2) each
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CHUNK_TOKENS = 16
+LONG_TOKENS = 160  # ten chunks
+CACHE_MIB = 1  # 9 slots of 16 experts a layer: a chunk's routed experts do not stay resident for the next
+
+
+def _long_prompt() -> list[int]:
+    return random_prompts(1, seed=11, lengths=(LONG_TOKENS, LONG_TOKENS + 1))[0]
+
+
+def _run(prompts: list[list[int]], **kw):
+    """Greedy tokens, the cache's snapshot, and each main layer's distinct experts routed by prompt steps."""
+    kw.setdefault("expert_cache_mib", CACHE_MIB)
+    with one_thread():
+        engine = make_engine(MODEL, batch=3, prefill_chunk_tokens=CHUNK_TOKENS, step_token_budget=CHUNK_TOKENS,
+                             **kw)
+        cache = engine.lm.model.expert_provider
+        try:
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            routed: dict[int, set[int]] = {}
+            for access in cache.stats.trace:
+                if access.kind.startswith("prefill") and access.layer < cache.main_layers:
+                    routed.setdefault(access.layer, set()).update(access.experts)
+            return tokens, cache.snapshot(), routed, cache.main_layers
+        finally:
+            engine.close()
+
+
+@pytest.fixture(scope="module")
+def chunk_by_chunk():
+    return _run([_long_prompt()], prefill_window_tokens=0)
+
+
+def test_a_cold_expert_crosses_once_per_prompt_and_layer(chunk_by_chunk):
+    tokens, snap, routed, main_layers = _run([_long_prompt()])  # the default window covers the whole prompt
+    assert snap.slots < snap.num_experts and snap.misses > 0
+    for layer in range(main_layers):
+        # the cache starts empty: every expert the prompt routes to is cold once, and copied in once
+        assert 0 < snap.layers[layer].prompt_loaded <= len(routed[layer]), (layer, snap.layers[layer], routed[layer])
+    assert snap.prompt_loaded_mib == pytest.approx(snap.prompt_loaded_experts * snap.expert_mib, abs=1e-2)
+    assert tokens == chunk_by_chunk[0]
+
+
+def test_chunk_by_chunk_copies_a_cold_expert_once_per_chunk(chunk_by_chunk):
+    """What the counter shows without the window: the same routing costs several crossings per expert."""
+    _, snap, routed, main_layers = chunk_by_chunk
+    assert all(layer.loaded >= layer.prompt_loaded for layer in snap.layers)
+    assert sum(snap.layers[i].prompt_loaded for i in range(main_layers)) > \
+        2 * sum(len(routed[i]) for i in range(main_layers))
+
+
+def test_windows_smaller_than_the_prompt_copy_once_per_window(chunk_by_chunk):
+    window = 4 * CHUNK_TOKENS
+    tokens, snap, routed, main_layers = _run([_long_prompt()], prefill_window_tokens=window)
+    windows = -(-LONG_TOKENS // window)
+    for layer in range(main_layers):
+        assert snap.layers[layer].prompt_loaded <= windows * len(routed[layer])
+    assert sum(snap.layers[i].prompt_loaded for i in range(main_layers)) < \
+        sum(chunk_by_chunk[1].layers[i].prompt_loaded for i in range(main_layers))
+    assert tokens == chunk_by_chunk[0]
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_window_beside_decoding_slots_gives_the_chunk_by_chunk_tokens(mtp):
+    # two short prompts admitted with the long one decode while its chunks (its windows) run
+    prompts = [_long_prompt()] + random_prompts(2, seed=12, lengths=(6, 12))
+    extra = {"batch_mtp": True, "mtp_depth": 2} if mtp else {}
+    plain, _, _, _ = _run(prompts, prefill_window_tokens=0, **extra)
+    windowed, snap, _, _ = _run(prompts, prefill_window_tokens=3 * CHUNK_TOKENS, **extra)
+    assert windowed == plain
+    assert len({tuple(t) for t in plain.values()}) == 3
+
+
+def test_all_resident_runs_chunk_by_chunk():
+    """Every expert on the device: nothing can be cold, so no window runs (the chunk path keeps its graphs)."""
+    with one_thread():
+        engine = make_engine(MODEL, batch=1, prefill_chunk_tokens=CHUNK_TOKENS, step_token_budget=CHUNK_TOKENS)
+        try:
+            run_all(engine, [_long_prompt()], GREEDY)
+            assert engine.lm.model.expert_provider.every_expert_resident
+            assert engine.executor.window.windows == 0
+        finally:
+            engine.close()
+
+
+def test_a_negative_window_is_refused_naming_the_option():
+    with pytest.raises(ConfigError, match="prefill_window_tokens"):
+        small_config(MODEL, prefill_window_tokens=-1)
