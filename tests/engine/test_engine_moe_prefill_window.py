@@ -80,9 +80,10 @@ def test_window_beside_decoding_slots_gives_the_chunk_by_chunk_tokens(mtp):
     # two short prompts admitted with the long one decode while its chunks (its windows) run
     prompts = [_long_prompt()] + random_prompts(2, seed=12, lengths=(6, 12))
     extra = {"batch_mtp": True, "mtp_depth": 2} if mtp else {}
-    plain, _, _, _ = _run(prompts, prefill_window_tokens=0, **extra)
+    plain, chunked, _, _ = _run(prompts, prefill_window_tokens=0, **extra)
     windowed, snap, _, _ = _run(prompts, prefill_window_tokens=3 * CHUNK_TOKENS, **extra)
     assert windowed == plain
+    assert snap.prompt_loaded_experts < chunked.prompt_loaded_experts
     assert len({tuple(t) for t in plain.values()}) == 3
 
 
@@ -101,3 +102,11 @@ def test_all_resident_runs_chunk_by_chunk():
 def test_a_negative_window_is_refused_naming_the_option():
     with pytest.raises(ConfigError, match="prefill_window_tokens"):
         small_config(MODEL, prefill_window_tokens=-1)
+
+
+def test_chunks_beside_the_steps_are_refused_for_moe_naming_the_window():
+    """--prefill-overlap on would run chunks on a side stream while the slots decode through the same expert
+    pools: refused by name, pointing at what an MoE model's long prompts do instead."""
+    with one_thread(), pytest.raises(ConfigError, match="prefill_overlap") as err:
+        make_engine(MODEL, batch=1, prefill_overlap="on", expert_cache_mib=CACHE_MIB)
+    assert "--prefill-window-tokens" in str(err.value)
