@@ -34,7 +34,7 @@ def _run(prompts: list[list[int]], **kw):
             tokens = tokens_of(run_all(engine, prompts, GREEDY))
             routed: dict[int, set[int]] = {}
             for access in cache.stats.trace:
-                if access.kind.startswith("prefill") and access.layer < cache.main_layers:
+                if access.kind == "prefill" and access.layer < cache.main_layers:
                     routed.setdefault(access.layer, set()).update(access.experts)
             return tokens, cache.snapshot(), routed, cache.main_layers
         finally:

@@ -25,9 +25,9 @@ TRACE_MAX_ACCESSES = 200_000
 # The oracle's replays walk the whole trace in Python: a snapshot published while steps run (every 50 ms, on the
 # engine thread) reuses one at most this old instead of replaying it again.
 ORACLE_REFRESH_S = 2.0
-# the step kinds that run prompt chunks (engine.exec.runner's prefill, a layer-major window of them, and MTP's
+# the step kinds that run prompt chunks (engine.exec.runner's prefill, a layer-major window of them too, and MTP's
 # drafter prefill beside each): what their copies cost counts as the prompts'
-PROMPT_KINDS = ("prefill", "prefill_window", "draft_prefill")
+PROMPT_KINDS = ("prefill", "draft_prefill")
 
 
 class ExpertStats:

@@ -40,7 +40,7 @@ from engine.exec.graphs.key import GraphKey
 from engine.exec.runner import MIN_CHUNK_TOKENS, StepOutput, pow2_bucket, split_switches
 from engine.model.moe import SparseMoE
 
-KIND = "prefill_window"
+KIND = "prefill"  # a prefill step as the chunk's (the expert cache's trace and prompt counters read the kind)
 
 
 @dataclass
