@@ -23,12 +23,14 @@ def _long_prompt() -> list[int]:
     return random_prompts(1, seed=11, lengths=(LONG_TOKENS, LONG_TOKENS + 1))[0]
 
 
-def _run(prompts: list[list[int]], **kw):
-    """Greedy tokens, the cache's snapshot, and each main layer's distinct experts routed by prompt steps."""
+def _run(prompts: list[list[int]], fused: bool = False, **kw):
+    """Greedy tokens, the cache's snapshot, and each main layer's distinct experts routed by prompt steps
+    (`fused`: chunks bound for the fused causal attention, as on CUDA)."""
     kw.setdefault("expert_cache_mib", CACHE_MIB)
     with one_thread():
         engine = make_engine(MODEL, batch=3, prefill_chunk_tokens=CHUNK_TOKENS, step_token_budget=CHUNK_TOKENS,
                              **kw)
+        engine.kv.fused_prefill = True if fused else None
         cache = engine.lm.model.expert_provider
         try:
             tokens = tokens_of(run_all(engine, prompts, GREEDY))
@@ -85,6 +87,13 @@ def test_window_beside_decoding_slots_gives_the_chunk_by_chunk_tokens(mtp):
     assert windowed == plain
     assert snap.prompt_loaded_experts < chunked.prompt_loaded_experts
     assert len({tuple(t) for t in plain.values()}) == 3
+
+
+def test_window_with_the_fused_chunk_attention_gives_the_chunk_by_chunk_tokens():
+    plain, _, _, _ = _run([_long_prompt()], fused=True, prefill_window_tokens=0)
+    windowed, snap, routed, main_layers = _run([_long_prompt()], fused=True)
+    assert windowed == plain
+    assert all(snap.layers[i].prompt_loaded <= len(routed[i]) for i in range(main_layers))
 
 
 def test_all_resident_runs_chunk_by_chunk():

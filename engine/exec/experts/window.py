@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.exec.graphs.key import GraphKey
-from engine.exec.runner import MIN_CHUNK_TOKENS, StepOutput, pow2_bucket, split_switches
+from engine.exec.runner import GRAPH_CHUNK_TOKENS, MIN_CHUNK_TOKENS, StepOutput, pow2_bucket, split_switches
 from engine.model.moe import SparseMoE
 
 KIND = "prefill"  # a prefill step as the chunk's (the expert cache's trace and prompt counters read the kind)
@@ -162,12 +162,15 @@ class PrefillWindow:
         return torch.cat(finals, dim=1)[0]
 
     def _bind(self, slots: torch.Tensor, start: int, end: int, split: bool) -> None:
-        """The KV binding the chunk [start, end) would have had on its own (engine.exec.runner.ModelRunner.prefill):
-        its span; the fused causal attention where the device takes it and the paged chunk kernel is not on."""
+        """The KV binding the chunk [start, end) would have had on its own (engine.exec.runner.ModelRunner.prefill
+        decides the same way): its span; the fused causal attention where the device takes the chunk and the paged
+        chunk kernel does not (a chunk of at most GRAPH_CHUNK_TOKENS on the PAGED_PREFILL path)."""
         r, kv = self.runner, self.runner.kv
         span, n = r.chunk_span(end), end - start
-        if not kv.paged_prefill and kv.chunk_fusable(r.model.config.num_attention_heads, n):
-            kv.bind_chunk(slots, span, start, n)
+        tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
+        paged_chunk = tb <= GRAPH_CHUNK_TOKENS and kv.paged_prefill
+        if not paged_chunk and kv.chunk_fusable(r.model.config.num_attention_heads, tb):
+            kv.bind_chunk(slots, span, start, n)  # unpadded: row i sees keys <= start + i
         else:
             kv.bind(slots, span)
         kv.set_path(split, kv.paged, kv.paged_prefill)
