@@ -32,7 +32,7 @@ DEFAULT_VRAM_RESERVE_MIB = 1024
 # up to 6 a character when escaped (\uXXXX). 8 MiB holds either; a bigger body is refused before parsing.
 DEFAULT_MAX_BODY_MIB = 8
 # a 176K prompt in 2,048-token chunks: 11 windows of 8 chunks, so a cold expert crosses 11 times, not 86
-# (engine.exec.experts.window); the window's MoE holds (top_k + 6) x hidden activations a token at once
+# (engine.exec.prefill_window); the window's MoE holds (top_k + 6) x hidden activations a token at once
 DEFAULT_PREFILL_WINDOW_TOKENS = 16384
 API_KEY_ENV = "STRATA_API_KEY"
 REDACTED = "<redacted>"  # what the config's serialized form shows instead of a secret

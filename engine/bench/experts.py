@@ -7,7 +7,7 @@ captures the graph buckets), then the timed one. Greedy, so every budget must em
 (`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
 a cold cache; `policy` is lru, or lfu with STRATA_EXPERT_LFU=1), and for the timed run: misses, extra graph
 replays and eager re-runs after a miss, MiB copied and their copy ms, and the MiB the prompt steps copied per
-prompt (`prompt_loaded_mib`: a long prompt's chunks run in layer-major windows, engine.exec.experts.window, so a
+prompt (`prompt_loaded_mib`: a long prompt's chunks run in layer-major windows, engine.exec.prefill_window, so a
 cold expert crosses once per window and layer; `--prefill-window-tokens 0` measures chunk by chunk, and a prompt
 of several chunks, `--prompt-tokens 16384`, shows the difference); `vs_belady` is the live hit rate over the
 oracle's. `--hf` adds transformers'

@@ -29,7 +29,7 @@ from engine.exec.chunk_stream import ChunkStream
 from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
 from engine.exec.drafter import MtpDrafter
-from engine.exec.experts.window import PrefillWindow
+from engine.exec.prefill_window import PrefillWindow
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
@@ -50,7 +50,7 @@ class PlanExecutor:
                  streams: Streams, chunks: ChunkStream | None, ahead: DecodeAhead, graphs: StepExecutor,
                  device: torch.device, bus: EventBus, window: PrefillWindow | None = None) -> None:
         """`graphs`: the step executor the runner replays its graphs through (MTP turned off gives the drafter's
-        back). `window`: an MoE model's layer-major prefill windows (engine.exec.experts.window), or None."""
+        back). `window`: an MoE model's layer-major prefill windows (engine.exec.prefill_window), or None."""
         self.runner, self.drafter = runner, drafter
         self.kv, self.tier, self.chunks, self.ahead, self.graphs = kv, tier, chunks, ahead, graphs
         self.streams = streams  # the steps' stream, and each launch's split-counter lane
@@ -281,7 +281,7 @@ class PlanExecutor:
 
     def _forward(self, chunk: PrefillChunk) -> StepOutput:
         """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch); an
-        MoE prompt's chunk whose experts may be cold from its layer-major window (engine.exec.experts.window)."""
+        MoE prompt's chunk whose experts may be cold from its layer-major window (engine.exec.prefill_window)."""
         if self.window is not None and self.window.applies(chunk):
             return self.window.forward(chunk)
         return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)

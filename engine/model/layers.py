@@ -211,7 +211,7 @@ class DecoderLayer(nn.Module):
         """The layer up to its MLP: (the MLP's input, the residual stream after attention), with `residual` what
         forward_carry takes (FUSED_OPS) or None (the reference: x is the stream). The layer's output is then
         `stream + mlp(input)` on the reference path, and (mlp(input), stream) carried on the fused one: the same
-        sums as `forward` / `forward_carry`, split so a layer-major prefill window (engine.exec.experts.window)
+        sums as `forward` / `forward_carry`, split so a layer-major prefill window (engine.exec.prefill_window)
         can run one MoE over several chunks' tokens."""
         if self.ops is not None:
             normed, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight,

@@ -195,7 +195,7 @@ class _PartsBuilder:
             precapture_all(config, bus, board, graphs, ex.runner, ex.drafter)
         window = None
         if self.experts is not None and config.prefill_window_tokens:
-            from engine.exec.experts.window import PrefillWindow
+            from engine.exec.prefill_window import PrefillWindow
 
             window = PrefillWindow(ex.runner, eager, self.experts, config.prefill_window_tokens)
         executor = PlanExecutor(runner=ex.runner, drafter=ex.drafter, kv=kv, tier=tier, streams=streams,

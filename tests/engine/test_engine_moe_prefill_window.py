@@ -1,5 +1,5 @@
 """A long prompt on an MoE model whose experts do not all fit the expert cache (CPU, the synthetic skewed model):
-the prompt's chunks run layer by layer over a window (engine/exec/experts/window.py), so each cold expert is
+the prompt's chunks run layer by layer over a window (engine/exec/prefill_window.py), so each cold expert is
 copied to its layer's pool once per window, not once per chunk; the expert cache counts the copies per layer
 and the prompt steps' share (`layers[i].prompt_loaded`, `prompt_loaded_mib`); and the tokens are the
 chunk-by-chunk run's, greedy, with short requests decoding beside the long one and with MTP drafting."""

@@ -1,4 +1,4 @@
-"""CUDA checks of the layer-major prefill window (engine/exec/experts/window.py; skipped without a GPU): with the
+"""CUDA checks of the layer-major prefill window (engine/exec/prefill_window.py; skipped without a GPU): with the
 device's own paths (FUSED_OPS' carried residual, the fused or paged chunk attention, copies on the side stream in
 batches overlapping the residents' compute) a long prompt gives the chunk-by-chunk tokens, with short requests
 decoding beside it, and each cold expert crosses once per window and layer."""
