@@ -7,8 +7,9 @@ when the scheduler plans the first chunk of a prompt whose experts may be cold (
 expert), the engine runs the window `[start, start + window_tokens)` of the prompt (at most its end) layer-major:
 
     for each layer L:
-        for each piece i of the window (the chunk's size): attention of piece i at L, which reads the KV that
-            pieces < i wrote at L a moment ago (as the chunks before it would have), and writes its own;
+        for each piece i of the window (--prefill-chunk-tokens; a paced chunk may be smaller, a piece never
+            is, so a window is never hundreds of tiny attention calls a layer): attention of piece i at L, which
+            reads the KV that pieces < i wrote at L a moment ago (as the chunks before would have), writes its own;
         one MoE over the window's tokens: each routed expert is served once for all of them (copied in at most
             once if cold, engine.exec.experts.cache), its copy overlapped on the side stream as the cache does;
 
@@ -17,9 +18,10 @@ served from them (their KV is written already): the chunk's hidden rows, and the
 chunk samples its first token from them as ever, and MTP's drafter prefill runs per chunk on the same hidden
 rows). A chunk that reaches past the window starts the next window at the window's end.
 
-The tokens are the chunk-by-chunk run's: attention runs per piece with the span and binding the chunk would have
-had, the norms and projections are per token, and an expert's product is per token whatever else it computes
-(the cache runs the experts in ascending order either way). `window_tokens` bounds the activations: the window's
+The tokens are the chunk-by-chunk run's: attention runs per piece with the span and binding a chunk of it would
+have had (each query row attends its own causal keys, whichever piece it is in), the norms and projections are
+per token, and an expert's product is per token whatever else it computes (the cache runs the experts in
+ascending order either way). `window_tokens` bounds the activations: the window's
 hidden states and the MoE's per-route products (about (top_k + 6) x hidden x dtype bytes a token at once).
 
 The window runs within the step that planned its first chunk: the decoding slots wait for the whole window
@@ -56,11 +58,13 @@ class _Stash:
 class PrefillWindow:
     """Layer-major prefill windows of long prompts on an MoE model with cold experts (see the module docstring)."""
 
-    def __init__(self, runner: Any, executor: Any, cache: Any, window_tokens: int) -> None:
+    def __init__(self, runner: Any, executor: Any, cache: Any, window_tokens: int, piece_tokens: int) -> None:
         """`runner`: the engine's ModelRunner (its model, KV, spans and executor seam); `executor`: the eager step
-        executor wrapped in the expert cache's steps (engine.exec.experts.steps); `cache`: the ExpertCache."""
-        if window_tokens < 0:
-            raise ValueError(f"window_tokens={window_tokens}: expected >= 0 (0: chunk by chunk)")
+        executor wrapped in the expert cache's steps (engine.exec.experts.steps); `cache`: the ExpertCache;
+        `piece_tokens`: the most tokens one piece attends at once (--prefill-chunk-tokens: the chunk path's bound)."""
+        if window_tokens < 0 or piece_tokens < 1:
+            raise ValueError(f"window_tokens={window_tokens}, piece_tokens={piece_tokens}: expected >= 0 and >= 1")
+        self.piece_tokens = piece_tokens
         self.runner = runner
         self.executor = executor
         self.cache = cache
@@ -84,9 +88,9 @@ class PrefillWindow:
         rid, prompt = chunk.request.request_id, chunk.request.prompt_token_ids
         held = self._stash.get(rid)
         if held is None or held.slot != chunk.slot or not held.start <= chunk.start < held.end:
-            held = self._run(chunk.slot, prompt, chunk.start, chunk.num_tokens)
+            held = self._run(chunk.slot, prompt, chunk.start, max(chunk.num_tokens, self.piece_tokens))
         while held.end < chunk.end:  # the chunk reaches past the window: the next one, from its end
-            more = self._run(chunk.slot, prompt, held.end, chunk.num_tokens)
+            more = self._run(chunk.slot, prompt, held.end, max(chunk.num_tokens, self.piece_tokens))
             held = _Stash(chunk.slot, held.start, more.end, torch.cat([held.hidden, more.hidden]))
         self._stash[rid] = held
         rows = held.hidden[chunk.start - held.start:chunk.end - held.start]  # [n, H]

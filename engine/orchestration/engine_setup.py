@@ -197,7 +197,8 @@ class _PartsBuilder:
         if self.experts is not None and config.prefill_window_tokens:
             from engine.exec.prefill_window import PrefillWindow
 
-            window = PrefillWindow(ex.runner, eager, self.experts, config.prefill_window_tokens)
+            window = PrefillWindow(ex.runner, eager, self.experts, config.prefill_window_tokens,
+                                   config.prefill_chunk_tokens)
         executor = PlanExecutor(runner=ex.runner, drafter=ex.drafter, kv=kv, tier=tier, streams=streams,
                                 chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus,
                                 window=window)

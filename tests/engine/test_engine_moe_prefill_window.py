@@ -119,3 +119,23 @@ def test_chunks_beside_the_steps_are_refused_for_moe_naming_the_window():
     with one_thread(), pytest.raises(ConfigError, match="prefill_overlap") as err:
         make_engine(MODEL, batch=1, prefill_overlap="on", expert_cache_mib=CACHE_MIB)
     assert "--prefill-window-tokens" in str(err.value)
+
+
+def test_an_aborted_prompt_leaves_no_window_behind():
+    """A prompt aborted after its window ran: a new prompt under the same request id in the same slot computes
+    its own window (the aborted one's hidden states went with it), giving a fresh engine's tokens."""
+    first, second = _long_prompt(), random_prompts(1, seed=13, lengths=(LONG_TOKENS, LONG_TOKENS + 1))[0]
+    with one_thread():
+        engine = make_engine(MODEL, batch=1, prefill_chunk_tokens=CHUNK_TOKENS, step_token_budget=CHUNK_TOKENS,
+                             expert_cache_mib=CACHE_MIB)
+        try:
+            engine.add_request("r0", first, GREEDY)
+            engine.step()  # the first chunk: its window covers the whole prompt
+            assert engine.executor.window.windows == 1
+            engine.abort("r0")
+            reused = tokens_of(run_all(engine, [second], GREEDY, prefix="r"))
+            assert engine.executor.window.windows == 2
+        finally:
+            engine.close()
+    fresh, _, _, _ = _run([second], prefill_window_tokens=0)
+    assert reused["r0"] == fresh["r0"]
