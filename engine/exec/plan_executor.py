@@ -128,6 +128,8 @@ class PlanExecutor:
         extra sync (each costs tens of microseconds of host time on a step of about a millisecond).
         """
         decode_s = None
+        if self.window is not None:  # while slots decode, a prompt's windows ramp up and run in slices
+            self.window.decoding = bool(plan.decode)
         t0_s = self._synced_clock() if plan.admitted else time.perf_counter()  # admissions queue KV copies
         for chunk in plan.prefill:  # a chunk beside the steps first: the side stream starts on it at once
             if chunk.beside_decode and not self._result.skips(chunk.request):

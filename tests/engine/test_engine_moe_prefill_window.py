@@ -139,3 +139,49 @@ def test_an_aborted_prompt_leaves_no_window_behind():
             engine.close()
     fresh, _, _, _ = _run([second], prefill_window_tokens=0)
     assert reused["r0"] == fresh["r0"]
+
+
+def test_decoding_slots_keep_their_steps_while_windows_run():
+    """A long prompt arriving while two slots decode: no engine step runs a whole window of prompt work (the
+    windows ramp up from one chunk and the next one is computed in slices beside the served chunks), the slots
+    decode in every step, and the tokens and the crossings beat chunk by chunk as before."""
+    shorts = random_prompts(2, seed=12, lengths=(6, 12))
+    long_params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    short_params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def run(window_tokens: int):
+        with one_thread():
+            engine = make_engine(MODEL, batch=3, prefill_chunk_tokens=CHUNK_TOKENS, step_token_budget=CHUNK_TOKENS,
+                                 expert_cache_mib=CACHE_MIB, prefill_window_tokens=window_tokens)
+            cache = engine.lm.model.expert_provider
+            tokens: dict[str, list[int]] = {}
+            prompt_rows, seen = [], 0
+            try:
+                for i, prompt in enumerate(shorts):
+                    engine.add_request(f"s{i}", prompt, short_params)
+                while engine.sched.num_decoding < 2:  # both shorts decode before the long prompt comes
+                    for out in engine.step():
+                        tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                seen = len(cache.stats.trace)
+                engine.add_request("long", _long_prompt(), long_params)
+                while engine.has_work:
+                    for out in engine.step():
+                        tokens.setdefault(out.request_id, []).extend(out.token_ids)
+                    trace = list(cache.stats.trace)[seen:]
+                    seen += len(trace)
+                    if any(a.kind == "decode" for a in trace):  # a step in which the slots decoded
+                        prompt_rows.append(sum(a.tokens for a in trace
+                                               if a.kind == "prefill" and a.layer < cache.main_layers))
+                return tokens, cache.snapshot(), prompt_rows, cache.main_layers
+            finally:
+                engine.close()
+
+    plain, chunked, chunk_rows, main_layers = run(0)
+    windowed, snap, window_rows, _ = run(16384)
+    assert windowed == plain and len(plain["long"]) == 4
+    chunk_work = CHUNK_TOKENS * main_layers  # one chunk through every layer
+    assert max(chunk_rows) <= chunk_work
+    # at most three chunks' worth in one step (the first: its chunk and the next window of two), never the
+    # whole prompt's ten
+    assert sum(window_rows) >= LONG_TOKENS * main_layers and max(window_rows) <= 3 * chunk_work
+    assert snap.prompt_loaded_experts < chunked.prompt_loaded_experts
