@@ -31,8 +31,9 @@ DEFAULT_VRAM_RESERVE_MIB = 1024
 # A 262,144-token prompt as JSON: token ids take at most 7 bytes each (1.8 MiB); text about 4 bytes a token,
 # up to 6 a character when escaped (\uXXXX). 8 MiB holds either; a bigger body is refused before parsing.
 DEFAULT_MAX_BODY_MIB = 8
-# a 176K prompt in 2,048-token chunks: 11 windows of 8 chunks, so a cold expert crosses 11 times, not 86
-# (engine.exec.prefill_window); the window's MoE holds (top_k + 6) x hidden activations a token at once
+# a 176K prompt in 2,048-token chunks: 11 windows of 8 chunks (13 as they ramp up beside decoding slots), so a
+# cold expert crosses 11 times, not 86 (engine.exec.prefill_window); the window's MoE holds (top_k + 6) x hidden
+# activations a token at once
 DEFAULT_PREFILL_WINDOW_TOKENS = 16384
 API_KEY_ENV = "STRATA_API_KEY"
 REDACTED = "<redacted>"  # what the config's serialized form shows instead of a secret

@@ -29,10 +29,10 @@ from engine.exec.chunk_stream import ChunkStream
 from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
 from engine.exec.drafter import MtpDrafter
-from engine.exec.prefill_window import PrefillWindow
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
+from engine.exec.prefill_window import PrefillWindow
 from engine.exec.runner import ModelRunner, MtpUnavailable, Row, StepOutput
 from engine.exec.step_fns import StepExecutor
 from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, sample_isolating_rows,
