@@ -32,6 +32,7 @@ from engine.exec.drafter import MtpDrafter
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
+from engine.exec.prefill_window import PrefillWindow
 from engine.exec.runner import ModelRunner, MtpUnavailable, Row, StepOutput
 from engine.exec.step_fns import StepExecutor
 from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, sample_isolating_rows,
@@ -47,12 +48,13 @@ class PlanExecutor:
 
     def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, kv: SlotKVCache, tier: AdaptiveTier,
                  streams: Streams, chunks: ChunkStream | None, ahead: DecodeAhead, graphs: StepExecutor,
-                 device: torch.device, bus: EventBus) -> None:
+                 device: torch.device, bus: EventBus, window: PrefillWindow | None = None) -> None:
         """`graphs`: the step executor the runner replays its graphs through (MTP turned off gives the drafter's
-        back)."""
+        back). `window`: an MoE model's layer-major prefill windows (engine.exec.prefill_window), or None."""
         self.runner, self.drafter = runner, drafter
         self.kv, self.tier, self.chunks, self.ahead, self.graphs = kv, tier, chunks, ahead, graphs
         self.streams = streams  # the steps' stream, and each launch's split-counter lane
+        self.window = window
         self.device = device
         self.bus = bus
         self.mtp_on = drafter is not None
@@ -106,6 +108,8 @@ class PlanExecutor:
         """A request has finished: forget its generator; a chunk of it in flight ends (`wait`: for its kernels),
         a step launched ahead over its slot is dropped, and its slot's blocks go back at the next step."""
         self.generators.pop(request.request_id, None)
+        if self.window is not None:
+            self.window.drop(request.request_id)
         if self.chunks is not None and self.chunks.holds(request):
             self.chunks.drop(wait=wait)  # its chunk writes the slot's blocks until it ends
         if slot is None:
@@ -124,6 +128,8 @@ class PlanExecutor:
         extra sync (each costs tens of microseconds of host time on a step of about a millisecond).
         """
         decode_s = None
+        if self.window is not None:  # while slots decode, a prompt's windows ramp up and run in slices
+            self.window.decoding = bool(plan.decode)
         t0_s = self._synced_clock() if plan.admitted else time.perf_counter()  # admissions queue KV copies
         for chunk in plan.prefill:  # a chunk beside the steps first: the side stream starts on it at once
             if chunk.beside_decode and not self._result.skips(chunk.request):
@@ -276,7 +282,10 @@ class PlanExecutor:
         self._chunk_ran(chunk, out)
 
     def _forward(self, chunk: PrefillChunk) -> StepOutput:
-        """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch)."""
+        """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch); an
+        MoE prompt's chunk whose experts may be cold from its layer-major window (engine.exec.prefill_window)."""
+        if self.window is not None and self.window.applies(chunk):
+            return self.window.forward(chunk)
         return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)
 
     def _chunk_ran(self, chunk: PrefillChunk, out: StepOutput) -> None:

@@ -193,8 +193,15 @@ class _PartsBuilder:
         if recapture:
             self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
             precapture_all(config, bus, board, graphs, ex.runner, ex.drafter)
+        window = None
+        if self.experts is not None and config.prefill_window_tokens:
+            from engine.exec.prefill_window import PrefillWindow
+
+            window = PrefillWindow(ex.runner, eager, self.experts, config.prefill_window_tokens,
+                                   config.prefill_chunk_tokens)
         executor = PlanExecutor(runner=ex.runner, drafter=ex.drafter, kv=kv, tier=tier, streams=streams,
-                                chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus)
+                                chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus,
+                                window=window)
         return EngineParts(lm, kv, tier, budgets, ex.sched, ex.runner, ex.drafter, board, graphs, executor,
                            lm.device, streams, ex.chunks, ex.ahead)
 
