@@ -40,6 +40,34 @@ def test_a_peer_past_its_time_limit_is_a_row_with_the_reason(tmp_path: Path) -> 
                            "--peer-timeout-s", "0.01"])
     peer = next(r for r in doc["rows"] if r["engine"].startswith("hf_"))
     assert peer["tok_s"] is None and "did not finish within --peer-timeout-s" in peer["error"]
+    assert "stopped in " in peer["error"] or "stopped before Python started" in peer["error"], peer
+
+
+def test_the_peer_takes_prompts_past_the_argv_limit_and_says_where_its_time_went(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """64 prompts of 1K tokens as one argv string are past Linux's 128 KiB per-argument limit (E2BIG): the
+    peer reads them from a file, removed after, and its row gives each phase's seconds."""
+    import argparse
+    import json
+    import tempfile
+
+    from engine.bench.common import device_of, prepare_model, random_prompt
+    from engine.bench.throughput import peer_row
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    path = prepare_model("random:tiny", device_of("cpu"))
+    prompts = [random_prompt(4600, 512, seed=i) for i in range(8)]
+    assert len(json.dumps(prompts)) > 131072  # one argv string this long fails with OSError E2BIG
+    args = argparse.Namespace(peer="eager", peer_dtype="float32", peer_timeout_s=300.0)
+    row = peer_row(args, path, device_of("cpu"), prompts, 2)
+    assert row["error"] is None and row["tok_s"] > 0, row
+    phases = row["peer_phases_s"]
+    assert list(phases)[:2] == ["importing torch and transformers", "loading the checkpoint"], phases
+    assert "warm-up call 1 of 1" in phases and "1 timed call" in phases
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert list(scratch.iterdir()) == []  # the request and progress files are gone
 
 
 def test_the_floor_reads_the_live_kv_as_well_as_the_weights() -> None:
