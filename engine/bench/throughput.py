@@ -234,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
                                        **drive(bench.engine, requests), "error": None}
                 paging = bench.engine.kv.paging
                 row["preemptions"] = paging.stats.preemptions if paging is not None else 0
+                row["step_token_budget"] = bench.engine.sched.step_token_budget  # the rule's, unless given
             except Exception as exc:  # noqa: BLE001 - one row that cannot run (out of memory) is a result
                 row = {"set": set_name, "engine": "strata", "concurrency": n, "tok_s": None,
                        "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     summary = _summary(rows, bw_gb_s, w_bytes)
     emit(args, "throughput", rows, summary, device,
          ("set", "engine", "concurrency", "tok_s", "decode_tok_s", "floor_tok_s", "ttft_p50_s", "ttft_p99_s",
-          "all_first_token_s", "itl_p50_s", "itl_p99_s", "steps", "preemptions", "error"))
+          "all_first_token_s", "itl_p50_s", "itl_p99_s", "steps", "preemptions", "step_token_budget", "error"))
     return 0
 
 

@@ -28,6 +28,7 @@ def test_throughput_rows_for_every_set_and_concurrency_with_the_peer(tmp_path: P
             assert row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["all_first_token_s"]
             assert row["itl_p50_s"] <= row["itl_p99_s"] and row["floor_tok_s"] > 0
             assert row["preemptions"] == 0 and row["steps"] >= 4
+            assert row["step_token_budget"] >= 4096  # no --step-token-budget: the device's rule
     assert by[("fixed", "strata", 3)]["output_tokens"] == 3 * 4
     mixed = by[("mixed", "strata", 3)]["output_tokens"]
     assert 3 * 2 <= mixed <= 3 * 6
