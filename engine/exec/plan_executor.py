@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from engine.api import SamplingParams
+from engine.exec.chunk_rows import batches_chunks, chunk_groups
 from engine.exec.chunk_stream import ChunkStream
 from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
@@ -32,7 +33,7 @@ from engine.exec.drafter import MtpDrafter
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
-from engine.exec.runner import ModelRunner, MtpUnavailable, Row, StepOutput
+from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, MtpUnavailable, Row, StepOutput, pow2_bucket
 from engine.exec.step_fns import StepExecutor
 from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, sample_isolating_rows,
                                  sample_with_drafts)
@@ -137,12 +138,19 @@ class PlanExecutor:
             # a step taken ahead: its device time (the host only waited for its last part)
             decode_s = self.ahead.step_period_s() or decode_s
         chunks: list[ChunkTime] = []
-        for chunk in plan.prefill:
-            if self._result.skips(chunk.request) or chunk.beside_decode:  # failed or aborted, or launched above
-                continue
+        waiting = [chunk for chunk in plan.prefill  # not failed or aborted, nor launched above
+                   if not (self._result.skips(chunk.request) or chunk.beside_decode)]
+        groups = chunk_groups(waiting, self._bucket) if batches_chunks(self.runner) else [[c] for c in waiting]
+        for group in groups:
             t0_s = self._synced_clock()
-            self._isolated(chunk.request, self._prefill, chunk)
-            chunks.append((chunk.start, chunk.num_tokens, self._synced_clock() - t0_s))
+            if len(group) == 1:
+                self._isolated(group[0].request, self._prefill, group[0])
+            else:
+                self._prefill_group(group)
+            seconds = self._synced_clock() - t0_s
+            tokens = sum(chunk.num_tokens for chunk in group)
+            # the group's time shared by tokens: the pacer's cost fit reads each chunk's (start, tokens, seconds)
+            chunks += [(chunk.start, chunk.num_tokens, seconds * chunk.num_tokens / tokens) for chunk in group]
         fill_s = 0.0
         if plan.cache_fill:
             t0_s = self._synced_clock()
@@ -274,6 +282,29 @@ class PlanExecutor:
         with self.streams.on("chunks"):  # the current stream, the chunks' lane where chunks may run beside steps
             out = self._forward(chunk)
         self._chunk_ran(chunk, out)
+
+    def _bucket(self, tokens: int) -> int:
+        return pow2_bucket(tokens, MIN_CHUNK_TOKENS)
+
+    def _prefill_group(self, group: list[PrefillChunk]) -> None:
+        """Chunks of one length bucket as rows of one forward (engine.exec.chunk_rows); each row's first token
+        and drafter prefill as a lone chunk's. A forward that fails runs each chunk alone, so a fault fails only
+        the request it belongs to."""
+        try:
+            with self.streams.on("chunks"):
+                out = self.runner.prefill_rows([(c.slot, c.request.prompt_token_ids[c.start:c.end], c.start)
+                                                for c in group])
+        except MtpUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whose it is, is found by running each chunk alone
+            if is_sticky(exc):
+                raise
+            for chunk in group:
+                self._isolated(chunk.request, self._prefill, chunk)
+            return
+        for i, chunk in enumerate(group):
+            row = StepOutput(out.logits[i:i + 1], out.hidden[i:i + 1], span_tokens=out.span_tokens)
+            self._isolated(chunk.request, self._chunk_ran, chunk, row)
 
     def _forward(self, chunk: PrefillChunk) -> StepOutput:
         """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch)."""
