@@ -28,13 +28,20 @@ from engine.exec.runner import MIN_CHUNK_TOKENS, PREFILL_SWITCH, ModelRunner, St
 from engine.step import PrefillChunk
 
 
-def chunk_groups(chunks: list[PrefillChunk], bucket_of: Callable[[int], int]) -> list[list[PrefillChunk]]:
-    """`chunks` split into groups of one length bucket (`bucket_of(tokens)`), each in plan order; the groups in
-    the order of their first chunk."""
-    groups: dict[int, list[PrefillChunk]] = {}
+def chunk_groups(chunks: list[PrefillChunk], bucket_of: Callable[[int], int],
+                 max_tokens: int | None = None) -> list[list[PrefillChunk]]:
+    """`chunks` split into groups of one length bucket (`bucket_of(tokens)`), each in plan order and of at most
+    `max_tokens` padded tokens (rows x bucket; one row at least); the groups in the order of their first chunk."""
+    groups: list[list[PrefillChunk]] = []
+    open_group: dict[int, list[PrefillChunk]] = {}
     for chunk in chunks:
-        groups.setdefault(bucket_of(chunk.num_tokens), []).append(chunk)
-    return list(groups.values())
+        bucket = bucket_of(chunk.num_tokens)
+        group = open_group.get(bucket)
+        if group is None or (max_tokens is not None and (len(group) + 1) * bucket > max_tokens):
+            group = open_group[bucket] = []
+            groups.append(group)
+        group.append(chunk)
+    return groups
 
 
 def batches_chunks(runner: ModelRunner) -> bool:

@@ -48,14 +48,16 @@ class PlanExecutor:
 
     def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, kv: SlotKVCache, tier: AdaptiveTier,
                  streams: Streams, chunks: ChunkStream | None, ahead: DecodeAhead, graphs: StepExecutor,
-                 device: torch.device, bus: EventBus) -> None:
+                 device: torch.device, bus: EventBus, rows_max_tokens: int | None = None) -> None:
         """`graphs`: the step executor the runner replays its graphs through (MTP turned off gives the drafter's
-        back)."""
+        back). `rows_max_tokens`: the most tokens, padding included, of one forward of several prompts' chunks
+        (the step token budget: padding to a row's length bucket could otherwise double a step's activations)."""
         self.runner, self.drafter = runner, drafter
         self.kv, self.tier, self.chunks, self.ahead, self.graphs = kv, tier, chunks, ahead, graphs
         self.streams = streams  # the steps' stream, and each launch's split-counter lane
         self.device = device
         self.bus = bus
+        self.rows_max_tokens = rows_max_tokens
         self.mtp_on = drafter is not None
         self.mtp_off_reason: str | None = None
         self.generators: dict[str, torch.Generator] = {}  # per request: its seeded sampling draws
@@ -140,7 +142,8 @@ class PlanExecutor:
         chunks: list[ChunkTime] = []
         waiting = [chunk for chunk in plan.prefill  # not failed or aborted, nor launched above
                    if not (self._result.skips(chunk.request) or chunk.beside_decode)]
-        groups = chunk_groups(waiting, self._bucket) if batches_chunks(self.runner) else [[c] for c in waiting]
+        groups = (chunk_groups(waiting, self._bucket, self.rows_max_tokens) if batches_chunks(self.runner)
+                  else [[c] for c in waiting])
         for group in groups:
             t0_s = self._synced_clock()
             if len(group) == 1:

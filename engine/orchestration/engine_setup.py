@@ -196,7 +196,8 @@ class _PartsBuilder:
             self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
             precapture_all(config, bus, board, graphs, ex.runner, ex.drafter)
         executor = PlanExecutor(runner=ex.runner, drafter=ex.drafter, kv=kv, tier=tier, streams=streams,
-                                chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus)
+                                chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus,
+                                rows_max_tokens=ex.sched.step_token_budget)
         return EngineParts(lm, kv, tier, budgets, ex.sched, ex.runner, ex.drafter, board, graphs, executor,
                            lm.device, streams, ex.chunks, ex.ahead)
 

@@ -135,3 +135,19 @@ def test_a_burst_through_the_prefill_kernel_in_the_triton_interpreter_gives_the_
     from tests.engine.exec.triton_interpreter import run_in_interpreter
 
     run_in_interpreter("tests.engine.test_engine_burst", "kernel_burst_check", str(ckpt))
+
+
+def test_chunks_are_grouped_by_length_bucket_within_the_token_cap() -> None:
+    from engine.exec.chunk_rows import chunk_groups
+    from engine.step import PrefillChunk
+
+    def chunk(name: str, tokens: int) -> PrefillChunk:
+        return PrefillChunk(request=name, slot=0, start=0, end=tokens, is_last=True)  # type: ignore[arg-type]
+
+    plan = [chunk("a", 64), chunk("b", 20), chunk("c", 60), chunk("d", 33), chunk("e", 64), chunk("f", 17)]
+    bucket = lambda n: pow2_bucket(n, MIN_CHUNK_TOKENS)  # noqa: E731
+    names = [[c.request for c in g] for g in chunk_groups(plan, bucket)]
+    assert names == [["a", "c", "d", "e"], ["b", "f"]]
+    capped = [[c.request for c in g] for g in chunk_groups(plan, bucket, max_tokens=128)]
+    assert capped == [["a", "c"], ["b", "f"], ["d", "e"]]  # at most two 64-token rows a forward
+    assert [[c.request for c in g] for g in chunk_groups(plan, bucket, max_tokens=1)] == [[n] for n in "abcdef"]
