@@ -18,7 +18,7 @@ bandwidth (bytes read + written per second, as `bench peers` measures it), so N 
 length L make at most N / ((weights + N * L * kv_bytes_per_token) / bandwidth) tokens a second. L is the mean of
 prompt + half the output over the set. The HF peer (`--peer static`: transformers' static cache with
 torch.compile on CUDA; `eager`; `none`) runs the fixed set's batched `generate` in a subprocess bounded by
-`--peer-timeout-s`: a peer that does not finish, or runs out of memory, is a row with its error. The peer reads
+`--peer-timeout-s`, at the concurrencies up to `--peer-max-concurrency` (8): a peer that does not finish, or runs out of memory, is a row with its error. The peer reads
 its prompts from a temporary file and reports each phase it starts (imports, checkpoint load, each warm-up call:
 the first compiles and captures graphs on CUDA, the timed call): its row's `peer_phases_s` gives each phase's
 seconds, and a peer killed for time names the phase it was in.
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
                 row["decode_fraction_of_floor"] = row["decode_tok_s"] / floor
             rows.append(row)
             save_partial(args, "throughput", rows, device)
-            if set_name == "fixed" and args.peer != "none":
+            if set_name == "fixed" and args.peer != "none" and n <= args.peer_max_concurrency:
                 peer = peer_row(args, path, device, [p for p, _ in requests], args.new_tokens)
                 rows.append({"set": set_name, "concurrency": n, **peer})
                 save_partial(args, "throughput", rows, device)

@@ -36,6 +36,13 @@ def test_throughput_rows_for_every_set_and_concurrency_with_the_peer(tmp_path: P
     assert doc["summary"]["decode_rises_with_concurrency"] in (True, False)
 
 
+def test_the_peer_runs_only_up_to_its_largest_concurrency(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "1,2,3", "--sets", "fixed", *SMALL, "--peer", "eager",
+                           "--peer-max-concurrency", "2"])
+    assert sorted(r["concurrency"] for r in doc["rows"] if r["engine"] == "hf_eager") == [1, 2]
+    assert sorted(r["concurrency"] for r in doc["rows"] if r["engine"] == "strata") == [1, 2, 3]
+
+
 def test_a_peer_past_its_time_limit_is_a_row_with_the_reason(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "1", "--sets", "fixed", *SMALL, "--peer", "static",
                            "--peer-timeout-s", "0.01"])
