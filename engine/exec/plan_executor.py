@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from engine.api import SamplingParams
-from engine.exec.chunk_rows import batches_chunks, chunk_groups
+from engine.exec import chunk_rows
 from engine.exec.chunk_stream import ChunkStream
 from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
@@ -142,8 +142,8 @@ class PlanExecutor:
         chunks: list[ChunkTime] = []
         waiting = [chunk for chunk in plan.prefill  # not failed or aborted, nor launched above
                    if not (self._result.skips(chunk.request) or chunk.beside_decode)]
-        groups = (chunk_groups(waiting, self._bucket, self.rows_max_tokens) if batches_chunks(self.runner)
-                  else [[c] for c in waiting])
+        groups = (chunk_rows.chunk_groups(waiting, self._bucket, self.rows_max_tokens)
+                  if chunk_rows.batches_chunks(self.runner) else [[c] for c in waiting])
         for group in groups:
             t0_s = self._synced_clock()
             if len(group) == 1:
@@ -295,8 +295,8 @@ class PlanExecutor:
         the request it belongs to."""
         try:
             with self.streams.on("chunks"):
-                out = self.runner.prefill_rows([(c.slot, c.request.prompt_token_ids[c.start:c.end], c.start)
-                                                for c in group])
+                out = chunk_rows.prefill_rows(self.runner, [(c.slot, c.request.prompt_token_ids[c.start:c.end],
+                                                             c.start) for c in group])
         except MtpUnavailable:
             raise
         except Exception as exc:  # noqa: BLE001 - whose it is, is found by running each chunk alone

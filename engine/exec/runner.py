@@ -456,13 +456,6 @@ class ModelRunner:
         out = self.run("prefill", build, inputs, owner=self.prefill_owner, executor=self._eager if eager else None)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)
 
-    def prefill_rows(self, rows: list[tuple[int, list[int], int]]) -> StepOutput:
-        """Several slots' prompt chunks, each (slot, token ids, start), as rows of one forward: logits [N, 1, V]
-        at each row's last real position, hidden [N, T, H] (engine.exec.chunk_rows)."""
-        from engine.exec.chunk_rows import prefill_rows
-
-        return prefill_rows(self, rows)
-
     def _forward_fn(self, span: int, split: bool, last_only: bool = False,
                     chunk: tuple[int, int] | None = None) -> Callable:
         model, kv = self.model, self.kv

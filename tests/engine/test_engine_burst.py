@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.api import SamplingParams
+from engine.exec import chunk_rows
 from engine.exec.runner import MIN_CHUNK_TOKENS, pow2_bucket
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 
@@ -21,25 +22,26 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BURST = random_prompts(8, seed=520, lengths=(20, 180))
 
 
-def _row_forwards(engine) -> list[int]:
-    """Record the row count of every multi-row prompt forward the engine runs (the real method, counted)."""
+def _row_forwards(monkeypatch) -> list[int]:
+    """Record the row count of every multi-row prompt forward the engines run (the real function, counted)."""
     counts: list[int] = []
-    real = engine.runner.prefill_rows
+    real = chunk_rows.prefill_rows
 
-    def counted(rows):
+    def counted(runner, rows):
         counts.append(len(rows))
-        return real(rows)
+        return real(runner, rows)
 
-    engine.runner.prefill_rows = counted
+    monkeypatch.setattr(chunk_rows, "prefill_rows", counted)
     return counts
 
 
 @pytest.mark.parametrize("mtp", [False, True])
-def test_a_burst_runs_as_rows_of_one_forward_with_the_tokens_each_prompt_has_alone(ckpt: Path, mtp: bool) -> None:
+def test_a_burst_runs_as_rows_of_one_forward_with_the_tokens_each_prompt_has_alone(ckpt: Path, mtp: bool,
+                                                                                   monkeypatch) -> None:
     kw = dict(context=1024, prefill_chunk_tokens=64, step_token_budget=1024, batch_mtp=mtp, mtp_depth=2)
     alone = tokens_of(run_all(make_engine(ckpt, batch=1, **kw), BURST, GREEDY))  # one request at a time
     engine = make_engine(ckpt, batch=len(BURST), **kw)
-    rows = _row_forwards(engine)
+    rows = _row_forwards(monkeypatch)
     together = tokens_of(run_all(engine, BURST, GREEDY))
     assert together == alone
     assert rows and max(rows) >= 3, rows  # the first chunks of the burst shared forwards
@@ -47,9 +49,9 @@ def test_a_burst_runs_as_rows_of_one_forward_with_the_tokens_each_prompt_has_alo
 
 
 def test_decoding_slots_get_a_token_every_step_while_a_burst_is_admitted_and_first_tokens_come_at_once(
-        ckpt: Path) -> None:
+        ckpt: Path, monkeypatch) -> None:
     engine = make_engine(ckpt, batch=2 + len(BURST), context=1024, prefill_chunk_tokens=64, step_token_budget=256)
-    rows = _row_forwards(engine)
+    rows = _row_forwards(monkeypatch)
     shared: list[int] = []  # chunks of one length bucket in one step's plan, where more than one (timing decides)
     execute = engine.executor.execute
 
@@ -80,25 +82,26 @@ def test_decoding_slots_get_a_token_every_step_while_a_burst_is_admitted_and_fir
     assert engine.health().ready
 
 
-def test_a_fault_in_a_shared_forward_fails_only_the_request_it_belongs_to(ckpt: Path) -> None:
+def test_a_fault_in_a_shared_forward_fails_only_the_request_it_belongs_to(ckpt: Path, monkeypatch) -> None:
     """The shared forward raises (as it would for one bad row): each chunk runs alone, the faulty one fails."""
     reference = tokens_of(run_all(make_engine(ckpt, batch=1, context=1024, prefill_chunk_tokens=64,
                                               step_token_budget=1024), BURST, GREEDY))
     engine = make_engine(ckpt, batch=len(BURST), context=1024, prefill_chunk_tokens=64, step_token_budget=1024)
     bad = BURST[2]
-    real_rows, real_one = engine.runner.prefill_rows, engine.runner.prefill
+    real_rows, real_one = chunk_rows.prefill_rows, engine.runner.prefill
 
-    def rows_with_a_fault(rows):
+    def rows_with_a_fault(runner, rows):
         if any(ids == bad[start:start + len(ids)] and len(ids) for _, ids, start in rows):
             raise RuntimeError("injected: a chunk of the faulty request")
-        return real_rows(rows)
+        return real_rows(runner, rows)
 
     def one_with_a_fault(slot, ids, start):
         if ids == bad[start:start + len(ids)]:
             raise RuntimeError("injected: a chunk of the faulty request")
         return real_one(slot, ids, start)
 
-    engine.runner.prefill_rows, engine.runner.prefill = rows_with_a_fault, one_with_a_fault
+    monkeypatch.setattr(chunk_rows, "prefill_rows", rows_with_a_fault)
+    engine.runner.prefill = one_with_a_fault
     outs = run_all(engine, BURST, GREEDY)
     failed = outs.pop("r2")
     assert failed[-1].finish_reason == "error" and "injected" in failed[-1].error

@@ -26,17 +26,19 @@ def _engine(ckpt, **kw) -> Engine:
 
 
 @pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", False), ("bf16", True)])
-def test_gpu_a_burst_in_shared_forwards_gives_the_tokens_of_one_prompt_at_a_time(ckpt, kv, mtp):
+def test_gpu_a_burst_in_shared_forwards_gives_the_tokens_of_one_prompt_at_a_time(ckpt, kv, mtp, monkeypatch):
+    from engine.exec import chunk_rows
+
     alone = tokens_of(run_all(_engine(ckpt, kv=kv, batch=1, batch_mtp=mtp, mtp_depth=2), BURST, GREEDY))
     engine = _engine(ckpt, kv=kv, batch=len(BURST), batch_mtp=mtp, mtp_depth=2)
     rows: list[int] = []
-    real = engine.runner.prefill_rows
+    real = chunk_rows.prefill_rows
 
-    def counted(chunk_rows):
-        rows.append(len(chunk_rows))
-        return real(chunk_rows)
+    def counted(runner, shared):
+        rows.append(len(shared))
+        return real(runner, shared)
 
-    engine.runner.prefill_rows = counted
+    monkeypatch.setattr(chunk_rows, "prefill_rows", counted)
     assert tokens_of(run_all(engine, BURST, GREEDY)) == alone
     assert rows and max(rows) >= 4, rows
     assert engine.health().ready
