@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_tui.sse import SSEParser
+from strata_tui.engine_io.sse import SSEParser
 
 STREAM = ": hello\r\nid: 7\r\nevent: slot\r\ndata: {\"a\": 1}\r\n\r\nid: 8\nevent: graph\ndata: line1\ndata: line2\n\n"
 

@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import httpx
 
 from engine.telemetry import Event, event_from_json
-from strata_tui.messages import StateSnapshot, TelemetryBatch, TelemetryStatus
-from strata_tui.sse import SSEParser
+from strata_tui.engine_io.messages import StateSnapshot, TelemetryBatch, TelemetryStatus
+from strata_tui.engine_io.sse import SSEParser
 
 Post = Callable[[Any], Any]  # the app's post_message (bound to the run): how a worker reports
 
@@ -202,7 +202,7 @@ async def stream_telemetry(post: Post, client: TelemetryClient, batch_s: float =
         post(TelemetryStatus(connected, reason))
 
     async def on_connect() -> None:
-        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
+        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/state/reducer.py).
         snapshot = await client.state()
         flush()
         post(StateSnapshot(snapshot))
