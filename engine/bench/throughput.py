@@ -8,6 +8,9 @@ would not fit at N = 256) and it steps until all finish. Sets (`--sets`):
 - `mixed`: seeded (`--seed`) prompts uniform in `--mixed-prompt-tokens` (128-8K) and outputs in
   `--mixed-new-tokens` (64-1K).
 
+`--chunk-rows off` runs every prompt chunk as its own forward (the engine's default, `on`, runs the chunks of one
+length bucket in a step as rows of one forward: engine.exec.chunk_rows), to measure what that is worth.
+
 Per row: output tok/s (all output tokens / wall time), decode tok/s (output tokens after every request had its first
 token / the time after that), TTFT p50/p99 (arrival to first token), inter-token p50/p99 (the time between a
 request's outputs divided by the tokens each brought: MTP may bring several), engine steps, preemptions (KV spilled
@@ -224,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             mean_live = statistics.fmean(len(p) + new / 2 for p, new in requests)
             bench = build_engine(args, model=path, batch=n, queue_max=max(n, 1), context=longest + 64,
                                  kv_pool=args.kv_pool if args.kv_pool != "auto" else "by-use")
+            if args.chunk_rows == "off":  # the A/B of engine.exec.chunk_rows: every chunk its own forward
+                bench.engine.executor.rows_max_tokens = 0
             try:
                 kv = bench.engine.kv
                 kv_bytes = kv.geometry.bytes_per_token(kv.storage, kv.compute_dtype)
@@ -231,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
                 drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, 8))
                                      for i, (p, new) in enumerate(warm)])
                 row: dict[str, Any] = {"set": set_name, "engine": "strata", "concurrency": n,
-                                       **drive(bench.engine, requests), "error": None}
+                                       "chunk_rows": args.chunk_rows, **drive(bench.engine, requests), "error": None}
                 paging = bench.engine.kv.paging
                 row["preemptions"] = paging.stats.preemptions if paging is not None else 0
                 row["step_token_budget"] = bench.engine.sched.step_token_budget  # the rule's, unless given

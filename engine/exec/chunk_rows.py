@@ -31,7 +31,8 @@ from engine.step import PrefillChunk
 def chunk_groups(chunks: list[PrefillChunk], bucket_of: Callable[[int], int],
                  max_tokens: int | None = None) -> list[list[PrefillChunk]]:
     """`chunks` split into groups of one length bucket (`bucket_of(tokens)`), each in plan order and of at most
-    `max_tokens` padded tokens (rows x bucket; one row at least); the groups in the order of their first chunk."""
+    `max_tokens` padded tokens (rows x bucket; one row at least: 0 puts every chunk alone); the groups in the order
+    of their first chunk."""
     groups: list[list[PrefillChunk]] = []
     open_group: dict[int, list[PrefillChunk]] = {}
     for chunk in chunks:

@@ -43,6 +43,26 @@ def test_the_peer_runs_only_up_to_its_largest_concurrency(tmp_path: Path) -> Non
     assert sorted(r["concurrency"] for r in doc["rows"] if r["engine"] == "strata") == [1, 2, 3]
 
 
+def test_chunk_rows_off_runs_every_chunk_as_its_own_forward(tmp_path: Path, monkeypatch) -> None:
+    from engine.exec import chunk_rows
+
+    shared: list[int] = []
+    real = chunk_rows.prefill_rows
+
+    def counted(runner, rows):
+        shared.append(len(rows))
+        return real(runner, rows)
+
+    monkeypatch.setattr(chunk_rows, "prefill_rows", counted)
+    argv = ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", *SMALL, "--peer", "none"]
+    on = bench(tmp_path, argv)
+    assert shared and max(shared) >= 2 and on["rows"][0]["chunk_rows"] == "on"
+    shared.clear()
+    off = bench(tmp_path, [*argv, "--chunk-rows", "off"])
+    assert shared == [] and off["rows"][0]["chunk_rows"] == "off"
+    assert off["rows"][0]["output_tokens"] == on["rows"][0]["output_tokens"] == 4 * 4
+
+
 def test_a_peer_past_its_time_limit_is_a_row_with_the_reason(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "1", "--sets", "fixed", *SMALL, "--peer", "static",
                            "--peer-timeout-s", "0.01"])
