@@ -274,7 +274,7 @@ run experts_resident 240 experts --device "$DEVICE" --model random:moe-80b-40l -
 run kvspill 100 kvspill "${COMMON[@]}" --kv int8 --prompt-tokens 8K --new-tokens 64 --kv-resident 1024
 run kvspill_six 150 kvspill "${COMMON[@]}" --kv int8 --slots 6 --prompt-tokens 8K --new-tokens 32 --kv-resident 1024
 run throughput 540 throughput "${COMMON[@]}" --kv-pool by-use --sets fixed --concurrency 1,8,32,64,128,256 \
-    --prompt-tokens 1K --new-tokens 256 --copy-mib "$COPY_MIB" --peer static --peer-timeout-s 60
+    --prompt-tokens 1K --new-tokens 256 --copy-mib "$COPY_MIB" --peer static --peer-timeout-s 120 --peer-max-concurrency 8
 run throughput_mixed 540 throughput "${COMMON[@]}" --kv-pool by-use --sets mixed --concurrency 1,8,32,64,128,256 \
     --copy-mib "$COPY_MIB" --peer none
 # COMPILE's start with an empty compile cache, then again with the kernels it kept

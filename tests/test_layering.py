@@ -202,7 +202,7 @@ def test_the_folders_have_no_loops(package: str) -> None:
 # the drafter and what drives them.
 EXEC_SUBPACKAGES = ("engine.exec.kv", "engine.exec.graphs", "engine.exec.experts")
 EXEC_TOP = ("engine.exec.runner", "engine.exec.drafter", "engine.exec.decode_ahead", "engine.exec.device_switches",
-            "engine.exec.plan_executor", "engine.exec.prefill_window")
+            "engine.exec.plan_executor", "engine.exec.prefill_window", "engine.exec.chunk_rows")
 
 
 def test_exec_is_in_floors() -> None:

@@ -185,3 +185,27 @@ def test_decoding_slots_keep_their_steps_while_windows_run():
     # whole prompt's ten
     assert sum(window_rows) >= LONG_TOKENS * main_layers and max(window_rows) <= 3 * chunk_work
     assert snap.prompt_loaded_experts < chunked.prompt_loaded_experts
+
+
+def test_two_long_prompts_in_one_step_each_run_through_their_window():
+    """Two long prompts admitted together, the step budget holding a chunk of each: chunks a window serves never
+    go into a shared forward of several prompts' chunks (engine.exec.chunk_rows), which would copy each cold
+    expert once per chunk again; the tokens are the chunk-by-chunk run's."""
+    prompts = random_prompts(2, seed=12, lengths=(LONG_TOKENS, LONG_TOKENS + 1))
+    with one_thread():
+        engine = make_engine(MODEL, batch=2, prefill_chunk_tokens=CHUNK_TOKENS, step_token_budget=2 * CHUNK_TOKENS,
+                             expert_cache_mib=CACHE_MIB)
+        try:
+            tokens = tokens_of(run_all(engine, prompts, GREEDY))
+            assert engine.executor.window.windows == 2  # one window each, the whole prompt
+            snap = engine.lm.model.expert_provider.snapshot()
+        finally:
+            engine.close()
+        apart = make_engine(MODEL, batch=2, prefill_chunk_tokens=CHUNK_TOKENS, step_token_budget=2 * CHUNK_TOKENS,
+                            expert_cache_mib=CACHE_MIB, prefill_window_tokens=0)
+        try:
+            assert tokens == tokens_of(run_all(apart, prompts, GREEDY))
+            chunked = apart.lm.model.expert_provider.snapshot()
+        finally:
+            apart.close()
+    assert snap.prompt_loaded_experts < chunked.prompt_loaded_experts
