@@ -24,6 +24,7 @@ from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
 from engine.config import EngineConfig, check_expert_cache_mib, check_vram_reserve_mib
 from engine.errors import EngineDead
 from engine.exec.gpu_errors import real_message
+from engine.orchestration.prompt_bound import encode_within
 from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, HealthSnapshot
 from engine.switches import SwitchState
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
@@ -96,15 +97,17 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def encode(self, text: str) -> list[int]:
-        # a user's text, never control tokens; past the context it is refused before its ids are listed
-        return self._tokenizer().encode(text, specials_in_text=False, max_tokens=self.context_tokens)
+        # a user's text, never control tokens; past the context it is refused for what a head of it holds,
+        # before its ids are listed (prompt_bound.py)
+        return encode_within(self._tokenizer(), text, self.context_tokens, specials_in_text=False)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer().decode(token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         tok = self._tokenizer()
-        return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False, max_tokens=self.context_tokens)
+        return encode_within(tok, tok.apply_chat_template(messages), self.context_tokens, add_special_tokens=False,
+                             specials_in_text=True)
 
     # --- requests ------------------------------------------------------------------------------------------
 
