@@ -91,3 +91,30 @@ def _builtin_dir():
     from engine.model import resolve_model_path
 
     return resolve_model_path("builtin:strata-tiny")
+
+
+def test_a_text_far_past_the_context_is_refused_before_the_rest_of_its_body_is_sent(server) -> None:
+    # the body announces 50 MB and sends its first 256 KiB: the answer comes without the rest (never read, parsed
+    # or tokenized; the connection's rest would be dropped unparsed)
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    url, _, _ = server
+    body = json.dumps({"model": "builtin:strata-tiny", "prompt": "日本語の文章" * (TEXT_BYTES // 18)},
+                      ensure_ascii=False).encode()
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=120) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (parts.netloc.encode(), len(body)))
+        sock.sendall(body[:256 << 10])
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:500]
+    error = json.loads(payload)["error"]
+    assert error["code"] == "context_length_exceeded" and "at least" in error["message"], error
