@@ -9,7 +9,7 @@ import pytest
 
 from engine.errors import PromptTooLong
 from engine.model.tokenizer import Tokenizer
-from engine.orchestration.prompt_bound import CUT_SLACK_TOKENS, HEAD_CHARS_PER_TOKEN, encode_within
+from engine.orchestration.async_engine import CUT_SLACK_TOKENS, HEAD_CHARS_PER_TOKEN, encode_within
 from tests.engine.server.real import real_server
 
 CONTEXT_TOKENS = 512
