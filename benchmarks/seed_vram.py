@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 
-from strata_tui.gpu import NvmlSampler
+from strata_tui.engine_io.gpu import NvmlSampler
 
 
 # What a report keeps of the expert cache's section of /strata/state (the per-layer rows stay out).

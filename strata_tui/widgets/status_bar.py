@@ -9,7 +9,7 @@ import time
 from rich.text import Text
 from textual.widgets import Static
 
-from strata_tui.view_state import ViewState
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.view_bound import ViewBound
 
 _STATE_STYLE = {"ready": "bold green", "starting": "yellow", "loading": "yellow", "exited": "bold red",

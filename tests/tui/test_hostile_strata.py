@@ -13,8 +13,8 @@ import tracemalloc
 import pytest
 
 from strata_tui.adapters.base import MAX_BODY_BYTES, TooLarge
-from strata_tui.sse import MAX_EVENT_CHARS
-from strata_tui.telemetry_client import TelemetryClient
+from strata_tui.engine_io.sse import MAX_EVENT_CHARS
+from strata_tui.engine_io.telemetry_client import TelemetryClient
 from tests.tui.hostile_server import STRATA_ROUTES, HostileServer, _json, endless_event, huge_state, trickle
 
 BOUND_MIB = 24  # what one capped read may hold: the limit, a network chunk, the joined copy
@@ -117,7 +117,7 @@ async def test_a_launched_engines_health_is_read_for_its_status_only() -> None:
     # the readiness poll of a launched vLLM / SGLang / llama.cpp reads the status; a 50 MiB body is never read
     from types import SimpleNamespace
 
-    from strata_tui.foreign import wait_ready
+    from strata_tui.engine_io.foreign import wait_ready
 
     posted: list = []
     process = SimpleNamespace(pid=None, running=True, ready_url=None)

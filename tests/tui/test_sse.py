@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_tui.sse import SSEParser
+from strata_tui.engine_io.sse import SSEParser
 
 STREAM = ": hello\r\nid: 7\r\nevent: slot\r\ndata: {\"a\": 1}\r\n\r\nid: 8\nevent: graph\ndata: line1\ndata: line2\n\n"
 
@@ -40,7 +40,7 @@ def test_event_without_data_is_not_dispatched_but_keeps_id() -> None:
 
 
 def test_an_event_past_the_limit_raises_and_nothing_of_it_is_kept() -> None:
-    from strata_tui.sse import EventTooLarge
+    from strata_tui.engine_io.sse import EventTooLarge
 
     parser = SSEParser(max_event_chars=1000)
     assert parser.feed("data: " + "x" * 900 + "\n\n")[0].data == "x" * 900  # under the limit: an event

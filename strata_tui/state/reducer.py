@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from engine.snapshot import EngineSnapshot
 from engine.telemetry import EngineEvent, ErrorEvent
-from strata_tui.messages import (
+from strata_tui.engine_io.foreign import EndpointRead
+from strata_tui.engine_io.messages import (
     EngineExited,
     EngineLiveness,
     EngineNews,
@@ -33,8 +34,7 @@ from strata_tui.messages import (
     TelemetryBatch,
     TelemetryStatus,
 )
-from strata_tui.foreign import EndpointRead
-from strata_tui.view_state import CrashInfo, ViewState
+from strata_tui.state.view_state import CrashInfo, ViewState
 
 TELEMETRY_DRAIN_S = 1.0
 RESULT_HINT = "result in the panel below (escape closes it)"  # an exited engine's stream may still hold its last events (the fatal error)

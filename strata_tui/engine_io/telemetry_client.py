@@ -24,9 +24,9 @@ import httpx
 
 from engine.telemetry import Event, event_from_json
 from strata_tui.adapters.base import MAX_BODY_BYTES, TooLarge, fetch, read_body
-from strata_tui.http_errors import describe_http_error
-from strata_tui.messages import StateSnapshot, TelemetryBatch, TelemetryStatus
-from strata_tui.sse import MAX_EVENT_CHARS, EventTooLarge, SSEParser
+from strata_tui.engine_io.http_errors import describe_http_error
+from strata_tui.engine_io.messages import StateSnapshot, TelemetryBatch, TelemetryStatus
+from strata_tui.engine_io.sse import MAX_EVENT_CHARS, EventTooLarge, SSEParser
 
 Post = Callable[[Any], Any]  # the app's post_message (bound to the run): how a worker reports
 STATE_DEADLINE_S = 10.0  # one whole /strata/state read; a big engine's answers in milliseconds
@@ -231,7 +231,7 @@ async def stream_telemetry(post: Post, client: TelemetryClient, batch_s: float =
         post(TelemetryStatus(connected, reason))
 
     async def on_connect() -> None:
-        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
+        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/state/reducer.py).
         snapshot = await client.state()
         flush()
         post(StateSnapshot(snapshot))

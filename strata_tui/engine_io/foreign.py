@@ -1,6 +1,6 @@
 """The app's side of engines other than Strata: messages and worker bodies for detecting which engine answers,
 waiting for a launched one's health route, and reading every endpoint on its own loop (one unreachable node
-is marked while the others keep updating). Like strata_tui/workers.py, the bodies only call `post`."""
+is marked while the others keep updating). Like strata_tui/engine_io/workers.py, the bodies only call `post`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from textual.message import Message
 from strata_tui.adapters import adapter_for, detect
 from strata_tui.adapters.base import READING, TooLarge
 from strata_tui.adapters.view import EndpointView, ForeignView
-from strata_tui.http_errors import describe_http_error
-from strata_tui.launcher import EngineProcess
-from strata_tui.messages import EngineNews
+from strata_tui.engine_io.http_errors import describe_http_error
+from strata_tui.engine_io.launcher import EngineProcess
+from strata_tui.engine_io.messages import EngineNews
 
 Post = Callable[[Any], Any]
 READ_INTERVAL_S = 1.0
