@@ -127,3 +127,15 @@ async def test_a_launched_engines_health_is_read_for_its_status_only() -> None:
             _traced(wait_ready(posted.append, process, url, "/health", 1, lambda u, run: ("ready", u, run))), 60)
     assert result is None and posted == [("ready", url, 1)] and process.ready_url == url, (result, posted)
     assert peak_mib < BOUND_MIB, f"a 50 MiB health answer held {peak_mib:.0f} MiB"
+
+
+async def test_a_strata_engine_whose_state_is_too_large_is_still_told_apart() -> None:
+    # without --kind: the state route answers (more than is read), so it is a Strata engine, whose reader then
+    # says what is wrong, not "answers none of /strata/state, /props, ..."
+    from strata_tui.engine_io.foreign import KindsDetected, detect_kinds
+
+    posted: list = []
+    with HostileServer(routes=_routes(strata__state=huge_state)) as url:
+        await asyncio.wait_for(detect_kinds(posted.append, [url]), 60)
+    assert len(posted) == 1 and isinstance(posted[0], KindsDetected)
+    assert posted[0].kinds == ["strata"], posted[0].reasons
