@@ -81,11 +81,12 @@ async def wait_ready(post: Post, process: EngineProcess, url: str, health_path: 
             await asyncio.sleep(READY_POLL_S)
             if process.pid is not None and not process.running:
                 return
-            try:
-                response = await client.get(health_path)
-            except httpx.HTTPError:
+            try:  # its status only (the body is not read), within a deadline (a head may trickle)
+                async with asyncio.timeout(READ_DEADLINE_S), client.stream("GET", health_path) as response:
+                    status = response.status_code
+            except (httpx.HTTPError, TimeoutError):
                 continue
-            if response.status_code == 200:
+            if status == 200:
                 process.ready_url = url
                 post(make_message(url, run))
                 return

@@ -85,6 +85,7 @@ class ViewState:
     run: int = 0  # the engine run (or attachment) news is taken from; older runs' news is dropped
     engine_url: str | None = None
     telemetry_connected: bool | None = None
+    telemetry_reason: str = ""  # why the event stream dropped; shown while it reconnects
     unreachable_since: float | None = None  # wall clock of the first failure since the last success
     unreachable_reason: str = ""  # why the last probe failed; shown only while unreachable
     # The engine instance the monitor's state was read from (/strata/state's `instance_id`, else its start
