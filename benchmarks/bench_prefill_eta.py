@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from engine.prefill_cost import fit_chunks, span_cost_s  # noqa: E402
-from strata_tui.launcher import READY_RE  # noqa: E402
-from strata_tui.monitor_state import MonitorState  # noqa: E402
-from strata_tui.telemetry_client import TelemetryClient  # noqa: E402
+from strata_tui.engine_io.launcher import READY_RE  # noqa: E402
+from strata_tui.engine_io.telemetry_client import TelemetryClient  # noqa: E402
+from strata_tui.state.monitor_state import MonitorState  # noqa: E402
 from strata_tui.widgets.slot_cells import format_eta  # noqa: E402
 
 

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from strata_tui.app import create_app  # noqa: E402
-from strata_tui.profile_store import ProfileStore  # noqa: E402
-from strata_tui.profiles import Profile  # noqa: E402
+from strata_tui.profiles.profile import Profile  # noqa: E402
+from strata_tui.profiles.store import ProfileStore  # noqa: E402
 from strata_tui.widgets.slots_table import SlotsTable  # noqa: E402
 
 FAKE_ENGINE = [sys.executable, str(ROOT / "tests" / "tui" / "fake_engine.py")]
@@ -47,7 +47,7 @@ def instrument(latencies_s: list[float]) -> None:
     the tick + redraw + paint."""
     from strata_tui.app import StrataApp
 
-    from strata_tui.messages import TelemetryBatch
+    from strata_tui.engine_io.messages import TelemetryBatch
 
     pending_ts: list[float] = []
     on_news = StrataApp.on_engine_news

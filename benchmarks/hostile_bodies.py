@@ -1,11 +1,14 @@
 """/health latency while hostile request bodies are being handled (issue 15, item 3).
 
 Starts `strata-engine serve` (builtin:strata-tiny on CPU, its real tokenizer) in its own process, sends
-CONCURRENT large bodies at once (token ids, text, chat text, deep nesting, one over the body limit) from
-threads, and polls /health from this process until they are all answered. Prints one JSON line:
-p50/p99/max /health latency in ms, the statuses the bodies got and how long each took.
+CONCURRENT large bodies at once (token ids, text, text without spaces, chat text, deep nesting, one over the
+body limit) from threads, and polls /health from this process until they are all answered. Prints one JSON line
+a round: p50/p99/max /health latency in ms, the statuses the bodies got and how long each took (from the first
+byte sent to the answer: httpx sends a whole body before it reads the answer); then one line
+with each body's p50/p99 seconds over the rounds and the /health p99 over all polls. `--only NAME` sends that
+body alone each round (its time is then its own, not its wait behind the others).
 
-    python benchmarks/hostile_bodies.py [--body-mib 7] [--rounds 1]
+    python benchmarks/hostile_bodies.py [--body-mib 7] [--rounds 1] [--only text_unspaced]
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ def bodies(model: str, body_mib: float) -> dict[str, bytes]:
     return {
         "token_ids": json.dumps({"model": model, "prompt": [12] * (n_bytes // 4)}).encode(),
         "text": json.dumps({"model": model, "prompt": words}).encode(),
+        # far past the context with no word start to cut at (CJK, base64): tokenized whole before heads were
+        "text_unspaced": json.dumps({"model": model, "prompt": "日本語の文章" * (n_bytes // 18)},
+                                    ensure_ascii=False).encode(),
         "chat_text": json.dumps({"model": model, "messages": [{"role": "user", "content": words}]}).encode(),
         "nested": b'{"a":' * (n_bytes // 5),
         "over_limit": json.dumps({"model": model, "prompt": "x" * (9 << 20)}).encode(),
     }
 
 
-def measure(url: str, model: str, body_mib: float) -> dict:
+def measure(url: str, model: str, body_mib: float, only: str | None = None) -> dict:
     results: dict[str, tuple[int, float]] = {}
 
     def send(name: str, body: bytes) -> None:
@@ -47,12 +53,13 @@ def measure(url: str, model: str, body_mib: float) -> dict:
             status = type(exc).__name__
         results[name] = (status, round(time.perf_counter() - t0, 3))
 
-    threads = [threading.Thread(target=send, args=item) for item in bodies(model, body_mib).items()]
+    threads = [threading.Thread(target=send, args=item) for item in bodies(model, body_mib).items()
+               if only is None or item[0] == only]
     latencies_ms: list[float] = []
     for t in threads:
         t.start()
     with httpx.Client(timeout=30) as health:
-        while any(t.is_alive() for t in threads):
+        while not latencies_ms or any(t.is_alive() for t in threads):
             t0 = time.perf_counter()
             health.get(url + "/health").raise_for_status()
             latencies_ms.append((time.perf_counter() - t0) * 1000)
@@ -62,13 +69,32 @@ def measure(url: str, model: str, body_mib: float) -> dict:
     latencies_ms.sort()
     pick = lambda q: round(latencies_ms[min(len(latencies_ms) - 1, int(q * len(latencies_ms)))], 1)  # noqa: E731
     return {"health_polls": len(latencies_ms), "health_p50_ms": pick(0.5), "health_p99_ms": pick(0.99),
-            "health_max_ms": round(latencies_ms[-1], 1), "bodies": results}
+            "health_max_ms": round(latencies_ms[-1], 1), "bodies": results, "health_ms": latencies_ms}
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(rounds: list[dict]) -> dict:
+    """Each body's p50/p99 seconds over the rounds, and /health's p99 over every poll of every round."""
+    health = [ms for r in rounds for ms in r["health_ms"]]
+    times: dict[str, list[float]] = {}
+    for r in rounds:
+        for name, (_, seconds) in r["bodies"].items():
+            times.setdefault(name, []).append(seconds)
+    return {"rounds": len(rounds), "health_polls": len(health),
+            "health_p99_ms": round(quantile(health, 0.99), 1) if health else None,
+            "bodies_p50_p99_s": {name: [quantile(t, 0.5), quantile(t, 0.99)] for name, t in times.items()}}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--body-mib", type=float, default=7.0, help="size of each hostile body (default 7)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--only", choices=["token_ids", "text", "text_unspaced", "chat_text", "nested",
+                                           "over_limit"], help="send this body alone each round")
     args = parser.parse_args()
     engine = EngineProcess([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
                             "--log-level", "warning"],
@@ -80,8 +106,11 @@ def main() -> int:
             print(f"serve did not start: {exc}", file=sys.stderr)
             return 1
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        rounds = []
         for _ in range(args.rounds):
-            print(json.dumps(measure(url, model, args.body_mib)), flush=True)
+            rounds.append(measure(url, model, args.body_mib, args.only))
+            print(json.dumps({k: v for k, v in rounds[-1].items() if k != "health_ms"}), flush=True)
+        print(json.dumps(summary(rounds)), flush=True)
     finally:
         engine.stop(timeout_s=30)
     return 0

@@ -69,6 +69,8 @@ moe_seed          named    the seed scenario on a random Qwen3-MoE, MOE_RUNS run
 kv_seed           named    the seed scenario with --kv-resident 16384 (131K prompt)
 moe80b_seed       named    the seed scenario at seed scale: random:moe-80b, expert cache auto, fresh 176K prompt, MOE80B_RUNS runs (default 1)
 experts_cold      named    random:moe-80b at 85 % of experts on the card: cold experts copied / on the CPU / prefetched, batch 1 and 6, against random:moe-80b-40l all resident
+experts_prefill_chunked named random:moe-80b at 85 %: the MiB a 16K prompt copies in and its first-token time, chunk by chunk (--prefill-window-tokens 0)
+experts_prefill   named    the same in one layer-major window of 16K tokens (the default): each cold expert once per layer
 quant_tests       named    the quantized kernels' GPU tests (every path against cuBLAS, capture, FP8 prompt GEMMs, MTP on = off), in GPU_WORKERS processes
 quant_linear      named    each path of the quantized kernels (GEMV, tensor cores, prompt chunks) beside tinygemm and cuBLAS bf16 at the QUANT_SIZE (8b) shapes, QUANT_ROWS (1,4,16,128,2048), QUANT_TUNE's launch shapes, the launch table they give
 quant_linear_small named   every quantized format (GGUF's groups too) at the 0.6B shape, rows 1, 16, 128
@@ -272,7 +274,7 @@ run experts_resident 240 experts --device "$DEVICE" --model random:moe-80b-40l -
 run kvspill 100 kvspill "${COMMON[@]}" --kv int8 --prompt-tokens 8K --new-tokens 64 --kv-resident 1024
 run kvspill_six 150 kvspill "${COMMON[@]}" --kv int8 --slots 6 --prompt-tokens 8K --new-tokens 32 --kv-resident 1024
 run throughput 540 throughput "${COMMON[@]}" --kv-pool by-use --sets fixed --concurrency 1,8,32,64,128,256 \
-    --prompt-tokens 1K --new-tokens 256 --copy-mib "$COPY_MIB" --peer static --peer-timeout-s 60
+    --prompt-tokens 1K --new-tokens 256 --copy-mib "$COPY_MIB" --peer static --peer-timeout-s 120 --peer-max-concurrency 8
 run throughput_mixed 540 throughput "${COMMON[@]}" --kv-pool by-use --sets mixed --concurrency 1,8,32,64,128,256 \
     --copy-mib "$COPY_MIB" --peer none
 # COMPILE's start with an empty compile cache, then again with the kernels it kept
@@ -309,6 +311,13 @@ step moe80b_seed ${MOE80B_LIMIT_S:-300} "$PY" benchmarks/seed_scenario.py --runs
 run experts_cold 330 experts --device "$DEVICE" --model random:moe-80b --all-resident-model random:moe-80b-40l \
     --budgets 85 --cold copy,cpu,prefetch --batches 1,6 --prompt-tokens 32 --new-tokens 48 --copy-mib "$COPY_MIB" \
     --trace-out "$OUT/experts_cold_trace.jsonl"
+# A 16K prompt (8 chunks) at 85 % of the experts on the card: `prompt_loaded_mib` (MiB its chunks copied in) and
+# `ttft_s`, chunk by chunk and then in one layer-major window (engine/exec/prefill_window.py)
+run experts_prefill_chunked 330 experts --device "$DEVICE" --model random:moe-80b \
+    --all-resident-model random:moe-80b-40l --budgets 85 --prompt-tokens 16384 --new-tokens 8 --copy-mib "$COPY_MIB" \
+    --no-hf --prefill-window-tokens 0
+run experts_prefill 330 experts --device "$DEVICE" --model random:moe-80b --all-resident-model random:moe-80b-40l \
+    --budgets 85 --prompt-tokens 16384 --new-tokens 8 --copy-mib "$COPY_MIB" --no-hf --prefill-window-tokens 16384
 # Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
 # The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
 # decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import httpx
 
-from strata_tui.gpu import NvmlSampler
+from strata_tui.engine_io.gpu import NvmlSampler
 
 
 # What a report keeps of the expert cache's section of /strata/state (the per-layer rows stay out).
 _EXPERT_FIELDS = ("mib", "target_slots", "slots", "num_experts", "host_mib", "device", "hits", "misses",
-                  "hit_rate", "evictions", "loaded_mib", "oracle_hit_rate")
+                  "hit_rate", "evictions", "loaded_mib", "prompt_loaded_mib", "oracle_hit_rate")
 
 
 async def vram_books(base_url: str) -> list[dict] | str:
@@ -40,7 +40,8 @@ def expert_text(books: dict | str | None) -> str:
         return f"expert books unreadable ({books})"
     return (f"expert cache {books.get('mib')} MiB on {books.get('device')} ({books.get('slots')} of "
             f"{books.get('num_experts')} experts per layer, host {books.get('host_mib')} MiB), hit rate "
-            f"{books.get('hit_rate')} (oracle {books.get('oracle_hit_rate')}), {books.get('evictions')} evictions")
+            f"{books.get('hit_rate')} (oracle {books.get('oracle_hit_rate')}), {books.get('evictions')} evictions, "
+            f"{books.get('loaded_mib')} MiB copied in ({books.get('prompt_loaded_mib')} by prompt chunks)")
 
 
 async def _state(base_url: str) -> dict | str:

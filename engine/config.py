@@ -31,6 +31,10 @@ DEFAULT_VRAM_RESERVE_MIB = 1024
 # A 262,144-token prompt as JSON: token ids take at most 7 bytes each (1.8 MiB); text about 4 bytes a token,
 # up to 6 a character when escaped (\uXXXX). 8 MiB holds either; a bigger body is refused before parsing.
 DEFAULT_MAX_BODY_MIB = 8
+# a 176K prompt in 2,048-token chunks: 11 windows of 8 chunks (13 as they ramp up beside decoding slots), so a
+# cold expert crosses 11 times, not 86 (engine.exec.prefill_window); the window's MoE holds (top_k + 6) x hidden
+# activations a token at once
+DEFAULT_PREFILL_WINDOW_TOKENS = 16384
 API_KEY_ENV = "STRATA_API_KEY"
 REDACTED = "<redacted>"  # what the config's serialized form shows instead of a secret
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -113,7 +117,14 @@ class EngineConfig:
     log_level: str = field(default="info", metadata=_opt("stderr log level", choices=LOG_LEVELS, group="server"))
     queue_max: int = field(default=256, metadata=_opt("bounded request queue length", metavar="N"))
     prefill_chunk_tokens: int = field(default=2048, metadata=_opt("prompt tokens per prefill chunk", metavar="TOKENS"))
-    step_token_budget: int = field(default=4096, metadata=_opt("tokens one engine step may process", metavar="TOKENS"))
+    # None: sized at start to the device's measured matmul rate and the model (engine.core.step_budget)
+    step_token_budget: int | None = field(default=None, metadata=_opt(
+        "tokens one engine step may process (default: the tokens the device prefills in about 50 ms for this "
+        "model, 4096..16384, never below --prefill-chunk-tokens)", metavar="TOKENS"))
+    prefill_window_tokens: int = field(default=DEFAULT_PREFILL_WINDOW_TOKENS, metadata=_opt(
+        "MoE models whose experts do not all fit the expert cache: a long prompt's chunks run layer by layer over "
+        "windows of up to this many tokens, so a cold expert is copied to the device once per window and layer "
+        "instead of once per chunk; the window's activations grow with it (0: chunk by chunk)", metavar="TOKENS"))
     prefill_overlap: str = field(default="auto", metadata=_opt(
         "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless "
         "an MoE model; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
@@ -141,7 +152,9 @@ class EngineConfig:
         _positive("context", self.context, upper=MAX_CONTEXT_TOKENS)
         _positive("queue_max", self.queue_max, upper=MAX_QUEUE)
         _positive("prefill_chunk_tokens", self.prefill_chunk_tokens, upper=MAX_CONTEXT_TOKENS)
-        _positive("step_token_budget", self.step_token_budget, upper=MAX_CONTEXT_TOKENS)
+        _positive("prefill_window_tokens", self.prefill_window_tokens, upper=MAX_CONTEXT_TOKENS, lower=0)
+        if self.step_token_budget is not None:
+            _positive("step_token_budget", self.step_token_budget, upper=MAX_CONTEXT_TOKENS)
         _positive("tier_wait_polls", self.tier_wait_polls, upper=MAX_TIER_WAIT_POLLS, lower=0)
         _positive("max_body_mib", self.max_body_mib, upper=1024)
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
@@ -183,7 +196,7 @@ class EngineConfig:
             raise ConfigError("port", self.port, "expected 0..65535 (0 picks a free port)")
         if not self.host:
             raise ConfigError("host", self.host, "an address to bind is required")
-        if self.prefill_chunk_tokens > self.step_token_budget:
+        if self.step_token_budget is not None and self.prefill_chunk_tokens > self.step_token_budget:
             raise ConfigError(
                 "prefill_chunk_tokens",
                 self.prefill_chunk_tokens,

@@ -221,6 +221,8 @@ class ExpertLayerSnapshot(_Json):
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    loaded: int = 0  # experts copied into this layer's pool
+    prompt_loaded: int = 0  # of those, by steps that ran prompt chunks
     hit_rate: float | None = None  # None: no access yet
 
 
@@ -249,6 +251,8 @@ class ExpertCacheSnapshot(_Json):
     evictions: int = 0
     loaded_experts: int = 0
     loaded_mib: float = 0.0
+    prompt_loaded_experts: int = 0  # copied in by steps that ran prompt chunks (their layers' prompt_loaded)
+    prompt_loaded_mib: float = 0.0
     load_ms: float = 0.0
     reruns: int = 0  # captured steps run again eagerly because an expert was missing
     replays: int = 0  # extra graph replays after loading a captured step's first missed layer

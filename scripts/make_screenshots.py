@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from strata_tui.app import StrataApp, create_app  # noqa: E402
-from strata_tui.profile_store import ProfileStore  # noqa: E402
-from strata_tui.profiles import Profile  # noqa: E402
+from strata_tui.profiles.profile import Profile  # noqa: E402
+from strata_tui.profiles.store import ProfileStore  # noqa: E402
 
 OUT = ROOT / "screenshots"
 SIZE = (160, 48)

@@ -348,9 +348,9 @@ def completions() -> Walk:
 def reserve() -> Walk:
     from engine.exec.kv.vram_budget import VramBudget
     from engine.orchestration.async_engine import AsyncEngine
+    from strata_tui.actions.controls import Controls
     from strata_tui.app import create_app
-    from strata_tui.controls import Controls
-    from strata_tui.telemetry_client import TelemetryClient
+    from strata_tui.engine_io.telemetry_client import TelemetryClient
 
     stops = [Controls.reserve, TelemetryClient.set_vram_reserve, AsyncEngine.set_vram_reserve, VramBudget.set_reserve]
     walk = Walk(stops, bridges=tuple(stops))  # the data is a number of MiB: met at each stop
@@ -376,8 +376,8 @@ def telemetry() -> Walk:
     from engine.orchestration.state import slot_event
     from engine.telemetry import EventBus, event_from_json
     from strata_tui.app import create_app
-    from strata_tui.monitor_state import MonitorState
-    from strata_tui.reducer import reduce
+    from strata_tui.state.monitor_state import MonitorState
+    from strata_tui.state.reducer import reduce
     from strata_tui.widgets.slots_table import SlotsTable
 
     import httpx

@@ -2,7 +2,7 @@
 screens draw lives in one ViewState (`app.view`); what the keys do lives in Controls (`app.controls`).
 
 `create_app()` is the factory the CLI and the tests share. Data flows one way: workers post messages up;
-one handler hands each to the reducer (`strata_tui/reducer.py`), which folds it into the ViewState and says
+one handler hands each to the reducer (`strata_tui/state/reducer.py`), which folds it into the ViewState and says
 what to do about it; each of the monitor screen's widgets reads its own slice of the view on its own refresh
 tick (strata_tui/widgets/view_bound.py).
 """
@@ -20,26 +20,27 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from engine.switches import get_switch
-from strata_tui.commands import palette_commands
-from strata_tui.controls import DEFAULT_SCENARIO, Controls
+from strata_tui.actions.commands import palette_commands
+from strata_tui.actions.controls import DEFAULT_SCENARIO, Controls
+from strata_tui.engine_io.gpu import NvmlSampler
+from strata_tui.engine_io.host_stats import HostSampler
+from strata_tui.engine_io.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
+from strata_tui.engine_io.messages import EngineNews
+from strata_tui.engine_io.telemetry_client import TelemetryClient, stream_telemetry
+from strata_tui.engine_io.workers import (engine_callbacks, poll_state, read_state, run_engine, sample_gpus,
+                                          watch_liveness)
 from strata_tui.foreign_app import ForeignEngines
-from strata_tui.gpu import NvmlSampler
-from strata_tui.history import sample as sample_history
-from strata_tui.host_stats import HostSampler
-from strata_tui.launcher import API_KEY_ENV, EngineProcess, engine_argv, engine_env
-from strata_tui.messages import EngineNews
-from strata_tui.monitor_state import MonitorState
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile, ProfileError
-from strata_tui.reducer import CloseClientLater, Notify, OpenClient, RedrawNow, Resync, reduce
+from strata_tui.profiles.profile import Profile, ProfileError
+from strata_tui.profiles.store import ProfileStore
 from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profiles import ProfilesScreen
 from strata_tui.shutdown import Shutdown
-from strata_tui.telemetry_client import TelemetryClient, stream_telemetry
+from strata_tui.state.history import sample as sample_history
+from strata_tui.state.monitor_state import MonitorState
+from strata_tui.state.reducer import CloseClientLater, Notify, OpenClient, RedrawNow, Resync, reduce
+from strata_tui.state.view_state import ViewState
 from strata_tui.terminal import HangupAwareDriver, TerminalLost
-from strata_tui.view_state import ViewState
-from strata_tui.workers import engine_callbacks, poll_state, read_state, run_engine, sample_gpus, watch_liveness
 
 
 HISTORY_TICK_S = 1.0
@@ -128,7 +129,7 @@ class StrataApp(ForeignEngines, App):
 
     async def on_mount(self) -> None:
         self.shutdown.install_signal_handlers()
-        # Off the UI thread: the files are read with a size cap and never block (profile_files.py), but a config
+        # Off the UI thread: the files are read with a size cap and never block (profiles/files.py), but a config
         # folder on a slow or hung network mount still must not keep the app from drawing or quitting.
         opened = await asyncio.to_thread(self.store.open_initial, self.requested_profile, not self.attach_url)
         if isinstance(opened, ProfileError):
@@ -157,7 +158,7 @@ class StrataApp(ForeignEngines, App):
     def sample_history(self) -> None:
         """One sample a second for the history panel: what the view holds now, and the engine's CPU and memory
         (its process tree when this app launched it, else the host's) when it runs on the CPU."""
-        from strata_tui.history import on_cpu
+        from strata_tui.state.history import on_cpu
 
         host = None
         if self.host_sampler is not None and on_cpu(self.view):

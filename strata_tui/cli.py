@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> str | None:
     """One line naming the parameter that cannot work, or None."""
     from engine.errors import ConfigError
-    from strata_tui.profiles import check_name, default_config_dir
+    from strata_tui.profiles.profile import check_name, default_config_dir
 
     for url in (args.attach or "").split(","):
         if args.attach and not url.strip().startswith(("http://", "https://")):

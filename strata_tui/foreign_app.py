@@ -1,17 +1,17 @@
 """StrataApp's handling of vLLM, SGLang and llama.cpp servers, as a mixin so app.py keeps one branch per
-entry point: launch a profile of another kind (argv from strata_tui/kinds.py, readiness from its health
+entry point: launch a profile of another kind (argv from strata_tui/profiles/kinds.py, readiness from its health
 route), attach with detection or `--kind`, and fold each endpoint's reading into `view.foreign`."""
 
 from __future__ import annotations
 
 import os
 
-from strata_tui.foreign import KindsDetected, detect_kinds, empty_view, poll_endpoint, split_urls, wait_ready
-from strata_tui.kinds import KIND_NAMES, SPECS
-from strata_tui.launcher import EngineProcess
-from strata_tui.messages import EngineReady
-from strata_tui.profiles import Profile
-from strata_tui.workers import engine_callbacks, run_engine
+from strata_tui.engine_io.foreign import KindsDetected, detect_kinds, empty_view, poll_endpoint, split_urls, wait_ready
+from strata_tui.engine_io.launcher import EngineProcess
+from strata_tui.engine_io.messages import EngineReady
+from strata_tui.engine_io.workers import engine_callbacks, run_engine
+from strata_tui.profiles.kinds import KIND_NAMES, SPECS
+from strata_tui.profiles.profile import Profile
 
 
 STRATA_ONLY_ACTIONS = {"toggle_switch", "expert_budget"}  # the monitor screen hides its reserve keys itself

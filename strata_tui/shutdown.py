@@ -1,7 +1,7 @@
 """How the app ends: `q`, SIGTERM, SIGINT, SIGHUP or the terminal going away. One quit at a time; each
 says "stopping engine…" at once, stops the engine it launched (SIGTERM to its group, SIGKILL after a
 budget) and exits. `q` does not wait for the engine: the screen returns at once (as htop's does) and a
-reaper process (`strata_tui/reaper.py`) sees the engine's stop through. With `watchdog` on (the CLI), a
+reaper process (`strata_tui/engine_io/reaper.py`) sees the engine's stop through. With `watchdog` on (the CLI), a
 thread makes sure the process is gone by a deadline even if the event loop is stuck, and a second
 SIGTERM/SIGINT ends it at once.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from strata_tui.terminal import hard_exit
 
 if TYPE_CHECKING:
-    from strata_tui.host import StrataHost
+    from strata_tui.actions.host import StrataHost
 
 # The engine's graceful stop (SIGTERM, then SIGKILL) and the hard deadline for the whole quit, per cause.
 QUIT_STOP_S, QUIT_DEADLINE_S = 2.0, 2.8        # `q`: returns within 3 s even when the engine ignores SIGTERM

@@ -178,9 +178,10 @@ def test_the_nevers(importer: str, imported: str) -> None:
             assert not bad, f"{module} imports {bad}: {importer} never imports {imported}"
 
 
-def test_the_folders_have_no_loops() -> None:
+@pytest.mark.parametrize("package", ["engine", "strata_tui"])
+def test_the_folders_have_no_loops(package: str) -> None:
     folders: dict[str, set[str]] = {}
-    for module, deps in _engine_graph().items():
+    for module, deps in _engine_graph(package).items():
         folders.setdefault(_folder(module), set()).update(_folder(d) for d in deps if _folder(d) != _folder(module))
     done: set[str] = set()
 
@@ -201,7 +202,7 @@ def test_the_folders_have_no_loops() -> None:
 # the drafter and what drives them.
 EXEC_SUBPACKAGES = ("engine.exec.kv", "engine.exec.graphs", "engine.exec.experts")
 EXEC_TOP = ("engine.exec.runner", "engine.exec.drafter", "engine.exec.decode_ahead", "engine.exec.device_switches",
-            "engine.exec.plan_executor")
+            "engine.exec.plan_executor", "engine.exec.prefill_window", "engine.exec.chunk_rows")
 
 
 def test_exec_is_in_floors() -> None:
@@ -222,3 +223,46 @@ def test_exec_is_in_floors() -> None:
                 assert not dep.startswith(EXEC_TOP), f"{module} imports {dep}, a floor above it"
             elif dep_sub is not None or dep.startswith(EXEC_TOP):
                 assert module.startswith(EXEC_TOP), f"{module} (exec's base floor) imports {dep}, a floor above it"
+
+
+# strata_tui's folders, top to bottom (docs/ARCHITECTURE.md, "The TUI"): a module imports its own folder and the
+# folders below it, never a folder beside it or above. Its root holds the app alone: the entry, the wiring, how it
+# ends.
+TUI_ROOT = {"strata_tui.__main__", "strata_tui.cli", "strata_tui.app", "strata_tui.foreign_app", "strata_tui.shutdown",
+            "strata_tui.terminal"}
+TUI_LAYERS = {
+    "strata_tui": 6,
+    "strata_tui.screens": 5,
+    "strata_tui.widgets": 4, "strata_tui.actions": 4,
+    "strata_tui.state": 3,
+    "strata_tui.engine_io": 2, "strata_tui.profiles": 2,
+    "strata_tui.adapters": 1,
+}
+
+
+def test_the_tui_root_is_the_app() -> None:
+    root = {f"strata_tui.{p.stem}" for p in (ROOT / "strata_tui").glob("*.py") if p.stem != "__init__"}
+    assert root == TUI_ROOT, f"at strata_tui's root but not the app: {sorted(root - TUI_ROOT)} (give each a folder " \
+                             f"by its job); gone: {sorted(TUI_ROOT - root)}"
+
+
+def test_the_tui_imports_point_down_its_folders() -> None:
+    for module, deps in sorted(_engine_graph("strata_tui").items()):
+        folder = _folder(module)
+        assert folder in TUI_LAYERS, f"{module} is in {folder}, no layer of strata_tui: add it to TUI_LAYERS"
+        for dep in deps:
+            below = _folder(dep)
+            assert below == folder or TUI_LAYERS[below] < TUI_LAYERS[folder], \
+                f"{module} ({folder}, layer {TUI_LAYERS[folder]}) imports {dep} ({below}, layer {TUI_LAYERS[below]})"
+
+
+def test_the_tui_state_is_pure_python() -> None:
+    """The state the screens draw is folded from messages without a terminal, a socket or a thread: testable in
+    milliseconds, as the engine's core is."""
+    paths = sorted((ROOT / "strata_tui" / "state").glob("*.py"))
+    assert {p.stem for p in paths} >= {"reducer", "view_state", "monitor_state"}
+    for path in paths:
+        for name in _imports(path):
+            top = name.split(".")[0]
+            assert top not in ("textual", "httpx", "psutil", "pynvml", "asyncio", "subprocess", "socket",
+                               "threading"), f"{path} imports {name}"

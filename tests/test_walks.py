@@ -38,7 +38,7 @@ def test_every_walk_stays_within_the_style_guides_limit() -> None:
     for name, files in (("completions", ("engine/server/app.py", "engine/model/tokenizer.py", "engine/core/scheduler.py",
                                          "engine/exec/sampler.py", "engine/core/output.py")),
                         ("reserve", ("strata_tui/screens/monitor.py", "engine/exec/kv/vram_budget.py")),
-                        ("telemetry", ("engine/orchestration/state.py", "strata_tui/reducer.py",
-                                       "strata_tui/monitor_state.py", "strata_tui/widgets/slots_table.py"))):
+                        ("telemetry", ("engine/orchestration/state.py", "strata_tui/state/reducer.py",
+                                       "strata_tui/state/monitor_state.py", "strata_tui/widgets/slots_table.py"))):
         section = out.stdout.split(f"{name}: ")[1]
         assert all(f"  {path}" in section for path in files), section

@@ -303,6 +303,12 @@ def _throughput(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-timeout-s", type=finite_float, default=300.0, metavar="S",
                    help="seconds each peer call may take, its warm-up included, before it is killed and recorded "
                         "as not finished (default 300)")
+    p.add_argument("--chunk-rows", default="on", choices=("on", "off"),
+                   help="on: a step's prompt chunks of one length bucket run as rows of one forward (the engine's "
+                        "way); off: each chunk its own forward, to measure the difference (default on)")
+    p.add_argument("--peer-max-concurrency", type=positive_int, default=8, metavar="N",
+                   help="the peer runs at the concurrencies up to N (default 8: each call is a fresh process that "
+                        "compiles and captures graphs for its batch again)")
 
 
 _ADDERS = {

@@ -6,7 +6,10 @@ row every other one is compared with. One engine per budget, the same prompts: a
 captures the graph buckets), then the timed one. Greedy, so every budget must emit the all-resident tokens
 (`same_tokens`). Per row: the live hit rate and the Belady oracle on the same routing trace (both runs, from
 a cold cache; `policy` is lru, or lfu with STRATA_EXPERT_LFU=1), and for the timed run: misses, extra graph
-replays and eager re-runs after a miss, MiB copied and their copy ms; `vs_belady` is the live hit rate over the
+replays and eager re-runs after a miss, MiB copied and their copy ms, and the MiB the prompt steps copied per
+prompt (`prompt_loaded_mib`: a long prompt's chunks run in layer-major windows, engine.exec.prefill_window, so a
+cold expert crosses once per window and layer; `--prefill-window-tokens 0` measures chunk by chunk, and a prompt
+of several chunks, `--prompt-tokens 16384`, shows the difference); `vs_belady` is the live hit rate over the
 oracle's. `--hf` adds transformers'
 Qwen3MoeForCausalLM `generate` (eager) on the same weights and prompts.
 
@@ -43,7 +46,8 @@ from engine.errors import ConfigError
 _CONTEXT_MARGIN_TOKENS = 64
 COLUMNS = ("engine", "model", "batch", "store", "cold", "policy", "budget_pct", "slots", "expert_cache_mib",
            "decode_tok_s", "floor_tok_s", "of_floor", "tok_s", "vs_all_resident", "hit_rate", "oracle_hit_rate",
-           "vs_belady", "misses", "replays", "reruns", "loaded_mib", "load_ms", "same_tokens", "error")
+           "vs_belady", "misses", "replays", "reruns", "loaded_mib", "prompt_loaded_mib", "load_ms", "same_tokens",
+           "error")
 
 
 def cold_list(text: str) -> list[str]:
@@ -122,7 +126,7 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         cache = bench.engine.lm.model.expert_provider
         generate_all(bench, warmup, args.new_tokens)
         m0, r0, l0, p0 = sum(cache.stats.misses), cache.stats.reruns, cache.stats.loaded_mib, cache.stats.replays
-        t0 = cache.stats.load_ms
+        t0, q0 = cache.stats.load_ms, cache.stats.prompt_loaded_mib
         first_step = cache.stats.steps + 1
         stats = generate_all(bench, prompts, args.new_tokens)
         floor = step_floor_tok_s(bench.engine.lm.model, cache, first_step, len(prompts), bandwidth_gb_s) \
@@ -142,6 +146,11 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
                "vs_belady": (snap.hit_rate / snap.oracle_hit_rate) if snap.oracle_hit_rate else None,
                "misses": misses, "reruns": cache.stats.reruns - r0, "replays": cache.stats.replays - p0,
                "loaded_mib": round(cache.stats.loaded_mib - l0, 1), "load_ms": round(cache.stats.load_ms - t0, 1),
+               # what the timed prompts' chunks copied in, per prompt (a layer-major window: once per cold expert,
+               # window and layer; chunk by chunk, --prefill-window-tokens 0: once per chunk)
+               "prompt_loaded_mib": round((cache.stats.prompt_loaded_mib - q0) / len(prompts), 1),
+               "prefill_window_tokens": bench.engine.config.prefill_window_tokens,
+               "ttft_s": max(stats.ttft_s) if stats.ttft_s else None,
                "graphs_active": bench.graphs_active, "token_ids": stats.token_ids, "error": None}
         return row, cache
     finally:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,10 +54,15 @@ def copy_bandwidth_gb_s(device: torch.device, size_mib: int) -> float:
 
 
 def hf_generate_tok_s(path: str, device: torch.device, dtype: torch.dtype, prompts: list[list[int]],
-                      new_tokens: int, static: bool, compile_: bool, repeats: int = 1) -> dict[str, Any]:
-    """Warm-up calls, then `repeats` timed `generate` calls; returns the median throughput or the error raised."""
+                      new_tokens: int, static: bool, compile_: bool, repeats: int = 1,
+                      phase: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Warm-up calls, then `repeats` timed `generate` calls; returns the median throughput or the error raised.
+    `phase(name)` is told each part as it starts (load, each warm-up call, the timed calls), so a caller that
+    has to kill a peer can say where it was."""
+    phase = phase or (lambda _name: None)
     from transformers import AutoModelForCausalLM
 
+    phase("loading the checkpoint")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     except Exception as exc:  # a checkpoint transformers cannot load is the peer's result, not a crash
@@ -76,8 +81,12 @@ def hf_generate_tok_s(path: str, device: torch.device, dtype: torch.dtype, promp
     try:
         with torch.inference_mode():
             # compile + CUDA-graph recording happen on the first calls; only warm calls are timed
-            for _ in range(2 if static and compile_ else 1):
+            warmups = 2 if static and compile_ else 1
+            for call in range(warmups):
+                phase(f"warm-up call {call + 1} of {warmups}"
+                      + (" (torch.compile and CUDA-graph capture)" if compile_ and call == 0 else ""))
                 model.generate(input_ids, **kwargs)
+            phase(f"{repeats} timed call{'s' if repeats > 1 else ''}")
 
             def one_call(_run: int) -> dict[str, Any]:
                 seconds, out = timed(device, lambda: model.generate(input_ids, **kwargs))

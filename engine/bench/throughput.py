@@ -8,6 +8,9 @@ would not fit at N = 256) and it steps until all finish. Sets (`--sets`):
 - `mixed`: seeded (`--seed`) prompts uniform in `--mixed-prompt-tokens` (128-8K) and outputs in
   `--mixed-new-tokens` (64-1K).
 
+`--chunk-rows off` runs every prompt chunk as its own forward (the engine's default, `on`, runs the chunks of one
+length bucket in a step as rows of one forward: engine.exec.chunk_rows), to measure what that is worth.
+
 Per row: output tok/s (all output tokens / wall time), decode tok/s (output tokens after every request had its first
 token / the time after that), TTFT p50/p99 (arrival to first token), inter-token p50/p99 (the time between a
 request's outputs divided by the tokens each brought: MTP may bring several), engine steps, preemptions (KV spilled
@@ -18,7 +21,10 @@ bandwidth (bytes read + written per second, as `bench peers` measures it), so N 
 length L make at most N / ((weights + N * L * kv_bytes_per_token) / bandwidth) tokens a second. L is the mean of
 prompt + half the output over the set. The HF peer (`--peer static`: transformers' static cache with
 torch.compile on CUDA; `eager`; `none`) runs the fixed set's batched `generate` in a subprocess bounded by
-`--peer-timeout-s`: a peer that does not finish, or runs out of memory, is a row with its error.
+`--peer-timeout-s`, at the concurrencies up to `--peer-max-concurrency` (8): a peer that does not finish, or runs out of memory, is a row with its error. The peer reads
+its prompts from a temporary file and reports each phase it starts (imports, checkpoint load, each warm-up call:
+the first compiles and captures graphs on CUDA, the timed call): its row's `peer_phases_s` gives each phase's
+seconds, and a peer killed for time names the phase it was in.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from engine.bench.common import device_of, emit, prepare_model, random_prompt, save_partial, weight_bytes
@@ -118,37 +126,78 @@ def floor_tok_s(weights_bytes: int, kv_bytes_per_token: int, n: int, mean_live_t
     return n * bandwidth_gb_s * 1e9 / step_bytes
 
 
-def _peer_script() -> str:
-    return (
-        "import json, sys, torch\n"
-        "from engine.bench.peers import hf_generate_tok_s\n"
-        "a = json.loads(sys.argv[1])\n"
-        "r = hf_generate_tok_s(a['path'], torch.device(a['device']), getattr(torch, a['dtype']), a['prompts'],\n"
-        "                      a['new_tokens'], a['static'], a['compile'], 1)\n"
-        "print(json.dumps(r))\n")
+# The peer reads its request from a file (64 prompts of 1K tokens are past Linux's 128 KiB limit on one argv
+# string) and appends each phase it starts, with its time since launch, to another, so a peer that is killed
+# for time is a row that says where it was.
+_PEER_SCRIPT = """
+import json, sys, time
+t0 = time.perf_counter()
+progress = open(sys.argv[2], "a", buffering=1)
+def phase(name):
+    progress.write(json.dumps([name, time.perf_counter() - t0]) + "\\n")
+phase("importing torch and transformers")
+import torch
+from engine.bench.peers import hf_generate_tok_s
+with open(sys.argv[1]) as f:
+    a = json.load(f)
+r = hf_generate_tok_s(a["path"], torch.device(a["device"]), getattr(torch, a["dtype"]), a["prompts"],
+                      a["new_tokens"], a["static"], a["compile"], 1, phase)
+phase("done")
+print(json.dumps(r))
+"""
+
+
+def _phases(progress: Path) -> list[tuple[str, float]]:
+    """The (phase, seconds since launch) the peer reported, in order; an unfinished last line is skipped."""
+    phases = []
+    for line in progress.read_text().splitlines() if progress.is_file() else []:
+        try:
+            name, at_s = json.loads(line)
+        except ValueError:
+            continue
+        phases.append((str(name), float(at_s)))
+    return phases
+
+
+def _phase_times(phases: list[tuple[str, float]], end_s: float) -> dict[str, float]:
+    """Seconds each phase took (the last one until `end_s`)."""
+    ends = [at for _, at in phases[1:]] + [end_s]
+    return {name: round(stop - at, 3) for (name, at), stop in zip(phases, ends) if name != "done"}
 
 
 def peer_row(args: argparse.Namespace, path: str, device: Any, prompts: list[list[int]], new_tokens: int) -> dict:
-    """The HF peer's batched generate of `prompts`, in a subprocess killed after `--peer-timeout-s`."""
+    """The HF peer's batched generate of `prompts`, in a subprocess killed after `--peer-timeout-s`; its row
+    says where the time went (`peer_phases_s`) and, if killed, which phase it was in."""
     static = args.peer == "static"
     compile_ = static and device.type == "cuda"
     name = "hf_static_compile" if compile_ else f"hf_{args.peer}"
-    payload = json.dumps({"path": path, "device": str(device), "dtype": args.peer_dtype, "prompts": prompts,
-                          "new_tokens": new_tokens, "static": static, "compile": compile_})
-    t0 = time.perf_counter()
-    try:
-        out = subprocess.run([sys.executable, "-c", _peer_script(), payload], capture_output=True, text=True,
-                             timeout=args.peer_timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"engine": name, "tok_s": None, "wall_s": None,
-                "error": f"did not finish within --peer-timeout-s {args.peer_timeout_s:g} s (warm-up included)"}
+    with tempfile.TemporaryDirectory(prefix="strata-peer-") as scratch:
+        request, progress = Path(scratch) / "request.json", Path(scratch) / "progress.jsonl"
+        request.write_text(json.dumps({"path": path, "device": str(device), "dtype": args.peer_dtype,
+                                       "prompts": prompts, "new_tokens": new_tokens, "static": static,
+                                       "compile": compile_}))
+        t0 = time.perf_counter()
+        try:
+            out = subprocess.run([sys.executable, "-c", _PEER_SCRIPT, str(request), str(progress)],
+                                 capture_output=True, text=True, timeout=args.peer_timeout_s)
+        except subprocess.TimeoutExpired:
+            total_s = time.perf_counter() - t0
+            phases = _phases(progress)
+            where = (f"stopped in {phases[-1][0]} after {total_s - phases[-1][1]:.1f} s of it" if phases
+                     else "stopped before Python started")
+            return {"engine": name, "tok_s": None, "wall_s": None, "peer_phases_s": _phase_times(phases, total_s),
+                    "error": f"did not finish within --peer-timeout-s {args.peer_timeout_s:g} s (warm-up "
+                             f"included): {where}"}
+        total_s = time.perf_counter() - t0
+        phases = _phases(progress)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"engine": name, "tok_s": None, "wall_s": None, "error": f"exit {out.returncode}: {tail[:200]}"}
+        return {"engine": name, "tok_s": None, "wall_s": None, "peer_phases_s": _phase_times(phases, total_s),
+                "error": f"exit {out.returncode}: {tail[:200]}"}
     result = json.loads(lines[-1])
     return {"engine": name, "tok_s": result.get("tok_s"), "wall_s": result.get("wall_s"),
-            "error": result.get("error"), "peer_total_s": time.perf_counter() - t0}
+            "error": result.get("error"), "peer_total_s": total_s, "peer_phases_s": _phase_times(phases, total_s)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             mean_live = statistics.fmean(len(p) + new / 2 for p, new in requests)
             bench = build_engine(args, model=path, batch=n, queue_max=max(n, 1), context=longest + 64,
                                  kv_pool=args.kv_pool if args.kv_pool != "auto" else "by-use")
+            if args.chunk_rows == "off":  # the A/B of engine.exec.chunk_rows: every chunk its own forward
+                bench.engine.executor.rows_max_tokens = 0
             try:
                 kv = bench.engine.kv
                 kv_bytes = kv.geometry.bytes_per_token(kv.storage, kv.compute_dtype)
@@ -185,9 +236,10 @@ def run(args: argparse.Namespace) -> int:
                 drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, 8))
                                      for i, (p, new) in enumerate(warm)])
                 row: dict[str, Any] = {"set": set_name, "engine": "strata", "concurrency": n,
-                                       **drive(bench.engine, requests), "error": None}
+                                       "chunk_rows": args.chunk_rows, **drive(bench.engine, requests), "error": None}
                 paging = bench.engine.kv.paging
                 row["preemptions"] = paging.stats.preemptions if paging is not None else 0
+                row["step_token_budget"] = bench.engine.sched.step_token_budget  # the rule's, unless given
             except Exception as exc:  # noqa: BLE001 - one row that cannot run (out of memory) is a result
                 row = {"set": set_name, "engine": "strata", "concurrency": n, "tok_s": None,
                        "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
@@ -200,14 +252,14 @@ def run(args: argparse.Namespace) -> int:
                 row["decode_fraction_of_floor"] = row["decode_tok_s"] / floor
             rows.append(row)
             save_partial(args, "throughput", rows, device)
-            if set_name == "fixed" and args.peer != "none":
+            if set_name == "fixed" and args.peer != "none" and n <= args.peer_max_concurrency:
                 peer = peer_row(args, path, device, [p for p, _ in requests], args.new_tokens)
                 rows.append({"set": set_name, "concurrency": n, **peer})
                 save_partial(args, "throughput", rows, device)
     summary = _summary(rows, bw_gb_s, w_bytes)
     emit(args, "throughput", rows, summary, device,
          ("set", "engine", "concurrency", "tok_s", "decode_tok_s", "floor_tok_s", "ttft_p50_s", "ttft_p99_s",
-          "itl_p50_s", "itl_p99_s", "steps", "preemptions", "error"))
+          "all_first_token_s", "itl_p50_s", "itl_p99_s", "steps", "preemptions", "step_token_budget", "error"))
     return 0
 
 

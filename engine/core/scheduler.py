@@ -128,9 +128,15 @@ class Scheduler:
         self._digests: dict[str, list[bytes]] = {}
 
     @classmethod
-    def from_config(cls, config: Any, prefix_index: PrefixIndex | None = None, **kwargs: Any) -> "Scheduler":
-        """Build from an EngineConfig: batch, queue_max, prefill_chunk_tokens, step_token_budget, context."""
-        return cls(config.batch, config.queue_max, config.prefill_chunk_tokens, config.step_token_budget,
+    def from_config(cls, config: Any, prefix_index: PrefixIndex | None = None, step_token_budget: int | None = None,
+                    **kwargs: Any) -> "Scheduler":
+        """Build from an EngineConfig: batch, queue_max, prefill_chunk_tokens, step_token_budget (the one given
+        where the config leaves it to the device: engine.core.step_budget), context."""
+        budget = config.step_token_budget if config.step_token_budget is not None else step_token_budget
+        if budget is None:
+            raise ConfigError("step_token_budget", None, "the config leaves it to the device: pass the budget "
+                                                          "engine.core.step_budget gives")
+        return cls(config.batch, config.queue_max, config.prefill_chunk_tokens, budget,
                    prefix_index, context_tokens=config.context, **kwargs)
 
     # --- queries -----------------------------------------------------------------------------------------

@@ -57,7 +57,8 @@ def overlap_wanted(mode: str, device: torch.device, moe: bool) -> bool:
     state. With KV by use the chunk's slot is held (`ChunkStream.paging`): no step spills its blocks meanwhile."""
     blocked = None
     if moe:
-        blocked = "cannot run chunks beside the steps here: an MoE model's expert cache is shared by every forward"
+        blocked = ("cannot run chunks beside the steps here: an MoE model's expert cache is shared by every forward "
+                   "(its long prompts run between the steps, in layer-major windows: --prefill-window-tokens)")
     return mode_wanted("prefill_overlap", mode, device.type == "cuda", blocked)
 
 

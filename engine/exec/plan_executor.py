@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from engine.api import SamplingParams
+from engine.exec import chunk_rows
 from engine.exec.chunk_stream import ChunkStream
 from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
@@ -32,7 +33,8 @@ from engine.exec.drafter import MtpDrafter
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
-from engine.exec.runner import ModelRunner, MtpUnavailable, Row, StepOutput
+from engine.exec.prefill_window import PrefillWindow
+from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, MtpUnavailable, Row, StepOutput, pow2_bucket
 from engine.exec.step_fns import StepExecutor
 from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, sample_isolating_rows,
                                  sample_with_drafts)
@@ -47,14 +49,19 @@ class PlanExecutor:
 
     def __init__(self, *, runner: ModelRunner, drafter: MtpDrafter | None, kv: SlotKVCache, tier: AdaptiveTier,
                  streams: Streams, chunks: ChunkStream | None, ahead: DecodeAhead, graphs: StepExecutor,
-                 device: torch.device, bus: EventBus) -> None:
+                 device: torch.device, bus: EventBus, window: PrefillWindow | None = None,
+                 rows_max_tokens: int | None = None) -> None:
         """`graphs`: the step executor the runner replays its graphs through (MTP turned off gives the drafter's
-        back)."""
+        back). `window`: an MoE model's layer-major prefill windows (engine.exec.prefill_window), or None.
+        `rows_max_tokens`: the most tokens, padding included, of one forward of several prompts' chunks
+        (the step token budget: padding to a row's length bucket could otherwise double a step's activations)."""
         self.runner, self.drafter = runner, drafter
         self.kv, self.tier, self.chunks, self.ahead, self.graphs = kv, tier, chunks, ahead, graphs
         self.streams = streams  # the steps' stream, and each launch's split-counter lane
+        self.window = window
         self.device = device
         self.bus = bus
+        self.rows_max_tokens = rows_max_tokens
         self.mtp_on = drafter is not None
         self.mtp_off_reason: str | None = None
         self.generators: dict[str, torch.Generator] = {}  # per request: its seeded sampling draws
@@ -106,6 +113,8 @@ class PlanExecutor:
         """A request has finished: forget its generator; a chunk of it in flight ends (`wait`: for its kernels),
         a step launched ahead over its slot is dropped, and its slot's blocks go back at the next step."""
         self.generators.pop(request.request_id, None)
+        if self.window is not None:
+            self.window.drop(request.request_id)
         if self.chunks is not None and self.chunks.holds(request):
             self.chunks.drop(wait=wait)  # its chunk writes the slot's blocks until it ends
         if slot is None:
@@ -124,6 +133,8 @@ class PlanExecutor:
         extra sync (each costs tens of microseconds of host time on a step of about a millisecond).
         """
         decode_s = None
+        if self.window is not None:  # while slots decode, a prompt's windows ramp up and run in slices
+            self.window.decoding = bool(plan.decode)
         t0_s = self._synced_clock() if plan.admitted else time.perf_counter()  # admissions queue KV copies
         for chunk in plan.prefill:  # a chunk beside the steps first: the side stream starts on it at once
             if chunk.beside_decode and not self._result.skips(chunk.request):
@@ -137,12 +148,23 @@ class PlanExecutor:
             # a step taken ahead: its device time (the host only waited for its last part)
             decode_s = self.ahead.step_period_s() or decode_s
         chunks: list[ChunkTime] = []
-        for chunk in plan.prefill:
-            if self._result.skips(chunk.request) or chunk.beside_decode:  # failed or aborted, or launched above
-                continue
+        waiting = [chunk for chunk in plan.prefill  # not failed or aborted, nor launched above
+                   if not (self._result.skips(chunk.request) or chunk.beside_decode)]
+        # a chunk a prefill window serves runs alone: the window, not a shared forward, holds its hidden states
+        windowed = [c for c in waiting if self.window is not None and self.window.applies(c)]
+        rows = [c for c in waiting if all(c is not w for w in windowed)]
+        groups = [[c] for c in windowed] + (chunk_rows.chunk_groups(rows, self._bucket, self.rows_max_tokens)
+                                            if chunk_rows.batches_chunks(self.runner) else [[c] for c in rows])
+        for group in groups:
             t0_s = self._synced_clock()
-            self._isolated(chunk.request, self._prefill, chunk)
-            chunks.append((chunk.start, chunk.num_tokens, self._synced_clock() - t0_s))
+            if len(group) == 1:
+                self._isolated(group[0].request, self._prefill, group[0])
+            else:
+                self._prefill_group(group)
+            seconds = self._synced_clock() - t0_s
+            tokens = sum(chunk.num_tokens for chunk in group)
+            # the group's time shared by tokens: the pacer's cost fit reads each chunk's (start, tokens, seconds)
+            chunks += [(chunk.start, chunk.num_tokens, seconds * chunk.num_tokens / tokens) for chunk in group]
         fill_s = 0.0
         if plan.cache_fill:
             t0_s = self._synced_clock()
@@ -275,8 +297,34 @@ class PlanExecutor:
             out = self._forward(chunk)
         self._chunk_ran(chunk, out)
 
+    def _bucket(self, tokens: int) -> int:
+        return pow2_bucket(tokens, MIN_CHUNK_TOKENS)
+
+    def _prefill_group(self, group: list[PrefillChunk]) -> None:
+        """Chunks of one length bucket as rows of one forward (engine.exec.chunk_rows); each row's first token
+        and drafter prefill as a lone chunk's. A forward that fails runs each chunk alone, so a fault fails only
+        the request it belongs to."""
+        try:
+            with self.streams.on("chunks"):
+                out = chunk_rows.prefill_rows(self.runner, [(c.slot, c.request.prompt_token_ids[c.start:c.end],
+                                                             c.start) for c in group])
+        except MtpUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whose it is, is found by running each chunk alone
+            if is_sticky(exc):
+                raise
+            for chunk in group:
+                self._isolated(chunk.request, self._prefill, chunk)
+            return
+        for i, chunk in enumerate(group):
+            row = StepOutput(out.logits[i:i + 1], out.hidden[i:i + 1], span_tokens=out.span_tokens)
+            self._isolated(chunk.request, self._chunk_ran, chunk, row)
+
     def _forward(self, chunk: PrefillChunk) -> StepOutput:
-        """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch)."""
+        """The chunk's forward (StepOutput): on the current stream, or the side stream's (ChunkStream.launch); an
+        MoE prompt's chunk whose experts may be cold from its layer-major window (engine.exec.prefill_window)."""
+        if self.window is not None and self.window.applies(chunk):
+            return self.window.forward(chunk)
         return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)
 
     def _chunk_ran(self, chunk: PrefillChunk, out: StepOutput) -> None:

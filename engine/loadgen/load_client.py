@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -22,6 +22,14 @@ FALLBACK_VOCAB_SIZE = 256
 _OPTIONAL_FIELDS = ("return_token_ids", "ignore_eos")
 _CONTEXT_KEYS = ("context_tokens", "max_model_len", "context", "n_ctx")  # n_ctx: a llama.cpp slot's (/props)
 _SLOTS_KEYS = ("max_num_seqs", "batch", "slots", "total_slots")  # vLLM's, Strata's config and books, llama.cpp's
+# A server's answers are read to a limit and no further: a server that answers /v1/models with tens of MB, or
+# streams a line that never ends, must not take the client's memory with it.
+MAX_ANSWER_BYTES = 4 << 20  # /v1/models, /strata/state, /props, /health, an error body
+MAX_LINE_CHARS = 1 << 20  # one line of a streamed completion (a chunk is a few hundred bytes)
+
+
+class AnswerTooLarge(ValueError):
+    """A body or stream line past its limit: not read further."""
 
 
 @dataclass
@@ -109,19 +117,28 @@ class LoadClient:
         self.refused_fields: set[str] = set()
 
     async def get_json(self, path: str) -> tuple[int, Any]:
-        resp = await self.client.get(self.base_url + path, headers=self.headers)
+        """(status, the body's JSON, else its text; a body past MAX_ANSWER_BYTES: what it was, in words)."""
+        async with self.client.stream("GET", self.base_url + path, headers=self.headers) as resp:
+            try:
+                text = await _read_text(resp, path)
+            except AnswerTooLarge as exc:
+                return resp.status_code, str(exc)
         try:
-            return resp.status_code, resp.json()
+            return resp.status_code, json.loads(text)
         except ValueError:
-            return resp.status_code, resp.text
+            return resp.status_code, text
 
     async def health(self) -> str:
         """`"200 ready"`-style status of /health, or the connection error when the server is gone."""
         try:
-            resp = await self.client.get(self.base_url + "/health", timeout=10.0)
+            async with self.client.stream("GET", self.base_url + "/health", timeout=10.0) as resp:
+                try:
+                    text = await _read_text(resp, "/health")
+                except AnswerTooLarge as exc:
+                    text = str(exc)
         except httpx.HTTPError as exc:
             return f"unreachable: {_describe(exc)}"
-        return f"{resp.status_code} {_body_reason(resp.text)}".strip()
+        return f"{resp.status_code} {_body_reason(text)}".strip()
 
     async def complete(self, result: RequestResult, prompt_ids: list[int], max_tokens: int, temperature: float,
                        t0: float, on_first_token: Callable[[], Awaitable[None]] | None = None,
@@ -163,15 +180,21 @@ class LoadClient:
         async with self.client.stream("POST", self.base_url + "/v1/completions", json=body,
                                       headers=self.headers) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
+                try:
+                    text = await _read_text(resp, "/v1/completions")
+                except AnswerTooLarge as exc:
+                    text = str(exc)
                 refused = _refused_field(resp.status_code, text, [f for f in _OPTIONAL_FIELDS if f in body])
                 if refused is not None:
                     return refused
                 result.error = f"HTTP {resp.status_code}: {_error_message(text)}"
                 return None
-            async for line in resp.aiter_lines():
-                if await self._on_line(result, line, t0) and on_first_token is not None:
-                    await on_first_token()
+            try:
+                async for line in _lines(resp):
+                    if await self._on_line(result, line, t0) and on_first_token is not None:
+                        await on_first_token()
+            except AnswerTooLarge as exc:
+                result.error = str(exc)
         return None
 
     async def _on_line(self, result: RequestResult, line: str, t0: float) -> bool:
@@ -210,6 +233,36 @@ class LoadClient:
             result.cached_tokens = int(details.get("cached_tokens") or 0)
             _rescale_increments(result)
         return first
+
+
+async def _read_text(resp: httpx.Response, path: str) -> str:
+    """A streamed response's body as text, read to MAX_ANSWER_BYTES at most (AnswerTooLarge past it)."""
+    chunks, size = [], 0
+    async for chunk in resp.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise AnswerTooLarge(f"{path} answered over {MAX_ANSWER_BYTES >> 20} MiB: not read")
+        chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+_LINE_ENDS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # str.splitlines' (and so httpx's aiter_lines')
+
+
+async def _lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, as `aiter_lines` splits them (which holds a line that never ends whole):
+    AnswerTooLarge when a line passes MAX_LINE_CHARS without ending."""
+    rest = ""
+    async for text in resp.aiter_text():
+        text = rest + text
+        lines = text.splitlines()
+        rest = lines.pop() if lines and text[-1] not in _LINE_ENDS else ""
+        if len(rest) > MAX_LINE_CHARS:
+            raise AnswerTooLarge(f"the stream sent a line past {MAX_LINE_CHARS:,} characters without ending it")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
 
 
 def _refused_field(status: int, text: str, optional: list[str]) -> str | None:

@@ -207,6 +207,21 @@ class DecoderLayer(nn.Module):
         normed, residual = self.ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
         return self._mlp(normed, positions), residual
 
+    def attention_half(self, x, residual, cos, sin, positions, kv, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its MLP: (the MLP's input, the residual stream after attention), with `residual` what
+        forward_carry takes (FUSED_OPS) or None (the reference: x is the stream). The layer's output is then
+        `stream + mlp(input)` on the reference path, and (mlp(input), stream) carried on the fused one: the same
+        sums as `forward` / `forward_carry`, split so a layer-major prefill window (engine.exec.prefill_window)
+        can run one MoE over several chunks' tokens."""
+        if self.ops is not None:
+            normed, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight,
+                                                     self.input_layernorm.eps)
+            attended = self.self_attn(normed, cos, sin, positions, kv, layer_idx)
+            norm = self.post_attention_layernorm
+            return self.ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, layer_idx)
+        return self.post_attention_layernorm(x), x
+
     def _mlp(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A routed block also sees the positions (a synthetic source's router prior drifts with them)."""
         return self.mlp(x, positions) if isinstance(self.mlp, SparseMoE) else self.mlp(x)

@@ -30,10 +30,12 @@ import torch
 from engine.config import EngineConfig
 from engine.core.prefix_index import PrefixIndex
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
+from engine.core.step_budget import default_step_token_budget, estimated_prefill_tok_s, prefill_flops_per_token
 from engine.errors import ConfigError, StrataError
 from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
 from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead, ahead_wanted
+from engine.exec.device_rate import matmul_flop_s
 from engine.exec.device_switches import settle_switches
 from engine.exec.gpu_errors import is_sticky, real_message, vram_free_mib
 from engine.exec.kv.cache import KVGeometry, SlotKVCache
@@ -193,8 +195,15 @@ class _PartsBuilder:
         if recapture:
             self.stage = "capturing every graph bucket again (CAPTURE_ALL, after the tier joined the KV pool)"
             precapture_all(config, bus, board, graphs, ex.runner, ex.drafter)
+        window = None
+        if self.experts is not None and config.prefill_window_tokens:
+            from engine.exec.prefill_window import PrefillWindow
+
+            window = PrefillWindow(ex.runner, eager, self.experts, config.prefill_window_tokens,
+                                   config.prefill_chunk_tokens)
         executor = PlanExecutor(runner=ex.runner, drafter=ex.drafter, kv=kv, tier=tier, streams=streams,
-                                chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus)
+                                chunks=ex.chunks, ahead=ex.ahead, graphs=graphs, device=lm.device, bus=bus,
+                                window=window, rows_max_tokens=ex.sched.step_token_budget)
         return EngineParts(lm, kv, tier, budgets, ex.sched, ex.runner, ex.drafter, board, graphs, executor,
                            lm.device, streams, ex.chunks, ex.ahead)
 
@@ -264,7 +273,8 @@ class _PartsBuilder:
         gate = None
         if kv.paging is not None and config.kv_resident is None:  # --kv-resident: spills make room, as documented
             gate = functools.partial(kv.paging.admission_wait, lookahead_tokens=runner.lookahead_tokens)
-        sched = Scheduler.from_config(config, index, draft_tokens=depth, eos_token_ids=tuple(lm.eos_token_ids),
+        budget = step_token_budget(config, lm.config, lm.device, lm.dtype)
+        sched = Scheduler.from_config(config, index, budget, draft_tokens=depth, eos_token_ids=tuple(lm.eos_token_ids),
                                       overlap_chunks=overlap, admission_gate=gate)
         chunks = ChunkStream(streams, paging=kv.paging) if overlap else None
         drafter = None
@@ -382,6 +392,14 @@ def precapture_all(config: EngineConfig, bus: EventBus, board: SwitchBoard, exec
     bus.publish(EngineEvent(state="loading", detail=(
         f"CAPTURE_ALL: {summary['captured']} of {len(specs)} graphs captured, {summary['total_mib']:.0f} MiB, "
         f"{summary['ms']:.0f} ms")))
+
+
+def step_token_budget(config: EngineConfig, model_config: Any, device: torch.device, dtype: torch.dtype) -> int:
+    """`config.step_token_budget` where set, else the rule's (engine.core.step_budget) for this device and model."""
+    if config.step_token_budget is not None:
+        return config.step_token_budget
+    rate = estimated_prefill_tok_s(matmul_flop_s(device, dtype), prefill_flops_per_token(model_config))
+    return default_step_token_budget(rate, config.prefill_chunk_tokens)
 
 
 def _expert_cache(config: EngineConfig, lm: Any, bus: EventBus, peer: torch.device, streams: Streams,

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.api import EngineClient
 from engine.config import EngineConfig
-from engine.errors import StrataError
+from engine.errors import PromptTooLong, StrataError
 from engine.server import sse
 from engine.server.guard import RequestGuard
 from engine.server.errors import ApiError, from_exception, invalid_param
@@ -147,8 +147,22 @@ async def _large_body(request: Request, context_tokens: int | None) -> bytearray
         if context_tokens is not None and probes and probes[0] <= end < len(buffer):
             while probes and probes[0] <= end:
                 probes.pop(0)
-            await run_steps(refuse_early_steps(bytes(view[:end]), context_tokens))
+            head = await run_steps(refuse_early_steps(bytes(view[:end]), context_tokens))
+            if head is not None:
+                await _refuse_text_head(request.app.state.client, head)
     return buffer if end == len(buffer) else buffer[:end]
+
+
+async def _refuse_text_head(client: EngineClient, head: str) -> None:
+    """The 400 for a text prompt whose part already in holds more tokens than the context (a lower bound: the
+    rest is never read, parsed or tokenized); nothing when it does not, or when it cannot be counted now (the
+    whole body's path then says why)."""
+    try:
+        await asyncio.to_thread(client.encode, head)
+    except PromptTooLong as exc:
+        raise from_exception(PromptTooLong(exc.prompt_tokens, exc.context_tokens, at_least=True)) from None
+    except Exception:  # noqa: BLE001 - an engine not ready, a lone surrogate: answered as the whole body is
+        return
 
 
 def _openai_routes(app: FastAPI, serving: Serving) -> None:

@@ -46,15 +46,27 @@ class TooManyItems(ValueError):
         self.member = member  # the top-level member whose own limit (member_items) it passed, if one did
 
 
+class UnendedText(ValueError):
+    """A top-level member named in `text_members` holds a string that the text ends inside (a body not all in
+    yet): `head` is what of it is in, decoded."""
+
+    def __init__(self, member: str, head: str) -> None:
+        super().__init__(f"the string in {member!r} is not ended")
+        self.member = member
+        self.head = head
+
+
 class _Walk:
     """What one parse carries through its recursion: the text, the array limit and when it next yields."""
 
-    __slots__ = ("text", "max_items", "member_items", "member", "yield_at", "items_left")
+    __slots__ = ("text", "max_items", "member_items", "text_members", "member", "yield_at", "items_left")
 
-    def __init__(self, text: str, max_items: int | None, member_items: dict[str, int]) -> None:
+    def __init__(self, text: str, max_items: int | None, member_items: dict[str, int],
+                 text_members: frozenset[str] = frozenset()) -> None:
         self.text = text
         self.max_items = max_items
         self.member_items = member_items
+        self.text_members = text_members
         self.member: str | None = None  # the top-level member being parsed under its own limit
         self.yield_at = CHUNK_CHARS
         self.items_left = ITEMS_PER_STEP
@@ -86,14 +98,16 @@ def loads(raw: bytes | str, max_items: int | None = None, member_items: dict[str
     return finish(loads_steps(raw, max_items, member_items))
 
 
-def loads_steps(raw: bytes | str, max_items: int | None = None,
-                member_items: dict[str, int] | None = None) -> Steps[Any]:
+def loads_steps(raw: bytes | str, max_items: int | None = None, member_items: dict[str, int] | None = None,
+                text_members: frozenset[str] = frozenset()) -> Steps[Any]:
     """`loads` as steps: a generator that yields between pieces and returns the value. `member_items`: a
-    lower limit for the arrays in some members of the top-level object (TooManyItems names the member)."""
+    lower limit for the arrays in some members of the top-level object (TooManyItems names the member).
+    `text_members`: top-level members whose string, cut by the end of `raw` (the first part of a body),
+    raises UnendedText with what of it is there."""
     text = raw if isinstance(raw, str) else (yield from _decoded(raw))
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    walk = _Walk(text, max_items, member_items or {})
+    walk = _Walk(text, max_items, member_items or {}, text_members)
     if text.startswith("{", _skip(text, 0)):
         value, end = yield from _object(walk, _skip(text, 0) + 1, top=True)
     else:
@@ -164,6 +178,29 @@ def _scalar(text: str, i: int) -> Steps[tuple[Any, int]]:
     return _DECODER.raw_decode(text, i)
 
 
+def _unended(text: str, i: int) -> bool:
+    """The string that starts at `i` has no closing quote before the end of `text` (one C scan)."""
+    quote = text.find('"', i + 1)
+    while quote != -1:
+        before = text[max(i + 1, quote - _SLASH_RUN):quote]
+        if (len(before) - len(before.rstrip("\\"))) % 2 == 0:
+            return False
+        quote = text.find('"', quote + 1)
+    return True
+
+
+def _head_of(text: str, i: int) -> str:
+    """What is there of the unended string at `i`, decoded by the json module's scanner, cut where no escape is
+    split ("" where it holds what is no JSON: the whole body's parse words that error)."""
+    cut = len(text)
+    while cut > i + 1 and text.rfind("\\", max(i + 1, cut - _ESCAPE_CHARS), cut) != -1:
+        cut -= 1
+    try:
+        return _DECODER.decode('"' + text[i + 1:cut] + '"')
+    except ValueError:
+        return ""
+
+
 def _skip(text: str, i: int) -> int:
     n = len(text)
     while i < n and text[i] in _WS:
@@ -201,6 +238,8 @@ def _object(walk: _Walk, i: int, top: bool = False) -> Steps[tuple[dict, int]]:
             walk.max_items, walk.member = outer_limit, None
         elif text.startswith(_OPENERS, i):
             out[key], i = yield from _value(walk, i)
+        elif top and key in walk.text_members and text.startswith('"', i) and _unended(text, i):
+            raise UnendedText(key, _head_of(text, i))
         else:
             out[key], i = yield from _scalar(text, i)
         i = _skip(text, i)

@@ -333,21 +333,26 @@ def probe_bytes(max_prompt_ids: int | None) -> tuple[int, ...]:
                          max(max_prompt_ids, MIN_ARRAY_LIMIT) * PROBE_BYTES_PER_ID}))
 
 
-def refuse_early_steps(prefix: bytes, max_prompt_ids: int) -> Steps[None]:
+def refuse_early_steps(prefix: bytes, max_prompt_ids: int) -> Steps[str | None]:
     """The 400 for a prompt longer than the context, or an array past the limit parse_body holds every array
     to, when the first bytes of the body already hold one; nothing otherwise (a body cut short is no error
     yet: the whole body is parsed when it is in). So a body that cannot fit is refused before the rest of it
-    is read, and after parsing no more of it than the context's worth of ids. Steps, as `parse_body_steps`."""
+    is read, and after parsing no more of it than the context's worth of ids. A text prompt that the prefix
+    ends inside is returned (what of it is in), for its tokens to be counted before the rest is read.
+    Steps, as `parse_body_steps`."""
     limit = max(max_prompt_ids, MIN_ARRAY_LIMIT)
     try:
-        yield from json_chunked.loads_steps(prefix, limit, {"prompt": max_prompt_ids})
+        yield from json_chunked.loads_steps(prefix, limit, {"prompt": max_prompt_ids}, frozenset({"prompt"}))
+    except json_chunked.UnendedText as exc:
+        return exc.head or None
     except json_chunked.TooManyItems as exc:
         if exc.member == "prompt":
             raise ApiError(400, f"prompt holds more than {exc.max_items} items; this engine's context is "
                                 f"{max_prompt_ids} tokens", param="prompt", code="context_length_exceeded") from None
         raise _array_too_long(exc, max_prompt_ids) from None
     except (ValueError, RecursionError):
-        return
+        return None
+    return None
 
 
 def _array_too_long(exc: json_chunked.TooManyItems, max_prompt_ids: int | None) -> ApiError:

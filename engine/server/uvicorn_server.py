@@ -2,9 +2,11 @@
 
 On SIGTERM/SIGINT uvicorn stops accepting and waits for open connections, but our streams (a long
 generation, /strata/events) would keep theirs open until the graceful timeout. So the first signal also
-starts the drain (`on_signal`: abort requests, stop the engine, end the event streams). And uvicorn
-re-raises a captured signal after its shutdown, which would end the process with -15 instead of 0: a
-graceful stop is a success here, so it does not.
+starts the drain (`on_signal`: abort requests, stop the engine, end the event streams). And uvicorn's
+`capture_signals` re-raises a captured signal after its shutdown, which would end the process with -15 instead
+of 0: a graceful stop is a success here, so ours (the public method `serve` enters) installs the same handlers
+and restores the old ones without raising anything again. Nothing private of uvicorn's Server is read
+(tests/engine/server/test_uvicorn_public.py holds that, and that `serve` still goes through `capture_signals`).
 
 And uvicorn's h11 protocol with Strata's bounds on what one connection can hold (BoundedH11Protocol): a deadline
 for the request head, a bounded lingering close after an answer given before the body was read, and a
@@ -14,10 +16,12 @@ connection limit that never refuses /health. Only public h11 state is read (`the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import threading
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import h11
 import uvicorn
@@ -28,6 +32,9 @@ from engine.server.guard import MAX_HEAD_BYTES, OVER_LIMIT_KEY
 log = logging.getLogger("strata.serve")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class DrainingServer(uvicorn.Server):
     """A uvicorn.Server whose first stop signal also calls `on_signal` on the loop."""
 
@@ -35,10 +42,23 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._on_signal = on_signal
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's handlers for SIGINT and SIGTERM (its `handle_exit`) while serving, the old ones restored
+        after; unlike uvicorn's, the signal is not raised again once the shutdown is done."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can be handled on the main thread only (as uvicorn's own says)
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.should_exit
         super().handle_exit(sig, frame)
-        self._captured_signals.clear()
         if first:
             log.info("received %s: stopping", signal.Signals(sig).name)
             asyncio.get_event_loop().call_soon_threadsafe(self._on_signal)

@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from strata_tui.adapters.base import Adapter, fetch
+from strata_tui.adapters.base import Adapter, TooLarge, fetch
 from strata_tui.adapters.llamacpp import LlamacppAdapter
 from strata_tui.adapters.sglang import SglangAdapter
 from strata_tui.adapters.strata import StrataAdapter
@@ -30,6 +30,10 @@ async def detect(client: httpx.AsyncClient) -> str | None:
             status, body = await fetch(client, path)  # at most MAX_BODY_BYTES of whatever answers
         except (httpx.ConnectError, httpx.ConnectTimeout):
             raise  # nothing answers there at all: the caller says why (connection refused), not "none of these"
+        except TooLarge:
+            # It answers that route, with more than is read: Strata's state route says which engine by its path
+            # (its reader then says the state is too large); the others are told by their bodies, and this has none.
+            return b""
         except (httpx.HTTPError, ValueError):
             return None
         return body if status == 200 else None

@@ -52,21 +52,33 @@ class Adapter:
         raise NotImplementedError
 
 
-async def fetch(client: httpx.AsyncClient, path: str) -> tuple[int, bytes]:
-    """(status, body) of GET `path`, the body read to MAX_BODY_BYTES at most (TooLarge past it)."""
+async def fetch(client: httpx.AsyncClient, path: str, limit_bytes: int = MAX_BODY_BYTES,
+                **request: Any) -> tuple[int, bytes]:
+    """(status, body) of GET `path`, the body read to `limit_bytes` at most (TooLarge past it). `request`: httpx's
+    per-request options (a `timeout`)."""
     READING.set(path)
-    async with client.stream("GET", path) as response:
-        declared = response.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise TooLarge(f"{path} answered {int(declared) / (1 << 20):.0f} MiB: too large to read (the limit "
-                           f"is {MAX_BODY_BYTES >> 20} MiB)")
-        chunks, size = [], 0
-        async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise TooLarge(f"{path} answered over {MAX_BODY_BYTES >> 20} MiB: too large to read")
-            chunks.append(chunk)
-        return response.status_code, b"".join(chunks)
+    async with client.stream("GET", path, **request) as response:
+        return response.status_code, await read_body(response, path, limit_bytes)
+
+
+async def read_body(response: httpx.Response, path: str, limit_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The body of a streamed `response` to `path`, read to `limit_bytes` at most: TooLarge, saying so, when its
+    declared length or what arrives passes that (what arrived is dropped, the rest never read)."""
+    declared = response.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > limit_bytes:
+        raise TooLarge(f"{path} answered {_size(int(declared))}: too large to read (the limit is "
+                       f"{_size(limit_bytes)})")
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise TooLarge(f"{path} answered over {_size(limit_bytes)}: too large to read")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / (1 << 20):.0f} MiB" if n_bytes >= 1 << 20 else f"{n_bytes / 1024:.0f} KiB"
 
 
 async def get_json(client: httpx.AsyncClient, path: str) -> Any:

@@ -1,6 +1,7 @@
 """Strata itself, read as the other engines are (its /strata/state onto an EndpointView), for a row of its own
 beside them: `--attach` with a Strata URL and a vLLM URL shows both. The Strata engine being monitored gets its
-full panels from its event stream as well (strata_tui/monitor_state.py); this is the row in the endpoints table."""
+full panels from its event stream as well (strata_tui/state/monitor_state.py); this is the row in the endpoints
+table."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label
 
 from engine.errors import ConfigError, StrataError
-from strata_tui.profiles import check_name
+from strata_tui.profiles.profile import check_name
 
 
 class NameDialog(ModalScreen[str | None]):

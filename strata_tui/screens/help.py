@@ -15,7 +15,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from engine.switches import SWITCHES
-from strata_tui.monitor_state import KEYED_SWITCHES
+from strata_tui.state.monitor_state import KEYED_SWITCHES
 
 CLOSE_HINT = "escape · q · ? close"
 

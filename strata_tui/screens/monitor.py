@@ -19,24 +19,24 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from strata_tui.widgets.crash_panel import CrashPanel
-from strata_tui.widgets.load_result import LoadResultPanel
-from strata_tui.widgets.engine_log import EngineLog, plain, save_log
 from strata_tui.screens.dialogs import FilterDialog
+from strata_tui.state.monitor_state import KEYED_SWITCHES
+from strata_tui.widgets.crash_panel import CrashPanel
+from strata_tui.widgets.engine_log import EngineLog, plain, save_log
 from strata_tui.widgets.engine_panel import EnginePanel
 from strata_tui.widgets.expert_panel import ExpertPanel
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.graph_events import GraphEventsTable
 from strata_tui.widgets.history_panel import HistoryPanel
+from strata_tui.widgets.load_result import LoadResultPanel
 from strata_tui.widgets.slot_cells import MAX_SLOT_ROWS
 from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.widgets.status_bar import StatusBar
 from strata_tui.widgets.switches_panel import SwitchesPanel
 from strata_tui.widgets.view_bound import ViewBound
-from strata_tui.monitor_state import KEYED_SWITCHES
 
 if TYPE_CHECKING:
-    from strata_tui.host import StrataHost
+    from strata_tui.actions.host import StrataHost
 
 
 _EXPERT_KEYS = Binding.Group("Experts", compact=True)

@@ -28,7 +28,7 @@ from textual.widgets import Checkbox, Footer, Header, Input, Label, Select, Stat
 from engine.config import KV_DTYPES, MODEL_DTYPES, EngineConfig
 from engine.errors import ConfigError, StrataError
 from engine.switches import SWITCHES
-from strata_tui.profiles import Profile, TuiSettings
+from strata_tui.profiles.profile import Profile, TuiSettings
 from strata_tui.screens.dialogs import ConfirmDialog
 
 # Fixed choices of engine options, for fields whose metadata does not carry them (yet).

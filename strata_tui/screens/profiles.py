@@ -17,12 +17,12 @@ from textual.widgets import DataTable, Footer, Header, Static
 
 from engine.errors import StrataError
 from engine.switches import SWITCHES
-from strata_tui.profiles import Profile, ProfileError
+from strata_tui.profiles.profile import Profile, ProfileError
 from strata_tui.screens.dialogs import ConfirmDialog, NameDialog
 from strata_tui.screens.profile_editor import ProfileEditor
 
 if TYPE_CHECKING:
-    from strata_tui.host import StrataHost
+    from strata_tui.actions.host import StrataHost
 
 
 # status beside the name: on a narrow terminal the last columns are cut, and "broken" is what must not be

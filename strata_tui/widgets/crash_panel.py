@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.telemetry import Event
-from strata_tui.view_state import CrashInfo, severity_of
+from strata_tui.state.view_state import CrashInfo, severity_of
 from strata_tui.widgets.view_bound import ViewBound
 
 _NOISE = ("v", "ts", "seq", "type")

@@ -19,7 +19,7 @@ from rich.text import Text
 from textual.strip import Strip
 from textual.widgets import RichLog
 
-from strata_tui.view_state import ViewState
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.view_bound import ViewBound
 
 MAX_LOG_LINES = 2000

@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from strata_tui.adapters.view import EndpointView, ForeignView, SlotRow
-from strata_tui.kinds import KIND_NAMES
+from strata_tui.profiles.kinds import KIND_NAMES
 from strata_tui.widgets.format import bar
 from strata_tui.widgets.view_bound import ViewBound
 

@@ -13,8 +13,8 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.snapshot import ExpertCacheSnapshot
-from strata_tui.expert_view import ExpertView
-from strata_tui.view_state import ViewState
+from strata_tui.state.expert_view import ExpertView
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.format import NA
 from strata_tui.widgets.view_bound import ViewBound
 

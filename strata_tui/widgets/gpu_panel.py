@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.telemetry import TierEvent, VramEvent
-from strata_tui.gpu import GpuHistory, GpuSample
+from strata_tui.engine_io.gpu import GpuHistory, GpuSample
 from strata_tui.widgets.format import NA, bar, mib, num, sparkline
 from strata_tui.widgets.view_bound import ViewBound
 

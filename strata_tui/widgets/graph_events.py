@@ -11,8 +11,8 @@ from textual.reactive import reactive
 from textual.widgets import DataTable
 
 from engine.telemetry import GraphEvent
-from strata_tui.monitor_state import graph_severity
-from strata_tui.view_state import ViewState
+from strata_tui.state.monitor_state import graph_severity
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.view_bound import ViewBound
 
 SEVERITY_STYLE = ("", "yellow", "bold red")

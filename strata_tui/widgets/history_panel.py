@@ -1,6 +1,6 @@
 """History: what the engine did over the last 1, 5 or 15 minutes (`z` steps through them), one chart a metric:
 tok/s, queue, KV use, TTFT, the expert cache's hit rate, VRAM, and this host's CPU and RAM when the engine runs on
-the CPU; the same for every engine kind (strata_tui/history.py samples them once a second).
+the CPU; the same for every engine kind (strata_tui/state/history.py samples them once a second).
 
 Each chart is block characters drawn here as Rich Text, one style a row, scaled from 0 (a fraction from 0 to
 100 %): benchmarks/bench_history_widgets.py measured the candidates on six 900-sample series at 1 Hz.
@@ -17,7 +17,7 @@ from rich.console import Group
 from rich.text import Text
 from textual.widgets import Static
 
-from strata_tui.history import WINDOWS_S, History, Metric
+from strata_tui.state.history import WINDOWS_S, History, Metric
 from strata_tui.widgets.view_bound import ViewBound
 
 _BARS = " ▁▂▃▄▅▆▇█"

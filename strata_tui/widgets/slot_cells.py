@@ -11,7 +11,7 @@ from rich.text import Text
 
 from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import AdmissionEvent, SlotEvent
-from strata_tui.prefill_eta import PrefillTrack
+from strata_tui.state.prefill_eta import PrefillTrack
 from strata_tui.widgets.format import bar
 
 WIDE_AT = 140  # table width from which every column fits

@@ -41,13 +41,13 @@ from textual.strip import Strip
 from textual.widgets import DataTable
 
 from engine.telemetry import SlotEvent
-from strata_tui.prefill_eta import PrefillTrack
+from strata_tui.state.prefill_eta import PrefillTrack
 from strata_tui.widgets.slot_cells import (MAX_SLOT_ROWS, REST_KEY, admission_line, busiest, columns_for, rest_cells,
                                            slot_cells, slots_title)  # what each cell says
 from strata_tui.widgets.view_bound import ViewBound
 
 if TYPE_CHECKING:
-    from strata_tui.view_state import ViewState
+    from strata_tui.state.view_state import ViewState
 
 class SlotsTable(ViewBound, DataTable):
     """Slot rows keyed by slot number. `show()` adds, removes and updates only what changed; with a `view`,

@@ -9,7 +9,7 @@ import time
 from rich.text import Text
 from textual.widgets import Static
 
-from strata_tui.view_state import ViewState
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.view_bound import ViewBound
 
 _STATE_STYLE = {"ready": "bold green", "starting": "yellow", "loading": "yellow", "exited": "bold red",
@@ -48,8 +48,9 @@ def _status_text(view: ViewState, with_url: bool, with_live: bool) -> Text:
         parts.append(Text(view.engine_url, style="underline"))
     if view.unreachable_since is None and view.telemetry_connected is not None and (
             with_live or not view.telemetry_connected):
+        why = "" if view.telemetry_connected or not view.telemetry_reason else f" ({view.telemetry_reason})"
         parts.append(Text.assemble(("telemetry ", "dim"), ("live", "green") if view.telemetry_connected
-                                   else ("reconnecting", "yellow")))
+                                   else ("reconnecting", "yellow"), (why, "yellow")))
     # The latest note before the scenario's progress: on a narrow line the end is cut, and a refusal ("load
     # seed is still running") says more than the progress it refers to.
     if view.status_note:

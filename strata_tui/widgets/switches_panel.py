@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from engine.switches import SWITCHES
-from strata_tui.monitor_state import KEYED_SWITCHES, MonitorState, SwitchView
+from strata_tui.state.monitor_state import KEYED_SWITCHES, MonitorState, SwitchView
 from strata_tui.widgets.view_bound import ViewBound
 
 

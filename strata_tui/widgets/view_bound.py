@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from strata_tui.view_state import ViewState
+    from strata_tui.state.view_state import ViewState
 
 _NOTHING = object()  # no slice drawn yet: differs from every key, None included
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from strata_tui.app import create_app
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
 from tests.tui.conftest import screen_text
 
 pytestmark = pytest.mark.slow

@@ -81,7 +81,8 @@ def test_publishing_again_resolves_no_annotations(ckpt, monkeypatch):
 # The `experts` section's keys on the wire (the TUI, the Prometheus series and scripts read them by name).
 _EXPERT_KEYS = {"slots", "target_slots", "mib", "host_mib", "peer_mib", "store_device", "expert_mib",
                 "all_experts_mib", "top_k", "cold", "num_layers", "num_experts", "policy", "device", "hits", "misses",
-                "hit_rate", "evictions", "loaded_experts", "loaded_mib", "load_ms", "reruns", "replays", "prefetched",
+                "hit_rate", "evictions", "loaded_experts", "loaded_mib", "prompt_loaded_experts",
+                "prompt_loaded_mib", "load_ms", "reruns", "replays", "prefetched",
                 "host_runs", "steps", "trace_accesses", "layers", "oracle_hit_rate", "lru_replay_hit_rate"}
 
 
@@ -108,7 +109,7 @@ def test_the_expert_cache_snapshot_is_typed_and_sends_the_keys_it_always_sent():
     assert [(x.layer, x.hit_rate) for x in snap.layers] == [(0, 0.75), (1, None)]
     wire = snap.to_json()
     assert set(wire) == _EXPERT_KEYS  # no LFU replay while the live policy is LRU
-    assert set(wire["layers"][0]) == {"layer", "hits", "misses", "evictions", "hit_rate"}
+    assert set(wire["layers"][0]) == {"layer", "hits", "misses", "evictions", "loaded", "prompt_loaded", "hit_rate"}
     assert ExpertCacheSnapshot.from_json(wire) == snap
     lfu = _expert_stats_snapshot("lfu").to_json()
     assert set(lfu) == _EXPERT_KEYS | {"lfu_replay_hit_rate"} and lfu["lfu_replay_hit_rate"] is not None

@@ -11,6 +11,7 @@ import pytest
 import engine.exec.sampler as sampler_module
 from engine.api import SamplingParams
 from engine.errors import QueueFull, RequestRejected
+from engine.exec import chunk_rows
 from engine.telemetry import AdmissionEvent, EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 
@@ -82,7 +83,15 @@ def test_a_fault_in_one_requests_part_of_a_step_fails_that_request_only(ckpt, re
                 raise Injected("prefill of the faulty request")
             return real_prefill(slot, ids, start)
 
+        real_rows = chunk_rows.prefill_rows
+
+        def prefill_rows(runner, rows):  # several prompts' chunks in one forward: the faulty one's fails it
+            if any(engine.sched.slot_request(slot).params.presence_penalty == MARK for slot, _, _ in rows):
+                raise Injected("prefill of the faulty request")
+            return real_rows(runner, rows)
+
         monkeypatch.setattr(engine.runner, "prefill", prefill)
+        monkeypatch.setattr(chunk_rows, "prefill_rows", prefill_rows)
     elif stage in ("first_token_sampling", "decode_sampling"):
         real_penalize = sampler_module.penalize
         at_decode = stage == "decode_sampling"

@@ -1,7 +1,8 @@
 """A vLLM look-alike on loopback whose /metrics misbehaves as a hostile or broken server can: a body of tens of
 MB, one that trickles a byte at a time, one that sends its head and then nothing, one with NaN, huge and
-negative values. Raw sockets, one thread per connection, so that the misbehaviour is exactly what is written
-here (a framework would buffer or time it out)."""
+negative values; and a Strata look-alike (`STRATA_ROUTES`) whose /strata/state or /strata/events misbehaves the
+same way (a state of tens of MB, an event that never ends). Raw sockets, one thread per connection, so that the
+misbehaviour is exactly what is written here (a framework would buffer or time it out)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,59 @@ def bad_values(sock: socket.socket, stop: threading.Event) -> None:
     sock.sendall(_head(len(body)) + body)
 
 
-class HostileServer:
-    """`with HostileServer(metrics) as url:` serves /version (vLLM's) and `metrics(sock, stop)` for /metrics."""
+def _json(body: bytes) -> Callable[[socket.socket, threading.Event], None]:
+    def answer(sock: socket.socket, stop: threading.Event) -> None:
+        sock.sendall(_head(len(body), b"application/json"))
+        sock.sendall(body)  # not joined to the head: a copy would count in a test's traced memory
+    return answer
 
-    def __init__(self, metrics: Callable[[socket.socket, threading.Event], None]) -> None:
+
+SLOT = b'{"slot": 0, "state": "decode", "request_id": "r", "prefilled_tokens": 1, "generated_tokens": 1},'
+
+
+def huge_state(sock: socket.socket, stop: threading.Event, mib: int = 50) -> None:
+    """A /strata/state of `mib` MiB (a million slots), its length not declared: only what arrives can tell."""
+    sock.sendall(_head(None, b"application/json") + b'{"slots": [')
+    block, sent = SLOT * 4096, 0
+    while sent < mib << 20 and not stop.is_set():
+        sock.sendall(block)
+        sent += len(block)
+    sock.sendall(SLOT[:-1] + b"]}")
+
+
+def _sse_head() -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n"
+
+
+def quiet_events(sock: socket.socket, stop: threading.Event) -> None:
+    """An idle engine's stream: a comment now and then, no events."""
+    sock.sendall(_sse_head())
+    while not stop.wait(1.0):
+        sock.sendall(b": keep-alive\n\n")
+
+
+def endless_event(sock: socket.socket, stop: threading.Event) -> None:
+    """One event whose data line never ends, sent as fast as the client takes it, until it hangs up."""
+    sock.sendall(_sse_head() + b'id: e-1\ndata: {"type": "engine", "seq": 1, "state": "ready"}\n\ndata: ')
+    block = b"x" * (64 << 10)
+    while not stop.is_set():
+        sock.sendall(block)
+
+
+STATE = b'{"v": 2, "model": "hostile", "instance_id": "hostile-1", "slots": []}'
+STRATA_ROUTES = {b"/health": _json(b'{"status": "ready", "reason": ""}'), b"/strata/state": _json(STATE),
+                 b"/strata/events": quiet_events}
+
+
+class HostileServer:
+    """`with HostileServer(metrics) as url:` serves /version (vLLM's) and `metrics(sock, stop)` for /metrics, and
+    `routes` (path -> answer) for the paths it names; `hits` counts the requests for each path."""
+
+    def __init__(self, metrics: Callable[[socket.socket, threading.Event], None] = bad_values,
+                 routes: dict[bytes, Callable[[socket.socket, threading.Event], None]] | None = None) -> None:
         self.metrics = metrics
+        self.routes = routes or {}
+        self.hits: dict[bytes, int] = {}
         self.stop = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
@@ -96,8 +145,11 @@ class HostileServer:
                 if not chunk:
                     return
                 head += chunk
-            path = head.split(b" ", 2)[1]
-            if path == b"/metrics":
+            path = head.split(b" ", 2)[1].split(b"?")[0]
+            self.hits[path] = self.hits.get(path, 0) + 1
+            if path in self.routes:
+                self.routes[path](conn, self.stop)
+            elif path == b"/metrics":
                 self.metrics(conn, self.stop)
             elif path == b"/version":
                 conn.sendall(_head(len(VERSION_BODY), b"application/json") + VERSION_BODY)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from engine.telemetry import SlotEvent
-from strata_tui.monitor_state import MonitorState
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
+from strata_tui.state.monitor_state import MonitorState
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.slots_table import SlotsTable
 from tests.tui.conftest import FAKE_ENGINE, FIXTURES, create_app, fake_engine_app, screen_text, wait_for
@@ -129,7 +129,7 @@ async def test_load_action_runs_the_seed_scenario(config_dir: Path, monkeypatch)
         shown = screen_text(app)
         assert "e+0" not in shown and "e+1" not in shown
         # the status line and the pop-up word the hint alike
-        from strata_tui.reducer import RESULT_HINT
+        from strata_tui.state.reducer import RESULT_HINT
         assert RESULT_HINT in app.view.status_note
         assert any(RESULT_HINT in n.message for n in app._notifications), [n.message for n in app._notifications]
         for line in app.view.load_result.splitlines()[1:]:

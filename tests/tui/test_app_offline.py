@@ -7,9 +7,9 @@ from pathlib import Path
 
 from textual.widgets import DataTable, Input, Static
 
-from strata_tui.messages import TelemetryBatch
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
+from strata_tui.engine_io.messages import TelemetryBatch
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
 from strata_tui.screens.help import HelpScreen
 from strata_tui.screens.monitor import MonitorScreen
 from strata_tui.screens.profile_editor import ProfileEditor
@@ -92,8 +92,8 @@ async def test_help_lists_every_key_and_switch_and_says_how_to_close(config_dir:
     from textual.keys import key_to_character
 
     from engine.switches import SWITCHES
+    from strata_tui.actions.commands import palette_commands
     from strata_tui.app import StrataApp
-    from strata_tui.commands import palette_commands
     from strata_tui.screens.help import help_text
 
     app = offline_app(config_dir)
@@ -126,7 +126,7 @@ async def test_help_lists_every_key_and_switch_and_says_how_to_close(config_dir:
 
 
 async def test_fused_ops_from_the_palette_is_saved_for_the_next_start(config_dir: Path) -> None:
-    from strata_tui.commands import palette_commands
+    from strata_tui.actions.commands import palette_commands
 
     app = offline_app(config_dir)
     async with app.run_test(size=SIZE) as pilot:
@@ -294,7 +294,7 @@ async def test_command_palette_runs_an_action(config_dir: Path) -> None:
 
 
 def test_pick_error_line_skips_logger_names_and_info_records() -> None:
-    from strata_tui.view_state import pick_error_line
+    from strata_tui.state.view_state import pick_error_line
 
     lines = ["strata-engine serve: error: CheckpointError: /m/model.safetensors: cannot open as safetensors",
              "2026-11-29 18:55:03,678 INFO uvicorn.error: Shutting down",
@@ -334,7 +334,7 @@ async def test_attached_engine_exit_event_opens_the_crash_panel(config_dir: Path
 
 
 async def test_error_event_arriving_after_the_exit_still_reaches_the_crash_panel(config_dir: Path) -> None:
-    from strata_tui.messages import EngineExited, EngineOutput
+    from strata_tui.engine_io.messages import EngineExited, EngineOutput
 
     app = offline_app(config_dir)
     async with app.run_test(size=SIZE) as pilot:

@@ -13,13 +13,13 @@ from textual.app import App
 from textual.widgets import DataTable
 
 from engine.telemetry import AdmissionEvent, SlotEvent
-from strata_tui.messages import EngineLiveness, TelemetryBatch
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
-from strata_tui.reducer import reduce
-from strata_tui.view_state import ViewState
+from strata_tui.engine_io.messages import EngineLiveness, TelemetryBatch
+from strata_tui.engine_io.workers import watch_liveness
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
+from strata_tui.state.reducer import reduce
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.slots_table import SlotsTable
-from strata_tui.workers import watch_liveness
 from tests.tui.conftest import offline_app, recorded, wait_for
 
 
@@ -213,8 +213,8 @@ class _Stream:
 
 
 async def test_a_burst_of_reads_is_posted_in_few_batches_with_every_event_in_order() -> None:
-    from strata_tui.messages import StateSnapshot, TelemetryStatus
-    from strata_tui.telemetry_client import stream_telemetry
+    from strata_tui.engine_io.messages import StateSnapshot, TelemetryStatus
+    from strata_tui.engine_io.telemetry_client import stream_telemetry
 
     posted: list = []
     worker = asyncio.create_task(stream_telemetry(posted.append, _Stream(100), batch_s=0.1))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from strata_tui.messages import EngineExited, EngineOutput
-from strata_tui.view_state import CrashInfo
+from strata_tui.engine_io.messages import EngineExited, EngineOutput
+from strata_tui.state.view_state import CrashInfo
 from strata_tui.widgets.crash_panel import how_it_ended
 from strata_tui.widgets.engine_log import EngineLog
 from tests.tui.conftest import fake_engine_app, offline_app, screen_text, wait_for

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from strata_tui.adapters.crash_lines import pick_engine_error
-from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles.store import ProfileStore
 from tests.tui.conftest import offline_app, screen_text, wait_for
 from tests.tui.engine_replay import ENGINES, LLAMACPP, VLLM, replay_server, routes_for
 
@@ -145,7 +145,7 @@ async def test_the_profiles_screen_lists_a_vllm_profile_with_its_command(config_
 
 
 def test_vllms_access_lines_for_this_apps_reads_stay_out_of_the_log() -> None:
-    from strata_tui.view_state import ViewState
+    from strata_tui.state.view_state import ViewState
 
     view = ViewState(mode="launched")
     view.append_log([("stdout", '(APIServer pid=1) INFO:     127.0.0.1:50312 - "GET /metrics HTTP/1.1" 200 OK'),

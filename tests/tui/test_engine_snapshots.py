@@ -16,9 +16,9 @@ import pytest
 
 from strata_tui.adapters import adapter_for
 from strata_tui.adapters.view import EndpointView, ForeignView
-from strata_tui.gpu import GpuProcess, GpuSample
-from strata_tui.kinds import KIND_NAMES
-from strata_tui.messages import EngineOutput
+from strata_tui.engine_io.gpu import GpuProcess, GpuSample
+from strata_tui.engine_io.messages import EngineOutput
+from strata_tui.profiles.kinds import KIND_NAMES
 from tests.tui.conftest import fixed_config_dir, offline_app, screen_text
 from tests.tui.engine_replay import replay_server, routes_for
 

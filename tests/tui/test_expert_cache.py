@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
 from strata_tui.widgets.expert_panel import ExpertPanel
 from tests.tui.conftest import FAKE_ENGINE, FIXTURES, fake_engine_app, offline_app, screen_text, wait_for
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot
 from engine.telemetry import ExpertEvent, VramEvent
-from strata_tui.expert_view import ExpertView, budget_step_mib
-from strata_tui.monitor_state import MonitorState
+from strata_tui.state.expert_view import ExpertView, budget_step_mib
+from strata_tui.state.monitor_state import MonitorState
 
 
 def _json(slots=6, target=8, misses=40, steps=20, hits=160, layers=(0.9, 0.55, 0.8)) -> dict:

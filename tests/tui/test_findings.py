@@ -102,8 +102,8 @@ async def test_after_s_a_warning_line_is_called_a_warning(config_dir: Path, monk
 
 async def test_a_metric_the_scenario_could_not_measure_says_why(config_dir: Path) -> None:
     from engine.loadgen.scenarios import ScenarioResult
-    from strata_tui.messages import LoadProgress
-    from strata_tui.workers import scenario_report
+    from strata_tui.engine_io.messages import LoadProgress
+    from strata_tui.engine_io.workers import scenario_report
 
     result = ScenarioResult("seed", "http://127.0.0.1:1", "m", {}, 0.0)
     result.metrics = {"long_ttft_s": 1.5, "short_decode_tok_s_during_long_prefill": None, "decode_ratio": None}

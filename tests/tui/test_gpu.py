@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 
-from strata_tui.gpu import GpuHistory, GpuSample, NvmlSampler
+from strata_tui.engine_io.gpu import GpuHistory, GpuSample, NvmlSampler
 
 
 class NVMLError(Exception):

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import pytest
 
-from strata_tui.gpu import GpuHistory, GpuSample, NvmlSampler
+from strata_tui.engine_io.gpu import GpuHistory, GpuSample, NvmlSampler
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ import time
 import types
 from pathlib import Path
 
-from strata_tui.gpu import GpuProcess, NvmlSampler, process_name
-from strata_tui.messages import GpuSampled
+from strata_tui.engine_io.gpu import GpuProcess, NvmlSampler, process_name
+from strata_tui.engine_io.messages import GpuSampled
 from tests.tui.conftest import offline_app, screen_text, wait_for
 from tests.tui.test_gpu import fake_nvml
 
@@ -70,5 +70,5 @@ async def test_the_panel_shows_who_holds_each_card(config_dir: Path) -> None:
 
 
 def fake_gpu(index: int, processes: list[GpuProcess]):
-    from strata_tui.gpu import GpuSample
+    from strata_tui.engine_io.gpu import GpuSample
     return GpuSample(index, "NVIDIA H100 80GB HBM3", 72000.0, 81559.0, 91.0, 64.0, 600.0, tuple(processes))

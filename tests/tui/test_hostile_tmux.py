@@ -1,5 +1,6 @@
 """strata-tui in a real terminal (tmux) against hostile files and servers: a FIFO where its state file should be,
-an attached server whose /metrics is tens of MB, trickles, goes silent, or holds NaN, huge and negative values.
+an attached server whose /metrics is tens of MB, trickles, goes silent, or holds NaN, huge and negative values, an
+attached Strata engine whose /strata/state is tens of MB or whose event stream sends an event that never ends.
 The app draws, says on screen what went wrong, answers `q`, and stays small (the goals: drawn within 2 s, keys
 within 1 s, 200 MiB; the deadlines here are wider so that a loaded machine passes, the figures are printed)."""
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.tui.hostile_server import HostileServer, bad_values, huge, silent, trickle
+from tests.tui.hostile_server import (STRATA_ROUTES, HostileServer, bad_values, endless_event, huge, huge_state,
+                                     silent, trickle)
 from tests.tui.test_tmux import _capture, _new_session, _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,11 +80,12 @@ def test_a_fifo_for_the_state_file_neither_blocks_the_draw_nor_the_keys(tmp_path
         _kill(session)
 
 
-def _attached(tmp_path: Path, metrics, needles: list[str], timeout_s: float = 45) -> tuple[str, float, float]:
+def _attached(tmp_path: Path, metrics, needles: list[str], timeout_s: float = 45, kind: str = "vllm",
+              routes: dict | None = None) -> tuple[str, float, float]:
     """Attach to a hostile server; wait for `needles`; return (screen, peak RSS MiB, seconds q took)."""
     config = tmp_path / "config"
-    with HostileServer(metrics) as url:
-        session = _start(config, "--attach", url, "--kind", "vllm")
+    with HostileServer(metrics, routes) as url:
+        session = _start(config, "--attach", url, "--kind", kind)
         try:
             screen = _wait_for(session, needles, timeout_s=timeout_s)
             time.sleep(3)  # a few more reads of the same server
@@ -118,3 +121,17 @@ def test_nan_huge_and_negative_values_are_shown_invalid_with_the_reason(tmp_path
     assert "NaN" in screen and "1e+300" in screen and "-7" in screen, screen
     assert "0" * 30 not in screen  # 1e300 printed as a 300-digit count
     assert "up 0.10.1.1" in screen  # the endpoint answers: it is up, some of its values are not usable
+
+
+@pytest.mark.parametrize("route, answer, reason", [
+    (b"/strata/state", huge_state, "/strata/state answered over 4 MiB: too large to read"),
+    (b"/strata/events", endless_event, "/strata/events: an unended event past 1,048,576 characters: dropped"),
+], ids=["state-50-mib", "endless-event"])
+def test_a_strata_engine_sending_too_much_is_dropped_with_the_reason_and_the_app_stays_small(
+        tmp_path: Path, route: bytes, answer, reason: str) -> None:
+    screen, peak_mib, quit_s = _attached(tmp_path, bad_values, ["reconnecting", reason], kind="strata",
+                                         routes={**STRATA_ROUTES, route: answer})
+    print(f"{route.decode()} hostile: peak RSS {peak_mib:.0f} MiB, q answered in {quit_s:.2f} s")
+    assert "telemetry reconnecting (" + reason in screen, screen
+    assert peak_mib <= MAX_RSS_MIB, f"peak RSS {peak_mib:.0f} MiB"
+    assert quit_s < 10

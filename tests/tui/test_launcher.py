@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from strata_tui.launcher import EngineProcess, LineSplitter, engine_argv, engine_env
+from strata_tui.engine_io.launcher import EngineProcess, LineSplitter, engine_argv, engine_env
 
 
 def test_argv_is_a_list_from_to_argv_and_env_carries_switches() -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from engine.switches import SWITCHES
-from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
+from strata_tui.engine_io.messages import EngineExited, EngineOutput, TelemetryBatch
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
 from strata_tui.widgets.slots_table import SlotsTable
 from tests.tui.conftest import offline_app, recorded, screen_text
 from tests.tui.test_snapshots import LOG, _gpu_minute, _settle

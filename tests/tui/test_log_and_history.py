@@ -79,8 +79,8 @@ async def test_an_engine_on_the_cpu_has_its_cpu_and_memory_in_the_history(config
     resident memory, read with psutil from the process the app launched."""
     import psutil
 
-    from strata_tui.profile_store import ProfileStore
-    from strata_tui.profiles import Profile
+    from strata_tui.profiles.profile import Profile
+    from strata_tui.profiles.store import ProfileStore
 
     ProfileStore(config_dir).save(Profile("default").with_engine(device="cpu"))
     monkeypatch.setenv("FAKE_ENGINE_BUSY", "6:30")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.snapshot import EngineSnapshot
 from engine.telemetry import GraphEvent, SlotEvent, SwitchEvent
-from strata_tui.monitor_state import MonitorState, graph_severity
+from strata_tui.state.monitor_state import MonitorState, graph_severity
 from tests.tui.conftest import recorded
 
 

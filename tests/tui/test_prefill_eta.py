@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from engine.telemetry import AdmissionEvent, SlotEvent
-from strata_tui.messages import TelemetryBatch
-from strata_tui.monitor_state import MonitorState
-from strata_tui.prefill_eta import PrefillTrack
+from strata_tui.engine_io.messages import TelemetryBatch
+from strata_tui.state.monitor_state import MonitorState
+from strata_tui.state.prefill_eta import PrefillTrack
 from strata_tui.widgets.slot_cells import admission_line
 from strata_tui.widgets.slot_cells import columns_for, slot_cells
 from strata_tui.widgets.slots_table import SlotsTable

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input
 
-from strata_tui.profile_store import ProfileStore
+from strata_tui.profiles.store import ProfileStore
 from strata_tui.screens.dialogs import NameDialog
 from strata_tui.screens.profiles import ProfilesScreen
 from tests.tui.conftest import offline_app, screen_text, wait_for

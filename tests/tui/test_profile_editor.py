@@ -11,8 +11,8 @@ from textual.widgets import Checkbox, DataTable, Input, Label
 
 from engine.config import EngineConfig
 from engine.switches import SWITCHES
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import TuiSettings
+from strata_tui.profiles.profile import TuiSettings
+from strata_tui.profiles.store import ProfileStore
 from strata_tui.screens.dialogs import ConfirmDialog
 from strata_tui.screens.profile_editor import ProfileEditor, form_fields
 from strata_tui.screens.profiles import ProfilesScreen

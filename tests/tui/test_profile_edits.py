@@ -15,9 +15,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from strata_tui.launcher import engine_argv, engine_env
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile, ProfileError
+from strata_tui.engine_io.launcher import engine_argv, engine_env
+from strata_tui.profiles.profile import Profile, ProfileError
+from strata_tui.profiles.store import ProfileStore
 from strata_tui.screens.profiles import ProfilesScreen
 from tests.tui.conftest import FAKE_ENGINE, create_app, offline_app, screen_text, wait_for
 

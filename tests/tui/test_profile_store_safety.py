@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from strata_tui import profile_store
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile, ProfileError
+from strata_tui.profiles import store as profile_store
+from strata_tui.profiles.profile import Profile, ProfileError
+from strata_tui.profiles.store import ProfileStore
 
 HAND_WRITTEN = """\
 # mine

@@ -9,8 +9,8 @@ import pytest
 
 from engine.config import BUILTIN_MODEL
 from engine.errors import ConfigError
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import DEFAULT_PROFILE, Profile, ProfileError, default_config_dir
+from strata_tui.profiles.profile import DEFAULT_PROFILE, Profile, ProfileError, default_config_dir
+from strata_tui.profiles.store import ProfileStore
 
 
 def test_config_dir_env_override(config_dir: Path) -> None:

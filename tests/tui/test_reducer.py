@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from engine.telemetry import SlotEvent
-from strata_tui.messages import (EngineExited, EngineLiveness, EngineOutput, StateSnapshot, TelemetryBatch,
-                                 TelemetryStatus)
-from strata_tui.reducer import CloseClientLater, RedrawNow, Resync, reduce
-from strata_tui.view_state import ViewState
+from strata_tui.engine_io.messages import (EngineExited, EngineLiveness, EngineOutput, StateSnapshot, TelemetryBatch,
+                                           TelemetryStatus)
+from strata_tui.state.reducer import CloseClientLater, RedrawNow, Resync, reduce
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.status_bar import status_text
 
 
@@ -82,7 +82,7 @@ def test_another_engines_reading_takes_the_same_path_as_strata_news() -> None:
     """A vLLM / SGLang / llama.cpp endpoint's reading is folded in by the reducer, as Strata's events are (it used to
     be changed in foreign_app.py directly): its row, and the first endpoint saying the engine answers."""
     from strata_tui.adapters.view import EndpointView
-    from strata_tui.foreign import EndpointRead, empty_view
+    from strata_tui.engine_io.foreign import EndpointRead, empty_view
 
     view = ViewState(mode="attached", attach_url="http://a:8000,http://b:8000")
     view.kind, view.foreign = "vllm", empty_view("vllm", ["http://a:8000", "http://b:8000"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_tui.view_state import ViewState
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.widgets.switches_panel import SwitchesPanel
 from tests.tui.conftest import FAKE_ENGINE, FIXTURES, offline_app, screen_text, wait_for
@@ -110,8 +110,8 @@ def test_the_apps_own_polling_stays_out_of_the_engine_log() -> None:
 
 
 def test_a_snapshot_of_another_instance_replaces_what_the_old_one_said() -> None:
-    from strata_tui.messages import StateSnapshot
-    from strata_tui.reducer import reduce
+    from strata_tui.engine_io.messages import StateSnapshot
+    from strata_tui.state.reducer import reduce
 
     view = ViewState(mode="attached", attach_url="http://x")
     on = {"name": "SPLIT_ATTN", "enabled": True}

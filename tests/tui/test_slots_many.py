@@ -78,7 +78,7 @@ async def test_the_pool_read_by_the_state_poll_reaches_the_slots_title(config_di
     """What `workers.poll_state` posts, through the reducer, is drawn in the slots panel's title at 100x30; an
     engine that answers no pool (every slot holds its context) shows `Slots` again."""
     from engine.snapshot import EngineSnapshot
-    from strata_tui.messages import KvPoolSnapshot
+    from strata_tui.engine_io.messages import KvPoolSnapshot
     from tests.tui.conftest import offline_app, screen_text, wait_for
 
     app = offline_app(config_dir)
@@ -100,8 +100,8 @@ async def test_the_pool_is_read_while_requests_run_and_once_after_not_while_idle
     the last one ends (the blocks it gave back); an idle engine's pool does not change, so it is not asked."""
     import pytest
 
-    from strata_tui.messages import KvPoolSnapshot
-    from strata_tui.workers import poll_state
+    from strata_tui.engine_io.messages import KvPoolSnapshot
+    from strata_tui.engine_io.workers import poll_state
 
     states = iter([False, True, True, False] + [False] * 8)  # busy() at each turn of the poll's loop
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from strata_tui.gpu import GpuSample
-from strata_tui.messages import EngineExited, EngineOutput, TelemetryBatch
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
+from strata_tui.engine_io.gpu import GpuSample
+from strata_tui.engine_io.messages import EngineExited, EngineOutput, TelemetryBatch
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
 from tests.tui.conftest import fixed_config_dir, offline_app, recorded, screen_text, wait_for
 
 SIZE = (160, 48)
@@ -125,7 +125,7 @@ def test_monitor_with_an_moe_engine_at_100x30(snap_compare, snap_dir: Path) -> N
     """An MoE engine recorded on CPU (fixtures/record_moe.py): the expert-cache panel and `experts` in the books."""
     import json
 
-    from strata_tui.messages import StateSnapshot
+    from strata_tui.engine_io.messages import StateSnapshot
     from tests.tui.conftest import FIXTURES
 
     ProfileStore(snap_dir).save(Profile("moe"))

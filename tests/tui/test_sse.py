@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_tui.sse import SSEParser
+from strata_tui.engine_io.sse import SSEParser
 
 STREAM = ": hello\r\nid: 7\r\nevent: slot\r\ndata: {\"a\": 1}\r\n\r\nid: 8\nevent: graph\ndata: line1\ndata: line2\n\n"
 
@@ -37,3 +37,17 @@ def test_event_without_data_is_not_dispatched_but_keeps_id() -> None:
     parser = SSEParser()
     assert parser.feed("id: 5\n\n") == []
     assert parser.last_event_id == "5"
+
+
+def test_an_event_past_the_limit_raises_and_nothing_of_it_is_kept() -> None:
+    from strata_tui.engine_io.sse import EventTooLarge
+
+    parser = SSEParser(max_event_chars=1000)
+    assert parser.feed("data: " + "x" * 900 + "\n\n")[0].data == "x" * 900  # under the limit: an event
+    with pytest.raises(EventTooLarge, match="unended event past 1,000 characters"):
+        for _ in range(100):  # one line that never ends, fed as the network would
+            parser.feed("y" * 64)
+    with pytest.raises(EventTooLarge):
+        for _ in range(500):  # short data lines, never the blank line that ends the event
+            parser.feed("data: zz\n")
+    assert parser.feed("data: ok\n\n")[0].data == "ok"  # what the parser held was dropped, it reads on

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from engine.telemetry import SwitchEvent
-from strata_tui.telemetry_client import TelemetryClient
+from strata_tui.engine_io.telemetry_client import TelemetryClient
 from tests.tui.conftest import FAKE_ENGINE, FIXTURES, recorded
 
 
@@ -105,7 +105,7 @@ async def test_dropped_stream_reports_status_and_retries(server) -> None:
 
 def test_unknown_event_types_are_skipped_not_fatal() -> None:
     client = TelemetryClient("http://127.0.0.1:1")
-    from strata_tui.sse import SSEMessage
+    from strata_tui.engine_io.sse import SSEMessage
     batch = client._parse([SSEMessage("1", "x", '{"type": "from-the-future", "seq": 1}'),
                            SSEMessage("2", "switch", '{"type": "switch", "seq": 2, "name": "SPLIT_ATTN"}'),
                            SSEMessage("3", "x", "not json")])
@@ -114,7 +114,7 @@ def test_unknown_event_types_are_skipped_not_fatal() -> None:
 
 def test_events_of_a_restarted_engine_are_not_taken_for_seen_ones() -> None:
     """After a restart the engine's seq starts at 1 again: the new epoch in the event ids says so."""
-    from strata_tui.sse import SSEMessage
+    from strata_tui.engine_io.sse import SSEMessage
 
     client = TelemetryClient("http://127.0.0.1:9")
 

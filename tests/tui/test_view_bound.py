@@ -14,11 +14,11 @@ from engine.snapshot import ExpertCacheSnapshot
 from engine.switches import SWITCHES
 from engine.telemetry import GraphEvent, SwitchEvent, VramEvent, WarningEvent
 from strata_tui.adapters.view import EndpointView, ForeignView
-from strata_tui.gpu import GpuSample
-from strata_tui.messages import (EngineExited, EngineOutput, EngineReady, ExpertsSnapshot, GpuSampled, LoadProgress,
-                                 TelemetryBatch)
-from strata_tui.reducer import reduce
-from strata_tui.view_state import ViewState
+from strata_tui.engine_io.gpu import GpuSample
+from strata_tui.engine_io.messages import (EngineExited, EngineOutput, EngineReady, ExpertsSnapshot, GpuSampled,
+                                           LoadProgress, TelemetryBatch)
+from strata_tui.state.reducer import reduce
+from strata_tui.state.view_state import ViewState
 from strata_tui.widgets.crash_panel import CrashPanel
 from strata_tui.widgets.engine_log import EngineLog
 from strata_tui.widgets.engine_panel import EnginePanel

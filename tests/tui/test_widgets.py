@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.telemetry import AdmissionEvent, SlotEvent, TierEvent, VramEvent
-from strata_tui.monitor_state import SwitchView
+from strata_tui.state.monitor_state import SwitchView
 from strata_tui.widgets.crash_panel import event_line
 from strata_tui.widgets.gpu_panel import breakdown_bar, breakdown_text, tier_line
 from strata_tui.widgets.slot_cells import admission_line, columns_for, format_eta, slot_cells

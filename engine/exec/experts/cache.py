@@ -28,7 +28,7 @@ that read the old ones. Telemetry bookkeeping (stats, events, oracle) lives in e
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
 MAX_STEP_ROWS = 1 << 16  # tokens one step may route (chunk buckets, verify rows): the valid-row mask's size
+# experts copied in per event when a group misses (ExpertCache._stream_group): small enough that the first batch's
+# compute starts early, large enough that a copy is not a handful of KiB (a seed-scale expert is 6 MiB)
+COPY_BATCH_EXPERTS = 8
 
 
 def _stream_capturing(x: torch.Tensor) -> bool:
@@ -215,11 +218,11 @@ class ExpertCache:
         before, t0 = self.mib, time.perf_counter()
         if self.pools[0].gate_up.numel() and slots == self.slots:
             return
-        for pool in self.pools:  # layer by layer: the peak is one layer's old and new pool, not the whole cache
+        for i, pool in enumerate(self.pools):  # layer by layer: the peak is one layer's old and new pool
             pool.allocate(slots, self._copy)
             if slots >= self.num_experts:  # every expert fits: load them all now, so none ever misses
                 missing = [e for e in range(self.num_experts) if not pool.policy.resident(e)]
-                self._load(pool, missing and pool.policy.serve(missing).loads or [], [])
+                self._load(pool, missing and pool.policy.serve(missing).loads or [], [], layer=i)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             torch.cuda.empty_cache()
@@ -290,12 +293,17 @@ class ExpertCache:
         for group in groups_of(experts, pool.slots):
             result = pool.policy.serve(group)
             self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
+            if result.loads and self.cold != "cpu":
+                self._stream_group(y, pool, i, x, ids, weights, rows, group, result,
+                                   lambda: self._prefetch_next(i, x, positions, rows) if predict else None)
+                predict = False
+                continue
             # cpu: a miss with few tokens runs on the host while its copy goes behind the step (the layer's next
             # access waits for it); a miss with many (a prompt chunk's) is copied and waited for, as in copy mode
             cold = {e for e, _ in result.loads if routes[e][0].numel() <= CPU_MAX_TOKENS} \
                 if self.cold == "cpu" else set()
             if result.loads:
-                self._load(pool, result.loads, result.evicted, wait=len(cold) < len(result.loads))
+                self._load(pool, result.loads, result.evicted, wait=len(cold) < len(result.loads), layer=i)
             if predict:  # once, after this layer's own loads: the layer does not wait for the next one's copies
                 predict = False
                 self._prefetch_next(i, x, positions, rows)
@@ -305,6 +313,28 @@ class ExpertCache:
                 self.stats.host_runs += 1
                 routed_on_host(y, x, weights, routes[e], *pool.host_weights(e, self.dtype))
         return y.sum(dim=1)
+
+    def _stream_group(self, y: torch.Tensor, pool: ExpertPool, i: int, x: torch.Tensor, ids: torch.Tensor,
+                      weights: torch.Tensor, rows: torch.Tensor | None, group: list[int], result: Any,
+                      then_prefetch: Callable[[], None]) -> None:
+        """A group with misses: every copy queued on the side stream at once, in batches of COPY_BATCH_EXPERTS
+        with an event each (then the next layer's prefetch behind them), while the compute stream runs the
+        group's resident experts, then each batch once its copy is done: a batch's copy overlaps the compute of
+        the residents and of the batches before it (a prompt window's layer, whose group copies dozens). Each
+        route's product has its own row of `y`, so computing the group in parts gives the same sums."""
+        batches = []
+        for b in range(0, len(result.loads), COPY_BATCH_EXPERTS):
+            part = result.loads[b:b + COPY_BATCH_EXPERTS]
+            self._load(pool, part, result.evicted if b == 0 else [], wait=False, layer=i)
+            batches.append((pool.pending, [e for e, _ in part]))
+            pool.pending = None
+        then_prefetch()
+        copied = {e for e, _ in result.loads}
+        self._run_resident(y, pool, x, ids, weights, rows, [e for e in group if e not in copied])
+        for done, part in batches:
+            if done is not None:
+                torch.cuda.current_stream(self.device).wait_event(done)
+            self._run_resident(y, pool, x, ids, weights, rows, part)
 
     @staticmethod
     def _run_resident(y: torch.Tensor, pool: ExpertPool, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -339,7 +369,7 @@ class ExpertCache:
             return
         result = pool.policy.serve(missing)
         self.stats.prefetched += len(result.loads)
-        self._load(pool, result.loads, result.evicted, wait=False)
+        self._load(pool, result.loads, result.evicted, wait=False, layer=j)
 
     def wait_pending(self, pool: ExpertPool) -> None:
         """Make the compute stream wait for a copy into `pool` that went behind an earlier step."""
@@ -351,9 +381,10 @@ class ExpertCache:
         for pool in self.pools:
             self.wait_pending(pool)
 
-    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int], wait: bool = True) -> None:
-        """Copy `loads` (expert, slot) in from the store on the side stream; `wait`: the compute stream waits for
-        them now, else the pool's next reader does (ExpertPool.pending)."""
+    def _load(self, pool: ExpertPool, loads: list[tuple[int, int]], evicted: list[int], wait: bool = True, *,
+              layer: int) -> None:
+        """Copy `loads` (expert, slot) in from the store into `pool` (layer `layer`'s) on the side stream; `wait`:
+        the compute stream waits for them now, else the pool's next reader does (ExpertPool.pending)."""
         start = end = None
         if self.copy_stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -369,7 +400,8 @@ class ExpertCache:
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             else:
                 pool.pending = end
-        self.stats.record_loads(len(loads), len(loads) * self.expert_mib, (start, end), time.perf_counter() - t0)
+        self.stats.record_loads(layer, len(loads), len(loads) * self.expert_mib, (start, end),
+                                time.perf_counter() - t0)
 
     def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -394,7 +426,7 @@ class ExpertCache:
         result = pool.policy.serve(experts)
         self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
         if result.loads:
-            self._load(pool, result.loads, result.evicted)
+            self._load(pool, result.loads, result.evicted, layer=i)
         self.served_this_step.add(i)
 
     def touch_captured(self, counts: np.ndarray, step: int | None = None, kind: str | None = None) -> None:

@@ -1,7 +1,9 @@
 """ExpertStats: the expert cache's counters, its routing trace, the summed load / evict events, and the oracle.
 
-Per layer: hits and misses (one per expert of an access, engine.exec.experts.trace), evictions; overall:
-experts loaded, MiB copied, copy ms. The trace keeps the newest `trace_max` accesses; `snapshot` replays it
+Per layer: hits and misses (one per expert of an access, engine.exec.experts.trace), evictions, experts copied
+in (`loaded`) and of those the ones copied in by steps that ran prompt chunks (`prompt_loaded`: a prompt's
+cost in crossings, which a layer-major prefill window brings to one per cold expert, window and layer);
+overall: experts loaded, MiB copied (and the prompt steps' share), copy ms. The trace keeps the newest `trace_max` accesses; `snapshot` replays it
 with Belady's furthest-next-use rule at the current slot count (the *oracle* hit rate: what a perfect
 policy with this budget would have hit on the same routing), with LRU, and with the live policy when that is
 not LRU (the EXPERT_LFU switch); the live policy's replay equals the live rate while the budget and the policy
@@ -23,6 +25,9 @@ TRACE_MAX_ACCESSES = 200_000
 # The oracle's replays walk the whole trace in Python: a snapshot published while steps run (every 50 ms, on the
 # engine thread) reuses one at most this old instead of replaying it again.
 ORACLE_REFRESH_S = 2.0
+# the step kinds that run prompt chunks (engine.exec.runner's prefill, a layer-major window of them too, and MTP's
+# drafter prefill beside each): what their copies cost counts as the prompts'
+PROMPT_KINDS = ("prefill", "draft_prefill")
 
 
 class ExpertStats:
@@ -35,6 +40,9 @@ class ExpertStats:
         self.hits = [0] * num_layers
         self.misses = [0] * num_layers
         self.evictions = [0] * num_layers
+        self.loaded = [0] * num_layers  # experts copied into each layer's pool (a miss, a prefetch, the start)
+        self.prompt_loaded = [0] * num_layers  # of those, copied in by steps that ran prompt chunks
+        self.prompt_loaded_mib = 0.0
         self.loaded_experts = 0
         self.loaded_mib = 0.0
         self.load_ms = 0.0
@@ -68,7 +76,13 @@ class ExpertStats:
         self.evictions[layer] += evicted
         self._window["evicted"] += evicted
 
-    def record_loads(self, experts: int, mib: float, cuda_events: tuple[Any, Any], host_s: float) -> None:
+    def record_loads(self, layer: int, experts: int, mib: float, cuda_events: tuple[Any, Any],
+                     host_s: float) -> None:
+        """`experts` (`mib` in all) copied into `layer`'s pool (timed by the CUDA events, or `host_s` on a CPU)."""
+        self.loaded[layer] += experts
+        if self.step_kind in PROMPT_KINDS:
+            self.prompt_loaded[layer] += experts
+            self.prompt_loaded_mib += mib
         self.loaded_experts += experts
         self.loaded_mib += mib
         self._window["experts"] += experts
@@ -132,15 +146,17 @@ class ExpertStats:
         """The counters, with the cache's `sizes` (ExpertCacheSnapshot's size fields) and the oracle's replays
         at its slots (up to `oracle_max_age_s` old)."""
         hits, misses = sum(self.hits), sum(self.misses)
-        layers = [ExpertLayerSnapshot(layer=i, hits=h, misses=m, evictions=ev,
+        layers = [ExpertLayerSnapshot(layer=i, hits=h, misses=m, evictions=ev, loaded=ld, prompt_loaded=pl,
                                       hit_rate=round(h / (h + m), 4) if h + m else None)
-                  for i, (h, m, ev) in enumerate(zip(self.hits, self.misses, self.evictions))]
+                  for i, (h, m, ev, ld, pl) in enumerate(zip(self.hits, self.misses, self.evictions, self.loaded,
+                                                             self.prompt_loaded))]
         rates = self.oracle(int(sizes["slots"]), oracle_max_age_s, policy)
         return ExpertCacheSnapshot(
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in sizes.items()},
             num_layers=self.num_layers, num_experts=self.num_experts, policy=policy, device=self.device,
             hits=hits, misses=misses, hit_rate=round(hits / (hits + misses), 4) if hits + misses else None,
             evictions=sum(self.evictions), loaded_experts=self.loaded_experts, loaded_mib=round(self.loaded_mib, 3),
+            prompt_loaded_experts=sum(self.prompt_loaded), prompt_loaded_mib=round(self.prompt_loaded_mib, 3),
             load_ms=round(self.load_ms, 3), reruns=self.reruns, replays=self.replays, prefetched=self.prefetched,
             host_runs=self.host_runs, steps=self.steps, trace_accesses=len(self.trace), layers=layers,
             **{k: None if v is None else round(v, 4) for k, v in rates.items()})

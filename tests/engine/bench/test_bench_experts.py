@@ -120,3 +120,22 @@ def test_bench_experts_refuses_an_unknown_cold_mode(tmp_path, capsys):
                  "--json", str(tmp_path / "x.json")])
     assert code == 2
     assert "cold='copy,disk'" in capsys.readouterr().err
+
+
+def test_bench_experts_reports_the_mib_a_prompt_copies_with_and_without_windows(tmp_path, one_torch_thread):
+    # prompts of six chunks at a budget of half the experts: chunk by chunk (--prefill-window-tokens 0) each
+    # chunk copies its cold experts in again; the default window covers the prompt, so each crosses once
+    def row(*extra):
+        out = tmp_path / "prompt.json"
+        code = main(["bench", "experts", "--model", "random:moe-synth-tiny", "--device", "cpu", "--copy-mib", "8",
+                     "--budgets", "50", "--prompt-tokens", "96", "--new-tokens", "4", "--prefill-chunk-tokens", "16",
+                     "--step-token-budget", "16", "--json", str(out), *extra])
+        assert code == 0
+        rows = {r["budget_pct"]: r for r in json.loads(out.read_text())["rows"]}
+        assert rows[100]["prompt_loaded_mib"] == 0 and all(r["same_tokens"] for r in rows.values())
+        return rows[50]
+
+    chunked, windowed = row("--prefill-window-tokens", "0"), row()
+    assert chunked["prefill_window_tokens"] == 0 and windowed["prefill_window_tokens"] > 96
+    assert 0 < windowed["prompt_loaded_mib"] < chunked["prompt_loaded_mib"]
+    assert "prompt_loaded_mib" in (tmp_path / "prompt.json").read_text()

@@ -28,6 +28,7 @@ def test_throughput_rows_for_every_set_and_concurrency_with_the_peer(tmp_path: P
             assert row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["all_first_token_s"]
             assert row["itl_p50_s"] <= row["itl_p99_s"] and row["floor_tok_s"] > 0
             assert row["preemptions"] == 0 and row["steps"] >= 4
+            assert row["step_token_budget"] >= 4096  # no --step-token-budget: the device's rule
     assert by[("fixed", "strata", 3)]["output_tokens"] == 3 * 4
     mixed = by[("mixed", "strata", 3)]["output_tokens"]
     assert 3 * 2 <= mixed <= 3 * 6
@@ -35,11 +36,66 @@ def test_throughput_rows_for_every_set_and_concurrency_with_the_peer(tmp_path: P
     assert doc["summary"]["decode_rises_with_concurrency"] in (True, False)
 
 
+def test_the_peer_runs_only_up_to_its_largest_concurrency(tmp_path: Path) -> None:
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "1,2,3", "--sets", "fixed", *SMALL, "--peer", "eager",
+                           "--peer-max-concurrency", "2"])
+    assert sorted(r["concurrency"] for r in doc["rows"] if r["engine"] == "hf_eager") == [1, 2]
+    assert sorted(r["concurrency"] for r in doc["rows"] if r["engine"] == "strata") == [1, 2, 3]
+
+
+def test_chunk_rows_off_runs_every_chunk_as_its_own_forward(tmp_path: Path, monkeypatch) -> None:
+    from engine.exec import chunk_rows
+
+    shared: list[int] = []
+    real = chunk_rows.prefill_rows
+
+    def counted(runner, rows):
+        shared.append(len(rows))
+        return real(runner, rows)
+
+    monkeypatch.setattr(chunk_rows, "prefill_rows", counted)
+    argv = ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", *SMALL, "--peer", "none"]
+    on = bench(tmp_path, argv)
+    assert shared and max(shared) >= 2 and on["rows"][0]["chunk_rows"] == "on"
+    shared.clear()
+    off = bench(tmp_path, [*argv, "--chunk-rows", "off"])
+    assert shared == [] and off["rows"][0]["chunk_rows"] == "off"
+    assert off["rows"][0]["output_tokens"] == on["rows"][0]["output_tokens"] == 4 * 4
+
+
 def test_a_peer_past_its_time_limit_is_a_row_with_the_reason(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "1", "--sets", "fixed", *SMALL, "--peer", "static",
                            "--peer-timeout-s", "0.01"])
     peer = next(r for r in doc["rows"] if r["engine"].startswith("hf_"))
     assert peer["tok_s"] is None and "did not finish within --peer-timeout-s" in peer["error"]
+    assert "stopped in " in peer["error"] or "stopped before Python started" in peer["error"], peer
+
+
+def test_the_peer_takes_prompts_past_the_argv_limit_and_says_where_its_time_went(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """64 prompts of 1K tokens as one argv string are past Linux's 128 KiB per-argument limit (E2BIG): the
+    peer reads them from a file, removed after, and its row gives each phase's seconds."""
+    import argparse
+    import json
+    import tempfile
+
+    from engine.bench.common import device_of, prepare_model, random_prompt
+    from engine.bench.throughput import peer_row
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    path = prepare_model("random:tiny", device_of("cpu"))
+    prompts = [random_prompt(4600, 512, seed=i) for i in range(8)]
+    assert len(json.dumps(prompts)) > 131072  # one argv string this long fails with OSError E2BIG
+    args = argparse.Namespace(peer="eager", peer_dtype="float32", peer_timeout_s=300.0)
+    row = peer_row(args, path, device_of("cpu"), prompts, 2)
+    assert row["error"] is None and row["tok_s"] > 0, row
+    phases = row["peer_phases_s"]
+    assert list(phases)[:2] == ["importing torch and transformers", "loading the checkpoint"], phases
+    assert "warm-up call 1 of 1" in phases and "1 timed call" in phases
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert list(scratch.iterdir()) == []  # the request and progress files are gone
 
 
 def test_the_floor_reads_the_live_kv_as_well_as_the_weights() -> None:

@@ -177,8 +177,8 @@ def test_a_long_prefill_is_chunked_between_the_decodes_of_running_slots() -> Non
 
 
 def test_the_seed_scenario_a_fresh_176k_prompt_never_stalls_six_mtp_decodes() -> None:
-    config = EngineConfig(batch=7, context=262144)  # default chunk 2048, budget 4096
-    sched = Scheduler.from_config(config, PrefixIndex(256, 4096), draft_tokens=1)
+    config = EngineConfig(batch=7, context=262144)  # default chunk 2048; the budget the rule's floor gives
+    sched = Scheduler.from_config(config, PrefixIndex(256, 4096), 4096, draft_tokens=1)
     for i in range(6):
         sched.add(req(f"d{i}", prompt_tokens=100, max_tokens=10_000, seed=i))
     run_plan(sched, sched.schedule())
@@ -545,3 +545,13 @@ def _pinned(sched: Scheduler) -> set[int]:
     its capacity)."""
     index = sched.prefix_index
     return {block_id for block_id in range(index.capacity_blocks) if index.is_pinned(block_id)}
+
+
+def test_from_config_needs_a_budget_where_the_config_leaves_it_to_the_device() -> None:
+    config = EngineConfig(batch=2, prefill_chunk_tokens=512, context=2048)  # no --step-token-budget
+    assert config.step_token_budget is None
+    assert Scheduler.from_config(config, PrefixIndex(BT, 8), 8192).step_token_budget == 8192
+    with pytest.raises(ConfigError, match="step_token_budget"):
+        Scheduler.from_config(config, PrefixIndex(BT, 8))
+    given = EngineConfig(batch=2, prefill_chunk_tokens=512, step_token_budget=1024, context=2048)
+    assert Scheduler.from_config(given, PrefixIndex(BT, 8), 8192).step_token_budget == 1024  # the option wins

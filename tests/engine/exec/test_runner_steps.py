@@ -226,12 +226,13 @@ def test_on_the_kernel_path_few_query_steps_take_one_key_per_batch_as_contexts_g
     monkeypatch.setattr(kv_cache, "kernel_backend", lambda device: RecordingKernels())
     executor = RecordingExecutor()
     engine = make_engine(ckpt, batch=2, batch_mtp=batch_mtp, mtp_depth=2, executor=executor)
+    engine.runner._eager = executor  # both prompts' chunks as rows of one forward run on the eager executor
     assert tokens_of(run_all(engine, prompts, params)) == reference
     step_keys = {(kind, key) for kind, key, _ in executor.calls if kind in steps}
     assert step_keys and {key.shape[-1] for _, key in step_keys} == {"L1024"}, step_keys  # the context
     assert len({(kind, key.shape[0]) for kind, key in step_keys}) == len(step_keys)  # one key per kind and batch
     assert spans == {1024}, spans  # each kernel call was handed the whole context
-    chunk_spans = {key.shape[1] for kind, key, _ in executor.calls if key.runs_chunks}
+    chunk_spans = {key.shape[-1] for kind, key, _ in executor.calls if key.runs_chunks}
     assert "L256" in chunk_spans, chunk_spans
 
 

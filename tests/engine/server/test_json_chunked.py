@@ -89,3 +89,24 @@ def test_strings_longer_than_a_piece_parse_to_the_same_value_in_steps(piece) -> 
     long = "a" * (2 * json_chunked.CHUNK_CHARS)
     for broken in ('{"p": "' + long + '\x01"}', '{"p": "' + long + '\\q"}', '{"p": "' + long, '["' + long + '\\'):
         _same(broken)
+
+
+@pytest.mark.parametrize("text, head", [
+    ('{"model": "m", "prompt": "hello wor', "hello wor"),
+    ('{"prompt": "caf\\u00e9 ok', "café ok"),
+    ('{"prompt": "a\\"b\\u00', "a"),  # a cut escape is left out, with what is near it
+    ('{"prompt": "tail\\\\', "tail"),
+])
+def test_a_text_member_the_prefix_ends_inside_is_handed_back_decoded(text: str, head: str) -> None:
+    with pytest.raises(json_chunked.UnendedText) as info:
+        json_chunked.finish(json_chunked.loads_steps(text, None, {}, frozenset({"prompt"})))
+    assert (info.value.member, info.value.head) == ("prompt", head)
+
+
+def test_an_ended_text_member_or_another_members_text_is_parsed_as_before() -> None:
+    with pytest.raises(ValueError) as info:  # the prefix ends later: the usual error, no head
+        json_chunked.finish(json_chunked.loads_steps('{"prompt": "a \\" b", "x": "unen', None, {},
+                                                     frozenset({"prompt"})))
+    assert not isinstance(info.value, json_chunked.UnendedText)
+    whole = '{"prompt": "a \\" b", "x": 1}'
+    assert json_chunked.loads(whole) == json.loads(whole)

@@ -27,8 +27,8 @@ from engine.telemetry import (
     VramEvent,
     WarningEvent,
 )
-from strata_tui.expert_view import ExpertView
-from strata_tui.prefill_eta import PrefillTrack
+from strata_tui.state.expert_view import ExpertView
+from strata_tui.state.prefill_eta import PrefillTrack
 
 GRAPH_SEVERITY = {"capture": 0, "release": 0, "evict": 1, "retry": 1, "wait": 1, "fail": 2, "degrade": 2}
 # The number keys 1-9 toggle the registry's first nine switches, in its order (new switches go last).

@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from engine.snapshot import EngineSnapshot
 from engine.telemetry import EngineEvent, ErrorEvent
-from strata_tui.messages import (
+from strata_tui.engine_io.foreign import EndpointRead
+from strata_tui.engine_io.messages import (
     EngineExited,
     EngineLiveness,
     EngineNews,
@@ -33,11 +34,11 @@ from strata_tui.messages import (
     TelemetryBatch,
     TelemetryStatus,
 )
-from strata_tui.foreign import EndpointRead
-from strata_tui.view_state import CrashInfo, ViewState
+from strata_tui.state.view_state import CrashInfo, ViewState
 
 TELEMETRY_DRAIN_S = 1.0
 RESULT_HINT = "result in the panel below (escape closes it)"  # an exited engine's stream may still hold its last events (the fatal error)
+REASON_CHARS = 120  # a reason on the one-line status bar: the route and the limit fit
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ def _stream_status(view: ViewState, message: TelemetryStatus, now_s: float, wall
     if not message.connected and view.telemetry_connected:
         view.resyncing = True  # whoever answers next may be another engine
     view.telemetry_connected = message.connected
+    view.telemetry_reason = "" if message.connected else message.reason[:REASON_CHARS]
     view.changed()
     return []
 

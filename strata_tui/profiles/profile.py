@@ -2,7 +2,7 @@
 
 A profile lives at `<config dir>/profiles/<name>.toml` with three sections: `[engine]` (EngineConfig
 fields, validated by `EngineConfig.from_mapping`), `[switches]` (`STRATA_* = bool`) and `[tui]` (refresh
-interval, reserve steps). This module is the data and its validation; `profile_store` reads and edits the
+interval, reserve steps). This module is the data and its validation; `store.py` reads and edits the
 files. A file that does not parse or validate, for any reason, is a `ProfileError` with its path, line
 and key.
 """
@@ -21,7 +21,7 @@ import platformdirs
 from engine.config import BUILTIN_MODEL, EngineConfig
 from engine.errors import ConfigError, StrataError
 from engine.switches import get_switch
-from strata_tui.kinds import ForeignEngine, env_table, parse_foreign
+from strata_tui.profiles.kinds import ForeignEngine, env_table, parse_foreign
 
 CONFIG_DIR_ENV = "STRATA_TUI_CONFIG_DIR"
 DEFAULT_PROFILE = "default"
@@ -81,7 +81,7 @@ class Profile:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model=BUILTIN_MODEL, device="auto"))
     tui: TuiSettings = field(default_factory=TuiSettings)
     env: Mapping[str, str] = field(default_factory=dict)  # `[env]`: into the engine's environment
-    foreign: ForeignEngine | None = None  # `[engine] kind = "vllm" | "sglang" | "llamacpp"` (strata_tui/kinds.py)
+    foreign: ForeignEngine | None = None  # `[engine] kind = "vllm" | "sglang" | "llamacpp"` (profiles/kinds.py)
     # The digest of the file text this profile was read from (None: built in code). A save of a profile read
     # before the file changed is refused (ProfileStore.save): it would write stale values back.
     origin: str | None = field(default=None, compare=False, repr=False)
@@ -185,7 +185,7 @@ def _parse_profile(name: str, text: str, path: Path) -> Profile:
 
 
 def _parse_foreign_profile(name: str, kind: Any, engine_values: dict, doc: dict, text: str, path: Path) -> Profile:
-    """A vLLM / SGLang / llama.cpp profile: its own options (strata_tui/kinds.py); no Strata switches."""
+    """A vLLM / SGLang / llama.cpp profile: its own options (strata_tui/profiles/kinds.py); no Strata switches."""
     if doc.get("switches"):
         raise ProfileError(path, f"[switches] are Strata's; kind {kind!r} takes [env] and extra_args",
                            _line_of(text, "switches", table=True), "switches")

@@ -202,7 +202,7 @@ class EngineProcess:
         return proc.returncode
 
     def hand_off(self, timeout_s: float) -> None:
-        """SIGTERM the group and leave the rest of the stop to `strata_tui/reaper.py`, a process of its own
+        """SIGTERM the group and leave the rest of the stop to `strata_tui/engine_io/reaper.py`, a process of its own
         that drains the engine's output pipes and SIGKILLs the group if it is still there after `timeout_s`:
         the app can exit at once and the engine still ends."""
         proc = self._proc

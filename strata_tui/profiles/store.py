@@ -6,7 +6,7 @@ and formatting stay as written), checks that the result still validates, and rep
 temp file, fsync and os.replace. In-memory values are never written over what is on disk: a change is a
 set of keys, not a whole profile. Creation is exclusive (os.link of a complete temp file), so two
 processes creating one name cannot both succeed. Temp files a killed save left behind are removed when
-the app starts. A save holds an advisory lock on the profile (`profile_files.locked`) from its read to its
+the app starts. A save holds an advisory lock on the profile (`files.locked`) from its read to its
 rename, so two app instances saving one profile take turns and every save lands. Only regular files of at
 most `MAX_PROFILE_BYTES` are read (a FIFO is left out of the list, a huge file is listed as broken, and
 neither blocks); a symlinked profile is written through its link, and a save keeps the file's mode.
@@ -30,10 +30,10 @@ from tomlkit.items import Table
 
 from engine.errors import ConfigError
 from engine.switches import get_switch
-from strata_tui.profile_files import (MAX_PROFILE_BYTES, TEMP_SUFFIX, UnreadableProfile, is_regular_file, locked,
-                                      read_profile_text, write_atomic)
-from strata_tui.profiles import (DEFAULT_PROFILE, Profile, ProfileError, check_name, default_config_dir,
-                                 parse_profile)
+from strata_tui.profiles.files import (MAX_PROFILE_BYTES, TEMP_SUFFIX, UnreadableProfile, is_regular_file, locked,
+                                       read_profile_text, write_atomic)
+from strata_tui.profiles.profile import (DEFAULT_PROFILE, Profile, ProfileError, check_name, default_config_dir,
+                                         parse_profile)
 
 __all__ = ["MAX_PROFILE_BYTES", "ProfileChanged", "ProfileStore", "diff_profiles"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from strata_tui.controls import Controls
-from strata_tui.launcher import EngineProcess
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
-from strata_tui.view_state import ViewState
+from strata_tui.actions.controls import Controls
+from strata_tui.engine_io.launcher import EngineProcess
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
+from strata_tui.state.view_state import ViewState
 
 
 class StrataHost(Protocol):

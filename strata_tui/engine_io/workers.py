@@ -15,10 +15,10 @@ import httpx
 from textual.worker import get_current_worker
 
 from engine.snapshot import ExpertCacheSnapshot, KvSnapshot, QueueSnapshot
-from strata_tui.gpu import NvmlSampler
-from strata_tui.http_errors import describe_http_error, plain_error
-from strata_tui.launcher import EngineProcess
-from strata_tui.messages import (
+from strata_tui.engine_io.gpu import NvmlSampler
+from strata_tui.engine_io.http_errors import describe_http_error, plain_error
+from strata_tui.engine_io.launcher import EngineProcess
+from strata_tui.engine_io.messages import (
     EngineExited,
     EngineLiveness,
     EngineOutput,
@@ -29,7 +29,7 @@ from strata_tui.messages import (
     LoadProgress,
     StateSnapshot,
 )
-from strata_tui.telemetry_client import Post, TelemetryClient
+from strata_tui.engine_io.telemetry_client import Post, TelemetryClient
 
 # A stop is seen within LIVENESS_SILENCE_S: each probe may take what is left of that since the last answer,
 # so probes 0.25-0.5 s apart (not every 0.1 s: each costs the app a few milliseconds of CPU, most of its idle

@@ -1,7 +1,7 @@
 """Messages the workers post up to the app. Dataclasses, one file (as Toolong does).
 
 Every one is `EngineNews`: the app has one handler for them all (`StrataApp.on_engine_news`), which hands
-each to the reducer (`strata_tui/reducer.py`). `run` names the engine run (or attachment) a message belongs
+each to the reducer (`strata_tui/state/reducer.py`). `run` names the engine run (or attachment) a message belongs
 to; news of a run that is over is dropped there.
 
 High-rate messages that carry a whole picture (GPU readings, connection status) define `can_replace`, so
@@ -18,7 +18,7 @@ from textual.message import Message
 
 from engine.snapshot import ExpertCacheSnapshot, KvPagingSnapshot
 from engine.telemetry import Event
-from strata_tui.gpu import GpuSample
+from strata_tui.engine_io.gpu import GpuSample
 
 
 class EngineNews(Message):

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from strata_tui.host_stats import HostReading
+    from strata_tui.engine_io.host_stats import HostReading
 
-# The ViewState (strata_tui/view_state.py, which holds a History: typed as Any here, not imported, so the two
+# The ViewState (strata_tui/state/view_state.py, which holds a History: typed as Any here, not imported, so the two
 # modules do not import each other).
 ViewState = Any
 

@@ -10,7 +10,7 @@ from textual.app import SystemCommand
 from engine.switches import SWITCHES
 
 if TYPE_CHECKING:
-    from strata_tui.host import StrataHost
+    from strata_tui.actions.host import StrataHost
 
 
 def palette_commands(app: "StrataHost") -> Iterable[SystemCommand]:

@@ -1,6 +1,6 @@
 """Everything the screens draw, in one object. Pure Python, no Textual.
 
-The reducer (`strata_tui/reducer.py`) folds the workers' news into it and Controls its keys; each of the
+The reducer (`strata_tui/state/reducer.py`) folds the workers' news into it and Controls its keys; each of the
 monitor's widgets is handed it and reads its own slice on its own refresh tick (strata_tui/widgets/view_bound.py).
 `version` moves on every change, so a tick with nothing new does nothing. The engine as seen through telemetry
 is `monitor` (MonitorState); the rest is what the app itself knows: the profile, the process and connection, GPU
@@ -17,10 +17,10 @@ from typing import Iterable
 from engine.telemetry import Event
 from strata_tui.adapters.crash_lines import pick_engine_error
 from strata_tui.adapters.view import ForeignView
-from strata_tui.gpu import GpuHistory
-from strata_tui.history import History
-from strata_tui.monitor_state import MonitorState
-from strata_tui.profiles import Profile, ProfileError, TuiSettings
+from strata_tui.engine_io.gpu import GpuHistory
+from strata_tui.profiles.profile import Profile, ProfileError, TuiSettings
+from strata_tui.state.history import History
+from strata_tui.state.monitor_state import MonitorState
 
 LOG_LINES = 2000
 STDERR_TAIL = 40
@@ -85,6 +85,7 @@ class ViewState:
     run: int = 0  # the engine run (or attachment) news is taken from; older runs' news is dropped
     engine_url: str | None = None
     telemetry_connected: bool | None = None
+    telemetry_reason: str = ""  # why the event stream dropped; shown while it reconnects
     unreachable_since: float | None = None  # wall clock of the first failure since the last success
     unreachable_reason: str = ""  # why the last probe failed; shown only while unreachable
     # The engine instance the monitor's state was read from (/strata/state's `instance_id`, else its start
@@ -103,7 +104,7 @@ class ViewState:
     load_progress: str = ""  # its latest step
     load_result: str | None = None  # the last scenario's result, for its panel
     crash: CrashInfo | None = None
-    kind: str = "strata"  # the engine watched: strata | vllm | sglang | llamacpp (strata_tui/kinds.py)
+    kind: str = "strata"  # the engine watched: strata | vllm | sglang | llamacpp (strata_tui/profiles/kinds.py)
     foreign: ForeignView | None = None  # a non-Strata engine's endpoints, as its adapter reads them
     _changes: int = 0
 

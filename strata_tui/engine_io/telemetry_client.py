@@ -5,6 +5,11 @@ connection with `Last-Event-ID` set to the last sequence number it saw, so the e
 the gap. It yields batches (every event completed by one network read), which keeps message traffic into
 the UI proportional to reads, not to events. `stream_telemetry` is the worker body that follows it and posts
 the batches to the app: the stream is read, parsed and posted in this one file.
+
+The engine is read as untrusted, as the other engines' adapters read theirs (strata_tui/adapters/base.py): every
+body is read to a limit and no further (TooLarge), `/strata/state` within a deadline for the whole read (a server
+that trickles never trips a read timeout), and an event of the stream past the parser's limit (EventTooLarge)
+drops the connection, which is tried again after the usual back-off. Each says why in the status line.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import httpx
 
 from engine.telemetry import Event, event_from_json
-from strata_tui.messages import StateSnapshot, TelemetryBatch, TelemetryStatus
-from strata_tui.sse import SSEParser
+from strata_tui.adapters.base import MAX_BODY_BYTES, TooLarge, fetch, read_body
+from strata_tui.engine_io.http_errors import describe_http_error
+from strata_tui.engine_io.messages import StateSnapshot, TelemetryBatch, TelemetryStatus
+from strata_tui.engine_io.sse import MAX_EVENT_CHARS, EventTooLarge, SSEParser
 
 Post = Callable[[Any], Any]  # the app's post_message (bound to the run): how a worker reports
+STATE_DEADLINE_S = 10.0  # one whole /strata/state read; a big engine's answers in milliseconds
+MAX_ANSWER_BYTES = 64 << 10  # /health and the control routes answer a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,9 @@ class TelemetryClient:
         transport: httpx.AsyncBaseTransport | None = None,
         reconnect_s: float = 0.5,
         max_reconnect_s: float = 5.0,
+        max_state_bytes: int = MAX_BODY_BYTES,
+        max_event_chars: int = MAX_EVENT_CHARS,
+        state_deadline_s: float = STATE_DEADLINE_S,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
@@ -52,6 +64,9 @@ class TelemetryClient:
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, transport=transport)
         self.reconnect_s = reconnect_s
         self.max_reconnect_s = max_reconnect_s
+        self.max_state_bytes = max_state_bytes
+        self.max_event_chars = max_event_chars
+        self.state_deadline_s = state_deadline_s
         self.last_data_s: float | None = None  # monotonic time of the event stream's last bytes: the engine answers
         self.last_seq = 0
         self.last_event_id: str | None = None  # "EPOCH-SEQ": the engine resumes us, or replays after a restart
@@ -69,20 +84,27 @@ class TelemetryClient:
         await self._http.aclose()
 
     async def state(self) -> dict[str, Any]:
-        """GET /strata/state."""
-        response = await self._http.get("/strata/state")
-        response.raise_for_status()
-        return response.json()
+        """GET /strata/state, read whole within `state_deadline_s` and to `max_state_bytes` at most. Raises
+        TooLarge, TimeoutError (saying how long it waited) or ValueError (not 200, not JSON) with the reason."""
+        try:
+            async with asyncio.timeout(self.state_deadline_s):  # a trickle never trips httpx's read timeout
+                status, body = await fetch(self._http, "/strata/state", self.max_state_bytes)
+        except TimeoutError:
+            raise TimeoutError(f"no whole answer from /strata/state in {self.state_deadline_s:.0f} s") from None
+        if status != 200:
+            raise ValueError(f"/strata/state answered {status}: {_message_of(_json_or_none(body), _text(body))}")
+        return json.loads(body)
 
     async def health(self, timeout_s: float | None = None) -> tuple[bool, str]:
         """GET /health: (ready, reason). Raises httpx errors when the engine does not answer in time."""
         timeout = httpx.Timeout(timeout_s) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
-        response = await self._http.get("/health", timeout=timeout)
         try:
-            reason = response.json().get("reason", response.text)
-        except (ValueError, AttributeError):
-            reason = response.text
-        return response.status_code == 200, str(reason)
+            status, body = await fetch(self._http, "/health", MAX_ANSWER_BYTES, timeout=timeout)
+        except TooLarge as exc:
+            return False, str(exc)
+        answer = _json_or_none(body)
+        reason = answer.get("reason", _text(body)) if isinstance(answer, dict) else _text(body)
+        return status == 200, str(reason)
 
     async def set_switch(self, name: str, enabled: bool) -> ControlResult:
         """POST /strata/switches/{NAME}; a 409 means the switch is read at start only."""
@@ -97,14 +119,18 @@ class TelemetryClient:
 
     async def _post(self, path: str, payload: dict[str, Any]) -> ControlResult:
         try:
-            response = await self._http.post(path, json=payload)
+            async with asyncio.timeout(self.state_deadline_s):
+                async with self._http.stream("POST", path, json=payload) as response:
+                    raw = await read_body(response, path, MAX_ANSWER_BYTES)
+        except TooLarge as exc:
+            return ControlResult(False, 0, str(exc))
+        except TimeoutError:
+            return ControlResult(False, 0, f"no whole answer from {path} in {self.state_deadline_s:.0f} s")
         except httpx.HTTPError as exc:
             return ControlResult(False, 0, f"{type(exc).__name__}: {exc}")
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        return ControlResult(response.is_success, response.status_code, _message_of(body, response.text), body)
+        body = _json_or_none(raw)
+        return ControlResult(response.is_success, response.status_code, _message_of(body, _text(raw)),
+                             body if isinstance(body, dict) else None)
 
     async def events(
         self,
@@ -118,19 +144,20 @@ class TelemetryClient:
             headers = {"Accept": "text/event-stream"}
             if self.last_event_id is not None:
                 headers["Last-Event-ID"] = self.last_event_id
+            backoff_s = delay_s
             try:
                 async with self._http.stream("GET", "/strata/events", headers=headers) as response:
                     if response.status_code != 200:
-                        await response.aread()
+                        raw = await read_body(response, "/strata/events", MAX_ANSWER_BYTES)
                         raise httpx.HTTPStatusError(
-                            f"{response.status_code} {_message_of(_json_or_none(response), response.text)}",
+                            f"{response.status_code} {_message_of(_json_or_none(raw), _text(raw))}",
                             request=response.request, response=response)
                     if on_connect:
                         await on_connect()
                     if on_status:
                         on_status(True, "connected")
                     delay_s = self.reconnect_s
-                    parser = SSEParser()
+                    parser = SSEParser(self.max_event_chars)
                     first = True
                     async for chunk in response.aiter_text():
                         self.last_data_s = time.monotonic()
@@ -140,7 +167,9 @@ class TelemetryClient:
                             yield batch
                 reason = "event stream ended"
             except (httpx.HTTPError, OSError, ValueError) as exc:  # ValueError: a state body that is not JSON
-                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                reason = _drop_reason(exc)
+                if isinstance(exc, EventTooLarge):
+                    delay_s = backoff_s  # it connected, but sends what cannot be read: no quicker retry for that
             if on_status:
                 on_status(False, reason)
             self._wake.clear()
@@ -202,7 +231,7 @@ async def stream_telemetry(post: Post, client: TelemetryClient, batch_s: float =
         post(TelemetryStatus(connected, reason))
 
     async def on_connect() -> None:
-        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/reducer.py).
+        # Which engine this is, the reducer tells from the snapshot's instance id (strata_tui/state/reducer.py).
         snapshot = await client.state()
         flush()
         post(StateSnapshot(snapshot))
@@ -224,11 +253,27 @@ async def stream_telemetry(post: Post, client: TelemetryClient, batch_s: float =
         flush()
 
 
-def _json_or_none(response: httpx.Response) -> Any:
+def _drop_reason(exc: BaseException) -> str:
+    """Why the stream was dropped, for the status line: the route and the limit it passed, the deadline, or the
+    connection's failure in words."""
+    if isinstance(exc, EventTooLarge):
+        return f"/strata/events: {exc}: dropped"
+    if isinstance(exc, (TooLarge, TimeoutError)) and str(exc):
+        return str(exc)
+    if isinstance(exc, (httpx.HTTPError, OSError)):
+        return describe_http_error(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _json_or_none(body: bytes) -> Any:
     try:
-        return response.json()
+        return json.loads(body)
     except ValueError:
         return None
+
+
+def _text(body: bytes) -> str:
+    return body[:4096].decode("utf-8", "replace")
 
 
 def _message_of(body: Any, fallback: str) -> str:

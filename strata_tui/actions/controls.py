@@ -16,10 +16,10 @@ from engine.config import VRAM_RESERVE_MAX_MIB
 from engine.errors import StrataError
 from engine.snapshot import ExpertCacheSnapshot
 from engine.switches import SWITCHES, get_switch
-from strata_tui.profile_store import ProfileStore
-from strata_tui.profiles import Profile
-from strata_tui.telemetry_client import TelemetryClient
-from strata_tui.view_state import ViewState
+from strata_tui.engine_io.telemetry_client import TelemetryClient
+from strata_tui.profiles.profile import Profile
+from strata_tui.profiles.store import ProfileStore
+from strata_tui.state.view_state import ViewState
 
 DEFAULT_SCENARIO = "seed"
 SHORT_MAX_TOKENS = 128  # tokens each of the seed's short generations asks for from `l`
@@ -251,7 +251,7 @@ class Controls:
             return
         if self.view.profile is None and not self.view.attached:
             return
-        from strata_tui.expert_view import budget_step_mib
+        from strata_tui.state.expert_view import budget_step_mib
 
         new_mib = budget_step_mib(experts.snapshot, direction)
         if new_mib is None:
@@ -297,7 +297,7 @@ class Controls:
             self.view.changed()
             self._notify(self.view.status_note, severity="warning")
             return
-        from strata_tui.workers import run_load
+        from strata_tui.engine_io.workers import run_load
 
         api_key = self.view.profile.engine.api_key if self.view.profile else None
         self.view.load_running, self.view.load_progress = name, f"load {name}: starting"

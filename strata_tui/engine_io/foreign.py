@@ -1,6 +1,6 @@
 """The app's side of engines other than Strata: messages and worker bodies for detecting which engine answers,
 waiting for a launched one's health route, and reading every endpoint on its own loop (one unreachable node
-is marked while the others keep updating). Like strata_tui/workers.py, the bodies only call `post`."""
+is marked while the others keep updating). Like strata_tui/engine_io/workers.py, the bodies only call `post`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from textual.message import Message
 from strata_tui.adapters import adapter_for, detect
 from strata_tui.adapters.base import READING, TooLarge
 from strata_tui.adapters.view import EndpointView, ForeignView
-from strata_tui.http_errors import describe_http_error
-from strata_tui.launcher import EngineProcess
-from strata_tui.messages import EngineNews
+from strata_tui.engine_io.http_errors import describe_http_error
+from strata_tui.engine_io.launcher import EngineProcess
+from strata_tui.engine_io.messages import EngineNews
 
 Post = Callable[[Any], Any]
 READ_INTERVAL_S = 1.0
@@ -81,11 +81,12 @@ async def wait_ready(post: Post, process: EngineProcess, url: str, health_path: 
             await asyncio.sleep(READY_POLL_S)
             if process.pid is not None and not process.running:
                 return
-            try:
-                response = await client.get(health_path)
-            except httpx.HTTPError:
+            try:  # its status only (the body is not read), within a deadline (a head may trickle)
+                async with asyncio.timeout(READ_DEADLINE_S), client.stream("GET", health_path) as response:
+                    status = response.status_code
+            except (httpx.HTTPError, TimeoutError):
                 continue
-            if response.status_code == 200:
+            if status == 200:
                 process.ready_url = url
                 post(make_message(url, run))
                 return
