@@ -124,7 +124,7 @@ async def test_strata_read_as_the_other_engines_shows_a_decode_rate_while_its_sl
     import sys
 
     from strata_tui.adapters import adapter_for
-    from strata_tui.launcher import READY_RE
+    from strata_tui.engine_io.launcher import READY_RE
 
     engine = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "engine.cli", "serve", "--model", str(checkpoint), "--device", "cpu", "--batch", "4",

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 from engine.telemetry import SlotEvent, VramEvent
-from strata_tui.messages import TelemetryBatch
+from strata_tui.engine_io.messages import TelemetryBatch
 from strata_tui.widgets.gpu_panel import GpuPanel
 from strata_tui.widgets.slots_table import SlotsTable
 from strata_tui.widgets.view_bound import ViewBound
-from strata_tui.workers import LIVENESS_SILENCE_S, watch_liveness
+from strata_tui.engine_io.workers import LIVENESS_SILENCE_S, watch_liveness
 from tests.tui.conftest import offline_app, screen_text, wait_for
 
 
