@@ -72,7 +72,8 @@ async def measure(args: argparse.Namespace) -> dict:
     proc, url = await start_engine(args)
     state = MonitorState.for_profile({}, 0)
     client = TelemetryClient(url)
-    follow = asyncio.create_task(_follow(client, state))
+    ends: dict[str, float] = {}  # request id -> engine stamp of its first slot event past prefill
+    follow = asyncio.create_task(_follow(client, state, ends))
     rng = random.Random(args.seed)
     prompt = [rng.randrange(1, args.vocab) for _ in range(args.prompt_tokens)]
     decoders: list[asyncio.Task] = []
@@ -110,6 +111,9 @@ async def measure(args: argparse.Namespace) -> dict:
             response = await request
             done_s = time.monotonic()
             response.raise_for_status()
+            waited_s = done_s + 2.0  # the first token's event may come a moment after the response
+            while last_track is not None and last_track.request_id not in ends and time.monotonic() < waited_s:
+                await asyncio.sleep(0.02)
     finally:
         for task in decoders:
             task.cancel()
@@ -135,6 +139,9 @@ async def measure(args: argparse.Namespace) -> dict:
         # (tokens with KV, engine seconds since admission) after each chunk: the cost curve, for replaying
         "chunks": [[x, round(t - last_track.admitted_ts, 3)] for t, x, _ in last_track.samples]
         if last_track is not None and last_track.admitted_ts else [],
+        # the first token's engine stamp on the same clock: the last chunk's end, so a replay knows the whole curve
+        "first_token_s": round(ends[last_track.request_id] - last_track.admitted_ts, 3)
+        if last_track is not None and last_track.admitted_ts and last_track.request_id in ends else None,
     }
 
 
@@ -148,9 +155,12 @@ async def _decode(http: httpx.AsyncClient, model: str, rng: random.Random, args:
             pass
 
 
-async def _follow(client: TelemetryClient, state: MonitorState) -> None:
+async def _follow(client: TelemetryClient, state: MonitorState, ends: dict[str, float]) -> None:
     async for batch in client.events():
         state.apply_all(batch)
+        for event in batch:  # max_tokens=1: the slot goes from prefill to finished (no decode event)
+            if event.type == "slot" and event.request_id and event.state in ("decode", "finished"):
+                ends.setdefault(event.request_id, event.ts)
 
 
 def _largest_jump(etas: list[tuple[float, float, float]], floor_s: float = 1.0) -> dict | None:

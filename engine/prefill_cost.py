@@ -9,12 +9,14 @@ beside them on a side stream), which the fit takes in as part of each token's co
 share steady). But the first chunks beside decodes also pay one-time costs: a kernel compiled or a graph
 captured for each new chunk size the pacer picks, the wait before the first chunk ran. Fitted as if every
 chunk paid them, they are spread over the rest of the prompt and the ETA comes out too long; `fit_chunks`
-fits the curve again without the chunks far over it.
+fits the curve again without the chunks far over it, and without those far under it (a lull in the device's
+other work, on a shared CPU), which would set the slope as much.
 """
 
 from __future__ import annotations
 
 ONE_TIME_COST_RATIO = 2.0  # a chunk that took this many times the fit's prediction paid a one-time cost
+LULL_RATIO = 2.0  # a chunk that took under the prediction over this ran in a lull of the device's other work
 MIN_USUAL_CHUNKS = 2  # the refit without such chunks needs at least this many others
 
 
@@ -59,17 +61,24 @@ def fit_chunks(chunks: list[tuple[int, int, float]]) -> tuple[float, float] | No
     A chunk that took more than ONE_TIME_COST_RATIO times the fit's prediction paid a one-time cost (a kernel
     compiled or a graph captured for a new chunk size beside the decoding slots, the wait before the first chunk
     ran): the curve is fitted again without such chunks (but the latest), so their cost is not spread over the
-    rest of the prompt."""
+    rest of the prompt. So is a chunk that took under 1/LULL_RATIO of it: on a shared CPU one chunk ran while the
+    other work paused (0.4-1.4 ms a token between chunks of 4-30 ms beside four decoding slots), and fitted, the lull
+    set the slope (the ETA at halfway came out 61 % short on such a recorded run, 17 % without it)."""
     chunks = [(x0, x1, dt) for x0, x1, dt in chunks if x1 > x0 and dt >= 0]
     if not chunks:
         return None
     a, b = _fit(chunks)
     # The latest chunk stays whatever it took: it is the best word on the pace now (a step up in cost starts
     # there), and a one-time cost it paid is left out once later chunks show it was one.
-    usual = [c for c in chunks[:-1] if c[2] <= ONE_TIME_COST_RATIO * span_cost_s(a, b, c[0], c[1])] + chunks[-1:]
+    usual = [c for c in chunks[:-1] if _usual(c, span_cost_s(a, b, c[0], c[1]))] + chunks[-1:]
     if MIN_USUAL_CHUNKS <= len(usual) < len(chunks):
         a, b = _fit(usual)
     return a, b
+
+
+def _usual(chunk: tuple[int, int, float], predicted_s: float) -> bool:
+    """Neither a one-time cost nor a lull: the chunk's seconds within the ratios of the fit's prediction."""
+    return predicted_s / LULL_RATIO <= chunk[2] <= ONE_TIME_COST_RATIO * predicted_s
 
 
 def _fit(chunks: list[tuple[int, int, float]]) -> tuple[float, float]:

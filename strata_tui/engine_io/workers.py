@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from typing import Any, Callable
 
 import httpx
@@ -31,12 +32,17 @@ from strata_tui.engine_io.messages import (
 from strata_tui.engine_io.telemetry_client import Post, TelemetryClient
 
 # A stop is seen within LIVENESS_SILENCE_S: each probe may take what is left of that since the last answer,
-# so a probe every 0.25 s (not every 0.1 s: each costs the app a few milliseconds of CPU, most of its idle
-# cost) still notices a stopped engine as soon as a faster probe would. An engine busy with a long chunk
+# so probes 0.25-0.5 s apart (not every 0.1 s: each costs the app a few milliseconds of CPU, most of its idle
+# cost) still notice a stopped engine as soon as a faster probe would. An engine busy with a long chunk
 # answers /health in time (the server's event loop answers it from the health the engine thread keeps, and
 # its access lines are DEBUG).
 LIVENESS_INTERVAL_S = 0.25
 LIVENESS_SILENCE_S = 0.85
+# What a probe is left to answer in, at the least, when the gap between probes is stretched: an engine that
+# answers in milliseconds is asked every 0.5 s (half the probes of an idle app), one whose answers take longer
+# (a loaded machine) is asked more often so that each probe keeps four times its slowest recent answer.
+PROBE_BUDGET_S = 0.35
+_ANSWERS_KEPT = 8
 
 
 async def run_engine(post: Post, process: EngineProcess, run: int) -> None:
@@ -113,15 +119,24 @@ async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float 
     (stopped, swapping, wedged), is reported `silence_s` after its last answer at the latest. Its event
     stream can stay silent for many seconds when idle, so the stream alone cannot tell; but bytes on the
     stream are an answer too: while a busy engine's events keep coming, no probe is sent (a probe costs the
-    app more CPU than a read of the stream does)."""
+    app more CPU than a read of the stream does). While it answers promptly, probes are PROBE_BUDGET_S short of
+    `silence_s` apart (the last may take that long), down to `interval_s` when its answers are slow."""
     answering: bool | None = None
     last_answer_s = time.monotonic()
+    answer_times_s: deque[float] = deque(maxlen=_ANSWERS_KEPT)
     while True:
         started = time.monotonic()
         heard_s = client.last_data_s
-        if answering and heard_s is not None and started - heard_s < interval_s:
+        if answering and heard_s is not None:
             last_answer_s = max(last_answer_s, heard_s)
-            await asyncio.sleep(interval_s)
+        # While it answers, the next probe is due a gap after the last answer (a probe or bytes on the stream);
+        # while it does not, every interval_s.
+        gap_s = interval_s
+        if answering:
+            slowest_s = max(answer_times_s, default=0.0)
+            gap_s = max(interval_s, silence_s - max(PROBE_BUDGET_S, 4 * slowest_s))
+        if answering and started - last_answer_s < gap_s:
+            await asyncio.sleep(min(gap_s, last_answer_s + gap_s - started))
             continue
         # While it answers, a probe may take what is left of the silence allowed since the last answer.
         budget_s = max(0.05, last_answer_s + silence_s - started) if answering else silence_s
@@ -129,12 +144,14 @@ async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float 
             await client.health(timeout_s=budget_s)
             now, reason = True, "answering"
             last_answer_s = time.monotonic()
+            answer_times_s.append(last_answer_s - started)
         except (httpx.HTTPError, OSError) as exc:
             now, reason = False, describe_http_error(exc)
         if now != answering:
             answering = now
             post(EngineLiveness(now, reason))
-        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+        if not now:
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
 def sample_gpus(post: Post, interval_s: float, sampler: NvmlSampler) -> None:

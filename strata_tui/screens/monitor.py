@@ -1,6 +1,6 @@
 """The monitor screen: composes the live widgets, each handed the app's view state, and binds the keys.
 
-Each widget reads its own slice of the view state on its own tick of the profile's `[tui] refresh_s`
+Each widget reads its own slice of the view state on the screen's one tick of the profile's `[tui] refresh_s`
 (strata_tui/widgets/view_bound.py): redrawing on a tick rather than per event bounds the app's CPU use when the
 engine publishes hundreds of events a second, and a tick where a widget's slice did not change does nothing.
 What is the screen's own, on a tick of the same interval: the footer's conditional keys and the panels shown for
@@ -108,6 +108,8 @@ class MonitorScreen(Screen):
     PANES = ("history", "graph", "log")
     PANE_NAMES = {"history": "history", "graph": "graph cache", "log": "engine log"}
 
+    ticks_view_bound = True  # the view-bound widgets on this screen redraw on its tick (widgets/view_bound.py)
+
     def __init__(self) -> None:
         super().__init__()
         self._drawn_version = -1
@@ -145,8 +147,13 @@ class MonitorScreen(Screen):
         self.query_one(CrashPanel).border_title = "Engine stopped"
         self._set_graph_title()
         self.lay_out()
-        self.set_interval(self.strata.view.settings.refresh_s, self._draw_own)  # the widgets keep their own ticks
+        self.set_interval(self.strata.view.settings.refresh_s, self._tick)
         self._draw_own()
+
+    def _tick(self) -> None:
+        """One timer for the screen and every view-bound widget on it (`ticks_view_bound`): each looks at its slice
+        of the view (a few attribute reads when nothing moved) and draws only what changed."""
+        self.redraw()
 
     def _set_graph_title(self) -> None:
         table = self.query_one(GraphEventsTable)

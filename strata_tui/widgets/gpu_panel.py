@@ -58,6 +58,11 @@ def breakdown_text(vram: VramEvent, compact: bool = False) -> Text:
     return text
 
 
+def drawn_books(vram: VramEvent) -> tuple[str, str, str]:
+    """What the panel draws of one device's books (both forms and the bar's cells): equal tuples draw alike."""
+    return breakdown_text(vram).plain, breakdown_text(vram, compact=True).plain, breakdown_bar(vram, 20).plain
+
+
 def _quantized(weight_format: str) -> bool:
     """Whether the books should name the weight format: only when it is not a plain float dtype."""
     return bool(weight_format) and weight_format.split()[0] not in ("bf16", "fp16", "fp32")
@@ -109,8 +114,11 @@ class GpuPanel(ViewBound, Static):
         if view is None:
             return
         state = view.monitor
-        if self.slice_changed((id(view.gpu_history.latest), view.gpu_unavailable, tuple(state.vram.items()),
-                               state.tier, self.content_size.width), force):
+        # The books as drawn, not the events: an engine on the CPU sends its books every second with the host's
+        # free memory moved by a fraction of a MiB, and a redraw a second was a third of an idle app's CPU.
+        books = tuple((device, drawn_books(event)) for device, event in state.vram.items())
+        if self.slice_changed((id(view.gpu_history.latest), view.gpu_unavailable, books, state.tier,
+                               self.content_size.width), force):
             self.show(view.gpu_history, view.gpu_unavailable, state.vram, state.tier)
 
     def show(

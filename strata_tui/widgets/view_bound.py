@@ -1,7 +1,8 @@
 """A widget handed the app's ViewState reads its own slice of it on its own refresh tick.
 
 The reducer folds every worker message into the one ViewState; nothing pushes the state down. Each live widget
-of the monitor is handed the view at construction and, every `[tui] refresh_s`, looks: a tick where the view's
+of the monitor is handed the view at construction and, every `[tui] refresh_s` (one tick of its screen for all of
+them where the screen says `ticks_view_bound`, else a timer of its own), looks: a tick where the view's
 version did not move does nothing, and a widget whose slice did not change is not drawn again (an update lays
 out and paints the widget, and a tick that repainted every panel for one changed number was most of the app's
 CPU). A forced redraw (a resize, a test) draws it now whatever the keys say.
@@ -39,7 +40,10 @@ class ViewBound:
 
     def on_mount(self) -> None:
         if self.view is not None:
-            self.set_interval(self.view.settings.refresh_s, self.redraw)  # type: ignore[attr-defined]
+            # A screen that ticks its view-bound widgets itself (the monitor) saves each its own timer: a dozen
+            # timers at 4 Hz woke the loop 48 times a second on an idle engine, most of the app's idle CPU.
+            if not getattr(self.screen, "ticks_view_bound", False):  # type: ignore[attr-defined]
+                self.set_interval(self.view.settings.refresh_s, self.redraw)  # type: ignore[attr-defined]
             self.redraw()  # type: ignore[attr-defined]
 
     def keeps_moving(self, view: ViewState) -> bool:

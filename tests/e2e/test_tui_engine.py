@@ -115,3 +115,52 @@ async def test_ttft_agrees_with_the_engines_prompt_rate_and_an_idle_pool_holds_n
         title = app.screen.query_one("#slots").border_title
         assert " 0 used" in title or "KV pool" not in title, title
         await pilot.press("q")
+
+
+async def test_strata_read_as_the_other_engines_shows_a_decode_rate_while_its_slots_decode(checkpoint: Path) -> None:
+    """The endpoints row of a Strata engine (adapters/strata.py, as `--attach` with a Strata URL beside a vLLM one
+    reads it) while four requests decode: its rate is never 0 (nor missing) while tokens flow, as the llama.cpp,
+    vLLM and SGLang rows' are (tests/tui/test_engine_adapters.py)."""
+    import sys
+
+    from strata_tui.adapters import adapter_for
+    from strata_tui.engine_io.launcher import READY_RE
+
+    engine = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "engine.cli", "serve", "--model", str(checkpoint), "--device", "cpu", "--batch", "4",
+        "--context", "2048", "--port", "0", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    try:
+        said: list[str] = []
+        url = None
+        while url is None:
+            line = (await asyncio.wait_for(engine.stdout.readline(), 180)).decode(errors="replace")
+            assert line, "the engine exited before it was ready:\n" + "".join(said[-10:])
+            said.append(line)
+            match = READY_RE.match(line.strip())
+            url = match.group(1) if match else None
+
+        async def drain() -> None:
+            while await engine.stdout.read(65536):
+                pass
+
+        draining = asyncio.create_task(drain())
+        requests = asyncio.create_task(_send(url, 4, 1500))
+        adapter = adapter_for("strata", url)
+        rates: list[float | None] = []
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            deadline = time.monotonic() + 120
+            while len(rates) < 5 and not requests.done():
+                assert time.monotonic() < deadline, f"never saw the slots decode: {rates}"
+                view = await adapter.read(client)
+                if view.running == 4:  # every slot holds a request: tokens are flowing
+                    state = (await client.get("/strata/state")).json()
+                    if all(s["state"] == "decode" and s["generated_tokens"] > 1 for s in state["slots"]):
+                        rates.append(view.decode_tokens_s)
+                await asyncio.sleep(0.3)
+        assert len(rates) >= 3 and all(r is not None and r > 0 for r in rates), rates
+        requests.cancel()
+        draining.cancel()
+    finally:
+        engine.terminate()
+        await engine.wait()

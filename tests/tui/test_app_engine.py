@@ -200,8 +200,9 @@ async def test_crash_shows_exit_code_real_error_and_restarts(config_dir: Path, m
         assert "illegal memory access" in app.view.crash.error
         panel = app.screen.query_one(CrashPanel)
         await wait_for(pilot, lambda: panel.visible_now, what="panel")
-        shown = screen_text(app)
-        assert "exit code 1" in shown and "press r to restart" in shown and "illegal memory access" in shown
+        # the class is set on the tick that shows the panel; the screen has it after the next paint
+        await wait_for(pilot, lambda: all(text in screen_text(app) for text in (
+            "exit code 1", "press r to restart", "illegal memory access")), what="the crash on screen")
         monkeypatch.setenv("FAKE_ENGINE_MODE", "serve")
         await pilot.press("r")
         await wait_for(pilot, lambda: app.view.telemetry_connected, what="restarted engine")
