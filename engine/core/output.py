@@ -58,19 +58,24 @@ class OutputProcessor:
         sends everything that is left.
         """
         req = track.request
+        stops = req.params.stop
         track.pending.extend(token_ids)
         if logprobs is not None:  # one per kept token
             track.pending_logprobs.extend(logprobs)
         if track.decoder is not None and token_ids:
-            track.text += track.decoder.push(token_ids)
-        stop_at = find_stop(track.text, req.params.stop, track.sent_chars)
-        if stop_at is not None:
-            track.text = track.text[:stop_at]
-            track.cut_by_stop_string = True
-            return None, True
+            new_text = track.decoder.push(token_ids)
+            if new_text:
+                track.text += new_text
+        # Runs per decoding row per step: a request without stop strings skips the search and holds nothing back.
+        if stops:
+            stop_at = find_stop(track.text, stops, track.sent_chars)
+            if stop_at is not None:
+                track.text = track.text[:stop_at]
+                track.cut_by_stop_string = True
+                return None, True
         if finishing:
             return None, False
-        hold = max((len(s) for s in req.params.stop), default=1) - 1  # a stop string may be forming
+        hold = max(len(s) for s in stops) - 1 if stops else 0  # a stop string may be forming
         upto = max(track.sent_chars, len(track.text) - hold)
         if not track.pending and upto <= track.sent_chars:
             return None, False
