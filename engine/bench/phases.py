@@ -11,8 +11,8 @@ runs the real step; a phase's time excludes the phases nested inside it:
     detokenize   OutputProcessor.append / close: incremental detokenization, stop strings, the increments
     deliver      the rest of Engine._deliver: ends, slot events of first tokens and ends
     telemetry    Engine._publish_progress and publish_snapshot: paced slot events, VRAM books, the snapshot
-    to_clients   OutputRouter.deliver (AsyncEngine's hand-over to the waiting clients' asyncio queues, one
-                 event loop on its own thread here, as the server's)
+    to_clients   OutputRouter.deliver: AsyncEngine's hand-over to the waiting clients' asyncio queues (here one
+                 event loop on its own thread, as the server's, with a task per request awaiting its queue)
     other        the step's wall time not in a phase above
 
 `us_per_row` is `us_per_step / batch`: a phase whose per-row figure stays flat as the batch grows costs per
@@ -90,8 +90,20 @@ def phase_pass(bench: Any, reqs: list[Any], steps: int) -> tuple[list[dict[str, 
     thread = threading.Thread(target=loop.run_forever, name="bench-clients", daemon=True)
     thread.start()
     router = OutputRouter()
-    for req in reqs:
-        router.register(req.request_id, loop, asyncio.Queue())
+
+    async def clients() -> list[asyncio.Task]:  # one waiting client per request, as the server's streams are
+        async def drain(queue: asyncio.Queue) -> None:
+            while True:
+                await queue.get()
+
+        tasks = []
+        for req in reqs:
+            queue: asyncio.Queue = asyncio.Queue()
+            router.register(req.request_id, loop, queue)
+            tasks.append(asyncio.ensure_future(drain(queue)))
+        return tasks
+
+    tasks = asyncio.run_coroutine_threadsafe(clients(), loop).result(timeout=60)
     clock = _Clock()
     deliver = clock.wrap("to_clients", router.deliver)
     wall_s = 0.0
@@ -102,6 +114,12 @@ def phase_pass(bench: Any, reqs: list[Any], steps: int) -> tuple[list[dict[str, 
                 deliver(bench.step())
                 wall_s += time.perf_counter() - t0
     finally:
+        async def stop() -> None:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
