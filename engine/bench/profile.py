@@ -5,12 +5,12 @@ that captures every graph the timed steps need, four passes over `--steps` steps
 
 1. wall: host wall time per `Engine.step()` (each returns with its tokens on the host, so a step boundary is a
    device sync): `step_ms` p50 and mean.
-1b. phases: host wall time per step split by what the engine does in it (engine.bench.phases: schedule,
+2. phases: host wall time per step split by what the engine does in it (engine.bench.phases: schedule,
    forward, sample, execute, update, detokenize, deliver, telemetry, the hand-over to the clients), per step
    and per decoding row (`section` phase); its timers cost a few us a step.
-2. host: cProfile around the same steps: the functions with the most own time per step (`tottime`), so Python
+3. host: cProfile around the same steps: the functions with the most own time per step (`tottime`), so Python
    work around the replay (scheduling, staging, sampling, detokenization, telemetry) shows by name.
-3. device: torch.profiler (CUDA activity on GPU): kernels launched per step, summed kernel time per step
+4. device: torch.profiler (CUDA activity on GPU): kernels launched per step, summed kernel time per step
    (`gpu_busy_ms`), and the kernels with the most time. `gpu_busy_ms / step_ms` says whether a step is bound by
    the device (near 1) or by the host (well below 1). The device's idle time between kernels is split by gap
    length: `gpu_short_gaps_ms` (gaps up to _LONG_GAP_US: one kernel waiting for the one before it, inside a graph
@@ -18,7 +18,7 @@ that captures every graph the timed steps need, four passes over `--steps` steps
    replays, inflated by the profiler's own host cost), per step.
 
 Rows are one entry per host function and per kernel (`section` host / device); the summary holds the per-step
-figures. Passes 2 and 3 slow the host down, so only pass 1's `step_ms` is a speed figure.
+figures. Passes 2 to 4 slow the host down, so only pass 1's `step_ms` is a speed figure.
 """
 
 from __future__ import annotations

@@ -29,9 +29,6 @@ class OutputRouter:
         with self._lock:
             return list(self._queues)
 
-    def __len__(self) -> int:
-        return len(self._queues)
-
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand each output to its request's queue; a finished output forgets its request. Outputs of a request
         nobody waits for (never registered, or its loop closed) are dropped."""
