@@ -10,9 +10,11 @@ runs the real step; a phase's time excludes the phases nested inside it:
     update       Scheduler.update: token bookkeeping, stop tokens, max_tokens, finishing
     detokenize   OutputProcessor.append / close: incremental detokenization, stop strings, the increments
     deliver      the rest of Engine._deliver: ends, slot events of first tokens and ends
-    telemetry    Engine._publish_progress and publish_snapshot: paced slot events, VRAM books, the snapshot
+    telemetry    Engine._publish_progress and publish_snapshot: paced slot events (each slot's at most every
+                 SLOT_EVENT_INTERVAL_S: per step, they grow with the step's time), VRAM books, the snapshot
     to_clients   OutputRouter.deliver: AsyncEngine's hand-over to the waiting clients' asyncio queues (here one
-                 event loop on its own thread, as the server's, with a task per request awaiting its queue)
+                 event loop on its own thread, as the server's, with a task per request awaiting its queue and
+                 one awaiting the telemetry, as the server's metrics do)
     other        the step's wall time not in a phase above
 
 `us_per_row` is `us_per_step / batch`: a phase whose per-row figure stays flat as the batch grows costs per
@@ -83,6 +85,10 @@ def _installed(clock: _Clock, engine: Any) -> Iterator[None]:
                 delattr(owner, name)  # the class's method again
 
 
+async def _started(fn: Callable[[], Any]) -> asyncio.Task:
+    return asyncio.ensure_future(fn())
+
+
 def phase_pass(bench: Any, reqs: list[Any], steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`steps` steps with the phase timers on and the outputs handed to an OutputRouter whose queues live on an
     event loop in another thread (as AsyncEngine's do); rows per phase and the pass's mean step time."""
@@ -104,6 +110,14 @@ def phase_pass(bench: Any, reqs: list[Any], steps: int) -> tuple[list[dict[str, 
         return tasks
 
     tasks = asyncio.run_coroutine_threadsafe(clients(), loop).result(timeout=60)
+    # and the telemetry's reader a server always has (its metrics), awaiting the bus on the same loop
+    events = bench.bus.subscribe(after_seq=None, loop=loop)
+
+    async def watch() -> None:
+        while True:
+            await events.aget(timeout_s=1.0)
+
+    tasks.append(asyncio.run_coroutine_threadsafe(_started(watch), loop).result(timeout=60))
     clock = _Clock()
     deliver = clock.wrap("to_clients", router.deliver)
     wall_s = 0.0
@@ -120,6 +134,7 @@ def phase_pass(bench: Any, reqs: list[Any], steps: int) -> tuple[list[dict[str, 
             await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=60)
+        events.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
