@@ -222,11 +222,14 @@ class Subscription:
 
     def _push(self, event: Event) -> None:
         with self._cond:
+            was_empty = not self._queue
             if len(self._queue) == self._queue.maxlen:
                 self.dropped += 1
             self._queue.append(event)
             self._cond.notify_all()
-        if self._loop is not None and self._async_ready is not None:
+        # One wake-up of the subscribing loop per burst, not per event (a step publishes many): every drain
+        # empties the queue, so the first event after it wakes the loop and the loop's next drain takes the rest.
+        if was_empty and self._loop is not None and self._async_ready is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async_ready.set)
             except RuntimeError:  # the loop closed under us: the subscriber is gone

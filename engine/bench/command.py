@@ -190,10 +190,10 @@ def _peers(p: argparse.ArgumentParser) -> None:
 def _profile(p: argparse.ArgumentParser) -> None:
     _engine(p, model="random:0.6b")
     p.set_defaults(batch=1)  # the engine's --batch: here both its slots and the decoding requests
-    # 1,100 + warm-up + 3 passes of 64 steps x up to 4 tokens stays inside one length bucket (1,025..2,048),
-    # so no pass captures a graph.
+    # 1,100 + warm-up + 4 passes of 64 steps stays inside one length bucket (1,025..2,048) at a token a step, so
+    # no pass captures a graph; with MTP (up to 4 tokens a step) --steps 48 keeps it there.
     p.add_argument("--prompt-tokens", type=whole_number, default=1100, help="prompt tokens per request")
-    p.add_argument("--steps", type=whole_number, default=64, help="steps per pass (wall, cProfile, torch.profiler)")
+    p.add_argument("--steps", type=whole_number, default=64, help="steps per pass (phases, wall, cProfile, torch.profiler)")
     p.add_argument("--top", type=whole_number, default=25, help="host functions and kernels listed")
 
 

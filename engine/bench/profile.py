@@ -1,13 +1,16 @@
 """`strata-engine bench profile`: where one steady decode step's time goes, host and device.
 
 `--batch` requests decode (MTP verify + draft round with `--batch-mtp`) on the real Engine. After a warm-up
-that captures every graph the timed steps need, three passes over `--steps` steps each:
+that captures every graph the timed steps need, four passes over `--steps` steps each:
 
 1. wall: host wall time per `Engine.step()` (each returns with its tokens on the host, so a step boundary is a
    device sync): `step_ms` p50 and mean.
-2. host: cProfile around the same steps: the functions with the most own time per step (`tottime`), so Python
+2. phases: host wall time per step split by what the engine does in it (engine.bench.phases: schedule,
+   forward, sample, execute, update, detokenize, deliver, telemetry, the hand-over to the clients), per step
+   and per decoding row (`section` phase); its timers cost a few us a step.
+3. host: cProfile around the same steps: the functions with the most own time per step (`tottime`), so Python
    work around the replay (scheduling, staging, sampling, detokenization, telemetry) shows by name.
-3. device: torch.profiler (CUDA activity on GPU): kernels launched per step, summed kernel time per step
+4. device: torch.profiler (CUDA activity on GPU): kernels launched per step, summed kernel time per step
    (`gpu_busy_ms`), and the kernels with the most time. `gpu_busy_ms / step_ms` says whether a step is bound by
    the device (near 1) or by the host (well below 1). The device's idle time between kernels is split by gap
    length: `gpu_short_gaps_ms` (gaps up to _LONG_GAP_US: one kernel waiting for the one before it, inside a graph
@@ -15,7 +18,7 @@ that captures every graph the timed steps need, three passes over `--steps` step
    replays, inflated by the profiler's own host cost), per step.
 
 Rows are one entry per host function and per kernel (`section` host / device); the summary holds the per-step
-figures. Passes 2 and 3 slow the host down, so only pass 1's `step_ms` is a speed figure.
+figures. Passes 2 to 4 slow the host down, so only pass 1's `step_ms` is a speed figure.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 from engine.bench.common import device_of, emit, random_prompt
 from engine.bench.engine_driver import BenchEngine, build_engine
+from engine.bench.phases import phase_pass
 
 _CONTEXT_MARGIN_TOKENS = 64
 _LONG_GAP_US = 20.0  # longer than a dependent kernel's launch latency inside a replay; shorter than a step's host work
@@ -123,15 +127,16 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps
     # Every pass runs `steps` steps; with MTP a step can emit 1 + depth tokens per slot.
     per_step = 1 + (args.mtp_depth if args.batch_mtp else 0)
-    tokens_needed = (3 * steps + 2 * max(args.warmup_steps, 8) + 16) * per_step
+    tokens_needed = (4 * steps + 2 * max(args.warmup_steps, 8) + 16) * per_step
     bench = build_engine(args, batch=args.batch, context=args.prompt_tokens + tokens_needed + _CONTEXT_MARGIN_TOKENS)
     try:
-        _start(bench, args, tokens_needed)
+        reqs = _start(bench, args, tokens_needed)
         wall_ms = []
         for _ in range(steps):
             t0 = time.perf_counter()
             bench.step()
             wall_ms.append((time.perf_counter() - t0) * 1e3)
+        phase_rows, phase_summary = phase_pass(bench, reqs, steps)
         profiler = cProfile.Profile()
         profiler.enable()
         t0 = time.perf_counter()
@@ -141,18 +146,18 @@ def run(args: argparse.Namespace) -> int:
         profiler.disable()
         rows = _host_rows(profiler, steps, args.top)
         device_rows, device_summary = _device_pass(bench, steps, args.top)
-        rows += device_rows
+        rows = phase_rows + rows + device_rows
         summary: dict[str, Any] = {
             "batch": args.batch, "mtp": bool(bench.engine.mtp_on), "graphs_active": bench.graphs_active,
             # steps launched before the step ahead of them was read (engine.exec.decode_ahead), over every pass
             "decode_ahead": bench.engine.ahead.enabled, "steps_taken_ahead": bench.engine.ahead.taken,
             "step_ms_p50": statistics.median(wall_ms), "step_ms_mean": statistics.fmean(wall_ms),
-            "step_ms_under_cprofile": profiled_ms, **device_summary,
+            "step_ms_under_cprofile": profiled_ms, **phase_summary, **device_summary,
         }
         if "gpu_busy_ms" in summary:
             summary["gpu_busy_fraction"] = summary["gpu_busy_ms"] / summary["step_ms_p50"]
     finally:
         bench.close()
     emit(args, "profile", rows, summary, device,
-         ("section", "name", "calls_per_step", "own_us_per_step", "cum_us_per_step", "us_per_step"))
+         ("section", "name", "calls_per_step", "own_us_per_step", "cum_us_per_step", "us_per_step", "us_per_row"))
     return 0

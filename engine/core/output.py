@@ -22,8 +22,10 @@ class Track:
 
     request: Request
     decoder: Any  # None for a model without a tokenizer: outputs then carry token ids only
+    # The text not yet sent, after the last sent characters a stop string could start in (its length - 1):
+    # the text a step appends to, and searches, stays as short as what is unsent, however long the output.
     text: str = ""
-    sent_chars: int = 0
+    sent_chars: int = 0  # where in `text` the unsent part starts
     last_event_s: float = 0.0  # when its last slot event went out (the engine paces them)
     pending: list[int] = field(default_factory=list)  # token ids not yet sent
     pending_logprobs: list[Any] = field(default_factory=list)  # their TokenLogprobs, when the request asked
@@ -58,24 +60,31 @@ class OutputProcessor:
         sends everything that is left.
         """
         req = track.request
+        stops = req.params.stop
         track.pending.extend(token_ids)
         if logprobs is not None:  # one per kept token
             track.pending_logprobs.extend(logprobs)
         if track.decoder is not None and token_ids:
-            track.text += track.decoder.push(token_ids)
-        stop_at = find_stop(track.text, req.params.stop, track.sent_chars)
-        if stop_at is not None:
-            track.text = track.text[:stop_at]
-            track.cut_by_stop_string = True
-            return None, True
+            new_text = track.decoder.push(token_ids)
+            if new_text:
+                track.text += new_text
+        # Runs per decoding row per step: a request without stop strings skips the search and holds nothing back.
+        if stops:
+            stop_at = find_stop(track.text, stops, track.sent_chars)
+            if stop_at is not None:
+                track.text = track.text[:stop_at]
+                track.cut_by_stop_string = True
+                return None, True
         if finishing:
             return None, False
-        hold = max((len(s) for s in req.params.stop), default=1) - 1  # a stop string may be forming
+        hold = max(0, max(len(s) for s in stops) - 1) if stops else 0  # a stop string may be forming
         upto = max(track.sent_chars, len(track.text) - hold)
         if not track.pending and upto <= track.sent_chars:
             return None, False
         out = self._output(track, track.text[track.sent_chars:upto])
-        track.sent_chars = upto
+        keep = max(0, upto - hold)  # a stop string never starts in sent text, but it may end past it
+        track.text = track.text[keep:]
+        track.sent_chars = upto - keep
         return out, False
 
     def close(self, track: Track, reason: FinishReason, error: str | None = None) -> RequestOutput:

@@ -67,6 +67,7 @@ class Request:
         self.admitted_s: float | None = None
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
+        self._stop_ids_for: tuple[tuple[int, ...], frozenset[int]] | None = None  # (eos ids, the ids that stop it)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.state.name}, slot={self.slot}, "
@@ -204,25 +205,37 @@ class Request:
         """
         if self.is_finished:
             raise ValueError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
-        stops = set(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            stops.update(eos_token_ids)
+        stops = self._stop_ids(tuple(eos_token_ids))
+        out = self.output_token_ids
+        room = self.params.max_tokens - len(out)
         kept: list[int] = []
         reason: FinishReason | None = None
+        # runs per decoding row per step: the stop set is built once per request, the room counted down
         for token_id in token_ids:
-            if self.num_output_tokens >= self.max_tokens:
+            if room <= 0:
                 reason = "length"
                 break
-            self.output_token_ids.append(token_id)
+            out.append(token_id)
             kept.append(token_id)
+            room -= 1
             if token_id in stops:
                 reason = "stop"
                 break
-        if reason is None and self.num_output_tokens >= self.max_tokens:
+        if reason is None and room <= 0:
             reason = "length"
         if kept and self.first_token_s is None:
             self.first_token_s = now_s
         return AppendResult(kept, reason)
+
+    def _stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The token ids that end this request (its stop_token_ids, and EOS unless ignore_eos), built once."""
+        cached = self._stop_ids_for
+        if cached is None or cached[0] != eos_token_ids:
+            stops = set(self.params.stop_token_ids)
+            if not self.params.ignore_eos:
+                stops.update(eos_token_ids)
+            cached = self._stop_ids_for = (eos_token_ids, frozenset(stops))
+        return cached[1]
 
     def record_drafts(self, proposed: int, accepted: int) -> None:
         """Count one verification round: `proposed` drafts at positions 0..proposed-1, the first `accepted`

@@ -2,8 +2,8 @@
 
 The engine thread owns the Engine: it loads the model (health "loading: ..."), then loops: run queued
 commands (add, abort, switch, reserve), step while there is work, otherwise sleep until a command arrives.
-Outputs go back to each request's asyncio queue on the loop that called `generate`, so any number of event
-loops (the server's, a test's) can use one engine.
+Outputs go back to each request's asyncio queue on the loop that called `generate` (engine.orchestration.delivery:
+one hand-over per loop per step), so any number of event loops (the server's, a test's) can use one engine.
 
 `generate()` raises RequestRejected / QueueFull / EngineDead before its first yield (the add runs in the
 engine thread and its exception is re-raised in the caller). Closing or cancelling the iterator aborts the
@@ -28,6 +28,7 @@ from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
 from engine.config import EngineConfig, check_expert_cache_mib, check_vram_reserve_mib
 from engine.errors import EngineDead, PromptTooLong
 from engine.exec.gpu_errors import real_message
+from engine.orchestration.delivery import OutputRouter
 from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, HealthSnapshot
 from engine.switches import SwitchState
 from engine.telemetry import EngineEvent, EventBus, SwitchEvent, WarningEvent
@@ -52,7 +53,7 @@ class AsyncEngine:
         self._stopping = False
         self._load_error: str | None = None
         self._loaded = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._router = OutputRouter()  # each request's asyncio queue (engine.orchestration.delivery)
         self.bus.publish(EngineEvent(state="starting", detail=f"model {config.model}"))
         self._thread = threading.Thread(target=self._main, name="strata-engine", daemon=True)
         self._thread.start()
@@ -122,7 +123,7 @@ class AsyncEngine:
 
         def add() -> None:
             self._require_engine().add_request(rid, list(request.prompt_token_ids), request.params)
-            self._queues[rid] = (loop, queue)
+            self._router.register(rid, loop, queue)
 
         try:
             await self._call(add)
@@ -261,24 +262,14 @@ class AsyncEngine:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDead(self._load_error or "the engine is shutting down"))
         if self.engine is not None and self._load_error is None:
-            for rid in list(self._queues):
+            for rid in self._router.request_ids():
                 self._abort_now(rid)
         else:  # the thread crashed: nobody will step again, so end every stream with the reason
             self._deliver([RequestOutput(rid, [], "", True, "error", error=self._load_error)
-                           for rid in list(self._queues)])
+                           for rid in self._router.request_ids()])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            target = self._queues.get(out.request_id)
-            if target is None:
-                continue
-            if out.finished:
-                self._queues.pop(out.request_id, None)
-            loop, queue = target
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
-            except RuntimeError:  # that loop is closed: its consumer is gone
-                self._queues.pop(out.request_id, None)
+        self._router.deliver(outputs)
 
 
 def _default_factory(config: EngineConfig, bus: EventBus):

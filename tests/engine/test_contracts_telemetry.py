@@ -57,3 +57,46 @@ def test_threaded_publisher_wakes_an_async_subscriber() -> None:
         return [e.slot for e in events] + [e.slot for e in sub.drain()]
 
     assert asyncio.run(main()) == [7]
+
+
+def test_a_burst_of_events_wakes_an_async_subscriber_once_and_none_is_lost() -> None:
+    """A step publishes many events (slot progress for every slot): the subscribing loop (the metrics, an SSE
+    stream) is woken once per burst, not once per event, and every event still arrives, in order, including
+    those published while the subscriber was busy with the last burst."""
+    bursts, per_burst = 20, 100
+
+    async def main() -> tuple[list[int], int]:
+        loop = asyncio.get_running_loop()
+        bus = EventBus()
+        sub = bus.subscribe(after_seq=None, loop=loop)
+        wakes = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(*args, **kwargs):
+            nonlocal wakes
+            wakes += 1
+            return real(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+
+        def publisher() -> None:
+            for b in range(bursts):
+                for i in range(per_burst):
+                    bus.publish(SlotEvent(slot=b * per_burst + i))
+                threading.Event().wait(0.005)  # between steps
+
+        thread = threading.Thread(target=publisher)
+        thread.start()
+        got: list[int] = []
+        for _ in range(10_000):
+            got += [e.slot for e in await sub.aget(timeout_s=5.0)]
+            if len(got) == bursts * per_burst:
+                break
+        thread.join()
+        del loop.call_soon_threadsafe
+        sub.close()
+        return got, wakes
+
+    got, wakes = asyncio.run(main())
+    assert got == list(range(bursts * per_burst))
+    assert wakes <= bursts * per_burst // 10, wakes

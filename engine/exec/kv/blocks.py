@@ -180,15 +180,23 @@ class BlockLedger:
 
     def placement_tokens(self, slot: int, length_tokens: int) -> tuple[int, int, int]:
         """(resident, pooled, host) tokens of the slot's first `length_tokens` positions."""
+        # Every slot's telemetry (each snapshot, each progress event) asks: the resident window in closed form,
+        # and only the blocks the slot maps are visited.
         bt = self.layout.block_tokens
-
-        def held(j: int) -> int:
-            return max(0, min(bt, length_tokens - j * bt))
-
-        resident = sum(held(j) for j in range(self.layout.resident_blocks))
-        pooled = sum(held(j) for j, (w, _) in self._owned[slot].items() if w is Where.DEVICE)
-        pooled += sum(held(j) for j in self._borrowed[slot])
-        host = sum(held(j) for j, (w, _) in self._owned[slot].items() if w is Where.HOST)
+        length = max(0, length_tokens)
+        resident = min(length, self.layout.resident_blocks * bt)
+        pooled = host = 0
+        for j, (where, _) in self._owned[slot].items():
+            held = min(bt, length - j * bt)
+            if held > 0:
+                if where is Where.DEVICE:
+                    pooled += held
+                else:
+                    host += held
+        for j in self._borrowed[slot]:
+            held = min(bt, length - j * bt)
+            if held > 0:
+                pooled += held
         return resident, pooled, host
 
     # --- commands ------------------------------------------------------------------------------------------

@@ -321,6 +321,19 @@ def test_profile_names_host_functions_and_ops_of_a_steady_step(tmp_path: Path, m
     assert len(host) == 5 and len(ops) == 5
     assert host == sorted(host, key=lambda r: r["own_us_per_step"], reverse=True)
     assert any(r["name"].startswith("aten::") for r in ops)
+    # the phase pass: every phase named once, each part of a step counted where it ran, the forward the only
+    # phase left out of the host's figure
+    phases = {r["name"]: r for r in doc["rows"] if r["section"] == "phase"}
+    assert list(phases) == ["schedule", "forward", "sample", "execute", "update", "detokenize", "deliver",
+                            "telemetry", "to_clients", "other"]
+    for name in ("schedule", "execute", "update", "deliver", "to_clients"):
+        assert phases[name]["calls_per_step"] == 1 and phases[name]["us_per_step"] > 0, name
+    assert phases["detokenize"]["calls_per_step"] == 2  # one append per decoding request a step
+    assert phases["forward"]["calls_per_step"] >= 1 and phases["forward"]["us_per_step"] > 0
+    assert phases["update"]["us_per_row"] == pytest.approx(phases["update"]["us_per_step"] / 2)
+    total_us = sum(r["us_per_step"] for r in phases.values())
+    assert total_us == pytest.approx(summary["phase_step_ms"] * 1e3, rel=1e-6)
+    assert summary["host_us_per_step"] == pytest.approx(total_us - phases["forward"]["us_per_step"], rel=1e-6)
 
 
 def test_profile_splits_the_device_idle_time_into_launch_gaps_and_host_waits() -> None:

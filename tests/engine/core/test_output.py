@@ -61,3 +61,28 @@ def test_eos_finishes_with_stop_and_drops_what_follows_it() -> None:
 def test_find_stop_looks_back_over_text_already_sent() -> None:
     assert find_stop("abcxy", ("xy",), 4) == 3
     assert find_stop("abcxy", ("q", ""), 0) is None
+
+
+def test_the_text_a_step_works_on_stays_as_short_as_what_is_unsent_however_long_the_output() -> None:
+    """A long generation streams the same text, but each step appends to and searches only the unsent text and
+    a stop string's lookback, not everything generated so far (which made a step's host work grow with the
+    output's length, on every decoding row)."""
+    letters = [ord(c) for c in "abcdefghij" * 600]  # 6,000 one-character tokens; "zq" never comes
+    for stops in ((), ("",), ("zq",), ("jab", "zq")):  # an empty stop string (the Engine API takes one) cuts nothing
+        proc = OutputProcessor()
+        req = Request("r", [1, 2, 3], SamplingParams(max_tokens=len(letters) + 1, stop=stops))
+        track = proc.add(req, CharDecoder())
+        sent = []
+        longest = 0
+        for t in letters:
+            appended = req.append_output([t], 0.0, (EOS,))
+            out, stopped = proc.append(track, appended.kept_token_ids)
+            if stopped:
+                break
+            sent.append(out.text if out is not None else "")
+            longest = max(longest, len(track.text))
+        if "jab" in stops:  # found across tokens, in text partly sent already
+            assert stopped and "".join(sent) + proc.close(track, "stop").text == "abcdefghi"
+            continue
+        assert "".join(sent) + proc.close(track, "length").text == "abcdefghij" * 600
+        assert longest <= max(len(s) for s in stops or ("",)) + 1, (stops, longest)
