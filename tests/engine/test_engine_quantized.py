@@ -82,7 +82,7 @@ def test_on_the_gpu_split_k_products_keep_mtp_on_equal_off_without_fused_ops(qua
     from engine.model.quant import kernels
 
     o_proj = SimpleNamespace(format="int4" if quantize == "int4" else "fp8", out_features=1024, in_features=2048,
-                             group_size=128, block_k=2048)
+                             group_size=128, block_k=2048, bits=4)
     assert kernels.default_config(o_proj).split_k > 1
     _mtp_on_equals_off(Path("random:0.6b+mtp"), quantize, device="cuda", dtype="bfloat16", tier_budget_mib=64.0,
                        switches={"FUSED_OPS": False})
