@@ -1,20 +1,23 @@
 """/health latency while hostile request bodies are being handled (issue 15, item 3).
 
 Starts `strata-engine serve` (builtin:strata-tiny on CPU, its real tokenizer) in its own process, sends
-CONCURRENT large bodies at once (token ids, text, text without spaces, chat text, deep nesting, one over the
-body limit) from threads, and polls /health from this process until they are all answered. Prints one JSON line
-a round: p50/p99/max /health latency in ms, the statuses the bodies got and how long each took (from the first
-byte sent to the answer: httpx sends a whole body before it reads the answer); then one line
-with each body's p50/p99 seconds over the rounds and the /health p99 over all polls. `--only NAME` sends that
-body alone each round (its time is then its own, not its wait behind the others).
+large bodies at once (token ids, text, text without spaces, chat text, deep nesting, one over the body limit)
+from threads, while a prober process of its own (as a liveness probe is: a prober sharing the senders' GIL
+measures their threads, not the server) asks /health every 10 ms until they are all answered. Prints one JSON
+line a round: p50/p99/max /health latency in ms, the statuses the bodies got and how long each took (from the
+first byte sent to the answer: httpx sends a whole body before it reads the answer); then one line with each
+body's p50/p99 seconds over the rounds, the /health p99 over all probes and the load average before and after.
+`--only NAME` sends that body alone each round (its time is then its own, not its wait behind the others);
+`--busy-loops N` runs N spinning processes beside it all (a loaded machine).
 
-    python benchmarks/hostile_bodies.py [--body-mib 7] [--rounds 1] [--only text_unspaced]
+    python benchmarks/hostile_bodies.py [--body-mib 7] [--rounds 1] [--only text_unspaced] [--busy-loops 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import threading
@@ -55,21 +58,38 @@ def measure(url: str, model: str, body_mib: float, only: str | None = None) -> d
 
     threads = [threading.Thread(target=send, args=item) for item in bodies(model, body_mib).items()
                if only is None or item[0] == only]
-    latencies_ms: list[float] = []
+    receiving, sending = multiprocessing.Pipe(duplex=False)
+    finished = multiprocessing.Event()
+    prober = multiprocessing.Process(target=probe_health, args=(url, finished, sending), daemon=True)
+    prober.start()
     for t in threads:
         t.start()
+    for t in threads:
+        t.join()
+    finished.set()
+    latencies_ms = sorted(receiving.recv())
+    prober.join(10)
+    pick = lambda q: round(latencies_ms[min(len(latencies_ms) - 1, int(q * len(latencies_ms)))], 1)  # noqa: E731
+    return {"health_polls": len(latencies_ms), "health_p50_ms": pick(0.5), "health_p99_ms": pick(0.99),
+            "health_max_ms": round(latencies_ms[-1], 1), "bodies": results, "health_ms": latencies_ms}
+
+
+def probe_health(url: str, finished, reply) -> None:
+    """Ask /health every 10 ms until `finished` is set (and at least once); send the latencies in ms back."""
+    latencies_ms: list[float] = []
     with httpx.Client(timeout=30) as health:
-        while not latencies_ms or any(t.is_alive() for t in threads):
+        while not latencies_ms or not finished.is_set():
             t0 = time.perf_counter()
             health.get(url + "/health").raise_for_status()
             latencies_ms.append((time.perf_counter() - t0) * 1000)
             time.sleep(0.01)
-    for t in threads:
-        t.join()
-    latencies_ms.sort()
-    pick = lambda q: round(latencies_ms[min(len(latencies_ms) - 1, int(q * len(latencies_ms)))], 1)  # noqa: E731
-    return {"health_polls": len(latencies_ms), "health_p50_ms": pick(0.5), "health_p99_ms": pick(0.99),
-            "health_max_ms": round(latencies_ms[-1], 1), "bodies": results, "health_ms": latencies_ms}
+    reply.send(latencies_ms)
+
+
+def spin(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pass
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -95,7 +115,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--only", choices=["token_ids", "text", "text_unspaced", "chat_text", "nested",
                                            "over_limit"], help="send this body alone each round")
+    parser.add_argument("--busy-loops", type=int, default=0, help="spinning processes beside it all (default 0)")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     engine = EngineProcess([sys.executable, "-m", "engine.cli", "serve", "--device", "cpu", "--port", "0",
                             "--log-level", "warning"],
                            {**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -106,11 +128,18 @@ def main() -> int:
             print(f"serve did not start: {exc}", file=sys.stderr)
             return 1
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        spinners = [multiprocessing.Process(target=spin, args=(24 * 3600,), daemon=True)
+                    for _ in range(args.busy_loops)]
+        for p in spinners:
+            p.start()
         rounds = []
         for _ in range(args.rounds):
             rounds.append(measure(url, model, args.body_mib, args.only))
             print(json.dumps({k: v for k, v in rounds[-1].items() if k != "health_ms"}), flush=True)
-        print(json.dumps(summary(rounds)), flush=True)
+        for p in spinners:
+            p.terminate()
+        print(json.dumps({**summary(rounds), "load_average_before_after": [round(load_before[0], 2),
+                                                                         round(os.getloadavg()[0], 2)]}), flush=True)
     finally:
         engine.stop(timeout_s=30)
     return 0
