@@ -9,6 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import CheckpointError, PromptTooLong
+from engine.model.prompt_heads import refuse_from_heads
 
 # Used when tokenizer_config.json has no chat_template: ChatML, which Qwen checkpoints use.
 CHATML_TEMPLATE = (
@@ -78,14 +79,16 @@ class Tokenizer:
         """Text -> ids; special tokens per tokenizer.json's post-processor (a BOS for Llama, none for Qwen).
         `specials_in_text=False`: a special token's text typed in `text` (`<|endoftext|>`) is encoded as
         plain text, as OpenAI and vLLM encode a user's prompt; a rendered chat template keeps them special.
-        `max_tokens`: more ids than that raise PromptTooLong, counted before the id list is built.
+        `max_tokens`: more ids than that raise PromptTooLong, counted before the id list is built; a text far
+        past it is refused for what a head of it holds (engine.model.prompt_heads), the rest never encoded.
 
         Through `encode_batch`, which releases the GIL while it works (`encode` holds it: a 7 MB prompt
         encoded in a server worker thread stalled the event loop for 4 s). Building the Python list of ids
         holds the GIL for as long as the list is long, so a prompt past the context is refused on its count."""
         tok = self._tok if specials_in_text else self._plain_text_tokenizer()
         if max_tokens is not None:
-            _refuse_from_a_head(tok, text, add_special_tokens, max_tokens)
+            refuse_from_heads(lambda head: len(tok.encode_batch([head], add_special_tokens=add_special_tokens)[0]),
+                              text, max_tokens)
         encoding = tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if max_tokens is not None and len(encoding) > max_tokens:
             raise PromptTooLong(len(encoding), max_tokens)
@@ -127,42 +130,6 @@ class Tokenizer:
 
 
 _MAX_PARTIAL_IDS = 3
-
-
-# A text longer than this many characters per allowed token has its head counted first: usual text runs 3-5
-# characters a token, so the head alone is past the limit and the rest (megabytes, seconds of a core) is never
-# encoded. A head that does not settle it costs one extra encode of that head.
-_HEAD_CHARS_PER_TOKEN = 8
-# A cut that is not a pre-token boundary for some tokenizer (one without a pre-tokenizer, whose merges cross it)
-# can change the count near the cut by a token or two; the head must pass the limit by more than this.
-_CUT_SLACK_TOKENS = 16
-
-
-def _head_cut(text: str, near: int) -> int | None:
-    """An index at or before `near` where a space follows a non-space: a pre-token boundary for the byte-level
-    and metaspace tokenizers (a word starts there), so the head's ids are the text's first ids. None: no such
-    index in the last quarter before `near` (text without spaces is encoded whole)."""
-    floor = near - near // 4
-    at = text.rfind(" ", floor, near + 1)
-    while at > floor:
-        if not text[at - 1].isspace():
-            return at
-        at = text.rfind(" ", floor, at)
-    return None
-
-
-def _refuse_from_a_head(tok: HFTokenizer, text: str, add_special_tokens: bool, max_tokens: int) -> None:
-    """Raise PromptTooLong (a lower bound) when the head of a very long text already holds more than
-    `max_tokens` tokens."""
-    near = _HEAD_CHARS_PER_TOKEN * (max_tokens + _CUT_SLACK_TOKENS)
-    if len(text) <= near:
-        return
-    cut = _head_cut(text, near)
-    if cut is None:
-        return
-    counted = len(tok.encode_batch([text[:cut]], add_special_tokens=add_special_tokens)[0])
-    if counted > max_tokens + _CUT_SLACK_TOKENS:
-        raise PromptTooLong(counted - _CUT_SLACK_TOKENS, max_tokens, at_least=True)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

@@ -8,24 +8,35 @@ import openai
 import pytest
 
 from engine.errors import PromptTooLong
+from engine.model.prompt_heads import CUT_SLACK_TOKENS, HEAD_CHARS_PER_TOKEN
 from engine.model.tokenizer import Tokenizer
-from engine.orchestration.async_engine import CUT_SLACK_TOKENS, HEAD_CHARS_PER_TOKEN, encode_within
 from tests.engine.server.real import real_server
 
 CONTEXT_TOKENS = 512
 TEXT_BYTES = 50 << 20
 
 
-class CountingTokenizer(Tokenizer):
-    """The engine's tokenizer, noting how many characters each encode is handed (what it then works through)."""
+class CountingBackend:
+    """A `tokenizers.Tokenizer`, noting how many characters each encode is handed (what it then works through)."""
 
-    def __init__(self, real: Tokenizer) -> None:
-        super().__init__(real._tok, real.chat_template, real.special)
-        self.chars: list[int] = []
+    def __init__(self, real, chars: list[int]) -> None:
+        self._real = real
+        self.chars = chars
 
-    def encode(self, text: str, *args, **kwargs) -> list[int]:
-        self.chars.append(len(text))
-        return super().encode(text, *args, **kwargs)
+    def encode_batch(self, texts, *args, **kwargs):
+        self.chars.extend(len(t) for t in texts)
+        return self._real.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+def counting(real: Tokenizer) -> tuple[Tokenizer, list[int]]:
+    """The engine's tokenizer over its own `tokenizers` backends, each counted."""
+    chars: list[int] = []
+    tok = Tokenizer(CountingBackend(real._tok, chars), real.chat_template, real.special)
+    tok._plain = CountingBackend(real._plain_text_tokenizer(), chars)
+    return tok, chars
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +56,8 @@ HEAD_BOUND_CHARS = 2 * HEAD_CHARS_PER_TOKEN * (CONTEXT_TOKENS + CUT_SLACK_TOKENS
 @pytest.mark.parametrize("unit", ["日本語の文章", "aGVsbG8gd29ybGQ", "word "], ids=["cjk", "base64", "words"])
 def test_a_text_of_50_mb_is_refused_from_a_head_of_the_contexts_size(server, unit: str) -> None:
     url, client, _ = server
-    counting = CountingTokenizer(client.engine.tokenizer)
-    client.engine.tokenizer = counting  # the engine's own tokenizer, counted: fault injection, not a stand-in
+    # the engine's own tokenizer, its backend counted: fault injection, not a stand-in
+    client.engine.tokenizer, chars = counting(client.engine.tokenizer)
     text = unit * (TEXT_BYTES // len(unit.encode()))
     api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     with pytest.raises(openai.BadRequestError) as info:
@@ -54,10 +65,10 @@ def test_a_text_of_50_mb_is_refused_from_a_head_of_the_contexts_size(server, uni
     error = info.value.body
     assert error["code"] == "context_length_exceeded" and error["param"] == "prompt", error
     assert "at least" in error["message"] and f"context is {CONTEXT_TOKENS} tokens" in error["message"], error
-    assert counting.chars, "the prompt never reached the tokenizer"
-    assert sum(counting.chars) <= HEAD_BOUND_CHARS, (
-        f"the tokenizer was handed {sum(counting.chars):,} characters of a {len(text):,}-character text "
-        f"(calls: {counting.chars[:8]}); a head of {HEAD_BOUND_CHARS:,} settles it")
+    assert chars, "the prompt never reached the tokenizer"
+    assert sum(chars) <= HEAD_BOUND_CHARS, (
+        f"the tokenizer was handed {sum(chars):,} characters of a {len(text):,}-character text "
+        f"(calls: {chars[:8]}); a head of {HEAD_BOUND_CHARS:,} settles it")
 
 
 @pytest.mark.parametrize("text", [
@@ -70,10 +81,10 @@ def test_a_prompt_that_can_fit_gets_the_same_ids_as_before(text: str) -> None:
     tok = Tokenizer.from_dir(_builtin_dir())
     plain = tok.encode(text, specials_in_text=False)
     if len(plain) <= CONTEXT_TOKENS:
-        assert encode_within(tok, text, CONTEXT_TOKENS, specials_in_text=False) == plain
-    assert encode_within(tok, text, len(plain), specials_in_text=False) == plain  # exactly at the limit
+        assert tok.encode(text, specials_in_text=False, max_tokens=CONTEXT_TOKENS) == plain
+    assert tok.encode(text, specials_in_text=False, max_tokens=len(plain)) == plain  # exactly at the limit
     with pytest.raises(PromptTooLong) as info:
-        encode_within(tok, text, len(plain) - 1, specials_in_text=False)
+        tok.encode(text, specials_in_text=False, max_tokens=len(plain) - 1)
     assert info.value.prompt_tokens >= len(plain) - 1 - CUT_SLACK_TOKENS
 
 
@@ -83,7 +94,7 @@ def test_a_sparse_text_just_past_the_context_is_counted_exactly() -> None:
     text = ("x" + " " * 200) * 400
     whole = len(tok.encode(text, specials_in_text=False))
     with pytest.raises(PromptTooLong) as info:
-        encode_within(tok, text, whole - 1, specials_in_text=False)
+        tok.encode(text, specials_in_text=False, max_tokens=whole - 1)
     assert (info.value.prompt_tokens, info.value.at_least) == (whole, False)
 
 
