@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from engine.errors import ConfigError
+from engine.option_checks import (check_expert_cache_mib, check_positive, check_vram_reserve_mib,
+                                  coerce_option, finite_float, whole_number)
 from engine.switches import switches_from_env
 
 BUILTIN_MODEL = "builtin:strata-tiny"
@@ -44,9 +46,6 @@ _CUDA_RE = re.compile(r"^cuda(:\d+)?$")
 MAX_QUEUE = 1 << 16  # requests waiting for a slot; each holds its prompt in memory
 MAX_TIER_WAIT_POLLS = 10_000
 MAX_TIER_WAIT_INTERVAL_S = 60.0
-MAX_DIGITS = 20  # an integer option is ASCII digits, at most this many (a seed goes to 2^64 - 1) (int() of 5,000 digits is slow too)
-VRAM_RESERVE_MAX_MIB = 1 << 20  # the reserve's range is 0..this, wherever it is set (CLI, profile, live route)
-EXPERT_CACHE_MAX_MIB = 1 << 24  # an expert-cache budget's range is 1..this (CLI, profile, live route)
 
 
 def _opt(help: str, *, metavar: str | None = None, choices: tuple[str, ...] | None = None, group: str = "engine",
@@ -147,16 +146,16 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first parameter and value that cannot work."""
-        _positive("batch", self.batch, upper=256)
-        _positive("mtp_depth", self.mtp_depth, upper=8)
-        _positive("context", self.context, upper=MAX_CONTEXT_TOKENS)
-        _positive("queue_max", self.queue_max, upper=MAX_QUEUE)
-        _positive("prefill_chunk_tokens", self.prefill_chunk_tokens, upper=MAX_CONTEXT_TOKENS)
-        _positive("prefill_window_tokens", self.prefill_window_tokens, upper=MAX_CONTEXT_TOKENS, lower=0)
+        check_positive("batch", self.batch, upper=256)
+        check_positive("mtp_depth", self.mtp_depth, upper=8)
+        check_positive("context", self.context, upper=MAX_CONTEXT_TOKENS)
+        check_positive("queue_max", self.queue_max, upper=MAX_QUEUE)
+        check_positive("prefill_chunk_tokens", self.prefill_chunk_tokens, upper=MAX_CONTEXT_TOKENS)
+        check_positive("prefill_window_tokens", self.prefill_window_tokens, upper=MAX_CONTEXT_TOKENS, lower=0)
         if self.step_token_budget is not None:
-            _positive("step_token_budget", self.step_token_budget, upper=MAX_CONTEXT_TOKENS)
-        _positive("tier_wait_polls", self.tier_wait_polls, upper=MAX_TIER_WAIT_POLLS, lower=0)
-        _positive("max_body_mib", self.max_body_mib, upper=1024)
+            check_positive("step_token_budget", self.step_token_budget, upper=MAX_CONTEXT_TOKENS)
+        check_positive("tier_wait_polls", self.tier_wait_polls, upper=MAX_TIER_WAIT_POLLS, lower=0)
+        check_positive("max_body_mib", self.max_body_mib, upper=1024)
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
                                              and self.api_key.strip() == self.api_key):
             # HTTP headers carry ASCII: a client could never send this key. The value itself is never echoed.
@@ -182,7 +181,7 @@ class EngineConfig:
         if self.kv_pool not in KV_POOL_MODES:
             raise ConfigError("kv_pool", self.kv_pool, f"expected one of {', '.join(KV_POOL_MODES)}")
         if self.kv_resident is not None:
-            _positive("kv_resident", self.kv_resident, upper=self.context)
+            check_positive("kv_resident", self.kv_resident, upper=self.context)
             if self.kv_pool == "reserved":
                 raise ConfigError("kv_pool", self.kv_pool, "--kv-resident takes blocks by use past its window: "
                                                            "use --kv-pool by-use or auto")
@@ -235,7 +234,7 @@ class EngineConfig:
         clean = {k.replace("-", "_"): v for k, v in values.items()}
         for f in fields(cls):
             if f.name in clean:
-                clean[f.name] = _coerce(f.name, f.type, clean[f.name])
+                clean[f.name] = coerce_option(f.name, f.type, clean[f.name])
         return cls(**clean)
 
     def to_dict(self, reveal_secrets: bool = False) -> dict[str, Any]:
@@ -277,94 +276,6 @@ class EngineConfig:
     def secret_env(self) -> dict[str, str]:
         """`STRATA_API_KEY` when a key is set: how a launcher hands the key to `serve` without argv."""
         return {API_KEY_ENV: self.api_key} if self.api_key else {}
-
-
-def _positive(name: str, value: Any, upper: int | None = None, lower: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, value, "expected a whole number")
-    if value < lower or (upper is not None and value > upper):
-        bound = f"{lower}..{upper}" if upper is not None else f">= {lower}"
-        raise ConfigError(name, value, f"expected {bound}")
-
-
-def _coerce(name: str, type_hint: Any, value: Any) -> Any:
-    """Accept what TOML and argv give (ints, bools, strings) and turn mistakes into ConfigError."""
-    hint = str(type_hint)
-    if value is None:
-        return None
-    if hint.startswith("int | str"):  # a number or a word (expert_cache_mib: N or auto): validate() decides
-        return value
-    if hint.startswith("bool"):
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(name, value, "expected true or false")
-    if hint.startswith("int"):
-        if isinstance(value, bool):
-            raise ConfigError(name, value, "expected a whole number")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str) and _decimal(value.strip()) is not None:
-            return _decimal(value.strip())
-        raise ConfigError(name, value, "expected a whole number (ASCII digits)")
-    if hint.startswith("float"):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(name, value, "expected a number")
-    if hint.startswith("str"):
-        if isinstance(value, str):
-            return value or (None if "None" in hint else value)
-        raise ConfigError(name, value, "expected a string")
-    if hint.startswith("Mapping"):
-        if isinstance(value, Mapping):
-            return {str(k): bool(v) for k, v in value.items()}
-        raise ConfigError(name, value, "expected a table of NAME = true/false")
-    return value
-
-
-def check_expert_cache_mib(value: Any, param: str = "mib", alternative: str = "") -> int:
-    """An expert-cache budget's one range check (the CLI, a profile and the live route all go through it)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= EXPERT_CACHE_MAX_MIB:
-        raise ConfigError(param, value, f"expected a whole number of MiB (1..{EXPERT_CACHE_MAX_MIB}){alternative}")
-    return value
-
-
-def check_vram_reserve_mib(value: Any) -> int:
-    """The reserve's one range check (the CLI, a profile and the live route all go through it)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= VRAM_RESERVE_MAX_MIB:
-        raise ConfigError("vram_reserve_mib", value, f"expected a whole number of MiB, 0..{VRAM_RESERVE_MAX_MIB}")
-    return value
-
-
-def _decimal(text: str) -> int | None:
-    """The integer `text` spells in ASCII digits (an optional leading minus), else None: int() also reads
-    Arabic-Indic, fullwidth and other Unicode digits, which no option means."""
-    digits = text[1:] if text.startswith("-") else text
-    if not 0 < len(digits) <= MAX_DIGITS or not digits.isascii() or not digits.isdigit():
-        return None
-    return int(text)
-
-
-def whole_number(text: str) -> int:
-    """An integer option (argparse type): ASCII digits only, at most MAX_DIGITS of them."""
-    value = _decimal(text.strip())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected a whole number in ASCII digits (at most {MAX_DIGITS}), "
-                                         f"got {text[:40]!r}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """A float option: NaN and infinities are refused (every comparison with NaN is False, so NaN would slip
-    past each range check after it)."""
-    try:
-        if not text.isascii() or len(text) > 64:  # float() also reads Unicode digits
-            raise ValueError(text)
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
 
 
 _ARG_TYPES = {"int": whole_number, "int | None": whole_number, "float": finite_float, "str": str, "str | None": str,

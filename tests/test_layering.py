@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTRACT = ("engine.telemetry", "engine.switches", "engine.config", "engine.errors", "engine.api", "engine.snapshot",
-            "engine.prefill_cost", "engine.step")
+CONTRACT = ("engine.telemetry", "engine.switches", "engine.config", "engine.option_checks", "engine.errors",
+            "engine.api", "engine.snapshot", "engine.prefill_cost", "engine.step")
 LOADGEN = ("engine.loadgen.scenarios", "engine.loadgen.scenario_types", "engine.loadgen.load_client")
 TORCH_FREE_ENGINE = CONTRACT + LOADGEN + tuple(
     f"engine.core.{p.stem}" for p in sorted((ROOT / "engine" / "core").glob("*.py")) if p.stem != "__init__")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from engine.config import add_engine_options, finite_float, whole_number
+from engine.config import add_engine_options
+from engine.option_checks import finite_float, whole_number
 from engine.errors import ConfigError
 
 _K = 1024

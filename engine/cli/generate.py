@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import MAX_CONTEXT_TOKENS, add_engine_options, config_from_args, finite_float, whole_number
+from engine.config import MAX_CONTEXT_TOKENS, add_engine_options, config_from_args
+from engine.option_checks import finite_float, whole_number
 from engine.errors import ConfigError
 
 

@@ -24,8 +24,9 @@ from collections import deque
 from typing import Any, AsyncIterator, Callable
 
 from engine.api import GenerationRequest, Health, HealthStatus, RequestOutput
-from engine.config import EngineConfig, check_expert_cache_mib, check_vram_reserve_mib
+from engine.config import EngineConfig
 from engine.errors import EngineDead
+from engine.option_checks import check_expert_cache_mib, check_vram_reserve_mib
 from engine.exec.gpu_errors import real_message
 from engine.orchestration.delivery import OutputRouter
 from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, HealthSnapshot

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictBool,
                       StrictInt, StringConstraints, ValidationError, model_serializer)
 
-from engine.config import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
+from engine.option_checks import EXPERT_CACHE_MAX_MIB, VRAM_RESERVE_MAX_MIB
 from engine.errors import PromptTooLong
 from engine.server import json_chunked
 from engine.server.errors import ApiError, from_exception, from_validation_error, invalid_param, malformed_json

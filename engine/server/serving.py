@@ -1,8 +1,8 @@
 """The serving logic of the OpenAI routes, over an `EngineClient` only.
 
 A request goes: parsed body (protocol.py) -> refusals of what this engine does not do, each naming its
-parameter -> prompt token ids (text, token ids, or a chat template) -> context and max_tokens checks with
-the numbers -> `RequestHandle` (engine generation tied to the connection) -> a response or an SSE stream.
+parameter (param_checks.py) -> prompt token ids (text, token ids, or a chat template) -> context and max_tokens
+checks with the numbers -> `RequestHandle` (engine generation tied to the connection) -> a response or an SSE stream.
 Routes (app.py) only parse, call one method here and turn ApiError into a response.
 """
 
@@ -24,11 +24,11 @@ from engine.server.chat import chat_prompt_ids
 from engine.server.errors import ApiError, from_exception, invalid_param, unsupported_param
 from engine.server.handle import ClientGone, RequestHandle, WaitDisconnect
 from engine.server.metrics import ServerMetrics
+from engine.server.param_checks import (logit_bias_pairs, refuse_chat_extras, refuse_completion_extras,
+                                        stop_strings, top_k_or_off)
 from engine.server.logprobs import CompletionLogprobs, chat_logprobs
 from engine.server.streams import usage_of_choices
 from engine.server.protocol import (
-    MAX_STOP_STRINGS,
-    decimal,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -142,7 +142,7 @@ class Serving:
     async def completion(self, req: CompletionRequest, wait_disconnect: WaitDisconnect | None
                          ) -> CompletionResponse | AsyncIterator[str]:
         self._check_common(req)
-        _refuse_completion_extras(req)
+        refuse_completion_extras(req)
         prompt_ids = await self._completion_prompt(req)
         prep = self._prepare("cmpl", req, prompt_ids, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, req.logprobs)
         opened = await self._open_choices(prep, wait_disconnect)
@@ -165,7 +165,7 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, wait_disconnect: WaitDisconnect | None
                    ) -> ChatCompletionResponse | AsyncIterator[str]:
         self._check_common(req)
-        _refuse_chat_extras(req)
+        refuse_chat_extras(req)
         prompt_ids = await self._chat_prompt(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -241,15 +241,15 @@ class Serving:
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed,
-            stop=_stop_strings(req.stop),
+            stop=stop_strings(req.stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
-            top_k=self._top_k(req.top_k),
+            top_k=top_k_or_off(req.top_k, getattr(self.client, "vocab_size", None)),
             min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            logit_bias=self._logit_bias(req.logit_bias),
+            logit_bias=logit_bias_pairs(req.logit_bias, getattr(self.client, "vocab_size", None)),
             logprobs=logprobs_top,
         )
         if req.stream_options is not None and not req.stream:
@@ -263,30 +263,6 @@ class Serving:
                                             f"most {self.slots} choices, or for more without stream")
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params, req.stream, include_usage, req.n,
                         logprobs_top)
-
-    def _top_k(self, top_k: int | None) -> int:
-        """-1, 0 and any k the vocabulary cannot exceed all mean "off" (0)."""
-        vocab = getattr(self.client, "vocab_size", None)
-        if top_k is None or top_k < 1 or (vocab is not None and top_k >= vocab):
-            return 0
-        return top_k
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """OpenAI's `{"token id": bias}` as (id, bias) pairs; keys that are not ids of this model are 400, and
-        so are two keys naming one id ("7" and "007"): which bias was meant cannot be told."""
-        if not bias:
-            return ()
-        vocab = getattr(self.client, "vocab_size", None)
-        pairs: dict[int, float] = {}
-        for key, value in bias.items():
-            token = decimal(key)  # the schema already holds keys to ASCII digits; this is the same rule
-            if token is None or (vocab is not None and token >= vocab):
-                limit = f" below {vocab}" if vocab is not None else ""
-                raise invalid_param(f"logit_bias.{key}", key, f"keys must be token ids{limit}")
-            if token in pairs:
-                raise invalid_param(f"logit_bias.{key}", key, f"token id {token} is given twice")
-            pairs[token] = float(value)
-        return tuple(sorted(pairs.items()))
 
     # --- running -------------------------------------------------------------------------------------------
 
@@ -393,36 +369,3 @@ class Serving:
 def _shutting_down() -> ApiError:
     return ApiError(503, "server is shutting down; the request was aborted", type="server_unavailable",
                     code="shutting_down")
-
-
-def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    items = [stop] if isinstance(stop, str) else list(stop)
-    if len(items) > MAX_STOP_STRINGS:
-        raise invalid_param("stop", items, f"at most {MAX_STOP_STRINGS} stop strings")
-    for i, s in enumerate(items):
-        if not s:
-            raise invalid_param(f"stop[{i}]" if not isinstance(stop, str) else "stop", s, "a stop string is empty")
-    return tuple(items)
-
-
-def _refuse_completion_extras(req: CompletionRequest) -> None:
-    if req.echo:
-        raise unsupported_param("echo", req.echo, "echo is not supported")
-    if req.suffix:
-        raise unsupported_param("suffix", req.suffix, "suffix (fill-in-the-middle) is not supported")
-    if req.best_of is not None and req.best_of not in (1, req.n):
-        raise unsupported_param("best_of", req.best_of, "best_of other than n is not supported (it would rank "
-                                                        "choices by logprob); send n choices and rank them")
-
-
-def _refuse_chat_extras(req: ChatCompletionRequest) -> None:
-    if req.top_logprobs and not req.logprobs:
-        raise invalid_param("top_logprobs", req.top_logprobs, "needs logprobs=true")
-    if req.tools:
-        raise unsupported_param("tools", f"<{len(req.tools)} tools>", "tool calling is not supported")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported_param("tool_choice", req.tool_choice, "tool calling is not supported")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise unsupported_param("response_format", req.response_format, "only {'type': 'text'} is supported")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from engine.config import VRAM_RESERVE_MAX_MIB
+from engine.option_checks import VRAM_RESERVE_MAX_MIB
 from engine.errors import StrataError
 from engine.snapshot import ExpertCacheSnapshot
 from engine.switches import SWITCHES, get_switch

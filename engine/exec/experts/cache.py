@@ -13,11 +13,8 @@ Two forward paths, chosen by whether the stream is being captured into a CUDA gr
   served group by group through the slot policy (LRU, or LRFU with the EXPERT_LFU switch; engine.exec.experts.trace),
   misses are copied in, and
   the experts run one by one in ascending order (so any budget gives the same sums as the all-resident run);
-- captured (decode / verify under CUDA graphs): no host sync. `slots = table[ids]`, the experts' weights are
-  gathered from the pool, and a miss (a real row routed to the miss slot) is counted on the device. Between
-  steps, ExpertStepExecutor (engine.exec.experts.steps) reads the counts: no miss, the replay stands and the
-  routed experts are touched; a miss, the first missed layer's experts are loaded and the graph replayed
-  again (a few times at most), or the step is run again eagerly, which loads what it needs.
+- captured (decode / verify under CUDA graphs): no host sync, misses counted on the device and served between
+  steps (engine.exec.experts.captured, the cache's base).
 
 The cache is a claimant in the VRAM books (engine.exec.kv.tier.VramBudget): `release(mib, reason)` shrinks every
 pool (graph-capture out-of-memory recovery asks it after the tier), `set_budget` / `grow` regrow it, and each
@@ -30,9 +27,9 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
+from engine.exec.experts.captured import CapturedExperts, stream_capturing
 from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, predicted_ids, routed_on_host
 from engine.exec.experts.pool import ExpertPool, expert_bytes
 from engine.exec.experts.stats import ExpertStats
@@ -40,8 +37,6 @@ from engine.exec.experts.trace import adopt, groups_of
 from engine.exec.cuda_streams import Streams, required
 from engine.snapshot import ExpertCacheSnapshot
 from engine.model.moe import moe_index_of, routes_by_expert, sparse_blocks
-from engine.model.moe_kernels import routed_experts
-from engine.model.moe_route import slots_and_counts
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
@@ -51,11 +46,7 @@ MAX_STEP_ROWS = 1 << 16  # tokens one step may route (chunk buckets, verify rows
 COPY_BATCH_EXPERTS = 8
 
 
-def _stream_capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-class ExpertCache:
+class ExpertCache(CapturedExperts):
     """Per-layer expert pools behind the ExpertProvider seam of engine.model.moe (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bus: EventBus, slots: int,
@@ -96,7 +87,7 @@ class ExpertCache:
         self.valid_rows: int | None = None  # rows covered by row_valid this step (None: all rows are real)
         # Which path a forward takes: the graph-safe one while a CUDA graph is being captured. Tests on CPU
         # point this at `lambda x: True` to run the captured path's logic eagerly; `force_eager` is the re-run.
-        self.capturing: Callable[[torch.Tensor], bool] = _stream_capturing
+        self.capturing: Callable[[torch.Tensor], bool] = stream_capturing
         self.force_eager = False
         self.served_this_step: set[int] = set()  # layers loaded between this step's replays (expert_steps)
         self.cold = "copy"  # how a miss is served: copy | cpu | prefetch (engine.exec.experts.cold; set_cold)
@@ -285,7 +276,7 @@ class ExpertCache:
         if i in self.served_this_step and all(pool.policy.resident(e) for e in experts):
             # loaded between this step's replays and recorded then: compute only (a second serve would
             # reorder the policy and count the access twice)
-            self._run_resident(y, pool, x, ids, weights, rows, None)
+            pool.run_resident(y, x, ids, weights, rows, None)
             return y.sum(dim=1)
         tokens = N if rows is None else int(rows.sum())
         self.stats.record_access(i, experts, tokens)
@@ -308,7 +299,7 @@ class ExpertCache:
                 predict = False
                 self._prefetch_next(i, x, positions, rows)
             on_device = [e for e in group if e not in cold]
-            self._run_resident(y, pool, x, ids, weights, rows, None if len(on_device) == len(experts) else on_device)
+            pool.run_resident(y, x, ids, weights, rows, None if len(on_device) == len(experts) else on_device)
             for e in sorted(cold):
                 self.stats.host_runs += 1
                 routed_on_host(y, x, weights, routes[e], *pool.host_weights(e, self.dtype))
@@ -330,25 +321,11 @@ class ExpertCache:
             pool.pending = None
         then_prefetch()
         copied = {e for e, _ in result.loads}
-        self._run_resident(y, pool, x, ids, weights, rows, [e for e in group if e not in copied])
+        pool.run_resident(y, x, ids, weights, rows, [e for e in group if e not in copied])
         for done, part in batches:
             if done is not None:
                 torch.cuda.current_stream(self.device).wait_event(done)
-            self._run_resident(y, pool, x, ids, weights, rows, part)
-
-    @staticmethod
-    def _run_resident(y: torch.Tensor, pool: ExpertPool, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                      rows: torch.Tensor | None, experts: list[int] | None) -> None:
-        """y[n, j] = weights[n, j] * expert(x[n]) for the routes to `experts` (None: every route; all resident),
-        through the pool's slots in place (engine.model.moe_kernels); padding rows are left out."""
-        if experts is not None and not experts:
-            return
-        slots = pool.table[ids]  # [N, k]
-        if experts is not None:
-            slots = torch.where(torch.isin(ids, torch.tensor(experts, device=ids.device)), slots, -1)
-        if rows is not None:
-            slots = torch.where(rows[:, None], slots, -1)
-        routed_experts(x, pool.gate_up, pool.down, slots, weights, out=y, scales=pool.scales)
+            pool.run_resident(y, x, ids, weights, rows, part)
 
     def _prefetch_next(self, i: int, x: torch.Tensor, positions: torch.Tensor | None,
                        rows: torch.Tensor | None) -> None:
@@ -402,93 +379,6 @@ class ExpertCache:
                 pool.pending = end
         self.stats.record_loads(layer, len(loads), len(loads) * self.expert_mib, (start, end),
                                 time.perf_counter() - t0)
-
-    def _captured_forward(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                          positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Graph-safe: no host sync, static shapes. Misses read the zero slot and are counted for a re-run."""
-        pool = self.pools[i]
-        rows = self._rows(ids.shape[0])
-        # slots [N, k] (padding rows -1: no expert's weights read for them); misses and route counts on the device
-        slots = slots_and_counts(ids, pool.table, pool.slots, rows, self.dev_counts[i], self.dev_misses[i:i + 1])
-        j = i + 1
-        if self.cold == "prefetch" and j < self.main_layers and (
-                self.blocks[j].router_prior is None or positions is not None):
-            predicted = predicted_ids(self.blocks[j], x, positions)  # [N, k] layer j's likely experts
-            nxt = self.pools[j]  # its predicted experts counted as the layer's own routes are (misses unread)
-            slots_and_counts(predicted, nxt.table, nxt.slots, rows, self.dev_predicted[j], self._predicted_misses)
-        return routed_experts(x, pool.gate_up, pool.down, slots, weights, scales=pool.scales).sum(dim=1)
-
-    def serve_captured_layer(self, i: int, experts: list[int], tokens: int) -> None:
-        """Load what a captured step's *first* missed layer routed to (its routing is right: every layer before
-        it hit), so the step can be replayed again; len(experts) <= slots. Recorded as that layer's access."""
-        pool = self.pools[i]
-        self.stats.record_access(i, experts, tokens)
-        result = pool.policy.serve(experts)
-        self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
-        if result.loads:
-            self._load(pool, result.loads, result.evicted, layer=i)
-        self.served_this_step.add(i)
-
-    def touch_captured(self, counts: np.ndarray, step: int | None = None, kind: str | None = None) -> None:
-        """A captured step that hit everywhere: record its accesses and refresh the policy's recency and counts
-        (layers served between its replays are recorded already). counts [L, E]: its routes per expert; `step`
-        and `kind`: the step's, when its counters are read a step late (ExpertStepExecutor)."""
-        for i in np.flatnonzero(counts.any(axis=1)).tolist():
-            if i in self.served_this_step:
-                continue
-            row = counts[i]
-            experts = np.flatnonzero(row).tolist()
-            pool = self.pools[i]
-            self.stats.record_access(i, experts, int(row.sum()) // self.top_k, step, kind)
-            for group in groups_of(experts, pool.slots):
-                result = pool.policy.serve(group)  # all resident: hits only, nothing moves
-                self.stats.record_group(i, result.hits, len(result.loads), len(result.evicted))
-
-    # --- a captured step's counters read a step late ------------------------------------------------------
-
-    @property
-    def every_expert_resident(self) -> bool:
-        """Every pool holds every expert: no route can miss."""
-        return all(pool.slots >= pool.num_experts for pool in self.pools)
-
-    def counts_late_ok(self) -> bool:
-        """Whether a step stands unchecked: every expert resident (no route can miss) and no prefetch
-        predictions to read."""
-        return self.cold != "prefetch" and not self.force_eager and self.every_expert_resident
-
-    def count_late(self) -> None:
-        """Copy this step's route counts to host memory behind it (pinned, on CUDA) and clear them; record the
-        step before's, whose copy is long done (the host read that step's tokens since), while this one
-        computes."""
-        on_cuda = self.device.type == "cuda"
-        if not self._late_buffers:
-            self._late_buffers = [torch.empty(self.dev_counts.shape, pin_memory=on_cuda) for _ in range(2)]
-        buffer = self._late_buffers[self.stats.steps % 2]
-        buffer.copy_(self.dev_counts, non_blocking=on_cuda)
-        done = None
-        if on_cuda:
-            done = torch.cuda.Event()
-            done.record()
-        self.dev_counts.zero_()
-        self.dev_misses.zero_()  # nothing can miss; cleared all the same, for the next checked step
-        before, self._late = self._late, (buffer, done, self.stats.steps, self.stats.step_kind)
-        if before is not None:
-            self._record_late(before)
-
-    def flush_late_counts(self, wait: bool = True) -> None:
-        """Record the counts still in flight (before a checked step or a close; a snapshot passes wait=False and
-        takes them only when their copy is done, so it never waits for a step in flight)."""
-        if self._late is not None and (wait or self._late[1] is None or self._late[1].query()):
-            before, self._late = self._late, None
-            self._record_late(before)
-
-    def _record_late(self, late: tuple[torch.Tensor, torch.cuda.Event | None, int, str]) -> None:
-        buffer, done, step, kind = late
-        if done is not None:
-            done.synchronize()
-        counts = buffer.numpy()
-        if counts.any():  # an eager step records its own accesses
-            self.touch_captured(counts, step, kind)
 
     def snapshot(self, oracle_max_age_s: float = 0.0) -> ExpertCacheSnapshot:
         """For /strata/state, the `expert` Prometheus series and the TUI panel (the oracle's rates may be up to

@@ -19,6 +19,7 @@ import torch
 
 from engine.exec.experts.trace import SlotPolicy
 from engine.model.moe import SparseMoE, dense_weight
+from engine.model.moe_kernels import routed_experts
 from engine.model.quant.linear import Fp8Linear
 
 Scales = tuple[torch.Tensor, torch.Tensor]  # (gate_up [*, 2I], down [*, H]) fp32, one per output channel
@@ -169,3 +170,16 @@ class ExpertPool:
             return gate_up, down
         return ((gate_up.to(torch.float32) * self.store_scales[0][row][:, None]).to(dtype),
                 (down.to(torch.float32) * self.store_scales[1][row][:, None]).to(dtype))
+
+    def run_resident(self, y: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     rows: torch.Tensor | None, experts: list[int] | None) -> None:
+        """y[n, j] = weights[n, j] * expert(x[n]) for the routes to `experts` (None: every route; all resident),
+        through this pool's slots in place (engine.model.moe_kernels); padding rows are left out."""
+        if experts is not None and not experts:
+            return
+        slots = self.table[ids]  # [N, k]
+        if experts is not None:
+            slots = torch.where(torch.isin(ids, torch.tensor(experts, device=ids.device)), slots, -1)
+        if rows is not None:
+            slots = torch.where(rows[:, None], slots, -1)
+        routed_experts(x, self.gate_up, self.down, slots, weights, out=y, scales=self.scales)

@@ -32,6 +32,7 @@ from torch import nn
 from engine.errors import CheckpointError
 from engine.model.causal_lm import CausalLM
 from engine.model.config import ModelConfig
+from engine.model.quant.gguf_blocks import CONVERTERS, PLAIN_TYPES, SUPPORTED_TYPES, raw_blocks
 from engine.model.quant.gguf_header import check_gguf_structure
 from engine.model.quant.linear import IntGroupLinear
 from engine.model.tokenizer import Tokenizer
@@ -91,14 +92,14 @@ def read_gguf(path: Path, dtype: torch.dtype, device: torch.device, with_tokeniz
         bias = _plain(tensors, gguf_name(name) + ".bias", (module.out_features,), path, dtype, device) \
             if module.bias is not None else None
         rows = _unpermute_rows(config, name)
-        if t.tensor_type in _PLAIN:
+        if t.tensor_type in PLAIN_TYPES:
             weight = _plain(tensors, t.name, (module.out_features, module.in_features), path, dtype, device)
             layer = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
             layer.weight = nn.Parameter(weight[rows] if rows is not None else weight, requires_grad=False)
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
         else:
-            codes, scale, offset, bits, group = _CONVERTERS[t.tensor_type](_blocks(t), module.out_features,
+            codes, scale, offset, bits, group = CONVERTERS[t.tensor_type](raw_blocks(t), module.out_features,
                                                                             module.in_features)
             if rows is not None:
                 codes, scale, offset = codes[rows], scale[rows], offset[rows]
@@ -143,7 +144,7 @@ def _checked(path: Path) -> tuple[dict, dict, ModelConfig, CausalLM]:
         raise CheckpointError(str(path), f"GGUF architecture {arch!r} is not supported "
                                          f"(supported: {', '.join(ARCHITECTURES)})")
     for t in reader.tensors:
-        if t.tensor_type not in _CONVERTERS and t.tensor_type not in _PLAIN:
+        if t.tensor_type not in CONVERTERS and t.tensor_type not in PLAIN_TYPES:
             raise CheckpointError(str(path), f"tensor {t.name} has type {t.tensor_type.name}, which Strata does not "
                                              f"load (supported: {', '.join(sorted(SUPPORTED_TYPES))})")
     config = _config(meta, arch, tensors, str(path))
@@ -186,10 +187,10 @@ def _expert_layer(tensors: dict, converted: dict, types: dict, match: re.Match, 
             converted.clear()
         t = _tensor(tensors, name, (experts, n, k), path)
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + experts
-        if t.tensor_type in _PLAIN:
+        if t.tensor_type in PLAIN_TYPES:
             converted[name] = _dense(tensors, name, (experts, n, k), path, dtype, torch.device("cpu"))
         else:
-            converted[name] = _CONVERTERS[t.tensor_type](_blocks(t), experts * n, k)
+            converted[name] = CONVERTERS[t.tensor_type](raw_blocks(t), experts * n, k)
     value = converted[name]
     if isinstance(value, torch.Tensor):
         layer = nn.Linear(k, n, bias=False, device="meta")
@@ -263,7 +264,7 @@ def _tensor(tensors: dict, name: str, shape: tuple[int, ...], path) -> Any:
 
 def _plain_tensor(tensors, name, shape, path) -> Any:
     t = _tensor(tensors, name, shape, path)
-    if t.tensor_type not in _PLAIN:
+    if t.tensor_type not in PLAIN_TYPES:
         raise CheckpointError(str(path), f"tensor {name} has type {t.tensor_type.name}: expected F32, F16 or BF16")
     return t
 
@@ -281,85 +282,11 @@ def _dense(tensors, name, shape, path, dtype, device) -> torch.Tensor:
     t = _tensor(tensors, name, shape, path)
     if t.tensor_type == gguf.GGMLQuantizationType.BF16:
         values = torch.from_numpy(np.array(t.data).view(np.int16).astype(np.int16)).view(torch.bfloat16)
-    elif t.tensor_type in _PLAIN:
+    elif t.tensor_type in PLAIN_TYPES:
         values = torch.from_numpy(np.array(t.data))
     else:
         values = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type))
     return values.reshape(shape).to(device=device, dtype=dtype)
-
-
-def _blocks(t) -> np.ndarray:
-    import gguf
-
-    block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-    return np.ascontiguousarray(np.array(t.data).view(np.uint8).reshape(-1, type_size))
-
-
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
-def _q8_0(blocks, n, k):  # d, 32 x int8
-    d = _f16(blocks[:, :2])
-    q = blocks[:, 2:].view(np.int8).astype(np.int32) + 128
-    return _out(q, d, -128.0 * d, n, k, 8, 32)
-
-
-def _q4_0(blocks, n, k):  # d, 16 bytes: low nibbles are codes 0..15, high nibbles 16..31
-    d = _f16(blocks[:, :2])
-    qs = blocks[:, 2:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)
-    return _out(q, d, -8.0 * d, n, k, 4, 32)
-
-
-def _q4_1(blocks, n, k):  # d, m, 16 bytes as Q4_0
-    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
-    qs = blocks[:, 4:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)
-    return _out(q, d, m, n, k, 4, 32)
-
-
-def _q4_k(blocks, n, k):  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes: 8 groups of 32
-    import gguf
-
-    count = blocks.shape[0]
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
-    qs = blocks[:, 16:].reshape(count, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 0x0F).reshape(count, 256).astype(np.int32)
-    scale = d * sc.astype(np.float32)  # [count, 8]
-    return _out(q, scale, -dmin * mins.astype(np.float32), n, k, 4, 32)
-
-
-def _q6_k(blocks, n, k):  # 128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d: 16 groups of 16
-    count = blocks.shape[0]
-    ql, qh = blocks[:, :128], blocks[:, 128:192]
-    scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
-    d = _f16(blocks[:, 208:210])
-    low = (ql.reshape(count, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(count, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    q = (low.reshape(count, 8, 32) | (high.reshape(count, 8, 32) << 4)).reshape(count, 256).astype(np.int32)
-    scale = d * scales  # [count, 16]
-    return _out(q, scale, -32.0 * scale, n, k, 8, 16)
-
-
-def _out(codes, scale, offset, n, k, bits, group):
-    return (torch.from_numpy(codes.reshape(n, k)), torch.from_numpy(np.ascontiguousarray(scale).reshape(n, k // group)),
-            torch.from_numpy(np.ascontiguousarray(offset).reshape(n, k // group)), bits, group)
-
-
-def _types():
-    import gguf
-
-    T = gguf.GGMLQuantizationType
-    return ({T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q6_K: _q6_k}, {T.F32, T.F16, T.BF16})
-
-
-try:
-    _CONVERTERS, _PLAIN = _types()
-    SUPPORTED_TYPES = {t.name for t in list(_CONVERTERS) + list(_PLAIN)}
-except ImportError:  # the gguf package missing: read_gguf's own import names it
-    _CONVERTERS, _PLAIN, SUPPORTED_TYPES = {}, set(), set()
 
 
 def _unpermute_rows(config: ModelConfig, name: str) -> torch.Tensor | None:

@@ -170,13 +170,13 @@ def test_a_request_waits_in_the_queue_for_blocks_rather_than_preempt_the_running
     """A pool that cannot grow, full with two running requests: a third waits in the queue with the reason in the
     snapshot (a slot is free), no running request is spilled to the host for it, and it is admitted once one of
     them ends, with the tokens it gets alone."""
-    import engine.orchestration.engine_setup as engine_setup
+    import engine.orchestration.part_makers as part_makers
 
     prompts = random_prompts(3, seed=77, lengths=(80, 81))  # 88 tokens and the lookahead: two 64-token blocks
     alone = make_engine(ckpt, batch=1, context=1024, tier_budget_mib=0.0)
     want = tokens_of(run_all(alone, prompts[2:], GREEDY, prefix="c"))
     # a pool of 4 blocks that cannot grow (no headroom, no tier to take from): the two running requests fill it
-    monkeypatch.setattr(engine_setup, "CPU_START_POOL_MIB", 4 * alone.kv.paging.block_mib)
+    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 4 * alone.kv.paging.block_mib)
     engine = make_engine(ckpt, batch=3, context=1024, prefill_chunk_tokens=64, step_token_budget=128,
                          tier_budget_mib=0.0)
     paging = engine.kv.paging

@@ -39,6 +39,15 @@ def roomy(ckpt):
     return get
 
 
+def free_device_mib(monkeypatch, free_mib: float) -> None:
+    """The device as having `free_mib` MiB free, to every stage that sizes a part against it."""
+    import engine.orchestration.engine_setup as setup
+    import engine.orchestration.part_makers as part_makers
+
+    for module in (setup, part_makers):
+        monkeypatch.setattr(module, "device_memory_mib", lambda device: (4096.0, free_mib))
+
+
 @pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", False), ("bf16", True), ("int8", True)])
 def test_spilled_kv_gives_the_tokens_of_a_run_with_room(ckpt, roomy, kv, mtp):
     bus = EventBus(history=100000)
@@ -87,9 +96,9 @@ def test_reserved_kv_every_token_is_resident_and_there_is_no_paging(ckpt):
 
 
 def test_kv_by_use_is_the_default_on_a_cpu_and_the_pool_grows_as_slots_use_it(ckpt, monkeypatch):
-    import engine.orchestration.engine_setup as setup
+    import engine.orchestration.part_makers as part_makers
 
-    monkeypatch.setattr(setup, "CPU_START_POOL_MIB", 0.0)  # start at one prompt chunk per slot, not 256 MiB
+    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 0.0)  # start at one prompt chunk per slot, not 256 MiB
     engine = make_engine(ckpt, **SMALL)
     paging = engine.kv.paging
     assert paging is not None and paging.layout.resident_blocks == 0
@@ -118,9 +127,7 @@ def test_the_tier_gives_memory_back_before_anything_spills(ckpt):
 
 
 def test_resident_kv_that_cannot_fit_is_one_config_error_with_the_numbers(ckpt, monkeypatch):
-    import engine.orchestration.engine_setup as setup
-
-    monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 3.0))  # 3 MiB past the reserve
+    free_device_mib(monkeypatch, 1024.0 + 3.0)  # 3 MiB past the reserve
     with pytest.raises(ConfigError) as info:
         make_engine(ckpt, batch=4, context=8192, kv_resident=4096, vram_reserve_mib=1024)
     assert info.value.param == "kv_resident"
@@ -129,10 +136,8 @@ def test_resident_kv_that_cannot_fit_is_one_config_error_with_the_numbers(ckpt, 
 
 
 def test_a_context_too_large_for_the_device_starts_with_a_small_resident_window(ckpt, monkeypatch):
-    import engine.orchestration.engine_setup as setup
-
     # 8 MiB past the reserve: 4 slots x 8192 tokens need ~16 MiB; 4 x 256 resident + one slot's window ~4.4 MiB
-    monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 8.0))
+    free_device_mib(monkeypatch, 1024.0 + 8.0)
     with pytest.raises(ConfigError) as info:  # every slot's whole context: too much
         make_engine(ckpt, batch=4, context=8192, vram_reserve_mib=1024, kv_pool="reserved")
     assert info.value.param == "context"
@@ -184,10 +189,9 @@ def test_help_says_what_kv_resident_guarantees():
 
 
 def test_the_cli_says_it_in_one_line_and_exits_2(ckpt, monkeypatch, capsys):
-    import engine.orchestration.engine_setup as setup
     from engine.cli import main
 
-    monkeypatch.setattr(setup, "device_memory_mib", lambda device: (4096.0, 1024.0 + 3.0))
+    free_device_mib(monkeypatch, 1024.0 + 3.0)
     code = main(["generate", "--model", str(ckpt), "--device", "cpu", "--context", "8192", "--kv-resident", "4096",
                  "--max-tokens", "2", "--prompt", "hi"])
     err = capsys.readouterr().err.strip()
