@@ -343,7 +343,9 @@ class KVPaging:
         block_mib = self.block_mib
         if short_blocks <= 0 or not ask_tier or self.take_memory is None or block_mib <= 0:
             return
-        want = max(short_blocks, self.layout.window_blocks)
+        # Geometric here too: each growth copies the whole pool, drops the captured graphs and waits for the
+        # device, and a burst of prompts admitted together is short a few blocks at nearly every step.
+        want = max(short_blocks, self.layout.window_blocks, self.ledger.pool_blocks // 2)
         # Growing reallocates one pool tensor at a time: on the device the largest one is briefly held twice.
         transient = 0.0
         if self.kv.device.type == "cuda":

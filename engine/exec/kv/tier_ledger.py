@@ -35,6 +35,10 @@ MIB = float(1 << 20)
 class LedgerTierBlocks:
     """Tier block ids backed by pool blocks of the slots' ledger (see the module doc)."""
 
+    # A hand-over backs the tier block with the slot's own blocks: backing it first would take free pool blocks
+    # only to give them back, and past the free ones grow the pool (a copy of all of it) for nothing.
+    backs_before_hand_over = False
+
     def __init__(self, kv, tier_block_tokens: int) -> None:
         paging = kv.paging
         if paging is None or paging.layout.resident_blocks or tier_block_tokens % kv.geometry.block_tokens:

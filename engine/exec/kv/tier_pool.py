@@ -43,6 +43,9 @@ _MOVE_BLOCKS = 256  # blocks one compaction copy moves (its scratch: that many b
 class SharedTierBlocks:
     """Block bookkeeping and pool resizing for a tier whose blocks live in the KV pool (see the module doc)."""
 
+    # A hand-over swaps the slot's blocks with the tier block's own: the tier block must be backed first.
+    backs_before_hand_over = True
+
     def __init__(self, kv, tier_block_tokens: int, on_resize: Callable[[], None] | None = None) -> None:
         """`on_resize`: what must follow a pool reallocation (captured graphs read the old tensors: dropped)."""
         g = kv.geometry
