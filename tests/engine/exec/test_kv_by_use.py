@@ -203,26 +203,36 @@ def test_a_request_waits_in_the_queue_for_blocks_rather_than_preempt_the_running
     assert tokens_of({"c0": outs["c0"]}) == want
 
 
-def test_a_burst_of_prompts_grows_the_pool_a_few_times_never_for_the_tiers_hand_overs(ckpt):
-    """A burst of prompts admitted together, their full blocks handed to the prefix-cache tier as each prompt is
-    prefilled. Each pool growth copies the whole pool (and on a GPU drops every captured graph and waits for the
-    device): the tier, which takes a slot's own blocks, backed each block first with free pool blocks, and past
-    them grew the pool by a few blocks at a time, over a hundred ms a growth on this model."""
+def _burst_engine(ckpt, **kw):
+    """An engine of 64 slots on CPU, KV by use, and its bus."""
     from engine.config import EngineConfig
     from engine.orchestration.engine import Engine
 
     bus = EventBus(history=100000)
-    config = EngineConfig(model=str(ckpt), device="cpu", dtype="float32", batch=64, context=512 + 64, queue_max=64)
-    engine = Engine(config, bus)
-    prompts = random_prompts(64, seed=95, lengths=(500, 512), vocab=200)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    config = EngineConfig(model=str(ckpt), device="cpu", dtype="float32", batch=64, context=512 + 64, queue_max=64,
+                          **kw)
+    return Engine(config, bus), bus
+
+
+def _pool_growths_of_a_burst(engine, bus, seed: int, max_tokens: int) -> list:
+    """64 prompts of about 512 tokens added at once and run to the end; the pool's `grow` events meanwhile."""
+    for i, prompt in enumerate(random_prompts(64, seed=seed, lengths=(500, 512), vocab=200)):
+        engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     for _ in range(2000):
         if not engine.has_work:
             break
         engine.step()
     assert not engine.has_work
-    grows = [e for e in bus.latest(["kv"]) if e.action == "grow"]
+    return [e for e in bus.latest(["kv"]) if e.action == "grow"]
+
+
+def test_a_burst_of_prompts_grows_the_pool_a_few_times_never_for_the_tiers_hand_overs(ckpt):
+    """A burst of prompts admitted together, their full blocks handed to the prefix-cache tier as each prompt is
+    prefilled. Each pool growth copies the whole pool (and on a GPU drops every captured graph and waits for the
+    device): the tier, which takes a slot's own blocks, backed each block first with free pool blocks, and past
+    them grew the pool by a few blocks at a time, over a hundred ms a growth on this model."""
+    engine, bus = _burst_engine(ckpt)
+    grows = _pool_growths_of_a_burst(engine, bus, seed=95, max_tokens=2)
     assert not [e for e in grows if "tier" in e.reason], [(e.blocks, e.reason) for e in grows]
     assert engine.tier.filled_blocks > 0  # the tier took the prompts' blocks
     # geometric growth from one prompt chunk per slot to every slot's whole context: a few growths
@@ -233,24 +243,10 @@ def test_a_pool_that_grows_from_the_tier_grows_geometrically_through_a_burst(ckp
     """Where the pool has no headroom of its own (a GPU's: it starts at one slot's window and grows from what the
     prefix-cache tier gives back), a burst of prompts was short a few blocks at nearly every step and took just
     that much each time: a reallocation of the whole pool, a dropped graph cache and a device sync per step."""
-    from engine.config import EngineConfig
-    from engine.orchestration.engine import Engine
-
-    bus = EventBus(history=100000)
-    config = EngineConfig(model=str(ckpt), device="cpu", dtype="float32", batch=64, context=512 + 64, queue_max=64,
-                          kv_resident=64, step_token_budget=1024, prefill_chunk_tokens=512)
-    engine = Engine(config, bus)
+    engine, bus = _burst_engine(ckpt, kv_resident=64, step_token_budget=1024, prefill_chunk_tokens=512)
     paging = engine.kv.paging
     assert paging.grow_limit_blocks <= paging.ledger.pool_blocks  # no headroom: every growth asks the tier
     paging.take_memory = lambda mib, reason: mib  # a tier with that much memory to give back, as a GPU's has
-    prompts = random_prompts(64, seed=96, lengths=(500, 512), vocab=200)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"g{i}", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    for _ in range(2000):
-        if not engine.has_work:
-            break
-        engine.step()
-    assert not engine.has_work
-    grows = [e for e in bus.latest(["kv"]) if e.action == "grow"]
+    grows = _pool_growths_of_a_burst(engine, bus, seed=96, max_tokens=24)
     # from one window to every slot's blocks, half as much again each time: ~7 growths (26 a few blocks at a time)
     assert grows and len(grows) <= 10, [(e.blocks, e.reason) for e in grows]
