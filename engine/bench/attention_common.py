@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 
 from engine.errors import ConfigError
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.exec.cuda_streams import Streams
 
 HQ, HKV, HEAD_DIM = 16, 8, 128  # the 0.6B shape's attention

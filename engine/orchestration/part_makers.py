@@ -17,7 +17,8 @@ from engine.core.step_budget import default_step_token_budget, estimated_prefill
 from engine.errors import ConfigError
 from engine.exec.cuda_streams import Streams
 from engine.exec.device_rate import matmul_flop_s
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.exec.kv.tier import MIB, check_kv_fits
 from engine.exec.kv.tier_ledger import LedgerTierBlocks
 from engine.exec.kv.tier_pool import SharedTierBlocks

@@ -22,12 +22,11 @@ cache to a backend (the PyTorch reference, or the Triton kernels that read the p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
-from engine.exec.kv.blocks import BlockLayout
+from engine.exec.kv.geometry import KVGeometry
 from engine.exec.kv.paging import KVPaging
 from engine.exec.kv.pool_resize import resized
 from engine.exec.cuda_streams import Streams
@@ -35,66 +34,12 @@ from engine.model.attention.backends import TorchAttention, kernel_backend
 from engine.model.attention.reference import flash_accepts
 
 KV_STORAGE = ("bf16", "int8")
-KV_BLOCK_TOKENS = 64  # tokens per pool block: the paged kernel's key tile; divides the tier's 256-token blocks
 # Scores scratch one blocked-attention step may use (B x Hq x T x block x 4 bytes).
 _BLOCK_SCORES_BYTES = 256 << 20
 # Keys + values one read may copy (gathered by slot, dequantized): longer spans are read block by block.
 _BLOCK_KV_BYTES = 128 << 20
 _SPLIT_TOKENS = 1024  # keys per split in the split-KV decode path
 _INT8_MAX = 127.0
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """What a KV cache holds: layers (main + MTP), slots, heads, head size, tokens per slot, tokens per block."""
-
-    num_layers: int
-    num_slots: int
-    num_kv_heads: int
-    head_dim: int
-    context_tokens: int
-    margin_tokens: int
-    block_tokens: int = KV_BLOCK_TOKENS
-
-    @property
-    def blocks_per_slot(self) -> int:
-        return self.context_blocks + -(-self.margin_tokens // self.block_tokens)
-
-    @property
-    def pad_start_tokens(self) -> int:
-        """Where padded rows write: the first column of the margin's whole blocks, so no block that holds a
-        position < context is ever written by a padded row (with KV by use an unmapped one is the shared scratch)."""
-        return self.context_blocks * self.block_tokens
-
-    @property
-    def columns(self) -> int:
-        """Token positions a slot can address: context + margin, rounded up to whole blocks."""
-        return self.blocks_per_slot * self.block_tokens
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_slots * self.blocks_per_slot
-
-    @property
-    def context_blocks(self) -> int:
-        """Logical blocks holding positions < context (those past them are scratch only)."""
-        return -(-self.context_tokens // self.block_tokens)
-
-    def layout(self, resident_tokens: int) -> BlockLayout:
-        """The paged layout for `--kv-resident`: each slot's first `resident_tokens` (whole blocks) resident."""
-        resident = min(self.context_blocks, -(-resident_tokens // self.block_tokens))
-        return BlockLayout(self.num_slots, self.blocks_per_slot, self.context_blocks, resident, self.block_tokens)
-
-    def bytes_per_token(self, storage: str, compute_dtype: torch.dtype) -> int:
-        """KV bytes one token costs across all layers (keys + values, scales included for int8)."""
-        elem = 1 if storage == "int8" else torch.empty((), dtype=compute_dtype).element_size()
-        per_head = self.head_dim * elem + (4 if storage == "int8" else 0)
-        return 2 * self.num_layers * self.num_kv_heads * per_head
-
-    def total_bytes(self, storage: str, compute_dtype: torch.dtype) -> int:
-        return self.bytes_per_token(storage, compute_dtype) * self.num_slots * self.columns
-
-
 SCRUB_CHUNK_BYTES = 16 << 20  # non_finite_blocks' mask: at most this many bytes at once
 
 

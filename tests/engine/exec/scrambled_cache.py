@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 
 
 def scrambled_cache(storage: str, dtype: torch.dtype, hkv: int, context_tokens: int, num_slots: int,

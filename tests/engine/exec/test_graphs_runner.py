@@ -20,7 +20,8 @@ from engine.exec.step_fns import EagerExecutor
 from tests.fault_injection import FaultPlan
 from engine.exec.graphs.backends import CpuGraphBackend, default_backend
 from engine.exec.graphs.cache import GraphCache
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.model import load_checkpoint
 from engine.exec.runner import ModelRunner, Row, switch_for_key
 from engine.exec.sampler import make_generator

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.exec.kv.cache import KVGeometry, SlotKVCache, dequantize_int8, quantize_int8
+from engine.exec.kv.cache import SlotKVCache, dequantize_int8, quantize_int8
+from engine.exec.kv.geometry import KVGeometry
 
 
 def _reference(q, ks, vs, positions):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from engine.api import SamplingParams
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.exec.kv.paging import KVPaging, _PendingFetch
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from tests.engine.engine_helpers import one_thread, shared_lively_checkpoint
 
 

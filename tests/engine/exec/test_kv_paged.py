@@ -13,7 +13,8 @@ import torch
 
 from tests.engine.engine_helpers import slot_keys
 
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.model.attention.backends import kernel_backend
 from tests.engine.exec.triton_interpreter import run_in_interpreter
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.model.attention.triton_paged_config import PrefillConfig
 from tests.engine.exec.triton_interpreter import run_in_interpreter
 

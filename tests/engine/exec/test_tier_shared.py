@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.core.prefix_index import PrefixIndex
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.exec.kv.tier_pool import SharedTierBlocks
 from engine.exec.kv.tier import AdaptiveTier
 from engine.telemetry import EventBus

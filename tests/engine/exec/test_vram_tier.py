@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.exec.kv.cache import KVGeometry, SlotKVCache
+from engine.exec.kv.cache import SlotKVCache
+from engine.exec.kv.geometry import KVGeometry
 from engine.core.prefix_index import PrefixIndex
 from engine.telemetry import EventBus
 from engine.exec.kv.tier import AdaptiveTier, VramBudget, check_kv_fits
