@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from engine.exec.graphs.key import GraphKey
-from engine.exec.runner import MIN_CHUNK_TOKENS, PREFILL_SWITCH, ModelRunner, StepOutput, pow2_bucket, split_switches
+from engine.exec.runner import PREFILL_SWITCH, ModelRunner, StepOutput, split_switches
+from engine.exec.step_buckets import MIN_CHUNK_TOKENS, pow2_bucket
 from engine.step import PrefillChunk
 
 

@@ -26,7 +26,8 @@ from engine.exec.step_fns import EagerExecutor
 from engine.exec.graphs.key import GraphKey
 from engine.exec.graphs.cache import GraphSpec
 from engine.exec.mtp_accept import chain_positions, greedy_acceptance, greedy_acceptance_kernel
-from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, Row, pow2_bucket, split_switches
+from engine.exec.runner import ModelRunner, Row, split_switches
+from engine.exec.step_buckets import MIN_CHUNK_TOKENS, pow2_bucket
 from engine.exec.sampler import finite_rows, flag_non_finite, sample_on_device, sampling_inputs
 
 FUSED_KIND = "verify_draft"

@@ -34,7 +34,8 @@ from engine.exec.gpu_errors import error_event, is_sticky, real_message
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
 from engine.exec.prefill_window import PrefillWindow
-from engine.exec.runner import MIN_CHUNK_TOKENS, ModelRunner, MtpUnavailable, Row, StepOutput, pow2_bucket
+from engine.exec.runner import ModelRunner, MtpUnavailable, Row, StepOutput
+from engine.exec.step_buckets import MIN_CHUNK_TOKENS, pow2_bucket
 from engine.exec.step_fns import StepExecutor
 from engine.exec.sampler import (NonFiniteLogits, SampleResult, device_result, non_finite_rows, sample_isolating_rows,
                                  sample_with_drafts)

@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.exec.graphs.key import GraphKey
-from engine.exec.runner import GRAPH_CHUNK_TOKENS, MIN_CHUNK_TOKENS, StepOutput, pow2_bucket, split_switches
+from engine.exec.runner import GRAPH_CHUNK_TOKENS, StepOutput, split_switches
+from engine.exec.step_buckets import MIN_CHUNK_TOKENS, pow2_bucket
 from engine.model.moe import SparseMoE
 
 KIND = "prefill"  # a prefill step as the chunk's (the expert cache's trace and prompt counters read the kind)

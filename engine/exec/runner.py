@@ -18,6 +18,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from engine.exec.pinned_stager import PinnedStager
+from engine.exec.step_buckets import MIN_CHUNK_TOKENS, StepBuckets, pow2_bucket
 from engine.exec.step_fns import EagerExecutor, GraphDegraded, StepExecutor
 from engine.exec.graphs.key import GraphKey
 from engine.exec.graphs.cache import GraphSpec
@@ -27,13 +29,6 @@ from engine.exec.sampler import finite_rows, flag_non_finite
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, WarningEvent
 
-MIN_SPAN_TOKENS = 256
-GROUP_SPAN_RATIO = 8  # rows of one decode forward: length buckets within this factor of the shortest
-MIN_CHUNK_TOKENS = 16
-# A prompt chunk on the reference path reads every key of its span, so its span is its end rounded up to an
-# eighth of the end's power-of-two bucket (at most 12.5 % more keys): with the power of two alone a chunk just
-# past 8K of a 16K context read all 16K keys, and cost five times the chunk before it.
-CHUNK_SPAN_STEPS = 8
 # Prompt chunks up to this many tokens replay a captured graph when the prompt-chunk kernel runs them and their
 # bucket was seen before: a short chunk is bound by the host's launches of an eager forward, a long one by the
 # device (and its graph would hold a long chunk's activations in the graph pool); a capture costs a few eager
@@ -64,14 +59,6 @@ class MtpUnavailable(RuntimeError):
     """A drafting step could not run (its graph degraded with no switch to blame): turn MTP off."""
 
 
-def pow2_bucket(n: int, lower: int = 1) -> int:
-    """Smallest power of two >= max(n, lower)."""
-    b = lower
-    while b < n:
-        b *= 2
-    return b
-
-
 @dataclass(frozen=True)
 class Row:
     """One decoding slot in a batch: its slot, the token to feed, and that token's position."""
@@ -95,41 +82,10 @@ class StepOutput:
     checked: torch.Tensor | None = None
 
 
-class PinnedStager:
-    """Reusable pinned host buffers per (shape, dtype) for non-blocking host-to-device input copies.
-
-    A buffer is reused only after the copy that last read it has completed (a CUDA event per buffer), so a
-    host write can never race an in-flight copy.
-    """
-
-    RING = 4
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._rings: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
-        self._turn: dict[tuple, int] = {}
-
-    def stage(self, host: torch.Tensor) -> torch.Tensor:
-        key = (tuple(host.shape), host.dtype)
-        ring = self._rings.setdefault(key, [])
-        turn = self._turn.get(key, 0)
-        self._turn[key] = turn + 1
-        if len(ring) < self.RING:
-            ring.append((torch.empty(host.shape, dtype=host.dtype).pin_memory(), torch.cuda.Event()))
-            buf, done = ring[-1]
-        else:
-            buf, done = ring[turn % self.RING]
-            done.synchronize()
-        buf.copy_(host)
-        out = buf.to(self.device, non_blocking=True)
-        done.record()
-        return out
-
-
 StepBuilder = Callable[[bool], tuple[Hashable, Callable]]
 
 
-class ModelRunner:
+class ModelRunner(StepBuckets):
     """Runs prefill chunks, batched decode and MTP verify forwards over the slot KV cache."""
 
     def __init__(self, model: torch.nn.Module, kv: SlotKVCache, graphs: StepExecutor, board: SwitchBoard,
@@ -164,59 +120,7 @@ class ModelRunner:
         self.lookahead_tokens = 2 * mtp_depth + 2
         self._chunk_buckets_seen: set[tuple[int, int]] = set()  # (tokens, span) buckets of short prompt chunks
 
-    # --- buckets and staging -------------------------------------------------------------------------------
-
-    def batch_bucket(self, n: int) -> int:
-        return pow2_bucket(n)
-
-    def span_bucket(self, end_tokens: int) -> int:
-        """The length bucket for keys [0, end_tokens): a power of two, capped at the context."""
-        return min(pow2_bucket(end_tokens, MIN_SPAN_TOKENS), self.context_tokens)
-
-    def chunk_span(self, end_tokens: int) -> int:
-        """The key span of a prompt chunk ending at `end_tokens`. On CUDA the chunk kernels (fused causal
-        attention, the prefill kernel) read only each query's causal keys, so the span only names the graph: the
-        length bucket. Elsewhere the reference reads the whole span: the end rounded up to a fine bucket."""
-        if torch.device(self.device).type == "cuda":
-            return self.span_bucket(end_tokens)
-        step = max(MIN_SPAN_TOKENS, pow2_bucket(end_tokens, MIN_SPAN_TOKENS) // CHUNK_SPAN_STEPS)
-        return min(-(-end_tokens // step) * step, self.context_tokens)
-
-    def chunk_spans(self) -> list[int]:
-        """Every span chunk_span can give (CAPTURE_ALL)."""
-        if torch.device(self.device).type == "cuda":
-            return self.span_buckets()
-        return sorted({self.chunk_span(end) for end in range(MIN_SPAN_TOKENS, self.context_tokens + MIN_SPAN_TOKENS,
-                                                               MIN_SPAN_TOKENS)})
-
-    def step_span(self, end_tokens: int) -> int:
-        """The key span a few-query step (decode, verify, a draft round or chain step) is built for. On the paged
-        kernels' path each row reads and splits only its own keys, whatever the span: one span, the context, so
-        one graph per batch bucket serves every length (no capture, and no kernel compiled, as the slots' contexts
-        grow). Elsewhere the reference reads up to the span: the length bucket."""
-        return self.context_tokens if self.paged_enabled() else self.span_bucket(end_tokens)
-
-    def step_spans(self) -> list[int]:
-        """Every span step_span can give on the current path (CAPTURE_ALL)."""
-        return [self.context_tokens] if self.paged_enabled() else self.span_buckets()
-
-    def span_groups(self, end_tokens: list[int]) -> list[list[int]]:
-        """Indices of rows to batch together: rows whose length buckets are within GROUP_SPAN_RATIO of the
-        group's shortest. One long slot then costs its own forward (one more read of the weights) instead of
-        every short slot reading (and copying) keys up to the long slot's bucket, or, on the paged kernels'
-        path, instead of the long slot's keys streaming through as few splits as a full batch gives a row."""
-        order = sorted(range(len(end_tokens)), key=lambda i: end_tokens[i])
-        groups: list[list[int]] = []
-        first_span = 0
-        for i in order:
-            span = self.span_bucket(end_tokens[i])
-            if not groups or span > GROUP_SPAN_RATIO * first_span:
-                groups.append([])
-                first_span = span
-            groups[-1].append(i)
-        if self.kv.paging is not None:  # --kv-resident: a forward's slots must fit the shared pool together
-            groups = self.kv.paging.split_groups(groups, [e + self.lookahead_tokens for e in end_tokens])
-        return groups
+    # --- staging and the path -------------------------------------------------------------------------------
 
     def stage(self, values: list, dtype: torch.dtype = torch.long, pinned: bool = False) -> torch.Tensor:
         """Host values -> device tensor; through a pinned buffer and a non-blocking copy with PINNED_STAGING or
@@ -303,18 +207,6 @@ class ModelRunner:
         self.graphs.invalidate(lambda kind, key: isinstance(key, GraphKey) and key.depends_on(name))
 
     # --- CAPTURE_ALL ---------------------------------------------------------------------------------------
-
-    def batch_buckets(self) -> list[int]:
-        """Every batch bucket a decode/verify can take: 1, 2, 4, ... up to the bucket of all slots."""
-        return _pow2_range(1, self.batch_bucket(self.num_slots))
-
-    def span_buckets(self) -> list[int]:
-        """Every length bucket a step can take: powers of two from MIN_SPAN_TOKENS, the last capped at the
-        context. Logarithmic in the context (11 buckets for 256K), so capturing all of them stays bounded."""
-        spans = [MIN_SPAN_TOKENS]
-        while spans[-1] < self.context_tokens:
-            spans.append(spans[-1] * 2)
-        return sorted({self.span_bucket(s) for s in spans})
 
     def pad_positions(self, bb: int, t: int) -> list[list[int]]:
         """Positions [bb, t] of rows that are all padding: scratch columns past the context, never a token."""
@@ -474,11 +366,3 @@ class ModelRunner:
 
         return forward_fn
 
-
-def _pow2_range(lower: int, upper: int) -> list[int]:
-    """Powers of two times `lower`, from `lower` up to and including `upper`."""
-    out, b = [], lower
-    while b <= upper:
-        out.append(b)
-        b *= 2
-    return out

@@ -23,7 +23,8 @@ from engine.exec.kv.tier import MIB, check_kv_fits
 from engine.exec.kv.tier_ledger import LedgerTierBlocks
 from engine.exec.kv.tier_pool import SharedTierBlocks
 from engine.exec.kv.vram_budget import device_memory_mib
-from engine.exec.runner import MIN_CHUNK_TOKENS, pow2_bucket, switch_for_key
+from engine.exec.runner import switch_for_key
+from engine.exec.step_buckets import MIN_CHUNK_TOKENS, pow2_bucket
 from engine.exec.step_fns import EagerExecutor, StepExecutor
 from engine.model.quant.linear import model_bytes
 from engine.switches import SwitchBoard

@@ -12,7 +12,7 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.exec import chunk_rows
-from engine.exec.runner import MIN_CHUNK_TOKENS, pow2_bucket
+from engine.exec.step_buckets import MIN_CHUNK_TOKENS, pow2_bucket
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

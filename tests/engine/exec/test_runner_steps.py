@@ -8,7 +8,8 @@ import torch
 from engine.api import SamplingParams
 from engine.exec.step_fns import EagerExecutor
 from engine.exec.graphs.key import GraphKey
-from engine.exec.runner import Row, pow2_bucket, switch_for_key
+from engine.exec.runner import Row, switch_for_key
+from engine.exec.step_buckets import pow2_bucket
 from tests.engine.engine_helpers import make_engine, slot_keys
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
