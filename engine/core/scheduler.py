@@ -20,33 +20,33 @@ Every `schedule()` returns one StepPlan, the whole of what the runner does in th
 The plan is a commitment: `schedule()` advances each request's prefill cursor as it plans the chunk, and a
 request whose last prompt chunk is planned decodes from the next step on. If a step fails, the engine ends
 the requests in it with `finish(req, "error")`.
+
+The queue and the slots are the Scheduler's base (engine.core.slot_queue); the prefix tier's blocks each request
+holds, its digest chain and its pins, are a PrefixPins of its own (engine.core.prefix_pins).
 """
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections import deque
 from typing import Any, Callable
 
 from engine.api import FinishReason
-from engine.errors import ConfigError, QueueFull, RequestRejected
+from engine.errors import ConfigError, RequestRejected
 from engine.core.prefill_pacer import (DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, ChunkTiming, PrefillPacer,
                                       StepTiming)
-from engine.core.prefix_index import PrefixIndex, block_digests
+from engine.core.prefix_index import PrefixIndex
+from engine.core.prefix_pins import PrefixPins
 from engine.core.request import Request, RequestState
+from engine.core.slot_queue import SlotQueue
 from engine.step import (WORK_LOST_REASONS, Admission, BlockRef, CacheFill, PrefillChunk, StepPlan, StepResult,
                          TokenOutput)
 
 __all__ = ["Admission", "CacheFill", "PrefillChunk", "Scheduler", "StepPlan", "StepTiming", "TokenOutput"]
 
 DEFAULT_BLOCK_TOKENS = 256
-_RETRY_AFTER_MIN_S = 0.1
-_RETRY_AFTER_MAX_S = 60.0
-_RETRY_AFTER_UNKNOWN_S = 1.0
 
 
-class Scheduler:
+class Scheduler(SlotQueue):
     """Slots behind a bounded FIFO queue, with continuous batching and chunked prefill."""
 
     def __init__(
@@ -93,8 +93,7 @@ class Scheduler:
             block_tokens = prefix_index.block_tokens
         self.block_tokens = block_tokens if block_tokens is not None else DEFAULT_BLOCK_TOKENS
         _require_positive("block_tokens", self.block_tokens)
-        self.num_slots = num_slots
-        self.queue_max = queue_max
+        super().__init__(num_slots, queue_max)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.step_token_budget = step_token_budget
         self.context_tokens = context_tokens
@@ -108,24 +107,13 @@ class Scheduler:
         self.pacer = PrefillPacer(prefill_step_share, granule, min_chunk_tokens, max_chunk_stall_s=max_chunk_stall_s)
         self._draft_tokens = 0
         self.set_draft_tokens(draft_tokens)
-        self._waiting: deque[Request] = deque()
-        self._slots: list[Request | None] = [None] * num_slots
-        self._free_slots: list[int] = list(range(num_slots))
         self._prefilling: list[Request] = []  # admission order: the FIFO order of prefill chunks
         self.overlap_chunks = overlap_chunks
         self.admission_gate = admission_gate
         self.admission_wait = ""  # why the head of the queue waits while a slot is free ("" when it does not)
         self._in_flight: Request | None = None
         self._next_launch_s = 0.0
-        self._requests: dict[str, Request] = {}
-        self._awaiting_copy: list[Request] = []  # admitted last step: their prefix pins drop next step
-        # Tier blocks handed out for filling last step, by request: unpinned next step or when it finishes.
-        self._fill_pins: dict[str, list[int]] = {}
-        self._finish_times_s: deque[float] = deque(maxlen=32)
-        self._next_fill_block: dict[str, int] = {}
-        # Each running request's hash chain, computed once at admission: chunks extend the cached prefix
-        # block by block, and rehashing a 176K-token prompt for every chunk would be quadratic.
-        self._digests: dict[str, list[bytes]] = {}
+        self._pins = PrefixPins(prefix_index) if prefix_index is not None else None
 
     @classmethod
     def from_config(cls, config: Any, prefix_index: PrefixIndex | None = None, step_token_budget: int | None = None,
@@ -145,48 +133,6 @@ class Scheduler:
     def draft_tokens(self) -> int:
         return self._draft_tokens
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        return self.num_slots - len(self._free_slots)
-
-    def prefill_tokens_waiting(self) -> int:
-        """Prompt tokens still to prefill: whole prompts in the queue and what is left of those in a slot."""
-        queued = sum(req.num_prompt_tokens for req in self._waiting)
-        running = (self.slot_request(slot) for slot in range(self.num_slots))
-        return queued + sum(req.remaining_prompt_tokens for req in running if req is not None)
-
-    @property
-    def has_work(self) -> bool:
-        """True while anything is queued or holds a slot: the engine keeps stepping."""
-        return bool(self._waiting) or self.num_running > 0
-
-    def waiting(self) -> list[Request]:
-        """Queued requests, oldest first."""
-        return list(self._waiting)
-
-    def running(self) -> list[Request]:
-        """Requests holding slots, by slot."""
-        return [req for req in self._slots if req is not None]
-
-    def slot_request(self, slot: int) -> Request | None:
-        return self._slots[slot]
-
-    def get(self, request_id: str) -> Request | None:
-        """A queued or running request by id (finished ones are forgotten)."""
-        return self._requests.get(request_id)
-
-    def retry_after_s(self) -> float:
-        """How long until a queue place is likely to free: one finish's time at the recent finish rate."""
-        times = self._finish_times_s
-        if len(times) < 2 or times[-1] <= times[0]:
-            return _RETRY_AFTER_UNKNOWN_S
-        per_finish_s = (times[-1] - times[0]) / (len(times) - 1)
-        return min(max(per_finish_s, _RETRY_AFTER_MIN_S), _RETRY_AFTER_MAX_S)
-
     # --- commands ----------------------------------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
@@ -201,10 +147,7 @@ class Scheduler:
         self.validate(req)
         if req.state is not RequestState.WAITING:
             raise RequestRejected(f"request {req.request_id!r} is {req.state.value}, not new", param="request_id")
-        if len(self._waiting) >= self.queue_max:
-            raise QueueFull(len(self._waiting), self.queue_max, self.retry_after_s())
-        self._waiting.append(req)
-        self._requests[req.request_id] = req
+        self._enqueue(req)
 
     def set_draft_tokens(self, draft_tokens: int) -> None:
         """Drafts each decoding slot verifies per step (0 when MTP is off or degraded)."""
@@ -364,30 +307,18 @@ class Scheduler:
         Returns False when it had already finished."""
         if req.is_finished:
             return False
-        if req.state is RequestState.WAITING:
-            try:
-                self._waiting.remove(req)
-            except ValueError:
-                pass  # never added: finishing it is still well-defined
-        if req.slot is not None:
-            self._slots[req.slot] = None
-            heapq.heappush(self._free_slots, req.slot)
-            req.slot = None
+        now_s = self._clock()
+        self._leave(req, now_s)
         if req in self._prefilling:
             self._prefilling.remove(req)
         if self._in_flight is req:
             self._in_flight = None
-        self._release_copy_pins(req)
-        if reason in WORK_LOST_REASONS:
-            self._discard_unfilled(req)
-        self._requests.pop(req.request_id, None)
-        self._next_fill_block.pop(req.request_id, None)
-        self._digests.pop(req.request_id, None)
-        now_s = self._clock()
+        if self._pins is not None:
+            self._pins.release(req)
+            self._pins.forget(req, work_lost=reason in WORK_LOST_REASONS)
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         req.finished_s = now_s
-        self._finish_times_s.append(now_s)
         return True
 
     def abort(self, request_id: str) -> Request | None:
@@ -400,19 +331,15 @@ class Scheduler:
 
     def release_prefix(self, req: Request) -> None:
         """The runner has copied `req`'s cached blocks into its slot: unpin them now instead of at `end_step`."""
-        self._release_copy_pins(req)
+        if self._pins is not None:
+            self._pins.release(req)
 
     def end_step(self) -> None:
         """The runner has run the last plan, its copies and its cache fills: drop the pins that protected
         them. `schedule()` does this first if the engine has not; calling it after each step lets an idle
         engine's tier shrink freely."""
-        for req in self._awaiting_copy:
-            self._release_copy_pins(req)
-        self._awaiting_copy.clear()
-        if self.prefix_index is not None:
-            for block_ids in self._fill_pins.values():
-                self.prefix_index.unpin(block_ids)
-        self._fill_pins.clear()
+        if self._pins is not None:
+            self._pins.end_step()
 
     # --- internals ---------------------------------------------------------------------------------------
 
@@ -437,25 +364,15 @@ class Scheduler:
             plan.admitted.append(self._admit(self._waiting.popleft()))
 
     def _admit(self, req: Request) -> Admission:
-        slot = heapq.heappop(self._free_slots)
-        blocks: list[BlockRef] = []
-        if self.prefix_index is not None:
-            digests = block_digests(req.prompt_token_ids, self.block_tokens)
-            self._digests[req.request_id] = digests
-            # All but the last prompt token: its logits are needed, so its KV is always computed.
-            blocks = self.prefix_index.match_digests(digests[:(req.num_prompt_tokens - 1) // self.block_tokens])
-            self.prefix_index.pin(ref.block_id for ref in blocks)
-            self._awaiting_copy.append(req)
-        req.slot = slot
+        slot = self._take_slot(req)
+        blocks: list[BlockRef] = self._pins.admit(req) if self._pins is not None else []
         req.state = RequestState.PREFILL
         req.cached_blocks = blocks
         req.blocks_pinned = bool(blocks)
         req.num_cached_tokens = len(blocks) * self.block_tokens
         req.num_prefilled_tokens = 0
         req.admitted_s = self._clock()
-        self._slots[slot] = req
         self._prefilling.append(req)
-        self._next_fill_block[req.request_id] = len(blocks)
         return Admission(req, slot, req.num_cached_tokens, blocks)
 
     def _plan_chunk(self, req: Request, tokens: int, beside: bool = False) -> PrefillChunk:
@@ -471,37 +388,7 @@ class Scheduler:
         return PrefillChunk(req, req.slot, start, end, is_last, beside_decode=beside)
 
     def _plan_cache_fill(self, req: Request, chunk: PrefillChunk) -> CacheFill | None:
-        if self.prefix_index is None:
-            return None
-        first_new_block = self._next_fill_block.get(req.request_id, 0)
-        full_blocks = chunk.end // self.block_tokens
-        if full_blocks <= first_new_block:
-            return None
-        digests = self._digests[req.request_id]
-        refs = self.prefix_index.insert_digests(digests[:full_blocks], first_new_block)
-        self._next_fill_block[req.request_id] = full_blocks
-        if chunk.is_last:
-            del self._digests[req.request_id]  # no block of this prompt is left to insert
-        if not refs:
-            return None
-        # Until the runner has filled them: a tier shrink during the step must not hand these ids back.
-        fill_ids = [ref.block_id for ref in refs]
-        self.prefix_index.pin(fill_ids)
-        self._fill_pins[req.request_id] = fill_ids
-        return CacheFill(req, chunk.slot, refs)
-
-    def _release_copy_pins(self, req: Request) -> None:
-        if req.blocks_pinned and self.prefix_index is not None:
-            self.prefix_index.unpin(ref.block_id for ref in req.cached_blocks)
-        req.blocks_pinned = False
-
-    def _discard_unfilled(self, req: Request) -> None:
-        # Aborted or failed inside the step: the chunk behind this step's cache fill may never have run, so
-        # those blocks would hold garbage KV. Forget them; a fill the runner still makes lands in a free id,
-        # which is written again before any later match can return it.
-        block_ids = self._fill_pins.pop(req.request_id, [])
-        if block_ids and self.prefix_index is not None:
-            self.prefix_index.discard(block_ids)
+        return self._pins.plan_fill(req, chunk) if self._pins is not None else None
 
 
 def _require_positive(name: str, value: object) -> None:
