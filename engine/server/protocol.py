@@ -342,7 +342,8 @@ def refuse_early_steps(prefix: bytes, max_prompt_ids: int) -> Steps[str | None]:
     Steps, as `parse_body_steps`."""
     limit = max(max_prompt_ids, MIN_ARRAY_LIMIT)
     try:
-        yield from json_chunked.loads_steps(prefix, limit, {"prompt": max_prompt_ids}, frozenset({"prompt"}))
+        yield from json_chunked.loads_steps(_whole_utf8(prefix), limit, {"prompt": max_prompt_ids},
+                                            frozenset({"prompt"}))
     except json_chunked.UnendedText as exc:
         return exc.head or None
     except json_chunked.TooManyItems as exc:
@@ -353,6 +354,17 @@ def refuse_early_steps(prefix: bytes, max_prompt_ids: int) -> Steps[str | None]:
     except (ValueError, RecursionError):
         return None
     return None
+
+
+def _whole_utf8(prefix: bytes) -> bytes:
+    """`prefix` without the UTF-8 character its end cuts into: a socket read ends anywhere, and a prefix that ends
+    inside a character does not decode (the probe then learnt nothing from a text of megabytes)."""
+    for back in range(1, min(4, len(prefix)) + 1):
+        lead = prefix[-back]
+        if lead & 0xC0 != 0x80:  # the last character's first byte: how many bytes it takes
+            length = 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+            return prefix[:-back] if length > back else prefix
+    return prefix
 
 
 def _array_too_long(exc: json_chunked.TooManyItems, max_prompt_ids: int | None) -> ApiError:

@@ -161,3 +161,15 @@ def test_ids_past_the_vocabulary_are_refused_naming_the_first_of_them(monkeypatc
     error = resp.json()["error"]
     assert error["param"] == "prompt" and "[256, 257, 258, 259, 260, 261, 262, 263]" in error["message"], error
     assert not engine.requests
+
+
+@pytest.mark.parametrize("cut_bytes", [0, 1, 2])
+def test_a_probe_that_ends_inside_a_character_still_reads_the_text_in(cut_bytes: int) -> None:
+    """The early probe looks at the body as far as it has arrived, and a socket read may end anywhere: inside a
+    character of three bytes, the prefix did not decode, the probe gave up, and a text far past the context was then
+    read to its end (or timed out, 408, at the body-rate deadline) instead of refused at once."""
+    body = json.dumps({"model": "m", "prompt": "日本語の文章" * 2000}, ensure_ascii=False).encode()
+    start = body.index("日".encode())
+    prefix = body[:start + 3 * 1000 + cut_bytes]  # 1,000 whole characters, then part of the next
+    head = json_chunked.finish(protocol.refuse_early_steps(prefix, 512))
+    assert head is not None and head.startswith("日本語の文章") and len(head) == 1000
