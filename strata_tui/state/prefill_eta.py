@@ -21,6 +21,10 @@ MAX_SAMPLES = 256
 CURVE_FROM_CHUNKS = 4  # chunks that ran before the growing-cost curve is fitted (the mean rate before)
 MAX_STEP = 2.0  # what is shown moves by at most this factor between two refreshes, beyond counting down
 MIN_DAMPED_S = 1.0  # under this many seconds the count goes as it will
+# An ETA is shown once a second chunk has run: the first pays one-time costs (kernels compiled for its size, graphs
+# captured, the admission's hashing) that the rest of the prompt does not, and an ETA made from it alone read
+# minutes for a prompt done in a second, then fell 52x in one refresh.
+FIRST_ETA_SAMPLES = 3
 
 
 @dataclass
@@ -111,7 +115,7 @@ class PrefillTrack:
         at most MAX_STEP times between two refreshes beyond counting down: a noisy chunk (a loaded CPU ran one
         chunk in 0.5 s and the next in 12 s) once made the ETA jump from 50 s to 27 minutes and back; a real
         change still shows within a few refreshes (2x a refresh: 16x a second)."""
-        if self.done or not self.samples:
+        if self.done or len(self.samples) < FIRST_ETA_SAMPLES:
             return None
         _, x, received_s = self.samples[-1]
         remaining_s = self._remaining_from(x)
@@ -133,8 +137,10 @@ class PrefillTrack:
             return 0.0
         if len(self.samples) - 1 < CURVE_FROM_CHUNKS:
             # A few noisy chunks cannot tell a growing cost from noise (1.7 s, 4.9 s, 12.2 s fitted as all
-            # quadratic promised 27 minutes for an 8K prompt): the mean rate so far until there are more.
-            (t0, x0, _), (t1, x1, _) = self.samples[0], self.samples[-1]
+            # quadratic promised 27 minutes for an 8K prompt): the mean rate so far until there are more, the first
+            # chunk left out (its one-time costs: a fresh engine's first 2,048-token chunk on the H200 took 2.4 s,
+            # then 18,000 tokens went by in 0.1 s).
+            (t0, x0, _), (t1, x1, _) = self.samples[1], self.samples[-1]
             if x1 <= x0 or t1 <= t0:
                 return self.engine_eta_s
             return (total - x) * (t1 - t0) / (x1 - x0)

@@ -154,7 +154,10 @@ def _shown_etas(chunk_costs_s: list[float], chunk: int, first_chunk_s: float) ->
         for tick in range(4):
             now = t + tick * 0.25
             eta = track.eta_s(now)
-            assert eta is not None and eta > 0, (x, eta)
+            if eta is None:  # shown from the second chunk on: the first pays one-time costs
+                assert i == 0, (x, eta)
+                continue
+            assert eta > 0, (x, eta)
             shown.append((now, eta, track.progress))
     return shown, ends[-1][0]
 
@@ -219,7 +222,11 @@ def _replayed(run: dict, phase_s: float, refresh_s: float = 0.25) -> tuple[float
             k += 1
         track = state.track_of(state.slots[0])
         eta = track.eta_s(now)
-        assert eta is not None and eta >= 0, (now, eta)  # 0 once the last chunk outruns its prediction
+        if eta is None:  # shown from the second chunk on: the first pays one-time costs
+            assert k < 2, (now, k)
+            now += refresh_s
+            continue
+        assert eta >= 0, (now, eta)  # 0 once the last chunk outruns its prediction
         shown.append((now, eta, track.progress))
         if half_error is None and track.progress >= 0.5:
             half_error = (eta - (done_s - now)) / (done_s - now)
@@ -259,3 +266,20 @@ def test_a_chunk_run_in_a_lull_of_the_boxs_other_work_does_not_set_the_pace() ->
         for phase in range(10):
             error, _ = _replayed(runs[label], phase * 0.025)
             assert abs(error) <= 0.25, (label, phase, error)
+
+
+def test_a_first_chunk_that_compiled_does_not_set_the_eta_of_a_fast_prompt() -> None:
+    """A fresh engine on the H200: the first 2,048-token chunk of a 180,000-token prompt took 2.4 s (kernels compiled
+    for it), then 18,000 tokens went by every 0.1 s refresh. The ETA made from the first chunk alone read 3.5 minutes,
+    was held at 52.6 s by the 2x-a-refresh limit while the prompt was a third done, then fell to 0.5 s in one refresh
+    (52x). Replayed from what benchmarks/bench_prefill_eta.py recorded there, alone and beside four decoding slots:
+    no jump past 2x, and the lone prompt's ETA within 25 % at halfway."""
+    lines = (FIXTURES / "prefill_180k_h200.jsonl").read_text().splitlines()
+    runs = [json.loads(line) for line in lines if line.startswith("{")]
+    assert {r["decode_slots"] for r in runs} == {0, 4}
+    for run in runs:
+        for phase in range(10):
+            error, shown = _replayed(run, phase * 0.01, refresh_s=0.1)
+            assert shown and max(_jumps(shown)) <= 2.0 + 1e-9, (run["label"], phase, max(_jumps(shown)))
+            if run["decode_slots"] == 0:
+                assert abs(error) <= 0.25, (run["label"], phase, error)
