@@ -57,7 +57,12 @@ def test_decoding_slots_get_a_token_every_step_while_a_burst_is_admitted_and_fir
 
     def recorded(plan):
         buckets = Counter(pow2_bucket(c.num_tokens, MIN_CHUNK_TOKENS) for c in plan.prefill)
-        shared.extend(n for n in buckets.values() if n > 1)
+        for bucket, n in buckets.items():
+            # a forward's padded tokens stay within the step's budget: five short chunks of the 64 bucket under a
+            # budget of 256 (a loaded machine's pacing makes them) are a forward of four and one alone
+            most = max(1, engine.executor.rows_max_tokens // bucket)
+            sizes = [most] * (n // most) + ([n % most] if n % most else [])
+            shared.extend(size for size in sizes if size > 1)
         return execute(plan)
 
     engine.executor.execute = recorded
