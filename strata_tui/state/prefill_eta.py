@@ -22,8 +22,8 @@ CURVE_FROM_CHUNKS = 4  # chunks that ran before the growing-cost curve is fitted
 MAX_STEP = 2.0  # what is shown moves by at most this factor between two refreshes, beyond counting down
 MIN_DAMPED_S = 1.0  # under this many seconds the count goes as it will
 # An ETA is shown once a second chunk has run: the first pays one-time costs (kernels compiled for its size, graphs
-# captured, the admission's hashing) that the rest of the prompt does not, and an ETA made from it alone read
-# minutes for a prompt done in a second, then fell 52x in one refresh.
+# captured, the admission's hashing) that the rest of the prompt does not, and on a fresh GPU engine an ETA made
+# from it alone promised minutes for a prompt done in a second (docs/TUI.md).
 FIRST_ETA_SAMPLES = 3
 
 
@@ -138,8 +138,7 @@ class PrefillTrack:
         if len(self.samples) - 1 < CURVE_FROM_CHUNKS:
             # A few noisy chunks cannot tell a growing cost from noise (1.7 s, 4.9 s, 12.2 s fitted as all
             # quadratic promised 27 minutes for an 8K prompt): the mean rate so far until there are more, the first
-            # chunk left out (its one-time costs: a fresh engine's first 2,048-token chunk on the H200 took 2.4 s,
-            # then 18,000 tokens went by in 0.1 s).
+            # chunk left out (FIRST_ETA_SAMPLES: its one-time costs).
             (t0, x0, _), (t1, x1, _) = self.samples[1], self.samples[-1]
             if x1 <= x0 or t1 <= t0:
                 return self.engine_eta_s
