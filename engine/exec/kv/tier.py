@@ -168,8 +168,8 @@ class AdaptiveTier:
     def _hand_over(self, refs: list[BlockRef], slot: int, coming_blocks: int = 0) -> list[int]:
         # A ref whose block was discarded since (its request failed in this step) holds nothing to hand over.
         live = [ref for ref in refs if self.index.digest_of(ref.block_id) == ref.digest]
-        unbacked = [ref.block_id for ref in live if not self.shared.is_backed(ref.block_id)
-                    and self.shared.backs_before_hand_over]
+        unbacked = [ref.block_id for ref in live if not self.shared.is_backed(ref.block_id)] \
+            if self.shared.backs_before_hand_over else []
         failed: list[int] = []
         if unbacked:  # a host tier backs its blocks as they are filled
             try:
