@@ -50,6 +50,14 @@ def _unscaled(x, BITS: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
+def _scaled_step(acc, p, xs, s, o):
+    """acc + p * s + xs * o as two explicit fmas. Left as products and sums, the compiler may fuse either product
+    into an fma, and its choice may differ between the kernel's 1-row and 4-row builds: a row's sum would then
+    differ in its last bits between a decode step and a verify step (MTP on != off). An fma has one rounding."""
+    return tl.fma(p, s, tl.fma(xs[None, :], o, acc))
+
+
+@triton.jit
 def _x_slot(x_ptr, row_offset, k, k_ok):
     return tl.load(x_ptr + row_offset + k, mask=k_ok, other=0.0).to(tl.float32)
 
@@ -137,13 +145,13 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
             g_ok = n_ok[:, None] & w_ok[None, :]
             s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
-        acc0 += p0 * s + xs0[None, :] * o
+        acc0 = _scaled_step(acc0, p0, xs0, s, o)
         if ROWS > 1:
-            acc1 += p1 * s + xs1[None, :] * o
+            acc1 = _scaled_step(acc1, p1, xs1, s, o)
         if ROWS > 2:
-            acc2 += p2 * s + xs2[None, :] * o
+            acc2 = _scaled_step(acc2, p2, xs2, s, o)
         if ROWS > 3:
-            acc3 += p3 * s + xs3[None, :] * o
+            acc3 = _scaled_step(acc3, p3, xs3, s, o)
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                       ROWS, RB)
     rm = row0 + tl.arange(0, RB)

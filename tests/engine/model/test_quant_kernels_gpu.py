@@ -84,8 +84,13 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_its_path(make):
     assert torch.equal(kernels.quant_linear(x[:3], layer, "gemv")[:1], one)  # a verify step's rows as decode's
     steps = x[:12].view(4, 3, K)  # 4 sequences verifying 3 tokens: each row as its decode step computes it
     verify = kernels.quant_linear(steps, layer)
-    assert all(torch.equal(kernels.quant_linear(steps[b:b + 1, t:t + 1], layer)[0, 0], verify[b, t])
-               for b in range(4) for t in range(3))
+    differ = {}
+    for b in range(4):
+        for t in range(3):
+            alone = kernels.quant_linear(steps[b:b + 1, t:t + 1], layer)[0, 0]
+            if not torch.equal(alone, verify[b, t]):  # keyed by the row's place in its program's group of 4
+                differ[(b, t, (3 * b + t) % 4)] = (alone.float() - verify[b, t].float()).abs().max().item()
+    assert not differ, f"rows (sequence, token, place in group) that differ, by their largest difference: {differ}"
     assert torch.equal(kernels.quant_linear(x[:5], layer, "tc")[:5], kernels.quant_linear(x, layer, "tc")[:5])
 
 
@@ -127,15 +132,26 @@ def test_greedy_decoding_on_quantized_weights_is_the_same_with_mtp_on(ckpt):
 @pytest.mark.gpu_shared
 @pytest.mark.parametrize("rows", [1, 4, 16, 300])
 def test_the_fp8_head_gives_the_bf16_heads_logits(rows):
-    """--quantize-head through the kernels (a decode step's rows, a chunk's) against the bf16 head's logits."""
-    from engine.model.loader import load_checkpoint
+    """--quantize-head through the kernels (a decode step's rows, a chunk's), on the hidden states of held-out
+    text: each path against the FP8 weight's own product, and the tokens against the bf16 head's. (Random hidden
+    states put the top two logits within FP8's rounding of each other: their argmax is a coin toss.)"""
+    from engine.model.loader import MODELS_DIR, load_checkpoint
     from engine.model.quant.rtn import quantize_head
 
-    lm = load_checkpoint("builtin:strata-tiny", dtype="bfloat16", device="cuda", tokenizer=False)
-    hidden = torch.randn(1, rows, lm.config.hidden_size, device="cuda", dtype=torch.bfloat16)
-    ref = lm.model.logits(hidden).float()
-    quantize_head(lm.model)
-    got = lm.model.logits(hidden).float()
-    assert got.shape == ref.shape
-    assert (got - ref).abs().max().item() <= 0.06 * ref.abs().max().item()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    lm = load_checkpoint("builtin:strata-tiny", dtype="bfloat16", device="cuda")
+    ids = lm.tokenizer.encode((MODELS_DIR / "strata-tiny" / "heldout_sample.txt").read_text())[:300]
+    with torch.no_grad():
+        hidden = lm.model(torch.tensor([ids], device="cuda"), torch.arange(300, device="cuda")[None])[:, :rows]
+        ref = lm.model.logits(hidden).float()
+        quantize_head(lm.model)
+        got = lm.model.logits(hidden).float()
+    own = hidden.float() @ lm.model.lm_head.dequantize(torch.float32).t()
+    assert got.shape == ref.shape == own.shape
+    scale = ref.abs().max().item()
+    # a chunk past the tensor-core rows multiplies FP8 activations too (per token): a coarser product
+    assert (got - own).abs().max().item() <= (6e-2 if rows > 64 else 2e-2) * scale
+    assert (got - ref).abs().max().item() <= 0.06 * scale
+    if rows >= 100:  # enough tokens for a rate
+        agreement = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"fp8 head, {rows} rows of held-out text: top-1 agreement with the bf16 head {agreement:.4f}")
+        assert agreement >= 0.9
