@@ -35,6 +35,14 @@ getting an equal part of the device's time whether it waits for its first token 
 beside six decoding slots keeps the configured share (decode keeps its rate); a burst of 128 short prompts next
 to the four that were admitted first is not held to 45 % of each step while 124 requests wait for a first token
 (their prefill was paced to a few tokens a step).
+
+A burst of short prompts (the scheduler's word: several prompts whose next chunk is their last) fills each step
+to `burst_step_s` in all, decode included, instead (never to less than `prefill_step_share` gives). On a fast
+device a decode step takes a few milliseconds, less than one short prompt's chunk, so the share would cut each
+prompt into pieces of a few hundred tokens, a prompt every few steps; and with hundreds of prompts waiting, the
+equal part of each would stretch a step far past what a decoding slot's stream can wait. Filled to the bound, a
+step takes several prompts whole (their chunks are rows of one forward) and the decoding slots still get a token
+every `burst_step_s`. A long prompt is never a burst: beside decoding slots it keeps to the share.
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ from engine.errors import ConfigError
 
 DEFAULT_PREFILL_STEP_SHARE = 0.45
 DEFAULT_MAX_CHUNK_STALL_S = 0.2  # the longest one saved-up chunk may hold the decoding slots
+# the longest a step may take while a burst of short prompts is admitted beside decoding slots: their inter-token
+# time, under the 50 ms a chat client's stream reads as smooth, with room for the step's host work
+DEFAULT_BURST_STEP_S = 0.04
 _EXPLORE_EVERY_CHUNKS = 4
 _DECODE_WINDOW_STEPS = 5  # median of the last few decode steps: one graph capture does not move it
 # decode steps beside chunks: more than one chunk's worth (a step's time beside a chunk varies with the chunk's
@@ -200,13 +211,16 @@ class PrefillPacer:
 
     def __init__(self, prefill_step_share: float = DEFAULT_PREFILL_STEP_SHARE, granule_tokens: int = 256,
                  min_chunk_tokens: int | None = None, cost_model: ChunkCostModel | None = None,
-                 max_chunk_stall_s: float = DEFAULT_MAX_CHUNK_STALL_S) -> None:
+                 max_chunk_stall_s: float = DEFAULT_MAX_CHUNK_STALL_S,
+                 burst_step_s: float = DEFAULT_BURST_STEP_S) -> None:
         if isinstance(prefill_step_share, bool) or not isinstance(prefill_step_share, (int, float)) \
                 or not 0 < prefill_step_share <= 1:
             raise ConfigError("prefill_step_share", prefill_step_share, "expected a fraction in (0, 1]")
         if isinstance(max_chunk_stall_s, bool) or not isinstance(max_chunk_stall_s, (int, float)) \
                 or not max_chunk_stall_s >= 0:
             raise ConfigError("max_chunk_stall_s", max_chunk_stall_s, "expected seconds >= 0")
+        if isinstance(burst_step_s, bool) or not isinstance(burst_step_s, (int, float)) or not burst_step_s >= 0:
+            raise ConfigError("burst_step_s", burst_step_s, "expected seconds >= 0")
         _require_whole("granule_tokens", granule_tokens)
         min_chunk_tokens = granule_tokens if min_chunk_tokens is None else min_chunk_tokens
         _require_whole("min_chunk_tokens", min_chunk_tokens)
@@ -214,12 +228,14 @@ class PrefillPacer:
         self.granule_tokens = granule_tokens
         self.min_chunk_tokens = min_chunk_tokens
         self.max_chunk_stall_s = float(max_chunk_stall_s)
+        self.burst_step_s = float(burst_step_s)
         self.cost = cost_model if cost_model is not None else ChunkCostModel()
         self._saved_chunks = 0  # chunks taken after saving up (every _EXPLORE_EVERY_CHUNKS-th is half size)
         self._decode_s: deque[float] = deque(maxlen=_DECODE_WINDOW_STEPS)
         self._beside_s: deque[float] = deque(maxlen=_BESIDE_WINDOW_STEPS)  # decode steps beside a chunk
         self._armed = False  # the engine has reported a step: measured pacing is possible
         self._share = self.prefill_step_share  # this step's (step_share of the requests planned)
+        self._burst = False  # this step admits a burst of short prompts (burst_step_s)
         self.credit_s = 0.0
         self._pacing = False
         self._no_decode_time = False
@@ -254,22 +270,29 @@ class PrefillPacer:
             return self.prefill_step_share
         return max(self.prefill_step_share, num_prefilling / (num_prefilling + num_decoding))
 
-    def allowance_s(self, share: float | None = None) -> float | None:
-        """Prefill seconds one decoding step earns at `share` (default: the share of the step being planned);
+    def allowance_s(self, share: float | None = None, burst: bool | None = None) -> float | None:
+        """Prefill seconds one decoding step earns at `share` (default: the share of the step being planned), and
+        for a `burst` (default: the step being planned's) at least what keeps the step within `burst_step_s`;
         None when unknown or unlimited (share 1)."""
         share = self._share if share is None else share
+        burst = self._burst if burst is None else burst
         decode_s = self.decode_s
         if decode_s is None or share >= 1:
             return None
+        if burst:  # the step filled to burst_step_s, never below the configured share
+            floor = self.prefill_step_share
+            return max(decode_s * floor / (1 - floor) if floor < 1 else 0.0, self.burst_step_s - decode_s)
         return decode_s * share / (1 - share)
 
-    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
-        """A chunk of `tokens` from `start` costs no more than one step's allowance at the share of such a step:
-        it can run between the steps without saving up. None while no decode time is known."""
+    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int,
+                      burst: bool = False) -> bool | None:
+        """A chunk of `tokens` from `start` costs no more than one step's allowance at the share of such a step
+        (of a `burst`'s step: `allowance_s`): it can run between the steps without saving up. None while no decode
+        time is known."""
         share = self.step_share(num_decoding, num_prefilling)
         if share >= 1:
             return True
-        allowance = self.allowance_s(share)
+        allowance = self.allowance_s(share, burst)
         return None if allowance is None else self.cost.predict_s(tokens, start) <= allowance
 
     def beside_gap_s(self, chunk_s: float) -> float:
@@ -287,12 +310,14 @@ class PrefillPacer:
 
     # --- planning ------------------------------------------------------------------------------------------
 
-    def open_step(self, num_decoding: int, has_prefill: bool, num_prefilling: int = 1) -> bool:
+    def open_step(self, num_decoding: int, has_prefill: bool, num_prefilling: int = 1, burst: bool = False) -> bool:
         """Start planning a step; True when its prefill is paced by time (slots decode, a prompt waits).
-        `num_prefilling`: prompts in slots with chunks left (the step's share, `step_share`)."""
+        `num_prefilling`: prompts in slots with chunks left (the step's share, `step_share`); `burst`: they are a
+        burst of short prompts (`burst_step_s`)."""
         self._unsettled_s = None  # a plan that was never recorded (a failed step) settles nothing
         self._planned_s, self._planned_chunks = 0.0, 0
         self._share = self.step_share(num_decoding, num_prefilling if has_prefill else 0)
+        self._burst = burst and has_prefill
         self._pacing = self._armed and num_decoding > 0 and has_prefill and self._share < 1
         if not self._pacing:
             self.credit_s = 0.0

@@ -165,7 +165,7 @@ class Scheduler(SlotQueue):
         if self.overlap_chunks and (plan.decode or self._in_flight is not None) and self._goes_beside(plan):
             self._plan_beside(plan)
             return self._state_after(plan)
-        paced = self.pacer.open_step(len(plan.decode), bool(self._prefilling), len(self._prefilling))
+        paced = self.pacer.open_step(len(plan.decode), bool(self._prefilling), len(self._prefilling), self._burst())
         for req in list(self._prefilling):
             if budget_tokens <= 0:
                 break
@@ -204,10 +204,17 @@ class Scheduler(SlotQueue):
         req = self._prefilling[0]
         tokens = min(self.prefill_chunk_tokens, req.remaining_prompt_tokens,
                      max(1, self.step_token_budget - plan.num_decode_tokens))
-        fits = self.pacer.fits_one_step(tokens, req.num_computed_tokens, len(plan.decode), len(self._prefilling))
-        if fits is None:  # no decode step measured alone yet: a burst of prompts of one chunk each goes between
-            return not (len(self._prefilling) > 1 and req.remaining_prompt_tokens <= self.prefill_chunk_tokens)
+        burst = self._burst()
+        fits = self.pacer.fits_one_step(tokens, req.num_computed_tokens, len(plan.decode), len(self._prefilling),
+                                        burst)
+        if fits is None:  # no decode step measured alone yet: a burst goes between
+            return not burst
         return not fits
+
+    def _burst(self) -> bool:
+        """The prompts in slots are a burst of short ones: more than one, the first's next chunk its last (a long
+        prompt ahead of them keeps the pace of a long prompt; the pacer, engine.core.prefill_pacer)."""
+        return len(self._prefilling) > 1 and self._prefilling[0].remaining_prompt_tokens <= self.prefill_chunk_tokens
 
     def _plan_beside(self, plan: StepPlan) -> None:
         """Slots decode and chunks run beside them (`overlap_chunks`): the first prefilling request's next chunk,
