@@ -76,7 +76,8 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
             g = (tl.minimum(w0, KW - 1) * CPW) // GROUP  # a split's last step may lie past K (an empty product)
             s = tl.load(s_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
-            acc += step * s[None, :] + tl.sum(x_sum, axis=1)[:, None] * o[None, :]
+            # two explicit fmas: left to the compiler, which product it fuses may differ between row tiles
+            acc = tl.fma(step, s[None, :], tl.fma(tl.sum(x_sum, axis=1)[:, None], o[None, :], acc))
     finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, rm, rn, m_ok, n_ok, M, N, split, stride_om, SPLIT, HAS_BIAS)
 
 
