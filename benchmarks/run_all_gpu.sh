@@ -62,6 +62,7 @@ kvspill           named    decode with half of the non-resident KV on the host, 
 kvspill_six       named    the seed's six long prompts on a pool sized for two
 throughput        named    1..256 concurrent 1K-token prompts (KV by use): tok/s, TTFT, inter-token, floor, HF static peer
 throughput_mixed  named    the same with the seeded mixed set (128-8K prompts, 64-1K outputs), no peer
+throughput_reserved named  the fixed set with reserved KV (--kv-pool reserved), no peer: by use's figures against it
 compile_cold      named    FUSED_PROJ + COMPILE decode with an empty compile cache
 compile_warm      named    the same again, the compiled kernels from the cache
 seed              named    the seed scenario through serve, SEED_RUNS runs (default 5)
@@ -277,6 +278,8 @@ run throughput 540 throughput "${COMMON[@]}" --kv-pool by-use --sets fixed --con
     --prompt-tokens 1K --new-tokens 256 --copy-mib "$COPY_MIB" --peer static --peer-timeout-s 120 --peer-max-concurrency 8
 run throughput_mixed 540 throughput "${COMMON[@]}" --kv-pool by-use --sets mixed --concurrency 1,8,32,64,128,256 \
     --copy-mib "$COPY_MIB" --peer none
+run throughput_reserved 300 throughput "${COMMON[@]}" --kv-pool reserved --sets fixed --concurrency 1,8,32,64,128,256 \
+    --prompt-tokens 1K --new-tokens 256 --copy-mib "$COPY_MIB" --peer none
 # COMPILE's start with an empty compile cache, then again with the kernels it kept
 [[ ",${STEPS:-}," == *",compile_cold,"* ]] && rm -rf /tmp/strata-compile-cache
 XDG_CACHE_HOME=/tmp/strata-compile-cache STRATA_FUSED_PROJ=1 STRATA_COMPILE=1 run compile_cold 150 decode "${COMMON[@]}" \
