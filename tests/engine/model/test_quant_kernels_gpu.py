@@ -114,18 +114,21 @@ def test_fp8_prompt_chunks_multiply_in_fp8_on_hopper():
     assert (got - ref).abs().max().item() <= 6e-2 * ref.abs().max().item()
 
 
-def test_greedy_decoding_on_quantized_weights_is_the_same_with_mtp_on(ckpt):
-    """Batch 1 at depth 1: a verify step's 2 rows take the GEMV as a decode step's 1 does, row by row the same."""
-    prompts = random_prompts(3, seed=92, lengths=(10, 200))
+@pytest.mark.parametrize("batch, depth", [(1, 1), (6, 2), (20, 2)])
+def test_greedy_decoding_on_quantized_weights_is_the_same_with_mtp_on(ckpt, batch, depth):
+    """A verify step's rows take the path of the decode step of the same sequences (the GEMV up to 4, the tensor
+    cores above), row by row the same: batch 1 (2 rows against 1), 6 (18 rows against 6: one row tile of 32
+    against one of 16) and 20 (60 rows against 20: a tile of 64 against one of 32)."""
+    prompts = random_prompts(max(3, batch), seed=92, lengths=(10, 200))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
     def engine(**kw) -> Engine:
-        config = EngineConfig(model=str(ckpt), device="cuda:0", dtype="bfloat16", batch=1, context=2048,
+        config = EngineConfig(model=str(ckpt), device="cuda:0", dtype="bfloat16", batch=batch, context=2048,
                               prefill_chunk_tokens=256, step_token_budget=512, quantize="int4", **kw)
         return Engine(config, EventBus(history=100000), block_tokens=16)
 
     off = tokens_of(run_all(engine(), prompts, params))
-    mtp = engine(batch_mtp=True, mtp_depth=1)
+    mtp = engine(batch_mtp=True, mtp_depth=depth)
     assert tokens_of(run_all(mtp, prompts, params)) == off and mtp.mtp_on
 
 
