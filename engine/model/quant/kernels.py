@@ -14,9 +14,10 @@ By the product's rows (the thresholds are per weight class and device, engine.mo
 - int4 layers whose class the table routes to `tinygemm`: torch._weight_int4pack_mm (PyTorch's own int4 kernel)
   up to `tc_rows`, on the layer's weight repacked once (engine.model.quant.tinygemm).
 
-The launch shape is a function of the weight's shape only, never of the row count (so a row's output does not
-depend on the other rows of its path: a decode step's row and the same row in a verify step of up to `gemv_rows`
-rows are computed alike; across the paths' thresholds they agree to rounding, not bit for bit), found in the
+The launch shape is a function of the weight's shape only, never of the row count, and a decode or verify step's
+path and tensor-core row tile follow its sequences, not its rows (so a row's output does not depend on the other
+rows of its step: a decode step's row and the same row in a verify step are computed alike; across the paths'
+thresholds they agree to rounding, not bit for bit). The shape is found in the
 committed table or worked out here (`default_config`): enough
 programs to keep every SM streaming (K split where the output is narrow). No autotuning at run time, no host
 synchronisation, no allocation but the output and the split-K partial sums: the launches are capturable in CUDA
@@ -160,11 +161,19 @@ def path_of(layer, rows: int, sequences: int | None = None) -> str:
     """Which path a product of `rows` rows takes through `layer`; a decode or verify step (`sequences`: its batch)
     by its sequences, so that a verify step's rows take the path the decode step's do (MTP: the same tokens)."""
     launch = plan(layer)
-    if rows > launch.tc_rows:
+    by = rows if sequences is None else sequences
+    if by > launch.tc_rows:
         return "dense"
     if launch.backend == "tinygemm":
         return "tinygemm"
-    return "gemv" if (rows if sequences is None else sequences) <= launch.gemv_rows else "tc"
+    return "gemv" if by <= launch.gemv_rows else "tc"
+
+
+def tc_block_m(rows: int, sequences: int | None = None) -> int:
+    """The tensor-core path's row tile: a power of two from 16 that holds the rows, or for a decode or verify step
+    the sequences, so a verify step's rows are tiled as its decode step's (a 64-row tile compiles to other MMA
+    instructions than a 32-row one, and a row's sum need not round alike in both)."""
+    return min(_TC_MAX_BLOCK_M, max(16, triton.next_power_of_2(rows if sequences is None else sequences)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,7 +218,7 @@ def quant_linear(x: torch.Tensor, layer, path: str | None = None, config: QuantC
     elif path == "gemv":
         out = _gemv(rows, layer, config or plan(layer).gemv)
     elif path == "tc":
-        out = _tc(rows, layer, config or plan(layer).tc)
+        out = _tc(rows, layer, config or plan(layer).tc, tc_block_m(m, sequences))
     else:
         raise ValueError(f"path={path!r}: expected one of {', '.join(PATHS)}")
     return out.view(*x.shape[:-1], layer.out_features)
@@ -247,11 +256,10 @@ def _block_words(layer, cfg: QuantConfig, least: int) -> int:
     return words
 
 
-def _tc(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
+def _tc(rows: torch.Tensor, layer, cfg: QuantConfig, block_m: int) -> torch.Tensor:
     m = rows.shape[0]
     n = layer.out_features
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
-    block_m = min(_TC_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
     part, counters = _partials(rows, n, cfg, grid[0] * grid[2])
     part, counters = (out, out) if part is None else (part, counters)

@@ -90,11 +90,13 @@ def kernels_check() -> None:
             for rows in ((1, 2, 3, 4, 11) if config is None else (1, 6)):  # past 4: groups of 4 rows
                 x = torch.randn(rows, layer.in_features)
                 _check(layer, x, kernels.quant_linear(x, layer, "gemv", config), (layer, "gemv", config, rows))
-        # a verify step's rows (3 sequences, 3 tokens each) are computed exactly as each decode row alone
-        x = torch.randn(3, 3, layer.in_features)
-        verify = kernels.quant_linear(x, layer)
-        assert all(torch.equal(kernels.quant_linear(x[b:b + 1, t:t + 1], layer)[0, 0], verify[b, t])
-                   for b in range(3) for t in range(3)), layer
+        # a verify step's rows (3 sequences, 3 tokens each: the GEMV; 5: the tensor cores) are computed exactly as
+        # its decode step's rows
+        for b_rows in (3, 5):
+            x = torch.randn(b_rows, 3, layer.in_features)
+            verify = kernels.quant_linear(x, layer)
+            assert all(torch.equal(kernels.quant_linear(x[:, t:t + 1], layer)[:, 0], verify[:, t])
+                       for t in range(3)), (layer, b_rows)
         for config in tc_configs:
             for rows in ((5, 17, 64) if config is None else (6,)):
                 x = torch.randn(rows, layer.in_features)
@@ -163,6 +165,11 @@ def test_the_path_follows_the_rows_and_the_launch_shape_follows_the_weight():
     # a decode / verify step goes by its sequences: 4 sequences verifying 3 tokens each take the decode's GEMV
     assert [kernels.path_of(layer, 12, 4), kernels.path_of(layer, 15, 5), kernels.path_of(layer, 5, 5)] == \
         ["gemv", "tc", "tc"]
+    # 128 sequences verifying 3 tokens: the decode step's tensor cores, not the prompt chunks' GEMM past 256 rows;
+    # and tiled as the decode step (20 sequences: rows of 32, whether 20 or 60 of them)
+    assert [kernels.path_of(layer, 384, 128), kernels.path_of(layer, 384)] == ["tc", "dense"]
+    assert [kernels.tc_block_m(60, 20), kernels.tc_block_m(20, 20), kernels.tc_block_m(60)] == [32, 32, 64]
+    assert [kernels.tc_block_m(1), kernels.tc_block_m(384, 128), kernels.tc_block_m(2048)] == [16, 128, 128]
     fp8 = _fp8_layer((128, 128), 256, 1024)  # no FP8 GEMM for its prompt chunks here: they start at 257 rows too
     assert [kernels.path_of(fp8, r) for r in (1, 4, 5, 65, 256, 257)] == ["gemv", "gemv", "tc", "tc", "tc", "dense"]
     # the 8B shape's down projection (N 4096, K 12288): 64 column tiles split along K to reach the SMs
