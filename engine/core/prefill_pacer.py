@@ -37,12 +37,14 @@ to the four that were admitted first is not held to 45 % of each step while 124 
 (their prefill was paced to a few tokens a step).
 
 A burst of short prompts (the scheduler's word: several prompts whose next chunk is their last) fills each step
-to `burst_step_s` in all, decode included, instead (never to less than `prefill_step_share` gives). On a fast
-device a decode step takes a few milliseconds, less than one short prompt's chunk, so the share would cut each
-prompt into pieces of a few hundred tokens, a prompt every few steps; and with hundreds of prompts waiting, the
-equal part of each would stretch a step far past what a decoding slot's stream can wait. Filled to the bound, a
-step takes several prompts whole (their chunks are rows of one forward) and the decoding slots still get a token
-every `burst_step_s`. A long prompt is never a burst: beside decoding slots it keeps to the share.
+to `burst_step_s` in all, decode included, instead; never to less than `prefill_step_share` gives, nor, while
+the prompts are at least as many as the decoding slots, to less than half of the step (their equal share, up to
+half). On a fast device a decode step takes a few milliseconds, less than one short prompt's chunk, so the share
+would cut each prompt into pieces of a few hundred tokens, a prompt every few steps; and with hundreds of prompts
+waiting, the equal part of each would stretch a step far past what a decoding slot's stream can wait. Filled to
+the bound, a step takes several prompts whole (their chunks are rows of one forward) and the decoding slots still
+get a token every `burst_step_s`; where decode alone takes most of that (a big model), a step is at most about
+twice a decode step. A long prompt is never a burst: beside decoding slots it keeps to the share.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ from engine.errors import ConfigError
 DEFAULT_PREFILL_STEP_SHARE = 0.45
 DEFAULT_MAX_CHUNK_STALL_S = 0.2  # the longest one saved-up chunk may hold the decoding slots
 # the longest a step may take while a burst of short prompts is admitted beside decoding slots: their inter-token
-# time, under the 50 ms a chat client's stream reads as smooth, with room for the step's host work
-DEFAULT_BURST_STEP_S = 0.04
+# time, under the 50 ms a chat client's stream reads as smooth, with room for the step's host work and for chunks
+# that cost more than the fit predicts
+DEFAULT_BURST_STEP_S = 0.03
 _EXPLORE_EVERY_CHUNKS = 4
 _DECODE_WINDOW_STEPS = 5  # median of the last few decode steps: one graph capture does not move it
 # decode steps beside chunks: more than one chunk's worth (a step's time beside a chunk varies with the chunk's
@@ -279,9 +282,9 @@ class PrefillPacer:
         decode_s = self.decode_s
         if decode_s is None or share >= 1:
             return None
-        if burst:  # the step filled to burst_step_s, never below the configured share
-            floor = self.prefill_step_share
-            return max(decode_s * floor / (1 - floor) if floor < 1 else 0.0, self.burst_step_s - decode_s)
+        if burst:  # filled to burst_step_s; at least the configured share, or the prompts' equal one up to half
+            floor = max(self.prefill_step_share, min(share, 0.5))
+            return max(decode_s * floor / (1 - floor), self.burst_step_s - decode_s)
         return decode_s * share / (1 - share)
 
     def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int,
