@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model.moe_quant import CODES_PER_WORD, ExpertQuant, Fp8Experts, Int4Experts
+
 try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
     import triton
     import triton.language as tl
@@ -94,12 +96,13 @@ def backend_for(x: torch.Tensor) -> str:
 
 def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: torch.Tensor,
                    weights: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None,
-                   launch: MoELaunch | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+                   launch: MoELaunch | None = None, quant: ExpertQuant | None = None) -> torch.Tensor:
     """x [N, H], gate_up [S, 2I, H], down [S, H, I], slots [N, k] (long; < 0: skip), weights [N, k] ->
     out [N, k, H] (zeros where skipped when `out` is None) with out[n, j] = weights[n, j] * expert(x[n]).
-    `scales` (gate_up [S, 2I], down [S, H], fp32): the pools hold FP8 (e4m3) weights with one scale per output
-    channel, the Triton kernels apply it to each finished sum (the other backends dequantize first)."""
+    `quant` (engine.model.moe_quant): the pools are quantized, FP8 with one scale per output channel
+    (`Fp8Experts`: the Triton kernels apply it to each finished sum) or 4-bit codes with a scale and offset per
+    group (`Int4Experts`: gate_up [S, 2I, H / 8], down [S, H, I / 8] int32 words, unpacked in registers); the
+    other backends dequantize first (the reference)."""
     N, H = x.shape
     k = slots.shape[1]
     if out is None:
@@ -108,15 +111,13 @@ def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, s
         return out
     backend = backend or backend_for(x)
     if backend == "triton":
-        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k), scales)
-        return out
-    if scales is not None:  # per-channel dequantization, as engine.model.quant.linear.Fp8Linear's reference
-        gate_up = (gate_up.to(torch.float32) * scales[0][..., None]).to(x.dtype)
-        down = (down.to(torch.float32) * scales[1][..., None]).to(x.dtype)
-    if backend == "grouped_mm":
+        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k), quant)
+    elif backend == "grouped_mm":
+        if quant is not None:
+            gate_up, down = quant.dequantize(gate_up, down, x.dtype)
         _routed_grouped_mm(x, gate_up, down, slots, weights, out)
     elif backend == "torch":
-        _routed_torch(x, gate_up, down, slots, weights, out)
+        _routed_torch(x, gate_up, down, slots, weights, out, quant)
     else:
         raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
     return out
@@ -130,12 +131,15 @@ def _expert_rows(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor)
     return F.linear(F.silu(gate) * up, w_down)
 
 
-def _routed_torch(x, gate_up, down, slots, weights, out) -> None:
+def _routed_torch(x, gate_up, down, slots, weights, out, quant: ExpertQuant | None) -> None:
     N, k = slots.shape
     flat, w_flat, y = slots.flatten(), weights.flatten(), out.view(N * k, -1)
     for s in torch.unique(flat[flat >= 0]).tolist():
         routes = torch.nonzero(flat == s).flatten()
-        y[routes] = (_expert_rows(x[routes // k], gate_up[s], down[s]) * w_flat[routes, None]).to(out.dtype)
+        # a quantized slot dequantized alone (the reference's weights, without expanding the whole pool)
+        w_gate_up, w_down = (gate_up[s], down[s]) if quant is None else \
+            quant.at(s).dequantize(gate_up[s], down[s], x.dtype)
+        y[routes] = (_expert_rows(x[routes // k], w_gate_up, w_down) * w_flat[routes, None]).to(out.dtype)
 
 
 # --- blocks by sort (many routes; graph-safe) -------------------------------------------------------------------
@@ -230,6 +234,26 @@ if triton is not None:
         return slot, routes, ok, rn, rn < N
 
     @triton.jit
+    def _store_act(acc_gate, acc_up, act_ptr, routes, ok, rn, n_ok, stride_ar):
+        """SiLU(gate) x up of the finished sums into the routes' rows of `act`, rounded where the reference
+        rounds: F.linear's outputs, then F.silu's, then the product."""
+        dtype = act_ptr.dtype.element_ty
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        act = (silu * up).to(dtype)
+        tl.store(act_ptr + routes.to(tl.int64)[:, None] * stride_ar + rn[None, :], act,
+                 mask=ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _store_routed(acc, y_ptr, rw_ptr, routes, ok, rn, n_ok, stride_yr):
+        """The down product's finished sums, rounded to y's dtype (F.linear's output), times the routing weight."""
+        dtype = y_ptr.dtype.element_ty
+        routing = tl.load(rw_ptr + routes, mask=ok, other=0.0).to(tl.float32)
+        y = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
+        tl.store(y_ptr + routes.to(tl.int64)[:, None] * stride_yr + rn[None, :], y, mask=ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
                         act_ptr, R, H, I, TOP_K, stride_xn, stride_ws, stride_wn, stride_ss, stride_ar,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
@@ -257,14 +281,7 @@ if triton is not None:
             s_row = scale_ptr + slot.to(tl.int64) * stride_ss + rn
             acc_gate *= tl.load(s_row, mask=n_ok, other=0.0)[None, :]
             acc_up *= tl.load(s_row + I, mask=n_ok, other=0.0)[None, :]
-        dtype = act_ptr.dtype.element_ty
-        # rounded where the reference rounds: F.linear's outputs, then F.silu's, then the product
-        gate = acc_gate.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        act = (silu * up).to(dtype)
-        tl.store(act_ptr + routes.to(tl.int64)[:, None] * stride_ar + rn[None, :], act,
-                 mask=ok[:, None] & n_ok[None, :])
+        _store_act(acc_gate, acc_up, act_ptr, routes, ok, rn, n_ok, stride_ar)
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, scale_ptr, rw_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
@@ -287,17 +304,94 @@ if triton is not None:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SCALED:
             acc *= tl.load(scale_ptr + slot.to(tl.int64) * stride_ss + rn, mask=n_ok, other=0.0)[None, :]
-        dtype = y_ptr.dtype.element_ty
-        routing = tl.load(rw_ptr + routes, mask=ok, other=0.0).to(tl.float32)
-        y = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
-        tl.store(y_ptr + routes.to(tl.int64)[:, None] * stride_yr + rn[None, :], y, mask=ok[:, None] & n_ok[None, :])
+        _store_routed(acc, y_ptr, rw_ptr, routes, ok, rn, n_ok, stride_yr)
 
 
-def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch,
-                   scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    # --- 4-bit codes (Int4Experts) ---------------------------------------------------------------------------
+
+    _MAGIC = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: a code or-ed into the low mantissa is 2^23 + code
+    _MAGIC_F = tl.constexpr(8388608.0)
+
+    @triton.jit
+    def _int4_words(q_rows, s_rows, o_rows, ws, tile_ok, RUN: tl.constexpr, GROUP: tl.constexpr):
+        """One step's words [BLOCK_N, BLOCK_KW] (unsigned: a shift right brings in zeros) and each word's group
+        scale and offset (a run lies in one group), fp32; masked words are 0 with scale and offset 0."""
+        words = tl.load(q_rows + ws[None, :], mask=tile_ok, other=0).to(tl.uint32, bitcast=True)
+        g = ((ws // RUN) * (RUN * 8)) // GROUP
+        s = tl.load(s_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        o = tl.load(o_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        return words, s, o
+
+    @triton.jit
+    def _int4_weights(words, s, o, j: tl.constexpr, dtype: tl.constexpr):
+        """Slot j of each word (inputs run * j + w of its run) as [BLOCK_KW, BLOCK_N] weights: the code made an
+        exact fp32 by the or-with-2^23 trick, then u * scale + offset in fp32 rounded once to `dtype`, as
+        IntGroupLinear.dequantize computes the reference's weight."""
+        u = (((words >> (4 * j)) & 15) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_F
+        return tl.trans((u * s + o).to(dtype))
+
+    @triton.jit
+    def _gate_up_int4_kernel(x_ptr, q_ptr, s_ptr, o_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
+                             act_ptr, R, I, KW, TOP_K, stride_xn, stride_qs, stride_qn, stride_ss, stride_sn,
+                             stride_ar, GROUP: tl.constexpr, RUN: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SCAN: tl.constexpr,
+                             SCAN_R: tl.constexpr, PRECISION: tl.constexpr):
+        slot, routes, ok, rn, n_ok = _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, I,
+                                              BLOCK_M, BLOCK_N, SCAN, SCAN_R)
+        if slot < 0:
+            return
+        a_rows = x_ptr + (routes // TOP_K).to(tl.int64)[:, None] * stride_xn
+        rn64 = rn.to(tl.int64)[:, None]
+        q_gate = q_ptr + slot.to(tl.int64) * stride_qs + rn64 * stride_qn  # [BLOCK_N, 1] row starts
+        s_gate = s_ptr + slot.to(tl.int64) * stride_ss + rn64 * stride_sn
+        o_gate = o_ptr + slot.to(tl.int64) * stride_ss + rn64 * stride_sn
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for w0 in range(0, KW, BLOCK_KW):
+            ws = w0 + tl.arange(0, BLOCK_KW)
+            w_ok = ws < KW
+            tile_ok = n_ok[:, None] & w_ok[None, :]
+            wg, sg, og = _int4_words(q_gate, s_gate, o_gate, ws, tile_ok, RUN, GROUP)
+            wu, su, ou = _int4_words(q_gate + I * stride_qn, s_gate + I * stride_sn, o_gate + I * stride_sn, ws,
+                                     tile_ok, RUN, GROUP)
+            base = (ws // RUN) * (RUN * 8) + ws % RUN  # the input of each word's slot 0
+            for j in tl.static_range(8):  # one dot per slot, against the activations of that slot's inputs
+                a = tl.load(a_rows + (base + RUN * j)[None, :], mask=ok[:, None] & w_ok[None, :], other=0.0)
+                acc_gate = tl.dot(a, _int4_weights(wg, sg, og, j, a.dtype), acc_gate, input_precision=PRECISION)
+                acc_up = tl.dot(a, _int4_weights(wu, su, ou, j, a.dtype), acc_up, input_precision=PRECISION)
+        _store_act(acc_gate, acc_up, act_ptr, routes, ok, rn, n_ok, stride_ar)
+
+    @triton.jit
+    def _down_int4_kernel(act_ptr, q_ptr, s_ptr, o_ptr, rw_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr,
+                          starts_ptr, y_ptr, R, H, KW, stride_ar, stride_qs, stride_qn, stride_ss, stride_sn,
+                          stride_yr, GROUP: tl.constexpr, RUN: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SCAN: tl.constexpr, SCAN_R: tl.constexpr,
+                          PRECISION: tl.constexpr):
+        slot, routes, ok, rn, n_ok = _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, H,
+                                              BLOCK_M, BLOCK_N, SCAN, SCAN_R)
+        if slot < 0:
+            return
+        a_rows = act_ptr + routes.to(tl.int64)[:, None] * stride_ar
+        rn64 = rn.to(tl.int64)[:, None]
+        q_rows = q_ptr + slot.to(tl.int64) * stride_qs + rn64 * stride_qn
+        s_rows = s_ptr + slot.to(tl.int64) * stride_ss + rn64 * stride_sn
+        o_rows = o_ptr + slot.to(tl.int64) * stride_ss + rn64 * stride_sn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for w0 in range(0, KW, BLOCK_KW):
+            ws = w0 + tl.arange(0, BLOCK_KW)
+            w_ok = ws < KW
+            words, s, o = _int4_words(q_rows, s_rows, o_rows, ws, n_ok[:, None] & w_ok[None, :], RUN, GROUP)
+            base = (ws // RUN) * (RUN * 8) + ws % RUN
+            for j in tl.static_range(8):
+                a = tl.load(a_rows + (base + RUN * j)[None, :], mask=ok[:, None] & w_ok[None, :], other=0.0)
+                acc = tl.dot(a, _int4_weights(words, s, o, j, a.dtype), acc, input_precision=PRECISION)
+        _store_routed(acc, y_ptr, rw_ptr, routes, ok, rn, n_ok, stride_yr)
+
+
+def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch, quant: ExpertQuant | None) -> None:
     N, k = slots.shape
-    S, I2, H = gate_up.shape
-    I = I2 // 2
+    S, I = gate_up.shape[0], gate_up.shape[1] // 2
+    H = x.shape[1]  # not the pool's last dimension: a 4-bit pool's is words
     R = N * k
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("routed_experts: the pool's rows must be contiguous (stride 1 along K)")
@@ -311,16 +405,50 @@ def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch,
         sorted_slots, routes, starts = sorted_blocks(flat, S, launch.block_m)
         blocks, scan_r = starts.numel(), 1
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    gate_up_scale, down_scale = scales if scales is not None else (gate_up, down)  # unread when not SCALED
-    common = dict(BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, SCAN=launch.scan, SCAN_R=scan_r,
-                  PRECISION=precision, SCALED=scales is not None, num_warps=launch.num_warps,
-                  num_stages=launch.num_stages)
-    _gate_up_kernel[(blocks, triton.cdiv(I, launch.gate_up_n))](
-        x, gate_up, gate_up_scale, flat, sorted_slots, routes, starts, act, R, H, I, k,
+    common = dict(BLOCK_M=launch.block_m, SCAN=launch.scan, SCAN_R=scan_r, PRECISION=precision,
+                  num_warps=launch.num_warps, num_stages=launch.num_stages)
+    blocks_of = {"gate_up": (blocks, triton.cdiv(I, launch.gate_up_n)),
+                 "down": (blocks, triton.cdiv(H, launch.down_n))}
+    route_args = (flat, sorted_slots, routes, starts)
+    y = out.view(R, H)
+    if isinstance(quant, Int4Experts):
+        _launch_int4(x, gate_up, down, w_flat, route_args, act, y, k, launch, quant, blocks_of, common)
+        return
+    scaled = isinstance(quant, Fp8Experts)
+    gate_up_scale, down_scale = quant.tensors() if scaled else (gate_up, down)  # unread when not SCALED
+    common.update(BLOCK_K=launch.block_k, SCALED=scaled)
+    _gate_up_kernel[blocks_of["gate_up"]](
+        x, gate_up, gate_up_scale, *route_args, act, R, H, I, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), act.stride(0),
         BLOCK_N=launch.gate_up_n, **common)
-    y = out.view(R, H)
-    _down_kernel[(blocks, triton.cdiv(H, launch.down_n))](
-        act, down, down_scale, w_flat, flat, sorted_slots, routes, starts, y, R, H, I,
+    _down_kernel[blocks_of["down"]](
+        act, down, down_scale, w_flat, *route_args, y, R, H, I,
         act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), y.stride(0),
+        BLOCK_N=launch.down_n, **common)
+
+
+def int4_block_kw(launch: MoELaunch) -> int:
+    """Words a 4-bit step reads along K: the launch's BLOCK_K inputs, at least 16 words (a tensor-core dot's K
+    of 16 per slot)."""
+    return max(16, launch.block_k // CODES_PER_WORD)
+
+
+def _launch_int4(x, gate_up, down, w_flat, route_args, act, y, k, launch, quant: Int4Experts, blocks_of, common
+                 ) -> None:
+    R, (I, H) = act.shape[0], (act.shape[1], x.shape[1])
+    for name, codes, scales, offsets in (("gate_up", gate_up, quant.gate_up_scales, quant.gate_up_offsets),
+                                         ("down", down, quant.down_scales, quant.down_offsets)):
+        if codes.dtype != torch.int32 or scales.stride() != offsets.stride() or scales.stride(-1) != 1:
+            raise ValueError(f"routed_experts: the 4-bit {name} pool must be int32 words with scales and offsets "
+                             "of one contiguous layout")
+    common = dict(common, BLOCK_KW=int4_block_kw(launch))
+    s, o = quant.gate_up_scales, quant.gate_up_offsets
+    _gate_up_int4_kernel[blocks_of["gate_up"]](
+        x, gate_up, s, o, *route_args, act, R, I, gate_up.shape[-1], k, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), s.stride(0), s.stride(1), act.stride(0), GROUP=quant.gate_up_group,
+        RUN=quant.gate_up_run, BLOCK_N=launch.gate_up_n, **common)
+    s, o = quant.down_scales, quant.down_offsets
+    _down_int4_kernel[blocks_of["down"]](
+        act, down, s, o, w_flat, *route_args, y, R, H, down.shape[-1], act.stride(0), down.stride(0),
+        down.stride(1), s.stride(0), s.stride(1), y.stride(0), GROUP=quant.down_group, RUN=quant.down_run,
         BLOCK_N=launch.down_n, **common)

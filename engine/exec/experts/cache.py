@@ -37,6 +37,7 @@ from engine.exec.experts.trace import adopt, groups_of
 from engine.exec.cuda_streams import Streams, required
 from engine.snapshot import ExpertCacheSnapshot
 from engine.model.moe import moe_index_of, routes_by_expert, sparse_blocks
+from engine.model.moe_quant import quant_tensors
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
@@ -68,7 +69,7 @@ class ExpertCache(CapturedExperts):
         self.pools = [ExpertPool(b, device, store, on_cuda and store.type == "cpu", moved) for b in self.blocks]
         # the store's own bytes: every expert once, or a shared store's distinct rows once
         distinct = {t.data_ptr(): t.numel() * t.element_size() for p in self.pools
-                    for t in (p.store_gate_up, p.store_down, *(p.store_scales or ()))}
+                    for t in (p.store_gate_up, p.store_down, *quant_tensors(p.store_quant))}
         self.store_mib = sum(distinct.values()) / MIB
         first = self.pools[0]
         self.num_experts = first.num_experts
@@ -241,9 +242,9 @@ class ExpertCache(CapturedExperts):
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.store_gate_up = pool.store_down = torch.empty(0)
-            pool.scales = pool.store_scales = None
+            pool.quant = pool.store_quant = None
         for block in self.blocks:
-            block.expert_store = block.expert_scales = None  # a shared store is freed with the pools
+            block.expert_store = block.expert_quant = None  # a shared store is freed with the pools
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
