@@ -20,10 +20,17 @@ Backends:
   and a verify step of the same size. Blocks are found without a host sync, so the launches are capturable:
   with few routes (a decode or verify step) each program scans the step's routes for the other routes of its
   slot (no sort, no extra launch); with many (a prompt chunk) a sort by slot lays the blocks out first.
+  Quantized pools (`quant`, engine.model.moe_quant) are read in place too: FP8 weights convert exactly to the
+  activations' dtype and the per-channel scale multiplies each finished sum; 4-bit pools (int32 words in
+  engine.model.quant.linear.kernel_pack's layout) are unpacked in registers as engine.model.quant.tensor_core
+  does, one slot of each word at a time (`(word >> 4j) & 15`, exact in fp32 by the or-with-2^23 trick), each
+  weight `u * scale + offset` in fp32 (no fused multiply-add) rounded to the activations' dtype: the reference's
+  dequantized weight, bit for bit; then one dot per slot against the activations of that slot's inputs; a step reads
+  `int4_block_kw(launch)` words (at least 16: a dot's K).
 - `grouped_mm`: `torch._grouped_mm` (CUTLASS grouped GEMM on Hopper) over the routes sorted by slot, the
   library alternative measured beside it by `strata-engine bench experts --moe-backends`.
 - `torch`: one batched product per distinct slot, with a host sync to list them; the CPU's path and the tests'
-  reference.
+  reference. These two dequantize a quantized pool first (the torch backend only the slots a step routes to).
 """
 
 from __future__ import annotations
@@ -325,8 +332,8 @@ if triton is not None:
     @triton.jit
     def _int4_weights(words, s, o, j: tl.constexpr, dtype: tl.constexpr):
         """Slot j of each word (inputs run * j + w of its run) as [BLOCK_KW, BLOCK_N] weights: the code made an
-        exact fp32 by the or-with-2^23 trick, then u * scale + offset in fp32 rounded once to `dtype`, as
-        IntGroupLinear.dequantize computes the reference's weight."""
+        exact fp32 by the or-with-2^23 trick, then u * scale + offset in fp32 rounded to `dtype`, as
+        IntGroupLinear.dequantize computes the reference's weight (the launch turns fused multiply-adds off)."""
         u = (((words >> (4 * j)) & 15) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_F
         return tl.trans((u * s + o).to(dtype))
 
@@ -441,7 +448,9 @@ def _launch_int4(x, gate_up, down, w_flat, route_args, act, y, k, launch, quant:
         if codes.dtype != torch.int32 or scales.stride() != offsets.stride() or scales.stride(-1) != 1:
             raise ValueError(f"routed_experts: the 4-bit {name} pool must be int32 words with scales and offsets "
                              "of one contiguous layout")
-    common = dict(common, BLOCK_KW=int4_block_kw(launch))
+    # no fused multiply-add: each weight is `u * scale` rounded, then `+ offset` rounded, as the reference's
+    # dequantization computes it, so the kernels multiply the very weights the torch backends do
+    common = dict(common, BLOCK_KW=int4_block_kw(launch), enable_fp_fusion=False)
     s, o = quant.gate_up_scales, quant.gate_up_offsets
     _gate_up_int4_kernel[blocks_of["gate_up"]](
         x, gate_up, s, o, *route_args, act, R, I, gate_up.shape[-1], k, x.stride(0), gate_up.stride(0),
