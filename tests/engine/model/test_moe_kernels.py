@@ -162,6 +162,36 @@ def kernels_check() -> None:
     _check_books(300, 4, 20, with_valid=True, seed=1)  # several programs' atomics into the same counts
 
 
+def _check_int4_cache_pool() -> None:
+    """A real expert cache's 4-bit pool (`--quantize int4` on a Qwen3-MoE checkpoint, 5 of 16 experts a layer):
+    routes through its table, misses reading the zero miss slot, the kernels against the torch backend."""
+    import tempfile
+    from pathlib import Path
+
+    from engine.exec.experts.cache import ExpertCache
+    from engine.model import load_checkpoint
+    from engine.model.random_checkpoint import write_random_checkpoint
+    from engine.telemetry import EventBus
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(Path(tmp), size="moe-tiny")
+        model = load_checkpoint(Path(tmp), dtype="float32", device="cpu", quantize="int4").model
+    cache = ExpertCache(model, torch.device("cpu"), EventBus(), slots=5)
+    cache.prefetch(0, [3, 8, 1, 12, 6])  # copied in from the store, in slots of the policy's choosing
+    pool = cache.pools[0]
+    assert isinstance(pool.quant, Int4Experts) and pool.gate_up.dtype == torch.int32
+    gen = torch.Generator().manual_seed(20)
+    x = torch.randn(7, cache.blocks[0].gate.in_features, generator=gen)
+    ids = torch.stack([torch.randperm(pool.num_experts, generator=gen)[:2] for _ in range(7)])
+    weights = torch.softmax(torch.randn(7, 2, generator=gen), dim=-1)
+    slots = pool.table[ids]
+    assert (slots == pool.slots).any() and (slots < pool.slots).any()  # hits and misses
+    got, want = (routed_experts(x, pool.gate_up, pool.down, slots, weights, backend=b, quant=pool.quant)
+                 for b in ("triton", "torch"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not got[slots == pool.slots].any() and got[slots < pool.slots].abs().sum() > 0
+
+
 def int4_check() -> None:
     """The 4-bit kernels: batch 1, a decode batch sharing slots, over 256 routes (the sorted layout), skipped
     routes and padding rows, groups of a whole step, of part of one (several groups a step, runs of 2 words) and of
@@ -171,6 +201,7 @@ def int4_check() -> None:
     _check_int4("triton", 150, 2, 6, 64, 32, (32, 16), seed=12, hot=3, skip_every=7, padding=4)
     _check_int4("triton", 5, 3, 7, 256, 64, (64, 16), seed=13, skip_every=4)
     _check_int4("triton", 3, 2, 5, 512, 48, (128, 48), seed=14, launch="16x16x32x256x4x2")
+    _check_int4_cache_pool()
 
 
 def test_triton_kernels_in_the_interpreter():
