@@ -137,6 +137,34 @@ def test_act_order_experts_are_held_dequantized_in_the_checkpoints_column_order(
     torch.testing.assert_close(x @ pool.host_weights(1, torch.float32)[1].T, proj(x))
 
 
+def test_the_books_count_what_each_layers_pool_holds_when_the_layers_differ(tmp_path_factory):
+    """One layer's experts 4-bit and another's held dequantized (an act-order expert there): the cache's MiB are
+    the bytes its pools hold, at start and after a resize, not the first layer's expert times the layers."""
+    from engine.exec.experts.cache import ExpertCache
+    from engine.model.moe import sparse_blocks
+    from engine.telemetry import EventBus
+    from tests.engine.engine_helpers import shared_lively_checkpoint
+
+    ckpt = shared_lively_checkpoint(tmp_path_factory, size="moe-tiny")
+    model = load_checkpoint(ckpt, dtype="float32", device="cpu", quantize="int4").model
+    blocks = sparse_blocks(model)
+    assert len(blocks) >= 2
+    proj = blocks[-1].experts[0].down_proj
+    proj.register_buffer("perm", torch.arange(proj.in_features).flip(0))
+    assert int4_experts(blocks[0]) and not int4_experts(blocks[-1])
+    cache = ExpertCache(model, torch.device("cpu"), EventBus(), slots=4)
+
+    def held_mib() -> float:
+        return sum(t.numel() * t.element_size() for p in cache.pools
+                   for t in (p.gate_up, p.down, *(p.quant.tensors() if p.quant is not None else ()))) / 2**20
+
+    assert cache.mib == pytest.approx(held_mib())
+    cache.set_budget(cache.mib_for(7), "test")
+    assert cache.slots == 7 and cache.mib == pytest.approx(held_mib())
+    cache.prefetch(len(blocks) - 1, [1, 2])
+    assert cache.snapshot().loaded_mib == pytest.approx(2 * expert_bytes(blocks[-1]) / 2**20, abs=1e-3)
+
+
 # --- CUDA ----------------------------------------------------------------------------------------------------------
 
 

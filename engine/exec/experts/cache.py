@@ -74,7 +74,11 @@ class ExpertCache(CapturedExperts):
         first = self.pools[0]
         self.num_experts = first.num_experts
         self.top_k = self.blocks[0].top_k
-        self.expert_mib = expert_bytes(self.blocks[0]) / MIB
+        # each layer's expert as its pool holds it: layers may hold theirs in other forms (a GGUF file's down
+        # projections in another type on some layers keep those layers' experts dequantized), so the books count
+        # the layers' mean (mib_for is then exact) and a load its own layer's bytes
+        self.layer_expert_mib = [expert_bytes(b) / MIB for b in self.blocks]
+        self.expert_mib = sum(self.layer_expert_mib) / len(self.blocks)
         self.dtype = self.blocks[0].gate.weight.dtype  # the activations': what a dequantized expert computes in
         self.min_slots = max(1, min_slots)
         self.target_slots = self.num_experts  # what regrowth aims for (the configured budget)
@@ -378,7 +382,7 @@ class ExpertCache(CapturedExperts):
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             else:
                 pool.pending = end
-        self.stats.record_loads(layer, len(loads), len(loads) * self.expert_mib, (start, end),
+        self.stats.record_loads(layer, len(loads), len(loads) * self.layer_expert_mib[layer], (start, end),
                                 time.perf_counter() - t0)
 
     def snapshot(self, oracle_max_age_s: float = 0.0) -> ExpertCacheSnapshot:
