@@ -195,3 +195,24 @@ def test_gpu_int4_experts_give_the_all_resident_tokens_across_cache_budgets(batc
         assert snap.misses > 0
         if mode != "cpu":  # the cpu path computes a cold expert on the host: the same weights, other sums
             assert tokens == resident, (slots, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [None, 4], ids=["resident", "cold"])
+def test_gpu_int4_mtp_on_gives_the_mtp_off_tokens_at_batch_6(slots):
+    """MTP's verify rows route through the same 4-bit kernels as decode rows (fp32, as the bf16 MTP check of
+    tests/engine/test_engine_synthetic_gpu.py runs)."""
+    runs = []
+    for mtp in ({}, dict(batch_mtp=True, mtp_depth=2)):
+        engine = make_engine(MODEL, device="cuda:0", dtype="float32", batch=6, quantize="int4", **mtp)
+        cache = engine.lm.model.expert_provider
+        if slots is not None:
+            cache.set_budget(cache.mib_for(slots), "test")
+        try:
+            runs.append((tokens_of(run_all(engine, random_prompts(6, seed=11, lengths=(20, 90)), GREEDY)),
+                         cache.snapshot()))
+        finally:
+            engine.close()
+    (plain, _), (with_mtp, snap) = runs
+    assert with_mtp == plain
+    assert (snap.misses > 0) == (slots is not None)
