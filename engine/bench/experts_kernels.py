@@ -47,7 +47,8 @@ def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: i
                 iters: int, bandwidth_gb_s: float, tune: list[str], gate_up: torch.Tensor,
                 down: torch.Tensor, quantized: dict[str, tuple] | None = None) -> dict[str, Any]:
     """`quantized`: {column: (gate_up, down, quant, bytes of an expert)}, the same pools in another format."""
-    from engine.model.moe_kernels import MoELaunch, default_launch, routed_experts
+    from engine.model.moe_blocks import MoELaunch, default_launch
+    from engine.model.moe_kernels import routed_experts
 
     gen = torch.Generator(device="cpu").manual_seed(tokens)
     routings = [torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).to(device)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from engine.model.moe import expert_mlp
-from engine.model.moe_kernels import MoELaunch, default_launch, int4_block_kw, routed_experts, sorted_blocks
+from engine.model.moe_blocks import MoELaunch, default_launch, sorted_blocks
+from engine.model.moe_kernels import routed_experts
+from engine.model.moe_kernels_int4 import int4_block_kw
 from engine.model.moe_quant import Fp8Experts, Int4Experts, int4_layout, round_int4
 from engine.model.moe_route import slots_and_counts, top_k_route
 from tests.engine.exec.triton_interpreter import run_in_interpreter
@@ -318,7 +320,7 @@ _ROUTES = {"slots_ptr": "*i64", "sorted_slots_ptr": "*i64", "sorted_routes_ptr":
 
 
 def _compile_cases():
-    from engine.model import moe_kernels, moe_route
+    from engine.model import moe_kernels, moe_kernels_int4, moe_route
 
     gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", **_ROUTES, "act_ptr": "*bf16", "H": "i32",
                "I": "i32", "TOP_K": "i32", "stride_xn": "i32", "stride_ws": "i32", "stride_wn": "i32",
@@ -346,9 +348,9 @@ def _compile_cases():
     for launch in (default_launch(10), default_launch(20480)):  # the seed model's shape: groups of 128, runs of 4
         common = dict(BLOCK_M=launch.block_m, BLOCK_KW=int4_block_kw(launch), SCAN=launch.scan,
                       SCAN_R=16 if launch.scan else 1, PRECISION="tf32", GROUP=128, RUN=4)
-        for name, kernel, signature, block_n in (("gate_up", moe_kernels._gate_up_int4_kernel, int4_gate_up,
+        for name, kernel, signature, block_n in (("gate_up", moe_kernels_int4._gate_up_int4_kernel, int4_gate_up,
                                                   launch.gate_up_n),
-                                                 ("down", moe_kernels._down_int4_kernel, int4_down, launch.down_n)):
+                                                 ("down", moe_kernels_int4._down_int4_kernel, int4_down, launch.down_n)):
             cases.append((f"{name} {launch.label()} int4", kernel, signature, launch.num_warps, launch.num_stages,
                           {**common, "BLOCK_N": block_n}))
     cases.append(("route 512 experts top-10", moe_route._route_kernel, {
