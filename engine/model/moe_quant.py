@@ -37,8 +37,6 @@ class Fp8Experts:
     gate_up_scale: torch.Tensor
     down_scale: torch.Tensor
 
-    format = "fp8"
-
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.gate_up_scale, self.down_scale
 
@@ -69,8 +67,6 @@ class Int4Experts:
     down_group: int
     gate_up_run: int  # words of a run in kernel_pack's layout (engine.model.quant.linear.run_words)
     down_run: int
-
-    format = "int4"
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.gate_up_scales, self.gate_up_offsets, self.down_scales, self.down_offsets
