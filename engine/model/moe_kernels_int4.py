@@ -4,8 +4,8 @@ gate and up with SiLU x up, then down with the routing weight, over pools of pac
 The codes are engine.model.quant.linear.kernel_pack's int32 words (`gate_up [S, 2I, H / 8]`, `down [S, H, I / 8]`,
 slot j of word w of each run of RUN words holding input run * j + w of the run), each group of inputs with a scale
 and an offset (`[S, N, K / group]`). A program finds its block of routes and its expert's slot as the 16-bit
-kernels do (engine.model.moe_blocks.block_program: the same scan and sort layouts, no host sync, graph-safe) and reads
-the slot's words in place; each step of BLOCK_KW words is unpacked one slot at a time as
+kernels do (engine.model.moe_blocks.block_program: the same scan and sort layouts, no host sync, graph-safe) and
+reads the slot's words in place; each step of BLOCK_KW words is unpacked one slot at a time as
 engine.model.quant.tensor_core.int_tc_kernel does: `(word >> 4j) & 15` (the words unsigned, so a shift brings in
 zeros), made an exact fp32 by the or-with-2^23 trick, then `u * scale + offset` with its word's group scale and
 offset (a run lies in one group), in fp32 without fused multiply-adds and rounded to the activations' dtype: the
@@ -28,7 +28,6 @@ try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it (t
     from engine.model.moe_blocks import block_program, store_act, store_routed
 except ImportError:  # pragma: no cover
     triton = None
-
 
 
 def int4_block_kw(launch: MoELaunch) -> int:

@@ -348,9 +348,9 @@ def _compile_cases():
     for launch in (default_launch(10), default_launch(20480)):  # the seed model's shape: groups of 128, runs of 4
         common = dict(BLOCK_M=launch.block_m, BLOCK_KW=int4_block_kw(launch), SCAN=launch.scan,
                       SCAN_R=16 if launch.scan else 1, PRECISION="tf32", GROUP=128, RUN=4)
-        for name, kernel, signature, block_n in (("gate_up", moe_kernels_int4._gate_up_int4_kernel, int4_gate_up,
-                                                  launch.gate_up_n),
-                                                 ("down", moe_kernels_int4._down_int4_kernel, int4_down, launch.down_n)):
+        int4 = moe_kernels_int4
+        for name, kernel, signature, block_n in (("gate_up", int4._gate_up_int4_kernel, int4_gate_up, launch.gate_up_n),
+                                                 ("down", int4._down_int4_kernel, int4_down, launch.down_n)):
             cases.append((f"{name} {launch.label()} int4", kernel, signature, launch.num_warps, launch.num_stages,
                           {**common, "BLOCK_N": block_n}))
     cases.append(("route 512 experts top-10", moe_route._route_kernel, {
