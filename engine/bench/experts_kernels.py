@@ -107,8 +107,14 @@ def _quantized_pools(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, tup
     (q_gu, s_gu), (q_d, s_d) = one(gate_up), one(down)
     H, I = gate_up.shape[-1], down.shape[-1]
     groups = int4_group_size(H), int4_group_size(I)
-    c_gu, *gu = round_int4(gate_up, groups[0], torch.float16)
-    c_d, *dn = round_int4(down, groups[1], torch.float16)
+
+    def rounded(w: torch.Tensor, group: int) -> list[torch.Tensor]:
+        # 64 experts at a time: the rounding's fp32 copies of a whole 512-expert layer would take ~20 GiB
+        parts = [round_int4(w[i:i + 64], group, torch.float16) for i in range(0, w.shape[0], 64)]
+        return [torch.cat(p) for p in zip(*parts)]
+
+    c_gu, *gu = rounded(gate_up, groups[0])
+    c_d, *dn = rounded(down, groups[1])
     int4 = Int4Experts(*gu, *dn, *groups, int4_layout(H, groups[0]), int4_layout(I, groups[1]))
     return {"triton_fp8": (q_gu, q_d, Fp8Experts(s_gu, s_d), 3 * H * I + 4 * (2 * I + H)),
             "triton_int4": (c_gu, c_d, int4, int4_expert_bytes(H, I, *groups, 2))}
