@@ -109,7 +109,8 @@ def _quantized_pools(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, tup
     groups = int4_group_size(H), int4_group_size(I)
 
     def rounded(w: torch.Tensor, group: int) -> list[torch.Tensor]:
-        # 64 experts at a time: the rounding's fp32 copies of a whole 512-expert layer would take ~20 GiB
+        # 64 experts at a time: the rounding makes fp32 and int64 copies of what it rounds, several times the
+        # bf16 pool of a whole layer
         parts = [round_int4(w[i:i + 64], group, torch.float16) for i in range(0, w.shape[0], 64)]
         return [torch.cat(p) for p in zip(*parts)]
 
