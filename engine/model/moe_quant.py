@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.model.quant.linear import kernel_pack, kernel_unpack, run_words
+from engine.model.quant.linear import kernel_pack, run_words
 from engine.model.quant.rtn import quantize_int4
 
 INT4_BITS = 4
@@ -97,12 +97,17 @@ def quant_tensors(quant: ExpertQuant | None) -> tuple[torch.Tensor, ...]:
 
 def _dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, run: int,
                 dtype: torch.dtype) -> torch.Tensor:
+    """IntGroupLinear.dequantize's arithmetic (`u * scale`, then `+ offset`, in fp32, then `dtype`) on kernel_pack's
+    words, unpacked a byte at a time: a word's bytes in memory order (little-endian) hold slots 2b and 2b + 1 in
+    their low and high nibbles, and stacking the slots before each run's words lays the codes out in input order
+    with no transposing copy (the CPU's torch backend dequantizes each routed expert every step)."""
     *lead, n, words = codes.shape
     k = words * CODES_PER_WORD
-    u = kernel_unpack(codes.reshape(-1, words), INT4_BITS, run, k).view(*lead, n, k)
-    scale = scales.to(torch.float32).repeat_interleave(group, -1)
-    offset = offsets.to(torch.float32).repeat_interleave(group, -1)
-    return (u.to(torch.float32) * scale + offset).to(dtype)
+    b = codes.contiguous().view(torch.uint8).view(*lead, n, words // run, run, 4)
+    slots = [part for byte in range(4) for part in (b[..., byte] & 15, b[..., byte] >> 4)]  # slot j: 2 * byte + nibble
+    w = torch.stack(slots, dim=-2).view(*lead, n, k // group, group).to(torch.float32)
+    w.mul_(scales.to(torch.float32)[..., None]).add_(offsets.to(torch.float32)[..., None])
+    return w.view(*lead, n, k).to(dtype)
 
 
 def int4_layout(k: int, group: int) -> int:
