@@ -18,8 +18,6 @@ KEPT = {
     "strata_tui/terminal.py: _DroppingFile.isatty": "Textual's driver asks its output file whether it is a terminal",
     "engine/server/serving.py: Serving.inflight_count": "read by the server's tests only; the server's own pass "
                                                         "removes it or uses it",
-    "engine/model/quant/linear.py: IntGroupLinear.dequantize_unpermuted": "read by the quantized kernels' tests "
-                                                                          "only; their own pass removes it or uses it",
 }
 
 

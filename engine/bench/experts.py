@@ -157,11 +157,18 @@ def measure_budget(args: argparse.Namespace, path: str, pct: int, prompts: list[
         bench.close()
 
 
-def _expert_shape(config: Any, elem: int) -> tuple[float, int]:
+def _expert_shape(config: Any, elem: int, int4: bool = False) -> tuple[float, int]:
     """(MiB of one expert as the cache holds it, sparse layers with a pool: the MTP layers' blocks are sparse
-    too); elem 1: FP8 experts, with a 4-byte scale per output channel."""
+    too); elem 1: FP8 experts, with a 4-byte scale per output channel; `int4`: 4-bit codes with a scale and
+    offset of `elem` bytes per group (engine.exec.experts.pool.int4_expert_bytes)."""
+    from engine.exec.experts.pool import int4_expert_bytes
+    from engine.model.quant.rtn import int4_group_size
+
     moe = config.moe
     H, I = config.hidden_size, moe.moe_intermediate_size
+    if int4:
+        return (int4_expert_bytes(H, I, int4_group_size(H), int4_group_size(I), elem) / 2**20,
+                sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_kv_layers)))
     expert_mib = (3 * H * I * elem + (4 * (2 * I + H) if elem == 1 else 0)) / 2**20
     return expert_mib, sum(moe.is_sparse(i, config.num_hidden_layers) for i in range(config.num_kv_layers))
 
@@ -196,10 +203,12 @@ def run(args: argparse.Namespace) -> int:
     batches = getattr(args, "batches", None) or [args.batch]
     runs = [(store, pct, cold) for store in stores for pct in budgets for cold in (colds if pct < 100 else ["copy"])
             if store == stores[0] or pct < 100]
-    elem = 1 if getattr(args, "quantize", "off") == "fp8" else 4 if checkpoint_dtype(args.dtype, device) == "float32" \
-        else 2
+    quantize = getattr(args, "quantize", "off")
+    wide = 4 if checkpoint_dtype(args.dtype, device) == "float32" else 2  # a weight's (int4: a scale's) bytes
+    elem = 1 if quantize == "fp8" else wide
+    int4 = quantize == "int4"
     moe = config.moe
-    expert_mib, sparse_layers = _expert_shape(config, elem)
+    expert_mib, sparse_layers = _expert_shape(config, elem, int4)
     layer_mib = sparse_layers * expert_mib  # one slot in every sparse layer
     rows: list[dict[str, Any]] = []
     for batch in batches:
@@ -210,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             if pct == 100 and reference_path is not None:
                 # this model's experts do not all fit: the all-resident row is the variant whose experts do
                 ref_config = model_config(reference_path)
-                ref_mib, ref_layers = _expert_shape(ref_config, elem)
+                ref_mib, ref_layers = _expert_shape(ref_config, elem, int4)
                 row, cache = measure_budget(args, reference_path, 100, prompts, warmup, ref_layers * ref_mib,
                                             ref_config.moe.num_experts, store, bandwidth_gb_s=bandwidth)
                 row.pop("token_ids")

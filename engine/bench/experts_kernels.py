@@ -8,7 +8,9 @@ expert (a decode step reads each routed expert once, from HBM: one routing repea
 - `grouped_mm`: torch._grouped_mm (CUTLASS grouped GEMM) over the routes sorted by slot;
 - `gather` (N x k <= 256): the former captured path, each routed position's expert weights gathered into a new
   tensor, then bmm (kept as the baseline the fused kernels replace);
-- `triton_fp8`: the Triton kernels on the same pools in e4m3 with per-channel scales (its floor: half the bytes).
+- `triton_fp8`: the Triton kernels on the same pools in e4m3 with per-channel scales (its floor: half the bytes);
+- `triton_int4`: on the same pools as 4-bit codes with a scale and offset per group of 128, as `--quantize int4`
+  rounds them (its floor: their bytes, about a quarter).
 `floor_us` is the distinct experts' bytes over the device's measured copy bandwidth (`bench peers`' figure), and
 `NAME_of_floor` the floor over each backend's time (1.0: at the bandwidth floor). The routings are drawn
 uniformly, so N tokens share experts only by chance (a trained router's skew makes larger N cheaper).
@@ -43,8 +45,10 @@ def _gather(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: t
 
 def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, device: torch.device,
                 iters: int, bandwidth_gb_s: float, tune: list[str], gate_up: torch.Tensor,
-                down: torch.Tensor, fp8: tuple | None = None) -> dict[str, Any]:
-    from engine.model.moe_kernels import MoELaunch, default_launch, routed_experts
+                down: torch.Tensor, quantized: dict[str, tuple] | None = None) -> dict[str, Any]:
+    """`quantized`: {column: (gate_up, down, quant, bytes of an expert)}, the same pools in another format."""
+    from engine.model.moe_blocks import MoELaunch, default_launch
+    from engine.model.moe_kernels import routed_experts
 
     gen = torch.Generator(device="cpu").manual_seed(tokens)
     routings = [torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).to(device)
@@ -69,9 +73,9 @@ def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: i
         ("grouped_mm", rotating(lambda s: routed_experts(x, gate_up, down, s, weights, backend="grouped_mm")))]
     if R <= _GATHER_MAX_ROUTES:
         shapes.append(("gather", rotating(lambda s: _gather(x, gate_up, down, s, weights))))
-    if fp8 is not None:  # the same pools in e4m3 with per-channel scales: half the bytes
-        shapes.append(("triton_fp8", rotating(
-            lambda s: routed_experts(x, fp8[0], fp8[1], s, weights, backend="triton", scales=fp8[2]))))
+    for name, (q_gu, q_d, quant, _) in (quantized or {}).items():  # the same pools quantized: fewer bytes
+        shapes.append((name, rotating(lambda s, q_gu=q_gu, q_d=q_d, quant=quant: routed_experts(
+            x, q_gu, q_d, s, weights, backend="triton", quant=quant))))
     for text in tune:
         launch = MoELaunch.parse(text, R)
         shapes.append((f"t{launch.label()}", rotating(
@@ -80,7 +84,8 @@ def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: i
         routed_experts(x, gate_up, down, routings[0], weights, backend="grouped_mm")
     time_launch_shapes(row, shapes, iters, expected)
     for key in [c for c in row if c.endswith("_ms")]:
-        floor_us = row["floor_us"] * (0.5 if key.startswith("triton_fp8") else 1.0)  # one byte a weight
+        own = (quantized or {}).get(key[:-3])
+        floor_us = row["floor_us"] * (own[3] / expert_bytes if own else 1.0)  # a quantized pool's own bytes
         row[key.replace("_ms", "_of_floor")] = round(floor_us / (row[key] * 1e3), 3)
     timed = {k[:-3]: v for k, v in row.items() if k.endswith("_ms")}
     if timed:
@@ -88,14 +93,32 @@ def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: i
     return row
 
 
-def _fp8_pools(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """The pools in e4m3 with one fp32 scale per output channel (as `--quantize fp8` rounds a projection)."""
+def _quantized_pools(gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, tuple]:
+    """The pools in e4m3 with one fp32 scale per output channel (as `--quantize fp8` rounds a projection), and as
+    4-bit codes with an fp16 scale and offset per group (as `--quantize int4`), each with its bytes an expert."""
+    from engine.model.moe_quant import Fp8Experts, Int4Experts, int4_layout, round_int4
+    from engine.exec.experts.pool import int4_expert_bytes
+    from engine.model.quant.rtn import int4_group_size
+
     def one(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = w.abs().amax(dim=-1).float().clamp(min=1e-12) / 448.0
         return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
 
     (q_gu, s_gu), (q_d, s_d) = one(gate_up), one(down)
-    return q_gu, q_d, (s_gu, s_d)
+    H, I = gate_up.shape[-1], down.shape[-1]
+    groups = int4_group_size(H), int4_group_size(I)
+
+    def rounded(w: torch.Tensor, group: int) -> list[torch.Tensor]:
+        # 64 experts at a time: the rounding makes fp32 and int64 copies of what it rounds, several times the
+        # bf16 pool of a whole layer
+        parts = [round_int4(w[i:i + 64], group, torch.float16) for i in range(0, w.shape[0], 64)]
+        return [torch.cat(p) for p in zip(*parts)]
+
+    c_gu, *gu = rounded(gate_up, groups[0])
+    c_d, *dn = rounded(down, groups[1])
+    int4 = Int4Experts(*gu, *dn, *groups, int4_layout(H, groups[0]), int4_layout(I, groups[1]))
+    return {"triton_fp8": (q_gu, q_d, Fp8Experts(s_gu, s_d), 3 * H * I + 4 * (2 * I + H)),
+            "triton_int4": (c_gu, c_d, int4, int4_expert_bytes(H, I, *groups, 2))}
 
 
 def run_kernels(args: argparse.Namespace, config: Any, device: torch.device) -> int:
@@ -112,12 +135,13 @@ def run_kernels(args: argparse.Namespace, config: Any, device: torch.device) -> 
     # one layer's pool: every expert plus the miss slot, as the expert cache holds it
     gate_up = torch.empty(E + 1, 2 * I, H, device=device, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
     down = torch.empty(E + 1, H, I, device=device, dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
-    fp8 = _fp8_pools(gate_up, down)
+    quantized = _quantized_pools(gate_up, down)
     rows = [timed_row(lambda n=n: kernel_case(n, k, E, H, I, device, args.iters, bandwidth, tune, gate_up, down,
-                                              fp8)) for n in args.kernels]
+                                              quantized)) for n in args.kernels]
     summary = {"copy_bandwidth_gb_s": bandwidth, "hidden": H, "moe_intermediate": I, "num_experts": E, "top_k": k,
                "best": {r["tokens"]: r.get("best") for r in rows}}
     emit(args, "experts", rows, summary, device,
          ("tokens", "routes", "distinct_experts", "floor_us", "triton_ms", "triton_of_floor", "grouped_mm_ms",
-          "grouped_mm_of_floor", "gather_ms", "gather_of_floor", "best"))
+          "grouped_mm_of_floor", "gather_ms", "gather_of_floor", "triton_fp8_ms", "triton_fp8_of_floor",
+          "triton_int4_ms", "triton_int4_of_floor", "best"))
     return 0

@@ -315,15 +315,16 @@ def load_checkpoint(
 def _load_synthetic(spec: str, dtype: str | torch.dtype, device: str | torch.device, tokenizer: bool,
                     expert_device: str | torch.device | None, quantize: str | None) -> LoadedModel:
     """A synthetic source (engine.model.synthetic): its weights generated on the device from their seeds;
-    `quantize` fp8: its experts generated straight into an FP8 store, its other projections rounded after."""
-    if quantize not in (None, "fp8"):
+    `quantize` fp8 or int4: its experts generated straight into a quantized store (per-channel FP8, or 4-bit
+    codes with a scale and offset per group), its other projections rounded after."""
+    if quantize not in (None, "fp8", "int4"):
         raise ConfigError("quantize", quantize, f"{spec} is generated at load; of the quantized forms it has fp8 "
-                          "(per channel) only")
+                          "(per channel) and int4 (per group) only")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     name = spec[len(SYNTHETIC_PREFIX):]
     model = build_synthetic(name, torch_dtype, dev, torch.device(expert_device) if expert_device else None,
-                            fp8_experts=quantize == "fp8")
+                            experts_format=quantize)
     model.weight_format = quantize_model(model, quantize) if quantize else _DTYPE_NAMES[torch_dtype]
     tok, eos = synthetic_tokenizer() if tokenizer else (None, synthetic_tokenizer()[1])
     return LoadedModel(model, model.config, tok, eos, Path(spec), torch_dtype, dev, model.weight_format)

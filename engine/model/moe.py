@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.moe_quant import ExpertQuant
 from engine.model.moe_route import top_k_route
 from engine.model.quant.linear import is_quantized
 
@@ -43,8 +44,12 @@ class Expert(nn.Module):
 
 
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A projection's [N, K] weight: nn.Linear's own, a quantized layer's dequantized to `dtype`."""
-    return linear.dequantize(dtype) if is_quantized(linear) else linear.weight
+    """A projection's [N, K] weight: nn.Linear's own, a quantized layer's dequantized to `dtype`, in the order of
+    the inputs it multiplies (an act-order layer stores its columns sorted by group)."""
+    if not is_quantized(linear):
+        return linear.weight
+    unpermuted = getattr(linear, "dequantize_unpermuted", None)
+    return unpermuted(dtype) if unpermuted is not None else linear.dequantize(dtype)
 
 
 def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -103,8 +108,9 @@ class SparseMoE(nn.Module):
         # layer's expert e at row store_rows[e]; None: the experts are this block's own parameters.
         self.expert_store: tuple[torch.Tensor, torch.Tensor] | None = None
         self.store_rows: list[int] = []
-        # an FP8 store's scales, one per output channel (gate_up [R, 2I], down [R, H], fp32); None: 16/32-bit
-        self.expert_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a quantized store's scales (engine.model.moe_quant: FP8 per channel, or 4-bit codes' per group), each
+        # tensor's first dimension the store row; None: the store is 16/32-bit
+        self.expert_quant: ExpertQuant | None = None
         # A synthetic source's skewed router: a [phases, E] prior added to the logits, by position phase.
         self.router_prior: torch.Tensor | None = None
         self.drift_tokens = 1
@@ -116,12 +122,13 @@ class SparseMoE(nn.Module):
         self._provider = (provider,) if provider is not None else ()
 
     def set_expert_store(self, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int],
-                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                         quant: ExpertQuant | None = None) -> None:
         """Serve the experts from a shared store (gate_up [R, 2I, H], down [R, H, I]; expert e is row rows[e]);
-        `scales` (gate_up [R, 2I], down [R, H]): the store is e4m3 with one scale per output channel."""
+        `quant`: the store is quantized (engine.model.moe_quant: e4m3 with one scale per output channel, or 4-bit
+        codes, gate_up [R, 2I, H / 8] and down [R, H, I / 8] int32 words, with a scale and offset per group)."""
         if len(rows) != self.num_experts or min(rows) < 0 or max(rows) >= gate_up.shape[0]:
             raise ValueError(f"rows: expected {self.num_experts} store rows in [0, {gate_up.shape[0]})")
-        self.expert_store, self.store_rows, self.expert_scales = (gate_up, down), list(rows), scales
+        self.expert_store, self.store_rows, self.expert_quant = (gate_up, down), list(rows), quant
 
     def set_router_prior(self, prior: torch.Tensor, drift_tokens: int) -> None:
         """Add prior[(position // drift_tokens) % phases] ([phases, E], fp32) to the router's logits."""
@@ -145,11 +152,9 @@ class SparseMoE(nn.Module):
         if self.expert_store is not None:
             row = self.store_rows[expert]
             gate_up, down = self.expert_store[0][row], self.expert_store[1][row]
-            if self.expert_scales is None:
+            if self.expert_quant is None:
                 return gate_up, down
-            dtype = self.gate.weight.dtype
-            return tuple((w.to(torch.float32) * s[row][:, None]).to(dtype)
-                         for w, s in ((gate_up, self.expert_scales[0]), (down, self.expert_scales[1])))
+            return self.expert_quant.at(row).dequantize(gate_up, down, self.gate.weight.dtype)
         e, dtype = self.experts[expert], self.gate.weight.dtype
         return (torch.cat([dense_weight(e.gate_proj, dtype), dense_weight(e.up_proj, dtype)]),
                 dense_weight(e.down_proj, dtype))

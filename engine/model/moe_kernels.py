@@ -20,71 +20,36 @@ Backends:
   and a verify step of the same size. Blocks are found without a host sync, so the launches are capturable:
   with few routes (a decode or verify step) each program scans the step's routes for the other routes of its
   slot (no sort, no extra launch); with many (a prompt chunk) a sort by slot lays the blocks out first.
+  Quantized pools (`quant`, engine.model.moe_quant) are read in place too: FP8 weights convert exactly to the
+  activations' dtype and the per-channel scale multiplies each finished sum; 4-bit pools (int32 words in
+  engine.model.quant.linear.kernel_pack's layout, a scale and offset per group) run the same two launches of
+  engine.model.moe_kernels_int4, which unpack each word in registers and multiply the reference's dequantized
+  weights bit for bit, `int4_block_kw(launch)` words a step. engine.model.moe_blocks holds what the formats'
+  kernels share: the launch shapes, the sorted layout, a program's block of routes and the two epilogues.
 - `grouped_mm`: `torch._grouped_mm` (CUTLASS grouped GEMM on Hopper) over the routes sorted by slot, the
   library alternative measured beside it by `strata-engine bench experts --moe-backends`.
 - `torch`: one batched product per distinct slot, with a host sync to list them; the CPU's path and the tests'
-  reference.
+  reference. These two dequantize a quantized pool first (the torch backend only the slots a step routes to).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
+
+from engine.model.moe_blocks import MoELaunch, default_launch, sorted_blocks
+from engine.model.moe_kernels_int4 import launch_int4
+from engine.model.moe_quant import ExpertQuant, Fp8Experts, Int4Experts
 
 try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it
     import triton
     import triton.language as tl
+
+    from engine.model.moe_blocks import block_program, store_act, store_routed
 except ImportError:  # pragma: no cover - the torch backend serves then
     triton = None
 
 BACKENDS = ("triton", "grouped_mm", "torch")
-# At most this many routes a step (N * k) and the programs find their blocks by scanning the routes; above it a
-# sort lays the blocks out (the scan's work grows with the square of the routes).
-SCAN_MAX_ROUTES = 256
-
-
-@dataclass(frozen=True)
-class MoELaunch:
-    """One step's launch shape: routes per block, column tiles of the two products, K per loop step, warps,
-    stages, and whether blocks are found by scanning the routes (few) or by a sort (many)."""
-
-    block_m: int
-    gate_up_n: int
-    down_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    scan: bool
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "gate_up_n", "down_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value}: a power of two, at least 16 (the tensor cores' tile)")
-
-    def label(self) -> str:
-        return f"{self.block_m}x{self.gate_up_n}x{self.down_n}x{self.block_k}x{self.num_warps}x{self.num_stages}"
-
-    @staticmethod
-    def parse(text: str, routes: int) -> "MoELaunch":
-        """`16x32x64x128x4x4` (block_m x gate_up_n x down_n x block_k x warps x stages) for `routes` routes."""
-        try:
-            bm, gn, dn, bk, warps, stages = (int(v) for v in text.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"launch {text!r}: expected BLOCK_MxGATE_UP_NxDOWN_NxBLOCK_KxWARPSxSTAGES, "
-                             "e.g. 16x32x64x128x4x4") from None
-        return MoELaunch(bm, gn, dn, bk, warps, stages, scan=routes <= SCAN_MAX_ROUTES)
-
-
-def default_launch(routes: int) -> MoELaunch:
-    """The launch shape for a step of `routes` routes (a function of the count alone: see the module doc).
-    Few routes: the weights' bytes bound the step, so narrow column tiles give every SM a share of them; many:
-    the products are compute-bound, so wide blocks reuse each weight tile over many rows."""
-    if routes <= SCAN_MAX_ROUTES:
-        return MoELaunch(16, 32, 64, 64, 4, 5, scan=True)
-    return MoELaunch(64, 64, 128, 64, 4, 3, scan=False)
 
 
 def backend_for(x: torch.Tensor) -> str:
@@ -94,12 +59,13 @@ def backend_for(x: torch.Tensor) -> str:
 
 def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: torch.Tensor,
                    weights: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None,
-                   launch: MoELaunch | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+                   launch: MoELaunch | None = None, quant: ExpertQuant | None = None) -> torch.Tensor:
     """x [N, H], gate_up [S, 2I, H], down [S, H, I], slots [N, k] (long; < 0: skip), weights [N, k] ->
     out [N, k, H] (zeros where skipped when `out` is None) with out[n, j] = weights[n, j] * expert(x[n]).
-    `scales` (gate_up [S, 2I], down [S, H], fp32): the pools hold FP8 (e4m3) weights with one scale per output
-    channel, the Triton kernels apply it to each finished sum (the other backends dequantize first)."""
+    `quant` (engine.model.moe_quant): the pools are quantized, FP8 with one scale per output channel
+    (`Fp8Experts`: the Triton kernels apply it to each finished sum) or 4-bit codes with a scale and offset per
+    group (`Int4Experts`: gate_up [S, 2I, H / 8], down [S, H, I / 8] int32 words, unpacked in registers); the
+    other backends dequantize first (the reference)."""
     N, H = x.shape
     k = slots.shape[1]
     if out is None:
@@ -108,15 +74,13 @@ def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, s
         return out
     backend = backend or backend_for(x)
     if backend == "triton":
-        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k), scales)
-        return out
-    if scales is not None:  # per-channel dequantization, as engine.model.quant.linear.Fp8Linear's reference
-        gate_up = (gate_up.to(torch.float32) * scales[0][..., None]).to(x.dtype)
-        down = (down.to(torch.float32) * scales[1][..., None]).to(x.dtype)
-    if backend == "grouped_mm":
+        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k), quant)
+    elif backend == "grouped_mm":
+        if quant is not None:
+            gate_up, down = quant.dequantize(gate_up, down, x.dtype)
         _routed_grouped_mm(x, gate_up, down, slots, weights, out)
     elif backend == "torch":
-        _routed_torch(x, gate_up, down, slots, weights, out)
+        _routed_torch(x, gate_up, down, slots, weights, out, quant)
     else:
         raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
     return out
@@ -130,33 +94,15 @@ def _expert_rows(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor)
     return F.linear(F.silu(gate) * up, w_down)
 
 
-def _routed_torch(x, gate_up, down, slots, weights, out) -> None:
+def _routed_torch(x, gate_up, down, slots, weights, out, quant: ExpertQuant | None) -> None:
     N, k = slots.shape
     flat, w_flat, y = slots.flatten(), weights.flatten(), out.view(N * k, -1)
     for s in torch.unique(flat[flat >= 0]).tolist():
         routes = torch.nonzero(flat == s).flatten()
-        y[routes] = (_expert_rows(x[routes // k], gate_up[s], down[s]) * w_flat[routes, None]).to(out.dtype)
-
-
-# --- blocks by sort (many routes; graph-safe) -------------------------------------------------------------------
-
-
-def sorted_blocks(slots: torch.Tensor, num_slots: int, block_m: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """slots [R] (< 0: skip) -> (sorted slots [R], their routes [R], block starts [B]): routes sorted by slot
-    (skipped ones last), and the sorted position of each block's first route, a block being at most `block_m`
-    routes of one slot; unused starts are R. B is a bound fixed by R, S and block_m: no host sync."""
-    R = slots.numel()
-    key = torch.where(slots < 0, num_slots, slots)
-    sorted_slots, routes = torch.sort(key, stable=True)
-    pos = torch.arange(R, device=slots.device)
-    starts_group = torch.ones(R, dtype=torch.bool, device=slots.device)
-    starts_group[1:] = sorted_slots[1:] != sorted_slots[:-1]
-    group_start = torch.cummax(torch.where(starts_group, pos, 0), dim=0).values
-    leads = ((pos - group_start) % block_m == 0) & (sorted_slots < num_slots)
-    bound = min(R, -(-R // block_m) + num_slots)
-    starts = torch.sort(torch.where(leads, pos, R)).values[:bound]
-    return sorted_slots, routes, starts
+        # a quantized slot dequantized alone (the reference's weights, without expanding the whole pool)
+        w_gate_up, w_down = (gate_up[s], down[s]) if quant is None else \
+            quant.at(s).dequantize(gate_up[s], down[s], x.dtype)
+        y[routes] = (_expert_rows(x[routes // k], w_gate_up, w_down) * w_flat[routes, None]).to(out.dtype)
 
 
 # --- grouped_mm (the library comparison) ------------------------------------------------------------------------
@@ -185,56 +131,11 @@ def _routed_grouped_mm(x, gate_up, down, slots, weights, out) -> None:
 if triton is not None:
 
     @triton.jit
-    def _vector(flag, like):
-        """A scalar flag as a vector shaped like `like` (Triton's interpreter widens `vector & scalar` to int32,
-        which a load then refuses as a mask)."""
-        return (like * 0 + flag.to(tl.int32)) > 0
-
-    @triton.jit
-    def _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, pid,
-                      BLOCK_M: tl.constexpr, SCAN: tl.constexpr, SCAN_R: tl.constexpr):
-        """(slot, routes [BLOCK_M], ok [BLOCK_M]) of program `pid`'s block; slot < 0: this program has none.
-        SCAN: program pid is route pid, and leads a block when it is its slot's (multiple of BLOCK_M)-th route;
-        its block is the routes of the same slot ranked after it. Else pid reads its block's start from the
-        sorted layout (sorted_blocks)."""
-        offs_m = tl.arange(0, BLOCK_M)
-        if SCAN:
-            r_all = tl.arange(0, SCAN_R)
-            s_all = tl.load(slots_ptr + r_all, mask=r_all < R, other=-1)
-            slot = tl.load(slots_ptr + pid)
-            same = (s_all == slot) & (r_all < R)
-            rank = tl.cumsum(same.to(tl.int32), 0) - 1  # rank of each same-slot route among them
-            my_rank = tl.sum(tl.where(r_all == pid, rank, 0), 0)
-            lead = (slot >= 0) & (my_rank % BLOCK_M == 0)
-            match = same[None, :] & (rank[None, :] == my_rank + offs_m[:, None])  # [BLOCK_M, SCAN_R]
-            routes = tl.sum(tl.where(match, r_all[None, :], 0), 1)
-            ok = (tl.sum(match.to(tl.int32), 1) > 0) & _vector(lead, offs_m)
-        else:
-            start = tl.load(starts_ptr + pid)
-            lead = start < R
-            first = tl.where(lead, start, 0)
-            slot = tl.load(sorted_slots_ptr + first)
-            pos = first + offs_m
-            ok = (pos < R) & _vector(lead, offs_m)
-            ok = ok & (tl.load(sorted_slots_ptr + pos, mask=ok, other=-1) == slot)
-            routes = tl.load(sorted_routes_ptr + pos, mask=ok, other=0)
-        return tl.where(lead, slot, -1), routes, ok
-
-    @triton.jit
-    def _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, N, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SCAN: tl.constexpr, SCAN_R: tl.constexpr):
-        """This program's block (slot, routes, ok: _block_routes) and its output columns (rn, n_ok) of N."""
-        slot, routes, ok = _block_routes(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R,
-                                         tl.program_id(0), BLOCK_M, SCAN, SCAN_R)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return slot, routes, ok, rn, rn < N
-
-    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, scale_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
                         act_ptr, R, H, I, TOP_K, stride_xn, stride_ws, stride_wn, stride_ss, stride_ar,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
                         SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
-        slot, routes, ok, rn, n_ok = _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, I,
+        slot, routes, ok, rn, n_ok = block_program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, I,
                                               BLOCK_M, BLOCK_N, SCAN, SCAN_R)
         if slot < 0:
             return
@@ -257,21 +158,14 @@ if triton is not None:
             s_row = scale_ptr + slot.to(tl.int64) * stride_ss + rn
             acc_gate *= tl.load(s_row, mask=n_ok, other=0.0)[None, :]
             acc_up *= tl.load(s_row + I, mask=n_ok, other=0.0)[None, :]
-        dtype = act_ptr.dtype.element_ty
-        # rounded where the reference rounds: F.linear's outputs, then F.silu's, then the product
-        gate = acc_gate.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        act = (silu * up).to(dtype)
-        tl.store(act_ptr + routes.to(tl.int64)[:, None] * stride_ar + rn[None, :], act,
-                 mask=ok[:, None] & n_ok[None, :])
+        store_act(acc_gate, acc_up, act_ptr, routes, ok, rn, n_ok, stride_ar)
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, scale_ptr, rw_ptr, slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr,
                      y_ptr, R, H, I, stride_ar, stride_ws, stride_wn, stride_ss, stride_yr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
                      SCAN_R: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr):
-        slot, routes, ok, rn, n_ok = _program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, H,
+        slot, routes, ok, rn, n_ok = block_program(slots_ptr, sorted_slots_ptr, sorted_routes_ptr, starts_ptr, R, H,
                                               BLOCK_M, BLOCK_N, SCAN, SCAN_R)
         if slot < 0:
             return
@@ -287,17 +181,13 @@ if triton is not None:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if SCALED:
             acc *= tl.load(scale_ptr + slot.to(tl.int64) * stride_ss + rn, mask=n_ok, other=0.0)[None, :]
-        dtype = y_ptr.dtype.element_ty
-        routing = tl.load(rw_ptr + routes, mask=ok, other=0.0).to(tl.float32)
-        y = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
-        tl.store(y_ptr + routes.to(tl.int64)[:, None] * stride_yr + rn[None, :], y, mask=ok[:, None] & n_ok[None, :])
+        store_routed(acc, y_ptr, rw_ptr, routes, ok, rn, n_ok, stride_yr)
 
 
-def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch,
-                   scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch, quant: ExpertQuant | None) -> None:
     N, k = slots.shape
-    S, I2, H = gate_up.shape
-    I = I2 // 2
+    S, I = gate_up.shape[0], gate_up.shape[1] // 2
+    H = x.shape[1]  # not the pool's last dimension: a 4-bit pool's is words
     R = N * k
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("routed_experts: the pool's rows must be contiguous (stride 1 along K)")
@@ -311,16 +201,23 @@ def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch,
         sorted_slots, routes, starts = sorted_blocks(flat, S, launch.block_m)
         blocks, scan_r = starts.numel(), 1
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    gate_up_scale, down_scale = scales if scales is not None else (gate_up, down)  # unread when not SCALED
-    common = dict(BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, SCAN=launch.scan, SCAN_R=scan_r,
-                  PRECISION=precision, SCALED=scales is not None, num_warps=launch.num_warps,
-                  num_stages=launch.num_stages)
-    _gate_up_kernel[(blocks, triton.cdiv(I, launch.gate_up_n))](
-        x, gate_up, gate_up_scale, flat, sorted_slots, routes, starts, act, R, H, I, k,
+    common = dict(BLOCK_M=launch.block_m, SCAN=launch.scan, SCAN_R=scan_r, PRECISION=precision,
+                  num_warps=launch.num_warps, num_stages=launch.num_stages)
+    blocks_of = {"gate_up": (blocks, triton.cdiv(I, launch.gate_up_n)),
+                 "down": (blocks, triton.cdiv(H, launch.down_n))}
+    route_args = (flat, sorted_slots, routes, starts)
+    y = out.view(R, H)
+    if isinstance(quant, Int4Experts):
+        launch_int4(x, gate_up, down, w_flat, route_args, act, y, k, launch, quant, blocks_of, common)
+        return
+    scaled = isinstance(quant, Fp8Experts)
+    gate_up_scale, down_scale = quant.tensors() if scaled else (gate_up, down)  # unread when not SCALED
+    common.update(BLOCK_K=launch.block_k, SCALED=scaled)
+    _gate_up_kernel[blocks_of["gate_up"]](
+        x, gate_up, gate_up_scale, *route_args, act, R, H, I, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), act.stride(0),
         BLOCK_N=launch.gate_up_n, **common)
-    y = out.view(R, H)
-    _down_kernel[(blocks, triton.cdiv(H, launch.down_n))](
-        act, down, down_scale, w_flat, flat, sorted_slots, routes, starts, y, R, H, I,
+    _down_kernel[blocks_of["down"]](
+        act, down, down_scale, w_flat, *route_args, y, R, H, I,
         act.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), y.stride(0),
         BLOCK_N=launch.down_n, **common)

@@ -35,12 +35,15 @@ from torch import nn
 from engine.model.causal_lm import CausalLM
 from engine.model.config import MoEConfig, MTPConfig, ModelConfig, RopeConfig
 from engine.model.moe import sparse_blocks
+from engine.model.moe_quant import CODES_PER_WORD, ExpertQuant, Fp8Experts, Int4Experts, int4_layout, quant_tensors, \
+    round_int4
 from engine.model.quant.linear import FP8_MAX
+from engine.model.quant.rtn import int4_group_size
 from engine.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 from engine.model.toy_tokenizer import SPECIAL_TOKENS, toy_tokenizer_json
 
 PREFIX = "random:"
-Scales = tuple[torch.Tensor, torch.Tensor]  # an FP8 store's per-channel scales: gate_up [R, 2I], down [R, H]
+EXPERT_FORMATS = (None, "fp8", "int4")  # how the store may round the generated experts (`--quantize`)
 _INIT_STD = 0.02
 _TOKENIZER_VOCAB = 512
 _CHUNK_ROWS = 64  # store rows generated on the device at once before their copy to the host
@@ -125,38 +128,63 @@ def _per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _store(spec: SyntheticSpec, dtype: torch.dtype, gen_device: torch.device, where: torch.device,
-           pin: bool, fp8: bool = False) -> tuple[tuple[torch.Tensor, torch.Tensor], Scales | None]:
-    """The shared expert store: `store_rows` experts, generated on `gen_device` a chunk at a time into `where`
-    (`fp8`: each chunk rounded to e4m3 per output channel before it moves; then also the scales)."""
+           pin: bool, fmt: str | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], ExpertQuant | None]:
+    """The shared expert store: `store_rows` experts, generated on `gen_device` a chunk at a time into `where`;
+    `fmt` "fp8": each chunk rounded to e4m3 per output channel before it moves, "int4": to 4-bit codes with a
+    scale and offset per group as `--quantize int4` rounds a projection (gate_up [R, 2I, H / 8], down
+    [R, H, I / 8] int32 words); then also their scales (engine.model.moe_quant)."""
     cfg = spec.config
     H, I, R = cfg.hidden_size, cfg.moe.moe_intermediate_size, spec.store_rows
-    held = torch.float8_e4m3fn if fp8 else dtype
-    gate_up = torch.empty(R, 2 * I, H, dtype=held, device=where, pin_memory=pin)
-    down = torch.empty(R, H, I, dtype=held, device=where, pin_memory=pin)
-    scales = (torch.empty(R, 2 * I, device=where, pin_memory=pin), torch.empty(R, H, device=where, pin_memory=pin)) \
-        if fp8 else None
+
+    def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(R, *shape, dtype=dtype, device=where, pin_memory=pin)
+
+    quant: ExpertQuant | None = None
+    if fmt == "int4":
+        gu_group, dn_group = int4_group_size(H), int4_group_size(I)
+        # the scale dtype `--quantize int4` gives the model's other projections (engine.model.quant.rtn)
+        sdtype = torch.float32 if dtype == torch.float32 else torch.float16
+        gate_up = empty(2 * I, H // CODES_PER_WORD, dtype=torch.int32)
+        down = empty(H, I // CODES_PER_WORD, dtype=torch.int32)
+        quant = Int4Experts(empty(2 * I, H // gu_group, dtype=sdtype), empty(2 * I, H // gu_group, dtype=sdtype),
+                            empty(H, I // dn_group, dtype=sdtype), empty(H, I // dn_group, dtype=sdtype),
+                            gu_group, dn_group, int4_layout(H, gu_group), int4_layout(I, dn_group))
+    else:
+        held = torch.float8_e4m3fn if fmt == "fp8" else dtype
+        gate_up, down = empty(2 * I, H, dtype=held), empty(H, I, dtype=held)
+        if fmt == "fp8":
+            quant = Fp8Experts(empty(2 * I), empty(H))
     for start in range(0, R, _CHUNK_ROWS):
         end = min(R, start + _CHUNK_ROWS)
         chunk_gu = torch.stack([seeded_normal((2 * I, H), f"experts.{r}.gate_up", spec.seed, dtype, gen_device)
                                 for r in range(start, end)])
         chunk_dn = torch.stack([seeded_normal((H, I), f"experts.{r}.down", spec.seed, dtype, gen_device)
                                 for r in range(start, end)])
-        if scales is not None:
+        parts: tuple[torch.Tensor, ...] = ()  # the chunk's scale tensors, in quant.tensors()'s order
+        if fmt == "fp8":
             (chunk_gu, gu_scale), (chunk_dn, dn_scale) = _per_channel_fp8(chunk_gu), _per_channel_fp8(chunk_dn)
-            scales[0][start:end].copy_(gu_scale, non_blocking=pin)
-            scales[1][start:end].copy_(dn_scale, non_blocking=pin)
+            parts = (gu_scale, dn_scale)
+        elif fmt == "int4":
+            chunk_gu, gu_scales, gu_offsets = round_int4(chunk_gu, quant.gate_up_group, quant.gate_up_scales.dtype)
+            chunk_dn, dn_scales, dn_offsets = round_int4(chunk_dn, quant.down_group, quant.down_scales.dtype)
+            parts = (gu_scales, gu_offsets, dn_scales, dn_offsets)
+        for dst, src in zip(quant_tensors(quant), parts):
+            dst[start:end].copy_(src, non_blocking=pin)
         gate_up[start:end].copy_(chunk_gu, non_blocking=pin)
         down[start:end].copy_(chunk_dn, non_blocking=pin)
     if gen_device.type == "cuda":
         torch.cuda.synchronize(gen_device)  # the pinned copies are asynchronous; the chunks are freed after
-    return (gate_up, down), scales
+    return (gate_up, down), quant
 
 
 def build_synthetic(name: str, dtype: torch.dtype, device: torch.device,
-                    expert_device: torch.device | None = None, fp8_experts: bool = False) -> CausalLM:
+                    expert_device: torch.device | None = None, experts_format: str | None = None) -> CausalLM:
     """The model of `random:NAME`, every parameter generated from its seed on `device`; the routed experts in the
-    shared store on `expert_device` (pinned host memory when that is the CPU and `device` is CUDA), in e4m3 with
-    per-channel scales when `fp8_experts` (the values the 16-bit store holds, rounded)."""
+    shared store on `expert_device` (pinned host memory when that is the CPU and `device` is CUDA), rounded as
+    `experts_format` says (None: the 16/32-bit values; "fp8": e4m3 with per-channel scales; "int4": 4-bit codes
+    with a scale and offset per group; the values the 16-bit store holds, rounded)."""
+    if experts_format not in EXPERT_FORMATS:
+        raise ValueError(f"experts_format={experts_format!r}: expected one of {EXPERT_FORMATS}")
     spec = SPECS[name]
     cfg = spec.config
     with torch.device("meta"):
@@ -172,11 +200,11 @@ def build_synthetic(name: str, dtype: torch.dtype, device: torch.device,
         setattr(model.get_submodule(module_name), leaf, nn.Parameter(tensor, requires_grad=False))
     where = expert_device or device
     pin = where.type == "cpu" and device.type == "cuda"
-    (gate_up, down), scales = _store(spec, dtype, device, where, pin, fp8_experts)
+    (gate_up, down), quant = _store(spec, dtype, device, where, pin, experts_format)
     for block in blocks:
         gen = torch.Generator().manual_seed(tensor_seed(spec.seed, f"store_rows.{block.moe_index}"))
         rows = torch.randint(spec.store_rows, (block.num_experts,), generator=gen)
-        block.set_expert_store(gate_up, down, rows.tolist(), scales)
+        block.set_expert_store(gate_up, down, rows.tolist(), quant)
         if spec.router_skew:
             block.set_router_prior(router_prior(spec, block.moe_index, device), spec.drift_tokens)
     model.rotary.reset_parameters(device)

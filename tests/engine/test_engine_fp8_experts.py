@@ -9,6 +9,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.model import load_checkpoint
+from engine.model.moe_quant import Fp8Experts
 from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, tokens_of
 
 MODEL = "random:moe-synth-tiny"
@@ -33,7 +34,7 @@ def _run(prompts, captured: bool = False, slots: int | None = None, **kw):
             tokens = tokens_of(run_all(engine, prompts, GREEDY))
             pool, block = cache.pools[0], cache.blocks[0]
             return tokens, dict(snap=cache.snapshot(), store_dtype=pool.store_gate_up.dtype,
-                                slot_dtype=pool.gate_up.dtype, scales=pool.scales is not None,
+                                slot_dtype=pool.gate_up.dtype, scales=isinstance(pool.quant, Fp8Experts),
                                 expert_bytes=cache.expert_mib * 2**20, H=block.gate.in_features,
                                 I=block.intermediate_size)
         finally:
@@ -69,7 +70,7 @@ def test_the_fp8_model_follows_its_16_bit_self():
     logits = []
     for quantize in (None, "fp8"):
         lm = load_checkpoint(MODEL, dtype="float32", device="cpu", quantize=quantize)
-        assert (lm.model.layers[0].mlp.expert_scales is not None) == (quantize == "fp8")
+        assert isinstance(lm.model.layers[0].mlp.expert_quant, Fp8Experts) == (quantize == "fp8")
         with torch.no_grad():
             logits.append(lm.model(ids, positions=torch.arange(ids.shape[1])[None]).float())
     full, fp8 = logits
@@ -80,8 +81,8 @@ def test_the_fp8_model_follows_its_16_bit_self():
 def test_a_synthetic_source_refuses_the_formats_it_has_no_form_of():
     from engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="fp8 \\(per channel\\) only"):
-        load_checkpoint(MODEL, dtype="float32", device="cpu", quantize="int4")
+    with pytest.raises(ConfigError, match="fp8 \\(per channel\\) and int4 \\(per group\\) only"):
+        load_checkpoint(MODEL, dtype="float32", device="cpu", quantize="fp8-block")
 
 
 def test_a_checkpoint_quantized_to_fp8_at_load_keeps_its_experts_fp8_in_the_cache(tmp_path_factory):
@@ -102,7 +103,8 @@ def test_a_checkpoint_quantized_to_fp8_at_load_keeps_its_experts_fp8_in_the_cach
             try:
                 pool = cache.pools[0]
                 assert pool.store_gate_up.dtype == pool.gate_up.dtype == torch.float8_e4m3fn
-                assert pool.scales is not None and pool.scales[0].shape == (pool.slots + 1, pool.gate_up.shape[1])
+                assert isinstance(pool.quant, Fp8Experts)
+                assert pool.quant.gate_up_scale.shape == (pool.slots + 1, pool.gate_up.shape[1])
                 runs.append((tokens_of(run_all(engine, prompts, GREEDY)), cache.snapshot().misses))
             finally:
                 engine.close()

@@ -37,6 +37,7 @@ from engine.exec.experts.trace import adopt, groups_of
 from engine.exec.cuda_streams import Streams, required
 from engine.snapshot import ExpertCacheSnapshot
 from engine.model.moe import moe_index_of, routes_by_expert, sparse_blocks
+from engine.model.moe_quant import quant_tensors
 from engine.telemetry import EventBus, ExpertEvent
 
 MIB = float(1 << 20)
@@ -68,12 +69,16 @@ class ExpertCache(CapturedExperts):
         self.pools = [ExpertPool(b, device, store, on_cuda and store.type == "cpu", moved) for b in self.blocks]
         # the store's own bytes: every expert once, or a shared store's distinct rows once
         distinct = {t.data_ptr(): t.numel() * t.element_size() for p in self.pools
-                    for t in (p.store_gate_up, p.store_down, *(p.store_scales or ()))}
+                    for t in (p.store_gate_up, p.store_down, *quant_tensors(p.store_quant))}
         self.store_mib = sum(distinct.values()) / MIB
         first = self.pools[0]
         self.num_experts = first.num_experts
         self.top_k = self.blocks[0].top_k
-        self.expert_mib = expert_bytes(self.blocks[0]) / MIB
+        # each layer's expert as its pool holds it: layers may hold theirs in other forms (a GGUF file's down
+        # projections in another type on some layers keep those layers' experts dequantized), so the books count
+        # the layers' mean (mib_for is then exact) and a load its own layer's bytes
+        self.layer_expert_mib = [expert_bytes(b) / MIB for b in self.blocks]
+        self.expert_mib = sum(self.layer_expert_mib) / len(self.blocks)
         self.dtype = self.blocks[0].gate.weight.dtype  # the activations': what a dequantized expert computes in
         self.min_slots = max(1, min_slots)
         self.target_slots = self.num_experts  # what regrowth aims for (the configured budget)
@@ -241,9 +246,9 @@ class ExpertCache(CapturedExperts):
         for pool in self.pools:
             pool.gate_up = pool.down = pool.table = torch.empty(0)
             pool.store_gate_up = pool.store_down = torch.empty(0)
-            pool.scales = pool.store_scales = None
+            pool.quant = pool.store_quant = None
         for block in self.blocks:
-            block.expert_store = block.expert_scales = None  # a shared store is freed with the pools
+            block.expert_store = block.expert_quant = None  # a shared store is freed with the pools
 
     # --- the provider seam ---------------------------------------------------------------------------------
 
@@ -377,7 +382,7 @@ class ExpertCache(CapturedExperts):
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             else:
                 pool.pending = end
-        self.stats.record_loads(layer, len(loads), len(loads) * self.expert_mib, (start, end),
+        self.stats.record_loads(layer, len(loads), len(loads) * self.layer_expert_mib[layer], (start, end),
                                 time.perf_counter() - t0)
 
     def snapshot(self, oracle_max_age_s: float = 0.0) -> ExpertCacheSnapshot:

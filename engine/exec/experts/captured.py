@@ -63,7 +63,7 @@ class CapturedExperts:
             predicted = predicted_ids(self.blocks[j], x, positions)  # [N, k] layer j's likely experts
             nxt = self.pools[j]  # its predicted experts counted as the layer's own routes are (misses unread)
             slots_and_counts(predicted, nxt.table, nxt.slots, rows, self.dev_predicted[j], self._predicted_misses)
-        return routed_experts(x, pool.gate_up, pool.down, slots, weights, scales=pool.scales).sum(dim=1)
+        return routed_experts(x, pool.gate_up, pool.down, slots, weights, quant=pool.quant).sum(dim=1)
 
     def serve_captured_layer(self, i: int, experts: list[int], tokens: int) -> None:
         """Load what a captured step's *first* missed layer routed to (its routing is right: every layer before

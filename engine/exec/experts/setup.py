@@ -24,6 +24,7 @@ from engine.exec.experts.cache import ExpertCache
 from engine.exec.experts.pool import expert_bytes
 from engine.exec.cuda_streams import Streams
 from engine.model.moe import sparse_blocks
+from engine.model.moe_quant import quant_tensors
 from engine.telemetry import EventBus
 
 AUTO = "auto"
@@ -68,7 +69,7 @@ def store_mib(model: torch.nn.Module) -> float:
     # the store holds each expert as the cache will (engine.exec.experts.pool.expert_bytes); a synthetic source's
     # shared store (engine.model.synthetic) holds its distinct rows once
     shared = {t.data_ptr(): t.numel() * t.element_size() for b in sparse_blocks(model) if b.expert_store is not None
-              for t in (*b.expert_store, *(b.expert_scales or ()))}
+              for t in (*b.expert_store, *quant_tensors(b.expert_quant))}
     own = sum(b.num_experts * expert_bytes(b) for b in sparse_blocks(model) if b.expert_store is None)
     return (own + sum(shared.values())) / 2**20
 

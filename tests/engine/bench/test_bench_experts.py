@@ -139,3 +139,22 @@ def test_bench_experts_reports_the_mib_a_prompt_copies_with_and_without_windows(
     assert chunked["prefill_window_tokens"] == 0 and windowed["prefill_window_tokens"] > 96
     assert 0 < windowed["prompt_loaded_mib"] < chunked["prompt_loaded_mib"]
     assert "prompt_loaded_mib" in (tmp_path / "prompt.json").read_text()
+
+
+
+def test_bench_experts_sizes_its_budgets_by_the_int4_experts_bytes(tmp_path, monkeypatch, one_torch_thread):
+    """`--quantize int4` on a checkpoint: the experts stay 4-bit in the cache, so a budget's percent of their
+    bytes buys about that percent of the slots (the bench rounds a budget up to whole MiB; sized by a 16-bit
+    expert it would buy every slot), with the all-resident tokens."""
+    from engine.bench.experts import slots_for_pct
+
+    monkeypatch.setenv("STRATA_BENCH_CACHE", str(tmp_path / "ckpts"))
+    out = tmp_path / "int4.json"
+    code = main(["bench", "experts", "--model", "random:moe-small", "--device", "cpu", "--quantize", "int4",
+                 "--budgets", "50", "--prompt-tokens", "16", "--new-tokens", "8", "--no-hf", "--copy-mib", "8",
+                 "--json", str(out)])
+    assert code == 0
+    rows = {r["budget_pct"]: r for r in json.loads(out.read_text())["rows"]}
+    want = slots_for_pct(50, 32)
+    assert want <= rows[50]["slots"] <= want + 4 and rows[50]["misses"] > 0
+    assert rows[50]["same_tokens"] and rows[100]["misses"] == 0 and rows[100]["slots"] == 32

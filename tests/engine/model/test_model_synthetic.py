@@ -96,9 +96,36 @@ def test_names_and_sizes():
             cfg.vocab_size) == (48, 512, 10, 2048, 512, 16, 2, 256, 151936)
 
 
-def test_quantize_takes_fp8_and_refuses_the_other_forms_in_one_line():
-    """FP8 is generated into the store (tests/engine/test_engine_fp8_experts.py); the other forms have none."""
-    for fmt in ("int4", "fp8-block"):
-        with pytest.raises(ConfigError, match="fp8 \\(per channel\\) only") as err:
-            load_checkpoint(TINY, device="cpu", quantize=fmt)
-        assert err.value.param == "quantize" and fmt in str(err.value)
+def test_quantize_takes_fp8_and_int4_and_refuses_the_other_forms_in_one_line():
+    """FP8 and INT4 are generated into the store (tests/engine/test_engine_fp8_experts.py,
+    tests/engine/test_engine_int4_experts.py); the other forms have none."""
+    with pytest.raises(ConfigError, match="fp8 \\(per channel\\) and int4 \\(per group\\) only") as err:
+        load_checkpoint(TINY, device="cpu", quantize="fp8-block")
+    assert err.value.param == "quantize" and "fp8-block" in str(err.value)
+
+
+def test_int4_experts_are_the_16_bit_store_rounded_per_group(tiny):
+    """`--quantize int4`: each store row is the 16-bit row rounded as `--quantize int4` rounds a projection (codes
+    in the kernels' layout, a scale and offset per group), and the 80B's experts take ~27 % of bf16's bytes."""
+    from engine.exec.experts.pool import int4_expert_bytes
+    from engine.model.moe_quant import Int4Experts, round_int4
+    from engine.model.quant.rtn import int4_group_size
+
+    q = load_checkpoint(TINY, device="cpu", quantize="int4")
+    block, plain = sparse_blocks(q.model)[0], sparse_blocks(tiny.model)[0]
+    quant = block.expert_quant
+    assert isinstance(quant, Int4Experts) and block.expert_store[0].dtype == torch.int32
+    H, I = plain.gate.in_features, plain.intermediate_size
+    assert (quant.gate_up_group, quant.down_group) == (int4_group_size(H), int4_group_size(I))
+    for got, want, group, scales in ((block.expert_store[0], plain.expert_store[0], quant.gate_up_group,
+                                      quant.tensors()[:2]),
+                                     (block.expert_store[1], plain.expert_store[1], quant.down_group,
+                                      quant.tensors()[2:])):
+        codes, s, o = round_int4(want, group, scales[0].dtype)
+        assert torch.equal(got, codes) and torch.equal(scales[0], s) and torch.equal(scales[1], o)
+    assert block.store_rows == plain.store_rows
+    cfg = SPECS["moe-80b"].config
+    H, I = cfg.hidden_size, cfg.moe.moe_intermediate_size
+    int4 = int4_expert_bytes(H, I, int4_group_size(H), int4_group_size(I), 2)  # fp16 scales for a bf16 model
+    assert int4 / (3 * H * I * 2) == pytest.approx(0.266, abs=0.001)
+    assert experts_gib("moe-80b") * int4 / (3 * H * I * 2) == pytest.approx(39.05, abs=0.01)  # README's ~39 GiB
