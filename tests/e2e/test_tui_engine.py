@@ -52,7 +52,8 @@ async def test_tui_launches_engine_and_shows_slots_changing(tmp_path: Path, chec
             assert app.view.crash is None, f"engine exited: {app.view.crash.error}\n" + "\n".join(l for _, l in app.view.log_lines)
             assert time.monotonic() < deadline, "engine never became ready"
             await pilot.pause(0.2)
-        requests = asyncio.create_task(_send(app.view.engine_url, 4, 256))
+        # 1,024 tokens each: on a loaded box the app may miss a shorter busy spell between two of its polls
+        requests = asyncio.create_task(_send(app.view.engine_url, 4, 1024))
         seen: dict[str, list[tuple[str, str]]] = {}
         while not requests.done():
             for slot, state, request in SLOT_ROW.findall(screen_text(app)):
