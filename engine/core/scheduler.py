@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 from engine.api import FinishReason
 from engine.errors import ConfigError, RequestRejected
-from engine.core.prefill_pacer import (DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, ChunkTiming, PrefillPacer,
-                                      StepTiming)
+from engine.core.chunk_cost import ChunkTiming
+from engine.core.prefill_pacer import DEFAULT_MAX_CHUNK_STALL_S, DEFAULT_PREFILL_STEP_SHARE, PrefillPacer, StepTiming
 from engine.core.prefix_index import PrefixIndex
 from engine.core.prefix_pins import PrefixPins
 from engine.core.request import Request, RequestState

@@ -173,7 +173,8 @@ def test_admission_event_counts_name_each_graph_and_tier_action() -> None:
 
 def test_admission_takes_its_longest_step_apart_with_the_events_it_published() -> None:
     from engine.bench.admission import _longest_step
-    from engine.core.prefill_pacer import ChunkTiming, StepTiming
+    from engine.core.chunk_cost import ChunkTiming
+    from engine.core.prefill_pacer import StepTiming
     from engine.telemetry import GraphEvent, SlotEvent, TierEvent
 
     timings = [StepTiming(0.004, 6, [ChunkTiming(0, 256, 0.2)]), StepTiming(1.5, 6, []), StepTiming(0.004, 6, [])]

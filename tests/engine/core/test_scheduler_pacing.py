@@ -12,7 +12,8 @@ import pytest
 
 from engine.api import SamplingParams
 from engine.errors import ConfigError
-from engine.core.prefill_pacer import ChunkCost, ChunkCostModel, ChunkTiming, PrefillPacer, StepTiming
+from engine.core.chunk_cost import ChunkCost, ChunkCostModel, ChunkTiming
+from engine.core.prefill_pacer import PrefillPacer, StepTiming
 from engine.core.prefix_index import PrefixIndex
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler, StepPlan
