@@ -137,6 +137,32 @@ def test_act_order_experts_are_held_dequantized_in_the_checkpoints_column_order(
     torch.testing.assert_close(x @ pool.host_weights(1, torch.float32)[1].T, proj(x))
 
 
+def test_int4_at_load_keeps_a_projection_of_inputs_not_a_multiple_of_8_as_loaded(tmp_path):
+    """A down projection of 60 inputs cannot be 4-bit codes in whole 32-bit words: `--quantize int4` refused the
+    whole model ("in_features=60 is not a multiple of the group size 60"); it now keeps that layer as loaded, says
+    so in the weight format, and the experts (not all 4-bit) are held dequantized with the model's own tokens."""
+    from engine.exec.experts.pool import ExpertPool
+    from engine.model.config import MoEConfig
+    from engine.model.moe import sparse_blocks
+    from engine.model.random_checkpoint import write_random_checkpoint
+
+    src = write_random_checkpoint(tmp_path / "odd", size="moe-tiny", moe=MoEConfig(
+        num_experts=16, num_experts_per_tok=2, moe_intermediate_size=60, norm_topk_prob=True, mlp_only_layers=(1,)))
+    lm = load_checkpoint(src, dtype="float32", device="cpu", quantize="int4")
+    assert "as loaded" in lm.weight_format, lm.weight_format
+    block = sparse_blocks(lm.model)[0]
+    assert type(block.experts[0].down_proj) is torch.nn.Linear and block.experts[0].down_proj.in_features == 60
+    assert block.experts[0].gate_proj.__class__.__name__ == "IntGroupLinear" and not int4_experts(block)
+    pool = ExpertPool(block, torch.device("cpu"), torch.device("cpu"), pin=False)
+    assert pool.store_down.dtype == torch.float32
+    x = torch.randn(3, 60, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(x @ pool.host_weights(5, torch.float32)[1].T, block.experts[5].down_proj(x))
+    prompts = random_prompts(2, seed=7, lengths=(12, 30))
+    (resident, no_misses), (small, misses) = [(tokens, got["snap"].misses) for tokens, got in
+                                               (_run(src, prompts, slots=slots, batch=2) for slots in (None, 3))]
+    assert no_misses == 0 and misses > 0 and small == resident
+
+
 def test_the_books_count_what_each_layers_pool_holds_when_the_layers_differ(tmp_path_factory):
     """One layer's experts 4-bit and another's held dequantized (an act-order expert there): the cache's MiB are
     the bytes its pools hold, at start and after a resize, not the first layer's expert times the layers."""

@@ -128,8 +128,10 @@ class IntGroupLinear(QuantLinear):
         super().__init__(k, n, bias)
         if bits not in (4, 8):
             raise ValueError(f"bits={bits}: the integer layouts are 4- and 8-bit")
-        if k % group_size or (bits == 4 and k % 8):
+        if k % group_size:
             raise ValueError(f"in_features={k} is not a multiple of the group size {group_size}")
+        if bits == 4 and k % 8:
+            raise ValueError(f"in_features={k} is not a multiple of 8: 4-bit codes fill whole 32-bit words")
         if group_size != k and group_size % (32 // bits):
             raise ValueError(f"group_size={group_size}: {bits}-bit codes are packed {32 // bits} to a word, and a "
                              "word's codes share a group")

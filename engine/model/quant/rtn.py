@@ -91,15 +91,20 @@ def quantize_model(model: nn.Module, fmt: str) -> str:
         raise ConfigError("quantize", fmt, f"expected one of {', '.join(FORMATS)}")
     if getattr(model, "fused", False):
         raise ValueError("quantize before fuse_projections: the fused layers have no checkpoint names")
+    kept = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and quantizable(name):
+            if fmt == "int4" and module.in_features % 8:
+                kept += 1  # 4-bit codes fill whole 32-bit words: such a layer stays as loaded
+                continue
             dtype = module.weight.dtype
             layer = quantize_linear(module, fmt, torch.float32 if dtype == torch.float32 else torch.float16)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, layer)
+    kept_text = f"; {kept} layer{'s' if kept != 1 else ''} of inputs not a multiple of 8 as loaded" if kept else ""
     return {"fp8": "fp8 (per channel, quantized at load)",
             "fp8-block": f"fp8 (block {FP8_BLOCK}x{FP8_BLOCK}, quantized at load)"}.get(
-        fmt, f"int4 (group {INT4_GROUP}, quantized at load)")
+        fmt, f"int4 (group {INT4_GROUP}, quantized at load{kept_text})")
 
 
 def quantize_head(model: nn.Module) -> str:

@@ -23,8 +23,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from engine.errors import ConfigError
 from engine.model.names import hf_name
 from engine.model.quant.linear import Fp8Linear, IntGroupLinear, QuantLinear, pack_codes
+from engine.model.quant.rtn import quantizable
 from engine.model.saver import write_config_files, write_tensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -65,11 +67,23 @@ def _layer_tensors(layer: QuantLinear) -> list[tuple[str, torch.Tensor]]:
             ("weight_shape", torch.tensor([layer.out_features, layer.in_features], dtype=torch.int64))]
 
 
+def kept_as_loaded(model: nn.Module) -> list[str]:
+    """The checkpoint names of the projections rtn.quantize_model kept in 16 bits (4-bit codes fill whole words:
+    inputs not a multiple of 8), which the config's `ignore` must name for a reader not to expect them packed."""
+    return [hf_name(f"{name}.weight", model.config)[:-len(".weight")] for name, module in model.named_modules()
+            if type(module) is nn.Linear and quantizable(name)]
+
+
 def quantization_config(model: nn.Module) -> dict[str, Any]:
     """The compressed-tensors quantization_config of a model quantized by engine.model.quant.rtn."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         raise ValueError("the model has no quantized layers")
+    for name, module in model.named_modules():  # checked before anything is written
+        if isinstance(module, IntGroupLinear) and module.out_features % 8:
+            layer = hf_name(f"{name}.weight", model.config)[:-len(".weight")]
+            raise ConfigError("format", "int4", f"{layer} has {module.out_features} outputs, not a multiple of 8: "
+                              "compressed-tensors packs 4-bit zero points 8 to a word along them")
     kinds = {(m.format, getattr(m, "group_size", None), isinstance(m, Fp8Linear) and _qwen_blocks(m)) for m in layers}
     if len(kinds) != 1:
         raise ValueError(f"one scheme per checkpoint: the layers mix {sorted(map(str, kinds))}")
@@ -94,7 +108,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                       "output_activations": None, "format": format_name}},
-        "ignore": IGNORED,
+        "ignore": IGNORED + kept_as_loaded(model),
         "kv_cache_scheme": None,
     }
 

@@ -101,6 +101,26 @@ def test_quantize_writes_a_compressed_tensors_checkpoint_that_loads_to_the_same_
     assert from_file.weight_format.startswith("compressed-tensors")
 
 
+def test_int4_keeps_a_projection_of_inputs_not_a_multiple_of_8_as_loaded_and_a_file_of_it_is_refused_by_name(
+        tmp_path):
+    """An MLP of 60 (`--quantize int4` refused the whole model: 4-bit codes fill whole 32-bit words): its down
+    projections stay in 16 bits, the weight format says so, and the model generates. `strata-engine quantize`
+    cannot write its up projections (compressed-tensors packs 4-bit zero points 8 to a word along the 60 outputs):
+    one line naming the layer, exit 2, nothing written (it was a RuntimeError about a shape)."""
+    src = write_random_checkpoint(tmp_path / "src", dtype="bfloat16", intermediate_size=60)
+    at_load = load_checkpoint(src, dtype="float32", device="cpu", quantize="int4")
+    assert type(at_load.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(at_load.model.layers[0].mlp.up_proj, IntGroupLinear)
+    assert "as loaded" in at_load.weight_format, at_load.weight_format
+    ids, pos = torch.tensor([[5, 9, 200, 31, 7]]), torch.arange(5)[None]
+    with torch.no_grad():
+        assert torch.isfinite(at_load.model.logits(at_load.model(ids, pos))).all()
+    out = tmp_path / "q"
+    done = _cli("quantize", "--model", str(src), "--format", "int4", "--out", str(out), "--device", "cpu")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "model.layers.0.mlp.gate_proj has 60 outputs" in done.stderr and not (out / "config.json").exists()
+
+
 def test_quantize_fp8_block_writes_qwens_fp8_layout_that_loads_to_the_same_model(source, tmp_path):
     out = tmp_path / "q"
     done = _cli("quantize", "--model", str(source), "--format", "fp8-block", "--out", str(out), "--device", "cpu")
