@@ -207,13 +207,10 @@ class Scheduler(SlotQueue):
         burst = self._burst()
         fits = self.pacer.fits_one_step(tokens, req.num_computed_tokens, len(plan.decode), len(self._prefilling),
                                         burst)
-        if fits is None:  # no decode step measured alone yet: a burst goes between
-            return not burst
-        return not fits
+        return not (burst if fits is None else fits)  # no decode step measured alone yet: a burst goes between
 
     def _burst(self) -> bool:
-        """The prompts in slots are a burst of short ones: more than one, the first's next chunk its last (a long
-        prompt ahead of them keeps the pace of a long prompt; the pacer, engine.core.prefill_pacer)."""
+        """More than one prompt in slots, the first's next chunk its last (a long one keeps its own pace)."""
         return len(self._prefilling) > 1 and self._prefilling[0].remaining_prompt_tokens <= self.prefill_chunk_tokens
 
     def _plan_beside(self, plan: StepPlan) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
+from engine.bench.experts import cold_switches
 from engine.exec.experts.pool import expert_bytes, int4_experts
 from engine.model import load_checkpoint
 from engine.model.moe_quant import Int4Experts
@@ -16,7 +17,6 @@ from tests.engine.engine_helpers import make_engine, one_thread, random_prompts,
 
 MODEL = "random:moe-synth-tiny"
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-SWITCH = {"copy": {}, "cpu": {"EXPERT_CPU": True}, "prefetch": {"EXPERT_PREFETCH": True}}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_int4_experts_stay_int4_in_the_store_and_the_slots(resident):
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("mode", ["copy", "cpu", "prefetch"])
 def test_every_cold_path_gives_the_all_resident_int4_tokens(prompts, resident, mode, captured):
-    tokens, got = _run(MODEL, prompts, captured, slots=4, switches=SWITCH[mode])
+    tokens, got = _run(MODEL, prompts, captured, slots=4, switches=cold_switches(mode))
     snap = got["snap"]
     assert snap.misses > 0 and snap.slots == 4
     assert tokens == resident[0]
@@ -215,7 +215,7 @@ def test_gpu_int4_experts_give_the_all_resident_tokens_across_cache_budgets(batc
     resident, snap = _gpu_tokens(batch)
     assert snap.misses == 0 and snap.hits > 0
     for slots, mode in ((8, "copy"), (4, "copy"), (4, "prefetch"), (4, "cpu")):
-        tokens, snap = _gpu_tokens(batch, slots=slots, switches=SWITCH[mode])
+        tokens, snap = _gpu_tokens(batch, slots=slots, switches=cold_switches(mode))
         print(f"batch {batch} slots {slots} {mode}: misses {snap.misses}, replays {snap.replays}, "
               f"reruns {snap.reruns}")
         assert snap.misses > 0
