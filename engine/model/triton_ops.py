@@ -7,6 +7,11 @@ them in Triton's interpreter on CPU tensors).
     cos, sin_rot = rope_tables(positions, inv_freq, scaling, dtype)  # RotaryEmbedding's tables, one kernel
     y = linear(x, weight, bias)                                # F.linear; a narrow one in Triton (triton_linear)
 
+and under FUSED_EPILOGUE, two of them folded into the kernels beside them:
+
+    q = qk_norm_rope_kv(qkv, q_heads, q_weight, k_weight, cos, sin_rot, eps, site)  # k, v into the KV pool
+    normed, summed = linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps)  # or None: not taken
+
 A batch-1 decode step is bound by its kernel count, not its bytes (docs/MODEL.md, "Why these kernels"):
 in eager PyTorch the residual add and RMSNorm with its weight are three kernels, the q/k norm and the rotation
 about seven, SiLU and the product two, a forward's rotary tables ten. Each kernel here computes in fp32 and rounds
@@ -25,8 +30,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engine.model.attention.kv_site import KVSite
+from engine.model.attention.triton_kv_write import store_kv_row
+from engine.model.attention.triton_paged import scale_pools
 # the layers reach every FUSED_OPS kernel through here
-from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, split_counters
+from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, linear_add_rms_norm, split_counters
+from engine.model.triton_norm_row import add_rms_norm_row
 
 
 @triton.jit
@@ -35,17 +44,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stri
     eps = tl.full([], eps, tl.float32)  # torch.compile passes a Python float as fp64 (see triton_prefill.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RES:
-        res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the residual sum, rounded
-        tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    add_rms_norm_row(x_ptr + row * stride_x, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out,
+                     sum_ptr + row * stride_sum, n_cols, eps, cols, cols < n_cols, HAS_RES=HAS_RES, CG=False)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -69,34 +69,60 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def _qk_norm_rope_kernel(src_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr,
-                         stride_sb, stride_st, stride_sh, stride_cb, stride_ct, n_tokens, n_heads, q_heads, eps,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
-    eps = tl.full([], eps, tl.float32)
-    bt = tl.program_id(0).to(tl.int64)  # one (row, token)
+def _qk_norm_rope_kernel(src_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr,
+                         blocks_ptr, offsets_ptr, stride_sb, stride_st, stride_sh, stride_cb, stride_ct,
+                         stride_ph, stride_pb, stride_sc_h, stride_sc_b, n_tokens, out_heads, q_heads, kv_heads, eps,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+                         INT8: tl.constexpr):
+    # One program per (row, token) and q or k head. WRITE_KV (FUSED_EPILOGUE): a k head's program stores its rotated
+    # key, and the value of the same KV head, straight into the pool where the block table put the token (write_kv's
+    # stores), so the keys make no round trip through memory and the write is no launch of its own; `out` then
+    # holds q's heads only.
+    bt = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     b = bt // n_tokens
     t = bt % n_tokens
     d = tl.arange(0, BLOCK_D)
     ok = d < D
+    token = src_ptr + b * stride_sb + t * stride_st
+    y = _norm_rope_head(token + h * stride_sh, qw_ptr, kw_ptr, cos_ptr + b * stride_cb + t * stride_ct,
+                        sin_ptr + b * stride_cb + t * stride_ct, h < q_heads, eps, d, ok, out_ptr.dtype.element_ty,
+                        D, NORM)
+    if h < out_heads:
+        tl.store(out_ptr + ((b * out_heads + h) * n_tokens + t) * D + d, y, mask=ok)
+    if WRITE_KV:
+        if h >= q_heads:
+            j = (h - q_heads).to(tl.int64)  # the KV head; j * the head stride can pass 2**31
+            block = tl.load(blocks_ptr + bt).to(tl.int64)
+            offset = tl.load(offsets_ptr + bt).to(tl.int64)
+            dst = j * stride_ph + block * stride_pb + offset * D + d
+            at = j * stride_sc_h + block * stride_sc_b + offset
+            store_kv_row(y, kp_ptr, ks_ptr, dst, at, ok, INT8)
+            v = tl.load(token + (q_heads + kv_heads + j) * stride_sh + d, mask=ok, other=0.0)
+            store_kv_row(v, vp_ptr, vs_ptr, dst, at, ok, INT8)
+
+
+@triton.jit
+def _norm_rope_head(base, qw_ptr, kw_ptr, cos_row, sin_row, is_q, eps, d, ok, dt: tl.constexpr, D: tl.constexpr,
+                    NORM: tl.constexpr):
+    """One (token, head) row of q or k: Qwen3's per-head RMSNorm (NORM), then the rotation, rounded as the
+    reference rounds each product and their sum."""
+    eps = tl.full([], eps, tl.float32)
     rolled = (d + D // 2) % D  # rotate_half(x) = roll(x, D/2) with its sign folded into sin_rot
-    base = src_ptr + b * stride_sb + t * stride_st + h * stride_sh
     x = tl.load(base + d, mask=ok, other=0.0)
     xr = tl.load(base + rolled, mask=ok, other=0.0)
-    dt = out_ptr.dtype.element_ty
     if NORM:  # Qwen3's per-head RMSNorm of q and k, before the rotation
         xf = x.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-        is_q = h < q_heads
         w = tl.where(is_q, tl.load(qw_ptr + d, mask=ok, other=0.0), tl.load(kw_ptr + d, mask=ok, other=0.0))
         wr = tl.where(is_q, tl.load(qw_ptr + rolled, mask=ok, other=0.0), tl.load(kw_ptr + rolled, mask=ok, other=0.0))
         x = (w.to(tl.float32) * (xf * inv_rms).to(dt).to(tl.float32)).to(dt)
         xr = (wr.to(tl.float32) * (xr.to(tl.float32) * inv_rms).to(dt).to(tl.float32)).to(dt)
-    c = tl.load(cos_ptr + b * stride_cb + t * stride_ct + d, mask=ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + b * stride_cb + t * stride_ct + d, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_row + d, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_row + d, mask=ok, other=0.0).to(tl.float32)
     a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
     r = (xr.to(tl.float32) * s).to(dt).to(tl.float32)
-    tl.store(out_ptr + ((b * n_heads + h) * n_tokens + t) * D + d, (a + r).to(dt), mask=ok)
+    return (a + r).to(dt)
 
 
 def qk_norm_rope(src: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
@@ -105,16 +131,46 @@ def qk_norm_rope(src: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
     projection) -> [B, H, T, D] contiguous: per-head RMSNorm with q's or k's weight (None: no q/k norm), then
     RoPE with RotaryEmbedding's cos / sin_rot [B, T, D]: apply_rope(weight * rms_normalize(x)) of the reference."""
     b, t, h, d = src.shape
-    assert src.stride(3) == 1 and cos.stride(2) == 1 and cos.stride() == sin_rot.stride(), "contiguous D expected"
     out = torch.empty(b, h, t, d, dtype=src.dtype, device=src.device)
+    _launch_qk_norm_rope(src, h, q_heads, 0, q_weight, k_weight, cos, sin_rot, eps, out, None)
+    return out
+
+
+def qk_norm_rope_kv(qkv: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                    cos: torch.Tensor, sin_rot: torch.Tensor, eps: float, site: KVSite) -> torch.Tensor:
+    """FUSED_EPILOGUE: qk_norm_rope of q and k from the fused projection's output qkv [B, T, Hq + 2 Hkv, D]
+    (contiguous D), with the rotated keys and the values written into `site`'s pools (write_kv's rows, int8
+    quantized alike) instead of returned: -> q [B, Hq, T, D] contiguous."""
+    b, t, heads, d = qkv.shape
+    kv_heads = (heads - q_heads) // 2
+    assert site.k_pool.shape[0] == kv_heads and site.k_pool.shape[3] == d, (tuple(site.k_pool.shape), kv_heads, d)
+    out = torch.empty(b, q_heads, t, d, dtype=qkv.dtype, device=qkv.device)
+    _launch_qk_norm_rope(qkv, q_heads + kv_heads, q_heads, kv_heads, q_weight, k_weight, cos, sin_rot, eps, out, site)
+    return out
+
+
+def _launch_qk_norm_rope(src: torch.Tensor, heads: int, q_heads: int, kv_heads: int, q_weight: torch.Tensor | None,
+                         k_weight: torch.Tensor | None, cos: torch.Tensor, sin_rot: torch.Tensor, eps: float,
+                         out: torch.Tensor, site: KVSite | None) -> None:
+    """One program per (row, token) and each of the first `heads` heads of src; `out` [B, out heads, T, D]."""
+    b, t, _, d = src.shape
+    assert src.stride(3) == 1 and cos.stride(2) == 1 and cos.stride() == sin_rot.stride(), "contiguous D expected"
     norm = q_weight is not None
     block = triton.next_power_of_2(d)
-    _qk_norm_rope_kernel[(b * t, h)](
-        src, q_weight if norm else cos, k_weight if norm else cos, cos, sin_rot, out,
-        src.stride(0), src.stride(1), src.stride(2), cos.stride(0), cos.stride(1), t, h, q_heads, eps,
-        D=d, BLOCK_D=block, NORM=norm, num_warps=1 if block <= 256 else 4,
+    if site is not None:
+        assert site.k_pool.is_contiguous() and site.v_pool.is_contiguous()
+        int8, ks, vs = scale_pools(site.k_pool, site.k_scale, site.v_scale)
+        pools = (site.k_pool, site.v_pool, ks, vs, site.blocks.reshape(b * t).contiguous(),
+                 site.offsets.reshape(b * t).contiguous())
+        strides = (site.k_pool.stride(0), site.k_pool.stride(1), ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0)
+    else:
+        int8, pools, strides = False, (out,) * 6, (0, 0, 0, 0)
+    _qk_norm_rope_kernel[(b * t, heads)](
+        src, q_weight if norm else cos, k_weight if norm else cos, cos, sin_rot, out, *pools,
+        src.stride(0), src.stride(1), src.stride(2), cos.stride(0), cos.stride(1), *strides, t, out.shape[1],
+        q_heads, kv_heads, eps, D=d, BLOCK_D=block, NORM=norm, WRITE_KV=site is not None, INT8=int8,
+        num_warps=1 if block <= 256 else 4,
     )
-    return out
 
 
 # CUDA's cosf / sinf (libdevice), which torch's cos and sin kernels call: the tables are the reference's bit for bit.
@@ -214,4 +270,27 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
         split_counters(device, lane)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # an asynchronous launch failure surfaces here, at start
+
+
+def launch_epilogue_once(config, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype) -> None:
+    """FUSED_EPILOGUE's start-up probe, as launch_each_once: the q/k norm + RoPE kernel writing into a scratch pool
+    of the KV's dtype (int8 with its scales), and the skinny matmul with its add + norm epilogue on the narrow
+    projections, at one row and at the most rows it takes."""
+    like = {"dtype": dtype, "device": device}
+    h, d, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    pools = [torch.zeros(hkv, 1, 1, d, dtype=kv_dtype, device=device) for _ in range(2)]
+    scales = [torch.ones(hkv, 1, 1, device=device) for _ in range(2)] if kv_dtype == torch.int8 else [None, None]
+    where = torch.zeros(1, 1, dtype=torch.long, device=device)
+    norm = torch.ones(d, **like) if config.qk_norm else None
+    angles = torch.zeros(1, 1, d, **like)
+    qk_norm_rope_kv(torch.zeros(1, 1, hq + 2 * hkv, d, **like), hq, norm, norm, angles, angles, eps,
+                    KVSite(*pools, *scales, where, where))
+    for rows in (1, MAX_ROWS):
+        for k in (hq * d, config.intermediate_size):
+            residual = torch.zeros(rows, 1, h, **like)
+            linear_add_rms_norm(torch.zeros(rows, 1, k, **like), torch.zeros(h, k, **like), None, residual,
+                                torch.ones(h, **like), eps)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 

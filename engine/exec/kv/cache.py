@@ -31,6 +31,7 @@ from engine.exec.kv.paging import KVPaging
 from engine.exec.kv.pool_resize import resized
 from engine.exec.cuda_streams import Streams
 from engine.model.attention.backends import TorchAttention, kernel_backend
+from engine.model.attention.kv_site import KVSite
 from engine.model.attention.reference import flash_accepts
 
 KV_STORAGE = ("bf16", "int8")
@@ -203,13 +204,29 @@ class SlotKVCache:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Write k, v at `positions` of each row's slot, then attend causally. q [B,Hq,T,D] -> [B,Hq,T,D]."""
+        self._wait_fetched(layer_idx)
+        self._write(layer_idx, k, v, positions)
+        return self.backend.attend(self, layer_idx, q, positions)
+
+    def write_site(self, layer_idx: int, positions: torch.Tensor) -> KVSite | None:
+        """FUSED_EPILOGUE: where this forward's keys and values of the layer go, for a kernel that writes them
+        itself (then `attend_written`); None where the cache writes them (no write kernel: FUSED_OPS off)."""
+        if self.write_kernel is None:
+            return None
+        self._wait_fetched(layer_idx)
+        blocks, offsets = self._locate(self.slots, positions)
+        return KVSite(self.k[layer_idx], self.v[layer_idx], *self.scales(layer_idx), blocks, offsets)
+
+    def attend_written(self, layer_idx: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """attend() once the forward's keys and values are in the pool at `write_site`."""
+        return self.backend.attend(self, layer_idx, q, positions)
+
+    def _wait_fetched(self, layer_idx: int) -> None:
         assert self.slots is not None, "SlotKVCache.bind(slots) must precede the forward"
         if self.paging is not None:
             # Before the write, which may land in a partly filled block the copy stream is still fetching. In
             # every forward (and captured graph) of a paging engine, fetch or not; never with every slot's context reserved.
             self.paging.wait_fetched(layer_idx)
-        self._write(layer_idx, k, v, positions)
-        return self.backend.attend(self, layer_idx, q, positions)
 
     def gather_bytes(self, q: torch.Tensor, n_keys: int) -> int:
         """Bytes of the dequantized key + value copy one read of `n_keys` keys for this batch makes."""

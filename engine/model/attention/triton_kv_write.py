@@ -35,22 +35,24 @@ def _write_kv_kernel(k_ptr, v_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, blocks_ptr, o
     k = tl.load(k_ptr + b * stride_kb + t * stride_kt + h * stride_kh + d, mask=ok, other=0.0)
     v = tl.load(v_ptr + b * stride_vb + t * stride_vt + h * stride_vh + d, mask=ok, other=0.0)
     dst = h * stride_ph + block * stride_pb + offset * D + d
+    at = h * stride_sh + block * stride_sb + offset
+    store_kv_row(k, kp_ptr, ks_ptr, dst, at, ok, INT8)
+    store_kv_row(v, vp_ptr, vs_ptr, dst, at, ok, INT8)
+
+
+@triton.jit
+def store_kv_row(x, pool_ptr, scale_ptr, dst, at, ok, INT8: tl.constexpr):
+    """One (token, KV head) row x of D values into its pool at `dst` (element offsets of its D values); int8: with
+    its scale at `at`. Shared with the q/k norm + RoPE kernel that writes its keys itself (FUSED_EPILOGUE)."""
     if INT8:
-        at = h * stride_sh + block * stride_sb + offset
         # torch.round's half-to-even: adding and subtracting 1.5 * 2**23 rounds an fp32 below 2**22 that way
-        kf = k.to(tl.float32)
-        ks = tl.maximum(tl.max(tl.abs(kf), axis=0), 1e-8) * (1.0 / 127.0)
-        kq = tl.minimum(tl.maximum((tl.math.div_rn(kf, ks) + 12582912.0) - 12582912.0, -127.0), 127.0)
-        tl.store(kp_ptr + dst, kq.to(tl.int8), mask=ok)
-        tl.store(ks_ptr + at, ks)
-        vf = v.to(tl.float32)
-        vs = tl.maximum(tl.max(tl.abs(vf), axis=0), 1e-8) * (1.0 / 127.0)
-        vq = tl.minimum(tl.maximum((tl.math.div_rn(vf, vs) + 12582912.0) - 12582912.0, -127.0), 127.0)
-        tl.store(vp_ptr + dst, vq.to(tl.int8), mask=ok)
-        tl.store(vs_ptr + at, vs)
+        xf = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-8) * (1.0 / 127.0)
+        q = tl.minimum(tl.maximum((tl.math.div_rn(xf, scale) + 12582912.0) - 12582912.0, -127.0), 127.0)
+        tl.store(pool_ptr + dst, q.to(tl.int8), mask=ok)
+        tl.store(scale_ptr + at, scale)
     else:
-        tl.store(kp_ptr + dst, k.to(kp_ptr.dtype.element_ty), mask=ok)
-        tl.store(vp_ptr + dst, v.to(vp_ptr.dtype.element_ty), mask=ok)
+        tl.store(pool_ptr + dst, x.to(pool_ptr.dtype.element_ty), mask=ok)
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,

@@ -172,6 +172,16 @@ def test_engine_greedy_tokens_are_the_same_with_fused_ops_on_and_off(ckpt):
     assert tokens[True] == tokens[False]
 
 
+def int8_pools_past_two_to_the_31(hkv: int, page: int, d: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Key and value int8 pools [Hkv, blocks, page, D] whose last head starts past 2**31 elements while the head
+    stride stays below it, and their scales."""
+    num_blocks = 2**31 // ((hkv - 1) * page * d) + 64
+    pools = [torch.zeros(hkv, num_blocks, page, d, dtype=torch.int8, device="cuda") for _ in range(2)]
+    scales = [torch.ones(hkv, num_blocks, page, device="cuda") for _ in range(2)]
+    assert pools[0].stride(0) < 2**31 <= (hkv - 1) * pools[0].stride(0)
+    return pools, scales
+
+
 @pytest.mark.gpu_shared
 def test_kernels_address_a_pool_past_two_to_the_31_elements():
     """An int8 pool [Hkv, blocks, 16, D] whose last head starts past 2**31 elements while its head stride is below
@@ -182,10 +192,8 @@ def test_kernels_address_a_pool_past_two_to_the_31_elements():
     from engine.model.attention.triton_paged import paged_decode_attention
 
     hkv, hq, d, page = 8, 16, 128, 16
-    num_blocks = 2**31 // ((hkv - 1) * page * d) + 64
-    pools = [torch.zeros(hkv, num_blocks, page, d, dtype=torch.int8, device="cuda") for _ in range(2)]
-    scales = [torch.ones(hkv, num_blocks, page, device="cuda") for _ in range(2)]
-    assert pools[0].stride(0) < 2**31 <= (hkv - 1) * pools[0].stride(0)
+    pools, scales = int8_pools_past_two_to_the_31(hkv, page, d)
+    num_blocks = pools[0].shape[1]
     tokens = 8 * page
     gen = torch.Generator(device="cuda").manual_seed(5)
     k = torch.randn(1, hkv, tokens, d, device="cuda", dtype=BF16, generator=gen)
