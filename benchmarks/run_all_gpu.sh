@@ -40,10 +40,6 @@ mtp_2             named    the same at depth 2
 profile_b1        named    where a batch-1 decode step's time goes (0.6B)
 profile_b6        named    the same at batch 6
 profile_ahead_off named    the batch-1 step with --decode-ahead off
-epilogue_tests    named    FUSED_EPILOGUE's GPU tests and FUSED_OPS' (its kernels against the ones they replace, tokens on = off)
-epilogue          named    FUSED_EPILOGUE off vs on: decode at batch 1, 6, 16 and 64 (bench switches)
-profile_b1_epilogue named  profile_b1 with FUSED_EPILOGUE on (step time and kernels per step against profile_b1)
-profile_b6_epilogue named  profile_b6 with FUSED_EPILOGUE on
 profile128k_bf16  named    a batch-1 decode step at 128K of context, bf16 KV
 profile128k_int8  named    the same with int8 KV
 profile_tiny_mtp_0 named   a strata-tiny step, plain
@@ -246,12 +242,6 @@ run mtp_2 70 mtp --model "$MTP_MODEL" --device "$DEVICE" --batches 1 --mtp-depth
 run profile_b1 90 profile "${COMMON[@]}" --batch 1 --steps 64 --top 12
 run profile_b6 90 profile "${COMMON[@]}" --batch 6 --steps 64 --top 12
 run profile_ahead_off 90 profile "${COMMON[@]}" --batch 1 --steps 64 --top 12 --decode-ahead off
-step epilogue_tests 240 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n 2 --dist loadgroup --durations=10 \
-    --junitxml="$OUT/epilogue_tests.xml" tests/engine/model/test_fused_epilogue_gpu.py tests/engine/model/test_triton_ops_gpu.py
-run epilogue 120 switches "${COMMON[@]}" "${SPEED[@]}" --only FUSED_EPILOGUE --batches 1,6,16,64 --prompt-tokens "$PROMPT" \
-    --long-prompt-tokens "$SWITCH_LONG" --new-tokens "$SWITCH_NEW"
-STRATA_FUSED_EPILOGUE=1 run profile_b1_epilogue 90 profile "${COMMON[@]}" --batch 1 --steps 64 --top 12
-STRATA_FUSED_EPILOGUE=1 run profile_b6_epilogue 90 profile "${COMMON[@]}" --batch 6 --steps 64 --top 12
 run profile128k_bf16 90 profile "${COMMON[@]}" --batch 1 --prompt-tokens 131072 --steps 32 --top 12
 run profile128k_int8 90 profile "${COMMON[@]}" --batch 1 --kv int8 --prompt-tokens 131072 --steps 32 --top 12
 run profile_tiny_mtp_0 90 profile --model "$MTP_MODEL" --device "$DEVICE" --batch 1 --steps 64 --top 25

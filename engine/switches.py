@@ -140,13 +140,6 @@ SWITCHES: tuple[Switch, ...] = (
         effect="on by default: fewer kernels per decode step (docs/SWITCHES.md)",
         default=True,
     ),
-    Switch(
-        "FUSED_EPILOGUE",
-        "with FUSED_OPS, three kernels fewer per decoder layer: the q/k norm + RoPE kernel writes the keys and values "
-        "into the KV pool itself, and the skinny matmul of the o and down projections adds the residual and "
-        "applies the next RMSNorm in its last program (CUDA only)",
-        live=False,
-    ),
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}

@@ -26,11 +26,8 @@ def settle_switches(board: SwitchBoard, bus: EventBus, config: EngineConfig, mod
             board.mark_unavailable(name, no_triton)
     if not attention_backends.triton_runs(kv.device):
         board.mark_unavailable("FUSED_OPS", no_triton)
-        board.mark_unavailable("FUSED_EPILOGUE", no_triton)
     elif board.enabled("FUSED_OPS"):
         use_fused_ops(model, kv, board, bus)
-    else:
-        board.mark_unavailable("FUSED_EPILOGUE", "needs FUSED_OPS, which is off")
     for name, on in config.switches.items():
         if on and board.enabled(name):
             bus.publish(SwitchEvent(name=name, state="on", reason="set at start"))
@@ -43,25 +40,11 @@ def use_fused_ops(model: Any, kv: SlotKVCache, board: SwitchBoard, bus: EventBus
     try:
         model.use_fused_ops()
         kv.use_write_kernel()
+        from engine.model import triton_ops  # Triton: CUDA builds only
+
+        weight = model.embed_tokens.weight  # the cache's write kernel makes the layers' norm + RoPE kernel write too
+        triton_ops.launch_rope_kv_once(model.config, weight.dtype, weight.device, kv.k[0].dtype)
     except Exception as exc:  # Triton's compile and launch errors share no base class
         model.use_fused_ops(False)
         kv.use_write_kernel(False)
         board.degrade("FUSED_OPS", real_message(exc), bus, what="its kernels do not run on this device")
-        board.mark_unavailable("FUSED_EPILOGUE", "needs FUSED_OPS, whose kernels do not run on this device")
-        return
-    if board.enabled("FUSED_EPILOGUE"):
-        use_fused_epilogue(model, kv, board, bus)
-
-
-def use_fused_epilogue(model: Any, kv: SlotKVCache, board: SwitchBoard, bus: EventBus) -> None:
-    """FUSED_EPILOGUE on an engine whose FUSED_OPS kernels run: its kernels launched once first, degraded at start
-    with the real error where they cannot run (FUSED_OPS' kernels then serve, as before)."""
-    from engine.model import triton_ops
-
-    weight = model.embed_tokens.weight
-    try:
-        triton_ops.launch_epilogue_once(model.config, weight.dtype, weight.device, kv.k[0].dtype)
-    except Exception as exc:  # as above
-        board.degrade("FUSED_EPILOGUE", real_message(exc), bus, what="its kernels do not run on this device")
-        return
-    model.use_fused_ops(True, epilogue=True)

@@ -73,13 +73,6 @@ class CausalLM(nn.Module):
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} differ")
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary(positions, x.dtype)
-        if self.ops is not None and self.layers[0].epilogue:  # FUSED_EPILOGUE: the norms ride in the projections
-            first = self.layers[0].input_layernorm
-            x, residual = self.ops.add_rms_norm(x, None, first.weight, first.eps)
-            for i, layer in enumerate(self.layers):
-                after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-                x, residual = layer.forward_normed(x, residual, after, cos, sin, positions, kv, i)
-            return x
         if self.ops is not None:  # FUSED_OPS: each residual add rides in the next norm's kernel
             residual = None
             for i, layer in enumerate(self.layers):
@@ -111,13 +104,11 @@ class CausalLM(nn.Module):
                 mtp_layer.block.fuse()
         self.fused = True
 
-    def use_fused_ops(self, enabled: bool = True, epilogue: bool = False) -> None:
+    def use_fused_ops(self, enabled: bool = True) -> None:
         """The FUSED_OPS switch: every decoder layer (MTP blocks included) runs its residual add + RMSNorm, q/k
         norm + RoPE and SiLU * up as Triton kernels (engine.model.triton_ops). Inference only: the kernels
         have no backward. Launches each kernel once first: raises here what they cannot do on this device, and then
-        the layers keep the PyTorch ops. `epilogue` (FUSED_EPILOGUE): fewer of them (DecoderLayer.use_ops), whose
-        own start-up probe is triton_ops.launch_epilogue_once; the serving cache must then have its write kernel
-        (SlotKVCache.use_write_kernel: it hands out the write sites)."""
+        the layers keep the PyTorch ops."""
         ops = None
         if enabled:
             import engine.model.triton_ops as ops
@@ -126,4 +117,4 @@ class CausalLM(nn.Module):
         self.ops = self.rotary.ops = ops
         blocks = list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
         for block in blocks:
-            block.use_ops(ops, epilogue)
+            block.use_ops(ops)

@@ -74,17 +74,6 @@ def _project(ops: FusedOps | None, linear: nn.Module, x: torch.Tensor) -> torch.
     return linear(x)
 
 
-def _project_add_norm(ops: FusedOps, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                      norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """FUSED_EPILOGUE: (norm(s), s) with s = residual + linear(x): the skinny matmul with the add + norm in its
-    last program where it takes the product, else the product and the add + norm kernel apart (same values)."""
-    if not is_quantized(linear):
-        fused = ops.linear_add_rms_norm(x, linear.weight, linear.bias, residual, norm.weight, norm.eps)
-        if fused is not None:
-            return fused
-    return ops.add_rms_norm(_project(ops, linear, x), residual, norm.weight, norm.eps)
-
-
 class Attention(nn.Module):
     """Multi-head attention with grouped KV heads; Qwen3's per-head q/k RMSNorm; Qwen2's qkv bias."""
 
@@ -104,7 +93,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.qkv_proj: nn.Module | None = None
         self.ops: FusedOps | None = None
-        self.writes_kv = False  # FUSED_EPILOGUE: the q/k norm + RoPE kernel writes the keys and values itself
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one concatenated Linear (same outputs, one matmul)."""
@@ -117,19 +105,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]; writes/reads KV through `kv` (or none when kv is None)."""
-        return _project(self.ops, self.o_proj, self.heads(x, cos, sin, positions, kv, layer_idx))
-
-    def heads(self, x, cos, sin, positions, kv, layer_idx: int) -> torch.Tensor:
-        """The attention output before the o projection: x [B, T, H] -> [B, T, Hq * D]."""
         B, T, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:  # q and k are adjacent in the fused output: one view holds both
             qkv = self.qkv_proj(x).view(B, T, hq + 2 * hkv, d)
-            site = kv.write_site(layer_idx, positions) if self.writes_kv and kv is not None else None
-            if site is not None:  # FUSED_EPILOGUE: k and v go to the pool from the norm + RoPE kernel
-                q_weight, k_weight, eps = self._qk_norm()
-                q = self.ops.qk_norm_rope_kv(qkv, hq, q_weight, k_weight, cos, sin, eps, site)
-                return self._merge(kv.attend_written(layer_idx, q, positions))
+            # FUSED_OPS with the serving cache's write kernel: the norm + RoPE kernel stores k and v in the pool
+            # (one kernel where it took two); a cache that hands out no write site gets them through attend
+            write_site = getattr(kv, "write_site", None) if self.ops is not None else None
+            site = write_site(layer_idx, positions) if write_site is not None else None
+            if site is not None:
+                q = self.ops.qk_norm_rope_kv(qkv, hq, *self._qk_norm_args(cos, sin), site)
+                return self._project_heads(kv.attend_written(layer_idx, q, positions))
             qk, v = qkv[:, :, :hq + hkv], qkv[:, :, hq + hkv:]
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -138,8 +124,7 @@ class Attention(nn.Module):
         # q and k heads side by side [B, T, Hq+Hkv, D]: one norm and one rotation for both (the same per-head
         # arithmetic as two separate passes, in half the kernels).
         if self.ops is not None:  # FUSED_OPS: norm and rotation in one kernel, written as [B, Hq+Hkv, T, D]
-            q_weight, k_weight, eps = self._qk_norm()
-            qk = self.ops.qk_norm_rope(qk, hq, q_weight, k_weight, cos, sin, eps)
+            qk = self.ops.qk_norm_rope(qk, hq, *self._qk_norm_args(cos, sin))
         else:
             if self.q_norm is not None:
                 weight = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])
@@ -148,19 +133,19 @@ class Attention(nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]
         v = v.transpose(1, 2)  # [B, Hkv, T, D]
         if kv is None:
-            return self._merge(causal_attention(q, k, v))
-        return self._merge(kv.attend(layer_idx, q, k, v, positions))
+            return self._project_heads(causal_attention(q, k, v))
+        return self._project_heads(kv.attend(layer_idx, q, k, v, positions))
 
-    def _qk_norm(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-        """(q's norm weight, k's, eps) for the FUSED_OPS kernels; (None, None, 0.0) without q/k norm."""
+    def _qk_norm_args(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """(q's norm weight, k's, cos, sin, eps) for the FUSED_OPS norm + RoPE kernels; no q/k norm: None, None."""
         if self.q_norm is None:
-            return None, None, 0.0
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            return None, None, cos, sin, 0.0
+        return self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps
 
-    def _merge(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, Hq, T, D] -> [B, T, Hq * D]: the heads side by side, as the o projection reads them."""
+    def _project_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, T, D] -> [B, T, H]: the heads side by side through the o projection."""
         b, _, t, _ = out.shape
-        return out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return _project(self.ops, self.o_proj, out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -186,17 +171,13 @@ class MLP(nn.Module):
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _project(self.ops, self.down_proj, self.activated(x))
-
-    def activated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate(x)) * up(x): the down projection's input."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.ops is not None:
-            return self.ops.silu_mul(gate, up)
-        return F.silu(gate) * up
+            return _project(self.ops, self.down_proj, self.ops.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -210,19 +191,15 @@ class DecoderLayer(nn.Module):
         moe_index = moe_index_of(config, layer_idx)  # Qwen3-MoE: a routed MLP where the config says so
         self.mlp = MLP(config) if moe_index is None else SparseMoE(config, moe_index)
         self.ops: FusedOps | None = None
-        self.epilogue = False  # FUSED_EPILOGUE (use_ops)
 
     def fuse(self) -> None:
         """Fuse this layer's q/k/v and gate/up projections."""
         self.self_attn.fuse()
         self.mlp.fuse()
 
-    def use_ops(self, ops: FusedOps | None, epilogue: bool = False) -> None:
-        """Run this layer's elementwise chains through `ops` (engine.model.triton_ops), or None: the reference.
-        `epilogue` (FUSED_EPILOGUE, with ops): the KV write in the q/k norm + RoPE kernel, and each residual add
-        + RMSNorm in the projection before it (forward_normed)."""
+    def use_ops(self, ops: FusedOps | None) -> None:
+        """Run this layer's elementwise chains through `ops` (engine.model.triton_ops), or None: the reference."""
         self.ops = self.self_attn.ops = ops
-        self.epilogue = self.self_attn.writes_kv = bool(epilogue and ops is not None)
         if isinstance(self.mlp, MLP):  # a routed MoE block keeps its own expert path
             self.mlp.ops = ops
 
@@ -241,30 +218,6 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         normed, residual = self.ops.add_rms_norm(attended, residual, norm.weight, norm.eps)
         return self._mlp(normed, positions), residual
-
-    def forward_normed(self, normed, residual, next_norm: RMSNorm, cos, sin, positions, kv,
-                       layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FUSED_EPILOGUE: from this layer's normed input and the residual stream to (next_norm(stream'),
-        stream'), the stream after this layer: the adds and norms that forward_carry runs as kernels of their own
-        ride in the o and down projections where the skinny matmul takes them. The same sums as forward_carry
-        followed by the next norm."""
-        attended = self.self_attn.heads(normed, cos, sin, positions, kv, layer_idx)
-        normed, residual = _project_add_norm(self.ops, self.self_attn.o_proj, attended, residual,
-                                             self.post_attention_layernorm)
-        if isinstance(self.mlp, MLP):
-            return _project_add_norm(self.ops, self.mlp.down_proj, self.mlp.activated(normed), residual, next_norm)
-        return self.ops.add_rms_norm(self._mlp(normed, positions), residual, next_norm.weight, next_norm.eps)
-
-    def forward_into_norm(self, x, residual, norm: RMSNorm, cos, sin, positions, kv,
-                          layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FUSED_OPS: (norm(stream'), stream') after this layer, from forward_carry's inputs (`residual` None: x
-        is the stream): a last layer whose output goes to a final norm (the MTP block's)."""
-        if self.epilogue:
-            normed, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight,
-                                                     self.input_layernorm.eps)
-            return self.forward_normed(normed, residual, norm, cos, sin, positions, kv, layer_idx)
-        out, residual = self.forward_carry(x, residual, cos, sin, positions, kv, layer_idx)
-        return self.ops.add_rms_norm(out, residual, norm.weight, norm.eps)
 
     def attention_half(self, x, residual, cos, sin, positions, kv, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer up to its MLP: (the MLP's input, the residual stream after attention), with `residual` what

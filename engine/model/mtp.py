@@ -89,5 +89,6 @@ class MTPHead(nn.Module):
         cos, sin = rotary(positions, x.dtype)
         kv_layer = self.config.num_hidden_layers + idx
         if ops is not None:
-            return layer.block.forward_into_norm(x, None, layer.norm, cos, sin, positions, kv, kv_layer)[0]
+            x, residual = layer.block.forward_carry(x, None, cos, sin, positions, kv, kv_layer)
+            return ops.add_rms_norm(x, residual, layer.norm.weight, layer.norm.eps)[0]
         return layer.norm(layer.block(x, cos, sin, positions, kv, kv_layer))

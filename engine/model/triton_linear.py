@@ -27,8 +27,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.model.triton_norm_row import add_rms_norm_row
-
 
 MAX_ROWS = 64  # rows up to this take the kernel (a decode batch of 8 with an MTP verify of depth 2 is 24)
 _MIN_BLOCK_M = 16  # the tensor cores' smallest row tile: fewer rows are padded (masked, never loaded)
@@ -48,9 +46,8 @@ class LinearConfig:
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_om,
-                   res_ptr, nw_ptr, normed_ptr, sum_ptr, done_ptr, stride_res, stride_normed, stride_sum, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+                   HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -85,34 +82,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k
                 acc += tl.load(parts + s * M * N, mask=tile_ok, other=0.0, cache_modifier=".cg")
             _store_out(acc, b_ptr, out_ptr, rm, rn, n_ok, tile_ok, stride_om, HAS_BIAS)
             tl.atomic_xchg(counter, 0)
-            if NORM:
-                _norm_when_last(out_ptr, res_ptr, nw_ptr, normed_ptr, sum_ptr, done_ptr, M, N, stride_om, stride_res,
-                                stride_normed, stride_sum, eps, BLOCK_H)
     else:
         _store_out(acc, b_ptr, out_ptr, rm, rn, n_ok, tile_ok, stride_om, HAS_BIAS)
-        if NORM:
-            _norm_when_last(out_ptr, res_ptr, nw_ptr, normed_ptr, sum_ptr, done_ptr, M, N, stride_om, stride_res,
-                            stride_normed, stride_sum, eps, BLOCK_H)
-
-
-@triton.jit
-def _norm_when_last(out_ptr, res_ptr, nw_ptr, normed_ptr, sum_ptr, done_ptr, M, N, stride_om, stride_res,
-                    stride_normed, stride_sum, eps, BLOCK_H: tl.constexpr):
-    # FUSED_EPILOGUE: the program that stores the launch's last output tile (every row is in one row tile, so
-    # its output is then whole) adds the residual and normalises each row, the work of the add + norm kernel
-    # that would otherwise follow; the counter orders the other tiles' stores before its loads, as the split
-    # counters do, and goes back to 0 for the next launch.
-    tl.debug_barrier()
-    if tl.atomic_add(done_ptr, 1) == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        eps = tl.full([], eps, tl.float32)
-        cols = tl.arange(0, BLOCK_H)
-        ok = cols < N
-        for m in range(M):  # at most MAX_ROWS rows: m * a row stride stays within int32
-            add_rms_norm_row(out_ptr + m * stride_om, res_ptr + m * stride_res, nw_ptr,
-                             normed_ptr + m * stride_normed, sum_ptr + m * stride_sum, N, eps, cols, ok,
-                             HAS_RES=True, CG=True)
-        tl.atomic_xchg(done_ptr, 0)
 
 
 @triton.jit
@@ -186,41 +157,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return skinny_linear(x, weight, bias) if takes(x, weight) else F.linear(x, weight, bias)
 
 
-def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                        norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """FUSED_EPILOGUE: (norm_weight * rms_normalize(s), s) with s = residual + F.linear(x, weight, bias), in one
-    launch of the kernel, where it `takes` the product; None where it does not (the caller then runs the product
-    and the add + norm kernel apart). x [..., K], residual [..., N] with contiguous last dims."""
-    if not takes(x, weight):
-        return None
-    return skinny_linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps)
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: LinearConfig | None = None) -> torch.Tensor:
     """The kernel itself, whatever the rows, shape and dtype (the tests run it on fp32 in Triton's interpreter,
     the bench at other launch shapes). x [..., K] with a contiguous last dim; weight [N, K] contiguous."""
-    out = _launch(x, weight, bias, config, None)
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def skinny_linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                               config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel with its add + norm epilogue, whatever the rows (at most MAX_ROWS: one row tile) and dtype."""
-    n = weight.shape[0]
-    res = residual.reshape(-1, n)
-    assert res.stride(1) == 1 and res.shape[0] == x.numel() // x.shape[-1] <= MAX_ROWS, (tuple(residual.shape), n)
-    normed = torch.empty(residual.shape, dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(normed)
-    _launch(x, weight, bias, config, (res, norm_weight, normed.view(-1, n), summed.view(-1, n), eps))
-    return normed, summed
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig | None,
-            norm: tuple | None) -> torch.Tensor:
-    """One launch of the kernel: out [M, N]; with `norm` = (residual, norm weight, normed, summed, eps) rows
-    [M, N], the epilogue also writes normed and summed."""
     n, k = weight.shape
     rows = x.reshape(-1, x.shape[-1])
     assert rows.stride(1) == 1 and weight.is_contiguous() and rows.shape[1] == k, (tuple(x.shape), tuple(weight.shape))
@@ -232,16 +172,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(m))  # every row in one tile: the weight is read once
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, block_m))
     counters = split_counters(x.device)
-    # the last counter is the epilogue's count of stored tiles; the tiles' own counters come before it
-    assert grid[0] * grid[2] < counters.numel(), (n, m, cfg)
+    assert grid[0] * grid[2] <= counters.numel(), (n, m, cfg)
     has_bias = bias is not None
-    res, norm_weight, normed, summed, eps = norm if norm is not None else (out, weight, out, out, 0.0)
     _skinny_kernel[grid](
         rows, weight, bias if has_bias else weight, out, part, counters, m, n, k, k_per_split,
         rows.stride(0), weight.stride(0), out.stride(0),
-        res, norm_weight, normed, summed, counters[-1:], res.stride(0), normed.stride(0), summed.stride(0), eps,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
-        NORM=norm is not None, BLOCK_H=triton.next_power_of_2(n) if norm is not None else 16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
+    return out.view(*x.shape[:-1], n)

@@ -6,11 +6,7 @@ them in Triton's interpreter on CPU tensors).
     out = silu_mul(gate, up)                                   # silu(gate) * up
     cos, sin_rot = rope_tables(positions, inv_freq, scaling, dtype)  # RotaryEmbedding's tables, one kernel
     y = linear(x, weight, bias)                                # F.linear; a narrow one in Triton (triton_linear)
-
-and under FUSED_EPILOGUE, two of them folded into the kernels beside them:
-
-    q = qk_norm_rope_kv(qkv, q_heads, q_weight, k_weight, cos, sin_rot, eps, site)  # k, v into the KV pool
-    normed, summed = linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps)  # or None: not taken
+    q = qk_norm_rope_kv(qkv, q_heads, q_weight, k_weight, cos, sin_rot, eps, site)  # and k, v into the KV pool
 
 A batch-1 decode step is bound by its kernel count, not its bytes (docs/MODEL.md, "Why these kernels"):
 in eager PyTorch the residual add and RMSNorm with its weight are three kernels, the q/k norm and the rotation
@@ -34,8 +30,7 @@ from engine.model.attention.kv_site import KVSite
 from engine.model.attention.triton_kv_write import store_kv_row
 from engine.model.attention.triton_paged import scale_pools
 # the layers reach every FUSED_OPS kernel through here
-from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, linear_add_rms_norm, split_counters
-from engine.model.triton_norm_row import add_rms_norm_row
+from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, split_counters
 
 
 @triton.jit
@@ -44,8 +39,17 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stri
     eps = tl.full([], eps, tl.float32)  # torch.compile passes a Python float as fp64 (see triton_prefill.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    add_rms_norm_row(x_ptr + row * stride_x, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out,
-                     sum_ptr + row * stride_sum, n_cols, eps, cols, cols < n_cols, HAS_RES=HAS_RES, CG=False)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the residual sum, rounded
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -74,7 +78,7 @@ def _qk_norm_rope_kernel(src_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, kp_
                          stride_ph, stride_pb, stride_sc_h, stride_sc_b, n_tokens, out_heads, q_heads, kv_heads, eps,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
                          INT8: tl.constexpr):
-    # One program per (row, token) and q or k head. WRITE_KV (FUSED_EPILOGUE): a k head's program stores its rotated
+    # One program per (row, token) and q or k head. WRITE_KV (a serving forward): a k head's program stores its rotated
     # key, and the value of the same KV head, straight into the pool where the block table put the token (write_kv's
     # stores), so the keys make no round trip through memory and the write is no launch of its own; `out` then
     # holds q's heads only.
@@ -138,7 +142,7 @@ def qk_norm_rope(src: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None,
 
 def qk_norm_rope_kv(qkv: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                     cos: torch.Tensor, sin_rot: torch.Tensor, eps: float, site: KVSite) -> torch.Tensor:
-    """FUSED_EPILOGUE: qk_norm_rope of q and k from the fused projection's output qkv [B, T, Hq + 2 Hkv, D]
+    """A serving forward's qk_norm_rope of q and k from the fused projection's output qkv [B, T, Hq + 2 Hkv, D]
     (contiguous D), with the rotated keys and the values written into `site`'s pools (write_kv's rows, int8
     quantized alike) instead of returned: -> q [B, Hq, T, D] contiguous."""
     b, t, heads, d = qkv.shape
@@ -272,12 +276,11 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
         torch.cuda.synchronize(device)  # an asynchronous launch failure surfaces here, at start
 
 
-def launch_epilogue_once(config, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype) -> None:
-    """FUSED_EPILOGUE's start-up probe, as launch_each_once: the q/k norm + RoPE kernel writing into a scratch pool
-    of the KV's dtype (int8 with its scales), and the skinny matmul with its add + norm epilogue on the narrow
-    projections, at one row and at the most rows it takes."""
+def launch_rope_kv_once(config, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype) -> None:
+    """The start-up probe (as launch_each_once) of the q/k norm + RoPE kernel writing into a scratch pool of the
+    serving KV's dtype (int8 with its scales): made with the cache's write kernel (SlotKVCache.use_write_kernel)."""
     like = {"dtype": dtype, "device": device}
-    h, d, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
+    d, eps = config.head_dim, config.rms_norm_eps
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     pools = [torch.zeros(hkv, 1, 1, d, dtype=kv_dtype, device=device) for _ in range(2)]
     scales = [torch.ones(hkv, 1, 1, device=device) for _ in range(2)] if kv_dtype == torch.int8 else [None, None]
@@ -286,11 +289,5 @@ def launch_epilogue_once(config, dtype: torch.dtype, device: torch.device, kv_dt
     angles = torch.zeros(1, 1, d, **like)
     qk_norm_rope_kv(torch.zeros(1, 1, hq + 2 * hkv, d, **like), hq, norm, norm, angles, angles, eps,
                     KVSite(*pools, *scales, where, where))
-    for rows in (1, MAX_ROWS):
-        for k in (hq * d, config.intermediate_size):
-            residual = torch.zeros(rows, 1, h, **like)
-            linear_add_rms_norm(torch.zeros(rows, 1, k, **like), torch.zeros(h, k, **like), None, residual,
-                                torch.ones(h, **like), eps)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-

@@ -190,10 +190,8 @@ class MonitorScreen(Screen):
         self.set_class(bool(hidden), "-hiding")
         hint = self.query_one("#pane-hint", Static)
         hint.update(f"v shows: {', '.join(hidden)}" if hidden else "")
-        # the switches keep their rows: below 40 the slots table takes seven rows at most (below 30 three), the
-        # busiest slots and a row counting the rest, so a dense engine's ten switches fit at 100x30 beside two GPUs
-        limit = MAX_SLOT_ROWS if height >= self.TALL_FROM else 7 if height >= self.SHORT_FROM else 3
-        self.query_one(SlotsTable).row_limit = limit
+        # below 30 rows the switches keep their rows: the slots table shows the busiest three and counts the rest
+        self.query_one(SlotsTable).row_limit = 3 if height < self.SHORT_FROM else MAX_SLOT_ROWS
 
     def action_next_pane(self) -> None:
         """v: the next of the panels a short terminal leaves out, in place of the one shown."""

@@ -117,8 +117,7 @@ async def test_the_slots_table_looks_as_datatable_draws_it(seeded_dir) -> None:
             app.clock = lambda: 1000.0
             app.post_message(TelemetryBatch(recorded("seed_run.jsonl")))
             table = app.screen.query_one(SlotsTable)
-            rows = 8 if size[1] >= 40 else 7  # below 40 rows: the busiest six and a row counting the rest
-            await wait_for(pilot, lambda: table.row_count == rows, what="the slots drawn")
+            await wait_for(pilot, lambda: table.row_count == 8, what="the slots drawn")
             app.screen.redraw(force=True)
             await pilot.pause(0.2)
             for focused in (False, True):

@@ -209,8 +209,8 @@ class SlotKVCache:
         return self.backend.attend(self, layer_idx, q, positions)
 
     def write_site(self, layer_idx: int, positions: torch.Tensor) -> KVSite | None:
-        """FUSED_EPILOGUE: where this forward's keys and values of the layer go, for a kernel that writes them
-        itself (then `attend_written`); None where the cache writes them (no write kernel: FUSED_OPS off)."""
+        """FUSED_OPS: where this forward's keys and values of the layer go, for the layer's norm + RoPE kernel that
+        writes them itself (then `attend_written`); None where the cache writes them (no write kernel)."""
         if self.write_kernel is None:
             return None
         self._wait_fetched(layer_idx)

@@ -1,5 +1,5 @@
 """Where one forward's keys and values of one layer go in the paged KV pool: what a kernel that writes them
-itself needs (FUSED_EPILOGUE's q/k norm + RoPE kernel), handed out by the serving cache
+itself needs (FUSED_OPS' q/k norm + RoPE kernel), handed out by the serving cache
 (engine.exec.kv.cache.SlotKVCache.write_site) once the layer's blocks are on the device."""
 
 from __future__ import annotations

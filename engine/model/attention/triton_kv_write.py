@@ -43,7 +43,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr, blocks_ptr, o
 @triton.jit
 def store_kv_row(x, pool_ptr, scale_ptr, dst, at, ok, INT8: tl.constexpr):
     """One (token, KV head) row x of D values into its pool at `dst` (element offsets of its D values); int8: with
-    its scale at `at`. Shared with the q/k norm + RoPE kernel that writes its keys itself (FUSED_EPILOGUE)."""
+    its scale at `at`. Shared with the q/k norm + RoPE kernel that writes its keys itself (engine.model.triton_ops)."""
     if INT8:
         # torch.round's half-to-even: adding and subtracting 1.5 * 2**23 rounds an fp32 below 2**22 that way
         xf = x.to(tl.float32)

@@ -88,6 +88,47 @@ def kernels_check() -> None:
             assert not pool[:, untouched].any(), "a write landed outside the rows' (block, offset)"
 
 
+def rope_kv_check() -> None:
+    """The norm + RoPE kernel that writes the KV pool (qk_norm_rope_kv, a serving forward's) against qk_norm_rope
+    + write_kv on the same inputs: q, the pools and the scales equal bit for bit (same arithmetic, fp32 and int8
+    pools), q/k norm on and off, a head size off the power of two, rows whose tokens land in shuffled blocks, and
+    nothing written outside them."""
+    from engine.model import triton_ops as ops
+    from engine.model.attention.kv_site import KVSite
+    from engine.model.attention.triton_kv_write import write_kv
+
+    gen = torch.Generator().manual_seed(11)
+    b, t, hq, hkv = 2, 3, 4, 2
+    blocks = torch.tensor([[5, 5, 2], [0, 7, 7]])
+    offsets = torch.tensor([[0, 3, 1], [2, 0, 3]])
+    for d, storage, norm in ((64, "fp32", True), (64, "int8", True), (80, "int8", False), (64, "fp32", False)):
+        # the fused projection's output, with a row stride past its heads (a view, as the layer hands it)
+        qkv = torch.randn(b, t, hq + 2 * hkv + 1, d, generator=gen)[:, :, :hq + 2 * hkv]
+        qkv[:, :, hq:hq + hkv] *= 30.0  # keys far from 1, so int8 scales matter
+        qw = torch.randn(d, generator=gen) if norm else None
+        kw = torch.randn(d, generator=gen) if norm else None
+        angles = torch.rand(b, t, d, generator=gen) * 6.28
+        cos, sin = angles.cos(), angles.sin()
+        dt = torch.int8 if storage == "int8" else torch.float32
+
+        def pools():
+            data = [torch.zeros(hkv, 8, 4, d, dtype=dt) for _ in range(2)]
+            scales = [torch.ones(hkv, 8, 4) for _ in range(2)] if storage == "int8" else [None, None]
+            return data, scales
+
+        want_pools, want_scales = pools()
+        qk = ops.qk_norm_rope(qkv[:, :, :hq + hkv], hq, qw, kw, cos, sin, 1e-6)
+        write_kv(*want_pools, *want_scales, qk[:, hq:], qkv[:, :, hq + hkv:].transpose(1, 2), blocks, offsets)
+        got_pools, got_scales = pools()
+        q = ops.qk_norm_rope_kv(qkv, hq, qw, kw, cos, sin, 1e-6, KVSite(*got_pools, *got_scales, blocks, offsets))
+        what = f"D {d}, {storage}, q/k norm {norm}"
+        assert q.is_contiguous() and torch.equal(q, qk[:, :hq]), f"q differs: {what}"
+        for got, want, name in zip(got_pools + got_scales, want_pools + want_scales, ("k", "v", "k scale", "v scale")):
+            if want is not None:
+                assert torch.equal(got, want), f"the {name} pool differs: {what}"
+        assert got_pools[0][:, 1].abs().sum() == 0, "a write landed in a block no row addresses"
+
+
 def rope_and_mtp_check() -> None:
     """The rotary tables' kernel against RotaryEmbedding (plain and YaRN-scaled, positions as a strided view of
     packed inputs, far into a long context), and the MTP head with FUSED_OPS (its norms and the block's last add
@@ -150,6 +191,10 @@ def test_the_fused_kernels_in_the_triton_interpreter_match_the_reference_ops():
     run_in_interpreter("tests.engine.model.test_triton_ops", "kernels_check")
 
 
+def test_the_norm_rope_kernel_that_writes_the_kv_pool_matches_rope_then_write_in_the_interpreter():
+    run_in_interpreter("tests.engine.model.test_triton_ops", "rope_kv_check")
+
+
 def test_the_rotary_tables_and_the_mtp_head_in_the_triton_interpreter_match_the_reference():
     run_in_interpreter("tests.engine.model.test_triton_ops", "rope_and_mtp_check")
 
@@ -158,18 +203,21 @@ def test_the_skinny_matmul_in_the_triton_interpreter_matches_f_linear():
     run_in_interpreter("tests.engine.model.test_triton_ops", "skinny_check")
 
 
-def engine_check(model: str, kv: str) -> None:
+def engine_check(model: str, kv: str, mtp_depth: int = 0) -> None:
     """A CPU engine whose paged kernels and FUSED_OPS kernels run (in the interpreter: the device checks of
     kernel_backend and triton_runs are the only things bypassed) gives the reference engine's greedy tokens, with
-    and without FUSED_OPS; with it, every layer and the KV cache run the kernels."""
+    and without FUSED_OPS; with it, every layer and the KV cache run the kernels (the norm + RoPE kernel writing
+    the keys and values). With `mtp_depth`, under batched MTP (lossless: the plain reference's tokens)."""
     prompts = random_prompts(2, seed=96, lengths=(70, 140))
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reference = make_engine(Path(model), batch=2, kv=kv)
     assert reference.runner.model.ops is None and reference.runner.board.states["FUSED_OPS"].unavailable
     want = tokens_of(run_all(reference, prompts, params))
     run_kernels_on_cpu()
+    mtp = {"batch_mtp": True, "mtp_depth": mtp_depth} if mtp_depth else {}
     for fused in (False, True):
-        engine = make_engine(Path(model), batch=2, kv=kv, switches={"FUSED_OPS": fused})
+        engine = make_engine(Path(model), batch=2, kv=kv, switches={"FUSED_OPS": fused}, **mtp)
+        assert engine.mtp_on or not mtp_depth, engine.mtp_off_reason
         assert (engine.runner.model.ops is not None) is fused and (engine.runner.kv.write_kernel is not None) is fused
         assert tokens_of(run_all(engine, prompts, params)) == want, f"FUSED_OPS={fused}"
 
@@ -177,6 +225,10 @@ def engine_check(model: str, kv: str) -> None:
 def test_an_engine_with_fused_ops_in_the_triton_interpreter_gives_the_reference_tokens(ckpt):
     for kv in ("bf16", "int8"):  # the KV storage (the model computes in fp32 on CPU)
         run_in_interpreter("tests.engine.model.test_triton_ops", "engine_check", str(ckpt), kv)
+
+
+def test_an_mtp_engine_with_fused_ops_in_the_triton_interpreter_gives_the_plain_tokens(ckpt):
+    run_in_interpreter("tests.engine.model.test_triton_ops", "engine_check", str(ckpt), "int8", 2)
 
 
 def test_fused_ops_whose_kernels_cannot_run_degrade_at_start_and_the_engine_serves(ckpt, monkeypatch):

@@ -1,5 +1,6 @@
 """FUSED_OPS on the GPU (skipped without CUDA): the kernels against the PyTorch ops they replace in bf16 (where
-the interpreter cannot check rounding), the skinny matmul against cuBLAS, the int8 KV write code for code, and
+the interpreter cannot check rounding), the skinny matmul against cuBLAS, the int8 KV write code for code (alone and
+from the norm + RoPE kernel), and
 whole engines with the switch on and off (greedy tokens identical in fp32, graphs on), and COMPILE over steps that
 launch the kernels."""
 
@@ -215,6 +216,61 @@ def test_kernels_address_a_pool_past_two_to_the_31_elements():
     p = torch.softmax(torch.einsum("hd,htd->ht", q[0, :, 0].float(), kk) / d ** 0.5, dim=-1)
     want = torch.einsum("ht,htd->hd", p, vv)
     assert (out[0, :, 0].float() - want).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu_shared
+def test_the_rope_kernel_writing_the_pool_gives_rope_then_write_bit_for_bit_in_bf16():
+    from engine.model import triton_ops as ops
+    from engine.model.attention.kv_site import KVSite
+    from engine.model.attention.triton_kv_write import write_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    b, t, hq, hkv, d = 6, 3, 16, 8, 128
+    qkv = torch.randn(b, t, hq + 2 * hkv, d, device="cuda", dtype=BF16, generator=gen)
+    qw, kw = (torch.randn(d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    angles = torch.rand(b, t, d, device="cuda", generator=gen) * 6.28
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    blocks = torch.randperm(64, device="cuda", generator=gen)[:b * t].view(b, t)
+    offsets = torch.randint(0, 16, (b, t), device="cuda", generator=gen)
+    for kv_dtype in (BF16, torch.int8):
+        def pools():
+            data = [torch.zeros(hkv, 64, 16, d, dtype=kv_dtype, device="cuda") for _ in range(2)]
+            scales = [torch.ones(hkv, 64, 16, device="cuda") for _ in range(2)] if kv_dtype == torch.int8 else [None] * 2
+            return data + scales
+
+        want = pools()
+        qk = ops.qk_norm_rope(qkv[:, :, :hq + hkv], hq, qw, kw, cos, sin, 1e-6)
+        write_kv(*want, qk[:, hq:], qkv[:, :, hq + hkv:].transpose(1, 2), blocks, offsets)
+        got = pools()
+        q = ops.qk_norm_rope_kv(qkv, hq, qw, kw, cos, sin, 1e-6, KVSite(*got, blocks, offsets))
+        assert torch.equal(q, qk[:, :hq]), kv_dtype
+        for g, w in zip(got, want):
+            assert w is None or torch.equal(g, w), kv_dtype
+
+
+@pytest.mark.gpu_shared
+def test_the_rope_kernel_writes_a_pool_past_two_to_the_31_elements():
+    """As test_triton_ops_gpu's test for write_kv: the last KV head of an int8 pool starts past 2**31 elements
+    (j * the head stride would overflow 32 bits); its keys and values land there, quantized as write_kv does."""
+    from engine.exec.kv.cache import quantize_int8
+    from engine.model import triton_ops as ops
+    from engine.model.attention.kv_site import KVSite
+
+    hkv, hq, d, page = 8, 16, 128, 16
+    pools, scales = int8_pools_past_two_to_the_31(hkv, page, d)
+    num_blocks = pools[0].shape[1]
+    tokens = 2 * page
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    qkv = torch.randn(1, tokens, hq + 2 * hkv, d, device="cuda", dtype=BF16, generator=gen)
+    ones = torch.ones(1, tokens, d, device="cuda", dtype=BF16)
+    positions = torch.arange(tokens, device="cuda").view(1, tokens)
+    blocks = num_blocks - 2 + positions // page
+    ops.qk_norm_rope_kv(qkv, hq, None, None, ones, torch.zeros_like(ones), 0.0,
+                        KVSite(*pools, *scales, blocks, positions % page))  # cos 1, sin 0: the keys as they came
+    for pool, scale, heads in ((pools[0], scales[0], qkv[0, :, hq:hq + hkv]), (pools[1], scales[1], qkv[0, :, hq + hkv:])):
+        want_q, want_s = quantize_int8(heads.transpose(0, 1))
+        assert torch.equal(pool[:, num_blocks - 2:].reshape(hkv, tokens, d), want_q)
+        assert torch.equal(scale[:, num_blocks - 2:].reshape(hkv, tokens), want_s)
 
 
 @pytest.mark.gpu_shared  # its engines keep to 4 GiB (beside_others_reserve_mib); its compile is host work
