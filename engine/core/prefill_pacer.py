@@ -168,15 +168,13 @@ class PrefillPacer:
             return max(decode_s * floor / (1 - floor), self.burst_step_s - decode_s)
         return decode_s * share / (1 - share)
 
-    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int,
-                      burst: bool = False) -> bool | None:
-        """A chunk of `tokens` from `start` costs no more than one step's allowance at the share of such a step
-        (of a `burst`'s step: `allowance_s`): it can run between the steps without saving up. None while no decode
-        time is known."""
+    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
+        """A chunk of `tokens` from `start` costs no more than one step's allowance at the share of such a step: it
+        can run between the steps without saving up. None while no decode time is known."""
         share = self.step_share(num_decoding, num_prefilling)
         if share >= 1:
             return True
-        allowance = self.allowance_s(share, burst)
+        allowance = self.allowance_s(share, burst=False)
         return None if allowance is None else self.cost.predict_s(tokens, start) <= allowance
 
     def beside_gap_s(self, chunk_s: float) -> float:

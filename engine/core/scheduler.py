@@ -198,16 +198,19 @@ class Scheduler(SlotQueue):
         the steps (a long prompt deep into its context: what the side stream is for). A short prompt's chunk
         that fits runs between the steps, paced, next to the other prompts' chunks: beside the steps, a burst of
         short prompts would get one chunk of one request per launch, land and gap, and on a GPU, where a chunk
-        lands many steps after its launch, wait many steps per prompt for first tokens a few steps could batch."""
+        lands many steps after its launch, wait many steps per prompt for first tokens a few steps could batch.
+        A burst goes between whatever its next chunk is predicted to cost (the pacer sizes it): a forward measured
+        slow once (a first launch, the allocator taking memory back from the tier) would otherwise send every
+        prompt of the burst beside the steps, one at a time."""
         if self._in_flight is not None or not self._prefilling:
             return True
+        if self._burst():
+            return False
         req = self._prefilling[0]
         tokens = min(self.prefill_chunk_tokens, req.remaining_prompt_tokens,
                      max(1, self.step_token_budget - plan.num_decode_tokens))
-        burst = self._burst()
-        fits = self.pacer.fits_one_step(tokens, req.num_computed_tokens, len(plan.decode), len(self._prefilling),
-                                        burst)
-        return not (burst if fits is None else fits)  # no decode step measured alone yet: a burst goes between
+        fits = self.pacer.fits_one_step(tokens, req.num_computed_tokens, len(plan.decode), len(self._prefilling))
+        return fits is not True  # no decode step measured alone yet: beside
 
     def _burst(self) -> bool:
         """More than one prompt in slots, the first's next chunk its last (a long one keeps its own pace)."""

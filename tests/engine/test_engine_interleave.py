@@ -88,8 +88,7 @@ class _WholeChunksBeside(PrefillPacer):
     chunks beside the steps on, every chunk while slots decode goes beside them (the scheduler otherwise runs a
     chunk that fits a step's allowance between the steps, and at share 1 every chunk fits)."""
 
-    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int,
-                      burst: bool = False) -> bool | None:
+    def fits_one_step(self, tokens: int, start: int, num_decoding: int, num_prefilling: int) -> bool | None:
         return False
 
 

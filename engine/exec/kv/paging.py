@@ -92,6 +92,8 @@ class KVPaging:
         self.resident_tokens = resident_tokens
         self.ledger = BlockLedger(layout, pool_blocks)
         self.host = HostKVStore(kv.pools(), pinned=kv.device.type == "cuda")
+        # one block of every layer (keys, values, int8 scales): a growth adds blocks, never changes a block's size
+        self.block_mib = sum(p[:, :1].numel() * p.element_size() for p in kv.pools()) / MIB
         self.stats = PagingStats()
         self.bus = bus
         self.take_memory = take_memory
@@ -119,11 +121,6 @@ class KVPaging:
                 event.record(self._copy_stream)
 
     # --- queries -------------------------------------------------------------------------------------------
-
-    @property
-    def block_mib(self) -> float:
-        """One block of every layer (keys, values, int8 scales)."""
-        return sum(p[:, :1].numel() * p.element_size() for p in self.kv.pools()) / MIB
 
     @property
     def host_mib(self) -> float:

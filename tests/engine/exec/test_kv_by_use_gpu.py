@@ -1,7 +1,8 @@
 """KV by use on the GPU (skipped without CUDA): the same greedy tokens as every slot's context reserved, with CUDA
 graphs, chunks beside the steps and steps launched ahead all on; block tables that change under replayed graphs
 (slots taking blocks as they grow, a finished request's blocks going to the next one); a pool that fills while a
-chunk runs beside the steps (the chunk's slot is held, the decoding slots spill each other instead)."""
+chunk runs beside the steps (the chunk's slot is held, the decoding slots spill each other instead); and, as a
+server runs it (the prefix tier taking what VRAM is left, default switches), N requests at once on N slots."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def _engine(ckpt, bus=None, **kw) -> Engine:
                 prefill_chunk_tokens=256, step_token_budget=512)
     base.update(kw)
     return Engine(EngineConfig(**base), bus or EventBus(history=100000), tier_budget_mib=0.0, block_tokens=64)
+
+
+def _served(ckpt, n: int, kv_pool: str) -> Engine:
+    """As `strata-engine serve` builds it: the tier takes what VRAM is left (no tier budget given). fp32 weights: the
+    two runs batch their steps differently, and bf16 matmuls round differently at different batch sizes."""
+    config = EngineConfig(model=str(ckpt), device="cuda:0", dtype="float32", batch=n, queue_max=n, context=1536,
+                          kv_pool=kv_pool)
+    return Engine(config, EventBus(history=100000))
 
 
 def _replays(engine: Engine) -> int:
@@ -77,3 +86,19 @@ def test_gpu_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
     assert spills, "the pool never filled"
     assert any(held_slots for held_slots in held), "no chunk ran beside the steps"
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("n", [1, 8, 128])
+def test_gpu_n_requests_at_once_by_use_give_the_tokens_of_reserved_as_served(ckpt, n):
+    """N prompts arrive at once on N slots of an engine built as `serve` builds it (the tier fills the card):
+    by use admits them as its pool allows and gives every request the greedy tokens of reserved KV."""
+    prompts = random_prompts(n, seed=400 + n, lengths=(64, 1000))
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    reserved = _served(ckpt, n, "reserved")
+    want = tokens_of(run_all(reserved, prompts, params))
+    reserved.close()
+    engine = _served(ckpt, n, "by-use")
+    assert engine.kv.paging is not None
+    assert tokens_of(run_all(engine, prompts, params)) == want
+    assert engine.kv.paging.stats.preemptions == 0
+    engine.close()
