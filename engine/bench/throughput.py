@@ -220,8 +220,11 @@ def run(args: argparse.Namespace) -> int:
     w_bytes = weight_bytes(path)
     bw_gb_s = copy_bandwidth_gb_s(device, args.copy_mib)
     rows: list[dict[str, Any]] = []
+    fatal: Exception | None = None  # a sticky device fault: no later row can run
     for set_name in sets:
         for n in args.concurrency:
+            if fatal is not None:
+                break
             requests = request_set(set_name, n, mcfg.vocab_size, args)
             longest = max(len(p) + new for p, new in requests)
             mean_live = statistics.fmean(len(p) + new / 2 for p, new in requests)
@@ -245,13 +248,19 @@ def run(args: argparse.Namespace) -> int:
                        "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                 kv_bytes = 0
             finally:
-                bench.close()
+                try:
+                    bench.close()
+                except Exception as exc:  # noqa: BLE001 - a device fault surfacing at close ends the run, not the rows
+                    row["error"] = row.get("error") or f"at close: {type(exc).__name__}: {str(exc)[:200]}"
+                    fatal = exc
             floor = floor_tok_s(w_bytes, kv_bytes, n, mean_live, bw_gb_s) if kv_bytes else None
             row["floor_tok_s"] = floor
             if floor and row.get("decode_tok_s"):
                 row["decode_fraction_of_floor"] = row["decode_tok_s"] / floor
             rows.append(row)
             save_partial(args, "throughput", rows, device)
+            if fatal is not None:
+                break
             if set_name == "fixed" and args.peer != "none" and n <= args.peer_max_concurrency:
                 peer = peer_row(args, path, device, [p for p, _ in requests], args.new_tokens)
                 rows.append({"set": set_name, "concurrency": n, **peer})
@@ -260,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     emit(args, "throughput", rows, summary, device,
          ("set", "engine", "concurrency", "tok_s", "decode_tok_s", "floor_tok_s", "ttft_p50_s", "ttft_p99_s",
           "all_first_token_s", "itl_p50_s", "itl_p99_s", "steps", "preemptions", "step_token_budget", "error"))
-    return 0
+    return 1 if fatal is not None else 0
 
 
 def _summary(rows: list[dict[str, Any]], bw_gb_s: float, w_bytes: int) -> dict[str, Any]:

@@ -123,3 +123,34 @@ def test_a_bad_range_names_the_option(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         bench(tmp_path, ["throughput", *TINY, "--concurrency", "1", "--mixed-new-tokens", "9,3"])
     assert err.value.param == "mixed_new_tokens"
+
+
+def test_a_device_fault_that_surfaces_at_close_keeps_the_rows_so_far(tmp_path: Path, monkeypatch) -> None:
+    """A sticky CUDA fault raised by the engine's close (where an asynchronous illegal access surfaces) ends the run
+    with exit 1, but the row it ended keeps its figures and the error, and the JSON and table are written."""
+    import argparse
+    import json
+
+    from engine.bench import command as cli_bench
+    from engine.bench.engine_driver import BenchEngine
+
+    real_close = BenchEngine.close
+    closes = []
+
+    def close(self) -> None:
+        real_close(self)
+        closes.append(1)
+        if len(closes) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(BenchEngine, "close", close)
+    parser = argparse.ArgumentParser()
+    cli_bench.add_arguments(parser)
+    out = tmp_path / "throughput.json"
+    args = parser.parse_args(["throughput", *TINY, "--concurrency", "1,2,3", "--sets", "fixed", *SMALL,
+                              "--peer", "none", "--json", str(out)])
+    assert cli_bench.run(args) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]  # the row at 3 never ran on a faulted device
+    assert rows[0]["error"] is None and rows[1]["tok_s"] > 0
+    assert rows[1]["error"] == "at close: RuntimeError: CUDA error: an illegal memory access was encountered"
