@@ -249,8 +249,11 @@ class CudaGraphBackend:
         free = self.free_mib()
         if free is not None and free < self.lean_free_mib:
             # The warm-up's intermediates sit in the general cache, which the graph's private pool cannot
-            # use; when VRAM is short, hand them back so the capture can have the same memory.
-            self.empty_cache()
+            # use; when VRAM is short, hand them back so the capture can have the same memory. Torch's cache
+            # only: `del warm` freed them (no reference cycle holds a step's tensors), and with VRAM full by
+            # design every capture comes here, where a full collection of the process's objects would stall
+            # the serving thread for tens of milliseconds (docs/GRAPHS.md).
+            torch.cuda.empty_cache()
         return outputs
 
     def _abort(self, graph: Any, pool: Any, began: bool, ended: bool) -> None:

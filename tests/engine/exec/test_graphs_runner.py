@@ -118,3 +118,30 @@ def test_cuda_graph_replay_equals_eager_for_every_kind(tiny_checkpoint: Path) ->
     cache = _compare(lm, lambda: default_backend(lm.device, Streams(lm.device)), atol=1e-4)
     for g in cache.snapshot().graphs:
         print(f"graph {g.kind:14s} {g.key:22s} {g.mib:8.2f} MiB {g.capture_ms:8.1f} ms replays {g.replays}")
+
+
+@pytest.mark.gpu
+def test_a_capture_with_vram_short_empties_torchs_cache_without_a_full_collection(monkeypatch) -> None:
+    """With the tier filling VRAM every capture takes the lean warm-up path: the warm-up's cached blocks go back
+    to the driver (torch.cuda.empty_cache) with no full collection of the process's objects on the serving
+    thread, and the graph replays the step."""
+    import gc
+
+    from engine.exec.graphs.backends import CudaGraphBackend
+
+    device = torch.device("cuda:0")
+    backend = CudaGraphBackend(Streams(device), lean_free_mib=float("inf"))  # every capture is lean
+    collections: list[tuple] = []
+    emptied: list[int] = []
+    empty_cache = torch.cuda.empty_cache
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(1), empty_cache())[1])
+    x = torch.arange(8.0, device=device)
+    graph = backend.capture(lambda inputs: {"y": inputs["x"] * 2}, {"x": x}, None, lambda stage: None,
+                            lambda exc: None)
+    x.fill_(3.0)
+    backend.replay(graph)
+    torch.cuda.synchronize(device)
+    assert torch.equal(graph.outputs["y"], torch.full((8,), 6.0, device=device))
+    assert emptied and not collections
+    backend.destroy(graph)
