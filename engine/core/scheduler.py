@@ -194,14 +194,11 @@ class Scheduler(SlotQueue):
 
     def _goes_beside(self, plan: StepPlan) -> bool:
         """Chunks run beside the steps while one is in flight (one at a time: the two streams share the chunks'
-        graph pool and split counters) and when the next one would not fit one step's prefill allowance between
-        the steps (a long prompt deep into its context: what the side stream is for). A short prompt's chunk
-        that fits runs between the steps, paced, next to the other prompts' chunks: beside the steps, a burst of
-        short prompts would get one chunk of one request per launch, land and gap, and on a GPU, where a chunk
-        lands many steps after its launch, wait many steps per prompt for first tokens a few steps could batch.
-        A burst goes between whatever its next chunk is predicted to cost (the pacer sizes it): a forward measured
-        slow once (a first launch, the allocator taking memory back from the tier) would otherwise send every
-        prompt of the burst beside the steps, one at a time."""
+        graph pool and split counters) and when a lone prompt's next chunk would not fit one step's prefill allowance
+        between the steps (a long prompt deep into its context: what the side stream is for). A burst of short
+        prompts always runs between the steps, paced: beside them it would get one chunk of one request per launch,
+        land and gap (on a GPU many steps per prompt), and a forward measured slow once (a first launch, the
+        allocator taking memory back from the tier) would price every chunk of it out of a step's allowance."""
         if self._in_flight is not None or not self._prefilling:
             return True
         if self._burst():
