@@ -310,6 +310,11 @@ def _throughput(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-max-concurrency", type=positive_int, default=8, metavar="N",
                    help="the peer runs at the concurrencies up to N (default 8: each call is a fresh process that "
                         "compiles and captures graphs for its batch again)")
+    p.add_argument("--warm-up", default="burst", choices=("burst", "short"),
+                   help="before each row's timed burst: burst, the same N prompts (other tokens) for 4 output "
+                        "tokens, so one-time work (kernels compiled, graphs captured, the KV pool sized) happens "
+                        "before the clock starts, as on a server that has served before; short, two requests of "
+                        "8 tokens: a fresh engine's first burst (default burst)")
 
 
 _ADDERS = {

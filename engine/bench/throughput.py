@@ -8,6 +8,11 @@ would not fit at N = 256) and it steps until all finish. Sets (`--sets`):
 - `mixed`: seeded (`--seed`) prompts uniform in `--mixed-prompt-tokens` (128-8K) and outputs in
   `--mixed-new-tokens` (64-1K).
 
+Before each row's timed burst the engine serves a warm-up (`--warm-up`): by default the same N prompts with other
+tokens for 4 output tokens each, so what a burst of that shape does once (Triton kernels compiled for its shapes,
+a graph captured per batch bucket and chunk size, the KV pool's first sizing) is done when the clock starts, as on a
+server that has served before; `--warm-up short` (two requests of 8 tokens) times a fresh engine's first burst.
+
 `--chunk-rows off` runs every prompt chunk as its own forward (the engine's default, `on`, runs the chunks of one
 length bucket in a step as rows of one forward: engine.exec.chunk_rows), to measure what that is worth.
 
@@ -235,11 +240,19 @@ def run(args: argparse.Namespace) -> int:
             try:
                 kv = bench.engine.kv
                 kv_bytes = kv.geometry.bytes_per_token(kv.storage, kv.compute_dtype)
-                warm = request_set(set_name, min(n, 2), mcfg.vocab_size, args)
-                drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, 8))
+                warm, warm_new = request_set(set_name, n, mcfg.vocab_size, args), 4  # --warm-up burst
+                if args.warm_up == "short":
+                    warm, warm_new = warm[:2], 8
+                drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, warm_new))
                                      for i, (p, new) in enumerate(warm)])
+                watch = bench.bus.subscribe(after_seq=None, max_queue=1 << 20)
+                try:
+                    timed = drive(bench.engine, requests)
+                finally:
+                    watch.close()
                 row: dict[str, Any] = {"set": set_name, "engine": "strata", "concurrency": n,
-                                       "chunk_rows": args.chunk_rows, **drive(bench.engine, requests), "error": None}
+                                       "chunk_rows": args.chunk_rows, "warm_up": args.warm_up, **timed,
+                                       **one_time_work(watch.drain()), "error": None}
                 paging = bench.engine.kv.paging
                 row["preemptions"] = paging.stats.preemptions if paging is not None else 0
                 row["step_token_budget"] = bench.engine.sched.step_token_budget  # the rule's, unless given
@@ -268,8 +281,16 @@ def run(args: argparse.Namespace) -> int:
     summary = _summary(rows, bw_gb_s, w_bytes)
     emit(args, "throughput", rows, summary, device,
          ("set", "engine", "concurrency", "tok_s", "decode_tok_s", "floor_tok_s", "ttft_p50_s", "ttft_p99_s",
-          "all_first_token_s", "itl_p50_s", "itl_p99_s", "steps", "preemptions", "step_token_budget", "error"))
+          "all_first_token_s", "itl_p50_s", "itl_p99_s", "steps", "preemptions", "graph_captures", "pool_growths",
+          "step_token_budget", "error"))
     return 1 if fatal is not None else 0
+
+
+def one_time_work(events: list[Any]) -> dict[str, int]:
+    """What the timed burst spent on work a serving engine does once per shape: graphs captured and KV pool
+    growths (each of which also drops every captured graph)."""
+    actions = [(e.type, getattr(e, "action", "")) for e in events]
+    return {"graph_captures": actions.count(("graph", "capture")), "pool_growths": actions.count(("kv", "grow"))}
 
 
 def _summary(rows: list[dict[str, Any]], bw_gb_s: float, w_bytes: int) -> dict[str, Any]:

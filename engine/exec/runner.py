@@ -29,11 +29,13 @@ from engine.exec.sampler import finite_rows, flag_non_finite
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, WarningEvent
 
-# Prompt chunks up to this many tokens replay a captured graph when the prompt-chunk kernel runs them and their
-# bucket was seen before: a short chunk is bound by the host's launches of an eager forward, a long one by the
-# device (and its graph would hold a long chunk's activations in the graph pool); a capture costs a few eager
-# runs, so a bucket seen once (an odd prompt length) stays eager.
-GRAPH_CHUNK_TOKENS = 512
+# Prompt chunks up to this many tokens (the default chunk) replay a captured graph when the prompt-chunk kernel
+# runs them and their bucket was seen before. An eager forward is bound by the host's launches until the chunk's
+# device time outgrows them, at thousands of tokens on a small model: a lone chunk run eagerly cost the prompt
+# pacer's fit several times its device time, and a burst of short prompts beside decoding slots then went one
+# prompt a step. Longer chunks stay eager (their graph would hold a long chunk's activations in the graph pool);
+# a capture costs a few eager runs, so a bucket seen once (an odd prompt length) stays eager.
+GRAPH_CHUNK_TOKENS = 2048
 SPLIT_SWITCH = "SPLIT_ATTN"
 PAGED_SWITCH = "PAGED_ATTN"
 PREFILL_SWITCH = "PAGED_PREFILL"

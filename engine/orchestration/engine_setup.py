@@ -155,10 +155,11 @@ class _PartsBuilder:
         return self.budgets[0].make_room(mib, reason)
 
     def _tier_release(self, mib: float, reason: str) -> float:
-        """A KV pool growth asks the tier on the compute device for memory first (none before the tier exists)."""
+        """A KV pool short of blocks asks the tier on the compute device first (none before the tier exists):
+        its blocks in the pool, then memory the pool grows into."""
         if self.tier is None or self.tier_device != self.device:
             return 0.0
-        return self.tier.release(mib, reason)
+        return self.tier.release(mib, reason, pool_first=True)
 
     # --- the stages ----------------------------------------------------------------------------------------
 

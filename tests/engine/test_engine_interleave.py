@@ -136,7 +136,7 @@ def test_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt) ->
 def test_on_cuda_chunks_beside_the_steps_give_the_tokens_of_chunks_between_them(ckpt, monkeypatch) -> None:
     """bf16 with graphs and MTP: a long prompt's chunks on the side stream while three slots decode on the steps'
     stream give every request the tokens it gets with the chunks between the steps (all unpaced, so the chunks
-    fall at the same positions); chunks up to 512 tokens replay graphs of their own pool, beside the decode and
+    fall at the same positions); chunks up to 2,048 tokens replay graphs of their own pool, beside the decode and
     drafter graphs. The side stream: a plain low-priority one (STRATA_CHUNK_SMS=0), then the default, a green
     context's on a share of the SMs."""
     from engine.exec.cuda_streams import default_chunk_sms

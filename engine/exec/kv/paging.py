@@ -340,6 +340,15 @@ class KVPaging:
         block_mib = self.block_mib
         if short_blocks <= 0 or not ask_tier or self.take_memory is None or block_mib <= 0:
             return
+        if self.kv.tier_blocks:
+            # The tier's blocks in this pool first, and only what is short: one it drops is free pool blocks at
+            # once (engine.exec.kv.tier_ledger, AdaptiveTier.release's pool_first), where memory it frees makes
+            # the pool grow: every pool tensor copied and every captured graph dropped.
+            free_before = self.ledger.free_pool_blocks
+            self.take_memory(short_blocks * block_mib, f"kv pool: {reason}")
+            short_blocks -= self.ledger.free_pool_blocks - free_before
+            if short_blocks <= 0:
+                return
         # Geometric here too: each growth copies the whole pool, drops the captured graphs and waits for the
         # device, and a burst of prompts admitted together is short a few blocks at nearly every step.
         want = max(short_blocks, self.layout.window_blocks, self.ledger.pool_blocks // 2)

@@ -237,20 +237,27 @@ class AdaptiveTier:
 
     # --- size changes ----------------------------------------------------------------------------------------
 
-    def release(self, mib: float, reason: str) -> float:
+    def release(self, mib: float, reason: str, pool_first: bool = False) -> float:
         """Give back at least `mib` MiB of held memory if the tier has it; returns the MiB actually freed.
 
         A preallocated (GPU) tier lowers its capacity: free blocks go first, then least recently used unpinned
         ones (own blocks before pool blocks), and the memory returns to the device (empty_cache); it regrows
         when `VramBudget.rebalance` finds room again. A host tier evicts least recently used unpinned blocks
         and keeps its budget. Pinned blocks (being copied into a slot this step, or mapped by one) always stay.
+
+        `pool_first`: a KV pool short of blocks asks (KV by use). Where a dropped tier block gives its pool
+        blocks back as they are (`gives_pool_blocks_back`), the blocks in the pool go first: the slots take them
+        at once, where memory freed makes the pool grow, a copy of every pool tensor that drops every captured
+        graph. The pool blocks stay the pool's, so only own blocks' memory goes back to the device.
         """
         if mib <= 0 or self.block_mib <= 0:
             return 0.0
         before = self.mib
+        own_before = len(self._blocks)
         want_blocks = math.ceil(mib / self.block_mib)
         if self.preallocate:
-            self._resize_to(max(0, self.capacity_blocks - want_blocks), reason)
+            pool_first = pool_first and self.shared is not None and self.shared.gives_pool_blocks_back
+            self._resize_to(max(0, self.capacity_blocks - want_blocks), reason, pool_first=pool_first)
         else:
             shared = self.shared
             idle = [b for b in self.index.free_block_ids() if shared.is_backed(b)][:want_blocks] if shared else []
@@ -262,21 +269,25 @@ class AdaptiveTier:
             if self.mib < before:
                 self._publish("shrink", before - self.mib, reason)
         freed = before - self.mib
-        if freed > 0 and self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if len(self._blocks) < own_before and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # own blocks' memory back to the driver (pool blocks: _resize_pool's)
         return freed
 
     def set_budget(self, mib: float, reason: str) -> None:
         """Grow or shrink the tier's capacity to `mib` (whole blocks); growth takes own blocks."""
         self._resize_to(self.blocks_for(mib), reason)
 
-    def _resize_to(self, blocks: int, reason: str, pooled: int = 0) -> None:
+    def _resize_to(self, blocks: int, reason: str, pooled: int = 0, pool_first: bool = False) -> None:
         """Resize the index to `blocks` ids; of the ids it adds (preallocated), the first `pooled` go to the
-        KV pool, the rest to own blocks."""
+        KV pool, the rest to own blocks. Shrinking keeps the pool's ids last (dropping one may reallocate the
+        pool), or, `pool_first`, own ids last."""
         before_cap = self.capacity_blocks
         before_mib = self.mib
         shared = self.shared
-        result = self.index.resize(blocks) if shared is None else self.index.resize(blocks, shared.is_backed)
+        if shared is None:
+            result = self.index.resize(blocks)
+        else:
+            result = self.index.resize(blocks, (lambda b: not shared.is_backed(b)) if pool_first else shared.is_backed)
         for block_id in result.released_block_ids:
             self._blocks.pop(block_id, None)
         added = result.added_block_ids if self.preallocate else []
@@ -306,12 +317,13 @@ class AdaptiveTier:
             if fits < len(added):
                 self.index.drop_free(added[fits:])
                 added = added[:fits]
+        pool_blocks = self.shared.num_blocks
         try:
             self.shared.set_backing(added, drop)
         except torch.OutOfMemoryError:
             self.index.drop_free(added)
             self.shared.set_backing([], drop)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.shared.num_blocks != pool_blocks:
             torch.cuda.empty_cache()  # the old pool tensors go back to the driver, where the room is measured
 
     def _allocate(self, block_ids: list[int]) -> int:

@@ -38,6 +38,9 @@ class LedgerTierBlocks:
     # A hand-over backs the tier block with the slot's own blocks: backing it first would take free pool blocks
     # only to give them back, and past the free ones grow the pool (a copy of all of it) for nothing.
     backs_before_hand_over = False
+    # A tier block dropped gives its pool blocks to the free list, nothing reallocated: what a pool short of
+    # blocks takes first (AdaptiveTier.release's pool_first).
+    gives_pool_blocks_back = True
 
     def __init__(self, kv, tier_block_tokens: int) -> None:
         paging = kv.paging

@@ -45,6 +45,8 @@ class SharedTierBlocks:
 
     # A hand-over swaps the slot's blocks with the tier block's own: the tier block must be backed first.
     backs_before_hand_over = True
+    # Dropping a tier block's backing reallocates the pool tensors: never what a short pool asks for first.
+    gives_pool_blocks_back = False
 
     def __init__(self, kv, tier_block_tokens: int, on_resize: Callable[[], None] | None = None) -> None:
         """`on_resize`: what must follow a pool reallocation (captured graphs read the old tensors: dropped)."""

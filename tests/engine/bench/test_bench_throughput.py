@@ -154,3 +154,29 @@ def test_a_device_fault_that_surfaces_at_close_keeps_the_rows_so_far(tmp_path: P
     assert [r["concurrency"] for r in rows] == [1, 2]  # the row at 3 never ran on a faulted device
     assert rows[0]["error"] is None and rows[1]["tok_s"] > 0
     assert rows[1]["error"] == "at close: RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+@pytest.mark.parametrize("warm_up", ["burst", "short"])
+def test_each_row_warms_up_on_a_burst_of_its_own_shape_unless_asked_for_a_fresh_engine(tmp_path: Path, monkeypatch,
+                                                                                          warm_up: str) -> None:
+    """A fresh engine's first burst compiles kernels and captures a graph per batch bucket and chunk size inside
+    the timed run (on an H100, rows of one call swung 2x with which row paid them first); by default a row first
+    serves the same number of prompts, other tokens, for 4 tokens each. The row says which, and what one-time work
+    (graph captures, KV pool growths) still fell inside its clock."""
+    from engine.bench import throughput
+
+    served: list[list[tuple[int, int]]] = []
+    real = throughput.drive
+
+    def recorded(engine, requests):
+        served.append([(len(prompt), new) for prompt, new in requests])
+        return real(engine, requests)
+
+    monkeypatch.setattr(throughput, "drive", recorded)
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "3", "--sets", "fixed", *SMALL, "--new-tokens", "6",
+                           "--peer", "none", "--warm-up", warm_up])
+    row = doc["rows"][0]
+    assert row["error"] is None and row["warm_up"] == warm_up
+    assert served[1] == [(16, 6)] * 3  # the timed burst
+    assert served[0] == ([(16, 4)] * 3 if warm_up == "burst" else [(16, 6)] * 2), served[0]
+    assert row["graph_captures"] >= 0 and row["pool_growths"] >= 0

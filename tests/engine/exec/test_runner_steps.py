@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.api import SamplingParams
+from engine.config import EngineConfig
 from engine.exec.step_fns import EagerExecutor
 from engine.exec.graphs.key import GraphKey
 from engine.exec.runner import Row, switch_for_key
@@ -190,6 +191,26 @@ def test_short_prompt_chunks_replay_their_bucket_from_its_second_sight(ckpt, mon
     assert [kind for kind, _ in eager] == ["prefill", "prefill"], eager
     assert len(to_graphs) == 2 and to_graphs[0] == to_graphs[1], to_graphs  # one key for both starts
     assert not any(part.startswith("s") for part in to_graphs[0].shape), to_graphs[0]
+
+
+def test_a_lone_chunk_of_the_default_chunk_size_replays_its_graph_too(ckpt, monkeypatch):
+    """A burst of 1K-token prompts beside decoding slots on an H100 (the engine's own timeline, random:0.6b): each
+    lone 1K chunk ran as an eager forward, bound by the host's launches at several times its device time; the
+    prompt pacer's fit priced every chunk at that, and the burst went one prompt a step for a second. Chunks up
+    to the default chunk size (2,048) go to the graph executor from their bucket's second sight."""
+    executor = RecordingExecutor()
+    engine = make_engine(ckpt, batch=1, context=4096, executor=executor, prefill_chunk_tokens=2048,
+                         step_token_budget=2048)
+    runner = engine.runner
+    assert EngineConfig(model="builtin:strata-tiny").prefill_chunk_tokens == 2048  # the default chunk
+    enabled = runner.board.enabled
+    monkeypatch.setattr(runner, "paged_enabled", lambda: True)
+    monkeypatch.setattr(runner.board, "enabled", lambda name: name == "PAGED_PREFILL" or enabled(name))
+    with torch.inference_mode():
+        for length in (1000, 1000, 2048, 2048):
+            runner.prefill(0, [10 + i % 90 for i in range(length)], 0)
+    to_graphs = [key for kind, key, _ in executor.calls if kind == "prefill"]
+    assert [key.shape[0] for key in to_graphs] == ["t1024", "t2048"], to_graphs
 
 
 @pytest.mark.parametrize("batch_mtp", [False, True])

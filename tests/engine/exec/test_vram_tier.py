@@ -158,3 +158,45 @@ def test_make_room_frees_tier_memory_and_keeps_it_as_headroom():
     assert budget.headroom_mib == pytest.approx(freed)
     budget.make_room(1000 * tier.block_mib, "again")
     assert budget.headroom_mib <= 4 * 256.0  # bounded: one bad step cannot starve the tier for good
+
+
+def test_a_kv_pool_short_of_blocks_takes_the_tiers_pool_blocks_and_reallocates_nothing():
+    """KV by use on a GPU: the tier starts by backing its ids with every free pool block (and keeps own blocks
+    beside them). The first prompt past the free blocks asked the tier for memory, which gave own blocks first;
+    the pool then grew into that memory: every pool tensor copied and every captured graph dropped, at the first
+    request of a fresh engine (the engine's own timeline on an H100: all 8 decode graphs CAPTURE_ALL had captured)."""
+    from engine.exec.kv.tier_ledger import LedgerTierBlocks
+
+    geometry = KVGeometry(2, 4, 2, 8, 256, 16)
+    resized = []
+    kv = SlotKVCache(geometry, "bf16", torch.float32, "cpu", 0, geometry.layout(0).window_blocks,
+                     on_resize=lambda: resized.append("pool reallocated"))
+    paging = kv.paging
+    shared = LedgerTierBlocks(kv, 256)
+    block_mib = kv.geometry.bytes_per_token("bf16", torch.float32) * 256 / (1 << 20)
+    tier = AdaptiveTier(PrefixIndex(256, 0), kv, EventBus(), torch.device("cpu"), 12 * block_mib + 1e-9,
+                        preallocate=True, shared=shared, pooled_mib=8 * block_mib + 1e-9)
+    paging.take_memory = lambda mib, reason: tier.release(mib, reason, pool_first=True)  # engine_setup's wiring
+    assert len(shared.backing) == 8 and paging.ledger.free_pool_blocks == 0 and len(tier._blocks) == 4
+    pools = [p.data_ptr() for p in kv.pools()]
+    resized.clear()
+
+    kv.prepare({0: 200, 1: 200})  # 8 pool blocks the pool does not have free
+
+    assert resized == [] and [p.data_ptr() for p in kv.pools()] == pools
+    assert paging.ledger.missing_blocks({0: 200, 1: 200}) == 0 and paging.ledger.host_held_blocks == 0
+    assert len(shared.backing) == 6 and len(tier._blocks) == 4  # two tier blocks (8 pool blocks) went, own kept
+
+
+def test_memory_asked_for_anything_but_the_pool_still_comes_from_own_blocks_first():
+    """A graph capture or the reserve needs device memory: the tier's blocks in the pool would free none."""
+    from engine.exec.kv.tier_ledger import LedgerTierBlocks
+
+    geometry = KVGeometry(2, 4, 2, 8, 256, 16)
+    kv = SlotKVCache(geometry, "bf16", torch.float32, "cpu", 0, geometry.layout(0).window_blocks)
+    shared = LedgerTierBlocks(kv, 256)
+    block_mib = kv.geometry.bytes_per_token("bf16", torch.float32) * 256 / (1 << 20)
+    tier = AdaptiveTier(PrefixIndex(256, 0), kv, EventBus(), torch.device("cpu"), 12 * block_mib + 1e-9,
+                        preallocate=True, shared=shared, pooled_mib=8 * block_mib + 1e-9)
+    tier.release(2 * block_mib, "graph decode out of memory")
+    assert len(shared.backing) == 8 and len(tier._blocks) == 2
