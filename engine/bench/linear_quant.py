@@ -86,14 +86,24 @@ def _gemlite(layer, dtype: torch.dtype):
     the row's `gemlite_error`)."""
     if importlib.util.find_spec("gemlite") is None:
         return None
-    from gemlite.helper import A16W4, A16W8  # noqa: PLC0415 - optional, never a dependency
+    from gemlite import helper  # noqa: PLC0415 - optional, never a dependency
 
     w = layer.dequantize(dtype)
-    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, device=w.device, dtype=dtype)
-    linear.weight.data.copy_(w)
+    device = str(w.device)
     if layer.format == "int4":
-        return A16W4(device=str(w.device)).from_linear(linear)
-    return A16W8(device=str(w.device)).from_linear(linear)
+        # gemlite >= 0.6 takes 4-bit codes with a scale and zero per group (w = (u - zero) * scale): those of
+        # the weight's own grid, group by group, at the layer's group size
+        n, k = w.shape
+        groups = w.float().view(n, k // layer.group_size, layer.group_size)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        zero = -low / scale
+        codes = (groups / scale + zero).round().clamp(0, 15).to(torch.uint8).view(n, k)
+        return helper.A16W4_HQQ_INT(device=device, dtype=dtype).from_weights(
+            codes, scale.view(n, -1).to(dtype), zero.view(n, -1).to(dtype))
+    # 8-bit weights, channel-wise, quantized by gemlite from the same weight: FP8 for the FP8 formats
+    fp8 = torch.float8_e4m3fn if layer.format.startswith("fp8") else None
+    return helper.A16W8(device=device, dtype=dtype, fp8=fp8).from_weights(w)
 
 
 def quant_case(name: str, n: int, k: int, rows: int, fmt: str, device: torch.device, iters: int,

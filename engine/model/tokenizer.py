@@ -9,6 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import CheckpointError, PromptTooLong
+from engine.model.byte_decoder import ByteLevelDecoder, byte_table
 from engine.model.prompt_heads import refuse_from_heads
 
 # Used when tokenizer_config.json has no chat_template: ChatML, which Qwen checkpoints use.
@@ -31,6 +32,7 @@ class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None, special: dict | None = None) -> None:
         self._tok = tokenizer
         self._plain: HFTokenizer | None = None  # encodes special tokens' text as text (encode)
+        self._bytes: list[bytes] | None = None  # each id's bytes (byte-level BPE), [] for another decoder
         self.chat_template = chat_template or CHATML_TEMPLATE
         self.special = special or {}
         self._template = None
@@ -124,9 +126,12 @@ class Tokenizer:
             eos_token=_token_text(self.special.get("eos_token")) or "",
         )
 
-    def incremental_decoder(self) -> "IncrementalDecoder":
-        """A fresh IncrementalDecoder for one stream of generated ids."""
-        return IncrementalDecoder(self)
+    def incremental_decoder(self) -> "IncrementalDecoder | ByteLevelDecoder":
+        """A fresh incremental decoder for one stream of generated ids: a byte-level BPE tokenizer's table of
+        each id's bytes (engine.model.byte_decoder), built at the first stream, else the general window decoder."""
+        if self._bytes is None:
+            self._bytes = byte_table(self._tok) or []
+        return ByteLevelDecoder(self._bytes) if self._bytes else IncrementalDecoder(self)
 
 
 _MAX_PARTIAL_IDS = 3

@@ -89,3 +89,40 @@ def test_incremental_decoder_does_not_hold_invalid_bytes_forever(tok):
     assert None not in byte_ids and tok.decode(byte_ids) == "\ufffd" * 6
     pieces = [decoder.push([i]) for i in byte_ids]
     assert "".join(pieces) != ""  # emitted before the end, not only at flush
+
+
+def test_a_byte_level_tokenizer_decodes_a_stream_through_its_byte_table_exactly_as_the_library(tok):
+    """With hundreds of slots decoding, asking the library to decode two windows of ids per token was a large
+    share of a step's host time: a byte-level BPE tokenizer's stream is its ids' bytes decoded as UTF-8, one table
+    lookup a token. Random ids (invalid UTF-8 included), pushed one to three at a time, give the library's text."""
+    import random
+
+    from engine.model.byte_decoder import ByteLevelDecoder
+
+    assert isinstance(tok.incremental_decoder(), ByteLevelDecoder)
+    rng = random.Random(7)
+    specials = [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size + 3) for _ in range(rng.randint(1, 40))]  # past the vocabulary too
+        ids[rng.randrange(len(ids))] = rng.choice([s for s in specials if s is not None])
+        decoder, pieces, at = tok.incremental_decoder(), [], 0
+        while at < len(ids):
+            step = rng.randint(1, 3)
+            pieces.append(decoder.push(ids[at:at + step]))
+            at += step
+        assert "".join(pieces) + decoder.flush() == tok.decode([i for i in ids if i < tok.vocab_size]), ids
+
+
+def test_a_tokenizer_whose_decoder_is_not_byte_level_keeps_the_window_decoder(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    from engine.model.tokenizer import IncrementalDecoder
+
+    hf = HFTokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.decoder = decoders.WordPiece()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    plain = Tokenizer.from_dir(tmp_path)
+    decoder = plain.incremental_decoder()
+    assert isinstance(decoder, IncrementalDecoder)
+    assert "".join(decoder.push([i]) for i in (1, 2)) + decoder.flush() == plain.decode([1, 2])

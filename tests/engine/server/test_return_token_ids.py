@@ -18,6 +18,7 @@ from tests.engine.server.real import openai_client, real_server
 pytestmark = pytest.mark.timeout(180)
 WIDE_VOCAB = 151_936  # the Qwen3-0.6B vocabulary, as `--random-model 0.6b` writes it
 GREEDY = dict(max_tokens=8, temperature=0)
+UNKNOWN_ID = 100_000  # past the tokenizer's 512 ids: no text
 EXACT = {"ignore_eos": True}
 
 
@@ -38,12 +39,14 @@ def oai(served) -> openai.OpenAI:
 def test_streamed_token_ids_are_the_non_streamed_ones_even_without_text(oai: openai.OpenAI, served) -> None:
     model = served[1].model_name
     prompt = [5, 17, 99, 3, 250]
-    whole = oai.completions.create(model=model, prompt=prompt, **GREEDY,
+    # the biased id wins every step: tokens the tokenizer does not know, so no text
+    bias = {"logit_bias": {str(UNKNOWN_ID): 100}}
+    whole = oai.completions.create(model=model, prompt=prompt, **GREEDY, **bias,
                                    extra_body={**EXACT, "return_token_ids": True})
     choice = whole.choices[0]
     assert choice.prompt_token_ids == prompt
     assert len(choice.token_ids) == whole.usage.completion_tokens == 8
-    chunks = list(oai.completions.create(model=model, prompt=prompt, stream=True, **GREEDY,
+    chunks = list(oai.completions.create(model=model, prompt=prompt, stream=True, **GREEDY, **bias,
                                          stream_options={"include_usage": True},
                                          extra_body={**EXACT, "return_token_ids": True}))
     with_choices = [c.choices[0] for c in chunks if c.choices]

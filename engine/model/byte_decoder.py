@@ -1,0 +1,76 @@
+"""Incremental decoding for byte-level BPE tokenizers (Qwen, Llama 3, GPT-2 and the embedded model): each id is a
+fixed run of bytes, so a stream's text is the UTF-8 decoding of its ids' bytes, one table lookup and one
+incremental UTF-8 step a token.
+
+The general path (engine.model.tokenizer.IncrementalDecoder) asks the tokenizer to decode two windows of ids for
+every token, two crossings into the library that cost more than the rest of a request's host work in a decode step:
+with hundreds of slots decoding, they were most of a step's host time on a CPU. Here the table is built once per
+tokenizer from the library's own vocabulary, by the rule its ByteLevel decoder applies (a token whose characters
+are all in the byte alphabet is those bytes, any other token its own UTF-8; special tokens are skipped), and the
+text is decoded as the library does (`errors="replace"`: each maximal invalid subpart one U+FFFD). A tokenizer whose
+decoder is anything but ByteLevel alone keeps the general path (`byte_table` returns None).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from typing import Any
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted: character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def byte_table(tokenizer: Any) -> list[bytes] | None:
+    """Each id's bytes for a `tokenizers.Tokenizer` whose decoder is ByteLevel alone (special tokens: b""), or
+    None where decoding takes more than that (another decoder, a normalizer or a model that rewrites pieces)."""
+    spec = json.loads(tokenizer.to_str())
+    decoder = spec.get("decoder") or {}
+    model = spec.get("model") or {}
+    if decoder.get("type") != "ByteLevel" or model.get("type") != "BPE":
+        return None
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return None
+    special = {token["id"] for token in spec.get("added_tokens", []) if token.get("special")}
+    alphabet = _byte_alphabet()
+    table: list[bytes] = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        piece = tokenizer.id_to_token(token_id)
+        if piece is None or token_id in special:
+            table.append(b"")
+        elif all(ch in alphabet for ch in piece):
+            table.append(bytes(alphabet[ch] for ch in piece))
+        else:
+            table.append(piece.encode("utf-8"))
+    return table
+
+
+class ByteLevelDecoder:
+    """push(ids) -> the text they complete; flush() -> what is still held (an unfinished character at the end).
+    The interface of engine.model.tokenizer.IncrementalDecoder. Ids past the table (a model's padded vocabulary)
+    decode to nothing, as the library drops ids it does not know."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self.table = table
+        self.ids: list[int] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        table, size = self.table, len(self.table)
+        data = b"".join(table[i] for i in new_ids if 0 <= i < size)
+        return self._utf8.decode(data) if data else ""
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
