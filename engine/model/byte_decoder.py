@@ -3,12 +3,12 @@ fixed run of bytes, so a stream's text is the UTF-8 decoding of its ids' bytes, 
 incremental UTF-8 step a token.
 
 The general path (engine.model.tokenizer.IncrementalDecoder) asks the tokenizer to decode two windows of ids for
-every token, two crossings into the library that cost more than the rest of a request's host work in a decode step:
-with hundreds of slots decoding, they were most of a step's host time on a CPU. Here the table is built once per
-tokenizer from the library's own vocabulary, by the rule its ByteLevel decoder applies (a token whose characters
-are all in the byte alphabet is those bytes, any other token its own UTF-8; special tokens are skipped), and the
-text is decoded as the library does (`errors="replace"`: each maximal invalid subpart one U+FFFD). A tokenizer whose
-decoder is anything but ByteLevel alone keeps the general path (`byte_table` returns None).
+every token: two crossings into the library for each decoding row of every step, where a table lookup does (the
+host's part of a step grows with its rows, and with hundreds of slots it bounds the step). Here the table is built
+once per tokenizer from the library's own vocabulary, by the rule its ByteLevel decoder applies (a token whose
+characters are all in the byte alphabet is those bytes, any other token its own UTF-8; special tokens are
+skipped), and the text is decoded as the library does (`errors="replace"`: each maximal invalid subpart one
+U+FFFD). A tokenizer whose decoder is anything but ByteLevel alone keeps the general path (`byte_table`: None).
 """
 
 from __future__ import annotations
