@@ -314,7 +314,9 @@ class BlockLedger:
     def _missing(self, slot: int, end: int) -> list[int]:
         """Logical blocks below `end` tokens that are not on the device: host-held ones, then unmapped ones."""
         top = self.layout.blocks_for(end)
-        held = sorted(j for j in self._on_host[slot] if j < top) if self._on_host[slot] else []
+        if not self._on_host[slot]:  # a decoding slot, nothing spilled: a new block every 64 tokens at most
+            return [j for j in range(self._top[slot], top) if j not in self._borrowed[slot]] if top > self._top[slot] else []
+        held = sorted(j for j in self._on_host[slot] if j < top)
         return held + [j for j in range(self._top[slot], top) if j not in self._borrowed[slot]]
 
     def _victims(self, wants: dict[int, int]) -> list[tuple[int, int]]:

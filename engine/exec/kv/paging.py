@@ -131,9 +131,11 @@ class KVPaging:
         """Forwards' rows (indices into end_tokens) split so that each forward's slots fit the pool together,
         after asking the tier for room to keep them whole. One slot always fits: the pool is never smaller
         than one slot's window."""
-        short = sum(self.layout.pool_need(e) for e in end_tokens) - self.ledger.pool_blocks
-        if short > 0:
-            self.grow(short, "slots addressing more KV than the pool holds")
+        need = sum(self.layout.pool_need(e) for e in end_tokens)
+        if need > self.ledger.pool_blocks:
+            self.grow(need - self.ledger.pool_blocks, "slots addressing more KV than the pool holds")
+        if need <= self.ledger.pool_blocks:
+            return groups  # every row of every group fits the pool at once: nothing to split
         out: list[list[int]] = []
         for group in groups:
             used = self.ledger.pool_blocks + 1  # forces a new forward for the first row
