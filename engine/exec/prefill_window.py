@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.exec.graphs.key import GraphKey
-from engine.exec.runner import GRAPH_CHUNK_TOKENS, StepOutput, split_switches
+from engine.exec.runner import StepOutput, split_switches
 from engine.exec.step_buckets import MIN_CHUNK_TOKENS, pow2_bucket
 from engine.model.moe import SparseMoE
 
@@ -236,11 +236,11 @@ class PrefillWindow:
     def _bind(self, slots: torch.Tensor, start: int, end: int, split: bool) -> None:
         """The KV binding the chunk [start, end) would have had on its own (engine.exec.runner.ModelRunner.prefill
         decides the same way): its span; the fused causal attention where the device takes the chunk and the paged
-        chunk kernel does not (a chunk of at most GRAPH_CHUNK_TOKENS on the PAGED_PREFILL path)."""
+        chunk kernel does not (a chunk of at most the runner's graph_chunk_tokens on the PAGED_PREFILL path)."""
         r, kv = self.runner, self.runner.kv
         span, n = r.chunk_span(end), end - start
         tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
-        paged_chunk = tb <= GRAPH_CHUNK_TOKENS and kv.paged_prefill
+        paged_chunk = tb <= r.graph_chunk_tokens and kv.paged_prefill
         if not paged_chunk and kv.chunk_fusable(r.model.config.num_attention_heads, tb):
             kv.bind_chunk(slots, span, start, n)  # unpadded: row i sees keys <= start + i
         else:

@@ -29,13 +29,16 @@ from engine.exec.sampler import finite_rows, flag_non_finite
 from engine.switches import SwitchBoard
 from engine.telemetry import EventBus, WarningEvent
 
-# Prompt chunks up to this many tokens (the default chunk) replay a captured graph when the prompt-chunk kernel
-# runs them and their bucket was seen before. An eager forward is bound by the host's launches until the chunk's
-# device time outgrows them, at thousands of tokens on a small model: a lone chunk run eagerly cost the prompt
-# pacer's fit several times its device time, and a burst of short prompts beside decoding slots then went one
-# prompt a step. Longer chunks stay eager (their graph would hold a long chunk's activations in the graph pool);
-# a capture costs a few eager runs, so a bucket seen once (an odd prompt length) stays eager.
-GRAPH_CHUNK_TOKENS = 2048
+# Prompt chunks up to this many tokens replay a captured graph when the prompt-chunk kernel runs them and their
+# bucket was seen before (`ModelRunner.graph_chunk_tokens`): an eager forward is bound by the host's launches
+# until the chunk's device time outgrows them. Longer chunks stay eager (their graph would hold a long chunk's
+# activations in the graph pool); a capture costs a few eager runs, so a bucket seen once stays eager.
+GRAPH_CHUNK_TOKENS = 512
+# A small dense model (hidden size up to SMALL_HIDDEN) takes chunks up to the default chunk: its lone 1K chunk run
+# eagerly cost the prompt pacer's fit several times its device time, and a burst of short prompts beside decoding
+# slots then went one prompt a step. Larger and MoE models keep GRAPH_CHUNK_TOKENS (not measured past it).
+SMALL_GRAPH_CHUNK_TOKENS = 2048
+SMALL_HIDDEN = 2048
 SPLIT_SWITCH = "SPLIT_ATTN"
 PAGED_SWITCH = "PAGED_ATTN"
 PREFILL_SWITCH = "PAGED_PREFILL"
@@ -101,6 +104,7 @@ class ModelRunner(StepBuckets):
         graphs of one pool must never replay at the same time. `release_memory(mib, reason) -> freed`: where an
         out-of-memory step gets room before its one retry, `oom_release_mib` at a time."""
         self.model = model
+        self.graph_chunk_tokens = graph_chunk_tokens(model)
         self.kv = kv
         self.graphs = graphs
         self.board = board
@@ -334,7 +338,7 @@ class ModelRunner(StepBuckets):
 
         # The prompt-chunk kernel (PAGED_PREFILL) applies the causal rule by position, so a chunk it runs needs no
         # `start` baked in: a short one is keyed like the drafter's prefill and replays a captured graph.
-        graph_chunk = tb <= GRAPH_CHUNK_TOKENS and self.paged_enabled() and self.board.enabled(PREFILL_SWITCH)
+        graph_chunk = tb <= self.graph_chunk_tokens and self.paged_enabled() and self.board.enabled(PREFILL_SWITCH)
         fused = not graph_chunk and self.kv.chunk_fusable(self.model.config.num_attention_heads, tb)
         eager = fused or (graph_chunk and (tb, span) not in self._chunk_buckets_seen)
         if graph_chunk:
@@ -368,3 +372,9 @@ class ModelRunner(StepBuckets):
 
         return forward_fn
 
+
+def graph_chunk_tokens(model: torch.nn.Module) -> int:
+    """The longest lone prompt chunk that replays a captured graph for this model (see SMALL_GRAPH_CHUNK_TOKENS)."""
+    config = getattr(model, "config", None)
+    small = config is not None and config.moe is None and config.hidden_size <= SMALL_HIDDEN
+    return SMALL_GRAPH_CHUNK_TOKENS if small else GRAPH_CHUNK_TOKENS

@@ -213,6 +213,18 @@ def test_a_lone_chunk_of_the_default_chunk_size_replays_its_graph_too(ckpt, monk
     assert [key.shape[0] for key in to_graphs] == ["t1024", "t2048"], to_graphs
 
 
+@pytest.mark.parametrize("size, tokens", [("0.6b", 2048), ("tiny", 2048), ("8b", 512), ("moe-tiny", 512)])
+def test_only_small_dense_models_replay_lone_chunks_past_512_tokens(size, tokens):
+    """The lone 1K chunk was measured host-bound on the 0.6B shape; larger and MoE models keep the 512 of before."""
+    from engine.exec.runner import graph_chunk_tokens
+    from engine.model.causal_lm import CausalLM
+    from engine.model.random_checkpoint import random_config
+
+    with torch.device("meta"):
+        model = CausalLM(random_config(size=size))
+    assert graph_chunk_tokens(model) == tokens
+
+
 @pytest.mark.parametrize("batch_mtp", [False, True])
 def test_on_the_kernel_path_few_query_steps_take_one_key_per_batch_as_contexts_grow(ckpt, monkeypatch, batch_mtp):
     """Where the paged kernels run, a row reads and splits only its own keys, so decode, verify and the drafter's
