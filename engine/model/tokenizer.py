@@ -32,7 +32,8 @@ class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None, special: dict | None = None) -> None:
         self._tok = tokenizer
         self._plain: HFTokenizer | None = None  # encodes special tokens' text as text (encode)
-        self._bytes: list[bytes] | None = None  # each id's bytes (byte-level BPE), [] for another decoder
+        # each id's bytes (byte-level BPE; None for another decoder), built with the tokenizer, not at a first request
+        self._bytes = byte_table(tokenizer)
         self.chat_template = chat_template or CHATML_TEMPLATE
         self.special = special or {}
         self._template = None
@@ -128,10 +129,8 @@ class Tokenizer:
 
     def incremental_decoder(self) -> "IncrementalDecoder | ByteLevelDecoder":
         """A fresh incremental decoder for one stream of generated ids: a byte-level BPE tokenizer's table of
-        each id's bytes (engine.model.byte_decoder), built at the first stream, else the general window decoder."""
-        if self._bytes is None:
-            self._bytes = byte_table(self._tok) or []
-        return ByteLevelDecoder(self._bytes) if self._bytes else IncrementalDecoder(self)
+        each id's bytes (engine.model.byte_decoder), else the general window decoder."""
+        return ByteLevelDecoder(self._bytes) if self._bytes is not None else IncrementalDecoder(self)
 
 
 _MAX_PARTIAL_IDS = 3
