@@ -63,11 +63,9 @@ class ByteLevelDecoder:
 
     def __init__(self, table: list[bytes]) -> None:
         self.table = table
-        self.ids: list[int] = []
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
         table, size = self.table, len(self.table)
         data = b"".join(table[i] for i in new_ids if 0 <= i < size)
         return self._utf8.decode(data) if data else ""

@@ -314,10 +314,12 @@ class BlockLedger:
     def _missing(self, slot: int, end: int) -> list[int]:
         """Logical blocks below `end` tokens that are not on the device: host-held ones, then unmapped ones."""
         top = self.layout.blocks_for(end)
-        if not self._on_host[slot]:  # a decoding slot, nothing spilled: a new block every 64 tokens at most
-            return [j for j in range(self._top[slot], top) if j not in self._borrowed[slot]] if top > self._top[slot] else []
-        held = sorted(j for j in self._on_host[slot] if j < top)
-        return held + [j for j in range(self._top[slot], top) if j not in self._borrowed[slot]]
+        first = self._top[slot]
+        # a decoding slot maps a new block every 64 tokens at most: most steps skip the comprehension
+        unmapped = [j for j in range(first, top) if j not in self._borrowed[slot]] if top > first else []
+        if not self._on_host[slot]:  # nothing spilled (every decoding slot, most steps): no sort, no concatenation
+            return unmapped
+        return sorted(j for j in self._on_host[slot] if j < top) + unmapped
 
     def _victims(self, wants: dict[int, int]) -> list[tuple[int, int]]:
         """Device pool blocks a plan may spill: other slots' (least recently used slot first, lowest block
