@@ -105,8 +105,10 @@ def sized_kv_cache(config: EngineConfig, lm: Any, depth: int, streams: Streams,
                          f"{pool_blocks * layout.block_tokens} tokens need"),
                   hint="lower --kv-resident, --context or --batch, use --kv int8, or lower --vram-reserve-mib")
     grow_limit_blocks = config.batch * layout.window_blocks if cpu_grows else 0
+    # Layer-by-layer fetch waits where fetches are routine (a resident window per slot, the rest from the pool or
+    # the host); without one a fetch only follows a spill, and a wait node in every step's graph costs more
     kv = SlotKVCache(geometry, config.kv, lm.dtype, lm.device, resident, pool_blocks, streams=streams,
-                     grow_limit_blocks=grow_limit_blocks, **paging)
+                     grow_limit_blocks=grow_limit_blocks, layer_waits=config.kv_resident is not None, **paging)
     return kv, weights_mib
 
 

@@ -35,8 +35,14 @@ def test_gpu_greedy_with_graphs_matches_eager_and_mtp_is_lossless(ckpt):
     assert tokens_of(run_all(graphs, prompts, params)) == eager
     # the next greedy step went ahead of the host's reading (engine.exec.decode_ahead) and was taken
     assert graphs.ahead.enabled and graphs.ahead.taken > 0, (graphs.ahead.taken, graphs.ahead.dropped)
-    # short prompt chunks replay captured graphs (the prompt-chunk kernel needs no chunk start baked in): an eager
-    # 28-layer chunk is bound by the host's launches
+    # A lone short prompt chunk replays a captured graph from its bucket's third sight (the prompt-chunk kernel
+    # needs no chunk start baked in; an eager 28-layer chunk is bound by the host's launches). A burst's chunks
+    # above ran as rows of shared forwards instead (engine.exec.chunk_rows): lone prompts, one at a time, here.
+    lone = random_prompts(3, seed=91, lengths=(100, 120))
+    eager_engine = _engine(ckpt, graphs=False)
+    for i, prompt in enumerate(lone):
+        alone = tokens_of(run_all(graphs, [prompt], params, prefix=f"lone{i}-"))
+        assert alone == tokens_of(run_all(eager_engine, [prompt], params, prefix=f"lone{i}-"))
     kinds = {(g.kind, g.replays > 0) for g in graphs.graphs.snapshot().graphs}
     assert ("prefill", True) in kinds, kinds
     mtp = _engine(ckpt, graphs=True, batch_mtp=True, mtp_depth=2)

@@ -26,8 +26,10 @@ the copies are done. On the CPU a fetch is a plain synchronous copy.
 
 The waits are inside captured CUDA graphs too: the events are external (`torch.cuda.Event(external=True)`), so a
 wait captured in a graph becomes an event-wait node on that event, and a replay waits for its latest record, made
-by `prepare` outside the graph before the replay. The wait is in every graph of a paging engine, whether or not
-a fetch preceded its capture, and costs nothing on a step that fetched nothing (the last record has completed).
+by `prepare` outside the graph before the replay. The wait is in every graph of a `--kv-resident` engine, whether
+or not a fetch preceded its capture, and a replayed wait node costs the device time on every step, fetch or not
+(docs/KV.md). KV by use without `--kv-resident` fetches only after a spill, its last resort: its forwards and
+graphs hold no waits (`layer_waits` False), and the compute stream waits for such a fetch whole before the forward.
 
 A fetch's time is measured on the copy stream with timing events and published (its `kv` event, PagingStats)
 once the copy has completed, at a later `prepare` or `snapshot` (never waited for, except at `free`).
@@ -81,12 +83,14 @@ class KVPaging:
     def __init__(self, kv, layout: BlockLayout, pool_blocks: int, resident_tokens: int,
                  streams: Streams | None = None, *, bus: EventBus | None = None,
                  take_memory: Callable[[float, str], float] | None = None,
-                 on_resize: Callable[[], None] | None = None, grow_limit_blocks: int = 0) -> None:
+                 on_resize: Callable[[], None] | None = None, grow_limit_blocks: int = 0,
+                 layer_waits: bool = True) -> None:
         """`streams`: the engine's (engine.exec.cuda_streams), whose `kv_copy` stream the fetches run on; needed on
         CUDA (None on a CPU, where a fetch copies in order). `take_memory(mib, reason) -> freed`: memory the
         prefix-cache tier gives back; `on_resize`: what must follow a pool reallocation (graphs dropped, the books'
         KV figure updated); `grow_limit_blocks`: the most pool blocks it may grow to without the tier (KV by use on
-        a CPU: every slot's whole context, what the reservation it replaces held; 0: only what the tier gives)."""
+        a CPU: every slot's whole context, what the reservation it replaces held; 0: only what the tier gives);
+        `layer_waits`: attention waits for its layer's fetch (below); False: a fetch is waited for whole."""
         self.kv = kv
         self.layout = layout
         self.resident_tokens = resident_tokens
@@ -103,19 +107,17 @@ class KVPaging:
         # the chunk in flight and lifts its hold, for a forward that cannot fit without its blocks.
         self._settle_held: Callable[[], None] | None = None
         self._table = torch.tensor([self.ledger.table_row(s) for s in range(layout.num_slots)], dtype=torch.int32)
-        # CUDA only: the stream fetches run on, one external event per KV layer (attend's layer index), and the
-        # fetches whose timing is not read yet.
+        # CUDA only: the fetches' stream, an external event per KV layer (attend's index), the fetches not yet read
         self._copy_stream: torch.cuda.Stream | None = None
         self._layer_fetched: list[torch.cuda.Event] = []
         self._pending: list[_PendingFetch] = []
+        self.layer_waits = layer_waits
         if kv.device.type == "cuda":
             self._copy_stream = required(streams, kv.device, "KV by use").kv_copy
-            # torch/cuda/streams.py (Event): "external (bool, optional): indicates whether this event should create
-            # event record and event wait nodes, or create an internal cross-stream dependency, when captured in a
-            # cuda graph" (pytorch/pytorch#155372); CUDA's cudaGraphAddEventWaitNode: "The graph node will wait for
-            # all work captured in event" (what its latest cudaEventRecord captured). The events are recorded once
-            # here because torch creates a CUDA event lazily, at its first record, and c10's CUDAEvent::block does
-            # nothing for an event not yet created: a graph captured before the first fetch would get no wait node.
+            # An external event captures as an event-wait node (torch.cuda.Event's `external`, pytorch#155372) that
+            # waits for the event's latest record. Recorded once here: torch creates a CUDA event at its first
+            # record and c10's CUDAEvent::block ignores one not yet created (a graph captured before the first
+            # fetch would get no wait node).
             self._layer_fetched = [torch.cuda.Event(external=True) for _ in range(kv.geometry.num_layers)]
             for event in self._layer_fetched:
                 event.record(self._copy_stream)
@@ -162,8 +164,8 @@ class KVPaging:
         need = self.ledger.missing_blocks({slot: end + lookahead_tokens for slot, end in decoding_ends.items()})
         need += sum(max(0, -(-(tokens + lookahead_tokens) // bt) - self.layout.resident_blocks)
                     for tokens in first_chunks_tokens)
-        ledger = self.ledger
-        room = ledger.free_pool_blocks + max(0, self.grow_limit_blocks - ledger.pool_blocks) + int(self.kv.tier_blocks)
+        room = self.ledger.free_pool_blocks + max(0, self.grow_limit_blocks - self.ledger.pool_blocks) + \
+            int(self.kv.tier_blocks)
         if need <= room:
             return None
         return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
@@ -191,7 +193,7 @@ class KVPaging:
         self._finish_fetches(wait=False)
         short = self.ledger.shortfall(wants)
         if short > 0:
-            self.grow(short, "the KV pool is short")
+            self.grow(short, "the KV pool is short", spare_blocks=len(wants))
             if self._settle_held is not None and self.ledger.needs_held(wants):
                 self._settle_held()  # the chunk's kernels are done: its blocks may go to the host like any other
         plan = self.ledger.plan(wants)
@@ -201,21 +203,19 @@ class KVPaging:
             self._sync_rows(plan.changed_slots)
 
     def wait_fetched(self, layer: int) -> None:
-        """The current stream waits until `layer`'s blocks of the last fetch have landed (a no-op on the CPU).
-        Called by attend before it writes the layer's pool: the write may land in a partly filled block that is
-        being fetched. Inside a graph capture this is the event-wait node the replays wait on."""
-        if self._layer_fetched:
+        """The current stream waits for `layer`'s blocks of the last fetch (attend, before it writes the layer's
+        pool: maybe a partly filled block being fetched); in a capture, the replays' event-wait node."""
+        if self._layer_fetched and self.layer_waits:
             torch.cuda.current_stream(self.kv.device).wait_event(self._layer_fetched[layer])
 
     def join_fetches(self) -> None:
-        """The current stream waits for every fetch enqueued so far: for readers and writers of the pools that do
-        not go through attend (the tier's read_span / write_span, a spill, a pool growth)."""
+        """The current stream waits for every fetch enqueued so far (pool readers and writers other than attend's
+        forwards: the tier's read_span / write_span, a spill, a growth, a forward without layer waits)."""
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.kv.device).wait_stream(self._copy_stream)
 
     def free(self) -> None:
-        """Publish what is still pending (waiting for it: nothing may copy into pools about to be dropped) and
-        drop the host memory."""
+        """Publish what is pending (waited for: nothing may copy into pools about to go) and drop host memory."""
         try:
             self._finish_fetches(wait=True)
         except RuntimeError:  # the device already failed (Engine.close after a fault): there is nothing to publish
@@ -241,9 +241,8 @@ class KVPaging:
         return all(row[j] != self.layout.scratch_block for j in logical)
 
     def maps_only(self, wants: dict[int, int]) -> bool:
-        """`prepare(wants)` would copy no block and grow nothing (engine.exec.decode_ahead: a step launched ahead
-        may map free blocks, an in-place table update ordered after the step in flight, but not move blocks or
-        reallocate the pool, which drops the graph it would replay)."""
+        """`prepare(wants)` would copy no block and grow nothing (a step launched ahead may map free blocks, but
+        not move blocks or reallocate the pool, which drops the graph it would replay: engine.exec.decode_ahead)."""
         return self.ledger.maps_only(wants)
 
     def sync_rows(self, slots: set[int]) -> None:
@@ -304,6 +303,8 @@ class KVPaging:
             end.record(stream)
         self._pending.append(_PendingFetch(start, end, len(moves), len(moves) * self.block_mib, self.host_mib,
                                            sorted({m.slot for m in moves})))
+        if not self.layer_waits:
+            self.join_fetches()  # the forward has no waits of its own: it starts once the whole fetch has landed
 
     def _finish_fetches(self, wait: bool) -> None:
         """Count and publish the fetches whose copies have completed, in order (one stream runs them); with
@@ -317,22 +318,21 @@ class KVPaging:
     def _done(self, action: str, blocks: int, mib: float, ms: float, slots: list[int],
               host_mib: float | None = None) -> None:
         """Count a finished spill or fetch in the stats and publish its `kv` event."""
-        if action == "spill":
-            self.stats.spilled_blocks += blocks
-            self.stats.spilled_mib += mib
-            self.stats.spill_ms += ms
-        else:
-            self.stats.fetched_blocks += blocks
-            self.stats.fetched_mib += mib
-            self.stats.fetch_ms += ms
+        s, past = self.stats, "spilled" if action == "spill" else "fetched"
+        setattr(s, f"{past}_blocks", getattr(s, f"{past}_blocks") + blocks)
+        setattr(s, f"{past}_mib", getattr(s, f"{past}_mib") + mib)
+        setattr(s, f"{action}_ms", getattr(s, f"{action}_ms") + ms)
         reason = "room for a forward's slots" if action == "spill" else "a forward reads them"
         self._publish(action, blocks, mib, ms, slots, reason, host_mib)
 
-    def grow(self, short_blocks: int, reason: str, ask_tier: bool = True) -> None:
+    def grow(self, short_blocks: int, reason: str, ask_tier: bool = True, spare_blocks: int = 0) -> None:
         """Make `short_blocks` more pool blocks free: the pool grows into its own headroom first
         (`grow_limit_blocks`: a CPU's, where evicting cached prefixes would buy nothing), then the tier gives back
         (pool blocks, when its blocks are in this pool, or device memory the pool tensors grow into). Nothing
-        when neither has any (the caller then spills). `ask_tier` False: the tier itself asks (for its blocks)."""
+        when neither has any (the caller then spills). `ask_tier` False: the tier itself asks (for its blocks).
+        `spare_blocks` more come from the tier's pool blocks (prepare: one a slot of the forward), so the slots'
+        next block crossings only map free blocks: a step that needs the tier cannot be launched ahead
+        (`maps_only`), and decoding rows cross blocks at nearly every step of a large batch."""
         headroom = self.grow_limit_blocks - self.ledger.pool_blocks
         if headroom > 0:
             # geometric: each growth copies the whole pool, so a pool filling up grows a few times, not per block
@@ -347,7 +347,7 @@ class KVPaging:
             # once (engine.exec.kv.tier_ledger, AdaptiveTier.release's pool_first), where memory it frees makes
             # the pool grow: every pool tensor copied and every captured graph dropped.
             free_before = self.ledger.free_pool_blocks
-            self.take_memory(short_blocks * block_mib, f"kv pool: {reason}")
+            self.take_memory((short_blocks + spare_blocks) * block_mib, f"kv pool: {reason}")
             short_blocks -= self.ledger.free_pool_blocks - free_before
             if short_blocks <= 0:
                 return

@@ -39,6 +39,14 @@ def test_attend_waits_for_every_layers_fetch_when_paging_and_never_without(ckpt,
     assert waited == []
 
 
+def test_only_a_resident_window_puts_a_wait_for_each_layers_fetch_in_the_forwards(ckpt):
+    """With `--kv-resident` fetches are routine and each layer's attention waits for its own blocks (the forward
+    overlaps the copy); KV by use without a window fetches only after a spill, so its forwards and graphs carry no
+    wait (a replayed wait node costs the device time every step) and a fetch is waited for whole instead."""
+    assert make_engine(ckpt, kv_resident=128, **SMALL).kv.paging.layer_waits
+    assert not make_engine(ckpt, kv_pool="by-use", **SMALL).kv.paging.layer_waits
+
+
 class _TimingEvent:
     """Stands in for one of the copy stream's CUDA timing events (the CPU has none): complete when told."""
 

@@ -40,11 +40,18 @@ def _replays(engine: Engine) -> int:
     return sum(g.replays for g in engine.graphs.snapshot().graphs)
 
 
-@pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", True)])
-def test_gpu_spilled_kv_through_the_paged_kernels_and_graphs_gives_the_tokens_of_a_run_with_room(ckpt, kv, mtp):
+# KV by use with a resident window (its forwards wait for each layer's fetch) and without one (a fetch is waited
+# for whole before the forward: no wait in its graphs)
+WINDOWED, BY_USE = dict(kv_resident=128), dict(kv_pool="by-use")
+
+
+@pytest.mark.parametrize("kv,mtp,pool", [("bf16", False, WINDOWED), ("int8", True, WINDOWED), ("bf16", False, BY_USE),
+                                         ("int8", True, BY_USE)])
+def test_gpu_spilled_kv_through_the_paged_kernels_and_graphs_gives_the_tokens_of_a_run_with_room(ckpt, kv, mtp, pool):
     roomy = tokens_of(run_all(_engine(ckpt, kv=kv, batch_mtp=mtp, mtp_depth=2), PROMPTS, GREEDY))
     bus = EventBus(history=100000)
-    engine = _tier_with_nothing_to_give(_engine(ckpt, bus=bus, kv=kv, batch_mtp=mtp, mtp_depth=2, kv_resident=128))
+    engine = _tier_with_nothing_to_give(_engine(ckpt, bus=bus, kv=kv, batch_mtp=mtp, mtp_depth=2, **pool))
+    assert engine.kv.paging.layer_waits == ("kv_resident" in pool)
     assert engine.runner.paged_enabled(), "the Triton paged kernels should read the pool here"
     assert type(engine.graphs).__name__ == "GraphCache"
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == roomy
@@ -90,14 +97,16 @@ def test_gpu_a_captured_decode_replays_correctly_after_its_slots_blocks_moved(ck
 _SLOW_COPY_CYCLES = 500_000_000
 
 
-def test_gpu_a_replayed_decode_waits_for_a_slow_fetch_that_prepare_did_not_wait_for(ckpt):
+@pytest.mark.parametrize("pool", [dict(kv_resident=64), BY_USE], ids=["windowed", "by-use"])
+def test_gpu_a_replayed_decode_waits_for_a_slow_fetch_that_prepare_did_not_wait_for(ckpt, pool):
     """The decode graph is captured while nothing is fetched; slot 0's blocks then spill, and the fetch that
     brings them back is made slow (a sleep queued on the copy stream before its copies). `prepare` returns with
     the copy still running (no layer's event complete), and the replayed graph still reads exactly the fetched
-    KV: its captured waits on the external layer events held each layer back until its blocks had landed."""
+    KV: its captured waits on the external layer events held each layer back until its blocks had landed (with a
+    resident window), or the compute stream waited for the whole fetch before the replay (without one)."""
     from engine.exec.runner import Row
 
-    engine = _tier_with_nothing_to_give(_engine(ckpt, batch=2, kv_resident=64))
+    engine = _tier_with_nothing_to_give(_engine(ckpt, batch=2, **pool))
     runner, kv, paging = engine.runner, engine.kv, engine.kv.paging
     prompt = random_prompts(2, seed=5, lengths=(700, 701))
     with torch.inference_mode():

@@ -185,7 +185,29 @@ def test_a_kv_pool_short_of_blocks_takes_the_tiers_pool_blocks_and_reallocates_n
 
     assert resized == [] and [p.data_ptr() for p in kv.pools()] == pools
     assert paging.ledger.missing_blocks({0: 200, 1: 200}) == 0 and paging.ledger.host_held_blocks == 0
-    assert len(shared.backing) == 6 and len(tier._blocks) == 4  # two tier blocks (8 pool blocks) went, own kept
+    # 8 pool blocks and a spare one per slot: three tier blocks (12 pool blocks) went, own kept
+    assert len(shared.backing) == 5 and len(tier._blocks) == 4
+
+
+def test_a_step_that_took_the_tiers_pool_blocks_leaves_each_slot_its_next_block_free():
+    """Decoding rows cross a block at nearly every step of a large batch. A step that needs the tier's blocks is
+    never launched ahead of the step in flight (decode_ahead: `maps_only`), so a step that asks the tier takes one
+    spare block per slot of its forward: the slots' next crossings only map free blocks."""
+    from engine.exec.kv.tier_ledger import LedgerTierBlocks
+
+    geometry = KVGeometry(2, 4, 2, 8, 1024, 16)
+    kv = SlotKVCache(geometry, "bf16", torch.float32, "cpu", 0, geometry.layout(0).window_blocks)
+    paging = kv.paging
+    shared = LedgerTierBlocks(kv, 256)
+    block_mib = kv.geometry.bytes_per_token("bf16", torch.float32) * 256 / (1 << 20)
+    tier = AdaptiveTier(PrefixIndex(256, 0), kv, EventBus(), torch.device("cpu"), 12 * block_mib + 1e-9,
+                        preallocate=True, shared=shared, pooled_mib=16 * block_mib + 1e-9)
+    paging.take_memory = lambda mib, reason: tier.release(mib, reason, pool_first=True)
+    assert paging.ledger.free_pool_blocks == 0  # the tier backs every pool block
+    wants = {0: 256, 1: 256}
+    paging.prepare(wants)  # each slot's first four blocks, from the tier
+    assert paging.ledger.missing_blocks(wants) == 0
+    assert paging.maps_only({0: 257, 1: 257}), paging.ledger.free_pool_blocks  # the fifth: free already
 
 
 def test_memory_asked_for_anything_but_the_pool_still_comes_from_own_blocks_first():
