@@ -12,8 +12,9 @@ context's, on CHUNK_SM_SHARE of the SMs, so the other SMs stay free for the step
 low-priority side stream on every SM) did not keep the slots going: a decode kernel waits for a whole chunk thread
 block to retire before it gets an SM.
 
-What may not run at the same time is kept apart: prompt chunks capture their graphs into their own pool
-(ModelRunner.prefill_owner) and use their own split counters (the "chunks" lane: `Streams.on`), and a KV pool
+What may not run at the same time is kept apart: chunks beside the steps capture their graphs under their own
+keys into their own pool (ModelRunner.prefill's `beside`, ModelRunner.prefill_owner; a chunk between the steps
+replays the steps' own) and use their own split counters (the "chunks" lane: `Streams.on`), and a KV pool
 reallocation waits for the device first (SlotKVCache.resize_pool). A slot whose request ends while its chunk is in
 flight waits for the chunk before the slot changes hands (`drop`). Where the two streams would share more than
 that, the overlap is off: MoE models (the expert cache's slots are shared by every forward). With KV by use the

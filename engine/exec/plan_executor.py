@@ -326,7 +326,8 @@ class PlanExecutor:
         MoE prompt's chunk whose experts may be cold from its layer-major window (engine.exec.prefill_window)."""
         if self.window is not None and self.window.applies(chunk):
             return self.window.forward(chunk)
-        return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start)
+        return self.runner.prefill(chunk.slot, chunk.request.prompt_token_ids[chunk.start:chunk.end], chunk.start,
+                                   beside=chunk.beside_decode)
 
     def _chunk_ran(self, chunk: PrefillChunk, out: StepOutput) -> None:
         """After a chunk's forward: the first token of a last chunk, and MTP's drafter prefill."""

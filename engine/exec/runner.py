@@ -101,7 +101,8 @@ class ModelRunner(StepBuckets):
         the fused (flash) chunk attention: it bakes the chunk's start into the step, so a graph of it would never
         be replayed (and a chunk's compute dwarfs launch cost). `prefill_owner`: the graph pool of prompt chunks,
         their own ("chunks") where a chunk may run beside the steps' graphs (engine.exec.chunk_stream), since
-        graphs of one pool must never replay at the same time. `release_memory(mib, reason) -> freed`: where an
+        graphs of one pool must never replay at the same time (a chunk between the steps replays its own graphs, in
+        the steps' pool: `prefill`'s `beside`). `release_memory(mib, reason) -> freed`: where an
         out-of-memory step gets room before its one retry, `oom_release_mib` at a time."""
         self.model = model
         self.graph_chunk_tokens = graph_chunk_tokens(model)
@@ -124,7 +125,7 @@ class ModelRunner(StepBuckets):
         self.oom_release_mib = oom_release_mib
         # Positions a forward may write past its rows' last token (the MTP round and chain steps): mapped with it.
         self.lookahead_tokens = 2 * mtp_depth + 2
-        self._chunk_buckets_seen: set[tuple[int, int]] = set()  # (tokens, span) buckets of short prompt chunks
+        self._chunk_buckets_seen: set[tuple] = set()  # (tokens, span, beside) buckets of short prompt chunks
 
     # --- staging and the path -------------------------------------------------------------------------------
 
@@ -326,8 +327,12 @@ class ModelRunner(StepBuckets):
 
         return build
 
-    def prefill(self, slot: int, token_ids: list[int], start: int) -> StepOutput:
-        """Prompt tokens at positions [start, start+n) of one slot: last position's logits, all hidden states."""
+    def prefill(self, slot: int, token_ids: list[int], start: int, beside: bool = False) -> StepOutput:
+        """Prompt tokens at positions [start, start+n) of one slot: last position's logits, all hidden states.
+        `beside`: the chunk runs on the side stream beside the steps (engine.exec.chunk_stream). Its graphs are
+        its own (keyed "beside", in the chunks' pool) and replay only there; a chunk between the steps replays
+        graphs captured on the steps' stream, in their pool: one graph replayed on both streams could run twice at
+        once (one set of inputs, one pool's buffers), and the side stream is a green context's."""
         n = len(token_ids)
         self.kv.prepare({slot: start + n + self.lookahead_tokens})
         tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
@@ -340,18 +345,20 @@ class ModelRunner(StepBuckets):
         # `start` baked in: a short one is keyed like the drafter's prefill and replays a captured graph.
         graph_chunk = tb <= self.graph_chunk_tokens and self.paged_enabled() and self.board.enabled(PREFILL_SWITCH)
         fused = not graph_chunk and self.kv.chunk_fusable(self.model.config.num_attention_heads, tb)
-        eager = fused or (graph_chunk and (tb, span) not in self._chunk_buckets_seen)
+        eager = fused or (graph_chunk and (tb, span, beside) not in self._chunk_buckets_seen)
         if graph_chunk:
-            self._chunk_buckets_seen.add((tb, span))
+            self._chunk_buckets_seen.add((tb, span, beside))
+        where = ("beside",) if beside else ()
 
         def build(split: bool):
             if fused:  # the fused chunk attention bakes `start` in (SlotKVCache.bind_chunk): eager, keyed by it
-                key = GraphKey.of(f"t{tb}", f"L{span}", f"s{start}", switches=split_switches(split))
+                key = GraphKey.of(f"t{tb}", f"L{span}", f"s{start}", *where, switches=split_switches(split))
                 return key, self._forward_fn(span, split, last_only=True, chunk=(start, tb))
-            key = GraphKey.of(f"t{tb}", f"L{span}", switches=split_switches(split))
+            key = GraphKey.of(f"t{tb}", f"L{span}", *where, switches=split_switches(split))
             return key, self._forward_fn(span, split, True)
 
-        out = self.run("prefill", build, inputs, owner=self.prefill_owner, executor=self._eager if eager else None)
+        owner = self.prefill_owner if beside else None
+        out = self.run("prefill", build, inputs, owner=owner, executor=self._eager if eager else None)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)
 
     def _forward_fn(self, span: int, split: bool, last_only: bool = False,

@@ -100,10 +100,10 @@ def test_a_fault_in_a_shared_forward_fails_only_the_request_it_belongs_to(ckpt: 
             raise RuntimeError("injected: a chunk of the faulty request")
         return real_rows(runner, rows)
 
-    def one_with_a_fault(slot, ids, start):
+    def one_with_a_fault(slot, ids, start, beside=False):
         if ids == bad[start:start + len(ids)]:
             raise RuntimeError("injected: a chunk of the faulty request")
-        return real_one(slot, ids, start)
+        return real_one(slot, ids, start, beside=beside)
 
     monkeypatch.setattr(chunk_rows, "prefill_rows", rows_with_a_fault)
     engine.runner.prefill = one_with_a_fault

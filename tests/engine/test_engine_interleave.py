@@ -238,10 +238,10 @@ def test_a_chunk_that_fails_at_its_launch_ends_its_request_only(ckpt) -> None:
         engine.step()
     prefill = engine.runner.prefill
 
-    def failing(slot, token_ids, start):
+    def failing(slot, token_ids, start, beside=False):
         if start == 512:
             raise RuntimeError("injected: the third chunk's forward failed")
-        return prefill(slot, token_ids, start)
+        return prefill(slot, token_ids, start, beside=beside)
 
     engine.runner.prefill = failing
     long = engine.add_request("long", LONG[:1200], _greedy(4))

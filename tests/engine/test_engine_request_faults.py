@@ -78,10 +78,10 @@ def test_a_fault_in_one_requests_part_of_a_step_fails_that_request_only(ckpt, re
     if stage == "prefill":
         real_prefill = engine.runner.prefill
 
-        def prefill(slot, ids, start):
+        def prefill(slot, ids, start, beside=False):
             if engine.sched.slot_request(slot).params.presence_penalty == MARK:
                 raise Injected("prefill of the faulty request")
-            return real_prefill(slot, ids, start)
+            return real_prefill(slot, ids, start, beside=beside)
 
         real_rows = chunk_rows.prefill_rows
 

@@ -8,6 +8,7 @@ import torch
 from engine.api import SamplingParams
 from engine.config import EngineConfig
 from engine.exec.step_fns import EagerExecutor
+from engine.exec.chunk_stream import CHUNK_OWNER
 from engine.exec.graphs.key import GraphKey
 from engine.exec.runner import Row, switch_for_key
 from engine.exec.step_buckets import pow2_bucket
@@ -211,6 +212,36 @@ def test_a_lone_chunk_of_the_default_chunk_size_replays_its_graph_too(ckpt, monk
             runner.prefill(0, [10 + i % 90 for i in range(length)], 0)
     to_graphs = [key for kind, key, _ in executor.calls if kind == "prefill"]
     assert [key.shape[0] for key in to_graphs] == ["t1024", "t2048"], to_graphs
+
+
+def test_a_chunk_beside_the_steps_and_one_between_them_never_replay_one_graph(ckpt, monkeypatch):
+    """A random:0.6b mixed set at 256 concurrent on an H100 (KV by use) failed with an illegal memory access in
+    the replay of a lone 2,048-token chunk's graph between the steps: a graph the chunks beside the steps (the side
+    stream, a green context's) captured and replay, in their own pool. A chunk between the steps now replays its
+    own graphs, captured where it runs, in the steps' pool; one beside keeps the chunks' pool and its own keys."""
+    executor = RecordingExecutor()
+    owners: list[str | None] = []
+    run = executor.run
+
+    def recording_run(kind, key, fn, inputs, owner=None):
+        owners.append(owner)
+        return run(kind, key, fn, inputs, owner)
+
+    monkeypatch.setattr(executor, "run", recording_run)
+    engine = make_engine(ckpt, batch=2, context=2048, executor=executor, prefill_overlap="on")
+    runner = engine.runner
+    assert runner.prefill_owner == CHUNK_OWNER
+    enabled = runner.board.enabled
+    monkeypatch.setattr(runner, "paged_enabled", lambda: True)
+    monkeypatch.setattr(runner.board, "enabled", lambda name: name == "PAGED_PREFILL" or enabled(name))
+    with torch.inference_mode():
+        for beside in (True, True, False, False, True):  # one bucket, (t128, L256), on either side
+            runner.prefill(0, list(range(10, 110)), 0, beside=beside)
+    calls = [(key, owner) for (kind, key, _), owner in zip(executor.calls, owners) if kind == "prefill"]
+    [(beside_key, beside_owner), (between_key, between_owner)] = sorted(set(calls), key=lambda c: c[0] != calls[0][0])
+    assert len(calls) == 3  # each side's first sight ran eagerly: its own bucket
+    assert beside_key != between_key and "beside" in beside_key.shape and "beside" not in between_key.shape
+    assert (beside_owner, between_owner) == (CHUNK_OWNER, None)
 
 
 @pytest.mark.parametrize("size, tokens", [("0.6b", 2048), ("tiny", 2048), ("8b", 512), ("moe-tiny", 512)])
