@@ -330,9 +330,8 @@ class KVPaging:
         (`grow_limit_blocks`: a CPU's, where evicting cached prefixes would buy nothing), then the tier gives back
         (pool blocks, when its blocks are in this pool, or device memory the pool tensors grow into). Nothing
         when neither has any (the caller then spills). `ask_tier` False: the tier itself asks (for its blocks).
-        `spare_blocks` more come from the tier's pool blocks (prepare: one a slot of the forward), so the slots'
-        next block crossings only map free blocks: a step that needs the tier cannot be launched ahead
-        (`maps_only`), and decoding rows cross blocks at nearly every step of a large batch."""
+        `spare_blocks` more of the tier's pool blocks (prepare: one a slot) let the next crossings only map free
+        blocks: a step needing the tier is not launched ahead (`maps_only`), and a large batch crosses every step."""
         headroom = self.grow_limit_blocks - self.ledger.pool_blocks
         if headroom > 0:
             # geometric: each growth copies the whole pool, so a pool filling up grows a few times, not per block
@@ -347,6 +346,7 @@ class KVPaging:
             # once (engine.exec.kv.tier_ledger, AdaptiveTier.release's pool_first), where memory it frees makes
             # the pool grow: every pool tensor copied and every captured graph dropped.
             free_before = self.ledger.free_pool_blocks
+            spare_blocks = min(spare_blocks, max(0, int(self.kv.tier_blocks) - short_blocks))  # never own blocks
             self.take_memory((short_blocks + spare_blocks) * block_mib, f"kv pool: {reason}")
             short_blocks -= self.ledger.free_pool_blocks - free_before
             if short_blocks <= 0:
