@@ -201,6 +201,8 @@ class KVPaging:
             self._copy(plan)
         if plan.changed_slots:
             self._sync_rows(plan.changed_slots)
+        if plan.fetches and not self.layer_waits:  # after the table's pageable copy, which would wait for it
+            self.join_fetches()  # no waits in the forward: it starts once the whole fetch has landed
 
     def wait_fetched(self, layer: int) -> None:
         """The current stream waits for `layer`'s blocks of the last fetch (attend, before it writes the layer's
@@ -303,8 +305,6 @@ class KVPaging:
             end.record(stream)
         self._pending.append(_PendingFetch(start, end, len(moves), len(moves) * self.block_mib, self.host_mib,
                                            sorted({m.slot for m in moves})))
-        if not self.layer_waits:
-            self.join_fetches()  # the forward has no waits of its own: it starts once the whole fetch has landed
 
     def _finish_fetches(self, wait: bool) -> None:
         """Count and publish the fetches whose copies have completed, in order (one stream runs them); with
