@@ -11,7 +11,8 @@ runs the real step; a phase's time excludes the phases nested inside it:
     detokenize   OutputProcessor.append / close: incremental detokenization, stop strings, the increments
     deliver      the rest of Engine._deliver: ends, slot events of first tokens and ends
     telemetry    Engine._publish_progress and publish_snapshot: paced slot events (each slot's at most every
-                 SLOT_EVENT_INTERVAL_S: per step, they grow with the step's time), VRAM books, the snapshot
+                 SLOT_EVENT_INTERVAL_S, longer past FULL_RATE_SLOTS busy slots: per step, they grow with the
+                 step's time), VRAM books, the snapshot
     to_clients   OutputRouter.deliver: AsyncEngine's hand-over to the waiting clients' asyncio queues (here one
                  event loop on its own thread, as the server's, with a task per request awaiting its queue and
                  one awaiting the telemetry, as the server's metrics do)

@@ -107,3 +107,28 @@ def test_a_long_prefill_reports_progress_rate_and_eta(ckpt, monkeypatch):
     assert final.state == "finished" and final.prefilled_tokens == 400 and final.prefill_tok_s > 0
     mid = [e for e in progress if 0 < e.prefilled_tokens < 400 and e.prefill_tok_s > 0]
     assert mid and all(e.eta_s is not None and e.eta_s >= 0 for e in mid)
+
+
+@pytest.mark.parametrize("batch", [4, 80])
+def test_all_slots_progress_events_stay_near_a_fixed_rate_whatever_the_batch(ckpt, batch):
+    """Each busy slot's progress goes out at most every SLOT_EVENT_INTERVAL_S up to FULL_RATE_SLOTS slots; past them
+    the interval grows with the slots, so their events (built on the engine thread, between the steps) cost a step
+    about the same at any batch: at 256 slots, 10 Hz each was 2,560 events a second. Driven by the engine's own
+    clock argument: 10 s of steps every 20 ms."""
+    from engine.orchestration.engine import FULL_RATE_SLOTS
+
+    bus = EventBus(history=100000)
+    engine = make_engine(ckpt, bus=bus, batch=batch, context=256, prefill_chunk_tokens=64, step_token_budget=8192)
+    for i, prompt in enumerate(random_prompts(batch, seed=55, lengths=(8, 16))):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    while engine.sched.num_waiting or any(engine.sched.slot_request(s) is None for s in range(batch)):
+        engine.step()
+    seq = bus.history()[-1].seq
+    start_s = time.monotonic() + 1.0  # past every slot's last event
+    for i in range(500):
+        engine._publish_progress(start_s + i * 0.02)
+    progress = [e for e in bus.history() if e.seq > seq and e.type == "slot"]
+    per_slot_hz = 1.0 / SLOT_EVENT_INTERVAL_S
+    expected = 10.0 * per_slot_hz * min(batch, FULL_RATE_SLOTS)  # events in 10 s
+    assert 0.8 * expected <= len(progress) <= 1.2 * expected + batch, (len(progress), expected)
+    assert {e.slot for e in progress} == set(range(batch))  # every slot still reports
