@@ -85,10 +85,12 @@ class TelemetryStatus(EngineNews):
 
 @dataclass
 class EngineLiveness(EngineNews):
-    """The engine started or stopped answering /health (with why)."""
+    """The engine started or stopped answering /health (with why). `seen_s`: the wall clock when the probe saw it
+    (the status's "unreachable since" is then the probe's moment, not when a busy app got to the message)."""
 
     answering: bool
     reason: str
+    seen_s: float | None = None
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, EngineLiveness)

@@ -149,7 +149,7 @@ async def watch_liveness(post: Post, client: TelemetryClient, interval_s: float 
             now, reason = False, describe_http_error(exc)
         if now != answering:
             answering = now
-            post(EngineLiveness(now, reason))
+            post(EngineLiveness(now, reason, time.time()))
         if not now:
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 

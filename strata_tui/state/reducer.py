@@ -203,7 +203,8 @@ def _liveness(view: ViewState, message: EngineLiveness, now_s: float, wall_s: fl
         return [Resync(), RedrawNow()]
     if view.unreachable_since is not None:
         return []
-    view.unreachable_since, view.unreachable_reason = wall_s, message.reason[:80]
+    view.unreachable_since = wall_s if message.seen_s is None else message.seen_s
+    view.unreachable_reason = message.reason[:80]
     view.resyncing = True
     view.changed()
     return [RedrawNow()]

@@ -43,6 +43,17 @@ def test_unreachable_then_answering_clears_the_reason_and_reads_the_state_again(
     assert not view.stale and view.engine_instance == "x"
 
 
+def test_unreachable_since_is_when_the_probe_saw_it_not_when_a_busy_app_got_to_the_message() -> None:
+    """The status's time came from when the app handled the liveness message, which on a loaded box (the suite
+    beside two busy loops: 1.79 s from the stop, against the probe's 0.85 s of allowed silence) can be well after
+    the probe failed: it said the engine stopped answering later than it was seen to."""
+    view = _launched()
+    reduce(view, EngineLiveness(False, "ReadTimeout", seen_s=999.1), 0, 1000.0)
+    assert view.unreachable_since == 999.1
+    reduce(view, EngineLiveness(True, "answering", seen_s=1000.5), 0, 1001.0)
+    assert view.unreachable_since is None
+
+
 def test_a_stop_you_asked_for_is_no_error() -> None:
     view = _launched()
     view.stopping_why, view.monitor.engine_state = "you pressed s", "stopping"
