@@ -113,9 +113,12 @@ def phase_pass(bench: Any, reqs: list[Any], steps: int) -> tuple[list[dict[str, 
     tasks = asyncio.run_coroutine_threadsafe(clients(), loop).result(timeout=60)
     # and the telemetry's reader a server always has (its metrics), awaiting the bus on the same loop
     events = bench.bus.subscribe(after_seq=None, loop=loop)
+    stopping = threading.Event()
 
     async def watch() -> None:
-        while True:
+        # Python 3.11's asyncio.wait_for (inside aget) can swallow a cancel that lands as its wait completes: the
+        # loop then ends on the flag instead of waiting forever for a cancel that was eaten
+        while not stopping.is_set():
             await events.aget(timeout_s=1.0)
 
     tasks.append(asyncio.run_coroutine_threadsafe(_started(watch), loop).result(timeout=60))
@@ -130,6 +133,7 @@ def phase_pass(bench: Any, reqs: list[Any], steps: int) -> tuple[list[dict[str, 
                 wall_s += time.perf_counter() - t0
     finally:
         async def stop() -> None:
+            stopping.set()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
