@@ -26,10 +26,9 @@ the copies are done. On the CPU a fetch is a plain synchronous copy.
 
 The waits are inside captured CUDA graphs too: the events are external (`torch.cuda.Event(external=True)`), so a
 wait captured in a graph becomes an event-wait node on that event, and a replay waits for its latest record, made
-by `prepare` outside the graph before the replay. The wait is in every graph of a `--kv-resident` engine, whether
-or not a fetch preceded its capture, and a replayed wait node costs the device time on every step, fetch or not
-(docs/KV.md). KV by use without `--kv-resident` fetches only after a spill, its last resort: its forwards and
-graphs hold no waits (`layer_waits` False), and the compute stream waits for such a fetch whole before the forward.
+by `prepare` outside the graph before the replay. With `--kv-resident` every graph has them, fetch or not (a
+replayed wait node costs device time each step: docs/KV.md); without it a fetch follows only a spill, so the
+forwards hold no waits (`layer_waits` False) and the compute stream waits for such a fetch whole.
 
 A fetch's time is measured on the copy stream with timing events and published (its `kv` event, PagingStats)
 once the copy has completed, at a later `prepare` or `snapshot` (never waited for, except at `free`).
@@ -114,10 +113,9 @@ class KVPaging:
         self.layer_waits = layer_waits
         if kv.device.type == "cuda":
             self._copy_stream = required(streams, kv.device, "KV by use").kv_copy
-            # An external event captures as an event-wait node (torch.cuda.Event's `external`, pytorch#155372) that
-            # waits for the event's latest record. Recorded once here: torch creates a CUDA event at its first
-            # record and c10's CUDAEvent::block ignores one not yet created (a graph captured before the first
-            # fetch would get no wait node).
+            # An external event captures as an event-wait node (torch.cuda.Event's `external`, pytorch#155372) on
+            # its latest record. Recorded once here: torch creates a CUDA event at its first record and c10's
+            # CUDAEvent::block ignores one not yet created (a graph captured before any fetch would get no wait).
             self._layer_fetched = [torch.cuda.Event(external=True) for _ in range(kv.geometry.num_layers)]
             for event in self._layer_fetched:
                 event.record(self._copy_stream)
@@ -164,8 +162,8 @@ class KVPaging:
         need = self.ledger.missing_blocks({slot: end + lookahead_tokens for slot, end in decoding_ends.items()})
         need += sum(max(0, -(-(tokens + lookahead_tokens) // bt) - self.layout.resident_blocks)
                     for tokens in first_chunks_tokens)
-        room = self.ledger.free_pool_blocks + max(0, self.grow_limit_blocks - self.ledger.pool_blocks) + \
-            int(self.kv.tier_blocks)
+        ledger = self.ledger
+        room = ledger.free_pool_blocks + max(0, self.grow_limit_blocks - ledger.pool_blocks) + int(self.kv.tier_blocks)
         if need <= room:
             return None
         return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
@@ -193,6 +191,7 @@ class KVPaging:
         self._finish_fetches(wait=False)
         short = self.ledger.shortfall(wants)
         if short > 0:
+            # a spare block a slot: a step that needs the tier is never launched ahead (decode_ahead, maps_only)
             self.grow(short, "the KV pool is short", spare_blocks=len(wants))
             if self._settle_held is not None and self.ledger.needs_held(wants):
                 self._settle_held()  # the chunk's kernels are done: its blocks may go to the host like any other
@@ -318,10 +317,14 @@ class KVPaging:
     def _done(self, action: str, blocks: int, mib: float, ms: float, slots: list[int],
               host_mib: float | None = None) -> None:
         """Count a finished spill or fetch in the stats and publish its `kv` event."""
-        s, past = self.stats, "spilled" if action == "spill" else "fetched"
-        setattr(s, f"{past}_blocks", getattr(s, f"{past}_blocks") + blocks)
-        setattr(s, f"{past}_mib", getattr(s, f"{past}_mib") + mib)
-        setattr(s, f"{action}_ms", getattr(s, f"{action}_ms") + ms)
+        if action == "spill":
+            self.stats.spilled_blocks += blocks
+            self.stats.spilled_mib += mib
+            self.stats.spill_ms += ms
+        else:
+            self.stats.fetched_blocks += blocks
+            self.stats.fetched_mib += mib
+            self.stats.fetch_ms += ms
         reason = "room for a forward's slots" if action == "spill" else "a forward reads them"
         self._publish(action, blocks, mib, ms, slots, reason, host_mib)
 
@@ -330,8 +333,7 @@ class KVPaging:
         (`grow_limit_blocks`: a CPU's, where evicting cached prefixes would buy nothing), then the tier gives back
         (pool blocks, when its blocks are in this pool, or device memory the pool tensors grow into). Nothing
         when neither has any (the caller then spills). `ask_tier` False: the tier itself asks (for its blocks).
-        `spare_blocks` more of the tier's pool blocks (prepare: one a slot) let the next crossings only map free
-        blocks: a step needing the tier is not launched ahead (`maps_only`), and a large batch crosses every step."""
+        `spare_blocks`: more of the tier's pool blocks, so the next block crossings only map (`maps_only`)."""
         headroom = self.grow_limit_blocks - self.ledger.pool_blocks
         if headroom > 0:
             # geometric: each growth copies the whole pool, so a pool filling up grows a few times, not per block
