@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from engine.core.free_ids import FreeIds
 from engine.errors import ConfigError
 from engine.step import BlockRef
 
@@ -88,7 +89,10 @@ class PrefixIndex:
         self._lru: OrderedDict[bytes, int] = OrderedDict()
         self._digest_of: dict[int, bytes] = {}
         self._pins: dict[int, int] = {}
-        self._free: list[int] = list(range(capacity_blocks))
+        self._free = FreeIds(capacity_blocks)
+        # ids below `_next_id` the index gave back (a shrink, `drop_free`): a growth takes them again, lowest first
+        self._released: list[int] = []
+        self._next_id = capacity_blocks
         self._owned = capacity_blocks
         self._lookups = self._hits = self._misses = self._inserted = self._evicted = 0
 
@@ -123,7 +127,7 @@ class PrefixIndex:
 
     def free_block_ids(self) -> list[int]:
         """Ids the index owns that hold nothing now."""
-        return sorted(self._free)
+        return self._free.ascending()
 
     def match(self, token_ids: Sequence[int]) -> list[BlockRef]:
         """The longest cached prefix of `token_ids`, as refs for blocks 0..k-1; marks them recently used.
@@ -213,23 +217,14 @@ class PrefixIndex:
             if digest is not None:
                 del self._lru[digest]
                 self._pins.pop(block_id, None)
-                heapq.heappush(self._free, block_id)
+                self._free.add(block_id)
 
     def evict(self, n_blocks: int, only: Callable[[int], bool] | None = None) -> list[int]:
         """Evict up to `n_blocks` unpinned blocks (those `only` accepts, when given), least recently used first;
         returns their (now free) ids."""
-        freed: list[int] = []
-        for digest, block_id in list(self._lru.items()):
-            if len(freed) >= n_blocks:
-                break
-            if block_id in self._pins or (only is not None and not only(block_id)):
-                continue
-            del self._lru[digest]
-            del self._digest_of[block_id]
-            freed.append(block_id)
-        self._evicted += len(freed)
+        freed = self._take_lru(n_blocks, only)
         for block_id in freed:
-            heapq.heappush(self._free, block_id)
+            self._free.add(block_id)
         return freed
 
     def resize(self, capacity_blocks: int, keep_last: Callable[[int], bool] | None = None) -> ResizeResult:
@@ -241,15 +236,15 @@ class PrefixIndex:
         """
         _check_capacity(capacity_blocks)
         if capacity_blocks >= self._owned:
-            in_use = set(self._digest_of) | set(self._free)
             added: list[int] = []
-            candidate = 0
             while self._owned + len(added) < capacity_blocks:
-                if candidate not in in_use:
-                    added.append(candidate)
-                candidate += 1
+                if self._released:
+                    added.append(heapq.heappop(self._released))
+                else:
+                    added.append(self._next_id)
+                    self._next_id += 1
             for block_id in added:
-                heapq.heappush(self._free, block_id)
+                self._free.add(block_id)
             self._owned = capacity_blocks
             return ResizeResult(capacity_blocks, added_block_ids=added)
         excess = self._owned - capacity_blocks
@@ -259,27 +254,18 @@ class PrefixIndex:
             def among(b: int, last: bool | None = last) -> bool:
                 return last is None or bool(keep_last(b)) == last
 
-            # ids evicted by an earlier pass are free now but never `among` a later one: nothing goes twice
-            released += heapq.nlargest(excess - len(released), [b for b in self._free if among(b)])
-            out = self.evict(excess - len(released), among)
+            released += self._free.remove(self._free.highest(excess - len(released), among))
+            out = self._take_lru(excess - len(released), among)  # evicted and released at once: never free
             released += out
             evicted += out
-        gone = set(released)
-        self._free = [b for b in self._free if b not in gone]
-        heapq.heapify(self._free)
-        self._owned -= len(released)
+        self._give_back(released)
         return ResizeResult(self._owned, sorted(released), evicted)
 
     def drop_free(self, block_ids: Iterable[int]) -> list[int]:
         """Give back exactly these ids if they are free (a tier that could back only some of the ids a `resize`
         added); returns the ids dropped. The capacity falls by as many."""
-        wanted = set(block_ids)
-        dropped = [b for b in self._free if b in wanted]
-        if dropped:
-            gone = set(dropped)
-            self._free = [b for b in self._free if b not in gone]
-            heapq.heapify(self._free)
-            self._owned -= len(dropped)
+        dropped = self._free.remove(set(block_ids))
+        self._give_back(dropped)
         return sorted(dropped)
 
     # --- internals ---------------------------------------------------------------------------------------
@@ -295,7 +281,29 @@ class PrefixIndex:
         # Lowest id first, so the ids in use stay packed at the front of a contiguous tier.
         if not self._free and not self.evict(1):
             return None
-        return heapq.heappop(self._free)
+        return self._free.pop_lowest()
+
+    def _take_lru(self, n_blocks: int, only: Callable[[int], bool] | None) -> list[int]:
+        """Forget up to `n_blocks` unpinned blocks (`only`'s), least recently used first; their ids, in no list."""
+        if n_blocks <= 0:
+            return []
+        chosen: list[tuple[bytes, int]] = []
+        for digest, block_id in self._lru.items():  # oldest first, up to the n-th: not a pass over every block
+            if block_id in self._pins or (only is not None and not only(block_id)):
+                continue
+            chosen.append((digest, block_id))
+            if len(chosen) == n_blocks:
+                break
+        for digest, block_id in chosen:
+            del self._lru[digest]
+            del self._digest_of[block_id]
+        self._evicted += len(chosen)
+        return [block_id for _, block_id in chosen]
+
+    def _give_back(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            heapq.heappush(self._released, block_id)
+        self._owned -= len(block_ids)
 
 
 def _check_capacity(capacity_blocks: object) -> None:

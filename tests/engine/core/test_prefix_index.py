@@ -209,3 +209,34 @@ def test_drop_free_gives_back_exactly_the_named_free_ids() -> None:
     assert index.drop_free([0, 1, 3, 9]) == [1, 3]  # 0 holds a block, 9 is not the index's
     assert index.capacity_blocks == 2 and index.free_block_ids() == [2]
     assert index.digest_of(0) == ref.digest and index.digest_of(2) is None
+
+
+
+def test_a_shrink_asks_about_the_ids_it_gives_back_not_every_free_id() -> None:
+    # A tier on a large card owns up to MAX_TIER_BLOCKS ids, and a KV pool short of blocks (KV by use) asks it for
+    # a few back at nearly every step while prompts arrive: a pass over every free id each time (O(ids) calls of
+    # `keep_last`) made a long prompt's first token seconds later. As the tier starts: the first ids are backed by
+    # KV pool blocks, the last few are the tier's own.
+    index = PrefixIndex(4, 100_000)
+    pool = set(range(95_000))
+    asked: list[int] = []
+
+    def own(block_id: int) -> bool:  # a pool short of blocks asks: the pool's ids go first, own ones last
+        asked.append(block_id)
+        return block_id not in pool
+
+    first = index.resize(100_000 - 20, keep_last=own).released_block_ids
+    assert len(first) == 20 and all(b in pool for b in first)
+    assert len(asked) <= 5_000 + 20  # past the own ids above them, then the 20 it gives: not 100,000
+    asked.clear()
+
+    def pooled(block_id: int) -> bool:  # anyone else asks: own ids first
+        asked.append(block_id)
+        return block_id in pool
+
+    second = index.resize(100_000 - 40, keep_last=pooled).released_block_ids
+    assert len(second) == 20 and all(b not in pool for b in second)
+    assert len(asked) == 20
+    # a growth takes the ids given back again, lowest first, before any new one
+    assert index.resize(100_000 - 30).added_block_ids == sorted(first + second)[:10]
+    assert len(index.free_block_ids()) == 100_000 - 30
