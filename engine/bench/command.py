@@ -315,6 +315,10 @@ def _throughput(p: argparse.ArgumentParser) -> None:
                         "tokens, so one-time work (kernels compiled, graphs captured, the KV pool sized) happens "
                         "before the clock starts, as on a server that has served before; short, two requests of "
                         "8 tokens: a fresh engine's first burst (default burst)")
+    p.add_argument("--slow-steps", type=whole_number, default=0, metavar="N",
+                   help="report each row's N slowest engine steps of the timed burst, with the events the engine "
+                        "published during each (graph captures, the tier giving blocks back, KV pool growths, ...): "
+                        "in the JSON row's slow_steps and printed after the table (default 0: none)")
 
 
 _ADDERS = {

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.bench.common import device_of, emit, prepare_model, random_prompt, save_partial, weight_bytes
+from engine.bench.step_trace import StepTrace
 from engine.errors import ConfigError
 
 DEFAULT_CONCURRENCY = (1, 8, 32, 64, 128, 256)
@@ -75,8 +76,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def drive(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
-    """Add every request at once, step until all finish; the latencies and rates of one row."""
+def drive(engine: Any, requests: list[tuple[list[int], int]], trace: Any = None) -> dict[str, Any]:
+    """Add every request at once, step until all finish; the latencies and rates of one row. `trace`
+    (engine.bench.step_trace.StepTrace) hears about every step."""
     from engine.api import SamplingParams
 
     start = time.perf_counter()
@@ -94,11 +96,14 @@ def drive(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
     tokens_at_all_first = 0
     limit = sum(len(p) + n for p, n in requests) + 100  # every step computes a token of some request
     while engine.has_work:
+        step_s = time.perf_counter()
         outs = engine.step()
         steps += 1
         if steps > limit:
             raise RuntimeError(f"no progress: {steps} steps for {len(requests)} requests")
         now = time.perf_counter()
+        if trace is not None:
+            trace.after_step(step_s - start, now - step_s, len(outs))
         for out in outs:
             n = len(out.token_ids)
             if out.finish_reason in ("error", "abort"):
@@ -246,13 +251,17 @@ def run(args: argparse.Namespace) -> int:
                 drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, warm_new))
                                      for i, (p, new) in enumerate(warm)])
                 watch = bench.bus.subscribe(after_seq=None, max_queue=1 << 20)
+                trace = StepTrace(watch.drain, args.slow_steps)
                 try:
-                    timed = drive(bench.engine, requests)
+                    timed = drive(bench.engine, requests, trace)
+                    trace.finish()
                 finally:
                     watch.close()
                 row: dict[str, Any] = {"set": set_name, "engine": "strata", "concurrency": n,
                                        "chunk_rows": args.chunk_rows, "warm_up": args.warm_up, **timed,
-                                       **one_time_work(watch.drain()), "error": None}
+                                       **one_time_work(trace.events), "error": None}
+                if args.slow_steps:
+                    row["slow_steps"] = trace.slowest()
                 paging = bench.engine.kv.paging
                 row["preemptions"] = paging.stats.preemptions if paging is not None else 0
                 row["step_token_budget"] = bench.engine.sched.step_token_budget  # the rule's, unless given
@@ -283,6 +292,9 @@ def run(args: argparse.Namespace) -> int:
          ("set", "engine", "concurrency", "tok_s", "decode_tok_s", "floor_tok_s", "ttft_p50_s", "ttft_p99_s",
           "all_first_token_s", "itl_p50_s", "itl_p99_s", "steps", "preemptions", "graph_captures", "pool_growths",
           "step_token_budget", "error"))
+    for row in rows:
+        if row.get("slow_steps"):
+            print("\n".join(StepTrace.lines(row["concurrency"], row["slow_steps"])))
     return 1 if fatal is not None else 0
 
 

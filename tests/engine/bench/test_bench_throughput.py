@@ -5,6 +5,7 @@ its error, not a hang). No timing assertions."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,44 @@ def test_each_row_warms_up_on_a_burst_of_its_own_shape_unless_asked_for_a_fresh_
     assert served[1] == [(16, 6)] * 3  # the timed burst
     assert served[0] == ([(16, 4)] * 3 if warm_up == "burst" else [(16, 6)] * 2), served[0]
     assert row["graph_captures"] >= 0 and row["pool_growths"] >= 0
+
+
+def test_slow_steps_name_the_slowest_steps_and_what_the_engine_published_in_each(tmp_path: Path, monkeypatch) -> None:
+    # A stall injected into one step of the timed burst (a step that sleeps and warns, as a capture or a tier
+    # growth would publish its event): the row's slowest step is that one, with its event in the details.
+    from engine.orchestration.engine import Engine
+    from engine.telemetry import WarningEvent
+
+    real = Engine.step
+    calls = {"n": 0}
+
+    def step(self):
+        calls["n"] += 1
+        if calls["n"] == 3 + warm_steps["n"]:
+            time.sleep(0.5)
+            self.bus.publish(WarningEvent(where="test", message="injected stall"))
+        return real(self)
+
+    warm_steps = {"n": 10**9}  # no stall during the warm-up burst: set once the timed burst starts
+    from engine.bench import throughput
+
+    real_drive = throughput.drive
+
+    def drive(engine, requests, trace=None):
+        if trace is not None:
+            warm_steps["n"] = calls["n"]
+        return real_drive(engine, requests, trace)
+
+    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr(throughput, "drive", drive)
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", *SMALL, "--peer", "none",
+                           "--slow-steps", "2"])
+    row = doc["rows"][0]
+    slow = row["slow_steps"]
+    assert len(slow) == 2 and slow[0]["step"] < slow[1]["step"]  # the two longest, in the order they ran
+    stalled = max(slow, key=lambda s: s["seconds"])
+    assert stalled["step"] == 2 and stalled["seconds"] >= 0.5
+    assert stalled["events"].get("warning") == 1 and "warning message=injected stall" in stalled["details"]
+    assert all(s["outputs"] >= 0 and s["at_s"] >= 0 for s in slow)
+    without = bench(tmp_path, ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", *SMALL, "--peer", "none"])
+    assert "slow_steps" not in without["rows"][0]
