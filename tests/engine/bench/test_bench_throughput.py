@@ -169,9 +169,9 @@ def test_each_row_warms_up_on_a_burst_of_its_own_shape_unless_asked_for_a_fresh_
     served: list[list[tuple[int, int]]] = []
     real = throughput.drive
 
-    def recorded(engine, requests):
+    def recorded(engine, requests, trace=None):
         served.append([(len(prompt), new) for prompt, new in requests])
-        return real(engine, requests)
+        return real(engine, requests, trace)
 
     monkeypatch.setattr(throughput, "drive", recorded)
     doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "3", "--sets", "fixed", *SMALL, "--new-tokens", "6",
