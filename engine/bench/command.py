@@ -319,6 +319,10 @@ def _throughput(p: argparse.ArgumentParser) -> None:
                    help="report each row's N slowest engine steps of the timed burst, with the events the engine "
                         "published during each (graph captures, the tier giving blocks back, KV pool growths, ...): "
                         "in the JSON row's slow_steps and printed after the table (default 0: none)")
+    p.add_argument("--slow-steps-profile", action="store_true",
+                   help="with --slow-steps: every step of the timed burst under cProfile, and each slow step lists "
+                        "the host functions it spent its own time in (every step's host work is slower: a "
+                        "diagnosis, not a figure)")
 
 
 _ADDERS = {

@@ -1,11 +1,17 @@
 """The slowest engine steps of a timed burst, each with what the engine published during it (`bench throughput
 --slow-steps N`): where a row's first tokens or inter-token tail went (a capture, the tier giving blocks back, a
-KV pool growth, a second-long stall) without running a profiler over the whole burst."""
+KV pool growth, a second-long stall). With `--slow-steps-profile` each step also runs under cProfile and a slow
+step names the host functions it spent its time in: what a stall that publishes no event was (a kernel compiled,
+an allocation, a synchronization), at the price of slower host work in every step."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 from collections import Counter
 from typing import Any, Callable
+
+PROFILE_FUNCTIONS = 12  # a slow step's functions listed, by their own time
 
 # Events worth their details in a slow step; the others (slot progress, admissions) are counted only.
 _DETAILED = ("graph", "tier", "kv", "expert", "warning", "error", "engine")
@@ -26,17 +32,27 @@ class StepTrace:
     """Fed after every step of a burst (`after_step`); keeps every event (the row's one-time work reads them)
     and, for `keep` > 0, each step's time and events, of which `slowest` reports the `keep` longest."""
 
-    def __init__(self, drain: Callable[[], list[Any]], keep: int) -> None:
+    def __init__(self, drain: Callable[[], list[Any]], keep: int, profile: bool = False) -> None:
         self.drain = drain
         self.keep = keep
+        self.profile = profile and keep > 0
         self.events: list[Any] = []
-        self._steps: list[tuple[float, float, int, list[Any]]] = []
+        self._steps: list[tuple[float, float, int, list[Any], cProfile.Profile | None]] = []
+        self._profiler: cProfile.Profile | None = None
+
+    def before_step(self) -> None:
+        if self.profile:
+            self._profiler = cProfile.Profile()
+            self._profiler.enable()
 
     def after_step(self, at_s: float, seconds: float, outputs: int) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.disable()
         got = self.drain()
         self.events += got
         if self.keep:
-            self._steps.append((at_s, seconds, outputs, got))
+            self._steps.append((at_s, seconds, outputs, got, profiler))
 
     def finish(self) -> None:
         """Keep what was published after the last step (not any step's)."""
@@ -48,11 +64,13 @@ class StepTrace:
         longest = sorted(range(len(self._steps)), key=lambda i: -self._steps[i][1])[:self.keep]
         report = []
         for i in sorted(longest):
-            at_s, seconds, outputs, events = self._steps[i]
+            at_s, seconds, outputs, events, profiler = self._steps[i]
             counts = Counter(f"{e.type}:{getattr(e, 'action', '') or ''}".rstrip(":") for e in events)
-            report.append({"step": i, "at_s": round(at_s, 4), "seconds": round(seconds, 4), "outputs": outputs,
-                           "events": dict(counts),
-                           "details": [describe(e) for e in events if e.type in _DETAILED]})
+            step = {"step": i, "at_s": round(at_s, 4), "seconds": round(seconds, 4), "outputs": outputs,
+                    "events": dict(counts), "details": [describe(e) for e in events if e.type in _DETAILED]}
+            if profiler is not None:
+                step["functions"] = top_functions(profiler)
+            report.append(step)
         return report
 
     @staticmethod
@@ -64,4 +82,17 @@ class StepTrace:
             out.append(f"  step {s['step']} at {s['at_s'] * 1e3:,.0f} ms: {s['seconds'] * 1e3:,.1f} ms, "
                        f"{s['outputs']} outputs; {counts or 'no events'}")
             out += [f"    {d}" for d in s["details"]]
+            out += [f"    {f['seconds'] * 1e3:9,.1f} ms own {f['cumulative_s'] * 1e3:9,.1f} ms in all "
+                    f"{f['calls']:>7,} calls  {f['function']}" for f in s.get("functions", [])]
         return out
+
+
+def top_functions(profiler: cProfile.Profile, count: int = PROFILE_FUNCTIONS) -> list[dict[str, Any]]:
+    """A step's host functions by their own seconds (a kernel launch, a synchronize, a compile, an allocation:
+    where the time was spent, not the callers it passed through), with their cumulative seconds and calls."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ..)
+    rows = [(own, cumulative, calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
+            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+    rows.sort(key=lambda r: -r[0])
+    return [{"function": where, "seconds": round(own, 4), "cumulative_s": round(cumulative, 4), "calls": calls}
+            for own, cumulative, calls, where in rows[:count]]

@@ -96,6 +96,8 @@ def drive(engine: Any, requests: list[tuple[list[int], int]], trace: Any = None)
     tokens_at_all_first = 0
     limit = sum(len(p) + n for p, n in requests) + 100  # every step computes a token of some request
     while engine.has_work:
+        if trace is not None:
+            trace.before_step()
         step_s = time.perf_counter()
         outs = engine.step()
         steps += 1
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                 drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, warm_new))
                                      for i, (p, new) in enumerate(warm)])
                 watch = bench.bus.subscribe(after_seq=None, max_queue=1 << 20)
-                trace = StepTrace(watch.drain, args.slow_steps)
+                trace = StepTrace(watch.drain, args.slow_steps, args.slow_steps_profile)
                 try:
                     timed = drive(bench.engine, requests, trace)
                     trace.finish()

@@ -219,6 +219,13 @@ def test_slow_steps_name_the_slowest_steps_and_what_the_engine_published_in_each
     stalled = max(slow, key=lambda s: s["seconds"])
     assert stalled["step"] == 2 and stalled["seconds"] >= 0.5
     assert stalled["events"].get("warning") == 1 and "warning message=injected stall" in stalled["details"]
-    assert all(s["outputs"] >= 0 and s["at_s"] >= 0 for s in slow)
+    assert all(s["outputs"] >= 0 and s["at_s"] >= 0 and "functions" not in s for s in slow)
+    # under cProfile the stall names where its time went (here: the sleep)
+    calls["n"], warm_steps["n"] = 0, 10**9
+    profiled = bench(tmp_path, ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", *SMALL, "--peer", "none",
+                                "--slow-steps", "1", "--slow-steps-profile"])
+    (step,) = profiled["rows"][0]["slow_steps"]
+    top = step["functions"][0]
+    assert step["step"] == 2 and "sleep" in top["function"] and top["seconds"] >= 0.5, step["functions"][:3]
     without = bench(tmp_path, ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", *SMALL, "--peer", "none"])
     assert "slow_steps" not in without["rows"][0]
