@@ -7,7 +7,6 @@ an allocation, a synchronization), at the price of slower host work in every ste
 from __future__ import annotations
 
 import cProfile
-import pstats
 from collections import Counter
 from typing import Any, Callable
 
@@ -90,9 +89,8 @@ class StepTrace:
 def top_functions(profiler: cProfile.Profile, count: int = PROFILE_FUNCTIONS) -> list[dict[str, Any]]:
     """A step's host functions by their own seconds (a kernel launch, a synchronize, a compile, an allocation:
     where the time was spent, not the callers it passed through), with their cumulative seconds and calls."""
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ..)
-    rows = [(own, cumulative, calls, f"{name} ({file.rsplit('/', 1)[-1]}:{line})")
-            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
-    rows.sort(key=lambda r: -r[0])
+    from engine.bench.profile import host_functions  # bench profile's reading of cProfile; it loads the engine
+
+    ranked = sorted(host_functions(profiler), key=lambda f: -f[2])[:count]
     return [{"function": where, "seconds": round(own, 4), "cumulative_s": round(cumulative, 4), "calls": calls}
-            for own, cumulative, calls, where in rows[:count]]
+            for where, calls, own, cumulative in ranked]

@@ -199,7 +199,7 @@ class KVPaging:
         if plan.spills or plan.fetches:
             self._copy(plan)
         if plan.changed_slots:
-            self._sync_rows(plan.changed_slots)
+            self.sync_rows(plan.changed_slots)
         if plan.fetches and not self.layer_waits:  # after the table's pageable copy, which would wait for it
             self.join_fetches()  # no waits in the forward: it starts once the whole fetch has landed
 
@@ -246,21 +246,18 @@ class KVPaging:
         not move blocks or reallocate the pool, which drops the graph it would replay: engine.exec.decode_ahead)."""
         return self.ledger.maps_only(wants)
 
-    def sync_rows(self, slots: set[int]) -> None:
-        """Copy the ledger's rows of `slots` into the device table, in place."""
-        self._sync_rows(slots)
-
     def reclaim(self) -> None:
         changed = self.ledger.reclaim()
         if changed:
-            self._sync_rows(changed)
+            self.sync_rows(changed)
 
-    # --- internals -----------------------------------------------------------------------------------------
-
-    def _sync_rows(self, slots: set[int]) -> None:
+    def sync_rows(self, slots: set[int]) -> None:
+        """Copy the ledger's rows of `slots` into the device table, in place."""
         for slot in slots:
             self._table[slot] = torch.tensor(self.ledger.table_row(slot), dtype=torch.int32)
         self.kv.block_table.copy_(self._table)  # in place: captured steps read this tensor
+
+    # --- internals -----------------------------------------------------------------------------------------
 
     def _copy(self, plan: Plan) -> None:
         pools = self.kv.pools()
