@@ -121,6 +121,10 @@ class PrefixIndex:
     def is_pinned(self, block_id: int) -> bool:
         return block_id in self._pins
 
+    def pins(self, block_id: int) -> int:
+        """How many holders pin the block (pins nest)."""
+        return self._pins.get(block_id, 0)
+
     def digest_of(self, block_id: int) -> bytes | None:
         """The digest `block_id` holds now; None when it is free or released."""
         return self._digest_of.get(block_id)

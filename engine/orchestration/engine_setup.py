@@ -161,6 +161,12 @@ class _PartsBuilder:
             return 0.0
         return self.tier.release(mib, reason, pool_first=True)
 
+    def _tier_take_lent(self, blocks: int, slots: list[int], reason: str) -> int:
+        """A KV pool with no block free or spillable takes back the tier's blocks those slots alone map."""
+        if self.tier is None or self.tier_device != self.device:
+            return 0
+        return self.tier.take_lent(blocks, slots, reason)
+
     # --- the stages ----------------------------------------------------------------------------------------
 
     def build(self, graphs: StepExecutor | None, tier_budget_mib: float | None,
@@ -170,6 +176,7 @@ class _PartsBuilder:
         self.stage = "allocating the KV cache"
         depth = config.mtp_depth if config.batch_mtp else 0
         kv, weights_mib = sized_kv_cache(config, lm, depth, streams, bus=bus, take_memory=self._tier_release,
+                                         take_lent=self._tier_take_lent,
                                          on_resize=functools.partial(self._kv_pool_resized, graphs))
         settle_switches(board, bus, config, lm.model, kv, has_experts=self.experts is not None)
         index = PrefixIndex(block_tokens or DEFAULT_BLOCK_TOKENS, 0)

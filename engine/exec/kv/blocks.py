@@ -116,6 +116,7 @@ class BlockLedger:
         self._clock = 0
         self._retired: set[int] = set()
         self._borrowed: list[dict[int, int]] = [{} for _ in range(layout.num_slots)]  # logical -> tier's pool block
+        self._borrowers: dict[int, int] = {}  # a tier's pool block some slot maps -> how many slots map it
         self._held: set[int] = set()  # slots whose blocks a chunk beside the steps may be writing: never spilled
         self.add_pool(pool_blocks)
 
@@ -137,6 +138,24 @@ class BlockLedger:
     def borrowed_blocks(self) -> int:
         """Table entries that point at a tier block (one tier block shared by n slots counts n times)."""
         return sum(len(b) for b in self._borrowed)
+
+    @property
+    def mapped_tier_blocks(self) -> int:
+        """Distinct tier pool blocks some slot maps: the tier cannot give them to the pool while they are mapped."""
+        return len(self._borrowers)
+
+    def sole_borrower(self, block: int) -> bool:
+        """Exactly one slot maps the tier's pool block `block`."""
+        return self._borrowers.get(block) == 1
+
+    def spillable(self, wants: dict[int, int]) -> int:
+        """Device pool blocks `plan(wants)` may spill to the host (`_victims`)."""
+        return len(self._victims(wants))
+
+    def others_by_use(self, wants: dict[int, int]) -> list[int]:
+        """The slots a forward of `wants` may take blocks from (not in it, not held), least recently used first."""
+        return sorted((s for s in range(self.layout.num_slots) if s not in wants and s not in self._held),
+                      key=lambda s: self._last_use[s])
 
     def missing_blocks(self, wants: dict[int, int]) -> int:
         """Pool blocks `plan(wants)` would map (logical blocks below each slot's end that are not on the device)."""
@@ -249,6 +268,7 @@ class BlockLedger:
         for where, idx in owned.values():
             (self._free_pool if where is Where.DEVICE else self._free_host).append(idx)
         borrowed = self._borrowed[slot]
+        self._count_borrowers(borrowed.values(), -1)
         self._owned[slot] = {}
         self._borrowed[slot] = {}
         self._top[slot] = self.layout.resident_blocks
@@ -276,6 +296,7 @@ class BlockLedger:
         if any(j < self.layout.resident_blocks for j in blocks):
             raise RuntimeError("a borrowed block inside the resident window")
         self._borrowed[slot] = dict(blocks)
+        self._count_borrowers(blocks.values(), 1)
         self._top[slot] = max([self._top[slot], *(j + 1 for j in blocks)])
 
     def lend(self, slot: int, logical: list[int]) -> dict[int, int]:
@@ -289,7 +310,16 @@ class BlockLedger:
             del self._owned[slot][j]
             self._borrowed[slot][j] = held[1]
             lent[j] = held[1]
+        self._count_borrowers(lent.values(), 1)
         return lent
+
+    def unlend(self, slot: int, logical: list[int]) -> None:
+        """The tier gives the slot's borrowed blocks `logical` up (it drops the tier block they back): they are the
+        slot's own again, on the device, so a plan may spill them like any other."""
+        for j in logical:
+            block = self._borrowed[slot].pop(j)
+            self._owned[slot][j] = (Where.DEVICE, block)
+            self._count_borrowers([block], -1)
 
     def hold(self, slot: int) -> None:
         self._held.add(slot)
@@ -321,13 +351,19 @@ class BlockLedger:
             return unmapped
         return sorted(j for j in self._on_host[slot] if j < top) + unmapped
 
+    def _count_borrowers(self, blocks, delta: int) -> None:
+        for block in blocks:
+            count = self._borrowers.get(block, 0) + delta
+            if count > 0:
+                self._borrowers[block] = count
+            else:
+                self._borrowers.pop(block, None)
+
     def _victims(self, wants: dict[int, int]) -> list[tuple[int, int]]:
         """Device pool blocks a plan may spill: other slots' (least recently used slot first, lowest block
         first), then this forward's slots' blocks past what it addresses."""
         out: list[tuple[int, int]] = []
-        others = sorted((s for s in range(self.layout.num_slots) if s not in wants and s not in self._held),
-                        key=lambda s: self._last_use[s])
-        for slot in others:
+        for slot in self.others_by_use(wants):
             out += [(slot, j) for j in sorted(self._owned[slot]) if self._owned[slot][j][0] is Where.DEVICE]
         for slot, end in wants.items():
             top = self.layout.blocks_for(end)

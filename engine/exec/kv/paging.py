@@ -12,7 +12,9 @@ the table says. Before every forward the runner calls `prepare({slot: end_tokens
    own headroom (`grow_limit_blocks`: on a CPU, up to every slot's whole context; on CUDA none, the books gave
    the rest to the tier);
 3. what is still short is taken from other slots: their blocks are copied to host memory (a spill), and the
-   forward's own host-held blocks are copied back (a fetch) into the pool blocks the table then points at;
+   forward's own host-held blocks are copied back (a fetch) into the pool blocks the table then points at; where
+   the tier's blocks that running slots map (a prompt they lent it) leave too little, the tier gives those up to
+   their slots first (`take_lent`), to be spilled like the rest;
 4. the changed table rows are copied into the device table in place, so a captured step replays unchanged.
 
 Copies are whole blocks of every layer, bit for bit: attention reads exactly the KV it would have read with
@@ -37,43 +39,16 @@ once the copy has completed, at a later `prepare` or `snapshot` (never waited fo
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from engine.exec.kv.blocks import BlockLayout, BlockLedger, Plan
 from engine.exec.kv.host import MIB, HostKVStore
+from engine.exec.kv.paging_stats import PagingStats, PendingFetch
 from engine.exec.cuda_streams import Streams, required
 from engine.snapshot import KvPagingSnapshot
 from engine.telemetry import EventBus, KvEvent
-
-
-@dataclass
-class _PendingFetch:
-    """A fetch enqueued on the copy stream; its telemetry is published once `end` has completed."""
-
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-    blocks: int
-    mib: float
-    host_mib: float  # what the host held when the fetch was planned
-    slots: list[int]
-
-
-@dataclass
-class PagingStats:
-    """Totals since start (the snapshot's `kv` section and the Prometheus counters)."""
-
-    spilled_blocks: int = 0
-    fetched_blocks: int = 0
-    spilled_mib: float = 0.0
-    fetched_mib: float = 0.0
-    spill_ms: float = 0.0
-    fetch_ms: float = 0.0
-    grown_blocks: int = 0
-    preemptions: int = 0  # slots whose blocks a spill took (one per slot per spill)
-    preemption_cause: str = ""
 
 
 class KVPaging:
@@ -82,11 +57,13 @@ class KVPaging:
     def __init__(self, kv, layout: BlockLayout, pool_blocks: int, resident_tokens: int,
                  streams: Streams | None = None, *, bus: EventBus | None = None,
                  take_memory: Callable[[float, str], float] | None = None,
+                 take_lent: Callable[[int, list[int], str], int] | None = None,
                  on_resize: Callable[[], None] | None = None, grow_limit_blocks: int = 0,
                  layer_waits: bool = True) -> None:
         """`streams`: the engine's (engine.exec.cuda_streams), whose `kv_copy` stream the fetches run on; needed on
         CUDA (None on a CPU, where a fetch copies in order). `take_memory(mib, reason) -> freed`: memory the
-        prefix-cache tier gives back; `on_resize`: what must follow a pool reallocation (graphs dropped, the books'
+        prefix-cache tier gives back; `take_lent(blocks, slots, reason) -> blocks`: the tier's blocks that only one of
+        `slots` maps given back to it (AdaptiveTier.take_lent), for a forward that cannot fit otherwise; `on_resize`: what must follow a pool reallocation (graphs dropped, the books'
         KV figure updated); `grow_limit_blocks`: the most pool blocks it may grow to without the tier (KV by use on
         a CPU: every slot's whole context, what the reservation it replaces held; 0: only what the tier gives);
         `layer_waits`: attention waits for its layer's fetch (below); False: a fetch is waited for whole."""
@@ -100,6 +77,7 @@ class KVPaging:
         self.stats = PagingStats()
         self.bus = bus
         self.take_memory = take_memory
+        self.take_lent = take_lent
         self.on_resize = on_resize
         self.grow_limit_blocks = grow_limit_blocks
         # The held slot's settle (engine.exec.chunk_stream.ChunkStream.settle, handed over with `hold`): waits for
@@ -109,7 +87,7 @@ class KVPaging:
         # CUDA only: the fetches' stream, an external event per KV layer (attend's index), the fetches not yet read
         self._copy_stream: torch.cuda.Stream | None = None
         self._layer_fetched: list[torch.cuda.Event] = []
-        self._pending: list[_PendingFetch] = []
+        self._pending: list[PendingFetch] = []
         self.layer_waits = layer_waits
         if kv.device.type == "cuda":
             self._copy_stream = required(streams, kv.device, "KV by use").kv_copy
@@ -129,24 +107,31 @@ class KVPaging:
 
     def split_groups(self, groups: list[list[int]], end_tokens: list[int]) -> list[list[int]]:
         """Forwards' rows (indices into end_tokens) split so that each forward's slots fit the pool together,
-        after asking the tier for room to keep them whole. One slot always fits: the pool is never smaller
-        than one slot's window."""
+        after asking the tier for room to keep them whole. The tier's pool blocks that no slot maps are not the
+        forward's to count on: those still there after the tier was asked are pinned (a fill this step is
+        writing them)."""
         need = sum(self.layout.pool_need(e) for e in end_tokens)
-        if need > self.ledger.pool_blocks:
-            self.grow(need - self.ledger.pool_blocks, "slots addressing more KV than the pool holds")
-        if need <= self.ledger.pool_blocks:
+        if need > self.usable_blocks():
+            self.grow(need - self.usable_blocks(), "slots addressing more KV than the pool holds")
+        usable = self.usable_blocks()
+        if need <= usable:
             return groups  # every row of every group fits the pool at once: nothing to split
         out: list[list[int]] = []
         for group in groups:
-            used = self.ledger.pool_blocks + 1  # forces a new forward for the first row
+            used = usable + 1  # forces a new forward for the first row
             for i in group:
                 need = self.layout.pool_need(end_tokens[i])
-                if used + need > self.ledger.pool_blocks:
+                if used + need > usable:
                     out.append([])
                     used = 0
                 out[-1].append(i)
                 used += need
         return out
+
+    def usable_blocks(self) -> int:
+        """Pool blocks slots can hold: all but the tier's blocks that no slot maps."""
+        ledger = self.ledger
+        return ledger.pool_blocks - max(0, int(self.kv.tier_blocks) - ledger.mapped_tier_blocks)
 
     def placement_tokens(self, slot: int, length_tokens: int) -> tuple[int, int, int]:
         return self.ledger.placement_tokens(slot, length_tokens)
@@ -163,7 +148,9 @@ class KVPaging:
         need += sum(max(0, -(-(tokens + lookahead_tokens) // bt) - self.layout.resident_blocks)
                     for tokens in first_chunks_tokens)
         ledger = self.ledger
-        room = ledger.free_pool_blocks + max(0, self.grow_limit_blocks - ledger.pool_blocks) + int(self.kv.tier_blocks)
+        # the tier's blocks a running slot maps are not the tier's to give
+        tier_blocks = max(0, int(self.kv.tier_blocks) - ledger.mapped_tier_blocks)
+        room = ledger.free_pool_blocks + max(0, self.grow_limit_blocks - ledger.pool_blocks) + tier_blocks
         if need <= room:
             return None
         return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
@@ -195,6 +182,7 @@ class KVPaging:
             self.grow(short, "the KV pool is short", spare_blocks=len(wants))
             if self._settle_held is not None and self.ledger.needs_held(wants):
                 self._settle_held()  # the chunk's kernels are done: its blocks may go to the host like any other
+            self._take_lent(wants)
         plan = self.ledger.plan(wants)
         if plan.spills or plan.fetches:
             self._copy(plan)
@@ -202,6 +190,16 @@ class KVPaging:
             self.sync_rows(plan.changed_slots)
         if plan.fetches and not self.layer_waits:  # after the table's pageable copy, which would wait for it
             self.join_fetches()  # no waits in the forward: it starts once the whole fetch has landed
+
+    def _take_lent(self, wants: dict[int, int]) -> None:
+        """Where the free and spillable blocks fall short, the tier's blocks other slots map (a prompt they lent it,
+        a prefix they reused) become those slots' own, to be spilled: with most of the pool lent to the tier by
+        running requests, a forward would otherwise find no block to take."""
+        if self.take_lent is None:
+            return
+        short = self.ledger.shortfall(wants) - self.ledger.spillable(wants)
+        if short > 0:
+            self.take_lent(short, self.ledger.others_by_use(wants), "the KV pool is short: slots' lent blocks")
 
     def wait_fetched(self, layer: int) -> None:
         """The current stream waits for `layer`'s blocks of the last fetch (attend, before it writes the layer's
@@ -299,7 +297,7 @@ class KVPaging:
                             groups=self.kv.pool_groups(),
                             after_group=lambda layer: self._layer_fetched[layer].record(stream))
             end.record(stream)
-        self._pending.append(_PendingFetch(start, end, len(moves), len(moves) * self.block_mib, self.host_mib,
+        self._pending.append(PendingFetch(start, end, len(moves), len(moves) * self.block_mib, self.host_mib,
                                            sorted({m.slot for m in moves})))
 
     def _finish_fetches(self, wait: bool) -> None:

@@ -273,6 +273,21 @@ class AdaptiveTier:
             torch.cuda.empty_cache()  # own blocks' memory back to the driver (pool blocks: _resize_pool's)
         return freed
 
+    def take_lent(self, blocks: int, slots: list[int], reason: str) -> int:
+        """A KV pool short of blocks with none free or spillable (KV by use): drop cached blocks that only one of
+        `slots` maps, in that order, until `blocks` pool blocks are those slots' own again (to be spilled to the
+        host); returns how many are. Only a tier whose blocks are lent by the slots can (`take_back`)."""
+        take_back = getattr(self.shared, "take_back", None)
+        if blocks <= 0 or take_back is None:
+            return 0
+        before = self.mib
+        # a block pinned past its one mapping is in use this step (an admission copying it, a fill writing it)
+        dropped = take_back(blocks, slots, lambda block_id: self.index.pins(block_id) <= 1)
+        self.index.discard(dropped)  # their pins go with them: the slots own the blocks now
+        if dropped:
+            self._publish("shrink", before - self.mib, reason)
+        return len(dropped) * self.shared.group
+
     def set_budget(self, mib: float, reason: str) -> None:
         """Grow or shrink the tier's capacity to `mib` (whole blocks); growth takes own blocks."""
         self._resize_to(self.blocks_for(mib), reason)

@@ -14,6 +14,9 @@ take.
   backed by the slot's pool blocks (the slot keeps reading them, borrowed), and the pool blocks that backed it
   before go back to the free pool. A block spilled to the host since it was computed is not handed over (the
   tier's fill reports it failed).
+- **Take back** (`take_back`): a forward short of pool blocks, with nothing left free or spillable, has the tier
+  drop blocks that only one running slot maps (the prompt it lent, or a prefix it reused): the slot owns them
+  again, so they can go to the host like its other blocks. The cached prefix is lost; no request is.
 - **Retire / reclaim**: the slot's row is released by the ledger (`KVPaging.reclaim`); here only the refs it
   mapped are returned, for the tier to unpin.
 
@@ -104,6 +107,27 @@ class LedgerTierBlocks:
             self.mapped[slot][ref.index] = ref
         self.kv.tier_blocks = g * len(self.backing)
         return refused  # the rows are unchanged: the slot maps the very blocks it wrote
+
+    def take_back(self, blocks: int, slots: list[int], only: Callable[[int], bool]) -> list[int]:
+        """Drop tier blocks that only one of `slots` maps (in that order; a slot's last prompt blocks first) and
+        `only(tier id)` allows, until `blocks` pool blocks are the slots' own again; returns the dropped tier ids
+        (the tier forgets them)."""
+        g, ledger = self.group, self.ledger
+        dropped: list[int] = []
+        for slot in slots:
+            if len(dropped) * g >= blocks:
+                break
+            for index, ref in sorted(self.mapped[slot].items(), reverse=True):
+                if len(dropped) * g >= blocks:
+                    break
+                physical = self.backing.get(ref.block_id, [])
+                if not physical or not only(ref.block_id) or not all(ledger.sole_borrower(p) for p in physical):
+                    continue
+                ledger.unlend(slot, list(range(index * g, (index + 1) * g)))
+                del self.backing[ref.block_id], self.mapped[slot][index]
+                dropped.append(ref.block_id)
+        self.kv.tier_blocks = g * len(self.backing)
+        return dropped
 
     def retire(self, slot: int) -> None:
         self._retired.add(slot)

@@ -9,7 +9,7 @@ import torch
 from engine.api import SamplingParams
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.geometry import KVGeometry
-from engine.exec.kv.paging import KVPaging, _PendingFetch
+from engine.exec.kv.paging import KVPaging, PendingFetch
 from engine.telemetry import EventBus
 from tests.engine.engine_helpers import make_engine, random_prompts, run_all
 
@@ -74,7 +74,7 @@ def test_a_fetch_is_counted_and_published_once_its_copy_has_completed_and_only_o
     paging = kv.paging
     paging.bus = bus = EventBus(history=100)
     end = _TimingEvent(complete=False)
-    paging._pending.append(_PendingFetch(_TimingEvent(True), end, blocks=3, mib=0.5, host_mib=1.25, slots=[1]))
+    paging._pending.append(PendingFetch(_TimingEvent(True), end, blocks=3, mib=0.5, host_mib=1.25, slots=[1]))
 
     def fetch_events() -> list:
         return [e for e in bus.history() if e.type == "kv" and e.action == "fetch"]
@@ -89,6 +89,6 @@ def test_a_fetch_is_counted_and_published_once_its_copy_has_completed_and_only_o
     paging.prepare({0: 16})
     assert len(fetch_events()) == 1 and paging.stats.fetched_blocks == 3
 
-    paging._pending.append(_PendingFetch(_TimingEvent(True), _TimingEvent(False), 2, 0.25, 1.0, [0]))
+    paging._pending.append(PendingFetch(_TimingEvent(True), _TimingEvent(False), 2, 0.25, 1.0, [0]))
     kv.free()  # shutdown waits for what is in flight
     assert paging.stats.fetched_blocks == 5 and len(fetch_events()) == 2

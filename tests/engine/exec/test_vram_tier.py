@@ -222,3 +222,59 @@ def test_memory_asked_for_anything_but_the_pool_still_comes_from_own_blocks_firs
                         preallocate=True, shared=shared, pooled_mib=8 * block_mib + 1e-9)
     tier.release(2 * block_mib, "graph decode out of memory")
     assert len(shared.backing) == 8 and len(tier._blocks) == 2
+
+
+def _lending_pool(slots: int, tier_ids: int):
+    """KV by use as on a GPU: the pool at one slot's window (16 blocks of 64 tokens), every block of it backing the
+    preallocated tier's `tier_ids` ids of 256 tokens, wired as engine_setup wires them."""
+    from engine.exec.kv.tier_ledger import LedgerTierBlocks
+
+    geometry = KVGeometry(2, slots, 2, 8, 1024, 16)
+    kv = SlotKVCache(geometry, "bf16", torch.float32, "cpu", 0, geometry.layout(0).window_blocks)
+    block_mib = kv.geometry.bytes_per_token("bf16", torch.float32) * 256 / (1 << 20)
+    tier = AdaptiveTier(PrefixIndex(256, 0), kv, EventBus(), torch.device("cpu"), tier_ids * block_mib + 1e-9,
+                        preallocate=True, shared=LedgerTierBlocks(kv, 256), pooled_mib=tier_ids * block_mib + 1e-9)
+    kv.paging.take_memory = lambda mib, reason: tier.release(mib, reason, pool_first=True)
+    kv.paging.take_lent = getattr(tier, "take_lent", None)
+    return kv, tier
+
+
+def _prefill_and_lend(kv: SlotKVCache, tier: AdaptiveTier, slot: int, tokens: list[int]) -> torch.Tensor:
+    """A prompt's KV written into the slot, its full tier blocks handed over to the tier (the slot maps them)."""
+    data = torch.randn(2, 2, 2, len(tokens), 8)
+    kv.write_span(slot, 0, data, None)
+    assert tier.fill(tier.index.insert(tokens), slot) == []
+    return data
+
+
+def test_a_forward_takes_back_the_blocks_a_running_request_lent_the_tier_instead_of_failing():
+    """On a GPU the tier backs its ids with the by-use pool's blocks, and a prompt's computed blocks are lent to
+    it (the slot keeps mapping them). With the pool lent out to running requests, the next forward found nothing
+    free or spillable: `PoolTooSmall` ended a request (a CPU replay of a burst of 64 mixed prompts on a tier of
+    8 MiB). Now the tier gives up the cached blocks that only one other slot maps; that slot's KV goes to the
+    host, bit for bit, and comes back when it runs again."""
+    kv, tier = _lending_pool(slots=2, tier_ids=4)
+    lent = _prefill_and_lend(kv, tier, 0, list(range(512)))
+    assert len(tier.shared.mapped[0]) == 1  # its first 256 tokens (the tier kept room for one id)
+
+    kv.prepare({1: 1024})  # the whole pool for slot 1: slot 0's lent blocks too
+
+    assert kv.paging.ledger.missing_blocks({1: 1024}) == 0
+    assert tier.index.match(list(range(512))) == []  # the cached prefix was given up, not a request
+    back, _ = kv.read_span(0, 0, 512)  # slot 0 runs again: its KV from the host
+    assert torch.equal(back, lent)
+
+
+def test_a_decode_forward_is_split_when_a_fill_pins_tier_blocks_in_the_pool():
+    """The decode rows of several slots fit the pool's block count together, but not beside a tier block this
+    step's cache fill has pinned (it cannot be given to the pool): the forward is split instead of failing."""
+    kv, tier = _lending_pool(slots=2, tier_ids=4)
+    pinned = tier.index.insert(list(range(256)))  # a fill planned this step: the id is pinned until it lands
+    tier.index.pin(ref.block_id for ref in pinned)
+    assert len(tier.shared.backing) == 4
+
+    groups = kv.paging.split_groups([[0, 1]], [512, 512])
+
+    assert groups == [[0], [1]]
+    for group in groups:
+        kv.prepare({slot: 512 for slot in group})
