@@ -224,30 +224,52 @@ def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, d
         mine = sorted((r for r in rows if r["class"] == cls), key=lambda r: r["rows"])
         entry: dict[str, Any] = {}
         for path, prefix, rng in (("gemv", "g", range(1, 5)), ("tc", "t", range(5, _TC_MAX_ROWS + 1))):
-            totals: dict[str, float] = {}
-            for r in (r for r in mine if r["rows"] in rng):
-                best = {}
-                if f"{path}_ms" in r:
-                    best[r[f"{path}_config"]] = r[f"{path}_ms"]
-                for key, value in r.items():
-                    if key.startswith(f"{prefix}_") and key.endswith("_ms") and r.get(key[:-3] + "_max_err", 0) <= 0.02:
-                        best[key[len(prefix) + 1:-3]] = value
-                for label, ms in best.items():
-                    totals[label] = totals.get(label, 0.0) + ms
-            if totals:
-                entry[path] = min(totals, key=totals.get)
-        # gemv_rows is left to the reader: below 4 it is faster where `tc_ms` beats `gemv_ms` at 2-4 rows, but a
-        # verify step of that many rows then no longer computes its rows exactly as a decode step does
+            shape = _fastest_shape([r for r in mine if r["rows"] in rng], path, prefix)
+            if shape is not None:
+                entry[path] = shape
+        # The GEMV keeps 1-4 rows while it beats the tensor-core kernel at 4 rows (whose 16-row tile reads the
+        # weight once whatever the rows in it: its time at 4 rows is its time at 1-3). A decode or verify step takes
+        # its path by its sequences (engine.model.quant.kernels.path_of), so the step's rows stay alike either way.
+        both = [r for r in mine if r["rows"] == 4 and "gemv_ms" in r and "tc_ms" in r]
+        if both:
+            tc4 = both[0]["tc_ms"]
+            entry["gemv_rows"] = max([r["rows"] for r in mine if r["rows"] <= 4 and r.get("gemv_ms", tc4) <= tc4]
+                                     or [0])
         chunked = [r for r in mine if "tc_ms" in r and "dense_ms" in r]
         if chunked:
             wins = [r["rows"] for r in chunked if r["tc_ms"] <= r["dense_ms"]]
             entry["tc_rows"] = max(wins) if wins else min(r["rows"] for r in chunked) - 1
-        decode = [r for r in mine if r["rows"] <= entry.get("tc_rows", _TC_MAX_ROWS) and "tinygemm_ms" in r]
-        if decode and all(r["tinygemm_ms"] < min(r.get("gemv_ms", float("inf")), r.get("tc_ms", float("inf")))
-                          for r in decode):
-            entry["backend"] = "tinygemm"
+        # tinygemm (int4) up to the last row count from 1 up where it beats the faster of the paths it replaces
+        tiny = 0
+        for r in mine:
+            ours = min(r.get("gemv_ms", float("inf")), r.get("tc_ms", float("inf")))
+            if r["rows"] > entry.get("tc_rows", _TC_MAX_ROWS) or r.get("tinygemm_ms", ours) >= ours:
+                break
+            tiny = r["rows"]
+        if tiny:
+            entry["tinygemm_rows"] = tiny
         entries[cls] = entry
     return entries
+
+
+def _fastest_shape(measured: list[dict[str, Any]], path: str, prefix: str) -> str | None:
+    """The launch shape of `path` with the least time summed over `measured` (rows of one class); a shape that
+    failed (out of shared memory on this device, say), or was off by more than 2 %, at any of those row counts is
+    no candidate: summed over fewer rows it would look the fastest."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for r in measured:
+        best = {}
+        if f"{path}_ms" in r:
+            best[r[f"{path}_config"]] = r[f"{path}_ms"]
+        for key, value in r.items():
+            if key.startswith(f"{prefix}_") and key.endswith("_ms") and r.get(key[:-3] + "_max_err", 0) <= 0.02:
+                best[key[len(prefix) + 1:-3]] = value
+        for label, ms in best.items():
+            totals[label] = totals.get(label, 0.0) + ms
+            counts[label] = counts.get(label, 0) + 1
+    complete = {label: ms for label, ms in totals.items() if counts[label] == len(measured)}
+    return min(complete, key=complete.get) if complete else None
 
 
 def write_table(path: str, rows: list[dict[str, Any]], device_name: str) -> Path:

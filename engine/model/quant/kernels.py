@@ -12,7 +12,8 @@ By the product's rows (the thresholds are per weight class and device, engine.mo
 - more (`dense`, engine.model.quant.dense): prompt chunks. FP8 GEMMs (torch._scaled_mm) or one kernel writing
   the bf16 weight into cuBLAS: compute-bound, where cuBLAS is what is fast.
 - int4 layers whose class the table routes to `tinygemm`: torch._weight_int4pack_mm (PyTorch's own int4 kernel)
-  up to `tc_rows`, on the layer's weight repacked once (engine.model.quant.tinygemm).
+  up to `tinygemm_rows` (where it measured faster than these kernels: a decode step's few rows), on the layer's
+  weight repacked once (engine.model.quant.tinygemm).
 
 The launch shape is a function of the weight's shape only, never of the row count, and a decode or verify step's
 path and tensor-core row tile follow its sequences, not its rows (so a row's output does not depend on the other
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from engine.model.quant import launch_table
+from engine.model.quant import launch_table, tinygemm
 from engine.model.quant.gemv import fp8_gemv_kernel, int_gemv_kernel
 from engine.model.quant.tensor_core import fp8_tc_kernel, int_tc_kernel
 from engine.model.triton_linear import COUNTER_LANES, split_counters
@@ -127,7 +128,7 @@ class Launch:
     tc: QuantConfig
     gemv_rows: int
     tc_rows: int
-    backend: str
+    tinygemm_rows: int
 
 
 def plan(layer) -> Launch:
@@ -137,12 +138,13 @@ def plan(layer) -> Launch:
         device = layer.scale_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         entry = launch_table.lookup(name, launch_table.layer_format(layer), layer.out_features, layer.in_features)
+        tc_rows = int(entry.get("tc_rows", _default_tc_rows(layer, device)))
+        tiny = int(entry.get("tinygemm_rows", tc_rows if entry.get("backend") == "tinygemm" else 0))
         launch = layer.__dict__["_quant_launch"] = Launch(
             gemv=QuantConfig.parse(entry["gemv"]) if "gemv" in entry else default_config(layer, "gemv"),
             tc=QuantConfig.parse(entry["tc"]) if "tc" in entry else default_config(layer, "tc"),
             gemv_rows=int(entry.get("gemv_rows", DEFAULT_GEMV_ROWS["fp8" if layer.format == "fp8" else "int"])),
-            tc_rows=int(entry.get("tc_rows", _default_tc_rows(layer, device))),
-            backend=entry.get("backend", "triton") if layer.format == "int4" else "triton")
+            tc_rows=tc_rows, tinygemm_rows=min(tiny, tc_rows) if tinygemm.takes(layer) else 0)
     return launch
 
 
@@ -164,7 +166,7 @@ def path_of(layer, rows: int, sequences: int | None = None) -> str:
     by = rows if sequences is None else sequences
     if by > launch.tc_rows:
         return "dense"
-    if launch.backend == "tinygemm":
+    if by <= launch.tinygemm_rows:
         return "tinygemm"
     return "gemv" if by <= launch.gemv_rows else "tc"
 

@@ -11,7 +11,8 @@ rounded up to powers of two (the 8B shape's gate/up, 24576 x 4096, is `int4/n327
 - `gemv`, `tc`: launch shapes `BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES` of the 1-4 row and the tensor-core paths;
 - `gemv_rows` (0-4): the most rows the GEMV takes; `tc_rows`: the most the tensor-core kernel takes (more rows:
   the prompt-chunk path, engine.model.quant.dense);
-- `backend`: `triton` (these kernels) or `tinygemm` (int4: torch._weight_int4pack_mm up to `tc_rows`).
+- `tinygemm_rows` (int4): the most rows torch._weight_int4pack_mm (PyTorch's tinygemm) takes instead of these
+  kernels; `backend`: `triton` (these kernels) or `tinygemm` (tinygemm up to `tc_rows`).
 `strata-engine bench linear --quant ... --quant-tune ... --table-out FILE` writes a table of this form from the
 fastest shape it measured per class and row count.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 TABLE_PATH = Path(__file__).with_name("launch_table.json")
-ENTRY_KEYS = ("gemv", "tc", "gemv_rows", "tc_rows", "backend")
+ENTRY_KEYS = ("gemv", "tc", "gemv_rows", "tc_rows", "tinygemm_rows", "backend")
 BACKENDS = ("triton", "tinygemm")
 
 
@@ -63,6 +64,8 @@ def read(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
                 raise ValueError(f"{where}: an entry has only the keys {', '.join(ENTRY_KEYS)}")
             if entry.get("backend", "triton") not in BACKENDS:
                 raise ValueError(f"{where}.backend={entry['backend']!r}: expected one of {', '.join(BACKENDS)}")
+            if int(entry.get("tinygemm_rows", 0)) < 0:
+                raise ValueError(f"{where}.tinygemm_rows={entry['tinygemm_rows']}: expected 0 or more rows")
             if not 0 <= int(entry.get("gemv_rows", 4)) <= 4:
                 raise ValueError(f"{where}.gemv_rows={entry['gemv_rows']}: the GEMV takes 0 to 4 rows")
     return devices

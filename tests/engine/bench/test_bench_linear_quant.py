@@ -83,3 +83,30 @@ def test_bench_linear_times_every_quantized_format_against_cublas(tmp_path: Path
         if row["format"] == "int4":  # PyTorch's own int4 kernel beside ours, on our codes
             assert row["tinygemm_ms"] > 0 and row["tinygemm_max_err"] <= 0.02, row
     assert doc["summary"]["layer_int4_speedup_rows1"] > 0
+
+
+def test_a_launch_shape_that_failed_at_any_row_count_never_enters_the_table():
+    """On an H100 `128x256x2x4x3` ran at 16 rows and ran out of shared memory at 128 (a larger row tile): summed
+    over the one row count it ran, it looked the fastest, the table routed the tensor-core path to it, and every
+    int4 prompt of 128 tokens then failed (`bench decode --weight-formats int4`: no first token). These are that
+    H100's measured int4 rows of the 8B shape's qkv (ms)."""
+    from engine.bench.linear_quant import launch_table_of
+
+    failed = "OutOfResources: out of resource: shared memory, Required: 237568, Hardware limit: 232448."
+    cls = {"class": "int4/n8192/k4096", "gemv_config": "128x128x8x4x2", "tc_config": "64x128x4x4x3"}
+    rows = [
+        {**cls, "rows": 1, "gemv_ms": 0.0138, "tinygemm_ms": 0.0101},
+        {**cls, "rows": 4, "gemv_ms": 0.0224, "tc_ms": 0.0176, "tinygemm_ms": 0.0139},
+        {**cls, "rows": 16, "tc_ms": 0.0194, "t_64x128x4x4x3_ms": 0.0193, "t_128x256x2x4x3_ms": 0.0187,
+         "t_32x128x8x2x4_ms": 0.029, "dense_ms": 0.0412, "tinygemm_ms": 0.0357},
+        {**cls, "rows": 128, "tc_ms": 0.1066, "t_64x128x4x4x3_ms": 0.1062, "t_128x256x2x4x3_error": failed,
+         "t_32x128x8x2x4_ms": 0.2011, "dense_ms": 0.1296, "tinygemm_ms": 0.2226},
+    ]
+
+    entry = launch_table_of(rows, "NVIDIA H100 80GB HBM3")["int4/n8192/k4096"]
+
+    assert entry["tc"] == "64x128x4x4x3" and entry["tc_rows"] == 128
+    # PyTorch's int4 kernel for a decode step's rows, where it measured faster than both of ours
+    assert entry["tinygemm_rows"] == 4
+    # the tensor-core kernel at 4 rows beat the GEMV's 4 rows, not its 1 row
+    assert entry["gemv_rows"] == 1

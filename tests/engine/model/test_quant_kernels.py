@@ -205,6 +205,12 @@ def test_the_launch_table_routes_a_weight_class_and_names_a_bad_entry(tmp_path, 
         layer = _int_layer(4, 128, n=4096, k=12288)
         assert [kernels.path_of(layer, r) for r in (2, 3, 32, 33)] == ["gemv", "tc", "tc", "dense"]
         assert kernels.plan(layer).gemv.label() == "128x512x2x8x1" and kernels.plan(layer).tc.split_k == 4
+        # PyTorch's int4 kernel for the rows where the table measured it faster (a layer it takes)
+        table.write_text(json.dumps({"devices": {"cpu": {"int4/n4096/k16384": {"tinygemm_rows": 2, "tc_rows": 32}}}}))
+        launch_table.read.cache_clear()
+        layer = _int_layer(4, 128, n=4096, k=12288)
+        assert [kernels.path_of(layer, r) for r in (1, 2, 3, 5, 33)] == ["tinygemm", "tinygemm", "gemv", "tc", "dense"]
+        assert kernels.path_of(layer, 8, sequences=2) == "tinygemm"  # a verify step of two sequences
         table.write_text(json.dumps({"devices": {"cpu": {"int4/n64/k256": {"backend": "marlin"}}}}))
         launch_table.read.cache_clear()
         with pytest.raises(ValueError, match=r"devices.cpu.int4/n64/k256.backend='marlin'"):
