@@ -9,7 +9,8 @@ would not fit at N = 256) and it steps until all finish. Sets (`--sets`):
   `--mixed-new-tokens` (64-1K).
 
 Before each row's timed burst the engine serves a warm-up (`--warm-up`): by default the same N prompts with other
-tokens for 4 output tokens each, so what a burst of that shape does once (Triton kernels compiled for its shapes,
+tokens, for enough output tokens that the whole batch decodes together (`warm_up_new_tokens`), so what a burst of
+that shape does once (Triton kernels compiled for its shapes,
 a graph captured per batch bucket and chunk size, the KV pool's first sizing) is done when the clock starts, as on a
 server that has served before; `--warm-up short` (two requests of 8 tokens) times a fresh engine's first burst.
 
@@ -74,6 +75,14 @@ def percentile(values: list[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def warm_up_new_tokens(prompt_tokens: list[int], step_token_budget: int) -> int:
+    """Output tokens of a warm-up burst: the first prompts admitted still decode when the last one is, so the
+    burst's whole batch decodes together (its decode graph captured and its kernels compiled outside the clock;
+    with 4 tokens each a 128-prompt burst never decoded 128 rows at once and the timed burst compiled them)."""
+    admission_steps = -(-sum(prompt_tokens) // max(1, step_token_budget))
+    return 4 + 2 * admission_steps
 
 
 def drive(engine: Any, requests: list[tuple[list[int], int]], trace: Any = None) -> dict[str, Any]:
@@ -247,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
             try:
                 kv = bench.engine.kv
                 kv_bytes = kv.geometry.bytes_per_token(kv.storage, kv.compute_dtype)
-                warm, warm_new = request_set(set_name, n, mcfg.vocab_size, args), 4  # --warm-up burst
+                warm = request_set(set_name, n, mcfg.vocab_size, args)  # --warm-up burst
+                warm_new = warm_up_new_tokens([len(p) for p, _ in warm], bench.engine.sched.step_token_budget)
                 if args.warm_up == "short":
                     warm, warm_new = warm[:2], 8
                 drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, warm_new))

@@ -162,8 +162,8 @@ def test_each_row_warms_up_on_a_burst_of_its_own_shape_unless_asked_for_a_fresh_
                                                                                           warm_up: str) -> None:
     """A fresh engine's first burst compiles kernels and captures a graph per batch bucket and chunk size inside
     the timed run (on an H100, rows of one call swung 2x with which row paid them first); by default a row first
-    serves the same number of prompts, other tokens, for 4 tokens each. The row says which, and what one-time work
-    (graph captures, KV pool growths) still fell inside its clock."""
+    serves the same number of prompts, other tokens, for a few tokens each. The row says which, and what one-time
+    work (graph captures, KV pool growths) still fell inside its clock."""
     from engine.bench import throughput
 
     served: list[list[tuple[int, int]]] = []
@@ -179,8 +179,38 @@ def test_each_row_warms_up_on_a_burst_of_its_own_shape_unless_asked_for_a_fresh_
     row = doc["rows"][0]
     assert row["error"] is None and row["warm_up"] == warm_up
     assert served[1] == [(16, 6)] * 3  # the timed burst
-    assert served[0] == ([(16, 4)] * 3 if warm_up == "burst" else [(16, 6)] * 2), served[0]
+    assert served[0] == ([(16, 6)] * 3 if warm_up == "burst" else [(16, 6)] * 2), served[0]
     assert row["graph_captures"] >= 0 and row["pool_growths"] >= 0
+
+
+def test_the_warm_up_burst_decodes_the_whole_batch_at_once(tmp_path: Path, monkeypatch) -> None:
+    """With 4 output tokens each, the first prompts of a burst whose admission takes several steps finished
+    before the last ones were admitted: the warm-up never decoded the whole batch, and the timed burst compiled
+    and captured its decode step (on an H100 a 2.2 s step at 128 concurrent, by use and reserved alike). Here
+    admission takes 8 steps (4 prompts of 256 tokens, 128 tokens a step)."""
+    from engine.bench import throughput
+    from engine.orchestration.engine import Engine
+
+    decoding: list[list[int]] = []
+    real_step, real_drive = Engine.step, throughput.drive
+
+    def step(self):
+        out = real_step(self)
+        decoding[-1].append(self.sched.num_decoding)
+        return out
+
+    def drive(engine, requests, trace=None):
+        decoding.append([])
+        return real_drive(engine, requests, trace)
+
+    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr(throughput, "drive", drive)
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", "--prompt-tokens", "256",
+                           "--new-tokens", "32", "--prefill-chunk-tokens", "64", "--step-token-budget", "128",
+                           "--peer", "none"])
+    assert doc["rows"][0]["error"] is None
+    warm_up, timed = decoding
+    assert max(timed) == 4 and max(warm_up) == 4, (warm_up, timed)
 
 
 def test_slow_steps_name_the_slowest_steps_and_what_the_engine_published_in_each(tmp_path: Path, monkeypatch) -> None:
@@ -229,3 +259,32 @@ def test_slow_steps_name_the_slowest_steps_and_what_the_engine_published_in_each
     assert step["step"] == 2 and "sleep" in top["function"] and top["seconds"] >= 0.5, step["functions"][:3]
     without = bench(tmp_path, ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", *SMALL, "--peer", "none"])
     assert "slow_steps" not in without["rows"][0]
+
+
+def test_a_slow_step_names_the_triton_kernels_compiled_during_it() -> None:
+    """A first-seen shape in a timed burst is a compile of seconds that publishes no event. The step trace sets
+    Triton's post-compile hook (chained to one already set, given back at `finish`) and lists each compile under
+    the step it fell in, as Triton describes it: the kernel and the argument types it was specialized for."""
+    from triton import knobs
+
+    from engine.bench.step_trace import StepTrace
+
+    seen, original = [], knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["repr"])
+    try:
+        trace = StepTrace(lambda: [], keep=2)
+        trace.before_step()
+        trace.after_step(0.0, 0.001, 1)
+        trace.before_step()
+        knobs.runtime.jit_post_compile_hook(key=None, repr="_paged_decode[num_warps=4](q: *bf16, n: i32)", fn=None,
+                                            compile={}, is_manual_warmup=False, already_compiled=False)
+        trace.after_step(0.001, 2.2, 1)
+        trace.finish()
+        quick, slow = trace.slowest()
+        assert quick["compiled"] == [] and slow["compiled"] == ["_paged_decode[num_warps=4](q: *bf16, n: i32)"]
+        assert "    triton compiled _paged_decode[num_warps=4](q: *bf16, n: i32)" in StepTrace.lines(128, [slow])
+        assert seen == ["_paged_decode[num_warps=4](q: *bf16, n: i32)"]  # the hook that was set still ran
+        knobs.runtime.jit_post_compile_hook(repr="after finish")
+        assert seen[-1] == "after finish" and len(seen) == 2  # given back
+    finally:
+        knobs.runtime.jit_post_compile_hook = original
