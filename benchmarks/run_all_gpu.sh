@@ -324,8 +324,9 @@ run experts_prefill 330 experts --device "$DEVICE" --model random:moe-80b --all-
 # Quantized weights: each format rounded at load from the same checkpoint, one engine each, same run.
 # The quantized kernels alone (against cuBLAS bf16, with QUANT_TUNE's launch shapes beside the default), then
 # decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).
-# The quantized kernels' GPU tests first: a kernel that does not compile or is wrong fails here, named.
-step quant_tests 240 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
+# The quantized kernels' GPU tests first: a kernel that does not compile or is wrong fails here, named. They compile
+# every path's kernels at several shapes: on an H100 four workers had not finished in 240 s (a call of its own).
+step quant_tests 480 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
     --durations=10 --junitxml="$OUT/quant_tests.xml" tests/engine/model/test_quant_kernels_gpu.py \
     tests/engine/bench/test_bench_linear_quant.py
 # Each launch shape of QUANT_TUNE on the GEMV (1-4 rows) and the tensor-core path (5-256 rows), every path and
