@@ -24,33 +24,34 @@ from engine.model.quant.block_scales import blockwise_scales
 
 FP8_MAX = 448.0
 _DEQUANT_BLOCK_N = 32
-_DEQUANT_BLOCK_WORDS = 64  # words of one program's row slab: 512 4-bit codes
-_DEQUANT_BLOCK_K = 256  # fp8 bytes of one program's row slab
+_DEQUANT_BLOCK_K = 256  # weights of one program's row slab (bf16 stores of 512 bytes a row)
 _QUANT_BLOCK = 128  # activations per step of the rows' quantization
 
 
 @triton.jit
-def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, KW, stride_qn, stride_sn, stride_on,
+def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on,
                         GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_KW: tl.constexpr):
+                        BLOCK_K: tl.constexpr):
+    # One program per [BLOCK_N, BLOCK_K] tile of the bf16 weight, which it stores K-contiguous: the store is the
+    # bulk of the bytes (2 a weight, against half a byte read). Each input k finds its word and slot in the run
+    # layout (input RUN * j + w of a run is slot j of word w); the few words a row of the tile needs are read once
+    # from memory and again from the cache. A program that walked words instead stored each slot's inputs RUN
+    # apart, in strided pieces of RUN elements.
     CPW: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ws = tl.program_id(1) * BLOCK_KW + tl.arange(0, BLOCK_KW)
-    n_ok = rn < N
-    w_ok = ws < KW
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rn64 = rn.to(tl.int64)
-    tile_ok = n_ok[:, None] & w_ok[None, :]
-    words = tl.load(q_ptr + rn64[:, None] * stride_qn + ws[None, :], mask=tile_ok, other=0)
-    base = (ws // RUN) * (RUN * CPW) + ws % RUN
-    g = ((ws // RUN) * (RUN * CPW)) // GROUP
+    tile_ok = (rn < N)[:, None] & (ks < K)[None, :]
+    i = ks % (RUN * CPW)
+    word = (ks // (RUN * CPW)) * RUN + i % RUN
+    words = tl.load(q_ptr + rn64[:, None] * stride_qn + word[None, :], mask=tile_ok, other=0)
+    g = ks // GROUP  # a run lies in one group
     s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(CPW):
-        u = (((words >> (BITS * j)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        k = base + RUN * j
-        tl.store(out_ptr + rn64[:, None] * stride_on + k[None, :], (u * s + o).to(out_ptr.dtype.element_ty),
-                 mask=tile_ok & (k < K)[None, :])
+    u = (((words >> (BITS * (i // RUN))[None, :]) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    tl.store(out_ptr + rn64[:, None] * stride_on + ks[None, :], (u * s + o).to(out_ptr.dtype.element_ty),
+             mask=tile_ok)
 
 
 @triton.jit
@@ -103,11 +104,10 @@ def dequantize(layer, dtype: torch.dtype) -> torch.Tensor:
                                   layer.weight_scale.stride(0), out.stride(0), SCALE_BLOCK_N=layer.block_n,
                                   SCALE_BLOCK_K=layer.block_k, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K)
         return out
-    words = layer.qweight.shape[1]
-    grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(words, _DEQUANT_BLOCK_WORDS))
-    _dequant_int_kernel[grid](layer.qweight, layer.scales, layer.offsets, out, n, k, words, layer.qweight.stride(0),
+    grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(k, _DEQUANT_BLOCK_K))
+    _dequant_int_kernel[grid](layer.qweight, layer.scales, layer.offsets, out, n, k, layer.qweight.stride(0),
                               layer.scales.stride(0), out.stride(0), GROUP=layer.group_size, BITS=layer.bits,
-                              RUN=layer.run, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_KW=_DEQUANT_BLOCK_WORDS)
+                              RUN=layer.run, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K)
     return out
 
 
