@@ -266,8 +266,8 @@ def run(args: argparse.Namespace) -> int:
                 trace = StepTrace(watch.drain, args.slow_steps, args.slow_steps_profile)
                 try:
                     timed = drive(bench.engine, requests, trace)
-                    trace.finish()
                 finally:
+                    trace.finish()  # also when the burst failed: Triton's compile hook is given back
                     watch.close()
                 row: dict[str, Any] = {"set": set_name, "engine": "strata", "concurrency": n,
                                        "chunk_rows": args.chunk_rows, "warm_up": args.warm_up, **timed,

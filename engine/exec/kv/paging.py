@@ -62,9 +62,10 @@ class KVPaging:
                  layer_waits: bool = True) -> None:
         """`streams`: the engine's (engine.exec.cuda_streams), whose `kv_copy` stream the fetches run on; needed on
         CUDA (None on a CPU, where a fetch copies in order). `take_memory(mib, reason) -> freed`: memory the
-        prefix-cache tier gives back; `take_lent(blocks, slots, reason) -> blocks`: the tier's blocks that only one of
-        `slots` maps given back to it (AdaptiveTier.take_lent), for a forward that cannot fit otherwise; `on_resize`: what must follow a pool reallocation (graphs dropped, the books'
-        KV figure updated); `grow_limit_blocks`: the most pool blocks it may grow to without the tier (KV by use on
+        prefix-cache tier gives back; `take_lent(blocks, slots, reason) -> blocks`: the tier's blocks that only one
+        of `slots` maps given back to it (AdaptiveTier.take_lent), for a forward that cannot fit otherwise;
+        `on_resize`: what must follow a pool reallocation (graphs dropped, the books' KV figure updated);
+        `grow_limit_blocks`: the most pool blocks it may grow to without the tier (KV by use on
         a CPU: every slot's whole context, what the reservation it replaces held; 0: only what the tier gives);
         `layer_waits`: attention waits for its layer's fetch (below); False: a fetch is waited for whole."""
         self.kv = kv
