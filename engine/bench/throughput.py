@@ -9,10 +9,10 @@ would not fit at N = 256) and it steps until all finish. Sets (`--sets`):
   `--mixed-new-tokens` (64-1K).
 
 Before each row's timed burst the engine serves a warm-up (`--warm-up`): by default the same N prompts with other
-tokens, for enough output tokens that the whole batch decodes together (`warm_up_new_tokens`), so what a burst of
-that shape does once (Triton kernels compiled for its shapes,
-a graph captured per batch bucket and chunk size, the KV pool's first sizing) is done when the clock starts, as on a
-server that has served before; `--warm-up short` (two requests of 8 tokens) times a fresh engine's first burst.
+tokens, until the whole batch has decoded together for a few steps (then aborted), so what a burst of that shape
+does once (Triton kernels compiled for its shapes, a graph captured per batch bucket and chunk size, the KV pool's
+first sizing) is done when the clock starts, as on a server that has served before; `--warm-up short` (two
+requests of 8 tokens) times a fresh engine's first burst.
 
 `--chunk-rows off` runs every prompt chunk as its own forward (the engine's default, `on`, runs the chunks of one
 length bucket in a step as rows of one forward: engine.exec.chunk_rows), to measure what that is worth.
@@ -77,17 +77,16 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def warm_up_new_tokens(prompt_tokens: list[int], step_token_budget: int) -> int:
-    """Output tokens of a warm-up burst: the first prompts admitted still decode when the last one is, so the
-    burst's whole batch decodes together (its decode graph captured and its kernels compiled outside the clock;
-    with 4 tokens each a 128-prompt burst never decoded 128 rows at once and the timed burst compiled them)."""
-    admission_steps = -(-sum(prompt_tokens) // max(1, step_token_budget))
-    return 4 + 2 * admission_steps
+WARM_UP_SETTLE_STEPS = 4  # steps a warm-up burst runs once every request has its first token
 
 
-def drive(engine: Any, requests: list[tuple[list[int], int]], trace: Any = None) -> dict[str, Any]:
+def drive(engine: Any, requests: list[tuple[list[int], int]], trace: Any = None,
+          settle_steps: int | None = None) -> dict[str, Any]:
     """Add every request at once, step until all finish; the latencies and rates of one row. `trace`
-    (engine.bench.step_trace.StepTrace) hears about every step."""
+    (engine.bench.step_trace.StepTrace) hears about every step. `settle_steps` (a warm-up): stop that many steps
+    after every request has its first token, aborting the rest: the whole batch has then decoded together, however
+    many steps its admission took (a fixed count of output tokens each left a burst's first requests finished before
+    its last were admitted: the timed burst then compiled and captured the full batch's decode step)."""
     from engine.api import SamplingParams
 
     start = time.perf_counter()
@@ -102,7 +101,7 @@ def drive(engine: Any, requests: list[tuple[list[int], int]], trace: Any = None)
     tokens = 0
     steps = 0
     all_first_s = None
-    tokens_at_all_first = 0
+    tokens_at_all_first = settled_at = 0
     limit = sum(len(p) + n for p, n in requests) + 100  # every step computes a token of some request
     while engine.has_work:
         if trace is not None:
@@ -130,7 +129,11 @@ def drive(engine: Any, requests: list[tuple[list[int], int]], trace: Any = None)
                 gaps += [(now - start - last_s[out.request_id]) / n] * n
             last_s[out.request_id] = now - start
         if all_first_s is None and len(first_s) == len(ids):
-            all_first_s, tokens_at_all_first = now - start, tokens
+            all_first_s, tokens_at_all_first, settled_at = now - start, tokens, steps
+        if settle_steps is not None and all_first_s is not None and steps - settled_at >= settle_steps:
+            for rid in ids:
+                engine.abort(rid)  # those still running; a finished one is no longer active
+            break
     wall_s = time.perf_counter() - start
     ttft = [first_s[r] for r in ids]
     decode_s = wall_s - (all_first_s or wall_s)
@@ -256,12 +259,12 @@ def run(args: argparse.Namespace) -> int:
             try:
                 kv = bench.engine.kv
                 kv_bytes = kv.geometry.bytes_per_token(kv.storage, kv.compute_dtype)
-                warm = request_set(set_name, n, mcfg.vocab_size, args)  # --warm-up burst
-                warm_new = warm_up_new_tokens([len(p) for p, _ in warm], bench.engine.sched.step_token_budget)
+                warm = [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), new)
+                        for i, (p, new) in enumerate(request_set(set_name, n, mcfg.vocab_size, args))]
                 if args.warm_up == "short":
-                    warm, warm_new = warm[:2], 8
-                drive(bench.engine, [(random_prompt(len(p), mcfg.vocab_size, seed=90_000 + i), min(new, warm_new))
-                                     for i, (p, new) in enumerate(warm)])
+                    drive(bench.engine, [(p, min(new, 8)) for p, new in warm[:2]])
+                else:
+                    drive(bench.engine, warm, settle_steps=WARM_UP_SETTLE_STEPS)
                 watch = bench.bus.subscribe(after_seq=None, max_queue=1 << 20)
                 trace = StepTrace(watch.drain, args.slow_steps, args.slow_steps_profile)
                 try:

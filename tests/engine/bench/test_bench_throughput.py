@@ -162,16 +162,16 @@ def test_each_row_warms_up_on_a_burst_of_its_own_shape_unless_asked_for_a_fresh_
                                                                                           warm_up: str) -> None:
     """A fresh engine's first burst compiles kernels and captures a graph per batch bucket and chunk size inside
     the timed run (on an H100, rows of one call swung 2x with which row paid them first); by default a row first
-    serves the same number of prompts, other tokens, for a few tokens each. The row says which, and what one-time
-    work (graph captures, KV pool growths) still fell inside its clock."""
+    serves the same number of prompts, other tokens, until they have decoded together for a few steps. The row says
+    which, and what one-time work (graph captures, KV pool growths) still fell inside its clock."""
     from engine.bench import throughput
 
     served: list[list[tuple[int, int]]] = []
     real = throughput.drive
 
-    def recorded(engine, requests, trace=None):
+    def recorded(engine, requests, trace=None, **kw):
         served.append([(len(prompt), new) for prompt, new in requests])
-        return real(engine, requests, trace)
+        return real(engine, requests, trace, **kw)
 
     monkeypatch.setattr(throughput, "drive", recorded)
     doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "3", "--sets", "fixed", *SMALL, "--new-tokens", "6",
@@ -187,7 +187,7 @@ def test_the_warm_up_burst_decodes_the_whole_batch_at_once(tmp_path: Path, monke
     """With 4 output tokens each, the first prompts of a burst whose admission takes several steps finished
     before the last ones were admitted: the warm-up never decoded the whole batch, and the timed burst compiled
     and captured its decode step (on an H100 a 2.2 s step at 128 concurrent, by use and reserved alike). Here
-    admission takes 8 steps (4 prompts of 256 tokens, 128 tokens a step)."""
+    admission takes 8 steps or more (4 prompts of 256 tokens, 128 tokens a step, paced by the step costs)."""
     from engine.bench import throughput
     from engine.orchestration.engine import Engine
 
@@ -199,9 +199,9 @@ def test_the_warm_up_burst_decodes_the_whole_batch_at_once(tmp_path: Path, monke
         decoding[-1].append(self.sched.num_decoding)
         return out
 
-    def drive(engine, requests, trace=None):
+    def drive(engine, requests, trace=None, **kw):
         decoding.append([])
-        return real_drive(engine, requests, trace)
+        return real_drive(engine, requests, trace, **kw)
 
     monkeypatch.setattr(Engine, "step", step)
     monkeypatch.setattr(throughput, "drive", drive)
@@ -234,10 +234,10 @@ def test_slow_steps_name_the_slowest_steps_and_what_the_engine_published_in_each
 
     real_drive = throughput.drive
 
-    def drive(engine, requests, trace=None):
+    def drive(engine, requests, trace=None, **kw):
         if trace is not None:
             warm_steps["n"] = calls["n"]
-        return real_drive(engine, requests, trace)
+        return real_drive(engine, requests, trace, **kw)
 
     monkeypatch.setattr(Engine, "step", step)
     monkeypatch.setattr(throughput, "drive", drive)
