@@ -24,7 +24,12 @@ from engine.model.quant.block_scales import blockwise_scales
 
 FP8_MAX = 448.0
 _DEQUANT_BLOCK_N = 32
-_DEQUANT_BLOCK_K = 256  # weights of one program's row slab (bf16 stores of 512 bytes a row)
+_DEQUANT_BLOCK_K = 256  # fp8 weights of one program's row slab
+# The integer kernel's tile: 16 rows of 128 weights, 256-byte stores a row; a larger tile holds its words, scales
+# and indices in several times the registers, and a memory-bound kernel wants the occupancy (the sm_90 compile
+# test, tests/engine/model/test_quant_kernels_compile.py, prints each kernel's registers)
+_DEQUANT_INT_BLOCK_N = 16
+_DEQUANT_INT_BLOCK_K = 128
 _QUANT_BLOCK = 128  # activations per step of the rows' quantization
 
 
@@ -104,10 +109,10 @@ def dequantize(layer, dtype: torch.dtype) -> torch.Tensor:
                                   layer.weight_scale.stride(0), out.stride(0), SCALE_BLOCK_N=layer.block_n,
                                   SCALE_BLOCK_K=layer.block_k, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K)
         return out
-    grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(k, _DEQUANT_BLOCK_K))
+    grid = (triton.cdiv(n, _DEQUANT_INT_BLOCK_N), triton.cdiv(k, _DEQUANT_INT_BLOCK_K))
     _dequant_int_kernel[grid](layer.qweight, layer.scales, layer.offsets, out, n, k, layer.qweight.stride(0),
                               layer.scales.stride(0), out.stride(0), GROUP=layer.group_size, BITS=layer.bits,
-                              RUN=layer.run, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K)
+                              RUN=layer.run, BLOCK_N=_DEQUANT_INT_BLOCK_N, BLOCK_K=_DEQUANT_INT_BLOCK_K)
     return out
 
 
