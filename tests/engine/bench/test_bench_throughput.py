@@ -206,7 +206,7 @@ def test_the_warm_up_burst_decodes_the_whole_batch_at_once(tmp_path: Path, monke
     monkeypatch.setattr(Engine, "step", step)
     monkeypatch.setattr(throughput, "drive", drive)
     doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "4", "--sets", "fixed", "--prompt-tokens", "256",
-                           "--new-tokens", "32", "--prefill-chunk-tokens", "64", "--step-token-budget", "128",
+                           "--new-tokens", "192", "--prefill-chunk-tokens", "64", "--step-token-budget", "128",
                            "--peer", "none"])
     assert doc["rows"][0]["error"] is None
     warm_up, timed = decoding
