@@ -40,8 +40,8 @@ def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qn, stride_sn
     # One program per [BLOCK_N, BLOCK_K] tile of the bf16 weight, which it stores K-contiguous: the store is the
     # bulk of the bytes (2 a weight, against half a byte read). Each input k finds its word and slot in the run
     # layout (input RUN * j + w of a run is slot j of word w); the few words a row of the tile needs are read once
-    # from memory and again from the cache. A program that walked words instead stored each slot's inputs RUN
-    # apart, in strided pieces of RUN elements.
+    # from memory and again from the cache. Walking words would store each slot's inputs RUN apart, in strided
+    # pieces of RUN elements.
     CPW: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -235,7 +235,7 @@ def _lending_pool(slots: int, tier_ids: int):
     tier = AdaptiveTier(PrefixIndex(256, 0), kv, EventBus(), torch.device("cpu"), tier_ids * block_mib + 1e-9,
                         preallocate=True, shared=LedgerTierBlocks(kv, 256), pooled_mib=tier_ids * block_mib + 1e-9)
     kv.paging.take_memory = lambda mib, reason: tier.release(mib, reason, pool_first=True)
-    kv.paging.take_lent = getattr(tier, "take_lent", None)
+    kv.paging.take_lent = tier.take_lent
     return kv, tier
 
 
