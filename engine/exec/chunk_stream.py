@@ -17,9 +17,10 @@ keys into their own pool (ModelRunner.prefill's `beside`, ModelRunner.prefill_ow
 replays the steps' own) and use their own split counters (the "chunks" lane: `Streams.on`), and a KV pool
 reallocation waits for the device first (SlotKVCache.resize_pool). A slot whose request ends while its chunk is in
 flight waits for the chunk before the slot changes hands (`drop`). Where the two streams would share more than
-that, the overlap is off: MoE models (the expert cache's slots are shared by every forward). With KV by use the
-chunk's slot is held while the chunk is in flight: a step short of blocks spills other slots' blocks, never its
-(a pool growth waits for the device first, as above).
+that, the overlap is off: MoE models (the expert cache's slots are shared by every forward), and KV by use on CUDA
+(the steps' spills, fetches and tier hand-overs move the pool's blocks under the chunk: a mixed burst's logits came
+out NaN). On a CPU with KV by use (`on`: the bookkeeping) the chunk's slot is held while the chunk is in flight: a
+step short of blocks spills other slots' blocks, never its (a pool growth waits for the device first, as above).
 
 On a CPU there is one stream: with `prefill_overlap on` (the tests) `launch` runs the chunk then and there, and it
 lands at the start of the next step: the engine's bookkeeping of a chunk in flight, without the concurrency.
@@ -52,14 +53,21 @@ def chunk_sms_from_env(environ: Mapping[str, str]) -> int | None:
     return int(text)
 
 
-def overlap_wanted(mode: str, device: torch.device, moe: bool) -> bool:
-    """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, a dense model), `on` also on
-    a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on` where the streams would share
-    state. With KV by use the chunk's slot is held (`ChunkStream.paging`): no step spills its blocks meanwhile."""
+def overlap_wanted(mode: str, device: torch.device, moe: bool, by_use: bool = False) -> bool:
+    """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, a dense model, reserved KV),
+    `on` also on a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on` where the streams
+    would share state."""
     blocked = None
     if moe:
         blocked = ("cannot run chunks beside the steps here: an MoE model's expert cache is shared by every forward "
                    "(its long prompts run between the steps, in layer-major windows: --prefill-window-tokens)")
+    elif by_use and device.type == "cuda":
+        # Holding the chunk's slot keeps its own blocks from being spilled, but a burst of mixed prompts by use
+        # still came out with NaN logits on CUDA while chunks ran beside the steps (and never between them):
+        # the steps' spills, fetches and tier hand-overs move pool blocks under a chunk in flight.
+        blocked = ("cannot run chunks beside the steps with KV by use on CUDA: the steps move the pool's blocks "
+                   "(spills, fetches, the prefix tier's hand-overs) while a chunk on the side stream reads them; "
+                   "use --kv-pool reserved for the overlap")
     return mode_wanted("prefill_overlap", mode, device.type == "cuda", blocked)
 
 

@@ -229,16 +229,18 @@ class _PartsBuilder:
             raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
         # The one owner of the engine's streams: every component below that queues work off the current stream
         # takes its stream from here.
-        overlap = overlap_wanted(config.prefill_overlap, lm.device, moe=lm.config.moe is not None)
+        overlap = overlap_wanted(config.prefill_overlap, lm.device, moe=lm.config.moe is not None,
+                                 by_use=config.kv_by_use(lm.device.type))
         streams = Streams(lm.device, overlap, chunk_sms_from_env(os.environ) if overlap else None)
         if streams.note is not None:
             bus.publish(WarningEvent(where="engine.chunks", message=streams.note))
+        if board.enabled("FUSED_PROJ"):
+            model.fuse_projections()
         if lm.device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
             from engine.model.quant.kernels import prepare  # Triton: CUDA only
 
-            prepare(lm.device)  # the quantized kernels' split counters exist before any graph capture
-        if board.enabled("FUSED_PROJ"):
-            model.fuse_projections()
+            # the split counters and tinygemm's packs exist before any graph capture and before the KV is sized
+            prepare(lm.device, model, lm.dtype)
         if graphs is None:
             graphs = default_graphs(config, bus, board, self.make_room, streams)
         self.stage = "building the expert cache"

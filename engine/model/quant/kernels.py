@@ -184,9 +184,11 @@ def _native_fp8(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def prepare(device: torch.device | str) -> None:
-    """Before any CUDA graph capture of a quantized model: every lane's split counters, and the one-off probe of
-    the block-scaled FP8 GEMM the prompt chunks may take."""
+def prepare(device: torch.device | str, model: torch.nn.Module | None = None,
+            dtype: torch.dtype = torch.bfloat16) -> None:
+    """Before any CUDA graph capture of a quantized model: every lane's split counters, the one-off probe of the
+    block-scaled FP8 GEMM the prompt chunks may take, and tinygemm's pack of each of `model`'s layers the launch
+    table routes to it (made now, so the VRAM books count it as weights: `linear.model_bytes`)."""
     from engine.model.quant.dense import blockwise_works
 
     device = torch.device(device)
@@ -195,6 +197,9 @@ def prepare(device: torch.device | str) -> None:
     for lane in COUNTER_LANES:
         split_counters(device, lane)
     blockwise_works(device)
+    for layer in model.modules() if model is not None else ():
+        if getattr(layer, "quantized", False) and plan(layer).tinygemm_rows > 0:  # a QuantLinear
+            tinygemm.packed(layer, dtype)
 
 
 def quant_linear(x: torch.Tensor, layer, path: str | None = None, config: QuantConfig | None = None) -> torch.Tensor:

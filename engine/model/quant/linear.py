@@ -247,9 +247,12 @@ Linear = nn.Linear | QuantLinear
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of a model's weights: parameters and the quantized layers' buffers (codes, scales)."""
+    """Bytes of a model's weights: parameters, the quantized layers' buffers (codes, scales) and the packs made
+    of them for PyTorch's int4 kernel (engine.model.quant.tinygemm: the int4 bytes twice where it is routed)."""
+    from engine.model.quant.tinygemm import pack_bytes
+
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(m.weight_bytes for m in model.modules() if isinstance(m, QuantLinear))
+    return params + sum(m.weight_bytes + pack_bytes(m) for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def is_quantized(module: nn.Module) -> bool:

@@ -46,19 +46,31 @@ def pack(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous().to(dtype)
 
 
-def tinygemm_linear(rows: torch.Tensor, layer) -> torch.Tensor:
-    """rows [M, K] (act-order columns already gathered) through tinygemm -> [M, N]. Its pack is made at the
-    layer's first product (an eager warm-up, before any capture) and kept."""
-    key = ("_tinygemm", rows.dtype)
+def packed(layer, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's pack for activations of `dtype`, made at the first call (eagerly: never inside a CUDA graph
+    capture) and kept on the layer, where `pack_bytes` counts it."""
+    key = ("_tinygemm", dtype)
     cached = layer.__dict__.get(key)
     if cached is None:
-        if rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        if layer.scale_device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("tinygemm's pack of a layer must be made before a CUDA graph capture (run one "
-                               "product eagerly first)")
-        cached = layer.__dict__[key] = pack(layer, rows.dtype)
-    packed, scales_and_zeros = cached
+                               "product eagerly first, or kernels.prepare)")
+        cached = layer.__dict__[key] = pack(layer, dtype)
+    return cached
+
+
+def pack_bytes(layer) -> int:
+    """Bytes of the packs made of the layer (its own codes stay: the prompt chunks dequantize those)."""
+    return sum(t.numel() * t.element_size() for key, pair in layer.__dict__.items()
+               if isinstance(key, tuple) and key[0] == "_tinygemm" for t in pair)
+
+
+def tinygemm_linear(rows: torch.Tensor, layer) -> torch.Tensor:
+    """rows [M, K] (act-order columns already gathered) through tinygemm -> [M, N], on the layer's pack for the
+    rows' dtype (`packed`)."""
+    packed_weight, scales_and_zeros = packed(layer, rows.dtype)
     if rows.is_cuda:
-        out = torch._weight_int4pack_mm(rows, packed, layer.group_size, scales_and_zeros)
+        out = torch._weight_int4pack_mm(rows, packed_weight, layer.group_size, scales_and_zeros)
     else:
-        out = torch._weight_int4pack_mm_for_cpu(rows, packed, layer.group_size, scales_and_zeros)
+        out = torch._weight_int4pack_mm_for_cpu(rows, packed_weight, layer.group_size, scales_and_zeros)
     return out + layer.bias.to(out.dtype) if layer.bias is not None else out

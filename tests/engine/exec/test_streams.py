@@ -126,7 +126,7 @@ def test_only_the_owner_sets_a_lane() -> None:
 
 @pytest.mark.gpu
 def test_gpu_every_user_runs_on_the_owners_stream(ckpt: Path) -> None:
-    engine = make_engine(ckpt, device="cuda:0", dtype="bfloat16", batch=2, kv_resident=64, prefill_overlap="auto")
+    engine = make_engine(ckpt, device="cuda:0", dtype="bfloat16", batch=2, prefill_overlap="auto")
     try:
         streams = engine.streams
         kinds = (streams.steps, streams.side, streams.capture, streams.kv_copy, streams.expert_copy)
@@ -134,8 +134,14 @@ def test_gpu_every_user_runs_on_the_owners_stream(ckpt: Path) -> None:
         assert len({s.cuda_stream for s in kinds}) == len(kinds), "five distinct streams"
         assert streams.steps.priority < streams.side.priority or streams.chunk_sms > 0
         assert engine.graphs.backend._stream is streams.capture
-        assert engine.kv.paging._copy_stream is streams.kv_copy
         assert engine.chunks.streams is streams
+    finally:
+        engine.close()
+    # KV by use: its copy stream is the owner's, and no chunk runs beside the steps (auto is off there)
+    engine = make_engine(ckpt, device="cuda:0", dtype="bfloat16", batch=2, kv_resident=64, prefill_overlap="auto")
+    try:
+        assert engine.kv.paging._copy_stream is engine.streams.kv_copy
+        assert engine.chunks is None and not engine.streams.overlap
     finally:
         engine.close()
 

@@ -231,6 +231,31 @@ def test_tinygemm_on_the_cpu_computes_the_layers_product_from_our_codes():
     assert not tinygemm.takes(_int_layer(8, 32, n=64, k=256)) and not tinygemm.takes(_int_layer(4, 40, k=80))
 
 
+def test_the_layers_routed_to_tinygemm_are_packed_at_start_and_their_packs_count_as_weights(tmp_path, monkeypatch):
+    from engine.model.quant import kernels, launch_table, tinygemm
+    from engine.model.quant.linear import model_bytes
+
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"devices": {"cpu": {"int4-g32/n64/k256": {"tinygemm_rows": 4}}}}))
+    monkeypatch.setattr(launch_table, "TABLE_PATH", table)
+    launch_table.read.cache_clear()
+    try:
+        routed, other = _int_layer(4, 32, n=64, k=256), _int_layer(4, 32, n=128, k=256)
+        model = torch.nn.Sequential(routed, other)
+        before = model_bytes(model)
+        kernels.prepare("cpu", model, torch.bfloat16)
+        # the routed layer's codes a second time, packed (a byte per two codes), and a scale and zero per group
+        # and column in bf16; the layer the table does not route keeps its own codes alone
+        assert tinygemm.pack_bytes(routed) == 64 * 256 // 2 + (256 // 32) * 64 * 2 * 2
+        assert tinygemm.pack_bytes(other) == 0
+        assert model_bytes(model) == before + tinygemm.pack_bytes(routed)
+        x = torch.randn(2, 256, dtype=torch.bfloat16)
+        assert torch.equal(tinygemm.tinygemm_linear(x, routed), tinygemm.tinygemm_linear(x, routed))
+        assert model_bytes(model) == before + tinygemm.pack_bytes(routed)  # the product reuses the pack made
+    finally:
+        launch_table.read.cache_clear()
+
+
 def test_the_kernels_in_the_triton_interpreter_match_the_reference():
     run_in_interpreter("tests.engine.model.test_quant_kernels", "kernels_check")
 
