@@ -18,8 +18,8 @@ replays the steps' own) and use their own split counters (the "chunks" lane: `St
 reallocation waits for the device first (SlotKVCache.resize_pool). A slot whose request ends while its chunk is in
 flight waits for the chunk before the slot changes hands (`drop`). Where the two streams would share more than
 that, the overlap is off: MoE models (the expert cache's slots are shared by every forward), and KV by use on CUDA
-(the steps' spills, fetches and tier hand-overs move the pool's blocks under the chunk: a mixed burst's logits came
-out NaN). On a CPU with KV by use (`on`: the bookkeeping) the chunk's slot is held while the chunk is in flight: a
+(a mixed burst's logits came out NaN there with chunks beside the steps, never between them: a race between the
+streams that holding the chunk's slot does not prevent). On a CPU with KV by use (`on`: the bookkeeping) the chunk's slot is held while the chunk is in flight: a
 step short of blocks spills other slots' blocks, never its (a pool growth waits for the device first, as above).
 
 On a CPU there is one stream: with `prefill_overlap on` (the tests) `launch` runs the chunk then and there, and it
@@ -62,12 +62,13 @@ def overlap_wanted(mode: str, device: torch.device, moe: bool, by_use: bool = Fa
         blocked = ("cannot run chunks beside the steps here: an MoE model's expert cache is shared by every forward "
                    "(its long prompts run between the steps, in layer-major windows: --prefill-window-tokens)")
     elif by_use and device.type == "cuda":
-        # Holding the chunk's slot keeps its own blocks from being spilled, but a burst of mixed prompts by use
-        # still came out with NaN logits on CUDA while chunks ran beside the steps (and never between them):
-        # the steps' spills, fetches and tier hand-overs move pool blocks under a chunk in flight.
-        blocked = ("cannot run chunks beside the steps with KV by use on CUDA: the steps move the pool's blocks "
-                   "(spills, fetches, the prefix tier's hand-overs) while a chunk on the side stream reads them; "
-                   "use --kv-pool reserved for the overlap")
+        # Holding the chunk's slot keeps its blocks where they are (a CPU replay that checks them every step while a
+        # chunk is held in flight finds none moved), yet a burst of mixed prompts by use came out with NaN logits
+        # on CUDA whenever chunks ran beside the steps, and never with them between the steps or with every launch
+        # synchronous: a race between the two streams, not yet found.
+        blocked = ("cannot run chunks beside the steps with KV by use on CUDA: there a chunk on the side stream "
+                   "races the steps (bursts of mixed prompts came out with NaN logits); use --kv-pool reserved for "
+                   "the overlap")
     return mode_wanted("prefill_overlap", mode, device.type == "cuda", blocked)
 
 

@@ -18,7 +18,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 def test_auto_runs_chunks_beside_the_steps_on_cuda_only_where_the_streams_share_nothing() -> None:
     assert overlap_wanted("auto", CUDA, moe=False)
-    assert not overlap_wanted("auto", CUDA, moe=False, by_use=True)  # the steps move the pool's blocks under it
+    assert not overlap_wanted("auto", CUDA, moe=False, by_use=True)  # a race of the two streams gave NaN logits
     assert overlap_wanted("on", CPU, moe=False, by_use=True)  # one stream: the held slot's bookkeeping (below)
     assert not overlap_wanted("auto", CPU, moe=False)  # one stream: nothing to overlap
     assert not overlap_wanted("auto", CUDA, moe=True)  # the expert cache's slots are every forward's
