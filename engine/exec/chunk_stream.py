@@ -65,7 +65,9 @@ def overlap_wanted(mode: str, device: torch.device, moe: bool, by_use: bool = Fa
         # Holding the chunk's slot keeps its blocks where they are (a CPU replay that checks them every step while a
         # chunk is held in flight finds none moved), yet a burst of mixed prompts by use came out with NaN logits
         # on CUDA whenever chunks ran beside the steps, and never with them between the steps or with every launch
-        # synchronous: a race between the two streams, not yet found.
+        # synchronous: a race between the two streams. One was found since (chunks between the steps shared the
+        # split counters of the chunk in flight: engine.exec.cuda_streams); the overlap stays off here until a
+        # mixed burst by use runs clean with it.
         blocked = ("cannot run chunks beside the steps with KV by use on CUDA: there a chunk on the side stream "
                    "races the steps (bursts of mixed prompts came out with NaN logits); use --kv-pool reserved for "
                    "the overlap")

@@ -17,11 +17,12 @@ whole of its copy stream before it reads what was copied, and an expert load sho
 queued for later layers, nor a KV fetch behind expert loads.
 
 The lane: the skinny matmul's split counters (engine.model.triton_linear) are one array per lane, and two launches
-sharing an array at once would each see the other's splits finish. A prompt chunk may run on `side` while a step
-runs on `steps`, so where chunks run beside the steps every prompt chunk's launches, and the graphs captured for
-them (which keep the counters' address), use the "chunks" lane, beside the steps or not (a graph captured between
-steps may replay beside them later); everything else uses "steps". Without the overlap one stream runs everything
-in order and every launch uses "steps". The kernels deep in the model read the lane from a ContextVar (passing it
+sharing an array at once would each see the other's splits finish. A prompt chunk beside the steps runs on `side`
+while the steps run on `steps`, so its launches, and the graphs captured for it (which keep the counters' address;
+keyed "beside", they replay only there: engine.exec.runner.ModelRunner.prefill), use the "chunks" lane. Everything
+on the steps' stream uses "steps", prompt chunks between the steps included: they run in order with the steps, and
+beside a chunk in flight, where a second user of the "chunks" lane would share its counters (a burst's short chunks
+between the steps beside a long prompt's short last chunk). Without the overlap every launch uses "steps". The kernels deep in the model read the lane from a ContextVar (passing it
 down every forward would reach through every layer); `on` is the only thing that sets it.
 """
 
@@ -123,11 +124,12 @@ class Streams:
             if self.side is None:
                 self.side = torch.cuda.Stream(device, priority=_LOWEST_PRIORITY)
 
-    def lane_of(self, work: str) -> str:
-        """The split-counter lane `work` ("steps" or "chunks": a prompt chunk's launches) uses."""
+    def lane_of(self, work: str, beside: bool = False) -> str:
+        """The split-counter lane `work` ("steps" or "chunks": a prompt chunk's launches) uses: "chunks" for a chunk
+        beside the steps only (see the module docstring)."""
         if work not in LANES:
             raise ValueError(f"unknown work {work!r} (expected one of {', '.join(LANES)})")
-        return work if self.overlap else "steps"
+        return "chunks" if self.overlap and work == "chunks" and beside else "steps"
 
     def stream_of(self, work: str, beside: bool = False) -> torch.cuda.Stream | None:
         """The stream `work` runs on: "steps" on `steps`, a chunk `beside` the steps on `side`; None: the current
@@ -143,7 +145,7 @@ class Streams:
         after what the caller's stream queued before; for "steps" the caller's stream is ordered after it again
         on the way out (the step's results are read there). A chunk beside the steps is not joined: the chunk
         stream's owner waits for its event (engine.exec.chunk_stream.ChunkStream.take)."""
-        stream, lane = self.stream_of(work, beside), self.lane_of(work)
+        stream, lane = self.stream_of(work, beside), self.lane_of(work, beside)
         if not self.cuda:
             yield
             return

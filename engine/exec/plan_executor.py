@@ -294,7 +294,7 @@ class PlanExecutor:
         return list(accepted)
 
     def _prefill(self, chunk: PrefillChunk) -> None:
-        with self.streams.on("chunks"):  # the current stream, the chunks' lane where chunks may run beside steps
+        with self.streams.on("chunks"):  # between the steps: the current stream and the steps' lane
             out = self._forward(chunk)
         self._chunk_ran(chunk, out)
 

@@ -106,8 +106,8 @@ _counters: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 @contextlib.contextmanager
 def counter_lane(lane: str) -> Iterator[None]:
-    """Launches (and graph captures) inside use `lane`'s split counters: "chunks" for prompt chunks. Called by
-    engine.exec.cuda_streams.Streams.on only (tests/engine/exec/test_streams.py holds that)."""
+    """Launches (and graph captures) inside use `lane`'s split counters: "chunks" for a prompt chunk beside the
+    steps. Called by engine.exec.cuda_streams.Streams.on only (tests/engine/exec/test_streams.py holds that)."""
     if lane not in COUNTER_LANES:
         raise ValueError(f"unknown counter lane {lane!r} (expected one of {', '.join(COUNTER_LANES)})")
     token = _lane.set(lane)

@@ -36,11 +36,13 @@ def test_each_user_runs_on_its_own_stream() -> None:
     assert streams.stream_of("chunks") is None  # a chunk between the steps: the current (the steps') stream
 
 
-def test_a_prompt_chunk_uses_the_chunks_lane_only_where_chunks_may_run_beside_the_steps() -> None:
+def test_a_prompt_chunk_uses_the_chunks_lane_only_beside_the_steps() -> None:
     beside = Streams(CPU, overlap=True)
-    assert (beside.lane_of("steps"), beside.lane_of("chunks")) == ("steps", "chunks")
+    assert (beside.lane_of("steps"), beside.lane_of("chunks", beside=True)) == ("steps", "chunks")
+    # a chunk between the steps runs in order with them, and beside a chunk in flight: the steps' lane
+    assert beside.lane_of("chunks") == "steps"
     alone = Streams(CPU, overlap=False)  # one stream runs everything in order: one lane serves
-    assert (alone.lane_of("steps"), alone.lane_of("chunks")) == ("steps", "steps")
+    assert (alone.lane_of("steps"), alone.lane_of("chunks", beside=True)) == ("steps", "steps")
     with pytest.raises(ValueError, match="unknown work 'decode'"):
         beside.lane_of("decode")
     with pytest.raises(ValueError, match="unknown work 'decode'"):
@@ -56,19 +58,24 @@ def test_the_owner_knows_every_lane_the_kernels_keep_counters_for() -> None:
 
 
 def test_on_sets_the_lane_the_kernels_read_and_puts_it_back() -> None:
-    """The skinny matmul's split counters (what a launch deep in the model reads) follow `on`: a chunk's are the
-    chunks lane's array where chunks may run beside the steps; after it, the steps lane's again."""
+    """The skinny matmul's split counters (what a launch deep in the model reads) follow `on`: a chunk beside the
+    steps has the chunks lane's array; after it, the steps lane's again. A chunk between the steps, which runs
+    while a chunk beside them may be in flight (a burst's short chunks beside a long prompt's short last chunk),
+    keeps the steps' array: sharing the one in flight's, each launch would see the other's splits finish."""
     pytest.importorskip("triton")
     from engine.model.triton_linear import split_counters
 
     streams = Streams(CPU, overlap=True)
     streams.cuda = True  # the lane is set on CUDA only; a chunk between the steps switches no stream
     steps_counters = split_counters(CPU, "steps")
+    with streams.on("chunks", beside=True):
+        in_flight = split_counters(CPU)
+        assert in_flight is split_counters(CPU, "chunks") is not steps_counters
     with streams.on("chunks"):
-        assert split_counters(CPU) is split_counters(CPU, "chunks") is not steps_counters
+        assert split_counters(CPU) is steps_counters is not in_flight
     assert split_counters(CPU) is steps_counters
     streams.overlap = False
-    with streams.on("chunks"):
+    with streams.on("chunks", beside=True):
         assert split_counters(CPU) is steps_counters
 
 
@@ -159,9 +166,9 @@ def test_gpu_on_switches_the_stream_and_the_lane_together() -> None:
     with streams.on("chunks", beside=True):
         assert torch.cuda.current_stream(device) == streams.side
         assert split_counters(device) is split_counters(device, "chunks")
-    with streams.on("chunks"):  # between the steps: the caller's stream, the chunks' lane
+    with streams.on("chunks"):  # between the steps: the caller's stream, the steps' lane
         assert torch.cuda.current_stream(device) == outer
-        assert split_counters(device) is split_counters(device, "chunks")
+        assert split_counters(device) is steps_counters
     assert torch.cuda.current_stream(device) == outer and split_counters(device) is steps_counters
     alone = Streams(device)
     assert alone.steps is None and alone.side is None and alone.capture is not None
