@@ -126,7 +126,7 @@ class EngineConfig:
         "instead of once per chunk; the window's activations grow with it (0: chunk by chunk)", metavar="TOKENS"))
     prefill_overlap: str = field(default="auto", metadata=_opt(
         "prompt chunks on a side stream beside the decoding slots' steps (auto: on CUDA, unless "
-        "an MoE model or KV by use; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
+        "an MoE model; on: also on a CPU, whose one stream runs each whole chunk unpaced, landing a step late: for "
         "tests; off: between the steps, paced)", choices=PREFILL_OVERLAP_MODES))
     decode_ahead: str = field(default="auto", metadata=_opt(
         "launch the next decode step (or MTP's fused step) before this one's tokens reach the host when every "

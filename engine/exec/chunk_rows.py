@@ -83,5 +83,5 @@ def prefill_rows(runner: ModelRunner, rows: list[tuple[int, list[int], int]]) ->
 
         return key, forward_fn
 
-    out = runner.run("prefill", build, inputs, owner=runner.prefill_owner, executor=runner._eager)
+    out = runner.run("prefill", build, inputs, executor=runner._eager)
     return StepOutput(out["logits"], out["hidden"], span_tokens=span)

@@ -12,15 +12,14 @@ context's, on CHUNK_SM_SHARE of the SMs, so the other SMs stay free for the step
 low-priority side stream on every SM) did not keep the slots going: a decode kernel waits for a whole chunk thread
 block to retire before it gets an SM.
 
-What may not run at the same time is kept apart: chunks beside the steps capture their graphs under their own
-keys into their own pool (ModelRunner.prefill's `beside`, ModelRunner.prefill_owner; a chunk between the steps
-replays the steps' own) and use their own split counters (the "chunks" lane: `Streams.on`), and a KV pool
-reallocation waits for the device first (SlotKVCache.resize_pool). A slot whose request ends while its chunk is in
-flight waits for the chunk before the slot changes hands (`drop`). Where the two streams would share more than
-that, the overlap is off: MoE models (the expert cache's slots are shared by every forward), and KV by use on CUDA
-(a mixed burst's logits came out NaN there with chunks beside the steps, never between them: a race between the
-streams that holding the chunk's slot does not prevent). On a CPU with KV by use (`on`: the bookkeeping) the chunk's slot is held while the chunk is in flight: a
-step short of blocks spills other slots' blocks, never its (a pool growth waits for the device first, as above).
+What may not run at the same time is kept apart: a chunk beside the steps runs eagerly, never a captured graph
+(ModelRunner.prefill's `beside`: bursts of mixed prompts came out with NaN logits whenever such chunks replayed
+graphs on the side stream, under either KV pool, and never with them eager), with its own split counters (the
+"chunks" lane: `Streams.on`); a KV pool reallocation waits for the device first (SlotKVCache.resize_pool). A slot
+whose request ends while its chunk is in flight waits for the chunk before the slot changes hands (`drop`). With
+KV by use the chunk's slot is held while the chunk is in flight: a step short of blocks spills other slots' blocks,
+never its (a pool growth waits for the device first, as above). Where the two streams would share more than that,
+the overlap is off: MoE models (the expert cache's slots are shared by every forward).
 
 On a CPU there is one stream: with `prefill_overlap on` (the tests) `launch` runs the chunk then and there, and it
 lands at the start of the next step: the engine's bookkeeping of a chunk in flight, without the concurrency.
@@ -39,7 +38,6 @@ from engine.errors import ConfigError
 from engine.exec.cuda_streams import Streams
 
 CHUNK_SMS_ENV = "STRATA_CHUNK_SMS"
-CHUNK_OWNER = "chunks"  # the graph pool of prompt chunks while they may overlap the steps' graphs
 
 
 def chunk_sms_from_env(environ: Mapping[str, str]) -> int | None:
@@ -53,24 +51,14 @@ def chunk_sms_from_env(environ: Mapping[str, str]) -> int | None:
     return int(text)
 
 
-def overlap_wanted(mode: str, device: torch.device, moe: bool, by_use: bool = False) -> bool:
-    """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, a dense model, reserved KV),
-    `on` also on a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on` where the streams
-    would share state."""
+def overlap_wanted(mode: str, device: torch.device, moe: bool) -> bool:
+    """Whether chunks run beside the steps: `auto` where it is safe and useful (CUDA, a dense model), `on` also on
+    a CPU (one stream: the bookkeeping alone), `off` never. ConfigError for `on` where the streams would share
+    state."""
     blocked = None
     if moe:
         blocked = ("cannot run chunks beside the steps here: an MoE model's expert cache is shared by every forward "
                    "(its long prompts run between the steps, in layer-major windows: --prefill-window-tokens)")
-    elif by_use and device.type == "cuda":
-        # Holding the chunk's slot keeps its blocks where they are (a CPU replay that checks them every step while a
-        # chunk is held in flight finds none moved), yet a burst of mixed prompts by use came out with NaN logits
-        # on CUDA whenever chunks ran beside the steps, and never with them between the steps or with every launch
-        # synchronous: a race between the two streams. One was found since (chunks between the steps shared the
-        # split counters of the chunk in flight: engine.exec.cuda_streams); the overlap stays off here until a
-        # mixed burst by use runs clean with it.
-        blocked = ("cannot run chunks beside the steps with KV by use on CUDA: there a chunk on the side stream "
-                   "races the steps (bursts of mixed prompts came out with NaN logits); use --kv-pool reserved for "
-                   "the overlap")
     return mode_wanted("prefill_overlap", mode, device.type == "cuda", blocked)
 
 

@@ -18,12 +18,11 @@ queued for later layers, nor a KV fetch behind expert loads.
 
 The lane: the skinny matmul's split counters (engine.model.triton_linear) are one array per lane, and two launches
 sharing an array at once would each see the other's splits finish. A prompt chunk beside the steps runs on `side`
-while the steps run on `steps`, so its launches, and the graphs captured for it (which keep the counters' address;
-keyed "beside", they replay only there: engine.exec.runner.ModelRunner.prefill), use the "chunks" lane. Everything
-on the steps' stream uses "steps", prompt chunks between the steps included: they run in order with the steps, and
-beside a chunk in flight, where a second user of the "chunks" lane would share its counters (a burst's short chunks
-between the steps beside a long prompt's short last chunk). Without the overlap every launch uses "steps". The kernels deep in the model read the lane from a ContextVar (passing it
-down every forward would reach through every layer); `on` is the only thing that sets it.
+while the steps run on `steps`, so its launches (eager: engine.exec.runner.ModelRunner.prefill) use the "chunks"
+lane. Everything on the steps' stream uses "steps", prompt chunks between the steps included: they run in order
+with the steps, so the "chunks" lane has one user, the side stream. Without the overlap every launch uses "steps".
+The kernels deep in the model read the lane from a ContextVar (passing it down every forward would
+reach through every layer); `on` is the only thing that sets it.
 """
 
 from __future__ import annotations

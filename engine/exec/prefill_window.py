@@ -186,7 +186,7 @@ class PrefillWindow:
                               switches=split_switches(split))
             return key, lambda x: self._layers(window, x["slots"], first, stop, split)
 
-        out = r.run(KIND, build, inputs, owner=r.prefill_owner, executor=self.executor)
+        out = r.run(KIND, build, inputs, executor=self.executor)
         window.states, window.residuals, window.layer = out["states"], out["residuals"], stop
         if stop == self.num_layers:
             window.hidden = out["hidden"]

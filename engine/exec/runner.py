@@ -95,14 +95,11 @@ class ModelRunner(StepBuckets):
 
     def __init__(self, model: torch.nn.Module, kv: SlotKVCache, graphs: StepExecutor, board: SwitchBoard,
                  bus: EventBus, device: torch.device, num_slots: int, mtp_depth: int = 0, *,
-                 eager: StepExecutor | None = None, prefill_owner: str | None = None,
-                 release_memory: Callable[[float, str], float] | None = None, oom_release_mib: float = 1024.0) -> None:
+                 eager: StepExecutor | None = None, release_memory: Callable[[float, str], float] | None = None,
+                 oom_release_mib: float = 1024.0) -> None:
         """`graphs`: the step executor (the graph cache, or eager). `eager`: the one for prompt chunks that take
-        the fused (flash) chunk attention: it bakes the chunk's start into the step, so a graph of it would never
-        be replayed (and a chunk's compute dwarfs launch cost). `prefill_owner`: the graph pool of prompt chunks,
-        their own ("chunks") where a chunk may run beside the steps' graphs (engine.exec.chunk_stream), since
-        graphs of one pool must never replay at the same time (a chunk between the steps replays its own graphs, in
-        the steps' pool: `prefill`'s `beside`). `release_memory(mib, reason) -> freed`: where an
+        the fused (flash) chunk attention (it bakes the chunk's start into the step, so a graph of it would never
+        be replayed, and a chunk's compute dwarfs launch cost) and for chunks beside the steps (`prefill`). `release_memory(mib, reason) -> freed`: where an
         out-of-memory step gets room before its one retry, `oom_release_mib` at a time."""
         self.model = model
         self.graph_chunk_tokens = graph_chunk_tokens(model)
@@ -120,12 +117,11 @@ class ModelRunner(StepBuckets):
         self.pad_row = num_slots
         self._stager: PinnedStager | None = None
         self._eager = eager if eager is not None else EagerExecutor()
-        self.prefill_owner = prefill_owner
         self.release_memory = release_memory
         self.oom_release_mib = oom_release_mib
         # Positions a forward may write past its rows' last token (the MTP round and chain steps): mapped with it.
         self.lookahead_tokens = 2 * mtp_depth + 2
-        self._chunk_buckets_seen: set[tuple] = set()  # (tokens, span, beside) buckets of short prompt chunks
+        self._chunk_buckets_seen: set[tuple] = set()  # (tokens, span) buckets of short chunks between the steps
 
     # --- staging and the path -------------------------------------------------------------------------------
 
@@ -329,10 +325,10 @@ class ModelRunner(StepBuckets):
 
     def prefill(self, slot: int, token_ids: list[int], start: int, beside: bool = False) -> StepOutput:
         """Prompt tokens at positions [start, start+n) of one slot: last position's logits, all hidden states.
-        `beside`: the chunk runs on the side stream beside the steps (engine.exec.chunk_stream). Its graphs are
-        its own (keyed "beside", in the chunks' pool) and replay only there; a chunk between the steps replays
-        graphs captured on the steps' stream, in their pool: one graph replayed on both streams could run twice at
-        once (one set of inputs, one pool's buffers), and the side stream is a green context's."""
+        `beside`: the chunk runs on the side stream beside the steps (engine.exec.chunk_stream), always eagerly:
+        bursts of mixed prompts came out with NaN logits whenever chunks beside the steps replayed captured graphs
+        there, under either KV pool, and never with those chunks eager (docs/SCHEDULING.md). A chunk between the
+        steps replays graphs captured for its bucket, in the steps' pool."""
         n = len(token_ids)
         self.kv.prepare({slot: start + n + self.lookahead_tokens})
         tb = pow2_bucket(n, MIN_CHUNK_TOKENS)
@@ -345,20 +341,18 @@ class ModelRunner(StepBuckets):
         # `start` baked in: a short one is keyed like the drafter's prefill and replays a captured graph.
         graph_chunk = tb <= self.graph_chunk_tokens and self.paged_enabled() and self.board.enabled(PREFILL_SWITCH)
         fused = not graph_chunk and self.kv.chunk_fusable(self.model.config.num_attention_heads, tb)
-        eager = fused or (graph_chunk and (tb, span, beside) not in self._chunk_buckets_seen)
-        if graph_chunk:
-            self._chunk_buckets_seen.add((tb, span, beside))
-        where = ("beside",) if beside else ()
+        eager = beside or fused or (graph_chunk and (tb, span) not in self._chunk_buckets_seen)
+        if graph_chunk and not beside:
+            self._chunk_buckets_seen.add((tb, span))
 
         def build(split: bool):
             if fused:  # the fused chunk attention bakes `start` in (SlotKVCache.bind_chunk): eager, keyed by it
-                key = GraphKey.of(f"t{tb}", f"L{span}", f"s{start}", *where, switches=split_switches(split))
+                key = GraphKey.of(f"t{tb}", f"L{span}", f"s{start}", switches=split_switches(split))
                 return key, self._forward_fn(span, split, last_only=True, chunk=(start, tb))
-            key = GraphKey.of(f"t{tb}", f"L{span}", *where, switches=split_switches(split))
+            key = GraphKey.of(f"t{tb}", f"L{span}", switches=split_switches(split))
             return key, self._forward_fn(span, split, True)
 
-        owner = self.prefill_owner if beside else None
-        out = self.run("prefill", build, inputs, owner=owner, executor=self._eager if eager else None)
+        out = self.run("prefill", build, inputs, executor=self._eager if eager else None)
         return StepOutput(out["logits"], out["hidden"], span_tokens=span)
 
     def _forward_fn(self, span: int, split: bool, last_only: bool = False,

@@ -32,7 +32,7 @@ from engine.config import EngineConfig
 from engine.core.prefix_index import PrefixIndex
 from engine.core.scheduler import DEFAULT_BLOCK_TOKENS, Scheduler
 from engine.errors import ConfigError, StrataError
-from engine.exec.chunk_stream import CHUNK_OWNER, ChunkStream, chunk_sms_from_env, overlap_wanted
+from engine.exec.chunk_stream import ChunkStream, chunk_sms_from_env, overlap_wanted
 from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead, ahead_wanted
 from engine.exec.device_switches import settle_switches
@@ -229,8 +229,7 @@ class _PartsBuilder:
             raise ConfigError("batch_mtp", True, f"the checkpoint {config.model} has no MTP head to draft with")
         # The one owner of the engine's streams: every component below that queues work off the current stream
         # takes its stream from here.
-        overlap = overlap_wanted(config.prefill_overlap, lm.device, moe=lm.config.moe is not None,
-                                 by_use=config.kv_by_use(lm.device.type))
+        overlap = overlap_wanted(config.prefill_overlap, lm.device, moe=lm.config.moe is not None)
         streams = Streams(lm.device, overlap, chunk_sms_from_env(os.environ) if overlap else None)
         if streams.note is not None:
             bus.publish(WarningEvent(where="engine.chunks", message=streams.note))
@@ -270,7 +269,7 @@ class _PartsBuilder:
         config, experts = self.config, self.experts
         overlap = streams.overlap
         runner = ModelRunner(lm.model, kv, graphs, self.board, self.bus, lm.device, config.batch, depth, eager=eager,
-                             prefill_owner=CHUNK_OWNER if overlap else None, release_memory=self.make_room,
+                             release_memory=self.make_room,
                              oom_release_mib=float(max(256, config.vram_reserve_mib)))
         gate = None
         if kv.paging is not None and config.kv_resident is None:  # --kv-resident: spills make room, as documented

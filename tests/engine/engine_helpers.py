@@ -138,10 +138,10 @@ def tier_starving_reserve_mib(build: Callable[[], Engine], slack_mib: float = 64
 def fill_the_pool_beside_a_chunk(engine: Engine, bus: EventBus, short: list[list[int]], long: list[int],
                                  params: SamplingParams) -> tuple[dict[str, list[RequestOutput]], list, list[set[int]]]:
     """KV by use with a pool that cannot grow (the tier gives nothing): the short prompts are prefilled and decode,
-    then the long one's chunks run beside their steps (where the engine runs chunks beside the steps: a CPU with
-    `prefill_overlap on`; else between them). Returns each request's outputs, the spill events, and the slots held
-    (a chunk in flight) at each ledger plan."""
+    then the long one's chunks run beside their steps. Returns each request's outputs, the spill events, and the
+    slots held (a chunk in flight) at each ledger plan."""
     engine.kv.paging.take_memory = lambda mib, reason: 0.0  # the tier has nothing to give: the pool must spill
+    assert engine.chunks is not None
     ledger = engine.kv.paging.ledger
     held: list[set[int]] = []
     plan = ledger.plan

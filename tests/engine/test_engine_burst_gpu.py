@@ -1,6 +1,6 @@
 """A burst of prompts on the GPU (skipped without CUDA): several prompts' chunks as rows of one forward through
-the paged prefill kernel, with graphs and KV by use on (its prompt chunks run between the steps on CUDA), give each
-prompt the greedy tokens it gets alone (fp32: the kernels' exact dots)."""
+the paged prefill kernel, with graphs, chunks beside the steps and KV by use on, give each prompt the greedy
+tokens it gets alone (fp32: the kernels' exact dots)."""
 
 from __future__ import annotations
 

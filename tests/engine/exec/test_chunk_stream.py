@@ -17,9 +17,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
 def test_auto_runs_chunks_beside_the_steps_on_cuda_only_where_the_streams_share_nothing() -> None:
-    assert overlap_wanted("auto", CUDA, moe=False)
-    assert not overlap_wanted("auto", CUDA, moe=False, by_use=True)  # a race of the two streams gave NaN logits
-    assert overlap_wanted("on", CPU, moe=False, by_use=True)  # one stream: the held slot's bookkeeping (below)
+    assert overlap_wanted("auto", CUDA, moe=False)  # KV by use too: the chunk's slot is held (below)
     assert not overlap_wanted("auto", CPU, moe=False)  # one stream: nothing to overlap
     assert not overlap_wanted("auto", CUDA, moe=True)  # the expert cache's slots are every forward's
     assert overlap_wanted("on", CPU, moe=False)  # the bookkeeping alone (the CPU tests)
@@ -30,9 +28,6 @@ def test_on_where_the_streams_would_share_state_is_refused_naming_why() -> None:
     with pytest.raises(ConfigError, match="MoE") as err:
         overlap_wanted("on", CUDA, moe=True)
     assert err.value.param == "prefill_overlap"
-    with pytest.raises(ConfigError, match="KV by use") as err:
-        overlap_wanted("on", CUDA, moe=False, by_use=True)
-    assert err.value.param == "prefill_overlap" and "--kv-pool reserved" in str(err.value)
 
 
 def test_a_chunk_stream_needs_streams_with_a_side_stream() -> None:

@@ -133,8 +133,7 @@ def test_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
     resident window of 64, no tier to grow from): the steps spill the decoding slots' blocks, never the chunk's
     slot's while the chunk may write them (a step that cannot fit without them waits for the chunk first: without
     that its requests ended with an error), and every request gets the tokens of a run with room. On a CPU the
-    chunk runs at its launch and lands at the end of that step: the bookkeeping (on CUDA, by use runs the chunks
-    between the steps: engine.exec.chunk_stream.overlap_wanted)."""
+    chunk runs at its launch and lands at the end of that step: the bookkeeping; the GPU test runs the two streams."""
     short = random_prompts(2, seed=190, lengths=(500, 600))
     long = random_prompts(1, seed=191, lengths=(1800, 1801))
     reference = _overlap_engine(ckpt, batch=3, kv_pool="reserved")

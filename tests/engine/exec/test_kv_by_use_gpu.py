@@ -41,12 +41,11 @@ def _replays(engine: Engine) -> int:
 
 
 @pytest.mark.parametrize("kv,mtp", [("bf16", False), ("int8", False), ("bf16", True), ("int8", True)])
-def test_gpu_by_use_gives_the_tokens_of_reserved_with_graphs_and_steps_ahead(ckpt, kv, mtp):
+def test_gpu_by_use_gives_the_tokens_of_reserved_with_graphs_chunks_beside_and_steps_ahead(ckpt, kv, mtp):
     reserved = tokens_of(run_all(_engine(ckpt, kv=kv, batch_mtp=mtp, mtp_depth=2, kv_pool="reserved"), PROMPTS,
                                  GREEDY))
     engine = _engine(ckpt, kv=kv, batch_mtp=mtp, mtp_depth=2, kv_pool="by-use")
-    # by use on CUDA runs prompt chunks between the steps (engine.exec.chunk_stream.overlap_wanted)
-    assert engine.kv.paging is not None and engine.chunks is None
+    assert engine.kv.paging is not None and engine.chunks is not None
     assert engine.ahead.enabled and type(engine.graphs).__name__ == "GraphCache"
     assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == reserved
     assert _replays(engine) > 0
@@ -72,20 +71,20 @@ def test_gpu_block_tables_change_under_replayed_graphs_as_requests_come_and_go(c
     assert len(engine.graphs.snapshot().graphs) >= captures
 
 
-def test_gpu_a_pool_that_fills_while_a_long_prompt_is_admitted_spills_without_changing_a_token(ckpt):
-    """Two slots decode while a long prompt's chunks run (between their steps: by use on CUDA) on a pool too small
-    for all three (a resident window of 64, no tier to grow from): the steps spill blocks to the host, and every
-    request gets the tokens of a run with room."""
+def test_gpu_a_pool_that_fills_while_a_chunk_runs_beside_the_steps(ckpt):
+    """Two slots decode while a long prompt's chunks run beside them on a pool too small for all three (a
+    resident window of 64, no tier to grow from): the steps spill the decoding slots' blocks, never the chunk's
+    slot's, and every request gets the tokens of a run with room."""
     short = random_prompts(2, seed=190, lengths=(500, 600))
     long = random_prompts(1, seed=191, lengths=(1800, 1801))
     reference = _engine(ckpt, batch=3, kv_pool="reserved")
     want = tokens_of(run_all(reference, short + long, GREEDY))
     bus = EventBus(history=100000)
     engine = _engine(ckpt, bus=bus, batch=3, kv_resident=64)
-    assert engine.chunks is None
-    outs, spills, _ = fill_the_pool_beside_a_chunk(engine, bus, short, long[0], GREEDY)
+    outs, spills, held = fill_the_pool_beside_a_chunk(engine, bus, short, long[0], GREEDY)
     assert tokens_of(outs) == want
     assert spills, "the pool never filled"
+    assert any(held_slots for held_slots in held), "no chunk ran beside the steps"
     torch.cuda.synchronize()
 
 

@@ -8,7 +8,6 @@ import torch
 from engine.api import SamplingParams
 from engine.config import EngineConfig
 from engine.exec.step_fns import EagerExecutor
-from engine.exec.chunk_stream import CHUNK_OWNER
 from engine.exec.graphs.key import GraphKey
 from engine.exec.runner import Row, switch_for_key
 from engine.exec.step_buckets import pow2_bucket
@@ -214,11 +213,11 @@ def test_a_lone_chunk_of_the_default_chunk_size_replays_its_graph_too(ckpt, monk
     assert [key.shape[0] for key in to_graphs] == ["t1024", "t2048"], to_graphs
 
 
-def test_a_chunk_beside_the_steps_and_one_between_them_never_replay_one_graph(ckpt, monkeypatch):
-    """A random:0.6b mixed set at 256 concurrent on an H100 (KV by use) failed with an illegal memory access in
-    the replay of a lone 2,048-token chunk's graph between the steps: a graph the chunks beside the steps (the side
-    stream, a green context's) captured and replay, in their own pool. A chunk between the steps now replays its
-    own graphs, captured where it runs, in the steps' pool; one beside keeps the chunks' pool and its own keys."""
+def test_a_chunk_beside_the_steps_always_runs_eagerly(ckpt, monkeypatch):
+    """random:0.6b's mixed set at 32 concurrent on an H100 (`bench throughput --sets mixed`) ended a request with
+    NonFiniteLogits in nearly every run while chunks beside the steps replayed captured graphs on the side stream,
+    under either KV pool, and in none with those chunks eager. A chunk beside the steps never goes to the graph
+    executor; one between the steps replays its bucket's graph from the bucket's second sight, in the steps' pool."""
     executor = RecordingExecutor()
     owners: list[str | None] = []
     run = executor.run
@@ -230,18 +229,16 @@ def test_a_chunk_beside_the_steps_and_one_between_them_never_replay_one_graph(ck
     monkeypatch.setattr(executor, "run", recording_run)
     engine = make_engine(ckpt, batch=2, context=2048, executor=executor, prefill_overlap="on")
     runner = engine.runner
-    assert runner.prefill_owner == CHUNK_OWNER
     enabled = runner.board.enabled
     monkeypatch.setattr(runner, "paged_enabled", lambda: True)
     monkeypatch.setattr(runner.board, "enabled", lambda name: name == "PAGED_PREFILL" or enabled(name))
     with torch.inference_mode():
-        for beside in (True, True, False, False, True):  # one bucket, (t128, L256), on either side
+        for beside in (True, True, True, False, False, True):  # one bucket, (t128, L256), on either side
             runner.prefill(0, list(range(10, 110)), 0, beside=beside)
     calls = [(key, owner) for (kind, key, _), owner in zip(executor.calls, owners) if kind == "prefill"]
-    [(beside_key, beside_owner), (between_key, between_owner)] = sorted(set(calls), key=lambda c: c[0] != calls[0][0])
-    assert len(calls) == 3  # each side's first sight ran eagerly: its own bucket
-    assert beside_key != between_key and "beside" in beside_key.shape and "beside" not in between_key.shape
-    assert (beside_owner, between_owner) == (CHUNK_OWNER, None)
+    assert len(calls) == 1, calls  # the second chunk between the steps; no chunk beside them, however often seen
+    [(key, owner)] = calls
+    assert key.shape[:2] == ("t128", "L256") and owner is None
 
 
 @pytest.mark.parametrize("size, tokens", [("0.6b", 2048), ("tiny", 2048), ("8b", 512), ("moe-tiny", 512)])

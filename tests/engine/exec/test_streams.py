@@ -39,7 +39,7 @@ def test_each_user_runs_on_its_own_stream() -> None:
 def test_a_prompt_chunk_uses_the_chunks_lane_only_beside_the_steps() -> None:
     beside = Streams(CPU, overlap=True)
     assert (beside.lane_of("steps"), beside.lane_of("chunks", beside=True)) == ("steps", "chunks")
-    # a chunk between the steps runs in order with them, and beside a chunk in flight: the steps' lane
+    # a chunk between the steps runs in order with them: the steps' lane
     assert beside.lane_of("chunks") == "steps"
     alone = Streams(CPU, overlap=False)  # one stream runs everything in order: one lane serves
     assert (alone.lane_of("steps"), alone.lane_of("chunks", beside=True)) == ("steps", "steps")
@@ -59,9 +59,8 @@ def test_the_owner_knows_every_lane_the_kernels_keep_counters_for() -> None:
 
 def test_on_sets_the_lane_the_kernels_read_and_puts_it_back() -> None:
     """The skinny matmul's split counters (what a launch deep in the model reads) follow `on`: a chunk beside the
-    steps has the chunks lane's array; after it, the steps lane's again. A chunk between the steps, which runs
-    while a chunk beside them may be in flight (a burst's short chunks beside a long prompt's short last chunk),
-    keeps the steps' array: sharing the one in flight's, each launch would see the other's splits finish."""
+    steps has the chunks lane's array; after it, the steps lane's again. A chunk between the steps runs in order
+    with the steps and keeps their array, so the chunks lane's has one user, the side stream."""
     pytest.importorskip("triton")
     from engine.model.triton_linear import split_counters
 
@@ -133,7 +132,7 @@ def test_only_the_owner_sets_a_lane() -> None:
 
 @pytest.mark.gpu
 def test_gpu_every_user_runs_on_the_owners_stream(ckpt: Path) -> None:
-    engine = make_engine(ckpt, device="cuda:0", dtype="bfloat16", batch=2, prefill_overlap="auto")
+    engine = make_engine(ckpt, device="cuda:0", dtype="bfloat16", batch=2, kv_resident=64, prefill_overlap="auto")
     try:
         streams = engine.streams
         kinds = (streams.steps, streams.side, streams.capture, streams.kv_copy, streams.expert_copy)
@@ -141,14 +140,8 @@ def test_gpu_every_user_runs_on_the_owners_stream(ckpt: Path) -> None:
         assert len({s.cuda_stream for s in kinds}) == len(kinds), "five distinct streams"
         assert streams.steps.priority < streams.side.priority or streams.chunk_sms > 0
         assert engine.graphs.backend._stream is streams.capture
+        assert engine.kv.paging._copy_stream is streams.kv_copy
         assert engine.chunks.streams is streams
-    finally:
-        engine.close()
-    # KV by use: its copy stream is the owner's, and no chunk runs beside the steps (auto is off there)
-    engine = make_engine(ckpt, device="cuda:0", dtype="bfloat16", batch=2, kv_resident=64, prefill_overlap="auto")
-    try:
-        assert engine.kv.paging._copy_stream is engine.streams.kv_copy
-        assert engine.chunks is None and not engine.streams.overlap
     finally:
         engine.close()
 
