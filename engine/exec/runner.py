@@ -99,8 +99,9 @@ class ModelRunner(StepBuckets):
                  oom_release_mib: float = 1024.0) -> None:
         """`graphs`: the step executor (the graph cache, or eager). `eager`: the one for prompt chunks that take
         the fused (flash) chunk attention (it bakes the chunk's start into the step, so a graph of it would never
-        be replayed, and a chunk's compute dwarfs launch cost) and for chunks beside the steps (`prefill`). `release_memory(mib, reason) -> freed`: where an
-        out-of-memory step gets room before its one retry, `oom_release_mib` at a time."""
+        be replayed, and a chunk's compute dwarfs launch cost) and for chunks beside the steps (`prefill`).
+        `release_memory(mib, reason) -> freed`: where an out-of-memory step gets room before its one retry,
+        `oom_release_mib` at a time."""
         self.model = model
         self.graph_chunk_tokens = graph_chunk_tokens(model)
         self.kv = kv
