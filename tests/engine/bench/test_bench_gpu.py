@@ -55,3 +55,18 @@ def test_experts_host_and_peer_stores_in_one_run(tmp_path: Path) -> None:
     rows = [(r["store"], r["budget_pct"]) for r in doc["rows"]]
     assert rows == [("host", 100), ("host", 10), ("cuda:1", 10)]
     assert all(r["same_tokens"] for r in doc["rows"]) and doc["rows"][2]["loaded_mib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", ["by-use", "reserved"])
+def test_a_mixed_burst_with_chunks_beside_the_steps_ends_every_request_with_its_tokens(tmp_path: Path,
+                                                                                       pool: str) -> None:
+    """random:0.6b's mixed set (128-8K-token prompts) at 32 concurrent, on an H100, ended a request with
+    NonFiniteLogits in nearly every run, under either KV pool, while a long prompt's chunks beside the steps
+    replayed captured graphs on the side stream (engine.exec.runner.ModelRunner.prefill: they run eagerly)."""
+    doc = bench(tmp_path, ["throughput", "--model", "random:0.6b", "--device", "cuda:0", "--sets", "mixed",
+                           "--concurrency", "32", "--peer", "none", "--copy-mib", "64", "--kv-pool", pool,
+                           "--prefill-overlap", "on"], device="cuda:0")
+    [row] = [r for r in doc["rows"] if r["engine"] == "strata"]
+    assert row["error"] is None, row["error"]
+    assert row["tok_s"] > 0 and row["output_tokens"] > 0  # every request ran to its max_tokens (else: error)
