@@ -58,14 +58,13 @@ def test_experts_host_and_peer_stores_in_one_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pool", ["by-use", "reserved"])
-def test_a_mixed_burst_with_chunks_beside_the_steps_ends_every_request_with_its_tokens(tmp_path: Path,
-                                                                                       pool: str) -> None:
+def test_a_mixed_burst_with_chunks_beside_the_steps_ends_every_request_with_its_tokens(tmp_path: Path) -> None:
     """random:0.6b's mixed set (128-8K-token prompts) at 32 concurrent, on an H100, ended a request with
     NonFiniteLogits in nearly every run, under either KV pool, while a long prompt's chunks beside the steps
-    replayed captured graphs on the side stream (engine.exec.runner.ModelRunner.prefill: they run eagerly)."""
+    replayed captured graphs on the side stream (engine.exec.runner.ModelRunner.prefill: they run eagerly). One
+    pool here (the cause was the same under both; the suite's time is short)."""
     doc = bench(tmp_path, ["throughput", "--model", "random:0.6b", "--device", "cuda:0", "--sets", "mixed",
-                           "--concurrency", "32", "--peer", "none", "--copy-mib", "64", "--kv-pool", pool,
+                           "--concurrency", "32", "--peer", "none", "--copy-mib", "64", "--kv-pool", "by-use",
                            "--prefill-overlap", "on"], device="cuda:0")
     [row] = [r for r in doc["rows"] if r["engine"] == "strata"]
     assert row["error"] is None, row["error"]
