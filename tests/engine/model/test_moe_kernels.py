@@ -291,8 +291,8 @@ def test_gpu_backends_against_the_reference_in_bf16(backend, N, k, hot):
 def test_gpu_fp8_pools_against_their_dequantized_weights(N):
     x, gate_up, down, slots, weights = _case(N, 10, 65, 2048, 512, seed=N, dtype=torch.bfloat16, device="cuda")
     q_gu, q_d, scales = _fp8_pools(gate_up.float(), down.float())
-    got = routed_experts(x, q_gu, q_d, slots, weights, backend="triton", scales=scales)
-    want = routed_experts(x, q_gu, q_d, slots, weights, backend="grouped_mm", scales=scales)  # dequantized first
+    got = routed_experts(x, q_gu, q_d, slots, weights, backend="triton", quant=scales)
+    want = routed_experts(x, q_gu, q_d, slots, weights, backend="grouped_mm", quant=scales)  # dequantized first
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert err < 2e-2, f"relative error {err:.3g}"
 
