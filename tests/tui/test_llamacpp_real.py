@@ -140,6 +140,50 @@ async def test_attach_detects_llama_server_and_reads_its_slots(config_dir: Path,
         proc.wait()
 
 
+async def test_a_busy_llama_server_shows_a_decode_rate_from_its_token_counter(config_dir: Path,
+                                                                              tiny_gguf: Path) -> None:
+    """Three slots kept decoding on a real llama-server: its `llamacpp:predicted_tokens_seconds` gauge reads 0
+    between finished requests, so the rate on screen comes from its token counter over time, and it is above
+    zero while tokens flow."""
+    port = free_port()
+    proc = subprocess.Popen([LLAMA_SERVER, "-m", str(tiny_gguf), "--port", str(port), "-np", "3", "-c", "3072",
+                             "-t", "1", "--slots", "--metrics"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    stop = asyncio.Event()
+
+    async def keep_decoding() -> None:
+        while not stop.is_set():
+            await generate(url, max_tokens=900)
+
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=2) as client:
+            for _ in range(600):
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+        app = offline_app(config_dir, attach_url=url)
+        async with app.run_test(size=SIZE) as pilot:
+            end = lambda: app.view.foreign.endpoints[0]  # noqa: E731
+            await wait_for(pilot, lambda: app.view.kind == "llamacpp" and end().reachable, timeout_s=30,
+                           what="llama.cpp detected")
+            senders = [asyncio.create_task(keep_decoding()) for _ in range(3)]
+            await wait_for(pilot, lambda: (end().decode_tokens_s or 0) > 0, timeout_s=30,
+                           what="a decode rate above zero while three slots decode")
+            app.screen.redraw(force=True)
+            await pilot.pause()
+            shown = re.search(r"decode ([\d,.]+k?) tok/s", screen_text(app))
+            assert shown and shown.group(1) not in ("0", "0.0"), screen_text(app)
+            stop.set()
+            await asyncio.gather(*senders)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_bench_scenario_runs_against_llama_server(tmp_path: Path, tiny_gguf: Path) -> None:
     """`strata-engine bench scenario` speaks plain OpenAI: the same load on llama.cpp as on Strata."""
     import json

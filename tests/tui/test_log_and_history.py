@@ -93,3 +93,17 @@ async def test_an_engine_on_the_cpu_has_its_cpu_and_memory_in_the_history(config
         assert ram and 0.5 * rss < ram[-1] < 2 * rss + 64, (ram[-1], rss)
         await wait_for(pilot, lambda: any(v for v in app.view.history.window("cpu_pct", 60)), 20, "a CPU reading")
         await pilot.press("q")
+
+
+async def test_an_moe_engine_has_its_expert_cache_hit_rate_in_the_history(config_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MoE engine (a recorded /strata/state with an `experts` section: 310 hits, 441 misses): the history adds
+    the expert cache's hit rate, drawn as a percentage beside the other lines."""
+    monkeypatch.setenv("FAKE_ENGINE_EXPERTS", str(Path(__file__).parent / "fixtures" / "moe_state.json"))
+    monkeypatch.setenv("FAKE_ENGINE_BUSY", "6:30")
+    app = fake_engine_app(config_dir, monkeypatch, events=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "experts hit 41%" in screen_text(app), 30, "the hit rate in the history")
+        rates = [v for v in app.view.history.window("expert_hit", 60) if v is not None]
+        assert rates and abs(rates[-1] - 310 / 751) < 1e-3, rates
+        await pilot.press("q")
