@@ -12,8 +12,9 @@
 # QUANT_SIZE (8b), QUANT_SMALL_SIZE (0.6b), QUANT_TUNE, QUANT_ROWS, QUANT_FORMATS, MOE_TOKENS, MOE_TUNE, DEVICE, the
 # sizes PROMPT, NEW, LONG, TTFT_SIZES,
 # SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
-# decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps; LIMIT_SCALE (default 1)
-# multiplies every step's own limit (a slower or busier machine; the budget still caps each step)
+# decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps; GPU_TESTS (default
+# tests) the folder or files the gpu_suite steps collect, SESSION_MARGIN_S their session's end before the limit;
+# LIMIT_SCALE (default 1) multiplies every step's own limit (a slower or busier machine; the budget still caps each)
 # (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
 set -uo pipefail
 
@@ -79,11 +80,13 @@ quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) w
 quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
+gpu_suite_shared  named    the GPU tests marked gpu_shared (kernels and models against references), side by side: the first half of gpu_suite, a call of its own on an H100
+gpu_suite_alone   named    the other GPU tests (engines, servers, NVML), each with the GPU to itself: the second half
 peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
 reuse_peer        named    two GPUs: bench reuse with the tier on cuda:0 and on cuda:1
 seed_peer         named    two GPUs: the seed scenario with the tier on cuda:1
 experts_peer      named    two GPUs: bench experts with the store on the host and on cuda:1
-screenshots       named    strata-tui's GPU screenshots (real NVML), into \$OUT/shots
+screenshots       named    strata-tui's GPU screenshots (real NVML), into \$OUT/shots.tgz
 "
 ALL_STEPS=$(awk '{print $1}' <<<"$STEP_LIST" | xargs)
 DEFAULT_STEPS=$(awk '$2 == "default" {print $1}' <<<"$STEP_LIST" | tr '\n' ',')
@@ -167,6 +170,25 @@ step() {
     local rc=$?
     [ "$rc" -eq 124 ] && log "TIMEOUT $name after ${limit}s" || log "END $name rc=$rc"
     grep -v USDT "$OUT/$name.log" | tail -"${TAIL:-30}" >>"$LOG"
+}
+
+# pytest_step NAME LIMIT_S PYTEST_ARGS...: pytest with a line per test as it ends (a step cut off by its limit still
+# names every test that ran, and how it ended) and a session that stops starting tests SESSION_MARGIN_S (90, or a
+# third of a shorter limit) before the step's limit, so its failures and durations are printed; the counts and the failures' names go to the log.
+pytest_step() {
+    local name=$1 limit
+    wanted "$1" "$2" || return 0
+    shift 2
+    local margin=${SESSION_MARGIN_S:-$((limit / 3 < 90 ? limit / 3 : 90))} session
+    session=$((limit - margin > 0 ? limit - margin : 1))
+    log "START $name (limit ${limit}s, session ${session}s): pytest $*"
+    timeout --signal=TERM --kill-after=10 "$limit" "$PY" -m pytest -v -rfE -p no:cacheprovider \
+        --session-timeout="$session" --junitxml="$OUT/$name.xml" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    [ "$rc" -eq 124 ] && log "TIMEOUT $name after ${limit}s" || log "END $name rc=$rc"
+    log "$name: $(grep -cE ' PASSED' "$OUT/$name.log") passed, $(grep -cE ' FAILED' "$OUT/$name.log") failed," \
+        "$(grep -cE ' ERROR' "$OUT/$name.log") errors, $(grep -cE ' SKIPPED' "$OUT/$name.log") skipped"
+    grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -"${TAIL:-30}" >>"$LOG"
 }
 
 log "strata benchmarks on $(hostname); budget ${BUDGET_S}s; steps ${STEPS:-$DEFAULT_STEPS}"
@@ -326,9 +348,8 @@ run experts_prefill 330 experts --device "$DEVICE" --model random:moe-80b --all-
 # decode on the 8B shape, whose random weights the engine draws on the GPU at each start (no checkpoint).
 # The quantized kernels' GPU tests first: a kernel that does not compile or is wrong fails here, named. They compile
 # every path's kernels at several shapes: on an H100 four workers had not finished in 240 s (a call of its own).
-step quant_tests 480 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
-    --durations=10 --junitxml="$OUT/quant_tests.xml" tests/engine/model/test_quant_kernels_gpu.py \
-    tests/engine/bench/test_bench_linear_quant.py
+pytest_step quant_tests 480 -m gpu -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=10 \
+    tests/engine/model/test_quant_kernels_gpu.py tests/engine/bench/test_bench_linear_quant.py
 # Each launch shape of QUANT_TUNE on the GEMV (1-4 rows) and the tensor-core path (5-256 rows), every path and
 # tinygemm side by side; quant_launch_table.json is the launch table they measured (engine/model/quant/).
 QUANT_TUNE=${QUANT_TUNE:-256x128x2x8x2,64x128x4x4x3,128x256x2x4x3,32x128x8x2x4}
@@ -351,22 +372,24 @@ step quant_peers 330 bash -c '[ -f "$2/config.json" ] || "$0" -m engine.cli quan
 step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --prompt-tokens 180000 --context 184320 \
     --decode-slots 0 4 --refresh-s 0.1
 # The GPU tests: those marked gpu_shared (kernels and models against references) side by side, each other test
-# alone through tests/conftest.py's lock; --session-timeout ends the suite before the step's limit, so a long run
-# still prints its failures and durations.
-step gpu_suite 590 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider -n "${GPU_WORKERS:-4}" --dist loadgroup \
-    --durations=0 --session-timeout=560 --junitxml="$OUT/gpu_suite.xml" tests
+# alone through tests/conftest.py's lock. On an H100 the whole suite does not fit one 10-minute call: its halves do.
+pytest_step gpu_suite 590 -m gpu -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=0 "${GPU_TESTS:-tests}"
+pytest_step gpu_suite_shared 590 -m "gpu and gpu_shared" -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=0 \
+    "${GPU_TESTS:-tests}"
+pytest_step gpu_suite_alone 590 -m "gpu and not gpu_shared" --durations=0 "${GPU_TESTS:-tests}"
 
 # Two GPUs: the prefix-cache tier and the MoE expert store on cuda:1.
-step peer_tests 150 "$PY" -m pytest -m gpu -q -s -rA -p no:cacheprovider tests/engine/test_engine_gpu.py \
-    tests/engine/model/test_moe_gpu.py tests/engine/bench/test_bench_gpu.py \
-    -k "peer_device or expert_store or peer_store or host_and_peer"
+pytest_step peer_tests 150 -m gpu -s tests/engine/test_engine_gpu.py tests/engine/model/test_moe_gpu.py \
+    tests/engine/bench/test_bench_gpu.py -k "peer_device or expert_store or peer_store or host_and_peer"
 run reuse_peer 90 reuse "${COMMON[@]}" --prompt-sizes 32K --peer-device cuda:1
 step seed_peer 300 "$PY" benchmarks/seed_scenario.py --runs "${SEED_RUNS:-5}" --device "$DEVICE" --prompt-tokens 32768 \
     --out "$OUT/seed_peer.json" --extra --peer-device cuda:1
 run experts_peer 300 experts --device "$DEVICE" --peer-device cuda:1 --stores host,peer --budgets 5,15,30,50 \
     --prompt-tokens 32 --new-tokens 64 --copy-mib "$COPY_MIB" --no-hf
-step screenshots 120 "$PY" scripts/make_screenshots.py --device "$DEVICE" --context 65536 --chunk-tokens 1024 \
-    --fault-inject capture:draft_round:1-2:oom --prefix gpu- --out "$OUT/shots"
+# One archive, not six files: a device call's results come back as a few files.
+step screenshots 120 bash -c '"$0" scripts/make_screenshots.py --device "$1" --context 65536 --chunk-tokens 1024 \
+    --fault-inject capture:draft_round:1-2:oom --prefix gpu- --out "$2/shots" && tar czf "$2/shots.tgz" -C "$2" shots \
+    && rm -r "$2/shots"' "$PY" "$DEVICE" "$OUT"
 
 "$PY" benchmarks/collect_results.py "$OUT" 2>&1 | tee -a "$LOG"
 log "done"

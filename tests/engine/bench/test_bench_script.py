@@ -106,3 +106,31 @@ def test_limit_scale_multiplies_a_steps_own_limit(tmp_path: Path, scale: str | N
     log = (tmp_path / "run_all_gpu.log").read_text()
     assert proc.returncode == 0, log
     assert f"START attention_decode (limit {limit_s}s)" in log, log
+
+
+def test_a_pytest_step_cut_off_by_its_limit_still_names_every_test_that_ran(tmp_path: Path) -> None:
+    """The GPU suite once ran into its call's limit with `-q`: 184 dots, three `F`s and no name. A pytest step
+    now prints a line per test as it ends and stops starting tests SESSION_MARGIN_S before its limit, so the run
+    below (a test that fails, one that passes, then one that sleeps past the session) ends on its own, in time,
+    with the failure named and the counts in the log."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_four.py").write_text(
+        "import time\nimport pytest\npytestmark = pytest.mark.gpu\n"
+        "def test_a_fails():\n    assert 1 == 2\n"
+        "def test_b_passes():\n    pass\n"
+        "def test_c_sleeps():\n    time.sleep(4)\n"
+        "def test_d_never_starts():\n    pass\n")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, STEPS="gpu_suite_alone",
+               GPU_TESTS=str(suite), BUDGET_S="1000", SESSION_MARGIN_S="589",  # the step's limit is 590 s
+               DEVICE="cpu", MODEL="random:tiny", STRATA_BENCH_CACHE=str(tmp_path / "ckpt"))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "out" / "run_all_gpu.log").read_text()
+    assert proc.returncode == 0, log
+    assert "START gpu_suite_alone (limit 590s, session 1s)" in log, log
+    assert "END gpu_suite_alone rc=1" in log, log
+    assert "gpu_suite_alone: 2 passed, 1 failed, 0 errors, 0 skipped" in log, log
+    assert "FAILED " in log and "test_a_fails" in log, log
+    lines = (tmp_path / "out" / "gpu_suite_alone.log").read_text()
+    assert "test_d_never_starts" not in lines, lines
