@@ -80,8 +80,8 @@ quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) w
 quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
-gpu_suite_shared  named    the GPU tests marked gpu_shared (kernels and models against references), side by side: the first half of gpu_suite, a call of its own on an H100
-gpu_suite_alone   named    the other GPU tests (engines, servers, NVML), each with the GPU to itself: the second half
+gpu_suite_shared  named    the GPU tests marked gpu_shared (kernels and models against references), side by side: gpu_suite's first half
+gpu_suite_alone   named    the other GPU tests (engines, servers, NVML), each with the GPU to itself: the second half (GPU_TESTS splits it further)
 peer_tests        named    two GPUs: the GPU tests of the tier and the expert store on cuda:1
 reuse_peer        named    two GPUs: bench reuse with the tier on cuda:0 and on cuda:1
 seed_peer         named    two GPUs: the seed scenario with the tier on cuda:1
@@ -372,7 +372,7 @@ step quant_peers 330 bash -c '[ -f "$2/config.json" ] || "$0" -m engine.cli quan
 step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --prompt-tokens 180000 --context 184320 \
     --decode-slots 0 4 --refresh-s 0.1
 # The GPU tests: those marked gpu_shared (kernels and models against references) side by side, each other test
-# alone through tests/conftest.py's lock. On an H100 the whole suite does not fit one 10-minute call: its halves do.
+# alone through tests/conftest.py's lock. On an H100 the whole suite does not fit one 10-minute call.
 pytest_step gpu_suite 590 -m gpu -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=0 "${GPU_TESTS:-tests}"
 pytest_step gpu_suite_shared 590 -m "gpu and gpu_shared" -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=0 \
     "${GPU_TESTS:-tests}"
