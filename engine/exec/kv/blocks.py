@@ -333,6 +333,16 @@ class BlockLedger:
         valid until then."""
         self._retired.add(slot)
 
+    def retired_room(self) -> tuple[int, int]:
+        """What the next `reclaim` gives back: the pool blocks retired slots hold on the device, and the tier's pool
+        blocks that only retired slots map (the tier may then give them to the pool)."""
+        pool = sum(self.used_blocks(slot) for slot in self._retired)
+        mapping: dict[int, int] = {}
+        for slot in self._retired:
+            for block in self._borrowed[slot].values():
+                mapping[block] = mapping.get(block, 0) + 1
+        return pool, sum(1 for block, n in mapping.items() if self._borrowers.get(block) == n)
+
     def reclaim(self) -> set[int]:
         """Release every retired slot now; returns the slots whose table rows changed."""
         changed = {slot for slot in list(self._retired) if self.release(slot)}
