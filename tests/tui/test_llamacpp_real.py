@@ -112,21 +112,31 @@ async def test_launch_slots_metrics_then_kill_9_in_the_crash_panel(config_dir: P
         assert ends()[0].slots is None  # nothing stale
 
 
-async def test_attach_detects_llama_server_and_reads_its_slots(config_dir: Path, tiny_gguf: Path) -> None:
+def three_slot_server(tiny_gguf: Path) -> tuple[subprocess.Popen, str]:
+    """A llama-server of 3 slots (3,072 tokens of context in all) with its slots and metrics endpoints on, and its
+    URL: in a session of its own (the test kills its group)."""
     port = free_port()
     proc = subprocess.Popen([LLAMA_SERVER, "-m", str(tiny_gguf), "--port", str(port), "-np", "3", "-c", "3072",
                              "-t", "1", "--slots", "--metrics"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def until_healthy(url: str, timeout_s: float = 60.0) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=2) as client:
+        for _ in range(int(timeout_s / 0.1)):
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+
+
+async def test_attach_detects_llama_server_and_reads_its_slots(config_dir: Path, tiny_gguf: Path) -> None:
+    proc, url = three_slot_server(tiny_gguf)
     try:
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=url, timeout=2) as client:
-            for _ in range(600):
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
+        await until_healthy(url)
         app = offline_app(config_dir, attach_url=url)
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: app.view.kind == "llamacpp" and app.view.foreign.endpoints[0].reachable,
@@ -145,11 +155,7 @@ async def test_a_busy_llama_server_shows_a_decode_rate_from_its_token_counter(co
     """Three slots kept decoding on a real llama-server: its `llamacpp:predicted_tokens_seconds` gauge reads 0
     between finished requests, so the rate on screen comes from its token counter over time, and it is above
     zero while tokens flow."""
-    port = free_port()
-    proc = subprocess.Popen([LLAMA_SERVER, "-m", str(tiny_gguf), "--port", str(port), "-np", "3", "-c", "3072",
-                             "-t", "1", "--slots", "--metrics"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = three_slot_server(tiny_gguf)
     stop = asyncio.Event()
 
     async def keep_decoding() -> None:
@@ -157,14 +163,7 @@ async def test_a_busy_llama_server_shows_a_decode_rate_from_its_token_counter(co
             await generate(url, max_tokens=900)
 
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=2) as client:
-            for _ in range(600):
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
+        await until_healthy(url)
         app = offline_app(config_dir, attach_url=url)
         async with app.run_test(size=SIZE) as pilot:
             end = lambda: app.view.foreign.endpoints[0]  # noqa: E731
