@@ -111,8 +111,8 @@ def test_limit_scale_multiplies_a_steps_own_limit(tmp_path: Path, scale: str | N
 def test_a_pytest_step_cut_off_by_its_limit_still_names_every_test_that_ran(tmp_path: Path) -> None:
     """The GPU suite once ran into its call's limit with `-q`: 184 dots, three `F`s and no name. A pytest step
     now prints a line per test as it ends and stops starting tests SESSION_MARGIN_S before its limit, so the run
-    below (a test that fails, one that passes, then one that sleeps past the session) ends on its own, in time,
-    with the failure named and the counts in the log."""
+    below (a test that fails, one that passes, one that sleeps past the session, one more) ends on its own, in
+    time, with the failure named and the counts in the log."""
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "test_four.py").write_text(
@@ -130,7 +130,10 @@ def test_a_pytest_step_cut_off_by_its_limit_still_names_every_test_that_ran(tmp_
     assert proc.returncode == 0, log
     assert "START gpu_suite_alone (limit 590s, session 1s)" in log, log
     assert "END gpu_suite_alone rc=1" in log, log
-    assert "gpu_suite_alone: 2 passed, 1 failed, 0 errors, 0 skipped" in log, log
-    assert "FAILED " in log and "test_a_fails" in log, log
     lines = (tmp_path / "out" / "gpu_suite_alone.log").read_text()
+    # the session ends after the test that passes its end: after the sleeping one, or sooner on a loaded machine
+    # (it counts from pytest's start); the first test always runs
+    passed = lines.count(" PASSED")
+    assert passed <= 2 and f"gpu_suite_alone: {passed} passed, 1 failed, 0 errors, 0 skipped" in log, log
+    assert "FAILED " in log and "test_a_fails" in log, log
     assert "test_d_never_starts" not in lines, lines

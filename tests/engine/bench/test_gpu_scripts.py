@@ -34,17 +34,17 @@ def _expanded(text: str) -> str:
 
 
 def _commands(script: str) -> list[list[str]]:
-    """Each step call of the script (`run NAME LIMIT_S ...`, `step NAME LIMIT_S ...`; continuations joined,
-    variables at their defaults), split like the shell."""
+    """Each step call of the script (`run NAME LIMIT_S ...`, `step NAME LIMIT_S ...`, `pytest_step NAME LIMIT_S ...`;
+    continuations joined, variables at their defaults), split like the shell."""
     text = _expanded((ROOT / script).read_text())
     return [shlex.split(line, comments=True) for line in text.splitlines()
-            if not line.lstrip().startswith("#") and re.search(r"(^|\s)(run|step)\s+\w+\s+\d+\s", line)]
+            if not line.lstrip().startswith("#") and re.search(r"(^|\s)(run|step|pytest_step)\s+\w+\s+\d+\s", line)]
 
 
 def _steps(words: list[str]) -> tuple[str, str, list[str]] | None:
-    """A `run NAME LIMIT_S ...` or `step NAME LIMIT_S ...` call: (function, name, the rest)."""
+    """A `run`, `step` or `pytest_step NAME LIMIT_S ...` call: (function, name, the rest)."""
     for i, word in enumerate(words[:-2]):
-        if word in ("run", "step") and words[i + 2].isdigit():
+        if word in ("run", "step", "pytest_step") and words[i + 2].isdigit():
             return word, words[i + 1], words[i + 3:]
     return None
 
