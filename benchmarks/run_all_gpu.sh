@@ -174,7 +174,8 @@ step() {
 
 # pytest_step NAME LIMIT_S PYTEST_ARGS...: pytest with a line per test as it ends (a step cut off by its limit still
 # names every test that ran, and how it ended) and a session that stops starting tests SESSION_MARGIN_S (90, or a
-# third of a shorter limit) before the step's limit, so its failures and durations are printed; the counts and the failures' names go to the log.
+# third of a shorter limit) before the step's limit, so its failures and durations are printed; the counts and the
+# failures' names go to the log.
 pytest_step() {
     local name=$1 limit
     wanted "$1" "$2" || return 0
