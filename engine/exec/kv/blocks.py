@@ -27,6 +27,7 @@ never spilled while the chunk may write them.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -337,10 +338,7 @@ class BlockLedger:
         """What the next `reclaim` gives back: the pool blocks retired slots hold on the device, and the tier's pool
         blocks that only retired slots map (the tier may then give them to the pool)."""
         pool = sum(self.used_blocks(slot) for slot in self._retired)
-        mapping: dict[int, int] = {}
-        for slot in self._retired:
-            for block in self._borrowed[slot].values():
-                mapping[block] = mapping.get(block, 0) + 1
+        mapping = Counter(block for slot in self._retired for block in self._borrowed[slot].values())
         return pool, sum(1 for block, n in mapping.items() if self._borrowers.get(block) == n)
 
     def reclaim(self) -> set[int]:

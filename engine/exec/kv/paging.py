@@ -145,16 +145,14 @@ class KVPaging:
         pool, never from running requests' (a spill to the host would preempt them to make room for a request that
         could as well wait in the queue). The requests that ended since the last step count as gone: the step
         gives their blocks back (`reclaim`) before it maps any block of the ones it admits."""
-        bt = self.layout.block_tokens
-        need = self.ledger.missing_blocks({slot: end + lookahead_tokens for slot, end in decoding_ends.items()})
+        ledger, bt = self.ledger, self.layout.block_tokens
+        need = ledger.missing_blocks({slot: end + lookahead_tokens for slot, end in decoding_ends.items()})
         need += sum(max(0, -(-(tokens + lookahead_tokens) // bt) - self.layout.resident_blocks)
                     for tokens in first_chunks_tokens)
-        ledger = self.ledger
-        retired_pool, retired_tier = ledger.retired_room()
+        freed_pool, freed_tier = ledger.retired_room()
         # the tier's blocks a running slot maps are not the tier's to give
-        tier_blocks = max(0, int(self.kv.tier_blocks) - (ledger.mapped_tier_blocks - retired_tier))
-        room = (ledger.free_pool_blocks + retired_pool + max(0, self.grow_limit_blocks - ledger.pool_blocks)
-                + tier_blocks)
+        tier_blocks = max(0, int(self.kv.tier_blocks) - ledger.mapped_tier_blocks + freed_tier)
+        room = ledger.free_pool_blocks + freed_pool + max(0, self.grow_limit_blocks - ledger.pool_blocks) + tier_blocks
         if need <= room:
             return None
         return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
