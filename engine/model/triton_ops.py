@@ -163,7 +163,7 @@ def _launch_qk_norm_rope(src: torch.Tensor, heads: int, q_heads: int, kv_heads: 
     block = triton.next_power_of_2(d)
     if site is not None:
         assert site.k_pool.is_contiguous() and site.v_pool.is_contiguous()
-        int8, ks, vs = scale_pools(site.k_pool, site.k_scale, site.v_scale)
+        int8, ks, vs = scale_pools(site.k_pool, site.v_pool, site.k_scale, site.v_scale)
         pools = (site.k_pool, site.v_pool, ks, vs, site.blocks.reshape(b * t).contiguous(),
                  site.offsets.reshape(b * t).contiguous())
         strides = (site.k_pool.stride(0), site.k_pool.stride(1), ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0)

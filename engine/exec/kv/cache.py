@@ -28,7 +28,7 @@ import torch
 
 from engine.exec.kv.geometry import KVGeometry
 from engine.exec.kv.paging import KVPaging
-from engine.exec.kv.pool_resize import resized
+from engine.exec.kv.pool_resize import resize_all
 from engine.exec.cuda_streams import Streams
 from engine.model.attention.backends import TorchAttention, kernel_backend
 from engine.model.attention.kv_site import KVSite
@@ -271,16 +271,13 @@ class SlotKVCache:
 
     def resize_pool(self, num_blocks: int, stage: bool = False) -> None:
         """Reallocate every pool tensor to `num_blocks` blocks, keeping its first blocks, one tensor at a time (the
-        largest is briefly held twice); new blocks hold finite data. A tensor already at that size is left alone
-        (a growth that failed part-way left the rest as they were). With `stage`, see `kv_pool_resize.resized`."""
+        largest is briefly held twice); new blocks hold finite data. All or nothing (`kv_pool_resize.resize_all`:
+        the kernels address a layer's values with its keys' strides). With `stage`, see `kv_pool_resize.resized`."""
         if self.device.type == "cuda":
             # A prompt chunk in flight on another stream (engine.exec.chunk_stream) writes the old tensors: its
             # writes must land before they are copied, and nothing may still address them once they are freed.
             torch.cuda.synchronize(self.device)
-        for pools, fill in ((self.k, 0.0), (self.v, 0.0), (self.k_scale, 1.0), (self.v_scale, 1.0)):
-            for i in range(len(pools)):
-                if pools[i].shape[1] != num_blocks:
-                    pools[i] = resized(pools, i, num_blocks, fill, stage)
+        resize_all(((self.k, 0.0), (self.v, 0.0), (self.k_scale, 1.0), (self.v_scale, 1.0)), num_blocks, stage)
 
     def non_finite_blocks(self) -> set[int]:
         """Physical blocks holding a NaN or inf in any layer's keys, values or scales (a pass over the pools: for

@@ -377,7 +377,7 @@ class KVPaging:
         try:
             self.kv.resize_pool(self.layout.pool_base + self.ledger.pool_blocks + blocks)
         except torch.OutOfMemoryError:
-            return False  # the tensors that did grow keep their (unused) rows; the forward spills instead
+            return False  # all or nothing: no tensor changed; the forward spills instead
         self.ledger.add_pool(blocks)
         self.stats.grown_blocks += blocks
         if self.on_resize is not None:

@@ -1,10 +1,37 @@
-"""Reallocating one KV pool tensor to a new block count (SlotKVCache.resize_pool: `--kv-resident` growth and the
-shared tier's resize), through host memory when the device cannot hold old and new at once. Torch only: it knows
+"""Reallocating the KV pool tensors to a new block count (SlotKVCache.resize_pool: KV by use's growth and the
+shared tier's resize), one at a time, all or nothing, through host memory when the device cannot hold old and new
+at once. Torch only: it knows
 nothing of the cache that owns the tensors."""
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
+
+
+def resize_all(groups: Iterable[tuple[list[torch.Tensor], float]], num_blocks: int, stage: bool) -> None:
+    """Every tensor of `groups` ((pools, fill of new blocks) pairs) to `num_blocks` blocks, all or nothing: a
+    growth that runs out of memory part-way puts the tensors that grew back (through host memory) and raises.
+    Left part-way, a layer's keys would have more blocks than its values, and the kernels, which address the
+    values with the keys' strides (the value scales with the key scales'), would read and write past the value
+    tensor's end. A tensor already at the size is left alone."""
+    groups = list(groups)
+    before = min((pools[0].shape[1] for pools, _ in groups if pools), default=0)
+    try:
+        _resize_each(groups, num_blocks, stage)
+    except torch.OutOfMemoryError:
+        if num_blocks <= before:
+            raise
+        _resize_each(groups, before, stage=True)  # a shrink to the blocks every tensor still has
+        raise
+
+
+def _resize_each(groups: list[tuple[list[torch.Tensor], float]], num_blocks: int, stage: bool) -> None:
+    for pools, fill in groups:
+        for i in range(len(pools)):
+            if pools[i].shape[1] != num_blocks:
+                pools[i] = resized(pools, i, num_blocks, fill, stage)
 
 
 def resized(pools: list[torch.Tensor], i: int, num_blocks: int, fill: float, stage: bool) -> torch.Tensor:

@@ -157,11 +157,7 @@ class SharedTierBlocks:
         old_n = self.num_blocks
         new_n = old_n + self.group * (len(add) - len(drop))
         if new_n > old_n:
-            try:
-                self._reallocate(new_n, stage=False)
-            except torch.OutOfMemoryError:
-                self._reallocate(old_n, stage=True)  # the tensors that grew go back: nothing changed
-                raise
+            self._reallocate(new_n, stage=False)  # all or nothing: out of memory changed no tensor
         free = sorted(p for b in drop for p in self.backing.pop(b))
         fresh = iter(range(old_n, max(old_n, new_n)))
         for b in add:

@@ -61,7 +61,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor |
     (blocks, offsets) [B, T]; int8 pools with their float32 scales [Hkv, num_blocks, block_tokens]."""
     b, hkv, t, d = k.shape
     assert k.stride(3) == 1 and v.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous()
-    int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
+    int8, ks, vs = scale_pools(k_pool, v_pool, k_scale, v_scale)
     assert ks.stride() == vs.stride(), "key and value scales laid out alike"
     blocks, offsets = blocks.reshape(b * t).contiguous(), offsets.reshape(b * t).contiguous()
     _write_kv_kernel[(b * t, hkv)](

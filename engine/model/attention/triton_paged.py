@@ -172,13 +172,20 @@ def _combine_splits_kernel(
 
 
 
-def scale_pools(k_pool: torch.Tensor, k_scale: torch.Tensor | None,
+def scale_pools(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
                 v_scale: torch.Tensor | None) -> tuple[bool, torch.Tensor, torch.Tensor]:
     """(int8?, key scales, value scales) for a kernel launch: an int8 pool needs its scales; a bf16 one passes
-    the pool itself in their place (Triton wants a tensor argument; the kernel never reads it)."""
-    if k_pool.dtype != torch.int8:
+    the pool itself in their place (Triton wants a tensor argument; the kernel never reads it). The kernels
+    address the values with the keys' strides (and the value scales with the key scales'): pools of different
+    shapes are a ValueError here, not a read past the smaller tensor's end."""
+    int8 = k_pool.dtype == torch.int8
+    if v_pool.shape != k_pool.shape or (int8 and (k_scale is None or v_scale is None
+                                                  or v_scale.shape != k_scale.shape)):
+        raise ValueError(f"a layer's KV pools differ: keys {tuple(k_pool.shape)}, values {tuple(v_pool.shape)}"
+                         + (f", scales {None if k_scale is None else tuple(k_scale.shape)} / "
+                            f"{None if v_scale is None else tuple(v_scale.shape)}" if int8 else ""))
+    if not int8:
         return False, k_pool, k_pool
-    assert k_scale is not None and v_scale is not None, "int8 KV needs its scales"
     return True, k_scale, v_scale
 
 
@@ -241,7 +248,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     # [B, Hq, T, D] over [B, T, Hq, D] memory: the layer's `out.transpose(1, 2).reshape(B, T, Hq * D)` is then a
     # view, not a copy of every multi-token forward's output (a verify's, a chunk's)
     out = q.new_empty(b, t, hq, d).transpose(1, 2)
-    int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
+    int8, ks, vs = scale_pools(k_pool, v_pool, k_scale, v_scale)
     loads = tile_loads(config.loads if block_d == d else "gather", tile, block_tokens, k_pool,
                        q.is_cuda and q.dtype == torch.float32)
     k_src, v_src = pool_sources(k_pool, v_pool, loads, tile)

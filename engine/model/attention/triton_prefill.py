@@ -214,7 +214,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     assert hq == g * hkv, (hq, hkv)
     assert positions.shape == (b, t), (positions.shape, q.shape)
     assert q.stride(3) == 1 and k_pool.is_contiguous() and v_pool.is_contiguous(), "contiguous head dim expected"
-    int8, ks, vs = scale_pools(k_pool, k_scale, v_scale)
+    int8, ks, vs = scale_pools(k_pool, v_pool, k_scale, v_scale)
     config = config or default_prefill_config(int8)
     block_m, block_n, warps, stages = launch_shape(q.dtype, t, config)
     block_d = max(16, triton.next_power_of_2(d))
