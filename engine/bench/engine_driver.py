@@ -21,6 +21,7 @@ from engine.bench.common import device_of, prepare_model
 from engine.config import EngineConfig, config_from_args
 from engine.errors import StrataError
 from engine.exec.step_fns import EagerExecutor
+from engine.orchestration.startup_heap import freeze_startup_heap, thaw_heap
 from engine.core.request import Request
 from engine.telemetry import EventBus
 
@@ -83,6 +84,7 @@ class BenchEngine:
             self._wire_graph_cache()
         self._ids = 0
         self.mib_left_after_close: float | None = None
+        freeze_startup_heap()  # as `strata-engine serve` does once its engine is ready
 
     def _wire_graph_cache(self) -> None:
         """Give a CPU engine the graph cache (its CPU backend) the way engine_setup wires it on CUDA, so the
@@ -128,6 +130,7 @@ class BenchEngine:
         import torch
 
         device = self.engine.device
+        thaw_heap()  # the engine's cycles (frozen at start) within the collector's reach again
         self.engine.close()  # frees the graphs, tier, KV and weights and empties the CUDA cache
         del self.engine
         gc.collect()  # what else the engine held (runner buffers) goes with it

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import socket
@@ -26,6 +25,7 @@ from typing import Any, Callable
 from engine.api import EngineClient
 from engine.config import EngineConfig, add_engine_options, config_from_args
 from engine.errors import ConfigError
+from engine.orchestration.startup_heap import freeze_startup_heap
 
 log = logging.getLogger("strata.serve")
 READY_PREFIX = "strata-engine: ready at"
@@ -224,16 +224,6 @@ def _first_state(client: EngineClient) -> Any:
     except Exception as exc:  # a test double without state(), or one that fails: the URL still has to go out
         log.debug("no state for the ready line: %s", exc)
         return None
-
-
-def freeze_startup_heap() -> None:
-    """Collect once, then move every object alive now (the model, the tokenizer, the imported modules) out of
-    the collector's reach. A full collection walks every tracked object, and the collector runs it on whichever
-    thread allocates at that moment, often the event loop's: over the heap a loaded engine holds it stopped
-    the loop (and /health) far longer than any request. These objects live as long as the process, so the
-    collector has nothing to find among them."""
-    gc.collect()
-    gc.freeze()
 
 
 async def _wait_ready(server: Any, client: EngineClient, serve_task: asyncio.Task) -> str | None:

@@ -288,3 +288,29 @@ def test_a_slow_step_names_the_triton_kernels_compiled_during_it() -> None:
         assert seen[-1] == "after finish" and len(seen) == 2  # given back
     finally:
         knobs.runtime.jit_post_compile_hook = original
+
+
+def test_a_rows_steps_run_with_the_engines_startup_heap_out_of_the_collectors_reach(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """A full collection walks every tracked object: a loaded engine's heap (torch, Triton, the model) is a few
+    hundred thousand, over a hundred milliseconds on this box, and under load the collector ran one inside a step
+    every few seconds (every slot stalled for it: a 256-slot burst's slowest steps). `strata-engine serve`
+    freezes the heap once its engine is ready; a bench's engines do too, and thaw it when they close, so the
+    cycles of a row's dropped engine can still be collected."""
+    import gc
+
+    from engine.orchestration.engine import Engine
+
+    frozen: list[int] = []
+    real_step = Engine.step
+
+    def step(self):
+        frozen.append(gc.get_freeze_count())
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "2", "--sets", "fixed", *SMALL, "--new-tokens", "4",
+                           "--peer", "none"])
+    assert doc["rows"][0]["error"] is None
+    assert frozen and min(frozen) > 10_000, frozen[:3]  # torch's modules and the model: the startup heap
+    assert gc.get_freeze_count() == 0  # thawed when the row's engine closed
