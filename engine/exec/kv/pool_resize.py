@@ -1,7 +1,6 @@
 """Reallocating the KV pool tensors to a new block count (SlotKVCache.resize_pool: KV by use's growth and the
 shared tier's resize), one at a time, all or nothing, through host memory when the device cannot hold old and new
-at once. Torch only: it knows
-nothing of the cache that owns the tensors."""
+at once. Torch only: it knows nothing of the cache that owns the tensors."""
 
 from __future__ import annotations
 
