@@ -38,7 +38,7 @@ from engine.exec.gpu_errors import error_event, is_sticky
 from engine.exec.sampler import request_generator
 from engine.exec.step_fns import StepExecutor
 from engine.orchestration.engine_setup import EngineParts, build_parts, release_device_memory
-from engine.orchestration.state import build_snapshot, slot_event
+from engine.orchestration.state import SlotViews, build_snapshot, slot_event
 from engine.snapshot import EngineSnapshot, ExpertCacheSnapshot, MtpSnapshot
 from engine.step import Admission, TokenOutput
 from engine.switches import SwitchState
@@ -82,6 +82,7 @@ class Engine:
         self._failed_steps = 0  # since a request last finished normally
         self.output = OutputProcessor()
         self.slot_interval_s = SLOT_EVENT_INTERVAL_S
+        self._slot_views = SlotViews()
         self._last_vram_s = 0.0
         self._last_snapshot_s = 0.0
         self.snapshot = EngineSnapshot()
@@ -127,7 +128,17 @@ class Engine:
         self.snapshot = build_snapshot(
             model=self.model_name, config=self.config, health=self.health(), board=self.board, sched=self.sched,
             graphs=self.graphs, budgets=self.budgets, tier=self.tier, kv=self.kv, mtp=mtp, steps=self.steps,
-            experts=self.lm.model.expert_provider, oracle_max_age_s=0.0 if fresh else ORACLE_REFRESH_S, now_s=now_s)
+            experts=self.lm.model.expert_provider, oracle_max_age_s=0.0 if fresh else ORACLE_REFRESH_S, now_s=now_s,
+            slot_views=self._slot_views, slot_max_age_s=self._slot_views_max_age_s())
+
+    def _slot_views_max_age_s(self) -> float:
+        """How old a snapshot's slot entry may be: 0 up to FULL_RATE_SLOTS busy slots, past them the slots'
+        progress interval (`_publish_progress`)."""
+        busy = self.sched.num_running
+        return 0.0 if busy <= FULL_RATE_SLOTS else self._progress_interval_s(busy)
+
+    def _progress_interval_s(self, busy: int) -> float:
+        return self.slot_interval_s * max(1.0, busy / FULL_RATE_SLOTS)
 
     # --- commands ------------------------------------------------------------------------------------------
 
@@ -221,7 +232,7 @@ class Engine:
     def _publish_progress(self, now_s: float) -> None:
         """After a step: progress of every slot not reported for a while, and the books when due."""
         busy = [track for track in self.output if track.request.slot is not None]
-        interval_s = self.slot_interval_s * max(1.0, len(busy) / FULL_RATE_SLOTS)
+        interval_s = self._progress_interval_s(len(busy))
         for track in busy:
             if now_s - track.last_event_s >= interval_s:
                 self._publish_slot(track.request, track.request.slot, None, now_s)

@@ -56,22 +56,43 @@ def slot_event(req: Request, slot: int, state: str | None = None, now_s: float |
     )
 
 
+class SlotViews:
+    """The snapshot's slot entries, kept between snapshots. An entry is built again when its slot's request or
+    that request's state changed, or once it is `max_age_s` old; up to the slots the engine reports at full rate
+    that age is 0 (every snapshot builds every entry). A snapshot is forced whenever a request is admitted or
+    finishes, at 256 busy slots nearly every step, and building every slot's entry took longer than the rest of
+    the snapshot: past those slots an entry lives as long as the slot's progress interval (the engine's progress
+    events' own rule), and only the slots that changed are built again at once."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Request, tuple, float, SlotEvent]] = {}
+
+    def entry(self, req: Request | None, slot: int, now_s: float, kv: SlotKVCache | None,
+              max_age_s: float) -> SlotEvent:
+        if req is None:
+            self._entries.pop(slot, None)  # no finished request held past its slot
+            return SlotEvent(slot=slot, state="idle")
+        state = (req.state, bool(req.output_token_ids))
+        kept = self._entries.get(slot)
+        if kept is not None and kept[0] is req and kept[1] == state and now_s - kept[2] < max_age_s:
+            return kept[3]
+        event = slot_event(req, slot, now_s=now_s, kv=kv)
+        event.acceptance_per_position = [req.acceptance_at(i) for i in range(len(req.draft_proposed))]
+        self._entries[slot] = (req, state, now_s, event)
+        return event
+
+
 def build_snapshot(*, model: str, config: EngineConfig, health: Health, board: SwitchBoard, sched: Scheduler,
                    graphs: StepExecutor, budgets: list[VramBudget], tier: AdaptiveTier, kv: SlotKVCache,
                    mtp: MtpSnapshot, steps: int, experts: Any = None, oracle_max_age_s: float = 0.0,
-                   now_s: float | None = None) -> EngineSnapshot:
+                   now_s: float | None = None, slot_views: SlotViews | None = None,
+                   slot_max_age_s: float = 0.0) -> EngineSnapshot:
     """The /strata/state snapshot of this moment. Runs on the engine thread only (it reads the scheduler, the
-    tier and the driver's free memory, which that thread changes)."""
+    tier and the driver's free memory, which that thread changes). `slot_views`: the slot entries kept from the
+    last snapshot, reused up to `slot_max_age_s` (SlotViews)."""
     now_s = time.monotonic() if now_s is None else now_s
-    slots = []
-    for slot in range(config.batch):
-        req = sched.slot_request(slot)
-        if req is None:
-            slots.append(SlotEvent(slot=slot, state="idle"))
-        else:
-            event = slot_event(req, slot, now_s=now_s, kv=kv)
-            event.acceptance_per_position = [req.acceptance_at(i) for i in range(len(req.draft_proposed))]
-            slots.append(event)
+    views = SlotViews() if slot_views is None else slot_views
+    slots = [views.entry(sched.slot_request(slot), slot, now_s, kv, slot_max_age_s) for slot in range(config.batch)]
     return EngineSnapshot(
         model=model, config=config.to_dict(),
         health=HealthSnapshot(ready=health.ready, reason=health.reason, status=health.status),

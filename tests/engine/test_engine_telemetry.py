@@ -132,3 +132,66 @@ def test_all_slots_progress_events_stay_near_a_fixed_rate_whatever_the_batch(ckp
     expected = 10.0 * per_slot_hz * min(batch, FULL_RATE_SLOTS)  # events in 10 s
     assert 0.8 * expected <= len(progress) <= 1.2 * expected + batch, (len(progress), expected)
     assert {e.slot for e in progress} == set(range(batch))  # every slot still reports
+
+
+def _decoding_engine(ckpt, batch: int, short_tokens: int):
+    """`batch` slots decoding; slot 0's request ends after `short_tokens` tokens, the others run on."""
+    engine = make_engine(ckpt, batch=batch, context=256, prefill_chunk_tokens=64, step_token_budget=8192)
+    for i, prompt in enumerate(random_prompts(batch, seed=56, lengths=(8, 16))):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=short_tokens if i == 0 else 200,
+                                                            temperature=0.0, ignore_eos=True))
+    while engine.sched.num_waiting or any(
+            (r := engine.sched.slot_request(s)) is None or not r.output_token_ids for s in range(batch)):
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("batch", [4, 80])
+def test_a_snapshot_after_a_step_builds_again_the_slots_that_changed_and_past_the_full_rate_slots_only_those(
+        ckpt, batch):
+    """A snapshot is forced whenever a request is admitted or finishes: at 256 busy slots nearly every step, and
+    building every slot's entry took most of its time (benchmarks/snapshot_publish_cost.py --busy 256). Up to
+    FULL_RATE_SLOTS every entry is built at every snapshot, as before; past them an unchanged slot's entry is
+    kept up to its progress interval, and a slot whose request ended is idle in the very next snapshot."""
+    from engine.orchestration.engine import FULL_RATE_SLOTS
+
+    engine = _decoding_engine(ckpt, batch, short_tokens=4)
+    slot0 = next(r.slot for r in engine.sched.running() if r.request_id == "r0")
+    engine.publish_snapshot(force=True)
+    before = engine.snapshot.slots
+    engine.step()  # one more token in every slot
+    engine.publish_snapshot(force=True)
+    after = engine.snapshot.slots
+    busy = [s for s in range(batch) if after[s].state == "decode"]
+    if batch <= FULL_RATE_SLOTS:
+        assert all(after[s].generated_tokens == before[s].generated_tokens + 1 for s in busy)
+    else:
+        assert all(after[s] is before[s] for s in busy)  # kept: no request changed
+    for _ in range(10):
+        if engine.sched.slot_request(slot0) is None:
+            break
+        engine.step()  # the step that ends r0 publishes a snapshot itself
+    assert engine.sched.slot_request(slot0) is None and engine.snapshot.slots[slot0].state == "idle"
+    engine.add_request("late", [5, 6, 7, 8], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+        if engine.sched.slot_request(slot0) is not None:
+            break
+    assert engine.snapshot.slots[slot0].request_id == "late"  # an admission is in the next snapshot at once
+    engine.close()
+
+
+def test_a_kept_slot_entry_is_built_again_once_as_old_as_the_slots_progress_interval(ckpt):
+    from engine.orchestration.state import SlotViews
+
+    engine = _decoding_engine(ckpt, 4, short_tokens=200)
+    req = engine.sched.slot_request(1)
+    views = SlotViews()
+    first = views.entry(req, 1, 100.0, engine.kv, max_age_s=1.0)
+    engine.step()
+    assert views.entry(req, 1, 100.9, engine.kv, max_age_s=1.0) is first  # younger than 1 s: kept
+    again = views.entry(req, 1, 101.0, engine.kv, max_age_s=1.0)
+    assert again is not first and again.generated_tokens == first.generated_tokens + 1
+    assert views.entry(req, 1, 101.0, engine.kv, max_age_s=0.0) is not again  # age 0: always built
+    assert views.entry(None, 1, 101.0, engine.kv, max_age_s=1.0).state == "idle"
+    engine.close()
