@@ -95,23 +95,13 @@ def test_a_growth_out_of_memory_part_way_leaves_every_pool_tensor_its_old_size_a
     engine.close()
 
 
-def test_a_failed_growth_puts_back_the_tensors_that_grew_and_raises():
+def test_a_failed_growth_puts_back_the_tensors_that_grew_and_raises(monkeypatch):
     keys = [torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4) for _ in range(3)]
     values = [k + 100 for k in keys]
-    calls = [0]
-    real = pool_resize.empty
-
-    def empty(shape, dtype, device):
-        calls[0] += 1
-        if calls[0] == 4:  # the first value tensor's
-            raise torch.OutOfMemoryError("injected")
-        return real(shape, dtype, device)
-
     original = [t.clone() for t in keys + values]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pool_resize, "empty", empty)
-        with pytest.raises(torch.OutOfMemoryError):
-            pool_resize.resize_all(((keys, 0.0), (values, 0.0)), 5, stage=False)
+    _fail_allocation(monkeypatch, 4)  # the first value tensor's
+    with pytest.raises(torch.OutOfMemoryError):
+        pool_resize.resize_all(((keys, 0.0), (values, 0.0)), 5, stage=False)
     assert [t.shape for t in keys + values] == [(2, 3, 4)] * 6
     assert all(torch.equal(a, b) for a, b in zip(keys + values, original))
 
