@@ -65,6 +65,43 @@ def test_spilled_kv_gives_the_tokens_of_a_run_with_room(ckpt, roomy, kv, mtp):
         assert engine.mtp_on, engine.mtp_off_reason
 
 
+def test_a_device_with_room_to_stage_one_block_still_spills_and_fetches_losslessly(ckpt, roomy, monkeypatch):
+    """VRAM is full by design: a step that stages every block it moves at once can run out of memory, which ends
+    every request in it. With room to stage one block at a time, and an
+    out-of-memory error for any larger staging buffer, the same slots spill and fetch to the same tokens."""
+    from engine.exec.kv import host
+
+    monkeypatch.setattr(host, "STAGE_BYTES", 1)  # a slice of one block
+    real, largest = host.device_scratch, [0]
+
+    def device_scratch(shape, dtype, device):
+        if shape[0] > 1:
+            raise torch.OutOfMemoryError(f"CUDA out of memory staging {shape[0]} blocks")
+        largest[0] = max(largest[0], shape[0])
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(host, "device_scratch", device_scratch)
+    bus = EventBus(history=100000)
+    engine = make_engine(ckpt, bus=bus, kv_resident=128, **SMALL)
+    assert tokens_of(run_all(engine, PROMPTS, GREEDY)) == roomy("bf16", False)
+    assert max(e.blocks for e in _kv_events(bus, "spill")) > 1 and largest[0] == 1
+
+
+def test_host_memory_running_out_fails_the_step_with_the_numbers_and_the_engine_serves_on(ckpt, monkeypatch):
+    """Spilled KV never takes the host below its floor: the step that would is an error naming the MiB (where the
+    store used to double whatever the host had left), and the next request, with room again, runs."""
+    from engine.exec.kv import host
+
+    monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 1000.0))
+    engine = make_engine(ckpt, kv_resident=128, **SMALL)
+    outs = run_all(engine, PROMPTS, GREEDY)
+    errors = [o[-1].error for o in outs.values() if o[-1].finish_reason == "error"]
+    assert errors and all("HostKVFull" in e and "under the 2048 MiB it keeps" in e for e in errors), errors
+    monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 16000.0))
+    again = tokens_of(run_all(engine, PROMPTS[:1], GREEDY, prefix="again"))
+    assert engine.health().status.value == "ready" and len(again["again0"]) == GREEDY.max_tokens
+
+
 def test_slot_events_and_the_snapshot_say_where_each_slots_kv_lies(ckpt):
     bus = EventBus(history=100000)
     engine = make_engine(ckpt, bus=bus, kv_resident=128, **SMALL)
