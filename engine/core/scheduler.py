@@ -68,7 +68,7 @@ class Scheduler(SlotQueue):
         max_chunk_stall_s: float = DEFAULT_MAX_CHUNK_STALL_S,
         eos_token_ids: tuple[int, ...] = (),
         overlap_chunks: bool = False,
-        admission_gate: Callable[[list[int], dict[int, int]], str | None] | None = None,
+        admission_gate: Callable[..., str | None] | None = None,
     ) -> None:
         """`prefill_step_share` (default 0.45): the most of a step's time prefill may take while slots decode
         (0.45: decode keeps >= 55 % of its rate, a margin over the 50 % target; 1: no time limit). Paced chunks end on multiples of
@@ -76,9 +76,10 @@ class Scheduler(SlotQueue):
         `max_chunk_stall_s` (default 0.2): the longest a chunk that steps saved up for may take (engine.prefill_pacer).
         `overlap_chunks`: the engine runs chunks beside the decoding slots' steps (engine.exec.chunk_stream): one in
         flight at a time, the next after the pacer's gap. `admission_gate`: KV by use
-        (engine.exec.kv.paging.KVPaging.admission_wait): given the first chunks of the requests to admit this step
-        and the tokens each decoding slot holds after its next step, why the next must wait for blocks (None: room);
-        admitted into a full pool, it would spill running requests' blocks."""
+        (engine.exec.kv.admission): given the first chunks of the requests to admit this step, the tokens each
+        decoding slot holds after its next step and (`reach_tokens=`) every running or admitted request's final
+        length (prompt + max_tokens, the next one's last), why the next must wait for blocks (None: room); admitted into a full
+        pool, it would spill running requests' blocks, or in time fill the host."""
         for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
                             ("prefill_chunk_tokens", prefill_chunk_tokens),
                             ("step_token_budget", step_token_budget), ("context_tokens", context_tokens)):
@@ -352,6 +353,7 @@ class Scheduler(SlotQueue):
         pool beside the running requests (with none running, the next is admitted whatever the gate says)."""
         first_chunks: list[int] = []
         decoding: dict[int, int] | None = None  # slot -> tokens it holds after its next step
+        reach: list[int] = []  # the final length of each request running or admitted
         self.admission_wait = ""
         while self._free_slots and self._waiting:
             req = self._waiting[0]
@@ -360,11 +362,14 @@ class Scheduler(SlotQueue):
                 if decoding is None:
                     decoding = {r.slot: r.num_tokens + self._draft_tokens + 1 for r in self._slots
                                 if r is not None and r.state is RequestState.DECODE}
-                why = self.admission_gate(first_chunks + [chunk], decoding)
+                    reach = [r.num_prompt_tokens + r.params.max_tokens for r in self._slots if r is not None]
+                end = req.num_prompt_tokens + req.params.max_tokens
+                why = self.admission_gate(first_chunks + [chunk], decoding, reach_tokens=reach + [end])
                 if why is not None:
                     self.admission_wait = why
                     return
                 first_chunks.append(chunk)
+                reach.append(end)
             plan.admitted.append(self._admit(self._waiting.popleft()))
 
     def _admit(self, req: Request) -> Admission:

@@ -74,11 +74,18 @@ class HostKVStore:
         """Host memory allocated (held and free blocks)."""
         return sum(t.numel() * t.element_size() for chunk in self.chunks for t in chunk) / MIB
 
+    def reachable_blocks(self) -> int:
+        """Host blocks the store holds or can still add before the host reaches its floor."""
+        total_mib, available_mib = host_memory_mib()
+        if total_mib <= 0:
+            return 1 << 40  # a host without /proc/meminfo: nothing to bound it by (ensure does not either)
+        spare_mib = available_mib - max(HOST_FLOOR_MIB, HOST_FLOOR_SHARE * total_mib)
+        return self.capacity_blocks + max(0, int(spare_mib // self._chunk_mib())) * CHUNK_BLOCKS
+
     def ensure(self, blocks: int) -> None:
         """Room for host block ids [0, blocks); HostKVFull when the host cannot give it."""
         while self.capacity_blocks < blocks:
-            chunk_mib = sum(torch.empty((), dtype=dtype).element_size() * math.prod(shape) // shape[1]
-                            for shape, dtype in self._like) * CHUNK_BLOCKS / MIB
+            chunk_mib = self._chunk_mib()
             total_mib, available_mib = host_memory_mib()
             floor_mib = max(HOST_FLOOR_MIB, HOST_FLOOR_SHARE * total_mib)
             if total_mib > 0 and available_mib - chunk_mib < floor_mib:  # 0: a host without /proc/meminfo
@@ -146,6 +153,11 @@ class HostKVStore:
         if device.type != "cuda":
             return ids_cpu
         return ids_cpu.pin_memory().to(device, non_blocking=True)
+
+    def _chunk_mib(self) -> float:
+        """Host memory one chunk takes across every pool tensor."""
+        return sum(torch.empty((), dtype=dtype).element_size() * math.prod(shape) // shape[1]
+                   for shape, dtype in self._like) * CHUNK_BLOCKS / MIB
 
     def _block_shape(self, p: int) -> tuple[int, ...]:
         """One host block of pool tensor p: [Hkv, block_tokens(, D)]."""

@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from engine.exec.kv.admission import admission_wait
 from engine.exec.kv.blocks import BlockLayout, BlockLedger, Plan
 from engine.exec.kv.host import MIB, HostKVStore
 from engine.exec.kv.paging_stats import PagingStats, PendingFetch
@@ -137,26 +138,10 @@ class KVPaging:
     def placement_tokens(self, slot: int, length_tokens: int) -> tuple[int, int, int]:
         return self.ledger.placement_tokens(slot, length_tokens)
 
-    def admission_wait(self, first_chunks_tokens: list[int], decoding_ends: dict[int, int],
-                       lookahead_tokens: int) -> str | None:
-        """Why the last of `first_chunks_tokens` (the first chunks of the requests a step admits) should wait (None:
-        admit it): their blocks, and those the decoding slots' next step maps (`decoding_ends`: slot -> tokens it
-        will hold), must come from free pool blocks, the pool's own headroom or the prefix tier's blocks in this
-        pool, never from running requests' (a spill to the host would preempt them to make room for a request that
-        could as well wait in the queue). The requests that ended since the last step count as gone: the step
-        gives their blocks back (`reclaim`) before it maps any block of the ones it admits."""
-        ledger, bt = self.ledger, self.layout.block_tokens
-        need = ledger.missing_blocks({slot: end + lookahead_tokens for slot, end in decoding_ends.items()})
-        need += sum(max(0, -(-(tokens + lookahead_tokens) // bt) - self.layout.resident_blocks)
-                    for tokens in first_chunks_tokens)
-        freed_pool, freed_tier = ledger.retired_room()
-        # the tier's blocks a running slot maps are not the tier's to give
-        tier_blocks = max(0, int(self.kv.tier_blocks) - ledger.mapped_tier_blocks + freed_tier)
-        room = ledger.free_pool_blocks + freed_pool + max(0, self.grow_limit_blocks - ledger.pool_blocks) + tier_blocks
-        if need <= room:
-            return None
-        return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
-                f"and the decoding slots' next step")
+    def admission_wait(self, first_chunks_tokens: list[int], decoding_ends: dict[int, int], lookahead_tokens: int,
+                       reach_tokens: list[int] | None = None) -> str | None:
+        """Why the last of `first_chunks_tokens` should wait (None: admit it): engine.exec.kv.admission."""
+        return admission_wait(self, first_chunks_tokens, decoding_ends, lookahead_tokens, reach_tokens or [])
 
     def snapshot(self) -> KvPagingSnapshot:
         self._finish_fetches(wait=False)

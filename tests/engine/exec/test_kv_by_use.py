@@ -289,3 +289,38 @@ def test_a_pool_that_grows_from_the_tier_grows_geometrically_through_a_burst(ckp
     grows = _pool_growths_of_a_burst(engine, bus, seed=96, max_tokens=24)
     # from one window to every slot's blocks, half as much again each time: ~7 growths (26 a few blocks at a time)
     assert grows and len(grows) <= 10, [(e.blocks, e.reason) for e in grows]
+
+
+def test_with_no_host_memory_to_spill_to_requests_wait_in_the_queue_and_none_fails(ckpt, monkeypatch):
+    """Admission counts what the requests reach at their ends (prompt + max_tokens) against the pool and the host
+    memory spilled KV may take. A pool that cannot grow, on a host at its floor: three requests whose first chunks
+    fit together, but whose ends do not, run one after another (the snapshot says why the others wait), with the
+    tokens each gets alone and no spill, where they used to be admitted together and their spills to fill the host
+    (HostKVFull ends every request of that step)."""
+    import engine.orchestration.part_makers as part_makers
+    from engine.exec.kv import host
+
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)  # 80 + 300 tokens: 7 blocks at the end
+    prompts = random_prompts(3, seed=78, lengths=(80, 81))
+    alone = make_engine(ckpt, batch=1, context=1024, tier_budget_mib=0.0)
+    want = {f"r{i}": tokens_of(run_all(alone, [p], params, prefix=f"r{i}-"))[f"r{i}-0"] for i, p in enumerate(prompts)}
+    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 8 * alone.kv.paging.block_mib)
+    monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 1000.0))  # under the 2 GiB floor
+    engine = make_engine(ckpt, batch=3, context=1024, prefill_chunk_tokens=64, step_token_budget=128,
+                         tier_budget_mib=0.0)
+    paging = engine.kv.paging
+    paging.grow_limit_blocks = paging.ledger.pool_blocks
+    assert paging.ledger.pool_blocks == 8
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    outs: dict[str, list] = {}
+    waits, running = set(), 0
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        engine.publish_snapshot(force=True)
+        waits.add(engine.snapshot.queue.admission_wait)
+        running = max(running, engine.sched.num_running)
+    assert all(o[-1].finish_reason == "length" for o in outs.values()), [o[-1].error for o in outs.values()]
+    assert tokens_of(outs) == want and running == 1 and paging.stats.spilled_blocks == 0
+    assert any(w.startswith("KV full at the requests' ends") and "host memory 0 more" in w for w in waits), waits

@@ -87,14 +87,25 @@ def test_a_device_with_room_to_stage_one_block_still_spills_and_fetches_lossless
     assert max(e.blocks for e in _kv_events(bus, "spill")) > 1 and largest[0] == 1
 
 
-def test_host_memory_running_out_fails_the_step_with_the_numbers_and_the_engine_serves_on(ckpt, monkeypatch):
-    """Spilled KV never takes the host below its floor: the step that would is an error naming the MiB (where the
-    store used to double whatever the host had left), and the next request, with room again, runs."""
+def test_host_memory_taken_after_admission_fails_the_step_with_the_numbers_and_the_engine_serves_on(ckpt,
+                                                                                                    monkeypatch):
+    """Admitted while the host had room, requests whose spill would then take the host below its floor (something
+    else took the memory) end with an error naming the MiB, where the store used to double whatever the host had
+    left; the engine serves on, and the next request, with room again, runs."""
     from engine.exec.kv import host
 
-    monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 1000.0))
+    monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 16000.0))
     engine = make_engine(ckpt, kv_resident=128, **SMALL)
-    outs = run_all(engine, PROMPTS, GREEDY)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    outs: dict = {}
+    for out in engine.step():  # all four admitted; no spill yet
+        outs.setdefault(out.request_id, []).append(out)
+    assert engine.sched.num_running == len(PROMPTS) and engine.kv.paging.stats.spilled_blocks == 0
+    monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 1000.0))
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
     errors = [o[-1].error for o in outs.values() if o[-1].finish_reason == "error"]
     assert errors and all("HostKVFull" in e and "under the 2048 MiB it keeps" in e for e in errors), errors
     monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 16000.0))
