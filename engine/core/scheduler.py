@@ -75,11 +75,11 @@ class Scheduler(SlotQueue):
         `chunk_granule_tokens` (default: block_tokens) and are at least `min_chunk_tokens` (default: one granule).
         `max_chunk_stall_s` (default 0.2): the longest a chunk that steps saved up for may take (engine.prefill_pacer).
         `overlap_chunks`: the engine runs chunks beside the decoding slots' steps (engine.exec.chunk_stream): one in
-        flight at a time, the next after the pacer's gap. `admission_gate`: KV by use
-        (engine.exec.kv.admission): given the first chunks of the requests to admit this step, the tokens each
-        decoding slot holds after its next step and (`reach_tokens=`) every running or admitted request's final
-        length (prompt + max_tokens, the next one's last), why the next must wait for blocks (None: room); admitted into a full
-        pool, it would spill running requests' blocks, or in time fill the host."""
+        flight at a time, the next after the pacer's gap. `admission_gate`: KV by use (engine.exec.kv.admission):
+        given the first chunks of the requests to admit this step, the tokens each decoding slot holds after its
+        next step and (`reach_tokens=`) every running or admitted request's final length (prompt + max_tokens, the
+        next one's last), why the next must wait for blocks (None: room); admitted into a full pool, it would spill
+        running requests' blocks, or in time fill the host."""
         for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
                             ("prefill_chunk_tokens", prefill_chunk_tokens),
                             ("step_token_budget", step_token_budget), ("context_tokens", context_tokens)):

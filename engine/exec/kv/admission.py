@@ -37,10 +37,13 @@ def admission_wait(paging: Any, first_chunks_tokens: list[int], decoding_ends: d
                 f"and the decoding slots' next step")
     if not reach_tokens:
         return None
-    reach = sum(layout.pool_need(tokens + lookahead_tokens) for tokens in reach_tokens)
     device = ledger.pool_blocks + headroom + max(0, int(paging.kv.tier_blocks) - ledger.mapped_tier_blocks)
-    if reach <= device:
+    # at least what the exact count below gives, in one sum: a burst asks once per request it admits
+    if (sum(reach_tokens) + len(reach_tokens) * (lookahead_tokens + bt)) // bt <= device:
         return None  # every request fits the pool at its end: no need to ask the host (most steps, every CPU)
+    reach = sum(layout.pool_need(tokens + lookahead_tokens) for tokens in reach_tokens)
+    if reach <= device:
+        return None
     host = paging.host.reachable_blocks()
     if reach <= device + host:
         return None

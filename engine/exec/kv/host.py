@@ -6,12 +6,12 @@ contiguous range and a run of consecutive host block ids inside a chunk is one D
 time (nothing held is copied), only while the host keeps a floor of its memory available (`HostKVFull` names the
 numbers otherwise), and never shrinks: spilled memory is reused through the ledger's free host blocks.
 
-A copy's blocks are scattered on the device, so the device side goes through a block-major device buffer of
-the copy's blocks (gathered or scattered with one indexing kernel per pool tensor), a bounded slice of the
-copy at a time (`STAGE_BYTES`: VRAM is full by design); the host side is never touched by the CPU. Moves are ordered by host id, so the number of transfers is the number of runs of
-consecutive host ids (a slot's spilled blocks come back as the few runs they left in). The first version
-gathered the host side with the CPU into pinned staging, which bound a step far below the PCIe rate
-(docs/BENCHMARKS.md, `bench kvspill`).
+A copy's blocks are scattered on the device, so the device side goes through a block-major device buffer of the
+copy's blocks (gathered or scattered with one indexing kernel per pool tensor), a bounded slice of the copy at a
+time (`STAGE_BYTES`: VRAM is full by design); the host side is never touched by the CPU. Moves are ordered by host
+id, so the number of transfers is the number of runs of consecutive host ids (a slot's spilled blocks come back as
+the few runs they left in). The first version gathered the host side with the CPU into pinned staging, which bound
+a step far below the PCIe rate (docs/BENCHMARKS.md, `bench kvspill`).
 
 A spill is synchronous for its caller (the device blocks it frees are reused at once). A fetch is enqueued on
 whatever stream is current, one group of pool tensors (one layer's) after another, and returns without waiting:
@@ -132,10 +132,10 @@ class HostKVStore:
     def _slices(self, pools: list[torch.Tensor], host_ids: list[int], device_ids: list[int]
                 ) -> Iterator[tuple[int, int, list[tuple[int, int, int]], torch.Tensor]]:
         """The moves ordered by host id, in slices whose staging fits STAGE_BYTES for the largest pool tensor:
-        (first, end) positions in that order, the slice's runs of consecutive host ids (positions relative to
-        its first, split where a host chunk ends: (position, chunk, block in the chunk, length)) and its device block ids as an index tensor. VRAM is full by design: a forward that moves
-        thousands of blocks at once (a burst of long prompts) must not stage them all at once, or the step runs
-        out of memory and every request in it ends."""
+        (first, end) positions in that order, the slice's runs of consecutive host ids split where a host chunk
+        ends (`chunk_runs`, positions relative to the slice's first) and its device block ids as an index tensor.
+        VRAM is full by design: a forward that moves thousands of blocks at once (a burst of long prompts) must
+        not stage them all at once, or the step runs out of memory and every request in it ends."""
         block_bytes = max(p[:, :1].numel() * p.element_size() for p in pools)
         step = max(1, STAGE_BYTES // block_bytes)
         order = sorted(range(len(host_ids)), key=host_ids.__getitem__)
