@@ -76,10 +76,8 @@ class Scheduler(SlotQueue):
         `max_chunk_stall_s` (default 0.2): the longest a chunk that steps saved up for may take (engine.prefill_pacer).
         `overlap_chunks`: the engine runs chunks beside the decoding slots' steps (engine.exec.chunk_stream): one in
         flight at a time, the next after the pacer's gap. `admission_gate`: KV by use (engine.exec.kv.admission):
-        given the first chunks of the requests to admit this step, the tokens each decoding slot holds after its
-        next step and (`reach_tokens=`) every running or admitted request's final length (prompt + max_tokens, the
-        next one's last), why the next must wait for blocks (None: room); admitted into a full pool, it would spill
-        running requests' blocks, or in time fill the host."""
+        why the next request must wait for blocks (None: room), given the first chunks admitted this step, each
+        decoding slot's tokens after its next step and (`reach_tokens=`) each request's prompt + max_tokens."""
         for name, value in (("num_slots", num_slots), ("queue_max", queue_max),
                             ("prefill_chunk_tokens", prefill_chunk_tokens),
                             ("step_token_budget", step_token_budget), ("context_tokens", context_tokens)):
@@ -349,27 +347,24 @@ class Scheduler(SlotQueue):
     # --- internals ---------------------------------------------------------------------------------------
 
     def _admit_waiting(self, plan: StepPlan) -> None:
-        """Queued requests into free slots, in order; with an admission gate, while their first chunks fit the KV
-        pool beside the running requests (with none running, the next is admitted whatever the gate says)."""
+        """Queued requests into free slots, in order; with an admission gate, while it finds KV room for them beside
+        the running requests (engine.exec.kv.admission; with none running, the next is admitted whatever it says)."""
         first_chunks: list[int] = []
         decoding: dict[int, int] | None = None  # slot -> tokens it holds after its next step
-        reach: list[int] = []  # the final length of each request running or admitted
         self.admission_wait = ""
         while self._free_slots and self._waiting:
             req = self._waiting[0]
             if self.admission_gate is not None and self.num_running:
-                chunk = min(self.prefill_chunk_tokens, req.num_prompt_tokens)
                 if decoding is None:
                     decoding = {r.slot: r.num_tokens + self._draft_tokens + 1 for r in self._slots
                                 if r is not None and r.state is RequestState.DECODE}
-                    reach = [r.num_prompt_tokens + r.params.max_tokens for r in self._slots if r is not None]
-                end = req.num_prompt_tokens + req.params.max_tokens
-                why = self.admission_gate(first_chunks + [chunk], decoding, reach_tokens=reach + [end])
+                    final_tokens = [r.num_prompt_tokens + r.params.max_tokens for r in self._slots if r is not None]
+                first_chunks.append(min(self.prefill_chunk_tokens, req.num_prompt_tokens))  # this one last in both
+                final_tokens.append(req.num_prompt_tokens + req.params.max_tokens)
+                why = self.admission_gate(first_chunks, decoding, reach_tokens=final_tokens)
                 if why is not None:
                     self.admission_wait = why
                     return
-                first_chunks.append(chunk)
-                reach.append(end)
             plan.admitted.append(self._admit(self._waiting.popleft()))
 
     def _admit(self, req: Request) -> Admission:

@@ -28,16 +28,15 @@ def admission_wait(paging: Any, first_chunks_tokens: list[int], decoding_ends: d
     need += sum(max(0, -(-(tokens + lookahead_tokens) // bt) - layout.resident_blocks)
                 for tokens in first_chunks_tokens)
     freed_pool, freed_tier = ledger.retired_room()
-    # the tier's blocks a running slot maps are not the tier's to give
-    tier_blocks = max(0, int(paging.kv.tier_blocks) - ledger.mapped_tier_blocks + freed_tier)
+    unmapped_tier = int(paging.kv.tier_blocks) - ledger.mapped_tier_blocks  # a running slot's are not the tier's
     headroom = max(0, paging.grow_limit_blocks - ledger.pool_blocks)
-    room = ledger.free_pool_blocks + freed_pool + headroom + tier_blocks
+    room = ledger.free_pool_blocks + freed_pool + headroom + max(0, unmapped_tier + freed_tier)
     if need > room:
         return (f"KV pool full: {room} blocks free or reclaimable, {need} needed for the next prompt's first chunk "
                 f"and the decoding slots' next step")
     if not reach_tokens:
         return None
-    device = ledger.pool_blocks + headroom + max(0, int(paging.kv.tier_blocks) - ledger.mapped_tier_blocks)
+    device = ledger.pool_blocks + headroom + max(0, unmapped_tier)
     # at least what the exact count below gives, in one sum: a burst asks once per request it admits
     if (sum(reach_tokens) + len(reach_tokens) * (lookahead_tokens + bt)) // bt <= device:
         return None  # every request fits the pool at its end: no need to ask the host (most steps, every CPU)

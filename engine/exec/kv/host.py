@@ -156,8 +156,7 @@ class HostKVStore:
 
     def _chunk_mib(self) -> float:
         """Host memory one chunk takes across every pool tensor."""
-        return sum(torch.empty((), dtype=dtype).element_size() * math.prod(shape) // shape[1]
-                   for shape, dtype in self._like) * CHUNK_BLOCKS / MIB
+        return sum(dtype.itemsize * math.prod(shape) // shape[1] for shape, dtype in self._like) * CHUNK_BLOCKS / MIB
 
     def _block_shape(self, p: int) -> tuple[int, ...]:
         """One host block of pool tensor p: [Hkv, block_tokens(, D)]."""
