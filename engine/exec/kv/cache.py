@@ -150,6 +150,11 @@ class SlotKVCache:
         """Every pool tensor (keys, values, int8 scales; all layers), block axis 1: what paging copies and grows."""
         return self.k + self.v + list(self.k_scale) + list(self.v_scale)
 
+    def pool_addresses(self) -> tuple[int, ...]:
+        """Where every pool tensor lives. A growth that fails part-way keeps every size but not every address (the
+        tensors that grew are put back by new allocations), and a captured graph reads the addresses."""
+        return tuple(t.data_ptr() for t in self.pools())
+
     def pool_groups(self) -> list[list[int]]:
         """Indices into pools() of each KV layer's tensors, by attend's layer index (main layers, then MTP): what
         one layer's attention reads and writes, so paging can fetch it, and attend wait for it, layer by layer."""

@@ -137,7 +137,8 @@ class SharedTierBlocks:
 
     def set_backing(self, add: list[int], drop: list[int]) -> None:
         """Back the tier ids `add` with pool blocks and free those of `drop` (none may be mapped); reallocates
-        the pool tensors to the new size. On an out-of-memory while growing, nothing changes and it raises."""
+        the pool tensors to the new size. On an out-of-memory while growing, no size changes and it raises (the
+        tensors that grew were put back at new addresses: `on_resize` runs then too)."""
         add = [b for b in add if b not in self.backing]
         drop = [b for b in drop if b in self.backing]
         if not add and not drop:
@@ -148,10 +149,16 @@ class SharedTierBlocks:
                                "lose their pool blocks")
         # The pool tensors stay normal tensors (not inference tensors) whichever mode the caller runs in: the
         # release paths run outside inference mode and update them in place.
-        with torch.inference_mode(False):
-            reallocated = self._set_backing(add, drop)
-        if reallocated and self.on_resize is not None:
-            self.on_resize()
+        addresses, reallocated = self.kv.pool_addresses(), False
+        try:
+            with torch.inference_mode(False):
+                reallocated = self._set_backing(add, drop)
+        except torch.OutOfMemoryError:
+            reallocated = self.kv.pool_addresses() != addresses  # tensors that grew, put back at new addresses
+            raise
+        finally:
+            if reallocated and self.on_resize is not None:
+                self.on_resize()
 
     def _set_backing(self, add: list[int], drop: list[int]) -> bool:
         old_n = self.num_blocks

@@ -51,15 +51,21 @@ def _run(engine: Engine) -> dict[str, list[int]]:
     return tokens
 
 
-def _fail_allocation(monkeypatch, number: int) -> list[int]:
-    """Fault injection: the `number`-th pool-tensor allocation from now (1-based) raises out of memory, once."""
+def _fail_allocation(monkeypatch, number: int, held: list | None = None) -> list[int]:
+    """Fault injection: the `number`-th pool-tensor allocation from now (1-based) raises out of memory, once.
+    `held` (the pool tensors' storages now): no allocation from now reuses the address of a pool tensor freed since,
+    as on a device whose allocator gave its cached memory back to the driver when an allocation failed (the CPU's
+    would hand the same address out again)."""
     real, seen = pool_resize.empty, [0]
 
     def empty(shape, dtype, device):
         seen[0] += 1
         if seen[0] == number:
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
-        return real(shape, dtype, device)
+        tensor = real(shape, dtype, device)
+        if held is not None:
+            held.append(tensor.untyped_storage())
+        return tensor
 
     monkeypatch.setattr(pool_resize, "empty", empty)
     return seen
@@ -116,3 +122,74 @@ def test_a_kernel_launch_on_key_and_value_pools_of_different_sizes_is_an_error_n
     with pytest.raises(ValueError, match=r"scales \(2, 34, 64\) / \(2, 26, 64\)"):
         scale_pools(k8, v8, torch.ones(2, 34, 64), torch.ones(2, 26, 64))
     assert scale_pools(k8, v8, torch.ones(2, 34, 64), torch.ones(2, 34, 64))[0] is True
+
+
+class _AddressCheckingBackend:
+    """A device's graph, modelled on the CPU: a replay reads the pool tensors at the addresses they had at capture
+    (as a CUDA graph's kernels do). A replay after the pools moved is the device's illegal memory access."""
+
+    def __init__(self, pools) -> None:
+        from engine.exec.graphs.backends import CpuGraphBackend
+
+        self.inner, self.pools, self.stale_replays = CpuGraphBackend(), pools, 0
+        self.device = "cpu"
+
+    def addresses(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.pools())
+
+    def capture(self, fn, static_inputs, owner, stage, on_failure):
+        graph = self.inner.capture(fn, static_inputs, owner, stage, on_failure)
+        graph.addresses = self.addresses()
+        return graph
+
+    def replay(self, graph) -> None:
+        if graph.addresses != self.addresses():
+            self.stale_replays += 1
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.inner.replay(graph)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_growth_out_of_memory_part_way_drops_the_graphs_that_read_the_tensors_it_moved(ckpt, monkeypatch):
+    """Putting the grown tensors back allocates them anew: a graph captured before the growth would replay on
+    freed memory. Found on an H100 as an illegal memory access in a prompt chunk's graph at 256 mixed requests."""
+    from engine.exec.graphs.cache import GraphCache
+    from engine.exec.runner import switch_for_key
+    from engine.switches import SwitchBoard
+
+    def run(fail: bool) -> tuple[dict[str, list[int]], _AddressCheckingBackend, Engine]:
+        bus = EventBus(history=100000)
+        holder: list[Engine] = []
+        backend = _AddressCheckingBackend(lambda: holder[0].kv.pools())
+        cache = GraphCache("cpu", bus, SwitchBoard.from_values({}), lambda mib, reason: 0.0, wait_polls=1,
+                           wait_interval_s=0.0, switch_for_key=switch_for_key, backend=backend,
+                           sleep=lambda s: None)
+        config = EngineConfig(model=str(ckpt), device="cpu", dtype="float32", batch=16, context=576, queue_max=16,
+                              kv_resident=64, step_token_budget=1024, prefill_chunk_tokens=512)
+        engine = Engine(config, bus, graphs=cache)
+        holder.append(engine)
+        engine.kv.paging.take_memory = lambda mib, reason: mib
+        # one request at a time: the graphs the burst replays once it spills (a lone chunk's, a lone row's decode)
+        for i, prompt in enumerate(random_prompts(2, seed=5, lengths=(500, 510), vocab=200)):
+            engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            while engine.has_work:
+                engine.step()
+        assert cache.snapshot().graphs
+        if fail:
+            layers = len(engine.kv.k)
+            held = [t.untyped_storage() for t in engine.kv.pools()]
+            seen = _fail_allocation(monkeypatch, layers + 1, held)  # the next growth's first value tensor
+            # past the failure the device has no memory left: the steps after it spill and replay their graphs
+            engine.kv.paging.take_memory = lambda mib, reason: mib if seen[0] <= layers else 0.0
+        return _run(engine), backend, engine  # every output error-free (asserted there)
+
+    expected, _, clean = run(fail=False)
+    clean.close()
+    tokens, backend, engine = run(fail=True)
+    assert engine.kv.paging.stats.preemptions > 0  # the growth failed and the pool spilled instead
+    assert backend.stale_replays == 0
+    assert any(g.replays for g in engine.graphs.snapshot().graphs)  # the steps did replay graphs
+    assert tokens == expected
+    engine.close()

@@ -235,3 +235,29 @@ def test_a_fill_whose_pool_growth_runs_out_of_memory_fails_its_blocks_and_change
     assert tier.fill(refs, 0) == [r.block_id for r in refs]  # the engine discards them from the index
     assert shared.backing == {} and shared.mapped[0] == {} and resizes == []
     assert kv.block_table[0].tolist() == row and all(t.shape[1] == pool for t in kv.pools())
+
+
+def test_a_fill_whose_growth_fails_part_way_drops_the_graphs_that_read_the_tensors_it_put_back(monkeypatch):
+    """The tensors that grew before the out-of-memory error are put back by new allocations: same sizes, new
+    addresses, and a graph captured on the old ones would replay on freed memory (a device's illegal access)."""
+    from engine.exec.kv import pool_resize as kv_pool_resize
+
+    tier, index, kv, shared, resizes = _setup()
+    _write_prompt(kv, 0, 256, seed=9)
+    pool, addresses = kv.k[0].shape[1], kv.pool_addresses()
+    # a freed tensor's address stays taken, as on a device whose allocator gave its cache back when one failed
+    held, real, seen = [t.untyped_storage() for t in kv.pools()], kv_pool_resize.empty, [0]
+
+    def empty(shape, dtype, device):
+        seen[0] += 1
+        if seen[0] == 2:  # the second tensor of the growth
+            raise torch.OutOfMemoryError("injected: out of memory")
+        tensor = real(shape, dtype, device)
+        held.append(tensor.untyped_storage())
+        return tensor
+
+    monkeypatch.setattr(kv_pool_resize, "empty", empty)
+    refs = index.insert(PROMPT)
+    assert tier.fill(refs, 0) == [r.block_id for r in refs]  # failed, as with nothing grown
+    assert all(t.shape[1] == pool for t in kv.pools()) and kv.pool_addresses() != addresses
+    assert resizes == [pool]  # the graphs were dropped
