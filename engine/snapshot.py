@@ -171,6 +171,7 @@ class KvPagingSnapshot(_Json):
     borrowed_blocks: int = 0  # slots' table entries pointing at tier blocks (a prefix shared n times: n)
     preemptions: int = 0  # since start: a running slot's blocks spilled to host memory to make room (cause below)
     preemption_cause: str = ""  # why the last one happened
+    paused_requests: int = 0  # decoding requests the last step left out: their KV and the others' exceed the pool
     block_tokens: int = 0
     host_mib: float = 0.0  # KV held in host memory now
     host_blocks: int = 0

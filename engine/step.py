@@ -43,6 +43,7 @@ class StepRequest(Protocol):
     output_token_ids: list[int]
     params: SamplingParams
     finish_reason: FinishReason | None
+    arrival_s: float  # when it was queued: KV by use decodes the oldest first when not every slot fits the pool
 
     @property
     def num_prompt_tokens(self) -> int: ...

@@ -31,6 +31,7 @@ from engine.exec.cuda_streams import Streams
 from engine.exec.decode_ahead import DecodeAhead
 from engine.exec.drafter import MtpDrafter
 from engine.exec.gpu_errors import error_event, is_sticky, real_message
+from engine.exec.kv.admission import rows_that_fit
 from engine.exec.kv.cache import SlotKVCache
 from engine.exec.kv.tier import AdaptiveTier
 from engine.exec.prefill_window import PrefillWindow
@@ -78,6 +79,8 @@ class PlanExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run `plan`; a failure of the whole step comes back as `StepResult.error`, after the parts that ran."""
         result = self._result = StepResult()
+        if self.kv.paging is not None:
+            self.kv.paging.stats.paused_requests = 0  # `_decode` counts this step's
         try:
             on_steps = self.streams.on("steps") if self._may_overlap(plan) else contextlib.nullcontext()
             with torch.inference_mode(), on_steps:
@@ -218,9 +221,20 @@ class PlanExecutor:
         self._result.admitted.append(admission)
 
     def _decode(self, reqs: list[StepRequest], plan: StepPlan) -> None:
-        """Decode (or verify) every decoding slot: one batched forward per group of similar lengths."""
+        """Decode (or verify) every decoding slot whose KV fits the pool beside the others' (KV by use without a
+        resident window: `rows_that_fit`, the rest pause this step): one batched forward per group of similar
+        lengths."""
         extra = self.runner.mtp_depth + 1 if self.mtp_on else 1
-        for group in self.runner.span_groups([req.num_tokens - 1 + extra for req in reqs]):
+        paging = self.kv.paging
+        picked = paging is not None and not paging.layout.resident_blocks
+        if picked:
+            ahead = self.runner.lookahead_tokens
+            flying = [self.chunks.in_flight.chunk] if self.chunks is not None and self.chunks.in_flight else []
+            kept = rows_that_fit(paging, [(r.slot, r.num_tokens - 1 + extra + ahead, r.arrival_s) for r in reqs],
+                                 [(chunk.slot, chunk.end + ahead) for chunk in plan.prefill + flying])
+            paging.stats.paused_requests = len(reqs) - len(kept)
+            reqs = [reqs[i] for i in kept]
+        for group in self.runner.span_groups([req.num_tokens - 1 + extra for req in reqs], fit_pool=not picked):
             self._decode_group([reqs[i] for i in group], plan)
 
     def _decode_group(self, reqs: list[StepRequest], plan: StepPlan) -> None:

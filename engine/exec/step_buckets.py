@@ -72,7 +72,7 @@ class StepBuckets:
         """Every span step_span can give on the current path (CAPTURE_ALL)."""
         return [self.context_tokens] if self.paged_enabled() else self.span_buckets()
 
-    def span_groups(self, end_tokens: list[int]) -> list[list[int]]:
+    def span_groups(self, end_tokens: list[int], fit_pool: bool = True) -> list[list[int]]:
         """Indices of rows to batch together: rows whose length buckets are within GROUP_SPAN_RATIO of the
         group's shortest. One long slot then costs its own forward (one more read of the weights) instead of
         every short slot reading (and copying) keys up to the long slot's bucket, or, on the paged kernels'
@@ -86,7 +86,8 @@ class StepBuckets:
                 groups.append([])
                 first_span = span
             groups[-1].append(i)
-        if self.kv.paging is not None:  # --kv-resident: a forward's slots must fit the shared pool together
+        # KV by use: a forward's slots must fit the shared pool together (unless the caller picked rows that do)
+        if self.kv.paging is not None and fit_pool:
             groups = self.kv.paging.split_groups(groups, [e + self.lookahead_tokens for e in end_tokens])
         return groups
 

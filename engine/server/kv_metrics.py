@@ -47,6 +47,9 @@ def kv_metric_families(state: EngineSnapshot) -> Iterator[Metric]:
                                       "memory to make room", labels=["cause"])
     preemptions.add_metric(["pool_short"], float(snap.preemptions))  # the one cause: a forward's slots lacked blocks
     yield preemptions
+    yield GaugeMetricFamily("strata_num_requests_swapped", "Running requests the last step left out, their KV where "
+                            "it is, because theirs and the others' exceed the KV pool (vLLM's name)",
+                            value=float(snap.paused_requests))
     for name, key, text in (("strata_kv_spilled_bytes", "spilled_mib", "KV copied from the device to host memory"),
                             ("strata_kv_fetched_bytes", "fetched_mib", "KV copied back from host memory")):
         yield CounterMetricFamily(name, text, value=float(getattr(snap, key)) * _MIB)

@@ -8,6 +8,9 @@ Two checks, the second only when the first admits:
    max_tokens), fit in what the pool can reach (its blocks, its headroom, the tier's blocks no slot maps) and the
    host memory spilled KV may take (engine.exec.kv.host.HostKVStore.reachable_blocks). Past it, a later step
    would find the host full (`HostKVFull`) and end every request in it; waiting in the queue loses nothing.
+
+Once admitted, requests decode every step while their blocks fit the pool together; past it, `rows_that_fit`
+picks the rows a step decodes, oldest request first, and the others pause with their KV where it is.
 """
 
 from __future__ import annotations
@@ -48,3 +51,33 @@ def admission_wait(paging: Any, first_chunks_tokens: list[int], decoding_ends: d
         return None
     return (f"KV full at the requests' ends: the running requests and the next reach {reach} blocks, the pool "
             f"holds {device} and host memory {host} more")
+
+
+def rows_that_fit(paging: Any, rows: list[tuple[int, int, float]], chunks: list[tuple[int, int]]) -> list[int]:
+    """The decoding rows one step runs (indices into `rows`: each row's slot, tokens after the step (lookahead
+    included) and arrival time): every row where their blocks fit the pool together (the pool asked to grow
+    first); otherwise the oldest requests that fit beside the prompt `chunks` ((slot, end) each: this step's, and
+    one in flight beside the steps), at least the oldest. A prefix the tier lends several slots counts once. The
+    others pause a step with their KV where it is, and the forwards that need room spill theirs first (the least
+    recently used). Forwards that each spilled the other rows' blocks and fetched their own moved a burst's whole
+    KV across PCIe every step."""
+    ledger, layout = paging.ledger, paging.layout
+    # at least what the exact count below gives, in one sum: every step asks (its own blocks <= its pool need)
+    bound = sum(layout.pool_need(row[1]) for row in rows + chunks) + ledger.mapped_tier_blocks
+    if bound <= paging.usable_blocks():
+        return list(range(len(rows)))
+    needs = [ledger.own_need(slot, tokens) for slot, tokens, _ in rows]
+    held = ledger.mapped_tier_blocks + sum(ledger.own_need(slot, end) for slot, end in chunks)
+    short = sum(needs) + held - paging.usable_blocks()
+    if short > 0:
+        paging.grow(short, "slots addressing more KV than the pool holds")
+    room = paging.usable_blocks() - held
+    if sum(needs) <= room:
+        return list(range(len(rows)))
+    kept, used = [], 0
+    order = sorted(range(len(rows)), key=lambda i: (rows[i][2], rows[i][0]))
+    for i in order:
+        if used + needs[i] <= room:
+            kept.append(i)
+            used += needs[i]
+    return sorted(kept) if kept else [order[0]]

@@ -145,6 +145,12 @@ class BlockLedger:
         """Distinct tier pool blocks some slot maps: the tier cannot give them to the pool while they are mapped."""
         return len(self._borrowers)
 
+    def own_need(self, slot: int, end_tokens: int) -> int:
+        """Pool blocks of its own the slot holds on the device during a forward addressing [0, end_tokens) (at least
+        its tokens so far): its pool need less the tier's blocks it borrows, all of them prompt blocks below its
+        end (they stay in the pool, counted once, whoever runs). Constant time: asked for every row every step."""
+        return max(0, self.layout.pool_need(end_tokens) - len(self._borrowed[slot]))
+
     def sole_borrower(self, block: int) -> bool:
         """Exactly one slot maps the tier's pool block `block`."""
         return self._borrowers.get(block) == 1

@@ -152,6 +152,7 @@ class KVPaging:
             resident_tokens=self.resident_tokens, pool_blocks=ledger.pool_blocks,
             free_pool_blocks=ledger.free_pool_blocks, used_blocks=used, tier_blocks=int(self.kv.tier_blocks),
             borrowed_blocks=ledger.borrowed_blocks, preemptions=s.preemptions, preemption_cause=s.preemption_cause,
+            paused_requests=s.paused_requests,
             block_tokens=self.layout.block_tokens, host_mib=round(self.host_mib, 3),
             host_blocks=self.ledger.host_held_blocks, spilled_mib=round(s.spilled_mib, 3),
             fetched_mib=round(s.fetched_mib, 3), spill_ms=round(s.spill_ms, 3), fetch_ms=round(s.fetch_ms, 3),

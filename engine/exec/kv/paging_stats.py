@@ -33,3 +33,4 @@ class PagingStats:
     grown_blocks: int = 0
     preemptions: int = 0  # slots whose blocks a spill took (one per slot per spill)
     preemption_cause: str = ""
+    paused_requests: int = 0  # now, not a total: decoding requests the last step left out (kv.admission.rows_that_fit)

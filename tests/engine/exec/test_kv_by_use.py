@@ -324,3 +324,74 @@ def test_with_no_host_memory_to_spill_to_requests_wait_in_the_queue_and_none_fai
     assert all(o[-1].finish_reason == "length" for o in outs.values()), [o[-1].error for o in outs.values()]
     assert tokens_of(outs) == want and running == 1 and paging.stats.spilled_blocks == 0
     assert any(w.startswith("KV full at the requests' ends") and "host memory 0 more" in w for w in waits), waits
+
+
+def test_requests_past_the_pool_decode_oldest_first_and_the_others_pause_instead_of_spilling_every_step(ckpt,
+                                                                                                    monkeypatch):
+    """Three requests admitted together whose KV outgrows a pool that cannot grow (host memory to spill to): the
+    oldest decode, the youngest pause with their KV spilled once (the snapshot and /metrics count them), and each
+    gets the tokens it gets alone. Every step used to decode every request in forwards that each spilled the
+    others' blocks and fetched their own back: a burst past the pool moved its whole KV across PCIe every step."""
+    import engine.orchestration.part_makers as part_makers
+    from engine.server.kv_metrics import kv_metric_families
+
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)  # 80 + 300 tokens: 7 blocks at the end
+    prompts = random_prompts(3, seed=79, lengths=(80, 81))
+    alone = make_engine(ckpt, batch=1, context=1024, tier_budget_mib=0.0)
+    want = {f"r{i}": tokens_of(run_all(alone, [p], params, prefix=f"r{i}-"))[f"r{i}-0"] for i, p in enumerate(prompts)}
+    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 8 * alone.kv.paging.block_mib)
+    engine = make_engine(ckpt, batch=3, context=1024, prefill_chunk_tokens=128, step_token_budget=512,
+                         tier_budget_mib=0.0)
+    paging = engine.kv.paging
+    paging.grow_limit_blocks = paging.ledger.pool_blocks
+    assert paging.ledger.pool_blocks == 8
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    outs: dict[str, list] = {}
+    paused, swapped, finished = 0, 0.0, []
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+            if out.finished:
+                finished.append(out.request_id)
+        engine.publish_snapshot(force=True)
+        paused = max(paused, engine.snapshot.kv.paging.paused_requests)
+        metric = [m for m in kv_metric_families(engine.snapshot) if m.name == "strata_num_requests_swapped"]
+        swapped = max(swapped, metric[0].samples[0].value)
+    assert all(o[-1].finish_reason == "length" for o in outs.values()), [o[-1].error for o in outs.values()]
+    assert tokens_of(outs) == want
+    assert finished == ["r0", "r1", "r2"]  # oldest first
+    assert paused == 2 and swapped == 2  # at the end the oldest decodes alone
+    # the youngest two spilled once each on their way out (7 blocks at most each), never back and forth
+    assert 0 < paging.stats.spilled_blocks <= 14, paging.stats.spilled_blocks
+    assert engine.snapshot.kv.paging.paused_requests == 0  # nothing decodes now: nothing paused
+
+
+def test_requests_that_share_a_cached_prefix_count_it_once_and_all_decode(ckpt, monkeypatch):
+    """Four requests map one 512-token prefix from the tier (by reference) on a pool of 16 blocks that cannot grow:
+    their own blocks and the prefix's fit it, so every step decodes all four, though each one alone addresses 9
+    blocks (36 together)."""
+    import engine.orchestration.part_makers as part_makers
+
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    base = random_prompts(1, seed=80, lengths=(512, 513))[0]
+    prompts = [base + suffix for suffix in random_prompts(4, seed=81, lengths=(40, 41))]
+    roomy = make_engine(ckpt, batch=4, context=1024, block_tokens=64)
+    want = tokens_of(run_all(roomy, prompts, params))
+    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 16 * roomy.kv.paging.block_mib)
+    engine = make_engine(ckpt, batch=4, context=1024, block_tokens=64)
+    paging = engine.kv.paging
+    paging.grow_limit_blocks = paging.ledger.pool_blocks
+    assert paging.ledger.pool_blocks == 16
+    run_all(engine, [base + [7]], SamplingParams(max_tokens=1, temperature=0.0), prefix="base")
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    outs: dict[str, list] = {}
+    paused = 0
+    while engine.has_work:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        paused = max(paused, paging.stats.paused_requests)
+    assert [o[-1].cached_tokens for o in outs.values()] == [512] * 4
+    assert tokens_of(outs) == want
+    assert paused == 0 and paging.stats.spilled_blocks == 0
