@@ -291,28 +291,37 @@ def test_a_pool_that_grows_from_the_tier_grows_geometrically_through_a_burst(ckp
     assert grows and len(grows) <= 10, [(e.blocks, e.reason) for e in grows]
 
 
+def _three_requests_on_a_pool_of_8_blocks(ckpt, monkeypatch, seed: int, chunk_tokens: int):
+    """Three requests (80-token prompts, 300 new: 7 blocks each at their ends) added to an engine whose pool holds 8
+    blocks and cannot grow; returns it and the tokens each request gets alone."""
+    import engine.orchestration.part_makers as part_makers
+
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(3, seed=seed, lengths=(80, 81))
+    alone = make_engine(ckpt, batch=1, context=1024, tier_budget_mib=0.0)
+    want = {f"r{i}": tokens_of(run_all(alone, [p], params, prefix=f"r{i}-"))[f"r{i}-0"] for i, p in enumerate(prompts)}
+    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 8 * alone.kv.paging.block_mib)
+    engine = make_engine(ckpt, batch=3, context=1024, prefill_chunk_tokens=chunk_tokens,
+                         step_token_budget=2 * chunk_tokens, tier_budget_mib=0.0)
+    paging = engine.kv.paging
+    paging.grow_limit_blocks = paging.ledger.pool_blocks
+    assert paging.ledger.pool_blocks == 8
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    return engine, want
+
+
 def test_with_no_host_memory_to_spill_to_requests_wait_in_the_queue_and_none_fails(ckpt, monkeypatch):
     """Admission counts what the requests reach at their ends (prompt + max_tokens) against the pool and the host
     memory spilled KV may take. A pool that cannot grow, on a host at its floor: three requests whose first chunks
     fit together, but whose ends do not, run one after another (the snapshot says why the others wait), with the
     tokens each gets alone and no spill, where they used to be admitted together and their spills to fill the host
     (HostKVFull ends every request of that step)."""
-    import engine.orchestration.part_makers as part_makers
     from engine.exec.kv import host
 
-    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)  # 80 + 300 tokens: 7 blocks at the end
-    prompts = random_prompts(3, seed=78, lengths=(80, 81))
-    alone = make_engine(ckpt, batch=1, context=1024, tier_budget_mib=0.0)
-    want = {f"r{i}": tokens_of(run_all(alone, [p], params, prefix=f"r{i}-"))[f"r{i}-0"] for i, p in enumerate(prompts)}
-    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 8 * alone.kv.paging.block_mib)
     monkeypatch.setattr(host, "host_memory_mib", lambda: (16384.0, 1000.0))  # under the 2 GiB floor
-    engine = make_engine(ckpt, batch=3, context=1024, prefill_chunk_tokens=64, step_token_budget=128,
-                         tier_budget_mib=0.0)
+    engine, want = _three_requests_on_a_pool_of_8_blocks(ckpt, monkeypatch, seed=78, chunk_tokens=64)
     paging = engine.kv.paging
-    paging.grow_limit_blocks = paging.ledger.pool_blocks
-    assert paging.ledger.pool_blocks == 8
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
     outs: dict[str, list] = {}
     waits, running = set(), 0
     while engine.has_work:
@@ -332,21 +341,10 @@ def test_requests_past_the_pool_decode_oldest_first_and_the_others_pause_instead
     oldest decode, the youngest pause with their KV spilled once (the snapshot and /metrics count them), and each
     gets the tokens it gets alone. Every step used to decode every request in forwards that each spilled the
     others' blocks and fetched their own back: a burst past the pool moved its whole KV across PCIe every step."""
-    import engine.orchestration.part_makers as part_makers
     from engine.server.kv_metrics import kv_metric_families
 
-    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)  # 80 + 300 tokens: 7 blocks at the end
-    prompts = random_prompts(3, seed=79, lengths=(80, 81))
-    alone = make_engine(ckpt, batch=1, context=1024, tier_budget_mib=0.0)
-    want = {f"r{i}": tokens_of(run_all(alone, [p], params, prefix=f"r{i}-"))[f"r{i}-0"] for i, p in enumerate(prompts)}
-    monkeypatch.setattr(part_makers, "CPU_START_POOL_MIB", 8 * alone.kv.paging.block_mib)
-    engine = make_engine(ckpt, batch=3, context=1024, prefill_chunk_tokens=128, step_token_budget=512,
-                         tier_budget_mib=0.0)
+    engine, want = _three_requests_on_a_pool_of_8_blocks(ckpt, monkeypatch, seed=79, chunk_tokens=128)
     paging = engine.kv.paging
-    paging.grow_limit_blocks = paging.ledger.pool_blocks
-    assert paging.ledger.pool_blocks == 8
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
     outs: dict[str, list] = {}
     paused, swapped, finished = 0, 0.0, []
     while engine.has_work:
