@@ -174,8 +174,8 @@ def rest_cells(left: Counter[str], columns: tuple[tuple[str, str, int], ...]) ->
 
 def slots_title(pool: KvPagingSnapshot | None, admission_wait: str = "", idle: bool = False) -> str:
     """The slots panel's title: with KV by use, what the block pool holds (blocks slots use as their own, free,
-    backing the prefix tier and mapped into slots from it, on the host), how many times a slot was preempted, and
-    that the queue waits for blocks while a slot is free.
+    backing the prefix tier and mapped into slots from it, on the host), how many times a slot was preempted, how
+    many decoding requests wait for blocks, and that the queue waits for blocks while a slot is free.
 
     `idle`: every slot is idle. A finished request's blocks go back to the pool when the engine's next step starts
     (what that step may still copy from them stays valid until then), so an engine with nothing to do still
@@ -195,4 +195,6 @@ def slots_title(pool: KvPagingSnapshot | None, admission_wait: str = "", idle: b
         parts.append(f"{pool.host_blocks:,} on host")
     text = "Slots · " + ", ".join(parts)
     text += f" · {pool.preemptions:,} preempted" if pool.preemptions else ""
+    # decoding requests the last step left out: theirs and the others' KV exceed the pool (the oldest decode)
+    text += f" · {pool.paused_requests:,} paused for blocks" if pool.paused_requests else ""
     return text + (" · queue waits for blocks" if admission_wait else "")

@@ -72,6 +72,10 @@ def test_the_slots_title_says_what_the_kv_pool_holds() -> None:
     assert slots_title(spilled) == "Slots · KV pool 100 % of 64 blocks: 64 used, 0 free, 12 on host · 3 preempted"
     assert slots_title(spilled, "KV pool full: 0 blocks free or reclaimable, 2 needed") == (
         "Slots · KV pool 100 % of 64 blocks: 64 used, 0 free, 12 on host · 3 preempted · queue waits for blocks")
+    paused = KvPagingSnapshot(pool_blocks=64, free_pool_blocks=0, used_blocks=64, host_blocks=12, preemptions=3,
+                              paused_requests=2)
+    assert slots_title(paused) == (
+        "Slots · KV pool 100 % of 64 blocks: 64 used, 0 free, 12 on host · 3 preempted · 2 paused for blocks")
 
 
 async def test_the_pool_read_by_the_state_poll_reaches_the_slots_title(config_dir) -> None:
@@ -85,12 +89,12 @@ async def test_the_pool_read_by_the_state_poll_reaches_the_slots_title(config_di
     async with app.run_test(size=(100, 30)) as pilot:
         # as `poll_state` reads it from /strata/state: the typed snapshot's `kv.paging` and `queue.admission_wait`
         state = {"kv": {"paging": {"pool_blocks": 256, "free_pool_blocks": 0, "used_blocks": 250, "tier_blocks": 6,
-                                   "borrowed_blocks": 2}},
+                                   "borrowed_blocks": 2, "paused_requests": 3}},
                  "queue": {"admission_wait": "KV pool full: 0 blocks free or reclaimable, 2 needed"}}
         snapshot = EngineSnapshot.from_json(state)
         app.post_message(KvPoolSnapshot(snapshot.kv.paging, snapshot.queue.admission_wait))
         await wait_for(pilot, lambda: "KV pool 100 % of 256 blocks" in screen_text(app), what="the pool drawn")
-        assert app.screen.query_one(SlotsTable).border_title.endswith("queue waits for blocks")
+        assert app.screen.query_one(SlotsTable).border_title.endswith("3 paused for blocks · queue waits for blocks")
         app.post_message(KvPoolSnapshot(None))
         await wait_for(pilot, lambda: app.screen.query_one(SlotsTable).border_title == "Slots", what="no pool")
 
