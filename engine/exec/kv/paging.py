@@ -357,7 +357,7 @@ class KVPaging:
         return blocks <= 0 or self._resize(blocks, reason)
 
     def _resize(self, blocks: int, reason: str) -> bool:
-        """Grow the pool tensors by `blocks` blocks; False when the device ran out (nothing changed then)."""
+        """Grow the pool tensors by `blocks` blocks; False when the device ran out (no size changed then)."""
         self.join_fetches()  # the old tensors are copied, then freed: no fetch may still be writing them
         t0 = time.perf_counter()
         addresses = self.kv.pool_addresses()
