@@ -22,7 +22,7 @@ cache to a backend (the PyTorch reference, or the Triton kernels that read the p
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -150,11 +150,6 @@ class SlotKVCache:
         """Every pool tensor (keys, values, int8 scales; all layers), block axis 1: what paging copies and grows."""
         return self.k + self.v + list(self.k_scale) + list(self.v_scale)
 
-    def pool_addresses(self) -> tuple[int, ...]:
-        """Where every pool tensor lives. A growth that fails part-way keeps every size but not every address (the
-        tensors that grew are put back by new allocations), and a captured graph reads the addresses."""
-        return tuple(t.data_ptr() for t in self.pools())
-
     def pool_groups(self) -> list[list[int]]:
         """Indices into pools() of each KV layer's tensors, by attend's layer index (main layers, then MTP): what
         one layer's attention reads and writes, so paging can fetch it, and attend wait for it, layer by layer."""
@@ -274,15 +269,22 @@ class SlotKVCache:
         if self.paging is not None:
             self.paging.reclaim()
 
-    def resize_pool(self, num_blocks: int, stage: bool = False) -> None:
+    def resize_pool(self, num_blocks: int, stage: bool = False, failed_move: Callable | None = None) -> None:
         """Reallocate every pool tensor to `num_blocks` blocks, keeping its first blocks, one tensor at a time (the
-        largest is briefly held twice); new blocks hold finite data. All or nothing (`kv_pool_resize.resize_all`:
-        the kernels address a layer's values with its keys' strides). With `stage`, see `kv_pool_resize.resized`."""
+        largest is briefly held twice); new blocks hold finite data. All or nothing in size (`kv_pool_resize.
+        resize_all`), not in place: a failure part-way puts the grown tensors back at new addresses, and
+        `failed_move` (what a success runs after it: graphs read addresses) runs then. `stage`: `resized`'s."""
         if self.device.type == "cuda":
             # A prompt chunk in flight on another stream (engine.exec.chunk_stream) writes the old tensors: its
             # writes must land before they are copied, and nothing may still address them once they are freed.
             torch.cuda.synchronize(self.device)
-        resize_all(((self.k, 0.0), (self.v, 0.0), (self.k_scale, 1.0), (self.v_scale, 1.0)), num_blocks, stage)
+        addresses = [t.data_ptr() for t in self.pools()]
+        try:
+            resize_all(((self.k, 0.0), (self.v, 0.0), (self.k_scale, 1.0), (self.v_scale, 1.0)), num_blocks, stage)
+        except torch.OutOfMemoryError:
+            if failed_move is not None and [t.data_ptr() for t in self.pools()] != addresses:
+                failed_move()
+            raise
 
     def non_finite_blocks(self) -> set[int]:
         """Physical blocks holding a NaN or inf in any layer's keys, values or scales (a pass over the pools: for

@@ -79,7 +79,7 @@ class HostKVStore:
         total_mib, available_mib = host_memory_mib()
         if total_mib <= 0:
             return 1 << 40  # a host without /proc/meminfo: nothing to bound it by (ensure does not either)
-        spare_mib = available_mib - max(HOST_FLOOR_MIB, HOST_FLOOR_SHARE * total_mib)
+        spare_mib = available_mib - host_floor_mib(total_mib)
         return self.capacity_blocks + max(0, int(spare_mib // self._chunk_mib())) * CHUNK_BLOCKS
 
     def ensure(self, blocks: int) -> None:
@@ -87,7 +87,7 @@ class HostKVStore:
         while self.capacity_blocks < blocks:
             chunk_mib = self._chunk_mib()
             total_mib, available_mib = host_memory_mib()
-            floor_mib = max(HOST_FLOOR_MIB, HOST_FLOOR_SHARE * total_mib)
+            floor_mib = host_floor_mib(total_mib)
             if total_mib > 0 and available_mib - chunk_mib < floor_mib:  # 0: a host without /proc/meminfo
                 raise HostKVFull(
                     f"KV spilled to host memory would leave the host {available_mib - chunk_mib:.0f} MiB available, "
@@ -182,6 +182,11 @@ def chunk_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int, in
 def host_memory_mib() -> tuple[float, float]:
     """(MemTotal, MemAvailable) of the host, MiB (a seam the tests shrink)."""
     return device_memory_mib(torch.device("cpu"))
+
+
+def host_floor_mib(total_mib: float) -> float:
+    """Host memory spilled KV always leaves available: HOST_FLOOR_MIB, or HOST_FLOOR_SHARE of it if more."""
+    return max(HOST_FLOOR_MIB, HOST_FLOOR_SHARE * total_mib)
 
 
 def device_scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -360,15 +360,10 @@ class KVPaging:
         """Grow the pool tensors by `blocks` blocks; False when the device ran out (no size changed then)."""
         self.join_fetches()  # the old tensors are copied, then freed: no fetch may still be writing them
         t0 = time.perf_counter()
-        addresses = self.kv.pool_addresses()
-        try:
-            self.kv.resize_pool(self.layout.pool_base + self.ledger.pool_blocks + blocks)
+        try:  # a growth put back part-way moved tensors too: `on_resize` drops the graphs that read them
+            self.kv.resize_pool(self.layout.pool_base + self.ledger.pool_blocks + blocks, failed_move=self.on_resize)
         except torch.OutOfMemoryError:
-            # All or nothing in size, not in place: the tensors that grew were put back at new addresses, and the
-            # graphs captured on the old ones must go (a replay would read freed memory). The forward spills.
-            if self.kv.pool_addresses() != addresses and self.on_resize is not None:
-                self.on_resize()
-            return False
+            return False  # no size changed; the forward spills instead
         self.ledger.add_pool(blocks)
         self.stats.grown_blocks += blocks
         if self.on_resize is not None:

@@ -149,22 +149,16 @@ class SharedTierBlocks:
                                "lose their pool blocks")
         # The pool tensors stay normal tensors (not inference tensors) whichever mode the caller runs in: the
         # release paths run outside inference mode and update them in place.
-        addresses, reallocated = self.kv.pool_addresses(), False
-        try:
-            with torch.inference_mode(False):
-                reallocated = self._set_backing(add, drop)
-        except torch.OutOfMemoryError:
-            reallocated = self.kv.pool_addresses() != addresses  # tensors that grew, put back at new addresses
-            raise
-        finally:
-            if reallocated and self.on_resize is not None:
-                self.on_resize()
+        with torch.inference_mode(False):
+            reallocated = self._set_backing(add, drop)
+        if reallocated and self.on_resize is not None:
+            self.on_resize()
 
     def _set_backing(self, add: list[int], drop: list[int]) -> bool:
         old_n = self.num_blocks
         new_n = old_n + self.group * (len(add) - len(drop))
         if new_n > old_n:
-            self._reallocate(new_n, stage=False)  # all or nothing: out of memory changed no tensor
+            self._reallocate(new_n, stage=False)  # all or nothing in size: out of memory changed no size
         free = sorted(p for b in drop for p in self.backing.pop(b))
         fresh = iter(range(old_n, max(old_n, new_n)))
         for b in add:
@@ -204,7 +198,7 @@ class SharedTierBlocks:
             lst[j] = hole
 
     def _reallocate(self, num_blocks: int, stage: bool) -> None:
-        self.kv.resize_pool(num_blocks, stage)
+        self.kv.resize_pool(num_blocks, stage, failed_move=self.on_resize)  # a failure part-way moved tensors too
 
     def _sync(self, slots: set[int]) -> None:
         for slot in slots:

@@ -197,7 +197,7 @@ def test_a_long_prompts_blocks_grow_the_pool_once_not_once_per_chunk(ckpt):
                          kv_pool="reserved")
     reallocations: list[int] = []
     resize = engine.kv.resize_pool
-    engine.kv.resize_pool = lambda n, stage: (reallocations.append(n), resize(n, stage))[1]
+    engine.kv.resize_pool = lambda n, stage, **kw: (reallocations.append(n), resize(n, stage, **kw))[1]
     first = tokens_of(run_all(engine, [prompt], GREEDY, prefix="a"))["a0"]
     assert len(reallocations) == 1 and len(engine.tier.shared.backing) >= 23
     second = run_all(engine, [prompt], GREEDY, prefix="b")["b0"]  # reused: its blocks map what was handed over
