@@ -90,7 +90,7 @@ class EngineConfig:
     kv_pool: str = field(default="auto", metadata=_opt(
         "how slots hold KV: by-use (one pool of blocks; a slot takes blocks as its tokens need them and gives them "
         "back when its request ends, --context is a per-request limit) or reserved (every slot holds its whole "
-        "context from the start); auto: by-use on a CPU, reserved on CUDA (docs/KV.md)", choices=KV_POOL_MODES))
+        "context from the start); auto: by-use (docs/KV.md)", choices=KV_POOL_MODES))
     # None: no guaranteed window (KV by use) or every slot's whole context (reserved): docs/VRAM.md
     kv_resident: int | None = field(default=None, metadata=_opt(
         "tokens of each slot's KV guaranteed in VRAM (reserved at start, counted in the VRAM books); tokens past "
@@ -211,11 +211,9 @@ class EngineConfig:
         for name in self.switches:
             get_switch(name)  # raises UnknownSwitch naming the typo
 
-    def kv_by_use(self, device_type: str) -> bool:
-        """Whether slots take KV blocks by use on a device of this type (`kv_pool`; `--kv-resident` implies it)."""
-        if self.kv_resident is not None or self.kv_pool == "by-use":
-            return True
-        return self.kv_pool == "auto" and device_type == "cpu"
+    def kv_by_use(self) -> bool:
+        """Whether slots take KV blocks by use (`kv_pool`; `--kv-resident` implies it), on every device."""
+        return self.kv_resident is not None or self.kv_pool != "reserved"
 
     @staticmethod
     def options() -> list[Any]:

@@ -77,7 +77,7 @@ def sized_kv_cache(config: EngineConfig, lm: Any, depth: int, streams: Streams,
     geometry = KVGeometry(num_layers, config.batch, mcfg.num_key_value_heads, mcfg.head_dim, config.context, margin)
     weights_mib = model_bytes(model) / MIB
     _, free_mib = device_memory_mib(lm.device)
-    if not config.kv_by_use(lm.device.type):
+    if not config.kv_by_use():
         kv_mib = geometry.total_bytes(config.kv, lm.dtype) / MIB
         check_kv_fits(kv_mib, weights_mib, config.vram_reserve_mib, free_mib, "context", config.context)
         return SlotKVCache(geometry, config.kv, lm.dtype, lm.device), weights_mib

@@ -142,7 +142,7 @@ def test_a_kv_cache_that_cannot_fit_is_a_config_error_naming_mib(ckpt):
         make_engine(ckpt, batch=256, context=262144, prefill_chunk_tokens=64, vram_reserve_mib=0, kv_pool="reserved")
     assert info.value.param == "context"
     assert "needs" in str(info.value) and "available" in str(info.value)
-    # by use (a CPU's default) the context is a per-request limit: the same config starts with a small pool
+    # by use (the default) the context is a per-request limit: the same config starts with a small pool
     engine = make_engine(ckpt, batch=256, context=262144, prefill_chunk_tokens=64, vram_reserve_mib=0)
     assert engine.kv.paging is not None and engine.kv.mib < 257  # CPU_START_POOL_MIB and the scratch block
 

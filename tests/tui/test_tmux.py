@@ -61,7 +61,7 @@ def test_strata_tui_in_tmux(tmp_path: Path) -> None:
         screen = _wait_for(session, ["engine ready", "PAGED_ATTN     n/a: needs a CUDA device",
                                      "PAGED_PREFILL  n/a: needs a CUDA device"], timeout_s=60)
         assert "degraded" not in screen, screen
-        # KV by use (a CPU's default): the slots panel's title says what the engine's block pool holds
+        # KV by use (the default): the slots panel's title says what the engine's block pool holds
         _wait_for(session, ["Slots · KV pool 0 % of", "blocks: 0 used,", "free"], timeout_s=15)
         for _ in range(2):  # toggling it must not look applied, nor ask for a restart that cannot help
             subprocess.run(["tmux", "send-keys", "-t", session, "6"], check=True)
