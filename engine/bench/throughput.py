@@ -265,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
                     drive(bench.engine, [(p, min(new, 8)) for p, new in warm[:2]])
                 else:
                     drive(bench.engine, warm, settle_steps=WARM_UP_SETTLE_STEPS)
+                paging = bench.engine.kv.paging
+                preempted_before = paging.stats.preemptions if paging is not None else 0  # the warm-up's
                 watch = bench.bus.subscribe(after_seq=None, max_queue=1 << 20)
                 trace = StepTrace(watch.drain, args.slow_steps, args.slow_steps_profile)
                 try:
@@ -277,8 +279,7 @@ def run(args: argparse.Namespace) -> int:
                                        **one_time_work(trace.events), "error": None}
                 if args.slow_steps:
                     row["slow_steps"] = trace.slowest()
-                paging = bench.engine.kv.paging
-                row["preemptions"] = paging.stats.preemptions if paging is not None else 0
+                row["preemptions"] = paging.stats.preemptions - preempted_before if paging is not None else 0
                 row["step_token_budget"] = bench.engine.sched.step_token_budget  # the rule's, unless given
             except Exception as exc:  # noqa: BLE001 - one row that cannot run (out of memory) is a result
                 row = {"set": set_name, "engine": "strata", "concurrency": n, "tok_s": None,

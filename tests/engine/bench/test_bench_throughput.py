@@ -314,3 +314,24 @@ def test_a_rows_steps_run_with_the_engines_startup_heap_out_of_the_collectors_re
     assert doc["rows"][0]["error"] is None
     assert frozen and min(frozen) > 10_000, frozen[:3]  # torch's modules and the model: the startup heap
     assert gc.get_freeze_count() == 0  # thawed when the row's engine closed
+
+
+def test_a_rows_preemptions_are_its_timed_bursts_not_its_warm_ups(tmp_path: Path, monkeypatch) -> None:
+    """A warm-up burst that preempted (a burst past the pool does) leaves its count in the engine's paging stats:
+    the row reports only what the timed burst preempted (here none), not the two bursts together."""
+    from engine.bench import throughput
+
+    real, calls = throughput.drive, []
+
+    def warm_up_that_preempts(engine, requests, trace=None, settle_steps=None):
+        calls.append(settle_steps)
+        result = real(engine, requests, trace, settle_steps)
+        if settle_steps is not None:  # the warm-up (the timed burst runs to its end)
+            engine.kv.paging.stats.preemptions += 7
+        return result
+
+    monkeypatch.setattr(throughput, "drive", warm_up_that_preempts)
+    doc = bench(tmp_path, ["throughput", *TINY, "--concurrency", "3", "--sets", "fixed", *SMALL, "--peer", "none",
+                           "--kv-pool", "by-use"])
+    assert calls[0] is not None and calls[-1] is None  # a warm-up burst, then the timed one
+    assert doc["rows"][0]["error"] is None and doc["rows"][0]["preemptions"] == 0
