@@ -18,8 +18,9 @@ Two forward paths, chosen by whether the stream is being captured into a CUDA gr
 
 The cache is a claimant in the VRAM books (engine.exec.kv.tier.VramBudget): `release(mib, reason)` shrinks every
 pool (graph-capture out-of-memory recovery asks it after the tier), `set_budget` / `grow` regrow it, and each
-change publishes an ExpertEvent. A resize reallocates the pools, so `on_resize` drops the captured graphs
-that read the old ones. Telemetry bookkeeping (stats, events, oracle) lives in engine.exec.experts.stats.
+change publishes an ExpertEvent; a resize reallocates the pools, so `on_resize` drops the captured graphs that read
+the old ones (engine.exec.experts.sizing, the cache's other base). Telemetry bookkeeping (stats, events, oracle)
+lives in engine.exec.experts.stats.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import torch
 from engine.exec.experts.captured import CapturedExperts, stream_capturing
 from engine.exec.experts.cold import COLD_MODES, CPU_MAX_TOKENS, predicted_ids, routed_on_host
 from engine.exec.experts.pool import ExpertPool, expert_bytes
+from engine.exec.experts.sizing import SizedExperts
 from engine.exec.experts.stats import ExpertStats
 from engine.exec.experts.trace import adopt, groups_of
 from engine.exec.cuda_streams import Streams, required
 from engine.snapshot import ExpertCacheSnapshot
 from engine.model.moe import moe_index_of, routes_by_expert, sparse_blocks
 from engine.model.moe_quant import quant_tensors
-from engine.telemetry import EventBus, ExpertEvent
+from engine.telemetry import EventBus
 
 MIB = float(1 << 20)
 MAX_STEP_ROWS = 1 << 16  # tokens one step may route (chunk buckets, verify rows): the valid-row mask's size
@@ -47,7 +49,7 @@ MAX_STEP_ROWS = 1 << 16  # tokens one step may route (chunk buckets, verify rows
 COPY_BATCH_EXPERTS = 8
 
 
-class ExpertCache(CapturedExperts):
+class ExpertCache(CapturedExperts, SizedExperts):
     """Per-layer expert pools behind the ExpertProvider seam of engine.model.moe (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, bus: EventBus, slots: int,
@@ -131,102 +133,6 @@ class ExpertCache(CapturedExperts):
         if mode != self.cold:
             self.cold = mode
             self.on_resize()
-
-    # --- sizes -------------------------------------------------------------------------------------------
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.pools)
-
-    @property
-    def slots(self) -> int:
-        return self.pools[0].slots
-
-    def mib_for(self, slots: int) -> float:
-        """Device MiB of `slots` slots per layer (plus each layer's miss slot)."""
-        return self.num_layers * (slots + 1) * self.expert_mib
-
-    def slots_for(self, mib: float) -> int:
-        """Slots per layer that `mib` MiB hold (uncapped)."""
-        return max(0, int(mib // (self.num_layers * self.expert_mib)) - 1)
-
-    def clamp_slots(self, slots: int) -> int:
-        return max(self.min_slots, min(self.num_experts, slots))
-
-    @property
-    def mib(self) -> float:
-        """Device memory the pools hold now."""
-        return self.mib_for(self.slots)
-
-    @property
-    def min_mib(self) -> float:
-        """The smallest budget: `min_slots` per layer plus each layer's miss slot."""
-        return self.mib_for(self.min_slots)
-
-    @property
-    def all_experts_mib(self) -> float:
-        return self.num_layers * self.num_experts * self.expert_mib
-
-    @property
-    def host_mib(self) -> float:
-        return self.store_mib if self.peer is None else 0.0
-
-    @property
-    def peer_mib(self) -> float:
-        """The store on the --peer-device card (every expert once); 0 with a host store."""
-        return 0.0 if self.peer is None else self.store_mib
-
-    # --- the claimant: shrink, grow ----------------------------------------------------------------------
-
-    def release(self, mib: float, reason: str) -> float:
-        """Give back at least `mib` MiB if the pools have it (never below `min_slots`); returns MiB freed."""
-        if mib <= 0 or self.slots <= self.min_slots:
-            return 0.0
-        per_slot = self.num_layers * self.expert_mib
-        want = self.clamp_slots(self.slots - max(1, int(-(-mib // per_slot))))
-        before = self.mib
-        self._resize(want, reason)
-        return before - self.mib
-
-    def set_budget(self, mib: float, reason: str) -> None:
-        """Make `mib` the target and resize to it (whole slots, capped at every expert)."""
-        self.target_slots = self.clamp_slots(self.slots_for(mib))
-        self._resize(self.target_slots, reason)
-
-    def retarget(self, mib: float, reason: str) -> None:
-        """A live budget change: make `mib` the target and shrink to it at once; a larger target is reached by
-        `grow`, as far as the VRAM books allow (VramBudget.set_expert_budget)."""
-        self.target_slots = self.clamp_slots(self.slots_for(mib))
-        if self.target_slots < self.slots:
-            self._resize(self.target_slots, reason)
-
-    def grow(self, room_mib: float, reason: str) -> float:
-        """Regrow towards the target into `room_mib` of measured room; returns MiB added."""
-        per_slot = self.num_layers * self.expert_mib
-        slots = min(self.target_slots, self.slots + int(room_mib // per_slot))
-        if slots <= self.slots:
-            return 0.0
-        before = self.mib
-        self._resize(slots, reason)
-        return self.mib - before
-
-    def _resize(self, slots: int, reason: str) -> None:
-        before, t0 = self.mib, time.perf_counter()
-        if self.pools[0].gate_up.numel() and slots == self.slots:
-            return
-        for i, pool in enumerate(self.pools):  # layer by layer: the peak is one layer's old and new pool
-            pool.allocate(slots, self._copy)
-            if slots >= self.num_experts:  # every expert fits: load them all now, so none ever misses
-                missing = [e for e in range(self.num_experts) if not pool.policy.resident(e)]
-                self._load(pool, missing and pool.policy.serve(missing).loads or [], [], layer=i)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            torch.cuda.empty_cache()
-        self.on_resize()
-        self.bus.publish(ExpertEvent(action="grow" if self.mib >= before else "shrink",
-                                     mib=round(abs(self.mib - before), 3), total_mib=round(self.mib, 3), slots=slots,
-                                     ms=round((time.perf_counter() - t0) * 1e3, 3), reason=reason,
-                                     device=str(self.device)))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.copy_stream is None:

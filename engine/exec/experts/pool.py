@@ -194,32 +194,50 @@ class ExpertPool:
         return self.policy.slots
 
     def allocate(self, slots: int, copy: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """(Re)allocate `slots` slots plus the miss slot, keeping the experts the policy ranks highest."""
-        old_gate_up, old_down, old_quant = self.gate_up, self.down, self.quant
-        kept = self.policy.resize(slots)
-        E = self.num_experts
-        self.gate_up = self.down = None  # type: ignore[assignment]  # the old pool may go before the new one is made
-        # the store's layout (a 4-bit store's last dimension is words); the miss slot all zeros, scales too
-        gate_up = torch.empty(slots + 1, *self.store_gate_up.shape[1:], dtype=self.store_gate_up.dtype,
-                              device=self.device)
-        down = torch.empty(slots + 1, *self.store_down.shape[1:], dtype=self.store_down.dtype, device=self.device)
-        gate_up[slots].zero_()
-        down[slots].zero_()
-        quant = None if self.store_quant is None else self.store_quant.rebuilt(
-            tuple(torch.zeros(slots + 1, *t.shape[1:], dtype=t.dtype, device=self.device)
-                  for t in self.store_quant.tensors()))
-        for e, old_slot in kept.items():
-            new_slot = self.policy.where[e]
-            copy(gate_up[new_slot], old_gate_up[old_slot])
-            copy(down[new_slot], old_down[old_slot])
-            if quant is not None:
-                for new, old in zip(quant.tensors(), old_quant.tensors()):
-                    copy(new[new_slot], old[old_slot])
-        self.gate_up, self.down, self.quant = gate_up, down, quant
-        self._table_host = [slots] * E
+        """(Re)allocate `slots` slots plus the miss slot, keeping the experts the policy ranks highest. The new
+        tensors are allocated before anything changes: a growth that runs out of memory leaves the layer as it
+        was. A shrink with no room for its new tensors beside the old ones (it is asked for when memory ran out)
+        frees the old ones first and copies the experts it keeps from the store instead."""
+        try:
+            new = self._new_tensors(slots)
+        except torch.OutOfMemoryError:
+            if slots >= self.slots:
+                raise
+            kept = self.policy.resize(slots)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy into the old tensors still in flight
+            self.gate_up = self.down = self.quant = None  # type: ignore[assignment]  # freed before the new ones
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.gate_up, self.down, self.quant = self._new_tensors(slots)
+            for e in kept:
+                self.load(self.policy.where[e], e, copy)
+        else:
+            old_gate_up, old_down, old_quant = self.gate_up, self.down, self.quant
+            kept = self.policy.resize(slots)
+            self.gate_up, self.down, self.quant = new
+            for e, old_slot in kept.items():
+                new_slot = self.policy.where[e]
+                copy(self.gate_up[new_slot], old_gate_up[old_slot])
+                copy(self.down[new_slot], old_down[old_slot])
+                if self.quant is not None:
+                    for t, old in zip(self.quant.tensors(), old_quant.tensors()):
+                        copy(t[new_slot], old[old_slot])
+        self._table_host = [slots] * self.num_experts
         for e, s in self.policy.where.items():
             self._table_host[e] = s
         self.table = torch.tensor(self._table_host, dtype=torch.long, device=self.device)
+
+    def _new_tensors(self, slots: int) -> tuple[torch.Tensor, torch.Tensor, ExpertQuant | None]:
+        """Device tensors of `slots` slots in the store's layout (a 4-bit store's last dimension is words), the miss
+        slot all zeros, scales too."""
+        gate_up = empty((slots + 1, *self.store_gate_up.shape[1:]), self.store_gate_up.dtype, self.device)
+        down = empty((slots + 1, *self.store_down.shape[1:]), self.store_down.dtype, self.device)
+        gate_up[slots].zero_()
+        down[slots].zero_()
+        quant = None if self.store_quant is None else self.store_quant.rebuilt(
+            tuple(empty((slots + 1, *t.shape[1:]), t.dtype, self.device).zero_() for t in self.store_quant.tensors()))
+        return gate_up, down, quant
 
     def set_table(self, changes: list[tuple[int, int]]) -> None:
         """Point `expert -> slot` for each change (slot = self.slots: not resident)."""
@@ -260,3 +278,8 @@ class ExpertPool:
         if rows is not None:
             slots = torch.where(rows[:, None], slots, -1)
         routed_experts(x, self.gate_up, self.down, slots, weights, out=y, quant=self.quant)
+
+
+def empty(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An expert pool's device tensor (one seam for every allocation of a resize: tests fail one on purpose)."""
+    return torch.empty(shape, dtype=dtype, device=device)
