@@ -8,36 +8,15 @@ from __future__ import annotations
 import math
 import weakref
 
-import pytest
 import torch
 
-from engine.api import SamplingParams
 from engine.telemetry import EventBus
-from tests.engine.engine_helpers import make_engine, one_thread, random_prompts, run_all, shared_lively_checkpoint, tokens_of
+from tests.engine.engine_helpers import make_engine, one_thread, run_all, tokens_of
 from tests.engine.exec.test_kv_pool_growth_oom import _AddressCheckingBackend
+from tests.engine.test_engine_moe import GREEDY, engine_whose_captures_run_out_of_memory
+from tests.engine.test_engine_moe import moe_ckpt, plain_tokens, prompts  # noqa: F401 (fixtures)
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 _OOM = "CUDA out of memory. Tried to allocate {mib:.2f} MiB. [injected: the card holds its expert pools and no more]"
-
-
-@pytest.fixture(scope="module")
-def moe_ckpt(tmp_path_factory):
-    return shared_lively_checkpoint(tmp_path_factory, size="moe-tiny")
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return random_prompts(3, seed=5, lengths=(20, 90))
-
-
-@pytest.fixture(scope="module")
-def plain_tokens(moe_ckpt, prompts):
-    with one_thread():
-        engine = make_engine(moe_ckpt, batch=3)
-        try:
-            return tokens_of(run_all(engine, prompts, GREEDY))
-        finally:
-            engine.close()
 
 
 def _pool_tensors(cache) -> list[torch.Tensor]:
@@ -74,19 +53,11 @@ def _card_full_of_experts(monkeypatch, cache) -> list[int]:
 
 def test_a_capture_out_of_memory_on_a_card_full_of_experts_shrinks_the_cache_through_its_store(
         moe_ckpt, prompts, plain_tokens, monkeypatch):
-    """The graph cache's CPU backend with an injected capture OOM asks the books for room; the tier (empty) has
-    none, so the expert cache shrinks, on a card with no room for a layer's smaller pool beside its old one."""
-    from engine.exec.graphs.backends import CpuGraphBackend
-    from engine.exec.graphs.cache import GraphCache
-    from engine.switches import SwitchBoard
-    from tests.fault_injection import FaultPlan
-
-    bus, holder = EventBus(), {}
-    graphs = GraphCache("cpu", bus, SwitchBoard.from_values({}), wait_interval_s=0.0, backend=CpuGraphBackend(),
-                        release_tier=lambda mib, reason: holder["engine"].budget.make_room(mib, reason),
-                        fault_plan=FaultPlan.parse("capture:decode:1-2:oom"))
+    """A graph capture runs out of memory and the books ask the expert cache for room (the tier is empty), on a
+    card with no room for a layer's smaller pool beside its old one."""
+    bus = EventBus()
     with one_thread():
-        engine = holder["engine"] = make_engine(moe_ckpt, bus=bus, batch=3, executor=graphs, tier_budget_mib=0.0)
+        engine = engine_whose_captures_run_out_of_memory(moe_ckpt, bus)
         cache = engine.lm.model.expert_provider
         try:
             refused = _card_full_of_experts(monkeypatch, cache)

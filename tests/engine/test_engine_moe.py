@@ -167,21 +167,29 @@ def test_state_trace_and_prometheus_series(moe_ckpt, prompts, tmp_path):
     assert list(expert_metric_families(None)) == []
 
 
-def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, prompts, plain_tokens):
-    # The graph cache's CPU backend with an injected capture OOM: recovery asks the VRAM books for room; the
-    # tier (empty) has none, so the expert cache shrinks, the capture is retried, and the tokens do not change.
+def engine_whose_captures_run_out_of_memory(moe_ckpt, bus):
+    """An engine on the graph cache's CPU backend whose first two decode captures run out of memory (injected):
+    recovery asks the VRAM books for room, and the tier (empty) has none, so the expert cache answers."""
     from tests.fault_injection import FaultPlan
     from engine.exec.graphs.backends import CpuGraphBackend
     from engine.exec.graphs.cache import GraphCache
     from engine.switches import SwitchBoard
-    from engine.telemetry import EventBus
 
-    bus, holder = EventBus(), {}
+    holder = {}
     graphs = GraphCache("cpu", bus, SwitchBoard.from_values({}), wait_interval_s=0.0, backend=CpuGraphBackend(),
                         release_tier=lambda mib, reason: holder["engine"].budget.make_room(mib, reason),
                         fault_plan=FaultPlan.parse("capture:decode:1-2:oom"))
+    holder["engine"] = make_engine(moe_ckpt, bus=bus, batch=3, executor=graphs, tier_budget_mib=0.0)
+    return holder["engine"]
+
+
+def test_graph_capture_oom_asks_the_expert_cache_through_the_books(moe_ckpt, prompts, plain_tokens):
+    # The expert cache shrinks, the capture is retried, and the tokens do not change.
+    from engine.telemetry import EventBus
+
+    bus = EventBus()
     with one_thread():
-        engine = holder["engine"] = make_engine(moe_ckpt, bus=bus, batch=3, executor=graphs, tier_budget_mib=0.0)
+        engine = engine_whose_captures_run_out_of_memory(moe_ckpt, bus)
         try:
             tokens = tokens_of(run_all(engine, prompts, GREEDY))
         finally:
