@@ -282,7 +282,7 @@ def _kvspill(p: argparse.ArgumentParser) -> None:
 
 
 def _throughput(p: argparse.ArgumentParser) -> None:
-    _engine(p, model="random:0.6b")  # --kv-pool: by-use unless given (N slots of the whole context would not fit)
+    _engine(p, model="random:0.6b")
     p.add_argument("--concurrency", type=int_list, default=[1, 8, 32, 64, 128, 256],
                    help="concurrent requests, one engine of that many slots each (default 1,8,32,64,128,256)")
     p.add_argument("--sets", default="fixed,mixed", help="request sets: fixed (--prompt-tokens, --new-tokens), "

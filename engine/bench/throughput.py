@@ -1,8 +1,8 @@
 """`strata-engine bench throughput`: N concurrent requests through the real Engine, against the floor and an HF peer.
 
 For each request set and each concurrency N (`--concurrency`, default 1,8,32,64,128,256), N requests arrive at
-once on an engine of N slots (KV by use: `--kv-pool by-use` unless given, since N slots of the whole context
-would not fit at N = 256) and it steps until all finish. Sets (`--sets`):
+once on an engine of N slots (KV by use, the default: N slots of the whole context would not fit at N = 256,
+`--kv-pool reserved` measures them reserved) and it steps until all finish. Sets (`--sets`):
 
 - `fixed`: every prompt `--prompt-tokens` (1K) tokens, every output `--new-tokens` (256);
 - `mixed`: seeded (`--seed`) prompts uniform in `--mixed-prompt-tokens` (128-8K) and outputs in
@@ -252,8 +252,7 @@ def run(args: argparse.Namespace) -> int:
             requests = request_set(set_name, n, mcfg.vocab_size, args)
             longest = max(len(p) + new for p, new in requests)
             mean_live = statistics.fmean(len(p) + new / 2 for p, new in requests)
-            bench = build_engine(args, model=path, batch=n, queue_max=max(n, 1), context=longest + 64,
-                                 kv_pool=args.kv_pool if args.kv_pool != "auto" else "by-use")
+            bench = build_engine(args, model=path, batch=n, queue_max=max(n, 1), context=longest + 64)
             if args.chunk_rows == "off":  # the A/B of engine.exec.chunk_rows: every chunk its own forward
                 bench.engine.executor.rows_max_tokens = 0
             try:
