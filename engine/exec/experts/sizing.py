@@ -139,8 +139,9 @@ class SizedExperts:
                     missing = [e for e in range(self.num_experts) if not pool.policy.resident(e)]
                     self._load(pool, missing and pool.policy.serve(missing).loads or [], [], layer=i)
         except torch.OutOfMemoryError:
-            for pool in self.pools[:done]:
-                pool.allocate(old_slots, self._copy)
+            if slots > old_slots:  # a shrink short even of its staged room has nothing to go back to
+                for pool in self.pools[:done]:
+                    pool.allocate(old_slots, self._copy)
             if done:
                 self._settle()
             raise
