@@ -207,8 +207,6 @@ class ExpertPool:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no copy into the old tensors still in flight
             self.gate_up = self.down = self.quant = None  # type: ignore[assignment]  # freed before the new ones
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
             self.gate_up, self.down, self.quant = self._new_tensors(slots)
             for e in kept:
                 self.load(self.policy.where[e], e, copy)

@@ -270,10 +270,9 @@ class SlotKVCache:
             self.paging.reclaim()
 
     def resize_pool(self, num_blocks: int, stage: bool = False, failed_move: Callable | None = None) -> None:
-        """Reallocate every pool tensor to `num_blocks` blocks, keeping its first blocks, one tensor at a time (the
-        largest is briefly held twice); new blocks hold finite data. All or nothing in size (`kv_pool_resize.
-        resize_all`), not in place: a failure part-way puts the grown tensors back at new addresses, and
-        `failed_move` (what a success runs after it: graphs read addresses) runs then. `stage`: `resized`'s."""
+        """Every pool tensor to `num_blocks` blocks, its first blocks kept, one tensor at a time; new blocks finite.
+        All or nothing in size (`kv_pool_resize.resize_all`), not in place: a failure part-way puts the grown tensors
+        back at new addresses, and then runs `failed_move` (graphs read addresses). `stage`: `resized`'s."""
         if self.device.type == "cuda":
             # A prompt chunk in flight on another stream (engine.exec.chunk_stream) writes the old tensors: its
             # writes must land before they are copied, and nothing may still address them once they are freed.
