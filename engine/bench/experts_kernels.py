@@ -4,13 +4,15 @@ shape, against the bytes-read floor.
 For each token count N (k routed experts a token, from the model's config): the time of one layer's expert
 products for N tokens, replayed from a CUDA graph of `--iters` layers whose routings rotate over a pool of every
 expert (a decode step reads each routed expert once, from HBM: one routing repeated would time the L2), as
-- `triton`: engine.model.moe_kernels at its default launch shape for N x k routes, and each `--moe-tune` shape;
+- `triton`: engine.model.moe_kernels at its default launch shape for N x k routes, and each `--moe-tune` shape
+  (`t<shape>`; a block of 1 route is the GEMV, engine.model.moe_gemv, 16 and up the tensor-core kernels);
 - `grouped_mm`: torch._grouped_mm (CUTLASS grouped GEMM) over the routes sorted by slot;
 - `gather` (N x k <= 256): the former captured path, each routed position's expert weights gathered into a new
   tensor, then bmm (kept as the baseline the fused kernels replace);
 - `triton_fp8`: the Triton kernels on the same pools in e4m3 with per-channel scales (its floor: half the bytes);
 - `triton_int4`: on the same pools as 4-bit codes with a scale and offset per group of 128, as `--quantize int4`
-  rounds them (its floor: their bytes, about a quarter).
+  rounds them (its floor: their bytes, about a quarter); each at the default launch and every `--moe-tune` shape
+  (`triton_fp8_t<shape>`, `triton_int4_t<shape>`).
 `floor_us` is the distinct experts' bytes over the device's measured copy bandwidth (`bench peers`' figure), and
 `NAME_of_floor` the floor over each backend's time (1.0: at the bandwidth floor). The routings are drawn
 uniformly, so N tokens share experts only by chance (a trained router's skew makes larger N cheaper).
@@ -59,7 +61,7 @@ def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: i
     distinct = sum(int(torch.unique(r).numel()) for r in routings) / len(routings)
     expert_bytes = 3 * hidden * inter * gate_up.element_size()
     row: dict[str, Any] = {"tokens": tokens, "routes": R, "distinct_experts": round(distinct, 1),
-                           "default": default_launch(R).label(),
+                           "default": default_launch(R).label(), "default_int4": default_launch(R, True).label(),
                            "floor_us": round(distinct * expert_bytes / (bandwidth_gb_s * 1e3), 2)}
 
     def rotating(product: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], Callable[[], torch.Tensor]]:
@@ -73,19 +75,22 @@ def kernel_case(tokens: int, top_k: int, num_experts: int, hidden: int, inter: i
         ("grouped_mm", rotating(lambda s: routed_experts(x, gate_up, down, s, weights, backend="grouped_mm")))]
     if R <= _GATHER_MAX_ROUTES:
         shapes.append(("gather", rotating(lambda s: _gather(x, gate_up, down, s, weights))))
-    for name, (q_gu, q_d, quant, _) in (quantized or {}).items():  # the same pools quantized: fewer bytes
-        shapes.append((name, rotating(lambda s, q_gu=q_gu, q_d=q_d, quant=quant: routed_experts(
-            x, q_gu, q_d, s, weights, backend="triton", quant=quant))))
-    for text in tune:
-        launch = MoELaunch.parse(text, R)
+    launches = [MoELaunch.parse(text, R) for text in tune]
+    byte_share = {}  # column -> its pool's bytes over the bf16 pool's (the floor scales with them)
+    for launch in launches:
         shapes.append((f"t{launch.label()}", rotating(
             lambda s, launch=launch: routed_experts(x, gate_up, down, s, weights, backend="triton", launch=launch))))
+    for name, (q_gu, q_d, quant, q_bytes) in (quantized or {}).items():  # the same pools quantized: fewer bytes
+        # the default launch, then each --moe-tune shape on this pool too (`triton_fp8_t<shape>`)
+        for column, launch in [(name, None)] + [(f"{name}_t{t.label()}", t) for t in launches]:
+            byte_share[column] = q_bytes / expert_bytes
+            shapes.append((column, rotating(lambda s, q_gu=q_gu, q_d=q_d, quant=quant, launch=launch: routed_experts(
+                x, q_gu, q_d, s, weights, backend="triton", quant=quant, launch=launch))))
     expected = _gather(x, gate_up, down, routings[0], weights) if R <= _GATHER_MAX_ROUTES else \
         routed_experts(x, gate_up, down, routings[0], weights, backend="grouped_mm")
     time_launch_shapes(row, shapes, iters, expected)
     for key in [c for c in row if c.endswith("_ms")]:
-        own = (quantized or {}).get(key[:-3])
-        floor_us = row["floor_us"] * (own[3] / expert_bytes if own else 1.0)  # a quantized pool's own bytes
+        floor_us = row["floor_us"] * byte_share.get(key[:-3], 1.0)  # a quantized pool's own bytes
         row[key.replace("_ms", "_of_floor")] = round(floor_us / (row[key] * 1e3), 3)
     timed = {k[:-3]: v for k, v in row.items() if k.endswith("_ms")}
     if timed:

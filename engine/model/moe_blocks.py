@@ -25,7 +25,8 @@ SCAN_MAX_ROUTES = 256
 @dataclass(frozen=True)
 class MoELaunch:
     """One step's launch shape: routes per block, column tiles of the two products, K per loop step, warps,
-    stages, and whether blocks are found by scanning the routes (few) or by a sort (many)."""
+    stages, and whether blocks are found by scanning the routes (few) or by a sort (many). A block of 1 route is
+    the GEMV (engine.model.moe_gemv: a program per route, no tensor-core dot)."""
 
     block_m: int
     gate_up_n: int
@@ -36,10 +37,18 @@ class MoELaunch:
     scan: bool
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "gate_up_n", "down_n", "block_k"):
+        if self.block_m != 1 and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"block_m={self.block_m}: 1 (the GEMV) or a power of two from 16 (the tensor cores' tile)")
+        for name in ("gate_up_n", "down_n", "block_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value}: a power of two, at least 16 (the tensor cores' tile)")
+            least = 2 if self.gemv else 16
+            if value < least or value & (value - 1):
+                raise ValueError(f"{name}={value}: a power of two, at least {least}"
+                                 + ("" if self.gemv else " (the tensor cores' tile)"))
+
+    @property
+    def gemv(self) -> bool:
+        return self.block_m == 1
 
     def label(self) -> str:
         return f"{self.block_m}x{self.gate_up_n}x{self.down_n}x{self.block_k}x{self.num_warps}x{self.num_stages}"
@@ -55,12 +64,14 @@ class MoELaunch:
         return MoELaunch(bm, gn, dn, bk, warps, stages, scan=routes <= SCAN_MAX_ROUTES)
 
 
-def default_launch(routes: int) -> MoELaunch:
+def default_launch(routes: int, four_bit: bool = False) -> MoELaunch:
     """The launch shape for a step of `routes` routes (a function of the count alone: see the module doc).
-    Few routes: the weights' bytes bound the step, so narrow column tiles give every SM a share of them; many:
-    the products are compute-bound, so wide blocks reuse each weight tile over many rows."""
+    Few routes (a decode or verify step): the weights' bytes bound the step and most routes have an expert to
+    themselves, so the GEMV, its narrow column tiles giving every SM a share of the bytes; many: the products are
+    compute-bound, so wide blocks reuse each weight tile over many rows. A 4-bit pool's GEMV takes shorter K
+    steps and wider down tiles (`four_bit`: its unpacking, not its bytes, bounds it; `bench experts --moe-tune`)."""
     if routes <= SCAN_MAX_ROUTES:
-        return MoELaunch(16, 32, 64, 64, 4, 5, scan=True)
+        return MoELaunch(1, 8, 32, 128, 4, 2, scan=True) if four_bit else MoELaunch(1, 8, 16, 256, 4, 2, scan=True)
     return MoELaunch(64, 64, 128, 64, 4, 3, scan=False)
 
 

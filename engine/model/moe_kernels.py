@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.moe_blocks import MoELaunch, default_launch, sorted_blocks
+from engine.model.moe_gemv import launch_gemv
 from engine.model.moe_kernels_int4 import launch_int4
 from engine.model.moe_quant import ExpertQuant, Fp8Experts, Int4Experts
 
@@ -74,7 +75,8 @@ def routed_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, s
         return out
     backend = backend or backend_for(x)
     if backend == "triton":
-        _routed_triton(x, gate_up, down, slots, weights, out, launch or default_launch(N * k), quant)
+        launch = launch or default_launch(N * k, four_bit=isinstance(quant, Int4Experts))
+        _routed_triton(x, gate_up, down, slots, weights, out, launch, quant)
     elif backend == "grouped_mm":
         if quant is not None:
             gate_up, down = quant.dequantize(gate_up, down, x.dtype)
@@ -195,6 +197,10 @@ def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch, qua
     w_flat = weights.reshape(R).contiguous()
     x = x.contiguous()
     act = torch.empty(R, I, dtype=x.dtype, device=x.device)
+    y = out.view(R, H)
+    if launch.gemv:
+        launch_gemv(x, gate_up, down, flat, w_flat, act, y, k, launch, quant)
+        return
     if launch.scan:
         blocks, sorted_slots, routes, starts, scan_r = R, flat, flat, flat, triton.next_power_of_2(R)
     else:
@@ -206,7 +212,6 @@ def _routed_triton(x, gate_up, down, slots, weights, out, launch: MoELaunch, qua
     blocks_of = {"gate_up": (blocks, triton.cdiv(I, launch.gate_up_n)),
                  "down": (blocks, triton.cdiv(H, launch.down_n))}
     route_args = (flat, sorted_slots, routes, starts)
-    y = out.view(R, H)
     if isinstance(quant, Int4Experts):
         launch_int4(x, gate_up, down, w_flat, route_args, act, y, k, launch, quant, blocks_of, common)
         return

@@ -109,10 +109,11 @@ def _check_int4(backend: str, N: int, k: int, S: int, H: int, I: int, groups: tu
     assert 0 < rounded < 0.2 * gate_up[0].abs().max().item()  # rounded to 16 levels a group, not the same weights
 
 
-def _check_fp8(backend: str, N: int, k: int, S: int, seed: int) -> None:
+def _check_fp8(backend: str, N: int, k: int, S: int, seed: int, launch: str | None = None) -> None:
     x, gate_up, down, slots, weights = _case(N, k, S, 64, 32, seed, hot=2)
     q_gu, q_d, scales = _fp8_pools(gate_up, down)
-    got = routed_experts(x, q_gu, q_d, slots, weights, backend=backend, quant=scales)
+    got = routed_experts(x, q_gu, q_d, slots, weights, backend=backend, quant=scales,
+                         launch=MoELaunch.parse(launch, N * k) if launch else None)
     dq_gu = q_gu.to(torch.float32) * scales.gate_up_scale[..., None]
     dq_d = q_d.to(torch.float32) * scales.down_scale[..., None]
     torch.testing.assert_close(got, _reference(x, dq_gu, dq_d, slots, weights), rtol=1e-4, atol=1e-5)
@@ -154,9 +155,12 @@ def kernels_check() -> None:
     _check_backend("triton", 5, 3, 7, 48, 24, seed=3, skip_every=4)  # odd H / I, skipped routes
     _check_backend("triton", 150, 2, 6, 32, 16, seed=4, hot=3, skip_every=5)  # 300 routes: the sorted layout
     _check_backend("triton", 9, 3, 7, 64, 32, seed=5, launch="32x16x32x32x4x2")
+    _check_backend("triton", 6, 4, 9, 64, 32, seed=1, hot=2, launch="16x32x64x64x4x5")  # the tensor cores' scan
+    _check_backend("triton", 5, 3, 7, 48, 24, seed=3, skip_every=4, launch="1x4x16x16x2x1")  # GEMV: tails of K, N
     _check_backend("triton", 150, 2, 6, 32, 16, seed=6, launch="16x16x16x16x4x2")
     _check_fp8("triton", 6, 4, 9, seed=7)  # FP8 pools: the scale applied to each finished sum
     _check_fp8("triton", 150, 2, 6, seed=8)
+    _check_fp8("triton", 6, 4, 9, seed=7, launch="16x32x64x64x4x5")
     int4_check()
     _check_route(7, 24, 5, norm=True, prior=False, seed=0)  # E not a power of two
     _check_route(3, 16, 2, norm=False, prior=True, seed=1)
@@ -203,6 +207,9 @@ def int4_check() -> None:
     _check_int4("triton", 150, 2, 6, 64, 32, (32, 16), seed=12, hot=3, skip_every=7, padding=4)
     _check_int4("triton", 5, 3, 7, 256, 64, (64, 16), seed=13, skip_every=4)
     _check_int4("triton", 3, 2, 5, 512, 48, (128, 48), seed=14, launch="16x16x32x256x4x2")
+    _check_int4("triton", 6, 4, 9, 64, 32, (64, 32), seed=11, hot=2, skip_every=5, padding=1,
+                launch="16x32x64x64x4x5")  # the tensor cores' scan layout
+    _check_int4("triton", 3, 2, 5, 512, 48, (128, 48), seed=14, launch="1x4x8x32x2x1")  # GEMV: a word run a step
     _check_int4_cache_pool()
 
 
@@ -259,6 +266,13 @@ def test_sorted_blocks_cover_each_route_once_in_blocks_of_one_slot():
 
 def test_the_launch_shape_depends_on_the_route_count_only_and_bad_shapes_are_refused():
     assert default_launch(60) == default_launch(60) and default_launch(10).scan and not default_launch(2048).scan
+    # a decode or verify step's routes take the GEMV whatever their count, so MTP's verify rows get the bits of
+    # its decode rows; a prompt chunk's take the tensor cores
+    assert default_launch(1).gemv and default_launch(256).gemv and default_launch(256, four_bit=True).gemv
+    assert not default_launch(257).gemv and default_launch(10) == default_launch(250)
+    assert MoELaunch.parse("1x8x16x256x4x2", 10).gemv and not MoELaunch.parse("16x32x64x64x4x5", 10).gemv
+    with pytest.raises(ValueError, match="block_m=8"):
+        MoELaunch(8, 32, 64, 64, 4, 4, scan=True)
     with pytest.raises(ValueError, match="block_k=24"):
         MoELaunch(16, 32, 64, 24, 4, 4, scan=True)
     with pytest.raises(ValueError, match="BLOCK_MxGATE_UP_N"):
@@ -320,7 +334,7 @@ _ROUTES = {"slots_ptr": "*i64", "sorted_slots_ptr": "*i64", "sorted_routes_ptr":
 
 
 def _compile_cases():
-    from engine.model import moe_kernels, moe_kernels_int4, moe_route
+    from engine.model import moe_gemv, moe_kernels, moe_kernels_int4, moe_route
 
     gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", **_ROUTES, "act_ptr": "*bf16", "H": "i32",
                "I": "i32", "TOP_K": "i32", "stride_xn": "i32", "stride_ws": "i32", "stride_wn": "i32",
@@ -329,7 +343,8 @@ def _compile_cases():
             "y_ptr": "*bf16", "H": "i32", "I": "i32", "stride_ar": "i32", "stride_ws": "i32", "stride_wn": "i32",
             "stride_ss": "i32", "stride_yr": "i32"}
     cases = []
-    for launch in (default_launch(10), default_launch(20480)):  # the scan (decode, verify) and the sorted layout
+    scan = MoELaunch.parse("16x32x64x64x4x5", 10)  # the tensor cores' scan layout (`--moe-tune`'s alternative)
+    for launch in (scan, default_launch(20480)):  # the scan and the sorted layout (prompt chunks)
         for scaled, weight in ((False, "*bf16"), (True, "*fp8e4nv")):
             common = dict(BLOCK_M=launch.block_m, BLOCK_K=launch.block_k, SCAN=launch.scan,
                           SCAN_R=16 if launch.scan else 1, PRECISION="tf32", SCALED=scaled)
@@ -345,7 +360,7 @@ def _compile_cases():
     int4_down = {"act_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "rw_ptr": "*bf16",
                  **_ROUTES, "y_ptr": "*bf16", "H": "i32", "KW": "i32", "stride_ar": "i32", "stride_qs": "i32",
                  "stride_qn": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_yr": "i32"}
-    for launch in (default_launch(10), default_launch(20480)):  # the seed model's shape: groups of 128, runs of 4
+    for launch in (scan, default_launch(20480)):  # the seed model's shape: groups of 128, runs of 4
         common = dict(BLOCK_M=launch.block_m, BLOCK_KW=int4_block_kw(launch), SCAN=launch.scan,
                       SCAN_R=16 if launch.scan else 1, PRECISION="tf32", GROUP=128, RUN=4)
         int4 = moe_kernels_int4
@@ -353,6 +368,22 @@ def _compile_cases():
                                                  ("down", int4._down_int4_kernel, int4_down, launch.down_n)):
             cases.append((f"{name} {launch.label()} int4", kernel, signature, launch.num_warps, launch.num_stages,
                           {**common, "BLOCK_N": block_n}))
+    # a decode or verify step: the GEMV, in each format
+    gemv_gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "o_ptr": "*bf16", "slots_ptr": "*i64",
+                    "act_ptr": "*bf16", "H": "i32", "I": "i32", "TOP_K": "i32", "stride_xn": "i32",
+                    "stride_ws": "i32", "stride_wn": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_ar": "i32"}
+    gemv_down = {"act_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "o_ptr": "*bf16", "rw_ptr": "*bf16",
+                 "slots_ptr": "*i64", "y_ptr": "*bf16", "H": "i32", "I": "i32", "stride_ar": "i32", "stride_ws": "i32",
+                 "stride_wn": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_yr": "i32"}
+    for fmt, label, pool in ((0, "bf16", {}), (1, "fp8", {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "o_ptr": "*fp32"}),
+                             (2, "int4", {"w_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16"})):
+        gemv = default_launch(10, four_bit=fmt == 2)
+        for name, kernel, signature, block_n in (("gate_up", moe_gemv._gate_up_gemv_kernel, gemv_gate_up,
+                                                  gemv.gate_up_n),
+                                                 ("down", moe_gemv._down_gemv_kernel, gemv_down, gemv.down_n)):
+            cases.append((f"{name} {gemv.label()} {label}", kernel, {**signature, **pool}, gemv.num_warps,
+                          gemv.num_stages, dict(FMT=fmt, GROUP=128 if fmt == 2 else 1, RUN=4 if fmt == 2 else 1,
+                                                BLOCK_N=block_n, BLOCK_K=gemv.block_k)))
     cases.append(("route 512 experts top-10", moe_route._route_kernel, {
         "logits_ptr": "*bf16", "prior_ptr": "*fp32", "pos_ptr": "*i64", "w_ptr": "*bf16", "ids_ptr": "*i64",
         "E": "i32", "stride_l": "i32", "drift": "i32", "phases": "i32"}, 4, 1,
@@ -364,14 +395,14 @@ def _compile_cases():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(20))
 def test_each_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
     """The interpreter runs code the GPU compiler may refuse: each kernel at the launch shapes the engine uses,
     compiled for an H200 by Triton's own compiler; those of a decode or verify step (bound by the weights' bytes)
     without spilling. The prompt-chunk shape (64-row blocks at 4 warps, rows gathered by route) keeps a few
     registers on the stack; it runs at the share of its floor docs/BENCHMARKS.md gives."""
     cases = _compile_cases()
-    assert len(cases) == 14
+    assert len(cases) == 20
     label, kernel, signature, warps, stages, constants = cases[case]
     registers, stack, local, shared = compile_for_sm90(kernel, signature, constants, warps, stages, tmp_path,
                                                        unaligned=("R", "H", "I", "TOP_K", "E", "K", "KW", "miss_slot"))
