@@ -59,19 +59,26 @@ if triton is not None:
                 words = tl.load(w_rows + ws[None, :], mask=tile_ok, other=0)
                 hi = words >> 16
                 base = (ws // RUN) * (RUN * 8) + ws % RUN  # the input of each word's slot 0
-                p = tl.zeros([ROWS, BLOCK_KW], dtype=tl.float32)
-                xs = tl.zeros([BLOCK_KW], dtype=tl.float32)
                 for j in tl.static_range(8):
                     if j < 4:
                         f = _code_f32(words, 4, j % 4)
                     else:
                         f = _code_f32(hi, 4, j % 4)
                     x = tl.load(x_row + base + RUN * j, mask=w_ok, other=0.0).to(tl.float32)
-                    xs += x
-                    p += f * _unscaled(x, 4, j % 4)[None, :]
-                g = ((ws // RUN) * (RUN * 8)) // GROUP  # a run's words lie in one group
-                s = tl.load(s_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-                o = tl.load(o_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+                    if j == 0:  # the step's sums start from the first products, not from zeros
+                        xs = x
+                        p = f * x[None, :]
+                    else:
+                        xs += x
+                        p += f * _unscaled(x, 4, j % 4)[None, :]
+                if GROUP % BLOCK_K == 0:  # the step lies in one group: a scale and an offset per row
+                    g = (w0 * 8) // GROUP
+                    s = tl.load(s_rows + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+                    o = tl.load(o_rows + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
+                else:  # a run's words lie in one group
+                    g = ((ws // RUN) * (RUN * 8)) // GROUP
+                    s = tl.load(s_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+                    o = tl.load(o_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
                 acc = _scaled_step(acc, p, xs, s, o)
         else:
             acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
