@@ -41,12 +41,12 @@ from engine.model.triton_linear import COUNTER_LANES, split_counters
 PATHS = ("gemv", "tc", "dense", "tinygemm")
 GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator per row, for a group of 4 rows a program
 VERIFY_TOKENS = 8  # an input [B, T, K] with T up to this is a decode / verify step: its path follows B
-# Defaults where the launch table has no entry. The GEMV takes 1-4 rows: a verify step of up to 4 rows (MTP at
-# batch x (depth + 1) <= 4) then computes each row exactly as the 1-row decode step does, so greedy decoding is
-# the same with MTP on. Its instructions per weight, compiled for sm_90: FP8 3.6 at 1 row, 8 at 4 (a byte a weight
-# leaves ~7 at full bandwidth); int4 6 at 1 row, 13 at 4, where the tensor-core kernel spends 7.6 for up to 16
-# rows (half a byte a weight: ~3.5 at full bandwidth): a table entry may give int4's 2-4 rows to the tensor cores.
-DEFAULT_GEMV_ROWS = {"fp8": 4, "int": 4}
+# Defaults where the launch table has no entry. The GEMV takes the steps of 1 sequence (FP8) or 1-2 (int4): its
+# registers grow with its rows (an accumulator tile a row), and past those the tensor-core kernel, whose 16-row tile
+# costs what one row does, is the faster on sm_90 (`bench linear --quant` on an H100 and an H200). A verify step
+# goes by its sequences (path_of), so a batch-1 verify step's 2-4 rows take the GEMV too, each row computed exactly
+# as the 1-row decode step computes it: greedy decoding is the same with MTP on.
+DEFAULT_GEMV_ROWS = {"fp8": 1, "int": 2}
 DEFAULT_TC_ROWS = {"fp8": 64, "int": 256}  # past these, prompt chunks go to cuBLAS (engine.model.quant.dense)
 _TC_MAX_BLOCK_M = 128
 _TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough loads in flight to stream the weight

@@ -165,18 +165,20 @@ def test_the_path_follows_the_rows_and_the_launch_shape_follows_the_weight():
     from engine.model.quant import kernels
 
     layer = _int_layer(4, 128, n=4096, k=12288)
-    assert [kernels.path_of(layer, r) for r in (1, 4, 5, 64, 256, 257, 2048)] == \
-        ["gemv", "gemv", "tc", "tc", "tc", "dense", "dense"]
-    # a decode / verify step goes by its sequences: 4 sequences verifying 3 tokens each take the decode's GEMV
-    assert [kernels.path_of(layer, 12, 4), kernels.path_of(layer, 15, 5), kernels.path_of(layer, 5, 5)] == \
-        ["gemv", "tc", "tc"]
+    assert [kernels.path_of(layer, r) for r in (1, 2, 3, 4, 5, 64, 256, 257, 2048)] == \
+        ["gemv", "gemv", "tc", "tc", "tc", "tc", "tc", "dense", "dense"]
+    # a decode / verify step goes by its sequences: 2 sequences verifying 3 tokens each take the decode's GEMV,
+    # one sequence verifying 4 too (MTP at depth 3); 3 sequences the tensor cores, as their decode step does
+    assert [kernels.path_of(layer, 6, 2), kernels.path_of(layer, 4, 1), kernels.path_of(layer, 9, 3),
+            kernels.path_of(layer, 5, 5)] == ["gemv", "gemv", "tc", "tc"]
     # 128 sequences verifying 3 tokens: the decode step's tensor cores, not the prompt chunks' GEMM past 256 rows;
     # and tiled as the decode step (20 sequences: rows of 32, whether 20 or 60 of them)
     assert [kernels.path_of(layer, 384, 128), kernels.path_of(layer, 384)] == ["tc", "dense"]
     assert [kernels.tc_block_m(60, 20), kernels.tc_block_m(20, 20), kernels.tc_block_m(60)] == [32, 32, 64]
     assert [kernels.tc_block_m(1), kernels.tc_block_m(384, 128), kernels.tc_block_m(2048)] == [16, 128, 128]
     fp8 = _fp8_layer((128, 128), 256, 1024)  # no FP8 GEMM for its prompt chunks here: they start at 257 rows too
-    assert [kernels.path_of(fp8, r) for r in (1, 4, 5, 65, 256, 257)] == ["gemv", "gemv", "tc", "tc", "tc", "dense"]
+    assert [kernels.path_of(fp8, r) for r in (1, 2, 4, 65, 256, 257)] == ["gemv", "tc", "tc", "tc", "tc", "dense"]
+    assert kernels.path_of(fp8, 4, 1) == "gemv"  # one sequence verifying 4 tokens: its decode step's GEMV
     # the 8B shape's down projection (N 4096, K 12288): 64 column tiles split along K to reach the SMs
     for path in ("gemv", "tc"):
         config = kernels.default_config(layer, path)
