@@ -45,7 +45,7 @@ if triton is not None:
 
     @triton.jit
     def _rows_dot(w_rows, s_rows, o_rows, x_row, K, n_ok, FMT: tl.constexpr, GROUP: tl.constexpr,
-                  RUN: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+                  RUN: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """[ROWS] fp32 sums over K of each weight row times x_row (FP8: before its scale). w_rows, s_rows, o_rows:
         [ROWS, 1] row starts (s_rows / o_rows: the 4-bit groups' scales and offsets)."""
         if FMT == 2:
@@ -54,7 +54,7 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK_KW], dtype=tl.float32)
             for w0 in range(0, KW, BLOCK_KW):
                 ws = w0 + tl.arange(0, BLOCK_KW)
-                w_ok = ws < KW
+                w_ok = (ws < KW) | EVEN_K  # EVEN_K: every step whole, no mask along K (fewer instructions a code)
                 tile_ok = n_ok[:, None] & w_ok[None, :]
                 words = tl.load(w_rows + ws[None, :], mask=tile_ok, other=0)
                 hi = words >> 16
@@ -84,7 +84,7 @@ if triton is not None:
             acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
+                k_ok = (ks < K) | EVEN_K
                 w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
                 x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
                 acc += w * x[None, :]
@@ -99,7 +99,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, slots_ptr, act_ptr, H, I, TOP_K, stride_xn, stride_ws,
                              stride_wn, stride_ss, stride_sn, stride_ar, FMT: tl.constexpr, GROUP: tl.constexpr,
-                             RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             H_EVEN: tl.constexpr):
         routes, slot = _route(slots_ptr)
         if slot < 0:
             return
@@ -113,7 +114,7 @@ if triton is not None:
         o_rows = o_ptr + slot64 * stride_ss + row[:, None] * stride_sn
         x_row = x_ptr + (tl.program_id(0) // TOP_K).to(tl.int64) * stride_xn
         sums = _rows_dot(w_ptr + slot64 * stride_ws + row[:, None] * stride_wn, s_rows, o_rows, x_row,
-                         H, n_ok, FMT, GROUP, RUN, 2 * BLOCK_N, BLOCK_K)
+                         H, n_ok, FMT, GROUP, RUN, 2 * BLOCK_N, BLOCK_K, H_EVEN)
         if FMT == 1:  # one scale per output channel: on the finished sums
             sums *= tl.load(s_ptr + slot64 * stride_ss + row, mask=n_ok, other=0.0)
         halves = tl.reshape(sums, (2, BLOCK_N))
@@ -126,7 +127,7 @@ if triton is not None:
     @triton.jit
     def _down_gemv_kernel(act_ptr, w_ptr, s_ptr, o_ptr, rw_ptr, slots_ptr, y_ptr, H, I, stride_ar, stride_ws,
                           stride_wn, stride_ss, stride_sn, stride_yr, FMT: tl.constexpr, GROUP: tl.constexpr,
-                          RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, I_EVEN: tl.constexpr):
         routes, slot = _route(slots_ptr)
         if slot < 0:
             return
@@ -138,7 +139,7 @@ if triton is not None:
         o_rows = o_ptr + slot64 * stride_ss + row[:, None] * stride_sn
         a_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_ar
         sums = _rows_dot(w_ptr + slot64 * stride_ws + row[:, None] * stride_wn, s_rows, o_rows, a_row,
-                         I, n_ok, FMT, GROUP, RUN, BLOCK_N, BLOCK_K)
+                         I, n_ok, FMT, GROUP, RUN, BLOCK_N, BLOCK_K, I_EVEN)
         if FMT == 1:
             sums *= tl.load(s_ptr + slot64 * stride_ss + row, mask=n_ok, other=0.0)
         store_routed(sums[None, :], y_ptr, rw_ptr, routes, routes >= 0, rn, n_ok, stride_yr)
@@ -168,8 +169,10 @@ def launch_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slot
     s, o, group, run = _scales(quant, gate_up, "gate_up")
     _gate_up_gemv_kernel[(R, triton.cdiv(I, launch.gate_up_n))](
         x, gate_up, s, o, slots, act, H, I, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), s.stride(0),
-        s.stride(1) if s.dim() > 2 else 1, act.stride(0), GROUP=group, RUN=run, BLOCK_N=launch.gate_up_n, **common)
+        s.stride(1) if s.dim() > 2 else 1, act.stride(0), GROUP=group, RUN=run, BLOCK_N=launch.gate_up_n,
+        H_EVEN=H % launch.block_k == 0, **common)
     s, o, group, run = _scales(quant, down, "down")
     _down_gemv_kernel[(R, triton.cdiv(H, launch.down_n))](
         act, down, s, o, w_flat, slots, y, H, I, act.stride(0), down.stride(0), down.stride(1), s.stride(0),
-        s.stride(1) if s.dim() > 2 else 1, y.stride(0), GROUP=group, RUN=run, BLOCK_N=launch.down_n, **common)
+        s.stride(1) if s.dim() > 2 else 1, y.stride(0), GROUP=group, RUN=run, BLOCK_N=launch.down_n,
+        I_EVEN=I % launch.block_k == 0, **common)

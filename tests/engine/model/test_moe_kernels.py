@@ -157,10 +157,12 @@ def kernels_check() -> None:
     _check_backend("triton", 9, 3, 7, 64, 32, seed=5, launch="32x16x32x32x4x2")
     _check_backend("triton", 6, 4, 9, 64, 32, seed=1, hot=2, launch="16x32x64x64x4x5")  # the tensor cores' scan
     _check_backend("triton", 5, 3, 7, 48, 24, seed=3, skip_every=4, launch="1x4x16x16x2x1")  # GEMV: tails of K, N
+    _check_backend("triton", 6, 4, 9, 64, 32, seed=1, hot=2, launch="1x4x16x32x2x1")  # GEMV: whole K steps
     _check_backend("triton", 150, 2, 6, 32, 16, seed=6, launch="16x16x16x16x4x2")
     _check_fp8("triton", 6, 4, 9, seed=7)  # FP8 pools: the scale applied to each finished sum
     _check_fp8("triton", 150, 2, 6, seed=8)
     _check_fp8("triton", 6, 4, 9, seed=7, launch="16x32x64x64x4x5")
+    _check_fp8("triton", 6, 4, 9, seed=7, launch="1x4x16x32x2x1")  # the GEMV, whole K steps
     int4_check()
     _check_route(7, 24, 5, norm=True, prior=False, seed=0)  # E not a power of two
     _check_route(3, 16, 2, norm=False, prior=True, seed=1)
@@ -383,7 +385,8 @@ def _compile_cases():
                                                  ("down", moe_gemv._down_gemv_kernel, gemv_down, gemv.down_n)):
             cases.append((f"{name} {gemv.label()} {label}", kernel, {**signature, **pool}, gemv.num_warps,
                           gemv.num_stages, dict(FMT=fmt, GROUP=128 if fmt == 2 else 1, RUN=4 if fmt == 2 else 1,
-                                                BLOCK_N=block_n, BLOCK_K=gemv.block_k)))
+                                                BLOCK_N=block_n, BLOCK_K=gemv.block_k,
+                                                **{"H_EVEN" if name == "gate_up" else "I_EVEN": True})))
     cases.append(("route 512 experts top-10", moe_route._route_kernel, {
         "logits_ptr": "*bf16", "prior_ptr": "*fp32", "pos_ptr": "*i64", "w_ptr": "*bf16", "ids_ptr": "*i64",
         "E": "i32", "stride_l": "i32", "drift": "i32", "phases": "i32"}, 4, 1,
