@@ -2,7 +2,7 @@
 
 A decode step at batch 1-25 routes each token to k experts that mostly no other token of the step shares, so a
 tensor-core tile of 16 routes holds one real row and the step is bound by how fast each expert's weights turn into
-products. So each program reads one route's expert weights in place through its slot (16-byte loads along K, as
+products. So each program reads one route's expert weights in place through its slot (vector loads along K, as
 stored), multiplies them by the route's activation row in fp32 and reduces each output over K once, after the
 loop. Routes sharing an expert read its tiles at the same time (the route is the grid's fastest axis), so the
 second read is the L2's. Each route's sums depend on its own row and expert only: a route gets the same bits in a

@@ -18,8 +18,10 @@ Backends:
   not depend on the other rows of its block (tensor-core tiles accumulate each output over K alone), and the
   launch shape depends on the route count only, so a route gets the same bits in a decode step, its eager re-run
   and a verify step of the same size. Blocks are found without a host sync, so the launches are capturable:
-  with few routes (a decode or verify step) each program scans the step's routes for the other routes of its
-  slot (no sort, no extra launch); with many (a prompt chunk) a sort by slot lays the blocks out first.
+  with few routes each program scans the step's routes for the other routes of its slot (no sort, no extra
+  launch); with many (a prompt chunk) a sort by slot lays the blocks out first. A decode or verify step (up to
+  SCAN_MAX_ROUTES routes) takes a block of one route by default: the GEMV of engine.model.moe_gemv, a program per
+  route and column tile, no tensor-core dot (such a step's routes mostly have an expert to themselves).
   Quantized pools (`quant`, engine.model.moe_quant) are read in place too: FP8 weights convert exactly to the
   activations' dtype and the per-channel scale multiplies each finished sum; 4-bit pools (int32 words in
   engine.model.quant.linear.kernel_pack's layout, a scale and offset per group) run the same two launches of
