@@ -125,11 +125,17 @@ class SlotsTable(ViewBound, DataTable):
             self._apply(wanted)
 
     def _apply(self, wanted: dict[str, dict[str, Text | str]]) -> None:
-        for key in [k for k in self._cells if k not in wanted]:
+        gone = [k for k in self._cells if k not in wanted]
+        for key in gone:
             self.remove_row(key)
             del self._cells[key]
             self._row_version.pop(key, None)
             self._drawn.pop(key, None)
+        if gone:
+            # The table's height follows its rows (height: auto), but DataTable measures them again only when
+            # idle, after the layout remove_row asked for: lay out once more after that, or the rows that went
+            # stay as blank lines (an exited engine's table kept the switches below it off a 30-line screen).
+            self.call_after_refresh(self.refresh, layout=True)
         for key, cells in wanted.items():
             old = self._cells.get(key)
             if old is None:

@@ -34,12 +34,15 @@ def snap_dir(utc) -> Path:
 async def _settle(pilot) -> None:
     """Handle every queued message, draw now instead of waiting for the refresh tick, then wait until two renders
     50 ms apart agree: on a loaded runner a table's rows can land a refresh after the messages that filled it (the
-    crash panel's graph-event rows would then be read blank)."""
+    crash panel's graph-event rows would then be read blank). Each render is read once the app has handled what
+    the last one queued (a table's new height after its rows went, its repaint): two reads 50 ms apart of an app
+    the machine's load kept from running would agree on a half-drawn screen."""
     await pilot.pause()
     pilot.app.screen.redraw(force=True)
     last = None
     for _ in range(40):
         await pilot.pause(0.05)
+        await pilot.pause()
         now = screen_text(pilot.app)
         if now == last:
             return
