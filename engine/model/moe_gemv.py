@@ -28,7 +28,7 @@ try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it (t
     import triton.language as tl
 
     from engine.model.moe_blocks import store_act, store_routed
-    from engine.model.quant.gemv import _code_f32, _scaled_step, _unscaled
+    from engine.model.quant.gemv import code_f32, scaled_step, unscaled
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -61,16 +61,16 @@ if triton is not None:
                 base = (ws // RUN) * (RUN * 8) + ws % RUN  # the input of each word's slot 0
                 for j in tl.static_range(8):
                     if j < 4:
-                        f = _code_f32(words, 4, j % 4)
+                        f = code_f32(words, 4, j % 4)
                     else:
-                        f = _code_f32(hi, 4, j % 4)
+                        f = code_f32(hi, 4, j % 4)
                     x = tl.load(x_row + base + RUN * j, mask=w_ok, other=0.0).to(tl.float32)
                     if j == 0:  # the step's sums start from the first products, not from zeros
                         xs = x
                         p = f * x[None, :]
                     else:
                         xs += x
-                        p += f * _unscaled(x, 4, j % 4)[None, :]
+                        p += f * unscaled(x, 4, j % 4)[None, :]
                 if GROUP % BLOCK_K == 0:  # the step lies in one group: a scale and an offset per row
                     g = (w0 * 8) // GROUP
                     s = tl.load(s_rows + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
@@ -79,7 +79,7 @@ if triton is not None:
                     g = ((ws // RUN) * (RUN * 8)) // GROUP
                     s = tl.load(s_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
                     o = tl.load(o_rows + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-                acc = _scaled_step(acc, p, xs, s, o)
+                acc = scaled_step(acc, p, xs, s, o)
         else:
             acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -100,7 +100,7 @@ if triton is not None:
     def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, slots_ptr, act_ptr, H, I, TOP_K, stride_xn, stride_ws,
                              stride_wn, stride_ss, stride_sn, stride_ar, FMT: tl.constexpr, GROUP: tl.constexpr,
                              RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             H_EVEN: tl.constexpr):
+                             EVEN_K: tl.constexpr):
         routes, slot = _route(slots_ptr)
         if slot < 0:
             return
@@ -114,7 +114,7 @@ if triton is not None:
         o_rows = o_ptr + slot64 * stride_ss + row[:, None] * stride_sn
         x_row = x_ptr + (tl.program_id(0) // TOP_K).to(tl.int64) * stride_xn
         sums = _rows_dot(w_ptr + slot64 * stride_ws + row[:, None] * stride_wn, s_rows, o_rows, x_row,
-                         H, n_ok, FMT, GROUP, RUN, 2 * BLOCK_N, BLOCK_K, H_EVEN)
+                         H, n_ok, FMT, GROUP, RUN, 2 * BLOCK_N, BLOCK_K, EVEN_K)
         if FMT == 1:  # one scale per output channel: on the finished sums
             sums *= tl.load(s_ptr + slot64 * stride_ss + row, mask=n_ok, other=0.0)
         halves = tl.reshape(sums, (2, BLOCK_N))
@@ -127,7 +127,7 @@ if triton is not None:
     @triton.jit
     def _down_gemv_kernel(act_ptr, w_ptr, s_ptr, o_ptr, rw_ptr, slots_ptr, y_ptr, H, I, stride_ar, stride_ws,
                           stride_wn, stride_ss, stride_sn, stride_yr, FMT: tl.constexpr, GROUP: tl.constexpr,
-                          RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, I_EVEN: tl.constexpr):
+                          RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         routes, slot = _route(slots_ptr)
         if slot < 0:
             return
@@ -139,21 +139,23 @@ if triton is not None:
         o_rows = o_ptr + slot64 * stride_ss + row[:, None] * stride_sn
         a_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_ar
         sums = _rows_dot(w_ptr + slot64 * stride_ws + row[:, None] * stride_wn, s_rows, o_rows, a_row,
-                         I, n_ok, FMT, GROUP, RUN, BLOCK_N, BLOCK_K, I_EVEN)
+                         I, n_ok, FMT, GROUP, RUN, BLOCK_N, BLOCK_K, EVEN_K)
         if FMT == 1:
             sums *= tl.load(s_ptr + slot64 * stride_ss + row, mask=n_ok, other=0.0)
         store_routed(sums[None, :], y_ptr, rw_ptr, routes, routes >= 0, rn, n_ok, stride_yr)
 
 
-def _scales(quant: ExpertQuant | None, pool: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(scales, offsets, group, run) of one projection's pool; unread stand-ins for a 16-bit pool."""
+def _scales(quant: ExpertQuant | None, pool: torch.Tensor, which: str) -> dict:
+    """One projection's scales and offsets (with their slot and row strides), group and run, as launch arguments;
+    unread stand-ins for a 16-bit pool."""
     if isinstance(quant, Int4Experts):
-        return (getattr(quant, f"{which}_scales"), getattr(quant, f"{which}_offsets"), getattr(quant, f"{which}_group"),
-                getattr(quant, f"{which}_run"))
-    if isinstance(quant, Fp8Experts):
-        scale = getattr(quant, f"{which}_scale")
-        return scale, scale, 1, 1
-    return pool, pool, 1, 1
+        s, o = getattr(quant, f"{which}_scales"), getattr(quant, f"{which}_offsets")
+        group, run = getattr(quant, f"{which}_group"), getattr(quant, f"{which}_run")
+    else:
+        s = o = getattr(quant, f"{which}_scale") if isinstance(quant, Fp8Experts) else pool
+        group = run = 1
+    return dict(s_ptr=s, o_ptr=o, stride_ss=s.stride(0), stride_sn=s.stride(1) if s.dim() > 2 else 1, GROUP=group,
+                RUN=run)
 
 
 def launch_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slots: torch.Tensor,
@@ -166,13 +168,11 @@ def launch_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slot
     if fmt == FMT_INT4 and launch.block_k < 4 * CODES_PER_WORD:
         raise ValueError(f"launch {launch.label()}: a 4-bit GEMV steps {4 * CODES_PER_WORD} inputs (4 words) at least")
     common = dict(FMT=fmt, BLOCK_K=launch.block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
-    s, o, group, run = _scales(quant, gate_up, "gate_up")
     _gate_up_gemv_kernel[(R, triton.cdiv(I, launch.gate_up_n))](
-        x, gate_up, s, o, slots, act, H, I, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), s.stride(0),
-        s.stride(1) if s.dim() > 2 else 1, act.stride(0), GROUP=group, RUN=run, BLOCK_N=launch.gate_up_n,
-        H_EVEN=H % launch.block_k == 0, **common)
-    s, o, group, run = _scales(quant, down, "down")
+        x_ptr=x, w_ptr=gate_up, slots_ptr=slots, act_ptr=act, H=H, I=I, TOP_K=k, stride_xn=x.stride(0),
+        stride_ws=gate_up.stride(0), stride_wn=gate_up.stride(1), stride_ar=act.stride(0), BLOCK_N=launch.gate_up_n,
+        EVEN_K=H % launch.block_k == 0, **_scales(quant, gate_up, "gate_up"), **common)
     _down_gemv_kernel[(R, triton.cdiv(H, launch.down_n))](
-        act, down, s, o, w_flat, slots, y, H, I, act.stride(0), down.stride(0), down.stride(1), s.stride(0),
-        s.stride(1) if s.dim() > 2 else 1, y.stride(0), GROUP=group, RUN=run, BLOCK_N=launch.down_n,
-        I_EVEN=I % launch.block_k == 0, **common)
+        act_ptr=act, w_ptr=down, rw_ptr=w_flat, slots_ptr=slots, y_ptr=y, H=H, I=I, stride_ar=act.stride(0),
+        stride_ws=down.stride(0), stride_wn=down.stride(1), stride_yr=y.stride(0), BLOCK_N=launch.down_n,
+        EVEN_K=I % launch.block_k == 0, **_scales(quant, down, "down"), **common)

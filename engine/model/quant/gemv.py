@@ -38,19 +38,19 @@ _MAGIC_F = tl.constexpr(8388608.0)
 
 
 @triton.jit
-def _code_f32(src, BITS: tl.constexpr, Q: tl.constexpr):
+def code_f32(src, BITS: tl.constexpr, Q: tl.constexpr):
     """Code Q of `src`'s low 16 bits as the exact fp32 code * 2^(BITS*Q) (one lop3 and one add)."""
     return ((src & (((1 << BITS) - 1) << (BITS * Q))) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_F
 
 
 @triton.jit
-def _unscaled(x, BITS: tl.constexpr, Q: tl.constexpr):
+def unscaled(x, BITS: tl.constexpr, Q: tl.constexpr):
     """x * 2^-(BITS*Q): exact (a power of two), so (code * 2^(BITS*Q)) * this is code * x exactly."""
     return x * (1.0 / (1 << (BITS * Q)))
 
 
 @triton.jit
-def _scaled_step(acc, p, xs, s, o):
+def scaled_step(acc, p, xs, s, o):
     """acc + p * s + xs * o as two explicit fmas. Left as products and sums, the compiler may fuse either product
     into an fma, and its choice may differ between the kernel's 1-row and 4-row builds: a row's sum would then
     differ in its last bits between a decode step and a verify step (MTP on != off). An fma has one rounding."""
@@ -116,26 +116,26 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
         for j in tl.static_range(CPW):
             # slot j: code j % HALF of the word's low or high 16 bits; its activation scaled by 2^-(BITS * that)
             if j < HALF:
-                f = _code_f32(words, BITS, j % HALF)
+                f = code_f32(words, BITS, j % HALF)
             else:
-                f = _code_f32(hi, BITS, j % HALF)
+                f = code_f32(hi, BITS, j % HALF)
             k = base + RUN * j
             k_ok = w_ok & ((k < K) | EVEN_K)
             x = _x_slot(x_ptr, 0, k, k_ok)
             xs0 += x
-            p0 += f * _unscaled(x, BITS, j % HALF)[None, :]
+            p0 += f * unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 1:
                 x = _x_slot(x_ptr, stride_xm * tl.minimum(1, last), k, k_ok)
                 xs1 += x
-                p1 += f * _unscaled(x, BITS, j % HALF)[None, :]
+                p1 += f * unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 2:
                 x = _x_slot(x_ptr, stride_xm * tl.minimum(2, last), k, k_ok)
                 xs2 += x
-                p2 += f * _unscaled(x, BITS, j % HALF)[None, :]
+                p2 += f * unscaled(x, BITS, j % HALF)[None, :]
             if ROWS > 3:
                 x = _x_slot(x_ptr, stride_xm * tl.minimum(3, last), k, k_ok)
                 xs3 += x
-                p3 += f * _unscaled(x, BITS, j % HALF)[None, :]
+                p3 += f * unscaled(x, BITS, j % HALF)[None, :]
         if SCALES == 1:  # the whole step lies in one group: a scale and an offset per column
             g = (tl.minimum(w0, KW - 1) * CPW) // GROUP  # a split's last step may lie past K (an empty product)
             s = tl.load(s_ptr + rn64 * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -145,13 +145,13 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
             g_ok = n_ok[:, None] & w_ok[None, :]
             s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
             o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
-        acc0 = _scaled_step(acc0, p0, xs0, s, o)
+        acc0 = scaled_step(acc0, p0, xs0, s, o)
         if ROWS > 1:
-            acc1 = _scaled_step(acc1, p1, xs1, s, o)
+            acc1 = scaled_step(acc1, p1, xs1, s, o)
         if ROWS > 2:
-            acc2 = _scaled_step(acc2, p2, xs2, s, o)
+            acc2 = scaled_step(acc2, p2, xs2, s, o)
         if ROWS > 3:
-            acc3 = _scaled_step(acc3, p3, xs3, s, o)
+            acc3 = scaled_step(acc3, p3, xs3, s, o)
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1),
                       ROWS, RB)
     rm = row0 + tl.arange(0, RB)

@@ -385,8 +385,7 @@ def _compile_cases():
                                                  ("down", moe_gemv._down_gemv_kernel, gemv_down, gemv.down_n)):
             cases.append((f"{name} {gemv.label()} {label}", kernel, {**signature, **pool}, gemv.num_warps,
                           gemv.num_stages, dict(FMT=fmt, GROUP=128 if fmt == 2 else 1, RUN=4 if fmt == 2 else 1,
-                                                BLOCK_N=block_n, BLOCK_K=gemv.block_k,
-                                                **{"H_EVEN" if name == "gate_up" else "I_EVEN": True})))
+                                                BLOCK_N=block_n, BLOCK_K=gemv.block_k, EVEN_K=True)))
     cases.append(("route 512 experts top-10", moe_route._route_kernel, {
         "logits_ptr": "*bf16", "prior_ptr": "*fp32", "pos_ptr": "*i64", "w_ptr": "*bf16", "ids_ptr": "*i64",
         "E": "i32", "stride_l": "i32", "drift": "i32", "phases": "i32"}, 4, 1,
