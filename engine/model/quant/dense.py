@@ -25,38 +25,38 @@ from engine.model.quant.block_scales import blockwise_scales
 FP8_MAX = 448.0
 _DEQUANT_BLOCK_N = 32
 _DEQUANT_BLOCK_K = 256  # fp8 weights of one program's row slab
-# The integer kernel's tile: 16 rows of 128 weights, 256-byte stores a row; a larger tile holds its words, scales
-# and indices in several times the registers, and a memory-bound kernel wants the occupancy (the sm_90 compile
-# test, tests/engine/model/test_quant_kernels_compile.py, prints each kernel's registers)
+# The integer kernel's tile: 16 rows of 64 words (512 4-bit weights a row); the sm_90 compile test
+# (tests/engine/model/test_quant_kernels_compile.py) checks that its registers fit
 _DEQUANT_INT_BLOCK_N = 16
-_DEQUANT_INT_BLOCK_K = 128
+_DEQUANT_INT_BLOCK_W = 64
 _QUANT_BLOCK = 128  # activations per step of the rows' quantization
 
 
 @triton.jit
-def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_on,
+def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, KW, stride_qn, stride_sn, stride_on,
                         GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    # One program per [BLOCK_N, BLOCK_K] tile of the bf16 weight, which it stores K-contiguous: the store is the
-    # bulk of the bytes (2 a weight, against half a byte read). Each input k finds its word and slot in the run
-    # layout (input RUN * j + w of a run is slot j of word w); the few words a row of the tile needs are read once
-    # from memory and again from the cache. Walking words would store each slot's inputs RUN apart, in strided
-    # pieces of RUN elements.
+                        BLOCK_W: tl.constexpr):
+    # One program per [BLOCK_N, BLOCK_W] tile of the words, read once as 16-byte vectors, with one scale and offset
+    # a word (a run of RUN words lies in one group). Slot j of a run's words is the run's inputs RUN*j .. RUN*j +
+    # RUN - 1 (kernel_pack's layout), so each slot's values store as a short contiguous piece. Expanding each
+    # output element on its own instead re-reads its word and both scales per element (three gathers) and
+    # computes its word and shift from its index: more than twice the instructions a weight.
     CPW: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ws = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # along K first: neighbouring programs write
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # neighbouring pieces of the same rows
     rn64 = rn.to(tl.int64)
-    tile_ok = (rn < N)[:, None] & (ks < K)[None, :]
-    i = ks % (RUN * CPW)
-    word = (ks // (RUN * CPW)) * RUN + i % RUN
-    words = tl.load(q_ptr + rn64[:, None] * stride_qn + word[None, :], mask=tile_ok, other=0)
-    g = ks // GROUP  # a run lies in one group
-    s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-    u = (((words >> (BITS * (i // RUN))[None, :]) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    tl.store(out_ptr + rn64[:, None] * stride_on + ks[None, :], (u * s + o).to(out_ptr.dtype.element_ty),
-             mask=tile_ok)
+    ok = (rn < N)[:, None] & (ws < KW)[None, :]
+    words = tl.load(q_ptr + rn64[:, None] * stride_qn + ws[None, :], mask=ok, other=0)
+    base = (ws // RUN) * (RUN * CPW) + ws % RUN  # the input of each word's slot 0
+    g = base // GROUP
+    s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
+    rows = out_ptr + rn64[:, None] * stride_on
+    for j in tl.static_range(CPW):
+        u = (((words >> (BITS * j)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        k = base + RUN * j
+        tl.store(rows + k[None, :], (u * s + o).to(out_ptr.dtype.element_ty), mask=ok & (k < K)[None, :])
 
 
 @triton.jit
@@ -109,10 +109,11 @@ def dequantize(layer, dtype: torch.dtype) -> torch.Tensor:
                                   layer.weight_scale.stride(0), out.stride(0), SCALE_BLOCK_N=layer.block_n,
                                   SCALE_BLOCK_K=layer.block_k, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K)
         return out
-    grid = (triton.cdiv(n, _DEQUANT_INT_BLOCK_N), triton.cdiv(k, _DEQUANT_INT_BLOCK_K))
-    _dequant_int_kernel[grid](layer.qweight, layer.scales, layer.offsets, out, n, k, layer.qweight.stride(0),
+    qweight = layer.qweight
+    grid = (triton.cdiv(qweight.shape[1], _DEQUANT_INT_BLOCK_W), triton.cdiv(n, _DEQUANT_INT_BLOCK_N))
+    _dequant_int_kernel[grid](qweight, layer.scales, layer.offsets, out, n, k, qweight.shape[1], qweight.stride(0),
                               layer.scales.stride(0), out.stride(0), GROUP=layer.group_size, BITS=layer.bits,
-                              RUN=layer.run, BLOCK_N=_DEQUANT_INT_BLOCK_N, BLOCK_K=_DEQUANT_INT_BLOCK_K)
+                              RUN=layer.run, BLOCK_N=_DEQUANT_INT_BLOCK_N, BLOCK_W=_DEQUANT_INT_BLOCK_W)
     return out
 
 

@@ -46,8 +46,8 @@ def _cases():
                 BLOCK_K=128, SPLIT=2, HAS_BIAS=False)))
     cases.append(("int4 dequantize", dense._dequant_int_kernel, {
         "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
-        "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}, 4, 1,
-        dict(GROUP=128, BITS=4, RUN=4, BLOCK_N=dense._DEQUANT_INT_BLOCK_N, BLOCK_K=dense._DEQUANT_INT_BLOCK_K)))
+        "KW": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}, 4, 1,
+        dict(GROUP=128, BITS=4, RUN=4, BLOCK_N=dense._DEQUANT_INT_BLOCK_N, BLOCK_W=dense._DEQUANT_INT_BLOCK_W)))
     cases.append(("fp8 dequantize", dense._dequant_fp8_kernel, {
         "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
         "stride_sn": "i32", "stride_on": "i32"}, 4, 1, dict(SCALE_BLOCK_N=128, SCALE_BLOCK_K=128, BLOCK_N=32,
