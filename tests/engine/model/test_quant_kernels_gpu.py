@@ -82,15 +82,16 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_its_path(make):
     x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
     one = kernels.quant_linear(x[:1], layer, "gemv")
     assert torch.equal(kernels.quant_linear(x[:3], layer, "gemv")[:1], one)  # a verify step's rows as decode's
-    steps = x[:12].view(4, 3, K)  # 4 sequences verifying 3 tokens: each row as its decode step computes it
-    verify = kernels.quant_linear(steps, layer)
+    steps = x[:12].view(4, 3, K)  # 4 sequences verifying 3 tokens: each row as one sequence's step computes it
     differ = {}
-    for b in range(4):
-        for t in range(3):
-            alone = kernels.quant_linear(steps[b:b + 1, t:t + 1], layer)[0, 0]
-            if not torch.equal(alone, verify[b, t]):  # keyed by the row's place in its program's group of 4
-                differ[(b, t, (3 * b + t) % 4)] = (alone.float() - verify[b, t].float()).abs().max().item()
-    assert not differ, f"rows (sequence, token, place in group) that differ, by their largest difference: {differ}"
+    for path in ("gemv", "tc"):  # on each path (the launch table picks one by the step's sequences)
+        verify = kernels.quant_linear(steps, layer, path)
+        for b in range(4):
+            for t in range(3):
+                alone = kernels.quant_linear(steps[b:b + 1, t:t + 1], layer, path)[0, 0]
+                if not torch.equal(alone, verify[b, t]):  # keyed by the row's place in a GEMV program's 4 rows
+                    differ[(path, b, t, (3 * b + t) % 4)] = (alone.float() - verify[b, t].float()).abs().max().item()
+    assert not differ, f"rows (path, sequence, token, place) that differ, by their largest difference: {differ}"
     assert torch.equal(kernels.quant_linear(x[:5], layer, "tc")[:5], kernels.quant_linear(x, layer, "tc")[:5])
 
 
