@@ -10,10 +10,10 @@
 # fit the budget are skipped and logged. Environment overrides: BUDGET_S (default 540), PYTHON, MODEL (default
 # random:0.6b), MTP_MODEL (default builtin:strata-tiny), QUANT_MODEL and QUANT_PEER_MODEL (default random:8b),
 # QUANT_SIZE (8b), QUANT_SMALL_SIZE (0.6b), QUANT_TUNE, QUANT_ROWS, QUANT_FORMATS, MOE_TOKENS, MOE_TUNE, DEVICE, the
-# sizes PROMPT, NEW, LONG, TTFT_SIZES,
-# SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB; DECODE_COMPILE=0 skips the compiled
-# decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for the seed and test-suite steps; GPU_TESTS (default
-# tests) the folder or files the gpu_suite steps collect, SESSION_MARGIN_S their session's end before the limit;
+# sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB (or
+# SPEED_USABLE_MIB); DECODE_COMPILE=0 skips the compiled decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for
+# the seed and test-suite steps; GPU_TESTS (default tests) the folder or files the gpu_suite steps collect,
+# SESSION_MARGIN_S their session's end before the limit;
 # LIMIT_SCALE (default 1) multiplies every step's own limit (a slower or busier machine; the budget still caps each)
 # (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
 set -uo pipefail
@@ -208,8 +208,16 @@ log "END checkpoint rc=$?"
 # default tier takes all VRAM but the reserve (~140 GiB of small blocks on a 141 GiB card), which makes every
 # engine start seconds longer without changing a decode step. admission and switches_long keep serve's default:
 # they are about long prompts with VRAM full. 0 = serve's default (always on the CPU, where a host reserve that
-# large would not fit).
-SPEED_RESERVE_MIB=${SPEED_RESERVE_MIB:-$([[ "$DEVICE" == cuda* ]] && echo 98304 || echo 0)}
+# large would not fit). By default the reserve leaves SPEED_USABLE_MIB of the card (98,304 MiB reserved on an H200,
+# 36,092 on an H100 80GB), so the 8B shape's weights and KV fit on either card.
+SPEED_USABLE_MIB=${SPEED_USABLE_MIB:-45467}
+card_mib() {  # the card's total MiB, or nothing
+    nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "${DEVICE#cuda:}" 2>/dev/null | head -1
+}
+if [ -z "${SPEED_RESERVE_MIB:-}" ]; then
+    total_mib=$([[ "$DEVICE" == cuda* ]] && card_mib)
+    SPEED_RESERVE_MIB=$(( ${total_mib:-0} > SPEED_USABLE_MIB ? ${total_mib:-0} - SPEED_USABLE_MIB : 0 ))
+fi
 SPEED=()
 [ "$SPEED_RESERVE_MIB" -gt 0 ] && SPEED=(--vram-reserve-mib "$SPEED_RESERVE_MIB")
 COMMON=(--model "$MODEL" --device "$DEVICE")
