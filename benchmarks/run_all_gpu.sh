@@ -76,6 +76,7 @@ experts_prefill   named    the same in one layer-major window of 16K tokens (the
 quant_tests       named    the quantized kernels' GPU tests (every path against cuBLAS, capture, FP8 prompt GEMMs, MTP on = off), in GPU_WORKERS processes
 quant_linear      named    each path of the quantized kernels (GEMV, tensor cores, prompt chunks) beside tinygemm and cuBLAS bf16 at the QUANT_SIZE (8b) shapes, QUANT_ROWS (1,4,16,128,2048), QUANT_TUNE's launch shapes, the launch table they give
 quant_linear_small named   every quantized format (GGUF's groups too) at the 0.6B shape, rows 1, 16, 128
+dequant_ncu       named    ncu of the prompt-chunk path's int4 dequantizing kernel at the 8B gate/up shape, beside a copy of its bf16 bytes
 quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8, fp8-block and int4 weights, batch 1 and 16
 quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
@@ -365,6 +366,19 @@ QUANT_TUNE=${QUANT_TUNE:-256x128x2x8x2,64x128x4x4x3,128x256x2x4x3,32x128x8x2x4}
 run quant_linear 330 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows "${QUANT_ROWS:-1,4,16,128,2048}" \
     --iters 40 --quant "${QUANT_FORMATS:-fp8,fp8-block,int4}" --quant-tune "$QUANT_TUNE" \
     --table-out "$OUT/quant_launch_table.json"
+# The prompt-chunk path's int4 dequantizing kernel under Nsight Compute at the 8B gate/up shape (24576 x 4096, the
+# bench's group), beside a copy of the bytes it writes: where its time goes (bench linear --quant: dense_ms - torch_ms)
+step dequant_ncu 150 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section SchedulerStats -k "regex:dequant|copy" -c 4 "$PY" -c "
+import torch
+from engine.bench.linear_quant import quantized_layer
+from engine.model.quant import dense
+w = torch.randn(24576, 4096, device='$DEVICE', dtype=torch.bfloat16) * 0.02
+layer = quantized_layer(w, 'int4')
+for _ in range(2):
+    out = dense.dequantize(layer, torch.bfloat16)
+    out.copy_(w)
+torch.cuda.synchronize()"
 run quant_linear_small 150 linear --device "$DEVICE" --size "${QUANT_SMALL_SIZE:-0.6b}" --rows 1,16,128 --iters 40 \
     --quant fp8,fp8-block,int4,int4-g32,int8,int8-g32
 run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
