@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.model.quant.block_scales import blockwise_scales
+from engine.model.quant.gemv import code_f32
 
 FP8_MAX = 448.0
 _DEQUANT_BLOCK_N = 32
@@ -42,7 +43,6 @@ def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, KW, stride_qn, strid
     # output element on its own instead re-reads its word and both scales per element (three gathers) and
     # computes its word and shift from its index: more than twice the instructions a weight.
     CPW: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     ws = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # along K first: neighbouring programs write
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # neighbouring pieces of the same rows
     rn64 = rn.to(tl.int64)
@@ -54,7 +54,7 @@ def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, KW, stride_qn, strid
     o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
     rows = out_ptr + rn64[:, None] * stride_on
     for j in tl.static_range(CPW):
-        u = (((words >> (BITS * j)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        u = code_f32(words >> (BITS * j), BITS, 0)  # slot j's code, shifted down: the exact fp32 code
         k = base + RUN * j
         tl.store(rows + k[None, :], (u * s + o).to(out_ptr.dtype.element_ty), mask=ok & (k < K)[None, :])
 
