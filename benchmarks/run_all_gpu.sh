@@ -369,16 +369,8 @@ run quant_linear 330 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows
 # The prompt-chunk path's int4 dequantizing kernel under Nsight Compute at the 8B gate/up shape (24576 x 4096, the
 # bench's group), beside a copy of the bytes it writes: where its time goes (bench linear --quant: dense_ms - torch_ms)
 step dequant_ncu 150 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-    --section WarpStateStats --section SchedulerStats -k "regex:dequant|copy" -c 4 "$PY" -c "
-import torch
-from engine.bench.linear_quant import quantized_layer
-from engine.model.quant import dense
-w = torch.randn(24576, 4096, device='$DEVICE', dtype=torch.bfloat16) * 0.02
-layer = quantized_layer(w, 'int4')
-for _ in range(2):
-    out = dense.dequantize(layer, torch.bfloat16)
-    out.copy_(w)
-torch.cuda.synchronize()"
+    --section WarpStateStats --section SchedulerStats -k "regex:dequant|copy" -c 4 \
+    "$PY" benchmarks/dequant_ncu.py --device "$DEVICE"
 run quant_linear_small 150 linear --device "$DEVICE" --size "${QUANT_SMALL_SIZE:-0.6b}" --rows 1,16,128 --iters 40 \
     --quant fp8,fp8-block,int4,int4-g32,int8,int8-g32
 run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
