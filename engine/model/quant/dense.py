@@ -34,29 +34,51 @@ _QUANT_BLOCK = 128  # activations per step of the rows' quantization
 
 
 @triton.jit
+def _cat_last(a, b):
+    """[R, C, L] and [R, C, L] -> [R, C, 2L]: a's values then b's, in the thread that holds them."""
+    ab = tl.join(a, b)  # [R, C, L, 2]
+    return tl.reshape(tl.trans(ab, 0, 1, 3, 2), (ab.shape[0], ab.shape[1], 2 * ab.shape[2]))
+
+
+@triton.jit
 def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, KW, stride_qn, stride_sn, stride_on,
                         GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_W: tl.constexpr):
-    # One program per [BLOCK_N, BLOCK_W] tile of the words, read once as 16-byte vectors, with one scale and offset
-    # a word (a run of RUN words lies in one group). Slot j of a run's words is the run's inputs RUN*j .. RUN*j +
-    # RUN - 1 (kernel_pack's layout), so each slot's values store as a short contiguous piece. Expanding each
-    # output element on its own instead re-reads its word and both scales per element (three gathers) and
-    # computes its word and shift from its index: more than twice the instructions a weight.
+    # One program per [BLOCK_N, BLOCK_W] tile of the words, read once as 16-byte vectors (a run of RUN words lies in
+    # one group: one scale and offset a run). Slot j of a run's words is the run's inputs RUN*j .. RUN*j + RUN - 1
+    # (kernel_pack's layout), so the run's RUN * CPW values are put in input order in registers and stored whole,
+    # each warp writing whole sectors. Storing slot by slot instead writes RUN * 2 bytes per run and store: a warp's
+    # store then fills a quarter of each 32-byte sector it touches (int4), four times the L2 write requests a copy
+    # of the same bytes makes.
     CPW: tl.constexpr = 32 // BITS
-    ws = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # along K first: neighbouring programs write
+    RUNS: tl.constexpr = BLOCK_W // RUN
+    tl.static_assert(CPW == 8 or CPW == 4, "the integer layouts are 4- and 8-bit")
+    rr = tl.program_id(0) * RUNS + tl.arange(0, RUNS)  # along K first: neighbouring programs write
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # neighbouring pieces of the same rows
     rn64 = rn.to(tl.int64)
-    ok = (rn < N)[:, None] & (ws < KW)[None, :]
-    words = tl.load(q_ptr + rn64[:, None] * stride_qn + ws[None, :], mask=ok, other=0)
-    base = (ws // RUN) * (RUN * CPW) + ws % RUN  # the input of each word's slot 0
-    g = base // GROUP
-    s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=ok, other=0.0).to(tl.float32)
-    rows = out_ptr + rn64[:, None] * stride_on
-    for j in tl.static_range(CPW):
-        u = code_f32(words >> (BITS * j), BITS, 0)  # slot j's code, shifted down: the exact fp32 code
-        k = base + RUN * j
-        tl.store(rows + k[None, :], (u * s + o).to(out_ptr.dtype.element_ty), mask=ok & (k < K)[None, :])
+    ws = rr[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [RUNS, RUN]
+    words = tl.load(q_ptr + rn64[:, None, None] * stride_qn + ws[None, :, :],
+                    mask=(rn < N)[:, None, None] & (ws < KW)[None, :, :], other=0)
+    g = (rr * (RUN * CPW)) // GROUP
+    run_ok = (rn < N)[:, None] & (rr * RUN < KW)[None, :]
+    s = tl.load(s_ptr + rn64[:, None] * stride_sn + g[None, :], mask=run_ok, other=0.0).to(tl.float32)[:, :, None]
+    o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=run_ok, other=0.0).to(tl.float32)[:, :, None]
+    ty = out_ptr.dtype.element_ty
+    # slot j's codes, shifted down: the exact fp32 code, then the reference's arithmetic and one rounding
+    v0 = (code_f32(words, BITS, 0) * s + o).to(ty)
+    v1 = (code_f32(words >> BITS, BITS, 0) * s + o).to(ty)
+    v2 = (code_f32(words >> (2 * BITS), BITS, 0) * s + o).to(ty)
+    v3 = (code_f32(words >> (3 * BITS), BITS, 0) * s + o).to(ty)
+    vals = _cat_last(_cat_last(v0, v1), _cat_last(v2, v3))
+    if CPW == 8:
+        v4 = (code_f32(words >> (4 * BITS), BITS, 0) * s + o).to(ty)
+        v5 = (code_f32(words >> (5 * BITS), BITS, 0) * s + o).to(ty)
+        v6 = (code_f32(words >> (6 * BITS), BITS, 0) * s + o).to(ty)
+        v7 = (code_f32(words >> (7 * BITS), BITS, 0) * s + o).to(ty)
+        vals = _cat_last(vals, _cat_last(_cat_last(v4, v5), _cat_last(v6, v7)))
+    ks = rr[:, None] * (RUN * CPW) + tl.arange(0, RUN * CPW)[None, :]  # [RUNS, RUN * CPW]: the run's inputs
+    tl.store(out_ptr + rn64[:, None, None] * stride_on + ks[None, :, :], vals,
+             mask=(rn < N)[:, None, None] & (ks < K)[None, :, :])
 
 
 @triton.jit

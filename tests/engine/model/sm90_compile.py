@@ -9,10 +9,8 @@ import subprocess
 from pathlib import Path
 
 
-def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int,
-                     tmp_path: Path, unaligned: tuple[str, ...] = ("M",)) -> tuple[int, int, int, int]:
-    """(registers, stack bytes, local bytes, shared bytes) of `kernel` compiled at these launch options; pointers,
-    sizes and strides specialized as divisible by 16 (as a launch on real shapes does), but those in `unaligned`."""
+def _cubin_for_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int, tmp_path: Path,
+                    unaligned: tuple[str, ...]):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -24,9 +22,32 @@ def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, warps: 
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     cubin = tmp_path / "kernel.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                           timeout=60).stdout
+    return compiled, cubin
+
+
+def _cuobjdump(*args: str) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int,
+                     tmp_path: Path, unaligned: tuple[str, ...] = ("M",)) -> tuple[int, int, int, int]:
+    """(registers, stack bytes, local bytes, shared bytes) of `kernel` compiled at these launch options; pointers,
+    sizes and strides specialized as divisible by 16 (as a launch on real shapes does), but those in `unaligned`."""
+    compiled, cubin = _cubin_for_sm90(kernel, signature, constants, warps, stages, tmp_path, unaligned)
+    usage = _cuobjdump("--dump-resource-usage", str(cubin))
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     assert found, usage
     return int(found.group(1)), int(found.group(2)), int(found.group(4)), compiled.metadata.shared
+
+
+def global_stores_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int,
+                       tmp_path: Path, unaligned: tuple[str, ...] = ("M",)) -> dict[str, int]:
+    """The global store instructions of `kernel`'s sm_90 SASS by opcode (`STG.E.128`: 16 bytes a thread, ...)."""
+    _, cubin = _cubin_for_sm90(kernel, signature, constants, warps, stages, tmp_path, unaligned)
+    stores: dict[str, int] = {}
+    for opcode in re.findall(r"\bSTG\.[A-Z0-9_.]+", _cuobjdump("-sass", str(cubin))):
+        stores[opcode] = stores.get(opcode, 0) + 1
+    return stores

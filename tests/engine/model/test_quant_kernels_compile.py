@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from tests.engine.model.sm90_compile import compile_for_sm90
+from tests.engine.model.sm90_compile import compile_for_sm90, global_stores_sm90
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -64,3 +64,17 @@ def test_each_kernel_compiles_for_sm90_without_spilling(case, tmp_path):
     registers, stack, local, shared = compile_for_sm90(kernel, signature, constants, warps, stages, tmp_path)
     print(f"{label}: {registers} registers, {shared} bytes of shared memory")
     assert stack == 0 and local == 0, f"{label} spills: stack {stack}, local {local}"
+
+
+@pytest.mark.parametrize("bits, group, run", [(4, 128, 4), (4, 32, 4), (4, 128, 1), (8, 32, 4), (8, 128, 2)])
+def test_the_dequantizing_kernel_writes_whole_16_byte_pieces(bits, group, run, tmp_path):
+    """A prompt chunk's weight is written at the rate its stores fill sectors: each thread's store must be 16
+    contiguous bytes (STG.E.128), not a slot's RUN * 2 bytes strided a run apart (STG.E.64 / .32)."""
+    from engine.model.quant import dense
+
+    stores = global_stores_sm90(dense._dequant_int_kernel, {
+        "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
+        "KW": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}, dict(
+        GROUP=group, BITS=bits, RUN=run, BLOCK_N=dense._DEQUANT_INT_BLOCK_N, BLOCK_W=dense._DEQUANT_INT_BLOCK_W),
+        4, 1, tmp_path, unaligned=("N",))
+    assert stores and set(stores) == {"STG.E.128"}, stores
