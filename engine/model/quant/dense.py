@@ -84,14 +84,18 @@ def _dequant_int_kernel(q_ptr, s_ptr, o_ptr, out_ptr, N, K, KW, stride_qn, strid
 @triton.jit
 def _dequant_fp8_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
                         SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, TILE_IN_ONE_BLOCK: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rn64 = rn.to(tl.int64)
     tile_ok = (rn < N)[:, None] & (ks < K)[None, :]
     w = tl.load(w_ptr + rn64[:, None] * stride_wn + ks[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + (rn // SCALE_BLOCK_N).to(tl.int64)[:, None] * stride_sn + (ks // SCALE_BLOCK_K)[None, :],
-                mask=tile_ok, other=0.0)
+    s_rows = s_ptr + (rn // SCALE_BLOCK_N).to(tl.int64) * stride_sn
+    if TILE_IN_ONE_BLOCK:  # every column of the tile in one scale block (per channel, or blocks a tile wide): a
+        # scale a row, where a gather per weight costs a load instruction for each
+        s = tl.load(s_rows + (tl.program_id(1) * BLOCK_K) // SCALE_BLOCK_K, mask=rn < N, other=0.0)[:, None]
+    else:
+        s = tl.load(s_rows[:, None] + (ks // SCALE_BLOCK_K)[None, :], mask=tile_ok, other=0.0)
     tl.store(out_ptr + rn64[:, None] * stride_on + ks[None, :], (w * s).to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
@@ -125,11 +129,15 @@ def dequantize(layer, dtype: torch.dtype) -> torch.Tensor:
     if layer.format == "fp8":
         if not _native_fp8(out.device):  # Triton converts e4m3 on sm_89 and up only
             return layer.dequantize(dtype)
-        grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(k, _DEQUANT_BLOCK_K))
+        # a tile as wide as a scale block where blocks are narrower than the default tile (Qwen's 128)
+        block_k = layer.block_k if 16 <= layer.block_k < _DEQUANT_BLOCK_K and triton.next_power_of_2(
+            layer.block_k) == layer.block_k else _DEQUANT_BLOCK_K
+        grid = (triton.cdiv(n, _DEQUANT_BLOCK_N), triton.cdiv(k, block_k))
         weight = layer.weight
         _dequant_fp8_kernel[grid](weight, layer.weight_scale, out, n, k, weight.stride(0),
                                   layer.weight_scale.stride(0), out.stride(0), SCALE_BLOCK_N=layer.block_n,
-                                  SCALE_BLOCK_K=layer.block_k, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=_DEQUANT_BLOCK_K)
+                                  SCALE_BLOCK_K=layer.block_k, BLOCK_N=_DEQUANT_BLOCK_N, BLOCK_K=block_k,
+                                  TILE_IN_ONE_BLOCK=layer.block_k >= k or layer.block_k % block_k == 0)
         return out
     qweight = layer.qweight
     grid = (triton.cdiv(qweight.shape[1], _DEQUANT_INT_BLOCK_W), triton.cdiv(n, _DEQUANT_INT_BLOCK_N))

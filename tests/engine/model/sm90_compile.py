@@ -43,11 +43,12 @@ def compile_for_sm90(kernel, signature: dict[str, str], constants: dict, warps: 
     return int(found.group(1)), int(found.group(2)), int(found.group(4)), compiled.metadata.shared
 
 
-def global_stores_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int,
-                       tmp_path: Path, unaligned: tuple[str, ...] = ("M",)) -> dict[str, int]:
-    """The global store instructions of `kernel`'s sm_90 SASS by opcode (`STG.E.128`: 16 bytes a thread, ...)."""
+def global_access_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int,
+                       tmp_path: Path, unaligned: tuple[str, ...] = ("M",), kind: str = "STG") -> dict[str, int]:
+    """The global store (`kind` STG) or load (LDG) instructions of `kernel`'s sm_90 SASS by opcode (`STG.E.128`:
+    16 bytes a thread, `LDG.E`: 4 ...)."""
     _, cubin = _cubin_for_sm90(kernel, signature, constants, warps, stages, tmp_path, unaligned)
-    stores: dict[str, int] = {}
-    for opcode in re.findall(r"\bSTG\.[A-Z0-9_.]+", _cuobjdump("-sass", str(cubin))):
-        stores[opcode] = stores.get(opcode, 0) + 1
-    return stores
+    found: dict[str, int] = {}
+    for opcode in re.findall(rf"\b{kind}\.[A-Z0-9_.]+", _cuobjdump("-sass", str(cubin))):
+        found[opcode] = found.get(opcode, 0) + 1
+    return found

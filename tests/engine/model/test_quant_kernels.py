@@ -127,7 +127,9 @@ def dense_check() -> None:
     from engine.model.quant import dense
 
     torch.manual_seed(0)
-    for layer in _layers():
+    # and FP8 blocks narrower than the kernel's tile (a tile a block wide), or of a width no tile is (a scale per
+    # weight): the tile's scales loaded a row at a time where its columns lie in one block
+    for layer in _layers() + [_fp8_layer((64, 64), n=72, k=320), _fp8_layer((40, 96))]:
         assert torch.equal(dense.dequantize(layer, torch.float32), layer.dequantize(torch.float32)), layer
     x = torch.randn(5, 300) * 3
     for group, column_major in ((128, True), (300, False)):

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from tests.engine.model.sm90_compile import compile_for_sm90, global_stores_sm90
+from tests.engine.model.sm90_compile import compile_for_sm90, global_access_sm90
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -51,7 +51,7 @@ def _cases():
     cases.append(("fp8 dequantize", dense._dequant_fp8_kernel, {
         "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
         "stride_sn": "i32", "stride_on": "i32"}, 4, 1, dict(SCALE_BLOCK_N=128, SCALE_BLOCK_K=128, BLOCK_N=32,
-                                                           BLOCK_K=256)))
+                                                           BLOCK_K=128, TILE_IN_ONE_BLOCK=True)))
     cases.append(("rows to fp8", dense._quantize_rows_kernel, {
         "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "group_len": "i32", "stride_xm": "i32",
         "stride_qm": "i32", "stride_sm": "i32", "stride_sg": "i32"}, 4, 1, dict(BLOCK=128)))
@@ -72,9 +72,24 @@ def test_the_dequantizing_kernel_writes_whole_16_byte_pieces(bits, group, run, t
     contiguous bytes (STG.E.128), not a slot's RUN * 2 bytes strided a run apart (STG.E.64 / .32)."""
     from engine.model.quant import dense
 
-    stores = global_stores_sm90(dense._dequant_int_kernel, {
+    stores = global_access_sm90(dense._dequant_int_kernel, {
         "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
         "KW": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}, dict(
         GROUP=group, BITS=bits, RUN=run, BLOCK_N=dense._DEQUANT_INT_BLOCK_N, BLOCK_W=dense._DEQUANT_INT_BLOCK_W),
         4, 1, tmp_path, unaligned=("N",))
     assert stores and set(stores) == {"STG.E.128"}, stores
+
+
+@pytest.mark.parametrize("block, tile_k", [((128, 128), 128), ((1, 4096), 256)])
+def test_the_fp8_dequantizing_kernel_loads_a_scale_a_row_not_a_weight(block, tile_k, tmp_path):
+    """Qwen's 128 x 128 blocks (a tile a block wide) and per-channel scales: each row of a tile has one scale,
+    loaded once (a few 4-byte loads a thread), where a gather per weight issued one load for each of the 64
+    weights a thread holds."""
+    from engine.model.quant import dense
+
+    loads = global_access_sm90(dense._dequant_fp8_kernel, {
+        "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+        "stride_sn": "i32", "stride_on": "i32"}, dict(
+        SCALE_BLOCK_N=block[0], SCALE_BLOCK_K=block[1], BLOCK_N=dense._DEQUANT_BLOCK_N, BLOCK_K=tile_k,
+        TILE_IN_ONE_BLOCK=True), 4, 1, tmp_path, unaligned=("N",), kind="LDG")
+    assert loads.get("LDG.E", 0) <= 4 and set(loads) <= {"LDG.E", "LDG.E.128"}, loads
