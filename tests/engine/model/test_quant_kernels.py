@@ -77,15 +77,21 @@ def _check(layer, x, got, what) -> None:
                                    f"at {divmod((ref - got).abs().argmax().item(), layer.out_features)}")
 
 
-def kernels_check() -> None:
+KERNEL_CHECK_PARTS = 3  # a process each: the interpreter takes about 100 s for all layers on an idle core
+
+
+def kernels_check(part: int) -> None:
     """In the interpreter: every layout and group shape through each path, rows 1-64 and a prompt chunk, at the
-    default launch shapes and others (split K, steps shorter than a group or a block), against the reference."""
+    default launch shapes and others (split K, steps shorter than a group or a block), against the reference; the
+    layers whose index is `part` modulo KERNEL_CHECK_PARTS (the last part also every e4m3 value)."""
     from engine.model.quant import kernels
 
-    torch.manual_seed(0)  # the same draws every run: the tolerance is checked on these, not on luck
     gemv_configs = [None, kernels.QuantConfig(16, 64, 3, 4, 2), kernels.QuantConfig(32, 128, 5, 2, 1)]
     tc_configs = [None, kernels.QuantConfig(16, 128, 3, 4, 2), kernels.QuantConfig(32, 256, 2, 4, 3)]
-    for layer in _layers():
+    for index, layer in enumerate(_layers()):
+        if index % KERNEL_CHECK_PARTS != part:
+            continue
+        torch.manual_seed(index)  # the same draws every run: the tolerance is checked on these, not on luck
         for config in gemv_configs:
             for rows in ((1, 2, 3, 4, 11) if config is None else (1, 6)):  # past 4: groups of 4 rows
                 x = torch.randn(rows, layer.in_features)
@@ -110,6 +116,8 @@ def kernels_check() -> None:
         _check(layer, x, kernels.quant_linear(x, layer), (layer, "default", 6))
         x = torch.randn(70, layer.in_features)
         _check(layer, x, kernels.quant_linear(x, layer, "dense"), (layer, "dense", 70))
+    if part != KERNEL_CHECK_PARTS - 1:
+        return
     # every finite e4m3 value decodes exactly (subnormals and signs included), in both paths
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = every[every.float().isfinite()]
@@ -266,8 +274,9 @@ def test_the_layers_routed_to_tinygemm_are_packed_at_start_and_their_packs_count
         launch_table.read.cache_clear()
 
 
-def test_the_kernels_in_the_triton_interpreter_match_the_reference():
-    run_in_interpreter("tests.engine.model.test_quant_kernels", "kernels_check")
+@pytest.mark.parametrize("part", range(KERNEL_CHECK_PARTS))
+def test_the_kernels_in_the_triton_interpreter_match_the_reference(part):
+    run_in_interpreter("tests.engine.model.test_quant_kernels", "kernels_check", part)
 
 
 def test_the_prompt_chunk_kernels_in_the_triton_interpreter_match_the_reference():
