@@ -145,10 +145,24 @@ def _check_books(N: int, k: int, E: int, with_valid: bool, seed: int) -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and want[1].item() > 0
 
 
-def kernels_check() -> None:
+def kernels_check(part: int) -> None:
     """In Triton's interpreter: the scan layout (few routes) and the sorted one (many), reuse across tokens, more
-    routes of one slot than a block holds, skipped routes, odd sizes, and other launch shapes; the router's tail
-    and the cache's route books against their torch ops."""
+    routes of one slot than a block holds, skipped routes, odd sizes, and other launch shapes (part 0: 16-bit
+    pools); FP8 pools, the router's tail and the cache's route books against their torch ops (part 1); 4-bit pools
+    (parts 2-4). A process each: the whole took about 100 s on an idle core."""
+    if part >= 2:
+        int4_check(part - 2)
+        return
+    if part == 1:
+        _check_fp8("triton", 6, 4, 9, seed=7)  # FP8 pools: the scale applied to each finished sum
+        _check_fp8("triton", 150, 2, 6, seed=8)
+        _check_fp8("triton", 6, 4, 9, seed=7, launch="16x32x64x64x4x5")
+        _check_fp8("triton", 6, 4, 9, seed=7, launch="1x4x16x32x2x1")  # the GEMV, whole K steps
+        _check_route(7, 24, 5, norm=True, prior=False, seed=0)  # E not a power of two
+        _check_route(3, 16, 2, norm=False, prior=True, seed=1)
+        _check_books(9, 3, 20, with_valid=False, seed=0)
+        _check_books(300, 4, 20, with_valid=True, seed=1)  # several programs' atomics into the same counts
+        return
     _check_backend("triton", 1, 4, 9, 64, 32, seed=0)  # batch 1: one route a block
     _check_backend("triton", 6, 4, 9, 64, 32, seed=1, hot=2)  # tokens sharing a slot share a block
     _check_backend("triton", 40, 2, 5, 64, 32, seed=2, hot=1)  # 40 routes of slot 0: three blocks of 16
@@ -159,15 +173,6 @@ def kernels_check() -> None:
     _check_backend("triton", 5, 3, 7, 48, 24, seed=3, skip_every=4, launch="1x4x16x16x2x1")  # GEMV: tails of K, N
     _check_backend("triton", 6, 4, 9, 64, 32, seed=1, hot=2, launch="1x4x16x32x2x1")  # GEMV: whole K steps
     _check_backend("triton", 150, 2, 6, 32, 16, seed=6, launch="16x16x16x16x4x2")
-    _check_fp8("triton", 6, 4, 9, seed=7)  # FP8 pools: the scale applied to each finished sum
-    _check_fp8("triton", 150, 2, 6, seed=8)
-    _check_fp8("triton", 6, 4, 9, seed=7, launch="16x32x64x64x4x5")
-    _check_fp8("triton", 6, 4, 9, seed=7, launch="1x4x16x32x2x1")  # the GEMV, whole K steps
-    int4_check()
-    _check_route(7, 24, 5, norm=True, prior=False, seed=0)  # E not a power of two
-    _check_route(3, 16, 2, norm=False, prior=True, seed=1)
-    _check_books(9, 3, 20, with_valid=False, seed=0)
-    _check_books(300, 4, 20, with_valid=True, seed=1)  # several programs' atomics into the same counts
 
 
 def _check_int4_cache_pool() -> None:
@@ -200,23 +205,28 @@ def _check_int4_cache_pool() -> None:
     assert not got[slots == pool.slots].any() and got[slots < pool.slots].abs().sum() > 0
 
 
-def int4_check() -> None:
+def int4_check(piece: int) -> None:
     """The 4-bit kernels: batch 1, a decode batch sharing slots, over 256 routes (the sorted layout), skipped
     routes and padding rows, groups of a whole step, of part of one (several groups a step, runs of 2 words) and of
-    all of K, several steps along K, another launch shape."""
-    _check_int4("triton", 1, 4, 9, 64, 32, (64, 32), seed=10)
-    _check_int4("triton", 6, 4, 9, 64, 32, (64, 32), seed=11, hot=2, skip_every=5, padding=1)
-    _check_int4("triton", 150, 2, 6, 64, 32, (32, 16), seed=12, hot=3, skip_every=7, padding=4)
-    _check_int4("triton", 5, 3, 7, 256, 64, (64, 16), seed=13, skip_every=4)
-    _check_int4("triton", 3, 2, 5, 512, 48, (128, 48), seed=14, launch="16x16x32x256x4x2")
-    _check_int4("triton", 6, 4, 9, 64, 32, (64, 32), seed=11, hot=2, skip_every=5, padding=1,
-                launch="16x32x64x64x4x5")  # the tensor cores' scan layout
-    _check_int4("triton", 3, 2, 5, 512, 48, (128, 48), seed=14, launch="1x4x8x32x2x1")  # GEMV: a word run a step
-    _check_int4_cache_pool()
+    all of K (piece 0); several steps along K, other launch shapes, a real cache's pool (piece 1); the GEMV stepping
+    a word run at a time over K = 512 (piece 2: the interpreter's slowest, about 35 s)."""
+    if piece == 0:
+        _check_int4("triton", 1, 4, 9, 64, 32, (64, 32), seed=10)
+        _check_int4("triton", 6, 4, 9, 64, 32, (64, 32), seed=11, hot=2, skip_every=5, padding=1)
+        _check_int4("triton", 150, 2, 6, 64, 32, (32, 16), seed=12, hot=3, skip_every=7, padding=4)
+        _check_int4("triton", 5, 3, 7, 256, 64, (64, 16), seed=13, skip_every=4)
+    elif piece == 1:
+        _check_int4("triton", 3, 2, 5, 512, 48, (128, 48), seed=14, launch="16x16x32x256x4x2")
+        _check_int4("triton", 6, 4, 9, 64, 32, (64, 32), seed=11, hot=2, skip_every=5, padding=1,
+                    launch="16x32x64x64x4x5")  # the tensor cores' scan layout
+        _check_int4_cache_pool()
+    else:
+        _check_int4("triton", 3, 2, 5, 512, 48, (128, 48), seed=14, launch="1x4x8x32x2x1")  # GEMV: a word run a step
 
 
-def test_triton_kernels_in_the_interpreter():
-    run_in_interpreter("tests.engine.model.test_moe_kernels", "kernels_check")
+@pytest.mark.parametrize("part", [0, 1, 2, 3, 4])
+def test_triton_kernels_in_the_interpreter(part):
+    run_in_interpreter("tests.engine.model.test_moe_kernels", "kernels_check", part)
 
 
 @pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
