@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+INTERPRETER_LIMIT_S = 540
+
 
 def run_in_interpreter(module: str, check: str, *args: object) -> None:
     """Call `module.check(*args)` (args as Python literals) in a fresh interpreter-mode process; skip without
@@ -22,7 +24,10 @@ def run_in_interpreter(module: str, check: str, *args: object) -> None:
     # read NaN now and then only on a loaded machine, and a threaded BLAS is the one part of such a run whose work
     # depends on the machine's load.
     env = {**os.environ, "TRITON_INTERPRET": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    # The limit catches a hung child, not a slow one: beside busy loops on two cores the longest check (the paged
+    # prefill kernel's, int8) takes nearly three times its idle time; pytest's own limit (600 s) stays above this.
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=INTERPRETER_LIMIT_S)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
