@@ -21,6 +21,11 @@ _FP8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32
         "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
         "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_om": "i32"}
 
+_DEQUANT_INT = {"q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
+                "KW": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}
+_DEQUANT_FP8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+                "stride_sn": "i32", "stride_on": "i32"}
+
 
 def _cases():
     from engine.model.quant import dense, gemv, tensor_core
@@ -44,14 +49,10 @@ def _cases():
             cases.append((f"{name} tc {block_m} rows", tensor_core.fp8_tc_kernel, _FP8, warps, 3, dict(
                 SCALE_BLOCK_N=sbn, SCALE_BLOCK_K=sbk, SCALES=scales, NATIVE_FP8=True, BLOCK_M=block_m, BLOCK_N=32,
                 BLOCK_K=128, SPLIT=2, HAS_BIAS=False)))
-    cases.append(("int4 dequantize", dense._dequant_int_kernel, {
-        "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
-        "KW": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}, 4, 1,
+    cases.append(("int4 dequantize", dense._dequant_int_kernel, _DEQUANT_INT, 4, 1,
         dict(GROUP=128, BITS=4, RUN=4, BLOCK_N=dense._DEQUANT_INT_BLOCK_N, BLOCK_W=dense._DEQUANT_INT_BLOCK_W)))
-    cases.append(("fp8 dequantize", dense._dequant_fp8_kernel, {
-        "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
-        "stride_sn": "i32", "stride_on": "i32"}, 4, 1, dict(SCALE_BLOCK_N=128, SCALE_BLOCK_K=128, BLOCK_N=32,
-                                                           BLOCK_K=128, TILE_IN_ONE_BLOCK=True)))
+    cases.append(("fp8 dequantize", dense._dequant_fp8_kernel, _DEQUANT_FP8, 4, 1, dict(
+        SCALE_BLOCK_N=128, SCALE_BLOCK_K=128, BLOCK_N=32, BLOCK_K=128, TILE_IN_ONE_BLOCK=True)))
     cases.append(("rows to fp8", dense._quantize_rows_kernel, {
         "x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "group_len": "i32", "stride_xm": "i32",
         "stride_qm": "i32", "stride_sm": "i32", "stride_sg": "i32"}, 4, 1, dict(BLOCK=128)))
@@ -72,9 +73,7 @@ def test_the_dequantizing_kernel_writes_whole_16_byte_pieces(bits, group, run, t
     contiguous bytes (STG.E.128), not a slot's RUN * 2 bytes strided a run apart (STG.E.64 / .32)."""
     from engine.model.quant import dense
 
-    stores = global_access_sm90(dense._dequant_int_kernel, {
-        "q_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32",
-        "KW": "i32", "stride_qn": "i32", "stride_sn": "i32", "stride_on": "i32"}, dict(
+    stores = global_access_sm90(dense._dequant_int_kernel, _DEQUANT_INT, dict(
         GROUP=group, BITS=bits, RUN=run, BLOCK_N=dense._DEQUANT_INT_BLOCK_N, BLOCK_W=dense._DEQUANT_INT_BLOCK_W),
         4, 1, tmp_path, unaligned=("N",))
     assert stores and set(stores) == {"STG.E.128"}, stores
@@ -87,9 +86,7 @@ def test_the_fp8_dequantizing_kernel_loads_a_scale_a_row_not_a_weight(block, til
     weights a thread holds."""
     from engine.model.quant import dense
 
-    loads = global_access_sm90(dense._dequant_fp8_kernel, {
-        "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
-        "stride_sn": "i32", "stride_on": "i32"}, dict(
+    loads = global_access_sm90(dense._dequant_fp8_kernel, _DEQUANT_FP8, dict(
         SCALE_BLOCK_N=block[0], SCALE_BLOCK_K=block[1], BLOCK_N=dense._DEQUANT_BLOCK_N, BLOCK_K=tile_k,
         TILE_IN_ONE_BLOCK=True), 4, 1, tmp_path, unaligned=("N",), kind="LDG")
     assert loads.get("LDG.E", 0) <= 4 and set(loads) <= {"LDG.E", "LDG.E.128"}, loads
