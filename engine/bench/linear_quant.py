@@ -219,6 +219,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, dict[str, Any]]:
     """The launch-table entries (engine.model.quant.launch_table) the rows measured, per weight class: each path's
     fastest shape (summed over the row counts measured), and the thresholds where the next path is faster."""
+    from engine.model.quant.launch_table import ONE_PATH_ROWS
+
     entries: dict[str, dict[str, Any]] = {}
     for cls in dict.fromkeys(r["class"] for r in rows):
         mine = sorted((r for r in rows if r["class"] == cls), key=lambda r: r["rows"])
@@ -227,14 +229,15 @@ def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, d
             shape = _fastest_shape([r for r in mine if r["rows"] in rng], path, prefix)
             if shape is not None:
                 entry[path] = shape
-        # The GEMV keeps 1-4 rows while it beats the tensor-core kernel at 4 rows (whose 16-row tile reads the
-        # weight once whatever the rows in it: its time at 4 rows is its time at 1-3). A decode or verify step takes
-        # its path by its sequences (engine.model.quant.kernels.path_of), so the step's rows stay alike either way.
+        # The GEMV takes all of a decode step's 1-4 rows or none (launch_table: one path for 1-4 sequences): all
+        # where its time summed over the row counts measured up to 4 is at most the tensor-core kernel's over the
+        # same counts, which is its time at 4 rows at each (its 16-row tile reads the weight once: 1-3 rows cost
+        # what 4 do).
         both = [r for r in mine if r["rows"] == 4 and "gemv_ms" in r and "tc_ms" in r]
         if both:
-            tc4 = both[0]["tc_ms"]
-            entry["gemv_rows"] = max([r["rows"] for r in mine if r["rows"] <= 4 and r.get("gemv_ms", tc4) <= tc4]
-                                     or [0])
+            few = [r for r in mine if r["rows"] <= 4 and "gemv_ms" in r]
+            gemv_ms = sum(r["gemv_ms"] for r in few)
+            entry["gemv_rows"] = ONE_PATH_ROWS if gemv_ms <= len(few) * both[0]["tc_ms"] else 0
         chunked = [r for r in mine if "tc_ms" in r and "dense_ms" in r]
         if chunked:
             wins = [r["rows"] for r in chunked if r["tc_ms"] <= r["dense_ms"]]
@@ -246,7 +249,7 @@ def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, d
             if r["rows"] > entry.get("tc_rows", _TC_MAX_ROWS) or r.get("tinygemm_ms", ours) >= ours:
                 break
             tiny = r["rows"]
-        if tiny:
+        if tiny >= ONE_PATH_ROWS:  # fewer would split a decode step's 1-4 sequences between two paths
             entry["tinygemm_rows"] = tiny
         entries[cls] = entry
     return entries

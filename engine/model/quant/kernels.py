@@ -41,12 +41,13 @@ from engine.model.triton_linear import COUNTER_LANES, split_counters
 PATHS = ("gemv", "tc", "dense", "tinygemm")
 GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator per row, for a group of 4 rows a program
 VERIFY_TOKENS = 8  # an input [B, T, K] with T up to this is a decode / verify step: its path follows B
-# Defaults where the launch table has no entry. The GEMV takes the steps of 1 sequence (FP8) or 1-2 (int4): its
-# registers grow with its rows (an accumulator tile a row), and past those the tensor-core kernel, whose 16-row tile
-# costs what one row does, is the faster on sm_90 (`bench linear --quant` on an H100 and an H200). A verify step
-# goes by its sequences (path_of), so a batch-1 verify step's 2-4 rows take the GEMV too, each row computed exactly
-# as the 1-row decode step computes it: greedy decoding is the same with MTP on.
-DEFAULT_GEMV_ROWS = {"fp8": 1, "int": 2}
+# Defaults where the launch table has no entry. A decode or verify step of 1-4 sequences takes one path whatever its
+# batch (launch_table checks each entry for it): a request's token is computed in a step of as many sequences as
+# run beside it then, which differs between two runs of the same requests (with MTP on they finish sooner), and the
+# GEMV and the tensor cores round differently; on one path an engine of up to 4 slots (the default) gives the
+# same greedy tokens with MTP on as off. The int GEMV at 1-4 rows costs less in sum than the tensor-core kernel,
+# whose 16-row tile costs at 1 row what it does at 16; the FP8 GEMV does not (`bench linear --quant`, an H100).
+DEFAULT_GEMV_ROWS = {"fp8": 0, "int": GEMV_MAX_ROWS}
 DEFAULT_TC_ROWS = {"fp8": 64, "int": 256}  # past these, prompt chunks go to cuBLAS (engine.model.quant.dense)
 _TC_MAX_BLOCK_M = 128
 _TARGET_PROGRAMS = 264  # two programs per SM of an H200 (132 SMs): enough loads in flight to stream the weight
@@ -138,14 +139,19 @@ def plan(layer) -> Launch:
         device = layer.scale_device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         entry = launch_table.lookup(name, launch_table.layer_format(layer), layer.out_features, layer.in_features)
-        tc_rows = int(entry.get("tc_rows", _default_tc_rows(layer, device)))
-        tiny = int(entry.get("tinygemm_rows", tc_rows if entry.get("backend") == "tinygemm" else 0))
-        launch = layer.__dict__["_quant_launch"] = Launch(
-            gemv=QuantConfig.parse(entry["gemv"]) if "gemv" in entry else default_config(layer, "gemv"),
-            tc=QuantConfig.parse(entry["tc"]) if "tc" in entry else default_config(layer, "tc"),
-            gemv_rows=int(entry.get("gemv_rows", DEFAULT_GEMV_ROWS["fp8" if layer.format == "fp8" else "int"])),
-            tc_rows=tc_rows, tinygemm_rows=min(tiny, tc_rows) if tinygemm.takes(layer) else 0)
+        launch = layer.__dict__["_quant_launch"] = launch_of(layer, entry, device)
     return launch
+
+
+def launch_of(layer, entry: dict, device: torch.device) -> Launch:
+    """The launch plan a launch-table entry (engine.model.quant.launch_table; {}: the defaults) gives `layer`."""
+    tc_rows = int(entry.get("tc_rows", _default_tc_rows(layer, device)))
+    tiny = int(entry.get("tinygemm_rows", tc_rows if entry.get("backend") == "tinygemm" else 0))
+    return Launch(
+        gemv=QuantConfig.parse(entry["gemv"]) if "gemv" in entry else default_config(layer, "gemv"),
+        tc=QuantConfig.parse(entry["tc"]) if "tc" in entry else default_config(layer, "tc"),
+        gemv_rows=int(entry.get("gemv_rows", DEFAULT_GEMV_ROWS["fp8" if layer.format == "fp8" else "int"])),
+        tc_rows=tc_rows, tinygemm_rows=min(tiny, tc_rows) if tinygemm.takes(layer) else 0)
 
 
 def _default_tc_rows(layer, device: torch.device) -> int:

@@ -9,10 +9,12 @@ rounded up to powers of two (the 8B shape's gate/up, 24576 x 4096, is `int4/n327
 `fp8` (a scale per channel), `fp8-block` (blocks along K), `int4`, `int8` (groups of 128 and up, or one group),
 `int4-g32`, `int8-g32`, `int8-g16` (GGUF's smaller groups). ENTRY's keys, each optional:
 - `gemv`, `tc`: launch shapes `BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES` of the 1-4 row and the tensor-core paths;
-- `gemv_rows` (0-4): the most rows the GEMV takes; `tc_rows`: the most the tensor-core kernel takes (more rows:
+- `gemv_rows` (0 or 4): the most rows the GEMV takes; `tc_rows`: the most the tensor-core kernel takes (more rows:
   the prompt-chunk path, engine.model.quant.dense);
-- `tinygemm_rows` (int4): the most rows torch._weight_int4pack_mm (PyTorch's tinygemm) takes instead of these
-  kernels; `backend`: `triton` (these kernels) or `tinygemm` (tinygemm up to `tc_rows`).
+- `tinygemm_rows` (int4; 0, or 4 and up): the most rows torch._weight_int4pack_mm (PyTorch's tinygemm) takes instead
+  of these kernels; `backend`: `triton` (these kernels) or `tinygemm` (tinygemm up to `tc_rows`).
+A decode step of 1-4 sequences takes one path (engine.model.quant.kernels.DEFAULT_GEMV_ROWS says why), so neither
+threshold falls inside 1-3.
 `strata-engine bench linear --quant ... --quant-tune ... --table-out FILE` writes a table of this form from the
 fastest shape it measured per class and row count.
 """
@@ -27,6 +29,7 @@ from typing import Any
 TABLE_PATH = Path(__file__).with_name("launch_table.json")
 ENTRY_KEYS = ("gemv", "tc", "gemv_rows", "tc_rows", "tinygemm_rows", "backend")
 BACKENDS = ("triton", "tinygemm")
+ONE_PATH_ROWS = 4  # the sequences of a decode step that all take one path: the GEMV's most rows
 
 
 def pow2_at_least(value: int) -> int:
@@ -64,10 +67,12 @@ def read(path: Path) -> dict[str, dict[str, dict[str, Any]]]:
                 raise ValueError(f"{where}: an entry has only the keys {', '.join(ENTRY_KEYS)}")
             if entry.get("backend", "triton") not in BACKENDS:
                 raise ValueError(f"{where}.backend={entry['backend']!r}: expected one of {', '.join(BACKENDS)}")
-            if int(entry.get("tinygemm_rows", 0)) < 0:
-                raise ValueError(f"{where}.tinygemm_rows={entry['tinygemm_rows']}: expected 0 or more rows")
-            if not 0 <= int(entry.get("gemv_rows", 4)) <= 4:
-                raise ValueError(f"{where}.gemv_rows={entry['gemv_rows']}: the GEMV takes 0 to 4 rows")
+            if not (int(entry.get("tinygemm_rows", 0)) == 0 or int(entry["tinygemm_rows"]) >= ONE_PATH_ROWS):
+                raise ValueError(f"{where}.tinygemm_rows={entry['tinygemm_rows']}: expected 0, or {ONE_PATH_ROWS} rows "
+                                 f"and up (a decode step of 1-{ONE_PATH_ROWS} sequences takes one path)")
+            if int(entry.get("gemv_rows", 0)) not in (0, ONE_PATH_ROWS):
+                raise ValueError(f"{where}.gemv_rows={entry['gemv_rows']}: expected 0 or {ONE_PATH_ROWS} (a decode "
+                                 f"step of 1-{ONE_PATH_ROWS} sequences takes one path)")
     return devices
 
 

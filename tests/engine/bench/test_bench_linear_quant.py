@@ -108,5 +108,10 @@ def test_a_launch_shape_that_failed_at_any_row_count_never_enters_the_table():
     assert entry["tc"] == "64x128x4x4x3" and entry["tc_rows"] == 128
     # PyTorch's int4 kernel for a decode step's rows, where it measured faster than both of ours
     assert entry["tinygemm_rows"] == 4
-    # the tensor-core kernel at 4 rows beat the GEMV's 4 rows, not its 1 row
-    assert entry["gemv_rows"] == 1
+    # the GEMV takes 1-4 rows or none: 13.8 + 22.4 us over 1 and 4 rows against the tensor cores' 2 x 17.6
+    assert entry["gemv_rows"] == 0
+    faster_gemv = [{**r, "gemv_ms": r["gemv_ms"] * 0.9} if "gemv_ms" in r else r for r in rows]
+    assert launch_table_of(faster_gemv, "NVIDIA H100 80GB HBM3")["int4/n8192/k4096"]["gemv_rows"] == 4
+    # tinygemm for 1-3 rows only would split a decode step's 1-4 sequences between two paths: none
+    slower_tiny = [{**r, "tinygemm_ms": 1.0} if r["rows"] == 4 else r for r in rows]
+    assert "tinygemm_rows" not in launch_table_of(slower_tiny, "NVIDIA H100 80GB HBM3")["int4/n8192/k4096"]

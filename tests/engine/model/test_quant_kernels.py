@@ -176,19 +176,19 @@ def test_the_path_follows_the_rows_and_the_launch_shape_follows_the_weight():
 
     layer = _int_layer(4, 128, n=4096, k=12288)
     assert [kernels.path_of(layer, r) for r in (1, 2, 3, 4, 5, 64, 256, 257, 2048)] == \
-        ["gemv", "gemv", "tc", "tc", "tc", "tc", "tc", "dense", "dense"]
+        ["gemv", "gemv", "gemv", "gemv", "tc", "tc", "tc", "dense", "dense"]
     # a decode / verify step goes by its sequences: 2 sequences verifying 3 tokens each take the decode's GEMV,
-    # one sequence verifying 4 too (MTP at depth 3); 3 sequences the tensor cores, as their decode step does
-    assert [kernels.path_of(layer, 6, 2), kernels.path_of(layer, 4, 1), kernels.path_of(layer, 9, 3),
-            kernels.path_of(layer, 5, 5)] == ["gemv", "gemv", "tc", "tc"]
+    # one sequence verifying 4 too (MTP at depth 3), 4 sequences verifying 3; 5 the tensor cores, as their decode
+    assert [kernels.path_of(layer, 6, 2), kernels.path_of(layer, 4, 1), kernels.path_of(layer, 12, 4),
+            kernels.path_of(layer, 5, 5)] == ["gemv", "gemv", "gemv", "tc"]
     # 128 sequences verifying 3 tokens: the decode step's tensor cores, not the prompt chunks' GEMM past 256 rows;
     # and tiled as the decode step (20 sequences: rows of 32, whether 20 or 60 of them)
     assert [kernels.path_of(layer, 384, 128), kernels.path_of(layer, 384)] == ["tc", "dense"]
     assert [kernels.tc_block_m(60, 20), kernels.tc_block_m(20, 20), kernels.tc_block_m(60)] == [32, 32, 64]
     assert [kernels.tc_block_m(1), kernels.tc_block_m(384, 128), kernels.tc_block_m(2048)] == [16, 128, 128]
     fp8 = _fp8_layer((128, 128), 256, 1024)  # no FP8 GEMM for its prompt chunks here: they start at 257 rows too
-    assert [kernels.path_of(fp8, r) for r in (1, 2, 4, 65, 256, 257)] == ["gemv", "tc", "tc", "tc", "tc", "dense"]
-    assert kernels.path_of(fp8, 4, 1) == "gemv"  # one sequence verifying 4 tokens: its decode step's GEMV
+    assert [kernels.path_of(fp8, r) for r in (1, 2, 4, 65, 256, 257)] == ["tc", "tc", "tc", "tc", "tc", "dense"]
+    assert kernels.path_of(fp8, 4, 1) == "tc"  # one sequence verifying 4 tokens: its decode step's path
     # the 8B shape's down projection (N 4096, K 12288): 64 column tiles split along K to reach the SMs
     for path in ("gemv", "tc"):
         config = kernels.default_config(layer, path)
@@ -206,6 +206,36 @@ def test_the_path_follows_the_rows_and_the_launch_shape_follows_the_weight():
         kernels.QuantConfig.parse("64x128x1")
 
 
+def _layer_of_class(fmt: str):
+    """A small CPU layer of a launch-table FORMAT (engine.model.quant.launch_table)."""
+    if fmt.startswith("fp8"):
+        return _fp8_layer((128, 128) if fmt == "fp8-block" else (1, 256), n=64, k=256)
+    bits, _, group = fmt.partition("-g")
+    return _int_layer(int(bits[3:]), int(group or 128), n=64, k=256)
+
+
+def test_a_decode_step_of_one_to_four_sequences_takes_one_path_whatever_its_batch():
+    """A request's token is computed in a step of as many sequences as run beside it then, and that differs between
+    two runs of the same requests: with MTP on they finish sooner, so the steps after hold fewer. The GEMV and the
+    tensor cores round differently, so a token at 2 sequences and the same token at 3 could differ: on an H100
+    `test_on_the_gpu_greedy_mtp_on_equals_off_for_every_format` (3 slots) gave other tokens with MTP on for
+    `--quantize int4` and an AWQ file while the GEMV took 1-2 sequences and the tensor cores 3-4. So every path
+    choice, the defaults and each committed table entry, keeps the 1-4 sequences of an engine of up to 4 slots
+    (the default) on one path, verify steps (3 tokens a sequence) included."""
+    from engine.model.quant import kernels, launch_table
+
+    def paths(layer) -> set[str]:
+        return {kernels.path_of(layer, seqs * tokens, seqs) for seqs in (1, 2, 3, 4) for tokens in (1, 3)}
+
+    for fmt in ("int4", "int8", "int4-g32", "fp8", "fp8-block"):
+        assert len(paths(_layer_of_class(fmt))) == 1, (fmt, paths(_layer_of_class(fmt)))
+    for device, classes in launch_table.load().items():
+        for cls, entry in classes.items():
+            layer = _layer_of_class(cls.split("/")[0])
+            layer.__dict__["_quant_launch"] = kernels.launch_of(layer, entry, torch.device("cpu"))
+            assert len(paths(layer)) == 1, (device, cls, entry, paths(layer))
+
+
 def test_the_launch_table_routes_a_weight_class_and_names_a_bad_entry(tmp_path, monkeypatch):
     from engine.model.quant import kernels, launch_table
 
@@ -215,20 +245,26 @@ def test_the_launch_table_routes_a_weight_class_and_names_a_bad_entry(tmp_path, 
     assert launch_table.load() is not None  # the committed table is well formed
     table = tmp_path / "table.json"
     table.write_text(json.dumps({"devices": {"cpu": {"int4/n4096/k16384": {
-        "gemv": "128x512x2x8x1", "tc": "32x256x4x4x2", "gemv_rows": 2, "tc_rows": 32}}}}))
+        "gemv": "128x512x2x8x1", "tc": "32x256x4x4x2", "gemv_rows": 0, "tc_rows": 32}}}}))
     monkeypatch.setattr(launch_table, "TABLE_PATH", table)
     launch_table.read.cache_clear()
     try:
         layer = _int_layer(4, 128, n=4096, k=12288)
-        assert [kernels.path_of(layer, r) for r in (2, 3, 32, 33)] == ["gemv", "tc", "tc", "dense"]
+        assert [kernels.path_of(layer, r) for r in (1, 4, 32, 33)] == ["tc", "tc", "tc", "dense"]
         assert kernels.plan(layer).gemv.label() == "128x512x2x8x1" and kernels.plan(layer).tc.split_k == 4
         # PyTorch's int4 kernel for the rows where the table measured it faster (a layer it takes)
         table.write_text(json.dumps({"devices": {"cpu": {"int4/n4096/k16384": {
-            "tinygemm_rows": 2, "gemv_rows": 4, "tc_rows": 32}}}}))
+            "tinygemm_rows": 8, "gemv_rows": 4, "tc_rows": 32}}}}))
         launch_table.read.cache_clear()
         layer = _int_layer(4, 128, n=4096, k=12288)
-        assert [kernels.path_of(layer, r) for r in (1, 2, 3, 5, 33)] == ["tinygemm", "tinygemm", "gemv", "tc", "dense"]
-        assert kernels.path_of(layer, 8, sequences=2) == "tinygemm"  # a verify step of two sequences
+        assert [kernels.path_of(layer, r) for r in (1, 4, 8, 9, 33)] == ["tinygemm", "tinygemm", "tinygemm", "tc",
+                                                                          "dense"]
+        assert kernels.path_of(layer, 12, sequences=4) == "tinygemm"  # a verify step of four sequences
+        for key, value in (("gemv_rows", 2), ("tinygemm_rows", 3)):  # 1-4 sequences split between two paths
+            table.write_text(json.dumps({"devices": {"cpu": {"int4/n64/k256": {key: value}}}}))
+            launch_table.read.cache_clear()
+            with pytest.raises(ValueError, match=rf"devices.cpu.int4/n64/k256.{key}={value}: expected 0"):
+                kernels.plan(_int_layer(4, 128, n=64, k=256))
         table.write_text(json.dumps({"devices": {"cpu": {"int4/n64/k256": {"backend": "marlin"}}}}))
         launch_table.read.cache_clear()
         with pytest.raises(ValueError, match=r"devices.cpu.int4/n64/k256.backend='marlin'"):
