@@ -28,7 +28,7 @@ try:  # Triton ships with torch's CUDA builds; a CPU-only install may lack it (t
     import triton.language as tl
 
     from engine.model.moe_blocks import store_act, store_routed
-    from engine.model.quant.gemv import code_f32, scaled_step, unscaled
+    from engine.model.quant.gemv import MAGIC_BITS, code_f32, scaled_step, unscaled
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -44,7 +44,7 @@ def _format(quant: ExpertQuant | None) -> int:
 if triton is not None:
 
     @triton.jit
-    def _rows_dot(w_rows, s_rows, o_rows, x_row, K, n_ok, FMT: tl.constexpr, GROUP: tl.constexpr,
+    def _rows_dot(w_rows, s_rows, o_rows, x_row, K, n_ok, magic, FMT: tl.constexpr, GROUP: tl.constexpr,
                   RUN: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """[ROWS] fp32 sums over K of each weight row times x_row (FP8: before its scale). w_rows, s_rows, o_rows:
         [ROWS, 1] row starts (s_rows / o_rows: the 4-bit groups' scales and offsets)."""
@@ -61,9 +61,9 @@ if triton is not None:
                 base = (ws // RUN) * (RUN * 8) + ws % RUN  # the input of each word's slot 0
                 for j in tl.static_range(8):
                     if j < 4:
-                        f = code_f32(words, 4, j % 4)
+                        f = code_f32(words, 4, j % 4, magic)
                     else:
-                        f = code_f32(hi, 4, j % 4)
+                        f = code_f32(hi, 4, j % 4, magic)
                     x = tl.load(x_row + base + RUN * j, mask=w_ok, other=0.0).to(tl.float32)
                     if j == 0:  # the step's sums start from the first products, not from zeros
                         xs = x
@@ -98,7 +98,7 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_gemv_kernel(x_ptr, w_ptr, s_ptr, o_ptr, slots_ptr, act_ptr, H, I, TOP_K, stride_xn, stride_ws,
-                             stride_wn, stride_ss, stride_sn, stride_ar, FMT: tl.constexpr, GROUP: tl.constexpr,
+                             stride_wn, stride_ss, stride_sn, stride_ar, magic, FMT: tl.constexpr, GROUP: tl.constexpr,
                              RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              EVEN_K: tl.constexpr):
         routes, slot = _route(slots_ptr)
@@ -114,7 +114,7 @@ if triton is not None:
         o_rows = o_ptr + slot64 * stride_ss + row[:, None] * stride_sn
         x_row = x_ptr + (tl.program_id(0) // TOP_K).to(tl.int64) * stride_xn
         sums = _rows_dot(w_ptr + slot64 * stride_ws + row[:, None] * stride_wn, s_rows, o_rows, x_row,
-                         H, n_ok, FMT, GROUP, RUN, 2 * BLOCK_N, BLOCK_K, EVEN_K)
+                         H, n_ok, magic, FMT, GROUP, RUN, 2 * BLOCK_N, BLOCK_K, EVEN_K)
         if FMT == 1:  # one scale per output channel: on the finished sums
             sums *= tl.load(s_ptr + slot64 * stride_ss + row, mask=n_ok, other=0.0)
         halves = tl.reshape(sums, (2, BLOCK_N))
@@ -126,7 +126,7 @@ if triton is not None:
 
     @triton.jit
     def _down_gemv_kernel(act_ptr, w_ptr, s_ptr, o_ptr, rw_ptr, slots_ptr, y_ptr, H, I, stride_ar, stride_ws,
-                          stride_wn, stride_ss, stride_sn, stride_yr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                          stride_wn, stride_ss, stride_sn, stride_yr, magic, FMT: tl.constexpr, GROUP: tl.constexpr,
                           RUN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         routes, slot = _route(slots_ptr)
         if slot < 0:
@@ -139,7 +139,7 @@ if triton is not None:
         o_rows = o_ptr + slot64 * stride_ss + row[:, None] * stride_sn
         a_row = act_ptr + tl.program_id(0).to(tl.int64) * stride_ar
         sums = _rows_dot(w_ptr + slot64 * stride_ws + row[:, None] * stride_wn, s_rows, o_rows, a_row,
-                         I, n_ok, FMT, GROUP, RUN, BLOCK_N, BLOCK_K, EVEN_K)
+                         I, n_ok, magic, FMT, GROUP, RUN, BLOCK_N, BLOCK_K, EVEN_K)
         if FMT == 1:
             sums *= tl.load(s_ptr + slot64 * stride_ss + row, mask=n_ok, other=0.0)
         store_routed(sums[None, :], y_ptr, rw_ptr, routes, routes >= 0, rn, n_ok, stride_yr)
@@ -167,7 +167,8 @@ def launch_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, slot
     fmt = _format(quant)
     if fmt == FMT_INT4 and launch.block_k < 4 * CODES_PER_WORD:
         raise ValueError(f"launch {launch.label()}: a 4-bit GEMV steps {4 * CODES_PER_WORD} inputs (4 words) at least")
-    common = dict(FMT=fmt, BLOCK_K=launch.block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    common = dict(magic=MAGIC_BITS, FMT=fmt, BLOCK_K=launch.block_k, num_warps=launch.num_warps,
+                  num_stages=launch.num_stages)
     _gate_up_gemv_kernel[(R, triton.cdiv(I, launch.gate_up_n))](
         x_ptr=x, w_ptr=gate_up, slots_ptr=slots, act_ptr=act, H=H, I=I, TOP_K=k, stride_xn=x.stride(0),
         stride_ws=gate_up.stride(0), stride_wn=gate_up.stride(1), stride_ar=act.stride(0), BLOCK_N=launch.gate_up_n,

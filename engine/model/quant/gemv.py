@@ -32,15 +32,20 @@ import triton.language as tl
 
 from engine.model.quant.tensor_core import finish
 
-# fp32 bits of 2^23: a value or-ed into the low 23 bits of the mantissa is an exact integer above 2^23
-_MAGIC = tl.constexpr(0x4B000000)
+# fp32 bits of 2^23: a value or-ed into the low 23 bits of the mantissa is an exact integer above 2^23. The GEMVs
+# take it as a run-time argument (`magic`, MAGIC_BITS): sm_90's lop3 has one immediate operand, so with the mask and
+# this both constants ptxas spends a second instruction a code on them (an and and an or, or a mov and the lop3:
+# the loop of the 8B shape's int4 GEMV compiles to 664 instructions instead of 771 for 128 codes a thread).
+MAGIC_BITS = 0x4B000000
+_MAGIC = tl.constexpr(MAGIC_BITS)
 _MAGIC_F = tl.constexpr(8388608.0)
 
 
 @triton.jit
-def code_f32(src, BITS: tl.constexpr, Q: tl.constexpr):
-    """Code Q of `src`'s low 16 bits as the exact fp32 code * 2^(BITS*Q) (one lop3 and one add)."""
-    return ((src & (((1 << BITS) - 1) << (BITS * Q))) | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_F
+def code_f32(src, BITS: tl.constexpr, Q: tl.constexpr, magic=_MAGIC):
+    """Code Q of `src`'s low 16 bits as the exact fp32 code * 2^(BITS*Q) (one lop3 and one add; `magic`:
+    MAGIC_BITS, a kernel argument where the lop3 should take it from a register)."""
+    return ((src & (((1 << BITS) - 1) << (BITS * Q))) | magic).to(tl.float32, bitcast=True) - _MAGIC_F
 
 
 @triton.jit
@@ -78,7 +83,7 @@ def _stack_rows(a0, a1, a2, a3, ROWS: tl.constexpr, RB: tl.constexpr):
 
 @triton.jit
 def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, KW, kw_per_split,
-                    stride_xm, stride_qn, stride_sn, stride_om,
+                    stride_xm, stride_qn, stride_sn, stride_om, magic,
                     GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, SCALES: tl.constexpr,
                     ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
@@ -116,9 +121,9 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
         for j in tl.static_range(CPW):
             # slot j: code j % HALF of the word's low or high 16 bits; its activation scaled by 2^-(BITS * that)
             if j < HALF:
-                f = code_f32(words, BITS, j % HALF)
+                f = code_f32(words, BITS, j % HALF, magic)
             else:
-                f = code_f32(hi, BITS, j % HALF)
+                f = code_f32(hi, BITS, j % HALF, magic)
             k = base + RUN * j
             k_ok = w_ok & ((k < K) | EVEN_K)
             x = _x_slot(x_ptr, 0, k, k_ok)

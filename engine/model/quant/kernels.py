@@ -34,7 +34,7 @@ import torch
 import triton
 
 from engine.model.quant import launch_table, tinygemm
-from engine.model.quant.gemv import fp8_gemv_kernel, int_gemv_kernel
+from engine.model.quant.gemv import MAGIC_BITS, fp8_gemv_kernel, int_gemv_kernel
 from engine.model.quant.tensor_core import fp8_tc_kernel, int_tc_kernel
 from engine.model.triton_linear import COUNTER_LANES, split_counters
 
@@ -309,7 +309,7 @@ def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.T
     int_kernel[grid](
         rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out, part,
         counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
-        out.stride(0), GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
+        out.stride(0), MAGIC_BITS, GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
         SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw,
         EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
     return out

@@ -23,13 +23,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_MAGIC = tl.constexpr(0x4B000000)  # fp32 bits of 2^23: a code or-ed into the low mantissa is 2^23 + code
-_MAGIC_F = tl.constexpr(8388608.0)
+_MAGIC_F = tl.constexpr(8388608.0)  # 2^23: a code or-ed into the low mantissa of its fp32 bits (magic) is 2^23 + code
 
 
 @triton.jit
 def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, KW, kw_per_split,
-                  stride_xm, stride_qn, stride_sn, stride_om,
+                  stride_xm, stride_qn, stride_sn, stride_om, magic,
                   GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, SCALES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
@@ -64,7 +63,7 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
             o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
         for j in tl.static_range(CPW):
             code = (words >> (BITS * j)) & MASK
-            u = (code | _MAGIC).to(tl.float32, bitcast=True) - _MAGIC_F
+            u = (code | magic).to(tl.float32, bitcast=True) - _MAGIC_F  # magic: gemv.MAGIC_BITS
             k = base + RUN * j
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (w_ok & ((k < K) | EVEN_K))[None, :], other=0.0)
             if SCALES == 1:

@@ -52,3 +52,17 @@ def global_access_sm90(kernel, signature: dict[str, str], constants: dict, warps
     for opcode in re.findall(rf"\b{kind}\.[A-Z0-9_.]+", _cuobjdump("-sass", str(cubin))):
         found[opcode] = found.get(opcode, 0) + 1
     return found
+
+
+def loop_opcodes_sm90(kernel, signature: dict[str, str], constants: dict, warps: int, stages: int,
+                      tmp_path: Path, unaligned: tuple[str, ...] = ("M",)) -> list[str]:
+    """The opcodes of `kernel`'s longest loop (the instructions between a backward branch and its target) in its
+    sm_90 SASS: a streaming kernel's main loop, whose instructions a code bound it where it is issue-bound."""
+    _, cubin = _cubin_for_sm90(kernel, signature, constants, warps, stages, tmp_path, unaligned)
+    code = [(int(addr, 16), text) for addr, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);",
+                                                                _cuobjdump("-sass", str(cubin)))]
+    loops = [(int(target.group(1), 16), addr) for addr, text in code
+             if (target := re.search(r"\bBRA\s+`?\(?0x([0-9a-f]+)", text)) and int(target.group(1), 16) < addr]
+    assert loops, "no loop in the kernel's SASS"
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0] for addr, text in code if start <= addr <= end]

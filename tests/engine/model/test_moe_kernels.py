@@ -383,10 +383,11 @@ def _compile_cases():
     # a decode or verify step: the GEMV, in each format
     gemv_gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "o_ptr": "*bf16", "slots_ptr": "*i64",
                     "act_ptr": "*bf16", "H": "i32", "I": "i32", "TOP_K": "i32", "stride_xn": "i32",
-                    "stride_ws": "i32", "stride_wn": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_ar": "i32"}
+                    "stride_ws": "i32", "stride_wn": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_ar": "i32",
+                    "magic": "i32"}
     gemv_down = {"act_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "o_ptr": "*bf16", "rw_ptr": "*bf16",
                  "slots_ptr": "*i64", "y_ptr": "*bf16", "H": "i32", "I": "i32", "stride_ar": "i32", "stride_ws": "i32",
-                 "stride_wn": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_yr": "i32"}
+                 "stride_wn": "i32", "stride_ss": "i32", "stride_sn": "i32", "stride_yr": "i32", "magic": "i32"}
     for fmt, label, pool in ((0, "bf16", {}), (1, "fp8", {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "o_ptr": "*fp32"}),
                              (2, "int4", {"w_ptr": "*i32", "s_ptr": "*fp16", "o_ptr": "*fp16"})):
         gemv = default_launch(10, four_bit=fmt == 2)
