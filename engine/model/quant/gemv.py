@@ -34,8 +34,8 @@ from engine.model.quant.tensor_core import finish
 
 # fp32 bits of 2^23: a value or-ed into the low 23 bits of the mantissa is an exact integer above 2^23. The GEMVs
 # take it as a run-time argument (`magic`, MAGIC_BITS): sm_90's lop3 has one immediate operand, so with the mask and
-# this both constants ptxas spends a second instruction a code on them (an and and an or, or a mov and the lop3:
-# the loop of the 8B shape's int4 GEMV compiles to 664 instructions instead of 771 for 128 codes a thread).
+# this both constants ptxas spends a second instruction a code on them (an and and an or, or a mov and the lop3),
+# and the GEMV is bound by its instructions.
 MAGIC_BITS = 0x4B000000
 _MAGIC = tl.constexpr(MAGIC_BITS)
 _MAGIC_F = tl.constexpr(8388608.0)

@@ -95,10 +95,10 @@ def test_the_fp8_dequantizing_kernel_loads_a_scale_a_row_not_a_weight(block, til
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_the_int4_gemv_spends_one_logic_op_a_code_on_its_unpacking(rows, tmp_path):
-    """A batch-1 int4 decode step's GEMV is bound by its instructions (Nsight Compute on an H100: 70 % of its issue
-    slots busy, 37 % of DRAM bandwidth), and a code's unpacking is one lop3 (mask and the fp32 magic) only where the
+    """A batch-1 int4 decode step's GEMV is bound by its instructions (Nsight Compute on an H100: its SM throughput
+    well above its memory throughput), and a code's unpacking is one lop3 (mask and the fp32 magic) only where the
     magic comes from a register: sm_90's lop3 takes one immediate, so with both constants ptxas spent a mov or a
-    second lop3 a code (5.8 instructions a code in the loop at 1 row). 8B gate/up launch shape, group 128."""
+    second lop3 a code. 8B gate/up launch shape, group 128."""
     from engine.model.quant import gemv
 
     constants = dict(GROUP=128, BITS=4, RUN=4, SCALES=1, ROWS=rows, RB=rows, BLOCK_N=128, BLOCK_KW=16, SPLIT=8,
