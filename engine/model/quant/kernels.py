@@ -39,7 +39,8 @@ from engine.model.quant.tensor_core import fp8_tc_kernel, int_tc_kernel
 from engine.model.triton_linear import COUNTER_LANES, split_counters
 
 PATHS = ("gemv", "tc", "dense", "tinygemm")
-GEMV_MAX_ROWS = 4  # the GEMV keeps one accumulator per row, for a group of 4 rows a program
+# the GEMV keeps one accumulator per row, for a group of 4 rows a program: the rows a decode step's one path spans
+GEMV_MAX_ROWS = launch_table.ONE_PATH_ROWS
 VERIFY_TOKENS = 8  # an input [B, T, K] with T up to this is a decode / verify step: its path follows B
 # Defaults where the launch table has no entry. A decode or verify step of 1-4 sequences takes one path whatever its
 # batch (launch_table checks each entry for it): a request's token is computed in a step of as many sequences as
