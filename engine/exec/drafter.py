@@ -96,8 +96,12 @@ class MtpDrafter:
         """The greedy fused step after `step`, of the same rows, launched before the host has read `step`: its
         inputs are the ones `step` computed on the device (each row's pending token tokens[accepted], its
         positions moved by accepted + 1), staged from nothing on the host (engine.exec.decode_ahead)."""
-        packed = step.next_inputs
-        assert packed is not None, "only a greedy step computes the next one's inputs"
+        assert step.next_inputs is not None, "only a greedy step computes the next one's inputs"
+        # A copy (one device copy, no host): `next_inputs` is an output of the graph this step replays, so the
+        # replay overwrites it with the inputs of the step after. A step run again after an expert-cache miss
+        # (engine.exec.experts.steps: replayed or rerun eagerly) would then verify one step further on, and the
+        # tokens of this one, already in the KV, would never reach the host.
+        packed = step.next_inputs.clone()
         inputs = {"slots": packed[:, 0], "draft_rows": packed[:, 1], "pending": packed[:, 2:3],
                   "positions": packed[:, 3:]}
         return self._run_fused(inputs, step.span, "greedy")

@@ -271,3 +271,43 @@ def test_an_moe_engine_with_every_expert_resident_goes_ahead_and_one_that_may_mi
     assert engine.ahead.taken > 0
     with pytest.raises(ConfigError, match="does not hold every expert"):
         make_engine("random:moe-synth-tiny", decode_ahead="on", batch=3, expert_cache_mib=1)
+
+
+def test_mtp_fused_steps_ahead_that_miss_an_expert_run_again_on_their_own_inputs():
+    """An MoE engine whose expert cache shrinks after start (so steps go ahead, then miss) on the graph cache's CPU
+    backend (outputs in static buffers, as CUDA graphs): a fused MTP step launched ahead takes its inputs from the
+    step before's `next_inputs`, an output of the very graph it replays. When it misses an expert it is replayed
+    or rerun eagerly, and it must verify the position it was launched for: it once read its own replay's
+    `next_inputs` instead, verified one step further on, and the tokens of the step it skipped (in the KV) never
+    reached the host (H100: each row one token short of plain greedy decoding)."""
+    from engine.exec.graphs.backends import CpuGraphBackend
+    from engine.exec.graphs.cache import GraphCache
+    from engine.switches import SwitchBoard
+    from engine.telemetry import EventBus
+
+    prompts = random_prompts(2, seed=11, lengths=(20, 90))
+    script = {0: [_add(f"r{i}", p, _greedy(24)) for i, p in enumerate(prompts)]}
+    plain = _drive(make_engine("random:moe-synth-tiny", decode_ahead="off", batch=2), script)
+    graphs = GraphCache("cpu", EventBus(), SwitchBoard.from_values({}), release_tier=lambda mib, reason: 0.0,
+                        wait_interval_s=0.0, backend=CpuGraphBackend())
+    engine = make_engine("random:moe-synth-tiny", decode_ahead="on", batch=2, batch_mtp=True, mtp_depth=2,
+                         executor=graphs)
+    engine.drafter.fused = True  # the CUDA default, forced on the CPU backend
+    cache = engine.lm.model.expert_provider
+    cache.set_budget(cache.mib_for(8), "test")  # every expert resident at start: steps go ahead, then miss
+    cache.capturing = lambda x: True  # the graph-safe path (misses counted, the step run again), on the CPU
+    ran_again = []  # per fused step launched ahead: how many times it ran again after a miss
+    launch = engine.ahead._launch_verify
+
+    def watched(rows, step):
+        before = cache.stats.replays + cache.stats.reruns
+        launched = launch(rows, step)
+        ran_again.append(cache.stats.replays + cache.stats.reruns - before)
+        return launched
+
+    engine.ahead._launch_verify = watched
+    try:
+        assert _drive(engine, script) == plain
+    finally:
+        engine.close()
+    assert engine.ahead.taken > 0 and sum(n > 0 for n in ran_again) >= 2, ran_again

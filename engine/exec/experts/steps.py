@@ -10,7 +10,9 @@ It wraps the engine's executor (GraphCache on CUDA, EagerExecutor otherwise) and
    - a miss: every layer before the first missed one hit, so that layer's routing is right. Its experts are
      loaded (when they fit its pool) and the graph is replayed again, up to MAX_EXTRA_REPLAYS times; after
      that, or when the layer's access is larger than its pool, the step runs again eagerly, which serves every
-     layer itself. A step only writes KV at its own positions, so running it again is safe;
+     layer itself. A step only writes KV at its own positions, so running it again is safe, as long as its
+     inputs are its own: never an output of the graph it replays, which the first replay overwrites (MTP's
+     fused step launched ahead copies them: engine.exec.drafter.verify_and_draft_ahead);
    With the cold mode `cpu` a miss always runs the step again eagerly (its misses computed on the host); with
    `prefetch` the layers past the first missed one are also loaded from the graph's predictions before the
    replay (engine.exec.experts.cold);
