@@ -198,12 +198,28 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,driver_versio
 "$PY" -c "import torch, transformers as t; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', t.__version__)" >>"$LOG" 2>&1
 
-log "START checkpoint: $MODEL (random weights written once, shared by every benchmark)"
-timeout 90 "$PY" -c "
+# Steps that never read $MODEL's checkpoint (models of their own, drawn on the GPU, or the test suites): a call of
+# only these does not write it, which would spend the call's device time on weights no step reads.
+OWN_MODEL_STEPS=" llama_build experts_kernels experts_resident experts_cold experts_prefill_chunked experts_prefill \
+moe80b_seed quant_tests quant_linear quant_linear_small dequant_ncu quant_decode quant_peers gpu_suite \
+gpu_suite_shared gpu_suite_alone peer_tests "
+reads_model() {  # whether a step of this call is not one of OWN_MODEL_STEPS
+    local s steps=${STEPS:-$DEFAULT_STEPS}
+    for s in ${steps//,/ }; do
+        [[ "$OWN_MODEL_STEPS" == *" $s "* ]] || return 0
+    done
+    return 1
+}
+if reads_model; then
+    log "START checkpoint: $MODEL (random weights written once, shared by every benchmark)"
+    timeout 90 "$PY" -c "
 import sys, torch
 from engine.bench.common import prepare_model
 print(prepare_model(sys.argv[1], torch.device(sys.argv[2])))" "$MODEL" "$DEVICE" >>"$LOG" 2>&1
-log "END checkpoint rc=$?"
+    log "END checkpoint rc=$?"
+else
+    log "SKIP checkpoint: no step of this call reads $MODEL"
+fi
 
 # The default speed benchmarks (decode, peers, MTP, TTFT, graphs, switches) keep SPEED_RESERVE_MIB free: serve's
 # default tier takes all VRAM but the reserve (~140 GiB of small blocks on a 141 GiB card), which makes every

@@ -108,6 +108,31 @@ def test_limit_scale_multiplies_a_steps_own_limit(tmp_path: Path, scale: str | N
     assert f"START attention_decode (limit {limit_s}s)" in log, log
 
 
+@pytest.mark.parametrize("steps, writes", [("quant_linear,gpu_suite_alone", False), ("quant_decode", False),
+                                           ("quant_linear,decode", True), ("attention_decode", True), ("", True)])
+def test_the_checkpoint_is_written_only_for_a_call_whose_steps_read_it(tmp_path: Path, steps: str,
+                                                                       writes: bool) -> None:
+    """A call of steps that bring their own models (the quantized benches, the GPU suites) does not spend its device
+    time writing MODEL's random checkpoint first; a call with any step that reads it (or the default steps) does."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON="true", BUDGET_S="1000")
+    env.pop("STEPS", None)
+    if steps:
+        env["STEPS"] = steps
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "run_all_gpu.log").read_text()
+    assert proc.returncode == 0, log
+    assert ("START checkpoint" in log) == writes and ("SKIP checkpoint" in log) != writes, log
+
+
+def test_every_step_named_as_bringing_its_own_model_is_a_step() -> None:
+    script = (ROOT / "benchmarks" / "run_all_gpu.sh").read_text()
+    steps = set(subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh"), "--list"], capture_output=True,
+                               text=True, timeout=30, check=True).stdout.split())
+    own = script.split('OWN_MODEL_STEPS="', 1)[1].split('"', 1)[0].replace("\\\n", " ").split()
+    assert len(own) > 10 and set(own) <= steps, set(own) - steps
+
+
 def test_a_pytest_step_cut_off_by_its_limit_still_names_every_test_that_ran(tmp_path: Path) -> None:
     """The GPU suite once ran into its call's limit with `-q`: 184 dots, three `F`s and no name. A pytest step
     now prints a line per test as it ends and stops starting tests SESSION_MARGIN_S before its limit, so the run
