@@ -28,6 +28,7 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 QUANTIZE_FORMATS = ("fp8", "fp8-block", "int4")
 QUANTIZE_MODES = ("off",) + QUANTIZE_FORMATS
+INT4_DECODE_KERNELS = ("strata", "tinygemm")
 MAX_CONTEXT_TOKENS = 262144
 DEFAULT_VRAM_RESERVE_MIB = 1024
 # A 262,144-token prompt as JSON: token ids take at most 7 bytes each (1.8 MiB); text about 4 bytes a token,
@@ -83,6 +84,10 @@ class EngineConfig:
     quantize_head: bool = field(default=False, metadata=_opt(
         "the LM head in FP8 at load (e4m3, a scale per vocabulary row; the embeddings stay as loaded): the head is "
         "the largest weight a decode step reads"))
+    int4_decode: str = field(default="strata", metadata=_opt(
+        "the kernel of CUDA decode and verify steps of 1-4 sequences on int4 weights: strata (this engine's GEMV) or "
+        "tinygemm (PyTorch's int4 kernel: faster at those batches, but it holds the int4 codes a second time in its "
+        "own layout, counted in the VRAM books; docs/MODEL.md)", choices=INT4_DECODE_KERNELS))
     batch: int = field(default=4, metadata=_opt("concurrent request slots", metavar="N"))
     batch_mtp: bool = field(default=False, metadata=_opt("batched MTP speculative drafting for all decoding slots"))
     mtp_depth: int = field(default=1, metadata=_opt("draft tokens per MTP round", metavar="K"))
@@ -171,6 +176,8 @@ class EngineConfig:
             raise ConfigError("log_level", self.log_level, f"expected one of {', '.join(LOG_LEVELS)}")
         if self.quantize not in QUANTIZE_MODES:
             raise ConfigError("quantize", self.quantize, f"expected one of {', '.join(QUANTIZE_MODES)}")
+        if self.int4_decode not in INT4_DECODE_KERNELS:
+            raise ConfigError("int4_decode", self.int4_decode, f"expected one of {', '.join(INT4_DECODE_KERNELS)}")
         if self.kv not in KV_DTYPES:
             raise ConfigError("kv", self.kv, f"expected one of {', '.join(KV_DTYPES)}")
         if self.decode_ahead not in DECODE_AHEAD_MODES:

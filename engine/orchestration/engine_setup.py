@@ -235,11 +235,14 @@ class _PartsBuilder:
             bus.publish(WarningEvent(where="engine.chunks", message=streams.note))
         if board.enabled("FUSED_PROJ"):
             model.fuse_projections()
-        if lm.device.type == "cuda" and any(is_quantized(m) for m in model.modules()):
+        quantized_on_gpu = lm.device.type == "cuda" and any(is_quantized(m) for m in model.modules())
+        if config.int4_decode != "strata" and not quantized_on_gpu:  # the CPU's products are dequantize + matmul
+            raise ConfigError("int4_decode", config.int4_decode, "picks the kernel of quantized weights on CUDA")
+        if quantized_on_gpu:
             from engine.model.quant.kernels import prepare  # Triton: CUDA only
 
             # the split counters and tinygemm's packs exist before any graph capture and before the KV is sized
-            prepare(lm.device, model, lm.dtype)
+            prepare(lm.device, model, lm.dtype, config.int4_decode)
         if graphs is None:
             graphs = default_graphs(config, bus, board, self.make_room, streams)
         self.stage = "building the expert cache"

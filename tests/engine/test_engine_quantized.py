@@ -70,6 +70,27 @@ def test_on_the_gpu_greedy_mtp_on_equals_off_for_every_format(fmt, ckpt, tmp_pat
                        vram_reserve_mib=beside_others_reserve_mib())
 
 
+def test_int4_decode_tinygemm_is_refused_where_no_product_takes_it(ckpt):
+    """`--int4-decode` picks the kernel of quantized weights on CUDA: on the CPU (dequantize + matmul) or on
+    weights that are not quantized it would do nothing, so the engine refuses it by name."""
+    from engine.errors import ConfigError
+
+    for quantize in ("int4", "off"):
+        with pytest.raises(ConfigError, match="int4_decode.*picks the kernel of quantized weights on CUDA"):
+            make_engine(ckpt, batch=1, quantize=quantize, int4_decode="tinygemm")
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_shared  # its engines keep to 4 GiB (beside_others_reserve_mib)
+def test_on_the_gpu_int4_decode_tinygemm_keeps_mtp_on_equal_off_and_books_its_packs(ckpt):
+    """Decode and verify steps of 1-4 sequences through PyTorch's tinygemm: greedy MTP on = off (one path for every
+    step of 1-4 sequences), and the VRAM books count its pack of the codes as weights."""
+    kw = dict(device="cuda", dtype="bfloat16", tier_budget_mib=64.0, vram_reserve_mib=beside_others_reserve_mib())
+    ours = _mtp_on_equals_off(ckpt, "int4", **kw)
+    tiny = _mtp_on_equals_off(ckpt, "int4", int4_decode="tinygemm", **kw)
+    assert tiny["weights_mib"] > ours["weights_mib"], (tiny, ours)
+
+
 @pytest.mark.gpu  # alone: the 0.6B shape's random weights are drawn on the GPU at start, past a 4 GiB share
 @pytest.mark.parametrize("quantize", ["fp8", "int4"])
 def test_on_the_gpu_split_k_products_keep_mtp_on_equal_off_without_fused_ops(quantize):

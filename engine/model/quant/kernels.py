@@ -27,12 +27,14 @@ graphs. The same kernels run in Triton's interpreter on CPU (the tests' oracle i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from engine.errors import ConfigError
 from engine.model.quant import launch_table, tinygemm
 from engine.model.quant.gemv import MAGIC_BITS, fp8_gemv_kernel, int_gemv_kernel
 from engine.model.quant.tensor_core import fp8_tc_kernel, int_tc_kernel
@@ -192,10 +194,12 @@ def _native_fp8(device: torch.device) -> bool:
 
 
 def prepare(device: torch.device | str, model: torch.nn.Module | None = None,
-            dtype: torch.dtype = torch.bfloat16) -> None:
+            dtype: torch.dtype = torch.bfloat16, int4_decode: str = "strata") -> None:
     """Before any CUDA graph capture of a quantized model: every lane's split counters, the one-off probe of the
     block-scaled FP8 GEMM the prompt chunks may take, and tinygemm's pack of each of `model`'s layers the launch
-    table routes to it (made now, so the VRAM books count it as weights: `linear.model_bytes`)."""
+    table routes to it (made now, so the VRAM books count it as weights: `linear.model_bytes`); with
+    `int4_decode="tinygemm"` (`--int4-decode`) every int4 layer tinygemm takes is routed to it first
+    (`route_decode_to_tinygemm`)."""
     from engine.model.quant.dense import blockwise_works
 
     device = torch.device(device)
@@ -204,9 +208,26 @@ def prepare(device: torch.device | str, model: torch.nn.Module | None = None,
     for lane in COUNTER_LANES:
         split_counters(device, lane)
     blockwise_works(device)
+    if int4_decode == "tinygemm" and route_decode_to_tinygemm(model) == 0:
+        raise ConfigError("int4_decode", int4_decode, "the model has no int4 projection tinygemm takes (4-bit codes "
+                                                      "in groups of 32-256, outputs a multiple of 8)")
     for layer in model.modules() if model is not None else ():
         if getattr(layer, "quantized", False) and plan(layer).tinygemm_rows > 0:  # a QuantLinear
             tinygemm.packed(layer, dtype)
+
+
+def route_decode_to_tinygemm(model: torch.nn.Module | None) -> int:
+    """Route the decode and verify steps of 1-4 sequences of each of `model`'s int4 layers that tinygemm takes to
+    tinygemm (their launch plans; the steps past 4 sequences and the prompt chunks keep their paths); the number
+    of layers routed."""
+    routed = 0
+    for layer in model.modules() if model is not None else ():
+        if getattr(layer, "quantized", False) and tinygemm.takes(layer):
+            launch = plan(layer)
+            rows = max(launch.tinygemm_rows, min(GEMV_MAX_ROWS, launch.tc_rows))
+            layer.__dict__["_quant_launch"] = dataclasses.replace(launch, tinygemm_rows=rows)
+            routed += 1
+    return routed
 
 
 def quant_linear(x: torch.Tensor, layer, path: str | None = None, config: QuantConfig | None = None) -> torch.Tensor:

@@ -310,6 +310,33 @@ def test_the_layers_routed_to_tinygemm_are_packed_at_start_and_their_packs_count
         launch_table.read.cache_clear()
 
 
+def test_int4_decode_tinygemm_routes_every_int4_layer_it_takes_for_decode_steps_of_1_to_4_sequences():
+    """`--int4-decode tinygemm`: the decode and verify steps of 1-4 sequences of every int4 layer tinygemm takes go
+    to it whatever the launch table says (one path for all of them: MTP on = off), steps of more sequences and
+    prompt chunks keep their paths, the packs are made at start and counted as weights; a model with no layer it
+    takes is refused by name."""
+    from engine.errors import ConfigError
+    from engine.model.quant import kernels, tinygemm
+    from engine.model.quant.linear import model_bytes
+
+    routed, grouped, small_group = _int_layer(4, 128, n=64, k=256), _int_layer(4, 32, n=64, k=256), \
+        _int_layer(8, 32, n=64, k=256)
+    model = torch.nn.Sequential(routed, grouped, small_group)
+    before = model_bytes(model)
+    kernels.prepare("cpu", model, torch.bfloat16, int4_decode="tinygemm")
+    for layer in (routed, grouped):
+        assert [kernels.path_of(layer, 3 * b, sequences=b) for b in (1, 2, 3, 4)] == ["tinygemm"] * 4
+        assert kernels.path_of(layer, 5, sequences=5) == "tc" and kernels.path_of(layer, 300) == "dense"
+        assert tinygemm.pack_bytes(layer) > 0
+    assert kernels.path_of(small_group, 1, sequences=1) == "gemv" and tinygemm.pack_bytes(small_group) == 0
+    assert model_bytes(model) == before + tinygemm.pack_bytes(routed) + tinygemm.pack_bytes(grouped)
+    x = torch.randn(2, 1, 256, dtype=torch.bfloat16)  # a decode step of two sequences, through tinygemm
+    ref = routed.reference(x.float())
+    assert (kernels.quant_linear(x, routed).float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    with pytest.raises(ConfigError, match="int4_decode.*no int4 projection tinygemm takes"):
+        kernels.prepare("cpu", torch.nn.Sequential(_int_layer(8, 32, n=64, k=256)), int4_decode="tinygemm")
+
+
 @pytest.mark.parametrize("part", range(KERNEL_CHECK_PARTS))
 def test_the_kernels_in_the_triton_interpreter_match_the_reference(part):
     run_in_interpreter("tests.engine.model.test_quant_kernels", "kernels_check", part)
