@@ -18,6 +18,7 @@ from engine.errors import ConfigError
 from engine.model.quant.linear import model_bytes
 
 TARGET_B1_TOK_S = 1500.0
+INT4_TINYGEMM = "int4+tinygemm"  # a --weight-formats item: int4 weights, decode steps through tinygemm
 _CONTEXT_MARGIN_TOKENS = 64
 
 
@@ -32,11 +33,18 @@ def graph_modes(text: str) -> list[bool]:
 
 
 def weight_formats(text: str) -> list[str]:
-    """`off,fp8,int4` -> one engine per --quantize value, in that order (off: the checkpoint as stored)."""
+    """`off,fp8,int4,int4+tinygemm` -> one engine per --quantize value, in that order (off: the checkpoint as
+    stored; int4+tinygemm: int4 with `--int4-decode tinygemm`)."""
     formats = [item.strip() for item in text.split(",")]
-    if not formats or any(f not in QUANTIZE_MODES for f in formats):
-        raise ConfigError("weight_formats", text, f"expected a comma-separated list of {', '.join(QUANTIZE_MODES)}")
+    if not formats or any(f not in QUANTIZE_MODES and f != INT4_TINYGEMM for f in formats):
+        raise ConfigError("weight_formats", text, f"expected a comma-separated list of {', '.join(QUANTIZE_MODES)}"
+                                                  f" or {INT4_TINYGEMM}")
     return formats
+
+
+def format_overrides(fmt: str) -> dict[str, str]:
+    """The engine options of a --weight-formats item."""
+    return dict(quantize="int4", int4_decode="tinygemm") if fmt == INT4_TINYGEMM else dict(quantize=fmt)
 
 
 def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_tokens: int, new_tokens: int,
@@ -45,6 +53,7 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
     bench = build_engine(args, graphs=graphs, batch=max(batches),
                          context=prompt_tokens + new_tokens + _CONTEXT_MARGIN_TOKENS, **overrides)
     rows = []
+    tinygemm = overrides.get("int4_decode") == "tinygemm"
     try:
         lm = bench.engine.lm
         vocab = lm.config.vocab_size
@@ -55,7 +64,8 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
             generate_all(bench, warmup, new_tokens)  # captures every bucket the timed run needs
             stats = generate_all(bench, prompts, new_tokens)
             rows.append({
-                "weights": lm.weight_format, "quantize": overrides.get("quantize", "off"),
+                "weights": lm.weight_format + (", decode through tinygemm" if tinygemm else ""),
+                "quantize": INT4_TINYGEMM if tinygemm else overrides.get("quantize", "off"),
                 "weights_mib": round(model_bytes(lm.model) / 2**20, 3),
                 "graphs": "on" if graphs else "off", "graphs_active": bench.graphs_active, "batch": batch,
                 "decode_tok_s": stats.decode_tok_s,
@@ -72,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
     """Every graph mode x batch size; print the table, write the JSON."""
     device = device_of(args.device)
     rows: list[dict[str, Any]] = []
-    for quantize in weight_formats(args.weight_formats or args.quantize):
+    for fmt in weight_formats(args.weight_formats or args.quantize):
         for graphs in graph_modes(args.graph_modes):
-            rows += measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens, quantize=quantize)
+            rows += measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens, **format_overrides(fmt))
             save_partial(args, "decode", rows, device)
     emit(args, "decode", rows, summarize(rows), device,
          ("weights", "weights_mib", "graphs", "graphs_active", "batch", "decode_tok_s", "per_slot_tok_s", "tok_s",

@@ -13,7 +13,8 @@ By the product's rows (the thresholds are per weight class and device, engine.mo
   the bf16 weight into cuBLAS: compute-bound, where cuBLAS is what is fast.
 - int4 layers whose class the table routes to `tinygemm`: torch._weight_int4pack_mm (PyTorch's own int4 kernel)
   up to `tinygemm_rows` (where it measured faster than these kernels: a decode step's few rows), on the layer's
-  weight repacked once (engine.model.quant.tinygemm).
+  weight repacked once (engine.model.quant.tinygemm); with `--int4-decode tinygemm` every int4 layer it takes,
+  for the steps of 1-4 sequences (`route_decode_to_tinygemm`).
 
 The launch shape is a function of the weight's shape only, never of the row count, and a decode or verify step's
 path and tensor-core row tile follow its sequences, not its rows (so a row's output does not depend on the other

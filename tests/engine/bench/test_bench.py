@@ -445,3 +445,11 @@ def test_decode_compares_weight_formats_one_engine_each(tmp_path: Path) -> None:
     assert {"fp8_vs_fp32_b1", "int4_vs_fp32_b1"} <= set(doc["summary"])
     with pytest.raises(ConfigError, match="weight_formats='int3'"):
         bench(tmp_path, ["decode", *TINY, "--weight-formats", "int3"])
+    # int4 with --int4-decode tinygemm, a row of its own beside int4 (on the GPU; the CPU refuses the option)
+    from engine.bench.decode import format_overrides, weight_formats
+
+    assert weight_formats("off,int4,int4+tinygemm") == ["off", "int4", "int4+tinygemm"]
+    assert format_overrides("int4+tinygemm") == {"quantize": "int4", "int4_decode": "tinygemm"}
+    with pytest.raises(ConfigError, match="int4_decode='tinygemm'"):
+        bench(tmp_path, ["decode", *TINY, "--batches", "1", "--prompt-tokens", "8", "--new-tokens", "5",
+                         "--graph-modes", "off", "--weight-formats", "int4+tinygemm"])
