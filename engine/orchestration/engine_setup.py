@@ -243,6 +243,8 @@ class _PartsBuilder:
 
             # the split counters and tinygemm's packs exist before any graph capture and before the KV is sized
             prepare(lm.device, model, lm.dtype, config.int4_decode)
+            if config.int4_decode == "tinygemm":  # the books say which kernel decodes (strata-tui shows them)
+                lm = dataclasses.replace(lm, weight_format=f"{lm.weight_format}, int4 decode on tinygemm")
         if graphs is None:
             graphs = default_graphs(config, bus, board, self.make_room, streams)
         self.stage = "building the expert cache"

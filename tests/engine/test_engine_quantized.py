@@ -84,11 +84,12 @@ def test_int4_decode_tinygemm_is_refused_where_no_product_takes_it(ckpt):
 @pytest.mark.gpu_shared  # its engines keep to 4 GiB (beside_others_reserve_mib)
 def test_on_the_gpu_int4_decode_tinygemm_keeps_mtp_on_equal_off_and_books_its_packs(ckpt):
     """Decode and verify steps of 1-4 sequences through PyTorch's tinygemm: greedy MTP on = off (one path for every
-    step of 1-4 sequences), and the VRAM books count its pack of the codes as weights."""
+    step of 1-4 sequences), and the VRAM books count its pack of the codes as weights and name the kernel."""
     kw = dict(device="cuda", dtype="bfloat16", tier_budget_mib=64.0, vram_reserve_mib=beside_others_reserve_mib())
     ours = _mtp_on_equals_off(ckpt, "int4", **kw)
     tiny = _mtp_on_equals_off(ckpt, "int4", int4_decode="tinygemm", **kw)
     assert tiny["weights_mib"] > ours["weights_mib"], (tiny, ours)
+    assert tiny["weight_format"].endswith("int4 decode on tinygemm") and "tinygemm" not in ours["weight_format"]
 
 
 @pytest.mark.gpu  # alone: the 0.6B shape's random weights are drawn on the GPU at start, past a 4 GiB share
