@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
             generate_all(bench, warmup, new_tokens)  # captures every bucket the timed run needs
             stats = generate_all(bench, prompts, new_tokens)
             rows.append({
-                "weights": lm.weight_format + (", decode through tinygemm" if tinygemm else ""),
+                "weights": lm.weight_format,  # with --int4-decode tinygemm it names the kernel too
                 "quantize": INT4_TINYGEMM if tinygemm else overrides.get("quantize", "off"),
                 "weights_mib": round(model_bytes(lm.model) / 2**20, 3),
                 "graphs": "on" if graphs else "off", "graphs_active": bench.graphs_active, "batch": batch,
