@@ -53,7 +53,6 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
     bench = build_engine(args, graphs=graphs, batch=max(batches),
                          context=prompt_tokens + new_tokens + _CONTEXT_MARGIN_TOKENS, **overrides)
     rows = []
-    tinygemm = overrides.get("int4_decode") == "tinygemm"
     try:
         lm = bench.engine.lm
         vocab = lm.config.vocab_size
@@ -64,8 +63,7 @@ def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_t
             generate_all(bench, warmup, new_tokens)  # captures every bucket the timed run needs
             stats = generate_all(bench, prompts, new_tokens)
             rows.append({
-                "weights": lm.weight_format,  # with --int4-decode tinygemm it names the kernel too
-                "quantize": INT4_TINYGEMM if tinygemm else overrides.get("quantize", "off"),
+                "weights": lm.weight_format, "quantize": overrides.get("quantize", "off"),
                 "weights_mib": round(model_bytes(lm.model) / 2**20, 3),
                 "graphs": "on" if graphs else "off", "graphs_active": bench.graphs_active, "batch": batch,
                 "decode_tok_s": stats.decode_tok_s,
@@ -84,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for fmt in weight_formats(args.weight_formats or args.quantize):
         for graphs in graph_modes(args.graph_modes):
-            rows += measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens, **format_overrides(fmt))
+            measured = measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens, **format_overrides(fmt))
+            rows += [{**row, "quantize": fmt} for row in measured]  # int4+tinygemm: a ratio of its own
             save_partial(args, "decode", rows, device)
     emit(args, "decode", rows, summarize(rows), device,
          ("weights", "weights_mib", "graphs", "graphs_active", "batch", "decode_tok_s", "per_slot_tok_s", "tok_s",
