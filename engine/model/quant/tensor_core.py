@@ -28,7 +28,7 @@ _MAGIC_F = tl.constexpr(8388608.0)  # 2^23: a code or-ed into the low mantissa o
 
 @triton.jit
 def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, KW, kw_per_split,
-                  stride_xm, stride_qn, stride_sn, stride_om, magic,
+                  stride_xm, stride_qn, stride_sn, stride_om, magic: tl.constexpr,
                   GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, SCALES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr,
                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
@@ -63,7 +63,8 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
             o = tl.load(o_ptr + rn64[:, None] * stride_sn + g[None, :], mask=g_ok, other=0.0).to(tl.float32)
         for j in tl.static_range(CPW):
             code = (words >> (BITS * j)) & MASK
-            u = (code | magic).to(tl.float32, bitcast=True) - _MAGIC_F  # magic: gemv.MAGIC_BITS
+            u = (code | magic).to(tl.float32, bitcast=True) - _MAGIC_F  # gemv.MAGIC_BITS as a constant: as a
+            # run-time value (the GEMV takes it so) Triton stages each unpacked tile through shared memory for the dot
             k = base + RUN * j
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (w_ok & ((k < K) | EVEN_K))[None, :], other=0.0)
             if SCALES == 1:

@@ -28,6 +28,15 @@ _DEQUANT_FP8 = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": 
                 "stride_sn": "i32", "stride_on": "i32"}
 
 
+def _magic_as_launched(kernel) -> dict:
+    """The fp32 magic as engine.model.quant.kernels passes it (positionally, gemv.MAGIC_BITS): a constant where the
+    kernel declares it constexpr, else a run-time i32 (`_INT`'s)."""
+    from engine.model.quant import gemv
+
+    constexpr = next(param.is_constexpr for param in kernel.params if param.name == "magic")
+    return {"magic": gemv.MAGIC_BITS} if constexpr else {}
+
+
 def _cases():
     from engine.model.quant import dense, gemv, tensor_core
 
@@ -39,8 +48,8 @@ def _cases():
                 HAS_BIAS=False, EVEN_K=True)))
         for block_m, warps in ((16, 4), (64, 8), (128, 8)):
             cases.append((f"int{bits}-g{group} tc {block_m} rows", tensor_core.int_tc_kernel, _INT, warps, 3, dict(
-                GROUP=group, BITS=bits, RUN=4, SCALES=scales, BLOCK_M=block_m, BLOCK_N=64, BLOCK_KW=16, SPLIT=2,
-                HAS_BIAS=True, EVEN_K=True)))
+                **_magic_as_launched(tensor_core.int_tc_kernel), GROUP=group, BITS=bits, RUN=4, SCALES=scales,
+                BLOCK_M=block_m, BLOCK_N=64, BLOCK_KW=16, SPLIT=2, HAS_BIAS=True, EVEN_K=True)))
     for name, sbn, sbk, scales in (("fp8", 1, 4096, 0), ("fp8-block", 128, 128, 1)):
         for rows in (1, 4):
             cases.append((f"{name} gemv rows {rows}", gemv.fp8_gemv_kernel, _FP8, 4, 2, dict(
@@ -107,3 +116,18 @@ def test_the_int4_gemv_spends_one_logic_op_a_code_on_its_unpacking(rows, tmp_pat
     codes = 128 * 16 * 8 // (4 * 32)  # a thread's codes a step
     assert ops.count("LOP3.LUT") <= 1.25 * codes, ops.count("LOP3.LUT")
     assert len(ops) <= (5.4 if rows == 1 else 12.5) * codes, len(ops)
+
+
+def test_the_int4_tensor_core_kernel_unpacks_in_registers_for_its_dot(tmp_path):
+    """5-64 rows (a batch-16 decode step) on int4: the unpacked codes go from registers into the dot's operand.
+    With the fp32 magic a run-time argument (as the GEMV takes it) Triton staged every unpacked tile through shared
+    memory, with a barrier each, and took more registers: a loop of more instructions for the same dot. The engine's
+    16-row launch shape at the 8B shapes, group 128."""
+    from engine.model.quant import tensor_core
+
+    constants = dict(**_magic_as_launched(tensor_core.int_tc_kernel), GROUP=128, BITS=4, RUN=4, SCALES=1, BLOCK_M=16,
+                     BLOCK_N=64, BLOCK_KW=16, SPLIT=4, HAS_BIAS=False, EVEN_K=True)
+    ops = loop_opcodes_sm90(tensor_core.int_tc_kernel, _INT, constants, 4, 3, tmp_path)
+    barriers = sum(op.startswith("BAR.SYNC") for op in ops)
+    shared_stores = sum(op.startswith("STS") for op in ops)
+    assert barriers <= 4 and shared_stores <= 4, (barriers, shared_stores)
