@@ -100,7 +100,8 @@ def _decode(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=whole_number, default=256, help="tokens generated per request")
     p.add_argument("--graph-modes", default="on,off", help="on,off | on | off (CUDA graphs; CPU is always eager)")
     p.add_argument("--weight-formats", default=None, metavar="LIST",
-                   help="one engine per --quantize value, e.g. off,fp8,int4 (default: --quantize's value)")
+                   help="one engine per --quantize value, e.g. off,fp8,fp8+head,int4,int4+tinygemm (+head: with "
+                        "--quantize-head; +tinygemm: with --int4-decode tinygemm; default: --quantize's value)")
 
 
 def _mtp(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,8 @@ from engine.errors import ConfigError
 from engine.model.quant.linear import model_bytes
 
 TARGET_B1_TOK_S = 1500.0
-INT4_TINYGEMM = "int4+tinygemm"  # a --weight-formats item: int4 weights, decode steps through tinygemm
+# a --weight-formats item is a --quantize value with options after a "+" each: the decode kernel or the head
+FORMAT_OPTIONS = {"tinygemm": {"int4_decode": "tinygemm"}, "head": {"quantize_head": True}}
 _CONTEXT_MARGIN_TOKENS = 64
 
 
@@ -33,18 +34,24 @@ def graph_modes(text: str) -> list[bool]:
 
 
 def weight_formats(text: str) -> list[str]:
-    """`off,fp8,int4,int4+tinygemm` -> one engine per --quantize value, in that order (off: the checkpoint as
-    stored; int4+tinygemm: int4 with `--int4-decode tinygemm`)."""
+    """`off,fp8,fp8+head,int4,int4+tinygemm` -> one engine per item, in that order (off: the checkpoint as stored;
+    +head: with `--quantize-head`; +tinygemm: with `--int4-decode tinygemm`)."""
     formats = [item.strip() for item in text.split(",")]
-    if not formats or any(f not in QUANTIZE_MODES and f != INT4_TINYGEMM for f in formats):
-        raise ConfigError("weight_formats", text, f"expected a comma-separated list of {', '.join(QUANTIZE_MODES)}"
-                                                  f" or {INT4_TINYGEMM}")
+    for fmt in formats:
+        base, *options = fmt.split("+")
+        if base not in QUANTIZE_MODES or len(set(options)) < len(options) or not set(options) <= FORMAT_OPTIONS.keys():
+            raise ConfigError("weight_formats", text, f"expected a comma-separated list of {', '.join(QUANTIZE_MODES)}"
+                                                      f", each with +{' / +'.join(FORMAT_OPTIONS)} at most once")
     return formats
 
 
-def format_overrides(fmt: str) -> dict[str, str]:
+def format_overrides(fmt: str) -> dict[str, Any]:
     """The engine options of a --weight-formats item."""
-    return dict(quantize="int4", int4_decode="tinygemm") if fmt == INT4_TINYGEMM else dict(quantize=fmt)
+    base, *options = fmt.split("+")
+    overrides: dict[str, Any] = {"quantize": base}
+    for option in options:
+        overrides.update(FORMAT_OPTIONS[option])
+    return overrides
 
 
 def measure(args: argparse.Namespace, graphs: bool, batches: list[int], prompt_tokens: int, new_tokens: int,
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     for fmt in weight_formats(args.weight_formats or args.quantize):
         for graphs in graph_modes(args.graph_modes):
             measured = measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens, **format_overrides(fmt))
-            rows += [{**row, "quantize": fmt} for row in measured]  # int4+tinygemm: a ratio of its own
+            rows += [{**row, "quantize": fmt} for row in measured]  # fp8+head: a ratio of its own
             save_partial(args, "decode", rows, device)
     emit(args, "decode", rows, summarize(rows), device,
          ("weights", "weights_mib", "graphs", "graphs_active", "batch", "decode_tok_s", "per_slot_tok_s", "tok_s",

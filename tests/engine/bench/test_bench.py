@@ -437,12 +437,13 @@ def test_admission_sums_the_steps_that_published_graph_or_tier_events() -> None:
 
 def test_decode_compares_weight_formats_one_engine_each(tmp_path: Path) -> None:
     doc = bench(tmp_path, ["decode", *TINY, "--batches", "1", "--prompt-tokens", "8", "--new-tokens", "5",
-                           "--graph-modes", "off", "--weight-formats", "off,fp8,int4"])
+                           "--graph-modes", "off", "--weight-formats", "off,fp8,fp8+head,int4"])
     rows = doc["rows"]
-    assert [r["weights"].split()[0] for r in rows] == ["fp32", "fp8", "int4"]
-    assert rows[0]["weights_mib"] > rows[1]["weights_mib"] > rows[2]["weights_mib"]  # the embedding stays fp32
+    assert [r["weights"].split()[0] for r in rows] == ["fp32", "fp8", "fp8", "int4"]
+    assert rows[0]["weights_mib"] > rows[1]["weights_mib"] > rows[3]["weights_mib"]  # the embedding stays fp32
+    assert "head" in rows[2]["weights"] and "head" not in rows[1]["weights"]  # --quantize-head: the engine's label
     assert all(r["tokens"] == 5 and r["decode_tok_s"] > 0 for r in rows)
-    assert {"fp8_vs_fp32_b1", "int4_vs_fp32_b1"} <= set(doc["summary"])
+    assert {"fp8_vs_fp32_b1", "fp8+head_vs_fp32_b1", "int4_vs_fp32_b1"} <= set(doc["summary"])
     with pytest.raises(ConfigError, match="weight_formats='int3'"):
         bench(tmp_path, ["decode", *TINY, "--weight-formats", "int3"])
     # int4 with --int4-decode tinygemm, a row of its own beside int4 (on the GPU; the CPU refuses the option)
@@ -450,6 +451,11 @@ def test_decode_compares_weight_formats_one_engine_each(tmp_path: Path) -> None:
 
     assert weight_formats("off,int4,int4+tinygemm") == ["off", "int4", "int4+tinygemm"]
     assert format_overrides("int4+tinygemm") == {"quantize": "int4", "int4_decode": "tinygemm"}
+    assert format_overrides("int4+head+tinygemm") == {"quantize": "int4", "quantize_head": True,
+                                                      "int4_decode": "tinygemm"}
+    for bad in ("fp8+tail", "fp8+head+head", "fp9+head"):
+        with pytest.raises(ConfigError, match="weight_formats"):
+            weight_formats(f"off,{bad}")
     with pytest.raises(ConfigError, match="int4_decode='tinygemm'"):
         bench(tmp_path, ["decode", *TINY, "--batches", "1", "--prompt-tokens", "8", "--new-tokens", "5",
                          "--graph-modes", "off", "--weight-formats", "int4+tinygemm"])
