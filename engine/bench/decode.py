@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     for fmt in weight_formats(args.weight_formats or args.quantize):
         for graphs in graph_modes(args.graph_modes):
             measured = measure(args, graphs, args.batches, args.prompt_tokens, args.new_tokens, **format_overrides(fmt))
-            rows += [{**row, "quantize": fmt} for row in measured]  # fp8+head: a ratio of its own
+            rows += [{**row, "quantize": fmt} for row in measured]  # by its item: fp8 and fp8+head, a ratio each
             save_partial(args, "decode", rows, device)
     emit(args, "decode", rows, summarize(rows), device,
          ("weights", "weights_mib", "graphs", "graphs_active", "batch", "decode_tok_s", "per_slot_tok_s", "tok_s",
