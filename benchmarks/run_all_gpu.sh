@@ -12,8 +12,8 @@
 # QUANT_SIZE (8b), QUANT_SMALL_SIZE (0.6b), QUANT_TUNE, QUANT_ROWS, QUANT_FORMATS, MOE_TOKENS, MOE_TUNE, DEVICE, the
 # sizes PROMPT, NEW, LONG, TTFT_SIZES, SWITCH_LONG, SPLIT_LONG, SWITCH_NEW, GRAPH_NEW, COPY_MIB, SPEED_RESERVE_MIB (or
 # SPEED_USABLE_MIB); DECODE_COMPILE=0 skips the compiled decode run; SEED_RUNS, MOE_RUNS, MOE80B_RUNS, GPU_WORKERS for
-# the seed and test-suite steps; GPU_TESTS (default tests) the folder or files the gpu_suite steps collect,
-# SESSION_MARGIN_S their session's end before the limit;
+# the seed and test-suite steps; GPU_TESTS (default tests) the folders, files or test ids (space-separated) the
+# gpu_suite steps collect, SESSION_MARGIN_S their session's end before the limit;
 # LIMIT_SCALE (default 1) multiplies every step's own limit (a slower or busier machine; the budget still caps each)
 # (tests/engine/bench/test_bench_script.py runs the default steps on CPU with tiny sizes).
 set -uo pipefail
@@ -404,10 +404,11 @@ step prefill_eta 200 "$PY" benchmarks/bench_prefill_eta.py --device "$DEVICE" --
     --decode-slots 0 4 --refresh-s 0.1
 # The GPU tests: those marked gpu_shared (kernels and models against references) side by side, each other test
 # alone through tests/conftest.py's lock. On an H100 the whole suite does not fit one 10-minute call.
-pytest_step gpu_suite 590 -m gpu -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=0 "${GPU_TESTS:-tests}"
+read -ra GPU_TEST_ARGS <<<"${GPU_TESTS:-tests}"
+pytest_step gpu_suite 590 -m gpu -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=0 "${GPU_TEST_ARGS[@]}"
 pytest_step gpu_suite_shared 590 -m "gpu and gpu_shared" -n "${GPU_WORKERS:-4}" --dist loadgroup --durations=0 \
-    "${GPU_TESTS:-tests}"
-pytest_step gpu_suite_alone 590 -m "gpu and not gpu_shared" --durations=0 "${GPU_TESTS:-tests}"
+    "${GPU_TEST_ARGS[@]}"
+pytest_step gpu_suite_alone 590 -m "gpu and not gpu_shared" --durations=0 "${GPU_TEST_ARGS[@]}"
 
 # Two GPUs: the prefix-cache tier and the MoE expert store on cuda:1.
 pytest_step peer_tests 150 -m gpu -s tests/engine/test_engine_gpu.py tests/engine/model/test_moe_gpu.py \

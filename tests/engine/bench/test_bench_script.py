@@ -162,3 +162,23 @@ def test_a_pytest_step_cut_off_by_its_limit_still_names_every_test_that_ran(tmp_
     assert passed <= 2 and f"gpu_suite_alone: {passed} passed, 1 failed, 0 errors, 0 skipped" in log, log
     assert "FAILED " in log and "test_a_fails" in log, log
     assert "test_d_never_starts" not in lines, lines
+
+
+def test_gpu_tests_names_several_test_ids_and_the_step_runs_exactly_those(tmp_path: Path) -> None:
+    """GPU_TESTS takes several folders, files or test ids, space-separated (the alone half of the GPU suite does
+    not fit one call on an H100, so a call runs the part a previous one did not reach)."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_three.py").write_text(
+        "import pytest\npytestmark = pytest.mark.gpu\n"
+        "def test_a():\n    pass\ndef test_b():\n    pass\ndef test_c():\n    pass\n")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, STEPS="gpu_suite_alone",
+               GPU_TESTS=f"{suite}/test_three.py::test_a {suite}/test_three.py::test_c", BUDGET_S="1000",
+               DEVICE="cpu", MODEL="random:tiny", STRATA_BENCH_CACHE=str(tmp_path / "ckpt"))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "out" / "run_all_gpu.log").read_text()
+    assert proc.returncode == 0, log
+    assert "gpu_suite_alone: 2 passed, 0 failed, 0 errors, 0 skipped" in log, log
+    lines = (tmp_path / "out" / "gpu_suite_alone.log").read_text()
+    assert "test_a PASSED" in lines and "test_c PASSED" in lines and "test_b" not in lines, lines
