@@ -1,6 +1,7 @@
 """Which switches this engine can run, settled once at start after the model and the KV cache exist: switches
 whose code path cannot run here are marked unavailable (quietly: the reference path is what runs, and turning
-them on cannot change that), FUSED_OPS puts its kernels in place, and each switch set at start is announced."""
+them on cannot change that), FUSED_OPS puts its kernels in place, each switch set at start is announced, and the
+Triton kernels launch with PDL from then on where the device has it (engine.model.pdl; before any graph capture)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import engine.model.attention.backends as attention_backends
 from engine.config import EngineConfig
 from engine.exec.gpu_errors import real_message
 from engine.exec.kv.cache import SlotKVCache
+from engine.model import pdl
 from engine.switches import SWITCHES, SwitchBoard
 from engine.telemetry import EventBus, SwitchEvent
 
 
 def settle_switches(board: SwitchBoard, bus: EventBus, config: EngineConfig, model: Any, kv: SlotKVCache,
                     has_experts: bool) -> None:
+    pdl.enable(kv.device)
     if not has_experts:
         for sw in SWITCHES:
             if sw.moe_only:

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.model.pdl import gdc_start, launch_kwargs
+
 
 MAX_ROWS = 64  # rows up to this take the kernel (a decode batch of 8 with an MTP verify of depth 2 is 24)
 _MIN_BLOCK_M = 16  # the tensor cores' smallest row tile: fewer rows are padded (masked, never loaded)
@@ -47,7 +49,8 @@ class LinearConfig:
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
                    stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_start(USE_GDC)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -178,6 +181,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         rows, weight, bias if has_bias else weight, out, part, counters, m, n, k, k_per_split,
         rows.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
     )
     return out.view(*x.shape[:-1], n)

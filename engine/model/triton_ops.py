@@ -29,13 +29,15 @@ from triton.language.extra import libdevice
 from engine.model.attention.kv_site import KVSite
 from engine.model.attention.triton_kv_write import store_kv_row
 from engine.model.attention.triton_paged import scale_pools
+from engine.model.pdl import gdc_start, launch_kwargs
 # the layers reach every FUSED_OPS kernel through here
 from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, split_counters
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_res, stride_out, stride_sum,
-                         n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_start(USE_GDC)
     eps = tl.full([], eps, tl.float32)  # torch.compile passes a Python float as fp64 (see triton_prefill.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -68,6 +70,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     _add_rms_norm_kernel[(rows_x.shape[0],)](
         rows_x, rows_res, weight, rows_out, rows_sum, rows_x.stride(0), rows_res.stride(0), rows_out.stride(0),
         rows_sum.stride(0), h, eps, HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block),
+        **launch_kwargs(),
     )
     return out, summed
 
@@ -77,7 +80,8 @@ def _qk_norm_rope_kernel(src_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, kp_
                          blocks_ptr, offsets_ptr, stride_sb, stride_st, stride_sh, stride_cb, stride_ct,
                          stride_ph, stride_pb, stride_sc_h, stride_sc_b, n_tokens, out_heads, q_heads, kv_heads, eps,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                         INT8: tl.constexpr):
+                         INT8: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_start(USE_GDC)
     # One program per (row, token) and q or k head. WRITE_KV (a serving forward): a k head's program stores its rotated
     # key, and the value of the same KV head, straight into the pool where the block table put the token (write_kv's
     # stores), so the keys make no round trip through memory and the write is no launch of its own; `out` then
@@ -173,7 +177,7 @@ def _launch_qk_norm_rope(src: torch.Tensor, heads: int, q_heads: int, kv_heads: 
         src, q_weight if norm else cos, k_weight if norm else cos, cos, sin_rot, out, *pools,
         src.stride(0), src.stride(1), src.stride(2), cos.stride(0), cos.stride(1), *strides, t, out.shape[1],
         q_heads, kv_heads, eps, D=d, BLOCK_D=block, NORM=norm, WRITE_KV=site is not None, INT8=int8,
-        num_warps=1 if block <= 256 else 4,
+        num_warps=1 if block <= 256 else 4, **launch_kwargs(),
     )
 
 
@@ -184,7 +188,8 @@ _LIBDEVICE = not os.environ.get("TRITON_INTERPRET")
 
 @triton.jit
 def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, stride_pb, stride_pt, n_tokens, scaling,
-                        HALF: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_start(USE_GDC)
     scaling = tl.full([], scaling, tl.float32)  # as in _add_rms_norm_kernel: a Python float may come as fp64
     row = tl.program_id(0).to(tl.int64)  # one (row, token)
     i = tl.arange(0, BLOCK)
@@ -214,12 +219,14 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
     sin_rot = torch.empty_like(cos)
     _rope_tables_kernel[(b * t,)](positions, inv_freq, cos, sin_rot, positions.stride(0), positions.stride(1), t,
                                   scaling, HALF=half,
-                                  BLOCK=triton.next_power_of_2(half), LIBDEVICE=_LIBDEVICE, num_warps=1)
+                                  BLOCK=triton.next_power_of_2(half), LIBDEVICE=_LIBDEVICE, num_warps=1,
+                                  **launch_kwargs())
     return cos, sin_rot
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_start(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -239,7 +246,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](
-        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, num_warps=4,
+        g, u, out, g.stride(0), u.stride(0), n, BLOCK=block, num_warps=4, **launch_kwargs(),
     )
     return out
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from engine.model.attention.triton_paged_config import DEFAULT_CONFIG, TILE_LOADS, KernelConfig
+from engine.model.pdl import gdc_start, launch_kwargs
 
 try:  # host-side TMA descriptors (Triton 3.4 and later); without them a config's "tma" loads run as "block"
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -49,8 +50,9 @@ def _paged_decode_kernel(
     sm_scale, span_tokens, context_tokens, min_split_tiles, num_splits, head_rows,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SINGLE: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
-    LOADS: tl.constexpr,
+    LOADS: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_start(USE_GDC)
     sm_scale = tl.full([], sm_scale, tl.float32)  # torch.compile passes a Python float as fp64 (see triton_prefill.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -147,8 +149,9 @@ def _paged_decode_kernel(
 def _combine_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, stride_ot, num_splits,
     T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_start(USE_GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2)  # one query row (g, t) of this KV head
@@ -268,7 +271,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         1.0 / math.sqrt(d), span_tokens, context_tokens, config.min_split_tiles, splits, k_pool.shape[1],
         T=t, G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=tile, PAGE=block_tokens, SINGLE=splits == 1,
         INT8=int8, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", LOADS=loads,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(),
     )
     if splits > 1:
         combine_splits(mid_o, mid_lse, out, splits, t, g)
@@ -284,5 +287,5 @@ def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     _combine_splits_kernel[(b, hkv, g * t)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), out.stride(2), splits,
         T=t, G=g, D=out.shape[-1], BLOCK_D=block_d, BLOCK_M=rows, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        num_warps=4,
+        num_warps=4, **launch_kwargs(),
     )

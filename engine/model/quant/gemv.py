@@ -30,6 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.model.pdl import gdc_start
 from engine.model.quant.tensor_core import finish
 
 # fp32 bits of 2^23: a value or-ed into the low 23 bits of the mantissa is an exact integer above 2^23. The GEMVs
@@ -86,7 +87,8 @@ def int_gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_
                     stride_xm, stride_qn, stride_sn, stride_om, magic,
                     GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, SCALES: tl.constexpr,
                     ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_start(USE_GDC)
     CPW: tl.constexpr = 32 // BITS  # codes per word
     HALF: tl.constexpr = CPW // 2  # codes per 16-bit half of a word
     pid_n = tl.program_id(0)
@@ -168,7 +170,8 @@ def fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M,
                     stride_xm, stride_wn, stride_sn, stride_om,
                     SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALES: tl.constexpr,
                     NATIVE_FP8: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_start(USE_GDC)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     row0 = tl.program_id(2) * 4  # this program's group of (up to) 4 rows

@@ -36,6 +36,7 @@ import torch
 import triton
 
 from engine.errors import ConfigError
+from engine.model.pdl import launch_kwargs
 from engine.model.quant import launch_table, tinygemm
 from engine.model.quant.gemv import MAGIC_BITS, fp8_gemv_kernel, int_gemv_kernel
 from engine.model.quant.tensor_core import fp8_tc_kernel, int_tc_kernel
@@ -324,7 +325,7 @@ def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.T
             layer.bias if has_bias else layer.weight_scale, out, part, counters, m, n, k, k_per_split,
             rows.stride(0), layer.weight.stride(0), layer.weight_scale.stride(0), out.stride(0),
             SCALE_BLOCK_N=layer.block_n, SCALE_BLOCK_K=layer.block_k, SCALES=scale_mode(layer, cfg.block_k),
-            NATIVE_FP8=native, BLOCK_K=cfg.block_k, **common)
+            NATIVE_FP8=native, BLOCK_K=cfg.block_k, **common, **launch_kwargs())
         return out
     block_kw = _block_words(layer, cfg, least_words)
     words = layer.qweight.shape[1]
@@ -334,7 +335,7 @@ def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.T
         counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
         out.stride(0), MAGIC_BITS, GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
         SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw,
-        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
+        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common, **launch_kwargs())
     return out
 
 

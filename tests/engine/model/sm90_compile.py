@@ -15,6 +15,8 @@ def _cubin_for_sm90(kernel, signature: dict[str, str], constants: dict, warps: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # a constexpr with a default (USE_GDC, engine.model.pdl) is left out of a launch that does not set it
+    constants = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constants}
     signature = {**signature, **{name: "constexpr" for name in constants}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
              if kind != "constexpr" and name not in unaligned}
