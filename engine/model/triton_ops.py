@@ -188,7 +188,8 @@ _LIBDEVICE = not os.environ.get("TRITON_INTERPRET")
 
 @triton.jit
 def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, stride_pb, stride_pt, n_tokens, scaling,
-                        HALF: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, USE_GDC: tl.constexpr = False):
+                        HALF: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        USE_GDC: tl.constexpr = False):
     gdc_start(USE_GDC)
     scaling = tl.full([], scaling, tl.float32)  # as in _add_rms_norm_kernel: a Python float may come as fp64
     row = tl.program_id(0).to(tl.int64)  # one (row, token)
@@ -225,7 +226,8 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, n_cols, BLOCK: tl.constexpr,
+                     USE_GDC: tl.constexpr = False):
     gdc_start(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
