@@ -133,6 +133,18 @@ def test_every_step_named_as_bringing_its_own_model_is_a_step() -> None:
     assert len(own) > 10 and set(own) <= steps, set(own) - steps
 
 
+def _gpu_suite_alone(tmp_path: Path, gpu_tests: str, **env_extra: str) -> str:
+    """run_all_gpu.sh's step gpu_suite_alone over GPU_TESTS on CPU (the tests below mark themselves gpu); its log."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, STEPS="gpu_suite_alone",
+               GPU_TESTS=gpu_tests, BUDGET_S="1000", DEVICE="cpu", MODEL="random:tiny",
+               STRATA_BENCH_CACHE=str(tmp_path / "ckpt"), **env_extra)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    log = (tmp_path / "out" / "run_all_gpu.log").read_text()
+    assert proc.returncode == 0, log
+    return log
+
+
 def test_a_pytest_step_cut_off_by_its_limit_still_names_every_test_that_ran(tmp_path: Path) -> None:
     """The GPU suite once ran into its call's limit with `-q`: 184 dots, three `F`s and no name. A pytest step
     now prints a line per test as it ends and stops starting tests SESSION_MARGIN_S before its limit, so the run
@@ -146,13 +158,7 @@ def test_a_pytest_step_cut_off_by_its_limit_still_names_every_test_that_ran(tmp_
         "def test_b_passes():\n    pass\n"
         "def test_c_sleeps():\n    time.sleep(4)\n"
         "def test_d_never_starts():\n    pass\n")
-    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, STEPS="gpu_suite_alone",
-               GPU_TESTS=str(suite), BUDGET_S="1000", SESSION_MARGIN_S="589",  # the step's limit is 590 s
-               DEVICE="cpu", MODEL="random:tiny", STRATA_BENCH_CACHE=str(tmp_path / "ckpt"))
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    log = (tmp_path / "out" / "run_all_gpu.log").read_text()
-    assert proc.returncode == 0, log
+    log = _gpu_suite_alone(tmp_path, str(suite), SESSION_MARGIN_S="589")  # the step's limit is 590 s
     assert "START gpu_suite_alone (limit 590s, session 1s)" in log, log
     assert "END gpu_suite_alone rc=1" in log, log
     lines = (tmp_path / "out" / "gpu_suite_alone.log").read_text()
@@ -172,13 +178,7 @@ def test_gpu_tests_names_several_test_ids_and_the_step_runs_exactly_those(tmp_pa
     (suite / "test_three.py").write_text(
         "import pytest\npytestmark = pytest.mark.gpu\n"
         "def test_a():\n    pass\ndef test_b():\n    pass\ndef test_c():\n    pass\n")
-    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, STEPS="gpu_suite_alone",
-               GPU_TESTS=f"{suite}/test_three.py::test_a {suite}/test_three.py::test_c", BUDGET_S="1000",
-               DEVICE="cpu", MODEL="random:tiny", STRATA_BENCH_CACHE=str(tmp_path / "ckpt"))
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "run_all_gpu.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    log = (tmp_path / "out" / "run_all_gpu.log").read_text()
-    assert proc.returncode == 0, log
+    log = _gpu_suite_alone(tmp_path, f"{suite}/test_three.py::test_a {suite}/test_three.py::test_c")
     assert "gpu_suite_alone: 2 passed, 0 failed, 0 errors, 0 skipped" in log, log
     lines = (tmp_path / "out" / "gpu_suite_alone.log").read_text()
     assert "test_a PASSED" in lines and "test_c PASSED" in lines and "test_b" not in lines, lines
