@@ -36,10 +36,6 @@ def enable(device: torch.device | str) -> bool:
     return _on
 
 
-def enabled() -> bool:
-    return _on
-
-
 def launch_kwargs() -> dict:
     """The launch options of a kernel that calls `gdc_start`: PDL and its wait, or nothing."""
     return {"USE_GDC": True, "launch_pdl": True} if _on else {}

@@ -22,7 +22,7 @@ def _tokens(ckpt, monkeypatch, on: bool, **kw):
     engine = Engine(EngineConfig(model=str(ckpt), device="cuda:0", dtype="bfloat16", batch=6, context=2048, **kw),
                     EventBus(), block_tokens=16)
     try:
-        assert pdl.enabled() == (on and torch.cuda.get_device_capability() >= (9, 0))
+        assert bool(pdl.launch_kwargs()) == (on and torch.cuda.get_device_capability() >= (9, 0))
         prompts = random_prompts(6, seed=17, lengths=(20, 200))
         return tokens_of(run_all(engine, prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)))
     finally:
