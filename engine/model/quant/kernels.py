@@ -280,7 +280,7 @@ def _gemv(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
     has_bias = layer.bias is not None
     group = min(m, GEMV_MAX_ROWS)
     common = dict(ROWS=group, RB=triton.next_power_of_2(group), BLOCK_N=cfg.block_n, SPLIT=cfg.split_k,
-                  HAS_BIAS=has_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HAS_BIAS=has_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs())
     return _launch(fp8_gemv_kernel, int_gemv_kernel, 4, grid, rows, layer, cfg, out, part, counters, common)
 
 
@@ -304,7 +304,9 @@ def _tc(rows: torch.Tensor, layer, cfg: QuantConfig, block_m: int) -> torch.Tens
     # a taller row tile keeps fewer steps in flight (its activation tiles fill the shared memory a step's
     # pipeline holds); the stages change when loads are issued, never the order of the sums
     # a row tile of 64 and up takes 8 warps at least (at 4 its accumulators and activation tiles spill: sm_90's
-    # register counts, compiled); warps change which thread sums what, never the order of a column's sums
+    # register counts, compiled); warps change which thread sums what, never the order of a column's sums.
+    # No PDL here (the GEMV and the step's other kernels have it): a tensor-core kernel's programs placed while
+    # the kernel before drains made decode at 16 rows slower, not faster (docs/MODEL.md, "Why these kernels")
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
                   num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages)
     return _launch(fp8_tc_kernel, int_tc_kernel, 16, grid, rows, layer, cfg, out, part, counters, common)
@@ -325,7 +327,7 @@ def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.T
             layer.bias if has_bias else layer.weight_scale, out, part, counters, m, n, k, k_per_split,
             rows.stride(0), layer.weight.stride(0), layer.weight_scale.stride(0), out.stride(0),
             SCALE_BLOCK_N=layer.block_n, SCALE_BLOCK_K=layer.block_k, SCALES=scale_mode(layer, cfg.block_k),
-            NATIVE_FP8=native, BLOCK_K=cfg.block_k, **common, **launch_kwargs())
+            NATIVE_FP8=native, BLOCK_K=cfg.block_k, **common)
         return out
     block_kw = _block_words(layer, cfg, least_words)
     words = layer.qweight.shape[1]
@@ -335,7 +337,7 @@ def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.T
         counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
         out.stride(0), MAGIC_BITS, GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
         SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw,
-        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common, **launch_kwargs())
+        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
     return out
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.model.pdl import gdc_start
 
 _MAGIC_F = tl.constexpr(8388608.0)  # 2^23: a code or-ed into the low mantissa of its fp32 bits (magic) is 2^23 + code
 
@@ -33,8 +32,7 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
                   stride_xm, stride_qn, stride_sn, stride_om, magic: tl.constexpr,
                   GROUP: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr, SCALES: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_GDC: tl.constexpr = False):
-    gdc_start(USE_GDC)
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
     CPW: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = CPW // 2
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -89,8 +87,7 @@ def fp8_tc_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N
                   stride_xm, stride_wn, stride_sn, stride_om,
                   SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr, SCALES: tl.constexpr,
                   NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr = False):
-    gdc_start(USE_GDC)
+                  SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)

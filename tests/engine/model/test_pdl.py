@@ -64,3 +64,28 @@ def test_a_kernel_with_pdl_waits_before_its_first_global_access(case, tmp_path):
     assert "griddepcontrol.launch_dependents" in body[1], label
     plain, _ = _cubin_for_sm90(kernel, signature, constants, warps, stages, tmp_path, ("M",))
     assert "griddepcontrol" not in plain.asm["ptx"], f"{label} without PDL compiles as before"
+
+
+def test_with_pdl_on_the_quantized_gemv_launches_with_it_and_the_tensor_core_path_without(monkeypatch):
+    """The quantized GEMV (1-4 rows) takes PDL like the other kernels of a step; the tensor-core path (5-256 rows)
+    launches without it: with it, decode at batch 16 measured slower (docs/MODEL.md, "Why these kernels")."""
+    from engine.model.quant import kernels
+    from tests.engine.model.test_quant_kernels import _fp8_layer, _int_layer
+
+    launches = []
+
+    class Recorder:  # stands in for a Triton kernel (no launch on a CPU): what a launch asked for
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append((self.name, options.get("launch_pdl", False)))
+
+    for name in ("int_gemv_kernel", "int_tc_kernel", "fp8_gemv_kernel", "fp8_tc_kernel"):
+        monkeypatch.setattr(kernels, name, Recorder(name))
+    monkeypatch.setattr(pdl, "_on", True)
+    for layer in (_int_layer(4, 128), _fp8_layer((128, 128))):
+        kernels.quant_linear(torch.randn(1, 1, layer.in_features), layer, path="gemv")
+        kernels.quant_linear(torch.randn(16, 1, layer.in_features), layer, path="tc")
+    assert launches == [("int_gemv_kernel", True), ("int_tc_kernel", False),
+                        ("fp8_gemv_kernel", True), ("fp8_tc_kernel", False)]
