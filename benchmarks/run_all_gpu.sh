@@ -378,7 +378,7 @@ pytest_step quant_tests 480 -m gpu -n "${GPU_WORKERS:-4}" --dist loadgroup --dur
     tests/engine/model/test_quant_kernels_gpu.py tests/engine/bench/test_bench_linear_quant.py
 # Each launch shape of QUANT_TUNE on the GEMV (1-4 rows) and the tensor-core path (5-256 rows), every path and
 # tinygemm side by side; quant_launch_table.json is the launch table they measured (engine/model/quant/).
-QUANT_TUNE=${QUANT_TUNE:-256x128x2x8x2,64x128x4x4x3,128x256x2x4x3,32x128x8x2x4}
+QUANT_TUNE=${QUANT_TUNE:-256x128x2x8x2,64x128x4x4x3,128x256x2x4x3,32x128x8x2x4,64x128x4x4x3xpairs,128x128x4x4x3xpairs}
 run quant_linear 330 linear --device "$DEVICE" --size "${QUANT_SIZE:-8b}" --rows "${QUANT_ROWS:-1,4,16,128,2048}" \
     --iters 40 --quant "${QUANT_FORMATS:-fp8,fp8-block,int4}" --quant-tune "$QUANT_TUNE" \
     --table-out "$OUT/quant_launch_table.json"

@@ -266,7 +266,8 @@ def _linear(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="", help="time the quantized kernels instead, against cuBLAS bf16: "
                    "a comma-separated list of fp8, fp8-block, int4, int4-g32, int8, int8-g32")
     p.add_argument("--quant-tune", default="", help="the quantized kernels' launch shapes to time too, on the 1-4 "
-                   "row GEMV and the tensor-core path: BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (64x128x2x4x3)")
+                   "row GEMV and the tensor-core path: BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES,... (64x128x2x4x3; "
+                   "the tensor-core path's int4 also ...xpairs: two codes unpacked at a time)")
     p.add_argument("--table-out", default="", help="write the fastest measured launch shapes and row thresholds "
                    "per weight class as a launch table (merged into the file's other devices)")
 

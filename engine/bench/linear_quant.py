@@ -11,7 +11,9 @@ timed as `bench linear` times its rows (a CUDA graph of `--iters` products rotat
 - `tinygemm_ms` (int4, groups tinygemm takes): PyTorch's own `torch._weight_int4pack_mm` on the weight repacked;
 - `gemlite_ms`: gemlite's kernel, where the package is importable (it is not a dependency);
 - each `--quant-tune` shape (`BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES`) on the GEMV (`g_<shape>_ms`, 1-4 rows) and the
-  tensor-core path (`t_<shape>_ms`, 5-256 rows): one GPU run times every candidate;
+  tensor-core path (`t_<shape>_ms`, 5-256 rows): one GPU run times every candidate; a shape ending in `xpairs`
+  (int4 codes unpacked two at a time, engine.model.quant.tensor_core_pairs) on the tensor-core path of the
+  layers it takes;
 - `chunk_gemm`: what the prompt-chunk path runs here (an FP8 GEMM row-wise or block-scaled, or dequantize +
   cuBLAS bf16: the block-scaled GEMM where the device ran it right once, `kernels.prepare`);
 - `*_max_err`: the largest difference from cuBLAS's product of the dequantized weight, over its largest value;
@@ -144,12 +146,12 @@ def quant_case(name: str, n: int, k: int, rows: int, fmt: str, device: torch.dev
     if rows <= kernels.GEMV_MAX_ROWS:
         shapes.append(("gemv", rotating(layers, lambda layer: kernels.quant_linear(x, layer, "gemv"))))
         shapes += [(f"g_{c.label()}", rotating(layers, lambda layer, c=c: kernels.quant_linear(x, layer, "gemv", c)))
-                   for c in tune]
+                   for c in tune if c.unpack == "slots"]
     if 4 < rows <= _TC_MAX_ROWS or rows in (4, _DENSE_MIN_ROWS):
         shapes.append(("tc", rotating(layers, lambda layer: kernels.quant_linear(x, layer, "tc"))))
     if 4 < rows <= _TC_MAX_ROWS:
         shapes += [(f"t_{c.label()}", rotating(layers, lambda layer, c=c: kernels.quant_linear(x, layer, "tc", c)))
-                   for c in tune]
+                   for c in tune if c.unpack == "slots" or kernels.takes_pairs(first, c)]
     if rows >= _DENSE_MIN_ROWS:
         shapes.append(("dense", rotating(layers, lambda layer: kernels.quant_linear(x, layer, "dense"))))
     if tinygemm.takes(first) and device.type == "cuda":

@@ -40,6 +40,7 @@ from engine.model.pdl import launch_kwargs
 from engine.model.quant import launch_table, tinygemm
 from engine.model.quant.gemv import MAGIC_BITS, fp8_gemv_kernel, int_gemv_kernel
 from engine.model.quant.tensor_core import fp8_tc_kernel, int_tc_kernel
+from engine.model.quant.tensor_core_pairs import int4_pairs_kernel
 from engine.model.triton_linear import COUNTER_LANES, split_counters
 
 PATHS = ("gemv", "tc", "dense", "tinygemm")
@@ -64,32 +65,47 @@ SCALE_PER_STEP = 1  # one scale (int: and offset) per column per K step, applied
 SCALE_PER_ELEMENT = 2  # fp8: the weight tile scaled before the product; int: a scale per run of words
 
 
+# How the tensor-core path unpacks int codes: "slots" one code at a time, the weight as the dot's second operand
+# (engine.model.quant.tensor_core); "pairs" two int4 codes at a time, the weight as its first
+# (engine.model.quant.tensor_core_pairs: int4 in groups that span a step, the tensor-core path only)
+UNPACKS = ("slots", "pairs")
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Launch shape: output columns per program, K (codes) per loop step, K splits (1: no partial sums), warps,
-    stages."""
+    stages, and how the tensor-core path unpacks int codes (UNPACKS)."""
 
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    unpack: str = "slots"
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}={value}: a power of two, at least 16")
+        if self.unpack not in UNPACKS:
+            raise ValueError(f"unpack={self.unpack!r}: expected one of {', '.join(UNPACKS)}")
 
     def label(self) -> str:
-        return f"{self.block_n}x{self.block_k}x{self.split_k}x{self.num_warps}x{self.num_stages}"
+        shape = f"{self.block_n}x{self.block_k}x{self.split_k}x{self.num_warps}x{self.num_stages}"
+        return shape if self.unpack == "slots" else f"{shape}x{self.unpack}"
 
     @classmethod
     def parse(cls, text: str) -> "QuantConfig":
         parts = text.split("x")
-        if len(parts) != 5 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"{text!r}: a launch shape is BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES")
-        return cls(*map(int, parts))
+        if len(parts) not in (5, 6) or not all(p.isdigit() for p in parts[:5]):
+            raise ValueError(f"{text!r}: a launch shape is BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES[xUNPACK]")
+        return cls(*map(int, parts[:5]), *parts[5:])
+
+
+def takes_pairs(layer, cfg: QuantConfig) -> bool:
+    """Whether the pair-unpacking kernel runs `layer` at `cfg`'s steps: int4 codes, a group spanning each step."""
+    return layer.format == "int4" and scale_mode(layer, cfg.block_k) == SCALE_PER_STEP
 
 
 def scale_mode(layer, block_k: int) -> int:
@@ -152,9 +168,12 @@ def launch_of(layer, entry: dict, device: torch.device) -> Launch:
     """The launch plan a launch-table entry (engine.model.quant.launch_table; {}: the defaults) gives `layer`."""
     tc_rows = int(entry.get("tc_rows", _default_tc_rows(layer, device)))
     tiny = int(entry.get("tinygemm_rows", tc_rows if entry.get("backend") == "tinygemm" else 0))
+    tc = QuantConfig.parse(entry["tc"]) if "tc" in entry else default_config(layer, "tc")
+    if tc.unpack == "pairs" and not takes_pairs(layer, tc):  # a layer of the class whose groups split its steps
+        tc = default_config(layer, "tc")
     return Launch(
         gemv=QuantConfig.parse(entry["gemv"]) if "gemv" in entry else default_config(layer, "gemv"),
-        tc=QuantConfig.parse(entry["tc"]) if "tc" in entry else default_config(layer, "tc"),
+        tc=tc,
         gemv_rows=int(entry.get("gemv_rows", DEFAULT_GEMV_ROWS["fp8" if layer.format == "fp8" else "int"])),
         tc_rows=tc_rows, tinygemm_rows=min(tiny, tc_rows) if tinygemm.takes(layer) else 0)
 
@@ -271,6 +290,8 @@ def _partials(rows: torch.Tensor, n: int, cfg: QuantConfig, tiles: int):
 
 
 def _gemv(rows: torch.Tensor, layer, cfg: QuantConfig) -> torch.Tensor:
+    if cfg.unpack != "slots":
+        raise ValueError(f"launch shape {cfg.label()}: the GEMV unpacks one code at a time (pairs: the tensor cores')")
     m = rows.shape[0]
     n = layer.out_features
     out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
@@ -309,7 +330,28 @@ def _tc(rows: torch.Tensor, layer, cfg: QuantConfig, block_m: int) -> torch.Tens
     # the kernel before drains made decode at 16 rows slower, not faster (docs/MODEL.md, "Why these kernels")
     common = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
                   num_warps=max(cfg.num_warps, 8) if block_m >= 64 else cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.unpack == "pairs":
+        return _pairs(rows, layer, cfg, grid, out, part, counters, common)
     return _launch(fp8_tc_kernel, int_tc_kernel, 16, grid, rows, layer, cfg, out, part, counters, common)
+
+
+def _pairs(rows: torch.Tensor, layer, cfg: QuantConfig, grid: tuple, out: torch.Tensor, part: torch.Tensor,
+           counters: torch.Tensor, common: dict) -> torch.Tensor:
+    """The tensor-core path through the pair-unpacking kernel (engine.model.quant.tensor_core_pairs)."""
+    if not takes_pairs(layer, cfg):
+        raise ValueError(f"launch shape {cfg.label()}: pairs unpack int4 codes in groups that span a step of "
+                         f"{cfg.block_k} codes; {launch_table.layer_format(layer)} (group {layer.group_size}, "
+                         f"K {layer.in_features}) takes the slots")
+    block_kw = _block_words(layer, cfg, 16)
+    words = layer.qweight.shape[1]
+    kw_per_split = triton.cdiv(triton.cdiv(words, cfg.split_k), block_kw) * block_kw
+    m, k = rows.shape
+    int4_pairs_kernel[grid](
+        rows, layer.qweight, layer.scales, layer.offsets, layer.bias if layer.bias is not None else layer.scales,
+        out, part, counters, m, layer.out_features, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0),
+        layer.scales.stride(0), out.stride(0), GROUP=layer.group_size, RUN=layer.run, BLOCK_KW=block_kw,
+        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
+    return out
 
 
 def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.Tensor, layer, cfg: QuantConfig,

@@ -8,7 +8,8 @@ launch_table.json beside this file: {"devices": {DEVICE NAME: {CLASS: ENTRY}}}, 
 rounded up to powers of two (the 8B shape's gate/up, 24576 x 4096, is `int4/n32768/k4096`), FORMAT one of
 `fp8` (a scale per channel), `fp8-block` (blocks along K), `int4`, `int8` (groups of 128 and up, or one group),
 `int4-g32`, `int8-g32`, `int8-g16` (GGUF's smaller groups). ENTRY's keys, each optional:
-- `gemv`, `tc`: launch shapes `BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES` of the 1-4 row and the tensor-core paths;
+- `gemv`, `tc`: launch shapes `BLOCK_NxBLOCK_KxSPLITxWARPSxSTAGES` of the 1-4 row and the tensor-core paths (`tc`:
+  also `...xpairs`, int4 codes unpacked two at a time: engine.model.quant.tensor_core_pairs);
 - `gemv_rows` (0 or 4): the most rows the GEMV takes; `tc_rows`: the most the tensor-core kernel takes (more rows:
   the prompt-chunk path, engine.model.quant.dense);
 - `tinygemm_rows` (int4; 0, or 4 and up): the most rows torch._weight_int4pack_mm (PyTorch's tinygemm) takes instead

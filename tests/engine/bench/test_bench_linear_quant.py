@@ -53,7 +53,8 @@ def test_the_bench_in_the_interpreter_times_every_path_and_writes_a_launch_table
     table.write_text(json.dumps({"devices": {"NVIDIA H200": {"int4/n64/k64": {"tc_rows": 8}}}}))
     done = subprocess.run([sys.executable, "-m", "engine.bench", "linear", "--device", "cpu", "--size", "tiny",
                            "--rows", "1,16", "--iters", "1", "--quant", "int4,fp8-block",
-                           "--quant-tune", "32x128x2x4x3", "--table-out", str(table), "--json", str(tmp_path / "q.json")],
+                           "--quant-tune", "32x128x2x4x3,64x128x1x4x3xpairs", "--table-out", str(table),
+                           "--json", str(tmp_path / "q.json")],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "q.json").read_text())["rows"]
@@ -61,6 +62,11 @@ def test_the_bench_in_the_interpreter_times_every_path_and_writes_a_launch_table
     for row in rows:
         assert not [key for key in row if key.endswith("_error")], row
         columns = ("gemv", "g_32x128x2x4x3") if row["rows"] == 1 else ("tc", "t_32x128x2x4x3", "dense")
+        # the pair-unpacking shape: on the tensor-core path of the int4 layers whose group spans its step (K 128,
+        # the down projection's), never on the GEMV's 1-4 rows nor on FP8
+        pairs = row["rows"] == 16 and row["format"] == "int4" and row["k"] == 128
+        columns += ("t_64x128x1x4x3xpairs",) if pairs else ()
+        assert pairs == any("xpairs" in key for key in row), row
         assert all(row[f"{c}_max_err"] <= 1e-5 for c in ("quant",) + columns), row
     written = launch_table.read(table)
     assert written["NVIDIA H200"] == {"int4/n64/k64": {"tc_rows": 8}}  # another device's entries kept

@@ -153,6 +153,53 @@ def dense_check() -> None:
         assert torch.equal(q.float()[~carried], ref[~carried]) and carried.float().mean() < 0.2
 
 
+def pairs_check() -> None:
+    """In the interpreter: the pair-unpacking int4 kernel (`xpairs` launch shapes) against the reference: groups of
+    128 and 256, act-order, N off the column tiles, K off the splits (masked steps), rows 5-64."""
+    from engine.model.quant import kernels
+
+    torch.manual_seed(0)
+    configs = [kernels.QuantConfig(64, 128, 1, 4, 3, "pairs"), kernels.QuantConfig(16, 128, 3, 4, 2, "pairs"),
+               kernels.QuantConfig(32, 256, 2, 4, 3, "pairs")]
+    for layer in (_int_layer(4, 128, n=72, k=512), _int_layer(4, 128, n=48, k=256, perm=True),
+                  _int_layer(4, 128, n=33, k=384, bias=False), _int_layer(4, 256, n=40, k=512)):
+        for config in configs:
+            if not kernels.takes_pairs(layer, config):  # a step longer than the group: the slots' only
+                assert config.block_k > layer.group_size, (layer, config)
+                continue
+            for rows in ((5, 17, 64) if config is configs[0] else (6,)):
+                x = torch.randn(rows, layer.in_features)
+                _check(layer, x, kernels.quant_linear(x, layer, "tc", config), (layer, "tc pairs", config, rows))
+
+
+def test_the_pair_unpacking_kernel_in_the_triton_interpreter_matches_the_reference():
+    run_in_interpreter("tests.engine.model.test_quant_kernels", "pairs_check")
+
+
+def test_a_pairs_launch_shape_reads_back_and_names_what_it_cannot_take():
+    from engine.model.quant import kernels
+
+    pairs = kernels.QuantConfig.parse("128x128x4x4x3xpairs")
+    assert pairs.unpack == "pairs" and pairs.label() == "128x128x4x4x3xpairs"
+    assert kernels.QuantConfig.parse("64x128x1x4x3").label() == "64x128x1x4x3"  # slots: the label as before
+    with pytest.raises(ValueError, match="unpack='nibbles'"):
+        kernels.QuantConfig.parse("64x128x1x4x3xnibbles")
+    assert kernels.takes_pairs(_int_layer(4, 128), pairs)
+    assert not any(kernels.takes_pairs(layer, pairs) for layer in (_int_layer(8, 128), _int_layer(4, 32),
+                                                                    _fp8_layer((128, 128))))
+    x = torch.randn(6, 256)
+    with pytest.raises(ValueError, match=r"128x128x4x4x3xpairs: pairs unpack int4 .* int4-g32 \(group 32"):
+        kernels.quant_linear(x, _int_layer(4, 32), "tc", pairs)
+    with pytest.raises(ValueError, match="128x128x4x4x3xpairs: the GEMV unpacks one code at a time"):
+        kernels.quant_linear(x[:1], _int_layer(4, 128), "gemv", pairs)
+    # a launch-table entry naming pairs for a class (K rounded up to a power of two): each layer of the class its
+    # groups let take them, the others the default shape
+    entry = {"tc": pairs.label()}
+    assert kernels.launch_of(_int_layer(4, 128, k=512), entry, torch.device("cpu")).tc == pairs
+    one_group = _int_layer(4, 264, k=264)  # one group of 264: scales per code across the steps
+    assert kernels.launch_of(one_group, entry, torch.device("cpu")).tc == kernels.default_config(one_group, "tc")
+
+
 def test_the_kernel_layout_packs_runs_of_words_and_unpacks_to_the_codes():
     from engine.model.quant.linear import kernel_pack, kernel_unpack, run_words
 

@@ -131,3 +131,22 @@ def test_the_int4_tensor_core_kernel_unpacks_in_registers_for_its_dot(tmp_path):
     barriers = sum(op.startswith("BAR.SYNC") for op in ops)
     shared_stores = sum(op.startswith("STS") for op in ops)
     assert barriers <= 4 and shared_stores <= 4, (barriers, shared_stores)
+
+
+def test_the_pair_unpacking_int4_kernel_spends_fewer_instructions_a_code_than_the_slots(tmp_path):
+    """The `xpairs` launch shapes exist because the 16-row int4 tensor-core kernel is bound by its instructions:
+    at the same launch shape (the 8B shapes' 16 rows, 128 columns a program, group 128) the pair-unpacking kernel's
+    loop spends fewer instructions a code, and neither spills."""
+    from engine.model.quant import tensor_core, tensor_core_pairs
+
+    shape = dict(GROUP=128, RUN=4, BLOCK_M=16, BLOCK_N=128, BLOCK_KW=16, SPLIT=4, HAS_BIAS=False, EVEN_K=True)
+    slots = dict(**_magic_as_launched(tensor_core.int_tc_kernel), BITS=4, SCALES=1, **shape)
+    pairs_signature = {name: kind for name, kind in _INT.items() if name != "magic"}
+    codes = 128 * 16 * 8 / (32 * 4)  # a thread's codes a step (4 warps)
+    per_code = {}
+    kernels = (("slots", tensor_core.int_tc_kernel, _INT, slots),
+               ("pairs", tensor_core_pairs.int4_pairs_kernel, pairs_signature, shape))
+    for label, kernel, signature, constants in kernels:
+        per_code[label] = len(loop_opcodes_sm90(kernel, signature, constants, 4, 3, tmp_path)) / codes
+        assert compile_for_sm90(kernel, signature, constants, 4, 3, tmp_path)[2] == 0, f"{label} spills"
+    assert per_code["pairs"] < 0.85 * per_code["slots"], per_code

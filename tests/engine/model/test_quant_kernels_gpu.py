@@ -96,6 +96,31 @@ def test_a_rows_product_does_not_depend_on_the_other_rows_of_its_path(make):
 
 
 @pytest.mark.gpu_shared
+@pytest.mark.parametrize("shape", ["64x128x4x4x3xpairs", "128x128x4x4x3xpairs"])
+def test_the_pair_unpacking_kernel_matches_cublas_captures_and_keeps_each_rows_product(shape):
+    """The `xpairs` launch shapes (int4, group 128): against cuBLAS on the dequantized weight at 5-64 rows, the same
+    product replayed from a CUDA graph, and a row's output the same bits alone as in a tile of 16 (MTP on = off)."""
+    from engine.model.quant import kernels
+
+    config = kernels.QuantConfig.parse(shape)
+    layer = _bf16(LAYERS["int4-g128"]())
+    x = torch.randn(64, K, device="cuda", dtype=torch.bfloat16)
+    for rows in (5, 16, 64):
+        ref = _cublas(layer, x[:rows]).float()
+        got = kernels.quant_linear(x[:rows], layer, "tc", config).float()
+        assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), (shape, rows)
+    static_x = x[:16].clone()
+    eager = kernels.quant_linear(static_x, layer, "tc", config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.quant_linear(static_x, layer, "tc", config)
+    graph.replay()
+    assert torch.equal(out, eager)
+    for row in (0, 7, 15):
+        assert torch.equal(kernels.quant_linear(x[row:row + 1], layer, "tc", config)[0], eager[row]), (shape, row)
+
+
+@pytest.mark.gpu_shared
 def test_fp8_prompt_chunks_multiply_in_fp8_on_hopper():
     from engine.model.quant import dense, kernels
 
