@@ -36,24 +36,12 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
     CPW: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = CPW // 2
     MASK: tl.constexpr = (1 << BITS) - 1
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    rn64 = rn.to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * stride_qn
+    split, rm, rn, m_ok, n_ok, rn64, q_rows = program_tile(q_ptr, stride_qn, M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rm[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_start = split * kw_per_split
     for w0 in range(w_start, w_start + kw_per_split, BLOCK_KW):
-        ws = w0 + tl.arange(0, BLOCK_KW)
-        w_ok = (ws < KW) | EVEN_K  # EVEN_K: every step whole, no mask along K (fewer instructions a code)
-        # unsigned, so that a shift right brings in zeros (one shift and one mask a code)
-        words = tl.load(q_rows + ws[None, :], mask=n_ok[:, None] & w_ok[None, :], other=0).to(tl.uint32, bitcast=True)
-        base = (ws // RUN) * (RUN * CPW) + ws % RUN  # the input of each word's slot 0
+        ws, w_ok, words, base = step_words(q_rows, n_ok, w0, KW, RUN, CPW, BLOCK_KW, EVEN_K)
         if SCALES == 1:
             step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_M, BLOCK_KW], dtype=tl.float32)  # summed over the slots, reduced once a step
@@ -80,6 +68,26 @@ def int_tc_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, count_pt
             # two explicit fmas: left to the compiler, which product it fuses may differ between row tiles
             acc = tl.fma(step, s[None, :], tl.fma(tl.sum(x_sum, axis=1)[:, None], o[None, :], acc))
     finish(acc, b_ptr, out_ptr, part_ptr, count_ptr, rm, rn, m_ok, n_ok, M, N, split, stride_om, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def program_tile(q_ptr, stride_qn, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An int kernel's program: its split, rows and columns (with their masks), and its columns' code words."""
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn64 = rn.to(tl.int64)
+    return tl.program_id(1), rm, rn, rm < M, rn < N, rn64, q_ptr + rn64[:, None] * stride_qn
+
+
+@triton.jit
+def step_words(q_rows, n_ok, w0, KW, RUN: tl.constexpr, CPW: tl.constexpr, BLOCK_KW: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """A K step's words from `w0`, unsigned (so that a shift right brings in zeros: one shift and one mask a code);
+    their mask along K (EVEN_K: every step whole, no mask, fewer instructions a code); each word's slot-0 input."""
+    ws = w0 + tl.arange(0, BLOCK_KW)
+    w_ok = (ws < KW) | EVEN_K
+    words = tl.load(q_rows + ws[None, :], mask=n_ok[:, None] & w_ok[None, :], other=0).to(tl.uint32, bitcast=True)
+    return ws, w_ok, words, (ws // RUN) * (RUN * CPW) + ws % RUN
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.model.quant.tensor_core import finish
+from engine.model.quant.tensor_core import finish, program_tile, step_words
 
 
 @triton.jit
@@ -32,24 +32,12 @@ def int4_pairs_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, out_ptr, part_ptr, coun
                       GROUP: tl.constexpr, RUN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_KW: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
     CPW: tl.constexpr = 8
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    rn64 = rn.to(tl.int64)
-    q_rows = q_ptr + rn64[:, None] * stride_qn
+    split, rm, rn, m_ok, n_ok, rn64, q_rows = program_tile(q_ptr, stride_qn, M, N, BLOCK_M, BLOCK_N)
     x_cols = x_ptr + rm[None, :] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the output transposed: columns by rows
     w_start = split * kw_per_split
     for w0 in range(w_start, w_start + kw_per_split, BLOCK_KW):
-        ws = w0 + tl.arange(0, BLOCK_KW)
-        w_ok = (ws < KW) | EVEN_K  # EVEN_K: every step whole, no mask along K
-        words = tl.load(q_rows + ws[None, :], mask=n_ok[:, None] & w_ok[None, :], other=0)
-        words = words.to(tl.uint32, bitcast=True)  # unsigned: a shift right brings in zeros
-        base = (ws // RUN) * (RUN * CPW) + ws % RUN  # the input of each word's slot 0
+        _, w_ok, words, base = step_words(q_rows, n_ok, w0, KW, RUN, CPW, BLOCK_KW, EVEN_K)
         step = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_KW, BLOCK_M], dtype=tl.float32)  # summed over the slots, reduced once a step
         for j in tl.static_range(CPW // 2):
