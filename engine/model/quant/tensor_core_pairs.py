@@ -1,5 +1,5 @@
-"""An int4 tensor-core kernel for 5-64 rows that unpacks two codes at a time and takes the weight as the dot's
-first operand: the tensor-core path's launch shapes ending in `xpairs` (engine.model.quant.kernels.QuantConfig).
+"""An int4 kernel for the tensor-core path's rows (5-256) that unpacks two codes at a time and takes the weight as
+the dot's first operand: the path's launch shapes ending in `xpairs` (engine.model.quant.kernels.QuantConfig).
 
 At 16 rows the tensor-core kernel (engine.model.quant.tensor_core) is bound by its instructions, not by the bytes
 it reads: each code is shifted, masked, made an fp32 and rounded to the dot's dtype on its own. Here one shift, one
