@@ -9,8 +9,8 @@ with the codes shifted by 128 is then `dot(u + 128, x) = dot(u, x) + 128 * sum(x
 step's offset (`offset - 128 * scale`), applied once a step as the tensor-core kernel applies its offset.
 
 The weight tile is the dot's first operand and the rows its second (the output computed transposed, [BLOCK_N,
-BLOCK_M]): the unpacked codes stay where they were computed, in registers, instead of being written to shared
-memory for the dot's second operand. The two codes of a pair are inputs `RUN * 4` apart; the activations are
+BLOCK_M]): the unpacked codes can reach the tensor cores from the registers they were computed in, where as the
+second operand they are rearranged through shared memory first. The two codes of a pair are inputs `RUN * 4` apart; the activations are
 loaded in the same order, so the dot pairs each code with its input (a dot's sum is over K in any order).
 
 Takes int4 codes whose groups span a step (group 128 and up: one scale and offset per column a step), as a
