@@ -342,15 +342,13 @@ def _pairs(rows: torch.Tensor, layer, cfg: QuantConfig, grid: tuple, out: torch.
         raise ValueError(f"launch shape {cfg.label()}: pairs unpack int4 codes in groups that span a step of "
                          f"{cfg.block_k} codes; {launch_table.layer_format(layer)} (group {layer.group_size}, "
                          f"K {layer.in_features}) takes the slots")
-    block_kw = _block_words(layer, cfg, 16)
-    words = layer.qweight.shape[1]
-    kw_per_split = triton.cdiv(triton.cdiv(words, cfg.split_k), block_kw) * block_kw
+    block_kw, words, kw_per_split, even = _int_steps(layer, cfg, 16)
     m, k = rows.shape
     int4_pairs_kernel[grid](
         rows, layer.qweight, layer.scales, layer.offsets, layer.bias if layer.bias is not None else layer.scales,
         out, part, counters, m, layer.out_features, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0),
         layer.scales.stride(0), out.stride(0), GROUP=layer.group_size, RUN=layer.run, BLOCK_KW=block_kw,
-        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
+        EVEN_K=even, **common)
     return out
 
 
@@ -371,18 +369,20 @@ def _launch(fp8_kernel, int_kernel, least_words: int, grid: tuple, rows: torch.T
             SCALE_BLOCK_N=layer.block_n, SCALE_BLOCK_K=layer.block_k, SCALES=scale_mode(layer, cfg.block_k),
             NATIVE_FP8=native, BLOCK_K=cfg.block_k, **common)
         return out
-    block_kw = _block_words(layer, cfg, least_words)
-    words = layer.qweight.shape[1]
-    kw_per_split = triton.cdiv(triton.cdiv(words, cfg.split_k), block_kw) * block_kw
+    block_kw, words, kw_per_split, even = _int_steps(layer, cfg, least_words)
     int_kernel[grid](
         rows, layer.qweight, layer.scales, layer.offsets, layer.bias if has_bias else layer.scales, out, part,
         counters, m, n, k, words, kw_per_split, rows.stride(0), layer.qweight.stride(0), layer.scales.stride(0),
         out.stride(0), MAGIC_BITS, GROUP=layer.group_size, BITS=layer.bits, RUN=layer.run,
-        SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw,
-        EVEN_K=_even(layer, words, kw_per_split, cfg.split_k), **common)
+        SCALES=scale_mode(layer, block_kw * (32 // layer.bits)), BLOCK_KW=block_kw, EVEN_K=even, **common)
     return out
 
 
-def _even(layer, words: int, kw_per_split: int, split: int) -> bool:
-    """Whether every K step of every split is whole (no padding code, no step past K): no mask along K."""
-    return words * (32 // layer.bits) == layer.in_features and kw_per_split * split == words
+def _int_steps(layer, cfg: QuantConfig, least_words: int) -> tuple[int, int, int, bool]:
+    """An int launch's K walk: words a step, words of the layer, words a split (whole steps), and whether every
+    step of every split is whole (no padding code, no step past K: no mask along K)."""
+    block_kw = _block_words(layer, cfg, least_words)
+    words = layer.qweight.shape[1]
+    kw_per_split = triton.cdiv(triton.cdiv(words, cfg.split_k), block_kw) * block_kw
+    even = words * (32 // layer.bits) == layer.in_features and kw_per_split * cfg.split_k == words
+    return block_kw, words, kw_per_split, even
