@@ -278,7 +278,9 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
     # its smallest and largest row tiles (the largest needs the most shared memory, which a smaller GPU may lack)
     for rows in (1, MAX_ROWS):
         for k in (config.num_attention_heads * d, config.intermediate_size):
-            linear(torch.zeros(rows, 1, k, **like), torch.zeros(h, k, **like))
+            weight = torch.zeros(h, k, **like)
+            linear(torch.zeros(rows, 1, k, **like), weight)
+            linear(torch.zeros(rows, 1, k, **like), weight, prefetch=(weight,))  # its L2 prefetch, where on
     for lane in COUNTER_LANES:  # every lane's counters exist before any capture (split_counters)
         split_counters(device, lane)
     if device.type == "cuda":
