@@ -34,6 +34,7 @@ from typing import Any
 from engine.bench.common import device_of, emit, random_prompt
 from engine.bench.engine_driver import BenchEngine, build_engine
 from engine.bench.phases import phase_pass
+from engine.model import pdl
 
 _CONTEXT_MARGIN_TOKENS = 64
 _LONG_GAP_US = 20.0  # longer than a dependent kernel's launch latency inside a replay; shorter than a step's host work
@@ -153,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
             "decode_ahead": bench.engine.ahead.enabled, "steps_taken_ahead": bench.engine.ahead.taken,
             "step_ms_p50": statistics.median(wall_ms), "step_ms_mean": statistics.fmean(wall_ms),
             "step_ms_under_cprofile": profiled_ms, **phase_summary, **device_summary,
+            # the launch options an A/B toggles by environment (STRATA_PDL, STRATA_L2_PREFETCH), as the engine ran
+            "pdl": bool(pdl.launch_kwargs()), "l2_prefetch_mib": bench.engine.lm.model.prefetch_bytes() / 2**20,
         }
         if "gpu_busy_ms" in summary:
             summary["gpu_busy_fraction"] = summary["gpu_busy_ms"] / summary["step_ms_p50"]

@@ -137,3 +137,8 @@ class CausalLM(nn.Module):
                 after = layers[i + 1].self_attn if i + 1 < len(layers) else None
                 mlp.prefetch = () if after is None else pick(
                     weights_read(after, ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")), budget_bytes)
+
+    def prefetch_bytes(self) -> int:
+        """The bytes a decode step's skinny matmul launches ask L2 for under the plan (0: no prefetch)."""
+        ranges = [t for layer in self.layers for t in layer.self_attn.prefetch + getattr(layer.mlp, "prefetch", ())]
+        return sum(t.numel() * t.element_size() for t in ranges)

@@ -57,9 +57,13 @@ def test_the_plan_names_the_next_products_weights_within_the_budget(fused):
             assert mlp.prefetch == ((after.qkv_proj.weight, after.o_proj.weight) if fused
                                     else (after.q_proj.weight, after.k_proj.weight)), i
     assert layers[-1].mlp.prefetch == ()  # the LM head comes next: far larger than L2
+    asked = [t for layer in layers for t in layer.self_attn.prefetch + layer.mlp.prefetch]
+    assert len(asked) == 2 * len(layers) + 2 * (len(layers) - 1)
+    assert model.prefetch_bytes() == sum(t.numel() * t.element_size() for t in asked)  # bench profile's figure
     first = mlp_first[0]
     model.plan_prefetch(first.numel() * first.element_size())  # room for the first weight only
     assert all(layer.self_attn.prefetch == (layer.mlp.gate_up_proj.weight if fused else layer.mlp.gate_proj.weight,)
                for layer in layers)
     model.plan_prefetch(0)
     assert not any(layer.self_attn.prefetch or layer.mlp.prefetch for layer in layers)
+    assert model.prefetch_bytes() == 0
