@@ -55,12 +55,13 @@ def plan_bytes() -> int:
 
 def pick(tensors: list[torch.Tensor], budget_bytes: int) -> tuple[torch.Tensor, ...]:
     """The first of `tensors` (in the order the step reads them) whose bytes together fit `budget_bytes`, at most
-    RANGES: a product whose weight does not fit stops the list (a later one would be read after it anyway)."""
+    RANGES: a product whose weight does not fit stops the list (a later one would be read after it anyway), as
+    does one that is not a single 16-byte-aligned span (what a bulk prefetch takes)."""
     chosen: list[torch.Tensor] = []
     total = 0
     for tensor in tensors[:RANGES]:
         size = tensor.numel() * tensor.element_size()
-        if total + size > budget_bytes or not tensor.is_contiguous():
+        if total + size > budget_bytes or not tensor.is_contiguous() or tensor.data_ptr() % _ALIGN_BYTES:
             break
         chosen.append(tensor)
         total += size

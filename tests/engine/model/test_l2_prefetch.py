@@ -35,6 +35,7 @@ def test_pick_keeps_the_read_order_and_stops_at_the_first_weight_past_the_budget
     assert l2_prefetch.pick([b, a], 599) == (b,)  # a later, smaller weight does not jump the queue
     assert l2_prefetch.pick([a, b], 0) == ()
     assert l2_prefetch.pick([torch.zeros(8, 8).t(), c], 10_000) == ()  # a range must be one span of bytes
+    assert l2_prefetch.pick([torch.zeros(64)[1:], c], 10_000) == ()  # starting on a 16-byte boundary
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
