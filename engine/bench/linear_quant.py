@@ -227,10 +227,14 @@ def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, d
     for cls in dict.fromkeys(r["class"] for r in rows):
         mine = sorted((r for r in rows if r["class"] == cls), key=lambda r: r["rows"])
         entry: dict[str, Any] = {}
-        for path, prefix, rng in (("gemv", "g", range(1, 5)), ("tc", "t", range(5, _TC_MAX_ROWS + 1))):
-            shape = _fastest_shape([r for r in mine if r["rows"] in rng], path, prefix)
-            if shape is not None:
-                entry[path] = shape
+        gemv = _fastest_shape([r for r in mine if r["rows"] in range(1, 5)], "gemv", "g")
+        if gemv is not None:
+            entry["gemv"] = gemv
+        tc, tc_rows = _tc_route([r for r in mine if r["rows"] in range(5, _TC_MAX_ROWS + 1)])
+        if tc is not None:
+            entry["tc"] = tc
+        if tc_rows is not None:
+            entry["tc_rows"] = tc_rows
         # The GEMV takes all of a decode step's 1-4 rows or none (launch_table: one path for 1-4 sequences): all
         # where its time summed over the row counts measured up to 4 is at most the tensor-core kernel's over the
         # same counts, which is its time at 4 rows at each (its 16-row tile reads the weight once: 1-3 rows cost
@@ -240,10 +244,6 @@ def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, d
             few = [r for r in mine if r["rows"] <= 4 and "gemv_ms" in r]
             gemv_ms = sum(r["gemv_ms"] for r in few)
             entry["gemv_rows"] = ONE_PATH_ROWS if gemv_ms <= len(few) * both[0]["tc_ms"] else 0
-        chunked = [r for r in mine if "tc_ms" in r and "dense_ms" in r]
-        if chunked:
-            wins = [r["rows"] for r in chunked if r["tc_ms"] <= r["dense_ms"]]
-            entry["tc_rows"] = max(wins) if wins else min(r["rows"] for r in chunked) - 1
         # tinygemm (int4) up to the last row count from 1 up where it beats the faster of the paths it replaces
         tiny = 0
         for r in mine:
@@ -258,11 +258,37 @@ def launch_table_of(rows: list[dict[str, Any]], device_name: str) -> dict[str, d
 
 
 def _fastest_shape(measured: list[dict[str, Any]], path: str, prefix: str) -> str | None:
-    """The launch shape of `path` with the least time summed over `measured` (rows of one class); a shape that
-    failed (out of shared memory on this device, say), or was off by more than 2 %, at any of those row counts is
-    no candidate: summed over fewer rows it would look the fastest."""
-    totals: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    """The launch shape of `path` with the least time summed over `measured` (rows of one class)."""
+    times = _shape_times(measured, path, prefix)
+    return min(times, key=lambda label: sum(times[label].values())) if times else None
+
+
+def _tc_route(measured: list[dict[str, Any]]) -> tuple[str | None, int | None]:
+    """The tensor-core shape and `tc_rows`, the most rows it takes before the dense path (dequantize + cuBLAS)
+    does: of the shapes timed at every row count of `measured`, the one whose route costs least summed over those
+    counts, the route being the shape up to the last count where it beats the dense path and the dense path past
+    it. A shape fastest over every count can lose there: a tile that wins at 64-128 rows but not at 16 is no gain
+    where the dense path takes 64 and up anyway. Without dense timings: the fastest shape, no `tc_rows`."""
+    times = _shape_times(measured, "tc", "t")
+    dense = {r["rows"]: r["dense_ms"] for r in measured if "dense_ms" in r}
+    if not times or not dense:
+        return _fastest_shape(measured, "tc", "t"), None
+
+    def route(label: str) -> tuple[float, int]:
+        mine = times[label]
+        wins = [rows for rows, ms in mine.items() if rows in dense and ms <= dense[rows]]
+        last = max(wins) if wins else min(dense) - 1
+        return sum(ms if rows <= last or rows not in dense else dense[rows] for rows, ms in mine.items()), last
+
+    best = min(times, key=lambda label: route(label)[0])
+    return best, route(best)[1]
+
+
+def _shape_times(measured: list[dict[str, Any]], path: str, prefix: str) -> dict[str, dict[int, float]]:
+    """{shape: {rows: ms}} of `path`'s launch shapes timed at every row count of `measured` (rows of one class);
+    a shape that failed (out of shared memory on this device, say), or was off by more than 2 %, at any of those
+    row counts is no candidate: summed over fewer rows it would look the fastest."""
+    times: dict[str, dict[int, float]] = {}
     for r in measured:
         best = {}
         if f"{path}_ms" in r:
@@ -271,10 +297,8 @@ def _fastest_shape(measured: list[dict[str, Any]], path: str, prefix: str) -> st
             if key.startswith(f"{prefix}_") and key.endswith("_ms") and r.get(key[:-3] + "_max_err", 0) <= 0.02:
                 best[key[len(prefix) + 1:-3]] = value
         for label, ms in best.items():
-            totals[label] = totals.get(label, 0.0) + ms
-            counts[label] = counts.get(label, 0) + 1
-    complete = {label: ms for label, ms in totals.items() if counts[label] == len(measured)}
-    return min(complete, key=complete.get) if complete else None
+            times.setdefault(label, {})[r["rows"]] = ms
+    return {label: mine for label, mine in times.items() if len(mine) == len(measured)}
 
 
 def write_table(path: str, rows: list[dict[str, Any]], device_name: str) -> Path:

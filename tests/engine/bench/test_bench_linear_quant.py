@@ -121,3 +121,28 @@ def test_a_launch_shape_that_failed_at_any_row_count_never_enters_the_table():
     # tinygemm for 1-3 rows only would split a decode step's 1-4 sequences between two paths: none
     slower_tiny = [{**r, "tinygemm_ms": 1.0} if r["rows"] == 4 else r for r in rows]
     assert "tinygemm_rows" not in launch_table_of(slower_tiny, "NVIDIA H100 80GB HBM3")["int4/n8192/k4096"]
+
+
+def test_the_tensor_core_shape_is_the_one_whose_route_beside_the_dense_path_costs_least():
+    """An H100's int4 rows of the 8B shape (ms; `bench linear --quant int4 --rows 16,64,128`): the pairs shape is
+    the fastest summed over the three counts for every class, but for o the dense path (dequantize + cuBLAS) beats
+    every tensor-core shape past 16 rows, and there the plain shape is faster at 16. The table gave the tensor cores
+    128 rows from older dense timings, where the dense path now takes half the time at 64."""
+    from engine.bench.linear_quant import launch_table_of
+
+    def cls(name, table_ms, plain_ms, pairs_ms, dense_ms):
+        return [{"class": name, "tc_config": "64x128x4x4x3", "rows": rows, "tc_ms": t, "t_64x128x4x4x3_ms": p,
+                 "t_128x128x4x4x3xpairs_ms": q, "dense_ms": d}
+                for rows, t, p, q, d in zip((16, 64, 128), table_ms, plain_ms, pairs_ms, dense_ms)]
+
+    o = cls("int4/n4096/k4096", (0.0157, 0.0526, 0.0735), (0.0157, 0.0526, 0.0735), (0.0176, 0.0272, 0.0411),
+            (0.0253, 0.0244, 0.0276))
+    gate_up = cls("int4/n32768/k4096", (0.0634, 0.1925, 0.3525), (0.0617, 0.2802, 0.4253), (0.0488, 0.1401, 0.2209),
+                  (0.1617, 0.1629, 0.1645))
+    table = launch_table_of(o + gate_up, "NVIDIA H100 80GB HBM3")
+
+    assert (table["int4/n4096/k4096"]["tc"], table["int4/n4096/k4096"]["tc_rows"]) == ("64x128x4x4x3", 16)
+    assert (table["int4/n32768/k4096"]["tc"], table["int4/n32768/k4096"]["tc_rows"]) == ("128x128x4x4x3xpairs", 64)
+    # without dense timings no threshold is drawn and the fastest shape over every count is the one
+    bare = [{k: v for k, v in r.items() if k != "dense_ms"} for r in o]
+    assert launch_table_of(bare, "x")["int4/n4096/k4096"] == {"tc": "128x128x4x4x3xpairs"}
