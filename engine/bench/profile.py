@@ -154,8 +154,7 @@ def run(args: argparse.Namespace) -> int:
             "decode_ahead": bench.engine.ahead.enabled, "steps_taken_ahead": bench.engine.ahead.taken,
             "step_ms_p50": statistics.median(wall_ms), "step_ms_mean": statistics.fmean(wall_ms),
             "step_ms_under_cprofile": profiled_ms, **phase_summary, **device_summary,
-            # the launch options an A/B toggles by environment (STRATA_PDL, STRATA_L2_PREFETCH), as the engine ran
-            "pdl": bool(pdl.launch_kwargs()), "l2_prefetch_mib": bench.engine.lm.model.prefetch_bytes() / 2**20,
+            "pdl": bool(pdl.launch_kwargs()),  # as the engine ran: an A/B by STRATA_PDL shows what it toggled
         }
         if "gpu_busy_ms" in summary:
             summary["gpu_busy_fraction"] = summary["gpu_busy_ms"] / summary["step_ms_p50"]

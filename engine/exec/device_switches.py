@@ -1,8 +1,7 @@
 """Which switches this engine can run, settled once at start after the model and the KV cache exist: switches
 whose code path cannot run here are marked unavailable (quietly: the reference path is what runs, and turning
 them on cannot change that), FUSED_OPS puts its kernels in place, each switch set at start is announced, and the
-Triton kernels launch with PDL from then on where the device has it (engine.model.pdl; before any graph capture),
-the skinny matmul asking L2 for the weights of the products ahead (engine.model.l2_prefetch)."""
+Triton kernels launch with PDL from then on where the device has it (engine.model.pdl; before any graph capture)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import engine.model.attention.backends as attention_backends
 from engine.config import EngineConfig
 from engine.exec.gpu_errors import real_message
 from engine.exec.kv.cache import SlotKVCache
-from engine.model import l2_prefetch, pdl
+from engine.model import pdl
 from engine.switches import SWITCHES, SwitchBoard
 from engine.telemetry import EventBus, SwitchEvent
 
@@ -20,7 +19,6 @@ from engine.telemetry import EventBus, SwitchEvent
 def settle_switches(board: SwitchBoard, bus: EventBus, config: EngineConfig, model: Any, kv: SlotKVCache,
                     has_experts: bool) -> None:
     pdl.enable(kv.device)
-    l2_prefetch.enable(kv.device)  # before FUSED_OPS plans the layers' prefetches
     if not has_experts:
         for sw in SWITCHES:
             if sw.moe_only:

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.l2_prefetch import pick, plan_bytes
-from engine.model.layers import MLP, DecoderLayer, RMSNorm, weights_read
+from engine.model.layers import DecoderLayer, RMSNorm
 from engine.model.mtp import MTPHead
 from engine.model.rope import RotaryEmbedding
 
@@ -104,8 +103,6 @@ class CausalLM(nn.Module):
             for mtp_layer in self.mtp.layers:
                 mtp_layer.block.fuse()
         self.fused = True
-        if self.ops is not None:  # the plan names the weights the layers now read
-            self.plan_prefetch(plan_bytes())
 
     def use_fused_ops(self, enabled: bool = True) -> None:
         """The FUSED_OPS switch: every decoder layer (MTP blocks included) runs its residual add + RMSNorm, q/k
@@ -121,24 +118,3 @@ class CausalLM(nn.Module):
         blocks = list(self.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
         for block in blocks:
             block.use_ops(ops)
-        self.plan_prefetch(plan_bytes() if enabled else 0)
-
-    def plan_prefetch(self, budget_bytes: int) -> None:
-        """Which weights the skinny matmul's launches ask L2 for (engine.model.l2_prefetch), at most `budget_bytes`
-        a launch: the o projection's those of its layer's MLP (gate/up, then down: two and four kernels ahead), the
-        down projection's those of the next layer's attention (q/k/v, then o). A routed MLP's experts are not
-        known before its router runs; the last layer's down has the LM head next, too large for L2."""
-        layers = list(self.layers)
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.prefetch = pick(weights_read(mlp, ("gate_up_proj", "gate_proj", "up_proj", "down_proj")),
-                                 budget_bytes)
-            if isinstance(mlp, MLP):
-                after = layers[i + 1].self_attn if i + 1 < len(layers) else None
-                mlp.prefetch = () if after is None else pick(
-                    weights_read(after, ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")), budget_bytes)
-
-    def prefetch_bytes(self) -> int:
-        """The bytes a decode step's skinny matmul launches ask L2 for under the plan (0: no prefetch)."""
-        ranges = [t for layer in self.layers for t in layer.self_attn.prefetch + getattr(layer.mlp, "prefetch", ())]
-        return sum(t.numel() * t.element_size() for t in ranges)

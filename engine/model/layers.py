@@ -67,20 +67,11 @@ def _fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     return fused.requires_grad_(first.weight.requires_grad)
 
 
-def _project(ops: FusedOps | None, linear: nn.Module, x: torch.Tensor,
-             prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-    """FUSED_OPS: a decode step's narrow product through the skinny-matmul kernel, which asks L2 for `prefetch`
-    (the weights of the products a few kernels ahead: CausalLM.plan_prefetch); a quantized layer has its own."""
+def _project(ops: FusedOps | None, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """FUSED_OPS: a decode step's narrow product through the skinny-matmul kernel; a quantized layer has its own."""
     if ops is not None and not is_quantized(linear):
-        return ops.linear(x, linear.weight, linear.bias, prefetch)
+        return ops.linear(x, linear.weight, linear.bias)
     return linear(x)
-
-
-def weights_read(module: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor]:
-    """The plain (unquantized) weights of `module`'s projections `names` that exist, in that order: what its
-    forward reads, for a kernel ahead of it to prefetch (engine.model.l2_prefetch)."""
-    found = [getattr(module, name, None) for name in names]
-    return [lin.weight for lin in found if isinstance(lin, nn.Linear)]
 
 
 class Attention(nn.Module):
@@ -102,7 +93,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.qkv_proj: nn.Module | None = None
         self.ops: FusedOps | None = None
-        self.prefetch: tuple[torch.Tensor, ...] = ()  # what the o projection's kernel asks L2 for
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one concatenated Linear (same outputs, one matmul)."""
@@ -155,8 +145,7 @@ class Attention(nn.Module):
     def _project_heads(self, out: torch.Tensor) -> torch.Tensor:
         """[B, Hq, T, D] -> [B, T, H]: the heads side by side through the o projection."""
         b, _, t, _ = out.shape
-        return _project(self.ops, self.o_proj, out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim),
-                        self.prefetch)
+        return _project(self.ops, self.o_proj, out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -171,7 +160,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gate_up_proj: nn.Module | None = None
         self.ops: FusedOps | None = None
-        self.prefetch: tuple[torch.Tensor, ...] = ()  # what the down projection's kernel asks L2 for
 
     def fuse(self) -> None:
         """Replace gate/up by one concatenated Linear."""
@@ -188,7 +176,7 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         if self.ops is not None:
-            return _project(self.ops, self.down_proj, self.ops.silu_mul(gate, up), self.prefetch)
+            return _project(self.ops, self.down_proj, self.ops.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.model.l2_prefetch import launch_args, prefetch_l2
 from engine.model.pdl import gdc_start, launch_kwargs
 
 
@@ -48,10 +47,9 @@ class LinearConfig:
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-                   stride_xm, stride_wn, stride_om, pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes,
+                   stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-    prefetch_l2(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, PREFETCH)  # later products' weights (l2_prefetch)
+                   HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_start(USE_GDC)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -157,15 +155,13 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16) and x.numel() // x.shape[-1] <= MAX_ROWS and n < k
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-    """F.linear(x, weight, bias): the kernel where it `takes` the product (asking L2 for `prefetch`'s bytes, the
-    weights of products a few kernels ahead: engine.model.l2_prefetch), torch's matmul otherwise."""
-    return skinny_linear(x, weight, bias, prefetch=prefetch) if takes(x, weight) else F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): the kernel where it `takes` the product, torch's matmul otherwise."""
+    return skinny_linear(x, weight, bias) if takes(x, weight) else F.linear(x, weight, bias)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: LinearConfig | None = None, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                  config: LinearConfig | None = None) -> torch.Tensor:
     """The kernel itself, whatever the rows, shape and dtype (the tests run it on fp32 in Triton's interpreter,
     the bench at other launch shapes). x [..., K] with a contiguous last dim; weight [N, K] contiguous."""
     n, k = weight.shape
@@ -181,11 +177,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     counters = split_counters(x.device)
     assert grid[0] * grid[2] <= counters.numel(), (n, m, cfg)
     has_bias = bias is not None
-    ranges, on = launch_args(prefetch, weight)
     _skinny_kernel[grid](
         rows, weight, bias if has_bias else weight, out, part, counters, m, n, k, k_per_split,
-        rows.stride(0), weight.stride(0), out.stride(0), *ranges,
+        rows.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k, HAS_BIAS=has_bias,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(), PREFETCH=on,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
     )
     return out.view(*x.shape[:-1], n)

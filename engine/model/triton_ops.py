@@ -29,7 +29,6 @@ from triton.language.extra import libdevice
 from engine.model.attention.kv_site import KVSite
 from engine.model.attention.triton_kv_write import store_kv_row
 from engine.model.attention.triton_paged import scale_pools
-from engine.model.l2_prefetch import plan_bytes
 from engine.model.pdl import gdc_start, launch_kwargs
 # the layers reach every FUSED_OPS kernel through here
 from engine.model.triton_linear import COUNTER_LANES, MAX_ROWS, linear, split_counters
@@ -279,10 +278,7 @@ def launch_each_once(config, dtype: torch.dtype, device: torch.device) -> None:
     # its smallest and largest row tiles (the largest needs the most shared memory, which a smaller GPU may lack)
     for rows in (1, MAX_ROWS):
         for k in (config.num_attention_heads * d, config.intermediate_size):
-            weight = torch.zeros(h, k, **like)
-            # with the L2 prefetch on, its variant too (a kernel of its own once compiled)
-            for prefetch in ((), (weight,)) if plan_bytes() else ((),):
-                linear(torch.zeros(rows, 1, k, **like), weight, prefetch=prefetch)
+            linear(torch.zeros(rows, 1, k, **like), torch.zeros(h, k, **like))
     for lane in COUNTER_LANES:  # every lane's counters exist before any capture (split_counters)
         split_counters(device, lane)
     if device.type == "cuda":

@@ -316,9 +316,8 @@ def test_profile_names_host_functions_and_ops_of_a_steady_step(tmp_path: Path, m
                            "--batch", "2"])
     summary = doc["summary"]
     assert summary["batch"] == 2 and summary["mtp"] is mtp and summary["step_ms_p50"] > 0
-    # the launch options an A/B toggles (STRATA_PDL, STRATA_L2_PREFETCH), as the engine ran: both off on a CPU
-    assert summary["pdl"] is False and summary["l2_prefetch_mib"] == 0
     assert summary["top_level_ops_per_step"] > 10 and summary["cpu_op_ms"] > 0  # CPU: torch ops, not kernels
+    assert summary["pdl"] is False  # the launch option an A/B toggles (STRATA_PDL), as the engine ran: off on a CPU
     host = [r for r in doc["rows"] if r["section"] == "host"]
     ops = [r for r in doc["rows"] if r["section"] == "cpu_ops"]
     assert len(host) == 5 and len(ops) == 5
