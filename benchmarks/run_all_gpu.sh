@@ -77,7 +77,7 @@ quant_tests       named    the quantized kernels' GPU tests (every path against 
 quant_linear      named    each path of the quantized kernels (GEMV, tensor cores, prompt chunks) beside tinygemm and cuBLAS bf16 at the QUANT_SIZE (8b) shapes, QUANT_ROWS (1,4,16,128,2048), QUANT_TUNE's launch shapes, the launch table they give
 quant_linear_small named   every quantized format (GGUF's groups too) at the 0.6B shape, rows 1, 16, 128
 dequant_ncu       named    ncu of the prompt-chunk path's int4 dequantizing kernel at the 8B gate/up shape, beside a copy of its bf16 bytes
-quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8 (also with --quantize-head), fp8-block and int4 weights (int4 also with --int4-decode tinygemm), batch 1 and 16
+quant_decode      named    decode of QUANT_MODEL (random:8b, drawn on the GPU) with bf16, fp8 (also with --quantize-head), fp8-block and int4 weights (int4 also with --int4-decode tinygemm), batch 1, 16 and 64
 quant_peers       named    QUANT_PEER_MODEL (random:8b) written as a block-FP8 checkpoint: Strata against transformers on it, batch 1 and 16
 prefill_eta       named    strata-tui's prefill ETA at the halfway mark of a fresh 180K prompt, alone and beside 4 decodes
 gpu_suite         named    every @pytest.mark.gpu test, in GPU_WORKERS processes (default 4)
@@ -389,7 +389,7 @@ step dequant_ncu 150 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis
     "$PY" benchmarks/dequant_ncu.py --device "$DEVICE"
 run quant_linear_small 150 linear --device "$DEVICE" --size "${QUANT_SMALL_SIZE:-0.6b}" --rows 1,16,128 --iters 40 \
     --quant fp8,fp8-block,int4,int4-g32,int8,int8-g32
-run quant_decode 240 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16 \
+run quant_decode 330 decode --model "${QUANT_MODEL:-random:8b}" --device "$DEVICE" "${SPEED[@]}" --batches 1,16,64 \
     --weight-formats off,fp8,fp8+head,fp8-block,int4,int4+tinygemm --graph-modes on --prompt-tokens 128 --new-tokens 128
 # transformers on the same FP8 checkpoint, in Qwen's block-FP8 layout (`strata-engine quantize --format fp8-block`,
 # which transformers runs through its own FP8 kernels; its error in the row if it cannot), written once into the
